@@ -1,0 +1,3 @@
+from vlmctl.cli.app import main
+
+main()

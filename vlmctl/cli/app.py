@@ -1,0 +1,93 @@
+"""The root `vlmctl` command: registers every command module and renders errors as one panel."""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from typing import Annotated, Optional
+
+import typer
+
+from vlmctl import __version__
+from vlmctl.cli import _common
+from vlmctl.cli._common import render_error, state
+
+app = typer.Typer(
+    name="vlmctl",
+    help="Build, train and ship vision-language models from one project file (vlmctl.yaml).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"vlmctl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")] = None,
+    debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks (also VLMCTL_DEBUG=1).")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only results and errors.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print more detail.")] = False,
+    config: _common.ConfigOpt = None,
+) -> None:
+    """Build, train and ship vision-language models from one project file (vlmctl.yaml)."""
+    state.config = config
+    state.debug = state.debug or debug
+    state.quiet = quiet
+    state.verbose = verbose
+
+
+def _register() -> None:
+    # Command modules import only typer/rich at module level; heavy work is imported inside the commands.
+    from vlmctl.cli import bench, config, convert, data, demo, evaluate, init, model, push, train
+
+    app.command("init", epilog=init.EXAMPLE)(init.init)
+    app.add_typer(data.app, name="data")
+    app.add_typer(model.app, name="model")
+    app.command("train", epilog=train.EXAMPLE, context_settings={"allow_extra_args": False})(train.train)
+    app.command("convert", epilog=convert.EXAMPLE)(convert.convert)
+    app.command("push", epilog=push.EXAMPLE)(push.push)
+    app.command("eval", epilog=evaluate.EXAMPLE)(evaluate.eval_cmd)
+    app.command("bench", epilog=bench.EXAMPLE)(bench.bench)
+    app.command("demo", epilog=demo.EXAMPLE)(demo.demo)
+    app.add_typer(config.app, name="config")
+
+
+_register()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: run the app; VlmctlError -> red panel + its exit code; other errors -> exit 1."""
+    from vlmctl.errors import VlmctlError
+
+    try:
+        app(args=argv, prog_name="vlmctl", standalone_mode=True)
+    except SystemExit:
+        raise
+    except VlmctlError as exc:
+        if state.debug:
+            traceback.print_exc()
+        render_error(exc.title, exc.message, exc.hint)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        render_error("Interrupted", "stopped by the user", None)
+        sys.exit(130)
+    except Exception as exc:  # noqa: BLE001 - the one place that turns crashes into a readable panel
+        if state.debug:
+            traceback.print_exc()
+        render_error(
+            "Runtime error",
+            f"{type(exc).__name__}: {exc}",
+            "run again with --debug (or VLMCTL_DEBUG=1) for the full traceback",
+        )
+        sys.exit(1)
+
+
+__all__ = ["app", "main", "_common"]

@@ -1,0 +1,236 @@
+"""The project file `vlmctl.yaml`: one pydantic model per section, discovery, overrides and clear errors.
+
+Usage::
+
+    cfg = load_config(path=None, overrides=["train.learning_rate=1e-4"])
+    build_model(cfg.model)            # each module receives only its own section
+
+Raises `vlmctl.errors.ConfigError` (exit code 2) for a missing file, bad YAML, unknown keys (with a
+"did you mean" suggestion), wrong types or ranges (naming the key path and the value).
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field, ValidationError, model_validator
+
+from vlmctl.config.base import Section
+from vlmctl.config.data import DataSection, DataSource
+from vlmctl.config.eval import EvalSection
+from vlmctl.config.hub import HubSection
+from vlmctl.config.model import ModelSection
+from vlmctl.config.project import ProjectSection
+from vlmctl.config.train import LoraSection, TrainSection
+from vlmctl.errors import ConfigError
+
+CONFIG_NAME = "vlmctl.yaml"
+
+__all__ = [
+    "CONFIG_NAME", "VlmctlConfig", "ProjectSection", "DataSection", "DataSource", "ModelSection",
+    "TrainSection", "LoraSection", "EvalSection", "HubSection", "load_config", "find_config",
+    "apply_overrides", "parse_override", "dump_config", "validate_config",
+]
+
+
+class VlmctlConfig(Section):
+    """The whole project file. Each attribute is one section model."""
+
+    project: ProjectSection = Field(default_factory=ProjectSection, description="Project name and output root.")
+    data: DataSection = Field(default_factory=DataSection, description="Data sources and preparation.")
+    model: ModelSection = Field(default_factory=ModelSection, description="Model composition or base VLM.")
+    train: TrainSection = Field(default_factory=TrainSection, description="Training.")
+    eval: EvalSection = Field(default_factory=EvalSection, description="Evaluation.")
+    hub: HubSection = Field(default_factory=HubSection, description="Hub upload and model card.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _all_sections(cls, data: Any) -> Any:
+        # Validate absent sections too, so their defaults see the context (project-relative paths).
+        if isinstance(data, dict):
+            data = {**{name: {} for name in cls.model_fields}, **{k: ({} if v is None else v) for k, v in data.items()}}
+        return data
+
+    # Set by load_config: the project file this was read from (not a key of the file).
+    _path: Path | None = None
+
+    @property
+    def path(self) -> Path | None:
+        """The project file this config was loaded from, or None."""
+        return self._path
+
+    @property
+    def root(self) -> Path:
+        """The project's directory (where relative paths in the file point)."""
+        return self._path.parent if self._path is not None else Path.cwd()
+
+
+def find_config(start: Path | None = None) -> Path | None:
+    """Return `vlmctl.yaml` in `start` (default: cwd) or the nearest parent that has one, like git finds `.git`."""
+    here = (start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        candidate = folder / CONFIG_NAME
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Split `section.key=value` into a key path and a YAML-parsed value.
+
+    Raises ConfigError when there is no `=` or no section.
+    """
+    import yaml
+
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or "." not in key or not all(key.split(".")):
+        raise ConfigError(
+            f"override {text!r} is not of the form section.key=value",
+            hint="write overrides like train.learning_rate=1e-4 or data.sources.0.path=more.json",
+        )
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({exc})") from exc
+    return key.split("."), value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of `raw` with each `section.key=value` override set (list items by index: `a.0.b=1`)."""
+    import copy
+
+    out = copy.deepcopy(raw)
+    for text in overrides:
+        keys, value = parse_override(text)
+        node: Any = out
+        for i, key in enumerate(keys[:-1]):
+            nxt = keys[i + 1]
+            if isinstance(node, list):
+                node = _list_item(node, key, text)
+                continue
+            if node.get(key) is None:
+                node[key] = [] if nxt.isdigit() else {}
+            node = node[key]
+            if not isinstance(node, (dict, list)):
+                raise ConfigError(f"override {text!r}: {'.'.join(keys[: i + 1])} is a value, not a section")
+        last = keys[-1]
+        if isinstance(node, list):
+            idx = int(last) if last.isdigit() else -1
+            if not 0 <= idx <= len(node):
+                raise ConfigError(f"override {text!r}: list index {last} is out of range")
+            node[idx:idx + 1] = [value]
+        else:
+            node[last] = value
+    return out
+
+
+def _list_item(node: list, key: str, text: str) -> Any:
+    if not key.isdigit() or int(key) >= len(node):
+        raise ConfigError(f"override {text!r}: {key!r} is not a valid list index (the list has {len(node)} items)")
+    return node[int(key)]
+
+
+def load_config(path: Path | str | None = None, overrides: list[str] | None = None) -> VlmctlConfig:
+    """Read, override and validate the project file.
+
+    `path` None means discovery from the current directory upwards. Paths in the file are resolved relative to
+    the file's directory.
+    """
+    import yaml
+
+    if path is None:
+        found = find_config()
+        if found is None:
+            raise ConfigError(
+                f"no {CONFIG_NAME} in {Path.cwd()} or any parent folder",
+                hint="create a project with `vlmctl init DIR --template tiny`, or pass -c path/to/vlmctl.yaml",
+            )
+        path = found
+    path = Path(path).expanduser()
+    if path.is_dir():
+        path = path / CONFIG_NAME
+    if not path.is_file():
+        raise ConfigError(f"project file {path} does not exist", hint="check the -c/--config path, or run `vlmctl init`")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}", hint="fix the YAML syntax at the line shown") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must be a mapping of sections (project, data, model, train, eval, hub)")
+    raw = apply_overrides(raw, overrides or [])
+    cfg = validate_config(raw, base_dir=path.resolve().parent, source=str(path))
+    cfg._path = path.resolve()
+    return cfg
+
+
+def validate_config(raw: dict[str, Any], base_dir: Path | None = None, source: str = "config") -> VlmctlConfig:
+    """Validate a raw mapping; raise ConfigError naming every bad key path with its value or a suggestion."""
+    try:
+        return VlmctlConfig.model_validate(raw, context={"base_dir": base_dir})
+    except ValidationError as exc:
+        lines = [_describe(err, raw) for err in exc.errors()]
+        raise ConfigError(
+            f"{source} is invalid:\n" + "\n".join(f"  - {line}" for line in lines),
+            hint="fix the keys above (see `vlmctl config show` for all keys and docs/config.md for their meaning)",
+        ) from None
+
+
+def _dotted(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _describe(err: dict, raw: dict) -> str:
+    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-after", "literal["))))
+    key = _dotted(loc)
+    if err["type"] == "extra_forbidden":
+        valid = _fields_at(loc[:-1])
+        close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.6)
+        parent = _dotted(loc[:-1])
+        prefix = f"{parent}." if parent else ""
+        msg = f"unknown key {key}"
+        if close:
+            return msg + f": did you mean {prefix}{close[0]}?"
+        return msg + (f" (valid keys: {', '.join(valid)})" if valid else "")
+    if err["type"] == "missing":
+        return f"{key}: required key is missing"
+    value = err.get("input")
+    msg = err["msg"].removeprefix("Value error, ")
+    if isinstance(value, (dict, list)) or not key:
+        return f"{key}: {msg}" if key else msg
+    return f"{key} = {value!r}: {msg}"
+
+
+def _fields_at(loc: tuple) -> list[str]:
+    """Names of the valid keys of the model reached by following `loc` from the root."""
+    import typing
+
+    model: Any = VlmctlConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        ann = field.annotation
+        model = None
+        for candidate in (ann, *typing.get_args(ann), *(a for x in typing.get_args(ann) for a in typing.get_args(x))):
+            if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+                model = candidate
+                break
+        if model is None:
+            return []
+    return list(getattr(model, "model_fields", {}))
+
+
+def dump_config(cfg: VlmctlConfig) -> str:
+    """The resolved config as YAML (defaults filled, overrides applied, paths absolute)."""
+    import yaml
+
+    data = cfg.model_dump(mode="json")
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)

@@ -1,0 +1,45 @@
+"""`data` section: where the raw sources are and how `data prepare` turns them into shards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, ValidationInfo, model_validator
+
+from vlmctl.config.base import ProjectPath, Section
+
+DataFormat = Literal["auto", "llava", "sharegpt", "messages", "parquet", "webdataset", "hf"]
+
+
+class DataSource(Section):
+    path: str = Field(..., description="File, folder or glob of the source (relative to the project file); a dataset id for format `hf`.")
+    format: DataFormat = Field("auto", description="Input format: auto|llava|sharegpt|messages|parquet|webdataset|hf.")
+    name: str | None = Field(None, description="Short name for reports; defaults to the file name.")
+    image_root: ProjectPath | None = Field(None, description="Folder that relative image paths are resolved against (default: the source file's folder).")
+    weight: float = Field(1.0, gt=0, description="Relative sampling weight of this source during training.")
+    columns: dict[str, str] | None = Field(None, description="Column mapping for `parquet`/`hf` sources, e.g. {images: image, texts: qa}.")
+    split: str = Field("train", description="Split to read for `hf` sources.")
+    max_samples: int | None = Field(None, gt=0, description="Read at most this many samples from the source.")
+
+    @model_validator(mode="after")
+    def _resolve(self, info: ValidationInfo) -> "DataSource":
+        # Hub dataset ids stay as they are; everything else is a local path or glob.
+        base = (info.context or {}).get("base_dir")
+        if self.format != "hf" and base is not None:
+            p = Path(self.path).expanduser()
+            if not p.is_absolute():
+                # object.__setattr__ avoids re-running validation on assignment.
+                object.__setattr__(self, "path", str(Path(base) / p))
+        return self
+
+
+class DataSection(Section):
+    sources: list[DataSource] = Field(default_factory=list, description="Raw data sources to read (see docs/formats.md).")
+    prepared_dir: ProjectPath = Field(Path("data/prepared"), description="Where `data prepare` writes train/val Parquet shards and manifest.json.")
+    val_ratio: float = Field(0.05, ge=0, lt=1, description="Fraction of samples held out for validation (split by a hash of the sample).")
+    max_length: int = Field(4096, gt=0, description="Maximum tokens per sample (text + visual tokens); longer samples are dropped as too_long.")
+    min_image_side: int = Field(28, gt=0, description="Images whose shorter side is below this many pixels are rejected as image_too_small.")
+    shard_size_mb: int = Field(256, gt=0, description="Target size of one Parquet shard in MB.")
+    num_proc: int | None = Field(None, gt=0, description="Worker processes for `data prepare` (default: all cores).")
+    dedup: bool = Field(True, description="Drop samples whose normalized text and image bytes repeat an earlier sample.")

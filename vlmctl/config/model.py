@@ -1,0 +1,34 @@
+"""`model` section: compose a vision encoder + LLM, or fine-tune an existing VLM (`base`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from vlmctl.config.base import ModelRef, ProjectPath, Section
+
+
+class ModelSection(Section):
+    vision: ModelRef | None = Field(None, description="Vision encoder: Hub id, local path, or a size preset name with init: random (compose mode).")
+    llm: ModelRef | None = Field(None, description="Causal language model: Hub id, local path, or a size preset name with init: random (compose mode).")
+    projector: Literal["mlp2x_gelu", "linear"] = Field("mlp2x_gelu", description="Projector from visual features to the LLM's embedding space (compose mode).")
+    base: ModelRef | None = Field(None, description="Existing VLM to fine-tune: Hub id, local path, or a preset name with init: random.")
+    preset: str | None = Field(None, description="Whole-model size preset for init: random (e.g. tiny, qwen2.5-vl-3b); see `vlmctl model build --help`.")
+    init: Literal["pretrained", "random"] = Field("pretrained", description="pretrained: load weights; random: build from configs only (no downloads).")
+    family: str | None = Field(None, description="Model family override (llava, qwen2_vl, qwen2_5_vl, qwen3_vl, idefics3); detected when unset.")
+    output_dir: ProjectPath = Field(Path("outputs/model"), description="Where `model build` writes the Hugging Face checkpoint.")
+    tokenizer: ModelRef | None = Field(None, description="Tokenizer to use instead of the LLM's (path or Hub id); random-init presets train one on the data when unset.")
+    chat_template: str | None = Field(None, description="Jinja chat template (inline text or a path to a .jinja file); default: the LLM's own.")
+    vision_feature_layer: int = Field(-2, description="Hidden layer of the vision encoder whose features feed the projector (LLaVA-1.5 uses -2).")
+    vision_feature_select_strategy: Literal["auto", "default", "full"] = Field("auto", description="default drops the CLS token, full keeps all patches; auto = full for encoders without CLS (SigLIP).")
+    image_size: int | None = Field(None, gt=0, description="Input resolution of the vision encoder in pixels (default: the encoder's own).")
+    dtype: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="Dtype of the saved weights.")
+    trust_remote_code: bool = Field(False, description="Allow custom modelling code from the Hub (off unless you trust the repository).")
+
+    @model_validator(mode="after")
+    def _one_mode(self) -> "ModelSection":
+        if self.base is not None and (self.vision is not None or self.llm is not None):
+            raise ValueError("set either model.base (fine-tune an existing VLM) or model.vision + model.llm (compose), not both")
+        return self

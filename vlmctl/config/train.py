@@ -1,0 +1,63 @@
+"""`train` section: stage, strategy, launcher, optimization, packing, LoRA, checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from vlmctl.config.base import ProjectPath, Section
+
+
+class LoraSection(Section):
+    r: int = Field(16, gt=0, description="LoRA rank.")
+    alpha: int = Field(32, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
+    target_modules: list[str] | Literal["auto"] = Field("auto", description="Module name patterns to adapt; auto = the language model's linear layers.")
+    quantize: Literal["none", "4bit", "8bit"] = Field("none", description="QLoRA: load the frozen base in 4-bit (nf4) or 8-bit (bitsandbytes, GPU only).")
+    keep_adapter: bool = Field(False, description="Keep the final export as a peft adapter instead of merging it.")
+
+
+class TrainSection(Section):
+    stage: Literal["align", "finetune", "full"] = Field("finetune", description="align: projector only; finetune: projector + LLM; full: everything.")
+    freeze: list[Literal["vision", "projector", "llm"]] | None = Field(None, description="Parts to freeze, overriding the stage's default.")
+    strategy: Literal["ddp", "fsdp", "zero2", "zero3"] = Field("ddp", description="Data-parallel strategy: ddp, fsdp (FSDP2), zero2, zero3 (DeepSpeed).")
+    launcher: Literal["torchrun", "accelerate", "slurm", "none"] = Field("torchrun", description="How processes are spawned; none runs in this process.")
+    nproc_per_node: int | Literal["auto"] = Field("auto", description="Processes per node; auto = visible GPUs, else 1.")
+    nnodes: int = Field(1, gt=0, description="Number of nodes.")
+    node_rank: int = Field(0, ge=0, description="Rank of this node (multi-node torchrun/accelerate).")
+    master_addr: str = Field("127.0.0.1", description="Rendezvous host (multi-node).")
+    master_port: int = Field(29500, gt=0, lt=65536, description="Rendezvous port.")
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = Field("auto", description="Compute precision; auto = bf16 on GPUs that support it, fp32 on CPU.")
+    micro_batch_size: int = Field(1, gt=0, description="Samples per device per forward pass (without packing).")
+    gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches accumulated per optimizer step.")
+    learning_rate: float = Field(2e-5, gt=0, description="Peak learning rate.")
+    vision_lr: float | None = Field(None, gt=0, description="Learning rate of the vision tower when it is trained (default: learning_rate).")
+    projector_lr: float | None = Field(None, gt=0, description="Learning rate of the projector (default: learning_rate).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    lr_scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="LR schedule after warmup (transformers.get_scheduler).")
+    warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Fraction of steps used for linear warmup.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping norm (0 disables).")
+    max_steps: int | None = Field(None, gt=0, description="Optimizer steps to run; overrides num_epochs when set.")
+    num_epochs: float = Field(1.0, gt=0, description="Passes over the training data (when max_steps is unset).")
+    max_bad_steps: int = Field(10, ge=0, description="Steps with NaN/inf loss that are skipped before the run aborts.")
+    packing: bool = Field(True, description="Pack samples into token-budget batches with per-sample attention (no padding).")
+    tokens_per_batch: int = Field(8192, gt=0, description="Token budget of one packed micro-batch per device.")
+    group_by_length: bool = Field(True, description="Batch samples of similar length together (without packing).")
+    attn_implementation: Literal["auto", "varlen", "flash_attn", "sdpa", "flex", "eager"] = Field("auto", description="Attention backend; auto picks varlen on CUDA and sdpa/flex on CPU.")
+    liger: Literal["auto", "on", "off"] = Field("auto", description="liger-kernel fused cross-entropy and norms (CUDA only); auto = when installed.")
+    compile: bool = Field(False, description="torch.compile each decoder layer.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations per layer in the backward pass to save memory.")
+    lora: LoraSection | None = Field(None, description="LoRA/QLoRA adapters through peft; unset trains full weights.")
+    deepspeed_config: ProjectPath | None = Field(None, description="A DeepSpeed JSON config to use instead of the generated one (\"auto\" values are filled in).")
+    num_workers: int = Field(2, ge=0, description="DataLoader worker processes per rank.")
+    save_steps: int = Field(500, gt=0, description="Save a checkpoint every this many optimizer steps.")
+    save_total_limit: int | None = Field(3, gt=0, description="Keep at most this many checkpoints (oldest pruned).")
+    logging_steps: int = Field(10, gt=0, description="Log metrics every this many steps.")
+    report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list, description="Experiment trackers to log to.")
+    resume: str | None = Field(None, description="auto = continue from the last complete checkpoint; or a checkpoint path.")
+    run_name: str | None = Field(None, description="Run folder name under output_dir (default: <project>-<stage>-<timestamp>).")
+    output_dir: ProjectPath = Field(Path("outputs/runs"), description="Where run folders (config, checkpoints, metrics, final export) go.")
+    seed: int = Field(0, ge=0, description="Training seed (initialization, data order, dropout).")

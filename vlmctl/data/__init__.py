@@ -1,0 +1,1 @@
+"""Data: readers for every input format, reason-coded checks, preparation into Parquet shards."""

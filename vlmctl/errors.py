@@ -1,0 +1,50 @@
+"""Typed errors that the CLI renders as one panel with a hint.
+
+Library code raises these for bad input; the CLI maps them to exit codes (2: usage/config, 1: runtime).
+"""
+
+from __future__ import annotations
+
+
+class VlmctlError(Exception):
+    """A failure the user can act on. `hint` says how to fix it; `exit_code` is what the CLI returns."""
+
+    exit_code = 1
+    title = "Error"
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+
+class ConfigError(VlmctlError):
+    """The project file or an override is invalid (exit code 2)."""
+
+    exit_code = 2
+    title = "Config error"
+
+
+class UsageError(VlmctlError):
+    """The command line is invalid (exit code 2)."""
+
+    exit_code = 2
+    title = "Usage error"
+
+
+class DataError(VlmctlError):
+    """Input data cannot be read (exit code 1)."""
+
+    title = "Data error"
+
+
+class ModelError(VlmctlError):
+    """A model cannot be built or loaded (exit code 1)."""
+
+    title = "Model error"
+
+
+class NotImplementedYet(VlmctlError):
+    """A command exists but its capability has not landed yet."""
+
+    title = "Not implemented yet"
