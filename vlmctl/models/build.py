@@ -1,0 +1,873 @@
+"""`model build`: turn the `model` section into a standard Hugging Face VLM folder.
+
+Three modes, picked from the section:
+
+- **compose** (`vision` + `llm`): a vision encoder and a causal LM joined by a projector into the standard
+  `LlavaForConditionalGeneration` layout (LLaVA-1.5, Liu et al. 2023, https://arxiv.org/abs/2310.03744) with a
+  `LlavaProcessor` (the encoder's image processor, the LLM's tokenizer with `<image>` added, a chat template).
+  Loads with plain `AutoModelForImageTextToText` / `AutoProcessor`.
+- **preset** (`preset` with `init: random`): a whole model built from a size preset under `presets/` (YAML data):
+  weights initialized from configs, tokenizer trained on the prepared data (`vlmctl.models.tokenizer`). No download.
+- **base** (`base`): an existing VLM of a family in `vlmctl.models.families.FAMILIES`. The build loads it once to
+  verify it, records its family and parameter counts, and writes only `vlmctl_model.json` pointing at it (weights
+  are neither copied nor linked); `load_model(output_dir)` follows the pointer.
+
+Everything that can be checked without weights (ids, configs, tokenizer, chat template, vision/LLM compatibility) is
+checked before any weights load. Output is written to a temporary sibling folder and renamed into place.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from vlmctl.config.model import ModelSection
+from vlmctl.errors import ConfigError, ModelError
+from vlmctl.models.families import CLS_VISION_TYPES, FAMILIES, Family, count_parameters, get_family
+from vlmctl.models.tokenizer import chatml_template, texts_from_prepared, train_tokenizer
+
+PRESET_DIR = Path(__file__).parent / "presets"
+INFO_FILE = "vlmctl_model.json"
+INFO_VERSION = 1
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+# Vision encoders that LLaVA cannot drive: they need inputs LlavaModel does not pass (NaFlex patch masks).
+UNSUPPORTED_VISION = {
+    "siglip2_vision_model": "SigLIP2 NaFlex encoders need pixel_attention_mask/spatial_shapes, which LLaVA does not pass; "
+    "use a fixed-resolution SigLIP2 checkpoint (model_type siglip) or a SigLIP/CLIP encoder",
+}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Presets (YAML data)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def list_presets() -> dict[str, str]:
+    """{preset name: description} of the shipped presets."""
+    return {p.stem: load_preset(p.stem).get("description", "") for p in sorted(PRESET_DIR.glob("*.yaml"))}
+
+
+@lru_cache(maxsize=None)
+def _read_preset(name: str) -> str:
+    return (PRESET_DIR / f"{name}.yaml").read_text()
+
+
+def load_preset(name: str) -> dict[str, Any]:
+    """The preset `name` as a dict (a fresh copy). Keys: description, family, vision, llm, config, processor,
+    projector, vision_feature_layer, tokenizer. Raises ConfigError for an unknown name."""
+    import yaml
+
+    if not (PRESET_DIR / f"{name}.yaml").is_file():
+        raise ConfigError(
+            f"unknown model preset {name!r}",
+            hint=f"presets: {', '.join(p.stem for p in sorted(PRESET_DIR.glob('*.yaml')))}",
+        )
+    return yaml.safe_load(_read_preset(name))
+
+
+def is_preset(ref: str | None) -> bool:
+    return bool(ref) and "/" not in ref and (PRESET_DIR / f"{ref}.yaml").is_file()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Projectors
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProjectorSpec:
+    """How a projector choice maps onto a model layout.
+
+    `family` is the layout that carries it; `config` are the family config keys that select it; `init` adjusts the
+    freshly initialized projector module. A connector that changes the number of visual tokens (pixel shuffle,
+    perceiver resampler) adds an entry here with its own layout and sets `token_divisor`.
+    """
+
+    name: str
+    family: str
+    config: dict[str, Any]
+    init: Callable[[Any], None] | None = None
+    token_divisor: int = 1
+
+
+def _init_linear(projector) -> None:
+    # `linear` = LLaVA's two layers with an identity activation; linear_2 starts as the identity so the projector is
+    # exactly one linear map at initialization (LLaVA-1.0's projector, Liu et al. 2023).
+    import torch
+
+    with torch.no_grad():
+        projector.linear_2.weight.copy_(torch.eye(projector.linear_2.weight.shape[0], dtype=projector.linear_2.weight.dtype))
+        if projector.linear_2.bias is not None:
+            projector.linear_2.bias.zero_()
+
+
+PROJECTORS: dict[str, ProjectorSpec] = {
+    "mlp2x_gelu": ProjectorSpec("mlp2x_gelu", "llava", {"projector_hidden_act": "gelu", "multimodal_projector_bias": True}),
+    "linear": ProjectorSpec("linear", "llava", {"projector_hidden_act": "linear", "multimodal_projector_bias": True}, init=_init_linear),
+}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Plan: everything resolved without weights
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BuildPlan:
+    """What will be built, resolved from the section without loading weights."""
+
+    mode: str  # "compose" | "preset" | "base"
+    family: Family
+    init: str
+    section: ModelSection
+    preset: str | None = None
+    vision_ref: str | None = None
+    llm_ref: str | None = None
+    base_ref: str | None = None
+    vision_config: Any = None  # compose: the vision encoder's config
+    text_config: Any = None  # compose: the LLM's config
+    vlm_config: dict[str, Any] | None = None  # preset of a whole family: the family config as a dict
+    projector: ProjectorSpec | None = None
+    feature_layer: int = -2
+    feature_strategy: str = "full"
+    tokenizer: Any = None  # a loaded tokenizer, or None: train one
+    tokenizer_vocab_size: int = 512
+    chat_template: str | None = None
+    image_processor: Any = None
+    processor_kwargs: dict[str, Any] = field(default_factory=dict)
+    image_size: int | None = None
+    trust_remote_code: bool = False
+    base_config: Any = None
+
+
+def plan_build(model: ModelSection) -> BuildPlan:
+    """Resolve the section into a `BuildPlan`: configs, tokenizer, chat template, compatibility checks.
+
+    Downloads nothing but configs/tokenizers of Hub ids (none offline or for presets); loads no weights.
+    Raises ConfigError for an incomplete or contradictory section, ModelError for ids that cannot be resolved or
+    combinations that cannot work.
+    """
+    trc = model.trust_remote_code
+    preset_name = model.preset
+    if preset_name is None and model.init == "random" and is_preset(model.base):
+        preset_name = model.base
+    if preset_name is not None:
+        if model.init != "random":
+            raise ConfigError(
+                f"model.preset={preset_name!r} builds a model from configs only and needs model.init: random",
+                hint="set model.init=random, or use model.base / model.vision + model.llm for pretrained weights",
+            )
+        if model.vision or model.llm:
+            raise ConfigError("set model.preset or model.vision + model.llm, not both", hint="remove one of them")
+        return _plan_preset(model, preset_name)
+    if model.base is not None:
+        return _plan_base(model)
+    if model.vision is None or model.llm is None:
+        missing = "model.llm" if model.vision else "model.vision" if model.llm else "model.vision and model.llm"
+        raise ConfigError(
+            f"{missing} not set: nothing to build",
+            hint="compose a VLM with model.vision + model.llm, fine-tune one with model.base, or use "
+            "model.preset=tiny with model.init=random",
+        )
+    plan = BuildPlan(mode="compose", family=FAMILIES["llava"], init=model.init, section=model, trust_remote_code=trc,
+                     vision_ref=model.vision, llm_ref=model.llm)
+    plan.vision_config = _vision_config(model.vision, model.init, trc)
+    plan.text_config = _llm_config(model.llm, model.init, trc)
+    plan.projector = PROJECTORS[model.projector]
+    plan.feature_layer = model.vision_feature_layer
+    if is_preset(model.vision) and "vision_feature_layer" not in model.model_fields_set:
+        plan.feature_layer = load_preset(model.vision).get("vision_feature_layer", plan.feature_layer)
+    _check_feature_layer(plan)
+    plan.feature_strategy = _feature_strategy(model.vision_feature_select_strategy, plan.vision_config)
+    plan.image_size = _image_size(model, plan.vision_config, pretrained=model.init == "pretrained")
+    # Tokenizer and chat template: checked before any weights load.
+    tok_ref = model.tokenizer or (None if is_preset(model.llm) else model.llm)
+    if tok_ref is not None:
+        plan.tokenizer = _load_tokenizer(tok_ref, plan.family, trc)
+    plan.chat_template = _chat_template(model, plan.tokenizer, plan.family)
+    plan.image_processor = _image_processor(model.vision, plan.vision_config, plan.image_size, trc)
+    return plan
+
+
+def _plan_preset(model: ModelSection, name: str) -> BuildPlan:
+    data = load_preset(name)
+    if "family" not in data:
+        raise ConfigError(
+            f"preset {name!r} is only a {'vision encoder' if 'vision' in data else 'language model'}",
+            hint=f"use it as model.{'vision' if 'vision' in data else 'llm'}={name} (with model.init=random), "
+            "or pick a whole-model preset such as tiny or qwen2.5-vl-3b",
+        )
+    family = get_family(data["family"])
+    plan = BuildPlan(mode="preset", family=family, init="random", section=model, preset=name)
+    plan.tokenizer_vocab_size = int((data.get("tokenizer") or {}).get("vocab_size", 512))
+    if model.tokenizer is not None:
+        ref = model.tokenizer
+        plan.tokenizer = _load_tokenizer(ref, family, model.trust_remote_code)
+    if family.name == "llava":
+        plan.vision_config = _config_from_dict(data["vision"])
+        plan.text_config = data["llm"]  # made a config once the tokenizer size is known (vocab_size: auto)
+        plan.projector = PROJECTORS[model.projector if "projector" in model.model_fields_set else data.get("projector", "mlp2x_gelu")]
+        plan.feature_layer = model.vision_feature_layer if "vision_feature_layer" in model.model_fields_set else data.get("vision_feature_layer", -2)
+        _check_feature_layer(plan)
+        plan.feature_strategy = _feature_strategy(model.vision_feature_select_strategy, plan.vision_config)
+        plan.image_size = _image_size(model, plan.vision_config, pretrained=False)
+        plan.image_processor = _image_processor(None, plan.vision_config, plan.image_size, False)
+    else:
+        plan.vlm_config = data["config"]
+        plan.processor_kwargs = dict(data.get("processor") or {})
+        if model.image_size is not None:
+            _apply_image_size(family, plan.processor_kwargs, model.image_size)
+        plan.image_size = model.image_size
+    plan.chat_template = _chat_template(model, plan.tokenizer, family)
+    return plan
+
+
+def _plan_base(model: ModelSection) -> BuildPlan:
+    ref = model.base
+    cfg = _load("model", ref, lambda: _auto("AutoConfig").from_pretrained(ref, trust_remote_code=model.trust_remote_code))
+    from vlmctl.models.families import detect_family
+
+    family = get_family(model.family) if model.family else get_family(detect_family(cfg))
+    if cfg.model_type not in family.model_types:
+        raise ConfigError(
+            f"model.family={model.family!r} but {ref} is a {cfg.model_type!r} model",
+            hint=f"remove model.family (detected: {cfg.model_type}) or point model.base at a {model.family} checkpoint",
+        )
+    if model.vision_feature_select_strategy != "auto" or "vision_feature_layer" in model.model_fields_set:
+        raise ConfigError(
+            "model.vision_feature_layer / vision_feature_select_strategy apply to composed models, not to model.base",
+            hint="remove them; an existing VLM keeps the settings it was trained with",
+        )
+    return BuildPlan(mode="base", family=family, init="pretrained", section=model, base_ref=ref, base_config=cfg,
+                     trust_remote_code=model.trust_remote_code, image_size=model.image_size)
+
+
+def _load_tokenizer(ref: str, family: Family, trc: bool):
+    # `extra_special_tokens` adds the image token when missing and exposes it as `tokenizer.image_token`, which is
+    # what the processors read; it is saved with the tokenizer.
+    return _load("tokenizer", ref, lambda: _auto("AutoTokenizer").from_pretrained(
+        ref, trust_remote_code=trc, extra_special_tokens={"image_token": family.image_token}))
+
+
+def _auto(name: str):
+    import transformers
+
+    return getattr(transformers, name)
+
+
+def _load(what: str, ref: str, fn: Callable[[], Any]) -> Any:
+    """Run a from_pretrained call; turn Hub/offline/missing-folder failures into a ModelError with a hint."""
+    try:
+        return fn()
+    except ModelError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - transformers raises OSError/ValueError/hub errors for the same causes
+        raise _load_error(what, ref, exc) from exc
+
+
+def _load_error(what: str, ref: str, exc: Exception) -> ModelError:
+    looks_local = ref.startswith((".", "/", "~")) or os.sep in ref and Path(ref).exists()
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false") or "offline" in str(exc).lower() or \
+        "connect" in str(exc).lower() or "resolve" in str(exc).lower()
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if looks_local and not Path(ref).expanduser().exists():
+        return ModelError(f"cannot load {what} {ref!r}: the folder does not exist", hint="check the path in vlmctl.yaml (relative paths are relative to the project file)")
+    if looks_local:
+        return ModelError(f"cannot load {what} from {ref}: {first}", hint="the folder must hold a Hugging Face checkpoint (config.json, weights, tokenizer files)")
+    if offline:
+        return ModelError(
+            f"cannot load {what} {ref!r}: the Hugging Face Hub is unreachable (offline) and it is not in the local cache",
+            hint=f"set the key to a local folder, or pre-download it where there is internet (`hf download {ref}`) and "
+            "copy the cache (HF_HOME) here; with init: random, use a preset name instead",
+        )
+    return ModelError(f"cannot load {what} {ref!r}: {first}", hint="check the id on huggingface.co (gated repos need `hf auth login`)")
+
+
+def _config_from_dict(data: dict[str, Any]):
+    from transformers import AutoConfig
+
+    data = dict(data)
+    return AutoConfig.for_model(data.pop("model_type"), **data)
+
+
+def _vision_config(ref: str, init: str, trc: bool):
+    if is_preset(ref):
+        data = load_preset(ref)
+        if "vision" not in data:
+            raise ConfigError(f"preset {ref!r} is not a vision encoder", hint=f"vision presets: {', '.join(n for n in list_presets() if 'vision' in load_preset(n))}")
+        if init != "random":
+            raise ConfigError(f"model.vision={ref!r} is a size preset: it needs model.init=random", hint="or set model.vision to a Hub id / local folder")
+        cfg = _config_from_dict(data["vision"])
+    else:
+        cfg = _load("vision encoder", ref, lambda: _auto("AutoConfig").from_pretrained(ref, trust_remote_code=trc))
+    if getattr(cfg, "vision_config", None) is not None and getattr(cfg, "text_config", None) is not None and cfg.model_type in ("clip", "siglip", "siglip2", "chinese_clip", "metaclip_2"):
+        cfg = cfg.vision_config  # a dual encoder (CLIP/SigLIP): keep its vision half
+    elif getattr(cfg, "vision_config", None) is not None:
+        raise ModelError(
+            f"model.vision={ref!r} is a {cfg.model_type!r} model, not a vision encoder",
+            hint="set model.vision to a vision encoder (SigLIP, CLIP, ...); to fine-tune this VLM use model.base",
+        )
+    if cfg.model_type in UNSUPPORTED_VISION:
+        raise ModelError(f"model.vision={ref!r}: {UNSUPPORTED_VISION[cfg.model_type]}", hint="choose another vision encoder")
+    if not hasattr(cfg, "hidden_size") or not hasattr(cfg, "patch_size"):
+        raise ModelError(f"model.vision={ref!r} ({cfg.model_type}) is not a ViT-style vision encoder (no hidden_size/patch_size)",
+                         hint="LLaVA composition supports ViT encoders such as SigLIP and CLIP")
+    if hasattr(cfg, "vision_use_head"):
+        cfg.vision_use_head = False  # SigLIP's attention-pooling head is unused by LLaVA: do not carry its weights
+    return cfg
+
+
+def _llm_config(ref: str, init: str, trc: bool):
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if is_preset(ref):
+        data = load_preset(ref)
+        if "llm" not in data:
+            raise ConfigError(f"preset {ref!r} is not a language model", hint=f"LLM presets: {', '.join(n for n in list_presets() if 'llm' in load_preset(n))}")
+        if init != "random":
+            raise ConfigError(f"model.llm={ref!r} is a size preset: it needs model.init=random", hint="or set model.llm to a Hub id / local folder")
+        return data["llm"]  # made into a config once the tokenizer is known (vocab_size may be `auto`)
+    cfg = _load("language model", ref, lambda: _auto("AutoConfig").from_pretrained(ref, trust_remote_code=trc))
+    if getattr(cfg, "vision_config", None) is not None:
+        raise ModelError(f"model.llm={ref!r} is a vision-language model ({cfg.model_type})",
+                         hint="to fine-tune an existing VLM set model.base instead of model.vision + model.llm")
+    if cfg.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not trc:
+        raise ModelError(f"model.llm={ref!r} ({cfg.model_type}) is not a causal language model transformers knows",
+                         hint="use a decoder-only LLM (Qwen2/2.5/3, Llama, Mistral, Gemma, SmolLM, ...)")
+    return cfg
+
+
+def _check_feature_layer(plan: BuildPlan) -> None:
+    n = plan.vision_config.num_hidden_layers
+    if not -n <= plan.feature_layer <= n:
+        raise ConfigError(
+            f"model.vision_feature_layer={plan.feature_layer} is outside the vision encoder's {n} layers",
+            hint=f"use -1 (last layer), -2 (LLaVA-1.5's choice) or any index in [-{n}, {n}]",
+        )
+
+
+def has_cls_token(vision_config) -> bool:
+    """True when the encoder's output starts with a CLS token (CLIP, ViT), False for SigLIP-style encoders.
+
+    Decided by instantiating the embeddings on the meta device (no memory): `num_positions > num_patches` means an
+    extra CLS position; falls back to `CLS_VISION_TYPES` by model type.
+    """
+    import torch
+    from transformers import AutoModel
+
+    try:
+        with torch.device("meta"):
+            emb = AutoModel.from_config(vision_config).embeddings
+        return int(emb.num_positions) > int(emb.num_patches)
+    except Exception:  # noqa: BLE001 - encoders without these attributes
+        return vision_config.model_type in CLS_VISION_TYPES
+
+
+def _feature_strategy(value: str, vision_config) -> str:
+    cls = has_cls_token(vision_config)
+    if value == "auto":
+        return "default" if cls else "full"
+    if value == "default" and not cls:
+        raise ConfigError(
+            f"model.vision_feature_select_strategy=default drops a CLS token, but {vision_config.model_type} has none",
+            hint="use auto or full (SigLIP-style encoders output patch tokens only)",
+        )
+    return value
+
+
+def _image_size(model: ModelSection, vision_config, *, pretrained: bool) -> int:
+    native = int(vision_config.image_size)
+    if model.image_size is None or model.image_size == native:
+        return native
+    if model.image_size % vision_config.patch_size:
+        raise ConfigError(f"model.image_size={model.image_size} is not a multiple of the patch size {vision_config.patch_size}",
+                          hint=f"use a multiple of {vision_config.patch_size}")
+    if pretrained:
+        raise ConfigError(
+            f"model.image_size={model.image_size} differs from the encoder's native {native} px",
+            hint="LLaVA does not interpolate position embeddings; remove model.image_size or pick an encoder trained at that size",
+        )
+    vision_config.image_size = model.image_size
+    return model.image_size
+
+
+def _apply_image_size(family: Family, kwargs: dict[str, Any], size: int) -> None:
+    if family.name.startswith("qwen"):
+        kwargs["max_pixels"] = size * size
+        kwargs["min_pixels"] = min(kwargs.get("min_pixels", 3136), size * size)
+    elif family.name == "idefics3":
+        kwargs["size"] = {"longest_edge": size}
+
+
+def _chat_template(model: ModelSection, tokenizer, family: Family) -> str | None:
+    text = model.chat_template
+    if text is not None:
+        p = Path(text).expanduser()
+        if "{" not in text and p.suffix in (".jinja", ".j2", ".txt") or ("{" not in text and p.is_file()):
+            if not p.is_file():
+                raise ConfigError(f"model.chat_template file {p} does not exist", hint="give a .jinja file path or the template text")
+            text = p.read_text()
+        return text
+    if tokenizer is None:
+        return chatml_template(family.image_prompt)  # the tokenizer will be trained with ChatML tokens
+    if getattr(tokenizer, "chat_template", None):
+        return None  # keep the LLM's own
+    raise ModelError(
+        f"the tokenizer of {model.tokenizer or model.llm or model.base} has no chat template",
+        hint="set model.chat_template (a .jinja file or inline text), or use the LLM's instruct/chat variant",
+    )
+
+
+def _image_processor(ref: str | None, vision_config, image_size: int, trc: bool):
+    """The encoder's own image processor (when it has one) at `image_size`, else one built for its model type."""
+    proc = None
+    if ref is not None and not is_preset(ref):
+        try:
+            from transformers import AutoImageProcessor
+
+            proc = AutoImageProcessor.from_pretrained(ref, trust_remote_code=trc)
+        except Exception:  # noqa: BLE001 - a config-only folder: build one below
+            proc = None
+    if proc is None:
+        from transformers import CLIPImageProcessor, SiglipImageProcessor
+
+        if vision_config.model_type in CLS_VISION_TYPES:
+            proc = CLIPImageProcessor(size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size})
+        else:
+            proc = SiglipImageProcessor(size={"height": image_size, "width": image_size})
+    return proc
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Build
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BuildResult:
+    """What `build_model` wrote. `parameters`: counts per part ("vision", "projector", "llm", "total")."""
+
+    output_dir: Path
+    family: str
+    mode: str
+    parameters: dict[str, int]
+    visual_tokens_per_image: int | None
+    image_size: int | None
+    seconds: float
+    info: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"output_dir": str(self.output_dir), "family": self.family, "mode": self.mode, "parameters": self.parameters,
+                "visual_tokens_per_image": self.visual_tokens_per_image, "image_size": self.image_size,
+                "seconds": round(self.seconds, 2)}
+
+
+def build_model(
+    model: ModelSection,
+    *,
+    prepared_dir: Path | None = None,
+    tokenizer_texts: Iterable[str] | None = None,
+    force: bool = False,
+    seed: int = 0,
+) -> BuildResult:
+    """Build the model described by `model` into `model.output_dir` and return what was written.
+
+    `prepared_dir`: the prepared data (Parquet shards under `train/`), used to train a tokenizer when the model has
+    none (random-init presets); `tokenizer_texts` can be given instead (tests). `force` replaces an existing build.
+    `seed` seeds random initialization (deterministic builds).
+
+    The folder holds config.json, generation_config.json, model.safetensors (or shards), the processor/tokenizer
+    files and `vlmctl_model.json` ({family, mode, built_from, parameters, visual_tokens_per_image, ...}); in base
+    mode only `vlmctl_model.json`.
+
+    Raises ModelError when the folder exists and `force` is False, ConfigError/ModelError for bad input (see
+    `plan_build`), DataError when a tokenizer must be trained and there is no text.
+    """
+    start = time.perf_counter()
+    out = Path(model.output_dir)
+    if out.exists() and not force:
+        raise ModelError(f"{out} already exists", hint="pass --force to rebuild it (the old folder is replaced), or set model.output_dir")
+    plan = plan_build(model)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        if plan.mode == "base":
+            info = _build_base(plan, tmp)
+        else:
+            processor = make_processor(plan, prepared_dir=prepared_dir, tokenizer_texts=tokenizer_texts)
+            vlm = make_model(plan, processor, seed=seed)
+            info = _info(plan, vlm, processor)
+            _silence_transformers()
+            vlm.save_pretrained(tmp)
+            processor.save_pretrained(tmp)
+        (tmp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+        _swap_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return BuildResult(output_dir=out, family=info["family"], mode=info["mode"], parameters=info["parameters"],
+                       visual_tokens_per_image=info.get("visual_tokens_per_image"), image_size=info.get("image_size"),
+                       seconds=time.perf_counter() - start, info=info)
+
+
+def _swap_into_place(tmp: Path, out: Path) -> None:
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        out.rename(old)
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _silence_transformers() -> None:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, DTYPES[name])
+
+
+def _round_up(n: int, multiple: int = 64) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+# ---- processor ----
+
+
+def make_processor(plan: BuildPlan, *, prepared_dir: Path | None = None, tokenizer_texts: Iterable[str] | None = None):
+    """The processor of the planned model: tokenizer (loaded, or trained on the data) + image processor.
+
+    Adds the family's image token (and `<pad>` when the tokenizer has no padding token) to a loaded tokenizer.
+    Raises DataError when a tokenizer must be trained and neither `tokenizer_texts` nor shards are available.
+    """
+    fam = plan.family
+    tok = plan.tokenizer
+    if tok is None:
+        texts = list(tokenizer_texts) if tokenizer_texts is not None else None
+        if texts is None:
+            if prepared_dir is None:
+                from vlmctl.errors import DataError
+
+                raise DataError("a tokenizer must be trained for this random-init model, but there is no data",
+                                hint="run `vlmctl data prepare` first (its shards are used), or set model.tokenizer")
+            texts = list(texts_from_prepared(Path(prepared_dir)))
+        extra = {}
+        specials = list(fam.special_tokens)
+        if fam.name == "idefics3":
+            specials += [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
+        if fam.name.startswith("qwen"):
+            extra = {"vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>", "video_token": "<|video_pad|>"}
+        tok = train_tokenizer(texts, vocab_size=plan.tokenizer_vocab_size, special_tokens=specials,
+                              image_token=fam.image_token, image_prompt=fam.image_prompt, extra_special_tokens=extra)
+    else:
+        if tok.pad_token is None:
+            tok.add_special_tokens({"pad_token": "<pad>"})
+    if plan.chat_template is not None:
+        tok.chat_template = plan.chat_template
+    template = tok.chat_template
+    if fam.name == "llava":
+        from transformers import LlavaProcessor
+
+        return LlavaProcessor(
+            image_processor=plan.image_processor, tokenizer=tok, patch_size=plan.vision_config.patch_size,
+            vision_feature_select_strategy=plan.feature_strategy, chat_template=template,
+            num_additional_image_tokens=1 if has_cls_token(plan.vision_config) else 0,
+        )
+    return _family_processor(fam, tok, plan.processor_kwargs, template, plan.vlm_config)
+
+
+def _family_processor(fam: Family, tok, kwargs: dict[str, Any], template: str | None, vlm_config: dict[str, Any]):
+    import transformers
+
+    kwargs = dict(kwargs)
+    if fam.name.startswith("qwen"):
+        return family_processor(fam, tok, transformers.Qwen2VLImageProcessor(**kwargs), template)
+    if fam.name == "idefics3":
+        improc = transformers.Idefics3ImageProcessor(**kwargs)
+        vision = vlm_config["vision_config"]
+        # image_seq_len = (image_size / patch_size)**2 / scale_factor**2 (Idefics3Processor docstring)
+        seq_len = (vision["image_size"] // vision["patch_size"]) ** 2 // vlm_config.get("scale_factor", 2) ** 2
+        return family_processor(fam, tok, improc, template, image_seq_len=seq_len)
+    raise ModelError(f"no processor recipe for family {fam.name}")
+
+
+def family_processor(fam: Family, tokenizer, image_processor, chat_template: str | None = None, **kwargs):
+    """The family's processor class from its parts.
+
+    Families whose processor also owns a video processor (Qwen) need torchvision for it; where torchvision is not
+    installed (CPU machines) an image-only variant of the same class is returned: identical image/text behaviour,
+    saved under the family's class name, `videos=` unsupported.
+    """
+    import transformers
+
+    cls = getattr(transformers, fam.processor_class)
+    if "video_processor" not in inspect.signature(cls.__init__).parameters:
+        return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template, **kwargs)
+    try:
+        video = _video_processor(fam, image_processor)
+    except ImportError:
+        video = None
+    if video is not None:
+        return cls(image_processor=image_processor, tokenizer=tokenizer, video_processor=video, chat_template=chat_template, **kwargs)
+    return _image_only(cls)(image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=chat_template, **kwargs)
+
+
+def _video_processor(fam: Family, image_processor):
+    import transformers
+
+    name = {"qwen2_vl": "Qwen2VLVideoProcessor", "qwen2_5_vl": "Qwen2VLVideoProcessor", "qwen3_vl": "Qwen3VLVideoProcessor"}[fam.name]
+    cls = getattr(transformers, name)  # raises ImportError without torchvision
+    return cls(patch_size=image_processor.patch_size, merge_size=image_processor.merge_size,
+               temporal_patch_size=image_processor.temporal_patch_size)
+
+
+@lru_cache(maxsize=None)
+def _image_only(cls):
+    class ImageOnly(cls):
+        @classmethod
+        def get_attributes(klass):
+            return [a for a in super().get_attributes() if a != "video_processor"]
+
+    ImageOnly.__name__ = ImageOnly.__qualname__ = cls.__name__  # saved configs name the real class
+    return ImageOnly
+
+
+# ---- model ----
+
+
+def make_config(plan: BuildPlan, tokenizer=None):
+    """The family config of the planned model. `tokenizer` (or the preset's tokenizer size) sets token ids and
+    `vocab_size: auto`."""
+    import transformers
+
+    fam = plan.family
+    vocab = len(tokenizer) if tokenizer is not None else plan.tokenizer_vocab_size
+
+    def ids(*tokens):
+        return [tokenizer.convert_tokens_to_ids(t) if tokenizer is not None else i for i, t in enumerate(tokens)]
+
+    if fam.name == "llava":
+        text = plan.text_config
+        if isinstance(text, dict):
+            text = dict(text)
+            if text.get("vocab_size") == "auto":
+                text["vocab_size"] = _round_up(vocab)
+            text = _config_from_dict(text)
+        else:
+            text = text.__class__.from_dict(text.to_dict())
+        if tokenizer is not None and len(tokenizer) > text.vocab_size:
+            text.vocab_size = _round_up(len(tokenizer))  # embeddings are resized on load; record the final size
+        image_id, pad_id, eos_id = ids(fam.image_token, "<pad>", "<|im_end|>")
+        if tokenizer is not None:
+            pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+        text.pad_token_id = pad_id
+        if isinstance(plan.text_config, dict):  # a preset: its token ids are the trained tokenizer's
+            text.eos_token_id, text.bos_token_id = eos_id, None
+        vision = plan.vision_config
+        n_patches = (vision.image_size // vision.patch_size) ** 2
+        cls = has_cls_token(vision)
+        seq = n_patches + (1 if cls else 0) - (1 if plan.feature_strategy == "default" else 0)
+        return transformers.LlavaConfig(
+            vision_config=vision, text_config=text, image_token_id=image_id, image_seq_length=seq,
+            vision_feature_layer=plan.feature_layer, vision_feature_select_strategy=plan.feature_strategy,
+            tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)), **plan.projector.config,
+        )
+    data = json.loads(json.dumps(plan.vlm_config))
+    text = data.setdefault("text_config", {})
+    if text.get("vocab_size") == "auto":
+        text["vocab_size"] = _round_up(vocab)
+    if fam.name.startswith("qwen"):
+        image_id, video_id, vs, ve = ids("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+        data.update(image_token_id=image_id, video_token_id=video_id, vision_start_token_id=vs, vision_end_token_id=ve)
+    elif fam.name == "idefics3":
+        (data["image_token_id"],) = ids("<image>")
+    if tokenizer is not None:
+        text.update(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    return getattr(transformers, fam.config_class)(**data)
+
+
+def instantiate(plan: BuildPlan, tokenizer=None, *, device: str | None = None, dtype: str | None = None):
+    """A randomly initialized model of the plan's architecture. `device="meta"` allocates nothing (for counting)."""
+    import contextlib
+
+    import torch
+    import transformers
+
+    cfg = make_config(plan, tokenizer)
+    cls = getattr(transformers, plan.family.model_class)
+    ctx = torch.device(device) if device else contextlib.nullcontext()
+    prev = torch.get_default_dtype()
+    if dtype:
+        torch.set_default_dtype(_torch_dtype(dtype))
+    try:
+        with ctx:
+            return cls(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+
+
+def make_model(plan: BuildPlan, processor, *, seed: int = 0):
+    """The planned model with weights: loaded (compose, pretrained) or randomly initialized (seeded)."""
+    import torch
+
+    tok = processor.tokenizer
+    dtype = plan.section.dtype
+    if plan.init == "random":
+        torch.manual_seed(seed)
+        vlm = instantiate(plan, tok)
+        if plan.projector is not None and plan.projector.init is not None:
+            plan.projector.init(vlm.get_submodule(plan.family.projector[0]))
+        vlm = vlm.to(_torch_dtype(dtype))
+    else:
+        vlm = _compose_pretrained(plan, tok, seed)
+    _set_generation_config(vlm, tok)
+    vlm.eval()
+    return vlm
+
+
+def _compose_pretrained(plan: BuildPlan, tok, seed: int):
+    """Load the vision encoder and LLM weights and join them with a fresh projector (LLaVA layout).
+
+    The LLaVA skeleton is built on the meta device and its vision tower / language model / lm_head are replaced by
+    the loaded modules, so peak memory is one copy of the weights.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, LlavaForConditionalGeneration
+
+    _silence_transformers()
+    torch_dtype = _torch_dtype(plan.section.dtype)
+    trc = plan.trust_remote_code
+    cfg = make_config(plan, tok)
+    vision = _load("vision encoder weights", plan.vision_ref, lambda: _load_vision(plan.vision_ref, plan.vision_config, torch_dtype, trc))
+    llm = _load("language model weights", plan.llm_ref, lambda: AutoModelForCausalLM.from_pretrained(plan.llm_ref, dtype=torch_dtype, trust_remote_code=trc))
+    cfg.text_config = llm.config
+    with torch.device("meta"):
+        vlm = LlavaForConditionalGeneration(cfg)
+    vlm.model.vision_tower = vision
+    vlm.model.language_model = llm.get_decoder()
+    vlm.lm_head = llm.get_output_embeddings()
+    torch.manual_seed(seed)
+    projector = vlm.model.multi_modal_projector.to_empty(device="cpu")
+    for layer in (projector.linear_1, projector.linear_2):
+        layer.reset_parameters()  # nn.Linear's default init (as LLaVA's projector)
+    if plan.projector.init is not None:
+        plan.projector.init(projector)
+    vlm.model.multi_modal_projector = projector.to(torch_dtype)
+    # Buffers of the skeleton that were not replaced (none in LLaVA today) must not stay on meta.
+    meta = [n for n, t in [*vlm.named_parameters(), *vlm.named_buffers()] if t.is_meta]
+    if meta:
+        raise ModelError(f"internal: parameters left uninitialized after composition: {meta[:3]}")
+    if len(tok) > vlm.get_input_embeddings().weight.shape[0]:
+        vlm.resize_token_embeddings(len(tok), pad_to_multiple_of=64, mean_resizing=True)
+    vlm.config.text_config.vocab_size = vlm.get_input_embeddings().weight.shape[0]
+    vlm.config.text_config.pad_token_id = tok.pad_token_id
+    if getattr(vlm.config.text_config, "tie_word_embeddings", False):
+        vlm.config.tie_word_embeddings = True
+        vlm.tie_weights()
+    return vlm
+
+
+def _load_vision(ref: str, vision_config, dtype, trc: bool):
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    # The vision half of a CLIP/SigLIP checkpoint loads into its vision-only class (unused text weights are skipped).
+
+    vision_cls = MODEL_MAPPING[type(vision_config)]
+    return vision_cls.from_pretrained(ref, config=vision_config, dtype=dtype, trust_remote_code=trc)
+
+
+def _set_generation_config(vlm, tok) -> None:
+    gc = vlm.generation_config
+    eos = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else tok.eos_token_id
+    ids = {i for i in (eos, tok.eos_token_id) if i is not None}
+    gc.eos_token_id = sorted(ids) if len(ids) > 1 else next(iter(ids), None)
+    gc.pad_token_id = tok.pad_token_id
+    if gc.bos_token_id is not None and gc.bos_token_id >= len(tok):
+        gc.bos_token_id = None
+
+
+# ---- info ----
+
+
+def _info(plan: BuildPlan, vlm, processor) -> dict[str, Any]:
+    s = plan.section
+    size = plan.image_size or _default_image_size(plan.family, processor)
+    return {
+        "version": INFO_VERSION,
+        "family": plan.family.name,
+        "mode": plan.mode,
+        "init": plan.init,
+        "built_from": {
+            "preset": plan.preset, "vision": plan.vision_ref, "llm": plan.llm_ref, "base": plan.base_ref,
+            "projector": plan.projector.name if plan.projector else None,
+            "tokenizer": s.tokenizer or ("trained" if plan.section.tokenizer is None and (plan.mode == "preset" or is_preset(plan.llm_ref)) else plan.llm_ref),
+            "vision_feature_layer": plan.feature_layer if plan.family.name == "llava" else None,
+            "vision_feature_select_strategy": plan.feature_strategy if plan.family.name == "llava" else None,
+        },
+        "model_class": type(vlm).__name__,
+        "dtype": s.dtype,
+        "parameters": count_parameters(vlm, plan.family),
+        "image_size": size,
+        "visual_tokens_per_image": plan.family.num_visual_tokens(size, size, processor) if size else None,
+        "vocab_size": len(processor.tokenizer),
+        "vlmctl_version": _version(),
+    }
+
+
+def _default_image_size(family: Family, processor) -> int | None:
+    improc = processor.image_processor
+    size = getattr(improc, "crop_size", None) if getattr(improc, "do_center_crop", False) else getattr(improc, "size", None)
+    if isinstance(size, dict) and size.get("height"):
+        return int(size["height"])
+    if family.name == "idefics3":
+        return int(improc.max_image_size["longest_edge"])
+    if family.name.startswith("qwen"):
+        return 448
+    return None
+
+
+def _version() -> str:
+    from vlmctl import __version__
+
+    return __version__
+
+
+def _build_base(plan: BuildPlan, tmp: Path) -> dict[str, Any]:
+    """Verify an existing VLM loads (config, processor, weights) and describe it; copy nothing."""
+    from vlmctl.models import load_model
+
+    vlm, processor, fam = load_model(plan.base_ref, trust_remote_code=plan.trust_remote_code, family=plan.family.name)
+    size = plan.image_size or _default_image_size(fam, processor)
+    local = Path(plan.base_ref).expanduser()
+    return {
+        "version": INFO_VERSION,
+        "family": fam.name,
+        "mode": "base",
+        "init": "pretrained",
+        "built_from": {"base": str(local.resolve()) if local.exists() else plan.base_ref},
+        "source": str(local.resolve()) if local.exists() else plan.base_ref,
+        "model_class": type(vlm).__name__,
+        "dtype": str(next(vlm.parameters()).dtype).removeprefix("torch."),
+        "parameters": count_parameters(vlm, fam),
+        "image_size": size,
+        "visual_tokens_per_image": fam.num_visual_tokens(size, size, processor) if size else None,
+        "trust_remote_code": plan.trust_remote_code,
+        "vlmctl_version": _version(),
+    }
