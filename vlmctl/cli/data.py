@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
-from vlmctl.cli._common import ConfigOpt, JsonOpt, OverridesArg, load_project, split_args
-from vlmctl.cli._stub import not_implemented
+from vlmctl.cli._common import ConfigOpt, JsonOpt, OverridesArg, console, info, load_project, print_json, split_args, state
+
+if TYPE_CHECKING:
+    from vlmctl.config import VlmctlConfig
 
 app = typer.Typer(help="Prepare and validate training data.", no_args_is_help=True)
 
 PREPARE_EXAMPLE = "Example: vlmctl data prepare data.val_ratio=0.02 --num-proc 8"
 VALIDATE_EXAMPLE = "Example: vlmctl data validate data/raw/train.json --json"
+
+
+def _processor_dir(cfg: "VlmctlConfig") -> Path | None:
+    # A built model (`vlmctl model build`) gives exact token counts; before that there are none.
+    from vlmctl.data.tokens import has_processor
+
+    return Path(cfg.model.output_dir) if has_processor(cfg.model.output_dir) else None
 
 
 @app.command("prepare", epilog=PREPARE_EXAMPLE)
@@ -25,8 +35,50 @@ def prepare(
     as_json: JsonOpt = False,
 ) -> None:
     """Read data.sources, drop defective samples (with reasons), write Parquet shards + manifest.json."""
-    load_project(config, overrides)
-    not_implemented("data prepare")
+    cfg = load_project(config, overrides)
+    from vlmctl.data.prepare import prepare_data
+
+    result = prepare_data(
+        cfg.data,
+        num_proc=num_proc,
+        processor_dir=_processor_dir(cfg),
+        export=export,
+        export_dir=Path(export_dir) if export_dir else None,
+        progress=not (as_json or state.quiet),
+    )
+    if as_json:
+        print_json(result.to_dict())
+        return
+    _render_prepare(result.manifest, result.prepared_dir, result.export_dir)
+
+
+def _render_prepare(m: dict[str, Any], out: Path, export_dir: Path | None) -> None:
+    from rich.table import Table
+
+    table = Table(title="Sources", title_justify="left")
+    table.add_column("source")
+    table.add_column("format")
+    table.add_column("kept", justify="right")
+    table.add_column("rejected (reason: count)")
+    for s in m["sources"]:
+        rejected = ", ".join(f"{r}: {n}" for r, n in s["rejected"].items()) or "-"
+        table.add_row(s["name"], s["format"], f"{s['kept']:,}", rejected)
+    console.print(table)
+    tr, va = m["splits"]["train"], m["splits"]["val"]
+    info(f"[green]Prepared[/green] {out}: train {tr['samples']:,} samples ({len(tr['shards'])} shard(s)), val {va['samples']:,} samples")
+    if m["totals"]["rejected_total"]:
+        info(f"Rejected {m['totals']['rejected_total']:,} samples: see {out / 'rejected.jsonl'}")
+    tokens = m.get("tokens")
+    if tokens:
+        info(
+            f"Tokens per sample: p50 {tokens['p50']:,}, max {tokens['max']:,}; suggested max_length {tokens['suggested_max_length']:,}, "
+            f"packing length {tokens['suggested_packing_length']:,}"
+        )
+    else:
+        info("[dim]No token counts (no built model in model.output_dir): too_long was not checked.[/dim]")
+    info(f"Length histogram: {out / 'length_histogram.png'}")
+    if export_dir:
+        info(f"Energon export: {export_dir}")
 
 
 @app.command("validate", epilog=VALIDATE_EXAMPLE)
@@ -36,6 +88,49 @@ def validate(
     as_json: JsonOpt = False,
 ) -> None:
     """Check sources without writing anything; exit 1 when any sample would be rejected."""
-    _, overrides = split_args(args)
-    load_project(config, overrides)
-    not_implemented("data validate")
+    paths, overrides = split_args(args)
+    cfg = _load_for_validate(config, overrides, standalone=bool(paths))
+    from vlmctl.data.validate import validate_data
+
+    report = validate_data(
+        cfg.data,
+        paths=paths or None,
+        processor_dir=_processor_dir(cfg),
+        progress=not (as_json or state.quiet),
+    )
+    if as_json:
+        print_json(report.to_dict())
+    else:
+        _render_validate(report)
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def _load_for_validate(config: Path | None, overrides: list[str], standalone: bool) -> "VlmctlConfig":
+    """The project config; with explicit paths and no project file anywhere, the defaults (plus overrides)."""
+    from vlmctl.config import find_config
+
+    if standalone and config is None and state.config is None and find_config() is None:
+        from vlmctl.config import apply_overrides, validate_config
+
+        return validate_config(apply_overrides({}, overrides), base_dir=Path.cwd(), source="overrides")
+    return load_project(config, overrides)
+
+
+def _render_validate(report) -> None:
+    from rich.table import Table
+
+    if report.ok:
+        info(f"[green]OK[/green]: {report.total:,} samples checked, none would be rejected.")
+        if not report.tokens_checked:
+            info("[dim]too_long was not checked (no built model in model.output_dir).[/dim]")
+        return
+    table = Table(title=f"{report.rejected:,} of {report.total:,} samples would be rejected", title_justify="left")
+    table.add_column("reason")
+    table.add_column("count", justify="right")
+    table.add_column("first locations", overflow="fold")
+    for reason, count in report.to_dict()["counts"].items():
+        where = "\n".join(f"{e['location']}: {e['detail']}" for e in report.examples.get(reason, [])[:3])
+        table.add_row(reason, f"{count:,}", where)
+    console.print(table)
+    info(f"Kept: {report.kept:,}. Fix the records above, or run `vlmctl data prepare` to drop them with these reasons.")

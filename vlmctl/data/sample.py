@@ -39,6 +39,7 @@ class Sample:
     source: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
     num_tokens: int | None = None  # text + visual tokens under the project's processor, when known
+    location: str = field(default="", compare=False)  # where it was read (file:line, shard:key); not stored in shards
 
     def text_parts(self) -> list[str]:
         return [p["text"] for m in self.messages for p in m["content"] if p["type"] == "text"]

@@ -1,0 +1,196 @@
+"""Pieces shared by the readers: path expansion, locations, meta keys, and the conversation-JSON reader that the
+llava, sharegpt and messages formats spell differently."""
+
+from __future__ import annotations
+
+import functools
+import glob
+import os
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from vlmctl.config.data import DataSource
+from vlmctl.data.checks import Rejection, RecordError, build_sample
+from vlmctl.data.formats._json import JsonParseError, iter_json_records
+from vlmctl.data.images import MissingRef, resolve_ref
+from vlmctl.data.sample import Sample
+from vlmctl.errors import DataError
+
+# Record keys copied into Sample.meta (eval references). `choices` is stored as `options`.
+META_KEYS = ("answers", "options", "choices", "question_type", "answer_type", "question_id", "category")
+GLOB_CHARS = set("*?[")
+
+
+def source_name(source: DataSource) -> str:
+    """The name reports use for a source: `name`, else the file or folder name (the dataset id for hf)."""
+    if source.name:
+        return source.name
+    if source.format == "hf":
+        return source.path
+    p = Path(source.path.rstrip("/"))
+    # A glob's own name ("*.jsonl") says little: keep its folder in front.
+    return f"{p.parent.name}/{p.name}" if GLOB_CHARS & set(p.name) else p.name
+
+
+def expand_paths(path: str, suffixes: tuple[str, ...]) -> list[Path]:
+    """Files of a source: the file itself, every file with one of `suffixes` under a folder (recursive, sorted),
+    or the matches of a glob (sorted). Raises DataError when nothing matches."""
+    p = Path(path).expanduser()
+    if GLOB_CHARS & set(str(p)):
+        files = sorted(Path(m) for m in glob.glob(str(p), recursive=True) if Path(m).is_file())
+        if not files:
+            raise DataError(f"no files match {path}", hint="check data.sources[].path (globs like data/*.jsonl are allowed)")
+        return files
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and f.name.lower().endswith(suffixes) and not _hidden(f, p))
+        if not files:
+            raise DataError(f"folder {path} holds no {'/'.join(suffixes)} files", hint="point data.sources[].path at the data files")
+        return files
+    if not p.exists():
+        raise DataError(f"data source {path} does not exist", hint="fix data.sources[].path (relative paths are relative to vlmctl.yaml)")
+    return [p]
+
+
+def _hidden(f: Path, root: Path) -> bool:
+    return any(part.startswith(".") for part in f.relative_to(root).parts)
+
+
+@functools.lru_cache(maxsize=4096)
+def display(path: Path) -> str:
+    """A path for locations: relative to the working directory when below it, else absolute."""
+    try:
+        return os.path.relpath(path) if not os.path.relpath(path).startswith("..") else str(path)
+    except ValueError:
+        return str(path)
+
+
+def extract_meta(record: dict[str, Any]) -> dict[str, Any]:
+    meta: dict[str, Any] = {}
+    for key in META_KEYS:
+        if record.get(key) is not None:
+            meta["options" if key == "choices" else key] = record[key]
+    if isinstance(record.get("meta"), dict):
+        meta.update(record["meta"])
+    return meta
+
+
+def as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def image_ref(value: Any, base: Path) -> Any:
+    """A reference (bytes, Path or MissingRef) from a path/URL string, raw bytes, a `{bytes, path}` dict or a
+    `{url}` dict. Raises RecordError for anything else."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, str):
+        if not value.strip():
+            return MissingRef(value, "empty image path")
+        return resolve_ref(value.strip(), base)
+    if isinstance(value, dict):
+        if value.get("bytes"):
+            return bytes(value["bytes"])
+        for key in ("url", "path", "image_url", "image"):
+            if value.get(key):
+                return image_ref(value[key], base)
+        raise RecordError(f"image entry {sorted(value)} has no bytes, path or url")
+    if hasattr(value, "save") and hasattr(value, "mode"):  # a PIL image (decoded datasets rows)
+        import io
+
+        buf = io.BytesIO()
+        value.save(buf, format="PNG")
+        return buf.getvalue()
+    raise RecordError(f"image reference must be a path string, bytes or an object, not {type(value).__name__}")
+
+
+def turns_of(record: dict[str, Any], keys: Iterable[str]) -> list[tuple[Any, Any]]:
+    """(role, content) pairs from the first present key of `keys`; accepts role/content and from/value."""
+    for key in keys:
+        if key in record:
+            raw = record[key]
+            break
+    else:
+        raise RecordError(f"record has none of the keys {', '.join(keys)} (keys: {', '.join(sorted(record)) or 'none'})")
+    if not isinstance(raw, list):
+        raise RecordError(f"{key} must be a list of turns, not {type(raw).__name__}")
+    turns = []
+    for i, turn in enumerate(raw):
+        if not isinstance(turn, dict):
+            raise RecordError(f"{key}[{i}] must be an object with role/content or from/value")
+        role = turn.get("role", turn.get("from"))
+        content = turn.get("content", turn.get("value"))
+        if isinstance(content, str) or content is None or isinstance(content, (list, dict)):
+            turns.append((role, content))
+        else:
+            raise RecordError(f"{key}[{i}] content must be a string or a list of parts, not {type(content).__name__}")
+    return turns
+
+
+def part_ref(part: dict[str, Any], base: Path) -> Any:
+    """The image reference of an explicit image part (`image`, `image_url` (str or {url}), `url`, `path`, `value`),
+    or None for a part without one."""
+    for key in ("image", "image_url", "url", "path", "value", "bytes"):
+        if part.get(key) is not None:
+            return image_ref(part[key], base)
+    return None  # a placeholder part: it takes the next image of the record's `images`
+
+
+def iter_json_source(source: DataSource, suffixes: tuple[str, ...] = (".json", ".jsonl", ".ndjson")) -> Iterator[tuple[Path, int, Any] | Rejection]:
+    """(file, line, record) for every record of every file of a JSON/JSONL source; parse errors as Rejections."""
+    name = source_name(source)
+    for file in expand_paths(source.path, suffixes):
+        try:
+            for item in iter_json_records(file):
+                if isinstance(item, JsonParseError):
+                    yield Rejection("parse_error", name, f"{display(file)}:{item.line}", item.message)
+                else:
+                    yield file, item[0], item[1]
+        except OSError as exc:
+            raise DataError(f"cannot read {file}: {exc.strerror or exc}", hint="check the file's permissions") from None
+
+
+def read_conversation_json(
+    source: DataSource,
+    *,
+    turn_keys: tuple[str, ...],
+    image_keys: tuple[str, ...],
+    system_key: str | None = None,
+) -> Iterator[Sample | Rejection]:
+    """Shared reader of the llava / sharegpt / messages layouts (they differ only in key spelling)."""
+    name = source_name(source)
+    count = 0
+    for item in iter_json_source(source):
+        if isinstance(item, Rejection):
+            yield item
+            continue
+        file, line, record = item
+        location = f"{display(file)}:{line}"
+        base = Path(source.image_root) if source.image_root else file.parent
+        rid = record.get("id") if isinstance(record, dict) else None
+        sid = str(rid) if rid not in (None, "") else f"{name}-{count:06d}"
+        count += 1
+        try:
+            if not isinstance(record, dict):
+                raise RecordError(f"record must be a JSON object, not {type(record).__name__}")
+            turns = turns_of(record, turn_keys)
+            if system_key and isinstance(record.get(system_key), str) and record[system_key].strip():
+                turns.insert(0, ("system", record[system_key]))
+            images: list[Any] = []
+            for key in image_keys:
+                if record.get(key) is not None:
+                    images = [image_ref(v, base) for v in as_list(record[key])]
+                    break
+        except RecordError as exc:
+            yield Rejection("parse_error", name, location, str(exc), sid)
+            continue
+        yield build_sample(
+            turns,
+            images=images,
+            id=sid,
+            source=name,
+            location=location,
+            meta=extract_meta(record),
+            resolve_part=lambda part, base=base: part_ref(part, base),
+        )

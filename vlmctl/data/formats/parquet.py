@@ -1,0 +1,175 @@
+"""`parquet`: Parquet or Arrow files, or a `datasets.save_to_disk` folder, with images embedded as bytes.
+
+Rows are read in record batches (pyarrow `iter_batches` / Arrow IPC streams over a memory map), never whole
+files. Logical columns and their default physical names (override with the source's `columns:` mapping, e.g.
+`columns: {images: image, question: query}`):
+
+| logical | default column(s) | content |
+|---|---|---|
+| `images` | `images`, `image` | a list of (or one) `{bytes, path}` struct, raw bytes or a path string |
+| `texts` | `texts` | the_cauldron layout: `[{user, assistant}]`, one entry per turn pair |
+| `messages` | `messages`, `conversations` | role/content or from/value turns; content parts may reference images |
+| `question`, `answer` | `question`, `answer` | single-turn VQA |
+| `answers`, `options`, `question_type` | same names (`choices` for options) | eval references, stored in `meta` |
+| `system` | `system` | optional system prompt |
+| `meta` | `meta` | a JSON object (or its JSON text) merged into `meta` |
+| `id` | `id` | sample id (default: `{source}-{row}`) |
+
+One of `messages`, `texts` or `question` must exist. vlmctl's own prepared shards use the `messages` + `images`
+layout, so a prepared folder reads back with this reader.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+from vlmctl.config.data import DataSource
+from vlmctl.data.checks import Rejection, RecordError, build_sample
+from vlmctl.data.formats._common import as_list, display, expand_paths, image_ref, source_name, turns_of
+from vlmctl.data.sample import Sample
+from vlmctl.errors import DataError
+
+LOGICAL = ("id", "images", "texts", "messages", "question", "answer", "answers", "options", "question_type", "system", "meta")
+ALTERNATIVES = {"images": ("images", "image"), "messages": ("messages", "conversations"), "options": ("options", "choices")}
+BATCH_ROWS = 64
+
+
+def resolve_columns(available: list[str], mapping: dict[str, str] | None, where: str) -> dict[str, str]:
+    """Map logical column names to physical ones. Raises DataError naming the missing column and the choices."""
+    mapping = dict(mapping or {})
+    unknown = sorted(set(mapping) - set(LOGICAL))
+    if unknown:
+        raise DataError(
+            f"unknown logical column(s) {', '.join(unknown)} in columns: of {where}",
+            hint=f"valid logical names: {', '.join(LOGICAL)}",
+        )
+    cols: dict[str, str] = {}
+    for logical in LOGICAL:
+        if logical in mapping:
+            if mapping[logical] not in available:
+                raise DataError(
+                    f"column {mapping[logical]!r} (columns.{logical}) is not in {where}",
+                    hint=f"the available columns are: {', '.join(available)}",
+                )
+            cols[logical] = mapping[logical]
+            continue
+        for candidate in ALTERNATIVES.get(logical, (logical,)):
+            if candidate in available:
+                cols[logical] = candidate
+                break
+    if not any(k in cols for k in ("messages", "texts", "question")):
+        raise DataError(
+            f"{where} has no conversation column (looked for messages, conversations, texts, question)",
+            hint=f"map yours with columns:, e.g. columns: {{question: <col>, answer: <col>, images: <col>}}; available: {', '.join(available)}",
+        )
+    return cols
+
+
+def row_to_sample(row: dict[str, Any], cols: dict[str, str], *, name: str, location: str, index: int, base: Path) -> Sample | Rejection:
+    """One table row -> an unchecked Sample (or a parse_error Rejection)."""
+    rid = row.get(cols["id"]) if "id" in cols else None
+    sid = str(rid) if rid not in (None, "") else f"{name}-{index:06d}"
+    meta: dict[str, Any] = {}
+    try:
+        images = [image_ref(v, base) for v in as_list(row.get(cols["images"])) if v is not None] if "images" in cols else []
+        for key in ("answers", "options", "question_type"):
+            if key in cols and row.get(cols[key]) is not None:
+                meta[key] = row[cols[key]]
+        if "meta" in cols and row.get(cols["meta"]):  # vlmctl's prepared shards keep meta as a JSON string
+            value = row[cols["meta"]]
+            meta.update(json.loads(value) if isinstance(value, str) else dict(value))
+        if isinstance(meta.get("answers"), str):
+            meta["answers"] = [meta["answers"]]
+        turns: list[tuple[Any, Any]]
+        if "messages" in cols and row.get(cols["messages"]) is not None:
+            value = row[cols["messages"]]
+            if isinstance(value, str):  # a JSON-encoded column
+                value = json.loads(value)
+            turns = turns_of({"messages": value}, ("messages",))
+        elif "texts" in cols and row.get(cols["texts"]) is not None:
+            turns = []
+            for i, pair in enumerate(as_list(row[cols["texts"]])):
+                if not isinstance(pair, dict) or "user" not in pair or "assistant" not in pair:
+                    raise RecordError(f"texts[{i}] must be an object with user and assistant")
+                turns += [("user", pair["user"]), ("assistant", pair["assistant"])]
+        elif "question" in cols and row.get(cols["question"]) is not None:
+            answer = row.get(cols["answer"]) if "answer" in cols else None
+            if answer is None and meta.get("answers"):
+                answer = meta["answers"][0]
+            if answer is not None and "answers" not in meta:
+                meta["answers"] = [answer]
+            turns = [("user", row[cols["question"]]), ("assistant", answer)]
+        else:
+            raise RecordError("the conversation column is empty in this row")
+        if "system" in cols and isinstance(row.get(cols["system"]), str) and row[cols["system"]].strip():
+            turns.insert(0, ("system", row[cols["system"]]))
+    except (RecordError, json.JSONDecodeError, TypeError, ValueError) as exc:
+        return Rejection("parse_error", name, location, str(exc), sid)
+    return build_sample(turns, images=images, id=sid, source=name, location=location, meta=meta)
+
+
+def _arrow_files(path: Path, split: str) -> list[Path]:
+    """The data files of a `save_to_disk` folder (a Dataset, or the `split` of a DatasetDict), in order."""
+    if (path / "dataset_dict.json").is_file():
+        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        if split not in splits:
+            raise DataError(f"{path} is a DatasetDict without split {split!r} (splits: {', '.join(splits)})", hint="set data.sources[].split")
+        path = path / split
+    state = json.loads((path / "state.json").read_text())
+    return [path / f["filename"] for f in state.get("_data_files", [])]
+
+
+def _batches(file: Path) -> Iterator[list[dict[str, Any]]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if file.suffix == ".parquet":
+        pf = pq.ParquetFile(file)
+        for batch in pf.iter_batches(batch_size=BATCH_ROWS):
+            yield batch.to_pylist()
+        return
+    source = pa.memory_map(str(file))
+    try:
+        reader = pa.ipc.open_stream(source)  # datasets writes the streaming format
+    except pa.ArrowInvalid:
+        reader = pa.ipc.open_file(source)
+        for i in range(reader.num_record_batches):
+            yield from _slices(reader.get_batch(i))
+        return
+    for batch in reader:
+        yield from _slices(batch)
+
+
+def _slices(batch) -> Iterator[list[dict[str, Any]]]:
+    for start in range(0, batch.num_rows, BATCH_ROWS):
+        yield batch.slice(start, BATCH_ROWS).to_pylist()
+
+
+def read_parquet(source: DataSource) -> Iterator[Sample | Rejection]:
+    """Stream unchecked samples from Parquet/Arrow files or a save_to_disk folder."""
+    import pyarrow as pa
+
+    name = source_name(source)
+    root = Path(source.path)
+    if root.is_dir() and ((root / "state.json").is_file() or (root / "dataset_dict.json").is_file()):
+        files = _arrow_files(root, source.split)
+    else:
+        files = expand_paths(source.path, (".parquet", ".arrow"))
+    index = 0
+    for file in files:
+        base = Path(source.image_root) if source.image_root else file.parent
+        try:
+            cols = None
+            row_no = 0
+            for rows in _batches(file):
+                if cols is None and rows:
+                    cols = resolve_columns(list(rows[0]), source.columns, display(file))
+                for row in rows:
+                    yield row_to_sample(row, cols, name=name, location=f"{display(file)}#{row_no}", index=index, base=base)
+                    row_no += 1
+                    index += 1
+        except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
+            # A damaged file cannot be resumed inside; report it once and go on with the next file.
+            yield Rejection("parse_error", name, f"{display(file)}#{row_no}", f"unreadable file: {exc}")

@@ -1,0 +1,26 @@
+"""`sharegpt`: LLaMA-Factory's multimodal ShareGPT layout (hiyouga/LLaMA-Factory, `data/README.md`, `mllm_demo.json`).
+
+A JSON list or JSONL of::
+
+    {"messages": [{"role": "user", "content": "<image>Who are they?"}, {"role": "assistant", "content": "..."}],
+     "images": ["mllm_demo_data/1.jpg"], "system": "optional system prompt"}
+
+also spelled `conversations` / `from` / `value` (roles human/gpt). One `<image>` per listed image, in order; the
+same file may be listed twice when two placeholders show the same picture.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from vlmctl.config.data import DataSource
+from vlmctl.data.checks import Rejection
+from vlmctl.data.formats._common import read_conversation_json
+from vlmctl.data.sample import Sample
+
+
+def read_sharegpt(source: DataSource) -> Iterator[Sample | Rejection]:
+    """Stream unchecked samples and parse errors of a ShareGPT source."""
+    return read_conversation_json(
+        source, turn_keys=("messages", "conversations"), image_keys=("images", "image"), system_key="system"
+    )

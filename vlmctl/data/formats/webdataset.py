@@ -1,0 +1,112 @@
+"""`webdataset`: tar shards (a file, a folder of `*.tar`, or a glob) in the WebDataset layout
+(https://github.com/webdataset/webdataset: files with the same key up to the first dot form one sample).
+
+Per sample `{key}`:
+- images: `{key}.jpg|jpeg|png|webp|...` or several numbered ones (`{key}.0.jpg`, `{key}.img1.png`), in natural
+  order of their extensions;
+- text, one of:
+  - `{key}.json` with `messages` / `conversations` (as in the messages and sharegpt formats; image parts and
+    `<image>` placeholders take the tar's images in order; vlmctl's energon export writes this);
+  - the energon VQA layout: `{key}.json` = `{"question": ...}` (optionally `answers`) + `{key}.txt` answer;
+  - captioning: `{key}.txt` alone (the user turn is the image, the assistant turn the caption).
+
+Shards are read as tar streams (`tarfile` mode `r|*`), one sample in memory at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tarfile
+from pathlib import Path
+from typing import Any, Iterator
+
+from vlmctl.config.data import DataSource
+from vlmctl.data.checks import Rejection, RecordError, build_sample
+from vlmctl.data.formats._common import display, expand_paths, extract_meta, source_name, turns_of
+from vlmctl.data.images import IMAGE_EXTENSIONS
+from vlmctl.data.sample import Sample
+
+TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+
+
+def _natural(text: str) -> list[Any]:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", text)]
+
+
+def iter_tar_groups(file: Path) -> Iterator[tuple[str, dict[str, bytes]] | str]:
+    """(key, {extension: bytes}) for each sample of a tar stream; a string (error message) when the tar breaks."""
+    key, parts = None, {}
+    try:
+        with tarfile.open(file, mode="r|*") as tar:
+            for member in tar:
+                if not member.isfile():
+                    continue
+                folder, _, base = member.name.rpartition("/")
+                if base.startswith(".") or "." not in base:
+                    continue
+                stem, ext = base.split(".", 1)
+                k = f"{folder}/{stem}" if folder else stem
+                if k != key:
+                    if key is not None:
+                        yield key, parts
+                    key, parts = k, {}
+                data = tar.extractfile(member)
+                parts[ext.lower()] = data.read() if data is not None else b""
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        # The sample being read when the tar broke may be incomplete: report it instead of yielding it.
+        yield f"broken tar at sample {key!r}: {exc}"
+        return
+    if key is not None:
+        yield key, parts
+
+
+def group_to_sample(key: str, parts: dict[str, bytes], *, name: str, location: str) -> Sample | Rejection:
+    """One webdataset sample (its parts by extension) -> an unchecked Sample or a parse_error Rejection."""
+    image_exts = sorted((e for e in parts if e.rsplit(".", 1)[-1] in IMAGE_EXTENSIONS), key=_natural)
+    images = [parts[e] for e in image_exts]
+    meta: dict[str, Any] = {}
+    sid = key
+    try:
+        record: dict[str, Any] | None = None
+        if "json" in parts:
+            try:
+                record = json.loads(parts["json"])
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise RecordError(f"{key}.json is not valid JSON: {exc}") from None
+            if not isinstance(record, dict):
+                raise RecordError(f"{key}.json must hold an object")
+            meta = extract_meta(record)
+            if record.get("id") not in (None, ""):
+                sid = str(record["id"])
+        answer = parts["txt"].decode("utf-8", errors="replace") if "txt" in parts else None
+        if record is not None and ("messages" in record or "conversations" in record):
+            turns = turns_of(record, ("messages", "conversations"))
+            if isinstance(record.get("system"), str) and record["system"].strip():
+                turns.insert(0, ("system", record["system"]))
+        elif record is not None and "question" in record:
+            if answer is None:
+                answer = record.get("answer") or (record.get("answers") or [None])[0]
+            if answer is not None and "answers" not in meta:
+                meta["answers"] = [answer]
+            turns = [("user", record["question"]), ("assistant", answer)]
+        elif answer is not None and images:
+            # A caption sample: the image alone is the user turn.
+            turns = [("user", [{"type": "image"} for _ in images]), ("assistant", answer)]
+        else:
+            raise RecordError(f"sample {key} has no .json with messages/question and no .txt caption (parts: {', '.join(sorted(parts))})")
+    except RecordError as exc:
+        return Rejection("parse_error", name, location, str(exc), sid)
+    return build_sample(turns, images=images, id=sid, source=name, location=location, meta=meta)
+
+
+def read_webdataset(source: DataSource) -> Iterator[Sample | Rejection]:
+    """Stream unchecked samples from WebDataset tar shards."""
+    name = source_name(source)
+    for file in expand_paths(source.path, TAR_SUFFIXES):
+        for item in iter_tar_groups(file):
+            if isinstance(item, str):
+                yield Rejection("parse_error", name, display(file), item)
+                break
+            key, parts = item
+            yield group_to_sample(key, parts, name=name, location=f"{display(file)}:{key}")

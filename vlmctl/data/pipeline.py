@@ -1,0 +1,195 @@
+"""The check pipeline shared by `prepare_data` and `validate_data`.
+
+    sources --read (main process, streaming)--> batches --check_images + token count (worker processes)-->
+    in-order results --dedup, too_long (main process)--> (source index, Sample | Rejection)
+
+Reading and parsing stay in the main process (cheap, and it keeps the order of records); image reading,
+full decoding, RGB normalization and token counting run in `num_proc` worker processes. At most
+`2 * num_proc` batches of `BATCH_SIZE` samples are in flight, so memory does not grow with the dataset.
+Results come back in input order, which makes dedup ("an earlier sample") and the written shards deterministic.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from vlmctl.config.data import DataSection, DataSource
+from vlmctl.data.checks import DigestSet, Rejection, SampleInfo, check_images
+from vlmctl.data.sample import Sample
+
+BATCH_SIZE = 32
+
+# Per-process state of the check workers (set by _init_worker, or directly when num_proc == 1).
+_STATE: dict[str, Any] = {}
+
+
+def _init_worker(processor_dir: str | None, min_image_side: int) -> None:
+    from vlmctl.data.tokens import TokenCounter
+
+    _STATE["min_image_side"] = min_image_side
+    _STATE["counter"] = TokenCounter.load(Path(processor_dir)) if processor_dir else None
+
+
+def _check_batch(batch: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+    counter = _STATE.get("counter")
+    out = []
+    for src, item in batch:
+        if isinstance(item, Rejection):
+            out.append((src, item))
+            continue
+        result = check_images(item, min_image_side=_STATE["min_image_side"])
+        if not isinstance(result, Rejection) and counter is not None:
+            sample, info = result
+            sample.num_tokens = counter.count(sample, list(zip(info.widths, info.heights)))
+        out.append((src, result))
+    return out
+
+
+@dataclass
+class SourceTally:
+    """Per-source counts: what a report says about one source."""
+
+    name: str
+    path: str
+    format: str
+    kept: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "path": self.path, "format": self.format, "kept": self.kept, "rejected": dict(sorted(self.rejected.items()))}
+
+
+def unique_sources(sources: list[DataSource]) -> list[DataSource]:
+    """Copies of `sources` with a resolved format and a name unique among them (reports are keyed by name)."""
+    from vlmctl.data.formats import resolve_format
+    from vlmctl.data.formats._common import source_name
+
+    out, seen = [], set()
+    for i, src in enumerate(sources):
+        name = source_name(src)
+        if name in seen:
+            name = f"{name}#{i}"
+        seen.add(name)
+        out.append(src.model_copy(update={"name": name, "format": resolve_format(src)}))
+    return out
+
+
+def _read_all(sources: list[DataSource]) -> Iterator[tuple[int, Any]]:
+    from vlmctl.data.formats import iter_unchecked
+
+    for i, src in enumerate(sources):
+        for item in iter_unchecked(src):
+            yield i, item
+
+
+def _batched(items: Iterator[tuple[int, Any]], size: int) -> Iterator[list[tuple[int, Any]]]:
+    batch: list[tuple[int, Any]] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _checked(sources: list[DataSource], *, num_proc: int, processor_dir: Path | None, min_image_side: int) -> Iterator[tuple[int, Any]]:
+    batches = _batched(_read_all(sources), BATCH_SIZE)
+    if num_proc <= 1:
+        _init_worker(str(processor_dir) if processor_dir else None, min_image_side)
+        for batch in batches:
+            yield from _check_batch(batch)
+        return
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    # fork where there is one: workers start in milliseconds and callers need no `if __name__ == "__main__"` guard
+    # (spawn re-imports the caller's main module). Workers only use PIL/numpy/tokenizers, never the parent's
+    # pyarrow threads.
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    with ProcessPoolExecutor(
+        max_workers=num_proc,
+        mp_context=mp.get_context(method),
+        initializer=_init_worker,
+        initargs=(str(processor_dir) if processor_dir else None, min_image_side),
+    ) as pool:
+        window: deque = deque()
+        try:
+            for batch in batches:
+                window.append(pool.submit(_check_batch, batch))
+                if len(window) >= 2 * num_proc:
+                    yield from window.popleft().result()
+            while window:
+                yield from window.popleft().result()
+        finally:
+            for fut in window:
+                fut.cancel()
+
+
+def iter_checked(
+    data: DataSection,
+    sources: list[DataSource],
+    *,
+    num_proc: int | None = None,
+    processor_dir: Path | None = None,
+    on_item: Callable[[], None] | None = None,
+) -> Iterator[tuple[int, Sample | Rejection, SampleInfo | None]]:
+    """All checks over `sources` (already passed through `unique_sources`), in input order.
+
+    Yields (source index, Sample, SampleInfo) for kept samples and (source index, Rejection, None) for the rest.
+    too_long is checked only when `processor_dir` holds a processor.
+    """
+    from vlmctl.data.tokens import has_processor
+
+    procs = num_proc or data.num_proc or os.cpu_count() or 1
+    pdir = processor_dir if has_processor(processor_dir) else None
+    seen = DigestSet()
+    for src, result in _checked(sources, num_proc=procs, processor_dir=pdir, min_image_side=data.min_image_side):
+        if on_item is not None:
+            on_item()
+        if isinstance(result, Rejection):
+            yield src, result, None
+            continue
+        sample, info = result
+        if data.dedup and not seen.add(info.digest):
+            yield src, Rejection("duplicate", sample.source, sample.location, "same normalized text and image bytes as an earlier sample", sample.id), None
+            continue
+        if sample.num_tokens is not None and sample.num_tokens > data.max_length:
+            detail = f"{sample.num_tokens} tokens (text + visual) > data.max_length={data.max_length}"
+            yield src, Rejection("too_long", sample.source, sample.location, detail, sample.id), None
+            continue
+        yield src, sample, info
+
+
+def progress_bar(enabled: bool, description: str):
+    """A rich progress bar on stderr with a samples/s column; a no-op context when disabled.
+
+    Returns a context manager whose value is a zero-argument `advance()` callable.
+    """
+    import contextlib
+
+    if not enabled:
+        return contextlib.nullcontext(lambda: None)
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.text import Text
+
+    class Rate(ProgressColumn):
+        def render(self, task) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text(f"{speed:,.0f} samples/s" if speed else "- samples/s", style="cyan")
+
+    @contextlib.contextmanager
+    def bar():
+        with Progress(
+            SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:,} samples"),
+            Rate(), TimeElapsedColumn(), console=Console(stderr=True), transient=False,
+        ) as progress:
+            task = progress.add_task(description, total=None)
+            yield lambda: progress.advance(task)
+
+    return bar()

@@ -1,0 +1,374 @@
+"""`vlmctl data prepare`: sources -> checks -> dedup -> split -> Parquet shards + manifest (+ energon export).
+
+    result = prepare_data(cfg.data, num_proc=8, processor_dir=cfg.model.output_dir)
+    result.manifest["splits"]["train"]["samples"]
+
+Output (`data.prepared_dir`)::
+
+    train/train-00000.parquet ...   rows with the schema of `vlmctl.data.sample.arrow_schema()`
+    val/val-00000.parquet ...        (`datasets.load_dataset("parquet", data_dir=prepared_dir)` reads both)
+    manifest.json                    sources, totals, splits, image/text/token statistics
+    rejected.jsonl                   one line per dropped sample: source, location, reason, detail, id
+    length_histogram.png             tokens per sample (or characters when no processor is known)
+    energon/                         with --export energon and no export dir
+
+Everything is written into `.<name>.tmp-<pid>` next to the prepared folder and renamed into place at the end, so
+an interrupted run leaves the previous data intact. Shards are byte-identical for identical inputs: samples keep
+input order, the split is a hash of each sample's content (`checks.is_val`), and no timestamps are written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vlmctl.config.data import DataSection
+from vlmctl.data.checks import REASONS, Rejection, is_val
+from vlmctl.data.pipeline import SourceTally, iter_checked, progress_bar, unique_sources
+from vlmctl.data.sample import SCHEMA_VERSION, Sample
+from vlmctl.errors import UsageError
+
+ROWS_PER_GROUP = 256
+GROUP_BYTES = 64 << 20
+EXPORTS = ("energon",)
+
+
+@dataclass
+class PrepareResult:
+    """What `prepare_data` wrote. `manifest` is the content of manifest.json."""
+
+    prepared_dir: Path
+    manifest: dict[str, Any]
+    export_dir: Path | None = None
+
+    @property
+    def kept(self) -> int:
+        return self.manifest["totals"]["kept"]
+
+    @property
+    def rejected(self) -> dict[str, int]:
+        return self.manifest["totals"]["rejected"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"prepared_dir": str(self.prepared_dir), "export_dir": str(self.export_dir) if self.export_dir else None, **self.manifest}
+
+
+class ShardWriter:
+    """Parquet shards of one split: row groups of up to ROWS_PER_GROUP rows / GROUP_BYTES, files of about
+    `shard_bytes` (a new file starts once the current one passes it)."""
+
+    def __init__(self, folder: Path, prefix: str, shard_bytes: int):
+        from vlmctl.data.sample import arrow_schema
+
+        self.folder, self.prefix, self.shard_bytes = folder, prefix, shard_bytes
+        self.schema = arrow_schema()
+        self.rows: list[dict[str, Any]] = []
+        self.buffered = 0
+        self.writer = None
+        self.file_bytes = 0
+        self.files: list[str] = []
+        self.samples = 0
+        self.bytes = 0
+
+    def add(self, sample: Sample) -> None:
+        self.rows.append(sample.to_row())
+        self.buffered += sum(len(b) for b in sample.images) + sum(len(t) for t in sample.text_parts()) + 64
+        self.samples += 1
+        if len(self.rows) >= ROWS_PER_GROUP or self.buffered >= GROUP_BYTES:
+            self._flush()
+
+    def _open(self) -> None:
+        import pyarrow.parquet as pq
+
+        name = f"{self.prefix}-{len(self.files):05d}.parquet"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        # Image bytes are already compressed (JPEG/PNG/WebP): no codec and no dictionary for them (a dictionary
+        # over 100 KB values costs 10x the write time for nothing); zstd + dictionaries for the text columns.
+        # use_compliant_nested_type=False keeps list fields named "item", so the file's schema is exactly
+        # arrow_schema() when read back (the Parquet-compliant spelling would rename them "element").
+        leaves = _leaf_paths(self.schema)
+        self.writer = pq.ParquetWriter(
+            self.folder / name,
+            self.schema,
+            compression={c: ("none" if c.startswith("images.") else "zstd") for c in leaves},
+            use_dictionary=[c for c in leaves if not c.startswith("images.")],
+            write_statistics=False,
+            use_compliant_nested_type=False,
+        )
+        self.files.append(name)
+        self.file_bytes = 0
+
+    def _flush(self) -> None:
+        import pyarrow as pa
+
+        if not self.rows:
+            return
+        if self.writer is None:
+            self._open()
+        self.writer.write_batch(pa.RecordBatch.from_pylist(self.rows, schema=self.schema), row_group_size=len(self.rows))
+        self.file_bytes += self.buffered
+        self.bytes += self.buffered
+        self.rows, self.buffered = [], 0
+        if self.file_bytes >= self.shard_bytes:
+            self.writer.close()
+            self.writer = None
+
+    def close(self) -> list[str]:
+        self._flush()
+        if self.writer is None and not self.files:
+            self._open()  # an empty split still gets one (empty) shard, so both splits always load
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        return self.files
+
+
+def _leaf_paths(schema) -> list[str]:
+    """Parquet column paths of an Arrow schema's leaves ("messages.list.item.role", "images.list.item.bytes")."""
+    import pyarrow as pa
+
+    def walk(prefix: str, typ) -> list[str]:
+        if pa.types.is_struct(typ):
+            return [p for i in range(typ.num_fields) for p in walk(f"{prefix}.{typ.field(i).name}", typ.field(i).type)]
+        if pa.types.is_list(typ):
+            return walk(f"{prefix}.list.item", typ.value_type)
+        return [prefix]
+
+    return [p for f in schema for p in walk(f.name, f.type)]
+
+
+class Stats:
+    """Exact statistics from value counters: memory is bounded by the number of distinct values, not samples."""
+
+    def __init__(self):
+        self.widths: Counter = Counter()
+        self.heights: Counter = Counter()
+        self.images_per_sample: Counter = Counter()
+        self.text_chars: Counter = Counter()
+        self.turns: Counter = Counter()
+        self.tokens: Counter = Counter()
+        self.conversions: Counter = Counter()
+
+    def add(self, sample: Sample, info) -> None:
+        self.widths.update(info.widths)
+        self.heights.update(info.heights)
+        self.images_per_sample[len(info.widths)] += 1
+        self.text_chars[info.text_chars] += 1
+        self.turns[info.num_turns] += 1
+        self.conversions.update(c.split(",")[0] for c in info.conversions)
+        if sample.num_tokens is not None:
+            self.tokens[sample.num_tokens] += 1
+
+
+def summarize(counter: Counter) -> dict[str, Any] | None:
+    """{count, min, mean, p50, p90, p99, max} of a value counter (nearest-rank percentiles)."""
+    n = sum(counter.values())
+    if n == 0:
+        return None
+    values = sorted(counter)
+    out: dict[str, Any] = {"count": n, "min": values[0], "mean": round(sum(v * c for v, c in counter.items()) / n, 2)}
+    targets = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
+    cum = 0
+    pending = dict(targets)
+    for v in values:
+        cum += counter[v]
+        for name, q in list(pending.items()):
+            if cum >= q * n:
+                out[name] = v
+                del pending[name]
+    out["max"] = values[-1]
+    return out
+
+
+def _token_section(stats: Stats, data: DataSection, counter_dir: Path | None, family: str | None) -> dict[str, Any] | None:
+    summary = summarize(stats.tokens)
+    if summary is None:
+        return None
+    longest = summary["max"]
+    suggested = -(-longest // 64) * 64
+    packing = 1 << max(0, (max(suggested, 8 * summary["p50"]) - 1).bit_length())
+    return {
+        "processor": str(counter_dir),
+        "family": family,
+        "per_sample": "the num_tokens column of every shard row (text + visual tokens)",
+        **summary,
+        "max_length": data.max_length,
+        # Fits every kept sample, rounded up to a multiple of 64 tokens.
+        "suggested_max_length": suggested,
+        # A power of two holding the longest sample and about 8 median samples.
+        "suggested_packing_length": packing,
+    }
+
+
+def write_histogram(path: Path, stats: Stats, max_length: int | None) -> None:
+    """Length histogram PNG: tokens per sample when known, else text characters per sample."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    counter, label = (stats.tokens, "tokens per sample (text + visual)") if stats.tokens else (stats.text_chars, "text characters per sample")
+    fig = Figure(figsize=(7, 3.5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    if counter:
+        values = sorted(counter)
+        ax.hist(values, weights=[counter[v] for v in values], bins=min(50, max(1, len(values))), color="#4c72b0")
+        if stats.tokens and max_length:
+            ax.axvline(max_length, color="#c44e52", linestyle="--", label=f"data.max_length = {max_length}")
+            ax.legend()
+    ax.set_xlabel(label)
+    ax.set_ylabel("samples")
+    ax.set_title(f"Sample lengths ({sum(counter.values()):,} kept samples)")
+    fig.tight_layout()
+    fig.savefig(path, format="png", metadata={"Software": None})
+
+
+def _check_outputs(data: DataSection, out: Path) -> None:
+    out_r = out.resolve()
+    for src in data.sources:
+        if src.format == "hf":
+            continue
+        p = Path(src.path).expanduser()
+        probe = p if not set("*?[") & set(str(p)) else Path(str(p).split("*")[0].split("?")[0].split("[")[0])
+        probe = probe.resolve()
+        if probe == out_r or out_r in probe.parents:
+            raise UsageError(
+                f"data source {src.path} is inside data.prepared_dir {out}: preparing would replace its own input",
+                hint="set data.prepared_dir to another folder",
+            )
+
+
+def prepare_data(
+    data: DataSection,
+    *,
+    num_proc: int | None = None,
+    processor_dir: Path | None = None,
+    export: str | None = None,
+    export_dir: Path | str | None = None,
+    progress: bool = True,
+) -> PrepareResult:
+    """Read every source of `data`, check, dedup, split and write Parquet shards + manifest.json + rejected.jsonl.
+
+    `processor_dir` (a built model folder) enables exact token counts and the too_long check; without it samples
+    have `num_tokens` None. `export="energon"` also writes a Megatron-Energon dataset to `export_dir`
+    (default `prepared_dir/energon`).
+    Raises UsageError (no sources, unknown export, output inside an input) and DataError (unreadable source).
+    """
+    from vlmctl import __version__
+    from vlmctl.data.tokens import TokenCounter, has_processor
+
+    if not data.sources:
+        raise UsageError("data.sources is empty: there is nothing to prepare", hint="list your data files under data.sources in vlmctl.yaml")
+    if export is not None and export not in EXPORTS:
+        raise UsageError(f"unknown export format {export!r}", hint=f"use one of: {', '.join(EXPORTS)}")
+    out = Path(data.prepared_dir)
+    _check_outputs(data, out)
+    sources = unique_sources(data.sources)
+    pdir = Path(processor_dir) if has_processor(processor_dir) else None
+    family = None
+    if pdir is not None:
+        counter = TokenCounter.load(pdir)  # fail early, in the main process, on a broken processor
+        family = counter.family_name if counter else None
+
+    edir_final = Path(export_dir) if export_dir else out / "energon"
+    if export is not None and edir_final.resolve() == out.resolve():
+        raise UsageError("the export folder cannot be data.prepared_dir itself", hint="pass --export-dir OTHER_DIR, or leave it unset (prepared_dir/energon)")
+    inside = export is not None and out.resolve() in edir_final.resolve().parents
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    etmp = None
+    if export is not None:
+        etmp = tmp / edir_final.resolve().relative_to(out.resolve()) if inside else edir_final.parent / f".{edir_final.name}.tmp-{os.getpid()}"
+        shutil.rmtree(etmp, ignore_errors=True)
+        etmp.mkdir(parents=True)
+    try:
+        manifest = _run(data, sources, tmp, etmp, num_proc=num_proc, pdir=pdir, family=family, progress=progress)
+        manifest["vlmctl_version"] = __version__
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if etmp is not None:
+            shutil.rmtree(etmp, ignore_errors=True)
+        raise
+    _swap(tmp, out)
+    if etmp is not None and not inside:
+        edir_final.parent.mkdir(parents=True, exist_ok=True)
+        _swap(etmp, edir_final)
+    return PrepareResult(out, manifest, edir_final if export else None)
+
+
+def _swap(tmp: Path, final: Path) -> None:
+    """Move `tmp` to `final`; an existing `final` is moved aside first and deleted only after the rename."""
+    old = None
+    if final.exists():
+        old = final.parent / f".{final.name}.old-{os.getpid()}"
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    tmp.rename(final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _run(data: DataSection, sources, tmp: Path, etmp: Path | None, *, num_proc, pdir, family, progress) -> dict[str, Any]:
+    shard_bytes = data.shard_size_mb << 20
+    writers = {"train": ShardWriter(tmp / "train", "train", shard_bytes), "val": ShardWriter(tmp / "val", "val", shard_bytes)}
+    energon = None
+    if etmp is not None:
+        from vlmctl.data.energon import EnergonWriter
+
+        energon = EnergonWriter(etmp, shard_bytes)
+    tallies = [SourceTally(s.name, s.path, s.format) for s in sources]
+    stats = Stats()
+    rejected_total: Counter = Counter()
+    with open(tmp / "rejected.jsonl", "w", encoding="utf-8") as rej, progress_bar(progress, "Preparing") as advance:
+        for src, item, info in iter_checked(data, sources, num_proc=num_proc, processor_dir=pdir, on_item=advance):
+            tally = tallies[src]
+            if isinstance(item, Rejection):
+                tally.rejected[item.reason] = tally.rejected.get(item.reason, 0) + 1
+                rejected_total[item.reason] += 1
+                rej.write(json.dumps(item.to_dict(), ensure_ascii=False) + "\n")
+                continue
+            tally.kept += 1
+            split = "val" if is_val(info.digest, data.val_ratio) else "train"
+            writers[split].add(item)
+            if energon is not None:
+                energon.add(split, item)
+            stats.add(item, info)
+    splits = {}
+    for name, w in writers.items():
+        files = w.close()
+        splits[name] = {"samples": w.samples, "shards": [f"{name}/{f}" for f in files], "bytes": sum((tmp / name / f).stat().st_size for f in files)}
+    export = energon.finish(workers=num_proc or 1) if energon is not None else None
+    write_histogram(tmp / "length_histogram.png", stats, data.max_length if stats.tokens else None)
+    kept = sum(t.kept for t in tallies)
+    n_rejected = sum(rejected_total.values())
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "sources": [t.to_dict() for t in tallies],
+        "totals": {
+            "read": kept + n_rejected,
+            "kept": kept,
+            "rejected": {r: rejected_total[r] for r in REASONS if rejected_total[r]},
+            "rejected_total": n_rejected,
+        },
+        "splits": splits,
+        "settings": {"val_ratio": data.val_ratio, "min_image_side": data.min_image_side, "max_length": data.max_length, "dedup": data.dedup},
+        "images": {
+            "count": sum(stats.widths.values()),
+            "per_sample": summarize(stats.images_per_sample),
+            "width": summarize(stats.widths),
+            "height": summarize(stats.heights),
+            "converted": dict(sorted(stats.conversions.items())),
+        },
+        "text": {"chars": summarize(stats.text_chars), "turns": summarize(stats.turns)},
+        "tokens": _token_section(stats, data, pdir, family),
+        "export": export,
+        "files": {"rejected": "rejected.jsonl", "histogram": "length_histogram.png"},
+    }

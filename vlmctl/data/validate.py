@@ -1,0 +1,100 @@
+"""`vlmctl data validate`: the checks of `data prepare` without writing anything.
+
+    report = validate_data(cfg.data)                      # the configured sources
+    report = validate_data(cfg.data, paths=["raw.json"])  # given files/folders (format auto), or a prepared dir
+    report.ok, report.counts["corrupt_image"], report.examples["corrupt_image"][0]["location"]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vlmctl.config.data import DataSection, DataSource
+from vlmctl.data.checks import REASONS, Rejection
+from vlmctl.data.pipeline import SourceTally, iter_checked, progress_bar, unique_sources
+from vlmctl.errors import UsageError
+
+
+@dataclass
+class ValidationReport:
+    """Counts per reason code with the first few locations of each."""
+
+    total: int = 0
+    kept: int = 0
+    counts: dict[str, int] = field(default_factory=dict)
+    examples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    sources: list[SourceTally] = field(default_factory=list)
+    tokens_checked: bool = False
+
+    @property
+    def rejected(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def ok(self) -> bool:
+        """True when no sample would be rejected."""
+        return self.rejected == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "total": self.total,
+            "kept": self.kept,
+            "rejected": self.rejected,
+            "counts": {r: self.counts[r] for r in REASONS if self.counts.get(r)},
+            "examples": {r: self.examples[r] for r in REASONS if r in self.examples},
+            "sources": [t.to_dict() for t in self.sources],
+            "tokens_checked": self.tokens_checked,
+        }
+
+
+def sources_for_paths(paths: list[str | Path]) -> list[DataSource]:
+    """DataSources for paths given on the command line: format auto; a prepared folder (with manifest.json) is
+    read back as parquet."""
+    out = []
+    for p in paths:
+        path = Path(p).expanduser()
+        resolved = str(path.resolve()) if path.exists() else str(path)
+        if path.is_dir() and (path / "manifest.json").is_file():
+            out.append(DataSource(path=resolved, format="parquet", name=path.name))
+        else:
+            out.append(DataSource(path=resolved, format="auto"))
+    return out
+
+
+def validate_data(
+    data: DataSection,
+    *,
+    paths: list[str | Path] | None = None,
+    num_proc: int | None = None,
+    processor_dir: Path | None = None,
+    progress: bool = True,
+    max_examples: int = 5,
+) -> ValidationReport:
+    """Run every check over `data.sources` (or `paths`) and count rejections per reason. Writes nothing.
+
+    Raises UsageError when there is nothing to check and DataError when a source cannot be opened.
+    """
+    from vlmctl.data.tokens import has_processor
+
+    raw = sources_for_paths(paths) if paths else list(data.sources)
+    if not raw:
+        raise UsageError("no data to validate", hint="pass files/folders (`vlmctl data validate data/raw/train.json`) or list data.sources in vlmctl.yaml")
+    sources = unique_sources(raw)
+    report = ValidationReport(sources=[SourceTally(s.name, s.path, s.format) for s in sources], tokens_checked=has_processor(processor_dir))
+    with progress_bar(progress, "Validating") as advance:
+        for src, item, _ in iter_checked(data, sources, num_proc=num_proc, processor_dir=processor_dir, on_item=advance):
+            report.total += 1
+            tally = report.sources[src]
+            if isinstance(item, Rejection):
+                report.counts[item.reason] = report.counts.get(item.reason, 0) + 1
+                tally.rejected[item.reason] = tally.rejected.get(item.reason, 0) + 1
+                examples = report.examples.setdefault(item.reason, [])
+                if len(examples) < max_examples:
+                    examples.append({"source": item.source, "location": item.location, "detail": item.detail, "id": item.id})
+            else:
+                report.kept += 1
+                tally.kept += 1
+    return report
