@@ -3,8 +3,11 @@
 Packing concatenates several samples into one row of at most `tokens_per_batch` tokens with no padding. Attention
 stays inside each sample: position ids restart at 0 for every sample, and transformers derives the block-diagonal
 causal mask from them (`masking_utils.find_packed_sequence_indices`) for sdpa / eager / flex attention, while the
-varlen kernels receive the sample boundaries as `cu_seq_lens_q/k` (FlashAttention's varlen convention:
-cumulative sequence lengths, int32, shape (num_samples + 1,)).
+varlen kernel receives the sample boundaries as `packed_cu_seqlens` (FlashAttention's varlen convention:
+cumulative sequence lengths, int32, shape (num_samples + 1,)) and `packed_max_seqlen`. These are not named
+`cu_seq_lens_q/k`: keyword arguments of a VLM's forward also reach its vision tower, whose Qwen-VL attention
+passes its own `cu_seq_lens_q` (per-window boundaries), and the two would collide. transformers' own
+FlashAttention path derives the boundaries from the position ids instead.
 
 Qwen2/2.5/3-VL use 3-D mRoPE positions (temporal, height, width) for visual tokens. They are computed per sample
 with the model's own `get_rope_index` (so they restart at 0 for each sample, as in unpacked training) and stacked
@@ -74,7 +77,7 @@ def pack_samples(samples: list[dict[str, Any]]) -> dict[str, Any]:
     - `input_ids`, `labels`: (1, T) with T = sum(L_i); the first label of every sample is -100 so no token is
       trained to predict the next sample's start (models shift labels left by one internally),
     - `position_ids`: (1, T), restarting at 0 for each sample,
-    - `cu_seq_lens_q` / `cu_seq_lens_k`: int32 (num_samples + 1,), `max_length_q` / `max_length_k`: int,
+    - `packed_cu_seqlens`: int32 (num_samples + 1,), `packed_max_seqlen`: int (tokens),
     - `pixel_values`, `image_grid_thw`, `mm_token_type_ids` when the samples have them,
     - `seq_lens`: list of L_i (for per-sample losses and mRoPE positions).
     """
@@ -96,8 +99,8 @@ def pack_samples(samples: list[dict[str, Any]]) -> dict[str, Any]:
     }
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
-    out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = cu
-    out["max_length_q"] = out["max_length_k"] = max(lens)
+    out["packed_cu_seqlens"] = cu
+    out["packed_max_seqlen"] = max(lens)
     for key in ("pixel_values", "image_grid_thw"):
         parts = [s[key] for s in samples if s.get(key) is not None]
         if parts:

@@ -3,7 +3,8 @@
 Attention (`train.attn_implementation`):
 - `varlen`: PyTorch's own `torch.nn.attention.varlen.varlen_attn` (CUDA only, torch >= 2.10; no flash-attn build),
   registered with transformers' `AttentionInterface` as `vlmctl_varlen`. It receives the packed sample boundaries
-  as `cu_seq_lens_q/k` and `max_length_q/k` keyword arguments passed through the model's forward.
+  as `packed_cu_seqlens` / `packed_max_seqlen` keyword arguments passed through the model's forward (see
+  `vlmctl.data.packing`), or a Qwen-VL vision tower's window boundaries as `cu_seq_lens_q/k`.
 - `flash_attn`: transformers' `flash_attention_2` (flash-attn's varlen functions), when the package is installed.
 - `sdpa` / `flex` / `eager`: transformers' own; with packing, transformers builds the block-diagonal causal mask
   from the per-sample position ids, so these are the correct CPU fallback.
@@ -17,10 +18,14 @@ liger-kernel installed, its fused linear cross-entropy patches replace this (see
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from typing import Any
 
+# No "flash" in the name: transformers' set_attn_implementation would look for a Hub kernel of that name.
 VARLEN_NAME = "vlmctl_varlen"
+# The same kernel, named so that Qwen-VL vision towers pass it their window boundaries (see `set_attention`).
+VISION_VARLEN_NAME = "vlmctl_flash_varlen"
 
 
 def resolve_attn_implementation(requested: str, device_type: str) -> str:
@@ -43,6 +48,23 @@ def resolve_attn_implementation(requested: str, device_type: str) -> str:
     return {"sdpa": "sdpa", "flex": "flex_attention", "eager": "eager"}[requested]
 
 
+def set_attention(model, implementation: str, vision_varlen: bool = False) -> None:
+    """Select `implementation` for the language model of `model` (and its vision tower, see below).
+
+    With the varlen kernel, vision towers that attend within per-image windows (Qwen-VL) get the same kernel over
+    all windows of the step in one call when `vision_varlen` is set: transformers hands the window boundaries
+    (`cu_seqlens`) only to implementations whose name contains "flash" (`is_flash_attention_requested`), and its
+    `set_attn_implementation` would look such a name up on the Hub, so the vision config's dispatch name is set
+    directly. Otherwise the vision tower keeps sdpa (one call per window).
+    """
+    if implementation == VARLEN_NAME and "vision_config" in getattr(model.config, "sub_configs", {}):
+        model.set_attn_implementation({"text_config": implementation, "vision_config": "sdpa"})
+        if vision_varlen:
+            model.config.vision_config._attn_implementation_internal = VISION_VARLEN_NAME
+    else:
+        model.set_attn_implementation(implementation)
+
+
 def _has_varlen() -> bool:
     try:
         from torch.nn.attention.varlen import varlen_attn  # noqa: F401
@@ -56,6 +78,7 @@ def register_varlen_attention() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(VARLEN_NAME, varlen_attention_forward)
+    AttentionInterface.register(VISION_VARLEN_NAME, varlen_attention_forward)
     try:  # the mask interface must know the name too; varlen needs no mask
         from transformers import AttentionMaskInterface
 
@@ -67,9 +90,10 @@ def register_varlen_attention() -> None:
 def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs) -> tuple[Any, None]:
     """transformers attention function over packed rows with PyTorch's varlen kernel.
 
-    query: (1, H, T, D), key/value: (1, H_kv, T, D); `cu_seq_lens_q/k` int32 (num_samples + 1,) and
-    `max_length_q/k` come from the packed batch. Returns ((1, T, H, D), None) like transformers' sdpa function.
-    Without `cu_seq_lens_q` (e.g. an unpacked batch of one sample) the whole row is one sequence.
+    query: (1, H, T, D), key/value: (1, H_kv, T, D). Boundaries: `cu_seq_lens_q/k` + `max_length_q/k` when the
+    caller passes them (Qwen-VL vision windows), else `packed_cu_seqlens` int32 (num_samples + 1,) +
+    `packed_max_seqlen` from the packed batch, else the whole row is one sequence.
+    Returns ((1, T, H, D), None) like transformers' sdpa function.
     """
     import torch
     from torch.nn.attention.varlen import varlen_attn
@@ -77,23 +101,44 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     if query.shape[0] != 1:
         raise ValueError("varlen attention expects packed rows of batch size 1; enable train.packing")
     total = query.shape[2]
-    cu_q = kwargs.get("cu_seq_lens_q")
-    if cu_q is None:
-        cu_q = torch.tensor([0, total], dtype=torch.int32, device=query.device)
-        max_q = total
+    if kwargs.get("cu_seq_lens_q") is not None:
+        cu_q, max_q = kwargs["cu_seq_lens_q"], int(kwargs.get("max_length_q") or total)
+        cu_k, max_k = kwargs.get("cu_seq_lens_k", cu_q), int(kwargs.get("max_length_k") or max_q)
+    elif kwargs.get("packed_cu_seqlens") is not None:
+        cu_q = cu_k = kwargs["packed_cu_seqlens"]
+        max_q = max_k = int(kwargs.get("packed_max_seqlen") or total)
     else:
-        max_q = int(kwargs.get("max_length_q") or total)
-    cu_k = kwargs.get("cu_seq_lens_k", cu_q)
-    max_k = int(kwargs.get("max_length_k") or max_q)
-    q = query[0].transpose(0, 1)  # (T, H, D)
-    k = key[0].transpose(0, 1)
-    v = value[0].transpose(0, 1)
-    causal = getattr(module, "is_causal", True)
-    out = varlen_attn(
-        q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k,
-        scale=scaling, window_size=(-1, 0) if causal else (-1, -1), enable_gqa=k.shape[1] != q.shape[1],
-    )
+        cu_q = cu_k = torch.tensor([0, total], dtype=torch.int32, device=query.device)
+        max_q = max_k = total
+    # the kernel wants (T, H, D) with contiguous memory
+    q = query[0].transpose(0, 1).contiguous()
+    k = key[0].transpose(0, 1).contiguous()
+    v = value[0].transpose(0, 1).contiguous()
+    causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
+    params = _varlen_params()
+    extra: dict[str, Any] = {"scale": scaling}
+    # The signature grew between torch releases: causality was `is_causal` before `window_size` existed.
+    if "window_size" in params:
+        extra["window_size"] = (-1, 0) if causal else (-1, -1)
+    else:
+        extra["is_causal"] = causal
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            extra["enable_gqa"] = True
+        else:  # grouped-query attention without kernel support: repeat the kv heads
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    out = varlen_attn(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k, **extra)
     return out[None], None
+
+
+@functools.lru_cache(maxsize=1)
+def _varlen_params() -> frozenset[str]:
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
 
 
 def token_losses(model, batch: dict[str, Any]):
@@ -162,10 +207,10 @@ LIGER_PATCHES = {
 }
 
 
-def apply_liger(model, family: str) -> bool:
-    """Apply liger-kernel's RMSNorm / SwiGLU / RoPE / fused linear cross-entropy patches to `model` in place.
-
-    Returns False when liger has no patch for `family` (the plain-torch path is used then).
+def apply_liger(model, family: str, kernels: bool = True) -> bool:
+    """Apply liger-kernel's fused linear cross-entropy (and, with `kernels`, its RMSNorm / SwiGLU / RoPE) patches
+    to `model` in place. Leave `kernels` off with torch.compile, which fuses those itself (and cannot trace
+    liger's autograd functions). Returns False when liger has no patch for `family`.
     """
     import liger_kernel.transformers as lk
 
@@ -173,5 +218,8 @@ def apply_liger(model, family: str) -> bool:
     fn = getattr(lk, name, None) if name else None
     if fn is None:
         return False
-    fn(model=model, fused_linear_cross_entropy=True, cross_entropy=False)
+    if kernels:
+        fn(model=model, fused_linear_cross_entropy=True, cross_entropy=False)
+    else:
+        fn(model=model, fused_linear_cross_entropy=True, cross_entropy=False, rope=False, rms_norm=False, swiglu=False)
     return True
