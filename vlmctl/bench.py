@@ -63,7 +63,8 @@ def qwen_vl_samples(n: int, cfg, spec: WorkloadSpec = WorkloadSpec(), seed: int 
     import torch
 
     rng = random.Random(seed)
-    vocab = min(cfg.text_config.vocab_size, 150000)
+    vocab = cfg.text_config.vocab_size
+    special = {cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id}
     out = []
     for _ in range(n):
         side = rng.choice(spec.image_sizes)
@@ -71,7 +72,7 @@ def qwen_vl_samples(n: int, cfg, spec: WorkloadSpec = WorkloadSpec(), seed: int 
         n_visual = gh * gw // spec.merge_size**2
         n_text = rng.randint(*spec.text_tokens)
         ids = [cfg.vision_start_token_id] + [cfg.image_token_id] * n_visual + [cfg.vision_end_token_id]
-        ids += [rng.randrange(0, vocab) for _ in range(n_text)]
+        ids += [t if t not in special else t + len(special) + 1 for t in (rng.randrange(0, vocab - len(special) - 1) for _ in range(n_text))]
         ids_t = torch.tensor(ids)
         labels = ids_t.clone()
         labels[: n_visual + 2] = -100
@@ -179,3 +180,45 @@ def run_packed_bench(
         mfu=flops / total / peak_flops, peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         tokens_per_step=toks / len(times),
     )
+
+
+def run_bench(model_section, train_section, *, steps: int = 20, warmup: int = 3, spec: WorkloadSpec = WorkloadSpec(),
+              device: str | None = None, log=print) -> BenchResult:
+    """`vlmctl bench`: a random-init model of `model_section` (a `preset`, e.g. qwen2.5-vl-3b) trained on the
+    synthetic baseline-shaped workload with the settings of `train_section` (tokens_per_batch,
+    attn_implementation, liger, gradient_checkpointing, compile, precision).
+
+    Raises UsageError for a model that is not a Qwen-VL preset (the synthetic workload is Qwen-VL shaped).
+    """
+    import torch
+
+    from vlmctl.errors import UsageError
+    from vlmctl.models.build import instantiate, plan_build
+    from vlmctl.train.kernels import apply_liger, liger_available, resolve_attn_implementation, set_attention
+
+    plan = plan_build(model_section)
+    if not plan.family.mrope:
+        raise UsageError(
+            f"vlmctl bench runs Qwen-VL architectures; model family {plan.family.name!r} is not one",
+            hint="set model.preset to qwen2.5-vl-3b, qwen2.5-vl-7b or tiny-qwen2.5-vl (with model.init=random)",
+        )
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    precision = train_section.precision
+    if precision == "auto":
+        precision = "bf16" if device == "cuda" else "fp32"
+    torch.manual_seed(0)
+    model = instantiate(plan, device=device, dtype=precision)
+    set_attention(model, resolve_attn_implementation(train_section.attn_implementation, device), vision_varlen=device == "cuda")
+    liger = train_section.liger == "on" or (train_section.liger == "auto" and liger_available(device))
+    if liger:
+        apply_liger(model, plan.family.name, kernels=not train_section.compile)
+    if train_section.compile:
+        for layer in model.model.language_model.layers:
+            layer.compile(dynamic=True)
+    if train_section.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mean_tokens = (sum(spec.text_tokens) / 2) + sum((s // spec.patch_size) ** 2 / spec.merge_size**2 for s in spec.image_sizes) / len(spec.image_sizes)
+    n = int((steps + warmup + 2) * train_section.tokens_per_batch / mean_tokens * 1.3) + 8
+    samples = qwen_vl_samples(n, model.config, spec)
+    return run_packed_bench(model, samples, name=model_section.preset or "model", tokens_per_batch=train_section.tokens_per_batch,
+                            steps=steps, warmup=warmup, use_liger=liger, log=log)
