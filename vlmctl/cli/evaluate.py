@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from vlmctl.cli._common import ConfigOpt, JsonOpt, load_project, split_args
-from vlmctl.cli._stub import not_implemented
+from vlmctl.cli._common import ConfigOpt, JsonOpt, console, info, load_project, print_json, split_args, state
 
 EXAMPLE = "Example: vlmctl eval --data val --task vqa --limit 200"
 
@@ -23,10 +23,103 @@ def eval_cmd(
     limit: Annotated[Optional[int], typer.Option("--limit", help="Score at most N samples.")] = None,
     predictions: Annotated[Optional[Path], typer.Option("--predictions", help="Score an existing predictions JSONL; loads no model.")] = None,
     out: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output folder.")] = None,
+    backend: Annotated[Optional[str], typer.Option("--backend", help="hf, or vllm when installed.")] = None,
+    lmms_eval: Annotated[Optional[str], typer.Option("--lmms-eval", help="Comma-separated lmms-eval tasks to run on MODEL (when lmms-eval is installed).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Generate answers on a validation set or benchmark file and compute VQA/ANLS/relaxed/MCQ/caption metrics."""
-    _, overrides = split_args(args)
-    if predictions is None:
-        load_project(config, overrides)
-    not_implemented("eval")
+    from vlmctl.errors import UsageError
+    from vlmctl.evaluation import runner
+
+    positionals, overrides = split_args(args)
+    if len(positionals) > 1:
+        raise UsageError(f"unexpected argument {positionals[1]!r}", hint="give at most one MODEL folder, then section.key=value overrides")
+    if limit is not None and limit <= 0:
+        raise UsageError("--limit must be positive", hint="e.g. --limit 200")
+
+    if predictions is not None:
+        out_dir = out or _predictions_out_dir(predictions, config, overrides)
+        result = runner.score_predictions_file(predictions, task=task or "auto", out_dir=out_dir, limit=limit)
+        _render(result, as_json)
+        return
+
+    cfg = load_project(config, overrides)
+    ev = cfg.eval
+    model_dir = Path(positionals[0]) if positionals else runner.default_model_dir(cfg.train.output_dir, cfg.model.output_dir)
+    model_dir = model_dir.expanduser().resolve()
+    label = model_dir.parent.name if model_dir.name == "final" else model_dir.name
+
+    if lmms_eval:
+        from vlmctl.evaluation.lmms import run_lmms_eval
+
+        runner.check_model_dir(model_dir)
+        out_dir = out or ev.output_dir / f"{label}-lmms-eval"
+        scores = run_lmms_eval(model_dir, lmms_eval, out_dir, batch_size=batch_size or ev.batch_size)
+        result = runner.fold_into_metrics(out_dir, scores, model=str(model_dir), data=f"lmms-eval:{lmms_eval}")
+        _render(result, as_json)
+        return
+
+    runner.check_model_dir(model_dir)  # fail before reading data
+    data_name = data or ev.data
+    samples = runner.load_samples(data_name, cfg.data.prepared_dir, limit or ev.limit)
+    task_name = runner.resolve_task(task or ev.task, samples)
+    out_dir = out or ev.output_dir / f"{label}-{task_name}"
+    if not as_json and int(os.environ.get("RANK", 0)) == 0:
+        info(f"Evaluating [bold]{model_dir}[/bold] on {len(samples)} samples ({data_name}, task {task_name})")
+    with _progress(len(samples), enabled=not as_json) as progress:
+        result = runner.run_eval(
+            model_dir, samples, task=task_name, data_name=data_name, out_dir=out_dir,
+            batch_size=batch_size or ev.batch_size, max_new_tokens=max_new_tokens or ev.max_new_tokens,
+            backend=backend or ev.backend, dtype=ev.dtype, progress=progress,
+        )
+    if result is not None:  # rank 0 only under torchrun
+        _render(result, as_json)
+
+
+def _predictions_out_dir(predictions: Path, config: Path | None, overrides: list[str]) -> Path:
+    """eval.output_dir/<file stem> inside a project, else a folder next to the predictions file."""
+    from vlmctl.config import find_config
+
+    if config is not None or state.config is not None or find_config() is not None:
+        return load_project(config, overrides).eval.output_dir / f"{predictions.stem}-scored"
+    return predictions.with_name(f"{predictions.stem}-scored")
+
+
+class _progress:
+    """A rich progress bar over samples (hidden with --quiet, --json, and on ranks other than 0)."""
+
+    def __init__(self, total: int, enabled: bool = True):
+        self.total = total
+        self.enabled = enabled and not state.quiet and int(os.environ.get("RANK", 0)) == 0
+        self.bar = None
+
+    def __enter__(self):
+        if not self.enabled:
+            return None
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.bar = Progress(TextColumn("eval"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=console, transient=True)
+        self.bar.start()
+        task = self.bar.add_task("eval", total=self.total)
+        return lambda done, total: self.bar.update(task, completed=done, total=total)
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _render(result, as_json: bool) -> None:
+    summary = result.summary()
+    if as_json:
+        print_json({**summary, "output_dir": str(result.out_dir) if result.out_dir else None})
+        return
+    from rich.table import Table
+
+    table = Table(title=f"{summary['task']} · {summary['n']} samples · {Path(str(summary['data'])).name}", title_justify="left")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for name, value in summary["metrics"].items():
+        table.add_row(name, f"{value:.4f}")
+    console.print(table)
+    if result.out_dir is not None:
+        info(f"Wrote {result.out_dir}/ (metrics.json, predictions.jsonl, report.html)")

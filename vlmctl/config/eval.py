@@ -17,4 +17,5 @@ class EvalSection(Section):
     batch_size: int = Field(8, gt=0, description="Samples per generation batch.")
     limit: int | None = Field(None, gt=0, description="Score at most this many samples.")
     backend: Literal["hf", "vllm"] = Field("hf", description="Generation backend; vllm when installed.")
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field("auto", description="Compute dtype of the evaluated model; auto = bf16 on GPUs that support it, fp32 on CPU.")
     output_dir: ProjectPath = Field(Path("outputs/eval"), description="Where predictions.jsonl and metrics.json go.")
