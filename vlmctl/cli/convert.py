@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from vlmctl.cli._stub import not_implemented
+from vlmctl.cli._common import JsonOpt, console, info, print_json, state
 
 EXAMPLE = "Example: vlmctl convert outputs/runs/my-run/checkpoint-500 -o exports/my-model --dtype bf16"
 
@@ -23,6 +23,45 @@ def convert(
     base: Annotated[Optional[str], typer.Option("--base", help="Base model of a LoRA adapter folder.")] = None,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Reload and compare logits with the source.")] = True,
     force: Annotated[bool, typer.Option("--force", help="Overwrite OUT.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Turn a checkpoint into a complete Hugging Face model folder and verify its logits."""
-    not_implemented("convert")
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from transformers.utils import logging as hf_logging
+
+    from vlmctl.convert import convert as run_convert
+
+    if not state.verbose:  # our own progress display replaces the per-file loading/saving bars
+        hf_logging.disable_progress_bar()
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True, disable=state.quiet or as_json) as bar:
+        task = bar.add_task("converting", total=None)
+
+        def progress(message: str) -> None:
+            bar.update(task, description=message)
+            if state.verbose:
+                console.print(f"[dim]{message}[/dim]")
+
+        result = run_convert(
+            src, out, to=to, dtype=dtype, max_shard_size=max_shard_size, merge_lora=merge_lora, adapter_only=adapter_only,
+            base=base, verify=verify, force=force, progress=progress,
+        )
+    if as_json:
+        print_json(result.to_dict())
+        return
+    table = Table(title=f"{result.out}", title_justify="left")
+    table.add_column("file")
+    table.add_column("bytes", justify="right")
+    for name, size in result.files:
+        table.add_row(name, f"{size:,}")
+    if not state.quiet:
+        console.print(table)
+    what = "LoRA adapter" if result.adapter_only else ("merged LoRA model" if result.merged_lora else "model")
+    info(f"[green]Converted[/green] {result.kind} {result.source} -> {what} at {result.out} ({result.dtype})")
+    v = result.verify
+    if v is not None:
+        info(f"[green]Verified[/green]: max |logit difference| {v.max_abs_diff:.3g} over {v.num_logits:,} logits (tolerance {v.tolerance:.3g})")
+    else:
+        info("[yellow]Not verified[/yellow] (--no-verify)")

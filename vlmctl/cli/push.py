@@ -7,10 +7,23 @@ from typing import Annotated, Optional
 
 import typer
 
-from vlmctl.cli._common import ConfigOpt
-from vlmctl.cli._stub import not_implemented
+from vlmctl.cli._common import ConfigOpt, JsonOpt, console, info, print_json, state
 
 EXAMPLE = "Example: vlmctl push outputs/runs/my-run/final --repo-id my-org/my-vlm --dry-run"
+
+
+def _human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if size < 1024 or unit == "TB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def _latest_final(runs_dir: Path) -> Path | None:
+    finals = [p for p in runs_dir.glob("*/final") if p.is_dir()] if runs_dir.is_dir() else []
+    return max(finals, key=lambda p: p.stat().st_mtime) if finals else None
 
 
 def push(
@@ -21,6 +34,43 @@ def push(
     revision: Annotated[Optional[str], typer.Option("--revision", help="Branch to push to.")] = None,
     commit_message: Annotated[Optional[str], typer.Option("--commit-message", help="Commit message.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show files and model card; upload nothing.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Upload a model folder to the Hugging Face Hub with a model card."""
-    not_implemented("push")
+    from rich.table import Table
+
+    from vlmctl.config import VlmctlConfig, find_config, load_config
+    from vlmctl.errors import UsageError
+    from vlmctl.hub import push_folder
+
+    # A project file is optional when the folder is given: defaults of the hub section apply.
+    cfg = load_config(config or state.config) if (config or state.config or find_config()) else VlmctlConfig()
+    if folder is None:
+        folder = _latest_final(cfg.train.output_dir)
+        if folder is None:
+            raise UsageError(f"no run with a final export under {cfg.train.output_dir}", hint="pass the model folder: vlmctl push FOLDER --repo-id ORG/NAME")
+    eval_dir = cfg.eval.output_dir
+
+    if dry_run:
+        result = push_folder(folder, hub=cfg.hub, repo_id=repo_id, private=private, revision=revision, commit_message=commit_message, dry_run=True, eval_dir=eval_dir)
+    else:
+        with console.status(f"Uploading {folder} to {repo_id or cfg.hub.repo_id} ...", spinner="dots"):
+            result = push_folder(folder, hub=cfg.hub, repo_id=repo_id, private=private, revision=revision, commit_message=commit_message, eval_dir=eval_dir)
+    if as_json:
+        print_json(result.to_dict())
+        return
+
+    table = Table(title=f"{'Would upload' if dry_run else 'Uploaded'} to {result.repo_id}", title_justify="left")
+    table.add_column("file")
+    table.add_column("size", justify="right")
+    for f in result.files:
+        table.add_row(f.path + (" (generated)" if f.path == "README.md" and result.card_generated else ""), _human(f.size))
+    table.add_row("[bold]total[/bold]", f"[bold]{_human(result.total_bytes)}[/bold]")
+    console.print(table)
+    if dry_run:
+        console.rule("README.md" + (" (generated)" if result.card_generated else ""))
+        console.print(result.card, markup=False, highlight=False)
+        console.rule()
+        info("[dim]dry run: nothing was uploaded[/dim]")
+    else:
+        info(f"[green]Pushed[/green] {len(result.files)} files ({_human(result.total_bytes)}) to {result.url}" + (f" @ {result.commit[:10]}" if result.commit else ""))

@@ -1,0 +1,359 @@
+"""`vlmctl push`: model card content, --dry-run output, and uploads to a local HTTP stand-in for the Hub.
+
+The stand-in implements the endpoints huggingface_hub's upload path calls (whoami-v2, repos/create, validate-yaml,
+preupload, the LFS batch API + PUT, commit NDJSON, branch) and keeps the received bytes, so the tests can compare
+them with the files on disk.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+
+from vlmctl.cli.app import main
+from vlmctl.config import HubSection
+
+TOKEN = "hf_testtoken_write_0123456789"
+READ_TOKEN = "hf_testtoken_read_0123456789"
+SCOPED_TOKEN = "hf_testtoken_scoped_0123456789"  # a fine-grained token the server refuses to commit with
+
+
+class FakeHub:
+    """In-memory Hub: users, repos ({branch: {path: bytes}}), LFS objects, request log."""
+
+    def __init__(self):
+        self.repos: dict[str, dict] = {}
+        self.lfs: dict[str, bytes] = {}
+        self.requests: list[tuple[str, str]] = []
+        self.commits: list[dict] = []
+        self.tokens = {TOKEN: "write", READ_TOKEN: "read", SCOPED_TOKEN: "fineGrained"}
+        self.user, self.orgs = "alice", ["alice-lab"]
+
+
+def _handler(hub: FakeHub, endpoint: list[str]):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):  # keep pytest output clean
+            pass
+
+        def _body(self) -> bytes:
+            if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                out = b""
+                while True:
+                    size = int(self.rfile.readline().strip(), 16)
+                    if size == 0:
+                        self.rfile.readline()
+                        return out
+                    out += self.rfile.read(size)
+                    self.rfile.readline()
+            return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+        def _send(self, status: int, payload=None):
+            data = json.dumps(payload if payload is not None else {}).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            if status >= 400:
+                self.send_header("X-Error-Message", (payload or {}).get("error", ""))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _role(self):
+            auth = self.headers.get("Authorization", "")
+            return hub.tokens.get(auth.removeprefix("Bearer ").strip())
+
+        def _repo(self, parts):
+            return f"{parts[0]}/{parts[1]}"
+
+        def do_GET(self):
+            hub.requests.append(("GET", self.path))
+            if self.path.startswith("/api/whoami-v2"):
+                role = self._role()
+                if role is None:
+                    return self._send(401, {"error": "Invalid credentials in Authorization header"})
+                orgs = [{"name": o, "type": "org"} for o in hub.orgs]
+                return self._send(200, {"type": "user", "name": hub.user, "orgs": orgs, "auth": {"type": "access_token", "accessToken": {"role": role}}})
+            self._send(404, {"error": "not found"})
+
+        def do_PUT(self):
+            hub.requests.append(("PUT", self.path))
+            body = self._body()
+            if self.path.startswith("/_lfs/"):
+                oid = self.path.split("/")[-1]
+                if hashlib.sha256(body).hexdigest() != oid:
+                    return self._send(400, {"error": "sha256 mismatch"})
+                hub.lfs[oid] = body
+                return self._send(200, {})
+            self._send(404, {"error": "not found"})
+
+        def do_POST(self):
+            hub.requests.append(("POST", self.path))
+            body = self._body()
+            path = self.path.split("?")[0]
+            role = self._role()
+            if path == "/api/validate-yaml":
+                content = json.loads(body)["content"]
+                meta = yaml.safe_load(content.split("---")[1]) if content.startswith("---") else {}
+                errors = [] if isinstance(meta, dict) else [{"message": "metadata is not a mapping"}]
+                return self._send(200 if not errors else 400, {"errors": errors, "warnings": []})
+            if role is None:
+                return self._send(401, {"error": "Invalid credentials"})
+            if path == "/api/repos/create":
+                req = json.loads(body)
+                ns = req.get("organization") or hub.user
+                repo_id = f"{ns}/{req['name']}"
+                if ns not in (hub.user, *hub.orgs):
+                    return self._send(403, {"error": "You don't have the rights to create a model under this namespace"})
+                if repo_id in hub.repos:
+                    return self._send(409, {"error": "You already created this model repo", "url": f"{endpoint[0]}/{repo_id}"})
+                hub.repos[repo_id] = {"visibility": req.get("visibility"), "branches": {"main": {}}}
+                return self._send(200, {"url": f"{endpoint[0]}/{repo_id}", "name": repo_id})
+            parts = path.strip("/").split("/")
+            if parts[0] == "api" and parts[1] == "models":
+                repo_id, action, rev = self._repo(parts[2:]), parts[4], "/".join(parts[5:])
+                if repo_id not in hub.repos:
+                    return self._send(404, {"error": "Repository not found"})
+                repo = hub.repos[repo_id]
+                if action == "preupload":
+                    files = json.loads(body)["files"]
+                    modes = [{"path": f["path"], "uploadMode": "lfs" if f["path"].endswith(".safetensors") or f["size"] > 20_000 else "regular", "shouldIgnore": False, "oid": None} for f in files]
+                    return self._send(200, {"files": modes, "commitOid": "0" * 40})
+                if action == "branch":
+                    if rev in repo["branches"]:
+                        return self._send(409, {"error": "branch exists"})
+                    repo["branches"][rev] = dict(repo["branches"]["main"])
+                    return self._send(200, {})
+                if action == "commit":
+                    if role == "fineGrained":
+                        return self._send(403, {"error": "This token has no write access to this repository"})
+                    lines = [json.loads(line) for line in body.decode().splitlines() if line.strip()]
+                    branch = repo["branches"].setdefault(rev, {})
+                    for item in lines[1:]:
+                        value = item["value"]
+                        if item["key"] == "file":
+                            branch[value["path"]] = base64.b64decode(value["content"])
+                        elif item["key"] == "lfsFile":
+                            if value["oid"] not in hub.lfs:
+                                return self._send(400, {"error": f"LFS object {value['oid']} was never uploaded"})
+                            branch[value["path"]] = hub.lfs[value["oid"]]
+                    hub.commits.append({"repo": repo_id, "revision": rev, "header": lines[0]["value"], "ops": [i["key"] for i in lines[1:]]})
+                    oid = hashlib.sha1(body).hexdigest()
+                    return self._send(200, {"commitUrl": f"{endpoint[0]}/{repo_id}/commit/{oid}", "commitOid": oid, "pullRequestUrl": None})
+            if path.endswith(".git/info/lfs/objects/batch"):
+                req = json.loads(body)
+                objects = [{"oid": o["oid"], "size": o["size"], "authenticated": True, "actions": {"upload": {"href": f"{endpoint[0]}/_lfs/{o['oid']}"}}} for o in req["objects"]]
+                return self._send(200, {"transfer": "basic", "objects": objects})
+            self._send(404, {"error": f"no route {path}"})
+
+    return Handler
+
+
+@pytest.fixture
+def fake_hub(monkeypatch, tmp_path):
+    """A running stand-in Hub on 127.0.0.1 with HF_ENDPOINT pointed at it and online mode on."""
+    from huggingface_hub import constants
+
+    hub = FakeHub()
+    endpoint: list[str] = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(hub, endpoint))
+    endpoint.append(f"http://127.0.0.1:{server.server_address[1]}")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    monkeypatch.setenv("HF_ENDPOINT", endpoint[0])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)  # the stand-in speaks the LFS protocol, not Xet
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(tmp_path / "no-tokens"))
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    hub.endpoint = endpoint[0]
+    yield hub
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def run_folder(tmp_path) -> Path:
+    """A run folder as the trainer writes it, with a final export (a small HF-like folder) and an eval result."""
+    from safetensors.numpy import save_file
+    import numpy as np
+
+    run = tmp_path / "proj" / "outputs" / "runs" / "tiny-finetune"
+    final = run / "final"
+    final.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    save_file({"w": rng.standard_normal((64, 200)).astype(np.float32), "b": np.arange(7, dtype=np.float32)}, str(final / "model.safetensors"))
+    (final / "config.json").write_text(json.dumps({"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "vision_config": {"model_type": "siglip_vision_model"}, "text_config": {"model_type": "qwen2"}}))
+    (final / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {chr(97 + i): i for i in range(26)}}}))
+    (final / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    (final / "sub").mkdir()
+    (final / "sub" / "notes.txt").write_bytes(bytes(range(256)) * 3)
+    cfg = {
+        "project": {"name": "shapes"},
+        "model": {"vision": "google/siglip-base-patch16-224", "llm": "Qwen/Qwen2.5-0.5B", "output_dir": str(tmp_path / "model")},
+        "train": {"stage": "finetune", "strategy": "fsdp", "learning_rate": 1e-4},
+        "data": {"sources": [{"path": "lmms-lab/shapes-vqa", "format": "hf"}, {"path": "local.json", "format": "llava"}]},
+    }
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    ckpt = run / "checkpoints" / "checkpoint-40"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 40, "epoch": 1.0, "lora": None, "world_size": 2, "strategy": "fsdp", "family": "llava"}))
+    rows = [{"step": s, "loss": 3.0 - s * 0.05, "lr": 1e-4, "tokens": 512 * s} for s in range(10, 41, 10)]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    eval_dir = tmp_path / "proj" / "outputs" / "eval" / "tiny-finetune"
+    eval_dir.mkdir(parents=True)
+    (eval_dir / "metrics.json").write_text(json.dumps({"task": "vqa", "model": str(final), "data": "data/prepared/val", "n": 120, "metrics": {"accuracy": 0.4125, "exact_match": 0.375}}))
+    other = tmp_path / "proj" / "outputs" / "eval" / "other-model"
+    other.mkdir(parents=True)
+    (other / "metrics.json").write_text(json.dumps({"task": "vqa", "model": str(tmp_path / "elsewhere"), "data": "val", "n": 5, "metrics": {"accuracy": 0.999}}))
+    (tmp_path / "proj" / "vlmctl.yaml").write_text(yaml.safe_dump({"project": {"name": "shapes"}, "hub": {"repo_id": "alice/shapes-vlm", "tags": ["shapes"], "datasets": ["alice/shapes-extra"]}}))
+    return run
+
+
+def run_cli(args, capsys):
+    code = 0
+    try:
+        main(args)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_model_card_metadata_and_body(run_folder):
+    from huggingface_hub import ModelCard
+
+    from vlmctl.hub import build_model_card
+
+    final = run_folder / "final"
+    hub = HubSection(license="mit", tags=["shapes"], datasets=["alice/shapes-extra"])
+    card = build_model_card(final, hub=hub, repo_id="alice/shapes-vlm", eval_dir=run_folder.parents[1] / "eval")
+    parsed = ModelCard(card.content)  # round-trips through huggingface_hub's parser
+    data = parsed.data.to_dict()
+    assert data["base_model"] == ["google/siglip-base-patch16-224", "Qwen/Qwen2.5-0.5B"]
+    assert data["datasets"] == ["alice/shapes-extra", "lmms-lab/shapes-vqa"]
+    assert data["license"] == "mit" and data["pipeline_tag"] == "image-text-to-text" and data["library_name"] == "transformers"
+    assert "shapes" in data["tags"] and "vlmctl" in data["tags"]
+    results = data["model-index"][0]["results"]
+    assert {m["type"]: m["value"] for r in results for m in r["metrics"]} == {"accuracy": 0.4125, "exact_match": 0.375}
+    body = parsed.text
+    assert "| stage | finetune |" in body and "| strategy | fsdp |" in body
+    assert "| optimizer steps | 40 |" in body
+    assert "| tokens seen | 20,480 |" in body  # last cumulative `tokens` of metrics.jsonl
+    assert "| final training loss | 1.0000 |" in body
+    assert "| hardware | 2 processes |" in body
+    assert "| vqa | val | 120 | accuracy | 0.4125 |" in body
+    assert "0.999" not in body  # another model's eval is not listed
+    assert 'AutoProcessor.from_pretrained("alice/shapes-vlm")' in body
+    assert "LlavaForConditionalGeneration" in body
+
+
+def test_model_card_without_run_says_so(tmp_path):
+    from vlmctl.hub import build_model_card
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    card = build_model_card(folder, hub=HubSection(), repo_id="alice/m")
+    assert "No training run was found" in card.text and "No `vlmctl eval` results" in card.text
+    assert card.data.base_model is None and card.data.license == "apache-2.0"
+
+
+def test_dry_run_lists_files_and_card_and_uploads_nothing(run_folder, capsys, monkeypatch):
+    monkeypatch.chdir(run_folder.parents[2])  # the project folder: hub.repo_id comes from vlmctl.yaml
+    final = run_folder / "final"
+    before = sorted(p.name for p in final.rglob("*"))
+    code, out, err = run_cli(["push", "--dry-run"], capsys)  # DIR defaults to the latest run's final export
+    assert code == 0, err
+    assert "Would upload to alice/shapes-vlm" in out
+    size_kb = (final / "model.safetensors").stat().st_size / 1024
+    assert any("model.safetensors" in line and f"{size_kb:.1f} KB" in line for line in out.splitlines())
+    assert "sub/notes.txt" in out and "README.md (generated)" in out
+    assert "base_model:" in out and "pipeline_tag: image-text-to-text" in out and "| accuracy | 0.4125 |" in out
+    assert "nothing was uploaded" in out
+    assert sorted(p.name for p in final.rglob("*")) == before  # no README written
+
+
+def test_dry_run_json(run_folder, capsys):
+    code, out, _ = run_cli(["push", str(run_folder / "final"), "--repo-id", "org/x", "--dry-run", "--json"], capsys)
+    assert code == 0
+    data = json.loads(out)
+    sizes = {f["path"]: f["size"] for f in data["files"]}
+    assert sizes["model.safetensors"] == (run_folder / "final" / "model.safetensors").stat().st_size
+    assert data["card_generated"] and data["total_bytes"] == sum(sizes.values())
+
+
+def test_upload_to_local_hub_receives_exact_files(run_folder, fake_hub, capsys):
+    final = run_folder / "final"
+    code, out, err = run_cli(["push", str(final), "--repo-id", "alice-lab/shapes-vlm", "--public", "--commit-message", "first"], capsys)
+    assert code == 0, err
+    assert TOKEN not in out + err
+    repo = fake_hub.repos["alice-lab/shapes-vlm"]
+    assert repo["visibility"] == "public"
+    received = repo["branches"]["main"]
+    on_disk = {p.relative_to(final).as_posix(): p.read_bytes() for p in final.rglob("*") if p.is_file()}
+    assert "README.md" in on_disk  # the generated card is written next to the model, then uploaded
+    assert received == on_disk
+    assert fake_hub.commits[-1]["header"]["summary"] == "first"
+    assert "lfsFile" in fake_hub.commits[-1]["ops"] and "file" in fake_hub.commits[-1]["ops"]
+    assert any(m == "PUT" and p.startswith("/_lfs/") for m, p in fake_hub.requests)
+
+    # A second push to a branch of the existing repo keeps the existing README and sends the same bytes.
+    (final / "model.safetensors").write_bytes((final / "model.safetensors").read_bytes()[:-4] + b"\0\0\0\0")
+    code, _, err = run_cli(["push", str(final), "--repo-id", "alice-lab/shapes-vlm", "--revision", "v2"], capsys)
+    assert code == 0, err
+    assert repo["branches"]["v2"]["model.safetensors"] == (final / "model.safetensors").read_bytes()
+    assert repo["branches"]["v2"]["README.md"] == on_disk["README.md"]
+
+
+@pytest.mark.parametrize(
+    "case, fragment",
+    [
+        ("no_token", "not logged in"),
+        ("bad_token", "rejected the token"),
+        ("read_token", "read-only"),
+        ("other_owner", "owned by 'bob'"),
+        ("no_permission", "no write permission"),
+        ("offline", "HF_HUB_OFFLINE"),
+        ("unreachable", "cannot reach the Hub"),
+    ],
+)
+def test_upload_errors_are_clear(case, fragment, run_folder, fake_hub, capsys, monkeypatch):
+    from huggingface_hub import constants
+
+    repo = "alice/m"
+    if case == "no_token":
+        monkeypatch.delenv("HF_TOKEN")
+    elif case == "bad_token":
+        monkeypatch.setenv("HF_TOKEN", "hf_wrong")
+    elif case == "read_token":
+        monkeypatch.setenv("HF_TOKEN", READ_TOKEN)
+    elif case == "other_owner":
+        repo = "bob/m"
+    elif case == "no_permission":
+        monkeypatch.setenv("HF_TOKEN", SCOPED_TOKEN)
+    elif case == "offline":
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    elif case == "unreachable":
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    code, out, err = run_cli(["push", str(run_folder / "final"), "--repo-id", repo], capsys)
+    assert code == 1
+    assert fragment in " ".join(err.split()), err
+    assert "Traceback" not in err
+    for token in (TOKEN, READ_TOKEN, SCOPED_TOKEN):
+        assert token not in out + err
+    assert not any(c["repo"] == repo for c in fake_hub.commits)

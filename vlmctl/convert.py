@@ -1,0 +1,715 @@
+"""Any training checkpoint -> a complete Hugging Face model folder whose logits match the training model.
+
+Sources (`detect_source` tells them apart):
+- `hf`: a transformers model folder (`config.json` + safetensors); re-sharded and/or cast to another dtype.
+- `lora`: a peft adapter folder (`adapter_config.json`); merged into its base, or exported as an adapter.
+- `dcp`: a torch Distributed Checkpoint (FSDP2 runs), saved as `dcp.save({"model": model_state_dict, ...})`, so
+  model keys are `model.<key of the unwrapped HF (or peft) model's state_dict>`. Read in one process without a
+  process group; only the `model.` entries are loaded.
+- `deepspeed`: a DeepSpeed ZeRO-2/3 `save_checkpoint` folder (`latest` + `global_step*/`), consolidated with
+  DeepSpeed's own `deepspeed.utils.zero_to_fp32`.
+- a vlmctl run folder (`config.yaml` + `checkpoints/` / `final/`): its `final/` export, else its latest complete
+  checkpoint.
+
+Training checkpoints live in `<run>/checkpoints/checkpoint-<step>/` next to `trainer_state.json`
+(`{step, epoch, lora, model_path, family, world_size, strategy}`); the model the run trained (its config,
+processor and, for LoRA, the frozen base) is taken from `trainer_state.json` or the run's `config.yaml`.
+
+Output: `save_pretrained` safetensors shards + index, config, generation config, the processor (image processor,
+tokenizer, chat template) and `vlmctl_export.json` (provenance), written into a temporary folder that is renamed
+into place only after `verify` passed. Nothing is unpickled except through restricted loaders: safetensors,
+`torch.load(weights_only=True)`, and an allow-listed unpickler for DCP's `.metadata`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import re
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Literal
+
+from vlmctl.errors import ModelError, UsageError
+
+if TYPE_CHECKING:
+    import torch
+
+SourceKind = Literal["hf", "lora", "dcp", "deepspeed"]
+DTYPE_NAMES = ("bf16", "fp16", "fp32")
+# Max |logit difference| allowed by `verify`, relative to max(1, max |reference logit|), by output dtype: fp32 only
+# reorders float operations; half precisions round every weight (8 / 11 mantissa bits) and every activation.
+TOLERANCE = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 6e-2}
+EXPORT_INFO = "vlmctl_export.json"
+MODEL_INFO = "vlmctl_model.json"
+PROBE_TEXT = "What is in the image? Describe the colors and shapes."
+_STATE_MODEL_KEYS = ("model_path", "model_source", "source_model", "model", "base_model", "model_dir")
+Progress = Callable[[str], None]
+
+
+@dataclass
+class Source:
+    """A detected conversion source."""
+
+    kind: SourceKind
+    path: Path  # the folder that holds the weights (for a run: the chosen checkpoint or final/)
+    run_dir: Path | None = None
+    model_path: str | None = None  # the HF model the run trained: config, processor, LoRA base
+    lora: dict[str, Any] | None = None  # peft config dict of a LoRA checkpoint
+    step: int | None = None
+    state: dict[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        what = {"hf": "Hugging Face model folder", "lora": "peft LoRA adapter", "dcp": "torch DCP checkpoint (FSDP2)", "deepspeed": "DeepSpeed ZeRO checkpoint"}[self.kind]
+        extra = f", step {self.step}" if self.step is not None else ""
+        extra += ", LoRA" if self.lora and self.kind in ("dcp", "deepspeed") else ""
+        return f"{what} at {self.path}{extra}"
+
+
+@dataclass
+class VerifyResult:
+    max_abs_diff: float
+    tolerance: float
+    ref_max_abs: float
+    num_logits: int
+    passed: bool
+
+
+@dataclass
+class ConvertResult:
+    source: str
+    kind: str
+    out: str
+    dtype: str
+    files: list[tuple[str, int]]  # (relative path, bytes)
+    adapter_only: bool
+    merged_lora: bool
+    verify: VerifyResult | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Detection
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise ModelError(f"cannot read {path}: {exc}") from exc
+    except ValueError as exc:
+        raise ModelError(f"{path} is not valid JSON ({exc}); the checkpoint may be truncated", hint="convert an earlier, complete checkpoint") from exc
+    return data if isinstance(data, dict) else {}
+
+
+def _has_hf_weights(folder: Path) -> bool:
+    names = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+    return (folder / "config.json").is_file() and any((folder / n).is_file() for n in names)
+
+
+def _dcp_dir(folder: Path) -> Path | None:
+    for cand in (folder, *sorted(p for p in folder.iterdir() if p.is_dir())):
+        if (cand / ".metadata").is_file():
+            return cand
+    return None
+
+
+def _is_deepspeed(folder: Path) -> bool:
+    return (folder / "latest").is_file() or any(folder.glob("global_step*/*model_states.pt")) or any(folder.glob("*model_states.pt"))
+
+
+def _step_of(path: Path) -> int | None:
+    m = re.fullmatch(r"(?:checkpoint-|global_step)(\d+)", path.name)
+    return int(m.group(1)) if m else None
+
+
+def _complete_checkpoints(run_dir: Path) -> list[Path]:
+    """Checkpoints of a run, oldest first, that have their trainer state and weights (temp names never match)."""
+    found = []
+    for p in (run_dir / "checkpoints").glob("checkpoint-*"):
+        step = _step_of(p)
+        if step is None or not p.is_dir() or not (p / "trainer_state.json").is_file():
+            continue
+        if _dcp_dir(p) is not None or _is_deepspeed(p):
+            found.append((step, p))
+    return [p for _, p in sorted(found)]
+
+
+def _run_config(run_dir: Path | None) -> dict[str, Any]:
+    if run_dir is None or not (run_dir / "config.yaml").is_file():
+        return {}
+    import yaml
+
+    try:
+        data = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except yaml.YAMLError as exc:
+        raise ModelError(f"{run_dir / 'config.yaml'} is not valid YAML: {exc}") from exc
+    return data if isinstance(data, dict) else {}
+
+
+def _trained_model_path(state: dict[str, Any], run_dir: Path | None) -> str | None:
+    """The HF model folder (or Hub id) the run trained, from trainer_state.json, else the run's config.yaml."""
+    for key in _STATE_MODEL_KEYS:
+        value = state.get(key)
+        if isinstance(value, str) and value:
+            return value
+    model = _run_config(run_dir).get("model") or {}
+    out_dir = model.get("output_dir")
+    if out_dir and _has_hf_weights(Path(out_dir)):
+        return str(out_dir)
+    return model.get("base") or out_dir
+
+
+def _find_run_dir(path: Path) -> Path | None:
+    for cand in (path, *list(path.parents)[:3]):
+        if (cand / "config.yaml").is_file() and ((cand / "checkpoints").is_dir() or (cand / "final").is_dir()):
+            return cand
+    return None
+
+
+def detect_source(src: Path | str, *, base: str | None = None) -> Source:
+    """Tell what `src` is. Raises UsageError when it is none of the supported kinds (saying what was found)."""
+    src = Path(src).expanduser()
+    if not src.exists():
+        raise UsageError(f"{src} does not exist", hint="pass a run folder, a checkpoint folder, a LoRA adapter folder or an HF model folder")
+    if src.is_file():
+        raise UsageError(f"{src} is a file; convert takes a folder", hint="pass the folder that holds the checkpoint")
+    run_dir = _find_run_dir(src)
+
+    if run_dir is not None and src.resolve() == run_dir.resolve():
+        final = src / "final"
+        if final.is_dir() and (_has_hf_weights(final) or (final / "adapter_config.json").is_file()):
+            return detect_source(final, base=base)
+        ckpts = _complete_checkpoints(src)
+        if not ckpts:
+            raise UsageError(
+                f"run folder {src} has no final/ export and no complete checkpoint under checkpoints/",
+                hint="train for at least train.save_steps steps, or pass a checkpoint folder",
+            )
+        return detect_source(ckpts[-1], base=base)
+
+    if (src / "adapter_config.json").is_file():
+        adapter = _read_json(src / "adapter_config.json")
+        model_path = base or adapter.get("base_model_name_or_path")
+        if run_dir is not None and not base:
+            state = _read_json(src / "trainer_state.json") if (src / "trainer_state.json").is_file() else {}
+            model_path = _trained_model_path(state, run_dir) or model_path
+        if not model_path:
+            raise UsageError(f"LoRA adapter {src} does not name its base model", hint="pass --base PATH_OR_HUB_ID")
+        return Source("lora", src, run_dir=run_dir, model_path=str(model_path))
+    if _has_hf_weights(src):
+        return Source("hf", src, run_dir=run_dir, model_path=str(src))
+
+    state = _read_json(src / "trainer_state.json") if (src / "trainer_state.json").is_file() else {}
+    dcp = _dcp_dir(src)
+    kind: SourceKind | None = "dcp" if dcp is not None else ("deepspeed" if _is_deepspeed(src) else None)
+    if kind is None:
+        listing = ", ".join(sorted(p.name for p in src.iterdir())[:8]) or "nothing"
+        raise UsageError(
+            f"{src} is not a checkpoint vlmctl can convert (found: {listing})",
+            hint="expected a run folder, a torch DCP checkpoint (.metadata), a DeepSpeed checkpoint (latest, global_step*/), "
+            "a peft adapter (adapter_config.json) or an HF model folder (config.json + *.safetensors)",
+        )
+    model_path = base or _trained_model_path(state, run_dir)
+    if not model_path:
+        raise UsageError(
+            f"cannot tell which model the checkpoint {src} belongs to (no trainer_state.json model path, no run config.yaml)",
+            hint="pass --base with the HF model folder the run trained",
+        )
+    lora = state.get("lora") if isinstance(state.get("lora"), dict) else None
+    step = state.get("step") if isinstance(state.get("step"), int) else _step_of(src)
+    return Source(kind, dcp if kind == "dcp" else src, run_dir=run_dir, model_path=str(model_path), lora=lora, step=step, state=state)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Reading weights
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickler for DCP's `.metadata`: only torch.distributed.checkpoint's metadata classes and plain values."""
+
+    _ALLOWED_MODULES = ("torch.distributed.checkpoint.", "torch.distributed._shard.")
+    _ALLOWED = {("collections", "OrderedDict"), ("torch", "Size"), ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}
+
+    def find_class(self, module: str, name: str):
+        import torch
+
+        if module.startswith(self._ALLOWED_MODULES) or (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, which is not allowed")
+
+
+def _dcp_reader(path: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            with open(Path(self.path) / ".metadata", "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(path))
+
+
+def read_dcp_model_state(path: Path, prefix: str = "model.") -> dict[str, "torch.Tensor"]:
+    """Full (unsharded) tensors of the `prefix` entries of a torch DCP checkpoint, keys without the prefix.
+
+    Runs in one process without a process group (`dcp.load(..., no_dist=True)`): FSDP2's DTensor shards are saved
+    with their global shapes in the metadata, so plain tensors of those shapes are allocated and filled.
+    Raises ModelError for unreadable metadata or missing/truncated data files.
+    """
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = _dcp_reader(path)
+    try:
+        metadata = reader.read_metadata()
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError) as exc:
+        raise ModelError(f"cannot read the DCP metadata {path / '.metadata'}: {exc}", hint="the checkpoint is truncated or not a torch DCP checkpoint; convert an earlier one") from exc
+    state = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata):
+            state[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+    if not state:
+        keys = ", ".join(sorted({k.split(".")[0] for k in metadata.state_dict_metadata})) or "none"
+        raise ModelError(f"the DCP checkpoint {path} has no {prefix!r} tensors (top-level keys: {keys})", hint='the trainer saves dcp.save({"model": model_state_dict, ...})')
+    files = {sd.relative_path for sd in (metadata.storage_data or {}).values()}
+    missing = sorted(f for f in files if not (path / f).is_file())
+    if missing:
+        raise ModelError(f"the DCP checkpoint {path} is incomplete: missing {', '.join(missing)}", hint="the save was interrupted; convert an earlier checkpoint")
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - CheckpointException derives from BaseException
+        cause = next(iter(getattr(exc, "failures", {}).values()), exc)  # CheckpointException wraps per-rank errors
+        cause = getattr(cause, "exc", cause)
+        detail = type(cause).__name__ + (f": {str(cause).splitlines()[0]}" if str(cause) else "")
+        raise ModelError(f"cannot read the DCP checkpoint {path} ({detail})", hint="a data file is truncated or corrupt; convert an earlier checkpoint") from exc
+    return {k[len(prefix):]: v for k, v in state.items()}
+
+
+@contextlib.contextmanager
+def _weights_only_torch_load():
+    """Make `torch.load` calls inside (DeepSpeed's consolidation) use `weights_only=True` plus the few plain
+    classes DeepSpeed checkpoints contain."""
+    import torch
+
+    original = torch.load
+
+    def safe_load(*args, **kwargs):
+        kwargs["weights_only"] = True
+        return original(*args, **kwargs)
+
+    allowed = []
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import LossScaler, DynamicLossScaler
+
+        allowed += [LossScaler, DynamicLossScaler]
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+
+        allowed.append(ZeroStageEnum)
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        allowed.append(fragment_address)
+    except ImportError:  # pragma: no cover
+        pass
+    import argparse
+
+    torch.load = safe_load
+    try:
+        with torch.serialization.safe_globals([*allowed, argparse.Namespace, set]):
+            yield
+    finally:
+        torch.load = original
+
+
+def read_deepspeed_model_state(path: Path) -> dict[str, "torch.Tensor"]:
+    """fp32 model state of a DeepSpeed ZeRO-2/3 checkpoint via `deepspeed.utils.zero_to_fp32`
+    (`get_fp32_state_dict_from_zero_checkpoint`), loading every file with `weights_only=True`.
+
+    `path` is the `save_checkpoint` folder (with `latest`) or one `global_step*` folder. Raises ModelError when
+    DeepSpeed is not installed or partitions are missing/truncated.
+    """
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # consolidation is CPU work; don't probe for GPUs
+    try:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    except ImportError as exc:
+        raise ModelError("converting a DeepSpeed checkpoint needs deepspeed", hint="pip install 'vlmctl[deepspeed]'") from exc
+    tag = None
+    if not (path / "latest").is_file():
+        step_dirs = sorted(path.glob("global_step*"), key=lambda p: _step_of(p) or -1)
+        if step_dirs:
+            tag = step_dirs[-1].name
+        elif any(path.glob("*model_states.pt")):
+            path, tag = path.parent, path.name
+    try:
+        with _weights_only_torch_load(), open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+            state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)
+    except Exception as exc:  # noqa: BLE001 - DeepSpeed raises ValueError/FileNotFoundError/RuntimeError/EOFError
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelError(f"cannot consolidate the DeepSpeed checkpoint {path}: {type(exc).__name__}: {msg}", hint="a ZeRO partition is missing or truncated; convert an earlier checkpoint") from exc
+    return {k: v.contiguous() for k, v in state.items()}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Building the source model
+
+
+def _dtype(name: str) -> "torch.dtype":
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def _dtype_name(dtype: "torch.dtype") -> str:
+    import torch
+
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, "fp32")
+
+
+def _load_hf(path: str, dtype: "torch.dtype | str" = "auto"):
+    from transformers import AutoModelForImageTextToText
+
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
+    except Exception as exc:  # noqa: BLE001 - OSError, ValueError, SafetensorError (truncated shard), ...
+        raise ModelError(f"cannot load the model {path}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", hint="the folder must be a complete image-text-to-text model (config.json + weights); a truncated shard needs re-export") from exc
+    return model.eval()
+
+
+def _load_processor(*paths: str | Path | None):
+    from transformers import AutoProcessor
+
+    errors = []
+    for p in paths:
+        if p is None:
+            continue
+        try:
+            return AutoProcessor.from_pretrained(str(p))
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            errors.append(f"{p}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+    raise ModelError(
+        "no processor (image processor + tokenizer) found for the output: " + "; ".join(errors),
+        hint="pass --base with the model folder the run trained (it holds the processor files)",
+    )
+
+
+def _lora_config(lora: dict[str, Any]):
+    from peft import LoraConfig
+
+    fields = set(LoraConfig.__dataclass_fields__)
+    kwargs = {k: v for k, v in lora.items() if k in fields and k not in ("peft_type", "base_model_name_or_path", "revision")}
+    targets = kwargs.get("target_modules")
+    if isinstance(targets, str) and targets.startswith("{"):  # a set written by json.dumps(default=str)
+        import ast
+
+        kwargs["target_modules"] = sorted(ast.literal_eval(targets))
+    return LoraConfig(**kwargs)
+
+
+def _load_state_into(model, state: dict[str, "torch.Tensor"], where: Path) -> None:
+    """`load_state_dict` with checks: every checkpoint key is used, and every model key is loaded unless it shares
+    storage with a loaded one (tied embeddings)."""
+    result = model.load_state_dict(state, strict=False)
+    if result.unexpected_keys:
+        raise ModelError(
+            f"{len(result.unexpected_keys)} tensors of {where} do not belong to the model (e.g. {result.unexpected_keys[0]})",
+            hint="pass --base with the model the run trained; LoRA checkpoints need their peft config in trainer_state.json",
+        )
+    sd = model.state_dict()
+    loaded_ptrs = {t.data_ptr() for k, t in sd.items() if k in state}
+    missing = [k for k in result.missing_keys if sd[k].data_ptr() not in loaded_ptrs]
+    if missing:
+        raise ModelError(f"{where} lacks {len(missing)} of the model's tensors (e.g. {missing[0]})", hint="the checkpoint is incomplete; convert an earlier one")
+
+
+def load_source(source: Source, progress: Progress | None = None):
+    """Instantiate the source model with its weights: (model or PeftModel in eval mode, processor).
+
+    DCP/ZeRO checkpoints are loaded into the model the run trained (wrapped with peft when the checkpoint is LoRA).
+    """
+    import torch
+
+    say = progress or (lambda _m: None)
+    if source.kind == "hf":
+        model = _load_hf(str(source.path))
+        # An export without processor files falls back to the model the run trained.
+        fallback = _trained_model_path(source.state, source.run_dir) if source.run_dir else None
+        processor = _load_processor(source.path, fallback)
+        return model, processor
+    if source.kind == "lora":
+        from peft import PeftModel
+
+        say(f"loading base {source.model_path}")
+        base = _load_hf(source.model_path)
+        model = PeftModel.from_pretrained(base, str(source.path)).eval()
+        processor = _load_processor(source.path, source.model_path)
+        return model, processor
+
+    say(f"reading {source.kind} weights from {source.path}")
+    state = read_dcp_model_state(source.path) if source.kind == "dcp" else read_deepspeed_model_state(source.path)
+    dtype = next(iter(state.values())).dtype
+    if not dtype.is_floating_point:
+        dtype = torch.float32
+    say(f"loading model {source.model_path}")
+    model = _load_hf(source.model_path, dtype=dtype)
+    if source.lora:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, _lora_config(source.lora))
+        model.to(dtype)
+    _load_state_into(model, state, source.path)
+    processor = _load_processor(source.model_path)
+    return model.eval(), processor
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Verification
+
+
+def probe_inputs(processor) -> dict[str, "torch.Tensor"]:
+    """The fixed image+text probe: a 64x64 RGB gradient with a square, and a chat-formatted question.
+
+    Returns the processor's tensors (input_ids [1, T], attention_mask [1, T], pixel_values [1, 3, H, W], ...).
+    """
+    import numpy as np
+    from PIL import Image
+
+    y, x = np.mgrid[0:64, 0:64]
+    pixels = np.stack([x * 4, y * 4, 255 - (x + y) * 2], axis=-1).clip(0, 255).astype(np.uint8)
+    pixels[20:44, 20:44] = (230, 200, 30)
+    image = Image.fromarray(pixels, "RGB")
+    text = None
+    if getattr(processor, "chat_template", None):
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROBE_TEXT}]}]
+        try:
+            text = processor.apply_chat_template(messages, add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - templates that do not take list content fall back to plain text
+            text = None
+    if text is None:
+        image_token = getattr(processor, "image_token", None) or "<image>"
+        text = f"{image_token}\n{PROBE_TEXT}"
+    return dict(processor(images=image, text=text, return_tensors="pt"))
+
+
+def probe_logits(model, inputs: dict[str, "torch.Tensor"]) -> "torch.Tensor":
+    """Logits [1, T, vocab] (float32) of `model` on the probe inputs."""
+    import torch
+
+    dtype = next(model.parameters()).dtype
+    batch = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in inputs.items()}
+    with torch.no_grad():
+        return model(**batch).logits.float()
+
+
+def compare(ref: "torch.Tensor", out: "torch.Tensor", dtype_name: str) -> VerifyResult:
+    """Max |ref - out| against `TOLERANCE[dtype_name] * max(1, max |ref|)`."""
+    if ref.shape != out.shape:
+        raise ModelError(f"verification failed: logits shapes differ ({tuple(ref.shape)} vs {tuple(out.shape)})")
+    diff = float((ref - out).abs().max())
+    scale = max(1.0, float(ref.abs().max()))
+    tol = TOLERANCE[dtype_name] * scale
+    return VerifyResult(max_abs_diff=diff, tolerance=tol, ref_max_abs=float(ref.abs().max()), num_logits=ref.numel(), passed=diff <= tol)
+
+
+def verify_folder(folder: Path, ref_logits: "torch.Tensor", ref_inputs: dict[str, "torch.Tensor"], dtype_name: str) -> VerifyResult:
+    """Load `folder` with `AutoModelForImageTextToText` + `AutoProcessor` (an adapter folder loads its base through
+    transformers' peft integration), run the probe, and compare with the reference logits.
+
+    Raises ModelError when the folder does not load, its processor tokenizes the probe differently, or the logits
+    differ by more than the tolerance.
+    """
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(str(folder))
+        model = AutoModelForImageTextToText.from_pretrained(str(folder), dtype="auto").eval()
+    except Exception as exc:  # noqa: BLE001
+        raise ModelError(f"verification failed: the output does not load with AutoModelForImageTextToText/AutoProcessor: {type(exc).__name__}: {exc}") from exc
+    inputs = probe_inputs(processor)
+    for key, value in ref_inputs.items():
+        if key not in inputs or inputs[key].shape != value.shape or not torch.equal(inputs[key], value):
+            raise ModelError(f"verification failed: the exported processor produces a different {key!r} for the probe than the source processor")
+    return compare(ref_logits, probe_logits(model, inputs), dtype_name)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Conversion
+
+
+def _folder_files(folder: Path) -> list[tuple[str, int]]:
+    return sorted((p.relative_to(folder).as_posix(), p.stat().st_size) for p in folder.rglob("*") if p.is_file())
+
+
+def _copy_extras(source: Source, tmp: Path) -> None:
+    """Files of the trained model that save_pretrained does not write (vlmctl's build record)."""
+    record = Path(source.model_path or "") / MODEL_INFO
+    if source.model_path and record.is_file() and not (tmp / MODEL_INFO).exists():
+        shutil.copy2(record, tmp / MODEL_INFO)
+
+
+def _install(tmp: Path, out: Path, force: bool) -> None:
+    """Move the finished temp folder to `out`; with `force` an existing `out` is replaced (old one removed last)."""
+    old = None
+    if out.exists():
+        if not force:  # checked before the work too; the folder may have appeared meanwhile
+            raise UsageError(f"{out} already exists", hint="pass --force to overwrite it, or choose another -o")
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        out.rename(old)
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _saved_dtype(model_path: str | None) -> str | None:
+    """bf16/fp16/fp32 from an HF folder's config.json (`dtype`, or `torch_dtype` before transformers 5)."""
+    if not model_path or not (Path(model_path) / "config.json").is_file():
+        return None
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    value = cfg.get("dtype") or cfg.get("torch_dtype") or (cfg.get("text_config") or {}).get("dtype")
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(str(value))
+
+
+def default_output(source: Source, adapter_only: bool) -> Path:
+    """`<run>/export-<step>` for checkpoints, `<src>-hf` (or `-adapter`) otherwise."""
+    suffix = "adapter" if adapter_only else "hf"
+    if source.run_dir is not None and source.step is not None:
+        return source.run_dir / f"export-{source.step}{'-adapter' if adapter_only else ''}"
+    return source.path.with_name(f"{source.path.name}-{suffix}")
+
+
+def convert(
+    src: Path | str,
+    out: Path | str | None = None,
+    *,
+    to: str = "hf",
+    dtype: str | None = None,
+    max_shard_size: str | int = "5GB",
+    merge_lora: bool = True,
+    adapter_only: bool = False,
+    base: str | None = None,
+    verify: bool = True,
+    force: bool = False,
+    progress: Progress | None = None,
+) -> ConvertResult:
+    """Convert `src` (see module docstring) into a complete HF folder at `out` and verify it.
+
+    `dtype` (bf16|fp16|fp32) defaults to the trained model's saved dtype (HF sources keep theirs). LoRA sources are
+    merged (`merge_and_unload`) unless `adapter_only` (or `merge_lora=False`), which exports the peft adapter plus
+    the processor (the adapter keeps its weights' dtype; `dtype` is then the base's). With `verify`, logits of OUT on
+    a fixed image+text probe must match the source model's within `TOLERANCE[dtype] * max(1, max |logit|)`.
+
+    Memory: the source model is instantiated once with its weights (plus the checkpoint's state dict while loading).
+
+    Raises:
+        UsageError: unknown source kind, bad option values, OUT exists without `force`.
+        ModelError: truncated/incomplete checkpoints, weights that do not fit the model, failed verification.
+    """
+    say = progress or (lambda _m: None)
+    if to != "hf":
+        raise UsageError(f"--to {to!r} is not supported", hint="the only target is hf (a Hugging Face model folder)")
+    if dtype is not None and dtype not in DTYPE_NAMES:
+        raise UsageError(f"--dtype {dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
+    source = detect_source(src, base=base)
+    say(f"source: {source.describe()}")
+    is_lora = source.kind == "lora" or bool(source.lora)
+    adapter_only = adapter_only or (is_lora and not merge_lora)
+    if adapter_only and not is_lora:
+        raise UsageError(f"--adapter-only needs a LoRA source; {source.path} has no adapter", hint="drop --adapter-only")
+    out = Path(out) if out is not None else default_output(source, adapter_only)
+    if out.exists() and not force:
+        raise UsageError(f"{out} already exists", hint="pass --force to overwrite it, or choose another -o")
+    if out.resolve() == Path(source.path).resolve() or Path(source.path).resolve() in out.resolve().parents:
+        raise UsageError(f"the output {out} would overwrite the source", hint="choose an output folder outside the source")
+
+    model, processor = load_source(source, progress=say)
+    trained = source.model_path if source.kind in ("dcp", "deepspeed", "lora") else str(source.path)
+    saved_dtype = _saved_dtype(trained) or _dtype_name(next(model.parameters()).dtype)
+    if adapter_only:
+        # The adapter keeps its own weights; the base is loaded in its saved dtype, which sets the tolerance.
+        dtype = saved_dtype
+    dtype = dtype or saved_dtype
+
+    ref_inputs = ref_logits = None
+    if verify:
+        say("running the probe on the source model")
+        ref_inputs = probe_inputs(processor)
+        ref_logits = probe_logits(model, ref_inputs)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        merged = False
+        if adapter_only:
+            say(f"saving the adapter ({dtype})")
+            model.save_pretrained(str(tmp))
+            # peft writes a placeholder README; `vlmctl push` generates the real model card when README.md is absent.
+            (tmp / "README.md").unlink(missing_ok=True)
+            # The base is referenced by path or Hub id so that transformers/peft can load the adapter directly.
+            cfg_path = tmp / "adapter_config.json"
+            adapter_cfg = json.loads(cfg_path.read_text())
+            base_ref = source.model_path
+            if base_ref and Path(base_ref).exists():
+                base_ref = str(Path(base_ref).resolve())
+            adapter_cfg["base_model_name_or_path"] = base_ref
+            cfg_path.write_text(json.dumps(adapter_cfg, indent=2))
+        else:
+            if is_lora:
+                say("merging LoRA adapters")
+                model = model.merge_and_unload()
+                merged = True
+            model = model.to(_dtype(dtype))
+            say(f"saving safetensors shards ({dtype}, max {max_shard_size} each)")
+            model.save_pretrained(str(tmp), max_shard_size=max_shard_size)
+        processor.save_pretrained(str(tmp))
+        _copy_extras(source, tmp)
+        info = {
+            "source": str(Path(src).resolve()),
+            "kind": source.kind,
+            "checkpoint": str(Path(source.path).resolve()),
+            "run_dir": str(source.run_dir.resolve()) if source.run_dir else None,
+            "step": source.step,
+            "model_path": source.model_path,
+            "dtype": dtype,
+            "lora": "adapter" if adapter_only else ("merged" if merged else None),
+        }
+        (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
+        del model
+        result_verify = None
+        if verify:
+            say("verifying: reloading the output and comparing logits")
+            result_verify = verify_folder(tmp, ref_logits, ref_inputs, dtype)
+            if not result_verify.passed:
+                raise ModelError(
+                    f"verification failed: max |logit difference| {result_verify.max_abs_diff:.3g} > tolerance {result_verify.tolerance:.3g} ({dtype})",
+                    hint="the exported weights do not reproduce the source model; run with --debug and report it (or --no-verify to keep the output anyway)",
+                )
+        _install(tmp, out, force)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ConvertResult(
+        source=str(src), kind=source.kind, out=str(out), dtype=dtype, files=_folder_files(out),
+        adapter_only=adapter_only, merged_lora=merged, verify=result_verify,
+    )
