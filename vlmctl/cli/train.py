@@ -6,8 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from vlmctl.cli._common import ConfigOpt, OverridesArg, load_project
-from vlmctl.cli._stub import not_implemented
+from vlmctl.cli._common import ConfigOpt, OverridesArg, console, info, load_project
 
 EXAMPLE = "Example: vlmctl train --launcher torchrun --nproc-per-node 2 train.strategy=fsdp train.max_steps=50"
 
@@ -26,5 +25,49 @@ def train(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the exact launch command and exit.")] = False,
 ) -> None:
     """Train the model: spawn torchrun/accelerate/sbatch (or run in-process) for DDP, FSDP2 or ZeRO-2/3."""
-    load_project(config, overrides)
-    not_implemented("train")
+    from vlmctl.train import launch as L
+
+    cfg = load_project(config, overrides)
+    flags = {"launcher": launcher, "strategy": strategy, "nnodes": nnodes, "node_rank": node_rank,
+             "master_addr": master_addr, "master_port": master_port}
+    extra = [f"train.{k}={v}" for k, v in flags.items() if v is not None]
+    if nproc_per_node is not None:
+        extra.append(f"train.nproc_per_node={nproc_per_node}")
+    if extra:
+        cfg = load_project(config, [*(overrides or []), *extra])
+    train_cfg = cfg.train
+    if dry_run:
+        from pathlib import Path
+
+        run_dir = Path(train_cfg.output_dir) / (train_cfg.run_name or L.default_run_name(cfg))
+        launch = L.launch_command(train_cfg, run_dir)
+        console.print(launch.render(), soft_wrap=True, markup=False)
+        if launch.script_text:
+            console.print(launch.script_text, soft_wrap=True, markup=False)
+        return
+    run_dir = L.prepare_run(cfg, resume=resume)
+    info(f"run folder: {run_dir}")
+    if train_cfg.launcher == "none":
+        outcome = L.run_in_process(run_dir)
+        if outcome == "stopped":
+            raise typer.Exit(code=143)
+        return
+    launch = L.launch_command(train_cfg, run_dir)
+    if train_cfg.launcher == "slurm":
+        submitted, text = L.submit_slurm(launch)
+        info(text if submitted else f"sbatch is not available here; submit the script with: sbatch {text}")
+        return
+    info(f"[dim]{launch.render()}[/dim]")
+    code, signum = L.spawn(launch.command, env=L.launch_env(train_cfg))
+    if signum is not None:
+        from vlmctl.train.checkpoint import latest_checkpoint
+
+        last = latest_checkpoint(run_dir)
+        console.print(f"[yellow]stopped by signal {signum}; last checkpoint: {last}. "
+                      f"Continue with `vlmctl train --resume train.run_name={run_dir.name}`[/yellow]")
+        raise typer.Exit(code=128 + signum)
+    if code != 0:
+        from vlmctl.errors import VlmctlError
+
+        raise VlmctlError(f"training failed (exit code {code})", hint=f"see the output above; the run folder is {run_dir}")
+    info(f"done: {run_dir / 'final'}")

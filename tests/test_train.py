@@ -1,0 +1,567 @@
+"""`vlmctl train`: launch commands, sampler, DeepSpeed config, stages/LoRA, and real multi-process runs on CPU.
+
+The multi-process tests share one built tiny model and one prepared data set (session fixture) and run 8 steps
+of 2 ranks x 2 samples. Every one of them has a timeout: a hang (e.g. a rank skipping the vision tower under
+FSDP/ZeRO-3) fails the test instead of blocking the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vlmctl.cli.app import main
+
+REAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "real"
+RUN_TIMEOUT = 150
+
+
+# ----------------------------------------------------------------------------------------------------- fixtures
+
+
+def _write_shards(folder: Path, n: int) -> None:
+    """Generated shapes VQA samples; every third one is text-only (question without its image)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from vlmctl.data.sample import Sample, arrow_schema
+    from vlmctl.data.synthetic import generate_shapes_vqa
+
+    raw = generate_shapes_vqa(folder / "raw", num_samples=n, image_size=64)
+    samples = []
+    for i, rec in enumerate(json.loads(raw.read_text())):
+        question = rec["conversations"][0]["value"].replace("<image>\n", "")
+        answer = {"role": "assistant", "content": [{"type": "text", "text": rec["conversations"][1]["value"]}]}
+        if i % 3 == 2:
+            user = {"role": "user", "content": [{"type": "text", "text": question}]}
+            samples.append(Sample(id=rec["id"], messages=[user, answer], source="text_only"))
+        else:
+            user = {"role": "user", "content": [{"type": "image", "index": 0}, {"type": "text", "text": question}]}
+            img = (folder / "raw" / rec["image"]).read_bytes()
+            samples.append(Sample(id=rec["id"], messages=[user, answer], images=[img], source="shapes_vqa.json"))
+    out = folder / "prepared" / "train"
+    out.mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist([s.to_row() for s in samples], schema=arrow_schema()), out / "shard-00000.parquet")
+
+
+@pytest.fixture(scope="session")
+def project(tmp_path_factory) -> Path:
+    """A project folder with a built tiny model, prepared shards and a vlmctl.yaml for 2-rank FSDP."""
+    from vlmctl.config import ModelSection
+    from vlmctl.models import build_model
+
+    root = tmp_path_factory.mktemp("train")
+    _write_shards(root / "data", 96)
+    texts = ["What color is the triangle? How many circles are there? Is the square left of the circle? "
+             "What shape is the red object? Answer with one word. red green blue yellow purple yes no 0 1 2 3"] * 20
+    build_model(ModelSection(preset="tiny", init="random", output_dir=root / "model"), tokenizer_texts=texts)
+    (root / "vlmctl.yaml").write_text(f"""
+project: {{name: t}}
+data: {{prepared_dir: data/prepared, max_length: 512}}
+model: {{preset: tiny, init: random, output_dir: model}}
+train:
+  stage: full
+  strategy: fsdp
+  nproc_per_node: 2
+  precision: fp32
+  learning_rate: 2.0e-3
+  warmup_ratio: 0.0
+  micro_batch_size: 2
+  max_steps: 8
+  save_steps: 4
+  logging_steps: 1
+  num_workers: 0
+  output_dir: runs
+""")
+    return root
+
+
+def _free_port() -> int:
+    from vlmctl.train.parallel import free_port
+
+    return free_port()
+
+
+def _cli(project: Path, *args: str) -> subprocess.Popen:
+    """Start `vlmctl train` in its own process group (so a hung run can be killed with all its ranks)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "vlmctl", "-c", str(project / "vlmctl.yaml"), "train", "--master-port", str(_free_port()), *args]
+    return subprocess.Popen(cmd, cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _run_cli(project: Path, *args: str, timeout: int = RUN_TIMEOUT) -> str:
+    proc = _cli(project, *args)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"training did not finish within {timeout}s (hang?):\n{out[-4000:]}")
+    assert proc.returncode == 0, out[-6000:]
+    return out
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def losses(run: Path) -> list[float]:
+    return [r["loss"] for r in metrics(run)]
+
+
+@pytest.fixture(scope="session")
+def fsdp_run(project) -> Path:
+    """The reference run: torchrun, 2 ranks, FSDP2, 8 steps, checkpoints at 4 and 8."""
+    _run_cli(project, "--launcher", "torchrun", "--nproc-per-node", "2", "train.run_name=fsdp")
+    return project / "runs" / "fsdp"
+
+
+# ------------------------------------------------------------------------------------------- launch commands
+
+
+def run_cli_inprocess(args, capsys):
+    code = 0
+    try:
+        main(args)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_dry_run_prints_each_launcher_command(write_config, capsys):
+    cfg = write_config("project: {name: p}\ntrain: {strategy: fsdp, nproc_per_node: 2}\n")
+    code, out, err = run_cli_inprocess(["-c", str(cfg), "train", "--dry-run", "train.run_name=r1"], capsys)
+    assert code == 0, err
+    run_dir = cfg.parent / "outputs" / "runs" / "r1"
+    assert "torchrun --nproc-per-node 2 --nnodes 1 --node-rank 0 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29500" in out
+    assert f"-m vlmctl.train.worker {run_dir}" in out
+    assert not run_dir.exists()  # a dry run writes nothing
+    code, out, _ = run_cli_inprocess(["-c", str(cfg), "train", "--dry-run", "--nnodes", "2", "--node-rank", "1",
+                                      "--master-addr", "10.0.0.1", "--master-port", "6000", "train.run_name=r1"], capsys)
+    assert code == 0 and "--nnodes 2 --node-rank 1 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:6000" in out
+    code, out, _ = run_cli_inprocess(["-c", str(cfg), "train", "--dry-run", "--launcher", "accelerate", "train.run_name=r1"], capsys)
+    assert code == 0
+    assert "accelerate launch --num_processes 2 --num_machines 1 --machine_rank 0 --main_process_ip 127.0.0.1" in out
+    assert f"--multi_gpu --module vlmctl.train.worker {run_dir}" in out
+    code, out, _ = run_cli_inprocess(["-c", str(cfg), "train", "--dry-run", "--launcher", "none", "train.run_name=r1"], capsys)
+    assert code == 0 and f"-m vlmctl.train.worker {run_dir}" in out and "torchrun" not in out
+    # nproc auto = visible GPUs, else 1
+    code, out, _ = run_cli_inprocess(["-c", str(cfg), "train", "--dry-run", "--nproc-per-node", "auto"], capsys)
+    import torch
+
+    assert code == 0 and f"--nproc-per-node {torch.cuda.device_count() or 1} " in out
+    code, _, err = run_cli_inprocess(["-c", str(cfg), "train", "--dry-run", "--nnodes", "2"], capsys)
+    assert code == 2 and "master-addr" in err
+
+
+def test_slurm_writes_a_requeue_friendly_script(write_config, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")  # no sbatch here: the script path is printed instead
+    cfg = write_config("project: {name: p}\ntrain: {launcher: slurm, nproc_per_node: 4, nnodes: 2, master_addr: head}\n")
+    code, out, err = run_cli_inprocess(["-c", str(cfg), "train", "train.run_name=s1"], capsys)
+    assert code == 0, err
+    run_dir = cfg.parent / "outputs" / "runs" / "s1"
+    script = (run_dir / "sbatch.sh").read_text()
+    assert "sbatch" in out and str(run_dir / "sbatch.sh") in out
+    for line in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=4", "#SBATCH --requeue", "#SBATCH --signal=TERM@120",
+                 '--rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"', f"-m vlmctl.train.worker {run_dir}"):
+        assert line in script
+    # a requeued job resumes from the run's last checkpoint
+    assert "resume: auto" in (run_dir / "config.yaml").read_text()
+
+
+def test_resume_without_a_checkpoint_is_a_clear_error(write_config, capsys):
+    cfg = write_config("project: {name: p}\n")
+    code, _, err = run_cli_inprocess(["-c", str(cfg), "train", "--resume", "--launcher", "none"], capsys)
+    assert code == 2 and "no run with a checkpoint" in err
+
+
+def test_missing_data_or_model_fails_before_spawning(write_config, capsys, tmp_path):
+    cfg = write_config("project: {name: p}\n")
+    code, _, err = run_cli_inprocess(["-c", str(cfg), "train", "--launcher", "torchrun"], capsys)
+    assert code == 1 and "vlmctl data prepare" in err
+    assert not (tmp_path / "outputs" / "runs").exists()
+
+
+def test_checkpoint_discovery_ignores_partial_folders_and_prunes_the_oldest(tmp_path):
+    from vlmctl.train.checkpoint import latest_checkpoint, prune
+
+    for step in (2, 4, 6, 8):
+        (tmp_path / "checkpoints" / f"checkpoint-{step}").mkdir(parents=True)
+        (tmp_path / "checkpoints" / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    (tmp_path / "checkpoints" / ".tmp-checkpoint-10").mkdir()  # being written when the job died
+    (tmp_path / "checkpoints" / "checkpoint-12").mkdir()  # no trainer_state.json: incomplete
+    assert latest_checkpoint(tmp_path).name == "checkpoint-8"
+    removed = prune(tmp_path, 2)
+    assert sorted(p.name for p in removed) == [".tmp-checkpoint-10", "checkpoint-2", "checkpoint-4"]
+    assert latest_checkpoint(tmp_path).name == "checkpoint-8" and not (tmp_path / "checkpoints" / "checkpoint-4").exists()
+
+
+# ------------------------------------------------------------------------------------------ sampler, config
+
+
+def test_sampler_deals_global_batches_and_resumes_at_the_next_batch():
+    import numpy as np
+
+    from vlmctl.data.loader import DistributedBatchSampler
+
+    lengths = np.arange(100) % 17
+    def take(sampler, n):
+        it = iter(sampler)
+        return [next(it) for _ in range(n)]
+
+    ranks = [DistributedBatchSampler(lengths, micro_batch_size=3, world_size=2, rank=r, seed=1, group_by_length=True) for r in range(2)]
+    single = DistributedBatchSampler(lengths, micro_batch_size=6, world_size=1, rank=0, seed=1, group_by_length=True)
+    assert ranks[0].batches_per_epoch == 16  # 100 // 6: the incomplete global batch is dropped
+    a, b, one = take(ranks[0], 20), take(ranks[1], 20), take(single, 20)
+    for x, y, z in zip(a, b, one):  # 2 ranks x 3 == 1 rank x 6, sample for sample
+        assert sorted(x + y) == sorted(z) and not set(x) & set(y)
+    epoch0 = [i for x, y in zip(a[:16], b[:16]) for i in x + y]
+    assert len(set(epoch0)) == 96
+    spread = [abs(int(lengths[x].sum()) - int(lengths[y].sum())) for x, y in zip(a, b)]
+    assert max(spread) <= 17  # length grouping: similar lengths, dealt with a stride
+    resumed = DistributedBatchSampler(lengths, micro_batch_size=3, world_size=2, rank=0, seed=1, group_by_length=True)
+    resumed.set_position(7)
+    assert take(resumed, 13) == a[7:]
+
+
+def test_source_weights_change_how_often_samples_are_drawn():
+    import numpy as np
+
+    from vlmctl.data.loader import epoch_indices
+
+    weights = np.array([2.0] * 10 + [0.5] * 10)
+    order = epoch_indices(20, weights, seed=0, epoch=0)
+    counts = np.bincount(order, minlength=20)
+    assert (counts[:10] == 2).all() and counts[10:].sum() == 5 and counts[10:].max() == 1
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_llava_deepspeed_json_auto_values_are_filled(stage):
+    import torch
+
+    from vlmctl.config import TrainSection
+    from vlmctl.errors import ConfigError
+    from vlmctl.train.parallel import deepspeed_config
+
+    path = REAL / "llava_examples" / f"deepspeed_zero{stage}.json"
+    train = TrainSection(strategy=f"zero{stage}", micro_batch_size=4, gradient_accumulation_steps=2, deepspeed_config=path)
+    cfg = deepspeed_config(train, world_size=8, dtype=torch.bfloat16, hidden_size=1024, stage=stage)
+    assert "auto" not in json.dumps(cfg)
+    assert cfg["train_micro_batch_size_per_gpu"] == 4 and cfg["gradient_accumulation_steps"] == 2 and cfg["train_batch_size"] == 64
+    assert cfg["bf16"]["enabled"] is True and cfg["fp16"]["enabled"] is False
+    assert cfg["zero_optimization"]["reduce_bucket_size"] == 1024 * 1024
+    if stage == 3:
+        assert cfg["zero_optimization"]["stage3_param_persistence_threshold"] == 10240
+    with pytest.raises(ConfigError, match="ZeRO stage"):
+        deepspeed_config(train, world_size=8, dtype=torch.bfloat16, hidden_size=1024, stage=5 - stage)
+
+
+# --------------------------------------------------------------------------------- stages and LoRA (in-process)
+
+
+def _loaded(project):
+    from vlmctl.models import load_model
+
+    return load_model(project / "model", dtype="fp32")
+
+
+def test_align_and_lora_set_requires_grad_on_exactly_the_right_parameters(project):
+    from vlmctl.config import LoraSection
+    from vlmctl.train import parallel
+
+    model, _, family = _loaded(project)
+    parts = parallel.model_parts(model, family)
+    counts = parallel.apply_stage(model, parts, parallel.trainable_parts("align", None))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(n.startswith("model.multi_modal_projector.") for n in trainable)
+    assert counts["vision"] == counts["llm"] == 0 and counts["projector"] > 0
+    assert parallel.trainable_parts("finetune", ["projector"]) == {"vision", "llm"}
+
+    model, _, family = _loaded(project)
+    parts = parallel.model_parts(model, family)
+    trainable_parts = parallel.trainable_parts("finetune", None)
+    parallel.apply_stage(model, parts, trainable_parts)
+    peft_model = parallel.apply_lora(model, LoraSection(r=4, alpha=8, dropout=0.0), parts, trainable_parts)
+    trainable = [n for n, p in peft_model.named_parameters() if p.requires_grad]
+    lora = [n for n in trainable if ".lora_" in n]
+    assert lora and all(".language_model.layers." in n for n in lora)
+    targets = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in lora}
+    assert targets == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    others = [n for n in trainable if ".lora_" not in n]
+    assert others and all("multi_modal_projector.modules_to_save" in n for n in others)
+
+
+def _weights(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v.float() for k, v in load_file(str(folder / "model.safetensors")).items()}
+
+
+def _changed(before: dict, after: dict) -> set[str]:
+    import torch
+
+    assert set(after) <= set(before)
+    return {k for k in after if not torch.equal(before[k], after[k])}
+
+
+def assert_trained_exactly(project: Path, run: Path, what: str) -> None:
+    """The final export differs from the built model in exactly the weights `what` ("projector" or "lora") trains.
+
+    Saved files use transformers' checkpoint layout (keys may lack the `model.` prefix): match by part name.
+    """
+    import re
+
+    before = _weights(project / "model")
+    changed = _changed(before, _weights(run / "final"))
+    projector = {k for k in before if "multi_modal_projector." in k}
+    if what == "projector":
+        assert changed == projector
+        return
+    lora_target = re.compile(r".*language_model\.(model\.)?layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
+    llm = changed - projector
+    # merged adapters change every targeted weight; biases, norms, embeddings and the vision tower stay as built
+    assert llm == {k for k in before if lora_target.fullmatch(k)}
+    assert changed & projector
+
+
+@pytest.mark.timeout(RUN_TIMEOUT)
+@pytest.mark.parametrize("mode", ["align", "lora"])
+def test_in_process_run_changes_exactly_the_trained_weights(project, mode, capsys):
+    overrides = ["train.max_steps=3", "train.save_steps=100", "train.strategy=ddp", f"train.run_name=none-{mode}"]
+    if mode == "align":
+        overrides += ["train.stage=align", "train.report_to=[tensorboard]"]
+    else:
+        overrides += ["train.stage=finetune", "train.lora.r=4", "train.lora.alpha=8", "train.lora.dropout=0"]
+    code, out, err = run_cli_inprocess(["-c", str(project / "vlmctl.yaml"), "train", "--launcher", "none", *overrides], capsys)
+    assert code == 0, out + err
+    run = project / "runs" / f"none-{mode}"
+    assert_trained_exactly(project, run, "projector" if mode == "align" else "lora")
+    assert (run / "loss.png").is_file()
+    if mode == "align":
+        assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    if mode == "lora":
+        state = json.loads((run / "checkpoints" / "checkpoint-3" / "trainer_state.json").read_text())
+        assert state["lora"]["r"] == 4
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    AutoModelForImageTextToText.from_pretrained(run / "final")
+    AutoProcessor.from_pretrained(run / "final")
+
+
+# ----------------------------------------------------------------------------------- multi-process (torchrun)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+def test_torchrun_fsdp_two_ranks_trains_and_checkpoints(fsdp_run):
+    rows = metrics(fsdp_run)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert sum(r["loss"] for r in rows[-3:]) / 3 < sum(r["loss"] for r in rows[:3]) / 3 - 0.3
+    ckpts = sorted(p.name for p in (fsdp_run / "checkpoints").iterdir())
+    assert ckpts == ["checkpoint-4", "checkpoint-8"]
+    state = json.loads((fsdp_run / "checkpoints" / "checkpoint-8" / "trainer_state.json").read_text())
+    assert state["step"] == 8 and state["world_size"] == 2 and state["strategy"] == "fsdp" and state["family"] == "llava"
+    assert (fsdp_run / "checkpoints" / "checkpoint-8" / ".metadata").is_file()
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(fsdp_run / "checkpoints" / "checkpoint-8")).read_metadata().state_dict_metadata
+    assert "model.model.language_model.layers.0.self_attn.q_proj.weight" in keys
+    assert "model.model.vision_tower.encoder.layers.0.mlp.fc1.weight" in keys
+    from transformers import AutoModelForImageTextToText
+
+    AutoModelForImageTextToText.from_pretrained(fsdp_run / "final")
+    assert (fsdp_run / "config.yaml").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+def test_text_only_rank_runs_a_dummy_image_and_does_not_hang(fsdp_run):
+    # With every third sample text-only and 2 samples per rank, some steps give one rank only text: that rank
+    # appends a zero-weighted dummy image so FSDP's collective gathers of the vision tower line up.
+    assert sum(r["dummy_images"] for r in metrics(fsdp_run)) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT + 60)
+def test_fsdp_two_ranks_match_single_process_with_the_same_global_batch(project, fsdp_run, capsys):
+    code, out, err = run_cli_inprocess(["-c", str(project / "vlmctl.yaml"), "train", "--launcher", "none",
+                                        "train.micro_batch_size=4", "train.run_name=single"], capsys)
+    assert code == 0, out + err
+    single = losses(project / "runs" / "single")
+    two = losses(fsdp_run)
+    assert len(single) == len(two) == 8
+    for a, b in zip(single, two):
+        assert abs(a - b) < 1e-4 * abs(a)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * RUN_TIMEOUT + 30)
+def test_kill_9_then_resume_reproduces_the_uninterrupted_curve(project, fsdp_run):
+    run = project / "runs" / "killed"
+    proc = _cli(project, "train.run_name=killed")
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not (run / "checkpoints" / "checkpoint-4").is_dir():
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        assert time.monotonic() < deadline, "no checkpoint-4 in time"
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)  # launcher, torchrun and both ranks at once, like a lost node
+    proc.wait()
+    # Whatever the ranks wrote after step 4 is gone with a real crash at that point.
+    for p in (run / "checkpoints").iterdir():
+        if p.name != "checkpoint-4":
+            subprocess.run(["rm", "-rf", str(p)], check=True)
+    subprocess.run(["rm", "-rf", str(run / "final")], check=True)
+    _run_cli(project, "--resume", "train.run_name=killed")
+    resumed = metrics(run)
+    assert [r["step"] for r in resumed] == list(range(1, 9))
+    assert [r["loss"] for r in resumed] == losses(fsdp_run)  # bitwise on CPU
+    assert (run / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+def test_sigterm_finishes_the_step_saves_and_exits(project):
+    run = project / "runs" / "term"
+    proc = _cli(project, "train.run_name=term", "train.max_steps=200", "train.save_steps=1000")
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not (run / "metrics.jsonl").is_file() or len(metrics(run)) < 2:
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        assert time.monotonic() < deadline, "no steps logged in time"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=RUN_TIMEOUT)
+    assert proc.returncode == 128 + signal.SIGTERM, out[-4000:]
+    ckpts = list((run / "checkpoints").iterdir())
+    assert len(ckpts) == 1
+    state = json.loads((ckpts[0] / "trainer_state.json").read_text())
+    assert state["reason"] == "signal" and state["step"] == metrics(run)[-1]["step"] < 200
+    assert "stopped by signal" in out and "--resume" in out
+    assert not (run / "final").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_torchrun_deepspeed_two_ranks_trains_checkpoints_and_resumes(project, stage):
+    # The first DeepSpeed run on a machine compiles its CPU communication op (1-2 min, cached afterwards).
+    _run_cli(project, "--strategy", stage, f"train.run_name={stage}", "train.max_steps=6", "train.save_steps=3", timeout=2 * RUN_TIMEOUT)
+    run = project / "runs" / stage
+    rows = metrics(run)
+    assert len(rows) == 6 and rows[-1]["loss"] < rows[0]["loss"]
+    assert sum(r["dummy_images"] for r in rows) > 0  # a text-only rank did not hang ZeRO
+    for step in (3, 6):
+        ckpt = run / "checkpoints" / f"checkpoint-{step}"
+        assert (ckpt / "latest").read_text().strip() == f"global_step{step}"
+        assert json.loads((ckpt / "trainer_state.json").read_text())["format"] == "deepspeed"
+    assert (run / "final" / "model.safetensors").is_file()
+    if stage == "zero3":  # DeepSpeed's own load path: resume from step 3 reproduces steps 4-6 exactly
+        subprocess.run(["rm", "-rf", str(run / "checkpoints" / "checkpoint-6"), str(run / "final")], check=True)
+        _run_cli(project, "--strategy", stage, "--resume", f"train.run_name={stage}", "train.max_steps=6", "train.save_steps=3")
+        assert losses(run) == [r["loss"] for r in rows]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+def test_torchrun_fsdp_lora_with_accumulation_trains_only_adapters_and_projector(project):
+    _run_cli(project, "train.run_name=fsdp-lora", "train.stage=finetune", "train.lora.r=4", "train.lora.alpha=8",
+             "train.lora.dropout=0", "train.gradient_accumulation_steps=2", "train.max_steps=3", "train.save_steps=3")
+    run = project / "runs" / "fsdp-lora"
+    assert len(metrics(run)) == 3
+    assert_trained_exactly(project, run, "lora")
+
+
+@pytest.mark.timeout(RUN_TIMEOUT)
+def test_accumulation_matches_a_larger_micro_batch(project, capsys):
+    base = ["-c", str(project / "vlmctl.yaml"), "train", "--launcher", "none", "train.group_by_length=false",
+            "train.max_steps=3", "train.save_steps=100"]
+    # the second run also applies the processor in a DataLoader worker process
+    for name, extra in (("mb4", ["train.micro_batch_size=4"]), ("mb2x2", ["train.gradient_accumulation_steps=2", "train.num_workers=1"])):
+        code, out, err = run_cli_inprocess([*base, f"train.run_name={name}", *extra], capsys)
+        assert code == 0, out + err
+    for a, b in zip(losses(project / "runs" / "mb4"), losses(project / "runs" / "mb2x2")):
+        assert abs(a - b) < 1e-5 * abs(a)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+def test_accelerate_launch_ddp_two_ranks(project):
+    out = _run_cli(project, "--launcher", "accelerate", "--strategy", "ddp", "train.run_name=ddp", "train.max_steps=4", "train.save_steps=4")
+    run = project / "runs" / "ddp"
+    rows = metrics(run)
+    assert len(rows) == 4 and rows[-1]["loss"] < rows[0]["loss"]
+    state = json.loads((run / "checkpoints" / "checkpoint-4" / "trainer_state.json").read_text())
+    assert state["world_size"] == 2 and state["strategy"] == "ddp"
+    assert "accelerate launch" in out
+
+
+# ------------------------------------------------------------------------------------------- bad-step handling
+
+
+def test_nan_loss_steps_are_skipped_then_the_run_aborts(monkeypatch):
+    import torch
+    import torch.distributed as dist
+
+    from vlmctl.errors import VlmctlError
+    from vlmctl.train.loop import TorchStepper, Trainer, TrainState
+    from vlmctl.train.parallel import init_distributed
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(8, 4)
+            self.head = torch.nn.Linear(4, 8)
+
+        def forward(self, input_ids, attention_mask=None, poison=None, use_cache=None):
+            logits = self.head(self.emb(input_ids))
+            return type("Out", (), {"logits": logits * poison})()
+
+    def batch(bad: bool) -> dict:
+        ids = torch.tensor([[1, 2, 3, 4]])
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone(),
+                "poison": torch.tensor(float("nan") if bad else 1.0), "num_label_tokens": 3, "num_text_tokens": 4,
+                "num_visual_tokens": 0, "num_dummy_images": 0}
+
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    env = init_distributed()
+    try:
+        model = Tiny()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        pattern = iter([False, True, False, True, True])
+        rows = []
+
+        def make(max_bad):
+            return Trainer(stepper=TorchStepper(model, opt, sched, max_grad_norm=1.0, device=env.device),
+                           batches=(batch(next(pattern)) for _ in range(100)), env=env, state=TrainState(), total_steps=5,
+                           grad_accum=1, batches_per_epoch=100, save_steps=100, logging_steps=1, max_bad_steps=max_bad,
+                           save=lambda *a: None, log=rows.append, progress=type("P", (), {"update": lambda *a: None})())
+
+        trainer = make(max_bad=1)
+        snapshots = []
+        original = trainer.train_step
+
+        def spy():
+            before = [p.detach().clone() for p in model.parameters()]
+            result = original()
+            snapshots.append(all(torch.equal(a, b) for a, b in zip(before, model.parameters())))
+            return result
+
+        trainer.train_step = spy
+        with pytest.raises(VlmctlError, match="max_bad_steps=1"):
+            trainer.train()
+        # step 1 trains, step 2 (NaN) leaves the weights alone, step 3 trains, step 4 is the second bad one: abort
+        assert snapshots == [False, True, False, True]
+        assert [r["bad_steps"] for r in rows] == [0, 1, 1]
+        assert rows[1]["grad_norm"] is None and rows[1]["loss"] is None and rows[2]["loss"] > 0
+    finally:
+        dist.destroy_process_group()

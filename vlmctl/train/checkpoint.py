@@ -1,0 +1,177 @@
+"""Checkpoints: torch DCP (ddp/fsdp) or DeepSpeed's own layout (zero2/zero3), atomic rename, pruning, discovery.
+
+Layout of a run folder (readers such as `vlmctl convert` depend on it)::
+
+    <train.output_dir>/<run name>/
+      config.yaml                     the resolved project config
+      metrics.jsonl                   one JSON object per logged step
+      checkpoints/checkpoint-<step>/  complete checkpoints only (written as .tmp-checkpoint-<step>, then renamed)
+        trainer_state.json            {step, epoch, consumed_micro_batches, lora, model_source, family, world_size,
+                                       strategy, format, ...}
+        rng-<rank>.pt                 per-rank RNG states (python, numpy, torch CPU/CUDA)
+        ddp/fsdp: DCP files (.metadata, __<rank>_0.distcp) of {"model": <HF or peft state_dict keys>,
+                  "optim": <optimizer state dict keyed by parameter names>, "scheduler": {...}}
+        zero2/zero3: DeepSpeed's `engine.save_checkpoint` layout (latest, global_step<N>/...)
+      final/                          HF export (model + processor), or a peft adapter with keep_adapter
+
+DCP model keys are the unwrapped model's `state_dict()` keys (`torch.distributed.checkpoint.state_dict.
+get_state_dict` strips DDP/FSDP wrappers), so the checkpoint's keys read `model.<hf key>`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+STATE_FILE = "trainer_state.json"
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints (renamed into place, with trainer_state.json), oldest first."""
+    folder = checkpoints_dir(run_dir)
+    if not folder.is_dir():
+        return []
+    found = []
+    for p in folder.iterdir():
+        m = CHECKPOINT_RE.match(p.name)
+        if m and (p / STATE_FILE).is_file():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = complete_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def read_state(checkpoint: Path) -> dict[str, Any]:
+    return json.loads((Path(checkpoint) / STATE_FILE).read_text())
+
+
+def rng_state() -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save(run_dir: Path, step: int, trainer_state: dict[str, Any], *, rank: int, model=None, optimizer=None,
+         scheduler=None, engine=None, total_limit: int | None = None) -> Path:
+    """Save a checkpoint of `step` collectively (every rank calls this) and return its final path.
+
+    DCP for a torch model + optimizer, or `engine.save_checkpoint` for a DeepSpeed engine. Written to
+    `.tmp-checkpoint-<step>` and renamed by rank 0 once every rank is done; then old checkpoints beyond
+    `total_limit` are removed.
+    """
+    import torch
+    import torch.distributed as dist
+
+    folder = checkpoints_dir(run_dir)
+    final = folder / f"checkpoint-{step}"
+    tmp = folder / f".tmp-checkpoint-{step}"
+    if rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    dist.barrier()
+    if engine is not None:
+        engine.save_checkpoint(str(tmp), tag=f"global_step{step}", client_state={"step": step})
+    else:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd, "scheduler": _plain(scheduler.state_dict())}, checkpoint_id=str(tmp))
+    torch.save(rng_state(), tmp / f"rng-{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2, default=str))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        prune(run_dir, total_limit)
+    dist.barrier()
+    return final
+
+
+def _plain(state: dict[str, Any]) -> dict[str, Any]:
+    # LambdaLR keeps `lr_lambdas: [None, ...]`; DCP stores the rest as plain values.
+    return {k: v for k, v in state.items() if k != "lr_lambdas"}
+
+
+def load(checkpoint: Path, *, rank: int, model=None, optimizer=None, scheduler=None, engine=None) -> dict[str, Any]:
+    """Restore model, optimizer, scheduler and this rank's RNG states in place; return trainer_state.json.
+
+    Every rank calls this. Raises VlmctlError when the checkpoint was written by a different world size for DCP's
+    non-resharding parts (RNG files), which is reported with the fix.
+    """
+    import torch
+
+    from vlmctl.errors import VlmctlError
+
+    checkpoint = Path(checkpoint)
+    state = read_state(checkpoint)
+    if engine is not None:
+        path, _ = engine.load_checkpoint(str(checkpoint), load_optimizer_states=True, load_lr_scheduler_states=True)
+        if path is None:
+            raise VlmctlError(f"DeepSpeed found no checkpoint in {checkpoint}", hint="pass another checkpoint, or start without --resume")
+    else:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        strict = {"model": model_sd, "scheduler": _plain(scheduler.state_dict())}
+        dcp.load(strict, checkpoint_id=str(checkpoint))
+        # Parameters that never received a gradient (e.g. a vision layer after the selected feature layer) have
+        # no AdamW state in the checkpoint; the placeholders `get_state_dict` creates for them stay unused.
+        optim = {"optim": optim_sd}
+        dcp.load(optim, checkpoint_id=str(checkpoint), planner=DefaultLoadPlanner(allow_partial_load=True))
+        set_state_dict(model, optimizer, model_state_dict=strict["model"], optim_state_dict=optim["optim"])
+        scheduler.load_state_dict({**scheduler.state_dict(), **strict["scheduler"]})
+    rng_file = checkpoint / f"rng-{rank}.pt"
+    if rng_file.is_file():
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    return state
+
+
+def prune(run_dir: Path, total_limit: int | None) -> list[Path]:
+    """Remove stale temporary folders and the oldest complete checkpoints beyond `total_limit`; return removed.
+
+    Called by rank 0 after a save completed, when no other save is in flight."""
+    removed = []
+    folder = checkpoints_dir(run_dir)
+    for p in folder.glob(".tmp-checkpoint-*") if folder.is_dir() else []:
+        shutil.rmtree(p, ignore_errors=True)  # left by a run killed while saving; no save is in flight now
+        removed.append(p)
+    found = complete_checkpoints(run_dir)
+    if total_limit is not None and len(found) > total_limit:
+        for p in found[: len(found) - total_limit]:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed

@@ -1,0 +1,304 @@
+"""The step loop shared by every strategy: `Trainer.train()` and `Trainer.train_step()`, read top to bottom.
+
+A strategy only changes how a loss is computed, back-propagated and stepped (`TorchStepper` for none/ddp/fsdp,
+`DeepSpeedStepper` for zero2/zero3); the loop itself is the same.
+
+Loss: mean cross-entropy over the assistant tokens of the whole global batch (all micro-batches of the
+accumulation window on all ranks). Each micro-batch's summed token loss is scaled by
+`world_size / global_label_tokens` before backward, because data-parallel gradient reduction averages over ranks.
+So the loss and gradients of a step do not depend on how the global batch is split over ranks and micro-batches
+(1 rank x 8 samples == 2 ranks x 4 samples), unlike a mean of per-rank means.
+
+Bad steps: a micro-batch whose loss is NaN/inf on any rank is not back-propagated and the step is skipped
+(torch strategies: no optimizer step, gradients dropped; DeepSpeed: the bad micro-batch is left out of the
+window, as its engine always steps at the boundary). After `train.max_bad_steps` the run aborts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from vlmctl.data.collate import IGNORE_INDEX, model_inputs
+from vlmctl.errors import VlmctlError
+
+
+def token_loss_sum(logits, labels):
+    """Summed next-token cross-entropy: logits [B, T, V], labels [B, T] (-100 = ignored) -> scalar (fp32)."""
+    import torch.nn.functional as F
+
+    shift_logits = logits[:, :-1, :].float()
+    shift_labels = labels[:, 1:].to(shift_logits.device)
+    return F.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def to_device(batch: dict[str, Any], device) -> dict[str, Any]:
+    return {k: (v.to(device, non_blocking=True) if hasattr(v, "to") else v) for k, v in batch.items()}
+
+
+class TorchStepper:
+    """Forward/backward/step for an nn.Module wrapped (or not) in DDP or FSDP2, with a torch optimizer."""
+
+    def __init__(self, model, optimizer, scheduler, *, max_grad_norm: float, autocast_dtype=None, device=None):
+        import torch
+
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.max_grad_norm = max_grad_norm
+        self.device = device
+        self.autocast_dtype = autocast_dtype if autocast_dtype not in (None, torch.float32) else None
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def sync(self, last: bool):
+        """Skip the gradient all-reduce/reduce-scatter on all but the last micro-batch of a window."""
+        if hasattr(self.model, "no_sync"):
+            return contextlib.nullcontext() if last else self.model.no_sync()
+        if hasattr(self.model, "set_requires_gradient_sync"):
+            self.model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    def loss(self, batch: dict[str, Any]):
+        import torch
+
+        ctx = torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype else contextlib.nullcontext()
+        with ctx:
+            out = self.model(**model_inputs(batch), use_cache=False)
+        return token_loss_sum(out.logits, batch["labels"])
+
+    def backward(self, loss, scale: float) -> None:
+        (loss * scale).backward()
+
+    def step(self, skip: bool) -> float | None:
+        """Clip and step unless `skip` or the gradient norm is not finite; returns the norm (None if skipped)."""
+        import torch
+
+        norm = None
+        if not skip:
+            max_norm = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
+            total = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+            total = total.full_tensor() if hasattr(total, "full_tensor") else total
+            norm = float(total)
+            if math.isfinite(norm):
+                self.optimizer.step()
+                self.scheduler.step()
+            else:
+                norm = None
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+
+class DeepSpeedStepper:
+    """The same interface over a DeepSpeed engine (it accumulates, clips, steps and schedules itself)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.model = engine
+
+    def sync(self, last: bool):
+        return contextlib.nullcontext()
+
+    def loss(self, batch: dict[str, Any]):
+        inputs = model_inputs(batch)
+        dtype = next((p.dtype for p in self.engine.module.parameters()), None)
+        if "pixel_values" in inputs and dtype is not None:
+            inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+        out = self.engine(**inputs, use_cache=False)
+        return token_loss_sum(out.logits, batch["labels"])
+
+    def backward(self, loss, scale: float) -> None:
+        # Our scale already averages over the window, so DeepSpeed must not divide by the accumulation steps again.
+        self.engine.backward(loss * scale, scale_wrt_gas=False)
+
+    def micro_step(self) -> None:
+        self.engine.step()
+
+    def step(self, skip: bool) -> float | None:
+        norm = self.engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else None
+        return None if skip or norm is None or not math.isfinite(norm) else norm
+
+    @property
+    def lr(self) -> float:
+        return self.engine.get_lr()[0]
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    consumed: int = 0  # micro-batches consumed per rank since the start of training
+    bad_steps: int = 0
+    tokens: int = 0  # real tokens seen, global
+
+
+@dataclass
+class StepResult:
+    loss: float | None  # None for a skipped (bad) step
+    grad_norm: float | None
+    label_tokens: int
+    text_tokens: int
+    visual_tokens: int
+    dummy_images: int
+    samples: int
+    stop: bool
+    bad: bool
+
+
+@dataclass
+class Trainer:
+    """The loop. `save(step, state, reason)` and `log(row)` are given by the worker (checkpoint and metrics)."""
+
+    stepper: Any
+    batches: Iterator[dict[str, Any]]
+    env: Any  # parallel.DistEnv
+    state: TrainState
+    total_steps: int
+    grad_accum: int
+    batches_per_epoch: int
+    save_steps: int
+    logging_steps: int
+    max_bad_steps: int
+    save: Any
+    log: Any
+    progress: Any
+    flops_per_token: Any = None  # callable(mean_seq_len) -> FLOPs/token, or None
+    peak_flops: float | None = None
+    _signal: int | None = field(default=None, init=False)
+
+    def install_signal_handlers(self) -> dict:
+        """SIGTERM/SIGINT: finish the current step, save a checkpoint, stop (SLURM preemption, Ctrl-C).
+        Returns the previous handlers."""
+        def handler(signum, frame):
+            self._signal = signum
+
+        return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def train(self) -> str:
+        """Run steps until `total_steps` or a signal; returns "done" or "stopped"."""
+        previous = self.install_signal_handlers()
+        try:
+            return self._train()
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+
+    def _train(self) -> str:
+        interval: list[StepResult] = []
+        t0 = time.monotonic()
+        while self.state.step < self.total_steps:
+            result = self.train_step()
+            self.state.step += 1
+            interval.append(result)
+            if result.bad:
+                self.state.bad_steps += 1
+                if self.state.bad_steps > self.max_bad_steps:
+                    raise VlmctlError(
+                        f"{self.state.bad_steps} steps had a NaN/inf loss or gradient norm (limit train.max_bad_steps={self.max_bad_steps})",
+                        hint="lower train.learning_rate, use bf16 instead of fp16, or check the data at this step")
+            step = self.state.step
+            row = None
+            if step % self.logging_steps == 0 or step == self.total_steps or result.stop:
+                row = self._row(interval, time.monotonic() - t0)
+                self.log(row)
+                interval, t0 = [], time.monotonic()
+            self.progress.update(step, row)
+            if result.stop:
+                self.save(step, self.state, "signal")
+                return "stopped"
+            if step % self.save_steps == 0 or step == self.total_steps:
+                self.save(step, self.state, "interval")
+        return "done"
+
+    def train_step(self) -> StepResult:
+        """One optimizer step over `grad_accum` micro-batches of this rank."""
+        import torch
+        import torch.distributed as dist
+
+        device = self.env.device
+        window = [next(self.batches) for _ in range(self.grad_accum)]
+        self.state.consumed += len(window)
+        # The loss is a mean over the assistant tokens of the whole global batch: count them first.
+        label_tokens = torch.tensor([float(sum(b["num_label_tokens"] for b in window))], device=device)
+        dist.all_reduce(label_tokens)
+        scale = self.env.world_size / max(float(label_tokens), 1.0)
+        loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+        bad = False
+        for i, batch in enumerate(window):
+            batch = to_device(batch, device)
+            with self.stepper.sync(last=i == len(window) - 1):
+                loss = self.stepper.loss(batch)
+                finite = torch.tensor([1.0 if bool(torch.isfinite(loss.detach())) else 0.0], device=device)
+                dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+                if float(finite) == 1.0:
+                    self.stepper.backward(loss, scale)
+                    loss_sum += loss.detach().double()
+                else:
+                    bad = True
+            if isinstance(self.stepper, DeepSpeedStepper):
+                self.stepper.micro_step()
+        grad_norm = self.stepper.step(skip=bad)
+        bad = bad or grad_norm is None and not isinstance(self.stepper, DeepSpeedStepper)
+        stats = torch.tensor([
+            float(loss_sum),
+            float(sum(b["num_text_tokens"] for b in window)),
+            float(sum(b["num_visual_tokens"] for b in window)),
+            float(sum(b["num_dummy_images"] for b in window)),
+            float(sum(int(b["input_ids"].shape[0]) - b["num_dummy_images"] for b in window)),
+            1.0 if self._signal is not None else 0.0,
+        ], device=device, dtype=torch.float64)
+        dist.all_reduce(stats)
+        total_tokens = float(label_tokens)
+        text, visual = int(stats[1]), int(stats[2])
+        self.state.tokens += text + visual
+        return StepResult(
+            loss=None if bad else float(stats[0]) / max(total_tokens, 1.0), grad_norm=grad_norm, label_tokens=int(total_tokens),
+            text_tokens=text, visual_tokens=visual, dummy_images=int(stats[3]), samples=int(stats[4]),
+            stop=bool(stats[5] > 0), bad=bad,
+        )
+
+    def _row(self, interval: list[StepResult], seconds: float) -> dict[str, Any]:
+        import torch
+
+        last = interval[-1]
+        n = len(interval)
+        good = [r.loss for r in interval if r.loss is not None]
+        text = sum(r.text_tokens for r in interval)
+        visual = sum(r.visual_tokens for r in interval)
+        samples = sum(r.samples for r in interval)
+        tps = (text + visual) / max(seconds, 1e-9)
+        mfu = None
+        if self.flops_per_token is not None and self.peak_flops:
+            mean_len = (text + visual) / max(samples, 1)
+            mfu = tps * self.flops_per_token(mean_len) / (self.peak_flops * self.env.world_size)
+        memory = None
+        if self.env.device.type == "cuda":
+            memory = torch.cuda.max_memory_allocated(self.env.device) / 2**30
+        return {
+            "step": self.state.step,
+            "epoch": round(self.state.consumed / self.batches_per_epoch, 4),
+            "loss": last.loss,
+            "loss_avg": sum(good) / len(good) if good else None,
+            "lr": self.stepper.lr,
+            "grad_norm": last.grad_norm,
+            "label_tokens": last.label_tokens,
+            "text_tokens": text,
+            "visual_tokens": visual,
+            "tokens_per_s": tps,
+            "text_tokens_per_s": text / max(seconds, 1e-9),
+            "visual_tokens_per_s": visual / max(seconds, 1e-9),
+            "step_time_s": seconds / n,
+            "mfu": mfu,
+            "memory_gib": memory,
+            "dummy_images": sum(r.dummy_images for r in interval),
+            "bad_steps": self.state.bad_steps,
+            "tokens_seen": self.state.tokens,
+        }

@@ -1,0 +1,197 @@
+"""What rank 0 shows and records: the startup table, the progress bar, metrics.jsonl, TensorBoard and W&B.
+
+Throughput and MFU:
+- tokens/s counts real (non-padding) tokens of the global batch per second of step time, split into text tokens
+  and visual tokens (image placeholder positions).
+- MFU = achieved FLOP/s / (peak FLOP/s per device * devices). Achieved FLOPs per token = 6 * N (forward 2N +
+  backward 4N, Kaplan et al. 2020 "Scaling Laws for Neural Language Models", sec. 2.1) + 12 * L * d * T for
+  attention scores (PaLM, Chowdhery et al. 2022, appendix B), with N the model's parameters, L and d the language
+  model's layers and hidden size and T the mean sequence length. Peak FLOP/s are the dense bf16 tensor-core
+  figures of the vendor data sheets; unknown devices (and CPUs) get no MFU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+# Dense bf16 peak FLOP/s per device (vendor data sheets, without sparsity).
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
+              "L40": 181e12, "A10": 125e12, "4090": 165e12, "B200": 2250e12, "GH200": 989e12}
+
+
+def peak_flops(device) -> float | None:
+    import torch
+
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in sorted(PEAK_FLOPS.items(), key=lambda kv: -len(kv[0])):
+        if key in name:
+            return value
+    return None
+
+
+def flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: float) -> float:
+    """Training FLOPs per token: 6 N + 12 L d T (see module docstring)."""
+    return 6.0 * num_params + 12.0 * num_layers * hidden * seq_len
+
+
+class MetricsLogger:
+    """Rank 0's sinks: metrics.jsonl (always), TensorBoard and W&B when listed in `train.report_to`.
+
+    Raises ConfigError when a tracker's package is missing.
+    """
+
+    def __init__(self, run_dir: Path, report_to: list[str], *, run_name: str, project: str, config: dict, resume_step: int = 0):
+        from vlmctl.errors import ConfigError
+
+        self.path = Path(run_dir) / "metrics.jsonl"
+        if resume_step and self.path.is_file():
+            self._truncate(resume_step)
+        self._tb = None
+        self._wandb = None
+        if "tensorboard" in report_to:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:
+                raise ConfigError("train.report_to has tensorboard but the package is not installed",
+                                  hint="pip install tensorboard, or remove it from train.report_to") from exc
+            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
+        if "wandb" in report_to:
+            try:
+                import wandb
+            except ImportError as exc:
+                raise ConfigError("train.report_to has wandb but the package is not installed",
+                                  hint="pip install wandb, or remove it from train.report_to") from exc
+            self._wandb = wandb.init(project=project, name=run_name, id=run_name.replace("/", "-"), resume="allow",
+                                     dir=str(run_dir), config=config)
+
+    def _truncate(self, step: int) -> None:
+        """Drop rows past `step` (written after the checkpoint a resumed run restarts from)."""
+        keep = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, self.path)
+
+    def log(self, row: dict[str, Any]) -> None:
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(row) + "\n")
+        step = row["step"]
+        scalars = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step" and v is not None}
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(f"train/{k}", v, step)
+        if self._wandb is not None:
+            self._wandb.log({f"train/{k}": v for k, v in scalars.items()}, step=step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+class Progress:
+    """A rich progress bar on a terminal; one plain line per logged step otherwise (logs, SLURM)."""
+
+    def __init__(self, total: int, start: int, enabled: bool):
+        from rich.console import Console
+
+        self.enabled = enabled
+        self.console = Console(highlight=False)
+        self.total = total
+        self.bar = None
+        self.start_time = time.monotonic()
+        self.start_step = start
+        if enabled and self.console.is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeRemainingColumn
+
+            self.bar = RichProgress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                                    TimeRemainingColumn(), console=self.console, transient=False)
+            self.task = self.bar.add_task("train", total=total, completed=start, info="")
+            self.bar.start()
+
+    def update(self, step: int, row: dict[str, Any] | None) -> None:
+        if not self.enabled:
+            return
+        info = format_row(row) if row else None
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step, **({"info": info} if info else {}))
+        elif info:
+            done = step - self.start_step
+            eta = (time.monotonic() - self.start_time) / max(done, 1) * (self.total - step)
+            self.console.print(f"step {step}/{self.total} {info} eta {eta:.0f}s")
+
+    def print(self, text: str) -> None:
+        if self.enabled:
+            (self.bar.console if self.bar is not None else self.console).print(text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def format_row(row: dict[str, Any]) -> str:
+    loss = "skipped (NaN/inf)" if row["loss"] is None else f"{row['loss']:.4f}"
+    parts = [f"loss {loss}", f"lr {row['lr']:.2e}"]
+    if row.get("grad_norm") is not None:
+        parts.append(f"gnorm {row['grad_norm']:.3f}")
+    parts.append(f"tok/s {row['tokens_per_s']:.0f} (text {row['text_tokens_per_s']:.0f}, visual {row['visual_tokens_per_s']:.0f})")
+    if row.get("mfu") is not None:
+        parts.append(f"MFU {100 * row['mfu']:.1f}%")
+    if row.get("memory_gib") is not None:
+        parts.append(f"mem {row['memory_gib']:.1f} GiB")
+    return " | ".join(parts)
+
+
+def plot_loss(run_dir: Path) -> Path | None:
+    """Write `run_dir/loss.png` (loss and learning rate per step) from metrics.jsonl; None without rows."""
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    rows = [r for r in rows if r.get("loss") is not None]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (assistant tokens)")
+    lr_ax = ax.twinx()
+    lr_ax.plot([r["step"] for r in rows], [r["lr"] for r in rows], color="tab:orange", alpha=0.5, label="lr")
+    lr_ax.set_ylabel("learning rate")
+    ax.set_title(Path(run_dir).name)
+    fig.tight_layout()
+    out = Path(run_dir) / "loss.png"
+    tmp = out.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, out)
+    return out
+
+
+def startup_table(info: dict[str, Any]):
+    """One rich table of the run: model parts, trainable parameters, strategy, world size, batch, steps, data."""
+    from rich.table import Table
+
+    table = Table(title="vlmctl train", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in info.items():
+        table.add_row(key, str(value))
+    return table
+
+
+def human(n: float) -> str:
+    for unit in ("", "K", "M", "B", "T"):
+        if abs(n) < 1000:
+            return f"{n:.3g}{unit}"
+        n /= 1000
+    return f"{n:.3g}P"
