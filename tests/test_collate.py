@@ -164,3 +164,50 @@ def test_other_families_collate_and_run_forward(preset, tmp_path):
             loss = token_loss_sum(model(**model_inputs(batch), use_cache=False).logits, batch["labels"])
         assert math.isfinite(float(loss)) and float(loss) > 0
     assert collate(samples[2:])["num_dummy_images"] == 1
+    # one packed row of the same samples: the same summed loss as the padded batches (mRoPE positions per sample)
+    from vlmctl.data.collate import PackedCollator
+    from vlmctl.data.packing import mrope_position_ids
+    from vlmctl.train.kernels import token_losses
+
+    padded = [collate(samples[:2]), collate(samples[2:])]
+    with torch.no_grad():
+        padded_sum = sum(float(token_loss_sum(model(**model_inputs(b), use_cache=False).logits, b["labels"])) for b in padded)
+    row = PackedCollator(processor, family, tokens_per_batch=100_000)(samples)
+    assert row["input_ids"].shape[0] == 1 and row["num_samples"] == len(samples)
+    assert row["num_label_tokens"] == sum(b["num_label_tokens"] for b in padded)
+    if family.mrope:
+        row["position_ids"] = mrope_position_ids(model.model.get_rope_index, row["input_ids"], row["mm_token_type_ids"],
+                                                 row["image_grid_thw"], row["seq_lens"])
+    with torch.no_grad():
+        losses, _ = token_losses(model, {**model_inputs(row), "labels": row["labels"]})
+    assert float(losses.sum()) == pytest.approx(padded_sum, rel=1e-4)
+
+
+def test_packed_collator_concatenates_samples_with_restarting_positions(processor):
+    import torch
+
+    from vlmctl.data.collate import Collator, PackedCollator
+
+    llava = llava_samples()
+    row = PackedCollator(processor, tokens_per_batch=10_000)(llava)
+    padded = Collator(processor)(llava)
+    lens = padded["attention_mask"].sum(1).tolist()
+    assert row["seq_lens"] == lens and row["input_ids"].shape == (1, sum(lens)) and "attention_mask" not in row
+    assert row["packed_cu_seqlens"].tolist() == [0, *torch.tensor(lens).cumsum(0).tolist()]
+    assert row["packed_max_seqlen"] == max(lens)
+    assert row["position_ids"][0].tolist() == [i for n in lens for i in range(n)]
+    starts = row["packed_cu_seqlens"][:-1].tolist()
+    assert (row["labels"][0, starts] == -100).all()  # no sample's first token is a target of the previous one
+    for key in ("num_label_tokens", "num_text_tokens", "num_visual_tokens", "num_dummy_images", "num_samples"):
+        assert row[key] == padded[key], key
+    assert torch.equal(row["pixel_values"], padded["pixel_values"])
+    # a row of text-only samples gets the dummy image as one more zero-label sample
+    text_only = [s for s in llava if not s.images]
+    row = PackedCollator(processor, tokens_per_batch=10_000)(text_only)
+    assert row["num_dummy_images"] == 1 and len(row["seq_lens"]) == len(text_only) + 1 and row["pixel_values"].shape[0] == 1
+    assert (row["labels"][0, -row["seq_lens"][-1]:] == -100).all() and row["num_samples"] == len(text_only)
+    # a sample that no longer fits its planned row is left out, with a warning
+    collate = PackedCollator(processor, tokens_per_batch=max(lens))
+    with pytest.warns(UserWarning, match="does not fit"):
+        row = collate(llava[:2])
+    assert collate.dropped == 1 and row["num_samples"] == 1

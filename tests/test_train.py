@@ -1,7 +1,8 @@
-"""`vlmctl train`: launch commands, sampler, DeepSpeed config, stages/LoRA, and real multi-process runs on CPU.
+"""`vlmctl train`: launch commands, samplers, DeepSpeed config, stages/LoRA, packing, and real multi-process runs on
+CPU.
 
 The multi-process tests share one built tiny model and one prepared data set (session fixture) and run 8 steps
-of 2 ranks x 2 samples. Every one of them has a timeout: a hang (e.g. a rank skipping the vision tower under
+of 2 ranks x one packed row of up to 192 tokens (about two image samples; `train.packing` is on by default). Every one of them has a timeout: a hang (e.g. a rank skipping the vision tower under
 FSDP/ZeRO-3) fails the test instead of blocking the suite.
 """
 
@@ -74,6 +75,7 @@ train:
   learning_rate: 2.0e-3
   warmup_ratio: 0.0
   micro_batch_size: 2
+  tokens_per_batch: 192
   max_steps: 8
   save_steps: 4
   logging_steps: 1
@@ -337,8 +339,8 @@ def assert_trained_exactly(project: Path, run: Path, what: str) -> None:
 @pytest.mark.parametrize("mode", ["align", "lora"])
 def test_in_process_run_changes_exactly_the_trained_weights(project, mode, capsys):
     overrides = ["train.max_steps=3", "train.save_steps=100", "train.strategy=ddp", f"train.run_name=none-{mode}"]
-    if mode == "align":
-        overrides += ["train.stage=align", "train.report_to=[tensorboard]"]
+    if mode == "align":  # padded micro-batches here; the LoRA run packs
+        overrides += ["train.stage=align", "train.report_to=[tensorboard]", "train.packing=false"]
     else:
         overrides += ["train.stage=finetune", "train.lora.r=4", "train.lora.alpha=8", "train.lora.dropout=0"]
     code, out, err = run_cli_inprocess(["-c", str(project / "vlmctl.yaml"), "train", "--launcher", "none", *overrides], capsys)
@@ -351,6 +353,19 @@ def test_in_process_run_changes_exactly_the_trained_weights(project, mode, capsy
     if mode == "lora":
         state = json.loads((run / "checkpoints" / "checkpoint-3" / "trainer_state.json").read_text())
         assert state["lora"]["r"] == 4
+        # target_modules: the adapted modules' names as a JSON list that peft accepts
+        targets = state["lora"]["target_modules"]
+        assert isinstance(targets, list) and "model.language_model.layers.0.self_attn.q_proj" in targets
+        assert {t.rsplit(".", 1)[-1] for t in targets} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+        assert all(t.startswith("model.language_model.layers.") for t in targets)
+        from peft import LoraConfig
+
+        assert LoraConfig(**{k: v for k, v in state["lora"].items() if k in LoraConfig.__dataclass_fields__}).target_modules == set(targets)
+        rows = metrics(run)
+        assert state["device"] == "cpu" and all(r["device"] == "cpu" for r in rows)
+        seen = [r["tokens_seen"] for r in rows]
+        assert seen == sorted(seen) and seen[0] == rows[0]["text_tokens"] + rows[0]["visual_tokens"]
+        assert state["tokens_seen"] == seen[-1]
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     AutoModelForImageTextToText.from_pretrained(run / "final")
@@ -393,8 +408,9 @@ def test_text_only_rank_runs_a_dummy_image_and_does_not_hang(fsdp_run):
 @pytest.mark.slow
 @pytest.mark.timeout(RUN_TIMEOUT + 60)
 def test_fsdp_two_ranks_match_single_process_with_the_same_global_batch(project, fsdp_run, capsys):
+    # the packed bin list does not depend on the world size: 2 ranks x 1 row == 1 rank x 2 accumulated rows
     code, out, err = run_cli_inprocess(["-c", str(project / "vlmctl.yaml"), "train", "--launcher", "none",
-                                        "train.micro_batch_size=4", "train.run_name=single"], capsys)
+                                        "train.gradient_accumulation_steps=2", "train.run_name=single"], capsys)
     assert code == 0, out + err
     single = losses(project / "runs" / "single")
     two = losses(fsdp_run)
@@ -453,7 +469,9 @@ def test_sigterm_finishes_the_step_saves_and_exits(project):
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
 def test_torchrun_deepspeed_two_ranks_trains_checkpoints_and_resumes(project, stage):
     # The first DeepSpeed run on a machine compiles its CPU communication op (1-2 min, cached afterwards).
-    _run_cli(project, "--strategy", stage, f"train.run_name={stage}", "train.max_steps=6", "train.save_steps=3", timeout=2 * RUN_TIMEOUT)
+    # 100-token rows: one image sample, or only text samples (then the dummy image runs the vision tower)
+    _run_cli(project, "--strategy", stage, f"train.run_name={stage}", "train.max_steps=6", "train.save_steps=3",
+             "train.tokens_per_batch=100", timeout=2 * RUN_TIMEOUT)
     run = project / "runs" / stage
     rows = metrics(run)
     assert len(rows) == 6 and rows[-1]["loss"] < rows[0]["loss"]
@@ -465,7 +483,8 @@ def test_torchrun_deepspeed_two_ranks_trains_checkpoints_and_resumes(project, st
     assert (run / "final" / "model.safetensors").is_file()
     if stage == "zero3":  # DeepSpeed's own load path: resume from step 3 reproduces steps 4-6 exactly
         subprocess.run(["rm", "-rf", str(run / "checkpoints" / "checkpoint-6"), str(run / "final")], check=True)
-        _run_cli(project, "--strategy", stage, "--resume", f"train.run_name={stage}", "train.max_steps=6", "train.save_steps=3")
+        _run_cli(project, "--strategy", stage, "--resume", f"train.run_name={stage}", "train.max_steps=6", "train.save_steps=3",
+                 "train.tokens_per_batch=100")
         assert losses(run) == [r["loss"] for r in rows]
 
 
@@ -481,7 +500,7 @@ def test_torchrun_fsdp_lora_with_accumulation_trains_only_adapters_and_projector
 
 @pytest.mark.timeout(RUN_TIMEOUT)
 def test_accumulation_matches_a_larger_micro_batch(project, capsys):
-    base = ["-c", str(project / "vlmctl.yaml"), "train", "--launcher", "none", "train.group_by_length=false",
+    base = ["-c", str(project / "vlmctl.yaml"), "train", "--launcher", "none", "train.group_by_length=false", "train.packing=false",
             "train.max_steps=3", "train.save_steps=100"]
     # the second run also applies the processor in a DataLoader worker process
     for name, extra in (("mb4", ["train.micro_batch_size=4"]), ("mb2x2", ["train.gradient_accumulation_steps=2", "train.num_workers=1"])):
@@ -494,7 +513,9 @@ def test_accumulation_matches_a_larger_micro_batch(project, capsys):
 @pytest.mark.slow
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
 def test_accelerate_launch_ddp_two_ranks(project):
-    out = _run_cli(project, "--launcher", "accelerate", "--strategy", "ddp", "train.run_name=ddp", "train.max_steps=4", "train.save_steps=4")
+    # padded micro-batches across processes (packing is covered by the fsdp runs)
+    out = _run_cli(project, "--launcher", "accelerate", "--strategy", "ddp", "train.run_name=ddp", "train.max_steps=4", "train.save_steps=4",
+                   "train.packing=false")
     run = project / "runs" / "ddp"
     rows = metrics(run)
     assert len(rows) == 4 and rows[-1]["loss"] < rows[0]["loss"]
@@ -565,3 +586,129 @@ def test_nan_loss_steps_are_skipped_then_the_run_aborts(monkeypatch):
         assert rows[1]["grad_norm"] is None and rows[1]["loss"] is None and rows[2]["loss"] > 0
     finally:
         dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------------- packing
+
+
+def test_packed_sampler_bins_fit_agree_across_ranks_and_resume():
+    import numpy as np
+
+    from vlmctl.data.loader import PackedBatchSampler
+    from vlmctl.errors import DataError
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(10, 120, size=300)
+    lengths[[5, 77]] = 500  # longer than the budget: never drawn, counted
+    def take(sampler, n):
+        it = iter(sampler)
+        return [next(it) for _ in range(n)]
+
+    ranks = [PackedBatchSampler(lengths, tokens_per_batch=256, world_size=2, rank=r, seed=3) for r in range(2)]
+    single = PackedBatchSampler(lengths, tokens_per_batch=256, world_size=1, rank=0, seed=3)
+    assert ranks[0].too_long == 2 and ranks[0].batches_per_epoch == ranks[1].batches_per_epoch == single.batches_per_epoch // 2
+    n = ranks[0].batches_per_epoch
+    a, b, one = take(ranks[0], n + 5), take(ranks[1], n + 5), take(single, 2 * n)
+    for x, y in zip(a, b):
+        assert sum(lengths[x]) <= 256 and sum(lengths[y]) <= 256 and not set(x) & set(y)
+    # 2 ranks x 1 bin == 1 rank x 2 consecutive bins (same samples per optimizer step with accumulation 2)
+    assert [bin for pair in zip(a[:n], b[:n]) for bin in pair] == one[:2 * n]
+    epoch0 = [i for x in a[:n] + b[:n] for i in x]
+    assert len(epoch0) == len(set(epoch0)) and not {5, 77} & set(epoch0)
+    assert len(epoch0) >= 298 - 2 * 256 // 10  # at most the dropped tail's global micro-batch is left out
+    assert sum(lengths[epoch0]) >= 0.9 * 256 * 2 * n  # first-fit decreasing fills the bins
+    assert a[n:] != a[:5]  # the next epoch packs its own shuffle
+    resumed = PackedBatchSampler(lengths, tokens_per_batch=256, world_size=2, rank=0, seed=3)
+    resumed.set_position(n - 2)  # across the epoch boundary
+    assert take(resumed, 7) == a[n - 2:n + 5]
+    with pytest.raises(DataError, match="fewer than the 64 ranks"):
+        PackedBatchSampler(lengths[:20], tokens_per_batch=256, world_size=64)
+
+
+def _capture_packed_sampler(monkeypatch) -> list:
+    """Record the PackedBatchSampler a run creates (to replay its bins as padded micro-batches)."""
+    from vlmctl.data import loader
+
+    made = []
+    original = loader.PackedBatchSampler.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(loader.PackedBatchSampler, "__init__", init)
+    return made
+
+
+def _assert_packed_equals_padded(project: Path, name: str, capsys, monkeypatch, steps: int = 4, extra: tuple = ()) -> list[dict]:
+    """Train `steps` packed steps, then the same samples per step as padded micro-batches: same losses and norms."""
+    from vlmctl.data import loader
+
+    base = ["-c", str(project / "vlmctl.yaml"), "train", "--launcher", "none", "train.strategy=ddp", f"train.max_steps={steps}",
+            "train.save_steps=100", "train.warmup_ratio=0", *extra]
+    made = _capture_packed_sampler(monkeypatch)
+    code, out, err = run_cli_inprocess([*base, f"train.run_name={name}-packed"], capsys)
+    assert code == 0, out + err
+    assert len(made) == 1
+    sampler = made[0]
+    monkeypatch.setattr(loader, "DistributedBatchSampler", lambda *a, **k: sampler)  # replay the packed bins, padded
+    code, out, err = run_cli_inprocess([*base, f"train.run_name={name}-padded", "train.packing=false"], capsys)
+    assert code == 0, out + err
+    packed, padded = metrics(project / "runs" / f"{name}-packed"), metrics(project / "runs" / f"{name}-padded")
+    assert len(packed) == len(padded) == steps
+    for p, q in zip(packed, padded):
+        assert (p["label_tokens"], p["text_tokens"], p["visual_tokens"]) == (q["label_tokens"], q["text_tokens"], q["visual_tokens"])
+        assert p["loss"] == pytest.approx(q["loss"], rel=2e-5)
+        assert p["grad_norm"] == pytest.approx(q["grad_norm"], rel=2e-4)
+    return packed
+
+
+@pytest.mark.timeout(RUN_TIMEOUT)
+def test_packed_run_matches_padded_run_on_the_same_batches(project, capsys, monkeypatch):
+    rows = _assert_packed_equals_padded(project, "eq-llava", capsys, monkeypatch)
+    assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+@pytest.fixture(scope="module")
+def qwen_project(tmp_path_factory) -> Path:
+    """The tiny Qwen2.5-VL preset (mRoPE, image-only processor) with the same generated data."""
+    from vlmctl.config import ModelSection
+    from vlmctl.models import build_model
+
+    root = tmp_path_factory.mktemp("train-qwen")
+    _write_shards(root / "data", 36)
+    texts = ["What color is the triangle? How many circles are there? Is the square left of the circle? "
+             "What shape is the red object? Answer with one word. red green blue yellow purple yes no 0 1 2 3"] * 20
+    build_model(ModelSection(preset="tiny-qwen2.5-vl", init="random", output_dir=root / "model"), tokenizer_texts=texts)
+    (root / "vlmctl.yaml").write_text("""
+project: {name: q}
+data: {prepared_dir: data/prepared, max_length: 512}
+model: {preset: tiny-qwen2.5-vl, init: random, output_dir: model}
+train: {stage: full, precision: fp32, learning_rate: 2.0e-3, tokens_per_batch: 96, logging_steps: 1, num_workers: 0, output_dir: runs}
+""")
+    return root
+
+
+@pytest.mark.timeout(RUN_TIMEOUT)
+def test_qwen2_5_vl_packed_run_with_mrope_matches_padded(qwen_project, capsys, monkeypatch):
+    # Padded Qwen-VL batches get their mRoPE positions from the model itself, row by row; the packed run passes
+    # (4, 1, T) positions computed per sample. Equal losses mean the packed positions are right.
+    from vlmctl.train import worker
+
+    shapes = []
+    original = worker.mrope_prepare
+
+    def spy(*args, **kwargs):
+        prepare = original(*args, **kwargs)
+
+        def wrapped(batch):
+            out = prepare(batch)
+            shapes.append((tuple(out["position_ids"].shape), out["input_ids"].shape[1], len(out["seq_lens"])))
+            return out
+
+        return wrapped
+
+    monkeypatch.setattr(worker, "mrope_prepare", spy)
+    rows = _assert_packed_equals_padded(qwen_project, "eq-qwen", capsys, monkeypatch, steps=3)
+    assert len(shapes) == 3 and all(s == (4, 1, t) and n > 1 for s, t, n in shapes)
+    assert sum(r["visual_tokens"] for r in rows) > 0

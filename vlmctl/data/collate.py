@@ -1,9 +1,11 @@
-"""Turn canonical samples into model inputs: chat template, image processing, assistant-only labels, padding.
+"""Turn canonical samples into model inputs: chat template, image processing, assistant-only labels, padding
+or packing.
 
 Used by training (in DataLoader workers) and by evaluation (teacher-forced loss)::
 
     enc = encode_sample(sample, processor)       # one sample -> input_ids [T], labels [T], pixel_values [N, 3, H, W]
     batch = Collator(processor)([s1, s2, s3])    # samples -> padded tensors [B, T] + image tensors
+    row = PackedCollator(processor, tokens_per_batch=4096)([s1, s2, s3])   # samples -> one packed row [1, T]
 
 How the labels are found: the conversation is rendered with the processor's chat template; the character span
 of each assistant turn is the difference between the template rendered up to that turn with
@@ -21,6 +23,7 @@ are concatenated along dim 0, or stacked per sample for processors that return [
 from __future__ import annotations
 
 import io
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -309,6 +312,61 @@ class Collator:
         batch["num_visual_tokens"] = visual
         batch["num_text_tokens"] = sum(r.length for r in real) - visual
         batch["num_dummy_images"] = dummy
+        batch["num_samples"] = len(real)
+        return batch
+
+
+class PackedCollator(Collator):
+    """Samples (one bin of `PackedBatchSampler`) -> one packed row of at most `tokens_per_batch` tokens.
+
+    Returns `vlmctl.data.packing.pack_samples`' row: `input_ids`, `labels`, `position_ids` [1, T] (positions
+    restart at 0 per sample), `packed_cu_seqlens` int32 [n + 1], `packed_max_seqlen`, the family's per-token
+    tensors [1, T] and image tensors, `seq_lens` (list of tokens per sample), and the same counters as `Collator`
+    (no `attention_mask`: transformers derives the per-sample causal mask from the position ids).
+
+    The bins are planned on known lengths (the shards' `num_tokens`); a sample whose encoded length no longer fits
+    (the processor changed since `data prepare`) is left out of the row and counted in `self.dropped` with a warning.
+    A row without images gets the dummy image as one more zero-label sample (see `dummy_image_row`); so does an
+    empty row, so every rank still runs one forward pass per micro-batch.
+    """
+
+    def __init__(self, processor, family: Any = None, max_length: int | None = None, *, tokens_per_batch: int,
+                 dummy_image: bool = True):
+        super().__init__(processor, family, max_length=max_length, dummy_image=dummy_image)
+        self.tokens_per_batch = tokens_per_batch
+        self.dropped = 0
+
+    def __call__(self, samples: list[Sample]) -> dict[str, Any]:
+        rows, used = [], 0
+        for s in samples:
+            r = self.encode(s)
+            if used + r.length > self.tokens_per_batch:
+                self.dropped += 1
+                warnings.warn(f"sample {s.id!r} ({r.length} tokens) does not fit its packed micro-batch of "
+                              f"train.tokens_per_batch={self.tokens_per_batch} tokens (its planned length was stale): "
+                              f"left out ({self.dropped} so far); re-run `vlmctl data prepare` with this model", stacklevel=2)
+                continue
+            rows.append(r)
+            used += r.length
+        return self.pack(rows)
+
+    def pack(self, rows: list[Encoded]) -> dict[str, Any]:
+        from vlmctl.data.packing import pack_samples
+
+        real = rows
+        dummy = 0
+        if self.dummy_image and not any(r.num_images for r in rows) or not rows:
+            if self._dummy is None:
+                self._dummy = dummy_image_row(self.processor, self.family)
+            rows = [*rows, self._dummy]
+            dummy = 1
+        batch = pack_samples([{"input_ids": r.input_ids, "labels": r.labels, **r.token_inputs, **r.image_inputs} for r in rows])
+        visual = sum(r.num_visual_tokens for r in real)
+        batch["num_label_tokens"] = sum(int((r.labels[1:] != IGNORE_INDEX).sum()) for r in real)
+        batch["num_visual_tokens"] = visual
+        batch["num_text_tokens"] = sum(r.length for r in real) - visual
+        batch["num_dummy_images"] = dummy
+        batch["num_samples"] = len(real)
         return batch
 
 
@@ -337,9 +395,14 @@ def _stack_images(rows: list[Encoded]) -> dict[str, Any]:
     return out
 
 
-COUNTER_KEYS = ("num_label_tokens", "num_visual_tokens", "num_text_tokens", "num_dummy_images")
+COUNTER_KEYS = ("num_label_tokens", "num_visual_tokens", "num_text_tokens", "num_dummy_images", "num_samples", "seq_lens")
 
 
 def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
     """The batch without the counters and labels: what the model's forward takes."""
     return {k: v for k, v in batch.items() if k not in COUNTER_KEYS and k != "labels"}
+
+
+def is_packed(batch: dict[str, Any]) -> bool:
+    """True for a `PackedCollator` row (one [1, T] row of several samples)."""
+    return "packed_cu_seqlens" in batch

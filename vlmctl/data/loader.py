@@ -1,5 +1,5 @@
-"""Training data over prepared Parquet shards: a map-style Dataset, a resumable distributed batch sampler, and
-the DataLoader that applies the processor in its worker processes.
+"""Training data over prepared Parquet shards: a map-style Dataset, resumable distributed batch samplers (padded
+micro-batches or packed token-budget bins), and the DataLoader that applies the processor in its worker processes.
 
     ds = ShardDataset.from_dir(prepared_dir / "train")            # rows -> Sample
     sampler = DistributedBatchSampler(ds.lengths, micro_batch_size=4, world_size=2, rank=0, seed=0,
@@ -15,6 +15,14 @@ Length grouping follows transformers' `LengthGroupedSampler`: shuffled indices a
 global micro-batches, each sorted by length, so a global micro-batch holds samples of similar length (less
 padding). A global micro-batch (world_size * micro_batch_size samples) is dealt to ranks with a stride, so every
 rank gets a similar number of tokens.
+
+Packing (`PackedBatchSampler`, with `PackedCollator`): an epoch's shuffled samples are grouped into bins of at most
+`tokens_per_batch` tokens by streaming first-fit decreasing (`vlmctl.data.packing.first_fit_decreasing`, bounded
+look-ahead) over their known lengths; the bins are shuffled and dealt to ranks in whole global micro-batches
+(`world_size` bins), bin `g * world_size + r` to rank r. Every rank derives the same bin list from (seed, epoch,
+lengths), so every rank has exactly the same number of micro-batches per epoch (no rank runs out before another:
+no collective is needed to end an epoch) and the resume position is still one integer. The bin list does not
+depend on the world size: 2 ranks x 1 bin per step see the same samples as 1 rank x 2 accumulated bins.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from vlmctl.data.sample import Sample
 from vlmctl.errors import DataError
 
 MEGA_BATCH_MULT = 50
+PACKING_LOOKAHEAD = 1024  # samples in the first-fit-decreasing buffer: bounded memory, near-optimal bins
 
 
 class ShardDataset:
@@ -67,12 +76,14 @@ class ShardDataset:
         return cls(files)
 
     def _lengths(self, table) -> np.ndarray:
-        """Tokens per sample when prepare recorded them, else characters / 4 + 64 per image (a rough proxy for
-        ordering only)."""
+        """Tokens per sample when prepare recorded them (`exact_lengths` is then True), else characters / 4 + 64
+        per image (a rough proxy for ordering only; packing replaces it with `count_tokens`)."""
         n = len(self)
+        self.exact_lengths = False
         if "num_tokens" in self._ds.column_names:
             known = table.column("num_tokens").to_pylist()
             if all(v is not None for v in known):
+                self.exact_lengths = True
                 return np.asarray(known, dtype=np.int64)
         out = np.zeros(n, dtype=np.int64)
         messages = table.column("messages").to_pylist()
@@ -88,6 +99,24 @@ class ShardDataset:
     def __getitem__(self, index: int) -> Sample:
         row = self._ds.data.slice(int(index), 1).to_pylist()[0]
         return Sample.from_row(row)
+
+    def count_tokens(self, processor, family_name: str | None) -> np.ndarray:
+        """Exact tokens per sample (text + visual, what `encode_sample` produces) with `vlmctl.data.tokens.
+        TokenCounter`, for shards prepared without a built model (no `num_tokens` column). Reads image headers only.
+        """
+        import io
+
+        from PIL import Image
+
+        from vlmctl.data.tokens import TokenCounter
+
+        counter = TokenCounter(processor, family_name, self.files[0].parent)
+        out = np.zeros(len(self), dtype=np.int64)
+        for i in range(len(self)):
+            sample = self[i]
+            sizes = [Image.open(io.BytesIO(b)).size for b in sample.images]
+            out[i] = counter.count(sample, sizes)
+        return out
 
     def sample_weights(self, weight_by_source: dict[str, float]) -> np.ndarray:
         """Per-sample weight from each sample's `source` (unknown sources weigh 1)."""
@@ -173,7 +202,72 @@ class DistributedBatchSampler:
                 consumed += 1
 
 
-def build_loader(dataset: Any, sampler: DistributedBatchSampler, collate_fn: Any, num_workers: int = 0, seed: int = 0):
+class PackedBatchSampler:
+    """Yields this rank's packed micro-batches (lists of sample indices, at most `tokens_per_batch` tokens by
+    `lengths`) forever, epoch after epoch, from a position (see the module docstring).
+
+    Samples longer than `tokens_per_batch` are never drawn; `too_long` counts them (`data prepare` normally drops
+    them as too_long). `batches_per_epoch` is epoch 0's count of micro-batches per rank (later epochs pack their own
+    shuffle and may differ by a few bins). Raises DataError when an epoch makes fewer bins than ranks.
+    """
+
+    def __init__(self, lengths: np.ndarray, *, tokens_per_batch: int, world_size: int = 1, rank: int = 0, seed: int = 0,
+                 weights: np.ndarray | None = None, lookahead: int = PACKING_LOOKAHEAD):
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.tokens_per_batch = tokens_per_batch
+        self.world_size = world_size
+        self.rank = rank
+        self.seed = seed
+        self.weights = weights
+        self.lookahead = lookahead
+        self.consumed = 0
+        self.too_long = int((self.lengths > tokens_per_batch).sum())
+        self._plans: dict[int, list[list[int]]] = {}
+        self.batches_per_epoch = self.epoch_batches(0)
+
+    def set_position(self, consumed: int) -> None:
+        """Continue after `consumed` micro-batches (per rank) counted from the start of training."""
+        self.consumed = int(consumed)
+
+    def bins(self, epoch: int) -> list[list[int]]:
+        """All bins of `epoch` (sample indices), shuffled, for all ranks; the same list for any world size."""
+        from vlmctl.data.packing import first_fit_decreasing
+
+        if epoch not in self._plans:
+            order = epoch_indices(len(self.lengths), self.weights, self.seed, epoch)
+            order = order[self.lengths[order] <= self.tokens_per_batch]
+            # keys are positions in the epoch's order: a weighted sample may be drawn twice
+            items = ((pos, int(self.lengths[i])) for pos, i in enumerate(order))
+            bins = [[int(order[pos]) for pos in b] for b in first_fit_decreasing(items, self.tokens_per_batch, self.lookahead)]
+            # first-fit decreasing emits a buffer's bins from longest to shortest samples: shuffle them
+            perm = np.random.default_rng([self.seed, epoch, 2]).permutation(len(bins))
+            if len(self._plans) > 1:
+                self._plans.pop(min(self._plans))
+            self._plans[epoch] = [bins[j] for j in perm]
+        return self._plans[epoch]
+
+    def epoch_batches(self, epoch: int) -> int:
+        """Micro-batches per rank in `epoch` (incomplete global micro-batches at its end are dropped)."""
+        n = len(self.bins(epoch)) // self.world_size
+        if n == 0:
+            raise DataError(f"{len(self.lengths) - self.too_long} samples pack into {len(self.bins(epoch))} bins of "
+                            f"train.tokens_per_batch={self.tokens_per_batch} tokens, fewer than the {self.world_size} ranks",
+                            hint="lower train.tokens_per_batch or the number of processes, or add data")
+        return n
+
+    def __iter__(self) -> Iterator[list[int]]:
+        epoch, offset = 0, self.consumed
+        while offset >= self.epoch_batches(epoch):
+            offset -= self.epoch_batches(epoch)
+            epoch += 1
+        while True:
+            bins = self.bins(epoch)
+            for g in range(offset, self.epoch_batches(epoch)):
+                yield bins[g * self.world_size + self.rank]
+            epoch, offset = epoch + 1, 0
+
+
+def build_loader(dataset: Any, sampler: DistributedBatchSampler | PackedBatchSampler, collate_fn: Any, num_workers: int = 0, seed: int = 0):
     """A DataLoader running `collate_fn` (the processor) in `num_workers` worker processes."""
     import torch
 

@@ -70,15 +70,17 @@ def _ffd(items: list[tuple[Hashable, int]], budget: int) -> list[list[tuple[Hash
 def pack_samples(samples: list[dict[str, Any]]) -> dict[str, Any]:
     """Concatenate encoded samples into one packed row.
 
-    Each sample is a dict with `input_ids` and `labels` (1-D LongTensors of the same length L_i) and optionally
-    `pixel_values` (images of the sample, concatenated along dim 0), `image_grid_thw` ((n_images, 3), Qwen-VL) and
-    `mm_token_type_ids` (1-D, Qwen-VL). Returns a dict with:
+    Each sample is a dict with `input_ids` and `labels` (1-D LongTensors of the same length L_i), optionally other
+    per-token tensors of length L_i (Qwen-VL's `mm_token_type_ids`), and image tensors with images along dim 0
+    (`pixel_values`, `image_grid_thw` (n_images, 3) for Qwen-VL), or per-sample image stacks [1, n_images, ...]
+    (Idefics3's 5-D `pixel_values` and its `pixel_attention_mask`). Returns a dict with:
 
     - `input_ids`, `labels`: (1, T) with T = sum(L_i); the first label of every sample is -100 so no token is
       trained to predict the next sample's start (models shift labels left by one internally),
     - `position_ids`: (1, T), restarting at 0 for each sample,
     - `packed_cu_seqlens`: int32 (num_samples + 1,), `packed_max_seqlen`: int (tokens),
-    - `pixel_values`, `image_grid_thw`, `mm_token_type_ids` when the samples have them,
+    - the other per-token tensors as (1, T) (zeros for samples without them),
+    - image tensors concatenated along dim 0 (along dim 1 for per-sample stacks),
     - `seq_lens`: list of L_i (for per-sample losses and mRoPE positions).
     """
     import torch
@@ -101,14 +103,17 @@ def pack_samples(samples: list[dict[str, Any]]) -> dict[str, Any]:
     cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
     out["packed_cu_seqlens"] = cu
     out["packed_max_seqlen"] = max(lens)
-    for key in ("pixel_values", "image_grid_thw"):
-        parts = [s[key] for s in samples if s.get(key) is not None]
-        if parts:
-            out[key] = torch.cat(parts)
-    if any(s.get("mm_token_type_ids") is not None for s in samples):
-        out["mm_token_type_ids"] = torch.cat(
-            [s["mm_token_type_ids"] if s.get("mm_token_type_ids") is not None else torch.zeros_like(s["input_ids"]) for s in samples]
-        )[None]
+    keys = [k for s in samples for k in s if k not in ("input_ids", "labels")]
+    per_sample_stacks = any(getattr(s.get("pixel_values"), "ndim", 0) == 5 for s in samples)
+    for key in dict.fromkeys(keys):
+        present = [s.get(key) for s in samples]
+        if all(v is None for v in present):
+            continue
+        if all(v is None or (v.ndim == 1 and v.numel() == n) for v, n in zip(present, lens)):  # per-token
+            ref = next(v for v in present if v is not None)
+            out[key] = torch.cat([v if v is not None else torch.zeros(n, dtype=ref.dtype) for v, n in zip(present, lens)])[None]
+        else:
+            out[key] = torch.cat([v for v in present if v is not None], dim=1 if per_sample_stacks else 0)
     return out
 
 

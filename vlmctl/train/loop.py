@@ -4,7 +4,10 @@ A strategy only changes how a loss is computed, back-propagated and stepped (`To
 `DeepSpeedStepper` for zero2/zero3); the loop itself is the same.
 
 Loss: mean cross-entropy over the assistant tokens of the whole global batch (all micro-batches of the
-accumulation window on all ranks). Each micro-batch's summed token loss is scaled by
+accumulation window on all ranks). A micro-batch is a padded batch [B, T] or one packed row [1, T] of several
+samples (`train.packing`); its summed token loss comes from `loss_sum`: liger-kernel's fused linear
+cross-entropy when enabled (no logits at all), else for packed rows `kernels.token_losses` (logits of the labelled
+positions only), else the padded batch's full logits. Each micro-batch's summed token loss is scaled by
 `world_size / global_label_tokens` before backward, because data-parallel gradient reduction averages over ranks.
 So the loss and gradients of a step do not depend on how the global batch is split over ranks and micro-batches
 (1 rank x 8 samples == 2 ranks x 4 samples), unlike a mean of per-rank means.
@@ -23,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from vlmctl.data.collate import IGNORE_INDEX, model_inputs
+from vlmctl.data.collate import IGNORE_INDEX, is_packed, model_inputs
 from vlmctl.errors import VlmctlError
 
 
@@ -37,6 +40,26 @@ def token_loss_sum(logits, labels):
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def loss_sum(model, batch: dict[str, Any], *, liger: bool = False, inputs: dict[str, Any] | None = None):
+    """Summed next-token cross-entropy (fp32 scalar, nats) over the labelled tokens of one micro-batch.
+
+    `model` is the root module (DDP/FSDP2/DeepSpeed wrapper included, so its hooks run); `inputs` overrides the
+    model inputs taken from `batch` (e.g. cast pixel values). With `liger` the model was patched by
+    `kernels.apply_liger`: given labels, its forward returns the fused linear cross-entropy, summed because
+    `num_items_in_batch=1` (transformers' and liger's convention: sum / num_items_in_batch).
+    """
+    from vlmctl.train.kernels import token_losses
+
+    inputs = model_inputs(batch) if inputs is None else inputs
+    if liger:
+        return model(**inputs, labels=batch["labels"], num_items_in_batch=1, use_cache=False).loss.float()
+    if is_packed(batch):
+        losses, _ = token_losses(model, {**inputs, "labels": batch["labels"], "use_cache": False})
+        return losses.sum()
+    out = model(**inputs, use_cache=False)
+    return token_loss_sum(out.logits, batch["labels"])
+
+
 def to_device(batch: dict[str, Any], device) -> dict[str, Any]:
     return {k: (v.to(device, non_blocking=True) if hasattr(v, "to") else v) for k, v in batch.items()}
 
@@ -44,10 +67,11 @@ def to_device(batch: dict[str, Any], device) -> dict[str, Any]:
 class TorchStepper:
     """Forward/backward/step for an nn.Module wrapped (or not) in DDP or FSDP2, with a torch optimizer."""
 
-    def __init__(self, model, optimizer, scheduler, *, max_grad_norm: float, autocast_dtype=None, device=None):
+    def __init__(self, model, optimizer, scheduler, *, max_grad_norm: float, autocast_dtype=None, device=None, liger: bool = False):
         import torch
 
         self.model = model
+        self.liger = liger
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.max_grad_norm = max_grad_norm
@@ -68,8 +92,7 @@ class TorchStepper:
 
         ctx = torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype else contextlib.nullcontext()
         with ctx:
-            out = self.model(**model_inputs(batch), use_cache=False)
-        return token_loss_sum(out.logits, batch["labels"])
+            return loss_sum(self.model, batch, liger=self.liger)
 
     def backward(self, loss, scale: float) -> None:
         (loss * scale).backward()
@@ -100,9 +123,10 @@ class TorchStepper:
 class DeepSpeedStepper:
     """The same interface over a DeepSpeed engine (it accumulates, clips, steps and schedules itself)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, liger: bool = False):
         self.engine = engine
         self.model = engine
+        self.liger = liger
 
     def sync(self, last: bool):
         return contextlib.nullcontext()
@@ -112,8 +136,7 @@ class DeepSpeedStepper:
         dtype = next((p.dtype for p in self.engine.module.parameters()), None)
         if "pixel_values" in inputs and dtype is not None:
             inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
-        out = self.engine(**inputs, use_cache=False)
-        return token_loss_sum(out.logits, batch["labels"])
+        return loss_sum(self.engine, batch, liger=self.liger, inputs=inputs)
 
     def backward(self, loss, scale: float) -> None:
         # Our scale already averages over the window, so DeepSpeed must not divide by the accumulation steps again.
@@ -172,6 +195,8 @@ class Trainer:
     progress: Any
     flops_per_token: Any = None  # callable(mean_seq_len) -> FLOPs/token, or None
     peak_flops: float | None = None
+    prepare: Any = None  # callable(batch) -> batch on CPU before the device copy (e.g. mRoPE positions), or None
+    device_name: str = "cpu"  # recorded in every metrics row
     _signal: int | None = field(default=None, init=False)
 
     def install_signal_handlers(self) -> dict:
@@ -233,6 +258,8 @@ class Trainer:
         loss_sum = torch.zeros((), device=device, dtype=torch.float64)
         bad = False
         for i, batch in enumerate(window):
+            if self.prepare is not None:
+                batch = self.prepare(batch)
             batch = to_device(batch, device)
             with self.stepper.sync(last=i == len(window) - 1):
                 loss = self.stepper.loss(batch)
@@ -252,7 +279,7 @@ class Trainer:
             float(sum(b["num_text_tokens"] for b in window)),
             float(sum(b["num_visual_tokens"] for b in window)),
             float(sum(b["num_dummy_images"] for b in window)),
-            float(sum(int(b["input_ids"].shape[0]) - b["num_dummy_images"] for b in window)),
+            float(sum(b["num_samples"] if "num_samples" in b else int(b["input_ids"].shape[0]) - b["num_dummy_images"] for b in window)),
             1.0 if self._signal is not None else 0.0,
         ], device=device, dtype=torch.float64)
         dist.all_reduce(stats)
@@ -301,4 +328,5 @@ class Trainer:
             "dummy_images": sum(r.dummy_images for r in interval),
             "bad_steps": self.state.bad_steps,
             "tokens_seen": self.state.tokens,
+            "device": self.device_name,
         }

@@ -166,12 +166,24 @@ def apply_lora(model, lora, parts: ModelParts, trainable: set[str]):
 
 
 def lora_config_dict(model) -> dict | None:
-    """The peft adapter config as plain JSON (for trainer_state.json), or None without LoRA."""
+    """The peft adapter config as plain JSON (for trainer_state.json), or None without LoRA.
+
+    `target_modules` is always a JSON list: the configured names, or for `target_modules: auto` (a regex over the
+    language model) the full names of the adapted modules, which peft matches exactly. The dict stays valid
+    `peft.LoraConfig` keyword arguments.
+    """
     cfg = getattr(model, "peft_config", None)
     if not cfg:
         return None
     out = cfg["default"].to_dict()
-    return json.loads(json.dumps(out, default=lambda o: sorted(o) if isinstance(o, set) else str(o)))
+    target = out.get("target_modules")
+    if isinstance(target, str):
+        names = getattr(getattr(model, "base_model", None), "targeted_module_names", None)
+        if names:
+            out["target_modules"] = sorted(names)
+        else:
+            out["target_modules"] = [target]
+    return json.loads(json.dumps(out, default=lambda o: sorted(o) if isinstance(o, (set, frozenset)) else str(o)))
 
 
 # ------------------------------------------------------------------------------------------------ wrappers
@@ -188,11 +200,14 @@ def apply_ddp(model, env: DistEnv):
     return DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None, find_unused_parameters=True)
 
 
-def apply_fsdp(model, parts: ModelParts, env: DistEnv, param_dtype=None):
-    """FSDP2: `fully_shard` each vision-encoder layer and decoder layer, then the root.
+def apply_fsdp(model, parts: ModelParts, env: DistEnv, param_dtype=None, reshard_after_forward: bool = True):
+    """FSDP2: `fully_shard` each vision-encoder layer and decoder layer, then the root (torchtitan's order: call it
+    after activation checkpointing and torch.compile have been applied to the layers).
 
     With `param_dtype` (bf16 on GPU) parameters are gathered in that dtype for compute while gradients are
-    reduced in fp32 (`MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)`).
+    reduced in fp32 (`MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)`). `reshard_after_forward`
+    (`train.fsdp_reshard_after_forward`) frees each layer's gathered weights after its forward (gathered again
+    for backward); false trades memory for one all-gather less per layer and step.
     """
     import torch
     from torch.distributed.device_mesh import init_device_mesh
@@ -201,7 +216,7 @@ def apply_fsdp(model, parts: ModelParts, env: DistEnv, param_dtype=None):
     mesh = init_device_mesh(env.device.type, (env.world_size,))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype not in (None, torch.float32) else MixedPrecisionPolicy()
     for layer in [*parts.vision_layers, *parts.decoder_layers]:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
 

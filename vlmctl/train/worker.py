@@ -1,7 +1,9 @@
 """The per-rank entry point: `python -m vlmctl.train.worker RUN_DIR` (what torchrun, accelerate and sbatch run).
 
-Every rank reads `RUN_DIR/config.yaml`, then: process group -> model -> stage/freeze -> LoRA -> data ->
-wrapping (DDP / FSDP2 / DeepSpeed) -> optimizer and schedule -> resume -> `Trainer.train()` -> final export.
+Every rank reads `RUN_DIR/config.yaml`, then: process group -> model -> attention backend and liger kernels ->
+stage/freeze -> LoRA -> activation checkpointing -> torch.compile of decoder layers -> data (packed or padded
+micro-batches) -> wrapping (DDP / FSDP2 per layer then root / DeepSpeed) -> optimizer and schedule -> resume ->
+`Trainer.train()` -> final export. The order of checkpointing, compile and FSDP is torchtitan's.
 """
 
 from __future__ import annotations
@@ -103,6 +105,92 @@ def build_scheduler(optimizer, train, total_steps: int):
     return get_scheduler(train.lr_scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
 
 
+def resolve_attention(train, device) -> str:
+    """The transformers attention implementation for `train.attn_implementation` on `device`.
+
+    Packed rows: auto = PyTorch's varlen kernel on CUDA, sdpa on CPU (block-diagonal mask from the per-sample
+    position ids). Padded batches: auto = flash_attention_2 when flash-attn is installed on CUDA, else sdpa; varlen
+    needs packing. Raises ConfigError for a backend this device or batching cannot run.
+    """
+    import importlib.util
+
+    from vlmctl.train.kernels import resolve_attn_implementation
+
+    requested = train.attn_implementation
+    if not train.packing:
+        if requested == "varlen":
+            raise ConfigError("train.attn_implementation=varlen attends within packed rows; it needs train.packing=true",
+                              hint="set train.packing=true, or use sdpa / flash_attn with padded batches")
+        if requested == "auto":
+            cuda_flash = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+            requested = "flash_attn" if cuda_flash else "sdpa"
+    try:
+        return resolve_attn_implementation(requested, device.type)
+    except ValueError as exc:
+        raise ConfigError(str(exc), hint="set train.attn_implementation=auto (or sdpa)") from None
+
+
+def resolve_liger(train, family, device) -> bool:
+    """Whether liger-kernel's fused linear cross-entropy is used (`train.liger`: on, off, auto = when it can run).
+
+    It needs CUDA, the package and a liger patch for the family, and the head's weight gathered during the root
+    forward: ZeRO-3 partitions it outside the head's own forward, so zero3 uses the plain loss.
+    Raises ConfigError for `on` where it cannot run.
+    """
+    from vlmctl.train.kernels import LIGER_PATCHES, liger_available
+
+    if train.liger == "off":
+        return False
+    why = None
+    if not liger_available(device.type):
+        why = "needs a CUDA GPU and the liger-kernel package (pip install 'vlmctl[gpu]')"
+    elif family.name not in LIGER_PATCHES:
+        why = f"has no patch for the {family.name} family"
+    elif train.strategy == "zero3":
+        why = "cannot read the head's weight while ZeRO-3 partitions it"
+    if why is None:
+        return True
+    if train.liger == "on":
+        raise ConfigError(f"train.liger=on, but liger-kernel {why}", hint="set train.liger=auto or off")
+    return False
+
+
+def rope_index_fn(model):
+    """The Qwen-VL model's own `get_rope_index` (mRoPE positions; a pure function of the config), found on the
+    unwrapped model (LoRA wrappers included)."""
+    for module in model.modules():
+        fn = getattr(module, "get_rope_index", None)
+        if callable(fn):
+            return fn
+    raise ModelError("this Qwen-VL model has no get_rope_index method", hint="use a transformers version that supports the family")
+
+
+def mrope_prepare(model, image_token_id: int | None):
+    """A `Trainer.prepare` hook replacing the packed row's (1, T) position ids by the (4, 1, T) text + mRoPE
+    position ids computed per sample (`vlmctl.data.packing.mrope_position_ids`), on CPU before the device copy."""
+    from vlmctl.data.collate import is_packed
+    from vlmctl.data.packing import mrope_position_ids
+
+    rope_index = rope_index_fn(model)
+
+    def prepare(batch: dict[str, Any]) -> dict[str, Any]:
+        if not is_packed(batch):
+            return batch
+        types = batch.get("mm_token_type_ids")
+        if types is None:  # processors without token types: image placeholders are the image tokens
+            types = (batch["input_ids"] == image_token_id).long()
+        positions = mrope_position_ids(rope_index, batch["input_ids"], types, batch.get("image_grid_thw"), batch["seq_lens"])
+        return {**batch, "position_ids": positions}
+
+    return prepare
+
+
+def device_name(device) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
 def resolve_resume(run_dir: Path, resume: str | None) -> Path | None:
     """The checkpoint to resume from: None, the latest complete one (`auto`), or a given path."""
     from vlmctl.train.checkpoint import latest_checkpoint
@@ -144,10 +232,10 @@ def run(run_dir: Path) -> str:
 def _run(cfg, run_dir: Path, env) -> str:
     import torch
 
-    from vlmctl.data.collate import Collator
-    from vlmctl.data.loader import DistributedBatchSampler, ShardDataset, build_loader
+    from vlmctl.data.collate import Collator, PackedCollator
+    from vlmctl.data.loader import DistributedBatchSampler, PackedBatchSampler, ShardDataset, build_loader
     from vlmctl.train import checkpoint as ckpt
-    from vlmctl.train import parallel
+    from vlmctl.train import kernels, parallel
     from vlmctl.train.loop import DeepSpeedStepper, Trainer, TorchStepper, TrainState
     from vlmctl.train.metrics import MetricsLogger, Progress, flops_per_token, human, peak_flops, plot_loss, startup_table
 
@@ -168,19 +256,29 @@ def _run(cfg, run_dir: Path, env) -> str:
         model, processor, family = load_quantized(source, cfg, dtype=dtype)
     else:
         model, processor, family = load_source(source, cfg, dtype=torch.float32)
+    # Attention and liger patch the HF model itself: before peft wraps it.
+    attn = resolve_attention(train, env.device)
+    kernels.set_attention(model, attn, vision_varlen=env.device.type == "cuda" and family.mrope)
+    liger = resolve_liger(train, family, env.device)
+    if liger:
+        # liger's norm/SwiGLU/RoPE kernels are autograd functions torch.compile cannot trace: compile fuses those
+        kernels.apply_liger(model, family.name, kernels=not train.compile)
+    prepare = mrope_prepare(model, getattr(model.config, "image_token_id", None)) if train.packing and family.mrope else None
     parts = parallel.model_parts(model, family)
     trainable = parallel.trainable_parts(train.stage, train.freeze)
     parallel.apply_stage(model, parts, trainable)
     if train.lora is not None:
         model = parallel.apply_lora(model, train.lora, parts, trainable)
         parts = parallel.model_parts(model, family)
+    # torchtitan's order: activation checkpointing, then compile, then FSDP per layer, then the root.
     if train.gradient_checkpointing:
+        # transformers' per-layer checkpointing (each decoder layer and vision block), non-reentrant
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if hasattr(model, "enable_input_require_grads"):
             model.enable_input_require_grads()
     if train.compile:
         for layer in parts.decoder_layers:
-            layer.compile()
+            layer.compile(dynamic=train.packing)  # packed rows change length every step
     # Counted before wrapping: ZeRO-3 leaves empty placeholders where its partitioned parameters were.
     num_params = sum(p.numel() for p in model.parameters())
     num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -190,8 +288,24 @@ def _run(cfg, run_dir: Path, env) -> str:
     dataset = ShardDataset.from_dir(Path(cfg.data.prepared_dir) / "train")
     weights = {(s.name or Path(s.path).name): s.weight for s in cfg.data.sources}
     sample_weights = dataset.sample_weights(weights) if any(w != 1.0 for w in weights.values()) else None
-    sampler = DistributedBatchSampler(dataset.lengths, micro_batch_size=train.micro_batch_size, world_size=env.world_size,
-                                      rank=env.rank, seed=train.seed, group_by_length=train.group_by_length, weights=sample_weights)
+    if train.packing:
+        lengths = dataset.lengths
+        if not dataset.exact_lengths:  # shards prepared before the model was built: count with its processor
+            if env.is_main:
+                print(f"counting the tokens of {len(dataset)} samples for packing (`vlmctl data prepare` after "
+                      "`vlmctl model build` records them)", file=sys.stderr)
+            lengths = dataset.count_tokens(processor, family.name)
+        if cfg.data.max_length:
+            lengths = lengths.clip(max=cfg.data.max_length)  # encode_sample truncates text beyond max_length
+        sampler = PackedBatchSampler(lengths, tokens_per_batch=train.tokens_per_batch, world_size=env.world_size,
+                                     rank=env.rank, seed=train.seed, weights=sample_weights)
+        if sampler.too_long and env.is_main:
+            print(f"warning: {sampler.too_long} samples are longer than train.tokens_per_batch={train.tokens_per_batch} "
+                  "tokens and are left out (`vlmctl data prepare` drops them as too_long with data.max_length <= "
+                  "train.tokens_per_batch)", file=sys.stderr)
+    else:
+        sampler = DistributedBatchSampler(dataset.lengths, micro_batch_size=train.micro_batch_size, world_size=env.world_size,
+                                          rank=env.rank, seed=train.seed, group_by_length=train.group_by_length, weights=sample_weights)
     gas = train.gradient_accumulation_steps
     total_steps = train.max_steps or max(1, math.ceil(train.num_epochs * sampler.batches_per_epoch / gas))
 
@@ -204,10 +318,10 @@ def _run(cfg, run_dir: Path, env) -> str:
         ds_cfg = parallel.deepspeed_config(train, world_size=env.world_size, dtype=dtype, hidden_size=hidden,
                                            stage=int(train.strategy[-1]))
         engine, optimizer, scheduler = parallel.deepspeed_engine(model, optimizer, scheduler, ds_cfg)
-        stepper = DeepSpeedStepper(engine)
+        stepper = DeepSpeedStepper(engine, liger=liger)
     else:
         if train.strategy == "fsdp":
-            model = parallel.apply_fsdp(model, parts, env, param_dtype=dtype)
+            model = parallel.apply_fsdp(model, parts, env, param_dtype=dtype, reshard_after_forward=train.fsdp_reshard_after_forward)
         else:
             model = model.to(env.device)
             if train.strategy == "ddp" and (env.world_size > 1 or os.environ.get("LOCAL_WORLD_SIZE")):
@@ -215,7 +329,7 @@ def _run(cfg, run_dir: Path, env) -> str:
         optimizer = build_optimizer(model, parts, train, env.device)
         scheduler = build_scheduler(optimizer, train, total_steps)
         stepper = TorchStepper(model, optimizer, scheduler, max_grad_norm=train.max_grad_norm,
-                               autocast_dtype=dtype if train.strategy != "fsdp" else None, device=env.device)
+                               autocast_dtype=dtype if train.strategy != "fsdp" else None, device=env.device, liger=liger)
     stepper.model.train()
 
     # ---- resume
@@ -234,7 +348,10 @@ def _run(cfg, run_dir: Path, env) -> str:
         state = TrainState(step=saved["step"], consumed=saved["consumed_micro_batches"], bad_steps=saved.get("bad_steps", 0),
                            tokens=saved.get("tokens_seen", 0))
     sampler.set_position(state.consumed)
-    collator = Collator(processor, family, max_length=cfg.data.max_length)
+    if train.packing:
+        collator = PackedCollator(processor, family, max_length=cfg.data.max_length, tokens_per_batch=train.tokens_per_batch)
+    else:
+        collator = Collator(processor, family, max_length=cfg.data.max_length)
     loader = build_loader(dataset, sampler, collator, num_workers=train.num_workers, seed=train.seed)
 
     # ---- what the user sees
@@ -245,17 +362,27 @@ def _run(cfg, run_dir: Path, env) -> str:
                                config=cfg.model_dump(mode="json"), resume_step=state.step)
         from rich.console import Console
 
-        global_batch = train.micro_batch_size * gas * env.world_size
+        if train.packing:
+            global_batch = (f"up to {train.tokens_per_batch * gas * env.world_size} tokens ({train.tokens_per_batch} x {gas} "
+                            f"accumulation x {env.world_size} ranks)")
+            batching = f"packed rows of up to {train.tokens_per_batch} tokens"
+            per_epoch = f"{sampler.batches_per_epoch * env.world_size} packed micro-batches per epoch"
+        else:
+            global_batch = f"{train.micro_batch_size * gas * env.world_size} samples ({train.micro_batch_size} x {gas} accumulation x {env.world_size} ranks)"
+            batching = "padded micro-batches" + (", length-grouped" if train.group_by_length else "")
+            per_epoch = f"{sampler.batches_per_epoch * env.world_size * train.micro_batch_size} per epoch"
         Console(highlight=False).print(startup_table({
             "model": f"{source} ({family.name})",
             "parameters": f"{human(num_params)} (" + ", ".join(f"{k} {human(v)}" for k, v in part_params.items()) + ")",
             "trainable": f"{human(num_trainable)} ({', '.join(sorted(trainable))}{'; LoRA on the llm' if train.lora else ''})",
-            "strategy": f"{train.strategy} ({str(dtype).removeprefix('torch.')}, {env.device.type})",
+            "strategy": f"{train.strategy} ({str(dtype).removeprefix('torch.')}, {device_name(env.device)})",
+            "kernels": f"attention {attn}, loss {'liger fused linear cross-entropy' if liger else 'labelled-token logits' if train.packing else 'full logits'}"
+                       + (", activation checkpointing" if train.gradient_checkpointing else "") + (", compiled decoder layers" if train.compile else ""),
             "world size": env.world_size,
-            "global batch": f"{global_batch} samples ({train.micro_batch_size} x {gas} accumulation x {env.world_size} ranks)",
-            "batching": "padded micro-batches" + (", length-grouped" if train.group_by_length else ""),
+            "global batch": global_batch,
+            "batching": batching,
             "steps": f"{state.step} -> {total_steps}" if state.step else total_steps,
-            "data": f"{len(dataset)} samples, {sampler.batches_per_epoch * env.world_size * train.micro_batch_size} per epoch",
+            "data": f"{len(dataset)} samples, {per_epoch}",
             "run": str(run_dir),
             **({"resumed from": str(resume_from)} if resume_from else {}),
         }))
@@ -271,6 +398,8 @@ def _run(cfg, run_dir: Path, env) -> str:
         "stage": train.stage, "trainable_parts": sorted(trainable), "format": "deepspeed" if engine else "dcp",
         "micro_batch_size": train.micro_batch_size, "gradient_accumulation_steps": gas, "total_steps": total_steps,
         "batches_per_epoch": sampler.batches_per_epoch, "precision": str(dtype).removeprefix("torch."),
+        "packing": train.packing, "tokens_per_batch": train.tokens_per_batch if train.packing else None,
+        "attn_implementation": attn, "liger": liger, "device": device_name(env.device),
     }
 
     def save(step: int, st: TrainState, reason: str) -> None:
@@ -284,7 +413,8 @@ def _run(cfg, run_dir: Path, env) -> str:
         stepper=stepper, batches=iter(loader), env=env, state=state, total_steps=total_steps, grad_accum=gas,
         batches_per_epoch=sampler.batches_per_epoch, save_steps=train.save_steps, logging_steps=train.logging_steps,
         max_bad_steps=train.max_bad_steps, save=save, log=logger.log if logger else (lambda row: None),
-        progress=progress, flops_per_token=fpt, peak_flops=peak_flops(env.device),
+        progress=progress, flops_per_token=fpt, peak_flops=peak_flops(env.device), prepare=prepare,
+        device_name=device_name(env.device),
     )
     try:
         outcome = trainer.train()
