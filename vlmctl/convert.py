@@ -289,6 +289,18 @@ def read_dcp_model_state(path: Path, prefix: str = "model.") -> dict[str, "torch
     missing = sorted(f for f in files if not (path / f).is_file())
     if missing:
         raise ModelError(f"the DCP checkpoint {path} is incomplete: missing {', '.join(missing)}", hint="the save was interrupted; convert an earlier checkpoint")
+    # Every data file must hold all the bytes the metadata records for it, whichever items this export reads:
+    # a cut-off file is a damaged checkpoint even when the model's own tensors happen to lie before the cut.
+    needed: dict[str, int] = {}
+    for sd in (metadata.storage_data or {}).values():
+        needed[sd.relative_path] = max(needed.get(sd.relative_path, 0), sd.offset + sd.length)
+    for name, end in sorted(needed.items()):
+        size = (path / name).stat().st_size
+        if size < end:
+            raise ModelError(
+                f"cannot read the DCP checkpoint {path} (truncated: {name} has {size} bytes, the metadata records {end})",
+                hint="a data file is truncated or corrupt; convert an earlier checkpoint",
+            )
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
