@@ -3,18 +3,112 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from vlmctl.cli._stub import not_implemented
+from vlmctl.cli._common import JsonOpt, OverridesArg, console, is_override, print_json, state
+
+if TYPE_CHECKING:
+    from vlmctl.demo import DemoResult
 
 EXAMPLE = "Example: vlmctl demo my-demo"
+
+LABELS = {"init": "init: generate the shapes VQA set", "prepare": "data prepare", "build": "model build (tiny, random init)",
+          "train": "train", "eval": "eval on the val split"}
 
 
 def demo(
     folder: Annotated[Path, typer.Argument(help="Where the demo project is created.")] = Path("vlmctl-demo"),
     force: Annotated[bool, typer.Option("--force", help="Reuse an existing demo folder.")] = False,
+    overrides: OverridesArg = None,
+    num_samples: Annotated[Optional[int], typer.Option("--num-samples", help="Generated samples (default: the tiny template's 3000).")] = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Run the whole pipeline on a generated shapes VQA set (CPU, no downloads) and show that the model learns."""
-    not_implemented("demo")
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from vlmctl.demo import STAGES, default_launch, run_demo
+
+    if is_override(str(folder)):  # `vlmctl demo train.max_steps=50`: no folder given, only overrides
+        overrides, folder = [str(folder), *(overrides or [])], Path("vlmctl-demo")
+    launcher, nproc = default_launch()
+    quiet = state.quiet or as_json
+    if not quiet:
+        how = f"torchrun, {nproc} processes, FSDP2" if launcher == "torchrun" else "one process"
+        console.print(f"[bold]vlmctl demo[/bold] in {folder}: generated shapes VQA -> tiny VLM from scratch ({how}, CPU, no downloads)")
+    with Progress(SpinnerColumn(), TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, disable=quiet) as bar:
+        tasks = {s: bar.add_task(LABELS[s], total=None, start=False, visible=False) for s in STAGES}
+        current = {"stage": None}
+
+        def start(stage: str) -> None:
+            if current["stage"] != stage:
+                current["stage"] = stage
+                bar.update(tasks[stage], visible=True)
+                bar.start_task(tasks[stage])
+
+        def progress(stage: str, done: int, total: int | None) -> None:
+            start(stage)
+            bar.update(tasks[stage], completed=done, total=total)
+
+        def on_stage(stage: str, seconds: float) -> None:
+            start(stage)
+            t = bar.tasks[tasks[stage]]
+            bar.update(tasks[stage], total=t.total or 1, completed=t.total or 1,
+                       description=f"[green]✓[/green] {LABELS[stage]} ({seconds:.0f} s)")
+            bar.stop_task(tasks[stage])
+            following = STAGES[STAGES.index(stage) + 1:] if stage in STAGES else ()
+            if following:
+                start(following[0])
+
+        start("init")
+        result = run_demo(folder, force=force, overrides=overrides, num_samples=num_samples, progress=progress, on_stage=on_stage)
+    if as_json:
+        print_json(result.to_dict())
+        return
+    _render(result)
+
+
+def _render(result: "DemoResult") -> None:
+    from rich.console import Group
+    from rich.panel import Panel
+    from rich.table import Table
+
+    from vlmctl.demo import next_commands
+
+    times = Table(title="time per stage", title_justify="left", box=None, pad_edge=False)
+    times.add_column("stage")
+    times.add_column("seconds", justify="right")
+    for stage, seconds in result.stage_seconds.items():
+        times.add_row(stage, f"{seconds:.1f}")
+    times.add_row("[bold]total[/bold]", f"[bold]{result.total_seconds:.1f}[/bold]")
+
+    acc = Table(title=f"exact match on {result.val_samples} val samples", title_justify="left")
+    acc.add_column("question")
+    acc.add_column("n", justify="right")
+    acc.add_column("model", justify="right")
+    acc.add_column("blind baseline", justify="right")
+    for s in result.scores:
+        color = "green" if s.accuracy > s.baseline else "red"
+        acc.add_row(s.qtype, str(s.n), f"[{color}]{s.accuracy:.1%}[/{color}]", f"{s.baseline:.1%} ({s.baseline_answer!r})")
+    ratio = result.overall / result.baseline_overall if result.baseline_overall else float("inf")
+    acc.add_row("[bold]overall[/bold]", str(sum(s.n for s in result.scores)), f"[bold]{result.overall:.1%}[/bold]",
+                f"{result.baseline_overall:.1%}  ({ratio:.1f}x)")
+
+    verdict = ("[green]The model looks at the image: above the blind baseline on every question type, "
+               f"{ratio:.1f}x overall.[/green]" if result.learned else
+               "[yellow]Not above the blind baseline everywhere: train longer, e.g. `vlmctl demo --force train.max_steps=2000`.[/yellow]")
+    rel = lambda p: p.relative_to(result.folder) if p is not None and result.folder in p.parents else p  # noqa: E731
+    where = Table(box=None, show_header=False, pad_edge=False)
+    where.add_row("prepared data", str(rel(result.prepared_dir)))
+    where.add_row("built model", str(rel(result.model_dir)))
+    if result.run_dir is not None:
+        where.add_row("training run", f"{rel(result.run_dir)} (final/, metrics.jsonl, loss.png, train.log)")
+    where.add_row("evaluation", f"{rel(result.eval_dir)} (report.html, predictions.jsonl)")
+    steps = f"{result.steps} steps" + (f", final loss {result.final_loss:.3f}" if result.final_loss is not None else "")
+    train_line = f"train: {result.launcher} x{result.nproc} ({result.strategy}), {result.train_samples} samples, {steps}"
+    nxt = "\n".join(f"  cd {result.folder.name} && {c}" if i == 0 else f"  {c}" for i, c in enumerate(next_commands(result)))
+    body = Group(times, "", train_line, "", acc, verdict, "", "[bold]outputs[/bold] in " + str(result.folder), where, "",
+                 "[bold]next[/bold]", nxt)
+    console.print(Panel(body, title="[bold]vlmctl demo[/bold]", title_align="left", border_style="green" if result.learned else "yellow"))

@@ -1,14 +1,21 @@
 """A procedurally generated visual question-answering set: colored shapes, questions about them.
 
 Used by the `tiny` template and `vlmctl demo`: it needs no download, is deterministic for a seed, and a model can
-only answer it well by looking at the image (the blind baseline, the most common answer per question type, is
-low). Written in the LLaVA format (`{id, image, conversations}`) so it goes through the real readers.
+only answer it well by looking at the image. Written in the LLaVA format (`{id, image, conversations}`) so it goes
+through the real readers.
 
-Question types (the prefix of each sample's `id`):
-- `color`: "What color is the triangle?" -> one of COLORS
-- `shape`: "What shape is the red object?" -> one of SHAPES
-- `count`: "How many circles are there?" -> "0".."3"
-- `position`: "Is the square left of the circle?" -> "yes" | "no"
+Each picture is a 4 x 4 grid of cells (`image_size / 4` pixels each) on a plain or noisy light background; every
+object fills one cell, so at the tiny template's resolution (32 px input, 8 px patches) each object is exactly one
+visual token. Scenes are built for their question, so that answers are balanced and unambiguous:
+
+- `color`: "What color is the triangle?" -> one of COLORS (the shape appears once)
+- `shape`: "What shape is the red object?" -> one of SHAPES (the color appears once)
+- `count`: "How many circles are there?" -> "1".."3" (uniform; no zero counts)
+- `position`: "Is the square on the left or the right?" -> "left" | "right" (the shape appears once, in one of
+  the two left or two right columns)
+
+The blind baseline (the most common answer per question type, what a model gets without looking) is therefore
+1/4 for color, 1/3 for shape and count and 1/2 for position; ~0.35 over the balanced mix.
 """
 
 from __future__ import annotations
@@ -17,9 +24,10 @@ import json
 import random
 from pathlib import Path
 
-COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 200, 30), "purple": (150, 60, 190)}
+COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 200, 30)}
 SHAPES = ("circle", "square", "triangle")
 QUESTION_TYPES = ("color", "shape", "count", "position")
+GRID = 4  # cells per side
 
 
 def _draw_shape(draw, shape: str, box: tuple[int, int, int, int], fill: tuple[int, int, int]) -> None:
@@ -32,18 +40,52 @@ def _draw_shape(draw, shape: str, box: tuple[int, int, int, int], fill: tuple[in
         draw.polygon([((x0 + x1) // 2, y0), (x1, y1), (x0, y1)], fill=fill)
 
 
-def _scene(rng: random.Random, n_objects: int, size: int, obj: int) -> list[dict]:
-    """Place `n_objects` non-overlapping objects on a `size` grid; each {shape, color, box}."""
-    cells = [(cx, cy) for cx in range(size // obj) for cy in range(size // obj)]
-    rng.shuffle(cells)
+def _place(rng: random.Random, specs: list[tuple[str, str]], cell: int, columns: list[int] | None = None) -> list[dict]:
+    """Put each (shape, color) in its own grid cell; `columns` pins the first objects' grid columns."""
+    free = [(cx, cy) for cx in range(GRID) for cy in range(GRID)]
+    rng.shuffle(free)
+    margin = max(1, cell // 8)
     objects = []
-    for cx, cy in cells[:n_objects]:
-        jitter = max(1, obj // 8)
-        x0 = cx * obj + rng.randint(0, jitter)
-        y0 = cy * obj + rng.randint(0, jitter)
-        side = obj - 2 * jitter
-        objects.append({"shape": rng.choice(SHAPES), "color": rng.choice(list(COLORS)), "box": (x0, y0, x0 + side, y0 + side)})
+    for i, (shape, color) in enumerate(specs):
+        if columns is not None and i < len(columns):
+            cx, cy = columns[i], rng.randrange(GRID)
+            free.remove((cx, cy))
+        else:
+            cx, cy = free.pop()
+        # Jitter inside the cell only: an object never crosses into a neighbouring cell (or patch).
+        x0 = cx * cell + rng.randint(0, margin)
+        y0 = cy * cell + rng.randint(0, margin)
+        side = cell - 1 - margin
+        objects.append({"shape": shape, "color": color, "column": cx, "box": (x0, y0, x0 + side, y0 + side)})
     return objects
+
+
+def _scene(rng: random.Random, qtype: str, cell: int, max_distractors: int) -> tuple[list[dict], str, str]:
+    """(objects, question, answer) for one sample of `qtype`, with 0..`max_distractors` other objects."""
+    colors = list(COLORS)
+    n_extra = rng.randint(0, max_distractors)
+    if qtype == "color":
+        shape, color = rng.choice(SHAPES), rng.choice(colors)
+        others = [s for s in SHAPES if s != shape]
+        specs = [(shape, color)] + [(rng.choice(others), rng.choice(colors)) for _ in range(n_extra)]
+        return _place(rng, specs, cell), f"What color is the {shape}?", color
+    if qtype == "shape":
+        shape, color = rng.choice(SHAPES), rng.choice(colors)
+        others = [c for c in colors if c != color]
+        specs = [(shape, color)] + [(rng.choice(SHAPES), rng.choice(others)) for _ in range(n_extra)]
+        return _place(rng, specs, cell), f"What shape is the {color} object?", shape
+    if qtype == "count":
+        shape, n = rng.choice(SHAPES), rng.randint(1, 3)
+        others = [s for s in SHAPES if s != shape]
+        specs = [(shape, rng.choice(colors)) for _ in range(n)]
+        specs += [(rng.choice(others), rng.choice(colors)) for _ in range(min(n_extra, 4 - n))]
+        return _place(rng, specs, cell), f"How many {shape}s are there?", str(n)
+    shape = rng.choice(SHAPES)
+    others = [s for s in SHAPES if s != shape]
+    side = rng.choice(("left", "right"))
+    column = rng.randrange(GRID // 2) + (0 if side == "left" else GRID // 2)
+    specs = [(shape, rng.choice(colors))] + [(rng.choice(others), rng.choice(colors)) for _ in range(n_extra)]
+    return _place(rng, specs, cell, columns=[column]), f"Is the {shape} on the left or the right?", side
 
 
 def _render(rng: random.Random, objects: list[dict], size: int):
@@ -54,7 +96,7 @@ def _render(rng: random.Random, objects: list[dict], size: int):
         shade = rng.randint(225, 255)
         img = Image.new("RGB", (size, size), (shade, shade, shade))
     else:
-        noise = np.random.default_rng(rng.randint(0, 2**31)).integers(200, 256, size=(size, size), dtype=np.uint8)
+        noise = np.random.default_rng(rng.randint(0, 2**31)).integers(215, 256, size=(size, size), dtype=np.uint8)
         img = Image.fromarray(noise, "L").convert("RGB")
     draw = ImageDraw.Draw(img)
     for o in objects:
@@ -62,54 +104,24 @@ def _render(rng: random.Random, objects: list[dict], size: int):
     return img
 
 
-def _question(rng: random.Random, qtype: str, objects: list[dict]) -> tuple[str, str] | None:
-    shapes = [o["shape"] for o in objects]
-    colors = [o["color"] for o in objects]
-    if qtype == "color":
-        unique = [o for o in objects if shapes.count(o["shape"]) == 1]
-        if not unique:
-            return None
-        o = rng.choice(unique)
-        return f"What color is the {o['shape']}?", o["color"]
-    if qtype == "shape":
-        unique = [o for o in objects if colors.count(o["color"]) == 1]
-        if not unique:
-            return None
-        o = rng.choice(unique)
-        return f"What shape is the {o['color']} object?", o["shape"]
-    if qtype == "count":
-        shape = rng.choice(SHAPES)
-        return f"How many {shape}s are there?", str(shapes.count(shape))
-    unique = [o for o in objects if shapes.count(o["shape"]) == 1]
-    if len(unique) < 2:
-        return None
-    a, b = rng.sample(unique, 2)
-    if abs(a["box"][0] - b["box"][0]) < 4:
-        return None
-    return f"Is the {a['shape']} left of the {b['shape']}?", "yes" if a["box"][0] < b["box"][0] else "no"
-
-
-def generate_shapes_vqa(out_dir: Path, num_samples: int = 3000, seed: int = 0, image_size: int = 64) -> Path:
+def generate_shapes_vqa(out_dir: Path, num_samples: int = 3000, seed: int = 0, image_size: int = 64,
+                        max_distractors: int = 1) -> Path:
     """Write `num_samples` samples (PNG images + `shapes_vqa.json` in LLaVA format) under `out_dir`.
 
     Returns the path of the JSON file. Deterministic for (`num_samples`, `seed`, `image_size`). Question types are
-    balanced round-robin. Images are `image_size` x `image_size` RGB PNGs in `out_dir/images/`.
+    balanced round-robin and the sample id is `<question type>-<index>`; each scene has the objects its question
+    needs plus 0..`max_distractors` others. Images are `image_size` x `image_size`
+    RGB PNGs in `out_dir/images/` (`image_size` >= 16).
     """
     out_dir = Path(out_dir)
     (out_dir / "images").mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
-    obj = image_size // 4
+    cell = image_size // GRID
     records = []
-    i = 0
-    while len(records) < num_samples:
-        qtype = QUESTION_TYPES[len(records) % len(QUESTION_TYPES)]
-        objects = _scene(rng, rng.randint(1 if qtype != "position" else 2, 4), image_size, obj)
-        qa = _question(rng, qtype, objects)
-        i += 1
-        if qa is None:
-            continue
-        question, answer = qa
-        sid = f"{qtype}-{len(records):05d}"
+    for i in range(num_samples):
+        qtype = QUESTION_TYPES[i % len(QUESTION_TYPES)]
+        objects, question, answer = _scene(rng, qtype, cell, max_distractors)
+        sid = f"{qtype}-{i:05d}"
         name = f"images/{sid}.png"
         _render(rng, objects, image_size).save(out_dir / name, optimize=False)
         records.append({
