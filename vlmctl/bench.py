@@ -146,7 +146,7 @@ def run_packed_bench(
         torch.cuda.reset_peak_memory_stats()
     for i, b in enumerate(bins[: steps + warmup]):
         group = [samples[k] for k in b]
-        packed = pack_samples(group)
+        packed = pack_samples([{k: v for k, v in s.items() if torch.is_tensor(v)} for s in group])
         seq_lens = packed.pop("seq_lens")
         # mRoPE positions are data preparation (CPU, DataLoader workers in training): outside the timed step
         packed["position_ids"] = mrope_position_ids(model.model.get_rope_index, packed["input_ids"], packed["mm_token_type_ids"], packed["image_grid_thw"], seq_lens)
