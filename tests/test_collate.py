@@ -9,7 +9,7 @@ import pytest
 
 from vlmctl.data.sample import Sample
 
-REAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "real"
+REAL = Path(__file__).resolve().parent / "fixtures" / "real"
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import pytest
 
 from vlmctl.cli.app import main
 
-REAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "real"
+REAL = Path(__file__).resolve().parent / "fixtures" / "real"
 RUN_TIMEOUT = 150
 
 
