@@ -8,20 +8,11 @@ import sys
 
 import pytest
 
-from vlmctl.cli.app import main
+from cli_runner import run_cli as run
 
 COMMANDS = ["init", "data", "model", "train", "convert", "push", "eval", "bench", "demo", "config"]
 
 
-def run(args, capsys):
-    """Run the CLI in-process; return (exit code, stdout, stderr)."""
-    code = 0
-    try:
-        main(args)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_help_lists_every_command(capsys):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from convert_helpers import make_tiny_model, source_logits
-from vlmctl.cli.app import main
+from cli_runner import run_cli as run_cli_raw
 
 
 @pytest.fixture(scope="module")
@@ -41,13 +41,8 @@ def adapter(tiny, tmp_path_factory) -> tuple[Path, "object"]:
 
 
 def run_cli(args, capsys):
-    code = 0
-    try:
-        main(args)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    out = capsys.readouterr()
-    return code, out.out, " ".join(out.err.split())
+    code, out, err = run_cli_raw(args, capsys)
+    return code, out, " ".join(err.split())
 
 
 def test_hf_folder_reshard_and_cast(tiny, tmp_path, capsys):

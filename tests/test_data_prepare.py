@@ -10,24 +10,16 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from vlmctl.cli.app import main
 from vlmctl.config.data import DataSection, DataSource
 from vlmctl.data.prepare import prepare_data
 from vlmctl.data.sample import Sample, arrow_schema
 from vlmctl.data.validate import validate_data
 from vlmctl.errors import DataError
+from cli_runner import run_cli as run
 
 REAL = Path(__file__).parent / "fixtures" / "real"
 
 
-def run(args, capsys):
-    code = 0
-    try:
-        main(args)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def real_project(tmp_path: Path, extra: str = "") -> Path:

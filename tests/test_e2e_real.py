@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vlmctl.cli.app import main
+from cli_runner import run_cli as run
 
 REAL = Path(__file__).parent / "fixtures" / "real"
 STEPS = 4
@@ -19,14 +19,6 @@ STEPS = 4
 pytestmark = pytest.mark.slow
 
 
-def run(args: list[str], capfd) -> tuple[int, str, str]:
-    code = 0
-    try:
-        main(args)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    out = capfd.readouterr()
-    return code, out.out, out.err
 
 
 def as_json(out: str):

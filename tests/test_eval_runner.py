@@ -8,20 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from vlmctl.cli.app import main
 from vlmctl.data.sample import Sample, arrow_schema
 from vlmctl.errors import DataError, ModelError
 from vlmctl.evaluation import runner
+from cli_runner import run_cli as run
 
 
-def run(args, capsys):
-    code = 0
-    try:
-        main(args)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:

@@ -4,18 +4,10 @@ from __future__ import annotations
 
 import json
 
-from vlmctl.cli.app import main
 from vlmctl.models.summary import memory_per_gpu, trained_parts
+from cli_runner import run_cli as run
 
 
-def run(args, capsys):
-    code = 0
-    try:
-        main(args)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def _project(tmp_path):

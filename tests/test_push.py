@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vlmctl.cli.app import main
 from vlmctl.config import HubSection
+from cli_runner import run_cli as run_cli
 
 TOKEN = "hf_testtoken_write_0123456789"
 READ_TOKEN = "hf_testtoken_read_0123456789"
@@ -218,14 +218,6 @@ def run_folder(tmp_path) -> Path:
     return run
 
 
-def run_cli(args, capsys):
-    code = 0
-    try:
-        main(args)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_model_card_metadata_and_body(run_folder):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from vlmctl.cli.app import main
+from cli_runner import run_cli as run_cli_inprocess
 
 REAL = Path(__file__).resolve().parent / "fixtures" / "real"
 RUN_TIMEOUT = 150
@@ -129,14 +129,6 @@ def fsdp_run(project) -> Path:
 # ------------------------------------------------------------------------------------------- launch commands
 
 
-def run_cli_inprocess(args, capsys):
-    code = 0
-    try:
-        main(args)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_dry_run_prints_each_launcher_command(write_config, capsys):
