@@ -2,7 +2,7 @@
 the generated shapes VQA set, torchrun over the visible GPUs, FSDP2 and ZeRO-3, bf16.
 
 Usage (CUDA machine): python benchmarks/bench_train_gpu.py OUT_DIR [STRATEGY ...]   (default: fsdp zero3)
-Environment: STEPS (50), MICRO_BATCH (8), NPROC (visible GPUs).
+Environment: STEPS (50), MICRO_BATCH (8), NPROC (visible GPUs), OVERRIDES (extra section.key=value overrides).
 Prints one RESULT line per strategy: steady-state step time, tokens/s (text + visual), MFU, peak memory, first and
 last loss, and the wall time of the whole command (start-up, checkpoint at the last step and final export included).
 """
@@ -45,6 +45,7 @@ def main() -> None:
     import torch
 
     nproc = int(os.environ.get("NPROC", torch.cuda.device_count()))
+    extra = os.environ.get("OVERRIDES", "").split()  # e.g. OVERRIDES="train.packing=false"
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     if not (root / "prepared").is_dir():
@@ -76,12 +77,12 @@ train:
     for strategy in strategies:
         start = time.perf_counter()
         cmd = [sys.executable, "-m", "vlmctl", "-c", str(root / "vlmctl.yaml"), "train", "--launcher", "torchrun",
-               "--nproc-per-node", str(nproc), "--strategy", strategy, f"train.run_name={strategy}"]
+               "--nproc-per-node", str(nproc), "--strategy", strategy, f"train.run_name={strategy}-{nproc}gpu", *extra]
         print("$", " ".join(cmd), flush=True)
         code = subprocess.run(cmd, cwd=root).returncode
         wall = time.perf_counter() - start
-        rows = [json.loads(x) for x in (root / "runs" / strategy / "metrics.jsonl").read_text().splitlines() if x.strip()] \
-            if (root / "runs" / strategy / "metrics.jsonl").is_file() else []
+        log = root / "runs" / f"{strategy}-{nproc}gpu" / "metrics.jsonl"
+        rows = [json.loads(x) for x in log.read_text().splitlines() if x.strip()] if log.is_file() else []
         steady = rows[10:] or rows
         if not steady:
             print(f"RESULT {strategy} failed (exit {code}) after {wall:.0f} s", flush=True)
