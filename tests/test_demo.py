@@ -48,6 +48,32 @@ def test_generated_set_is_deterministic_balanced_and_answerable(tmp_path):
             assert COLORS[color] in set(Image.open(a.parent / r["image"]).convert("RGB").getdata())
 
 
+def test_generated_scenes_hold_only_the_objects_asked_about(tmp_path):
+    """Default scenes: one object per 2 x 2 grid cell, no distractors, so every answer is read off large features."""
+    import numpy as np
+
+    path = generate_shapes_vqa(tmp_path / "s", num_samples=40, seed=5, image_size=64)
+    palette = {rgb: name for name, rgb in COLORS.items()}
+    for r in json.loads(path.read_text()):
+        q, answer = r["id"].split("-")[0], r["conversations"][1]["value"]
+        pixels = np.asarray(Image.open(path.parent / r["image"]).convert("RGB"))
+        painted = np.zeros(pixels.shape[:2], dtype=bool)
+        for rgb in COLORS.values():
+            painted |= (pixels == rgb).all(-1)
+        cells = {(x, y) for y in (0, 1) for x in (0, 1) if painted[32 * y:32 * y + 32, 32 * x:32 * x + 32].any()}
+        colors = {palette[tuple(int(c) for c in px)] for px in pixels[painted]}
+        if q == "count":
+            assert len(cells) == int(answer)
+        else:
+            assert len(cells) == 1 and len(colors) == 1
+        if q == "color":
+            assert colors == {answer}
+        if q == "position":
+            assert next(iter(cells))[0] == (0 if answer == "left" else 1)
+    with pytest.raises(ValueError, match="max_distractors"):
+        generate_shapes_vqa(tmp_path / "t", num_samples=4, max_distractors=4)
+
+
 def test_blind_baseline_and_scores_per_type():
     base = blind_baseline([("color", "red"), ("color", "Blue"), ("color", "blue"), ("count", "2"), ("count", "1")])
     assert base == {"color": "blue", "count": "1"}  # ties go to the alphabetically first answer

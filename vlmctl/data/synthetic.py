@@ -4,15 +4,18 @@ Used by the `tiny` template and `vlmctl demo`: it needs no download, is determin
 only answer it well by looking at the image. Written in the LLaVA format (`{id, image, conversations}`) so it goes
 through the real readers.
 
-Each picture is a 4 x 4 grid of cells (`image_size / 4` pixels each) on a plain or noisy light background; every
-object fills one cell, so at the tiny template's resolution (32 px input, 8 px patches) each object is exactly one
-visual token. Scenes are built for their question, so that answers are balanced and unambiguous:
+Each picture is a 2 x 2 grid of cells (`image_size / 2` pixels each) on a plain or noisy light background; every
+object fills one cell, so at the tiny template's resolution (32 px input, 8 px patches) each object covers 2 x 2
+visual tokens and its shape shows in which of them are fully or partly painted. By default a scene holds only the
+objects its question is about (`max_distractors=0`): large, local, unambiguous features that a model trained from
+scratch on a CPU learns to read within a few minutes (with one-patch objects among distractors it stays blind).
+Scenes are built for their question, so that answers are balanced and unambiguous:
 
 - `color`: "What color is the triangle?" -> one of COLORS (the shape appears once)
 - `shape`: "What shape is the red object?" -> one of SHAPES (the color appears once)
-- `count`: "How many circles are there?" -> "1".."3" (uniform; no zero counts)
-- `position`: "Is the square on the left or the right?" -> "left" | "right" (the shape appears once, in one of
-  the two left or two right columns)
+- `count`: "How many circles are there?" -> "1".."3" (uniform; no zero counts; identical shapes, one per cell)
+- `position`: "Is the square on the left or the right?" -> "left" | "right" (the shape appears once, in the
+  left or the right column)
 
 The blind baseline (the most common answer per question type, what a model gets without looking) is therefore
 1/4 for color, 1/3 for shape and count and 1/2 for position; ~0.35 over the balanced mix.
@@ -27,7 +30,7 @@ from pathlib import Path
 COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 200, 30)}
 SHAPES = ("circle", "square", "triangle")
 QUESTION_TYPES = ("color", "shape", "count", "position")
-GRID = 4  # cells per side
+GRID = 2  # cells per side
 
 
 def _draw_shape(draw, shape: str, box: tuple[int, int, int, int], fill: tuple[int, int, int]) -> None:
@@ -105,14 +108,18 @@ def _render(rng: random.Random, objects: list[dict], size: int):
 
 
 def generate_shapes_vqa(out_dir: Path, num_samples: int = 3000, seed: int = 0, image_size: int = 64,
-                        max_distractors: int = 1) -> Path:
+                        max_distractors: int = 0) -> Path:
     """Write `num_samples` samples (PNG images + `shapes_vqa.json` in LLaVA format) under `out_dir`.
 
     Returns the path of the JSON file. Deterministic for (`num_samples`, `seed`, `image_size`). Question types are
     balanced round-robin and the sample id is `<question type>-<index>`; each scene has the objects its question
     needs plus 0..`max_distractors` others. Images are `image_size` x `image_size`
     RGB PNGs in `out_dir/images/` (`image_size` >= 16).
+
+    Raises ValueError when `max_distractors` does not fit the grid (at most GRID * GRID - 1 = 3).
     """
+    if not 0 <= max_distractors < GRID * GRID:
+        raise ValueError(f"max_distractors must be in 0..{GRID * GRID - 1} (a {GRID} x {GRID} grid), got {max_distractors}")
     out_dir = Path(out_dir)
     (out_dir / "images").mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
