@@ -704,3 +704,21 @@ def test_qwen2_5_vl_packed_run_with_mrope_matches_padded(qwen_project, capsys, m
     rows = _assert_packed_equals_padded(qwen_project, "eq-qwen", capsys, monkeypatch, steps=3)
     assert len(shapes) == 3 and all(s == (4, 1, t) and n > 1 for s, t, n in shapes)
     assert sum(r["visual_tokens"] for r in rows) > 0
+
+
+@pytest.mark.parametrize("name", ["constant", "cosine", "linear"])
+def test_every_schedule_warms_up(name):
+    import torch
+
+    from vlmctl.config import TrainSection
+    from vlmctl.train.worker import build_scheduler
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    sched = build_scheduler(opt, TrainSection(lr_scheduler=name, warmup_ratio=0.1, learning_rate=1e-3), total_steps=100)
+    lrs = []
+    for _ in range(20):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[0] == 0.0 and 0 < lrs[5] < lrs[9] < 1e-3
+    assert abs(lrs[10] - 1e-3) < 1e-9

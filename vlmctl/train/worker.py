@@ -102,7 +102,9 @@ def build_scheduler(optimizer, train, total_steps: int):
     from transformers import get_scheduler
 
     warmup = math.ceil(train.warmup_ratio * total_steps)
-    return get_scheduler(train.lr_scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
+    # transformers' "constant" ignores num_warmup_steps; warmup applies to every schedule here.
+    name = "constant_with_warmup" if train.lr_scheduler == "constant" else train.lr_scheduler
+    return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
 
 
 def resolve_attention(train, device) -> str:
