@@ -47,6 +47,7 @@ SETTINGS = {
     "vvarlen_flce_gc32k": ("varlen", "flce", True, 32768, True, False),
     "vvarlen_flce_compile_gc32k": ("varlen", "flce", True, 32768, True, True),
     "vvarlen_liger_gc32k": ("varlen", True, True, 32768, True, False),
+    "vvarlen_liger_gc8k": ("varlen", True, True, 8192, True, False),
 }
 
 samples = qwen_vl_samples(2000, cfg, seed=0)
