@@ -11,19 +11,10 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from vlmctl.cli.app import main
 from vlmctl.data.synthetic import COLORS, QUESTION_TYPES, SHAPES, generate_shapes_vqa
 from vlmctl.demo import blind_baseline, default_launch, score_by_type
 
-
-def run(args: list[str], capsys) -> tuple[int, str, str]:
-    code = 0
-    try:
-        main(args)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    out = capsys.readouterr()
-    return code, out.out, out.err
+from cli_runner import run_cli as run
 
 
 def test_generated_set_is_deterministic_balanced_and_answerable(tmp_path):
