@@ -13,7 +13,8 @@ WORKDIR /opt/vlmctl
 COPY pyproject.toml setup.py README.md ./
 COPY vlmctl ./vlmctl
 COPY templates ./templates
-RUN pip install ".[gpu,deepspeed]"
+# torch >= 2.10 brings torch.nn.attention.varlen (packed training without a flash-attn build).
+RUN pip install "torch>=2.10" ".[gpu,deepspeed]"
 
 WORKDIR /work
 ENTRYPOINT ["vlmctl"]
