@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from vlmctl.data.sample import Sample
+from real_data import REAL
 
-REAL = Path(__file__).resolve().parent / "fixtures" / "real"
 
 
 @pytest.fixture(scope="module")

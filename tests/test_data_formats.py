@@ -18,8 +18,8 @@ from vlmctl.data.formats import detect_format, read_source
 from vlmctl.data.formats._json import JsonParseError, iter_json_records
 from vlmctl.data.sample import Sample
 from vlmctl.errors import DataError
+from real_data import REAL
 
-REAL = Path(__file__).parent / "fixtures" / "real"
 
 
 def png(color=(200, 30, 30), size=(40, 32)) -> bytes:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 from pathlib import Path
@@ -16,8 +15,8 @@ from vlmctl.data.sample import Sample, arrow_schema
 from vlmctl.data.validate import validate_data
 from vlmctl.errors import DataError
 from cli_runner import run_cli as run
+from real_data import REAL, tree_digest, write_real_project
 
-REAL = Path(__file__).parent / "fixtures" / "real"
 
 
 
@@ -25,22 +24,8 @@ REAL = Path(__file__).parent / "fixtures" / "real"
 def real_project(tmp_path: Path, extra: str = "") -> Path:
     """A project whose data.sources are the three real formats."""
     root = tmp_path / "proj"
-    (root / "lf").mkdir(parents=True)
-    (root / "lf" / "data").symlink_to(REAL / "llamafactory_mllm_demo", target_is_directory=True)
-    (root / "vlmctl.yaml").write_text(
-        "data:\n"
-        "  sources:\n"
-        f"    - path: {REAL / 'llava_examples' / 'llava_format.json'}\n"
-        f"    - path: {REAL / 'llamafactory_mllm_demo' / 'mllm_demo.json'}\n"
-        f"    - path: {REAL / 'llamafactory_mllm_demo' / 'v1_multimodal_demo.jsonl'}\n"
-        "      image_root: lf\n"
-        "  val_ratio: 0.3\n" + extra
-    )
+    write_real_project(root, extra)
     return root
-
-
-def tree_digest(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def test_real_formats_merged_prepare_and_load_with_datasets(tmp_path, capsys):

@@ -4,7 +4,6 @@ checked, not only its exit code."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from pathlib import Path
@@ -12,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from cli_runner import run_cli as run
+from real_data import REAL, tree_digest, write_real_project
 
-REAL = Path(__file__).parent / "fixtures" / "real"
 STEPS = 4
 
 pytestmark = pytest.mark.slow
@@ -27,38 +26,23 @@ def as_json(out: str):
     return json.loads(out[start:])
 
 
-def digest(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
 def write_project(root: Path) -> Path:
-    # The messages file names its images relative to the LLaMA-Factory repository root (data/mllm_demo_data/N.jpg).
-    (root / "lf").mkdir(parents=True)
-    (root / "lf" / "data").symlink_to(REAL / "llamafactory_mllm_demo", target_is_directory=True)
-    config = root / "vlmctl.yaml"
-    config.write_text(
-        "project:\n  name: e2e\n"
-        "data:\n"
-        "  sources:\n"
-        f"    - path: {REAL / 'llava_examples' / 'llava_format.json'}\n"
-        f"    - path: {REAL / 'llamafactory_mllm_demo' / 'mllm_demo.json'}\n"
-        f"    - path: {REAL / 'llamafactory_mllm_demo' / 'v1_multimodal_demo.jsonl'}\n"
-        "      image_root: lf\n"
-        "  val_ratio: 0.3\n"
+    return write_real_project(
+        root,
         # The messages file repeats the ShareGPT demo in another format: keep both so that all three readers feed
         # training (with dedup on, those 24 samples are dropped as `duplicate`, checked below).
         "  dedup: false\n"
+        "project:\n  name: e2e\n"
         "model:\n  preset: tiny\n  init: random\n  dtype: fp32\n"
         "train:\n  stage: full\n  precision: fp32\n  packing: true\n  tokens_per_batch: 1024\n  learning_rate: 2.0e-3\n"
         f"  max_steps: {STEPS}\n  save_steps: 2\n  logging_steps: 1\n  num_workers: 0\n  run_name: e2e-run\n"
-        "hub:\n  repo_id: example-org/e2e-tiny\n"
+        "hub:\n  repo_id: example-org/e2e-tiny\n",
     )
-    return config
 
 
 def test_real_formats_end_to_end(tmp_path, capfd, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    before = digest(REAL)
+    before = tree_digest(REAL)
     root = tmp_path / "proj"
     config = write_project(root)
     c = ["-c", str(config)]
@@ -138,4 +122,4 @@ def test_real_formats_end_to_end(tmp_path, capfd, monkeypatch):
     assert sizes["model.safetensors"] == (export / "model.safetensors").stat().st_size and "README.md" in sizes
     assert "example-org/e2e-tiny" in push["card"] or "e2e" in push["card"]
 
-    assert digest(REAL) == before  # inputs are never modified
+    assert tree_digest(REAL) == before  # inputs are never modified

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from cli_runner import run_cli as run_cli_inprocess
+from real_data import REAL
 
-REAL = Path(__file__).resolve().parent / "fixtures" / "real"
 RUN_TIMEOUT = 150
 
 
