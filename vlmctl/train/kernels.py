@@ -144,10 +144,11 @@ def _varlen_params() -> frozenset[str]:
 def token_losses(model, batch: dict[str, Any]):
     """Per-token cross-entropy (nats) of the labelled tokens of `batch`, without full logits.
 
-    `batch` holds model inputs plus `labels` (B, T) with -100 on unlabelled tokens. Returns `(losses, index)`:
-    `losses` (n,) float32, one per labelled target token, and `index` (n,) the flat positions (b * T + t) of
+    `batch` holds model inputs of one packed row plus `labels` (1, T) with -100 on unlabelled tokens. Returns
+    `(losses, index)`: `losses` (n,) float32, one per labelled target token, and `index` (n,) the positions t of
     those target tokens, so callers can sum losses per packed sample. The model is called with
     `logits_to_keep` = the positions that predict a labelled token (t - 1), and no `labels`.
+    Raises ValueError for more than one row.
     """
     import torch
     import torch.nn.functional as F
@@ -158,15 +159,8 @@ def token_losses(model, batch: dict[str, Any]):
     inputs.setdefault("use_cache", False)
     B, T = labels.shape
     if B != 1:
-        # logits_to_keep indexes the sequence dim of every row alike: gather per row on the full logits instead
-        out = model(**inputs)
-        logits = out.logits[:, :-1].float()
-        target = labels[:, 1:]
-        mask = target != -100
-        losses = F.cross_entropy(logits[mask], target[mask], reduction="none")
-        pos = torch.nonzero(mask.reshape(-1), as_tuple=False).squeeze(1)
-        index = (pos // (T - 1)) * T + pos % (T - 1) + 1
-        return losses, index
+        # logits_to_keep indexes the sequence dim of every row alike, so it cannot pick per-row positions
+        raise ValueError(f"token_losses takes one packed row (batch size 1), got {B} rows; padded batches use train.loop.token_loss_sum")
     target_pos = torch.nonzero(labels[0] != -100, as_tuple=False).squeeze(1)
     target_pos = target_pos[target_pos > 0]
     if target_pos.numel() == 0:
