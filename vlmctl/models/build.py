@@ -299,14 +299,21 @@ def _config_from_dict(data: dict[str, Any]):
     return AutoConfig.for_model(data.pop("model_type"), **data)
 
 
+def _preset_part(ref: str, part: str, what: str, init: str) -> dict[str, Any]:
+    """The `vision` or `llm` part of size preset `ref` (a config dict); ConfigError when the preset has no such
+    part or `model.init` is not random."""
+    data = load_preset(ref)
+    if part not in data:
+        others = ", ".join(n for n in list_presets() if part in load_preset(n))
+        raise ConfigError(f"preset {ref!r} is not {what}", hint=f"{'vision' if part == 'vision' else 'LLM'} presets: {others}")
+    if init != "random":
+        raise ConfigError(f"model.{part}={ref!r} is a size preset: it needs model.init=random", hint=f"or set model.{part} to a Hub id / local folder")
+    return data[part]
+
+
 def _vision_config(ref: str, init: str, trc: bool):
     if is_preset(ref):
-        data = load_preset(ref)
-        if "vision" not in data:
-            raise ConfigError(f"preset {ref!r} is not a vision encoder", hint=f"vision presets: {', '.join(n for n in list_presets() if 'vision' in load_preset(n))}")
-        if init != "random":
-            raise ConfigError(f"model.vision={ref!r} is a size preset: it needs model.init=random", hint="or set model.vision to a Hub id / local folder")
-        cfg = _config_from_dict(data["vision"])
+        cfg = _config_from_dict(_preset_part(ref, "vision", "a vision encoder", init))
     else:
         cfg = _load("vision encoder", ref, lambda: _auto("AutoConfig").from_pretrained(ref, trust_remote_code=trc))
     if getattr(cfg, "vision_config", None) is not None and getattr(cfg, "text_config", None) is not None and cfg.model_type in ("clip", "siglip", "siglip2", "chinese_clip", "metaclip_2"):
@@ -330,12 +337,7 @@ def _llm_config(ref: str, init: str, trc: bool):
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if is_preset(ref):
-        data = load_preset(ref)
-        if "llm" not in data:
-            raise ConfigError(f"preset {ref!r} is not a language model", hint=f"LLM presets: {', '.join(n for n in list_presets() if 'llm' in load_preset(n))}")
-        if init != "random":
-            raise ConfigError(f"model.llm={ref!r} is a size preset: it needs model.init=random", hint="or set model.llm to a Hub id / local folder")
-        return data["llm"]  # made into a config once the tokenizer is known (vocab_size may be `auto`)
+        return _preset_part(ref, "llm", "a language model", init)  # a config once the tokenizer is known (vocab_size may be `auto`)
     cfg = _load("language model", ref, lambda: _auto("AutoConfig").from_pretrained(ref, trust_remote_code=trc))
     if getattr(cfg, "vision_config", None) is not None:
         raise ModelError(f"model.llm={ref!r} is a vision-language model ({cfg.model_type})",
