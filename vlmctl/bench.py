@@ -128,7 +128,7 @@ def run_packed_bench(
     import torch
 
     from vlmctl.data.packing import first_fit_decreasing, mrope_position_ids, pack_samples
-    from vlmctl.train.kernels import token_losses
+    from vlmctl.train.loop import loss_sum
 
     device = next(model.parameters()).device
     counts = param_counts(model)
@@ -150,16 +150,13 @@ def run_packed_bench(
         seq_lens = packed.pop("seq_lens")
         # mRoPE positions are data preparation (CPU, DataLoader workers in training): outside the timed step
         packed["position_ids"] = mrope_position_ids(model.model.get_rope_index, packed["input_ids"], packed["mm_token_type_ids"], packed["image_grid_thw"], seq_lens)
+        n_labelled = max(1, int((packed["labels"][0, 1:] != -100).sum()))  # on CPU: no device sync in the step
         batch = {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in packed.items()}
         batch["pixel_values"] = batch["pixel_values"].to(model.dtype)
         sync()
         t0 = time.perf_counter()
-        if use_liger:
-            labels = batch.pop("labels")
-            loss = model(**batch, labels=labels, use_cache=False).loss
-        else:
-            losses, _ = token_losses(model, batch)
-            loss = losses.sum() / max(1, losses.numel())
+        # the trainer's own loss: liger's fused cross-entropy, or logits of the labelled tokens only
+        loss = loss_sum(model, batch, liger=use_liger) / n_labelled
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
