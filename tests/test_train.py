@@ -702,7 +702,8 @@ def test_qwen2_5_vl_packed_run_with_mrope_matches_padded(qwen_project, capsys, m
 
     monkeypatch.setattr(worker, "mrope_prepare", spy)
     rows = _assert_packed_equals_padded(qwen_project, "eq-qwen", capsys, monkeypatch, steps=3)
-    assert len(shapes) == 3 and all(s == (4, 1, t) and n > 1 for s, t, n in shapes)
+    # prepared ahead of the step (loop.prefetch): at least the 3 consumed rows
+    assert len(shapes) >= 3 and all(s == (4, 1, t) and n > 1 for s, t, n in shapes)
     assert sum(r["visual_tokens"] for r in rows) > 0
 
 
@@ -722,3 +723,77 @@ def test_every_schedule_warms_up(name):
         sched.step()
     assert lrs[0] == 0.0 and 0 < lrs[5] < lrs[9] < 1e-3
     assert abs(lrs[10] - 1e-3) < 1e-9
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+def test_optimizer_in_backward_matches_adamw_and_resumes_bitwise(project):
+    # the per-parameter AdamW stepped in backward is the same update as one AdamW stepped after it (no clipping)
+    _run_cli(project, "train.run_name=adamw-noclip", "train.max_grad_norm=0")
+    _run_cli(project, "train.run_name=oib", "train.max_grad_norm=0", "train.optimizer_in_backward=true")
+    ref, oib = metrics(project / "runs" / "adamw-noclip"), metrics(project / "runs" / "oib")
+    assert len(ref) == len(oib) == 8
+    for a, b in zip(ref, oib):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"]
+    # its DCP checkpoint (one optimizer per parameter) resumes to the same curve
+    run = project / "runs" / "oib"
+    subprocess.run(["rm", "-rf", str(run / "checkpoints" / "checkpoint-8"), str(run / "final")], check=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in oib[:4]))
+    _run_cli(project, "--resume", "train.run_name=oib", "train.max_grad_norm=0", "train.optimizer_in_backward=true")
+    assert [r["loss"] for r in metrics(run)] == [r["loss"] for r in oib]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.max_grad_norm=1.0", "max_grad_norm"),
+    ("train.gradient_accumulation_steps=2", "gradient_accumulation_steps"),
+    ("train.strategy=zero2", "DeepSpeed"),
+])
+def test_optimizer_in_backward_refuses_what_it_cannot_honour(override, message):
+    from vlmctl.config import TrainSection
+    from vlmctl.errors import ConfigError
+    from vlmctl.train.worker import check_optimizer_in_backward
+
+    key, value = override.removeprefix("train.").split("=")
+    base = {"optimizer_in_backward": True, "max_grad_norm": 0.0}
+    train = TrainSection(**{**base, key: value})
+    with pytest.raises(ConfigError, match=message):
+        check_optimizer_in_backward(train, world_size=1)
+    with pytest.raises(ConfigError, match="ddp"):
+        check_optimizer_in_backward(TrainSection(**base, strategy="ddp"), world_size=2)
+    check_optimizer_in_backward(TrainSection(**base, strategy="fsdp"), world_size=2)
+
+
+def test_optimizer_in_backward_steps_during_backward_and_frees_gradients():
+    import torch
+
+    from vlmctl.train.optimizer import OptimizerInBackward
+    from vlmctl.train.worker import build_scheduler
+    from vlmctl.config import TrainSection
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    oib = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    oib.load_state_dict(ref.state_dict())
+    groups = lambda m: [{"params": [p for p in m.parameters() if p.ndim == 2], "lr": 1e-2, "weight_decay": 0.1},  # noqa: E731
+                        {"params": [p for p in m.parameters() if p.ndim == 1], "lr": 1e-2, "weight_decay": 0.0}]
+    train = TrainSection(lr_scheduler="linear", warmup_ratio=0.25, learning_rate=1e-2)
+    opt_ref = torch.optim.AdamW(groups(ref), betas=(0.9, 0.99), eps=1e-8)
+    opt_oib = OptimizerInBackward(groups(oib), betas=(0.9, 0.99), eps=1e-8, fused=False)
+    sched_ref, sched_oib = build_scheduler(opt_ref, train, 8), build_scheduler(opt_oib, train, 8)
+    for step in range(6):
+        x = torch.randn(4, 6)
+        ref(x).pow(2).sum().backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf"))
+        before = [p.detach().clone() for p in oib.parameters()]
+        oib(x).pow(2).sum().backward()
+        assert all(p.grad is None for p in oib.parameters())  # stepped and freed inside backward
+        assert step == 0 or any(not torch.equal(a, p) for a, p in zip(before, oib.parameters()))
+        opt_ref.step()
+        opt_ref.zero_grad()
+        assert abs(opt_oib.grad_norm() - float(norm)) < 1e-5 * float(norm)
+        sched_ref.step()
+        sched_oib.step()
+        assert [g["lr"] for g in opt_oib.param_groups][0] == opt_ref.param_groups[0]["lr"]
+        for a, b in zip(ref.parameters(), oib.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

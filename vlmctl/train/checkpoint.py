@@ -104,7 +104,7 @@ def save(run_dir: Path, step: int, trainer_state: dict[str, Any], *, rank: int, 
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer))
         dcp.save({"model": model_sd, "optim": optim_sd, "scheduler": _plain(scheduler.state_dict())}, checkpoint_id=str(tmp))
     torch.save(rng_state(), tmp / f"rng-{rank}.pt")
     dist.barrier()
@@ -145,15 +145,19 @@ def load(checkpoint: Path, *, rank: int, model=None, optimizer=None, scheduler=N
 
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer))
         strict = {"model": model_sd, "scheduler": _plain(scheduler.state_dict())}
         dcp.load(strict, checkpoint_id=str(checkpoint))
         # Parameters that never received a gradient (e.g. a vision layer after the selected feature layer) have
         # no AdamW state in the checkpoint; the placeholders `get_state_dict` creates for them stay unused.
         optim = {"optim": optim_sd}
         dcp.load(optim, checkpoint_id=str(checkpoint), planner=DefaultLoadPlanner(allow_partial_load=True))
-        set_state_dict(model, optimizer, model_state_dict=strict["model"], optim_state_dict=optim["optim"])
+        set_state_dict(model, _optimizers(optimizer), model_state_dict=strict["model"], optim_state_dict=optim["optim"])
         scheduler.load_state_dict({**scheduler.state_dict(), **strict["scheduler"]})
+        # DCP restores the groups' lr for one optimizer but not across several (OptimizerInBackward): the
+        # scheduler's last learning rates are the groups' current ones either way
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
     rng_file = checkpoint / f"rng-{rank}.pt"
     if rng_file.is_file():
         set_rng_state(torch.load(rng_file, weights_only=False))
@@ -175,3 +179,8 @@ def prune(run_dir: Path, total_limit: int | None) -> list[Path]:
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed
+
+
+def _optimizers(optimizer):
+    """What DCP saves for `optimizer`: the per-parameter optimizers of an OptimizerInBackward, else itself."""
+    return getattr(optimizer, "checkpoint_optimizers", None) or optimizer

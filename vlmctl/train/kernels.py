@@ -217,3 +217,135 @@ def apply_liger(model, family: str, kernels: bool = True) -> bool:
     else:
         fn(model=model, fused_linear_cross_entropy=True, cross_entropy=False, rope=False, rms_norm=False, swiglu=False)
     return True
+
+
+# ------------------------------------------------------------------------------------------ vision-tower kernels
+
+
+def apply_vision_kernels(model, vision_layers, *, compile: bool) -> list[str]:
+    """The vision tower's GPU kernels, all exact and parameter-preserving: the width-aligned gated MLP
+    (`align_vision_mlp`), the patch embedding as one GEMM (`patch_embed_as_linear`) and, with `compile`, the
+    rotary embedding and the aligned MLP through torch.compile (fusing their elementwise work: fp32 casts,
+    rotate_half, the activation times up-projection). Returns the names of what was applied (for the run's
+    start-up table)."""
+    applied = []
+    if align_vision_mlp(vision_layers, compile=compile):
+        applied.append("aligned MLP" + (" (compiled)" if compile else ""))
+    if patch_embed_as_linear(model):
+        applied.append("patch embedding as GEMM")
+    if compile and compile_vision_rotary(model):
+        applied.append("compiled rotary")
+    return applied
+
+
+def align_vision_mlp(vision_layers, multiple: int = 64, *, compile: bool = False) -> int:
+    """Run the gated MLPs of vision blocks whose hidden width is not a multiple of `multiple` (Qwen2.5-VL's 3420)
+    at a zero-padded width, with the gate and up projections in one GEMM; with `compile`, as one torch.compile'd
+    function shared by all blocks (activations it knows: SiLU, GELU).
+
+    A bf16 GEMM whose row stride is not 16-byte aligned (3420 x 2 bytes) cannot use the Hopper TMA kernels, and
+    cuBLAS falls back to slower sm80 ones (`benchmarks/bench_gemm_align.py`: 2.9x slower on an H200). Padding the
+    weights at each forward with zero rows (gate/up, and their biases) and zero columns (down) keeps the
+    parameters and checkpoints unchanged and the output exact: the padded units compute act(0) * 0 = 0 and
+    receive zero gradient. Modules whose projections are not plain nn.Linear (LoRA-wrapped) are left alone.
+    Returns the number of MLPs changed.
+    """
+    import types
+
+    from torch import nn
+
+    changed = 0
+    for layer in vision_layers:
+        mlp = getattr(layer, "mlp", None)
+        projs = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if mlp is None or not all(type(p) is nn.Linear for p in projs) or not hasattr(mlp, "act_fn"):
+            continue
+        if (projs[0].bias is None) != (projs[1].bias is None):  # gate and up must share one fused GEMM
+            continue
+        pad = -projs[0].out_features % multiple
+        if pad == 0:
+            continue
+        act = _functional_activation(mlp.act_fn) if compile else None
+        mlp._vlmctl_pad = pad
+        mlp._vlmctl_core = (_compiled_mlp_core(), act) if act is not None else (_aligned_mlp_core, mlp.act_fn)
+        mlp.forward = types.MethodType(_aligned_mlp_forward, mlp)
+        changed += 1
+    return changed
+
+
+def _functional_activation(module):
+    """The stateless function of a transformers activation module, or None (one compiled graph serves every block
+    only when the activation is the same function object)."""
+    import torch.nn.functional as F
+
+    return {"SiLUActivation": F.silu, "SiLU": F.silu, "GELUActivation": F.gelu, "GELU": F.gelu}.get(type(module).__name__)
+
+
+def _aligned_mlp_forward(self, x):
+    """down(act(gate(x)) * up(x)) at the padded width (see `align_vision_mlp`); x (..., hidden) -> (..., hidden)."""
+    core, act = self._vlmctl_core
+    g, u, d = self.gate_proj, self.up_proj, self.down_proj
+    return core(x, g.weight, g.bias, u.weight, u.bias, d.weight, d.bias, self._vlmctl_pad, act)
+
+
+def _aligned_mlp_core(x, wg, bg, wu, bu, wd, bd, pad: int, act):
+    import torch
+    import torch.nn.functional as F
+
+    weight = torch.cat([F.pad(wg, (0, 0, 0, pad)), F.pad(wu, (0, 0, 0, pad))])
+    bias = None if bg is None else torch.cat([F.pad(bg, (0, pad)), F.pad(bu, (0, pad))])
+    gate, up = F.linear(x, weight, bias).chunk(2, dim=-1)
+    return F.linear(act(gate) * up, F.pad(wd, (0, pad)), bd)
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_mlp_core():
+    import torch
+
+    return torch.compile(_aligned_mlp_core, dynamic=True)  # patch counts change every step
+
+
+def compile_vision_rotary(model) -> bool:
+    """Replace the vision rotary function of the model's transformers module (`apply_rotary_pos_emb_vision` of
+    Qwen2-VL, Qwen2.5-VL, Qwen3-VL: fp32 casts, rotate_half, four multiplies) by its torch.compile'd version, as
+    liger-kernel replaces the text rotary. Module-wide, like liger's patches. Returns False where there is none."""
+    import sys
+
+    import torch
+
+    module = sys.modules.get(type(model).__module__)
+    fn = getattr(module, "apply_rotary_pos_emb_vision", None)
+    if fn is None:
+        return False
+    if not getattr(fn, "_vlmctl_compiled", False):
+        compiled = torch.compile(fn, dynamic=True)
+        compiled._vlmctl_compiled = True
+        module.apply_rotary_pos_emb_vision = compiled
+    return True
+
+
+def patch_embed_as_linear(model) -> int:
+    """Compute the patch embedding of Qwen-VL vision towers (a Conv3d whose kernel equals its stride over
+    flattened (channels, time, height, width) patches) as one GEMM with the same weight, instead of a cuDNN 3-D
+    convolution. Same parameters, same result. Returns the number of modules changed."""
+    import types
+
+    from torch import nn
+
+    changed = 0
+    for module in model.modules():
+        proj = getattr(module, "proj", None)
+        if (type(module).__name__.endswith("PatchEmbed") and isinstance(proj, nn.Conv3d)
+                and tuple(proj.kernel_size) == tuple(proj.stride) and proj.padding in ((0, 0, 0), 0) and proj.groups == 1):
+            module.forward = types.MethodType(_linear_patch_embed_forward, module)
+            changed += 1
+    return changed
+
+
+def _linear_patch_embed_forward(self, hidden_states):
+    """(patches, C * T * P * P) -> (patches, embed_dim), as the Conv3d of the original forward."""
+    import torch.nn.functional as F
+
+    weight = self.proj.weight  # (embed_dim, C, T, P, P), flattened in the order the patches are
+    x = hidden_states.reshape(-1, weight[0].numel()).to(weight.dtype)
+    return F.linear(x, weight.reshape(weight.shape[0], -1), self.proj.bias)

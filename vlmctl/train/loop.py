@@ -60,6 +60,50 @@ def loss_sum(model, batch: dict[str, Any], *, liger: bool = False, inputs: dict[
     return token_loss_sum(out.logits, batch["labels"])
 
 
+def prefetch(batches: Iterator[dict[str, Any]], prepare=None, depth: int = 2) -> Iterator[dict[str, Any]]:
+    """Yield `prepare(batch)` (or the batch itself) for each batch of `batches`, computed up to `depth` batches
+    ahead in a background thread, so CPU-side preparation (reading from the DataLoader, Qwen-VL's mRoPE positions)
+    overlaps the device's work on the current step instead of idling it between steps. Exceptions raised while
+    preparing are re-raised in the consumer at the batch where they happened."""
+    import queue
+    import threading
+
+    done = object()
+    q: queue.Queue = queue.Queue(maxsize=max(1, depth))
+    stop = threading.Event()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def work() -> None:
+        try:
+            for batch in batches:
+                if not put(prepare(batch) if prepare is not None else batch):
+                    return
+            put(done)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            put(exc)
+
+    thread = threading.Thread(target=work, name="vlmctl-prefetch", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = q.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+
+
 def to_device(batch: dict[str, Any], device) -> dict[str, Any]:
     return {k: (v.to(device, non_blocking=True) if hasattr(v, "to") else v) for k, v in batch.items()}
 
@@ -102,6 +146,12 @@ class TorchStepper:
         import torch
 
         norm = None
+        if hasattr(self.optimizer, "grad_norm"):  # OptimizerInBackward: the parameters were stepped in backward
+            if not skip:
+                norm = self.optimizer.grad_norm()
+                self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            return norm if norm is not None and math.isfinite(norm) else None
         if not skip:
             max_norm = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
             total = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
@@ -195,7 +245,6 @@ class Trainer:
     progress: Any
     flops_per_token: Any = None  # callable(mean_seq_len) -> FLOPs/token, or None
     peak_flops: float | None = None
-    prepare: Any = None  # callable(batch) -> batch on CPU before the device copy (e.g. mRoPE positions), or None
     device_name: str = "cpu"  # recorded in every metrics row
     _signal: int | None = field(default=None, init=False)
 
@@ -258,8 +307,6 @@ class Trainer:
         loss_sum = torch.zeros((), device=device, dtype=torch.float64)
         bad = False
         for i, batch in enumerate(window):
-            if self.prepare is not None:
-                batch = self.prepare(batch)
             batch = to_device(batch, device)
             with self.stepper.sync(last=i == len(window) - 1):
                 loss = self.stepper.loss(batch)

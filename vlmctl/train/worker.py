@@ -88,14 +88,40 @@ def param_groups(model, parts, train) -> list[dict[str, Any]]:
     return [{"params": ps, "lr": lr, "weight_decay": wd} for (lr, wd), ps in groups.items()]
 
 
-def build_optimizer(model, parts, train, device):
+def build_optimizer(model, parts, train, device, world_size: int = 1):
+    """AdamW over `param_groups`, or its per-parameter form stepped during backward (`train.optimizer_in_backward`).
+    Raises ConfigError when nothing is trainable or the in-backward form cannot apply to these settings."""
     import torch
 
     groups = param_groups(model, parts, train)
     if not groups:
         raise ConfigError("nothing to train: every parameter is frozen", hint="check train.stage and train.freeze")
+    if train.optimizer_in_backward:
+        from vlmctl.train.optimizer import OptimizerInBackward
+
+        check_optimizer_in_backward(train, world_size)
+        return OptimizerInBackward(groups, betas=tuple(train.adam_betas), eps=1e-8, fused=device.type == "cuda")
     return torch.optim.AdamW(groups, lr=train.learning_rate, betas=tuple(train.adam_betas), eps=1e-8,
                              fused=device.type == "cuda")
+
+
+def check_optimizer_in_backward(train, world_size: int) -> None:
+    """Raise ConfigError for settings `train.optimizer_in_backward` cannot honour: it steps each parameter inside
+    backward, so there is no global gradient to clip or accumulate, and DDP would average gradients only after the
+    step (FSDP2 fires the hook after its reduce-scatter)."""
+    hint = "set train.optimizer_in_backward=false"
+    if train.max_grad_norm > 0:
+        raise ConfigError(f"train.optimizer_in_backward cannot clip gradients (train.max_grad_norm={train.max_grad_norm})",
+                          hint="set train.max_grad_norm=0, or " + hint)
+    if train.gradient_accumulation_steps != 1:
+        raise ConfigError(f"train.optimizer_in_backward steps after every backward; train.gradient_accumulation_steps="
+                          f"{train.gradient_accumulation_steps} needs the gradients kept", hint="raise train.tokens_per_batch instead, or " + hint)
+    if train.strategy in ("zero2", "zero3"):
+        raise ConfigError(f"train.optimizer_in_backward is not available with DeepSpeed ({train.strategy})",
+                          hint="use train.strategy=fsdp, or " + hint)
+    if train.strategy == "ddp" and world_size > 1:
+        raise ConfigError("train.optimizer_in_backward with ddp on several processes would step before gradients are averaged",
+                          hint="use train.strategy=fsdp, or " + hint)
 
 
 def build_scheduler(optimizer, train, total_steps: int):
@@ -168,7 +194,7 @@ def rope_index_fn(model):
 
 
 def mrope_prepare(model, image_token_id: int | None):
-    """A `Trainer.prepare` hook replacing the packed row's (1, T) position ids by the (4, 1, T) text + mRoPE
+    """A batch hook (run by `loop.prefetch` ahead of the step) replacing the packed row's (1, T) position ids by the (4, 1, T) text + mRoPE
     position ids computed per sample (`vlmctl.data.packing.mrope_position_ids`), on CPU before the device copy."""
     from vlmctl.data.collate import is_packed
     from vlmctl.data.packing import mrope_position_ids
@@ -237,8 +263,8 @@ def _run(cfg, run_dir: Path, env) -> str:
     from vlmctl.data.collate import Collator, PackedCollator
     from vlmctl.data.loader import DistributedBatchSampler, PackedBatchSampler, ShardDataset, build_loader
     from vlmctl.train import checkpoint as ckpt
-    from vlmctl.train import kernels, parallel
-    from vlmctl.train.loop import DeepSpeedStepper, Trainer, TorchStepper, TrainState
+    from vlmctl.train import parallel
+    from vlmctl.train.loop import Trainer, TrainState, prefetch
     from vlmctl.train.metrics import MetricsLogger, Progress, flops_per_token, human, peak_flops, plot_loss, startup_table
 
     train = cfg.train
@@ -257,30 +283,10 @@ def _run(cfg, run_dir: Path, env) -> str:
     if quantized:
         model, processor, family = load_quantized(source, cfg, dtype=dtype)
     else:
-        model, processor, family = load_source(source, cfg, dtype=torch.float32)
-    # Attention and liger patch the HF model itself: before peft wraps it.
-    attn = resolve_attention(train, env.device)
-    kernels.set_attention(model, attn, vision_varlen=env.device.type == "cuda" and family.mrope)
-    liger = resolve_liger(train, family, env.device)
-    if liger:
-        # liger's norm/SwiGLU/RoPE kernels are autograd functions torch.compile cannot trace: compile fuses those
-        kernels.apply_liger(model, family.name, kernels=not train.compile)
+        model, processor, family = load_source(source, cfg, dtype=master_dtype(train, dtype))
+    attn, liger, vision_kernels = apply_kernels(model, family, train, env.device)
     prepare = mrope_prepare(model, getattr(model.config, "image_token_id", None)) if train.packing and family.mrope else None
-    parts = parallel.model_parts(model, family)
-    trainable = parallel.trainable_parts(train.stage, train.freeze)
-    parallel.apply_stage(model, parts, trainable)
-    if train.lora is not None:
-        model = parallel.apply_lora(model, train.lora, parts, trainable)
-        parts = parallel.model_parts(model, family)
-    # torchtitan's order: activation checkpointing, then compile, then FSDP per layer, then the root.
-    if train.gradient_checkpointing:
-        # transformers' per-layer checkpointing (each decoder layer and vision block), non-reentrant
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if hasattr(model, "enable_input_require_grads"):
-            model.enable_input_require_grads()
-    if train.compile:
-        for layer in parts.decoder_layers:
-            layer.compile(dynamic=train.packing)  # packed rows change length every step
+    model, parts, trainable = apply_training_setup(model, family, train)
     # Counted before wrapping: ZeRO-3 leaves empty placeholders where its partitioned parameters were.
     num_params = sum(p.numel() for p in model.parameters())
     num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -312,27 +318,7 @@ def _run(cfg, run_dir: Path, env) -> str:
     total_steps = train.max_steps or max(1, math.ceil(train.num_epochs * sampler.batches_per_epoch / gas))
 
     # ---- wrapping, optimizer, schedule
-    engine = None
-    if train.strategy in ("zero2", "zero3"):
-        optimizer = build_optimizer(model, parts, train, env.device)
-        scheduler = build_scheduler(optimizer, train, total_steps)
-        hidden = _hidden_size(model)
-        ds_cfg = parallel.deepspeed_config(train, world_size=env.world_size, dtype=dtype, hidden_size=hidden,
-                                           stage=int(train.strategy[-1]))
-        engine, optimizer, scheduler = parallel.deepspeed_engine(model, optimizer, scheduler, ds_cfg)
-        stepper = DeepSpeedStepper(engine, liger=liger)
-    else:
-        if train.strategy == "fsdp":
-            model = parallel.apply_fsdp(model, parts, env, param_dtype=dtype, reshard_after_forward=train.fsdp_reshard_after_forward)
-        else:
-            model = model.to(env.device)
-            if train.strategy == "ddp" and (env.world_size > 1 or os.environ.get("LOCAL_WORLD_SIZE")):
-                model = parallel.apply_ddp(model, env)
-        optimizer = build_optimizer(model, parts, train, env.device)
-        scheduler = build_scheduler(optimizer, train, total_steps)
-        stepper = TorchStepper(model, optimizer, scheduler, max_grad_norm=train.max_grad_norm,
-                               autocast_dtype=dtype if train.strategy != "fsdp" else None, device=env.device, liger=liger)
-    stepper.model.train()
+    model, optimizer, scheduler, engine, stepper = wrap_and_optimize(model, parts, train, env, dtype, total_steps, liger=liger)
 
     # ---- resume
     state = TrainState()
@@ -379,7 +365,8 @@ def _run(cfg, run_dir: Path, env) -> str:
             "trainable": f"{human(num_trainable)} ({', '.join(sorted(trainable))}{'; LoRA on the llm' if train.lora else ''})",
             "strategy": f"{train.strategy} ({str(dtype).removeprefix('torch.')}, {device_name(env.device)})",
             "kernels": f"attention {attn}, loss {'liger fused linear cross-entropy' if liger else 'labelled-token logits' if train.packing else 'full logits'}"
-                       + (", activation checkpointing" if train.gradient_checkpointing else "") + (", compiled decoder layers" if train.compile else ""),
+                       + (", activation checkpointing" if train.gradient_checkpointing else "") + (", compiled decoder layers" if train.compile else "")
+                       + "".join(f", vision {k}" for k in vision_kernels),
             "world size": env.world_size,
             "global batch": global_batch,
             "batching": batching,
@@ -411,16 +398,18 @@ def _run(cfg, run_dir: Path, env) -> str:
                          scheduler=scheduler, engine=engine, total_limit=train.save_total_limit)
         progress.print(f"saved {path}")
 
+    batches = prefetch(iter(loader), prepare)
     trainer = Trainer(
-        stepper=stepper, batches=iter(loader), env=env, state=state, total_steps=total_steps, grad_accum=gas,
+        stepper=stepper, batches=batches, env=env, state=state, total_steps=total_steps, grad_accum=gas,
         batches_per_epoch=sampler.batches_per_epoch, save_steps=train.save_steps, logging_steps=train.logging_steps,
         max_bad_steps=train.max_bad_steps, save=save, log=logger.log if logger else (lambda row: None),
-        progress=progress, flops_per_token=fpt, peak_flops=peak_flops(env.device), prepare=prepare,
+        progress=progress, flops_per_token=fpt, peak_flops=peak_flops(env.device),
         device_name=device_name(env.device),
     )
     try:
         outcome = trainer.train()
     finally:
+        batches.close()
         progress.close()
         if logger is not None:
             logger.close()
@@ -433,6 +422,99 @@ def _run(cfg, run_dir: Path, env) -> str:
                  lora=train.lora, parts_trainable=trainable)
     progress.print(f"final model exported to {run_dir / 'final'}")
     return outcome
+
+
+def master_dtype(train, dtype):
+    """The dtype parameters are stored (and optimized) in: fp32 master weights, or `dtype` itself with
+    `train.master_weights: bf16` (pure bf16). Raises ConfigError where pure bf16 cannot apply."""
+    import torch
+
+    if train.master_weights == "fp32":
+        return torch.float32
+    if dtype != torch.bfloat16:
+        raise ConfigError(f"train.master_weights=bf16 needs bf16 compute, but train.precision resolves to {str(dtype).removeprefix('torch.')}",
+                          hint="set train.precision=bf16 (on a GPU with bf16), or train.master_weights=fp32")
+    if train.strategy in ("zero2", "zero3"):
+        raise ConfigError("train.master_weights=bf16: DeepSpeed keeps its own fp32 master weights for zero2/zero3",
+                          hint="use train.strategy=fsdp or ddp for pure bf16, or train.master_weights=fp32")
+    return torch.bfloat16
+
+
+def apply_kernels(model, family, train, device) -> tuple[str, bool, list[str]]:
+    """Attention backend, liger-kernel patches and the vision tower's kernels (CUDA), applied to the HF model in
+    place (before peft wraps it). Returns (attention implementation name, whether liger's fused loss is on, the
+    vision kernels applied)."""
+    from vlmctl.models.families import vision_layers
+    from vlmctl.train import kernels
+
+    attn = resolve_attention(train, device)
+    kernels.set_attention(model, attn, vision_varlen=device.type == "cuda" and family.mrope)
+    liger = resolve_liger(train, family, device)
+    if liger:
+        # liger's norm/SwiGLU/RoPE kernels are autograd functions torch.compile cannot trace: compile fuses those
+        kernels.apply_liger(model, family.name, kernels=not train.compile)
+    vision = []
+    if device.type == "cuda":
+        compile_vision = train.compile_vision == "on" or (train.compile_vision == "auto" and _has_triton())
+        vision = kernels.apply_vision_kernels(model, vision_layers(model, family), compile=compile_vision)
+    return attn, liger, vision
+
+
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def apply_training_setup(model, family, train):
+    """Stage/freeze, LoRA, activation checkpointing and torch.compile, in torchtitan's order (checkpointing, then
+    compile, then the FSDP wrapping of `wrap_and_optimize`). Returns (model, parts, trainable part names)."""
+    from vlmctl.train import parallel
+
+    parts = parallel.model_parts(model, family)
+    trainable = parallel.trainable_parts(train.stage, train.freeze)
+    parallel.apply_stage(model, parts, trainable)
+    if train.lora is not None:
+        model = parallel.apply_lora(model, train.lora, parts, trainable)
+        parts = parallel.model_parts(model, family)
+    if train.gradient_checkpointing:
+        # transformers' per-layer checkpointing (each decoder layer and vision block), non-reentrant
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "enable_input_require_grads"):
+            model.enable_input_require_grads()
+    if train.compile:
+        for layer in parts.decoder_layers:
+            layer.compile(dynamic=train.packing)  # packed rows change length every step
+    return model, parts, trainable
+
+
+def wrap_and_optimize(model, parts, train, env, dtype, total_steps: int, *, liger: bool):
+    """Wrap for `train.strategy` (DDP / FSDP2 per layer then root / DeepSpeed engine), build AdamW and the LR
+    schedule. Returns (model, optimizer, scheduler, engine or None, stepper)."""
+    from vlmctl.train import parallel
+    from vlmctl.train.loop import DeepSpeedStepper, TorchStepper
+
+    engine = None
+    if train.strategy in ("zero2", "zero3"):
+        optimizer = build_optimizer(model, parts, train, env.device)
+        scheduler = build_scheduler(optimizer, train, total_steps)
+        ds_cfg = parallel.deepspeed_config(train, world_size=env.world_size, dtype=dtype, hidden_size=_hidden_size(model),
+                                           stage=int(train.strategy[-1]))
+        engine, optimizer, scheduler = parallel.deepspeed_engine(model, optimizer, scheduler, ds_cfg)
+        stepper = DeepSpeedStepper(engine, liger=liger)
+    else:
+        if train.strategy == "fsdp":
+            model = parallel.apply_fsdp(model, parts, env, param_dtype=dtype, reshard_after_forward=train.fsdp_reshard_after_forward)
+        else:
+            model = model.to(env.device)
+            if train.strategy == "ddp" and (env.world_size > 1 or os.environ.get("LOCAL_WORLD_SIZE")):
+                model = parallel.apply_ddp(model, env)
+        optimizer = build_optimizer(model, parts, train, env.device, env.world_size)
+        scheduler = build_scheduler(optimizer, train, total_steps)
+        stepper = TorchStepper(model, optimizer, scheduler, max_grad_norm=train.max_grad_norm,
+                               autocast_dtype=dtype if train.strategy != "fsdp" else None, device=env.device, liger=liger)
+    stepper.model.train()
+    return model, optimizer, scheduler, engine, stepper
 
 
 def _unwrap(model):

@@ -1,0 +1,60 @@
+"""The vision tower's GPU kernels are exact rewrites: same parameters, same outputs and gradients (checked on CPU)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+
+def tiny_qwen25_vl():
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    # vision MLP width 36: not a multiple of 64, so it is padded to 64
+    cfg = Qwen2_5_VLConfig(text_config=dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                            num_key_value_heads=1, intermediate_size=40, bos_token_id=1, eos_token_id=2),
+                           vision_config=dict(depth=2, hidden_size=32, intermediate_size=36, num_heads=2, out_hidden_size=32,
+                                              fullatt_block_indexes=[1], window_size=56),
+                           image_token_id=3, video_token_id=4, vision_start_token_id=5, vision_end_token_id=6)
+    torch.manual_seed(0)
+    return Qwen2_5_VLForConditionalGeneration(cfg).float()
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_aligned_mlp_and_linear_patch_embedding_are_exact(compile, monkeypatch):
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
+
+    from vlmctl.train.kernels import apply_vision_kernels
+
+    # the compiled rotary replaces the module's function: put the original back for the other tests
+    monkeypatch.setattr(modeling_qwen2_5_vl, "apply_rotary_pos_emb_vision", modeling_qwen2_5_vl.apply_rotary_pos_emb_vision)
+
+    ref = tiny_qwen25_vl()
+    fast = copy.deepcopy(ref)
+    shapes = {n: p.shape for n, p in fast.named_parameters()}
+    applied = apply_vision_kernels(fast, list(fast.model.visual.blocks), compile=compile)
+    assert any("aligned MLP" in a for a in applied) and "patch embedding as GEMM" in applied
+    assert ("compiled rotary" in applied) == compile
+    assert {n: p.shape for n, p in fast.named_parameters()} == shapes  # checkpoints are unchanged
+    pixels = torch.randn(2 * 64, 3 * 2 * 14 * 14)  # two 112 px images: 8 x 8 patches each
+    grid = torch.tensor([[1, 8, 8], [1, 8, 8]])
+    out_ref = ref.model.visual(pixels, grid_thw=grid)
+    out_fast = fast.model.visual(pixels, grid_thw=grid)
+    out_ref, out_fast = (getattr(o, "pooler_output", o) for o in (out_ref, out_fast))
+    torch.testing.assert_close(out_fast, out_ref, rtol=1e-5, atol=1e-6)
+    weights = torch.randn_like(out_ref)
+    (out_ref * weights).sum().backward()
+    (out_fast * weights).sum().backward()
+    for (name, a), (_, b) in zip(ref.model.visual.named_parameters(), fast.model.visual.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_aligned_mlp_leaves_aligned_or_adapted_mlps_alone():
+    from vlmctl.train.kernels import align_vision_mlp
+
+    model = tiny_qwen25_vl()
+    blocks = list(model.model.visual.blocks)
+    blocks[0].mlp.gate_proj = torch.nn.Sequential(blocks[0].mlp.gate_proj)  # stands for a LoRA wrapper
+    assert align_vision_mlp(blocks) == 1
+    assert align_vision_mlp(blocks, multiple=4) == 0  # 36 is a multiple of 4: nothing to pad
