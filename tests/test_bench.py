@@ -44,3 +44,33 @@ def test_synthetic_samples_have_matching_image_tokens_and_flops_grow_with_length
         assert not bool(((s["input_ids"][s["n_visual"] + 2:] >= 3) & (s["input_ids"][s["n_visual"] + 2:] <= 6)).any())
     counts = {"llm": 1000, "embed": 100, "vision": 500, "all": 1500}
     assert sample_flops(counts, cfg, 100, 50, 64) < sample_flops(counts, cfg, 200, 50, 64) < sample_flops(counts, cfg, 200, 100, 64)
+
+
+def test_bench_two_processes_fsdp_sums_ranks(tmp_path, capsys):
+    # the trainer's FSDP2 step on two CPU processes (torchrun): each rank packs its own rows
+    path = tmp_path / "vlmctl.yaml"
+    path.write_text("model:\n  preset: tiny-qwen2.5-vl\n  init: random\ntrain:\n  tokens_per_batch: 256\n  strategy: fsdp\n"
+                    "  stage: full\n  attn_implementation: sdpa\n")
+    try:
+        main(["bench", "-c", str(path), "--steps", "2", "--nproc-per-node", "2", "--image-sizes", "28,56",
+              "--text-tokens", "8,40", "--json"])
+    except SystemExit as exc:
+        assert exc.code in (0, None)
+    out = json.loads(capsys.readouterr().out)
+    assert out["world_size"] == 2 and out["strategy"] == "fsdp"
+    assert 256 < out["tokens_per_step"] <= 2 * 256  # two packed rows per step, one per rank
+    assert abs(out["tokens_per_s_per_gpu"] * 2 - out["tokens_per_s"]) < 1e-6 * out["tokens_per_s"]
+
+
+def test_frozen_parts_count_fewer_flops():
+    from transformers import Qwen2_5_VLConfig
+
+    cfg = Qwen2_5_VLConfig(text_config=dict(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1),
+                           vision_config=dict(depth=1, hidden_size=16, num_heads=2, out_hidden_size=16))
+    counts = {"llm": 1000, "embed": 100, "vision": 500, "all": 1500}
+    full = sample_flops(counts, cfg, 100, 50, 64)
+    frozen_vision = sample_flops(counts, cfg, 100, 50, 64, train_vision=False)
+    frozen_both = sample_flops(counts, cfg, 100, 50, 64, train_vision=False, train_llm=False)
+    vision_part = 6 * 500 * 64 + 12 * 1 * 16 * 64 * 64
+    assert abs((full - frozen_vision) - vision_part * 2 / 3) < 1e-6 * full  # forward only: a third remains
+    assert frozen_both < frozen_vision

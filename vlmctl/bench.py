@@ -1,12 +1,17 @@
 """Training-throughput benchmark: tokens/s, MFU (vision tower included), step time, peak memory.
 
+The measured step is the trainer's own (`vlmctl.train.loop.Trainer.train_step`) on the model, kernels, stage,
+strategy (none/ddp/fsdp/zero2/zero3) and optimizer that `vlmctl train` would use for the same config; only the data
+is synthetic and packed in advance. Multi-GPU runs start one process per GPU through torchrun
+(`python -m vlmctl.bench WORKDIR`); every rank packs its own rows and the figures are summed over ranks.
+
 The workload reproduces the plain-transformers baseline's sample distribution for Qwen-VL architectures (one
 square image of 224/336/448/560 px, i.e. 64..400 merged visual tokens, plus 64..1536 uniformly random text
 tokens, every text token labelled), so vlmctl and the baseline can be measured in one run on the same GPU.
 
 FLOPs per sample (forward + backward = 3x forward), following the PaLM accounting (Chowdhery et al. 2022,
 appendix B: 6N per token for the weights, 12 * layers * d_model * seq per token for attention, halved here for
-causal masking):
+causal masking); shown for a fully trained model:
 
     6 * (N_llm - N_embed) * s              language-model weights, s = tokens of the sample (text + visual)
   + 6 * N_embed * s_labelled               LM head, only on labelled tokens (the only logits vlmctl computes)
@@ -16,7 +21,10 @@ causal masking):
                                            Qwen2.5-VL's 112 px windows; full attention layers are approximated
                                            the same way, as in the baseline script)
 
-MFU = FLOPs / step time / peak, with peak = 989 TFLOP/s (H100/H200 SXM dense bf16).
+A frozen vision tower runs forward only (2N instead of 6N, attention 1/3); a frozen or LoRA-adapted language
+model still back-propagates activations (4N instead of 6N). Recomputation by activation checkpointing is not
+counted (it is not useful work). MFU = FLOPs / step time / (peak x GPUs), with peak = 989 TFLOP/s (H100/H200 SXM
+dense bf16).
 """
 
 from __future__ import annotations
@@ -43,17 +51,23 @@ class WorkloadSpec:
 class BenchResult:
     name: str
     steps: int
+    world_size: int
+    strategy: str
     tokens_per_s: float
     text_tokens_per_s: float
     visual_tokens_per_s: float
     samples_per_s: float
     step_time_s: float
     mfu: float
-    peak_memory_gib: float
-    tokens_per_step: float
+    peak_memory_gib: float  # the largest over ranks
+    tokens_per_step: float  # all ranks together
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens_per_s / self.world_size
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu}
 
 
 def qwen_vl_samples(n: int, cfg, spec: WorkloadSpec = WorkloadSpec(), seed: int = 0) -> list[dict[str, Any]]:
@@ -97,101 +111,74 @@ def param_counts(model) -> dict[str, int]:
     return {"all": n_all, "vision": n_vis, "embed": n_emb, "llm": n_all - n_vis}
 
 
-def sample_flops(counts: dict[str, int], cfg, s: int, s_labelled: int, patches: int, window: int = 64) -> float:
-    """Training FLOPs of one sample (formula in the module docstring)."""
+def sample_flops(counts: dict[str, int], cfg, s: int, s_labelled: int, patches: int, window: int = 64, *,
+                 train_vision: bool = True, train_llm: bool = True) -> float:
+    """Training FLOPs of one sample (formula in the module docstring). `train_vision` / `train_llm`: whether the
+    vision tower's / language model's weights get gradients (frozen vision: forward only; frozen or LoRA language
+    model: weights' gradients skipped, activations' kept)."""
     t, v = cfg.text_config, cfg.vision_config
     d, layers = t.hidden_size, t.num_hidden_layers
     vd, vdepth = v.hidden_size, v.depth
-    f = 6 * (counts["llm"] - counts["embed"]) * s + 6 * counts["embed"] * s_labelled
+    w_llm = 6 if train_llm else 4
+    f = w_llm * (counts["llm"] - counts["embed"]) * s + w_llm * counts["embed"] * s_labelled
     f += 6 * layers * d * s * s
-    f += 6 * counts["vision"] * patches + 12 * vdepth * vd * patches * min(patches, window)
+    vis = 6 * counts["vision"] * patches + 12 * vdepth * vd * patches * min(patches, window)
+    f += vis if train_vision else vis / 3
     return float(f)
 
 
-def run_packed_bench(
-    model,
-    samples: list[dict[str, Any]],
-    *,
-    name: str,
-    tokens_per_batch: int,
-    steps: int,
-    warmup: int = 3,
-    use_liger: bool = False,
-    peak_flops: float = DEFAULT_PEAK,
-    log=print,
-) -> BenchResult:
-    """Train `steps + warmup` packed steps of `samples` on the model's device and measure the last `steps`.
+def packed_batch(group: list[dict[str, Any]], dtype) -> dict[str, Any]:
+    """One packed row of synthetic samples with the counters the trainer's collator adds (see
+    `vlmctl.data.collate.PackedCollator`); pixel values in the training dtype, as the processor's output would be
+    cast on the device."""
+    from vlmctl.data.packing import pack_samples
 
-    Each step packs samples (first-fit decreasing) into one row of at most `tokens_per_batch` tokens, computes
-    Qwen-VL mRoPE positions per sample, runs forward + backward + fused AdamW.
-    """
-    import torch
-
-    from vlmctl.data.packing import first_fit_decreasing, mrope_position_ids, pack_samples
-    from vlmctl.train.loop import loss_sum
-
-    device = next(model.parameters()).device
-    counts = param_counts(model)
-    bins = list(first_fit_decreasing(((i, s["input_ids"].numel()) for i, s in enumerate(samples)), tokens_per_batch, lookahead=512))
-    # fullest bins first: the partial tail bins of a finite sample set would understate throughput
-    bins.sort(key=lambda b: -sum(samples[k]["input_ids"].numel() for k in b))
-    if len(bins) < steps + warmup:
-        raise ValueError(f"{len(samples)} samples make only {len(bins)} packed rows; need {steps + warmup}")
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=device.type == "cuda")
-    model.train()
-    times, toks, text_toks, vis_toks, n_samples, flops = [], 0, 0, 0, 0, 0.0
-    cuda = device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    for i, b in enumerate(bins[: steps + warmup]):
-        group = [samples[k] for k in b]
-        packed = pack_samples([{k: v for k, v in s.items() if torch.is_tensor(v)} for s in group])
-        seq_lens = packed.pop("seq_lens")
-        # mRoPE positions are data preparation (CPU, DataLoader workers in training): outside the timed step
-        packed["position_ids"] = mrope_position_ids(model.model.get_rope_index, packed["input_ids"], packed["mm_token_type_ids"], packed["image_grid_thw"], seq_lens)
-        n_labelled = max(1, int((packed["labels"][0, 1:] != -100).sum()))  # on CPU: no device sync in the step
-        batch = {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in packed.items()}
-        batch["pixel_values"] = batch["pixel_values"].to(model.dtype)
-        sync()
-        t0 = time.perf_counter()
-        # the trainer's own loss: liger's fused cross-entropy, or logits of the labelled tokens only
-        loss = loss_sum(model, batch, liger=use_liger) / n_labelled
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sync()
-        dt = time.perf_counter() - t0
-        if i >= warmup:
-            times.append(dt)
-            toks += sum(seq_lens)
-            text_toks += sum(s["n_text"] for s in group)
-            vis_toks += sum(s["n_visual"] for s in group)
-            n_samples += len(group)
-            flops += sum(sample_flops(counts, model.config, s["input_ids"].numel(), int((s["labels"] != -100).sum()), s["n_patches"]) for s in group)
-        log(f"[{name}] step {i} loss {loss.item():.3f} {dt * 1000:.0f} ms tokens {sum(seq_lens)} samples {len(group)}")
-    total = sum(times)
-    return BenchResult(
-        name=name, steps=len(times), tokens_per_s=toks / total, text_tokens_per_s=text_toks / total,
-        visual_tokens_per_s=vis_toks / total, samples_per_s=n_samples / total, step_time_s=total / len(times),
-        mfu=flops / total / peak_flops, peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
-        tokens_per_step=toks / len(times),
-    )
+    batch = pack_samples([{k: v for k, v in s.items() if hasattr(v, "numel")} for s in group])
+    batch["pixel_values"] = batch["pixel_values"].to(dtype)
+    batch["num_label_tokens"] = sum(int((s["labels"][1:] != -100).sum()) for s in group)
+    batch["num_visual_tokens"] = sum(s["n_visual"] for s in group)
+    batch["num_text_tokens"] = sum(s["n_text"] for s in group)
+    batch["num_dummy_images"] = 0
+    batch["num_samples"] = len(group)
+    return batch
 
 
 def run_bench(model_section, train_section, *, steps: int = 20, warmup: int = 3, spec: WorkloadSpec = WorkloadSpec(),
-              device: str | None = None, log=print) -> BenchResult:
-    """`vlmctl bench`: a random-init model of `model_section` (a `preset`, e.g. qwen2.5-vl-3b) trained on the
-    synthetic baseline-shaped workload with the settings of `train_section` (tokens_per_batch,
-    attn_implementation, liger, gradient_checkpointing, compile, precision).
+              log=print, setup=None) -> BenchResult:
+    """`vlmctl bench` on this rank: a random-init model of `model_section` (a Qwen-VL `preset`, e.g.
+    qwen2.5-vl-3b) trained for `warmup + steps` optimizer steps on the synthetic baseline-shaped workload with the
+    settings of `train_section` (strategy, precision, master_weights, tokens_per_batch, attn_implementation, liger,
+    gradient_checkpointing, compile, stage, ...). Call it in every process of a torchrun launch, or alone (one
+    process). `setup(model)`, when given, is applied to the model before wrapping (benchmark scripts use it to try
+    kernels that have no config key yet). Returns the figures of the last `steps` steps, summed over ranks.
 
-    Raises UsageError for a model that is not a Qwen-VL preset (the synthetic workload is Qwen-VL shaped).
+    Raises UsageError for a model that is not a Qwen-VL preset (the workload is Qwen-VL shaped) or for
+    `train.packing: false`.
     """
-    import torch
+    import torch.distributed as dist
 
+    from vlmctl.train.parallel import init_distributed
+
+    log = log or (lambda msg: None)
+    env = init_distributed(deepspeed=train_section.strategy in ("zero2", "zero3"))
+    try:
+        return _run_bench(model_section, train_section, env, steps=steps, warmup=warmup, spec=spec, log=log, setup=setup)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run_bench(model_section, train, env, *, steps, warmup, spec, log, setup) -> BenchResult:
+    import torch
+    import torch.distributed as dist
+
+    from vlmctl.data.packing import first_fit_decreasing
     from vlmctl.errors import UsageError
     from vlmctl.models.build import instantiate, plan_build
-    from vlmctl.train.kernels import apply_liger, liger_available, resolve_attn_implementation, set_attention
+    from vlmctl.train import parallel
+    from vlmctl.train.loop import Trainer, TrainState, prefetch
+    from vlmctl.train.worker import (apply_kernels, apply_training_setup, master_dtype, mrope_prepare, seed_everything,
+                                     wrap_and_optimize)
 
     plan = plan_build(model_section)
     if not plan.family.mrope:
@@ -199,23 +186,165 @@ def run_bench(model_section, train_section, *, steps: int = 20, warmup: int = 3,
             f"vlmctl bench runs Qwen-VL architectures; model family {plan.family.name!r} is not one",
             hint="set model.preset to qwen2.5-vl-3b, qwen2.5-vl-7b or tiny-qwen2.5-vl (with model.init=random)",
         )
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    precision = train_section.precision
-    if precision == "auto":
-        precision = "bf16" if device == "cuda" else "fp32"
-    torch.manual_seed(0)
-    model = instantiate(plan, device=device, dtype=precision)
-    set_attention(model, resolve_attn_implementation(train_section.attn_implementation, device), vision_varlen=device == "cuda")
-    liger = train_section.liger == "on" or (train_section.liger == "auto" and liger_available(device))
-    if liger:
-        apply_liger(model, plan.family.name, kernels=not train_section.compile)
-    if train_section.compile:
-        for layer in model.model.language_model.layers:
-            layer.compile(dynamic=True)
-    if train_section.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    mean_tokens = (sum(spec.text_tokens) / 2) + sum((s // spec.patch_size) ** 2 / spec.merge_size**2 for s in spec.image_sizes) / len(spec.image_sizes)
-    n = int((steps + warmup + 2) * train_section.tokens_per_batch / mean_tokens * 1.3) + 8
-    samples = qwen_vl_samples(n, model.config, spec)
-    return run_packed_bench(model, samples, name=model_section.preset or "model", tokens_per_batch=train_section.tokens_per_batch,
-                            steps=steps, warmup=warmup, use_liger=liger, log=log)
+    if not train.packing:
+        raise UsageError("vlmctl bench measures packed training; train.packing is false",
+                         hint="set train.packing=true (the default)")
+    dtype = parallel.resolve_dtype(train.precision, env.device)
+    stored = master_dtype(train, dtype)
+    seed_everything(train.seed)
+    model = instantiate(plan, device=str(env.device), dtype="bf16" if stored == torch.bfloat16 else "fp32")
+    attn, liger, vision_kernels = apply_kernels(model, plan.family, train, env.device)
+    log(f"attention {attn}, liger {'on' if liger else 'off'}" + "".join(f", vision {k}" for k in vision_kernels))
+    prepare = mrope_prepare(model, model.config.image_token_id)
+    counts, mcfg = param_counts(model), model.config
+    model, parts, trainable = apply_training_setup(model, plan.family, train)
+    if setup is not None:
+        setup(model)
+    world, gas = env.world_size, train.gradient_accumulation_steps
+    rows = (steps + warmup) * gas * world
+
+    # every rank draws the same samples and packs the same rows, then takes every world-th row
+    mean_tokens = sum(spec.text_tokens) / 2 + sum((s // spec.patch_size) ** 2 / spec.merge_size**2 for s in spec.image_sizes) / len(spec.image_sizes)
+    n = int((rows + 2) * train.tokens_per_batch / mean_tokens * 1.3) + 8
+    samples = qwen_vl_samples(n, model.config, spec, seed=train.seed)
+    # samples longer than a row are left out, as the trainer's packed sampler does
+    fitting = ((i, s["input_ids"].numel()) for i, s in enumerate(samples) if s["input_ids"].numel() <= train.tokens_per_batch)
+    bins = list(first_fit_decreasing(fitting, train.tokens_per_batch, lookahead=512))
+    # fullest rows first: the partial tail rows of a finite sample set would understate throughput
+    bins.sort(key=lambda b: -sum(samples[k]["input_ids"].numel() for k in b))
+    if len(bins) < rows:
+        raise UsageError(f"{len(samples)} synthetic samples make only {len(bins)} packed rows; {rows} are needed",
+                         hint="raise train.tokens_per_batch or lower --steps")
+    mine = [[samples[k] for k in b] for b in bins[env.rank:rows:world]]
+    batches = [packed_batch(group, dtype) for group in mine]
+
+    model, optimizer, scheduler, engine, stepper = wrap_and_optimize(model, parts, train, env, dtype, steps + warmup, liger=liger)
+    trainer = Trainer(stepper=stepper, batches=prefetch(iter(batches), prepare), env=env, state=TrainState(),
+                      total_steps=steps + warmup, grad_accum=gas, batches_per_epoch=len(batches), save_steps=1 << 30,
+                      logging_steps=1 << 30, max_bad_steps=steps + warmup, save=None, log=None, progress=None)
+    cuda = env.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    train_vision, train_llm = "vision" in trainable, "llm" in trainable and train.lora is None
+    totals = torch.zeros(6, dtype=torch.float64)  # flops, tokens, text, visual, samples, seconds
+    for i in range(steps + warmup):
+        sync()
+        t0 = time.perf_counter()
+        result = trainer.train_step()  # ends in a collective that waits for the device
+        dt = time.perf_counter() - t0
+        window = mine[i * gas:(i + 1) * gas]
+        if i >= warmup:
+            group = [s for g in window for s in g]
+            totals += torch.tensor([
+                sum(sample_flops(counts, mcfg, s["input_ids"].numel(),
+                                 int((s["labels"][1:] != -100).sum()), s["n_patches"], train_vision=train_vision, train_llm=train_llm)
+                    for s in group),
+                sum(s["input_ids"].numel() for s in group), sum(s["n_text"] for s in group),
+                sum(s["n_visual"] for s in group), len(group), dt,
+            ], dtype=torch.float64)
+        if env.is_main:
+            loss = "skipped" if result.loss is None else f"{result.loss:.3f}"
+            log(f"step {i}{' (warm-up)' if i < warmup else ''}: loss {loss}, {dt * 1000:.0f} ms, "
+                f"{result.text_tokens + result.visual_tokens} tokens, {result.samples} samples")
+    peak = torch.tensor([torch.cuda.max_memory_allocated(env.device) / 2**30 if cuda else 0.0], dtype=torch.float64)
+    seconds = totals[5:6].clone()
+    if dist.get_backend() == "nccl":
+        totals, peak, seconds = totals.to(env.device), peak.to(env.device), seconds.to(env.device)
+    dist.all_reduce(totals)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+    flops, toks, text, visual, n_samples, _ = (float(x) for x in totals.cpu())
+    total = float(seconds.cpu()[0])
+    return BenchResult(
+        name=model_section.preset or "model", steps=steps, world_size=world, strategy=train.strategy,
+        tokens_per_s=toks / total, text_tokens_per_s=text / total, visual_tokens_per_s=visual / total,
+        samples_per_s=n_samples / total, step_time_s=total / steps, mfu=flops / total / (peak_flops_of(env.device) * world),
+        peak_memory_gib=float(peak.cpu()[0]), tokens_per_step=toks / steps,
+    )
+
+
+def benchmark(cfg, *, steps: int = 20, warmup: int = 3, spec: WorkloadSpec = WorkloadSpec(), log=print) -> BenchResult:
+    """`vlmctl bench` for a project config: in this process for one process per node and one node, else one process
+    per GPU through torchrun (`train.nproc_per_node`, auto = the visible GPUs), rank 0 handing the figures back
+    through a temporary folder. Raises UsageError for more than one node, VlmctlError when the ranks fail."""
+    import json
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from vlmctl.config import dump_config
+    from vlmctl.errors import UsageError, VlmctlError
+    from vlmctl.train.launch import _torchrun, launch_env, resolve_nproc, spawn
+
+    train = cfg.train
+    if train.nnodes > 1:
+        raise UsageError("vlmctl bench runs on one node", hint="set train.nnodes=1 (tokens/s per GPU carry over to more nodes only approximately)")
+    nproc = resolve_nproc(train.nproc_per_node)
+    if nproc == 1:
+        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+            os.environ.pop(key, None)  # a lone process makes its own one-rank group
+        return run_bench(cfg.model, train, steps=steps, warmup=warmup, spec=spec, log=log)
+    from vlmctl.train.parallel import free_port
+
+    with tempfile.TemporaryDirectory(prefix="vlmctl-bench-") as tmp:
+        work = Path(tmp)
+        (work / "config.yaml").write_text(dump_config(cfg))
+        (work / "args.json").write_text(json.dumps({"steps": steps, "warmup": warmup, "image_sizes": list(spec.image_sizes),
+                                                    "text_tokens": list(spec.text_tokens), "verbose": log is not None}))
+        cmd = [*_torchrun(), "--nproc-per-node", str(nproc), "--nnodes", "1", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "vlmctl.bench", str(work)]
+        code, _ = spawn(cmd, env=launch_env(train))
+        result = work / "result.json"
+        if code != 0 or not result.is_file():
+            raise VlmctlError(f"the bench processes failed (exit code {code})", hint="see the rank output above")
+        data = json.loads(result.read_text())
+    data.pop("tokens_per_s_per_gpu", None)
+    return BenchResult(**data)
+
+
+def peak_flops_of(device) -> float:
+    """Dense bf16 peak of `device` (FLOP/s): 989e12 for H100/H200, the same figure elsewhere (CPU MFU is only a
+    relative number)."""
+    import torch
+
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in PEAK_FLOPS.items():
+            if key in name:
+                return value
+    return DEFAULT_PEAK
+
+
+def main(argv: list[str] | None = None) -> None:
+    """One rank of a multi-process bench: `python -m vlmctl.bench WORKDIR` (torchrun sets the rank). WORKDIR holds
+    `config.yaml` and `args.json` (steps, warmup, image_sizes, text_tokens); rank 0 writes `result.json`."""
+    import json
+    import os
+    import sys
+    from pathlib import Path
+
+    from vlmctl.cli._common import render_error
+    from vlmctl.config import load_config
+    from vlmctl.errors import VlmctlError
+
+    work = Path((sys.argv[1:] if argv is None else argv)[0])
+    args = json.loads((work / "args.json").read_text())
+    cfg = load_config(work / "config.yaml")
+    spec = WorkloadSpec(image_sizes=tuple(args["image_sizes"]), text_tokens=tuple(args["text_tokens"]))
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        result = run_bench(cfg.model, cfg.train, steps=args["steps"], warmup=args["warmup"], spec=spec,
+                           log=(lambda msg: print(msg, flush=True)) if args.get("verbose", True) else (lambda msg: None))
+    except VlmctlError as exc:
+        if rank == 0:
+            render_error(exc.title, exc.message, exc.hint)
+        sys.exit(exc.exit_code)
+    if rank == 0:
+        tmp = work / "result.json.tmp"
+        tmp.write_text(json.dumps(result.as_dict()))
+        os.replace(tmp, work / "result.json")
+
+
+if __name__ == "__main__":
+    main()
