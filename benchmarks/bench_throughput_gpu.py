@@ -2,7 +2,7 @@
 random-init Qwen2.5-VL preset, the baseline's workload (pure bf16 parameters and AdamW state, like the baseline).
 
 Usage (CUDA machine): python benchmarks/bench_throughput_gpu.py [3b|7b|tiny] VARIANT
-Variants: the keys of VARIANTS. Prints one RESULT line (JSON). liger-kernel and the compiled vision rotary patch
+Variants: the keys of VARIANTS. Environment: STEPS (8 measured), WARMUP (3), TOKENS (tokens_per_batch). Prints one RESULT line (JSON). liger-kernel and the compiled vision rotary patch
 transformers' modules globally, so run one variant per process. The hooks of the first kernel measurements
 (aligned MLP, GEMM patch embedding, compiled rotary/MLP, each alone) became `kernels.apply_vision_kernels`. PROFILE=1 also prints the top CUDA kernels.
 """
@@ -25,6 +25,7 @@ VARIANTS = {
     # name: train overrides (the vision kernels of `kernels.apply_vision_kernels` are on by default on CUDA)
     "default": {},
     "vision_eager": {"compile_vision": "off"},
+    "default_18k": {"tokens_per_batch": 18432},
     "default_20k": {"tokens_per_batch": 20480},
     "default_gc8k": {"tokens_per_batch": 8192, "gradient_checkpointing": True},
     "oib_gc8k": {"tokens_per_batch": 8192, "gradient_checkpointing": True, "optimizer_in_backward": True, "max_grad_norm": 0.0},
@@ -36,6 +37,7 @@ VARIANTS = {
 def main() -> None:
     size, name = sys.argv[1], sys.argv[2]
     steps = int(os.environ.get("STEPS", 8))
+    warmup = int(os.environ.get("WARMUP", 3))
     overrides = VARIANTS[name]
     settings = {**BASE, **overrides}
     if os.environ.get("TOKENS"):  # e.g. a CPU smoke run of the tiny preset
@@ -48,7 +50,7 @@ def main() -> None:
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
         prof.__enter__()
     try:
-        r = run_bench(model, train, steps=steps, warmup=3, log=lambda m: print(f"[{size}-{name}] {m}", flush=True))
+        r = run_bench(model, train, steps=steps, warmup=warmup, log=lambda m: print(f"[{size}-{name}] {m}", flush=True))
         out = {**r.as_dict(), "name": f"{size}-{name}"}
     except torch.OutOfMemoryError:
         out = {"name": f"{size}-{name}", "error": "out of memory"}

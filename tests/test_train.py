@@ -797,3 +797,40 @@ def test_optimizer_in_backward_steps_during_backward_and_frees_gradients():
         assert [g["lr"] for g in opt_oib.param_groups][0] == opt_ref.param_groups[0]["lr"]
         for a, b in zip(ref.parameters(), oib.parameters()):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 100.0, 0.0])
+def test_stepper_clips_only_above_the_limit_and_reports_the_norm_before_clipping(max_norm):
+    import torch
+
+    from vlmctl.train.loop import TorchStepper
+
+    model = torch.nn.Linear(4, 3)
+    model(torch.ones(2, 4)).pow(2).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    norm = float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])))
+    seen = []
+
+    class Spy(torch.optim.SGD):
+        def step(self, closure=None):
+            seen.append(float(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()]))))
+
+    opt = Spy(model.parameters(), lr=0.1)
+    stepper = TorchStepper(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), max_grad_norm=max_norm,
+                           device=torch.device("cpu"))
+    assert abs(stepper.step(skip=False) - norm) < 1e-5 * norm
+    expected = min(norm, max_norm) if max_norm > 0 else norm
+    assert abs(seen[0] - expected) < 1e-4 * expected
+
+
+def test_fp32_on_cuda_picks_sdpa_and_refuses_the_bf16_only_kernels():
+    import torch
+
+    from vlmctl.config import TrainSection
+    from vlmctl.errors import ConfigError
+    from vlmctl.train.worker import resolve_attention
+
+    cuda = torch.device("cuda")  # resolving names needs no GPU
+    assert resolve_attention(TrainSection(precision="fp32"), cuda) == "sdpa"
+    with pytest.raises(ConfigError, match="bf16"):
+        resolve_attention(TrainSection(precision="fp32", attn_implementation="varlen"), cuda)

@@ -19,7 +19,8 @@ def _ints(text: str) -> tuple[int, ...]:
 def bench(
     config: ConfigOpt = None,
     overrides: OverridesArg = None,
-    steps: Annotated[int, typer.Option("--steps", help="Measured training steps (after 3 warm-up steps).")] = 20,
+    steps: Annotated[int, typer.Option("--steps", help="Measured training steps.")] = 20,
+    warmup: Annotated[int, typer.Option("--warmup", help="Unmeasured steps first (compilation, allocator warm-up).")] = 3,
     image_sizes: Annotated[str, typer.Option("--image-sizes", help="Square image sides in px, one drawn per sample.")] = "224,336,448,560",
     text_tokens: Annotated[str, typer.Option("--text-tokens", help="Range of text tokens per sample, MIN,MAX.")] = "64,1536",
     nproc_per_node: Annotated[Optional[str], typer.Option("--nproc-per-node", help="Processes (GPUs), or auto; more than one runs through torchrun.")] = None,
@@ -37,7 +38,7 @@ def bench(
         raise UsageError(f"--text-tokens {text_tokens!r} is not MIN,MAX", hint="e.g. --text-tokens 64,1536")
     spec = WorkloadSpec(image_sizes=_ints(image_sizes), text_tokens=(lo_hi[0], lo_hi[1]))
     log = None if (as_json or state.quiet) else (lambda msg: console.print(f"[dim]{msg}[/dim]"))
-    result = benchmark(cfg, steps=steps, spec=spec, log=log)
+    result = benchmark(cfg, steps=steps, warmup=warmup, spec=spec, log=log)
     if as_json:
         print_json(result.as_dict())
         return

@@ -110,10 +110,16 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     else:
         cu_q = cu_k = torch.tensor([0, total], dtype=torch.int32, device=query.device)
         max_q = max_k = total
-    # the kernel wants (T, H, D) with contiguous memory
-    q = query[0].transpose(0, 1).contiguous()
-    k = key[0].transpose(0, 1).contiguous()
-    v = value[0].transpose(0, 1).contiguous()
+    # the kernel wants (T, H, D) with contiguous memory, in fp16/bf16: under autocast (fp32 master weights without
+    # FSDP) the parts computed outside autocast-aware ops, such as fp32 rotary embeddings, arrive in fp32
+    dtype = query.dtype
+    if torch.is_autocast_enabled(query.device.type):
+        dtype = torch.get_autocast_dtype(query.device.type)
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError("varlen attention computes in bf16 or fp16; set train.precision=bf16 (or train.attn_implementation=sdpa)")
+    q = query[0].transpose(0, 1).to(dtype).contiguous()
+    k = key[0].transpose(0, 1).to(dtype).contiguous()
+    v = value[0].transpose(0, 1).to(dtype).contiguous()
     causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
     params = _varlen_params()
     extra: dict[str, Any] = {"scale": scaling}
@@ -240,7 +246,7 @@ def apply_vision_kernels(model, vision_layers, *, compile: bool) -> list[str]:
 
 def align_vision_mlp(vision_layers, multiple: int = 64, *, compile: bool = False) -> int:
     """Run the gated MLPs of vision blocks whose hidden width is not a multiple of `multiple` (Qwen2.5-VL's 3420)
-    at a zero-padded width, with the gate and up projections in one GEMM; with `compile`, as one torch.compile'd
+    at a zero-padded width; with `compile`, as one torch.compile'd
     function shared by all blocks (activations it knows: SiLU, GELU).
 
     A bf16 GEMM whose row stride is not 16-byte aligned (3420 x 2 bytes) cannot use the Hopper TMA kernels, and
@@ -259,8 +265,6 @@ def align_vision_mlp(vision_layers, multiple: int = 64, *, compile: bool = False
         mlp = getattr(layer, "mlp", None)
         projs = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
         if mlp is None or not all(type(p) is nn.Linear for p in projs) or not hasattr(mlp, "act_fn"):
-            continue
-        if (projs[0].bias is None) != (projs[1].bias is None):  # gate and up must share one fused GEMM
             continue
         pad = -projs[0].out_features % multiple
         if pad == 0:
@@ -289,12 +293,10 @@ def _aligned_mlp_forward(self, x):
 
 
 def _aligned_mlp_core(x, wg, bg, wu, bu, wd, bd, pad: int, act):
-    import torch
     import torch.nn.functional as F
 
-    weight = torch.cat([F.pad(wg, (0, 0, 0, pad)), F.pad(wu, (0, 0, 0, pad))])
-    bias = None if bg is None else torch.cat([F.pad(bg, (0, pad)), F.pad(bu, (0, pad))])
-    gate, up = F.linear(x, weight, bias).chunk(2, dim=-1)
+    gate = F.linear(x, F.pad(wg, (0, 0, 0, pad)), None if bg is None else F.pad(bg, (0, pad)))
+    up = F.linear(x, F.pad(wu, (0, 0, 0, pad)), None if bu is None else F.pad(bu, (0, pad)))
     return F.linear(act(gate) * up, F.pad(wd, (0, pad)), bd)
 
 

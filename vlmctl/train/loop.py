@@ -153,10 +153,12 @@ class TorchStepper:
             self.optimizer.zero_grad(set_to_none=True)
             return norm if norm is not None and math.isfinite(norm) else None
         if not skip:
-            max_norm = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
-            total = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
-            total = total.full_tensor() if hasattr(total, "full_tensor") else total
-            norm = float(total)
+            grads = [p.grad for p in self.params if p.grad is not None]
+            total = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+            norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)  # FSDP2: a DTensor
+            # clip_grad_norm_ scales every gradient even when the norm is below the limit: one pass saved here
+            if math.isfinite(norm) and 0 < self.max_grad_norm < norm:
+                torch.nn.utils.clip_grads_with_norm_(self.params, self.max_grad_norm, total)
             if math.isfinite(norm):
                 self.optimizer.step()
                 self.scheduler.step()

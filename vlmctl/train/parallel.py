@@ -46,6 +46,8 @@ def init_distributed(deepspeed: bool = False) -> DistEnv:
     import torch
     import torch.distributed as dist
 
+    # fewer out-of-memory errors from fragmentation: packed rows change shape every step (torchtitan sets it too)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")

@@ -136,8 +136,8 @@ def build_scheduler(optimizer, train, total_steps: int):
 def resolve_attention(train, device) -> str:
     """The transformers attention implementation for `train.attn_implementation` on `device`.
 
-    Packed rows: auto = PyTorch's varlen kernel on CUDA, sdpa on CPU (block-diagonal mask from the per-sample
-    position ids). Padded batches: auto = flash_attention_2 when flash-attn is installed on CUDA, else sdpa; varlen
+    Packed rows: auto = PyTorch's varlen kernel on CUDA in bf16/fp16, sdpa on CPU or in fp32 (block-diagonal mask
+    from the per-sample position ids). Padded batches: auto = flash_attention_2 when flash-attn is installed on CUDA, else sdpa; varlen
     needs packing. Raises ConfigError for a backend this device or batching cannot run.
     """
     import importlib.util
@@ -145,6 +145,12 @@ def resolve_attention(train, device) -> str:
     from vlmctl.train.kernels import resolve_attn_implementation
 
     requested = train.attn_implementation
+    if device.type == "cuda" and compute_precision(train, device) == "fp32":
+        if requested in ("varlen", "flash_attn"):
+            raise ConfigError(f"train.attn_implementation={requested} computes in bf16/fp16, but train.precision resolves to fp32",
+                              hint="set train.precision=bf16, or train.attn_implementation=sdpa")
+        if requested == "auto":
+            requested = "sdpa"  # the flash kernels compute in bf16/fp16 only
     if not train.packing:
         if requested == "varlen":
             raise ConfigError("train.attn_implementation=varlen attends within packed rows; it needs train.packing=true",
@@ -156,6 +162,15 @@ def resolve_attention(train, device) -> str:
         return resolve_attn_implementation(requested, device.type)
     except ValueError as exc:
         raise ConfigError(str(exc), hint="set train.attn_implementation=auto (or sdpa)") from None
+
+
+def compute_precision(train, device) -> str:
+    """"fp32", "bf16" or "fp16": the compute precision `train.precision` resolves to on `device`."""
+    import torch
+
+    from vlmctl.train.parallel import resolve_dtype
+
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[resolve_dtype(train.precision, device)]
 
 
 def resolve_liger(train, family, device) -> bool:
