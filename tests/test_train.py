@@ -22,6 +22,9 @@ from cli_runner import run_cli as run_cli_inprocess
 from real_data import REAL
 
 RUN_TIMEOUT = 150
+# what the tiny models' tokenizer is trained on: the generated questions' words
+TOKENIZER_TEXTS = ["What color is the triangle? How many circles are there? Is the square left of the circle? "
+                   "What shape is the red object? Answer with one word. red green blue yellow purple yes no 0 1 2 3"] * 20
 
 
 # ----------------------------------------------------------------------------------------------------- fixtures
@@ -60,9 +63,7 @@ def project(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("train")
     _write_shards(root / "data", 96)
-    texts = ["What color is the triangle? How many circles are there? Is the square left of the circle? "
-             "What shape is the red object? Answer with one word. red green blue yellow purple yes no 0 1 2 3"] * 20
-    build_model(ModelSection(preset="tiny", init="random", output_dir=root / "model"), tokenizer_texts=texts)
+    build_model(ModelSection(preset="tiny", init="random", output_dir=root / "model"), tokenizer_texts=TOKENIZER_TEXTS)
     (root / "vlmctl.yaml").write_text(f"""
 project: {{name: t}}
 data: {{prepared_dir: data/prepared, max_length: 512}}
@@ -669,9 +670,7 @@ def qwen_project(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("train-qwen")
     _write_shards(root / "data", 36)
-    texts = ["What color is the triangle? How many circles are there? Is the square left of the circle? "
-             "What shape is the red object? Answer with one word. red green blue yellow purple yes no 0 1 2 3"] * 20
-    build_model(ModelSection(preset="tiny-qwen2.5-vl", init="random", output_dir=root / "model"), tokenizer_texts=texts)
+    build_model(ModelSection(preset="tiny-qwen2.5-vl", init="random", output_dir=root / "model"), tokenizer_texts=TOKENIZER_TEXTS)
     (root / "vlmctl.yaml").write_text("""
 project: {name: q}
 data: {prepared_dir: data/prepared, max_length: 512}

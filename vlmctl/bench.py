@@ -34,8 +34,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}
-DEFAULT_PEAK = 989e12
+DEFAULT_PEAK = 989e12  # H100/H200 SXM dense bf16: the reference for devices without a data-sheet figure (CPUs)
 
 
 @dataclass
@@ -177,6 +176,7 @@ def _run_bench(model_section, train, env, *, steps, warmup, spec, log, setup) ->
     from vlmctl.models.build import instantiate, plan_build
     from vlmctl.train import parallel
     from vlmctl.train.loop import Trainer, TrainState, prefetch
+    from vlmctl.train.metrics import peak_flops
     from vlmctl.train.worker import (apply_kernels, apply_training_setup, master_dtype, mrope_prepare, seed_everything,
                                      wrap_and_optimize)
 
@@ -259,7 +259,7 @@ def _run_bench(model_section, train, env, *, steps, warmup, spec, log, setup) ->
     return BenchResult(
         name=model_section.preset or "model", steps=steps, world_size=world, strategy=train.strategy,
         tokens_per_s=toks / total, text_tokens_per_s=text / total, visual_tokens_per_s=visual / total,
-        samples_per_s=n_samples / total, step_time_s=total / steps, mfu=flops / total / (peak_flops_of(env.device) * world),
+        samples_per_s=n_samples / total, step_time_s=total / steps, mfu=flops / total / ((peak_flops(env.device) or DEFAULT_PEAK) * world),
         peak_memory_gib=float(peak.cpu()[0]), tokens_per_step=toks / steps,
     )
 
@@ -269,51 +269,35 @@ def benchmark(cfg, *, steps: int = 20, warmup: int = 3, spec: WorkloadSpec = Wor
     per GPU through torchrun (`train.nproc_per_node`, auto = the visible GPUs), rank 0 handing the figures back
     through a temporary folder. Raises UsageError for more than one node, VlmctlError when the ranks fail."""
     import json
-    import os
     import tempfile
     from pathlib import Path
 
     from vlmctl.config import dump_config
     from vlmctl.errors import UsageError, VlmctlError
-    from vlmctl.train.launch import _torchrun, launch_env, resolve_nproc, spawn
+    from vlmctl.train.launch import clear_rank_env, launch_command, launch_env, resolve_nproc, spawn
+    from vlmctl.train.parallel import free_port
 
     train = cfg.train
     if train.nnodes > 1:
         raise UsageError("vlmctl bench runs on one node", hint="set train.nnodes=1 (tokens/s per GPU carry over to more nodes only approximately)")
     nproc = resolve_nproc(train.nproc_per_node)
     if nproc == 1:
-        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
-            os.environ.pop(key, None)  # a lone process makes its own one-rank group
+        clear_rank_env()
         return run_bench(cfg.model, train, steps=steps, warmup=warmup, spec=spec, log=log)
-    from vlmctl.train.parallel import free_port
-
+    # torchrun on this node whatever train.launcher says, on a free port (a training run may hold master_port)
+    local = train.model_copy(update={"launcher": "torchrun", "master_addr": "127.0.0.1", "master_port": free_port(), "node_rank": 0})
     with tempfile.TemporaryDirectory(prefix="vlmctl-bench-") as tmp:
         work = Path(tmp)
         (work / "config.yaml").write_text(dump_config(cfg))
         (work / "args.json").write_text(json.dumps({"steps": steps, "warmup": warmup, "image_sizes": list(spec.image_sizes),
                                                     "text_tokens": list(spec.text_tokens), "verbose": log is not None}))
-        cmd = [*_torchrun(), "--nproc-per-node", str(nproc), "--nnodes", "1", "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "vlmctl.bench", str(work)]
-        code, _ = spawn(cmd, env=launch_env(train))
+        code, _ = spawn(launch_command(local, work, module="vlmctl.bench").command, env=launch_env(train))
         result = work / "result.json"
         if code != 0 or not result.is_file():
             raise VlmctlError(f"the bench processes failed (exit code {code})", hint="see the rank output above")
         data = json.loads(result.read_text())
     data.pop("tokens_per_s_per_gpu", None)
     return BenchResult(**data)
-
-
-def peak_flops_of(device) -> float:
-    """Dense bf16 peak of `device` (FLOP/s): 989e12 for H100/H200, the same figure elsewhere (CPU MFU is only a
-    relative number)."""
-    import torch
-
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, value in PEAK_FLOPS.items():
-            if key in name:
-                return value
-    return DEFAULT_PEAK
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -246,8 +246,8 @@ def apply_vision_kernels(model, vision_layers, *, compile: bool) -> list[str]:
 
 def align_vision_mlp(vision_layers, multiple: int = 64, *, compile: bool = False) -> int:
     """Run the gated MLPs of vision blocks whose hidden width is not a multiple of `multiple` (Qwen2.5-VL's 3420)
-    at a zero-padded width; with `compile`, as one torch.compile'd
-    function shared by all blocks (activations it knows: SiLU, GELU).
+    at a zero-padded width; with `compile`, as one torch.compile'd function shared by all blocks (activations it
+    knows: SiLU, GELU).
 
     A bf16 GEMM whose row stride is not 16-byte aligned (3420 x 2 bytes) cannot use the Hopper TMA kernels, and
     cuBLAS falls back to slower sm80 ones (`benchmarks/bench_gemm_align.py`: 2.9x slower on an H200). Padding the

@@ -125,13 +125,14 @@ def _accelerate() -> list[str]:
     return [str(exe)] if exe.is_file() else [sys.executable, "-m", "accelerate.commands.accelerate_cli"]
 
 
-def launch_command(train, run_dir: Path) -> Launch:
-    """Build the command of `train.launcher` (torchrun, accelerate, slurm, none) for `run_dir`.
+def launch_command(train, run_dir: Path, module: str = WORKER_MODULE) -> Launch:
+    """Build the command of `train.launcher` (torchrun, accelerate, slurm, none) running `python -m MODULE
+    run_dir` (the training worker unless given, e.g. `vlmctl.bench`).
 
     Raises ConfigError when a multi-node setting is missing.
     """
     nproc = resolve_nproc(train.nproc_per_node)
-    worker = ["-m", WORKER_MODULE, str(run_dir)]
+    worker = ["-m", module, str(run_dir)]
     endpoint = f"{train.master_addr}:{train.master_port}"
     if train.nnodes > 1 and train.master_addr in ("127.0.0.1", "localhost"):
         raise ConfigError(f"train.nnodes={train.nnodes} needs the rendezvous host of node 0",
@@ -146,7 +147,7 @@ def launch_command(train, run_dir: Path) -> Launch:
                str(train.master_port), "--mixed_precision", "no", "--dynamo_backend", "no"]
         if nproc * train.nnodes > 1:
             cmd.append("--multi_gpu")  # accelerate's torch.distributed spawner; it works for CPU processes too
-        cmd += ["--module", WORKER_MODULE, str(run_dir)]
+        cmd += ["--module", module, str(run_dir)]
         return Launch(cmd)
     if train.launcher == "slurm":
         script = run_dir / "sbatch.sh"
@@ -229,9 +230,14 @@ def run_in_process(run_dir: Path) -> str:
     """`--launcher none`: run the worker in this process (one rank)."""
     from vlmctl.train.worker import run
 
+    clear_rank_env()
+    return run(run_dir)
+
+
+def clear_rank_env() -> None:
+    """Forget torchrun's rank variables, so a lone process makes its own one-rank group."""
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
         os.environ.pop(key, None)
-    return run(run_dir)
 
 
 def submit_slurm(launch: Launch) -> tuple[bool, str]:

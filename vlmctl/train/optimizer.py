@@ -38,7 +38,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
         super().__init__(params, {"lr": groups[0]["lr"]})
         self._building = None
         self._sq_norms: list[torch.Tensor] = []
-        self._handles = [p.register_post_accumulate_grad_hook(self._step_param) for p in self.optimizers]
+        for p in self.optimizers:
+            p.register_post_accumulate_grad_hook(self._step_param)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -63,17 +64,17 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self.optimizers[param].step()
         param.grad = None
 
-    def grad_norm(self, group=None) -> float:
-        """The global L2 norm of the gradients applied since the last call (all-reduced over `group` when a
-        process group with more than one rank is initialized and the gradients were sharded)."""
+    def grad_norm(self) -> float:
+        """The global L2 norm of the gradients applied since the last call (the FSDP2 shards' parts all-reduced
+        when a process group of more than one rank is initialized)."""
         import torch.distributed as dist
 
         if not self._sq_norms:
             return 0.0
         total = torch.stack(self._sq_norms).sum()
         self._sq_norms.clear()
-        if dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(total, group=group)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(total)
         return math.sqrt(float(total))
 
     def step(self, closure=None):  # noqa: ARG002 - the parameters were stepped during backward
@@ -82,8 +83,3 @@ class OptimizerInBackward(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.optimizers:
             p.grad = None
-
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()

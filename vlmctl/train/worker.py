@@ -142,10 +142,13 @@ def resolve_attention(train, device) -> str:
     """
     import importlib.util
 
+    import torch
+
     from vlmctl.train.kernels import resolve_attn_implementation
+    from vlmctl.train.parallel import resolve_dtype
 
     requested = train.attn_implementation
-    if device.type == "cuda" and compute_precision(train, device) == "fp32":
+    if device.type == "cuda" and resolve_dtype(train.precision, device) == torch.float32:
         if requested in ("varlen", "flash_attn"):
             raise ConfigError(f"train.attn_implementation={requested} computes in bf16/fp16, but train.precision resolves to fp32",
                               hint="set train.precision=bf16, or train.attn_implementation=sdpa")
@@ -162,15 +165,6 @@ def resolve_attention(train, device) -> str:
         return resolve_attn_implementation(requested, device.type)
     except ValueError as exc:
         raise ConfigError(str(exc), hint="set train.attn_implementation=auto (or sdpa)") from None
-
-
-def compute_precision(train, device) -> str:
-    """"fp32", "bf16" or "fp16": the compute precision `train.precision` resolves to on `device`."""
-    import torch
-
-    from vlmctl.train.parallel import resolve_dtype
-
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[resolve_dtype(train.precision, device)]
 
 
 def resolve_liger(train, family, device) -> bool:
@@ -209,7 +203,8 @@ def rope_index_fn(model):
 
 
 def mrope_prepare(model, image_token_id: int | None):
-    """A batch hook (run by `loop.prefetch` ahead of the step) replacing the packed row's (1, T) position ids by the (4, 1, T) text + mRoPE
+    """A batch hook (run by `loop.prefetch` ahead of the step) replacing the packed row's (1, T) position ids by the
+    (4, 1, T) text + mRoPE
     position ids computed per sample (`vlmctl.data.packing.mrope_position_ids`), on CPU before the device copy."""
     from vlmctl.data.collate import is_packed
     from vlmctl.data.packing import mrope_position_ids
