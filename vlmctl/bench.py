@@ -177,7 +177,7 @@ def _run_bench(model_section, train, env, *, steps, warmup, spec, log, setup) ->
     from vlmctl.train import parallel
     from vlmctl.train.loop import Trainer, TrainState, prefetch
     from vlmctl.train.metrics import peak_flops
-    from vlmctl.train.worker import (apply_kernels, apply_training_setup, master_dtype, mrope_prepare, seed_everything,
+    from vlmctl.train.worker import (apply_kernels, apply_training_setup, master_dtype, seed_everything,
                                      wrap_and_optimize)
 
     plan = plan_build(model_section)
@@ -195,7 +195,7 @@ def _run_bench(model_section, train, env, *, steps, warmup, spec, log, setup) ->
     model = instantiate(plan, device=str(env.device), dtype="bf16" if stored == torch.bfloat16 else "fp32")
     attn, liger, vision_kernels = apply_kernels(model, plan.family, train, env.device)
     log(f"attention {attn}, liger {'on' if liger else 'off'}" + "".join(f", vision {k}" for k in vision_kernels))
-    prepare = mrope_prepare(model, model.config.image_token_id)
+    prepare = plan.family.position_hook(model, model.config.image_token_id)
     counts, mcfg = param_counts(model), model.config
     model, parts, trainable = apply_training_setup(model, plan.family, train)
     if setup is not None:

@@ -42,9 +42,3 @@ class ModelError(VlmctlError):
     """A model cannot be built or loaded (exit code 1)."""
 
     title = "Model error"
-
-
-class NotImplementedYet(VlmctlError):
-    """A command exists but its capability has not landed yet."""
-
-    title = "Not implemented yet"

@@ -6,7 +6,7 @@
 Text tokens: the conversation rendered with the processor's chat template (so template tokens count), tokenized
 without extra special tokens. Each image's placeholder token in that text is replaced by the family's number of
 visual tokens for the image's size:
-1. `vlmctl.models.families.get_family(name).num_visual_tokens(width, height, processor)` when the model folder's
+1. `vlmctl.families.get_family(name).num_visual_tokens(width, height, processor)` when the model folder's
    `vlmctl_model.json` names a family the table knows;
 2. else the processor's own `_get_num_multimodal_tokens(image_sizes=...)` (transformers processors);
 3. else the fixed-resolution LLaVA rule `(H / patch) * (W / patch) + num_additional_image_tokens
@@ -41,7 +41,7 @@ class TokenCounter:
         self._family = None
         if family:
             try:
-                from vlmctl.models.families import get_family  # written alongside the model builder
+                from vlmctl.families import get_family  # written alongside the model builder
 
                 self._family = get_family(family)
             except Exception:  # noqa: BLE001 - family table absent or name unknown: fall back to the processor's rule

@@ -12,8 +12,6 @@ from pathlib import Path
 
 from vlmctl.errors import UsageError, VlmctlError
 
-# lmms-eval's model adapter per model type in config.json; llava_hf reads any LlavaForConditionalGeneration folder.
-LMMS_MODEL = {"llava": "llava_hf", "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "idefics3": "idefics2"}
 
 
 def lmms_eval_available() -> bool:
@@ -22,9 +20,16 @@ def lmms_eval_available() -> bool:
 
 def lmms_command(model_dir: Path, tasks: str, out_dir: Path, batch_size: int) -> list[str]:
     """The `python -m lmms_eval ...` command line for `model_dir` (its adapter chosen from config.json)."""
-    model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type", "llava")
+    from vlmctl.families import detect_family, get_family
+
+    # the family's lmms-eval adapter; llava_hf reads any LlavaForConditionalGeneration folder
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    try:
+        adapter = get_family(detect_family(config)).lmms_model
+    except VlmctlError:
+        adapter = None
     return [
-        sys.executable, "-m", "lmms_eval", "--model", LMMS_MODEL.get(model_type, "llava_hf"),
+        sys.executable, "-m", "lmms_eval", "--model", adapter or "llava_hf",
         "--model_args", f"pretrained={model_dir}", "--tasks", tasks, "--batch_size", str(batch_size),
         "--output_path", str(out_dir),
     ]

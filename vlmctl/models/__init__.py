@@ -16,7 +16,7 @@ from typing import Any
 
 from vlmctl.errors import ModelError
 from vlmctl.models.build import INFO_FILE, BuildResult, build_model, list_presets, load_preset, plan_build
-from vlmctl.models.families import (
+from vlmctl.families import (
     FAMILIES,
     PARTS,
     Family,

@@ -8,7 +8,7 @@ Three modes, picked from the section:
   Loads with plain `AutoModelForImageTextToText` / `AutoProcessor`.
 - **preset** (`preset` with `init: random`): a whole model built from a size preset under `presets/` (YAML data):
   weights initialized from configs, tokenizer trained on the prepared data (`vlmctl.models.tokenizer`). No download.
-- **base** (`base`): an existing VLM of a family in `vlmctl.models.families.FAMILIES`. The build loads it once to
+- **base** (`base`): an existing VLM of a family in `vlmctl.families.FAMILIES`. The build loads it once to
   verify it, records its family and parameter counts, and writes only `vlmctl_model.json` pointing at it (weights
   are neither copied nor linked); `load_model(output_dir)` follows the pointer.
 
@@ -31,7 +31,7 @@ from typing import Any
 
 from vlmctl.config.model import ModelSection
 from vlmctl.errors import ConfigError, ModelError
-from vlmctl.models.families import CLS_VISION_TYPES, FAMILIES, Family, count_parameters, get_family
+from vlmctl.families import CLS_VISION_TYPES, FAMILIES, Family, count_parameters, get_family
 from vlmctl.models.tokenizer import chatml_template, texts_from_prepared, train_tokenizer
 
 PRESET_DIR = Path(__file__).parent / "presets"
@@ -234,7 +234,7 @@ def _plan_preset(model: ModelSection, name: str) -> BuildPlan:
 def _plan_base(model: ModelSection) -> BuildPlan:
     ref = model.base
     cfg = _load("model", ref, lambda: _auto("AutoConfig").from_pretrained(ref, trust_remote_code=model.trust_remote_code))
-    from vlmctl.models.families import detect_family
+    from vlmctl.families import detect_family
 
     family = get_family(model.family) if model.family else get_family(detect_family(cfg))
     if cfg.model_type not in family.model_types:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vlmctl.models.families import PARTS
+from vlmctl.families import PARTS
 
 STAGE_TRAINS = {"align": ("projector",), "finetune": ("projector", "llm"), "full": ("vision", "projector", "llm")}
 """Parts each `train.stage` trains by default (LLaVA-1.5's two stages, plus full training)."""

@@ -198,23 +198,14 @@ def liger_available(device_type: str) -> bool:
     return device_type == "cuda" and importlib.util.find_spec("liger_kernel") is not None
 
 
-LIGER_PATCHES = {
-    # family -> liger_kernel.transformers function that patches the model class in place
-    "qwen2_vl": "apply_liger_kernel_to_qwen2_vl",
-    "qwen2_5_vl": "apply_liger_kernel_to_qwen2_5_vl",
-    "qwen3_vl": "apply_liger_kernel_to_qwen3_vl",
-    "llava": "apply_liger_kernel_to_llava",
-}
-
-
-def apply_liger(model, family: str, kernels: bool = True) -> bool:
+def apply_liger(model, family, kernels: bool = True) -> bool:
     """Apply liger-kernel's fused linear cross-entropy (and, with `kernels`, its RMSNorm / SwiGLU / RoPE) patches
     to `model` in place. Leave `kernels` off with torch.compile, which fuses those itself (and cannot trace
-    liger's autograd functions). Returns False when liger has no patch for `family`.
+    liger's autograd functions). Returns False when liger has no patch for `family` (a `FamilySpec`).
     """
     import liger_kernel.transformers as lk
 
-    name = LIGER_PATCHES.get(family)
+    name = family.liger_patch
     fn = getattr(lk, name, None) if name else None
     if fn is None:
         return False

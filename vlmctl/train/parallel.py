@@ -105,14 +105,14 @@ class ModelParts:
 
     def part_of(self, name: str) -> str:
         """"vision", "projector" or "llm" for a parameter or module name (wrapper prefixes are ignored)."""
-        from vlmctl.models.families import part_of_parameter
+        from vlmctl.families import part_of_parameter
 
         return part_of_parameter(name, self.family)
 
 
 def model_parts(model, family: Any) -> ModelParts:
     """The parts of a VLM per the family table, and its decoder / vision-encoder layer modules."""
-    from vlmctl.models.families import decoder_layers, vision_layers
+    from vlmctl.families import decoder_layers, vision_layers
 
     paths = {"vision": [family.vision_tower], "projector": list(family.projector),
              "llm": [family.language_model, family.lm_head]}

@@ -174,14 +174,14 @@ def resolve_liger(train, family, device) -> bool:
     forward: ZeRO-3 partitions it outside the head's own forward, so zero3 uses the plain loss.
     Raises ConfigError for `on` where it cannot run.
     """
-    from vlmctl.train.kernels import LIGER_PATCHES, liger_available
+    from vlmctl.train.kernels import liger_available
 
     if train.liger == "off":
         return False
     why = None
     if not liger_available(device.type):
         why = "needs a CUDA GPU and the liger-kernel package (pip install 'vlmctl[gpu]')"
-    elif family.name not in LIGER_PATCHES:
+    elif family.liger_patch is None:
         why = f"has no patch for the {family.name} family"
     elif train.strategy == "zero3":
         why = "cannot read the head's weight while ZeRO-3 partitions it"
@@ -190,37 +190,6 @@ def resolve_liger(train, family, device) -> bool:
     if train.liger == "on":
         raise ConfigError(f"train.liger=on, but liger-kernel {why}", hint="set train.liger=auto or off")
     return False
-
-
-def rope_index_fn(model):
-    """The Qwen-VL model's own `get_rope_index` (mRoPE positions; a pure function of the config), found on the
-    unwrapped model (LoRA wrappers included)."""
-    for module in model.modules():
-        fn = getattr(module, "get_rope_index", None)
-        if callable(fn):
-            return fn
-    raise ModelError("this Qwen-VL model has no get_rope_index method", hint="use a transformers version that supports the family")
-
-
-def mrope_prepare(model, image_token_id: int | None):
-    """A batch hook (run by `loop.prefetch` ahead of the step) replacing the packed row's (1, T) position ids by the
-    (4, 1, T) text + mRoPE
-    position ids computed per sample (`vlmctl.data.packing.mrope_position_ids`), on CPU before the device copy."""
-    from vlmctl.data.collate import is_packed
-    from vlmctl.data.packing import mrope_position_ids
-
-    rope_index = rope_index_fn(model)
-
-    def prepare(batch: dict[str, Any]) -> dict[str, Any]:
-        if not is_packed(batch):
-            return batch
-        types = batch.get("mm_token_type_ids")
-        if types is None:  # processors without token types: image placeholders are the image tokens
-            types = (batch["input_ids"] == image_token_id).long()
-        positions = mrope_position_ids(rope_index, batch["input_ids"], types, batch.get("image_grid_thw"), batch["seq_lens"])
-        return {**batch, "position_ids": positions}
-
-    return prepare
 
 
 def device_name(device) -> str:
@@ -295,7 +264,7 @@ def _run(cfg, run_dir: Path, env) -> str:
     else:
         model, processor, family = load_source(source, cfg, dtype=master_dtype(train, dtype))
     attn, liger, vision_kernels = apply_kernels(model, family, train, env.device)
-    prepare = mrope_prepare(model, getattr(model.config, "image_token_id", None)) if train.packing and family.mrope else None
+    prepare = family.position_hook(model, getattr(model.config, "image_token_id", None)) if train.packing else None
     model, parts, trainable = apply_training_setup(model, family, train)
     # Counted before wrapping: ZeRO-3 leaves empty placeholders where its partitioned parameters were.
     num_params = sum(p.numel() for p in model.parameters())
@@ -454,7 +423,7 @@ def apply_kernels(model, family, train, device) -> tuple[str, bool, list[str]]:
     """Attention backend, liger-kernel patches and the vision tower's kernels (CUDA), applied to the HF model in
     place (before peft wraps it). Returns (attention implementation name, whether liger's fused loss is on, the
     vision kernels applied)."""
-    from vlmctl.models.families import vision_layers
+    from vlmctl.families import vision_layers
     from vlmctl.train import kernels
 
     attn = resolve_attention(train, device)
@@ -462,7 +431,7 @@ def apply_kernels(model, family, train, device) -> tuple[str, bool, list[str]]:
     liger = resolve_liger(train, family, device)
     if liger:
         # liger's norm/SwiGLU/RoPE kernels are autograd functions torch.compile cannot trace: compile fuses those
-        kernels.apply_liger(model, family.name, kernels=not train.compile)
+        kernels.apply_liger(model, family, kernels=not train.compile)
     vision = []
     if device.type == "cuda":
         compile_vision = train.compile_vision == "on" or (train.compile_vision == "auto" and _has_triton())

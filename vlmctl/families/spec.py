@@ -203,7 +203,16 @@ class Family:
     mrope: bool = False  # position ids are (3, batch, seq): temporal/height/width (model.get_rope_index)
     image_grid_args: tuple[str, ...] = ()  # extra forward() tensors that come with pixel_values
     special_tokens: tuple[str, ...] = ()  # tokens a locally trained tokenizer must have for this family's processor
+    liger_patch: str | None = None  # liger_kernel.transformers function that patches the model class in place
+    lmms_model: str | None = None  # the lmms-eval model name that loads this family
     notes: str = ""
+
+    def position_hook(self, model: "torch.nn.Module", image_token_id: int | None) -> Callable[[dict], dict] | None:
+        """A batch hook (run by `loop.prefetch` ahead of the step) that sets the position ids a packed row of this
+        family needs, or None when the collator's (1, T) per-sample positions are right as they are."""
+        if not self.mrope:
+            return None
+        return mrope_prepare(model, image_token_id)
 
     def num_visual_tokens(self, width: int, height: int, processor_or_config: Any) -> int:
         """Image placeholder tokens (positions filled with visual features) for one `width` x `height` image.
@@ -219,6 +228,8 @@ _QWEN_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>
 FAMILIES: dict[str, Family] = {
     "llava": Family(
         name="llava",
+        liger_patch="apply_liger_kernel_to_llava",
+        lmms_model="llava_hf",
         model_types=("llava",),
         model_class="LlavaForConditionalGeneration",
         config_class="LlavaConfig",
@@ -238,6 +249,8 @@ FAMILIES: dict[str, Family] = {
     ),
     "qwen2_vl": Family(
         name="qwen2_vl",
+        liger_patch="apply_liger_kernel_to_qwen2_vl",
+        lmms_model="qwen2_vl",
         model_types=("qwen2_vl",),
         model_class="Qwen2VLForConditionalGeneration",
         config_class="Qwen2VLConfig",
@@ -257,6 +270,8 @@ FAMILIES: dict[str, Family] = {
     ),
     "qwen2_5_vl": Family(
         name="qwen2_5_vl",
+        liger_patch="apply_liger_kernel_to_qwen2_5_vl",
+        lmms_model="qwen2_5_vl",
         model_types=("qwen2_5_vl",),
         model_class="Qwen2_5_VLForConditionalGeneration",
         config_class="Qwen2_5_VLConfig",
@@ -277,6 +292,8 @@ FAMILIES: dict[str, Family] = {
     ),
     "qwen3_vl": Family(
         name="qwen3_vl",
+        liger_patch="apply_liger_kernel_to_qwen3_vl",
+        lmms_model="qwen3_vl",
         model_types=("qwen3_vl",),
         model_class="Qwen3VLForConditionalGeneration",
         config_class="Qwen3VLConfig",
@@ -298,6 +315,7 @@ FAMILIES: dict[str, Family] = {
     ),
     "idefics3": Family(
         name="idefics3",
+        lmms_model="idefics2",
         model_types=("idefics3",),
         model_class="Idefics3ForConditionalGeneration",
         config_class="Idefics3Config",
@@ -451,3 +469,39 @@ def decoder_layers(model: "torch.nn.Module", family: Family) -> list["torch.nn.M
 def vision_layers(model: "torch.nn.Module", family: Family) -> list["torch.nn.Module"]:
     """The vision tower's encoder layers, in order."""
     return _layer_list(model.get_submodule(_find_prefix(model, family.vision_tower)))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Position ids (Qwen's 3-D mRoPE)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def rope_index_fn(model):
+    """The Qwen-VL model's own `get_rope_index` (mRoPE positions; a pure function of the config), found on the
+    unwrapped model (LoRA wrappers included)."""
+    for module in model.modules():
+        fn = getattr(module, "get_rope_index", None)
+        if callable(fn):
+            return fn
+    raise ModelError("this Qwen-VL model has no get_rope_index method", hint="use a transformers version that supports the family")
+
+
+def mrope_prepare(model, image_token_id: int | None):
+    """A batch hook (run by `loop.prefetch` ahead of the step) replacing the packed row's (1, T) position ids by the
+    (4, 1, T) text + mRoPE
+    position ids computed per sample (`vlmctl.data.packing.mrope_position_ids`), on CPU before the device copy."""
+    from vlmctl.data.collate import is_packed
+    from vlmctl.data.packing import mrope_position_ids
+
+    rope_index = rope_index_fn(model)
+
+    def prepare(batch: dict[str, Any]) -> dict[str, Any]:
+        if not is_packed(batch):
+            return batch
+        types = batch.get("mm_token_type_ids")
+        if types is None:  # processors without token types: image placeholders are the image tokens
+            types = (batch["input_ids"] == image_token_id).long()
+        positions = mrope_position_ids(rope_index, batch["input_ids"], types, batch.get("image_grid_thw"), batch["seq_lens"])
+        return {**batch, "position_ids": positions}
+
+    return prepare

@@ -8,7 +8,7 @@ import pytest
 from vlmctl.config.model import ModelSection
 from vlmctl.errors import ModelError
 from vlmctl.models import FAMILIES, build_model, detect_family, get_family, load_model
-from vlmctl.models.families import count_parameters, decoder_layer_classes, decoder_layers, parts, vision_layer_classes
+from vlmctl.families import count_parameters, decoder_layer_classes, decoder_layers, parts, vision_layer_classes
 
 TEXTS = ["What color is the triangle? Answer with one word.", "red", "How many circles are there?", "3"] * 10
 TINY = {"llava": "tiny", "qwen2_vl": "tiny-qwen2-vl", "qwen2_5_vl": "tiny-qwen2.5-vl", "qwen3_vl": "tiny-qwen3-vl", "idefics3": "tiny-idefics3"}

@@ -150,7 +150,7 @@ def test_every_field_has_a_description():
 def test_docs_config_md_is_generated_from_the_models():
     from vlmctl.config.docs import render
 
-    doc = Path(__file__).resolve().parents[1] / "docs" / "config.md"
+    doc = Path(__file__).resolve().parents[2] / "docs" / "config.md"
     assert doc.read_text().strip() == render().strip(), "docs/config.md is stale: run `python -m vlmctl.config.docs > docs/config.md`"
 
 
