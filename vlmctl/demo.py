@@ -10,7 +10,7 @@ Stages, each through the library function (or the launcher) of its command:
 3. build     `models.build.build_model`: the tiny random-init preset with a tokenizer trained on the data
 4. train     `train.launch`: torchrun with 2 processes and FSDP2 when the machine has 2+ cores, else one process;
              the workers' output goes to `<run>/train.log`, progress is read from `<run>/metrics.jsonl`
-5. eval      `evaluation.runner.run_eval` on the val split; exact-match accuracy per question type (the sample
+5. eval      `evaluation.run_eval` on the val split; exact-match accuracy per question type (the sample
              id's prefix, see `vlmctl.data.synthetic`) next to the blind baseline: the most common answer of each
              question type on the train split, which is what a model gets from the question alone.
 
@@ -289,16 +289,16 @@ def score_by_type(records: list[tuple[str, str, list[str]]], baseline: dict[str,
 def eval_stage(cfg, model_dir: Path, progress: ProgressFn | None = None) -> tuple[list[TypeScore], Path]:
     """Generate answers on the val split with `run_eval` (writes predictions.jsonl, metrics.json, report.html) and
     score them per question type against the blind baseline of the train split. Returns (scores, output folder)."""
-    from vlmctl.evaluation import runner
+    from vlmctl.evaluation import load_samples, references_of, run_eval
 
     prepared = Path(cfg.data.prepared_dir)
-    val = runner.load_samples("val", prepared)
-    train = runner.load_samples(str(prepared / "train"), prepared)
-    baseline = blind_baseline([(question_type(s.id), runner.references_of(s)[0]) for s in train if runner.references_of(s)])
+    val = load_samples("val", prepared)
+    train = load_samples(str(prepared / "train"), prepared)
+    baseline = blind_baseline([(question_type(s.id), references_of(s)[0]) for s in train if references_of(s)])
     out_dir = Path(cfg.eval.output_dir) / f"{Path(model_dir).parent.name}-vqa"
     cb = (lambda done, total: progress("eval", done, total)) if progress else None
-    result = runner.run_eval(model_dir, val, task="vqa", data_name="val", out_dir=out_dir, batch_size=max(cfg.eval.batch_size, 32),
-                             max_new_tokens=cfg.eval.max_new_tokens, dtype=cfg.eval.dtype, progress=cb)
+    result = run_eval(model_dir, val, task="vqa", data_name="val", out_dir=out_dir, batch_size=max(cfg.eval.batch_size, 32),
+                      max_new_tokens=cfg.eval.max_new_tokens, dtype=cfg.eval.dtype, progress=cb)
     records = [(r.id, r.prediction, r.references) for r in result.records]
     return score_by_type(records, baseline), out_dir
 

@@ -10,6 +10,8 @@ import pytest
 from test_eval_runner import png_bytes, run, write_prepared
 from vlmctl.data.sample import Sample
 from vlmctl.evaluation import runner
+from vlmctl.evaluation.loss import teacher_forced_loss
+from vlmctl.inference import generate, load_for_generation, request_from_sample
 
 QUESTIONS = ["What color?", "What shape is the object in the middle of the picture?", "How many?", "Is the square left of the circle, or right of it?"]
 
@@ -46,9 +48,10 @@ def tiny_model(tmp_path_factory) -> Path:
 
 def test_batched_left_padded_generation_equals_one_at_a_time(tiny_model):
     samples = make_samples(6)
-    model, processor = runner.load_model(tiny_model, device="cpu")
-    batched = runner.generate_hf(model, processor, samples, batch_size=6, max_new_tokens=6)
-    single = runner.generate_hf(model, processor, samples, batch_size=1, max_new_tokens=6)
+    model, processor = load_for_generation(tiny_model, device="cpu")
+    requests = [request_from_sample(s) for s in samples]
+    batched = generate(model, processor, requests, batch_size=6, max_new_tokens=6)
+    single = generate(model, processor, requests, batch_size=1, max_new_tokens=6)
     assert [a for _, a in batched] == [a for _, a in single]
     prompt = batched[0][0]
     assert "What color?" in prompt and prompt.rstrip().endswith("assistant")  # cut before the answer, generation prompt added
@@ -57,9 +60,9 @@ def test_batched_left_padded_generation_equals_one_at_a_time(tiny_model):
 
 def test_teacher_forced_loss_matches_unbatched(tiny_model):
     samples = make_samples(5)
-    model, processor = runner.load_model(tiny_model, device="cpu")
-    batched = runner.teacher_forced_loss(model, processor, samples, batch_size=5)
-    single = runner.teacher_forced_loss(model, processor, samples, batch_size=1)
+    model, processor = load_for_generation(tiny_model, device="cpu")
+    batched = teacher_forced_loss(model, processor, samples, batch_size=5)
+    single = teacher_forced_loss(model, processor, samples, batch_size=1)
     for (a, n), (b, m) in zip(batched, single):
         assert n == m and n > 0 and a == pytest.approx(b, rel=1e-4)
 

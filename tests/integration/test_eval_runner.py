@@ -11,6 +11,7 @@ import pytest
 from vlmctl.data.sample import Sample, arrow_schema
 from vlmctl.errors import DataError, ModelError
 from vlmctl.evaluation import runner
+from vlmctl.inference import check_model_dir, request_from_sample
 from cli_runner import run_cli as run
 
 
@@ -118,7 +119,7 @@ def test_load_samples_from_prepared_val_with_limit_and_references(tmp_path):
     assert runner.references_of(got[0]) == ["red"]
     assert runner.references_of(got[1]) == ["blue", "navy"]
     assert got[0].images == samples[0].images
-    cut = runner.prompt_messages(got[0])
+    cut = request_from_sample(got[0])
     assert [m["role"] for m in cut.messages] == ["user"]
     # a prepared split folder also works as --data PATH
     assert len(runner.load_samples(str(prepared / "val"), tmp_path / "unused")) == 3
@@ -145,10 +146,10 @@ def test_model_folder_without_processor_is_a_clear_error(tmp_path, capsys, write
     model.mkdir()
     (model / "config.json").write_text("{}")
     with pytest.raises(ModelError, match="has no processor") as exc:
-        runner.check_model_dir(model)
+        check_model_dir(model)
     assert str(model) in exc.value.message and "save_pretrained" in exc.value.hint
     with pytest.raises(ModelError, match="no model folder"):
-        runner.check_model_dir(tmp_path / "missing")
+        check_model_dir(tmp_path / "missing")
     # through the CLI: one red panel naming the folder and the fix, exit code 1
     write_prepared(tmp_path / "data" / "prepared", [vqa_sample(0, "red")])
     cfg = write_config("project:\n  name: t\n")
@@ -180,10 +181,10 @@ def test_base_mode_build_folder_checks_its_source(tmp_path):
     built.mkdir()
     (built / "vlmctl_model.json").write_text(json.dumps({"mode": "base", "source": str(source), "family": "llava"}))
     with pytest.raises(ModelError, match=f"{source} has no processor"):
-        runner.check_model_dir(built)
+        check_model_dir(built)
     for name in ("preprocessor_config.json", "tokenizer.json"):
         (source / name).write_text("{}")
-    runner.check_model_dir(built)
+    check_model_dir(built)
 
 
 def test_report_page_escapes_text_and_inlines_images(tmp_path):

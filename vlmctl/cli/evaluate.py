@@ -28,8 +28,9 @@ def eval_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Generate answers on a validation set or benchmark file and compute VQA/ANLS/relaxed/MCQ/caption metrics."""
+    from vlmctl import evaluation
     from vlmctl.errors import UsageError
-    from vlmctl.evaluation import runner
+    from vlmctl.inference import check_model_dir
 
     positionals, overrides = split_args(args)
     if len(positionals) > 1:
@@ -39,35 +40,35 @@ def eval_cmd(
 
     if predictions is not None:
         out_dir = out or _predictions_out_dir(predictions, config, overrides)
-        result = runner.score_predictions_file(predictions, task=task or "auto", out_dir=out_dir, limit=limit)
+        result = evaluation.score_predictions_file(predictions, task=task or "auto", out_dir=out_dir, limit=limit)
         _render(result, as_json)
         return
 
     cfg = load_project(config, overrides)
     ev = cfg.eval
-    model_dir = Path(positionals[0]) if positionals else runner.default_model_dir(cfg.train.output_dir, cfg.model.output_dir)
+    model_dir = Path(positionals[0]) if positionals else evaluation.default_model_dir(cfg.train.output_dir, cfg.model.output_dir)
     model_dir = model_dir.expanduser().resolve()
     label = model_dir.parent.name if model_dir.name == "final" else model_dir.name
 
     if lmms_eval:
         from vlmctl.evaluation.lmms import run_lmms_eval
 
-        runner.check_model_dir(model_dir)
+        check_model_dir(model_dir)
         out_dir = out or ev.output_dir / f"{label}-lmms-eval"
         scores = run_lmms_eval(model_dir, lmms_eval, out_dir, batch_size=batch_size or ev.batch_size)
-        result = runner.fold_into_metrics(out_dir, scores, model=str(model_dir), data=f"lmms-eval:{lmms_eval}")
+        result = evaluation.fold_into_metrics(out_dir, scores, model=str(model_dir), data=f"lmms-eval:{lmms_eval}")
         _render(result, as_json)
         return
 
-    runner.check_model_dir(model_dir)  # fail before reading data
+    check_model_dir(model_dir)  # fail before reading data
     data_name = data or ev.data
-    samples = runner.load_samples(data_name, cfg.data.prepared_dir, limit or ev.limit)
-    task_name = runner.resolve_task(task or ev.task, samples)
+    samples = evaluation.load_samples(data_name, cfg.data.prepared_dir, limit or ev.limit)
+    task_name = evaluation.resolve_task(task or ev.task, samples)
     out_dir = out or ev.output_dir / f"{label}-{task_name}"
     if not as_json and int(os.environ.get("RANK", 0)) == 0:
         info(f"Evaluating [bold]{model_dir}[/bold] on {len(samples)} samples ({data_name}, task {task_name})")
     with _progress(len(samples), enabled=not as_json) as progress:
-        result = runner.run_eval(
+        result = evaluation.run_eval(
             model_dir, samples, task=task_name, data_name=data_name, out_dir=out_dir,
             batch_size=batch_size or ev.batch_size, max_new_tokens=max_new_tokens or ev.max_new_tokens,
             backend=backend or ev.backend, dtype=ev.dtype, progress=progress,

@@ -7,12 +7,9 @@ from __future__ import annotations
 import base64
 import html
 import io
-import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from vlmctl.evaluation.runner import EvalResult
+from vlmctl.evaluation.results import EvalResult, atomic_write
 
 MAX_EXAMPLES = 48
 THUMBNAIL_PX = 192
@@ -44,7 +41,7 @@ def thumbnail_data_uri(image: bytes, max_px: int = THUMBNAIL_PX) -> str | None:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def render_report(result: "EvalResult", images: dict[str, bytes], max_examples: int = MAX_EXAMPLES) -> str:
+def render_report(result: EvalResult, images: dict[str, bytes], max_examples: int = MAX_EXAMPLES) -> str:
     """The HTML text of the page for `result`; `images` maps sample id -> first image bytes."""
     esc = html.escape
     parts = [
@@ -85,10 +82,6 @@ def render_report(result: "EvalResult", images: dict[str, bytes], max_examples: 
     return "\n".join(parts)
 
 
-def write_report(path: Path, result: "EvalResult", images: dict[str, bytes], max_examples: int = MAX_EXAMPLES) -> Path:
+def write_report(path: Path, result: EvalResult, images: dict[str, bytes], max_examples: int = MAX_EXAMPLES) -> Path:
     """Write `render_report(...)` to `path` through a temporary file; returns `path`."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(render_report(result, images, max_examples), encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return atomic_write(Path(path), render_report(result, images, max_examples))

@@ -13,50 +13,38 @@ Output folder layout (every file written to a temporary name and renamed into pl
     report.html         a self-contained page (images inlined as base64) with the first examples' image,
                         question, prediction, references and score.
 
-Generation is greedy with left padding through `model.generate`, prompts rendered by the processor's chat
-template from the sample's messages up to (not including) the last assistant turn. Under torchrun
+Generation goes through `vlmctl.inference` (greedy, left-padded batches through `model.generate`, or vLLM), each
+sample asked as `inference.request_from_sample`: its messages up to (not including) the last assistant turn,
+rendered by the processor's chat template. The teacher-forced loss is `evaluation.loss`. Under torchrun
 (WORLD_SIZE > 1) every rank evaluates `samples[rank::world_size]` and rank 0 gathers the results and writes the
 folder.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from vlmctl.data.sample import Sample
-from vlmctl.errors import DataError, ModelError, UsageError
+from vlmctl.errors import DataError, UsageError
+from vlmctl.evaluation.loss import teacher_forced_loss
 from vlmctl.evaluation.metrics import TASKS, ScoredRecord, infer_task, score_records
-
-ProgressFn = Callable[[int, int], None]
-"""Called as progress(done, total) after each batch (samples on this rank)."""
-
-# Files a folder needs besides the weights to be usable for generation.
-_PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-
-
-@dataclass
-class EvalResult:
-    """What `run_eval` / `score_predictions_file` produced."""
-
-    task: str
-    model: str
-    data: str
-    metrics: dict[str, float]
-    records: list[ScoredRecord] = field(default_factory=list)
-    out_dir: Path | None = None
-    seconds: float = 0.0
-
-    def summary(self) -> dict[str, Any]:
-        """The content of metrics.json."""
-        return {"task": self.task, "model": self.model, "data": self.data, "n": len(self.records), "metrics": self.metrics}
+from vlmctl.evaluation.report import write_report
+from vlmctl.evaluation.results import EvalResult, atomic_write
+from vlmctl.inference import (
+    ProgressFn,
+    check_backend,
+    check_model_dir,
+    generate,
+    generate_vllm,
+    load_for_generation,
+    load_vllm,
+    request_from_sample,
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -76,12 +64,6 @@ def references_of(sample: Sample) -> list[str]:
         if m["role"] == "assistant":
             return [" ".join(p["text"] for p in m["content"] if p["type"] == "text").strip()]
     return []
-
-
-def prompt_messages(sample: Sample) -> Sample:
-    """The sample cut before its last assistant turn (the turn the model must produce)."""
-    last = max((i for i, m in enumerate(sample.messages) if m["role"] == "assistant"), default=len(sample.messages))
-    return Sample(id=sample.id, messages=sample.messages[:last], images=sample.images, source=sample.source, meta=sample.meta)
 
 
 def load_samples(data: str, prepared_dir: Path, limit: int | None = None) -> list[Sample]:
@@ -163,151 +145,6 @@ def default_model_dir(train_output_dir: Path, model_output_dir: Path) -> Path:
     return Path(model_output_dir)
 
 
-def check_model_dir(path: Path) -> None:
-    """Raise ModelError unless `path` is a Hugging Face model folder (config.json) with a processor and tokenizer;
-    a base-mode `model build` folder is checked through the local checkpoint it points at."""
-    path = Path(path)
-    if not path.is_dir():
-        raise ModelError(f"no model folder at {path}", hint="train or build one first (`vlmctl train`, `vlmctl model build`), or pass MODEL")
-    info = _build_info(path)
-    if info.get("mode") == "base" and not (path / "config.json").is_file():
-        # `model build` in base mode only records which checkpoint it describes; check that one when it is local.
-        source = Path(str(info.get("source", ""))).expanduser()
-        if source.is_dir():
-            check_model_dir(source)
-        return
-    if not (path / "config.json").is_file():
-        raise ModelError(f"{path} has no config.json: it is not a Hugging Face model folder",
-                         hint="pass a final export (RUN/final), or convert a checkpoint with `vlmctl convert`")
-    if not any((path / f).is_file() for f in _PROCESSOR_FILES) or not any((path / f).is_file() for f in _TOKENIZER_FILES):
-        raise ModelError(
-            f"{path} has no processor (needs {' or '.join(_PROCESSOR_FILES)} and a tokenizer): cannot build prompts or read images",
-            hint=f"save the base model's processor into it: AutoProcessor.from_pretrained(BASE).save_pretrained('{path}'), "
-                 "or re-export it with `vlmctl convert`",
-        )
-
-
-def _build_info(path: Path) -> dict[str, Any]:
-    from vlmctl.models import read_build_info
-
-    return read_build_info(path) or {}
-
-
-def load_model(path: Path, device: str, dtype: str = "auto"):
-    """(model, processor) from a model folder through `vlmctl.models.load_model`, in eval mode on `device`.
-
-    `dtype`: bf16 | fp16 | fp32 | auto (bf16 on GPUs that support it, else fp32). Raises ModelError (see
-    `check_model_dir`; and for folders of unsupported families)."""
-    import torch
-
-    check_model_dir(path)
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(dtype)
-    if torch_dtype is None:  # auto: bf16 where the GPU supports it, fp32 on CPU
-        torch_dtype = torch.bfloat16 if device.startswith("cuda") and torch.cuda.is_bf16_supported() else torch.float32
-    from vlmctl.models import load_model as load_vlm
-
-    model, processor, _family = load_vlm(str(path), dtype=torch_dtype, device=device)
-    model.eval()
-    return model, processor
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Generation and loss
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def render_prompt(sample: Sample, processor) -> tuple[str, list]:
-    """(prompt text with the generation prompt appended, PIL images in order) for a sample cut before its answer."""
-    from vlmctl.data.collate import decode_images, template_messages
-
-    messages, image_bytes = template_messages(prompt_messages(sample))
-    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return text, decode_images(image_bytes)
-
-
-def generate_hf(model, processor, samples: Sequence[Sample], *, batch_size: int, max_new_tokens: int,
-                progress: ProgressFn | None = None) -> list[tuple[str, str]]:
-    """Greedy answers for `samples` through `model.generate`, `batch_size` prompts at a time with left padding.
-
-    Returns [(prompt text, answer text)] in sample order; answers are decoded without special tokens and stripped.
-    """
-    import torch
-
-    tok = processor.tokenizer
-    tok.padding_side = "left"  # generation continues from the last position of every row
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    device = next(model.parameters()).device
-    out: list[tuple[str, str]] = []
-    for start in range(0, len(samples), batch_size):
-        batch = samples[start : start + batch_size]
-        rendered = [render_prompt(s, processor) for s in batch]
-        texts = [t for t, _ in rendered]
-        images = [img for _, imgs in rendered for img in imgs]
-        inputs = processor(text=texts, images=images or None, padding=True, return_tensors="pt", add_special_tokens=False)
-        inputs = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in inputs.items()}
-        if "pixel_values" in inputs and inputs["pixel_values"].is_floating_point():
-            inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
-        with torch.inference_mode():
-            generated = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                                       pad_token_id=tok.pad_token_id)
-        new_tokens = generated[:, inputs["input_ids"].shape[1]:]
-        answers = tok.batch_decode(new_tokens, skip_special_tokens=True)
-        out.extend(zip(texts, (a.strip() for a in answers)))
-        if progress:
-            progress(len(out), len(samples))
-    return out
-
-
-def generate_vllm(model_dir: Path, processor, samples: Sequence[Sample], *, max_new_tokens: int) -> list[tuple[str, str]]:
-    """Greedy answers through vLLM's offline `LLM.generate` (prompt + `multi_modal_data`). Raises UsageError when
-    vllm is not installed."""
-    try:
-        from vllm import LLM, SamplingParams
-    except ImportError as exc:
-        raise UsageError("--backend vllm needs the vllm package, which is not installed",
-                         hint="pip install vllm (GPU machines), or use --backend hf") from exc
-    llm = LLM(model=str(model_dir))
-    rendered = [render_prompt(s, processor) for s in samples]
-    requests = [{"prompt": t, **({"multi_modal_data": {"image": imgs if len(imgs) > 1 else imgs[0]}} if imgs else {})}
-                for t, imgs in rendered]
-    outputs = llm.generate(requests, SamplingParams(temperature=0.0, max_tokens=max_new_tokens))
-    return [(t, o.outputs[0].text.strip()) for (t, _), o in zip(rendered, outputs)]
-
-
-def teacher_forced_loss(model, processor, samples: Sequence[Sample], *, batch_size: int,
-                        progress: ProgressFn | None = None) -> list[tuple[float, int]]:
-    """Per-sample (summed cross-entropy in nats, number of label tokens) on the assistant tokens.
-
-    Inputs and labels come from `vlmctl.data.collate.Collator` (assistant turns labelled, everything else -100);
-    logits at position t predict the token at t + 1.
-    """
-    import torch
-    import torch.nn.functional as F
-
-    from vlmctl.data.collate import IGNORE_INDEX, Collator, model_inputs
-
-    collator = Collator(processor, dummy_image=False)
-    device = next(model.parameters()).device
-    out: list[tuple[float, int]] = []
-    for start in range(0, len(samples), batch_size):
-        batch = collator(list(samples[start : start + batch_size]))
-        labels = batch["labels"].to(device)
-        inputs = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in model_inputs(batch).items()}
-        if "pixel_values" in inputs and inputs["pixel_values"].is_floating_point():
-            inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
-        with torch.inference_mode():
-            logits = model(**inputs).logits.float()
-        shifted = labels[:, 1:]
-        nll = F.cross_entropy(logits[:, :-1].transpose(1, 2), shifted, ignore_index=IGNORE_INDEX, reduction="none")
-        mask = shifted != IGNORE_INDEX
-        for row in range(labels.shape[0]):
-            out.append((float(nll[row][mask[row]].sum()), int(mask[row].sum())))
-        if progress:
-            progress(len(out), len(samples))
-    return out
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Distributed helpers
 # ---------------------------------------------------------------------------------------------------------------
@@ -372,11 +209,7 @@ def run_eval(
     samples without references.
     """
     task = resolve_task(task, samples)
-    if backend not in ("hf", "vllm"):
-        raise UsageError(f"unknown backend {backend!r}", hint="choose hf or vllm")
-    if backend == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise UsageError("--backend vllm needs the vllm package, which is not installed",
-                         hint="pip install vllm (GPU machines), or use --backend hf")
+    check_backend(backend)
     check_model_dir(Path(model_dir))
     records = [_record_of(s) for s in samples]
     if task != "loss":
@@ -429,15 +262,15 @@ def _run_shard(model_dir: Path, task: str, my_samples: list[Sample], mine: list[
     if backend == "vllm" and world > 1:
         raise UsageError("--backend vllm runs in one process", hint="run it without torchrun (vLLM shards the model itself)")
     if backend == "vllm" and task != "loss":
-        from transformers import AutoProcessor  # vLLM loads the weights itself; only the chat template is needed here
-
-        processor = AutoProcessor.from_pretrained(model_dir)
-        return list(zip(mine, generate_vllm(model_dir, processor, my_samples, max_new_tokens=max_new_tokens)))
-    model, processor = load_model(model_dir, device=device, dtype=dtype)
+        llm, processor = load_vllm(model_dir, dtype=dtype)
+        answers = generate_vllm(llm, processor, [request_from_sample(s) for s in my_samples], max_new_tokens=max_new_tokens)
+        return list(zip(mine, answers))
+    model, processor = load_for_generation(model_dir, device=device, dtype=dtype)
     if task == "loss":
         per_sample = teacher_forced_loss(model, processor, my_samples, batch_size=batch_size, progress=progress)
         return _gather(list(zip(mine, per_sample)), world)
-    answers = generate_hf(model, processor, my_samples, batch_size=batch_size, max_new_tokens=max_new_tokens, progress=progress)
+    answers = generate(model, processor, [request_from_sample(s) for s in my_samples], batch_size=batch_size,
+                       max_new_tokens=max_new_tokens, progress=progress)
     return _gather(list(zip(mine, answers)), world)
 
 
@@ -464,7 +297,7 @@ def fold_into_metrics(out_dir: Path, scores: dict[str, float], *, model: str, da
                         data=current.get("data", data), metrics=metrics, out_dir=Path(out_dir))
     summary = {**result.summary(), "n": current.get("n", 0)}
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, json.dumps(summary, indent=2) + "\n")
+    atomic_write(path, json.dumps(summary, indent=2) + "\n")
     return result
 
 
@@ -526,24 +359,15 @@ def score_predictions_file(path: Path, *, task: str = "auto", out_dir: Path | No
 
 def write_outputs(result: EvalResult, out_dir: Path, rows: Iterable[dict], samples: Sequence[Sample] | None = None) -> None:
     """Write predictions.jsonl, metrics.json and report.html into `out_dir` (each via a temporary file + rename)."""
-    from vlmctl.evaluation.report import write_report
-
     out_dir.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out_dir / "predictions.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    _atomic_write(out_dir / "metrics.json", json.dumps(result.summary(), indent=2) + "\n")
+    atomic_write(out_dir / "predictions.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    atomic_write(out_dir / "metrics.json", json.dumps(result.summary(), indent=2) + "\n")
     images = {s.id: s.images[0] for s in samples or [] if s.images}
     write_report(out_dir / "report.html", result, images)
     result.out_dir = out_dir
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 __all__ = [
     "EvalResult", "run_eval", "score_predictions_file", "read_predictions", "load_samples", "default_model_dir",
-    "check_model_dir", "load_model", "generate_hf", "teacher_forced_loss", "references_of", "write_outputs",
-    "resolve_task", "fold_into_metrics",
+    "references_of", "write_outputs", "resolve_task", "fold_into_metrics",
 ]

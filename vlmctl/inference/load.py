@@ -1,0 +1,117 @@
+"""Load a model folder for generation: folder checks, compute dtype, device, processor; and the backend check.
+
+    model, processor = load_for_generation("outputs/runs/run1/final", device="cuda:0", dtype="auto")
+
+A folder is usable for generation when it is a Hugging Face model folder (config.json) with a processor and a
+tokenizer (the prompt is rendered by the processor's chat template, images are read by its image processor). A
+base-mode `vlmctl model build` folder only points at a checkpoint; that checkpoint is checked and loaded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from vlmctl.errors import ModelError, UsageError
+
+BACKENDS = ("hf", "vllm")
+"""Generation backends: `hf` (transformers' `model.generate`, any device) and `vllm` (vLLM's offline engine)."""
+
+DTYPES = ("auto", "bf16", "fp16", "fp32")
+"""Compute dtypes accepted by `resolve_dtype` and `load_for_generation`."""
+
+# Files a folder needs besides the weights to be usable for generation.
+_PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+_VLLM_MISSING = ("--backend vllm needs the vllm package, which is not installed", "pip install vllm (GPU machines), or use --backend hf")
+
+
+def check_backend(backend: str) -> None:
+    """Raise UsageError unless `backend` is one of `BACKENDS` and can run here (vllm installed for `vllm`)."""
+    if backend not in BACKENDS:
+        raise UsageError(f"unknown backend {backend!r}", hint=f"choose {' or '.join(BACKENDS)}")
+    if backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise UsageError(_VLLM_MISSING[0], hint=_VLLM_MISSING[1])
+
+
+def check_model_dir(path: Path) -> None:
+    """Raise ModelError unless `path` is a Hugging Face model folder (config.json) with a processor and tokenizer;
+    a base-mode `model build` folder is checked through the local checkpoint it points at (a Hub id it points at
+    is not checked). The error names the folder and says how to fix it."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelError(f"no model folder at {path}", hint="train or build one first (`vlmctl train`, `vlmctl model build`), or pass MODEL")
+    info = _build_info(path)
+    if info.get("mode") == "base" and not (path / "config.json").is_file():
+        # `model build` in base mode only records which checkpoint it describes; check that one when it is local.
+        source = Path(str(info.get("source", ""))).expanduser()
+        if source.is_dir():
+            check_model_dir(source)
+        return
+    if not (path / "config.json").is_file():
+        raise ModelError(f"{path} has no config.json: it is not a Hugging Face model folder",
+                         hint="pass a final export (RUN/final), or convert a checkpoint with `vlmctl convert`")
+    if not any((path / f).is_file() for f in _PROCESSOR_FILES) or not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        raise ModelError(
+            f"{path} has no processor (needs {' or '.join(_PROCESSOR_FILES)} and a tokenizer): cannot build prompts or read images",
+            hint=f"save the base model's processor into it: AutoProcessor.from_pretrained(BASE).save_pretrained('{path}'), "
+                 "or re-export it with `vlmctl convert`",
+        )
+
+
+def _build_info(path: Path) -> dict[str, Any]:
+    from vlmctl.models import read_build_info
+
+    return read_build_info(path) or {}
+
+
+def resolve_dtype(dtype: str, device: str):
+    """The torch dtype for `dtype` (one of `DTYPES`) on `device`: `auto` is bf16 on GPUs that support it, else fp32
+    (CPU kernels are fastest and exact in fp32). Raises UsageError for another name."""
+    import torch
+
+    if dtype not in DTYPES:
+        raise UsageError(f"unknown dtype {dtype!r}", hint=f"choose one of: {', '.join(DTYPES)}")
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") and torch.cuda.is_bf16_supported() else torch.float32
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+
+
+def load_for_generation(path: Path, *, device: str = "cpu", dtype: str = "auto") -> tuple[Any, Any]:
+    """(model, processor) from a model folder, in eval mode on `device` in the compute dtype of `resolve_dtype`.
+
+    The model is loaded through `vlmctl.models.load_model` (the family's model class; no remote code). Raises
+    ModelError for a folder that fails `check_model_dir` or holds a model of an unsupported family, UsageError for
+    an unknown `dtype`.
+    """
+    check_model_dir(path)
+    torch_dtype = resolve_dtype(dtype, device)
+    from vlmctl.models import load_model
+
+    model, processor, _family = load_model(str(path), dtype=torch_dtype, device=device)
+    model.eval()
+    return model, processor
+
+
+def load_vllm(path: Path, *, dtype: str = "auto") -> tuple[Any, Any]:
+    """(vllm.LLM engine, processor) for a model folder; vLLM loads the weights and picks the devices itself, the
+    processor only renders prompts (its chat template). `dtype` as in `DTYPES` (`auto` leaves vLLM's choice).
+
+    Raises UsageError when vllm is not installed, ModelError for a folder that fails `check_model_dir`.
+    """
+    try:
+        from vllm import LLM
+    except ImportError as exc:
+        raise UsageError(_VLLM_MISSING[0], hint=_VLLM_MISSING[1]) from exc
+    check_model_dir(path)
+    from vlmctl.models import load_processor
+
+    names = {"auto": "auto", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+    if dtype not in names:
+        raise UsageError(f"unknown dtype {dtype!r}", hint=f"choose one of: {', '.join(DTYPES)}")
+    return LLM(model=str(path), dtype=names[dtype]), load_processor(path)
+
+
+__all__ = ["BACKENDS", "DTYPES", "check_backend", "check_model_dir", "resolve_dtype", "load_for_generation", "load_vllm"]
