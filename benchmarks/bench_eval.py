@@ -31,7 +31,7 @@ def main() -> None:
 
     from vlmctl.config import ModelSection
     from vlmctl.data.synthetic import generate_shapes_vqa
-    from vlmctl.evaluation.runner import load_samples, run_eval
+    from vlmctl.evaluation import load_samples, run_eval
     from vlmctl.models.build import build_model
 
     data = args.workdir / "shapes" / "shapes_vqa.json"
