@@ -1,10 +1,10 @@
-"""Turn canonical samples into model inputs: chat template, image processing, assistant-only labels, padding
+"""Turn canonical samples into model inputs: chat template, media processing, assistant-only labels, padding
 or packing.
 
 Used by training (in DataLoader workers) and by evaluation (teacher-forced loss)::
 
     enc = encode_sample(sample, processor)       # one sample -> input_ids [T], labels [T], pixel_values [N, 3, H, W]
-    batch = Collator(processor)([s1, s2, s3])    # samples -> padded tensors [B, T] + image tensors
+    batch = Collator(processor)([s1, s2, s3])    # samples -> padded tensors [B, T] + media tensors
     row = PackedCollator(processor, tokens_per_batch=4096)([s1, s2, s3])   # samples -> one packed row [1, T]
 
 How the labels are found: the conversation is rendered with the processor's chat template; the character span
@@ -15,34 +15,45 @@ own output, where every image placeholder became its expansion (a run of visual 
 markers). Labels are the token ids inside assistant spans (their content and end-of-turn token) and -100
 everywhere else: system and user turns, template markers and visual tokens never carry loss.
 
+Media go through their modality units (`vlmctl.data.modalities`): a unit decodes its parts for the processor,
+owns some of the processor's outputs and batches them, and gives the dummy input of ranks without that media.
 Family-specific inputs are whatever the processor returns besides `input_ids`/`attention_mask`: per-token tensors
-(Qwen-VL's `mm_token_type_ids`) are padded like `input_ids`; image tensors (`pixel_values`, `image_grid_thw`, ...)
-are concatenated along dim 0, or stacked per sample for processors that return [1, N_images, ...] (Idefics3).
+(Qwen-VL's `mm_token_type_ids`) are padded like `input_ids`; media tensors are batched by their unit (images:
+`pixel_values`, `image_grid_thw`, ... concatenated along dim 0, or stacked per sample for processors that return
+[1, N_images, ...] such as Idefics3). What differs per family comes from the family spec, never from its name.
 """
 
 from __future__ import annotations
 
-import io
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from vlmctl.data.modalities import UNITS, ModalityUnit, get_unit, media_token_ids, units_for
+from vlmctl.data.modalities.image import decode_images
 from vlmctl.data.sample import Sample
 from vlmctl.errors import DataError
 
 IGNORE_INDEX = -100
 TEXT_KEYS = ("input_ids", "attention_mask")
 
+__all__ = [
+    "COUNTER_KEYS", "IGNORE_INDEX", "Collator", "Encoded", "PackedCollator", "assistant_spans", "decode_images",
+    "dummy_image_row", "dummy_row", "encode_sample", "image_token_ids", "is_packed", "model_inputs",
+    "split_processor_outputs", "template_media", "template_messages",
+]
+
 
 @dataclass
 class Encoded:
-    """One encoded sample. Tensors are 1-D over tokens (`input_ids`, `labels`: [T]); `image_inputs` holds the
-    processor's image tensors with images along dim 0 (e.g. `pixel_values` [N_images, 3, H, W])."""
+    """One encoded sample. Tensors are 1-D over tokens (`input_ids`, `labels`: [T]); `media_inputs` holds, per
+    modality, the processor's tensors of that media (images: `pixel_values` [N_images, 3, H, W], ...);
+    `media_counts` the number of parts per modality; `num_visual_tokens` the placeholder-expanded media tokens."""
 
     input_ids: Any
     labels: Any
-    image_inputs: dict[str, Any] = field(default_factory=dict)
-    num_images: int = 0
+    media_inputs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    media_counts: dict[str, int] = field(default_factory=dict)
     num_visual_tokens: int = 0
     token_inputs: dict[str, Any] = field(default_factory=dict)  # other per-token tensors [T], padded with 0
 
@@ -50,28 +61,48 @@ class Encoded:
     def length(self) -> int:
         return int(self.input_ids.shape[0])
 
+    @property
+    def image_inputs(self) -> dict[str, Any]:
+        """The processor's image tensors (`media_inputs["image"]`)."""
+        return self.media_inputs.get("image", {})
 
-def template_messages(sample: Sample) -> tuple[list[dict], list[bytes]]:
-    """The sample's messages in transformers' chat-template form, and the image bytes in order of appearance.
+    @property
+    def num_images(self) -> int:
+        return self.media_counts.get("image", 0)
 
-    Image parts become `{"type": "image"}`; an image used twice is passed twice (processors consume one image per
-    placeholder).
+
+def template_media(sample: Sample) -> tuple[list[dict], dict[str, list[bytes]]]:
+    """The sample's messages in transformers' chat-template form, and its media bytes per modality in order of
+    appearance.
+
+    A media part becomes its unit's template part (`{"type": "image"}`); a part used twice is passed twice
+    (processors consume one input per placeholder). Raises DataError for an index out of range or a modality
+    without a unit.
     """
-    messages, images = [], []
+    messages, media = [], {}
     for m in sample.messages:
         parts = []
         for p in m["content"]:
-            if p["type"] == "image":
-                idx = p["index"]
-                if not 0 <= idx < len(sample.images):
-                    raise DataError(f"sample {sample.id!r}: image part points at image {idx}, but the sample has {len(sample.images)}",
-                                    hint="re-run `vlmctl data prepare`; prepared samples keep image indices in range")
-                parts.append({"type": "image"})
-                images.append(sample.images[idx])
-            else:
+            kind = p["type"]
+            if kind == "text":
                 parts.append({"type": "text", "text": p.get("text") or ""})
+                continue
+            unit = get_unit(kind)
+            stored = sample.media.get(kind, [])
+            idx = p["index"]
+            if not 0 <= idx < len(stored):
+                raise DataError(f"sample {sample.id!r}: {kind} part points at {kind} {idx}, but the sample has {len(stored)}",
+                                hint=f"re-run `vlmctl data prepare`; prepared samples keep {kind} indices in range")
+            parts.append(unit.template_part())
+            media.setdefault(kind, []).append(stored[idx])
         messages.append({"role": m["role"], "content": parts})
-    return messages, images
+    return messages, media
+
+
+def template_messages(sample: Sample) -> tuple[list[dict], list[bytes]]:
+    """`template_media` with the image bytes only (for image-only callers such as generation prompts)."""
+    messages, media = template_media(sample)
+    return messages, media.get("image", [])
 
 
 def assistant_spans(messages: list[dict], processor) -> tuple[str, list[tuple[int, int]]]:
@@ -105,52 +136,35 @@ def _render_empty(processor) -> str:
 
 
 def image_token_ids(processor) -> set[int]:
-    """Ids of tokens the processor expands into visual tokens (image placeholder, and video where present)."""
-    tok = processor.tokenizer
-    ids = set()
-    for attr in ("image_token_id", "video_token_id"):
-        value = getattr(processor, attr, None)
-        if isinstance(value, int):
-            ids.add(value)
-    for attr in ("image_token", "video_token"):
-        token = getattr(processor, attr, None) or getattr(tok, attr, None)
-        if isinstance(token, str):
-            tid = tok.convert_tokens_to_ids(token)
-            if isinstance(tid, int) and tid != tok.unk_token_id:
-                ids.add(tid)
-    return ids
+    """Ids of tokens the processor expands into visual tokens: the placeholders of every modality it has (image,
+    and video where present; `vlmctl.data.modalities.media_token_ids`)."""
+    return media_token_ids(processor)
 
 
-def decode_images(images: list[bytes]) -> list:
-    from PIL import Image
-
-    out = []
-    for data in images:
-        img = Image.open(io.BytesIO(data))
-        out.append(img.convert("RGB") if img.mode != "RGB" else img)
-    return out
+def _media_kwargs(media: dict[str, list[bytes]]) -> dict[str, Any]:
+    # processor keyword -> decoded parts, for the modalities present
+    return {get_unit(kind).processor_kwarg: get_unit(kind).decode(parts) for kind, parts in media.items() if parts}
 
 
 def encode_sample(sample: Sample, processor, family: Any = None, max_length: int | None = None) -> Encoded:
     """Encode one sample for teacher-forced training.
 
     Returns `Encoded` with `input_ids`/`labels` of shape [T] (int64; labels are -100 outside assistant turns) and
-    the processor's image tensors. `max_length` truncates text after the last visual token; a sample whose visual
-    tokens would be cut raises DataError (prepare drops such samples as too_long).
+    the processor's media tensors per modality. `max_length` truncates text after the last media token; a sample
+    whose media tokens would be cut raises DataError (prepare drops such samples as too_long).
     """
     import torch
 
-    messages, image_bytes = template_messages(sample)
+    messages, media = template_media(sample)
     text, spans = assistant_spans(messages, processor)
-    images = decode_images(image_bytes) if image_bytes else None
-    proc_out = processor(text=[text], images=images, return_tensors="pt", add_special_tokens=False)
+    proc_out = processor(text=[text], **_media_kwargs(media), return_tensors="pt", add_special_tokens=False)
     ids = proc_out["input_ids"][0].to(torch.long)
     plain = processor.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    labels = _align_labels(ids.tolist(), plain["input_ids"], plain["offset_mapping"], spans, image_token_ids(processor), sample.id)
+    visual = media_token_ids(processor)
+    labels = _align_labels(ids.tolist(), plain["input_ids"], plain["offset_mapping"], spans, visual, sample.id)
     labels = torch.tensor(labels, dtype=torch.long)
-    token_inputs, image_inputs = split_processor_outputs(proc_out)
-    visual_ids = torch.tensor(sorted(image_token_ids(processor)), dtype=torch.long)
-    is_visual = torch.isin(ids, visual_ids)
+    token_inputs, media_inputs = split_processor_outputs(proc_out)
+    is_visual = torch.isin(ids, torch.tensor(sorted(visual), dtype=torch.long))
     if max_length is not None and ids.shape[0] > max_length:
         last_visual = int(is_visual.nonzero().max()) if is_visual.any() else -1
         if last_visual >= max_length:
@@ -158,22 +172,31 @@ def encode_sample(sample: Sample, processor, family: Any = None, max_length: int
                             hint="raise data.max_length, or re-run `vlmctl data prepare` which drops too-long samples")
         ids, labels, is_visual = ids[:max_length], labels[:max_length], is_visual[:max_length]
         token_inputs = {k: v[:max_length] for k, v in token_inputs.items()}
-    return Encoded(ids, labels, image_inputs, num_images=len(image_bytes), num_visual_tokens=int(is_visual.sum()),
-                   token_inputs=token_inputs)
+    counts = {kind: len(parts) for kind, parts in media.items()}
+    return Encoded(ids, labels, media_inputs, counts, num_visual_tokens=int(is_visual.sum()), token_inputs=token_inputs)
 
 
-def split_processor_outputs(out) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(per-token tensors [T] such as Qwen's `mm_token_type_ids`, image tensors) of a 1-sample processor output."""
+def split_processor_outputs(out, units: list[ModalityUnit] | None = None) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """(per-token tensors [T] such as Qwen's `mm_token_type_ids`, {modality: its tensors}) of a 1-sample processor
+    output. A tensor belongs to the first of `units` (default: all registered) that owns it, else to the
+    catch-all unit (images)."""
+    units = list(UNITS.values()) if units is None else units
+    claimants = sorted(units, key=lambda u: u.catch_all)  # specific owners first
     length = out["input_ids"].shape[-1]
-    token, image = {}, {}
+    token: dict[str, Any] = {}
+    media: dict[str, dict[str, Any]] = {}
     for k, v in out.items():
         if k in TEXT_KEYS or not hasattr(v, "shape"):
             continue
         if v.ndim == 2 and tuple(v.shape) == (1, length):
             token[k] = v[0]
-        else:
-            image[k] = v
-    return token, image
+            continue
+        owner = next((u for u in claimants if u.owns(k) or u.catch_all), None)
+        if owner is None:
+            raise DataError(f"the processor returned {k!r}, which no modality unit takes",
+                            hint="check that the processor of the model folder belongs to a supported family")
+        media.setdefault(owner.name, {})[k] = v
+    return token, media
 
 
 def _align_labels(expanded: list[int], plain: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]],
@@ -225,40 +248,57 @@ def _align_labels(expanded: list[int], plain: list[int], offsets: list[tuple[int
     return labels
 
 
-def dummy_image_row(processor, family: Any = None) -> Encoded:
-    """A row holding only one blank image's visual tokens, with no labels (contributes 0 to a summed loss).
+def dummy_row(unit: ModalityUnit, processor, family: Any = None) -> Encoded:
+    """A row holding only one blank input of `unit`'s modality (its placeholder prompt from the family spec, its
+    media tokens), with no labels (contributes 0 to a summed loss).
 
-    Appended to micro-batches without images so that every rank runs the vision tower every step: FSDP2 and
+    Appended to micro-batches without that media so that every rank runs its encoder every step: FSDP2 and
     ZeRO-3 gather the vision tower's parameters collectively, and a rank that skipped it would hang the others.
     """
     import torch
-    from PIL import Image
 
-    token = getattr(family, "image_prompt", None) or getattr(processor, "image_token", None) or processor.tokenizer.image_token
-    side = _image_side(processor)
-    out = processor(text=[token], images=[Image.new("RGB", (side, side), (0, 0, 0))], return_tensors="pt", add_special_tokens=False)
+    out = processor(text=[unit.prompt(processor, family)], **{unit.processor_kwarg: [unit.dummy_input(processor)]},
+                    return_tensors="pt", add_special_tokens=False)
     ids = out["input_ids"][0].to(torch.long)
     labels = torch.full_like(ids, IGNORE_INDEX)
-    token_inputs, image_inputs = split_processor_outputs(out)
-    visual = torch.isin(ids, torch.tensor(sorted(image_token_ids(processor)), dtype=torch.long))
-    return Encoded(ids, labels, image_inputs, num_images=1, num_visual_tokens=int(visual.sum()), token_inputs=token_inputs)
+    token_inputs, media_inputs = split_processor_outputs(out)
+    visual = torch.isin(ids, torch.tensor(sorted(media_token_ids(processor)), dtype=torch.long))
+    return Encoded(ids, labels, media_inputs, {unit.name: 1}, num_visual_tokens=int(visual.sum()), token_inputs=token_inputs)
 
 
-def _image_side(processor) -> int:
-    """A small side for the dummy image: the fixed input size where the processor resizes to one (LLaVA), else
-    56 px, the smallest image Qwen-VL processors accept (their `size` is in pixels of area, not a side)."""
-    size = getattr(getattr(processor, "image_processor", None), "size", None) or {}
-    if isinstance(size, dict) and isinstance(size.get("height"), int):
-        return size["height"]
-    return 56
+def dummy_image_row(processor, family: Any = None) -> Encoded:
+    """`dummy_row` of the image unit: one blank image's visual tokens."""
+    return dummy_row(UNITS["image"], processor, family)
+
+
+def _counters(real: list[Encoded]) -> dict[str, int]:
+    # counters over the real samples (not model inputs; `model_inputs` drops them)
+    visual = sum(r.num_visual_tokens for r in real)
+    return {
+        "num_label_tokens": sum(int((r.labels[1:] != IGNORE_INDEX).sum()) for r in real),
+        "num_visual_tokens": visual,
+        "num_text_tokens": sum(r.length for r in real) - visual,
+    }
+
+
+def _collate_media(rows: list[Encoded], *, packed: bool) -> dict[str, Any]:
+    """Media tensors of the batch: each modality's unit batches its tensors over `rows`."""
+    out: dict[str, Any] = {}
+    for name, unit in UNITS.items():
+        if any(name in r.media_inputs for r in rows):
+            out.update(unit.collate([r.media_inputs.get(name, {}) for r in rows], packed=packed))
+    return out
 
 
 class Collator:
     """Samples -> one padded micro-batch.
 
-    Returns a dict with `input_ids`, `attention_mask`, `labels` ([B, T], right padding), the concatenated image
-    tensors, and counters that are not model inputs: `num_label_tokens`, `num_text_tokens`,
-    `num_visual_tokens` (ints over the real samples) and `num_dummy_images` (0 or 1, see `dummy_image_row`).
+    Returns a dict with `input_ids`, `attention_mask`, `labels` ([B, T], right padding), the media tensors of
+    each modality, and counters that are not model inputs: `num_label_tokens`, `num_text_tokens`,
+    `num_visual_tokens`, `num_samples` (ints over the real samples) and per modality of the family
+    `num_dummy_<column>` (`num_dummy_images`: 0 or 1, see `dummy_row`).
+
+    `dummy_image=False` adds no dummy rows (single-process evaluation has no collective to keep in step).
     """
 
     def __init__(self, processor, family: Any = None, max_length: int | None = None, dummy_image: bool = True,
@@ -268,7 +308,8 @@ class Collator:
         self.max_length = max_length
         self.dummy_image = dummy_image
         self.pad_to_multiple_of = pad_to_multiple_of
-        self._dummy: Encoded | None = None
+        self.units = units_for(family)
+        self._dummies: dict[str, Encoded] = {}
 
     def encode(self, sample: Sample) -> Encoded:
         return encode_sample(sample, self.processor, self.family, self.max_length)
@@ -277,16 +318,26 @@ class Collator:
         rows = [self.encode(s) for s in samples]
         return self.pad(rows)
 
+    def with_dummies(self, rows: list[Encoded], *, never_empty: bool = False) -> tuple[list[Encoded], dict[str, int]]:
+        """`rows` plus one dummy row (see `dummy_row`) per modality of the family that no row has, and the
+        dummy counters ({`num_dummy_images`: 0 or 1, ...}). `never_empty`: an empty `rows` gets the dummy rows
+        even with `dummy_image=False` (a packed micro-batch must still run one forward pass)."""
+        counts = {u.dummy_counter: 0 for u in UNITS.values()}
+        extra = []
+        for unit in self.units:
+            needed = (self.dummy_image and not any(r.media_counts.get(unit.name) for r in rows)) or (never_empty and not rows)
+            if needed and unit.name not in self._dummies and unit.dummy_input(self.processor) is not None:
+                self._dummies[unit.name] = dummy_row(unit, self.processor, self.family)
+            counts[unit.dummy_counter] = int(needed and unit.name in self._dummies)
+            if counts[unit.dummy_counter]:
+                extra.append(self._dummies[unit.name])
+        return [*rows, *extra], counts
+
     def pad(self, rows: list[Encoded]) -> dict[str, Any]:
         import torch
 
         real = rows
-        dummy = 0
-        if self.dummy_image and not any(r.num_images for r in rows):
-            if self._dummy is None:
-                self._dummy = dummy_image_row(self.processor, self.family)
-            rows = [*rows, self._dummy]
-            dummy = 1
+        rows, dummies = self.with_dummies(rows)
         width = max(r.length for r in rows)
         if self.pad_to_multiple_of:
             width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
@@ -305,13 +356,9 @@ class Collator:
             for i, r in enumerate(rows):
                 if k in r.token_inputs:
                     batch[k][i, : r.length] = r.token_inputs[k]
-        batch.update(_stack_images(rows))
-        label_tokens = sum(int((r.labels[1:] != IGNORE_INDEX).sum()) for r in real)
-        visual = sum(r.num_visual_tokens for r in real)
-        batch["num_label_tokens"] = label_tokens
-        batch["num_visual_tokens"] = visual
-        batch["num_text_tokens"] = sum(r.length for r in real) - visual
-        batch["num_dummy_images"] = dummy
+        batch.update(_collate_media(rows, packed=False))
+        batch.update(_counters(real))
+        batch.update(dummies)
         batch["num_samples"] = len(real)
         return batch
 
@@ -321,12 +368,13 @@ class PackedCollator(Collator):
 
     Returns `vlmctl.data.packing.pack_samples`' row: `input_ids`, `labels`, `position_ids` [1, T] (positions
     restart at 0 per sample), `packed_cu_seqlens` int32 [n + 1], `packed_max_seqlen`, the family's per-token
-    tensors [1, T] and image tensors, `seq_lens` (list of tokens per sample), and the same counters as `Collator`
-    (no `attention_mask`: transformers derives the per-sample causal mask from the position ids).
+    tensors [1, T], `seq_lens` (list of tokens per sample); the media tensors of each modality, and the same
+    counters as `Collator` (no `attention_mask`: transformers derives the per-sample causal mask from the
+    position ids).
 
     The bins are planned on known lengths (the shards' `num_tokens`); a sample whose encoded length no longer fits
     (the processor changed since `data prepare`) is left out of the row and counted in `self.dropped` with a warning.
-    A row without images gets the dummy image as one more zero-label sample (see `dummy_image_row`); so does an
+    A row without images gets the dummy image as one more zero-label sample (see `dummy_row`); so does an
     empty row, so every rank still runs one forward pass per micro-batch.
     """
 
@@ -354,48 +402,17 @@ class PackedCollator(Collator):
         from vlmctl.data.packing import pack_samples
 
         real = rows
-        dummy = 0
-        if self.dummy_image and not any(r.num_images for r in rows) or not rows:
-            if self._dummy is None:
-                self._dummy = dummy_image_row(self.processor, self.family)
-            rows = [*rows, self._dummy]
-            dummy = 1
-        batch = pack_samples([{"input_ids": r.input_ids, "labels": r.labels, **r.token_inputs, **r.image_inputs} for r in rows])
-        visual = sum(r.num_visual_tokens for r in real)
-        batch["num_label_tokens"] = sum(int((r.labels[1:] != IGNORE_INDEX).sum()) for r in real)
-        batch["num_visual_tokens"] = visual
-        batch["num_text_tokens"] = sum(r.length for r in real) - visual
-        batch["num_dummy_images"] = dummy
+        rows, dummies = self.with_dummies(rows, never_empty=True)
+        batch = pack_samples([{"input_ids": r.input_ids, "labels": r.labels, **r.token_inputs} for r in rows])
+        batch.update(_collate_media(rows, packed=True))
+        batch.update(_counters(real))
+        batch.update(dummies)
         batch["num_samples"] = len(real)
         return batch
 
 
-def _stack_images(rows: list[Encoded]) -> dict[str, Any]:
-    """Image tensors of the batch. Most processors return images along dim 0 ([N_images, ...], Qwen: patches along
-    dim 0 plus `image_grid_thw` [N_images, 3]): concatenated. Idefics3-style processors return [1, N, 3, H, W]
-    per sample: stacked to [B, N_max, ...], zero-padded (all-zero images are skipped by those models)."""
-    import torch
-
-    keys = sorted({k for r in rows for k in r.image_inputs})
-    per_sample = any(r.image_inputs.get("pixel_values") is not None and r.image_inputs["pixel_values"].ndim == 5 for r in rows)
-    out = {}
-    for k in keys:
-        present = [r.image_inputs[k] for r in rows if k in r.image_inputs]
-        if not per_sample:
-            out[k] = torch.cat(present, dim=0)
-            continue
-        n = max(t.shape[1] for t in present)
-        ref = present[0]
-        stacked = torch.zeros((len(rows), n, *ref.shape[2:]), dtype=ref.dtype)
-        for i, r in enumerate(rows):
-            if k in r.image_inputs:
-                t = r.image_inputs[k][0]
-                stacked[i, : t.shape[0]] = t
-        out[k] = stacked
-    return out
-
-
-COUNTER_KEYS = ("num_label_tokens", "num_visual_tokens", "num_text_tokens", "num_dummy_images", "num_samples", "seq_lens")
+COUNTER_KEYS = ("num_label_tokens", "num_visual_tokens", "num_text_tokens", *(u.dummy_counter for u in UNITS.values()),
+                "num_samples", "seq_lens")
 
 
 def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The canonical sample every reader produces and every consumer (prepare, train, eval) reads.
 
-A sample is a conversation plus its images::
+A sample is a conversation plus its media parts, by modality::
 
     Sample(
         id="llava-000012",
@@ -13,40 +13,100 @@ A sample is a conversation plus its images::
         source="llava_format.json",
         meta={"answers": ["cat", "a cat"]},  # optional: eval references, options, question type...
     )
+    sample.media == {"image": [b"\\xff\\xd8..."]}   # the same parts, by modality
 
 Roles are `system|user|assistant`; content parts are `{"type": "text", "text": str}` or
-`{"type": "image", "index": int}` (an index into `images`). This is the same shape as transformers' chat
-templates' content parts, so `processor.apply_chat_template` can render it after images are attached.
+`{"type": <modality>, "index": int}` with a modality of `MODALITIES` (an index into `media[<modality>]`; today
+readers produce `image` parts only). This is the same shape as transformers' chat templates' content parts, so
+`processor.apply_chat_template` can render it after the media are attached. `Sample(images=...)`,
+`Sample(videos=...)`, `Sample(audios=...)` and `Sample(media={...})` build the same thing; `sample.images` is
+`sample.media["image"]`.
 
-Prepared shards store one row per sample with the Arrow schema of `arrow_schema()`: `images` uses the layout of
-`datasets.Image` (`{bytes, path}`) so `datasets.load_dataset("parquet", ...)` decodes images to PIL.
+Prepared shards store one row per sample with the Arrow schema of `arrow_schema()`: each modality has a column
+(`MEDIA_COLUMNS`: `images`, `videos`, `audios`) of `{bytes, path}` structs. `images` is always there and uses the
+layout of `datasets.Image`, so `datasets.load_dataset("parquet", ...)` decodes images to PIL; the `videos` and
+`audios` columns are optional (shards without them read as having none) and are written only when asked for.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from vlmctl.errors import DataError
+
 SCHEMA_VERSION = 1
 
+MODALITIES = ("image", "video", "audio")
+"""Media a sample can carry, in the order their parts are stored and hashed; the `type` of their content parts."""
 
-@dataclass
+MEDIA_COLUMNS = {"image": "images", "video": "videos", "audio": "audios"}
+"""Modality -> its column in prepared shards (and its keyword of `Sample`)."""
+
+
+@dataclass(init=False)
 class Sample:
+    """One conversation and its media parts.
+
+    `media` maps a modality of `MODALITIES` to its parts: encoded bytes (before `vlmctl.data.checks.check_images`,
+    readers' references: paths, URLs, bytes). `media["image"]` is always present (possibly empty); the other
+    modalities appear only when the sample has parts of them. Raises DataError for an unknown modality.
+    """
+
     id: str
     messages: list[dict[str, Any]]
-    images: list[bytes] = field(default_factory=list)
-    source: str = ""
-    meta: dict[str, Any] = field(default_factory=dict)
-    num_tokens: int | None = None  # text + visual tokens under the project's processor, when known
-    location: str = field(default="", compare=False)  # where it was read (file:line, shard:key); not stored in shards
+    media: dict[str, list[Any]]
+    source: str
+    meta: dict[str, Any]
+    num_tokens: int | None  # text + media tokens under the project's processor, when known
+    location: str = field(compare=False)  # where it was read (file:line, shard:key); not stored in shards
+
+    def __init__(self, id: str, messages: list[dict[str, Any]], images: list[Any] | None = None, source: str = "",
+                 meta: dict[str, Any] | None = None, num_tokens: int | None = None, location: str = "", *,
+                 videos: list[Any] | None = None, audios: list[Any] | None = None,
+                 media: dict[str, list[Any]] | None = None):
+        self.id = id
+        self.messages = messages
+        self.source = source
+        self.meta = {} if meta is None else meta
+        self.num_tokens = num_tokens
+        self.location = location
+        parts = dict(media or {})
+        for name, given in (("image", images), ("video", videos), ("audio", audios)):
+            if given is not None:
+                if parts.get(name):
+                    raise DataError(f"sample {id!r}: {name} parts given twice (as media[{name!r}] and as {MEDIA_COLUMNS[name]}=)")
+                parts[name] = given
+        unknown = set(parts) - set(MODALITIES)
+        if unknown:
+            raise DataError(f"sample {id!r}: unknown media modalities {sorted(unknown)}", hint=f"use one of {list(MODALITIES)}")
+        self.media = {name: list(parts.get(name) or []) for name in MODALITIES if name == "image" or parts.get(name)}
+
+    @property
+    def images(self) -> list[Any]:
+        """The image parts (`media["image"]`), in order of first use."""
+        return self.media.setdefault("image", [])
+
+    @images.setter
+    def images(self, value: list[Any]) -> None:
+        self.media["image"] = list(value)
+
+    @property
+    def videos(self) -> list[Any]:
+        return self.media.get("video", [])
+
+    @property
+    def audios(self) -> list[Any]:
+        return self.media.get("audio", [])
 
     def text_parts(self) -> list[str]:
         return [p["text"] for m in self.messages for p in m["content"] if p["type"] == "text"]
 
     def to_row(self) -> dict[str, Any]:
-        """One Parquet row (see `arrow_schema`)."""
-        return {
+        """One Parquet row (see `arrow_schema`): `images` always, `videos`/`audios` when the sample has such parts."""
+        row = {
             "id": self.id,
             "source": self.source,
             "messages": [
@@ -62,53 +122,69 @@ class Sample:
             "num_tokens": self.num_tokens,
             "meta": json.dumps(self.meta, sort_keys=True) if self.meta else None,
         }
+        for name, parts in self.media.items():
+            if name != "image":
+                row[MEDIA_COLUMNS[name]] = [{"bytes": b, "path": None} for b in parts]
+        return row
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> "Sample":
-        """Inverse of `to_row`; accepts rows read by pyarrow or by datasets with `decode=False` images."""
+        """Inverse of `to_row`; accepts rows read by pyarrow or by datasets with `decode=False` media, and rows
+        of shards written before the `videos`/`audios` columns existed."""
         messages = []
         for m in row["messages"]:
             parts = []
             for p in m["content"]:
-                if p["type"] == "image":
-                    parts.append({"type": "image", "index": int(p["index"])})
+                if p["type"] in MODALITIES:
+                    parts.append({"type": p["type"], "index": int(p["index"])})
                 else:
                     parts.append({"type": "text", "text": p["text"] or ""})
             messages.append({"role": m["role"], "content": parts})
-        images = [img["bytes"] if isinstance(img, dict) else img for img in row.get("images") or []]
+        media = {name: [v["bytes"] if isinstance(v, dict) else v for v in row.get(column) or []]
+                 for name, column in MEDIA_COLUMNS.items()}
         meta = row.get("meta")
         return cls(
             id=row["id"],
             messages=messages,
-            images=images,
+            media=media,
             source=row.get("source") or "",
             meta=json.loads(meta) if meta else {},
             num_tokens=row.get("num_tokens"),
         )
 
 
-def arrow_schema():
-    """The pyarrow schema of prepared shards, with `datasets` feature metadata so images decode as `Image`."""
+def arrow_schema(modalities: Iterable[str] = ("image",)):
+    """The pyarrow schema of prepared shards, with `datasets` feature metadata so images decode as `Image`.
+
+    `modalities`: the media columns to hold besides `images` (always present), e.g. `("image", "video")` adds
+    `videos`. Video and audio bytes are plain `{bytes, path}` structs (no `datasets` decoding: that would need
+    torchcodec). Raises DataError for an unknown modality.
+    """
     import pyarrow as pa
 
+    unknown = set(modalities) - set(MODALITIES)
+    if unknown:
+        raise DataError(f"unknown media modalities {sorted(unknown)}", hint=f"use one of {list(MODALITIES)}")
+    extra = [MEDIA_COLUMNS[m] for m in MODALITIES if m != "image" and m in set(modalities)]
     part = pa.struct([("type", pa.string()), ("text", pa.string()), ("index", pa.int32())])
     message = pa.struct([("role", pa.string()), ("content", pa.list_(part))])
-    image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    blob = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
     schema = pa.schema([
         ("id", pa.string()),
         ("source", pa.string()),
         ("messages", pa.list_(message)),
-        ("images", pa.list_(image)),
+        ("images", pa.list_(blob)),
         ("num_tokens", pa.int32()),
         ("meta", pa.string()),
+        *((column, pa.list_(blob)) for column in extra),
     ])
-    return schema.with_metadata({"huggingface": json.dumps({"info": {"features": _hf_features()}})})
+    return schema.with_metadata({"huggingface": json.dumps({"info": {"features": _hf_features(extra)}})})
 
 
-def _hf_features() -> dict[str, Any]:
+def _hf_features(extra_columns: list[str]) -> dict[str, Any]:
     # The JSON form of datasets.Features for the schema above (datasets.Features.to_dict()).
     text = {"dtype": "string", "_type": "Value"}
-    return {
+    features = {
         "id": text,
         "source": text,
         "messages": {
@@ -122,3 +198,7 @@ def _hf_features() -> dict[str, Any]:
         "num_tokens": {"dtype": "int32", "_type": "Value"},
         "meta": text,
     }
+    blob = {"bytes": {"dtype": "binary", "_type": "Value"}, "path": text}
+    for column in extra_columns:
+        features[column] = {"feature": blob, "_type": "List"}
+    return features

@@ -1,0 +1,105 @@
+"""The image unit: encoded image bytes -> PIL images for the processor, visual-token counts from the family
+spec, the blank dummy image, and how the processor's image tensors are batched."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+from vlmctl.data.modalities.base import ModalityUnit, placeholder_token_ids
+
+DUMMY_SIDE = 56
+"""Side in pixels of the dummy image when the processor has no fixed input size: the smallest image Qwen-VL
+processors accept (their `size` is in pixels of area, not a side)."""
+
+
+def decode_images(images: list[bytes]) -> list:
+    """Encoded images -> RGB PIL images, in order."""
+    from PIL import Image
+
+    out = []
+    for data in images:
+        img = Image.open(io.BytesIO(data))
+        out.append(img.convert("RGB") if img.mode != "RGB" else img)
+    return out
+
+
+def image_size(data: bytes) -> tuple[int, int]:
+    """(width, height) in pixels of an encoded image, from its header."""
+    from PIL import Image
+
+    return Image.open(io.BytesIO(data)).size
+
+
+def image_token_ids(processor: Any) -> set[int]:
+    """Ids of the processor's image placeholder token(s)."""
+    return placeholder_token_ids(processor, "image")
+
+
+def image_side(processor: Any) -> int:
+    """A small side for the dummy image: the fixed input size where the processor resizes to one (LLaVA), else
+    `DUMMY_SIDE`."""
+    size = getattr(getattr(processor, "image_processor", None), "size", None)
+    # a plain dict, or transformers' SizeDict (attributes, unset ones None)
+    height = size.get("height") if isinstance(size, dict) else getattr(size, "height", None)
+    return height if isinstance(height, int) else DUMMY_SIDE
+
+
+def stack_images(inputs: list[dict[str, Any]], *, packed: bool = False) -> dict[str, Any]:
+    """Image tensors of a batch, from each row's (or packed sample's) image tensors.
+
+    Most processors return images along dim 0 ([N_images, ...]; Qwen-VL: patches along dim 0 plus
+    `image_grid_thw` [N_images, 3]): concatenated. Idefics3-style processors return [1, N, 3, H, W] per sample:
+    stacked to [B, N_max, ...], zero-padded (all-zero images are skipped by those models), or for one packed
+    row concatenated along dim 1 to [1, sum N, ...].
+    """
+    import torch
+
+    keys = sorted({k for inp in inputs for k in inp})
+    per_sample = any(inp.get("pixel_values") is not None and inp["pixel_values"].ndim == 5 for inp in inputs)
+    out = {}
+    for k in keys:
+        present = [inp[k] for inp in inputs if k in inp]
+        if not per_sample or packed:
+            out[k] = torch.cat(present, dim=1 if per_sample else 0)
+            continue
+        n = max(t.shape[1] for t in present)
+        ref = present[0]
+        stacked = torch.zeros((len(inputs), n, *ref.shape[2:]), dtype=ref.dtype)
+        for i, inp in enumerate(inputs):
+            if k in inp:
+                t = inp[k][0]
+                stacked[i, : t.shape[0]] = t
+        out[k] = stacked
+    return out
+
+
+class ImageUnit(ModalityUnit):
+    """Images: `{"type": "image", "index": i}` parts, the processor's `images=`; it owns every processor output
+    that no other unit claims (`pixel_values`, `image_grid_thw`, `pixel_attention_mask`, ...)."""
+
+    name = "image"
+    processor_kwarg = "images"
+    catch_all = True
+
+    def decode(self, parts: list[bytes]) -> list:
+        return decode_images(parts)
+
+    def size(self, data: bytes) -> tuple[int, int]:
+        """(width, height) in pixels, from the header."""
+        return image_size(data)
+
+    def num_tokens(self, data: bytes, family: Any, processor: Any) -> int:
+        """`family.num_visual_tokens(width, height, processor)` of the image (see each family's visual-token rule)."""
+        width, height = image_size(data)
+        return int(family.num_visual_tokens(width, height, processor))
+
+    def dummy_input(self, processor: Any):
+        """A black RGB square of `image_side(processor)` pixels."""
+        from PIL import Image
+
+        side = image_side(processor)
+        return Image.new("RGB", (side, side), (0, 0, 0))
+
+    def collate(self, inputs: list[dict[str, Any]], *, packed: bool) -> dict[str, Any]:
+        return stack_images(inputs, packed=packed)

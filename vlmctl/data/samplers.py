@@ -1,0 +1,217 @@
+"""Resumable distributed batch samplers: one base, and one subclass per way of forming micro-batches.
+
+    sampler = DistributedBatchSampler(lengths, micro_batch_size=4, world_size=2, rank=0, seed=0,
+                                      group_by_length=True, weights=weights)
+    sampler.set_position(120)        # resume: the next unseen micro-batch of this rank
+    for indices in sampler: ...      # this rank's micro-batches (lists of sample indices), forever
+
+Every sampler works the same way (`BatchSampler`): an epoch is a list of *global* micro-batches, a pure function
+of (seed, epoch, lengths, weights), the same on every rank; each global micro-batch is dealt to the ranks, one
+micro-batch each. So every rank makes the same number of steps per epoch (no collective is needed to end one),
+and the position to resume from is one integer: micro-batches consumed on each rank. Subclasses only say how an
+epoch's global micro-batches are formed (`global_batches`) and dealt (`deal`).
+
+Epochs and weights (`epoch_indices`): an epoch draws `round(weight * n)` samples from a source of `n` samples
+(weight 2 = twice per epoch, 0.5 = a random half), shuffled together with a seed of (seed, epoch).
+
+Length grouping (`DistributedBatchSampler`) follows transformers' `LengthGroupedSampler`: shuffled indices are cut
+into mega-batches of 50 global micro-batches, each sorted by length, so a global micro-batch holds samples of
+similar length (less padding). A global micro-batch (world_size * micro_batch_size samples) is dealt to ranks with
+a stride, so every rank gets a similar number of tokens.
+
+Packing (`PackedBatchSampler`, with `PackedCollator`): an epoch's shuffled samples are grouped into bins of at most
+`tokens_per_batch` tokens by streaming first-fit decreasing (`vlmctl.data.packing.first_fit_decreasing`, bounded
+look-ahead) over their known lengths; the bins are shuffled and dealt to ranks in whole global micro-batches
+(`world_size` bins), bin `g * world_size + r` to rank r. The bin list does not depend on the world size: 2 ranks x
+1 bin per step see the same samples as 1 rank x 2 accumulated bins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from vlmctl.errors import DataError
+
+MEGA_BATCH_MULT = 50
+PACKING_LOOKAHEAD = 1024  # samples in the first-fit-decreasing buffer: bounded memory, near-optimal bins
+
+
+def epoch_indices(num_samples: int, weights: np.ndarray | None, seed: int, epoch: int) -> np.ndarray:
+    """The shuffled sample indices of one epoch, honouring per-sample weights (see the module docstring)."""
+    rng = np.random.default_rng([seed, epoch])
+    if weights is None or np.all(weights == 1.0):
+        return rng.permutation(num_samples)
+    picks = []
+    for w in np.unique(weights):
+        members = np.flatnonzero(weights == w)
+        whole, frac = divmod(float(w), 1.0)
+        reps = [members] * int(whole)
+        extra = int(round(frac * len(members)))
+        if extra:
+            reps.append(rng.choice(members, size=extra, replace=False))
+        picks.extend(reps)
+    order = np.concatenate(picks) if picks else np.zeros(0, dtype=np.int64)
+    return order[rng.permutation(len(order))]
+
+
+class BatchSampler:
+    """Yields this rank's micro-batches (lists of sample indices) forever, epoch after epoch, from a position.
+
+    `lengths`: tokens per sample (int64 [N]); `weights`: per-sample draw weights [N] or None (see
+    `epoch_indices`). Subclasses implement `global_batches(epoch)` (the epoch's global micro-batches, for all
+    ranks) and `deal(global_batch)` (this rank's share), and set `batches_per_epoch` (epoch 0's micro-batches per
+    rank); `epoch_batches(epoch)` is that count for any epoch (the default: the same for all).
+    """
+
+    batches_per_epoch: int
+
+    def __init__(self, lengths: np.ndarray, *, world_size: int = 1, rank: int = 0, seed: int = 0,
+                 weights: np.ndarray | None = None):
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.world_size = world_size
+        self.rank = rank
+        self.seed = seed
+        self.weights = weights
+        self.consumed = 0
+
+    def set_position(self, consumed: int) -> None:
+        """Continue after `consumed` micro-batches (per rank) counted from the start of training."""
+        self.consumed = int(consumed)
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The epoch's shuffled (weighted) sample indices."""
+        return epoch_indices(len(self.lengths), self.weights, self.seed, epoch)
+
+    def global_batches(self, epoch: int) -> Sequence[Any]:
+        """The epoch's global micro-batches, for all ranks, in order."""
+        raise NotImplementedError
+
+    def deal(self, global_batch: Any) -> list[int]:
+        """This rank's micro-batch of one global micro-batch."""
+        raise NotImplementedError
+
+    def epoch_batches(self, epoch: int) -> int:
+        """Micro-batches per rank in `epoch`."""
+        return self.batches_per_epoch
+
+    def locate(self, consumed: int) -> tuple[int, int]:
+        """(epoch, micro-batch within it) of the `consumed`-th micro-batch of this rank."""
+        epoch, offset = 0, consumed
+        while offset >= self.epoch_batches(epoch):
+            offset -= self.epoch_batches(epoch)
+            epoch += 1
+        return epoch, offset
+
+    def __iter__(self) -> Iterator[list[int]]:
+        epoch, offset = self.locate(self.consumed)
+        while True:
+            batches = self.global_batches(epoch)
+            for g in range(offset, len(batches)):
+                yield self.deal(batches[g])
+            epoch, offset = epoch + 1, 0
+
+
+class DistributedBatchSampler(BatchSampler):
+    """Micro-batches of `micro_batch_size` samples, optionally grouped by length (see the module docstring).
+
+    `global_micro_batch = world_size * micro_batch_size`; incomplete global micro-batches at the end of an epoch
+    are dropped so every rank makes the same number of steps. Raises DataError when the data is smaller than one
+    global micro-batch.
+    """
+
+    def __init__(self, lengths: np.ndarray, *, micro_batch_size: int, world_size: int = 1, rank: int = 0, seed: int = 0,
+                 group_by_length: bool = False, weights: np.ndarray | None = None):
+        super().__init__(lengths, world_size=world_size, rank=rank, seed=seed, weights=weights)
+        self.micro_batch_size = micro_batch_size
+        self.group_by_length = group_by_length
+        per_epoch = len(self.epoch_order(0)) // self.global_micro_batch
+        if per_epoch == 0:
+            raise DataError(f"{len(self.lengths)} samples are fewer than one global micro-batch "
+                            f"({world_size} ranks x {micro_batch_size} samples)",
+                            hint="lower train.micro_batch_size or the number of processes, or add data")
+        self.batches_per_epoch = per_epoch
+
+    @property
+    def global_micro_batch(self) -> int:
+        return self.world_size * self.micro_batch_size
+
+    def locate(self, consumed: int) -> tuple[int, int]:
+        return divmod(consumed, self.batches_per_epoch)  # every epoch has the same number of micro-batches
+
+    def global_batches(self, epoch: int) -> np.ndarray:
+        """[batches_per_epoch, global_micro_batch] sample indices of one epoch, for all ranks."""
+        order = self.epoch_order(epoch)
+        g = self.global_micro_batch
+        if self.group_by_length:
+            mega = g * MEGA_BATCH_MULT
+            chunks = []
+            for start in range(0, len(order), mega):
+                part = order[start:start + mega]
+                chunks.append(part[np.argsort(-self.lengths[part], kind="stable")])
+            order = np.concatenate(chunks)
+        usable = self.batches_per_epoch * g
+        batches = order[:usable].reshape(self.batches_per_epoch, g)
+        if self.group_by_length:
+            rng = np.random.default_rng([self.seed, epoch, 1])
+            batches = batches[rng.permutation(len(batches))]
+        return batches
+
+    def deal(self, global_batch: np.ndarray) -> list[int]:
+        # Strided deal: with length grouping each rank gets a similar share of long and short samples.
+        return global_batch[self.rank::self.world_size].tolist()
+
+
+class PackedBatchSampler(BatchSampler):
+    """Packed micro-batches: bins of at most `tokens_per_batch` tokens by `lengths` (see the module docstring).
+
+    Samples longer than `tokens_per_batch` are never drawn; `too_long` counts them (`data prepare` normally drops
+    them as too_long). `batches_per_epoch` is epoch 0's count of micro-batches per rank (later epochs pack their own
+    shuffle and may differ by a few bins). Raises DataError when an epoch makes fewer bins than ranks.
+    """
+
+    def __init__(self, lengths: np.ndarray, *, tokens_per_batch: int, world_size: int = 1, rank: int = 0, seed: int = 0,
+                 weights: np.ndarray | None = None, lookahead: int = PACKING_LOOKAHEAD):
+        super().__init__(lengths, world_size=world_size, rank=rank, seed=seed, weights=weights)
+        self.tokens_per_batch = tokens_per_batch
+        self.lookahead = lookahead
+        self.too_long = int((self.lengths > tokens_per_batch).sum())
+        self._plans: dict[int, list[list[int]]] = {}
+        self.batches_per_epoch = self.epoch_batches(0)
+
+    def bins(self, epoch: int) -> list[list[int]]:
+        """All bins of `epoch` (sample indices), shuffled, for all ranks; the same list for any world size."""
+        from vlmctl.data.packing import first_fit_decreasing
+
+        if epoch not in self._plans:
+            order = self.epoch_order(epoch)
+            order = order[self.lengths[order] <= self.tokens_per_batch]
+            # keys are positions in the epoch's order: a weighted sample may be drawn twice
+            items = ((pos, int(self.lengths[i])) for pos, i in enumerate(order))
+            bins = [[int(order[pos]) for pos in b] for b in first_fit_decreasing(items, self.tokens_per_batch, self.lookahead)]
+            # first-fit decreasing emits a buffer's bins from longest to shortest samples: shuffle them
+            perm = np.random.default_rng([self.seed, epoch, 2]).permutation(len(bins))
+            if len(self._plans) > 1:
+                self._plans.pop(min(self._plans))
+            self._plans[epoch] = [bins[j] for j in perm]
+        return self._plans[epoch]
+
+    def epoch_batches(self, epoch: int) -> int:
+        """Micro-batches per rank in `epoch` (incomplete global micro-batches at its end are dropped)."""
+        n = len(self.bins(epoch)) // self.world_size
+        if n == 0:
+            raise DataError(f"{len(self.lengths) - self.too_long} samples pack into {len(self.bins(epoch))} bins of "
+                            f"train.tokens_per_batch={self.tokens_per_batch} tokens, fewer than the {self.world_size} ranks",
+                            hint="lower train.tokens_per_batch or the number of processes, or add data")
+        return n
+
+    def global_batches(self, epoch: int) -> list[list[list[int]]]:
+        """[epoch_batches(epoch), world_size] bins of one epoch: global micro-batch g holds bins g * world_size
+        to (g + 1) * world_size - 1."""
+        bins, w = self.bins(epoch), self.world_size
+        return [bins[g * w:(g + 1) * w] for g in range(self.epoch_batches(epoch))]
+
+    def deal(self, global_batch: list[list[int]]) -> list[int]:
+        return global_batch[self.rank]
