@@ -1,17 +1,17 @@
-"""The family table: module paths on real transformers classes, a forward/backward of each tiny family, the
-visual-token rule of each family against its real processor, and preset parameter counts on the meta device."""
+"""Every registered family, built from its tiny preset: module paths on real transformers classes, a
+forward/backward, and the visual-token rule against its real processor. Family-specific checks live in
+tests/unit/test_families_<family>.py; the registry's in tests/unit/test_families_registry.py."""
 
 from __future__ import annotations
 
 import pytest
 
 from vlmctl.config.model import ModelSection
-from vlmctl.errors import ModelError
-from vlmctl.models import FAMILIES, build_model, detect_family, get_family, load_model
+from vlmctl.models import FAMILIES, build_model, detect_family, load_model
 from vlmctl.families import count_parameters, decoder_layer_classes, decoder_layers, parts, vision_layer_classes
 
 TEXTS = ["What color is the triangle? Answer with one word.", "red", "How many circles are there?", "3"] * 10
-TINY = {"llava": "tiny", "qwen2_vl": "tiny-qwen2-vl", "qwen2_5_vl": "tiny-qwen2.5-vl", "qwen3_vl": "tiny-qwen3-vl", "idefics3": "tiny-idefics3"}
+TINY = {name: spec.tiny_preset for name, spec in FAMILIES.items() if spec.tiny_preset}
 SIZES = [(64, 64), (100, 60), (37, 211), (300, 200), (640, 480)]
 
 
@@ -85,31 +85,3 @@ def test_visual_token_rule_from_config(built):
     model, processor, fam = built["qwen2_5_vl"]
     # From a config the published processor settings are assumed: 28 px per token, 448x448 -> 256 tokens.
     assert fam.num_visual_tokens(448, 448, model.config) == 256
-
-
-def test_unknown_family_errors():
-    with pytest.raises(ModelError, match="unknown model family"):
-        get_family("blip9")
-    with pytest.raises(ModelError, match="not a supported VLM family"):
-        detect_family({"model_type": "qwen2"})
-    assert get_family("qwen2.5-vl").name == "qwen2_5_vl"
-
-
-def test_qwen2_5_vl_3b_preset_parameter_count():
-    from vlmctl.models.build import instantiate, plan_build
-
-    model = instantiate(plan_build(ModelSection(preset="qwen2.5-vl-3b", init="random")), device="meta")
-    counts = count_parameters(model, get_family("qwen2_5_vl"))
-    assert abs(counts["total"] - 3.75e9) / 3.75e9 < 0.01, counts
-    assert next(model.parameters()).is_meta
-
-
-def test_composed_real_presets_on_meta():
-    from vlmctl.models.build import instantiate, plan_build
-
-    plan = plan_build(ModelSection(vision="siglip-so400m", llm="qwen2.5-0.5b", init="random"))
-    model = instantiate(plan, device="meta")
-    counts = count_parameters(model, get_family("llava"))
-    # SigLIP so400m without its pooling head ~400M; Qwen2.5-0.5B 494M (tied embeddings).
-    assert 0.39e9 < counts["vision"] < 0.42e9 and abs(counts["llm"] - 494e6) / 494e6 < 0.01
-    assert plan.feature_strategy == "full" and model.config.image_seq_length == (384 // 14) ** 2

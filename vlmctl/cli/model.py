@@ -10,7 +10,7 @@ from vlmctl.cli._common import ConfigOpt, JsonOpt, OverridesArg, console, info, 
 
 app = typer.Typer(help="Build or inspect the model.", no_args_is_help=True)
 
-EXAMPLE = "Example: vlmctl model build model.projector=linear --force"
+EXAMPLE = "Example: vlmctl model build model.projector=linear --force  (vlmctl model build --list: the supported families)"
 
 
 @app.command("build", epilog=EXAMPLE)
@@ -18,9 +18,13 @@ def build(
     config: ConfigOpt = None,
     overrides: OverridesArg = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing built model.")] = False,
+    list_families: Annotated[bool, typer.Option("--list", help="List the supported model families and exit.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Compose vision encoder + projector + LLM (or pick up model.base) into a standard HF checkpoint."""
+    if list_families:
+        _list_families(as_json)
+        return
     cfg = load_project(config, overrides)
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -39,6 +43,45 @@ def build(
         print_json({**result.to_dict(), "summary": summary})
         return
     _render(result, summary)
+
+
+def _list_families(as_json: bool) -> None:
+    from rich.table import Table
+
+    from vlmctl.families import family_table
+
+    rows = family_table()
+    if as_json:
+        print_json(rows)
+        return
+    fields = {
+        "model class": lambda r: r["model_class"],
+        "modalities": lambda r: "\n".join(f"{m} {t}" for m, t in r["modalities"].items()),
+        "vision tower": lambda r: r["vision_tower"],
+        "projector": lambda r: "\n".join(r["projector"]),
+        "language model": lambda r: r["language_model"],
+        "liger patch": lambda r: r["liger_patch"] or "[dim]-[/dim]",
+        "notes": lambda r: r["notes"] + (" [dim](compose family: model.vision + model.llm)[/dim]" if r["compose"] else ""),
+    }
+    title = "Model families (model.family; detected from the checkpoint's model_type)"
+    if console.width >= 230:  # one row per family
+        table = Table(title=title, title_justify="left")
+        table.add_column("family", no_wrap=True)
+        for label in fields:
+            table.add_column(label, no_wrap=label != "notes", min_width=30 if label == "notes" else None)
+        for r in rows:
+            table.add_row(r["name"], *(get(r) for get in fields.values()))
+        console.print(table)
+        return
+    console.print(title)
+    for r in rows:  # narrow terminals: one small key/value table per family
+        console.print()
+        table = Table(title=f"[bold]{r['name']}[/bold]", title_justify="left", show_header=False, box=None, pad_edge=False)
+        table.add_column(style="dim", no_wrap=True)
+        table.add_column(overflow="fold")
+        for label, get in fields.items():
+            table.add_row(label, get(r))
+        console.print(table)
 
 
 def _visible_gpus() -> int:

@@ -7,7 +7,7 @@ Text tokens: the conversation rendered with the processor's chat template (so te
 without extra special tokens. Each image's placeholder token in that text is replaced by the family's number of
 visual tokens for the image's size:
 1. `vlmctl.families.get_family(name).num_visual_tokens(width, height, processor)` when the model folder's
-   `vlmctl_model.json` names a family the table knows;
+   `vlmctl_model.json` names a registered family;
 2. else the processor's own `_get_num_multimodal_tokens(image_sizes=...)` (transformers processors);
 3. else the fixed-resolution LLaVA rule `(H / patch) * (W / patch) + num_additional_image_tokens
    (- 1 for vision_feature_select_strategy "default")` from transformers' `LlavaProcessor`.
@@ -31,9 +31,16 @@ def has_processor(folder: Path | None) -> bool:
 
 
 class TokenCounter:
-    """Counts tokens of canonical samples for one processor. Build with `TokenCounter.load(folder)`."""
+    """Counts tokens of canonical samples for one processor. Build with `TokenCounter.load(folder)`.
+
+    `family`: a family name (resolved with `vlmctl.families.get_family`); None or an unknown name falls back to the
+    processor's own rule.
+    """
 
     def __init__(self, processor: Any, family: str | None, folder: Path):
+        from vlmctl.errors import ModelError
+        from vlmctl.families import get_family
+
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.family_name = family
@@ -41,10 +48,8 @@ class TokenCounter:
         self._family = None
         if family:
             try:
-                from vlmctl.families import get_family  # written alongside the model builder
-
                 self._family = get_family(family)
-            except Exception:  # noqa: BLE001 - family table absent or name unknown: fall back to the processor's rule
+            except ModelError:  # a family this version does not know: fall back to the processor's rule
                 self._family = None
         token = getattr(processor, "image_token", None) or getattr(self.tokenizer, "image_token", None) or "<image>"
         self.image_token = token

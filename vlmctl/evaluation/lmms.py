@@ -20,16 +20,16 @@ def lmms_eval_available() -> bool:
 
 def lmms_command(model_dir: Path, tasks: str, out_dir: Path, batch_size: int) -> list[str]:
     """The `python -m lmms_eval ...` command line for `model_dir` (its adapter chosen from config.json)."""
-    from vlmctl.families import detect_family, get_family
+    from vlmctl.families import compose_family, detect_family, get_family
 
-    # the family's lmms-eval adapter; llava_hf reads any LlavaForConditionalGeneration folder
+    # the family's lmms-eval adapter; else the compose family's (llava_hf reads any LlavaForConditionalGeneration folder)
     config = json.loads((Path(model_dir) / "config.json").read_text())
     try:
         adapter = get_family(detect_family(config)).lmms_model
     except VlmctlError:
         adapter = None
     return [
-        sys.executable, "-m", "lmms_eval", "--model", adapter or "llava_hf",
+        sys.executable, "-m", "lmms_eval", "--model", adapter or compose_family().lmms_model,
         "--model_args", f"pretrained={model_dir}", "--tasks", tasks, "--batch_size", str(batch_size),
         "--output_path", str(out_dir),
     ]

@@ -1,27 +1,39 @@
-"""VLM families: one `FamilySpec` per family, in a registry. Everything that differs between families lives here.
+"""VLM families: one module per family, each registering one `FamilySpec`. Everything that differs between
+families (module paths, modalities, visual-token rule, build recipe, position ids, integrations) lives here.
 
     from vlmctl.families import get_family, detect_family
     spec = get_family("qwen2_5_vl")
     vision = model.get_submodule(spec.vision_tower)
+
+- `spec.py`: the `FamilySpec` class and helpers over a loaded model (parts, parameter counts, layer discovery);
+- `registry.py`: `FAMILIES`, `register`, `get_family`, `detect_family`, `compose_family`, `family_table`;
+- `llava.py` (the compose family), `qwen_vl.py` (qwen2_vl, qwen2_5_vl, qwen3_vl), `idefics3.py`: the families,
+  each with its table of module paths.
+
+docs/adding-a-family.md shows how to add a family (one module + one test).
 """
 
+from vlmctl.families.registry import FAMILIES, compose_family, detect_family, family_table, get_family, register
 from vlmctl.families.spec import (
     CLS_VISION_TYPES,
-    FAMILIES,
     PARTS,
     Family,
+    FamilySpec,
     count_parameters,
     decoder_layer_classes,
     decoder_layers,
-    detect_family,
-    get_family,
+    has_cls_token,
     part_of_parameter,
     parts,
     vision_layer_classes,
     vision_layers,
 )
 
+# The built-in families register themselves on import, in this order.
+from vlmctl.families import llava, qwen_vl, idefics3  # noqa: E402, F401  isort: skip
+
 __all__ = [
-    "CLS_VISION_TYPES", "FAMILIES", "PARTS", "Family", "count_parameters", "decoder_layer_classes", "decoder_layers",
-    "detect_family", "get_family", "part_of_parameter", "parts", "vision_layer_classes", "vision_layers",
+    "CLS_VISION_TYPES", "FAMILIES", "PARTS", "Family", "FamilySpec", "compose_family", "count_parameters",
+    "decoder_layer_classes", "decoder_layers", "detect_family", "family_table", "get_family", "has_cls_token",
+    "part_of_parameter", "parts", "register", "vision_layer_classes", "vision_layers",
 ]

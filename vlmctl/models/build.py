@@ -2,23 +2,24 @@
 
 Three modes, picked from the section:
 
-- **compose** (`vision` + `llm`): a vision encoder and a causal LM joined by a projector into the standard
-  `LlavaForConditionalGeneration` layout (LLaVA-1.5, Liu et al. 2023, https://arxiv.org/abs/2310.03744) with a
-  `LlavaProcessor` (the encoder's image processor, the LLM's tokenizer with `<image>` added, a chat template).
-  Loads with plain `AutoModelForImageTextToText` / `AutoProcessor`.
+- **compose** (`vision` + `llm`): a vision encoder and a causal LM joined by a projector into the layout of the
+  compose family (`vlmctl.families.compose_family()`: LLaVA's `LlavaForConditionalGeneration`, LLaVA-1.5, Liu et al.
+  2023, https://arxiv.org/abs/2310.03744) with its processor (the encoder's image processor, the LLM's tokenizer
+  with the image token added, a chat template). Loads with plain `AutoModelForImageTextToText` / `AutoProcessor`.
 - **preset** (`preset` with `init: random`): a whole model built from a size preset under `presets/` (YAML data):
   weights initialized from configs, tokenizer trained on the prepared data (`vlmctl.models.tokenizer`). No download.
-- **base** (`base`): an existing VLM of a family in `vlmctl.families.FAMILIES`. The build loads it once to
-  verify it, records its family and parameter counts, and writes only `vlmctl_model.json` pointing at it (weights
-  are neither copied nor linked); `load_model(output_dir)` follows the pointer.
+- **base** (`base`): an existing VLM of a registered family (`vlmctl.families.FAMILIES`). The build loads it once
+  to verify it, records its family and parameter counts, and writes only `vlmctl_model.json` pointing at it
+  (weights are neither copied nor linked); `load_model(output_dir)` follows the pointer.
 
+What differs between families (config token ids, image / video processor, tokenizer special tokens, image-size
+settings) is asked of the family spec (`vlmctl.families.FamilySpec`); this module branches on no family name.
 Everything that can be checked without weights (ids, configs, tokenizer, chat template, vision/LLM compatibility) is
 checked before any weights load. Output is written to a temporary sibling folder and renamed into place.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import shutil
@@ -31,19 +32,12 @@ from typing import Any
 
 from vlmctl.config.model import ModelSection
 from vlmctl.errors import ConfigError, ModelError
-from vlmctl.families import CLS_VISION_TYPES, FAMILIES, Family, count_parameters, get_family
+from vlmctl.families import CLS_VISION_TYPES, FamilySpec, compose_family, count_parameters, get_family, has_cls_token
+from vlmctl.models.load import DTYPES, INFO_FILE, load_or_explain, silence_transformers, transformers_class
 from vlmctl.models.tokenizer import chatml_template, texts_from_prepared, train_tokenizer
 
 PRESET_DIR = Path(__file__).parent / "presets"
-INFO_FILE = "vlmctl_model.json"
 INFO_VERSION = 1
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
-# Vision encoders that LLaVA cannot drive: they need inputs LlavaModel does not pass (NaFlex patch masks).
-UNSUPPORTED_VISION = {
-    "siglip2_vision_model": "SigLIP2 NaFlex encoders need pixel_attention_mask/spatial_shapes, which LLaVA does not pass; "
-    "use a fixed-resolution SigLIP2 checkpoint (model_type siglip) or a SigLIP/CLIP encoder",
-}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -85,15 +79,14 @@ def is_preset(ref: str | None) -> bool:
 
 @dataclass(frozen=True)
 class ProjectorSpec:
-    """How a projector choice maps onto a model layout.
+    """How a projector choice (`model.projector`) maps onto the compose family's layout (`compose_family()`).
 
-    `family` is the layout that carries it; `config` are the family config keys that select it; `init` adjusts the
-    freshly initialized projector module. A connector that changes the number of visual tokens (pixel shuffle,
-    perceiver resampler) adds an entry here with its own layout and sets `token_divisor`.
+    `config` are the family config keys that select it; `init` adjusts the freshly initialized projector module.
+    A connector that changes the number of visual tokens (pixel shuffle, perceiver resampler) adds an entry here
+    and sets `token_divisor`.
     """
 
     name: str
-    family: str
     config: dict[str, Any]
     init: Callable[[Any], None] | None = None
     token_divisor: int = 1
@@ -111,8 +104,8 @@ def _init_linear(projector) -> None:
 
 
 PROJECTORS: dict[str, ProjectorSpec] = {
-    "mlp2x_gelu": ProjectorSpec("mlp2x_gelu", "llava", {"projector_hidden_act": "gelu", "multimodal_projector_bias": True}),
-    "linear": ProjectorSpec("linear", "llava", {"projector_hidden_act": "linear", "multimodal_projector_bias": True}, init=_init_linear),
+    "mlp2x_gelu": ProjectorSpec("mlp2x_gelu", {"projector_hidden_act": "gelu", "multimodal_projector_bias": True}),
+    "linear": ProjectorSpec("linear", {"projector_hidden_act": "linear", "multimodal_projector_bias": True}, init=_init_linear),
 }
 
 
@@ -126,7 +119,7 @@ class BuildPlan:
     """What will be built, resolved from the section without loading weights."""
 
     mode: str  # "compose" | "preset" | "base"
-    family: Family
+    family: FamilySpec
     init: str
     section: ModelSection
     preset: str | None = None
@@ -178,9 +171,9 @@ def plan_build(model: ModelSection) -> BuildPlan:
             hint="compose a VLM with model.vision + model.llm, fine-tune one with model.base, or use "
             "model.preset=tiny with model.init=random",
         )
-    plan = BuildPlan(mode="compose", family=FAMILIES["llava"], init=model.init, section=model, trust_remote_code=trc,
+    plan = BuildPlan(mode="compose", family=compose_family(), init=model.init, section=model, trust_remote_code=trc,
                      vision_ref=model.vision, llm_ref=model.llm)
-    plan.vision_config = _vision_config(model.vision, model.init, trc)
+    plan.vision_config = _vision_config(model.vision, model.init, trc, plan.family)
     plan.text_config = _llm_config(model.llm, model.init, trc)
     plan.projector = PROJECTORS[model.projector]
     plan.feature_layer = model.vision_feature_layer
@@ -212,7 +205,7 @@ def _plan_preset(model: ModelSection, name: str) -> BuildPlan:
     if model.tokenizer is not None:
         ref = model.tokenizer
         plan.tokenizer = _load_tokenizer(ref, family, model.trust_remote_code)
-    if family.name == "llava":
+    if family.compose:  # the preset holds a vision encoder and an LLM config
         plan.vision_config = _config_from_dict(data["vision"])
         plan.text_config = data["llm"]  # made a config once the tokenizer size is known (vocab_size: auto)
         plan.projector = PROJECTORS[model.projector if "projector" in model.model_fields_set else data.get("projector", "mlp2x_gelu")]
@@ -225,7 +218,7 @@ def _plan_preset(model: ModelSection, name: str) -> BuildPlan:
         plan.vlm_config = data["config"]
         plan.processor_kwargs = dict(data.get("processor") or {})
         if model.image_size is not None:
-            _apply_image_size(family, plan.processor_kwargs, model.image_size)
+            plan.processor_kwargs = family.image_size_kwargs(plan.processor_kwargs, model.image_size)
         plan.image_size = model.image_size
     plan.chat_template = _chat_template(model, plan.tokenizer, family)
     return plan
@@ -233,7 +226,7 @@ def _plan_preset(model: ModelSection, name: str) -> BuildPlan:
 
 def _plan_base(model: ModelSection) -> BuildPlan:
     ref = model.base
-    cfg = _load("model", ref, lambda: _auto("AutoConfig").from_pretrained(ref, trust_remote_code=model.trust_remote_code))
+    cfg = load_or_explain("model", ref, lambda: transformers_class("AutoConfig").from_pretrained(ref, trust_remote_code=model.trust_remote_code))
     from vlmctl.families import detect_family
 
     family = get_family(model.family) if model.family else get_family(detect_family(cfg))
@@ -251,45 +244,11 @@ def _plan_base(model: ModelSection) -> BuildPlan:
                      trust_remote_code=model.trust_remote_code, image_size=model.image_size)
 
 
-def _load_tokenizer(ref: str, family: Family, trc: bool):
+def _load_tokenizer(ref: str, family: FamilySpec, trc: bool):
     # `extra_special_tokens` adds the image token when missing and exposes it as `tokenizer.image_token`, which is
     # what the processors read; it is saved with the tokenizer.
-    return _load("tokenizer", ref, lambda: _auto("AutoTokenizer").from_pretrained(
+    return load_or_explain("tokenizer", ref, lambda: transformers_class("AutoTokenizer").from_pretrained(
         ref, trust_remote_code=trc, extra_special_tokens={"image_token": family.image_token}))
-
-
-def _auto(name: str):
-    import transformers
-
-    return getattr(transformers, name)
-
-
-def _load(what: str, ref: str, fn: Callable[[], Any]) -> Any:
-    """Run a from_pretrained call; turn Hub/offline/missing-folder failures into a ModelError with a hint."""
-    try:
-        return fn()
-    except ModelError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - transformers raises OSError/ValueError/hub errors for the same causes
-        raise _load_error(what, ref, exc) from exc
-
-
-def _load_error(what: str, ref: str, exc: Exception) -> ModelError:
-    looks_local = ref.startswith((".", "/", "~")) or os.sep in ref and Path(ref).exists()
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false") or "offline" in str(exc).lower() or \
-        "connect" in str(exc).lower() or "resolve" in str(exc).lower()
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if looks_local and not Path(ref).expanduser().exists():
-        return ModelError(f"cannot load {what} {ref!r}: the folder does not exist", hint="check the path in vlmctl.yaml (relative paths are relative to the project file)")
-    if looks_local:
-        return ModelError(f"cannot load {what} from {ref}: {first}", hint="the folder must hold a Hugging Face checkpoint (config.json, weights, tokenizer files)")
-    if offline:
-        return ModelError(
-            f"cannot load {what} {ref!r}: the Hugging Face Hub is unreachable (offline) and it is not in the local cache",
-            hint=f"set the key to a local folder, or pre-download it where there is internet (`hf download {ref}`) and "
-            "copy the cache (HF_HOME) here; with init: random, use a preset name instead",
-        )
-    return ModelError(f"cannot load {what} {ref!r}: {first}", hint="check the id on huggingface.co (gated repos need `hf auth login`)")
 
 
 def _config_from_dict(data: dict[str, Any]):
@@ -311,11 +270,11 @@ def _preset_part(ref: str, part: str, what: str, init: str) -> dict[str, Any]:
     return data[part]
 
 
-def _vision_config(ref: str, init: str, trc: bool):
+def _vision_config(ref: str, init: str, trc: bool, family: FamilySpec):
     if is_preset(ref):
         cfg = _config_from_dict(_preset_part(ref, "vision", "a vision encoder", init))
     else:
-        cfg = _load("vision encoder", ref, lambda: _auto("AutoConfig").from_pretrained(ref, trust_remote_code=trc))
+        cfg = load_or_explain("vision encoder", ref, lambda: transformers_class("AutoConfig").from_pretrained(ref, trust_remote_code=trc))
     if getattr(cfg, "vision_config", None) is not None and getattr(cfg, "text_config", None) is not None and cfg.model_type in ("clip", "siglip", "siglip2", "chinese_clip", "metaclip_2"):
         cfg = cfg.vision_config  # a dual encoder (CLIP/SigLIP): keep its vision half
     elif getattr(cfg, "vision_config", None) is not None:
@@ -323,8 +282,8 @@ def _vision_config(ref: str, init: str, trc: bool):
             f"model.vision={ref!r} is a {cfg.model_type!r} model, not a vision encoder",
             hint="set model.vision to a vision encoder (SigLIP, CLIP, ...); to fine-tune this VLM use model.base",
         )
-    if cfg.model_type in UNSUPPORTED_VISION:
-        raise ModelError(f"model.vision={ref!r}: {UNSUPPORTED_VISION[cfg.model_type]}", hint="choose another vision encoder")
+    if cfg.model_type in family.unsupported_vision:
+        raise ModelError(f"model.vision={ref!r}: {family.unsupported_vision[cfg.model_type]}", hint="choose another vision encoder")
     if not hasattr(cfg, "hidden_size") or not hasattr(cfg, "patch_size"):
         raise ModelError(f"model.vision={ref!r} ({cfg.model_type}) is not a ViT-style vision encoder (no hidden_size/patch_size)",
                          hint="LLaVA composition supports ViT encoders such as SigLIP and CLIP")
@@ -338,7 +297,7 @@ def _llm_config(ref: str, init: str, trc: bool):
 
     if is_preset(ref):
         return _preset_part(ref, "llm", "a language model", init)  # a config once the tokenizer is known (vocab_size may be `auto`)
-    cfg = _load("language model", ref, lambda: _auto("AutoConfig").from_pretrained(ref, trust_remote_code=trc))
+    cfg = load_or_explain("language model", ref, lambda: transformers_class("AutoConfig").from_pretrained(ref, trust_remote_code=trc))
     if getattr(cfg, "vision_config", None) is not None:
         raise ModelError(f"model.llm={ref!r} is a vision-language model ({cfg.model_type})",
                          hint="to fine-tune an existing VLM set model.base instead of model.vision + model.llm")
@@ -355,23 +314,6 @@ def _check_feature_layer(plan: BuildPlan) -> None:
             f"model.vision_feature_layer={plan.feature_layer} is outside the vision encoder's {n} layers",
             hint=f"use -1 (last layer), -2 (LLaVA-1.5's choice) or any index in [-{n}, {n}]",
         )
-
-
-def has_cls_token(vision_config) -> bool:
-    """True when the encoder's output starts with a CLS token (CLIP, ViT), False for SigLIP-style encoders.
-
-    Decided by instantiating the embeddings on the meta device (no memory): `num_positions > num_patches` means an
-    extra CLS position; falls back to `CLS_VISION_TYPES` by model type.
-    """
-    import torch
-    from transformers import AutoModel
-
-    try:
-        with torch.device("meta"):
-            emb = AutoModel.from_config(vision_config).embeddings
-        return int(emb.num_positions) > int(emb.num_patches)
-    except Exception:  # noqa: BLE001 - encoders without these attributes
-        return vision_config.model_type in CLS_VISION_TYPES
 
 
 def _feature_strategy(value: str, vision_config) -> str:
@@ -402,15 +344,7 @@ def _image_size(model: ModelSection, vision_config, *, pretrained: bool) -> int:
     return model.image_size
 
 
-def _apply_image_size(family: Family, kwargs: dict[str, Any], size: int) -> None:
-    if family.name.startswith("qwen"):
-        kwargs["max_pixels"] = size * size
-        kwargs["min_pixels"] = min(kwargs.get("min_pixels", 3136), size * size)
-    elif family.name == "idefics3":
-        kwargs["size"] = {"longest_edge": size}
-
-
-def _chat_template(model: ModelSection, tokenizer, family: Family) -> str | None:
+def _chat_template(model: ModelSection, tokenizer, family: FamilySpec) -> str | None:
     text = model.chat_template
     if text is not None:
         p = Path(text).expanduser()
@@ -511,7 +445,7 @@ def build_model(
             processor = make_processor(plan, prepared_dir=prepared_dir, tokenizer_texts=tokenizer_texts)
             vlm = make_model(plan, processor, seed=seed)
             info = _info(plan, vlm, processor)
-            _silence_transformers()
+            silence_transformers()
             vlm.save_pretrained(tmp)
             processor.save_pretrained(tmp)
         (tmp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
@@ -532,12 +466,6 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
     tmp.rename(out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def _silence_transformers() -> None:
-    import transformers
-
-    transformers.logging.set_verbosity_error()
 
 
 def _torch_dtype(name: str):
@@ -570,85 +498,18 @@ def make_processor(plan: BuildPlan, *, prepared_dir: Path | None = None, tokeniz
                 raise DataError("a tokenizer must be trained for this random-init model, but there is no data",
                                 hint="run `vlmctl data prepare` first (its shards are used), or set model.tokenizer")
             texts = list(texts_from_prepared(Path(prepared_dir)))
-        extra = {}
-        specials = list(fam.special_tokens)
-        if fam.name == "idefics3":
-            specials += [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
-        if fam.name.startswith("qwen"):
-            extra = {"vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>", "video_token": "<|video_pad|>"}
-        tok = train_tokenizer(texts, vocab_size=plan.tokenizer_vocab_size, special_tokens=specials,
-                              image_token=fam.image_token, image_prompt=fam.image_prompt, extra_special_tokens=extra)
+        tok = train_tokenizer(texts, vocab_size=plan.tokenizer_vocab_size, special_tokens=fam.special_tokens,
+                              image_token=fam.image_token, image_prompt=fam.image_prompt,
+                              extra_special_tokens=dict(fam.extra_special_tokens))
     else:
         if tok.pad_token is None:
             tok.add_special_tokens({"pad_token": "<pad>"})
     if plan.chat_template is not None:
         tok.chat_template = plan.chat_template
     template = tok.chat_template
-    if fam.name == "llava":
-        from transformers import LlavaProcessor
-
-        return LlavaProcessor(
-            image_processor=plan.image_processor, tokenizer=tok, patch_size=plan.vision_config.patch_size,
-            vision_feature_select_strategy=plan.feature_strategy, chat_template=template,
-            num_additional_image_tokens=1 if has_cls_token(plan.vision_config) else 0,
-        )
-    return _family_processor(fam, tok, plan.processor_kwargs, template, plan.vlm_config)
-
-
-def _family_processor(fam: Family, tok, kwargs: dict[str, Any], template: str | None, vlm_config: dict[str, Any]):
-    import transformers
-
-    kwargs = dict(kwargs)
-    if fam.name.startswith("qwen"):
-        return family_processor(fam, tok, transformers.Qwen2VLImageProcessor(**kwargs), template)
-    if fam.name == "idefics3":
-        improc = transformers.Idefics3ImageProcessor(**kwargs)
-        vision = vlm_config["vision_config"]
-        # image_seq_len = (image_size / patch_size)**2 / scale_factor**2 (Idefics3Processor docstring)
-        seq_len = (vision["image_size"] // vision["patch_size"]) ** 2 // vlm_config.get("scale_factor", 2) ** 2
-        return family_processor(fam, tok, improc, template, image_seq_len=seq_len)
-    raise ModelError(f"no processor recipe for family {fam.name}")
-
-
-def family_processor(fam: Family, tokenizer, image_processor, chat_template: str | None = None, **kwargs):
-    """The family's processor class from its parts.
-
-    Families whose processor also owns a video processor (Qwen) need torchvision for it; where torchvision is not
-    installed (CPU machines) an image-only variant of the same class is returned: identical image/text behaviour,
-    saved under the family's class name, `videos=` unsupported.
-    """
-    import transformers
-
-    cls = getattr(transformers, fam.processor_class)
-    if "video_processor" not in inspect.signature(cls.__init__).parameters:
-        return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template, **kwargs)
-    try:
-        video = _video_processor(fam, image_processor)
-    except ImportError:
-        video = None
-    if video is not None:
-        return cls(image_processor=image_processor, tokenizer=tokenizer, video_processor=video, chat_template=chat_template, **kwargs)
-    return _image_only(cls)(image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=chat_template, **kwargs)
-
-
-def _video_processor(fam: Family, image_processor):
-    import transformers
-
-    name = {"qwen2_vl": "Qwen2VLVideoProcessor", "qwen2_5_vl": "Qwen2VLVideoProcessor", "qwen3_vl": "Qwen3VLVideoProcessor"}[fam.name]
-    cls = getattr(transformers, name)  # raises ImportError without torchvision
-    return cls(patch_size=image_processor.patch_size, merge_size=image_processor.merge_size,
-               temporal_patch_size=image_processor.temporal_patch_size)
-
-
-@lru_cache(maxsize=None)
-def _image_only(cls):
-    class ImageOnly(cls):
-        @classmethod
-        def get_attributes(klass):
-            return [a for a in super().get_attributes() if a != "video_processor"]
-
-    ImageOnly.__name__ = ImageOnly.__qualname__ = cls.__name__  # saved configs name the real class
-    return ImageOnly
+    if plan.vlm_config is None:  # composed from a vision encoder and an LLM
+        return fam.compose_processor(tok, plan.image_processor, plan.vision_config, plan.feature_strategy, template)
+    return fam.preset_processor(tok, template, plan.processor_kwargs, plan.vlm_config)
 
 
 # ---- model ----
@@ -665,7 +526,10 @@ def make_config(plan: BuildPlan, tokenizer=None):
     def ids(*tokens):
         return [tokenizer.convert_tokens_to_ids(t) if tokenizer is not None else i for i, t in enumerate(tokens)]
 
-    if fam.name == "llava":
+    names = list(fam.config_token_ids)
+    *values, pad_id, eos_id = ids(*fam.config_token_ids.values(), "<pad>", "<|im_end|>")
+    token_ids = dict(zip(names, values))
+    if plan.vlm_config is None:  # composed from a vision encoder and an LLM
         text = plan.text_config
         if isinstance(text, dict):
             text = dict(text)
@@ -676,30 +540,18 @@ def make_config(plan: BuildPlan, tokenizer=None):
             text = text.__class__.from_dict(text.to_dict())
         if tokenizer is not None and len(tokenizer) > text.vocab_size:
             text.vocab_size = _round_up(len(tokenizer))  # embeddings are resized on load; record the final size
-        image_id, pad_id, eos_id = ids(fam.image_token, "<pad>", "<|im_end|>")
         if tokenizer is not None:
             pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
         text.pad_token_id = pad_id
         if isinstance(plan.text_config, dict):  # a preset: its token ids are the trained tokenizer's
             text.eos_token_id, text.bos_token_id = eos_id, None
-        vision = plan.vision_config
-        n_patches = (vision.image_size // vision.patch_size) ** 2
-        cls = has_cls_token(vision)
-        seq = n_patches + (1 if cls else 0) - (1 if plan.feature_strategy == "default" else 0)
-        return transformers.LlavaConfig(
-            vision_config=vision, text_config=text, image_token_id=image_id, image_seq_length=seq,
-            vision_feature_layer=plan.feature_layer, vision_feature_select_strategy=plan.feature_strategy,
-            tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)), **plan.projector.config,
-        )
+        return fam.compose_config(plan.vision_config, text, token_ids=token_ids, feature_layer=plan.feature_layer,
+                                  feature_strategy=plan.feature_strategy, projector_config=plan.projector.config)
     data = json.loads(json.dumps(plan.vlm_config))
     text = data.setdefault("text_config", {})
     if text.get("vocab_size") == "auto":
         text["vocab_size"] = _round_up(vocab)
-    if fam.name.startswith("qwen"):
-        image_id, video_id, vs, ve = ids("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
-        data.update(image_token_id=image_id, video_token_id=video_id, vision_start_token_id=vs, vision_end_token_id=ve)
-    elif fam.name == "idefics3":
-        (data["image_token_id"],) = ids("<image>")
+    data.update(token_ids)
     if tokenizer is not None:
         text.update(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
     return getattr(transformers, fam.config_class)(**data)
@@ -745,33 +597,37 @@ def make_model(plan: BuildPlan, processor, *, seed: int = 0):
 
 
 def _compose_pretrained(plan: BuildPlan, tok, seed: int):
-    """Load the vision encoder and LLM weights and join them with a fresh projector (LLaVA layout).
+    """Load the vision encoder and LLM weights and join them with a fresh projector (the compose family's layout).
 
-    The LLaVA skeleton is built on the meta device and its vision tower / language model / lm_head are replaced by
-    the loaded modules, so peak memory is one copy of the weights.
+    The family's skeleton is built on the meta device and its vision tower / language model / lm_head (at the
+    spec's module paths) are replaced by the loaded modules, so peak memory is one copy of the weights.
     """
     import torch
-    from transformers import AutoModelForCausalLM, LlavaForConditionalGeneration
+    import transformers
+    from transformers import AutoModelForCausalLM
 
-    _silence_transformers()
+    silence_transformers()
     torch_dtype = _torch_dtype(plan.section.dtype)
     trc = plan.trust_remote_code
     cfg = make_config(plan, tok)
-    vision = _load("vision encoder weights", plan.vision_ref, lambda: _load_vision(plan.vision_ref, plan.vision_config, torch_dtype, trc))
-    llm = _load("language model weights", plan.llm_ref, lambda: AutoModelForCausalLM.from_pretrained(plan.llm_ref, dtype=torch_dtype, trust_remote_code=trc))
+    vision = load_or_explain("vision encoder weights", plan.vision_ref, lambda: _load_vision(plan.vision_ref, plan.vision_config, torch_dtype, trc))
+    llm = load_or_explain("language model weights", plan.llm_ref, lambda: AutoModelForCausalLM.from_pretrained(plan.llm_ref, dtype=torch_dtype, trust_remote_code=trc))
     cfg.text_config = llm.config
+    fam = plan.family
     with torch.device("meta"):
-        vlm = LlavaForConditionalGeneration(cfg)
-    vlm.model.vision_tower = vision
-    vlm.model.language_model = llm.get_decoder()
-    vlm.lm_head = llm.get_output_embeddings()
+        vlm = getattr(transformers, fam.model_class)(cfg)
+    vlm.set_submodule(fam.vision_tower, vision)
+    vlm.set_submodule(fam.language_model, llm.get_decoder())
+    vlm.set_submodule(fam.lm_head, llm.get_output_embeddings())
     torch.manual_seed(seed)
-    projector = vlm.model.multi_modal_projector.to_empty(device="cpu")
-    for layer in (projector.linear_1, projector.linear_2):
-        layer.reset_parameters()  # nn.Linear's default init (as LLaVA's projector)
-    if plan.projector.init is not None:
-        plan.projector.init(projector)
-    vlm.model.multi_modal_projector = projector.to(torch_dtype)
+    for i, path in enumerate(fam.projector):
+        projector = vlm.get_submodule(path).to_empty(device="cpu")
+        for layer in projector.modules():
+            if isinstance(layer, torch.nn.Linear):
+                layer.reset_parameters()  # nn.Linear's default init (as LLaVA's projector)
+        if i == 0 and plan.projector.init is not None:
+            plan.projector.init(projector)
+        vlm.set_submodule(path, projector.to(torch_dtype))
     # Buffers of the skeleton that were not replaced (none in LLaVA today) must not stay on meta.
     meta = [n for n, t in [*vlm.named_parameters(), *vlm.named_buffers()] if t.is_meta]
     if meta:
@@ -820,8 +676,8 @@ def _info(plan: BuildPlan, vlm, processor) -> dict[str, Any]:
             "preset": plan.preset, "vision": plan.vision_ref, "llm": plan.llm_ref, "base": plan.base_ref,
             "projector": plan.projector.name if plan.projector else None,
             "tokenizer": s.tokenizer or ("trained" if plan.section.tokenizer is None and (plan.mode == "preset" or is_preset(plan.llm_ref)) else plan.llm_ref),
-            "vision_feature_layer": plan.feature_layer if plan.family.name == "llava" else None,
-            "vision_feature_select_strategy": plan.feature_strategy if plan.family.name == "llava" else None,
+            "vision_feature_layer": plan.feature_layer if plan.family.compose else None,
+            "vision_feature_select_strategy": plan.feature_strategy if plan.family.compose else None,
         },
         "model_class": type(vlm).__name__,
         "dtype": s.dtype,
@@ -833,16 +689,12 @@ def _info(plan: BuildPlan, vlm, processor) -> dict[str, Any]:
     }
 
 
-def _default_image_size(family: Family, processor) -> int | None:
+def _default_image_size(family: FamilySpec, processor) -> int | None:
     improc = processor.image_processor
     size = getattr(improc, "crop_size", None) if getattr(improc, "do_center_crop", False) else getattr(improc, "size", None)
     if isinstance(size, dict) and size.get("height"):
         return int(size["height"])
-    if family.name == "idefics3":
-        return int(improc.max_image_size["longest_edge"])
-    if family.name.startswith("qwen"):
-        return 448
-    return None
+    return family.default_image_size(improc)
 
 
 def _version() -> str:
@@ -853,7 +705,7 @@ def _version() -> str:
 
 def _build_base(plan: BuildPlan, tmp: Path) -> dict[str, Any]:
     """Verify an existing VLM loads (config, processor, weights) and describe it; copy nothing."""
-    from vlmctl.models import load_model
+    from vlmctl.models.load import load_model
 
     vlm, processor, fam = load_model(plan.base_ref, trust_remote_code=plan.trust_remote_code, family=plan.family.name)
     size = plan.image_size or _default_image_size(fam, processor)

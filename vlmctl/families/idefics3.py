@@ -1,0 +1,116 @@
+"""Idefics3 / SmolVLM (v1): a SigLIP-style encoder, a pixel-shuffle connector and any LLM (Llama for SmolVLM).
+
+Module paths (transformers 5.23, checked by tests/unit/test_families_idefics3.py):
+
+| part           | path               |
+|----------------|--------------------|
+| vision tower   | model.vision_model |
+| projector      | model.connector    |
+| language model | model.text_model   |
+| lm head        | lm_head            |
+
+Images only: each image is split into tiles of the encoder's size plus one global view; every tile becomes
+`image_seq_len` `<image>` tokens (patches / scale_factor**2 after pixel shuffle), framed by text markers
+(`<fake_token_around_image>`, `<row_i_col_j>`, `<global-img>`). The decoder layer class is discovered.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from vlmctl.families.registry import register
+from vlmctl.families.spec import FamilySpec, setting, split_source
+
+ROW_COL_TOKENS = tuple(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))
+"""The tile-position markers the processor writes (up to a 6 x 6 split)."""
+
+
+def idefics3_resize(height: int, width: int, longest: int, max_size: int = 4096) -> tuple[int, int]:
+    """Idefics3's resize before splitting: longest edge -> `longest` (the other edge rounded up to even), then
+    capped at 4096 px. Returns (height, width) in px. Source: `_resize_output_size_rescale_to_max_len` and
+    `..._scale_below_upper_bound` in transformers `models/idefics3/image_processing_idefics3.py` (5.23)."""
+    aspect = width / height
+    if width >= height:
+        width, height = longest, int(longest / aspect)
+        height += height % 2
+    else:
+        height, width = longest, int(longest * aspect)
+        width += width % 2
+    height, width = max(height, 1), max(width, 1)
+    aspect = width / height
+    if width >= height and width > max_size:
+        width, height = max_size, int(max_size / aspect)
+    elif height > width and height > max_size:
+        height, width = max_size, int(max_size * aspect)
+    return max(height, 1), max(width, 1)
+
+
+def idefics3_tokens(width: int, height: int, source: Any) -> int:
+    """Idefics3 / SmolVLM: the image is resized so its longest edge is `size.longest_edge`, split into tiles of
+    `max_image_size.longest_edge` plus one global image; each tile becomes `image_seq_len` tokens
+    (= (tile / patch)**2 / scale_factor**2 after pixel shuffle).
+
+    Source: transformers `Idefics3ImageProcessor.get_number_of_image_patches` and `Idefics3Processor` (5.23).
+    Counts `<image>` tokens only; the processor also adds `<fake_token_around_image>` / `<row_i_col_j>` text markers.
+    """
+    proc, improc, cfg = split_source(source)
+    if cfg is not None:
+        vcfg = setting(cfg, "vision_config")
+        tile = int(setting(vcfg, "image_size"))
+        seq_len = (tile // int(setting(vcfg, "patch_size"))) ** 2 // int(setting(cfg, "scale_factor", default=2)) ** 2
+        longest, splitting = 4 * tile, True
+    else:
+        tile = int(setting(improc, "max_image_size")["longest_edge"])
+        longest = int(setting(improc, "size")["longest_edge"])
+        splitting = bool(setting(improc, "do_image_splitting", default=True))
+        seq_len = int(setting(proc, "image_seq_len"))
+    if not splitting:
+        return seq_len
+    h, w = idefics3_resize(height, width, longest)
+    rows, cols = math.ceil(h / tile), math.ceil(w / tile)
+    if rows == 1 and cols == 1:
+        return seq_len
+    return seq_len * (rows * cols + 1)
+
+
+class Idefics3Spec(FamilySpec):
+    """Idefics3's build recipe: tile settings of the image processor, `image_seq_len` of the processor."""
+
+    def processor_kwargs(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """`image_seq_len` = (image_size / patch_size)**2 / scale_factor**2 (Idefics3Processor docstring)."""
+        vision = config["vision_config"]
+        return {"image_seq_len": (vision["image_size"] // vision["patch_size"]) ** 2 // config.get("scale_factor", 2) ** 2}
+
+    def image_size_kwargs(self, kwargs: Mapping[str, Any], size: int) -> dict[str, Any]:
+        """`model.image_size` is the longest edge images are resized to before splitting into tiles."""
+        return {**kwargs, "size": {"longest_edge": size}}
+
+    def default_image_size(self, image_processor: Any) -> int | None:
+        """The tile size (`max_image_size.longest_edge`): an image of that side is one tile."""
+        return int(image_processor.max_image_size["longest_edge"])
+
+
+IDEFICS3 = register(Idefics3Spec(
+    name="idefics3",
+    model_types=("idefics3",),
+    model_class="Idefics3ForConditionalGeneration",
+    config_class="Idefics3Config",
+    processor_class="Idefics3Processor",
+    vision_tower="model.vision_model",
+    projector=("model.connector",),
+    language_model="model.text_model",
+    decoder_layer_classes=(),  # the text model is any LLM (Llama for SmolVLM): discovered
+    vision_layer_classes=("Idefics3EncoderLayer",),
+    modalities={"image": "<image>"},
+    visual_token_rule=idefics3_tokens,
+    image_grid_args=("pixel_attention_mask",),
+    special_tokens=("<|im_start|>", "<|im_end|>", "<image>", "<fake_token_around_image>", "<global-img>",
+                    "<end_of_utterance>", "<pad>", *ROW_COL_TOKENS),
+    config_token_ids={"image_token_id": "<image>"},
+    image_processor_class="Idefics3ImageProcessor",
+    tiny_preset="tiny-idefics3",
+    lmms_model="idefics2",
+    notes="SmolVLM (v1). Images are split into tiles + a global view; pixel shuffle (scale_factor) in the connector.",
+))
