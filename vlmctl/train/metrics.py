@@ -3,11 +3,11 @@
 Throughput and MFU:
 - tokens/s counts real (non-padding) tokens of the global batch per second of step time, split into text tokens
   and visual tokens (image placeholder positions).
-- MFU = achieved FLOP/s / (peak FLOP/s per device * devices). Achieved FLOPs per token = 6 * N (forward 2N +
-  backward 4N, Kaplan et al. 2020 "Scaling Laws for Neural Language Models", sec. 2.1) + 12 * L * d * T for
-  attention scores (PaLM, Chowdhery et al. 2022, appendix B), with N the model's parameters, L and d the language
-  model's layers and hidden size and T the mean sequence length. Peak FLOP/s are the dense bf16 tensor-core
-  figures of the vendor data sheets; unknown devices (and CPUs) get no MFU.
+- MFU = achieved FLOP/s / (peak FLOP/s per device * devices) (`vlmctl.train.flops.mfu`, PaLM appendix B). The
+  FLOPs of each micro-batch come from the cost model `vlmctl.train.flops.CostModel.batch_flops` (vision tower,
+  projector, language model, LM head on labelled tokens, causal attention per packed sample; sources there). Peak
+  FLOP/s (`peak_flops`) are the dense bf16 tensor-core figures of the vendor data sheets; unknown devices (and
+  CPUs) get no MFU.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A
 
 
 def peak_flops(device) -> float | None:
+    """Dense bf16 peak FLOP/s of one `device` (a torch.device) from `PEAK_FLOPS`, matched on the CUDA device name;
+    None for CPUs and unknown GPUs."""
     import torch
 
     if device.type != "cuda":
@@ -33,11 +35,6 @@ def peak_flops(device) -> float | None:
         if key in name:
             return value
     return None
-
-
-def flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: float) -> float:
-    """Training FLOPs per token: 6 N + 12 L d T (see module docstring)."""
-    return 6.0 * num_params + 12.0 * num_layers * hidden * seq_len
 
 
 class MetricsLogger:

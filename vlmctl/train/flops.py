@@ -1,0 +1,432 @@
+"""The cost model of a training sample: matmul FLOPs per term, for MFU, `vlmctl bench` and compute-balanced batching.
+
+    cost = CostModel.from_model(model, family, trainable_parts={"projector", "llm"})
+    cost.batch_flops(batch)                                   # one collated micro-batch (packed or padded)
+    cost.sample_flops(text_tokens=300, labelled_tokens=40, image_grids=[(1, 28, 42)])   # one sample
+    mfu(flops, seconds, peak_flops(device), world_size)
+
+Everything is read from the model (parameter shapes, config) and from the batch's shapes; the family spec only gives
+the parts' module paths (`vision_tower`, `projector`, through `vlmctl.families.part_of_parameter`).
+
+Counted FLOPs are those of the matrix multiplications (linear layers, convolutions, attention's two matmuls), as in
+Kaplan et al. 2020 ("Scaling Laws for Neural Language Models", sec. 2.1) and Hoffmann et al. 2022 (Chinchilla,
+appendix F) and as `torch.utils.flop_counter.FlopCounterMode` counts them. Norms, activations, softmax, rotary
+embeddings, biases and embedding lookups add O(d) FLOPs per token against O(d^2) and are left out. Each term below
+is given for the forward pass; training multiplies it by a backward factor (next section).
+
+Terms (N_x = parameters of the weight matrices and convolution kernels of x, biases, norm scales and embeddings
+excluded; d_x = attention width = heads x head_dim; L_x = layers), forward FLOPs:
+
+    vision            2 * N_vision * (patches + cls)               Kaplan: 2N per token (the patch-embedding
+                                                                   convolution: once per patch)
+    vision_attention  4 * d_v * sum_layers sum_blocks s_b^2         Chinchilla app. F: QK^T 2*s^2*d + scores.V
+                                                                   2*s^2*d; bidirectional, no causal halving
+    projector         2 * N_projector * visual_tokens              the merger / connector runs on visual tokens
+    llm               2 * N_llm * tokens                           input embedding excluded (a lookup)
+    lm_head           2 * vocab * d * labelled_tokens              logits are computed only where a label is
+    llm_attention     4 * d_llm * L_llm * sum_segments s^2 / 2     causal: half the s^2 scores (PaLM app. B counts
+                                                                   the full 12 * L * d * s per token of training)
+
+- Vision attention blocks `s_b`, per image: Qwen2.5-VL (transformers `modeling_qwen2_5_vl`
+  `Qwen2_5_VisionTransformerPretrainedModel.forward` and `vision_utils.get_vision_window_index`) runs window
+  attention in every layer except `fullatt_block_indexes`: windows of `window_size` px, i.e.
+  `window_size // spatial_merge_size // patch_size` merged tokens a side, (window_size / patch_size)^2 = 64 patches
+  for 112 px / 14 px; the windows at the right and bottom edges are partial (exact sizes when the image grid is
+  known, else every window is taken as full). Full-attention layers, and every layer of a vision config without
+  `window_size` (Qwen2-VL, Qwen3-VL, CLIP, SigLIP, Idefics3), attend over one frame of one image: s = h * w patches
+  (+1 for a CLS token, `vlmctl.families.CLS_VISION_TYPES`). Layers after LLaVA's `vision_feature_layer` run
+  forward only (their output is not used).
+- Patches per image: t * h * w from `image_grid_thw` when the batch has it, else (H / patch_size) * (W / patch_size)
+  from `pixel_values` [N, C, H, W] (LLaVA) or [B, N, C, H, W] with all-zero padding images skipped (Idefics3).
+- Visual tokens (the projector's rows, also part of the language model's tokens): the batch's image placeholder
+  tokens (`config.image_token_id`); from counts, patches / spatial_merge_size^2 (Qwen's merger: transformers
+  `Qwen2_5_VLPatchMerger` concatenates spatial_merge_size^2 neighbouring patches before its MLP), patches /
+  scale_factor^2 (Idefics3's pixel shuffle), or patches (+ CLS with `vision_feature_select_strategy: full`, LLaVA).
+- Language-model segments: a packed row's `seq_lens` (or `packed_cu_seqlens`), a padded batch's per-row
+  `attention_mask` sums. Only real tokens count: padding, and the full T^2 scores an eager or SDPA kernel computes
+  over a packed row, are not useful work. Layers listed as `sliding_attention` in the text config's `layer_types`
+  attend over at most `sliding_window` keys.
+- Labelled tokens: positions t > 0 whose label is not -100, the targets the loss is taken on (the trainer passes
+  their positions as `logits_to_keep`). A padded batch whose loss takes full logits does more head work than this;
+  the extra is not counted either.
+
+Backward factors, per part in forward order vision -> projector -> llm. The forward pass costs 2 FLOPs per parameter
+per token; the backward pass 2 more for the activations' gradient (needed in a part when it or any earlier part is
+trained: the gradient has to travel through it) and 2 more for the weights' gradient (when the part's weights are
+trained). A fully trained model costs Kaplan's 6N (PaLM appendix B: training = 3x the forward pass).
+
+    part        trained            frozen, an earlier part trained      frozen, nothing earlier trained
+    weights     6                  4                                    2 (forward only)
+    attention   3 x forward        3 x forward                          1 x forward
+
+So a frozen vision tower costs its forward pass only, while a frozen language model behind a trained projector
+(`stage: align`) still back-propagates its activations (4N). The layer that reads a part's input (the vision
+tower's patch-embedding convolution; a projector's first linear layer unless a norm with weights comes before it)
+needs no input gradient when nothing earlier is trained: 4 instead of 6 when trained. LoRA (`lora=True`, "llm"
+trained): the language model's weights get no gradient but its activations do, so it counts as a frozen language
+model the gradient travels through (4N); the adapters' own FLOPs (a fraction r / d of the adapted layers') are not
+counted. Recomputation by activation checkpointing is not useful work and is not counted (PaLM appendix B's model
+FLOPs, not hardware FLOPs). On tiny models of every family these terms equal what `FlopCounterMode` counts for a
+forward + backward pass, up to the causal half (tests/unit/test_flops.py).
+
+MFU (PaLM, Chowdhery et al. 2022, appendix B) = model FLOPs per second / (peak FLOP/s per device x devices), see
+`mfu`; the peak figures come from `vlmctl.train.metrics.peak_flops`.
+
+Not modelled: videos (`pixel_values_videos`), Qwen3-VL's deepstack additions (elementwise), the first decoder
+layer's input gradient that LoRA with nothing earlier trained does not need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from vlmctl.errors import DataError, ModelError
+
+TERMS = ("vision", "vision_attention", "projector", "llm", "lm_head", "llm_attention")
+"""The terms of `CostModel.sample_terms` / `batch_terms`, in forward order."""
+
+PART_ORDER = ("vision", "projector", "llm")
+IGNORE_INDEX = -100  # label of positions without a target (transformers' convention, as in vlmctl.data.collate)
+_WRAPPER_PREFIXES = ("", "base_model.model.", "_orig_mod.", "module.")
+
+
+@dataclass(frozen=True)
+class ImageShape:
+    """One image as the vision tower sees it: `patches` (t * h * w) and, when known, its patch grid (t, h, w)."""
+
+    patches: int
+    grid: tuple[int, int, int] | None = None
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """What the vision tower's attention costs depend on (read from the vision config, see `from_config`)."""
+
+    width: int  # attention width d_v (heads x head_dim)
+    layers: int
+    full_layers: int  # layers attending over a whole frame; the others use windows
+    patch_size: int
+    merge: int  # patches a side merged into one visual token (1: none)
+    window: int | None  # merged tokens a side of an attention window (Qwen2.5-VL), None: no windows
+    cls: int  # extra positions per image in the tower (CLS token)
+    patches_per_token: int  # patches per visual token (merge^2, or Idefics3 pixel shuffle scale^2)
+    keep_cls: int  # visual tokens added per image by the CLS position (LLaVA `full` strategy)
+    unused_layers: int = 0  # last layers whose output no feature is taken from (LLaVA `vision_feature_layer`)
+
+    @classmethod
+    def from_config(cls, config: Any) -> "VisionShape":
+        """The shape of `config.vision_config`. Raises ModelError when a needed key is missing."""
+        from vlmctl.families import CLS_VISION_TYPES
+
+        v = config.vision_config
+        # Qwen2-VL calls the vision width embed_dim (its hidden_size is the language model's).
+        width = getattr(v, "embed_dim", None) or getattr(v, "hidden_size", None)
+        layers = getattr(v, "depth", None) or getattr(v, "num_hidden_layers", None)
+        patch = getattr(v, "patch_size", None)
+        if not (width and layers and patch):
+            raise ModelError("the vision config lacks hidden_size/depth/patch_size; cannot count its FLOPs",
+                             hint="use a supported vision encoder config")
+        merge = int(getattr(v, "spatial_merge_size", None) or 1)
+        shuffle = int(getattr(config, "scale_factor", None) or 1)  # Idefics3's pixel shuffle
+        window_px = getattr(v, "window_size", None)
+        window = int(window_px) // merge // int(patch) if window_px else None
+        full = set(getattr(v, "fullatt_block_indexes", None) or ()) if window else set(range(layers))
+        has_cls = int(getattr(v, "model_type", None) in CLS_VISION_TYPES)
+        keep = has_cls if getattr(config, "vision_feature_select_strategy", None) == "full" else 0
+        unused = _unused_layers(getattr(config, "vision_feature_layer", None), int(layers))
+        return cls(width=int(width), layers=int(layers), full_layers=len(full & set(range(layers))),
+                   patch_size=int(patch), merge=merge, window=window or None, cls=has_cls,
+                   patches_per_token=(merge * shuffle) ** 2, keep_cls=keep, unused_layers=unused)
+
+    def attention_pairs(self, image: ImageShape) -> float:
+        """Sum over the tower's layers of sum over attention blocks of s^2 (query-key pairs) for one image."""
+        t = image.grid[0] if image.grid else 1
+        frame = image.patches // t + self.cls
+        full = t * frame**2
+        if self.window is None:
+            return self.layers * full
+        if image.grid is None:  # counts only: every window taken as full
+            side = self.window * self.merge
+            windowed = image.patches * min(image.patches, side * side)
+        else:
+            _, h, w = image.grid  # windows tile the merged-token grid; each holds merge^2 patches per token
+            rows, cols = _window_sq(h // self.merge, self.window), _window_sq(w // self.merge, self.window)
+            windowed = t * rows * cols * self.merge**4
+        return self.full_layers * full + (self.layers - self.full_layers) * windowed
+
+    def visual_tokens(self, image: ImageShape) -> int:
+        """Visual (placeholder) tokens one image becomes in the language model."""
+        return image.patches // self.patches_per_token + self.keep_cls
+
+
+def _unused_layers(feature_layer: Any, layers: int) -> int:
+    """Vision layers after the last one features are taken from: `vision_feature_layer` indexes the hidden states
+    (0: the embeddings, -1: the last layer's output), an int or a list of ints; None: the last layer."""
+    if feature_layer is None:
+        return 0
+    picks = feature_layer if isinstance(feature_layer, (list, tuple)) else [feature_layer]
+    used = max(int(k) if int(k) >= 0 else layers + 1 + int(k) for k in picks)
+    return max(0, layers - used)
+
+
+def _window_sq(n: int, window: int) -> int:
+    """Sum of squared chunk lengths when `n` merged rows are cut into windows of `window` (the last one partial),
+    as transformers' `get_vision_window_index` cuts them."""
+    full, rest = divmod(n, window)
+    return full * window**2 + rest**2
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Training FLOPs of samples and micro-batches of one model (formulas and sources: module docstring).
+
+    Parameter counts are of weight matrices / convolution kernels, embeddings excluded; `*_input_params` are the
+    layers reading a part's input (see the module docstring). `trained`: parts whose weights get gradients;
+    `grad_through`: parts the gradient travels through (a part at or before them is trained).
+    """
+
+    vision_params: int
+    vision_input_params: int
+    projector_params: int
+    projector_input_params: int
+    llm_params: int
+    head_params: int
+    vision: VisionShape | None
+    llm_width: int
+    llm_full_layers: int
+    llm_sliding_layers: int
+    sliding_window: int | None
+    image_token_id: int | None
+    trained: frozenset[str]
+    grad_through: frozenset[str]
+
+    @classmethod
+    def from_model(cls, model, family, trainable_parts: set[str], *, lora: bool = False) -> "CostModel":
+        """The cost model of `model`, an unwrapped HF VLM of `family` (a `vlmctl.families` spec; any device, meta
+        included), trained on `trainable_parts` (subset of {"vision", "projector", "llm"}). `lora`: the language
+        model is trained through LoRA adapters (its weights get no gradient, its activations do). Count on the model
+        before peft wraps it: peft's `modules_to_save` copies would be counted twice.
+
+        Raises ModelError for unknown part names or a vision config without width / depth / patch size.
+        """
+        unknown = set(trainable_parts) - set(PART_ORDER)
+        if unknown:
+            raise ModelError(f"unknown model parts {sorted(unknown)}", hint=f"parts are {', '.join(PART_ORDER)}")
+        counts = _param_counts(model, family)
+        config = model.config
+        text = config.get_text_config()
+        heads = int(text.num_attention_heads)
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        types = list(getattr(text, "layer_types", None) or [])
+        window = getattr(text, "sliding_window", None)
+        sliding = sum(t == "sliding_attention" for t in types) if window else 0
+        trained = {p for p in trainable_parts if not (lora and p == "llm")}
+        first = min((PART_ORDER.index(p) for p in trainable_parts), default=len(PART_ORDER))
+        image_id = getattr(config, "image_token_id", None)
+        return cls(
+            **counts,
+            vision=VisionShape.from_config(config) if getattr(config, "vision_config", None) is not None else None,
+            llm_width=heads * int(head_dim), llm_full_layers=int(text.num_hidden_layers) - sliding,
+            llm_sliding_layers=sliding, sliding_window=int(window) if sliding else None,
+            image_token_id=getattr(config, "image_token_index", None) if image_id is None else image_id,
+            trained=frozenset(trained), grad_through=frozenset(PART_ORDER[first:]),
+        )
+
+    # ---- backward factors ----
+
+    def weight_factor(self, part: str, *, input_layer: bool = False) -> int:
+        """FLOPs per parameter per token of `part`: 2 forward, +2 activations' gradient, +2 weights' gradient.
+        `input_layer`: for the layer reading the part's input, whose input gradient only an earlier trained part
+        needs."""
+        earlier = PART_ORDER[: PART_ORDER.index(part)]
+        needs_input_grad = any(p in self.grad_through for p in earlier) if input_layer else part in self.grad_through
+        return 2 + 2 * needs_input_grad + 2 * (part in self.trained)
+
+    def attention_factor(self, part: str) -> int:
+        """Training / forward ratio of a part's attention (no weights): 3 when the gradient passes through, else 1."""
+        return 3 if part in self.grad_through else 1
+
+    # ---- terms ----
+
+    def _terms(self, segments: Sequence[int], labelled: int, images: Sequence[ImageShape],
+               visual_tokens: int) -> dict[str, float]:
+        """Training FLOPs per term (see TERMS) of LLM `segments` (tokens per attention segment), `labelled` targets,
+        `images` through the vision tower and `visual_tokens` through the projector."""
+        terms = dict.fromkeys(TERMS, 0.0)
+        if images and self.vision is not None:
+            terms["vision"], terms["vision_attention"] = self._vision_terms(images)
+        per_token = (self.weight_factor("projector") * self.projector_params
+                     + self.weight_factor("projector", input_layer=True) * self.projector_input_params)
+        terms["projector"] = visual_tokens * per_token
+        terms["llm"] = float(self.weight_factor("llm") * self.llm_params * sum(segments))
+        terms["lm_head"] = float(self.weight_factor("llm") * self.head_params * labelled)
+        pairs = sum(self.llm_full_layers * s * s / 2 + self.llm_sliding_layers * _causal_pairs(s, self.sliding_window)
+                    for s in segments)
+        terms["llm_attention"] = self.attention_factor("llm") * 4.0 * self.llm_width * pairs
+        return {k: float(v) for k, v in terms.items()}
+
+    def _vision_terms(self, images: Sequence[ImageShape]) -> tuple[float, float]:
+        """(weights, attention) training FLOPs of the vision tower over `images`. Layers past the last feature layer
+        run forward only (no gradient reaches them)."""
+        v = self.vision
+        patches = sum(im.patches for im in images)
+        positions = patches + v.cls * sum((im.grid[0] if im.grid else 1) for im in images)
+        live = (v.layers - v.unused_layers) / v.layers
+        weights = (self.weight_factor("vision") * live + 2 * (1 - live)) * self.vision_params * positions
+        weights += self.weight_factor("vision", input_layer=True) * self.vision_input_params * patches
+        pairs = sum(v.attention_pairs(im) for im in images)
+        attention = (self.attention_factor("vision") * live + (1 - live)) * 4.0 * v.width * pairs
+        return weights, attention
+
+    def sample_terms(self, *, text_tokens: int, labelled_tokens: int, image_patches: Sequence[int] = (),
+                     image_grids: Sequence[Sequence[int]] = (), visual_tokens: int | None = None) -> dict[str, float]:
+        """`sample_flops` per term (FLOPs, keys TERMS)."""
+        images = [ImageShape(int(t) * int(h) * int(w), (int(t), int(h), int(w))) for t, h, w in image_grids]
+        images += [ImageShape(int(p)) for p in image_patches]
+        if visual_tokens is None:
+            visual_tokens = sum(self.vision.visual_tokens(im) for im in images) if self.vision else 0
+        return self._terms([int(text_tokens) + int(visual_tokens)], int(labelled_tokens), images, int(visual_tokens))
+
+    def sample_flops(self, *, text_tokens: int, labelled_tokens: int, image_patches: Sequence[int] = (),
+                     image_grids: Sequence[Sequence[int]] = (), visual_tokens: int | None = None) -> float:
+        """Training FLOPs of one sample from its counts (for compute-balanced batching).
+
+        `text_tokens`: its non-visual tokens; `labelled_tokens`: targets the loss is taken on; images given as
+        `image_patches` (patches per image: t * h * w; window attention then assumes full windows) and/or
+        `image_grids` ((t, h, w) patch grids per image: exact windows); `visual_tokens`: placeholder tokens of its
+        images (default: derived from the patches and the vision config). The sample's sequence is
+        text_tokens + visual_tokens tokens, attended as one causal segment.
+        """
+        terms = self.sample_terms(text_tokens=text_tokens, labelled_tokens=labelled_tokens,
+                                  image_patches=image_patches, image_grids=image_grids, visual_tokens=visual_tokens)
+        return sum(terms.values())
+
+    def batch_terms(self, batch: dict[str, Any]) -> dict[str, float]:
+        """`batch_flops` per term (FLOPs, keys TERMS)."""
+        if "input_ids" not in batch:
+            raise DataError("a batch without input_ids has no FLOPs to count", hint="pass the collator's output")
+        segments = batch_segments(batch)
+        labels = batch.get("labels")
+        labelled = int((labels[..., 1:] != IGNORE_INDEX).sum()) if labels is not None else 0
+        images = batch_images(batch, self.vision.patch_size if self.vision else None)
+        if self.image_token_id is not None:
+            ids = batch["input_ids"]
+            mask = batch.get("attention_mask")
+            hits = ids == self.image_token_id
+            visual = int((hits & (mask != 0)).sum() if mask is not None else hits.sum())
+        else:
+            visual = sum(self.vision.visual_tokens(im) for im in images) if self.vision else 0
+        return self._terms(segments, labelled, images, visual)
+
+    def batch_flops(self, batch: dict[str, Any]) -> float:
+        """Training FLOPs of one collated micro-batch (`vlmctl.data.collate` output, CPU tensors): a packed row
+        (`seq_lens` / `packed_cu_seqlens`, [1, T]) or a padded batch (`attention_mask` [B, T]), with `labels`
+        [B, T] (-100: not labelled), `pixel_values` and, for Qwen-VL, `image_grid_thw` [N_images, 3]. Counts every
+        row the batch holds (a dummy-image row included). Raises DataError for a batch without `input_ids`."""
+        return sum(self.batch_terms(batch).values())
+
+
+def _causal_pairs(s: int, window: int | None) -> float:
+    """Query-key pairs of causal attention over `s` tokens, each query seeing at most `window` keys."""
+    if window is None or s <= window:
+        return s * s / 2
+    return window * s - window * window / 2
+
+
+def batch_segments(batch: dict[str, Any]) -> list[int]:
+    """Tokens per causal attention segment of a collated batch: a packed row's samples, a padded batch's rows (real
+    tokens only), else every row of `input_ids` in full."""
+    if batch.get("seq_lens") is not None:
+        return [int(n) for n in batch["seq_lens"]]
+    if batch.get("packed_cu_seqlens") is not None:
+        cu = [int(x) for x in batch["packed_cu_seqlens"]]
+        return [b - a for a, b in zip(cu, cu[1:])]
+    if batch.get("attention_mask") is not None:
+        return [int(n) for n in (batch["attention_mask"] != 0).sum(-1).reshape(-1)]
+    ids = batch["input_ids"]
+    return [int(ids.shape[-1])] * (ids.numel() // max(int(ids.shape[-1]), 1))
+
+
+def batch_images(batch: dict[str, Any], patch_size: int | None) -> list[ImageShape]:
+    """The images a batch sends through the vision tower: from `image_grid_thw` (t, h, w per image), else from the
+    shapes of `pixel_values` ([N, C, H, W]; [B, N, C, H, W] with all-zero padding images skipped; [P, D] patch
+    rows: one image of P patches)."""
+    grid = batch.get("image_grid_thw")
+    if grid is not None:
+        return [ImageShape(t * h * w, (t, h, w)) for t, h, w in (map(int, row) for row in grid.reshape(-1, 3).tolist())]
+    pv = batch.get("pixel_values")
+    if pv is None:
+        return []
+    if pv.ndim == 2:
+        return [ImageShape(int(pv.shape[0]))]
+    if patch_size is None:
+        raise ModelError("pixel_values without a vision config", hint="count FLOPs with the VLM's own CostModel")
+    h, w = int(pv.shape[-2]) // patch_size, int(pv.shape[-1]) // patch_size
+    if pv.ndim == 5:  # per-sample image stacks, padded with all-zero images the model skips
+        n = int(pv.flatten(2).ne(0).any(-1).sum())
+    else:
+        n = int(pv.shape[0])
+    return [ImageShape(h * w, (1, h, w)) for _ in range(n)]
+
+
+def _param_counts(model, family) -> dict[str, int]:
+    """Weight-matrix / kernel parameters per part (input layers apart) and the LM head's, embeddings excluded."""
+    import torch
+
+    from vlmctl.families import part_of_parameter
+
+    skip = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    head = model.get_output_embeddings()
+    head_params = int(head.weight.numel()) if head is not None else 0
+    if head is not None:
+        skip.add(id(head.weight))
+    inputs = {id(p) for m in _input_layers(model, family) for p in m.parameters()}
+    counts = {"vision_params": 0, "vision_input_params": 0, "projector_params": 0, "projector_input_params": 0,
+              "llm_params": 0}
+    for name, p in model.named_parameters(remove_duplicate=True):
+        if id(p) in skip or p.ndim < 2:
+            continue
+        part = part_of_parameter(name, family)
+        key = f"{part}_input_params" if id(p) in inputs and part != "llm" else f"{part}_params"
+        counts[key] += p.numel()
+    return {**counts, "head_params": head_params}
+
+
+def _input_layers(model, family) -> list:
+    """Layers whose input gradient only an earlier trained part needs: the vision tower's convolutions (the patch
+    embedding reads pixels) and each projector module's first parametrized layer when it is a linear one (of each
+    element, for a list of projectors such as Qwen3-VL's deepstack mergers). A projector that starts with a norm
+    (Qwen's merger) needs the gradient through its first linear layer anyway, to reach the norm's scale."""
+    import torch
+
+    out = [m for m in _submodule(model, family.vision_tower).modules() if isinstance(m, torch.nn.modules.conv._ConvNd)]
+    for path in family.projector:
+        mod = _submodule(model, path)
+        for unit in (list(mod) if isinstance(mod, torch.nn.ModuleList) else [mod]):
+            # registration order stands in for execution order
+            first = next((m for m in unit.modules() if any(True for _ in m.parameters(recurse=False))), None)
+            if isinstance(first, torch.nn.Linear):
+                out.append(first)
+    return out
+
+
+def _submodule(model, path: str):
+    """`model.get_submodule(path)`, also under a wrapper prefix (peft, torch.compile, DDP). Raises ModelError."""
+    for prefix in _WRAPPER_PREFIXES:
+        try:
+            return model.get_submodule(prefix + path)
+        except AttributeError:
+            continue
+    raise ModelError(f"module {path} not found on {type(model).__name__}",
+                     hint="check model.family matches the checkpoint")
+
+
+def mfu(flops: float, seconds: float, peak_flops_per_device: float | None, num_devices: int) -> float | None:
+    """Model FLOPs utilization (PaLM, Chowdhery et al. 2022, appendix B): `flops` of useful work (summed over the
+    `num_devices` devices) done in `seconds`, divided by `peak_flops_per_device` (FLOP/s, dense bf16 data-sheet
+    figure) x `num_devices`. A fraction in [0, 1] in practice; None without a peak figure (CPUs, unknown devices)
+    or without elapsed time."""
+    if not peak_flops_per_device or seconds <= 0 or num_devices < 1:
+        return None
+    return flops / seconds / (peak_flops_per_device * num_devices)
