@@ -9,22 +9,10 @@ The workload reproduces the plain-transformers baseline's sample distribution fo
 square image of 224/336/448/560 px, i.e. 64..400 merged visual tokens, plus 64..1536 uniformly random text
 tokens, every text token labelled), so vlmctl and the baseline can be measured in one run on the same GPU.
 
-FLOPs per sample (forward + backward = 3x forward), following the PaLM accounting (Chowdhery et al. 2022,
-appendix B: 6N per token for the weights, 12 * layers * d_model * seq per token for attention, halved here for
-causal masking); shown for a fully trained model:
-
-    6 * (N_llm - N_embed) * s              language-model weights, s = tokens of the sample (text + visual)
-  + 6 * N_embed * s_labelled               LM head, only on labelled tokens (the only logits vlmctl computes)
-  + 6 * L * d * s^2                        causal self-attention (12 * L * d * s^2 / 2)
-  + 6 * N_vision * p                       vision-tower weights, p = patches of the sample's images
-  + 12 * L_v * d_v * p * min(p, w)         vision attention, w = tokens per attention window (64 patches for
-                                           Qwen2.5-VL's 112 px windows; full attention layers are approximated
-                                           the same way, as in the baseline script)
-
-A frozen vision tower runs forward only (2N instead of 6N, attention 1/3); a frozen or LoRA-adapted language
-model still back-propagates activations (4N instead of 6N). Recomputation by activation checkpointing is not
-counted (it is not useful work). MFU = FLOPs / step time / (peak x GPUs), with peak = 989 TFLOP/s (H100/H200 SXM
-dense bf16).
+FLOPs: each packed row's training FLOPs come from `vlmctl.train.flops.CostModel.batch_flops`, summed by the
+trainer's own step over the data-parallel ranks, exactly as `vlmctl train` sums them for its MFU column; so bench
+and train report the same MFU for the same batch. MFU = FLOPs / step time / (peak x GPUs), with the device's
+data-sheet peak (`vlmctl.train.metrics.peak_flops`), else 989 TFLOP/s (H100/H200 SXM dense bf16).
 """
 
 from __future__ import annotations
@@ -102,30 +90,6 @@ def qwen_vl_samples(n: int, cfg, spec: WorkloadSpec = WorkloadSpec(), seed: int 
     return out
 
 
-def param_counts(model) -> dict[str, int]:
-    """Parameters (count) of the vision tower, the input embedding, and everything else."""
-    n_all = sum(p.numel() for p in model.parameters())
-    n_vis = sum(p.numel() for n, p in model.named_parameters() if ".visual." in f".{n}" or "vision_tower" in n)
-    n_emb = model.get_input_embeddings().weight.numel()
-    return {"all": n_all, "vision": n_vis, "embed": n_emb, "llm": n_all - n_vis}
-
-
-def sample_flops(counts: dict[str, int], cfg, s: int, s_labelled: int, patches: int, window: int = 64, *,
-                 train_vision: bool = True, train_llm: bool = True) -> float:
-    """Training FLOPs of one sample (formula in the module docstring). `train_vision` / `train_llm`: whether the
-    vision tower's / language model's weights get gradients (frozen vision: forward only; frozen or LoRA language
-    model: weights' gradients skipped, activations' kept)."""
-    t, v = cfg.text_config, cfg.vision_config
-    d, layers = t.hidden_size, t.num_hidden_layers
-    vd, vdepth = v.hidden_size, v.depth
-    w_llm = 6 if train_llm else 4
-    f = w_llm * (counts["llm"] - counts["embed"]) * s + w_llm * counts["embed"] * s_labelled
-    f += 6 * layers * d * s * s
-    vis = 6 * counts["vision"] * patches + 12 * vdepth * vd * patches * min(patches, window)
-    f += vis if train_vision else vis / 3
-    return float(f)
-
-
 def packed_batch(group: list[dict[str, Any]], dtype) -> dict[str, Any]:
     """One packed row of synthetic samples with the counters the trainer's collator adds (see
     `vlmctl.data.collate.PackedCollator`); pixel values in the training dtype, as the processor's output would be
@@ -156,29 +120,23 @@ def run_bench(model_section, train_section, *, steps: int = 20, warmup: int = 3,
     """
     import torch.distributed as dist
 
-    from vlmctl.train.parallel import init_distributed
+    from vlmctl.train.setup import setup_run
 
     log = log or (lambda msg: None)
-    env = init_distributed(deepspeed=train_section.strategy in ("zero2", "zero3"))
+    plan = bench_plan(model_section, train_section)
     try:
-        return _run_bench(model_section, train_section, env, steps=steps, warmup=warmup, spec=spec, log=log, setup=setup)
+        ctx = setup_run(train_section)
+        return _run_bench(plan, model_section, train_section, ctx, steps=steps, warmup=warmup, spec=spec, log=log, setup=setup)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _run_bench(model_section, train, env, *, steps, warmup, spec, log, setup) -> BenchResult:
-    import torch
-    import torch.distributed as dist
-
-    from vlmctl.data.packing import first_fit_decreasing
+def bench_plan(model_section, train):
+    """The build plan of the benchmarked model. Raises UsageError for a model that is not a Qwen-VL architecture
+    (the workload is Qwen-VL shaped) or for `train.packing: false`."""
     from vlmctl.errors import UsageError
-    from vlmctl.models.build import instantiate, plan_build
-    from vlmctl.train import parallel
-    from vlmctl.train.loop import Trainer, TrainState, prefetch
-    from vlmctl.train.metrics import peak_flops
-    from vlmctl.train.worker import (apply_kernels, apply_training_setup, master_dtype, seed_everything,
-                                     wrap_and_optimize)
+    from vlmctl.models.build import plan_build
 
     plan = plan_build(model_section)
     if not plan.family.mrope:
@@ -189,21 +147,15 @@ def _run_bench(model_section, train, env, *, steps, warmup, spec, log, setup) ->
     if not train.packing:
         raise UsageError("vlmctl bench measures packed training; train.packing is false",
                          hint="set train.packing=true (the default)")
-    dtype = parallel.resolve_dtype(train.precision, env.device)
-    stored = master_dtype(train, dtype)
-    seed_everything(train.seed)
-    model = instantiate(plan, device=str(env.device), dtype="bf16" if stored == torch.bfloat16 else "fp32")
-    attn, liger, vision_kernels = apply_kernels(model, plan.family, train, env.device)
-    log(f"attention {attn}, liger {'on' if liger else 'off'}" + "".join(f", vision {k}" for k in vision_kernels))
-    prepare = plan.family.position_hook(model, model.config.image_token_id)
-    counts, mcfg = param_counts(model), model.config
-    model, parts, trainable = apply_training_setup(model, plan.family, train)
-    if setup is not None:
-        setup(model)
-    world, gas = env.world_size, train.gradient_accumulation_steps
-    rows = (steps + warmup) * gas * world
+    return plan
 
-    # every rank draws the same samples and packs the same rows, then takes every world-th row
+
+def rank_rows(model, train, spec: WorkloadSpec, *, rows: int, dp_rank: int, dp_size: int, dtype) -> list[dict[str, Any]]:
+    """This data-parallel rank's packed rows of synthetic samples: every rank draws the same samples and packs the
+    same `rows` rows (fullest first), then takes every dp_size-th row. Raises UsageError when too few rows fit."""
+    from vlmctl.data.packing import first_fit_decreasing
+    from vlmctl.errors import UsageError
+
     mean_tokens = sum(spec.text_tokens) / 2 + sum((s // spec.patch_size) ** 2 / spec.merge_size**2 for s in spec.image_sizes) / len(spec.image_sizes)
     n = int((rows + 2) * train.tokens_per_batch / mean_tokens * 1.3) + 8
     samples = qwen_vl_samples(n, model.config, spec, seed=train.seed)
@@ -215,51 +167,74 @@ def _run_bench(model_section, train, env, *, steps, warmup, spec, log, setup) ->
     if len(bins) < rows:
         raise UsageError(f"{len(samples)} synthetic samples make only {len(bins)} packed rows; {rows} are needed",
                          hint="raise train.tokens_per_batch or lower --steps")
-    mine = [[samples[k] for k in b] for b in bins[env.rank:rows:world]]
-    batches = [packed_batch(group, dtype) for group in mine]
+    return [packed_batch([samples[k] for k in b], dtype) for b in bins[dp_rank:rows:dp_size]]
 
-    model, optimizer, scheduler, engine, stepper = wrap_and_optimize(model, parts, train, env, dtype, steps + warmup, liger=liger)
-    trainer = Trainer(stepper=stepper, batches=prefetch(iter(batches), prepare), env=env, state=TrainState(),
-                      total_steps=steps + warmup, grad_accum=gas, batches_per_epoch=len(batches), save_steps=1 << 30,
-                      logging_steps=1 << 30, max_bad_steps=steps + warmup, save=None, log=None, progress=None)
+
+def _run_bench(plan, model_section, train, ctx, *, steps, warmup, spec, log, setup) -> BenchResult:
+    import torch
+
+    from vlmctl.models.build import instantiate
+    from vlmctl.train.loop import Trainer, TrainState, prefetch
+    from vlmctl.train.setup import prepare_model
+    from vlmctl.train.worker import wrap_model
+
+    env, dims, total_steps = ctx.env, ctx.dims, steps + warmup
+    model = instantiate(plan, device=str(env.device), dtype="bf16" if ctx.stored == torch.bfloat16 else "fp32")
+    tm = prepare_model(model, plan.family, train, env.device)
+    log(f"attention {tm.attn}, liger {'on' if tm.liger else 'off'}" + "".join(f", vision {k}" for k in tm.vision_kernels))
+    if setup is not None:
+        setup(tm.model)
+    gas = train.gradient_accumulation_steps
+    batches = rank_rows(tm.model, train, spec, rows=total_steps * gas * dims.dp_size, dp_rank=dims.dp_rank,
+                        dp_size=dims.dp_size, dtype=ctx.dtype)
+    wrapped = wrap_model(tm, train, ctx, total_steps)
+    trainer = Trainer(stepper=wrapped.stepper, batches=prefetch(iter(batches), tm.prepare), env=env, state=TrainState(),
+                      total_steps=total_steps, grad_accum=gas, batches_per_epoch=len(batches), save_steps=1 << 30,
+                      logging_steps=1 << 30, max_bad_steps=total_steps, save=None, log=None, progress=None,
+                      flops_of=tm.cost_model.batch_flops, dp_group=dims.dp_group)
+    return _measure(trainer, model_section, train, ctx, steps=steps, warmup=warmup, log=log)
+
+
+def _measure(trainer, model_section, train, ctx, *, steps: int, warmup: int, log) -> BenchResult:
+    """`warmup + steps` trainer steps; the figures of the last `steps`. Tokens, samples and FLOPs are the steps'
+    own data-parallel sums; the time is the slowest rank's, the memory the largest."""
+    import torch
+    import torch.distributed as dist
+
+    from vlmctl.train import flops as cost
+    from vlmctl.train.metrics import peak_flops
+
+    env = ctx.env
     cuda = env.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    train_vision, train_llm = "vision" in trainable, "llm" in trainable and train.lora is None
-    totals = torch.zeros(6, dtype=torch.float64)  # flops, tokens, text, visual, samples, seconds
+    totals = torch.zeros(4, dtype=torch.float64)  # flops, text, visual, samples
+    seconds = torch.zeros(1, dtype=torch.float64)
     for i in range(steps + warmup):
         sync()
         t0 = time.perf_counter()
         result = trainer.train_step()  # ends in a collective that waits for the device
         dt = time.perf_counter() - t0
-        window = mine[i * gas:(i + 1) * gas]
         if i >= warmup:
-            group = [s for g in window for s in g]
-            totals += torch.tensor([
-                sum(sample_flops(counts, mcfg, s["input_ids"].numel(),
-                                 int((s["labels"][1:] != -100).sum()), s["n_patches"], train_vision=train_vision, train_llm=train_llm)
-                    for s in group),
-                sum(s["input_ids"].numel() for s in group), sum(s["n_text"] for s in group),
-                sum(s["n_visual"] for s in group), len(group), dt,
-            ], dtype=torch.float64)
+            totals += torch.tensor([result.flops, result.text_tokens, result.visual_tokens, result.samples], dtype=torch.float64)
+            seconds += dt
         if env.is_main:
             loss = "skipped" if result.loss is None else f"{result.loss:.3f}"
             log(f"step {i}{' (warm-up)' if i < warmup else ''}: loss {loss}, {dt * 1000:.0f} ms, "
                 f"{result.text_tokens + result.visual_tokens} tokens, {result.samples} samples")
     peak = torch.tensor([torch.cuda.max_memory_allocated(env.device) / 2**30 if cuda else 0.0], dtype=torch.float64)
-    seconds = totals[5:6].clone()
     if dist.get_backend() == "nccl":
-        totals, peak, seconds = totals.to(env.device), peak.to(env.device), seconds.to(env.device)
-    dist.all_reduce(totals)
+        peak, seconds = peak.to(env.device), seconds.to(env.device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-    flops, toks, text, visual, n_samples, _ = (float(x) for x in totals.cpu())
-    total = float(seconds.cpu()[0])
+    flops, text, visual, n_samples = (float(x) for x in totals)
+    total, world, toks = float(seconds.cpu()[0]), env.world_size, text + visual
+    mfu = cost.mfu(flops, total, peak_flops(env.device) or DEFAULT_PEAK, world)
     return BenchResult(
         name=model_section.preset or "model", steps=steps, world_size=world, strategy=train.strategy,
         tokens_per_s=toks / total, text_tokens_per_s=text / total, visual_tokens_per_s=visual / total,
-        samples_per_s=n_samples / total, step_time_s=total / steps, mfu=flops / total / ((peak_flops(env.device) or DEFAULT_PEAK) * world),
+        samples_per_s=n_samples / total, step_time_s=total / steps, mfu=mfu or 0.0,
         peak_memory_gib=float(peak.cpu()[0]), tokens_per_step=toks / steps,
     )
 
@@ -275,7 +250,7 @@ def benchmark(cfg, *, steps: int = 20, warmup: int = 3, spec: WorkloadSpec = Wor
     from vlmctl.config import dump_config
     from vlmctl.errors import UsageError, VlmctlError
     from vlmctl.train.launch import clear_rank_env, launch_command, launch_env, resolve_nproc, spawn
-    from vlmctl.train.parallel import free_port
+    from vlmctl.distributed.env import free_port
 
     train = cfg.train
     if train.nnodes > 1:
@@ -308,9 +283,8 @@ def main(argv: list[str] | None = None) -> None:
     import sys
     from pathlib import Path
 
-    from vlmctl.cli._common import render_error
     from vlmctl.config import load_config
-    from vlmctl.errors import VlmctlError
+    from vlmctl.errors import VlmctlError, render
 
     work = Path((sys.argv[1:] if argv is None else argv)[0])
     args = json.loads((work / "args.json").read_text())
@@ -322,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
                            log=(lambda msg: print(msg, flush=True)) if args.get("verbose", True) else (lambda msg: None))
     except VlmctlError as exc:
         if rank == 0:
-            render_error(exc.title, exc.message, exc.hint)
+            render(exc)
         sys.exit(exc.exit_code)
     if rank == 0:
         tmp = work / "result.json.tmp"

@@ -1,6 +1,8 @@
 """Typed errors that the CLI renders as one panel with a hint.
 
-Library code raises these for bad input; the CLI maps them to exit codes (2: usage/config, 1: runtime).
+Library code raises these for bad input; the CLI maps them to exit codes (2: usage/config, 1: runtime). `render`
+prints one as that panel on stderr: the CLI does, and so do rank processes (`python -m vlmctl.train.worker`),
+which run without the CLI.
 """
 
 from __future__ import annotations
@@ -42,3 +44,20 @@ class ModelError(VlmctlError):
     """A model cannot be built or loaded (exit code 1)."""
 
     title = "Model error"
+
+
+def panel(title: str, message: str, hint: str | None):
+    """The rich panel of an error: `message`, then the hint after "Fix:"."""
+    from rich.panel import Panel
+
+    body = message if not hint else f"{message}\n\n[bold]Fix:[/bold] {hint}"
+    return Panel(body, title=f"[bold]{title}[/bold]", title_align="left", border_style="red")
+
+
+def render(exc: VlmctlError, console=None) -> None:
+    """Print `exc` as its panel on `console` (default: a rich console on stderr)."""
+    if console is None:
+        from rich.console import Console
+
+        console = Console(stderr=True, highlight=False)
+    console.print(panel(exc.title, exc.message, exc.hint))

@@ -87,7 +87,7 @@ train:
 
 
 def _free_port() -> int:
-    from vlmctl.train.parallel import free_port
+    from vlmctl.distributed.env import free_port
 
     return free_port()
 
@@ -137,21 +137,21 @@ def _loaded(project):
 
 def test_align_and_lora_set_requires_grad_on_exactly_the_right_parameters(project):
     from vlmctl.config import LoraSection
-    from vlmctl.train import parallel
+    from vlmctl.train import setup
 
     model, _, family = _loaded(project)
-    parts = parallel.model_parts(model, family)
-    counts = parallel.apply_stage(model, parts, parallel.trainable_parts("align", None))
+    parts = setup.model_parts(model, family)
+    counts = setup.apply_stage(model, parts, setup.trainable_parts("align", None))
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all(n.startswith("model.multi_modal_projector.") for n in trainable)
     assert counts["vision"] == counts["llm"] == 0 and counts["projector"] > 0
-    assert parallel.trainable_parts("finetune", ["projector"]) == {"vision", "llm"}
+    assert setup.trainable_parts("finetune", ["projector"]) == {"vision", "llm"}
 
     model, _, family = _loaded(project)
-    parts = parallel.model_parts(model, family)
-    trainable_parts = parallel.trainable_parts("finetune", None)
-    parallel.apply_stage(model, parts, trainable_parts)
-    peft_model = parallel.apply_lora(model, LoraSection(r=4, alpha=8, dropout=0.0), parts, trainable_parts)
+    parts = setup.model_parts(model, family)
+    trainable_parts = setup.trainable_parts("finetune", None)
+    setup.apply_stage(model, parts, trainable_parts)
+    peft_model = setup.apply_lora(model, LoraSection(r=4, alpha=8, dropout=0.0), parts, trainable_parts)
     trainable = [n for n, p in peft_model.named_parameters() if p.requires_grad]
     lora = [n for n in trainable if ".lora_" in n]
     assert lora and all(".language_model.layers." in n for n in lora)
@@ -450,7 +450,7 @@ train: {stage: full, precision: fp32, learning_rate: 2.0e-3, tokens_per_batch: 9
 def test_qwen2_5_vl_packed_run_with_mrope_matches_padded(qwen_project, capsys, monkeypatch):
     # Padded Qwen-VL batches get their mRoPE positions from the model itself, row by row; the packed run passes
     # (4, 1, T) positions computed per sample. Equal losses mean the packed positions are right.
-    from vlmctl.families import spec
+    from vlmctl.families import qwen_vl as spec
 
     shapes = []
     original = spec.mrope_prepare

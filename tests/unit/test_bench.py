@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from vlmctl.bench import WorkloadSpec, qwen_vl_samples, sample_flops
+from vlmctl.bench import WorkloadSpec, qwen_vl_samples
 from vlmctl.cli.app import main
 
 
@@ -42,8 +42,10 @@ def test_synthetic_samples_have_matching_image_tokens_and_flops_grow_with_length
         assert int((s["input_ids"] == 3).sum()) == grid[1] * grid[2] // 4 == s["n_visual"]
         assert s["pixel_values"].shape[0] == s["n_patches"]
         assert not bool(((s["input_ids"][s["n_visual"] + 2:] >= 3) & (s["input_ids"][s["n_visual"] + 2:] <= 6)).any())
-    counts = {"llm": 1000, "embed": 100, "vision": 500, "all": 1500}
-    assert sample_flops(counts, cfg, 100, 50, 64) < sample_flops(counts, cfg, 200, 50, 64) < sample_flops(counts, cfg, 200, 100, 64)
+    # bench counts FLOPs with the trainer's cost model (vlmctl.train.flops), per packed row
+    cost = _cost_model(cfg, {"vision", "projector", "llm"})
+    flops = lambda text, labelled: cost.sample_flops(text_tokens=text, labelled_tokens=labelled, image_patches=[64])  # noqa: E731
+    assert flops(100, 50) < flops(200, 50) < flops(200, 100)
 
 
 def test_bench_two_processes_fsdp_sums_ranks(tmp_path, capsys):
@@ -62,15 +64,29 @@ def test_bench_two_processes_fsdp_sums_ranks(tmp_path, capsys):
     assert abs(out["tokens_per_s_per_gpu"] * 2 - out["tokens_per_s"]) < 1e-6 * out["tokens_per_s"]
 
 
+def _cost_model(cfg, trainable: set[str]):
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from vlmctl.families import detect_family, get_family
+    from vlmctl.train.flops import CostModel
+
+    with torch.device("meta"):
+        model = Qwen2_5_VLForConditionalGeneration(cfg)
+    return CostModel.from_model(model, get_family(detect_family(cfg)), trainable)
+
+
 def test_frozen_parts_count_fewer_flops():
     from transformers import Qwen2_5_VLConfig
 
     cfg = Qwen2_5_VLConfig(text_config=dict(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1),
                            vision_config=dict(depth=1, hidden_size=16, num_heads=2, out_hidden_size=16))
-    counts = {"llm": 1000, "embed": 100, "vision": 500, "all": 1500}
-    full = sample_flops(counts, cfg, 100, 50, 64)
-    frozen_vision = sample_flops(counts, cfg, 100, 50, 64, train_vision=False)
-    frozen_both = sample_flops(counts, cfg, 100, 50, 64, train_vision=False, train_llm=False)
-    vision_part = 6 * 500 * 64 + 12 * 1 * 16 * 64 * 64
-    assert abs((full - frozen_vision) - vision_part * 2 / 3) < 1e-6 * full  # forward only: a third remains
-    assert frozen_both < frozen_vision
+    sample = dict(text_tokens=100, labelled_tokens=50, image_patches=[64])
+    full = _cost_model(cfg, {"vision", "projector", "llm"}).sample_terms(**sample)
+    frozen_vision = _cost_model(cfg, {"projector", "llm"}).sample_terms(**sample)
+    frozen_both = _cost_model(cfg, {"projector"}).sample_terms(**sample)
+    # a frozen vision tower runs forward only: a third of its attention remains, and less of its weights' work
+    assert abs(frozen_vision["vision_attention"] - full["vision_attention"] / 3) < 1e-6 * sum(full.values())
+    assert 0 < frozen_vision["vision"] < full["vision"]
+    assert all(frozen_vision[k] == full[k] for k in ("llm", "lm_head", "llm_attention"))
+    assert sum(frozen_both.values()) < sum(frozen_vision.values()) < sum(full.values())

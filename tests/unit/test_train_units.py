@@ -138,11 +138,11 @@ def test_llava_deepspeed_json_auto_values_are_filled(stage):
 
     from vlmctl.config import TrainSection
     from vlmctl.errors import ConfigError
-    from vlmctl.train.parallel import deepspeed_config
+    from vlmctl.distributed.deepspeed import deepspeed_config
 
     path = REAL / "llava_examples" / f"deepspeed_zero{stage}.json"
     train = TrainSection(strategy=f"zero{stage}", micro_batch_size=4, gradient_accumulation_steps=2, deepspeed_config=path)
-    cfg = deepspeed_config(train, world_size=8, dtype=torch.bfloat16, hidden_size=1024, stage=stage)
+    cfg = deepspeed_config(train, dp_size=8, dtype=torch.bfloat16, hidden_size=1024, stage=stage)
     assert "auto" not in json.dumps(cfg)
     assert cfg["train_micro_batch_size_per_gpu"] == 4 and cfg["gradient_accumulation_steps"] == 2 and cfg["train_batch_size"] == 64
     assert cfg["bf16"]["enabled"] is True and cfg["fp16"]["enabled"] is False
@@ -150,7 +150,7 @@ def test_llava_deepspeed_json_auto_values_are_filled(stage):
     if stage == 3:
         assert cfg["zero_optimization"]["stage3_param_persistence_threshold"] == 10240
     with pytest.raises(ConfigError, match="ZeRO stage"):
-        deepspeed_config(train, world_size=8, dtype=torch.bfloat16, hidden_size=1024, stage=5 - stage)
+        deepspeed_config(train, dp_size=8, dtype=torch.bfloat16, hidden_size=1024, stage=5 - stage)
 
 
 # --------------------------------------------------------------------------------- stages and LoRA (in-process)
@@ -165,7 +165,7 @@ def test_nan_loss_steps_are_skipped_then_the_run_aborts(monkeypatch):
 
     from vlmctl.errors import VlmctlError
     from vlmctl.train.loop import TorchStepper, Trainer, TrainState
-    from vlmctl.train.parallel import init_distributed
+    from vlmctl.distributed.env import init_distributed
 
     class Tiny(torch.nn.Module):
         def __init__(self):
@@ -263,7 +263,7 @@ def test_every_schedule_warms_up(name):
     import torch
 
     from vlmctl.config import TrainSection
-    from vlmctl.train.worker import build_scheduler
+    from vlmctl.train.setup import build_scheduler
 
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
     sched = build_scheduler(opt, TrainSection(lr_scheduler=name, warmup_ratio=0.1, learning_rate=1e-3), total_steps=100)
@@ -285,23 +285,23 @@ def test_every_schedule_warms_up(name):
 def test_optimizer_in_backward_refuses_what_it_cannot_honour(override, message):
     from vlmctl.config import TrainSection
     from vlmctl.errors import ConfigError
-    from vlmctl.train.worker import check_optimizer_in_backward
+    from vlmctl.train.setup import check_optimizer_in_backward
 
     key, value = override.removeprefix("train.").split("=")
     base = {"optimizer_in_backward": True, "max_grad_norm": 0.0}
     train = TrainSection(**{**base, key: value})
     with pytest.raises(ConfigError, match=message):
-        check_optimizer_in_backward(train, world_size=1)
+        check_optimizer_in_backward(train, dp_size=1)
     with pytest.raises(ConfigError, match="ddp"):
-        check_optimizer_in_backward(TrainSection(**base, strategy="ddp"), world_size=2)
-    check_optimizer_in_backward(TrainSection(**base, strategy="fsdp"), world_size=2)
+        check_optimizer_in_backward(TrainSection(**base, strategy="ddp"), dp_size=2)
+    check_optimizer_in_backward(TrainSection(**base, strategy="fsdp"), dp_size=2)
 
 
 def test_optimizer_in_backward_steps_during_backward_and_frees_gradients():
     import torch
 
     from vlmctl.train.optimizer import OptimizerInBackward
-    from vlmctl.train.worker import build_scheduler
+    from vlmctl.train.setup import build_scheduler
     from vlmctl.config import TrainSection
 
     torch.manual_seed(0)
@@ -361,7 +361,7 @@ def test_fp32_on_cuda_picks_sdpa_and_refuses_the_bf16_only_kernels():
 
     from vlmctl.config import TrainSection
     from vlmctl.errors import ConfigError
-    from vlmctl.train.worker import resolve_attention
+    from vlmctl.train.setup import resolve_attention
 
     cuda = torch.device("cuda")  # resolving names needs no GPU
     assert resolve_attention(TrainSection(precision="fp32"), cuda) == "sdpa"

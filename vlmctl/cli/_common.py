@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 from rich.console import Console
-from rich.panel import Panel
 
 if TYPE_CHECKING:
     from vlmctl.config import VlmctlConfig
@@ -88,5 +87,6 @@ def print_json(data: Any) -> None:
 
 
 def render_error(title: str, message: str, hint: str | None) -> None:
-    body = message if not hint else f"{message}\n\n[bold]Fix:[/bold] {hint}"
-    err_console.print(Panel(body, title=f"[bold]{title}[/bold]", title_align="left", border_style="red"))
+    from vlmctl.errors import panel
+
+    err_console.print(panel(title, message, hint))

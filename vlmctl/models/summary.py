@@ -14,7 +14,8 @@ from typing import Any
 from vlmctl.families import PARTS
 
 STAGE_TRAINS = {"align": ("projector",), "finetune": ("projector", "llm"), "full": ("vision", "projector", "llm")}
-"""Parts each `train.stage` trains by default (LLaVA-1.5's two stages, plus full training)."""
+"""Parts each `train.stage` trains by default (LLaVA-1.5's two stages, plus full training); training itself reads
+it through `trained_parts` (`vlmctl.train.setup.trainable_parts`)."""
 
 BYTES_WEIGHT, BYTES_GRAD, BYTES_OPTIM = 2, 2, 12
 

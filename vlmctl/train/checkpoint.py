@@ -184,3 +184,61 @@ def prune(run_dir: Path, total_limit: int | None) -> list[Path]:
 def _optimizers(optimizer):
     """What DCP saves for `optimizer`: the per-parameter optimizers of an OptimizerInBackward, else itself."""
     return getattr(optimizer, "checkpoint_optimizers", None) or optimizer
+
+
+def resolve_resume(run_dir: Path, resume: str | None) -> Path | None:
+    """The checkpoint to resume from: None, the latest complete one (`auto`), or a given path. Raises ConfigError
+    for a path that holds no complete checkpoint."""
+    from vlmctl.errors import ConfigError
+
+    if resume is None:
+        return None
+    if resume == "auto":
+        return latest_checkpoint(run_dir)
+    path = Path(resume)
+    if not (path / STATE_FILE).is_file():
+        raise ConfigError(f"train.resume = {resume}: no complete checkpoint there (trainer_state.json is missing)",
+                          hint="use train.resume=auto, or a checkpoints/checkpoint-<step> folder of a run")
+    return path
+
+def resume(checkpoint: Path, *, rank: int, world_size: int, model=None, optimizer=None, scheduler=None, engine=None) -> dict[str, Any]:
+    """`load` for resuming a run on `world_size` ranks; returns trainer_state.json.
+
+    DCP reshards weights and optimizer state onto another world size (rank 0 warns: the data position is counted in
+    per-rank micro-batches, so the data order differs afterwards); DeepSpeed does not, which raises ConfigError.
+    """
+    import sys
+
+    from vlmctl.errors import ConfigError
+
+    saved = load(checkpoint, rank=rank, model=model, optimizer=optimizer, scheduler=scheduler, engine=engine)
+    written = saved.get("world_size")
+    if written != world_size:
+        if engine is not None:
+            raise ConfigError(f"{checkpoint} was written by {written} ranks; DeepSpeed resumes with the same number",
+                              hint=f"launch with {written} processes in total")
+        if rank == 0:
+            print(f"warning: {checkpoint} was written by {written} ranks, resuming with {world_size}: "
+                  "the data order after resume differs from the original run", file=sys.stderr)
+    return saved
+
+
+class Saver:
+    """The `save(step, state, reason)` callback of the step loop: a collective checkpoint of the model, optimizer,
+    scheduler (or DeepSpeed engine) with trainer_state.json = `info` + the loop's position, then `notify(path)`."""
+
+    def __init__(self, run_dir: Path, *, rank: int, model, optimizer, scheduler, engine, total_limit: int | None,
+                 batches_per_epoch: int, info: dict[str, Any], notify=None):
+        self.run_dir, self.rank, self.total_limit = Path(run_dir), rank, total_limit
+        self.model, self.optimizer, self.scheduler, self.engine = model, optimizer, scheduler, engine
+        self.batches_per_epoch, self.info, self.notify = batches_per_epoch, info, notify
+
+    def __call__(self, step: int, state, reason: str) -> Path:
+        """`state`: the loop's TrainState (consumed micro-batches per rank, bad steps, tokens seen)."""
+        info = {"step": step, "epoch": state.consumed / self.batches_per_epoch, "consumed_micro_batches": state.consumed,
+                "bad_steps": state.bad_steps, "tokens_seen": state.tokens, "reason": reason, **self.info}
+        path = save(self.run_dir, step, info, rank=self.rank, model=self.model, optimizer=self.optimizer,
+                    scheduler=self.scheduler, engine=self.engine, total_limit=self.total_limit)
+        if self.notify is not None:
+            self.notify(f"saved {path}")
+        return path

@@ -92,14 +92,13 @@ def prepare_run(cfg, resume: bool = False) -> Path:
 
 def preflight(cfg) -> None:
     """Fail before spawning processes when the prepared data or the model is missing (DataError / ModelError)."""
-    from vlmctl.errors import DataError, ModelError
+    from vlmctl.errors import DataError
+    from vlmctl.train.setup import model_source
 
     train_dir = Path(cfg.data.prepared_dir) / "train"
     if not any(train_dir.glob("*.parquet")):
         raise DataError(f"no prepared training shards in {train_dir}", hint="run `vlmctl data prepare` first")
-    built = Path(cfg.model.output_dir)
-    if not ((built / "config.json").is_file() or (built / "vlmctl_model.json").is_file()) and cfg.model.base is None:
-        raise ModelError(f"no built model in {built}", hint="run `vlmctl model build` first, or set model.base")
+    model_source(cfg)  # raises ModelError without a built model or model.base
 
 
 @dataclass

@@ -4,13 +4,15 @@ A strategy only changes how a loss is computed, back-propagated and stepped (`To
 `DeepSpeedStepper` for zero2/zero3); the loop itself is the same.
 
 Loss: mean cross-entropy over the assistant tokens of the whole global batch (all micro-batches of the
-accumulation window on all ranks). A micro-batch is a padded batch [B, T] or one packed row [1, T] of several
-samples (`train.packing`); its summed token loss comes from `loss_sum`: liger-kernel's fused linear
+accumulation window on all data-parallel ranks). A micro-batch is a padded batch [B, T] or one packed row [1, T]
+of several samples (`train.packing`); its summed token loss comes from `loss_sum`: liger-kernel's fused linear
 cross-entropy when enabled (no logits at all), else for packed rows `kernels.token_losses` (logits of the labelled
 positions only), else the padded batch's full logits. Each micro-batch's summed token loss is scaled by
-`world_size / global_label_tokens` before backward, because data-parallel gradient reduction averages over ranks.
-So the loss and gradients of a step do not depend on how the global batch is split over ranks and micro-batches
-(1 rank x 8 samples == 2 ranks x 4 samples), unlike a mean of per-rank means.
+`dp_size / global_label_tokens` before backward, because data-parallel gradient reduction averages over the
+data-parallel ranks. So the loss and gradients of a step do not depend on how the global batch is split over ranks
+and micro-batches (1 rank x 8 samples == 2 ranks x 4 samples), unlike a mean of per-rank means. Label tokens,
+losses, token counts and FLOPs are summed over the data-parallel group (`ParallelDims.dp_group`), the ranks that
+read different data.
 
 Bad steps: a micro-batch whose loss is NaN/inf on any rank is not back-propagated and the step is skipped
 (torch strategies: no optimizer step, gradients dropped; DeepSpeed: the bad micro-batch is left out of the
@@ -214,6 +216,12 @@ class TrainState:
     bad_steps: int = 0
     tokens: int = 0  # real tokens seen, global
 
+    @classmethod
+    def from_checkpoint(cls, saved: dict[str, Any]) -> "TrainState":
+        """The position a checkpoint's trainer_state.json records."""
+        return cls(step=saved["step"], consumed=saved["consumed_micro_batches"], bad_steps=saved.get("bad_steps", 0),
+                   tokens=saved.get("tokens_seen", 0))
+
 
 @dataclass
 class StepResult:
@@ -226,15 +234,21 @@ class StepResult:
     samples: int
     stop: bool
     bad: bool
+    flops: float = 0.0  # training FLOPs of the step's global batch (0 without a cost model)
 
 
 @dataclass
 class Trainer:
-    """The loop. `save(step, state, reason)` and `log(row)` are given by the worker (checkpoint and metrics)."""
+    """The loop. `save(step, state, reason)` and `log(row)` are given by the worker (checkpoint and metrics).
+
+    `flops_of(batch)`: training FLOPs of one collated micro-batch (`flops.CostModel.batch_flops`), computed on the
+    CPU batch before its device copy; the row's `mfu` comes from their sum. `dp_group`: the data-parallel process
+    group the loss and counts are reduced over (`ParallelDims.dp_group`; None = the default group, the world).
+    """
 
     stepper: Any
     batches: Iterator[dict[str, Any]]
-    env: Any  # parallel.DistEnv
+    env: Any  # distributed.env.DistEnv
     state: TrainState
     total_steps: int
     grad_accum: int
@@ -245,9 +259,10 @@ class Trainer:
     save: Any
     log: Any
     progress: Any
-    flops_per_token: Any = None  # callable(mean_seq_len) -> FLOPs/token, or None
-    peak_flops: float | None = None
+    flops_of: Any = None  # callable(collated CPU micro-batch) -> FLOPs, or None (no MFU)
+    peak_flops: float | None = None  # per device, FLOP/s
     device_name: str = "cpu"  # recorded in every metrics row
+    dp_group: Any = None
     _signal: int | None = field(default=None, init=False)
 
     def install_signal_handlers(self) -> dict:
@@ -294,24 +309,51 @@ class Trainer:
                 self.save(step, self.state, "interval")
         return "done"
 
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks (the ranks the global batch is split over)."""
+        import torch.distributed as dist
+
+        return dist.get_world_size(self.dp_group)
+
     def train_step(self) -> StepResult:
         """One optimizer step over `grad_accum` micro-batches of this rank."""
         import torch
         import torch.distributed as dist
 
-        device = self.env.device
         window = [next(self.batches) for _ in range(self.grad_accum)]
         self.state.consumed += len(window)
+        flops = float(sum(self.flops_of(b) for b in window)) if self.flops_of is not None else 0.0
         # The loss is a mean over the assistant tokens of the whole global batch: count them first.
-        label_tokens = torch.tensor([float(sum(b["num_label_tokens"] for b in window))], device=device)
-        dist.all_reduce(label_tokens)
-        scale = self.env.world_size / max(float(label_tokens), 1.0)
+        label_tokens = torch.tensor([float(sum(b["num_label_tokens"] for b in window))], device=self.env.device)
+        dist.all_reduce(label_tokens, group=self.dp_group)
+        total_tokens = float(label_tokens)
+        loss_sum, bad = self._accumulate(window, scale=self.dp_size / max(total_tokens, 1.0))
+        grad_norm = self.stepper.step(skip=bad)
+        bad = bad or grad_norm is None and not isinstance(self.stepper, DeepSpeedStepper)
+        stats = self._reduce_stats(window, loss_sum, flops)
+        text, visual = int(stats[1]), int(stats[2])
+        self.state.tokens += text + visual
+        return StepResult(
+            loss=None if bad else float(stats[0]) / max(total_tokens, 1.0), grad_norm=grad_norm, label_tokens=int(total_tokens),
+            text_tokens=text, visual_tokens=visual, dummy_images=int(stats[3]), samples=int(stats[4]),
+            stop=bool(stats[6] > 0), bad=bad, flops=float(stats[5]),
+        )
+
+    def _accumulate(self, window: list[dict[str, Any]], scale: float):
+        """Forward and backward of each micro-batch (gradients synchronized on the last); returns (summed loss as
+        a float64 tensor, whether a micro-batch was skipped for a non-finite loss)."""
+        import torch
+        import torch.distributed as dist
+
+        device = self.env.device
         loss_sum = torch.zeros((), device=device, dtype=torch.float64)
         bad = False
         for i, batch in enumerate(window):
             batch = to_device(batch, device)
             with self.stepper.sync(last=i == len(window) - 1):
                 loss = self.stepper.loss(batch)
+                # over every rank (not only the data-parallel ones): all of them must skip the same backward
                 finite = torch.tensor([1.0 if bool(torch.isfinite(loss.detach())) else 0.0], device=device)
                 dist.all_reduce(finite, op=dist.ReduceOp.MIN)
                 if float(finite) == 1.0:
@@ -321,25 +363,29 @@ class Trainer:
                     bad = True
             if isinstance(self.stepper, DeepSpeedStepper):
                 self.stepper.micro_step()
-        grad_norm = self.stepper.step(skip=bad)
-        bad = bad or grad_norm is None and not isinstance(self.stepper, DeepSpeedStepper)
+        return loss_sum, bad
+
+    def _reduce_stats(self, window: list[dict[str, Any]], loss_sum, flops: float):
+        """[loss sum, text tokens, visual tokens, dummy images, samples, FLOPs, stop flag] summed over the
+        data-parallel ranks (float64 tensor)."""
+        import torch
+        import torch.distributed as dist
+
         stats = torch.tensor([
             float(loss_sum),
             float(sum(b["num_text_tokens"] for b in window)),
             float(sum(b["num_visual_tokens"] for b in window)),
             float(sum(b["num_dummy_images"] for b in window)),
             float(sum(b["num_samples"] if "num_samples" in b else int(b["input_ids"].shape[0]) - b["num_dummy_images"] for b in window)),
+            flops,
             1.0 if self._signal is not None else 0.0,
-        ], device=device, dtype=torch.float64)
-        dist.all_reduce(stats)
-        total_tokens = float(label_tokens)
-        text, visual = int(stats[1]), int(stats[2])
-        self.state.tokens += text + visual
-        return StepResult(
-            loss=None if bad else float(stats[0]) / max(total_tokens, 1.0), grad_norm=grad_norm, label_tokens=int(total_tokens),
-            text_tokens=text, visual_tokens=visual, dummy_images=int(stats[3]), samples=int(stats[4]),
-            stop=bool(stats[5] > 0), bad=bad,
-        )
+        ], device=self.env.device, dtype=torch.float64)
+        dist.all_reduce(stats, group=self.dp_group)
+        if self.dp_size != dist.get_world_size():  # other parallel dimensions: a signal stops every rank
+            flag = stats[6:].clone()
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            stats[6:] = flag
+        return stats
 
     def _row(self, interval: list[StepResult], seconds: float) -> dict[str, Any]:
         import torch
@@ -349,12 +395,12 @@ class Trainer:
         good = [r.loss for r in interval if r.loss is not None]
         text = sum(r.text_tokens for r in interval)
         visual = sum(r.visual_tokens for r in interval)
-        samples = sum(r.samples for r in interval)
         tps = (text + visual) / max(seconds, 1e-9)
         mfu = None
-        if self.flops_per_token is not None and self.peak_flops:
-            mean_len = (text + visual) / max(samples, 1)
-            mfu = tps * self.flops_per_token(mean_len) / (self.peak_flops * self.env.world_size)
+        if self.flops_of is not None:
+            from vlmctl.train.flops import mfu as utilization
+
+            mfu = utilization(sum(r.flops for r in interval), seconds, self.peak_flops, self.env.world_size)
         memory = None
         if self.env.device.type == "cuda":
             memory = torch.cuda.max_memory_allocated(self.env.device) / 2**30

@@ -1,0 +1,118 @@
+"""The parallel dimensions of a run and its one device mesh (modelled on torchtitan's
+`torchtitan/distributed/parallel_dims.py`).
+
+The world is split, outermost first, into data-parallel replicas (`dp_replicate`: DDP, or HSDP's replicas), data-
+parallel shards (`dp_shard`: FSDP2 / ZeRO), sequence-parallel ranks (`sp`) and tensor-parallel ranks (`tp`, the
+innermost: neighbouring ranks share the fastest links). One `DeviceMesh` with the dimensions larger than one is
+built per run; the data-parallel ranks (`dp_replicate x dp_shard`) are the ones a batch is split over and the loss
+is reduced over. Sequence and tensor parallelism are not available yet: `sp` and `tp` must be 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vlmctl.errors import ConfigError
+
+DIM_NAMES = ("dp_replicate", "dp_shard", "sp", "tp")
+DP_DIMS = ("dp_replicate", "dp_shard")
+SHARDED_STRATEGIES = ("fsdp", "zero2", "zero3")
+
+
+@dataclass
+class ParallelDims:
+    """Sizes of the parallel dimensions; their product must be `world_size`. `dp_shard=-1` takes what is left of
+    the world. Raises ConfigError for a size below 1, sp/tp other than 1, or a product that is not the world."""
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    sp: int = 1
+    tp: int = 1
+    world_size: int = 1
+    _mesh: Any = field(default=None, init=False, repr=False)
+    _dp_mesh: Any = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    @classmethod
+    def for_strategy(cls, strategy: str, world_size: int) -> "ParallelDims":
+        """ddp replicates the model on every rank (`dp_replicate = world`); fsdp, zero2 and zero3 shard it
+        (`dp_shard = world`)."""
+        if strategy in SHARDED_STRATEGIES:
+            return cls(dp_replicate=1, dp_shard=world_size, world_size=world_size)
+        return cls(dp_replicate=world_size, dp_shard=1, world_size=world_size)
+
+    def _validate(self) -> None:
+        sizes = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "sp": self.sp, "tp": self.tp}
+        if self.world_size < 1:
+            raise ConfigError(f"the world size must be at least 1, got {self.world_size}")
+        for name, size in sizes.items():
+            if size < 1 and not (name == "dp_shard" and size == -1):
+                raise ConfigError(f"parallel dimension {name}={size} must be at least 1 (dp_shard=-1: the rest of the world)")
+        for name in ("sp", "tp"):
+            if sizes[name] != 1:
+                what = "sequence" if name == "sp" else "tensor"
+                raise ConfigError(f"{what} parallelism ({name}={sizes[name]}) is not available yet",
+                                  hint=f"set {name}=1; data parallelism (ddp, fsdp, zero2, zero3) splits the batch")
+        if self.dp_shard == -1:
+            rest = self.dp_replicate * self.sp * self.tp
+            if self.world_size % rest:
+                raise ConfigError(f"dp_replicate={self.dp_replicate} x sp={self.sp} x tp={self.tp} = {rest} does not "
+                                  f"divide the {self.world_size} processes", hint="launch a multiple of that many processes")
+            self.dp_shard = self.world_size // rest
+        product = self.dp_replicate * self.dp_shard * self.sp * self.tp
+        if product != self.world_size:
+            raise ConfigError(f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x sp={self.sp} x tp={self.tp} "
+                              f"= {product}, but the world has {self.world_size} processes",
+                              hint="launch as many processes as the product (nproc_per_node x nnodes), or change the sizes")
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: replicas x shards (the ranks a global batch is split over)."""
+        return self.dp_replicate * self.dp_shard
+
+    def mesh_dims(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """(names, sizes) of the mesh: the dimensions larger than one, outermost first; `dp_shard` is kept when no
+        data-parallel dimension is larger than one, so that the mesh always has a data-parallel dimension."""
+        sizes = dict(zip(DIM_NAMES, (self.dp_replicate, self.dp_shard, self.sp, self.tp)))
+        names = tuple(n for n in DIM_NAMES if sizes[n] > 1 or (n == "dp_shard" and self.dp_replicate == 1 and sizes[n] == 1))
+        return names, tuple(sizes[n] for n in names)
+
+    def build_mesh(self, device_type: str):
+        """Build (once) and return the run's `DeviceMesh` over the default process group, which must be
+        initialized (`env.init_distributed`). `device_type`: "cuda" or "cpu" (gloo)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self._mesh is None:
+            names, shape = self.mesh_dims()
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+            dp = [n for n in DP_DIMS if n in names]
+            # both data-parallel dimensions (HSDP): one flattened group over all of them, as torchtitan does
+            self._dp_mesh = mesh[dp[0]] if len(dp) == 1 else mesh[tuple(dp)]._flatten("dp")
+            self._mesh = mesh
+        return self._mesh
+
+    @property
+    def world_mesh(self):
+        """The mesh of `build_mesh`. Raises RuntimeError before it is built."""
+        if self._mesh is None:
+            raise RuntimeError("ParallelDims.build_mesh() has not been called")
+        return self._mesh
+
+    @property
+    def dp_mesh(self):
+        """The 1-D data-parallel mesh (dp_replicate x dp_shard flattened)."""
+        self.world_mesh  # noqa: B018 - raises before build_mesh
+        return self._dp_mesh
+
+    @property
+    def dp_group(self):
+        """The data-parallel process group (the default group while dp size equals the world)."""
+        return self.dp_mesh.get_group()
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel ranks (which part of the batch it reads)."""
+        return self.dp_mesh.get_local_rank()

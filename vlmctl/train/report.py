@@ -1,0 +1,83 @@
+"""What a run tells about itself: the start-up table rank 0 prints, and the run description every checkpoint's
+trainer_state.json carries (readers such as `vlmctl convert` use `model_source`, `family`, `lora`, `format`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def device_name(device) -> str:
+    """The GPU's name (`torch.cuda.get_device_name`), or the device type ("cpu")."""
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _batching(train, sampler, dp_size: int) -> dict[str, str]:
+    """The global batch, batching and per-epoch rows of the start-up table."""
+    gas = train.gradient_accumulation_steps
+    if train.packing:
+        return {"global batch": (f"up to {train.tokens_per_batch * gas * dp_size} tokens ({train.tokens_per_batch} x {gas} "
+                                 f"accumulation x {dp_size} ranks)"),
+                "batching": f"packed rows of up to {train.tokens_per_batch} tokens",
+                "per epoch": f"{sampler.batches_per_epoch * dp_size} packed micro-batches per epoch"}
+    return {"global batch": f"{train.micro_batch_size * gas * dp_size} samples ({train.micro_batch_size} x {gas} accumulation x {dp_size} ranks)",
+            "batching": "padded micro-batches" + (", length-grouped" if train.group_by_length else ""),
+            "per epoch": f"{sampler.batches_per_epoch * dp_size * train.micro_batch_size} per epoch"}
+
+
+def _kernels(train, tm) -> str:
+    loss = "liger fused linear cross-entropy" if tm.liger else "labelled-token logits" if train.packing else "full logits"
+    return (f"attention {tm.attn}, loss {loss}" + (", activation checkpointing" if train.gradient_checkpointing else "")
+            + (", compiled decoder layers" if train.compile else "") + "".join(f", vision {k}" for k in tm.vision_kernels))
+
+
+def startup_rows(train, *, run_dir: Path, ctx, tm, dataset, sampler, start_step: int, total_steps: int,
+                 resume_from: Path | None) -> dict[str, Any]:
+    """The rows of the start-up table: model and its parts, trainable parameters, strategy, kernels, world size,
+    global batch, batching, steps, data, run folder. `ctx` is the worker's RunContext, `tm` its TrainingModel."""
+    from vlmctl.train.metrics import human
+
+    batching = _batching(train, sampler, ctx.dims.dp_size)
+    params = tm.parameters
+    return {
+        "model": f"{tm.source} ({tm.family.name})",
+        "parameters": f"{human(sum(params.values()))} (" + ", ".join(f"{k} {human(v)}" for k, v in params.items()) + ")",
+        "trainable": f"{human(tm.num_trainable)} ({', '.join(sorted(tm.trainable))}{'; LoRA on the llm' if train.lora else ''})",
+        "strategy": f"{train.strategy} ({_dtype_name(ctx.dtype)}, {device_name(ctx.env.device)})",
+        "kernels": _kernels(train, tm),
+        "world size": ctx.env.world_size,
+        "global batch": batching["global batch"],
+        "batching": batching["batching"],
+        "steps": f"{start_step} -> {total_steps}" if start_step else total_steps,
+        "data": f"{len(dataset)} samples, {batching['per epoch']}",
+        "run": str(run_dir),
+        **({"resumed from": str(resume_from)} if resume_from else {}),
+    }
+
+
+def print_startup(rows: dict[str, Any]) -> None:
+    """Print the start-up table (rank 0)."""
+    from rich.console import Console
+
+    from vlmctl.train.metrics import startup_table
+
+    Console(highlight=False).print(startup_table(rows))
+
+
+def checkpoint_info(train, *, ctx, tm, lora: dict | None, engine, total_steps: int, batches_per_epoch: int) -> dict[str, Any]:
+    """The run's description saved in every checkpoint's trainer_state.json (with the loop's position)."""
+    return {
+        "lora": lora, "model_source": tm.source, "family": tm.family.name, "world_size": ctx.env.world_size,
+        "strategy": train.strategy, "stage": train.stage, "trainable_parts": sorted(tm.trainable),
+        "format": "deepspeed" if engine else "dcp", "micro_batch_size": train.micro_batch_size,
+        "gradient_accumulation_steps": train.gradient_accumulation_steps, "total_steps": total_steps,
+        "batches_per_epoch": batches_per_epoch, "precision": _dtype_name(ctx.dtype), "packing": train.packing,
+        "tokens_per_batch": train.tokens_per_batch if train.packing else None, "attn_implementation": tm.attn,
+        "liger": tm.liger, "device": device_name(ctx.env.device),
+    }

@@ -1,0 +1,465 @@
+"""What a rank sets up before it trains, apart from the parallel wrapping (vlmctl.distributed): the model source,
+dtype and master weights, the model parts, stage/freeze, LoRA, activation checkpointing and compile, kernels
+(attention backend, liger, vision tower), the AdamW parameter groups, the optimizer and the LR schedule.
+
+The worker and `vlmctl bench` run the same two steps (torchtitan's order: checkpointing, then compile, then FSDP)::
+
+    ctx = setup_run(train)                            # process group, mesh, seed, resolve_dtype, master_dtype
+    tm = prepare_model(model, family, train, device)  # apply_kernels, cost model, apply_training_setup (stage,
+                                                      # LoRA, checkpointing, compile)
+    optimizer = build_optimizer(tm.model, tm.parts, train, device, ctx.dims.dp_size)   # after wrapping
+    scheduler = build_scheduler(optimizer, train, total_steps)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vlmctl.errors import ConfigError, ModelError
+from vlmctl.families import PARTS
+
+LORA_AUTO_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+BUILT_MODEL_FILES = ("config.json", "vlmctl_model.json")  # what `vlmctl model build` leaves in model.output_dir
+DEEPSPEED = ("zero2", "zero3")  # the strategies DeepSpeed runs
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (CPU and CUDA)."""
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# ------------------------------------------------------------------------------------------------ the model
+
+
+def model_source(cfg) -> str:
+    """The model to train: the folder `vlmctl model build` wrote (`model.output_dir`), else `model.base`.
+    Raises ModelError when there is neither."""
+    folder = Path(cfg.model.output_dir)
+    if any((folder / name).is_file() for name in BUILT_MODEL_FILES):
+        return str(folder)
+    if cfg.model.base is not None:
+        return str(cfg.model.base)
+    raise ModelError(f"no built model in {folder}", hint="run `vlmctl model build` first, or set model.base")
+
+
+def load_source(source: str, cfg, *, dtype):
+    """(model, processor, family spec) through the family table's loader, on CPU."""
+    from vlmctl.models import load_model
+
+    return load_model(source, dtype=dtype, device="cpu", family=cfg.model.family,
+                      trust_remote_code=cfg.model.trust_remote_code)
+
+
+def load_quantized(source: str, cfg, *, dtype):
+    """QLoRA's frozen base: the language model in 4-bit NF4 (or 8-bit) through bitsandbytes, vision tower,
+    projector and lm_head kept in `dtype`. The 4-bit storage dtype equals the compute dtype, so FSDP shards the
+    packed weights like any other bf16 tensor (the QLoRA + FSDP recipe of the bitsandbytes docs).
+    Returns (model, processor, family spec)."""
+    import transformers
+    from peft import prepare_model_for_kbit_training
+    from transformers import AutoConfig, BitsAndBytesConfig
+
+    from vlmctl.models import detect_family, get_family, load_processor, read_build_info
+
+    info = read_build_info(source) if Path(source).is_dir() else None
+    ref = info["source"] if info and info.get("mode") == "base" and not (Path(source) / "config.json").is_file() else source
+    family = get_family(cfg.model.family or detect_family(AutoConfig.from_pretrained(ref, trust_remote_code=cfg.model.trust_remote_code)))
+    skip = [family.vision_tower, *family.projector, family.lm_head]
+    if cfg.train.lora.quantize == "4bit":
+        bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                 bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype, llm_int8_skip_modules=skip)
+    else:
+        bnb = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
+    cls = getattr(transformers, family.model_class)
+    model = cls.from_pretrained(ref, quantization_config=bnb, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.train.gradient_checkpointing)
+    return model, load_processor(source, trust_remote_code=cfg.model.trust_remote_code), family
+
+
+# ------------------------------------------------------------------------------------------------ dtypes
+
+
+def resolve_dtype(precision: str, device) -> Any:
+    """Compute dtype (`torch.dtype`): auto = bf16 on GPUs that support it, fp32 on CPU."""
+    import torch
+
+    if precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+
+
+def check_precision(train, dtype, device) -> None:
+    """Raise ConfigError for fp16 without DeepSpeed's loss scaling, or QLoRA off CUDA."""
+    import torch
+
+    if dtype == torch.float16 and train.strategy in ("ddp", "fsdp"):
+        raise ConfigError("train.precision=fp16 needs loss scaling, which only the DeepSpeed strategies provide here",
+                          hint="use train.precision=bf16, or train.strategy=zero2/zero3")
+    if train.lora is not None and train.lora.quantize != "none" and device.type != "cuda":
+        raise ConfigError("train.lora.quantize (QLoRA) needs bitsandbytes on a CUDA GPU",
+                          hint="set train.lora.quantize=none, or run on a GPU machine with bitsandbytes installed")
+
+
+def master_dtype(train, dtype):
+    """The dtype parameters are stored (and optimized) in: fp32 master weights, or `dtype` itself with
+    `train.master_weights: bf16` (pure bf16). Raises ConfigError where pure bf16 cannot apply."""
+    import torch
+
+    if train.master_weights == "fp32":
+        return torch.float32
+    if dtype != torch.bfloat16:
+        raise ConfigError(f"train.master_weights=bf16 needs bf16 compute, but train.precision resolves to {str(dtype).removeprefix('torch.')}",
+                          hint="set train.precision=bf16 (on a GPU with bf16), or train.master_weights=fp32")
+    if train.strategy in ("zero2", "zero3"):
+        raise ConfigError("train.master_weights=bf16: DeepSpeed keeps its own fp32 master weights for zero2/zero3",
+                          hint="use train.strategy=fsdp or ddp for pure bf16, or train.master_weights=fp32")
+    return torch.bfloat16
+
+
+# ----------------------------------------------------------------------------------------------- model parts
+
+
+@dataclass
+class ModelParts:
+    """Module paths of the vision tower, projector and language model (from the family spec), and the repeated
+    layers used as FSDP2 units."""
+
+    family: Any
+    paths: dict[str, list[str]]
+    decoder_layers: list[Any] = field(default_factory=list)  # nn.Module instances
+    vision_layers: list[Any] = field(default_factory=list)
+
+    def part_of(self, name: str) -> str:
+        """"vision", "projector" or "llm" for a parameter or module name (wrapper prefixes are ignored)."""
+        from vlmctl.families import part_of_parameter
+
+        return part_of_parameter(name, self.family)
+
+
+def model_parts(model, family: Any) -> ModelParts:
+    """The parts of a VLM per the family spec, and its decoder / vision-encoder layer modules."""
+    from vlmctl.families import decoder_layers, vision_layers
+
+    paths = {"vision": [family.vision_tower], "projector": list(family.projector),
+             "llm": [family.language_model, family.lm_head]}
+    return ModelParts(family=family, paths=paths, decoder_layers=list(decoder_layers(model, family)),
+                      vision_layers=list(vision_layers(model, family)))
+
+
+def part_parameters(model, parts: ModelParts) -> dict[str, int]:
+    """Parameters (count) per part, in `PARTS` order."""
+    counts = {p: 0 for p in PARTS}
+    for name, param in model.named_parameters():
+        counts[parts.part_of(name)] += param.numel()
+    return counts
+
+
+# ----------------------------------------------------------------------------------------- stages, freezing
+
+
+def trainable_parts(stage: str, freeze: list[str] | None) -> set[str]:
+    """Parts trained by a stage (align: projector; finetune: projector + llm; full: all); `freeze` overrides.
+    The table is `vlmctl.models.summary.STAGE_TRAINS`."""
+    from vlmctl.models.summary import trained_parts
+
+    return {part for part, trained in trained_parts(stage, freeze).items() if trained}
+
+
+def apply_stage(model, parts: ModelParts, trainable: set[str]) -> dict[str, int]:
+    """Set requires_grad per part; returns the number of trainable parameters per part."""
+    counts = {p: 0 for p in PARTS}
+    for name, param in model.named_parameters():
+        part = parts.part_of(name)
+        param.requires_grad_(part in trainable)
+        if part in trainable:
+            counts[part] += param.numel()
+    return counts
+
+
+def apply_lora(model, lora, parts: ModelParts, trainable: set[str]):
+    """Wrap the model with peft LoRA adapters on the language model's linear layers.
+
+    The language model's own weights are frozen (only the adapters train); the projector and vision tower, when
+    their stage trains them, are trained in full and saved with the adapter (`modules_to_save`). Raises
+    ConfigError when `lora.target_modules` matches no layer.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    llm_paths = [re.escape(p) for p in parts.paths["llm"] if p != "lm_head"]
+    if lora.target_modules == "auto":
+        target: Any = rf"^({'|'.join(llm_paths)})\..*\.({'|'.join(LORA_AUTO_TARGETS)})$"
+    else:
+        target = list(lora.target_modules)
+    full = [p for part in ("projector", "vision") if part in trainable for p in parts.paths[part]]
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=target,
+                        modules_to_save=full or None, bias="none")
+    for param in model.parameters():
+        param.requires_grad_(False)
+    try:
+        model = get_peft_model(model, config)
+    except ValueError as exc:
+        raise ConfigError(f"train.lora.target_modules matched no layer: {exc}",
+                          hint="use target_modules: auto, or module names such as [q_proj, v_proj]") from exc
+    return model
+
+
+def lora_config_dict(model) -> dict | None:
+    """The peft adapter config as plain JSON (for trainer_state.json), or None without LoRA.
+
+    `target_modules` is always a JSON list: the configured names, or for `target_modules: auto` (a regex over the
+    language model) the full names of the adapted modules, which peft matches exactly. The dict stays valid
+    `peft.LoraConfig` keyword arguments.
+    """
+    cfg = getattr(model, "peft_config", None)
+    if not cfg:
+        return None
+    out = cfg["default"].to_dict()
+    target = out.get("target_modules")
+    if isinstance(target, str):
+        names = getattr(getattr(model, "base_model", None), "targeted_module_names", None)
+        out["target_modules"] = sorted(names) if names else [target]
+    return json.loads(json.dumps(out, default=lambda o: sorted(o) if isinstance(o, (set, frozenset)) else str(o)))
+
+
+def apply_training_setup(model, family, train):
+    """Stage/freeze, LoRA, activation checkpointing and torch.compile, in torchtitan's order (checkpointing, then
+    compile, then the wrapping of `vlmctl.distributed`). Returns (model, parts, trainable part names)."""
+    parts = model_parts(model, family)
+    trainable = trainable_parts(train.stage, train.freeze)
+    apply_stage(model, parts, trainable)
+    if train.lora is not None:
+        model = apply_lora(model, train.lora, parts, trainable)
+        parts = model_parts(model, family)
+    if train.gradient_checkpointing:
+        # transformers' per-layer checkpointing (each decoder layer and vision block), non-reentrant
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "enable_input_require_grads"):
+            model.enable_input_require_grads()
+    if train.compile:
+        for layer in parts.decoder_layers:
+            layer.compile(dynamic=train.packing)  # packed rows change length every step
+    return model, parts, trainable
+
+
+# ---------------------------------------------------------------------------------------------------- kernels
+
+
+def resolve_attention(train, device) -> str:
+    """The transformers attention implementation for `train.attn_implementation` on `device`.
+
+    Packed rows: auto = PyTorch's varlen kernel on CUDA in bf16/fp16, sdpa on CPU or in fp32 (block-diagonal mask
+    from the per-sample position ids). Padded batches: auto = flash_attention_2 when flash-attn is installed on
+    CUDA, else sdpa; varlen needs packing. Raises ConfigError for a backend this device or batching cannot run.
+    """
+    import importlib.util
+
+    import torch
+
+    from vlmctl.train.kernels import resolve_attn_implementation
+
+    requested = train.attn_implementation
+    if device.type == "cuda" and resolve_dtype(train.precision, device) == torch.float32:
+        if requested in ("varlen", "flash_attn"):
+            raise ConfigError(f"train.attn_implementation={requested} computes in bf16/fp16, but train.precision resolves to fp32",
+                              hint="set train.precision=bf16, or train.attn_implementation=sdpa")
+        if requested == "auto":
+            requested = "sdpa"  # the flash kernels compute in bf16/fp16 only
+    if not train.packing:
+        if requested == "varlen":
+            raise ConfigError("train.attn_implementation=varlen attends within packed rows; it needs train.packing=true",
+                              hint="set train.packing=true, or use sdpa / flash_attn with padded batches")
+        if requested == "auto":
+            cuda_flash = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+            requested = "flash_attn" if cuda_flash else "sdpa"
+    try:
+        return resolve_attn_implementation(requested, device.type)
+    except ValueError as exc:
+        raise ConfigError(str(exc), hint="set train.attn_implementation=auto (or sdpa)") from None
+
+
+def resolve_liger(train, family, device) -> bool:
+    """Whether liger-kernel's fused linear cross-entropy is used (`train.liger`: on, off, auto = when it can run).
+
+    It needs CUDA, the package and a liger patch for the family, and the head's weight gathered during the root
+    forward: ZeRO-3 partitions it outside the head's own forward, so zero3 uses the plain loss.
+    Raises ConfigError for `on` where it cannot run.
+    """
+    from vlmctl.train.kernels import liger_available
+
+    if train.liger == "off":
+        return False
+    why = None
+    if not liger_available(device.type):
+        why = "needs a CUDA GPU and the liger-kernel package (pip install 'vlmctl[gpu]')"
+    elif family.liger_patch is None:
+        why = f"has no patch for the {family.name} family"
+    elif train.strategy == "zero3":
+        why = "cannot read the head's weight while ZeRO-3 partitions it"
+    if why is None:
+        return True
+    if train.liger == "on":
+        raise ConfigError(f"train.liger=on, but liger-kernel {why}", hint="set train.liger=auto or off")
+    return False
+
+
+def apply_kernels(model, family, train, device) -> tuple[str, bool, list[str]]:
+    """Attention backend, liger-kernel patches and the vision tower's kernels (CUDA), applied to the HF model in
+    place (before peft wraps it). Returns (attention implementation name, whether liger's fused loss is on, the
+    vision kernels applied)."""
+    import importlib.util
+
+    from vlmctl.families import vision_layers
+    from vlmctl.train import kernels
+
+    attn = resolve_attention(train, device)
+    kernels.set_attention(model, attn, vision_varlen=device.type == "cuda" and family.mrope)
+    liger = resolve_liger(train, family, device)
+    if liger:
+        # liger's norm/SwiGLU/RoPE kernels are autograd functions torch.compile cannot trace: compile fuses those
+        kernels.apply_liger(model, family, kernels=not train.compile)
+    vision = []
+    if device.type == "cuda":
+        has_triton = importlib.util.find_spec("triton") is not None
+        compile_vision = train.compile_vision == "on" or (train.compile_vision == "auto" and has_triton)
+        vision = kernels.apply_vision_kernels(model, vision_layers(model, family), compile=compile_vision)
+    return attn, liger, vision
+
+
+# ------------------------------------------------------------------------------------------ optimizer, schedule
+
+
+def param_groups(model, parts: ModelParts, train) -> list[dict[str, Any]]:
+    """AdamW groups: per-part learning rates (vision_lr, projector_lr) and no weight decay on biases and norms."""
+    groups: dict[tuple[float, float], list] = {}
+    lrs = {"vision": train.vision_lr or train.learning_rate, "projector": train.projector_lr or train.learning_rate,
+           "llm": train.learning_rate}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        lr = lrs[parts.part_of(name)]
+        wd = train.weight_decay if p.ndim >= 2 else 0.0
+        groups.setdefault((lr, wd), []).append(p)
+    return [{"params": ps, "lr": lr, "weight_decay": wd} for (lr, wd), ps in groups.items()]
+
+
+def build_optimizer(model, parts: ModelParts, train, device, dp_size: int = 1):
+    """AdamW over `param_groups`, or its per-parameter form stepped during backward (`train.optimizer_in_backward`).
+    Raises ConfigError when nothing is trainable or the in-backward form cannot apply to these settings."""
+    import torch
+
+    groups = param_groups(model, parts, train)
+    if not groups:
+        raise ConfigError("nothing to train: every parameter is frozen", hint="check train.stage and train.freeze")
+    if train.optimizer_in_backward:
+        from vlmctl.train.optimizer import OptimizerInBackward
+
+        check_optimizer_in_backward(train, dp_size)
+        return OptimizerInBackward(groups, betas=tuple(train.adam_betas), eps=1e-8, fused=device.type == "cuda")
+    return torch.optim.AdamW(groups, lr=train.learning_rate, betas=tuple(train.adam_betas), eps=1e-8,
+                             fused=device.type == "cuda")
+
+
+def check_optimizer_in_backward(train, dp_size: int) -> None:
+    """Raise ConfigError for settings `train.optimizer_in_backward` cannot honour: it steps each parameter inside
+    backward, so there is no global gradient to clip or accumulate, and DDP over `dp_size` > 1 ranks would average
+    gradients only after the step (FSDP2 fires the hook after its reduce-scatter)."""
+    hint = "set train.optimizer_in_backward=false"
+    if train.max_grad_norm > 0:
+        raise ConfigError(f"train.optimizer_in_backward cannot clip gradients (train.max_grad_norm={train.max_grad_norm})",
+                          hint="set train.max_grad_norm=0, or " + hint)
+    if train.gradient_accumulation_steps != 1:
+        raise ConfigError(f"train.optimizer_in_backward steps after every backward; train.gradient_accumulation_steps="
+                          f"{train.gradient_accumulation_steps} needs the gradients kept", hint="raise train.tokens_per_batch instead, or " + hint)
+    if train.strategy in ("zero2", "zero3"):
+        raise ConfigError(f"train.optimizer_in_backward is not available with DeepSpeed ({train.strategy})",
+                          hint="use train.strategy=fsdp, or " + hint)
+    if train.strategy == "ddp" and dp_size > 1:
+        raise ConfigError("train.optimizer_in_backward with ddp on several processes would step before gradients are averaged",
+                          hint="use train.strategy=fsdp, or " + hint)
+
+
+def build_scheduler(optimizer, train, total_steps: int):
+    """The LR schedule of `train.lr_scheduler` with `train.warmup_ratio` of `total_steps` as linear warm-up."""
+    from transformers import get_scheduler
+
+    warmup = math.ceil(train.warmup_ratio * total_steps)
+    # transformers' "constant" ignores num_warmup_steps; warmup applies to every schedule here.
+    name = "constant_with_warmup" if train.lr_scheduler == "constant" else train.lr_scheduler
+    return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
+
+
+# ------------------------------------------------------------------------------------- the run and its model
+
+
+@dataclass
+class RunContext:
+    """What `setup_run` decided for this rank: its place (`env`: DistEnv), the parallel dimensions with the run's
+    mesh built (`dims`: ParallelDims), the compute dtype and the dtype the parameters are stored in."""
+
+    env: Any
+    dims: Any
+    dtype: Any
+    stored: Any
+
+
+@dataclass
+class TrainingModel:
+    """A model ready to wrap and what preparing it decided (kernels, trainable parts, batch hook, cost model)."""
+
+    model: Any
+    family: Any
+    parts: ModelParts
+    trainable: set[str]
+    attn: str
+    liger: bool
+    vision_kernels: list[str]
+    prepare: Any  # batch hook run ahead of the step (Qwen's mRoPE positions), or None
+    parameters: dict[str, int]  # per part, counted before wrapping (ZeRO-3 leaves empty placeholders)
+    num_trainable: int
+    cost_model: Any  # flops.CostModel of the unwrapped model: training FLOPs per collated batch
+    processor: Any = None
+    source: str | None = None
+
+
+def setup_run(train) -> RunContext:
+    """Process group and the run's one device mesh (`vlmctl.distributed`), seeds, compute and master dtypes.
+    Raises ConfigError for a precision or master-weights setting this strategy and device cannot train with."""
+    from vlmctl.distributed.env import init_distributed
+    from vlmctl.distributed.mesh import ParallelDims
+
+    env = init_distributed(deepspeed=train.strategy in DEEPSPEED)
+    dims = ParallelDims.for_strategy(train.strategy, env.world_size)
+    dims.build_mesh(env.device.type)
+    seed_everything(train.seed)
+    dtype = resolve_dtype(train.precision, env.device)
+    check_precision(train, dtype, env.device)
+    quantized = train.lora is not None and train.lora.quantize != "none"
+    return RunContext(env=env, dims=dims, dtype=dtype, stored=dtype if quantized else master_dtype(train, dtype))
+
+
+def prepare_model(model, family, train, device) -> TrainingModel:
+    """Kernels, the batch hook, the cost model, stage/freeze, LoRA, activation checkpointing and compile: what
+    `vlmctl train` and `vlmctl bench` do to a loaded model before wrapping it."""
+    from vlmctl.train.flops import CostModel
+
+    # counted on the model as built: before the vision kernels pad or reshape its layers, peft wraps it
+    # (modules_to_save copies would count twice) and ZeRO-3 / FSDP2 shard it
+    cost_model = CostModel.from_model(model, family, trainable_parts(train.stage, train.freeze), lora=train.lora is not None)
+    attn, liger, vision_kernels = apply_kernels(model, family, train, device)
+    prepare = family.position_hook(model, getattr(model.config, "image_token_id", None)) if train.packing else None
+    model, parts, trainable = apply_training_setup(model, family, train)
+    return TrainingModel(model=model, family=family, parts=parts, trainable=trainable, attn=attn, liger=liger,
+                         vision_kernels=vision_kernels, prepare=prepare, parameters=part_parameters(model, parts),
+                         num_trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
+                         cost_model=cost_model)
