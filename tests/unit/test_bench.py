@@ -90,3 +90,49 @@ def test_frozen_parts_count_fewer_flops():
     assert 0 < frozen_vision["vision"] < full["vision"]
     assert all(frozen_vision[k] == full[k] for k in ("llm", "lm_head", "llm_attention"))
     assert sum(frozen_both.values()) < sum(frozen_vision.values()) < sum(full.values())
+
+
+def test_bench_and_the_training_metrics_give_the_same_mfu_for_the_same_batches(monkeypatch):
+    # One FLOP formula: the bench's figures and the trainer's logged row come from the same step results, whose FLOPs
+    # are the cost model's on each collated batch. Time is made deterministic (1 s per step) so the MFUs compare.
+    from vlmctl import bench
+    from vlmctl.config import ModelSection, TrainSection
+    from vlmctl.train.flops import CostModel
+
+    seen: dict = {}
+    original_measure = bench._measure
+
+    def spy(trainer, *args, **kwargs):
+        seen["trainer"] = trainer
+        batches, steps = [], []
+        original_flops, original_step = trainer.flops_of, trainer.train_step
+
+        def flops_of(batch):
+            batches.append(batch)
+            return original_flops(batch)
+
+        def train_step():
+            steps.append(original_step())
+            return steps[-1]
+
+        trainer.flops_of, trainer.train_step = flops_of, train_step
+        seen["batches"], seen["steps"], seen["cost"] = batches, steps, original_flops.__self__
+        return original_measure(trainer, *args, **kwargs)
+
+    clock = iter(float(t) for t in range(10_000))
+    monkeypatch.setattr(bench, "_measure", spy)
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock))
+    result = bench.run_bench(ModelSection(preset="tiny-qwen2.5-vl", init="random"),
+                             TrainSection(tokens_per_batch=384, attn_implementation="sdpa"),
+                             steps=2, warmup=1, spec=bench.WorkloadSpec(image_sizes=(28, 56), text_tokens=(8, 40)),
+                             log=None)
+    trainer, steps = seen["trainer"], seen["steps"]
+    assert len(steps) == 3 and result.step_time_s == 1.0
+    # each step's FLOPs are the cost model's on the very batch it trained on (one packed row per step here)
+    cost = seen["cost"]
+    assert isinstance(cost, CostModel) and len(seen["batches"]) == 3
+    assert [s.flops for s in steps] == [cost.batch_flops(b) for b in seen["batches"]] and steps[-1].flops > 0
+    # the trainer's logged row over the measured steps, with the bench's peak, gives the bench's MFU
+    trainer.peak_flops = bench.DEFAULT_PEAK
+    row = trainer._row(steps[1:], seconds=2.0)
+    assert row["mfu"] == result.mfu
