@@ -3,7 +3,7 @@ and 2-rank DeepSpeed ZeRO-2 (frozen vision tower) and ZeRO-3 runs, all on CPU wi
 `vlmctl.train.checkpoint.save` and records the training model's probe logits; the converted HF folders must load
 with the Auto classes and reproduce them. Truncated checkpoints must give a clear error.
 
-Run as a script (`torchrun --nproc_per_node 2 tests/test_convert_dist.py fsdp|zero MODEL_DIR OUT_ROOT`) this file is
+Run as a script (`torchrun --nproc_per_node 2 tests/integration/test_convert_dist.py fsdp|zero MODEL_DIR OUT_ROOT`) this file is
 the training worker.
 """
 
