@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from vlmctl.config.model import ModelSection
-from vlmctl.models import FAMILIES, build_model, detect_family, load_model
-from vlmctl.families import count_parameters, decoder_layer_classes, decoder_layers, parts, vision_layer_classes
+from vlmctl.families import FAMILIES, count_parameters, decoder_layer_classes, decoder_layers, detect_family, parts, vision_layer_classes
+from vlmctl.models import build_model, load_model
 
 TEXTS = ["What color is the triangle? Answer with one word.", "red", "How many circles are there?", "3"] * 10
 TINY = {name: spec.tiny_preset for name, spec in FAMILIES.items() if spec.tiny_preset}

@@ -70,7 +70,8 @@ def load_quantized(source: str, cfg, *, dtype):
     from peft import prepare_model_for_kbit_training
     from transformers import AutoConfig, BitsAndBytesConfig
 
-    from vlmctl.models import detect_family, get_family, load_processor, read_build_info
+    from vlmctl.families import detect_family, get_family
+    from vlmctl.models import load_processor, read_build_info
 
     info = read_build_info(source) if Path(source).is_dir() else None
     ref = info["source"] if info and info.get("mode") == "base" and not (Path(source) / "config.json").is_file() else source
