@@ -1,6 +1,6 @@
 """Generation with a model folder: load it, render prompts with its chat template, generate in batches.
 
-Used by `vlmctl eval`, `vlmctl demo` and any command that answers prompts::
+Used by `vlmctl eval`, `vlmctl chat`, `vlmctl generate`, `vlmctl demo` and any command that answers prompts::
 
     from vlmctl.inference import GenerationRequest, generate, load_for_generation
 
@@ -10,14 +10,20 @@ Used by `vlmctl eval`, `vlmctl demo` and any command that answers prompts::
 
 - `load`: folder checks (`check_model_dir`), compute dtype, device, processor; `load_vllm` for the vLLM engine.
 - `prompt`: `GenerationRequest` (messages + images), `Generation` (prompt, text), `render_prompt`.
-- `generation`: `generate` (transformers, left-padded batches) and `generate_vllm`.
+- `generation`: `generate` (transformers, left-padded batches), `generate_vllm`, and `stream_generate` (one
+  answer as pieces of text while it is generated).
+- `chat`: `ChatSession` (history, images, one streamed reply per turn) and `parse_input` (terminal lines and
+  commands) for `vlmctl chat`.
+- `batch`: `read_prompts` (any input format) and `write_predictions` (answers -> JSONL) for `vlmctl generate`.
 
 Importing this package is cheap: torch, transformers and vllm are imported when a function needs them.
 """
 
 from __future__ import annotations
 
-from vlmctl.inference.generation import ProgressFn, generate, generate_vllm
+from vlmctl.inference.batch import PredictionsResult, read_prompts, write_predictions
+from vlmctl.inference.chat import COMMANDS, ChatInput, ChatSession, parse_input, read_image
+from vlmctl.inference.generation import ProgressFn, generate, generate_vllm, stream_generate
 from vlmctl.inference.load import (
     BACKENDS,
     DTYPES,
@@ -25,12 +31,14 @@ from vlmctl.inference.load import (
     check_model_dir,
     load_for_generation,
     load_vllm,
+    resolve_device,
     resolve_dtype,
 )
 from vlmctl.inference.prompt import Generation, GenerationRequest, render_prompt, request_from_sample
 
 __all__ = [
-    "BACKENDS", "DTYPES", "Generation", "GenerationRequest", "ProgressFn", "check_backend", "check_model_dir",
-    "generate", "generate_vllm", "load_for_generation", "load_vllm", "render_prompt", "request_from_sample",
-    "resolve_dtype",
+    "BACKENDS", "COMMANDS", "DTYPES", "ChatInput", "ChatSession", "Generation", "GenerationRequest", "PredictionsResult",
+    "ProgressFn", "check_backend", "check_model_dir", "generate", "generate_vllm", "load_for_generation", "load_vllm",
+    "parse_input", "read_image", "read_prompts", "render_prompt", "request_from_sample", "resolve_device",
+    "resolve_dtype", "stream_generate", "write_predictions",
 ]

@@ -1,12 +1,14 @@
-"""Batched generation over `GenerationRequest`s, through transformers (`generate`) or vLLM (`generate_vllm`).
+"""Batched generation over `GenerationRequest`s, through transformers (`generate`) or vLLM (`generate_vllm`), and
+streamed generation of one answer (`stream_generate`).
 
-Both return one `Generation(prompt, text)` per request, in request order. Decoding is greedy unless a positive
-`temperature` is given (then nucleus sampling with `top_p`; seed it with `torch.manual_seed` for the HF backend).
+The batched functions return one `Generation(prompt, text)` per request, in request order. Decoding is greedy
+unless a positive `temperature` is given (then nucleus sampling with `top_p`; seed it with `torch.manual_seed` for
+the HF backend).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from vlmctl.errors import UsageError
 from vlmctl.inference.prompt import Generation, GenerationRequest, render_prompt
@@ -24,6 +26,22 @@ def _check_sampling(batch_size: int | None, max_new_tokens: int, temperature: fl
         raise UsageError(f"temperature must be >= 0, got {temperature}", hint="0 decodes greedily")
     if not 0 < top_p <= 1:
         raise UsageError(f"top_p must be in (0, 1], got {top_p}", hint="1 keeps the whole distribution")
+
+
+def _sampling(temperature: float, top_p: float) -> dict[str, Any]:
+    """`model.generate` keyword arguments: greedy for temperature 0, else nucleus sampling."""
+    return {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False}
+
+
+def _model_inputs(model, processor, texts: list[str], images: list) -> dict[str, Any]:
+    """The processor's tensors for rendered prompts (padded on the tokenizer's padding side), on the model's
+    device; floating image tensors in the model's dtype."""
+    device = next(model.parameters()).device
+    inputs = processor(text=texts, images=images or None, padding=True, return_tensors="pt", add_special_tokens=False)
+    inputs = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in inputs.items()}
+    if "pixel_values" in inputs and inputs["pixel_values"].is_floating_point():
+        inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
+    return inputs
 
 
 def generate(
@@ -54,21 +72,16 @@ def generate(
     tok = processor.tokenizer
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False}
-    device = next(model.parameters()).device
     side, tok.padding_side = tok.padding_side, "left"  # generation continues from the last position of every row
     out: list[Generation] = []
     try:
         for start in range(0, len(requests), batch_size):
             rendered = [render_prompt(r, processor) for r in requests[start : start + batch_size]]
             texts = [t for t, _ in rendered]
-            images = [img for _, imgs in rendered for img in imgs]
-            inputs = processor(text=texts, images=images or None, padding=True, return_tensors="pt", add_special_tokens=False)
-            inputs = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in inputs.items()}
-            if "pixel_values" in inputs and inputs["pixel_values"].is_floating_point():
-                inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
+            inputs = _model_inputs(model, processor, texts, [img for _, imgs in rendered for img in imgs])
             with torch.inference_mode():
-                generated = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, **sampling)
+                generated = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
+                                           **_sampling(temperature, top_p))
             answers = tok.batch_decode(generated[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
             out.extend(Generation(t, a.strip()) for t, a in zip(texts, answers))
             if progress:
@@ -103,4 +116,62 @@ def generate_vllm(
     return [Generation(t, o.outputs[0].text.strip()) for (t, _), o in zip(rendered, outputs)]
 
 
-__all__ = ["ProgressFn", "generate", "generate_vllm"]
+def stream_generate(
+    model,
+    processor,
+    request: GenerationRequest,
+    *,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+) -> Iterator[str]:
+    """The answer to one request as pieces of text, yielded while `model.generate` runs in a background thread
+    (transformers' `TextIteratorStreamer`: a piece is yielded once it decodes to whole words).
+
+    The pieces joined and stripped equal `generate(...)[0].text` for the same request and settings (greedy: the
+    same tokens; both decode without special tokens). Closing the iterator early (a `break`, Ctrl-C in the
+    consumer) stops generation after the current token. An exception raised by the model is raised here after the
+    pieces generated before it. Raises UsageError for bad sampling values (see `generate`), DataError for a
+    request whose image parts point past its images.
+    """
+    _check_sampling(None, max_new_tokens, temperature, top_p)
+    import threading
+
+    import torch
+    from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
+
+    tok = processor.tokenizer
+    text, images = render_prompt(request, processor)
+    inputs = _model_inputs(model, processor, [text], images)
+    streamer = TextIteratorStreamer(tok, skip_prompt=True, skip_special_tokens=True)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    class _Stop(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), stop.is_set(), dtype=torch.bool, device=input_ids.device)
+
+    def run() -> None:
+        try:
+            with torch.inference_mode():  # thread-local: entered in the generating thread
+                model.generate(**inputs, max_new_tokens=max_new_tokens, streamer=streamer,
+                               pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+                               stopping_criteria=StoppingCriteriaList([_Stop()]), **_sampling(temperature, top_p))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            errors.append(exc)
+            streamer.end()  # generate() ends the stream itself only when it returns
+
+    thread = threading.Thread(target=run, name="vlmctl-generate", daemon=True)
+    thread.start()
+    try:
+        for piece in streamer:
+            if piece:
+                yield piece
+    finally:
+        stop.set()
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+__all__ = ["ProgressFn", "generate", "generate_vllm", "stream_generate"]

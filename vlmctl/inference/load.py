@@ -79,14 +79,34 @@ def resolve_dtype(dtype: str, device: str):
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
 
 
+def resolve_device(device: str) -> str:
+    """The torch device name for `device`: `auto` is `cuda` when a GPU is visible, else `cpu`; other names
+    (`cpu`, `cuda`, `cuda:1`, `mps`) are checked and returned. Raises UsageError for a name torch does not know
+    or a CUDA device that is not there."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise UsageError(f"unknown device {device!r}", hint="e.g. --device cpu, --device cuda, --device cuda:1, or auto") from exc
+    if parsed.type == "cuda" and (not torch.cuda.is_available() or (parsed.index or 0) >= torch.cuda.device_count()):
+        raise UsageError(f"device {device!r} is not available here ({torch.cuda.device_count()} CUDA device(s) visible)",
+                         hint="use --device cpu, or --device auto to pick a GPU when there is one")
+    return device
+
+
 def load_for_generation(path: Path, *, device: str = "cpu", dtype: str = "auto") -> tuple[Any, Any]:
-    """(model, processor) from a model folder, in eval mode on `device` in the compute dtype of `resolve_dtype`.
+    """(model, processor) from a model folder, in eval mode on `device` (see `resolve_device`; `auto` picks a GPU
+    when there is one) in the compute dtype of `resolve_dtype`.
 
     The model is loaded through `vlmctl.models.load_model` (the family's model class; no remote code). Raises
     ModelError for a folder that fails `check_model_dir` or holds a model of an unsupported family, UsageError for
-    an unknown `dtype`.
+    an unknown `dtype` or an unknown or absent `device`.
     """
     check_model_dir(path)
+    device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     from vlmctl.models import load_model
 
@@ -114,4 +134,7 @@ def load_vllm(path: Path, *, dtype: str = "auto") -> tuple[Any, Any]:
     return LLM(model=str(path), dtype=names[dtype]), load_processor(path)
 
 
-__all__ = ["BACKENDS", "DTYPES", "check_backend", "check_model_dir", "resolve_dtype", "load_for_generation", "load_vllm"]
+__all__ = [
+    "BACKENDS", "DTYPES", "check_backend", "check_model_dir", "resolve_device", "resolve_dtype", "load_for_generation",
+    "load_vllm",
+]

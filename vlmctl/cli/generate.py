@@ -1,0 +1,102 @@
+"""`vlmctl generate`: answer a file of prompts with a model and write predictions.jsonl."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.markup import escape
+
+from vlmctl.cli._common import ConfigOpt, JsonOpt, console, info, load_project, print_json, split_args, state
+from vlmctl.cli.chat import DeviceOpt, DtypeOpt, ModelArgs, TemperatureOpt, TopPOpt, resolve_model_dir
+
+EXAMPLE = "Example: vlmctl generate outputs/runs/run1/final --input questions.jsonl -o predictions.jsonl"
+
+OutputOpt = Annotated[Path, typer.Option("--output", "-o", help="Output JSONL file, or a folder to write predictions.jsonl into.")]
+
+
+def generate_cmd(
+    args: ModelArgs = None,
+    input_: Annotated[str, typer.Option("--input", "-i", help="Prompts: a data file, folder or glob in any format the data "
+                                        "commands read, or `val` (the project's prepared val split).", show_default=False)] = ...,
+    out: OutputOpt = Path("predictions.jsonl"),
+    config: ConfigOpt = None,
+    fmt: Annotated[str, typer.Option("--format", help="Input format: auto|llava|sharegpt|messages|parquet|webdataset|hf.")] = "auto",
+    image_root: Annotated[Optional[Path], typer.Option("--image-root", help="Folder that relative image paths are resolved "
+                                                       "against (default: the input file's folder).")] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Prompts per generation batch.")] = 8,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="At most this many tokens per answer.")] = 128,
+    temperature: TemperatureOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Seed for sampling (with --temperature > 0).")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", help="Answer at most N samples.")] = None,
+    backend: Annotated[str, typer.Option("--backend", help="hf (transformers), or vllm when installed.")] = "hf",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    as_json: JsonOpt = False,
+) -> None:
+    """Answer every sample of a data file (its conversation up to the last assistant turn) -> predictions.jsonl.
+
+    One row per readable sample: id, prompt, prediction, references (when it has one).
+    Score them with: vlmctl eval --predictions FILE.
+    """
+    from vlmctl.config import DataSource
+    from vlmctl.errors import UsageError
+    from vlmctl.evaluation import references_of
+    from vlmctl.inference import check_backend, check_model_dir, read_prompts, write_predictions
+
+    check_backend(backend)  # before loading anything: a missing vllm is a usage error
+    if limit is not None and limit <= 0:
+        raise UsageError("--limit must be positive", hint="e.g. --limit 100")
+    model_dir = resolve_model_dir(args, config, "generate")
+    check_model_dir(model_dir)  # fail before reading data
+    path = input_
+    if input_ == "val":
+        path = str(load_project(config, split_args(args)[1]).data.prepared_dir / "val")
+        if not any(Path(path).glob("*.parquet")):
+            from vlmctl.errors import DataError
+
+            raise DataError(f"no prepared val split in {path}", hint="run `vlmctl data prepare` first, or pass --input FILE")
+    try:
+        source = DataSource(path=path, format=fmt, image_root=image_root)
+    except ValueError as exc:  # pydantic's ValidationError: an unknown --format
+        raise UsageError(f"unknown --format {fmt!r}", hint="use auto, llava, sharegpt, messages, parquet, webdataset or hf") from exc
+    samples, rejected = read_prompts(source, limit)
+    out = out / "predictions.jsonl" if out.is_dir() or not out.suffix else out
+    quiet = as_json or state.quiet
+    if not quiet:
+        skipped = f", {len(rejected)} unreadable skipped (see `vlmctl data validate {input_}`)" if rejected else ""
+        info(f"Answering {len(samples)} samples from {escape(input_)}{escape(skipped)} with "
+             f"[bold]{escape(str(model_dir))}[/bold] ({backend})")
+    with _bar(len(samples), enabled=not quiet) as progress:
+        result = write_predictions(model_dir, samples, out, references=references_of, batch_size=batch_size,
+                                   max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, backend=backend,
+                                   device=device, dtype=dtype, seed=seed, progress=progress)
+    if as_json:
+        print_json({"output": str(result.path), "n": result.n, "skipped": len(rejected), "backend": result.backend,
+                    "seconds": round(result.seconds, 3)})
+        return
+    console.print(f"Wrote {result.n} predictions to [bold]{escape(str(result.path))}[/bold] in {result.seconds:.1f} s", highlight=False)
+    info(f"[dim]score them: vlmctl eval --predictions {escape(str(result.path))}[/dim]")
+
+
+class _bar:
+    """A rich progress bar over samples (hidden with --quiet and --json)."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled, self.bar = total, enabled, None
+
+    def __enter__(self):
+        if not self.enabled:
+            return None
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.bar = Progress(TextColumn("generate"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=console, transient=True)
+        self.bar.start()
+        task = self.bar.add_task("generate", total=self.total)
+        return lambda done, total: self.bar.update(task, completed=done, total=total)
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()

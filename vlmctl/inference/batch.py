@@ -1,0 +1,141 @@
+"""Answer a file of samples and write the answers as JSONL (`vlmctl generate`).
+
+    samples, skipped = read_prompts(DataSource(path="questions.jsonl"))
+    result = write_predictions("outputs/runs/run1/final", samples, Path("predictions.jsonl"), batch_size=8)
+
+Each sample is asked as `request_from_sample`: its conversation up to (not including) its last assistant turn.
+One JSON object per sample, in input order::
+
+    {"id": str, "prompt": str, "prediction": str, "references": [str, ...], "options": [...]}
+
+`prompt` is the rendered prompt (chat template applied); `references` is there when the sample has reference
+answers (`references` callable; e.g. `vlmctl.evaluation.references_of`) and `options` when its meta has them,
+so the file can be scored by `vlmctl eval --predictions`. The file is written to a temporary name next to the
+output and renamed into place when every sample is answered.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from vlmctl.errors import DataError
+from vlmctl.inference.generation import ProgressFn, _check_sampling, generate, generate_vllm
+from vlmctl.inference.load import check_backend, check_model_dir, load_for_generation, load_vllm
+from vlmctl.inference.prompt import Generation, request_from_sample
+
+if TYPE_CHECKING:
+    from vlmctl.config.data import DataSource
+    from vlmctl.data.checks import Rejection
+    from vlmctl.data.sample import Sample
+
+
+@dataclass
+class PredictionsResult:
+    """What `write_predictions` wrote: the file, the number of rows, the backend, and the wall time in seconds."""
+
+    path: Path
+    n: int
+    backend: str
+    seconds: float
+
+
+def read_prompts(source: "DataSource", limit: int | None = None, *, min_image_side: int = 1) -> tuple[list["Sample"], list["Rejection"]]:
+    """(samples, rejections) of one data source in any input format (`vlmctl.data.formats.read_source`; a
+    prepared split folder reads back with the parquet reader): at most `limit` samples, in file order, and the
+    records the reader rejected (missing or corrupt images, bad records). Pictures are read whatever their size
+    (`min_image_side` pixels; the processor resizes them), unlike training data. Raises DataError when the source
+    cannot be opened or holds no readable sample (naming the first rejection)."""
+    from vlmctl.data.formats import read_source
+    from vlmctl.data.sample import Sample
+
+    samples, rejected = [], []
+    for item in read_source(source, min_image_side=min_image_side):
+        if isinstance(item, Sample):
+            samples.append(item)
+            if limit is not None and len(samples) >= limit:
+                break
+        else:
+            rejected.append(item)
+    if not samples:
+        first = f", e.g. {rejected[0].location}: {rejected[0].reason} ({rejected[0].detail})" if rejected else ""
+        raise DataError(f"{source.path}: no readable sample{first}", hint=f"run `vlmctl data validate {source.path}` for the full list")
+    return samples, rejected
+
+
+def write_predictions(
+    model_dir: Path,
+    samples: Sequence["Sample"],
+    out: Path,
+    *,
+    references: Callable[["Sample"], list[str]] | None = None,
+    batch_size: int = 8,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    backend: str = "hf",
+    device: str = "auto",
+    dtype: str = "auto",
+    seed: int | None = None,
+    progress: ProgressFn | None = None,
+) -> PredictionsResult:
+    """Answer `samples` with the model in `model_dir` and write one row per sample to `out` (module docstring).
+
+    `backend` `hf`: transformers' `generate` on `device` in left-padded batches of `batch_size`; `vllm`: vLLM's
+    offline engine (it batches and places the model itself; `device` and `batch_size` are not used). `seed`
+    seeds torch's generator before sampling (a positive `temperature`). `progress(done, total)` is called after
+    each batch. Raises UsageError for a bad backend (vllm not installed), device, dtype or sampling value,
+    ModelError for a folder that cannot be loaded, DataError for a sample whose image parts point past its images.
+    """
+    t0 = time.perf_counter()
+    _check_sampling(batch_size, max_new_tokens, temperature, top_p)
+    check_backend(backend)
+    check_model_dir(Path(model_dir))
+    requests = [request_from_sample(s) for s in samples]
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        with tmp.open("w", encoding="utf-8") as fh:
+            if backend == "vllm":
+                llm, processor = load_vllm(Path(model_dir), dtype=dtype)
+                answers = generate_vllm(llm, processor, requests, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+                _write_rows(fh, samples, answers, references)
+                if progress:
+                    progress(len(samples), len(samples))
+            else:
+                model, processor = load_for_generation(Path(model_dir), device=device, dtype=dtype)
+                if seed is not None:
+                    import torch
+
+                    torch.manual_seed(seed)
+                for start in range(0, len(requests), batch_size):
+                    # One batch at a time, written as it comes: a long run shows its rows in the temporary file.
+                    answers = generate(model, processor, requests[start : start + batch_size], batch_size=batch_size,
+                                       max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+                    _write_rows(fh, samples[start : start + batch_size], answers, references)
+                    fh.flush()
+                    if progress:
+                        progress(start + len(answers), len(requests))
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return PredictionsResult(path=out, n=len(samples), backend=backend, seconds=time.perf_counter() - t0)
+
+
+def _write_rows(fh, samples: Sequence["Sample"], answers: Sequence[Generation], references) -> None:
+    for sample, (prompt, text) in zip(samples, answers):
+        row = {"id": sample.id, "prompt": prompt, "prediction": text}
+        refs = references(sample) if references else []
+        if refs:
+            row["references"] = refs
+        if sample.meta.get("options"):
+            row["options"] = sample.meta["options"]
+        fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+__all__ = ["PredictionsResult", "read_prompts", "write_predictions"]
