@@ -68,6 +68,8 @@ def _render_prepare(m: dict[str, Any], out: Path, export_dir: Path | None) -> No
     info(f"[green]Prepared[/green] {out}: train {tr['samples']:,} samples ({len(tr['shards'])} shard(s)), val {va['samples']:,} samples")
     if m["totals"]["rejected_total"]:
         info(f"Rejected {m['totals']['rejected_total']:,} samples: see {out / 'rejected.jsonl'}")
+    for reason, n in (m["totals"].get("flagged") or {}).items():
+        info(f"[yellow]Kept {n:,} samples flagged {reason}[/yellow] (data.duplicate_ids: keep)")
     tokens = m.get("tokens")
     if tokens:
         info(
@@ -120,6 +122,8 @@ def _load_for_validate(config: Path | None, overrides: list[str], standalone: bo
 def _render_validate(report) -> None:
     from rich.table import Table
 
+    for reason, n in report.flagged.items():
+        info(f"[yellow]{n:,} kept samples flagged {reason}[/yellow] (data.duplicate_ids: keep)")
     if report.ok:
         info(f"[green]OK[/green]: {report.total:,} samples checked, none would be rejected.")
         if not report.tokens_checked:

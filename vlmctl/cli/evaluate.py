@@ -22,7 +22,7 @@ def eval_cmd(
     max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", help="Tokens generated per answer.")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", help="Score at most N samples.")] = None,
     predictions: Annotated[Optional[Path], typer.Option("--predictions", help="Score an existing predictions JSONL; loads no model.")] = None,
-    out: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output folder.")] = None,
+    out: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output folder (default: a new folder under eval.output_dir named after the model, task and data).")] = None,
     backend: Annotated[Optional[str], typer.Option("--backend", help="hf, or vllm when installed.")] = None,
     lmms_eval: Annotated[Optional[str], typer.Option("--lmms-eval", help="Comma-separated lmms-eval tasks to run on MODEL (when lmms-eval is installed).")] = None,
     as_json: JsonOpt = False,
@@ -38,6 +38,7 @@ def eval_cmd(
     if limit is not None and limit <= 0:
         raise UsageError("--limit must be positive", hint="e.g. --limit 200")
 
+    rank0 = int(os.environ.get("RANK", 0)) == 0
     if predictions is not None:
         out_dir = out or _predictions_out_dir(predictions, config, overrides)
         result = evaluation.score_predictions_file(predictions, task=task or "auto", out_dir=out_dir, limit=limit)
@@ -62,28 +63,48 @@ def eval_cmd(
 
     check_model_dir(model_dir)  # fail before reading data
     data_name = data or ev.data
-    samples = evaluation.load_samples(data_name, cfg.data.prepared_dir, limit or ev.limit)
+    samples = evaluation.load_samples(data_name, cfg.data.prepared_dir, limit or ev.limit, media_roots=cfg.data.media_roots)
     task_name = evaluation.resolve_task(task or ev.task, samples)
-    out_dir = out or ev.output_dir / f"{label}-{task_name}"
-    if not as_json and int(os.environ.get("RANK", 0)) == 0:
+    # Only rank 0 writes: it alone reserves a new folder; the other ranks never touch theirs.
+    created = out is None and rank0
+    out_dir = out or evaluation.default_output_dir(ev.output_dir, label, task_name, data_name, create=rank0)
+    if not as_json and rank0:
+        if samples.skipped:
+            info(f"[yellow]{_skipped_line(samples)}[/yellow]")
         info(f"Evaluating [bold]{model_dir}[/bold] on {len(samples)} samples ({data_name}, task {task_name})")
-    with _progress(len(samples), enabled=not as_json) as progress:
-        result = evaluation.run_eval(
-            model_dir, samples, task=task_name, data_name=data_name, out_dir=out_dir,
-            batch_size=batch_size or ev.batch_size, max_new_tokens=max_new_tokens or ev.max_new_tokens,
-            backend=backend or ev.backend, dtype=ev.dtype, progress=progress,
-        )
+    try:
+        with _progress(len(samples), enabled=not as_json) as progress:
+            result = evaluation.run_eval(
+                model_dir, samples, task=task_name, data_name=data_name, out_dir=out_dir,
+                batch_size=batch_size or ev.batch_size, max_new_tokens=max_new_tokens or ev.max_new_tokens,
+                backend=backend or ev.backend, dtype=ev.dtype, progress=progress,
+            )
+    except BaseException:
+        if created and out_dir.is_dir() and not any(out_dir.iterdir()):
+            out_dir.rmdir()  # the folder reserved for this evaluation: leave nothing empty behind
+        raise
     if result is not None:  # rank 0 only under torchrun
         _render(result, as_json)
 
 
+def _skipped_line(samples) -> str:
+    from vlmctl.evaluation.results import skipped_reasons
+
+    n = len(samples.skipped)
+    counts = ", ".join(f"{reason} {count}" for reason, count in skipped_reasons(samples.skipped).items())
+    return (f"Skipped {n} of {n + len(samples)} samples that cannot be evaluated ({counts}); they are listed in "
+            "skipped.jsonl and report.html")
+
+
 def _predictions_out_dir(predictions: Path, config: Path | None, overrides: list[str]) -> Path:
-    """eval.output_dir/<file stem> inside a project, else a folder next to the predictions file."""
+    """eval.output_dir/<file stem>-scored inside a project, else a folder next to the predictions file; `-2`, `-3`,
+    ... when it exists (an earlier scoring is never overwritten)."""
     from vlmctl.config import find_config
+    from vlmctl.evaluation.runner import unique_output_dir
 
     if config is not None or state.config is not None or find_config() is not None:
-        return load_project(config, overrides).eval.output_dir / f"{predictions.stem}-scored"
-    return predictions.with_name(f"{predictions.stem}-scored")
+        return unique_output_dir(load_project(config, overrides).eval.output_dir / f"{predictions.stem}-scored", create=False)
+    return unique_output_dir(predictions.with_name(f"{predictions.stem}-scored"), create=False)
 
 
 class _progress:
@@ -122,5 +143,10 @@ def _render(result, as_json: bool) -> None:
     for name, value in summary["metrics"].items():
         table.add_row(name, f"{value:.4f}")
     console.print(table)
+    skipped = summary.get("skipped")
+    if skipped:
+        counts = ", ".join(f"{reason} {count}" for reason, count in skipped["reasons"].items())
+        info(f"[yellow]{skipped['count']} samples skipped[/yellow] ({counts}): not in these metrics")
     if result.out_dir is not None:
-        info(f"Wrote {result.out_dir}/ (metrics.json, predictions.jsonl, report.html)")
+        extra = ", skipped.jsonl" if skipped else ""
+        info(f"Wrote {result.out_dir}/ (metrics.json, predictions.jsonl, report.html{extra})")

@@ -6,12 +6,14 @@ Usage::
     build_model(cfg.model)            # each module receives only its own section
 
 Raises `vlmctl.errors.ConfigError` (exit code 2) for a missing file, bad YAML, unknown keys (with a
-"did you mean" suggestion), wrong types or ranges (naming the key path and the value).
+"did you mean" suggestion), wrong types or ranges (naming the key path and the value; a value that looks like an
+access token is shown as `<hidden: N characters>`).
 """
 
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,7 @@ CONFIG_NAME = "vlmctl.yaml"
 __all__ = [
     "CONFIG_NAME", "VlmctlConfig", "ProjectSection", "DataSection", "DataSource", "ModelSection",
     "TrainSection", "LoraSection", "EvalSection", "HubSection", "load_config", "find_config",
-    "apply_overrides", "parse_override", "dump_config", "validate_config",
+    "apply_overrides", "parse_override", "dump_config", "validate_config", "looks_like_secret", "mask_secrets",
 ]
 
 
@@ -88,13 +90,13 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key = key.strip()
     if not sep or "." not in key or not all(key.split(".")):
         raise ConfigError(
-            f"override {text!r} is not of the form section.key=value",
+            mask_secrets(f"override {text!r} is not of the form section.key=value"),
             hint="write overrides like train.learning_rate=1e-4 or data.sources.0.path=more.json",
         )
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"override {text!r}: value is not valid YAML ({exc})") from exc
+        raise ConfigError(mask_secrets(f"override {text!r}: value is not valid YAML ({exc})")) from None
     return key.split("."), value
 
 
@@ -115,12 +117,12 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
                 node[key] = [] if nxt.isdigit() else {}
             node = node[key]
             if not isinstance(node, (dict, list)):
-                raise ConfigError(f"override {text!r}: {'.'.join(keys[: i + 1])} is a value, not a section")
+                raise ConfigError(mask_secrets(f"override {text!r}: {'.'.join(keys[: i + 1])} is a value, not a section"))
         last = keys[-1]
         if isinstance(node, list):
             idx = int(last) if last.isdigit() else -1
             if not 0 <= idx <= len(node):
-                raise ConfigError(f"override {text!r}: list index {last} is out of range")
+                raise ConfigError(mask_secrets(f"override {text!r}: list index {last} is out of range"))
             node[idx:idx + 1] = [value]
         else:
             node[last] = value
@@ -129,7 +131,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 
 def _list_item(node: list, key: str, text: str) -> Any:
     if not key.isdigit() or int(key) >= len(node):
-        raise ConfigError(f"override {text!r}: {key!r} is not a valid list index (the list has {len(node)} items)")
+        raise ConfigError(mask_secrets(f"override {text!r}: {key!r} is not a valid list index (the list has {len(node)} items)"))
     return node[int(key)]
 
 
@@ -157,7 +159,7 @@ def load_config(path: Path | str | None = None, overrides: list[str] | None = No
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}", hint="fix the YAML syntax at the line shown") from exc
+        raise ConfigError(mask_secrets(f"{path} is not valid YAML: {exc}"), hint="fix the YAML syntax at the line shown") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must be a mapping of sections (project, data, model, train, eval, hub)")
     raw = apply_overrides(raw, overrides or [])
@@ -171,11 +173,45 @@ def validate_config(raw: dict[str, Any], base_dir: Path | None = None, source: s
     try:
         return VlmctlConfig.model_validate(raw, context={"base_dir": base_dir})
     except ValidationError as exc:
-        lines = [_describe(err, raw) for err in exc.errors()]
+        lines = [mask_secrets(_describe(err, raw)) for err in exc.errors()]
         raise ConfigError(
             f"{source} is invalid:\n" + "\n".join(f"  - {line}" for line in lines),
             hint="fix the keys above (see `vlmctl config show` for all keys and docs/config.md for their meaning)",
         ) from None
+
+
+# Access tokens by their documented prefixes: Hugging Face (hf_, api_org_), GitHub (ghp_, gho_, ghu_, ghs_, ghr_,
+# github_pat_), OpenAI/Anthropic (sk-), Slack (xox?-), GitLab (glpat-), AWS access key ids (AKIA/ASIA), W&B keys
+# (40 hex characters).
+_TOKEN_PREFIXES = re.compile(
+    r"(?:hf_|api_org_|ghp_|gho_|ghu_|ghs_|ghr_|github_pat_|sk-|xox[abposr]-|glpat-|AKIA|ASIA)[A-Za-z0-9_\-]{8,}"
+)
+_LONG_WORD = re.compile(r"[A-Za-z0-9+/=_\-]{24,}")
+
+
+def looks_like_secret(text: str) -> bool:
+    """True for a word that looks like an access token: a known token prefix, or a long random-looking run of
+    letters, digits and base64 characters (upper and lower case and digits mixed; at most one `/` below 40
+    characters, so paths and Hub ids like `HuggingFaceM4/the_cauldron` are not taken for secrets)."""
+    if _TOKEN_PREFIXES.fullmatch(text):
+        return True
+    if not _LONG_WORD.fullmatch(text):
+        return False
+    if re.fullmatch(r"[0-9a-fA-F]{32,}", text):
+        return True
+    mixed = any(c.islower() for c in text) and any(c.isupper() for c in text) and sum(c.isdigit() for c in text) >= 2
+    return mixed and (text.count("/") == 0 or (len(text) >= 40 and text.count("/") <= 2))
+
+
+def mask_secrets(text: str) -> str:
+    """`text` with every word that `looks_like_secret` replaced by `<hidden: N characters>`, so validation
+    messages never echo a token typed into the wrong key."""
+
+    def hide(m: re.Match) -> str:
+        word = m.group(0)
+        return f"<hidden: {len(word)} characters>" if looks_like_secret(word) else word
+
+    return re.sub(r"[A-Za-z0-9+/=_\-]{8,}", hide, text)
 
 
 def _dotted(loc: tuple) -> str:

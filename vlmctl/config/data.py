@@ -11,12 +11,15 @@ from vlmctl.config.base import ProjectPath, Section
 
 DataFormat = Literal["auto", "llava", "sharegpt", "messages", "parquet", "webdataset", "hf"]
 
+DEFAULT_MAX_IMAGE_PIXELS = 64_000_000
+"""64 megapixels (8000 x 8000): larger pictures are rejected as image_too_large before they are decoded."""
+
 
 class DataSource(Section):
     path: str = Field(..., description="File, folder or glob of the source (relative to the project file); a dataset id for format `hf`.")
     format: DataFormat = Field("auto", description="Input format: auto|llava|sharegpt|messages|parquet|webdataset|hf.")
     name: str | None = Field(None, description="Short name for reports; defaults to the file name.")
-    image_root: ProjectPath | None = Field(None, description="Folder that relative image paths are resolved against (default: the source file's folder).")
+    image_root: ProjectPath | None = Field(None, description="Folder that relative image paths are resolved against (default: the source file's folder). Image paths must resolve inside it, the source's folder or data.media_roots.")
     weight: float = Field(1.0, gt=0, description="Relative sampling weight of this source during training.")
     columns: dict[str, str] | None = Field(None, description="Column mapping for `parquet`/`hf` sources, e.g. {images: image, texts: qa}.")
     split: str = Field("train", description="Split to read for `hf` sources.")
@@ -43,3 +46,18 @@ class DataSection(Section):
     shard_size_mb: int = Field(256, gt=0, description="Target size of one Parquet shard in MB.")
     num_proc: int | None = Field(None, gt=0, description="Worker processes for `data prepare` (default: all cores).")
     dedup: bool = Field(True, description="Drop samples whose normalized text and image bytes repeat an earlier sample.")
+    duplicate_ids: Literal["reject", "keep"] = Field(
+        "reject", description="A sample whose id repeats an earlier sample's id in the same source: reject (as duplicate_id) or keep (only counted in the manifest).",
+    )
+    max_image_pixels: int = Field(
+        DEFAULT_MAX_IMAGE_PIXELS, gt=0,
+        description="Images with more pixels (width x height, read from the header before decoding) are rejected as image_too_large; default 64 megapixels. Pillow refuses more than about 179 megapixels whatever this says.",
+    )
+    media_roots: list[ProjectPath] = Field(
+        default_factory=list,
+        description="Folders besides each source's own folder and image_root that image paths may point into (symlinks are resolved first); paths anywhere else are rejected as outside_root.",
+    )
+    min_kept_fraction: float = Field(
+        0.5, ge=0, le=1,
+        description="`data prepare` fails when a source keeps less than this fraction of its records; rejections by your own limits (duplicate, duplicate_id, image_too_small, image_too_large, too_long) do not count. 0 turns the check off.",
+    )

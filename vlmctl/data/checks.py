@@ -5,14 +5,20 @@ Every rejected sample gets exactly one reason code. The codes are public output 
 
 | code | meaning | where it is found |
 |---|---|---|
-| `parse_error` | malformed JSON line or record (location = file:line) | reader |
+| `parse_error` | malformed JSON line or record, invalid UTF-8 (location = file:line, or file:line[#index] for an element of a one-line array) | reader |
+| `too_deep` | a record nested deeper than 100 levels (`formats._json.MAX_DEPTH`) | reader |
+| `too_large` | a record over 64 MiB (`formats._json.MAX_RECORD_BYTES`), or a tar member over the image file limit | reader |
 | `bad_roles` | roles must be an optional system turn, then user/assistant alternating, ending with assistant | `build_sample` |
 | `empty_turn` | a turn with blank text and no image | `build_sample` |
 | `placeholder_mismatch` | number of `<image>` placeholders != number of images | `build_sample` |
-| `missing_image` | the image file does not exist (or is a remote URL) | `check_images` |
+| `outside_root` | an image path resolves (symlinks included) outside the source's folder, its `image_root` and `data.media_roots` | reader |
+| `missing_image` | the image file does not exist, is a folder, or is a remote URL | `check_images` |
+| `not_a_file` | the image path is a device, FIFO or socket (refused before reading) | `check_images` |
 | `corrupt_image` | the image does not fully decode (truncated file, not an image) | `check_images` |
+| `image_too_large` | over `data.max_image_pixels` (from the header, before decoding) or a file over 512 MiB | `check_images` |
 | `image_too_small` | the shorter side is below `data.min_image_side` pixels | `check_images` |
-| `duplicate` | same normalized text and image bytes as an earlier sample | prepare / validate |
+| `duplicate` | same normalized text and image bytes as an earlier sample (the detail names it) | prepare / validate |
+| `duplicate_id` | the same `id` as an earlier sample of the same source (the detail names it); with `data.duplicate_ids: keep` only counted | prepare / validate |
 | `too_long` | text + visual tokens over `data.max_length` (only when a processor is known) | prepare / validate |
 
 A sample with images and no placeholder at all is kept: its images are put at the start of the first user turn
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -32,15 +39,24 @@ from vlmctl.data.sample import Sample
 
 REASONS = (
     "parse_error",
+    "too_deep",
+    "too_large",
     "bad_roles",
     "empty_turn",
     "placeholder_mismatch",
+    "outside_root",
     "missing_image",
+    "not_a_file",
     "corrupt_image",
+    "image_too_large",
     "image_too_small",
     "duplicate",
+    "duplicate_id",
     "too_long",
 )
+FILTERS = ("duplicate", "duplicate_id", "image_too_small", "image_too_large", "too_long")
+"""Reasons that apply a limit the project sets (dedup, duplicate_ids, min_image_side, max_image_pixels, max_length)
+rather than a defect of the data: they do not count against `data.min_kept_fraction`."""
 IMAGE_PLACEHOLDER = "<image>"
 
 ROLE_ALIASES = {
@@ -82,6 +98,7 @@ class SampleInfo:
     conversions: list[str] = field(default_factory=list)
     text_chars: int = 0
     num_turns: int = 0
+    flags: list[str] = field(default_factory=list)  # findings that did not reject it (duplicate_id with `keep`)
 
 
 # --------------------------------------------------------------------------------------------------- assembly
@@ -235,11 +252,13 @@ def _split_placeholders(text: str) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------------------------- image stage
 
 
-def check_images(sample: Sample, *, min_image_side: int = 28) -> tuple[Sample, SampleInfo] | Rejection:
+def check_images(sample: Sample, *, min_image_side: int = 28, max_image_pixels: int | None = None) -> tuple[Sample, SampleInfo] | Rejection:
     """Read, fully decode and normalize the sample's images; compute its dedup digest.
 
-    Returns the sample with `images` as 8-bit RGB encoded bytes, or a Rejection with reason missing_image,
-    corrupt_image or image_too_small (the detail names the image index and file).
+    Returns the sample with `images` as 8-bit RGB encoded bytes, or a Rejection with reason outside_root,
+    missing_image, not_a_file, corrupt_image, image_too_large (over `max_image_pixels`, checked from the header
+    before decoding, or a file over `images.MAX_IMAGE_FILE_BYTES`) or image_too_small (the detail names the image
+    index and file).
     """
     location = getattr(sample, "location", "")
     info = SampleInfo(digest=b"")
@@ -251,7 +270,7 @@ def check_images(sample: Sample, *, min_image_side: int = 28) -> tuple[Sample, S
         except ImageError as exc:  # the detail names the file already
             return Rejection(exc.reason, sample.source, location, f"image {i}: {exc.detail}", sample.id)
         try:
-            norm = normalize_image(data_i)
+            norm = normalize_image(data_i, max_pixels=max_image_pixels)
         except ImageError as exc:
             return Rejection(exc.reason, sample.source, location, f"{name}: {exc.detail}", sample.id)
         if min(norm.width, norm.height) < min_image_side:
@@ -297,14 +316,16 @@ def is_val(digest: bytes, val_ratio: float) -> bool:
 
 class DigestSet:
     """A set of 64-bit digest prefixes in a numpy open-addressing table: 16 bytes per sample at load factor 1/2,
-    instead of ~100 bytes per entry of a Python set (so dedup of 10M samples needs 160 MB, not 1 GB).
-    The false-positive rate of 64-bit prefixes is n^2 / 2^65 (3e-6 at 10M samples)."""
+    instead of ~100 bytes per entry of a Python set (so dedup of 10M samples needs 160 MB, not 1 GB); with
+    `values=True` each key also holds a 64-bit value (32 bytes per sample), e.g. a `LocationTable` handle of the
+    first sample that had it. The false-positive rate of 64-bit prefixes is n^2 / 2^65 (3e-6 at 10M samples)."""
 
-    def __init__(self, capacity: int = 1 << 16):
+    def __init__(self, capacity: int = 1 << 16, *, values: bool = False):
         import numpy as np
 
         self._np = np
         self._table = np.zeros(capacity, dtype=np.uint64)
+        self._values = np.zeros(capacity, dtype=np.uint64) if values else None
         self._size = 0
 
     def __len__(self) -> int:
@@ -312,12 +333,16 @@ class DigestSet:
 
     def add(self, digest: bytes) -> bool:
         """Insert; return False when it was already present."""
+        return self.setdefault(digest, 0) is None
+
+    def setdefault(self, digest: bytes, value: int) -> int | None:
+        """Insert `digest` with `value`; return None when it is new, else the value stored with it first."""
         key = int.from_bytes(digest[:8], "big") or 1  # 0 marks an empty slot
         if 2 * (self._size + 1) > len(self._table):
             self._grow()
-        return self._insert(self._table, key)
+        return self._insert(self._table, self._values, key, value)
 
-    def _insert(self, table, key: int) -> bool:
+    def _insert(self, table, values, key: int, value: int) -> int | None:
         mask = len(table) - 1
         i = key & mask
         k = self._np.uint64(key)
@@ -325,15 +350,59 @@ class DigestSet:
             cur = table[i]
             if cur == 0:
                 table[i] = k
+                if values is not None:
+                    values[i] = value
                 self._size += 1
-                return True
+                return None
             if cur == k:
-                return False
+                return int(values[i]) if values is not None else 0
             i = (i + 1) & mask
 
     def _grow(self) -> None:
-        old = self._table[self._table != 0]
+        used = self._table != 0
+        old_keys = self._table[used].tolist()
+        old_values = self._values[used].tolist() if self._values is not None else [0] * len(old_keys)
         self._table = self._np.zeros(len(self._table) * 2, dtype=self._np.uint64)
+        if self._values is not None:
+            self._values = self._np.zeros(len(self._table), dtype=self._np.uint64)
         self._size = 0
-        for key in old.tolist():
-            self._insert(self._table, int(key))
+        for key, value in zip(old_keys, old_values):
+            self._insert(self._table, self._values, int(key), int(value))
+
+
+class LocationTable:
+    """Sample locations packed into 64-bit handles, so that a duplicate can name the earlier sample without keeping
+    every location string: `file.json:1234` is stored as (pattern `file.json:`+`` , number 1234); the few patterns
+    (one per file) are kept once. Locations without a trailing number are kept as strings."""
+
+    _NUMBERED = re.compile(r"^(.*\D|)(\d{1,12})(\D{0,4})$", re.S)
+    _SHIFT = 40  # number bits
+    _STRING = 1 << 63  # handle flag: an index into `_strings`
+
+    def __init__(self):
+        self._patterns: dict[tuple[str, str, int], int] = {}
+        self._pattern_list: list[tuple[str, str, int]] = []
+        self._strings: list[str] = []
+
+    def add(self, location: str) -> int:
+        """The handle of `location` (pass it to `get`)."""
+        m = self._NUMBERED.match(location)
+        if m is not None:
+            prefix, digits, suffix = m.groups()
+            width = len(digits) if digits.startswith("0") and len(digits) > 1 else 0  # keep leading zeros
+            pattern = (prefix, suffix, width)
+            pid = self._patterns.get(pattern)
+            if pid is None and len(self._pattern_list) < (1 << (62 - self._SHIFT)):
+                pid = self._patterns[pattern] = len(self._pattern_list)
+                self._pattern_list.append(pattern)
+            if pid is not None:
+                return (pid << self._SHIFT) | int(digits)
+        self._strings.append(location)
+        return self._STRING | (len(self._strings) - 1)
+
+    def get(self, handle: int) -> str:
+        if handle & self._STRING:
+            return self._strings[handle & ~self._STRING]
+        prefix, suffix, width = self._pattern_list[handle >> self._SHIFT]
+        number = handle & ((1 << self._SHIFT) - 1)
+        return f"{prefix}{number:0{width}d}{suffix}" if width else f"{prefix}{number}{suffix}"

@@ -22,6 +22,11 @@ Conversions (the cases where a plain `Image.convert("RGB")` is wrong or lossy):
 
 Reference for the 16-bit scaling: the PNG specification, section 12.5 "Sample depth scaling"
 (https://www.w3.org/TR/png/#13Sample-depth-rescaling): v8 = round(v16 * 255 / 65535).
+
+Reading is guarded (docs/security.md): `resolve_ref` with `MediaRoots` confines local paths, symlinks resolved, to
+the folders a source may use (else reason `outside_root`); `read_ref` stats a path before opening it and reads only
+regular files up to `MAX_IMAGE_FILE_BYTES` (`not_a_file`, `image_too_large`); `normalize_image` compares the
+header's pixel count with `max_pixels` before decoding (`image_too_large`).
 """
 
 from __future__ import annotations
@@ -29,15 +34,23 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import os
+import stat
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 KEEP_FORMATS = ("JPEG", "PNG", "WEBP")
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
+MAX_IMAGE_FILE_BYTES = 512 << 20
+"""Largest image file read (bytes): larger files are refused as image_too_large before reading. A 64-megapixel
+image stored uncompressed in 16-bit RGB is 384 MiB."""
 
 
 class ImageError(Exception):
-    """A reason-coded image failure: `reason` is `missing_image` or `corrupt_image`."""
+    """A reason-coded image failure: `reason` is `missing_image`, `outside_root`, `not_a_file`, `corrupt_image` or
+    `image_too_large`."""
 
     def __init__(self, reason: str, detail: str):
         super().__init__(detail)
@@ -47,10 +60,49 @@ class ImageError(Exception):
 
 @dataclass(frozen=True)
 class MissingRef:
-    """An image reference that cannot be read locally (remote URL, unsupported scheme). Checked as missing_image."""
+    """An image reference that cannot be read locally (remote URL, unsupported scheme: `missing_image`; a path
+    outside the allowed folders: `outside_root`). Reported with `reason` when checked."""
 
     ref: str
     detail: str
+    reason: str = "missing_image"
+
+
+@dataclass(frozen=True)
+class MediaRoots:
+    """Where the media paths of a source are resolved from (`base`) and the folders they may resolve into
+    (`allowed`: real paths, symlinks resolved).
+
+    `MediaRoots.of(base, [file's folder, image_root, *data.media_roots])` resolves every folder once.
+    """
+
+    base: Path
+    allowed: tuple[Path, ...]
+
+    @classmethod
+    def of(cls, base: Path, folders: Iterable[Path | str | None]) -> "MediaRoots":
+        allowed: list[Path] = []
+        for folder in folders:
+            if folder is None:
+                continue
+            real = Path(os.path.realpath(Path(folder).expanduser()))
+            if real not in allowed:
+                allowed.append(real)
+        return cls(Path(base), tuple(allowed))
+
+    def confine(self, path: Path, shown: str) -> Path | MissingRef:
+        """The real path of `path` when it lies inside an allowed folder, else a MissingRef with reason
+        outside_root whose detail says how to allow it. `shown` is the reference as the record wrote it."""
+        real = Path(os.path.realpath(path))
+        if any(real == root or real.is_relative_to(root) for root in self.allowed):
+            return real
+        via = f" (through a symbolic link: {path} -> {real})" if real != Path(os.path.abspath(path)) else ""
+        return MissingRef(
+            shown,
+            f"{shown} resolves to {real}{via}, outside the source's folders ({', '.join(map(str, self.allowed))}); "
+            f"add the folder to data.media_roots to allow it (e.g. data.media_roots: [{real.parent}])",
+            "outside_root",
+        )
 
 
 @dataclass
@@ -61,11 +113,13 @@ class NormalizedImage:
     conversion: str | None  # None when the original bytes were kept; else what was done, e.g. "CMYK->RGB"
 
 
-def resolve_ref(value: str, base: Path) -> bytes | Path | MissingRef:
+def resolve_ref(value: str, base: Path | MediaRoots) -> bytes | Path | MissingRef:
     """Turn an image reference from a record into bytes (data: URL), a local Path, or a MissingRef.
 
-    Accepts paths relative to `base`, absolute paths, `file://` URLs and base64 `data:` URLs (RFC 2397).
-    Invalid base64 gives empty bytes, which the check stage reports as corrupt_image.
+    Accepts paths relative to the base folder, absolute paths, `file://` URLs and base64 `data:` URLs (RFC 2397).
+    Invalid base64 gives empty bytes, which the check stage reports as corrupt_image. With `MediaRoots` local
+    paths must resolve (symlinks included) inside its allowed folders: the real path is returned, or a MissingRef
+    with reason outside_root; with a plain Path there is no confinement.
     """
     if value.startswith("data:"):
         header, _, payload = value.partition(",")
@@ -77,56 +131,110 @@ def resolve_ref(value: str, base: Path) -> bytes | Path | MissingRef:
             return base64.b64decode(payload, validate=False)
         except (binascii.Error, ValueError):
             return b""
+    roots = base if isinstance(base, MediaRoots) else None
+    folder = roots.base if roots is not None else Path(base)
     if value.startswith("file://"):
         from urllib.parse import unquote, urlparse
 
-        return Path(unquote(urlparse(value).path))
-    if "://" in value:
+        path = Path(unquote(urlparse(value).path))
+    elif "://" in value:
         return MissingRef(value, f"remote image {value} is not downloaded; download it and reference the local file")
-    path = Path(value).expanduser()
-    return path if path.is_absolute() else base / path
+    else:
+        path = Path(value).expanduser()
+        path = path if path.is_absolute() else folder / path
+    return roots.confine(path, value) if roots is not None else path
 
 
-def read_ref(ref: bytes | Path | MissingRef) -> bytes:
-    """Bytes of a resolved reference. Raises ImageError(missing_image)."""
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"), (stat.S_ISFIFO, "FIFO (named pipe)"),
+                       (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def _too_big(what: str, size: int, limit: int) -> ImageError:
+    return ImageError("image_too_large", f"{what} is {size / 2**20:,.1f} MiB, over the limit of {limit >> 20} MiB per image file")
+
+
+def read_ref(ref: bytes | Path | MissingRef, *, max_bytes: int = MAX_IMAGE_FILE_BYTES) -> bytes:
+    """Bytes of a resolved reference.
+
+    A path is checked before it is read (`os.stat`): it must be a regular file of at most `max_bytes`; it is then
+    opened without blocking and checked again on the open file, so a device, FIFO or socket is never read.
+    Raises ImageError: missing_image (no such file, a folder, unreadable), not_a_file (device, FIFO, socket),
+    image_too_large (over `max_bytes`), or the MissingRef's reason.
+    """
     if isinstance(ref, (bytes, bytearray, memoryview)):
+        if len(ref) > max_bytes:
+            raise _too_big("the embedded image", len(ref), max_bytes)
         return bytes(ref)
     if isinstance(ref, MissingRef):
-        raise ImageError("missing_image", ref.detail)
+        raise ImageError(ref.reason, ref.detail)
+    path = Path(ref)
     try:
-        return Path(ref).read_bytes()
-    except FileNotFoundError:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
         raise ImageError("missing_image", f"{ref} does not exist") from None
-    except IsADirectoryError:
-        raise ImageError("missing_image", f"{ref} is a folder, not an image file") from None
     except OSError as exc:
         raise ImageError("missing_image", f"{ref} cannot be read: {exc.strerror or exc}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ImageError("missing_image", f"{ref} is a folder, not an image file")
+    if not stat.S_ISREG(st.st_mode):
+        raise ImageError("not_a_file", f"{ref} is a {_kind(st.st_mode)}, not a regular file")
+    if st.st_size > max_bytes:
+        raise _too_big(str(ref), st.st_size, max_bytes)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+    except OSError as exc:
+        raise ImageError("missing_image", f"{ref} cannot be read: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())  # the file actually opened (it may have been replaced since the stat)
+        if not stat.S_ISREG(st.st_mode):
+            raise ImageError("not_a_file", f"{ref} is a {_kind(st.st_mode)}, not a regular file")
+        try:
+            data = f.read(max_bytes + 1)
+        except OSError as exc:
+            raise ImageError("missing_image", f"{ref} cannot be read: {exc.strerror or exc}") from None
+    if len(data) > max_bytes:
+        raise _too_big(str(ref), len(data), max_bytes)
+    return data
 
 
-def normalize_image(data: bytes) -> NormalizedImage:
+def normalize_image(data: bytes, *, max_pixels: int | None = None) -> NormalizedImage:
     """Fully decode `data` and return 8-bit RGB encoded bytes with the picture's size.
 
-    Raises ImageError(corrupt_image) for bytes that are not an image, truncated or otherwise undecodable files,
-    and decompression bombs (more than 2x `PIL.Image.MAX_IMAGE_PIXELS`).
+    `max_pixels` (width x height, from the header, checked before decoding): larger images raise
+    ImageError(image_too_large). Pillow's DecompressionBombWarning is silenced (this limit decides); its hard
+    limit (2x `PIL.Image.MAX_IMAGE_PIXELS`, about 179 megapixels) also gives image_too_large.
+    Raises ImageError(corrupt_image) for bytes that are not an image, truncated or otherwise undecodable files.
     """
     from PIL import Image, UnidentifiedImageError
 
     if not data:
         raise ImageError("corrupt_image", "empty file")
-    try:
-        im = Image.open(io.BytesIO(data))
-        fmt = im.format
-        # The raw mode of the first tile tells the stored bit depth (e.g. "RGB;16B" for a 48-bit PNG); it is
-        # gone after load().
-        args = im.tile[0].args if im.tile else None
-        rawmode = str(args[0] if isinstance(args, tuple) and args else args or "")
-        im.load()
-    except UnidentifiedImageError:
-        raise ImageError("corrupt_image", "not an image (unknown file format)") from None
-    except Image.DecompressionBombError as exc:
-        raise ImageError("corrupt_image", f"too many pixels: {exc}") from None
-    except (OSError, SyntaxError, ValueError, EOFError) as exc:
-        raise ImageError("corrupt_image", f"cannot decode: {exc}") from None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            im = Image.open(io.BytesIO(data))
+            fmt = im.format
+            width, height = im.size
+            if max_pixels is not None and width * height > max_pixels:
+                raise ImageError(
+                    "image_too_large",
+                    f"{width}x{height} = {width * height / 1e6:,.1f} megapixels, over data.max_image_pixels={max_pixels:,}",
+                )
+            # The raw mode of the first tile tells the stored bit depth (e.g. "RGB;16B" for a 48-bit PNG); it is
+            # gone after load().
+            args = im.tile[0].args if im.tile else None
+            rawmode = str(args[0] if isinstance(args, tuple) and args else args or "")
+            im.load()
+        except UnidentifiedImageError:
+            raise ImageError("corrupt_image", "not an image (unknown file format)") from None
+        except Image.DecompressionBombError as exc:
+            raise ImageError("image_too_large", f"too many pixels: {exc}") from None
+        except (OSError, SyntaxError, ValueError, EOFError) as exc:
+            raise ImageError("corrupt_image", f"cannot decode: {exc}") from None
 
     orientation = _orientation(im)
     sixteen = ";16" in rawmode or rawmode.endswith("16")

@@ -1,7 +1,7 @@
 """The check pipeline shared by `prepare_data` and `validate_data`.
 
     sources --read (main process, streaming)--> batches --check_images + token count (worker processes)-->
-    in-order results --dedup, too_long (main process)--> (source index, Sample | Rejection)
+    in-order results --dedup, duplicate ids, too_long (main process)--> (source index, Sample | Rejection)
 
 Reading and parsing stay in the main process (cheap, and it keeps the order of records); image reading,
 full decoding, RGB normalization and token counting run in `num_proc` worker processes. At most
@@ -11,6 +11,7 @@ Results come back in input order, which makes dedup ("an earlier sample") and th
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections import deque
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from vlmctl.config.data import DataSection, DataSource
-from vlmctl.data.checks import DigestSet, Rejection, SampleInfo, check_images
+from vlmctl.data.checks import DigestSet, LocationTable, Rejection, SampleInfo, check_images
 from vlmctl.data.sample import Sample
 
 BATCH_SIZE = 32
@@ -27,10 +28,10 @@ BATCH_SIZE = 32
 _STATE: dict[str, Any] = {}
 
 
-def _init_worker(processor_dir: str | None, min_image_side: int) -> None:
+def _init_worker(processor_dir: str | None, limits: dict[str, Any]) -> None:
     from vlmctl.data.tokens import TokenCounter
 
-    _STATE["min_image_side"] = min_image_side
+    _STATE["limits"] = limits  # keyword arguments of check_images
     _STATE["counter"] = TokenCounter.load(Path(processor_dir)) if processor_dir else None
 
 
@@ -41,7 +42,7 @@ def _check_batch(batch: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
         if isinstance(item, Rejection):
             out.append((src, item))
             continue
-        result = check_images(item, min_image_side=_STATE["min_image_side"])
+        result = check_images(item, **_STATE["limits"])
         if not isinstance(result, Rejection) and counter is not None:
             sample, info = result
             sample.num_tokens = counter.count(sample, list(zip(info.widths, info.heights)))
@@ -58,9 +59,22 @@ class SourceTally:
     format: str
     kept: int = 0
     rejected: dict[str, int] = field(default_factory=dict)
+    flagged: dict[str, int] = field(default_factory=dict)  # kept samples with a finding (duplicate_id with `keep`)
+
+    def add(self, item: Sample | Rejection, info: SampleInfo | None = None) -> None:
+        """Count one result of `iter_checked`."""
+        if isinstance(item, Rejection):
+            self.rejected[item.reason] = self.rejected.get(item.reason, 0) + 1
+            return
+        self.kept += 1
+        for flag in info.flags if info is not None else ():
+            self.flagged[flag] = self.flagged.get(flag, 0) + 1
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "path": self.path, "format": self.format, "kept": self.kept, "rejected": dict(sorted(self.rejected.items()))}
+        out = {"name": self.name, "path": self.path, "format": self.format, "kept": self.kept, "rejected": dict(sorted(self.rejected.items()))}
+        if self.flagged:
+            out["flagged"] = dict(sorted(self.flagged.items()))
+        return out
 
 
 def unique_sources(sources: list[DataSource]) -> list[DataSource]:
@@ -78,11 +92,11 @@ def unique_sources(sources: list[DataSource]) -> list[DataSource]:
     return out
 
 
-def _read_all(sources: list[DataSource]) -> Iterator[tuple[int, Any]]:
+def _read_all(sources: list[DataSource], media_roots: list[Path]) -> Iterator[tuple[int, Any]]:
     from vlmctl.data.formats import iter_unchecked
 
     for i, src in enumerate(sources):
-        for item in iter_unchecked(src):
+        for item in iter_unchecked(src, media_roots=media_roots):
             yield i, item
 
 
@@ -97,10 +111,11 @@ def _batched(items: Iterator[tuple[int, Any]], size: int) -> Iterator[list[tuple
         yield batch
 
 
-def _checked(sources: list[DataSource], *, num_proc: int, processor_dir: Path | None, min_image_side: int) -> Iterator[tuple[int, Any]]:
-    batches = _batched(_read_all(sources), BATCH_SIZE)
+def _checked(sources: list[DataSource], *, num_proc: int, processor_dir: Path | None, limits: dict[str, Any],
+             media_roots: list[Path]) -> Iterator[tuple[int, Any]]:
+    batches = _batched(_read_all(sources, media_roots), BATCH_SIZE)
     if num_proc <= 1:
-        _init_worker(str(processor_dir) if processor_dir else None, min_image_side)
+        _init_worker(str(processor_dir) if processor_dir else None, limits)
         for batch in batches:
             yield from _check_batch(batch)
         return
@@ -115,7 +130,7 @@ def _checked(sources: list[DataSource], *, num_proc: int, processor_dir: Path | 
         max_workers=num_proc,
         mp_context=mp.get_context(method),
         initializer=_init_worker,
-        initargs=(str(processor_dir) if processor_dir else None, min_image_side),
+        initargs=(str(processor_dir) if processor_dir else None, limits),
     ) as pool:
         window: deque = deque()
         try:
@@ -141,28 +156,48 @@ def iter_checked(
     """All checks over `sources` (already passed through `unique_sources`), in input order.
 
     Yields (source index, Sample, SampleInfo) for kept samples and (source index, Rejection, None) for the rest.
-    too_long is checked only when `processor_dir` holds a processor.
+    A `duplicate` or `duplicate_id` rejection names the earlier sample; with `data.duplicate_ids: keep` a repeated
+    id is kept and flagged in `SampleInfo.flags`. too_long is checked only when `processor_dir` holds a processor.
     """
     from vlmctl.data.tokens import has_processor
 
     procs = num_proc or data.num_proc or os.cpu_count() or 1
     pdir = processor_dir if has_processor(processor_dir) else None
-    seen = DigestSet()
-    for src, result in _checked(sources, num_proc=procs, processor_dir=pdir, min_image_side=data.min_image_side):
+    limits = {"min_image_side": data.min_image_side, "max_image_pixels": data.max_image_pixels}
+    seen = DigestSet(values=True)  # content digest -> location handle of the first sample
+    ids = DigestSet(values=True)  # (source, id) digest -> location handle of the first sample
+    where = LocationTable()
+    for src, result in _checked(sources, num_proc=procs, processor_dir=pdir, limits=limits, media_roots=list(data.media_roots)):
         if on_item is not None:
             on_item()
         if isinstance(result, Rejection):
             yield src, result, None
             continue
         sample, info = result
-        if data.dedup and not seen.add(info.digest):
-            yield src, Rejection("duplicate", sample.source, sample.location, "same normalized text and image bytes as an earlier sample", sample.id), None
-            continue
+        handle = where.add(sample.location)
+        if data.dedup:
+            earlier = seen.setdefault(info.digest, handle)
+            if earlier is not None:
+                detail = f"same normalized text and image bytes as an earlier sample ({where.get(earlier)})"
+                yield src, Rejection("duplicate", sample.source, sample.location, detail, sample.id), None
+                continue
+        earlier = ids.setdefault(id_digest(sample.source, sample.id), handle)
+        if earlier is not None:
+            detail = f"id {sample.id!r} is also the id of an earlier sample of this source ({where.get(earlier)})"
+            if data.duplicate_ids == "reject":
+                yield src, Rejection("duplicate_id", sample.source, sample.location, detail, sample.id), None
+                continue
+            info.flags.append("duplicate_id")
         if sample.num_tokens is not None and sample.num_tokens > data.max_length:
             detail = f"{sample.num_tokens} tokens (text + visual) > data.max_length={data.max_length}"
             yield src, Rejection("too_long", sample.source, sample.location, detail, sample.id), None
             continue
         yield src, sample, info
+
+
+def id_digest(source: str, sample_id: str) -> bytes:
+    """The key of a sample id in its source's id namespace (ids repeat legitimately across sources)."""
+    return hashlib.blake2b(f"{source}\0{sample_id}".encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 def progress_bar(enabled: bool, description: str):

@@ -13,12 +13,18 @@ Output (`data.prepared_dir`)::
     energon/                         with --export energon and no export dir
 
 Everything is written into `.<name>.tmp-<pid>` next to the prepared folder and renamed into place at the end, so
-an interrupted run leaves the previous data intact. Shards are byte-identical for identical inputs: samples keep
-input order, the split is a hash of each sample's content (`checks.is_val`), and no timestamps are written.
+an interrupted run leaves the previous data intact; such folders left by a killed run (their process is gone) are
+removed when the next prepare starts. Shards are byte-identical for identical inputs: samples keep input order,
+the split is a hash of each sample's content (`checks.is_val`), and no timestamps are written.
+
+A prepare fails (DataError, nothing replaced) when a source keeps less than `data.min_kept_fraction` of its
+records (not counting the rejections of the project's own limits, `checks.FILTERS`), when the train split ends
+up empty, or when the disk fills up (the message names the path and the free space).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -28,10 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from vlmctl.config.data import DataSection
-from vlmctl.data.checks import REASONS, Rejection, is_val
+from vlmctl.data.checks import FILTERS, REASONS, Rejection, is_val
 from vlmctl.data.pipeline import SourceTally, iter_checked, progress_bar, unique_sources
 from vlmctl.data.sample import SCHEMA_VERSION, Sample
-from vlmctl.errors import UsageError
+from vlmctl.errors import DataError, UsageError
 
 ROWS_PER_GROUP = 256
 GROUP_BYTES = 64 << 20
@@ -256,7 +262,8 @@ def prepare_data(
     `processor_dir` (a built model folder) enables exact token counts and the too_long check; without it samples
     have `num_tokens` None. `export="energon"` also writes a Megatron-Energon dataset to `export_dir`
     (default `prepared_dir/energon`).
-    Raises UsageError (no sources, unknown export, output inside an input) and DataError (unreadable source).
+    Raises UsageError (no sources, unknown export, output inside an input) and DataError (unreadable source, a
+    source below `data.min_kept_fraction`, an empty train split, a full disk).
     """
     from vlmctl import __version__
     from vlmctl.data.tokens import TokenCounter, has_processor
@@ -280,28 +287,116 @@ def prepare_data(
     inside = export is not None and out.resolve() in edir_final.resolve().parents
 
     out.parent.mkdir(parents=True, exist_ok=True)
+    sweep_stale(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     etmp = None
-    if export is not None:
-        etmp = tmp / edir_final.resolve().relative_to(out.resolve()) if inside else edir_final.parent / f".{edir_final.name}.tmp-{os.getpid()}"
-        shutil.rmtree(etmp, ignore_errors=True)
-        etmp.mkdir(parents=True)
     try:
+        tmp.mkdir()
+        if export is not None:
+            if not inside:
+                sweep_stale(edir_final)
+            etmp = tmp / edir_final.resolve().relative_to(out.resolve()) if inside else edir_final.parent / f".{edir_final.name}.tmp-{os.getpid()}"
+            shutil.rmtree(etmp, ignore_errors=True)
+            etmp.mkdir(parents=True)
         manifest = _run(data, sources, tmp, etmp, num_proc=num_proc, pdir=pdir, family=family, progress=progress)
         manifest["vlmctl_version"] = __version__
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if etmp is not None:
             shutil.rmtree(etmp, ignore_errors=True)
+        if isinstance(exc, OSError) and is_disk_full(exc):
+            raise disk_full_error(exc, tmp) from None
         raise
     _swap(tmp, out)
     if etmp is not None and not inside:
         edir_final.parent.mkdir(parents=True, exist_ok=True)
         _swap(etmp, edir_final)
     return PrepareResult(out, manifest, edir_final if export else None)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, owned by another user
+        return True
+    return True
+
+
+def sweep_stale(final: Path) -> list[Path]:
+    """Remove `.<name>.tmp-<pid>` folders next to `final` whose process is gone (a prepare killed before it could
+    clean up), and `.<name>.old-<pid>` ones when `final` exists. Returns what was removed."""
+    removed = []
+    for kind in ("tmp", "old"):
+        for path in final.parent.glob(f".{final.name}.{kind}-*"):
+            pid = path.name.rsplit("-", 1)[-1]
+            if not pid.isdigit() or _pid_alive(int(pid)) or (kind == "old" and not final.exists()):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def is_disk_full(exc: OSError) -> bool:
+    """True for ENOSPC/EDQUOT, also when raised by pyarrow (which keeps only the message)."""
+    return exc.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc)
+
+
+def disk_full_error(exc: OSError, folder: Path) -> DataError:
+    """A DataError naming the file being written (or `folder`) and the free space left on its filesystem."""
+    path = Path(exc.filename) if getattr(exc, "filename", None) else folder
+    probe = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
+    try:
+        free = f"{shutil.disk_usage(probe).free / 2**30:,.2f} GiB free"
+    except OSError:
+        free = "free space unknown"
+    return DataError(
+        f"disk full while writing {path} ({free} on that filesystem; the partial output was removed)",
+        hint=f"free some space on the disk of {folder.parent}, or set data.prepared_dir to a folder on a larger disk",
+    )
+
+
+def check_kept(tallies: list[SourceTally], min_fraction: float) -> None:
+    """Raise DataError naming every source that kept less than `min_fraction` of its records, not counting the
+    rejections of the project's own limits (`checks.FILTERS`), with its counts and top reasons."""
+    bad = []
+    for t in tallies:
+        defects = {r: n for r, n in t.rejected.items() if r not in FILTERS}
+        judged = t.kept + sum(defects.values())
+        if judged and t.kept / judged < min_fraction:
+            top = ", ".join(f"{r} {n:,}" for r, n in sorted(defects.items(), key=lambda x: -x[1])[:3])
+            bad.append(f"{t.name}: kept {t.kept:,} of {judged:,} records ({t.kept / judged:.1%}); top reasons: {top}")
+    if bad:
+        raise DataError(
+            f"{len(bad)} source(s) kept less than data.min_kept_fraction={min_fraction:g} of their records:\n"
+            + "\n".join(f"  - {line}" for line in bad),
+            hint="run `vlmctl data validate` for the locations of the rejected records and fix the source (format, "
+            "image_root, encoding); to prepare anyway, lower data.min_kept_fraction (0 turns the check off)",
+        )
+
+
+def check_train_split(train_samples: int, kept: int, rejected: Counter, val_ratio: float) -> None:
+    """Raise DataError when the train split is empty, with the rejection counts."""
+    if train_samples:
+        return
+    if kept:
+        raise DataError(
+            f"the train split is empty: all {kept:,} kept samples went to val (data.val_ratio={val_ratio:g})",
+            hint="lower data.val_ratio, or add data",
+        )
+    if not rejected:
+        raise DataError("no samples were read from data.sources: the sources are empty", hint="check data.sources[].path")
+    counts = ", ".join(f"{r} {n:,}" for r, n in rejected.most_common())
+    raise DataError(
+        f"every one of the {sum(rejected.values()):,} samples read was rejected ({counts}): the train split would be empty",
+        hint="run `vlmctl data validate` to see where and why; a wrong data.sources[].image_root makes every image "
+        "missing_image",
+    )
 
 
 def _swap(tmp: Path, final: Path) -> None:
@@ -329,18 +424,18 @@ def _run(data: DataSection, sources, tmp: Path, etmp: Path | None, *, num_proc, 
     rejected_total: Counter = Counter()
     with open(tmp / "rejected.jsonl", "w", encoding="utf-8") as rej, progress_bar(progress, "Preparing") as advance:
         for src, item, info in iter_checked(data, sources, num_proc=num_proc, processor_dir=pdir, on_item=advance):
-            tally = tallies[src]
+            tallies[src].add(item, info)
             if isinstance(item, Rejection):
-                tally.rejected[item.reason] = tally.rejected.get(item.reason, 0) + 1
                 rejected_total[item.reason] += 1
                 rej.write(json.dumps(item.to_dict(), ensure_ascii=False) + "\n")
                 continue
-            tally.kept += 1
             split = "val" if is_val(info.digest, data.val_ratio) else "train"
             writers[split].add(item)
             if energon is not None:
                 energon.add(split, item)
             stats.add(item, info)
+    check_kept(tallies, data.min_kept_fraction)
+    check_train_split(writers["train"].samples, sum(t.kept for t in tallies), rejected_total, data.val_ratio)
     splits = {}
     for name, w in writers.items():
         files = w.close()
@@ -349,6 +444,9 @@ def _run(data: DataSection, sources, tmp: Path, etmp: Path | None, *, num_proc, 
     write_histogram(tmp / "length_histogram.png", stats, data.max_length if stats.tokens else None)
     kept = sum(t.kept for t in tallies)
     n_rejected = sum(rejected_total.values())
+    flagged: Counter = Counter()
+    for t in tallies:
+        flagged.update(t.flagged)
     return {
         "schema_version": SCHEMA_VERSION,
         "sources": [t.to_dict() for t in tallies],
@@ -357,9 +455,14 @@ def _run(data: DataSection, sources, tmp: Path, etmp: Path | None, *, num_proc, 
             "kept": kept,
             "rejected": {r: rejected_total[r] for r in REASONS if rejected_total[r]},
             "rejected_total": n_rejected,
+            "flagged": dict(sorted(flagged.items())),
         },
         "splits": splits,
-        "settings": {"val_ratio": data.val_ratio, "min_image_side": data.min_image_side, "max_length": data.max_length, "dedup": data.dedup},
+        "settings": {
+            "val_ratio": data.val_ratio, "min_image_side": data.min_image_side, "max_image_pixels": data.max_image_pixels,
+            "max_length": data.max_length, "dedup": data.dedup, "duplicate_ids": data.duplicate_ids,
+            "min_kept_fraction": data.min_kept_fraction, "media_roots": [str(p) for p in data.media_roots],
+        },
         "images": {
             "count": sum(stats.widths.values()),
             "per_sample": summarize(stats.images_per_sample),

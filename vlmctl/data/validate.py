@@ -25,6 +25,7 @@ class ValidationReport:
     kept: int = 0
     counts: dict[str, int] = field(default_factory=dict)
     examples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    flagged: dict[str, int] = field(default_factory=dict)  # kept samples with a finding (duplicate_id with `keep`)
     sources: list[SourceTally] = field(default_factory=list)
     tokens_checked: bool = False
 
@@ -45,6 +46,7 @@ class ValidationReport:
             "rejected": self.rejected,
             "counts": {r: self.counts[r] for r in REASONS if self.counts.get(r)},
             "examples": {r: self.examples[r] for r in REASONS if r in self.examples},
+            "flagged": dict(sorted(self.flagged.items())),
             "sources": [t.to_dict() for t in self.sources],
             "tokens_checked": self.tokens_checked,
         }
@@ -73,7 +75,8 @@ def validate_data(
     progress: bool = True,
     max_examples: int = 5,
 ) -> ValidationReport:
-    """Run every check over `data.sources` (or `paths`) and count rejections per reason. Writes nothing.
+    """Run every check over `data.sources` (or `paths`) and count rejections per reason (a duplicate's detail names
+    the earlier sample it repeats). Writes nothing.
 
     Raises UsageError when there is nothing to check and DataError when a source cannot be opened.
     """
@@ -85,16 +88,16 @@ def validate_data(
     sources = unique_sources(raw)
     report = ValidationReport(sources=[SourceTally(s.name, s.path, s.format) for s in sources], tokens_checked=has_processor(processor_dir))
     with progress_bar(progress, "Validating") as advance:
-        for src, item, _ in iter_checked(data, sources, num_proc=num_proc, processor_dir=processor_dir, on_item=advance):
+        for src, item, info in iter_checked(data, sources, num_proc=num_proc, processor_dir=processor_dir, on_item=advance):
             report.total += 1
-            tally = report.sources[src]
+            report.sources[src].add(item, info)
             if isinstance(item, Rejection):
                 report.counts[item.reason] = report.counts.get(item.reason, 0) + 1
-                tally.rejected[item.reason] = tally.rejected.get(item.reason, 0) + 1
                 examples = report.examples.setdefault(item.reason, [])
                 if len(examples) < max_examples:
                     examples.append({"source": item.source, "location": item.location, "detail": item.detail, "id": item.id})
             else:
                 report.kept += 1
-                tally.kept += 1
+                for flag in info.flags:
+                    report.flagged[flag] = report.flagged.get(flag, 0) + 1
     return report

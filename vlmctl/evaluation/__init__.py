@@ -7,8 +7,8 @@
     result.metrics                               # {"vqa_accuracy": ..., "exact_match": ...}
 
 - `metrics`: VQA accuracy, ANLS, relaxed accuracy, multiple-choice accuracy, BLEU-4, CIDEr (pure functions).
-- `runner`: load samples, answer them through `vlmctl.inference` (or score a predictions file), score, write the
-  output folder; shards samples over torchrun ranks.
+- `runner`: load samples (and the ones skipped, with reasons), answer them through `vlmctl.inference` (or score a
+  predictions file), score, write a new output folder; shards samples over torchrun ranks.
 - `loss`: teacher-forced loss / perplexity on assistant tokens (`--task loss`).
 - `results`: `EvalResult` and the atomic write both `runner` and `report` use.
 - `report`: the HTML page with example images, predictions and references.
@@ -20,9 +20,10 @@ Submodules import each other, never this package, so importing any one of them h
 from __future__ import annotations
 
 from vlmctl.evaluation.loss import teacher_forced_loss
-from vlmctl.evaluation.results import EvalResult
+from vlmctl.evaluation.results import EvalResult, SampleList
 from vlmctl.evaluation.runner import (
     default_model_dir,
+    default_output_dir,
     fold_into_metrics,
     load_samples,
     read_predictions,
@@ -30,10 +31,12 @@ from vlmctl.evaluation.runner import (
     resolve_task,
     run_eval,
     score_predictions_file,
+    unique_output_dir,
     write_outputs,
 )
 
 __all__ = [
-    "EvalResult", "default_model_dir", "fold_into_metrics", "load_samples", "read_predictions", "references_of",
-    "resolve_task", "run_eval", "score_predictions_file", "teacher_forced_loss", "write_outputs",
+    "EvalResult", "SampleList", "default_model_dir", "default_output_dir", "fold_into_metrics", "load_samples",
+    "read_predictions", "references_of", "resolve_task", "run_eval", "score_predictions_file", "teacher_forced_loss",
+    "unique_output_dir", "write_outputs",
 ]

@@ -1,5 +1,6 @@
-"""A self-contained HTML page of an evaluation: the metrics, then examples with image, prompt, prediction,
-references and score. Images are inlined as base64 PNG thumbnails, so the page opens anywhere without its folder.
+"""A self-contained HTML page of an evaluation: the metrics, the samples that were skipped (with their reasons),
+then examples with image, prompt, prediction, references and score. Images are inlined as base64 PNG thumbnails,
+so the page opens anywhere without its folder.
 """
 
 from __future__ import annotations
@@ -9,9 +10,10 @@ import html
 import io
 from pathlib import Path
 
-from vlmctl.evaluation.results import EvalResult, atomic_write
+from vlmctl.evaluation.results import SKIPPED_FILE, EvalResult, atomic_write, skipped_reasons
 
 MAX_EXAMPLES = 48
+MAX_SKIPPED_ROWS = 200
 THUMBNAIL_PX = 192
 
 _STYLE = """
@@ -52,6 +54,7 @@ def render_report(result: EvalResult, images: dict[str, bytes], max_examples: in
         "<table><tr><th>metric</th><th>value</th></tr>",
         *(f"<tr><td>{esc(k)}</td><td>{v:.4f}</td></tr>" for k, v in result.metrics.items()),
         "</table>",
+        *_skipped_section(result),
     ]
     shown = result.records[:max_examples]
     if shown:
@@ -80,6 +83,28 @@ def render_report(result: EvalResult, images: dict[str, bytes], max_examples: in
         parts.append("</table>")
     parts.append("</body></html>\n")
     return "\n".join(parts)
+
+
+def _skipped_section(result: EvalResult) -> list[str]:
+    """The skipped samples: counts per reason, then one row per sample (the first MAX_SKIPPED_ROWS)."""
+    if not result.skipped:
+        return []
+    esc = html.escape
+    n = len(result.skipped)
+    reasons = ", ".join(f"{esc(r)}: {c}" for r, c in skipped_reasons(result.skipped).items())
+    out = [
+        f"<h2 id='skipped'>Skipped samples ({n})</h2>",
+        f"<p>{n} of {n + len(result.records)} samples could not be evaluated and are not in the metrics ({reasons}); "
+        f"all are listed in <code>{SKIPPED_FILE}</code>.</p>",
+        "<table><tr><th>location</th><th>id</th><th>reason</th><th>detail</th></tr>",
+    ]
+    for s in result.skipped[:MAX_SKIPPED_ROWS]:
+        out.append(f"<tr class='bad'><td>{esc(str(s.get('location') or ''))}</td><td>{esc(str(s.get('id') or ''))}</td>"
+                   f"<td>{esc(str(s['reason']))}</td><td>{esc(str(s.get('detail') or ''))}</td></tr>")
+    if n > MAX_SKIPPED_ROWS:
+        out.append(f"<tr><td colspan='4'>... and {n - MAX_SKIPPED_ROWS} more</td></tr>")
+    out.append("</table>")
+    return out
 
 
 def write_report(path: Path, result: EvalResult, images: dict[str, bytes], max_examples: int = MAX_EXAMPLES) -> Path:

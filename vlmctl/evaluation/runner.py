@@ -9,9 +9,15 @@ Output folder layout (every file written to a temporary name and renamed into pl
     metrics.json        {"task": str, "model": str, "data": str, "n": int, "metrics": {name: float}}
                         a flat mapping read by the model card; metric names and scales are in
                         `vlmctl.evaluation.metrics` (fractions in [0, 1]; CIDEr on its published scale; loss in
-                        nats per assistant token and perplexity = exp(loss)).
+                        nats per assistant token and perplexity = exp(loss)). When the data had samples that
+                        could not be evaluated, also "skipped": {"count", "reasons": {reason: count},
+                        "file": "skipped.jsonl"}.
+    skipped.jsonl       (only then) one JSON object per skipped sample: {"source", "location", "reason", "detail",
+                        "id"}, with the reason codes of `vlmctl data validate`.
     report.html         a self-contained page (images inlined as base64) with the first examples' image,
-                        question, prediction, references and score.
+                        question, prediction, references and score, and the skipped samples with their reasons.
+
+`default_output_dir` names a folder after the model, the task and the data, and never reuses an existing one.
 
 Generation goes through `vlmctl.inference` (greedy, left-padded batches through `model.generate`, or vLLM), each
 sample asked as `inference.request_from_sample`: its messages up to (not including) the last assistant turn,
@@ -22,9 +28,11 @@ folder.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -34,7 +42,7 @@ from vlmctl.errors import DataError, UsageError
 from vlmctl.evaluation.loss import teacher_forced_loss
 from vlmctl.evaluation.metrics import TASKS, ScoredRecord, infer_task, score_records
 from vlmctl.evaluation.report import write_report
-from vlmctl.evaluation.results import EvalResult, atomic_write
+from vlmctl.evaluation.results import SKIPPED_FILE, EvalResult, SampleList, atomic_write, skipped_reasons
 from vlmctl.inference import (
     ProgressFn,
     check_backend,
@@ -66,11 +74,13 @@ def references_of(sample: Sample) -> list[str]:
     return []
 
 
-def load_samples(data: str, prepared_dir: Path, limit: int | None = None) -> list[Sample]:
+def load_samples(data: str, prepared_dir: Path, limit: int | None = None, *, media_roots: Sequence[Path | str] = ()) -> SampleList:
     """Samples to evaluate: `data="val"` reads `prepared_dir/val/*.parquet`; otherwise `data` is a file or folder
-    in any format `vlmctl.data.formats.read_source` reads (samples it rejects are skipped), or a prepared split
-    folder / Parquet file. At most `limit` samples, in file order.
+    in any format `vlmctl.data.formats.read_source` reads, or a prepared split folder / Parquet file. At most
+    `limit` samples, in file order. `media_roots`: folders besides the data's own that image paths may point into.
 
+    Samples the reader rejects are not evaluated: they are returned in `SampleList.skipped` with their reasons
+    (run_eval reports them in metrics.json, skipped.jsonl and report.html).
     Raises DataError when nothing is there (with the command that makes it) or no sample can be read.
     """
     if data == "val":
@@ -78,13 +88,16 @@ def load_samples(data: str, prepared_dir: Path, limit: int | None = None) -> lis
         files = sorted(folder.glob("*.parquet"))
         if not files:
             raise DataError(f"no prepared val split in {folder}", hint="run `vlmctl data prepare` first, or pass --data PATH")
-        samples = _read_parquet(files, limit)
+        samples = SampleList(_read_parquet(files, limit))
     else:
         path = Path(data).expanduser()
         if not path.exists() and not any(ch in data for ch in "*?["):
             raise DataError(f"{data}: no such file or folder", hint="pass --data val (the prepared split) or an existing file")
         parquet = sorted(path.glob("*.parquet")) if path.is_dir() else ([path] if path.suffix == ".parquet" else [])
-        samples = _read_parquet(parquet, limit) if parquet and _is_prepared(parquet[0]) else _read_source(data, limit)
+        if parquet and _is_prepared(parquet[0]):
+            samples = SampleList(_read_parquet(parquet, limit))
+        else:
+            samples = _read_source(data, limit, media_roots)
     if not samples:
         raise DataError(f"{data}: no samples to evaluate", hint="check the file, or run `vlmctl data validate` on it")
     return samples
@@ -113,7 +126,7 @@ def _read_parquet(files: Sequence[Path], limit: int | None) -> list[Sample]:
     return out
 
 
-def _read_source(path: str, limit: int | None) -> list[Sample]:
+def _read_source(path: str, limit: int | None, media_roots: Sequence[Path | str] = ()) -> SampleList:
     try:
         from vlmctl.data.formats import read_source
     except ImportError as exc:
@@ -121,20 +134,65 @@ def _read_source(path: str, limit: int | None) -> list[Sample]:
                         hint="pass a prepared split (folder of Parquet shards) or --data val") from exc
     from vlmctl.config import DataSource
 
-    out: list[Sample] = []
-    first_rejection = None
-    for item in read_source(DataSource(path=str(path), max_samples=limit)):
+    out = SampleList()
+    for item in read_source(DataSource(path=str(path), max_samples=limit), media_roots=media_roots):
         if isinstance(item, Sample):
             out.append(item)
             if limit is not None and len(out) >= limit:
                 break
-        elif first_rejection is None:
-            first_rejection = item
-    if not out and first_rejection is not None:
-        r = first_rejection
-        raise DataError(f"{path}: every sample was rejected, e.g. {getattr(r, 'location', '')}: {getattr(r, 'reason', '')} "
-                        f"({getattr(r, 'detail', '')})", hint=f"run `vlmctl data validate {path}` for the full list")
+        else:
+            out.skipped.append(item.to_dict())
+    if not out and out.skipped:
+        r = out.skipped[0]
+        counts = ", ".join(f"{k} {n}" for k, n in skipped_reasons(out.skipped).items())
+        raise DataError(f"{path}: every sample was rejected ({counts}), e.g. {r['location']}: {r['reason']} ({r['detail']})",
+                        hint=f"run `vlmctl data validate {path}` for the full list")
     return out
+
+
+def data_label(data: str) -> str:
+    """A short, path-safe name of the evaluated data: `val`, or the file/folder name without its extension."""
+    if data == "val":
+        return "val"
+    name = Path(data.rstrip("/")).name
+    for suffix in (".jsonl", ".ndjson", ".json", ".parquet", ".arrow", ".tar.gz", ".tgz", ".tar"):
+        if name.lower().endswith(suffix) and len(name) > len(suffix):
+            name = name[: -len(suffix)]
+            break
+    return safe_name(name) or "data"
+
+
+def safe_name(text: str) -> str:
+    """`text` with every run of characters outside [A-Za-z0-9._-] replaced by `_` (a folder name, never a path)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._")
+
+
+def unique_output_dir(path: Path, *, create: bool = True) -> Path:
+    """`path`, else `path-2`, `path-3`, ...: the first that does not exist. With `create` it is made here, atomically
+    (`mkdir` without exist_ok), so two evaluations started together never share a folder."""
+    path = Path(path)
+    for n in itertools.count(1):
+        candidate = path if n == 1 else path.with_name(f"{path.name}-{n}")
+        if not create:
+            if not candidate.exists():
+                return candidate
+            continue
+        try:
+            candidate.mkdir(parents=True)
+            return candidate
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
+
+
+def default_output_dir(root: Path, model_label: str, task: str, data: str, *, create: bool = True) -> Path:
+    """The folder of an evaluation under `root` (eval.output_dir): `<model>-<task>` for the prepared val split,
+    `<model>-<task>-<data name>` for other data; `-2`, `-3`, ... when it exists, so an earlier evaluation is never
+    overwritten (see `unique_output_dir`)."""
+    name = f"{safe_name(model_label) or 'model'}-{task}"
+    if data != "val":
+        name += f"-{data_label(data)}"
+    return unique_output_dir(Path(root) / name, create=create)
 
 
 def default_model_dir(train_output_dir: Path, model_output_dir: Path) -> Path:
@@ -200,11 +258,14 @@ def run_eval(
     backend: str = "hf",
     dtype: str = "auto",
     progress: ProgressFn | None = None,
+    skipped: Sequence[dict] | None = None,
 ) -> EvalResult | None:
     """Evaluate the model in `model_dir` on `samples` and write the output folder (module docstring) to `out_dir`.
 
     `task`: one of `metrics.TASKS`, `loss` (teacher-forced loss / perplexity on assistant tokens) or `auto`
-    (from the samples, see `metrics.infer_task`). Returns the result on rank 0 and None on other ranks.
+    (from the samples, see `metrics.infer_task`). `skipped`: the samples the reader rejected (default:
+    `samples.skipped` of a SampleList), reported in the outputs. Returns the result on rank 0 and None on other
+    ranks.
     Raises ModelError for a folder that cannot be loaded, UsageError for a bad task/backend, DataError for
     samples without references.
     """
@@ -248,8 +309,10 @@ def run_eval(
             records[i].prompt, records[i].prediction = prompt, answer
         metrics = score_records(task, records)
         rows = [r.to_json() for r in records]
+    if skipped is None:
+        skipped = getattr(samples, "skipped", [])
     result = EvalResult(task=task, model=str(Path(model_dir).resolve()), data=data_name, metrics=metrics, records=records,
-                        seconds=time.perf_counter() - t0)
+                        seconds=time.perf_counter() - t0, skipped=list(skipped))
     if out_dir is not None:
         write_outputs(result, Path(out_dir), rows, samples=samples)
     return result
@@ -358,9 +421,12 @@ def score_predictions_file(path: Path, *, task: str = "auto", out_dir: Path | No
 
 
 def write_outputs(result: EvalResult, out_dir: Path, rows: Iterable[dict], samples: Sequence[Sample] | None = None) -> None:
-    """Write predictions.jsonl, metrics.json and report.html into `out_dir` (each via a temporary file + rename)."""
+    """Write predictions.jsonl, metrics.json, report.html and (when samples were skipped) skipped.jsonl into
+    `out_dir` (each via a temporary file + rename)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(out_dir / "predictions.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    if result.skipped:
+        atomic_write(out_dir / SKIPPED_FILE, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in result.skipped))
     atomic_write(out_dir / "metrics.json", json.dumps(result.summary(), indent=2) + "\n")
     images = {s.id: s.images[0] for s in samples or [] if s.images}
     write_report(out_dir / "report.html", result, images)
@@ -368,6 +434,7 @@ def write_outputs(result: EvalResult, out_dir: Path, rows: Iterable[dict], sampl
 
 
 __all__ = [
-    "EvalResult", "run_eval", "score_predictions_file", "read_predictions", "load_samples", "default_model_dir",
-    "references_of", "write_outputs", "resolve_task", "fold_into_metrics",
+    "EvalResult", "SampleList", "run_eval", "score_predictions_file", "read_predictions", "load_samples",
+    "default_model_dir", "default_output_dir", "unique_output_dir", "data_label", "references_of", "write_outputs",
+    "resolve_task", "fold_into_metrics",
 ]

@@ -14,9 +14,9 @@ arrays element by element, Parquet/Arrow by record batch, tars member by member.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
-from vlmctl.config.data import DataSource
+from vlmctl.config.data import DEFAULT_MAX_IMAGE_PIXELS, DataSource
 from vlmctl.data.checks import Rejection, check_images
 from vlmctl.data.sample import Sample
 from vlmctl.errors import DataError
@@ -24,8 +24,8 @@ from vlmctl.errors import DataError
 FORMATS = ("llava", "sharegpt", "messages", "parquet", "webdataset", "hf")
 
 
-def get_reader(fmt: str) -> Callable[[DataSource], Iterator[Sample | Rejection]]:
-    """The reader function of a format name (not `auto`)."""
+def get_reader(fmt: str) -> Callable[..., Iterator[Sample | Rejection]]:
+    """The reader function of a format name (not `auto`): `reader(source, *, media_roots=())`."""
     if fmt == "llava":
         from vlmctl.data.formats.llava import read_llava as reader
     elif fmt == "sharegpt":
@@ -110,29 +110,42 @@ def resolve_format(source: DataSource) -> str:
     return detect_format(source.path) if source.format == "auto" else source.format
 
 
-def iter_unchecked(source: DataSource) -> Iterator[Sample | Rejection]:
+def iter_unchecked(source: DataSource, *, media_roots: Iterable[Path | str] = ()) -> Iterator[Sample | Rejection]:
     """Parsed samples whose `images` are still references (bytes, Path or MissingRef), plus parse-time rejections
-    (parse_error, bad_roles, empty_turn, placeholder_mismatch). Honors `source.max_samples`."""
+    (parse_error, too_deep, too_large, bad_roles, empty_turn, placeholder_mismatch). Honors `source.max_samples`.
+
+    Image paths must resolve (symlinks included) inside the source's folder, its `image_root` or one of
+    `media_roots`; the others become MissingRefs reported as outside_root by the check stage.
+    """
     reader = get_reader(resolve_format(source))
-    for n, item in enumerate(reader(source)):
+    for n, item in enumerate(reader(source, media_roots=media_roots)):
         if source.max_samples is not None and n >= source.max_samples:
             return
         yield item
 
 
-def read_source(source: DataSource, *, min_image_side: int = 28, check: bool = True) -> Iterator[Sample | Rejection]:
+def read_source(
+    source: DataSource,
+    *,
+    min_image_side: int = 28,
+    check: bool = True,
+    media_roots: Iterable[Path | str] = (),
+    max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
+) -> Iterator[Sample | Rejection]:
     """Stream the samples of one source as canonical Samples or reason-coded Rejections.
 
-    With `check` (the default) every sample also passes the image checks (missing_image, corrupt_image,
-    image_too_small) and its images are normalized to 8-bit RGB encoded bytes. Dedup and too_long need the whole
-    dataset or a processor and are applied by `prepare_data` / `validate_data`.
+    With `check` (the default) every sample also passes the image checks (outside_root, missing_image,
+    not_a_file, corrupt_image, image_too_large, image_too_small) and its images are normalized to 8-bit RGB
+    encoded bytes. `media_roots`: folders besides the source's own that image paths may resolve into. Dedup,
+    duplicate ids and too_long need the whole dataset or a processor and are applied by `prepare_data` /
+    `validate_data`.
     Raises DataError when the source cannot be opened at all (missing path, unknown layout, Hub unreachable).
     """
-    for item in iter_unchecked(source):
+    for item in iter_unchecked(source, media_roots=media_roots):
         if isinstance(item, Rejection) or not check:
             yield item
             continue
-        out = check_images(item, min_image_side=min_image_side)
+        out = check_images(item, min_image_side=min_image_side, max_image_pixels=max_image_pixels)
         yield out if isinstance(out, Rejection) else out[0]
 
 

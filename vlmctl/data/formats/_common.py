@@ -11,8 +11,8 @@ from typing import Any, Iterable, Iterator
 
 from vlmctl.config.data import DataSource
 from vlmctl.data.checks import Rejection, RecordError, build_sample
-from vlmctl.data.formats._json import JsonParseError, iter_json_records
-from vlmctl.data.images import MissingRef, resolve_ref
+from vlmctl.data.formats._json import JsonParseError, read_json
+from vlmctl.data.images import MediaRoots, MissingRef, resolve_ref
 from vlmctl.data.sample import Sample
 from vlmctl.errors import DataError
 
@@ -48,7 +48,34 @@ def expand_paths(path: str, suffixes: tuple[str, ...]) -> list[Path]:
         return files
     if not p.exists():
         raise DataError(f"data source {path} does not exist", hint="fix data.sources[].path (relative paths are relative to vlmctl.yaml)")
+    if not p.is_file():  # a device, FIFO or socket would be read forever
+        raise DataError(f"data source {path} is not a regular file", hint="point data.sources[].path at a data file or a folder of them")
     return [p]
+
+
+def source_folder(source: DataSource) -> Path:
+    """The folder a local source lives in: the folder itself, a glob's fixed leading folders, or a file's folder."""
+    p = Path(source.path).expanduser()
+    if GLOB_CHARS & set(str(p)):
+        fixed = []
+        for part in p.parts:
+            if GLOB_CHARS & set(part):
+                break
+            fixed.append(part)
+        return Path(*fixed) if fixed else Path.cwd()
+    return p if p.is_dir() else p.parent
+
+
+def media_roots(source: DataSource, file: Path | None, extra: Iterable[Path | str] = ()) -> MediaRoots:
+    """Where the media paths of `file` (a file of `source`; None for Hub sources) resolve from and may resolve into:
+    relative paths resolve against `image_root`, else the file's folder (the working directory for Hub sources);
+    they must land inside the source's folder, the file's folder, `image_root` or one of `extra`
+    (`data.media_roots`)."""
+    if file is None:
+        base = Path(source.image_root) if source.image_root else Path.cwd()
+        return MediaRoots.of(base, [base, *extra])
+    base = Path(source.image_root) if source.image_root else file.parent
+    return MediaRoots.of(base, [source_folder(source), file.parent, source.image_root, *extra])
 
 
 def _hidden(f: Path, root: Path) -> bool:
@@ -80,9 +107,10 @@ def as_list(value: Any) -> list[Any]:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def image_ref(value: Any, base: Path) -> Any:
+def image_ref(value: Any, base: Path | MediaRoots) -> Any:
     """A reference (bytes, Path or MissingRef) from a path/URL string, raw bytes, a `{bytes, path}` dict or a
-    `{url}` dict. Raises RecordError for anything else."""
+    `{url}` dict; paths are confined to `base` when it is a MediaRoots (see `images.resolve_ref`). Raises
+    RecordError for anything else."""
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value)
     if isinstance(value, str):
@@ -128,7 +156,7 @@ def turns_of(record: dict[str, Any], keys: Iterable[str]) -> list[tuple[Any, Any
     return turns
 
 
-def part_ref(part: dict[str, Any], base: Path) -> Any:
+def part_ref(part: dict[str, Any], base: Path | MediaRoots) -> Any:
     """The image reference of an explicit image part (`image`, `image_url` (str or {url}), `url`, `path`, `value`),
     or None for a part without one."""
     for key in ("image", "image_url", "url", "path", "value", "bytes"):
@@ -137,16 +165,18 @@ def part_ref(part: dict[str, Any], base: Path) -> Any:
     return None  # a placeholder part: it takes the next image of the record's `images`
 
 
-def iter_json_source(source: DataSource, suffixes: tuple[str, ...] = (".json", ".jsonl", ".ndjson")) -> Iterator[tuple[Path, int, Any] | Rejection]:
-    """(file, line, record) for every record of every file of a JSON/JSONL source; parse errors as Rejections."""
+def iter_json_source(source: DataSource, suffixes: tuple[str, ...] = (".json", ".jsonl", ".ndjson")) -> Iterator[tuple[Path, str, Any] | Rejection]:
+    """(file, location, record) for every record of every file of a JSON/JSONL source; records that cannot be
+    used as Rejections (parse_error, too_deep, too_large)."""
     name = source_name(source)
     for file in expand_paths(source.path, suffixes):
         try:
-            for item in iter_json_records(file):
+            for item in read_json(file):
+                location = f"{display(file)}:{item.where}"
                 if isinstance(item, JsonParseError):
-                    yield Rejection("parse_error", name, f"{display(file)}:{item.line}", item.message)
+                    yield Rejection(item.reason, name, location, item.message)
                 else:
-                    yield file, item[0], item[1]
+                    yield file, location, item.value
         except OSError as exc:
             raise DataError(f"cannot read {file}: {exc.strerror or exc}", hint="check the file's permissions") from None
 
@@ -157,17 +187,21 @@ def read_conversation_json(
     turn_keys: tuple[str, ...],
     image_keys: tuple[str, ...],
     system_key: str | None = None,
+    extra_roots: Iterable[Path | str] = (),
 ) -> Iterator[Sample | Rejection]:
-    """Shared reader of the llava / sharegpt / messages layouts (they differ only in key spelling)."""
+    """Shared reader of the llava / sharegpt / messages layouts (they differ only in key spelling).
+    `extra_roots`: more folders image paths may resolve into (`data.media_roots`)."""
     name = source_name(source)
     count = 0
+    roots_of: dict[Path, MediaRoots] = {}
     for item in iter_json_source(source):
         if isinstance(item, Rejection):
             yield item
             continue
-        file, line, record = item
-        location = f"{display(file)}:{line}"
-        base = Path(source.image_root) if source.image_root else file.parent
+        file, location, record = item
+        roots = roots_of.get(file)
+        if roots is None:
+            roots = roots_of[file] = media_roots(source, file, extra_roots)
         rid = record.get("id") if isinstance(record, dict) else None
         sid = str(rid) if rid not in (None, "") else f"{name}-{count:06d}"
         count += 1
@@ -180,7 +214,7 @@ def read_conversation_json(
             images: list[Any] = []
             for key in image_keys:
                 if record.get(key) is not None:
-                    images = [image_ref(v, base) for v in as_list(record[key])]
+                    images = [image_ref(v, roots) for v in as_list(record[key])]
                     break
         except RecordError as exc:
             yield Rejection("parse_error", name, location, str(exc), sid)
@@ -192,5 +226,5 @@ def read_conversation_json(
             source=name,
             location=location,
             meta=extract_meta(record),
-            resolve_part=lambda part, base=base: part_ref(part, base),
+            resolve_part=lambda part, roots=roots: part_ref(part, roots),
         )

@@ -8,18 +8,21 @@ access (or with `HF_HUB_OFFLINE=1`) loading fails with a DataError that says how
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from vlmctl.config.data import DataSource
 from vlmctl.data.checks import Rejection
+from vlmctl.data.formats._common import media_roots as source_media_roots
 from vlmctl.data.formats._common import source_name
 from vlmctl.data.formats.parquet import resolve_columns, row_to_sample
 from vlmctl.data.sample import Sample
 from vlmctl.errors import DataError
 
 
-def read_hf(source: DataSource) -> Iterator[Sample | Rejection]:
-    """Stream unchecked samples from a Hub dataset. Raises DataError when the dataset cannot be loaded."""
+def read_hf(source: DataSource, *, media_roots: Iterable[Path | str] = ()) -> Iterator[Sample | Rejection]:
+    """Stream unchecked samples from a Hub dataset. Image paths in rows resolve against `image_root` (default: the
+    working directory) and must stay inside it or one of `media_roots`. Raises DataError when the dataset cannot
+    be loaded."""
     import os
 
     import datasets
@@ -41,7 +44,7 @@ def read_hf(source: DataSource) -> Iterator[Sample | Rejection]:
     if hasattr(ds, "decode"):
         ds = ds.decode(False)
     cols = None
-    base = Path(source.image_root) if source.image_root else Path.cwd()
+    base = source_media_roots(source, None, media_roots)
     for index, row in enumerate(ds):
         if cols is None:
             cols = resolve_columns(list(row), source.columns, f"Hub dataset {source.path}")

@@ -11,7 +11,8 @@ file's folder). Text-only samples have no `image` key. Keys `answers`, `options`
 
 from __future__ import annotations
 
-from typing import Iterator
+from pathlib import Path
+from typing import Iterable, Iterator
 
 from vlmctl.config.data import DataSource
 from vlmctl.data.checks import Rejection
@@ -19,6 +20,6 @@ from vlmctl.data.formats._common import read_conversation_json
 from vlmctl.data.sample import Sample
 
 
-def read_llava(source: DataSource) -> Iterator[Sample | Rejection]:
+def read_llava(source: DataSource, *, media_roots: Iterable[Path | str] = ()) -> Iterator[Sample | Rejection]:
     """Stream unchecked samples (image references not yet read) and parse errors of a LLaVA source."""
-    return read_conversation_json(source, turn_keys=("conversations",), image_keys=("image", "images"))
+    return read_conversation_json(source, turn_keys=("conversations",), image_keys=("image", "images"), extra_roots=media_roots)

@@ -13,7 +13,8 @@ String contents may also use `<image>` placeholders with a top-level `images` li
 
 from __future__ import annotations
 
-from typing import Iterator
+from pathlib import Path
+from typing import Iterable, Iterator
 
 from vlmctl.config.data import DataSource
 from vlmctl.data.checks import Rejection
@@ -21,6 +22,6 @@ from vlmctl.data.formats._common import read_conversation_json
 from vlmctl.data.sample import Sample
 
 
-def read_messages(source: DataSource) -> Iterator[Sample | Rejection]:
+def read_messages(source: DataSource, *, media_roots: Iterable[Path | str] = ()) -> Iterator[Sample | Rejection]:
     """Stream unchecked samples and parse errors of an OpenAI-messages source."""
-    return read_conversation_json(source, turn_keys=("messages",), image_keys=("images",), system_key="system")
+    return read_conversation_json(source, turn_keys=("messages",), image_keys=("images",), system_key="system", extra_roots=media_roots)

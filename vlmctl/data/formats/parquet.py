@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from vlmctl.config.data import DataSource
 from vlmctl.data.checks import Rejection, RecordError, build_sample
 from vlmctl.data.formats._common import as_list, display, expand_paths, image_ref, source_name, turns_of
+from vlmctl.data.formats._common import media_roots as source_media_roots
+from vlmctl.data.images import MediaRoots
 from vlmctl.data.sample import Sample
 from vlmctl.errors import DataError
 
@@ -67,8 +69,9 @@ def resolve_columns(available: list[str], mapping: dict[str, str] | None, where:
     return cols
 
 
-def row_to_sample(row: dict[str, Any], cols: dict[str, str], *, name: str, location: str, index: int, base: Path) -> Sample | Rejection:
-    """One table row -> an unchecked Sample (or a parse_error Rejection)."""
+def row_to_sample(row: dict[str, Any], cols: dict[str, str], *, name: str, location: str, index: int, base: Path | MediaRoots) -> Sample | Rejection:
+    """One table row -> an unchecked Sample (or a parse_error Rejection). Image paths resolve against `base` (and
+    are confined to its folders when it is a MediaRoots)."""
     rid = row.get(cols["id"]) if "id" in cols else None
     sid = str(rid) if rid not in (None, "") else f"{name}-{index:06d}"
     meta: dict[str, Any] = {}
@@ -147,8 +150,9 @@ def _slices(batch) -> Iterator[list[dict[str, Any]]]:
         yield batch.slice(start, BATCH_ROWS).to_pylist()
 
 
-def read_parquet(source: DataSource) -> Iterator[Sample | Rejection]:
-    """Stream unchecked samples from Parquet/Arrow files or a save_to_disk folder."""
+def read_parquet(source: DataSource, *, media_roots: Iterable[Path | str] = ()) -> Iterator[Sample | Rejection]:
+    """Stream unchecked samples from Parquet/Arrow files or a save_to_disk folder. Image paths must resolve inside
+    the source's folder, its `image_root` or one of `media_roots` (else outside_root)."""
     import pyarrow as pa
 
     name = source_name(source)
@@ -159,7 +163,7 @@ def read_parquet(source: DataSource) -> Iterator[Sample | Rejection]:
         files = expand_paths(source.path, (".parquet", ".arrow"))
     index = 0
     for file in files:
-        base = Path(source.image_root) if source.image_root else file.parent
+        base = source_media_roots(source, file, media_roots)
         try:
             cols = None
             row_no = 0

@@ -11,7 +11,8 @@ same file may be listed twice when two placeholders show the same picture.
 
 from __future__ import annotations
 
-from typing import Iterator
+from pathlib import Path
+from typing import Iterable, Iterator
 
 from vlmctl.config.data import DataSource
 from vlmctl.data.checks import Rejection
@@ -19,8 +20,9 @@ from vlmctl.data.formats._common import read_conversation_json
 from vlmctl.data.sample import Sample
 
 
-def read_sharegpt(source: DataSource) -> Iterator[Sample | Rejection]:
+def read_sharegpt(source: DataSource, *, media_roots: Iterable[Path | str] = ()) -> Iterator[Sample | Rejection]:
     """Stream unchecked samples and parse errors of a ShareGPT source."""
     return read_conversation_json(
-        source, turn_keys=("messages", "conversations"), image_keys=("images", "image"), system_key="system"
+        source, turn_keys=("messages", "conversations"), image_keys=("images", "image"), system_key="system",
+        extra_roots=media_roots,
     )

@@ -15,19 +15,25 @@ Shards are read as tar streams (`tarfile` mode `r|*`), one sample in memory at a
 
 from __future__ import annotations
 
-import json
 import re
 import tarfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from vlmctl.config.data import DataSource
 from vlmctl.data.checks import Rejection, RecordError, build_sample
 from vlmctl.data.formats._common import display, expand_paths, extract_meta, source_name, turns_of
-from vlmctl.data.images import IMAGE_EXTENSIONS
+from vlmctl.data.formats._json import JsonParseError, decode_record
+from vlmctl.data.images import IMAGE_EXTENSIONS, MAX_IMAGE_FILE_BYTES
 from vlmctl.data.sample import Sample
 
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+MAX_MEMBER_BYTES = MAX_IMAGE_FILE_BYTES
+"""A tar member larger than this is not read: its sample is rejected as too_large."""
+
+
+class Oversized(int):
+    """The size in bytes of a tar member that was not read (over MAX_MEMBER_BYTES)."""
 
 
 def _natural(text: str) -> list[Any]:
@@ -35,7 +41,8 @@ def _natural(text: str) -> list[Any]:
 
 
 def iter_tar_groups(file: Path) -> Iterator[tuple[str, dict[str, bytes]] | str]:
-    """(key, {extension: bytes}) for each sample of a tar stream; a string (error message) when the tar breaks."""
+    """(key, {extension: bytes}) for each sample of a tar stream; a string (error message) when the tar breaks.
+    A member over MAX_MEMBER_BYTES is not read: its value is `Oversized(size)`."""
     key, parts = None, {}
     try:
         with tarfile.open(file, mode="r|*") as tar:
@@ -51,6 +58,9 @@ def iter_tar_groups(file: Path) -> Iterator[tuple[str, dict[str, bytes]] | str]:
                     if key is not None:
                         yield key, parts
                     key, parts = k, {}
+                if member.size > MAX_MEMBER_BYTES:
+                    parts[ext.lower()] = Oversized(member.size)
+                    continue
                 data = tar.extractfile(member)
                 parts[ext.lower()] = data.read() if data is not None else b""
     except (tarfile.TarError, OSError, EOFError) as exc:
@@ -62,7 +72,11 @@ def iter_tar_groups(file: Path) -> Iterator[tuple[str, dict[str, bytes]] | str]:
 
 
 def group_to_sample(key: str, parts: dict[str, bytes], *, name: str, location: str) -> Sample | Rejection:
-    """One webdataset sample (its parts by extension) -> an unchecked Sample or a parse_error Rejection."""
+    """One webdataset sample (its parts by extension) -> an unchecked Sample or a Rejection (parse_error, too_deep,
+    too_large)."""
+    big = [f"{key}.{ext} ({size:,} bytes)" for ext, size in parts.items() if isinstance(size, Oversized)]
+    if big:
+        return Rejection("too_large", name, location, f"{', '.join(big)} over the limit of {MAX_MEMBER_BYTES >> 20} MiB per member", key)
     image_exts = sorted((e for e in parts if e.rsplit(".", 1)[-1] in IMAGE_EXTENSIONS), key=_natural)
     images = [parts[e] for e in image_exts]
     meta: dict[str, Any] = {}
@@ -70,10 +84,12 @@ def group_to_sample(key: str, parts: dict[str, bytes], *, name: str, location: s
     try:
         record: dict[str, Any] | None = None
         if "json" in parts:
-            try:
-                record = json.loads(parts["json"])
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise RecordError(f"{key}.json is not valid JSON: {exc}") from None
+            decoded = decode_record(parts["json"])
+            if isinstance(decoded, JsonParseError):
+                if decoded.reason != "parse_error":
+                    return Rejection(decoded.reason, name, location, f"{key}.json: {decoded.message}", sid)
+                raise RecordError(f"{key}.json is not valid JSON: {decoded.message}")
+            record = decoded.value
             if not isinstance(record, dict):
                 raise RecordError(f"{key}.json must hold an object")
             meta = extract_meta(record)
@@ -100,8 +116,8 @@ def group_to_sample(key: str, parts: dict[str, bytes], *, name: str, location: s
     return build_sample(turns, images=images, id=sid, source=name, location=location, meta=meta)
 
 
-def read_webdataset(source: DataSource) -> Iterator[Sample | Rejection]:
-    """Stream unchecked samples from WebDataset tar shards."""
+def read_webdataset(source: DataSource, *, media_roots: Iterable[Path | str] = ()) -> Iterator[Sample | Rejection]:
+    """Stream unchecked samples from WebDataset tar shards (their images are embedded: `media_roots` is unused)."""
     name = source_name(source)
     for file in expand_paths(source.path, TAR_SUFFIXES):
         for item in iter_tar_groups(file):
