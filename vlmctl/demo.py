@@ -289,13 +289,13 @@ def score_by_type(records: list[tuple[str, str, list[str]]], baseline: dict[str,
 def eval_stage(cfg, model_dir: Path, progress: ProgressFn | None = None) -> tuple[list[TypeScore], Path]:
     """Generate answers on the val split with `run_eval` (writes predictions.jsonl, metrics.json, report.html) and
     score them per question type against the blind baseline of the train split. Returns (scores, output folder)."""
-    from vlmctl.evaluation import load_samples, references_of, run_eval
+    from vlmctl.evaluation import load_samples, references_of, run_eval, unique_output_dir
 
     prepared = Path(cfg.data.prepared_dir)
     val = load_samples("val", prepared)
     train = load_samples(str(prepared / "train"), prepared)
     baseline = blind_baseline([(question_type(s.id), references_of(s)[0]) for s in train if references_of(s)])
-    out_dir = Path(cfg.eval.output_dir) / f"{Path(model_dir).parent.name}-vqa"
+    out_dir = unique_output_dir(Path(cfg.eval.output_dir) / f"{Path(model_dir).parent.name}-vqa", create=False)
     cb = (lambda done, total: progress("eval", done, total)) if progress else None
     result = run_eval(model_dir, val, task="vqa", data_name="val", out_dir=out_dir, batch_size=max(cfg.eval.batch_size, 32),
                       max_new_tokens=cfg.eval.max_new_tokens, dtype=cfg.eval.dtype, progress=cb)

@@ -41,7 +41,7 @@ def generate_cmd(
     One row per readable sample: id, prompt, prediction, references (when it has one).
     Score them with: vlmctl eval --predictions FILE.
     """
-    from vlmctl.config import DataSource
+    from vlmctl.config import DataSource, find_config
     from vlmctl.errors import UsageError
     from vlmctl.evaluation import references_of
     from vlmctl.inference import check_backend, check_model_dir, read_prompts, write_predictions
@@ -51,9 +51,12 @@ def generate_cmd(
         raise UsageError("--limit must be positive", hint="e.g. --limit 100")
     model_dir = resolve_model_dir(args, config, "generate")
     check_model_dir(model_dir)  # fail before reading data
-    path = input_
+    in_project = config is not None or state.config is not None or find_config() is not None
+    data_cfg = load_project(config, split_args(args)[1]).data if in_project or input_ == "val" else None
+    # inside a project, images may also live in the folders listed in data.media_roots (as for eval)
+    path, media_roots = input_, (data_cfg.media_roots if data_cfg else ())
     if input_ == "val":
-        path = str(load_project(config, split_args(args)[1]).data.prepared_dir / "val")
+        path = str(data_cfg.prepared_dir / "val")
         if not any(Path(path).glob("*.parquet")):
             from vlmctl.errors import DataError
 
@@ -62,7 +65,7 @@ def generate_cmd(
         source = DataSource(path=path, format=fmt, image_root=image_root)
     except ValueError as exc:  # pydantic's ValidationError: an unknown --format
         raise UsageError(f"unknown --format {fmt!r}", hint="use auto, llava, sharegpt, messages, parquet, webdataset or hf") from exc
-    samples, rejected = read_prompts(source, limit)
+    samples, rejected = read_prompts(source, limit, media_roots=media_roots)
     out = out / "predictions.jsonl" if out.is_dir() or not out.suffix else out
     quiet = as_json or state.quiet
     if not quiet:

@@ -44,17 +44,19 @@ class PredictionsResult:
     seconds: float
 
 
-def read_prompts(source: "DataSource", limit: int | None = None, *, min_image_side: int = 1) -> tuple[list["Sample"], list["Rejection"]]:
+def read_prompts(source: "DataSource", limit: int | None = None, *, min_image_side: int = 1,
+                 media_roots: Sequence[Path | str] = ()) -> tuple[list["Sample"], list["Rejection"]]:
     """(samples, rejections) of one data source in any input format (`vlmctl.data.formats.read_source`; a
     prepared split folder reads back with the parquet reader): at most `limit` samples, in file order, and the
     records the reader rejected (missing or corrupt images, bad records). Pictures are read whatever their size
-    (`min_image_side` pixels; the processor resizes them), unlike training data. Raises DataError when the source
+    (`min_image_side` pixels; the processor resizes them), unlike training data; image paths may point into the
+    source's folder or one of `media_roots` (`data.media_roots`). Raises DataError when the source
     cannot be opened or holds no readable sample (naming the first rejection)."""
     from vlmctl.data.formats import read_source
     from vlmctl.data.sample import Sample
 
     samples, rejected = [], []
-    for item in read_source(source, min_image_side=min_image_side):
+    for item in read_source(source, min_image_side=min_image_side, media_roots=media_roots):
         if isinstance(item, Sample):
             samples.append(item)
             if limit is not None and len(samples) >= limit:
