@@ -40,6 +40,13 @@ class DataError(VlmctlError):
     title = "Data error"
 
 
+class MissingSourceError(DataError):
+    """A data source named in the project file or on the command line does not exist: a wrong path, so exit code 2
+    as for configuration and usage errors (still a DataError to code that catches those)."""
+
+    exit_code = 2
+
+
 class ModelError(VlmctlError):
     """A model cannot be built or loaded (exit code 1)."""
 

@@ -19,7 +19,7 @@ VALIDATE_EXAMPLE = "Example: vlmctl data validate data/raw/train.json --json"
 
 
 def _processor_dir(cfg: "VlmctlConfig") -> Path | None:
-    # A built model (`vlmctl model build`) gives exact token counts; before that there are none.
+    # A built model (`vlmctl model build`) gives exact token counts.
     from vlmctl.data.tokens import has_processor
 
     return Path(cfg.model.output_dir) if has_processor(cfg.model.output_dir) else None
@@ -42,6 +42,7 @@ def prepare(
         cfg.data,
         num_proc=num_proc,
         processor_dir=_processor_dir(cfg),
+        model=cfg.model,  # before a build: the configured model's tokenizer / processor counts
         export=export,
         export_dir=Path(export_dir) if export_dir else None,
         progress=not (as_json or state.quiet),
@@ -49,10 +50,10 @@ def prepare(
     if as_json:
         print_json(result.to_dict())
         return
-    _render_prepare(result.manifest, result.prepared_dir, result.export_dir)
+    _render_prepare(result.manifest, result.prepared_dir, result.export_dir, result.token_note)
 
 
-def _render_prepare(m: dict[str, Any], out: Path, export_dir: Path | None) -> None:
+def _render_prepare(m: dict[str, Any], out: Path, export_dir: Path | None, token_note: str | None = None) -> None:
     from rich.table import Table
 
     table = Table(title="Sources", title_justify="left")
@@ -77,7 +78,9 @@ def _render_prepare(m: dict[str, Any], out: Path, export_dir: Path | None) -> No
             f"packing length {tokens['suggested_packing_length']:,}"
         )
     else:
-        info("[dim]No token counts (no built model in model.output_dir): too_long was not checked.[/dim]")
+        from rich.markup import escape
+
+        info(f"[dim]No token counts ({escape(token_note or 'no processor')}): too_long was not checked.[/dim]")
     info(f"Length histogram: {out / 'length_histogram.png'}")
     if export_dir:
         info(f"Energon export: {export_dir}")
@@ -103,7 +106,7 @@ def validate(
     if as_json:
         print_json(report.to_dict())
     else:
-        _render_validate(report)
+        _render_validate(report, cfg)
     if not report.ok:
         raise typer.Exit(1)
 
@@ -119,15 +122,18 @@ def _load_for_validate(config: Path | None, overrides: list[str], standalone: bo
     return load_project(config, overrides)
 
 
-def _render_validate(report) -> None:
+def _render_validate(report, cfg: "VlmctlConfig") -> None:
     from rich.table import Table
+
+    from vlmctl.data.counting import model_configured
 
     for reason, n in report.flagged.items():
         info(f"[yellow]{n:,} kept samples flagged {reason}[/yellow] (data.duplicate_ids: keep)")
     if report.ok:
         info(f"[green]OK[/green]: {report.total:,} samples checked, none would be rejected.")
         if not report.tokens_checked:
-            info("[dim]too_long was not checked (no built model in model.output_dir).[/dim]")
+            later = "; `vlmctl data prepare` checks it with the configured model" if model_configured(cfg.model) else ""
+            info(f"[dim]too_long was not checked (no built model in model.output_dir{later}).[/dim]")
         return
     table = Table(title=f"{report.rejected:,} of {report.total:,} samples would be rejected", title_justify="left")
     table.add_column("reason")

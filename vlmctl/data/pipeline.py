@@ -7,6 +7,8 @@ Reading and parsing stay in the main process (cheap, and it keeps the order of r
 full decoding, RGB normalization and token counting run in `num_proc` worker processes. At most
 `2 * num_proc` batches of `BATCH_SIZE` samples are in flight, so memory does not grow with the dataset.
 Results come back in input order, which makes dedup ("an earlier sample") and the written shards deterministic.
+The token counter is loaded once, in the main process, and forked workers inherit it; input that fits in one
+batch is checked in the main process (starting workers would take longer than the checks).
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ import os
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from vlmctl.config.data import DataSection, DataSource
 from vlmctl.data.checks import DigestSet, LocationTable, Rejection, SampleInfo, check_images
 from vlmctl.data.sample import Sample
+from vlmctl.errors import MissingSourceError
 
 BATCH_SIZE = 32
 
@@ -28,11 +31,14 @@ BATCH_SIZE = 32
 _STATE: dict[str, Any] = {}
 
 
-def _init_worker(processor_dir: str | None, limits: dict[str, Any]) -> None:
-    from vlmctl.data.tokens import TokenCounter
-
+def _init_worker(processor_dir: str | None, limits: dict[str, Any], counter: Any = None) -> None:
+    # `counter`: the parent's, inherited by forked workers (loaded once); spawned workers load their own.
     _STATE["limits"] = limits  # keyword arguments of check_images
-    _STATE["counter"] = TokenCounter.load(Path(processor_dir)) if processor_dir else None
+    if counter is None and processor_dir:
+        from vlmctl.data.tokens import TokenCounter
+
+        counter = TokenCounter.load(Path(processor_dir))
+    _STATE["counter"] = counter
 
 
 def _check_batch(batch: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
@@ -78,10 +84,16 @@ class SourceTally:
 
 
 def unique_sources(sources: list[DataSource]) -> list[DataSource]:
-    """Copies of `sources` with a resolved format and a name unique among them (reports are keyed by name)."""
+    """Copies of `sources` with a resolved format and a name unique among them (reports are keyed by name).
+
+    Raises MissingSourceError (a DataError, exit code 2) for a local source that does not exist (or a glob matching
+    nothing), before anything is read.
+    """
     from vlmctl.data.formats import resolve_format
     from vlmctl.data.formats._common import source_name
 
+    for src in sources:
+        check_exists(src)
     out, seen = [], set()
     for i, src in enumerate(sources):
         name = source_name(src)
@@ -90,6 +102,25 @@ def unique_sources(sources: list[DataSource]) -> list[DataSource]:
         seen.add(name)
         out.append(src.model_copy(update={"name": name, "format": resolve_format(src)}))
     return out
+
+
+def check_exists(source: DataSource) -> None:
+    """Raise MissingSourceError (a DataError, exit code 2) when a local source's path does not exist or its glob
+    matches nothing (Hub ids pass)."""
+    import glob
+
+    from vlmctl.data.formats._common import GLOB_CHARS
+
+    if source.format == "hf":
+        return
+    path = Path(source.path).expanduser()
+    if GLOB_CHARS & set(str(path)):
+        if not glob.glob(str(path), recursive=True):
+            raise MissingSourceError(f"no files match {source.path}", hint="check data.sources[].path (globs like data/*.jsonl are allowed)")
+    elif not path.exists():
+        raise MissingSourceError(f"data source {source.path} does not exist",
+                                 hint="fix the path (data.sources[].path is relative to vlmctl.yaml, a path on the command line to the "
+                                 "current folder); for a Hub dataset id set `format: hf`")
 
 
 def _read_all(sources: list[DataSource], media_roots: list[Path]) -> Iterator[tuple[int, Any]]:
@@ -113,24 +144,31 @@ def _batched(items: Iterator[tuple[int, Any]], size: int) -> Iterator[list[tuple
 
 def _checked(sources: list[DataSource], *, num_proc: int, processor_dir: Path | None, limits: dict[str, Any],
              media_roots: list[Path]) -> Iterator[tuple[int, Any]]:
+    from itertools import chain, islice
+
+    from vlmctl.data.tokens import TokenCounter
+
+    counter = TokenCounter.load(processor_dir) if processor_dir else None  # once, and a broken one fails here
     batches = _batched(_read_all(sources, media_roots), BATCH_SIZE)
-    if num_proc <= 1:
-        _init_worker(str(processor_dir) if processor_dir else None, limits)
-        for batch in batches:
+    head = list(islice(batches, 2))
+    if num_proc <= 1 or len(head) < 2:  # one batch (a small file): starting workers would cost more than it saves
+        _init_worker(None, limits, counter)
+        for batch in chain(head, batches):
             yield from _check_batch(batch)
         return
+    batches = chain(head, batches)
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    # fork where there is one: workers start in milliseconds and callers need no `if __name__ == "__main__"` guard
-    # (spawn re-imports the caller's main module). Workers only use PIL/numpy/tokenizers, never the parent's
-    # pyarrow threads.
+    # fork where there is one: workers start in milliseconds, inherit the loaded counter, and callers need no
+    # `if __name__ == "__main__"` guard (spawn re-imports the caller's main module). Workers only use PIL/numpy/
+    # tokenizers, never the parent's pyarrow threads.
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     with ProcessPoolExecutor(
         max_workers=num_proc,
         mp_context=mp.get_context(method),
         initializer=_init_worker,
-        initargs=(str(processor_dir) if processor_dir else None, limits),
+        initargs=(str(processor_dir) if processor_dir else None, limits, counter if method == "fork" else None),
     ) as pool:
         window: deque = deque()
         try:
@@ -189,10 +227,28 @@ def iter_checked(
                 continue
             info.flags.append("duplicate_id")
         if sample.num_tokens is not None and sample.num_tokens > data.max_length:
-            detail = f"{sample.num_tokens} tokens (text + visual) > data.max_length={data.max_length}"
-            yield src, Rejection("too_long", sample.source, sample.location, detail, sample.id), None
+            yield src, too_long(sample, data.max_length), None
             continue
         yield src, sample, info
+
+
+def too_long(sample: Sample, max_length: int) -> Rejection:
+    """The too_long rejection of a sample whose `num_tokens` exceed `max_length`."""
+    detail = f"{sample.num_tokens} tokens (text + visual) > data.max_length={max_length}"
+    return Rejection("too_long", sample.source, sample.location, detail, sample.id)
+
+
+def with_token_counts(results: Iterable[tuple[int, Sample | Rejection, SampleInfo | None]], counter: Any,
+                      max_length: int) -> Iterator[tuple[int, Sample | Rejection, SampleInfo | None]]:
+    """`iter_checked` results checked without a processor, now counted with `counter` (a `TokenCounter`): each
+    kept sample gets `num_tokens`, and those over `max_length` become too_long rejections (the last check)."""
+    for src, item, info in results:
+        if info is not None:
+            item.num_tokens = counter.count(item, list(zip(info.widths, info.heights)))
+            if item.num_tokens > max_length:
+                yield src, too_long(item, max_length), None
+                continue
+        yield src, item, info
 
 
 def id_digest(source: str, sample_id: str) -> bytes:

@@ -1,6 +1,6 @@
 """`vlmctl data prepare`: sources -> checks -> dedup -> split -> Parquet shards + manifest (+ energon export).
 
-    result = prepare_data(cfg.data, num_proc=8, processor_dir=cfg.model.output_dir)
+    result = prepare_data(cfg.data, num_proc=8, processor_dir=cfg.model.output_dir, model=cfg.model)
     result.manifest["splits"]["train"]["samples"]
 
 Output (`data.prepared_dir`)::
@@ -17,6 +17,10 @@ an interrupted run leaves the previous data intact; such folders left by a kille
 removed when the next prepare starts. Shards are byte-identical for identical inputs: samples keep input order,
 the split is a hash of each sample's content (`checks.is_val`), and no timestamps are written.
 
+Token counts: with the built model's processor (`processor_dir`) when there is one, else with the processor the
+configured model will have (`vlmctl.data.counting`; for a random-init preset, a first pass checks every sample
+into a spool file, the tokenizer is trained on the train samples kept, and the spool is replayed with counts).
+
 A prepare fails (DataError, nothing replaced) when a source keeps less than `data.min_kept_fraction` of its
 records (not counting the rejections of the project's own limits, `checks.FILTERS`), when the train split ends
 up empty, or when the disk fills up (the message names the path and the free space).
@@ -29,13 +33,15 @@ import json
 import os
 import shutil
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vlmctl.config.data import DataSection
+from vlmctl.config.model import ModelSection
 from vlmctl.data.checks import FILTERS, REASONS, Rejection, is_val
-from vlmctl.data.pipeline import SourceTally, iter_checked, progress_bar, unique_sources
+from vlmctl.data.pipeline import SourceTally, iter_checked, progress_bar, unique_sources, with_token_counts
 from vlmctl.data.sample import SCHEMA_VERSION, Sample
 from vlmctl.errors import DataError, UsageError
 
@@ -51,6 +57,7 @@ class PrepareResult:
     prepared_dir: Path
     manifest: dict[str, Any]
     export_dir: Path | None = None
+    token_note: str | None = None  # why there are no token counts, when there are none
 
     @property
     def kept(self) -> int:
@@ -61,7 +68,10 @@ class PrepareResult:
         return self.manifest["totals"]["rejected"]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"prepared_dir": str(self.prepared_dir), "export_dir": str(self.export_dir) if self.export_dir else None, **self.manifest}
+        out = {"prepared_dir": str(self.prepared_dir), "export_dir": str(self.export_dir) if self.export_dir else None, **self.manifest}
+        if self.manifest.get("tokens") is None and self.token_note:
+            out["token_note"] = self.token_note
+        return out
 
 
 class ShardWriter:
@@ -191,16 +201,18 @@ def summarize(counter: Counter) -> dict[str, Any] | None:
     return out
 
 
-def _token_section(stats: Stats, data: DataSection, counter_dir: Path | None, family: str | None) -> dict[str, Any] | None:
+def _token_section(stats: Stats, data: DataSection, counts: "TokenSource") -> dict[str, Any] | None:
     summary = summarize(stats.tokens)
     if summary is None:
         return None
     longest = summary["max"]
     suggested = -(-longest // 64) * 64
     packing = 1 << max(0, (max(suggested, 8 * summary["p50"]) - 1).bit_length())
+    extra = {"tokenizer": counts.tokenizer} if counts.tokenizer else {}
     return {
-        "processor": str(counter_dir),
-        "family": family,
+        "processor": counts.processor,
+        "family": counts.family,
+        **extra,
         "per_sample": "the num_tokens column of every shard row (text + visual tokens)",
         **summary,
         "max_length": data.max_length,
@@ -253,20 +265,24 @@ def prepare_data(
     *,
     num_proc: int | None = None,
     processor_dir: Path | None = None,
+    model: ModelSection | None = None,
     export: str | None = None,
     export_dir: Path | str | None = None,
     progress: bool = True,
 ) -> PrepareResult:
     """Read every source of `data`, check, dedup, split and write Parquet shards + manifest.json + rejected.jsonl.
 
-    `processor_dir` (a built model folder) enables exact token counts and the too_long check; without it samples
-    have `num_tokens` None. `export="energon"` also writes a Megatron-Energon dataset to `export_dir`
+    Token counts (the `num_tokens` column, the manifest's `tokens`) and the too_long check use the processor in
+    `processor_dir` (a built model folder) when it holds one, else the processor `model build` would make for
+    `model` (`vlmctl.data.counting`: a random-init preset's tokenizer is trained on the train split as the build
+    trains it). Without either, or when the model's processor cannot be loaded (`PrepareResult.token_note` says
+    why), samples have `num_tokens` None. `export="energon"` also writes a Megatron-Energon dataset to `export_dir`
     (default `prepared_dir/energon`).
-    Raises UsageError (no sources, unknown export, output inside an input) and DataError (unreadable source, a
-    source below `data.min_kept_fraction`, an empty train split, a full disk).
+    Raises UsageError (no sources, unknown export, output inside an input) and DataError (a missing or unreadable
+    source, a source below `data.min_kept_fraction`, an empty train split, a full disk).
     """
     from vlmctl import __version__
-    from vlmctl.data.tokens import TokenCounter, has_processor
+    from vlmctl.data.tokens import has_processor
 
     if not data.sources:
         raise UsageError("data.sources is empty: there is nothing to prepare", hint="list your data files under data.sources in vlmctl.yaml")
@@ -274,12 +290,8 @@ def prepare_data(
         raise UsageError(f"unknown export format {export!r}", hint=f"use one of: {', '.join(EXPORTS)}")
     out = Path(data.prepared_dir)
     _check_outputs(data, out)
-    sources = unique_sources(data.sources)
+    sources = unique_sources(data.sources)  # a missing source fails here, before any processor is loaded
     pdir = Path(processor_dir) if has_processor(processor_dir) else None
-    family = None
-    if pdir is not None:
-        counter = TokenCounter.load(pdir)  # fail early, in the main process, on a broken processor
-        family = counter.family_name if counter else None
 
     edir_final = Path(export_dir) if export_dir else out / "energon"
     if export is not None and edir_final.resolve() == out.resolve():
@@ -291,17 +303,21 @@ def prepare_data(
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     etmp = None
+    work = tmp / ".work"  # a processor saved for counting, the first pass's spool; removed before the rename
     try:
         tmp.mkdir()
+        work.mkdir()
         if export is not None:
             if not inside:
                 sweep_stale(edir_final)
             etmp = tmp / edir_final.resolve().relative_to(out.resolve()) if inside else edir_final.parent / f".{edir_final.name}.tmp-{os.getpid()}"
             shutil.rmtree(etmp, ignore_errors=True)
             etmp.mkdir(parents=True)
-        manifest = _run(data, sources, tmp, etmp, num_proc=num_proc, pdir=pdir, family=family, progress=progress)
+        results, counts = _checked_and_counted(data, sources, work, num_proc=num_proc, pdir=pdir, model=model, progress=progress)
+        manifest = _run(data, results, sources, tmp, etmp, num_proc=num_proc, counts=counts, progress=progress)
         manifest["vlmctl_version"] = __version__
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
+        shutil.rmtree(work)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if etmp is not None:
@@ -313,7 +329,82 @@ def prepare_data(
     if etmp is not None and not inside:
         edir_final.parent.mkdir(parents=True, exist_ok=True)
         _swap(etmp, edir_final)
-    return PrepareResult(out, manifest, edir_final if export else None)
+    return PrepareResult(out, manifest, edir_final if export else None, token_note=counts.note)
+
+
+@dataclass
+class TokenSource:
+    """What counted the tokens of a prepare: `processor` (a folder, or a description of the configured model) and
+    `family`; `note` says why there are no counts when `processor` is None."""
+
+    processor: str | None = None
+    family: str | None = None
+    note: str | None = None
+    tokenizer: dict[str, Any] | None = None  # a tokenizer trained at prepare time: {rounds, converged}
+
+
+Results = Iterator[tuple[int, "Sample | Rejection", Any]]
+
+
+def _checked_and_counted(data: DataSection, sources, work: Path, *, num_proc, pdir: Path | None, model: ModelSection | None,
+                         progress: bool) -> tuple[Results, TokenSource]:
+    """The checked samples in input order, counted with the built model's processor (`pdir`), else with the
+    configured model's (`vlmctl.data.counting`), else not counted."""
+    from vlmctl.data.tokens import MODEL_INFO
+
+    if pdir is not None:
+        family = None
+        if (pdir / MODEL_INFO).is_file():
+            try:
+                family = json.loads((pdir / MODEL_INFO).read_text()).get("family")
+            except (ValueError, OSError):
+                family = None
+        return iter_checked(data, sources, num_proc=num_proc, processor_dir=pdir), TokenSource(str(pdir), family)
+    from vlmctl.data.counting import configured_processor, counter_in, model_configured
+    from vlmctl.errors import VlmctlError
+
+    if not model_configured(model):
+        return iter_checked(data, sources, num_proc=num_proc), TokenSource(note="no model in the model section")
+    try:
+        conf = configured_processor(model)
+    except VlmctlError as exc:  # e.g. a Hub id offline: prepare without counts, and say why
+        return iter_checked(data, sources, num_proc=num_proc), TokenSource(note=f"the configured model's processor did not load: {exc.message}")
+    if not conf.needs_training:
+        folder = work / "processor"
+        counter_in(folder, conf.processor, conf.family)
+        return iter_checked(data, sources, num_proc=num_proc, processor_dir=folder), TokenSource(conf.description, conf.family)
+    return _counted_with_trained_tokenizer(data, sources, work, conf, num_proc=num_proc, progress=progress)
+
+
+def _counted_with_trained_tokenizer(data: DataSection, sources, work: Path, conf, *, num_proc, progress: bool) -> tuple[Results, TokenSource]:
+    """A first pass checks every sample (no counts) into a spool file; the tokenizer is trained on the train
+    samples it kept (`counting.fit_tokenizer`); the spool is then replayed with counts and the too_long check."""
+    import pickle
+
+    from vlmctl.data.counting import fit_tokenizer
+
+    spool = work / "checked.pickle"
+    with open(spool, "wb") as fh, progress_bar(progress, "Checking") as advance:
+        for result in iter_checked(data, sources, num_proc=num_proc):
+            pickle.dump(result, fh, protocol=pickle.HIGHEST_PROTOCOL)
+            advance()
+
+    def replay() -> Results:
+        with open(spool, "rb") as fh:
+            while True:
+                try:
+                    yield pickle.load(fh)
+                except EOFError:
+                    return
+
+    def kept_train():
+        return ((item, info) for _, item, info in replay() if info is not None and not is_val(info.digest, data.val_ratio))
+
+    fit = fit_tokenizer(conf, kept_train, data.max_length, work / "processor")
+    if fit is None:
+        return replay(), TokenSource(note="the train split has no text to train the tokenizer on")
+    source = TokenSource(conf.description, conf.family, tokenizer={"rounds": fit.rounds, "converged": fit.converged})
+    return with_token_counts(replay(), fit.counter, data.max_length), source
 
 
 def _pid_alive(pid: int) -> bool:
@@ -411,7 +502,8 @@ def _swap(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _run(data: DataSection, sources, tmp: Path, etmp: Path | None, *, num_proc, pdir, family, progress) -> dict[str, Any]:
+def _run(data: DataSection, results: Results, sources, tmp: Path, etmp: Path | None, *, num_proc, counts: TokenSource,
+         progress) -> dict[str, Any]:
     shard_bytes = data.shard_size_mb << 20
     writers = {"train": ShardWriter(tmp / "train", "train", shard_bytes), "val": ShardWriter(tmp / "val", "val", shard_bytes)}
     energon = None
@@ -423,7 +515,8 @@ def _run(data: DataSection, sources, tmp: Path, etmp: Path | None, *, num_proc, 
     stats = Stats()
     rejected_total: Counter = Counter()
     with open(tmp / "rejected.jsonl", "w", encoding="utf-8") as rej, progress_bar(progress, "Preparing") as advance:
-        for src, item, info in iter_checked(data, sources, num_proc=num_proc, processor_dir=pdir, on_item=advance):
+        for src, item, info in results:
+            advance()
             tallies[src].add(item, info)
             if isinstance(item, Rejection):
                 rejected_total[item.reason] += 1
@@ -471,7 +564,7 @@ def _run(data: DataSection, sources, tmp: Path, etmp: Path | None, *, num_proc, 
             "converted": dict(sorted(stats.conversions.items())),
         },
         "text": {"chars": summarize(stats.text_chars), "turns": summarize(stats.turns)},
-        "tokens": _token_section(stats, data, pdir, family),
+        "tokens": _token_section(stats, data, counts),
         "export": export,
         "files": {"rejected": "rejected.jsonl", "histogram": "length_histogram.png"},
     }

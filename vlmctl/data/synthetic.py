@@ -23,6 +23,7 @@ The blind baseline (the most common answer per question type, what a model gets 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from pathlib import Path
@@ -107,14 +108,24 @@ def _render(rng: random.Random, objects: list[dict], size: int):
     return img
 
 
+def _is_new(seen: set[bytes], question: str, answer: str, image) -> bool:
+    """Record the sample's text and pixels in `seen`; False when they were there already."""
+    key = hashlib.blake2b(f"{question}\0{answer}\0".encode() + image.tobytes(), digest_size=16).digest()
+    if key in seen:
+        return False
+    seen.add(key)
+    return True
+
+
 def generate_shapes_vqa(out_dir: Path, num_samples: int = 3000, seed: int = 0, image_size: int = 64,
                         max_distractors: int = 0) -> Path:
     """Write `num_samples` samples (PNG images + `shapes_vqa.json` in LLaVA format) under `out_dir`.
 
     Returns the path of the JSON file. Deterministic for (`num_samples`, `seed`, `image_size`). Question types are
     balanced round-robin and the sample id is `<question type>-<index>`; each scene has the objects its question
-    needs plus 0..`max_distractors` others. Images are `image_size` x `image_size`
-    RGB PNGs in `out_dir/images/` (`image_size` >= 16).
+    needs plus 0..`max_distractors` others. No two samples have the same question, answer and pixels (the set
+    passes `vlmctl data validate`). Images are `image_size` x `image_size` RGB PNGs in `out_dir/images/`
+    (`image_size` >= 16).
 
     Raises ValueError when `max_distractors` does not fit the grid (at most GRID * GRID - 1 = 3).
     """
@@ -125,12 +136,21 @@ def generate_shapes_vqa(out_dir: Path, num_samples: int = 3000, seed: int = 0, i
     rng = random.Random(seed)
     cell = image_size // GRID
     records = []
+    seen: set[bytes] = set()
     for i in range(num_samples):
         qtype = QUESTION_TYPES[i % len(QUESTION_TYPES)]
         objects, question, answer = _scene(rng, qtype, cell, max_distractors)
         sid = f"{qtype}-{i:05d}"
         name = f"images/{sid}.png"
-        _render(rng, objects, image_size).save(out_dir / name, optimize=False)
+        image = _render(rng, objects, image_size)
+        # A plain background with the same objects at the same offsets repeats an earlier sample exactly, which
+        # `vlmctl data validate` reports as a duplicate: draw the same scene on other backgrounds (from a generator
+        # of this sample's own, so the samples after it stay as they were) until it is new.
+        attempt = 0
+        while not _is_new(seen, question, answer, image):
+            attempt += 1
+            image = _render(random.Random(f"{seed}:{i}:{attempt}"), objects, image_size)
+        image.save(out_dir / name, optimize=False)
         records.append({
             "id": sid,
             "image": name,

@@ -1,4 +1,4 @@
-"""Exact per-sample token counts under a built model's processor: text tokens + visual tokens.
+"""Exact per-sample token counts under a model's processor: text tokens + visual tokens.
 
     counter = TokenCounter.load(Path("outputs/model"))    # None when the folder holds no processor/tokenizer
     n = counter.count(sample, sizes=[(640, 480)])          # tokens
@@ -11,73 +11,89 @@ visual tokens for the image's size:
 2. else the processor's own `_get_num_multimodal_tokens(image_sizes=...)` (transformers processors);
 3. else the fixed-resolution LLaVA rule `(H / patch) * (W / patch) + num_additional_image_tokens
    (- 1 for vision_feature_select_strategy "default")` from transformers' `LlavaProcessor`.
+
+A folder written by `vlmctl model build` (its `vlmctl_model.json` names the family; `tokenizer.json`,
+`processor_config.json` and the chat template sit next to it) is read from its files (`TokenCounter.from_files`):
+the `tokenizers` library encodes, jinja2 renders the chat template in the sandbox transformers uses, and the
+family's visual-token rule reads the saved processor settings. Neither transformers nor torch is imported and no
+weights are read, so `data validate` and `data prepare` start in well under a second. Any other folder (a Hub
+checkpoint, a base-mode pointer, a slow tokenizer) loads its processor with transformers.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, Callable
 
 from vlmctl.data.sample import Sample
 
 MODEL_INFO = "vlmctl_model.json"
 _PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "tokenizer.json", "tokenizer_config.json")
+_TEMPLATE_FILE = "chat_template.jinja"
 
 
-def has_processor(folder: Path | None) -> bool:
+def has_processor(folder: Path | str | None) -> bool:
     """True when `folder` looks like a saved model/processor folder."""
     return folder is not None and Path(folder).is_dir() and any((Path(folder) / f).is_file() for f in (MODEL_INFO, *_PROCESSOR_FILES))
 
 
 class TokenCounter:
-    """Counts tokens of canonical samples for one processor. Build with `TokenCounter.load(folder)`.
+    """Counts tokens of canonical samples for one processor. Build with `TokenCounter.load(folder)`, or from a
+    loaded processor: `TokenCounter(processor, family, folder)`.
 
     `family`: a family name (resolved with `vlmctl.families.get_family`); None or an unknown name falls back to the
     processor's own rule.
     """
 
-    def __init__(self, processor: Any, family: str | None, folder: Path):
+    def __init__(self, processor: Any, family: str | None, folder: Path | None):
+        self.processor = processor
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.folder = folder
+        self._set_family(family)
+        token = getattr(processor, "image_token", None) or getattr(self.tokenizer, "image_token", None) or "<image>"
+        self.image_token = token
+        self.image_token_id = self.tokenizer.convert_tokens_to_ids(token)
+        has_template = bool(getattr(processor, "chat_template", None) or getattr(self.tokenizer, "chat_template", None))
+        self._apply_template: Callable[[list[dict]], str] | None = (
+            (lambda messages: self.processor.apply_chat_template(messages, tokenize=False)) if has_template else None
+        )
+        self._encode: Callable[[str], list[int]] = lambda text: self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _set_family(self, family: str | None) -> None:
         from vlmctl.errors import ModelError
         from vlmctl.families import get_family
 
-        self.processor = processor
-        self.tokenizer = getattr(processor, "tokenizer", processor)
         self.family_name = family
-        self.folder = folder
         self._family = None
         if family:
             try:
                 self._family = get_family(family)
             except ModelError:  # a family this version does not know: fall back to the processor's rule
                 self._family = None
-        token = getattr(processor, "image_token", None) or getattr(self.tokenizer, "image_token", None) or "<image>"
-        self.image_token = token
-        self.image_token_id = self.tokenizer.convert_tokens_to_ids(token)
-        self._has_template = bool(getattr(processor, "chat_template", None) or getattr(self.tokenizer, "chat_template", None))
 
     @classmethod
-    def load(cls, folder: Path | None) -> "TokenCounter | None":
-        """Load the processor (or tokenizer) saved in `folder`; None when there is none.
+    def load(cls, folder: Path | str | None) -> "TokenCounter | None":
+        """The counter of the processor (or tokenizer) saved in `folder`; None when there is none.
 
+        Reads the files directly when they allow it (`from_files`), else loads the processor with transformers
+        (`vlmctl.models.load.load_processor`, which follows a base-mode build to its checkpoint).
         Raises DataError when the folder has processor files that transformers cannot load.
         """
         if not has_processor(folder):
             return None
-        from vlmctl.errors import DataError
-
         folder = Path(folder)
-        family = None
-        if (folder / MODEL_INFO).is_file():
-            try:
-                family = json.loads((folder / MODEL_INFO).read_text()).get("family")
-            except (json.JSONDecodeError, OSError):
-                family = None
-        try:
-            from transformers import AutoProcessor
+        light = cls.from_files(folder)
+        if light is not None:
+            return light
+        from vlmctl.errors import DataError, VlmctlError
+        from vlmctl.models.load import load_processor
 
-            processor = AutoProcessor.from_pretrained(str(folder))
-        except Exception:  # noqa: BLE001 - a text-only folder has a tokenizer but no processor
+        family = (_read_json(folder / MODEL_INFO) or {}).get("family")
+        try:
+            processor = load_processor(folder)
+        except VlmctlError:  # a text-only folder has a tokenizer but no processor
             try:
                 from transformers import AutoTokenizer
 
@@ -88,6 +104,50 @@ class TokenCounter:
                     hint="rebuild the model with `vlmctl model build`, or prepare without token counts",
                 ) from None
         return cls(processor, family, folder)
+
+    @classmethod
+    def from_files(cls, folder: Path | str) -> "TokenCounter | None":
+        """A counter read from the files `vlmctl model build` writes, without transformers; None when the folder
+        lacks one of them (no `vlmctl_model.json` naming a registered family, no readable `tokenizer.json`, no
+        processor settings) or its chat template is not the processor's own single one. The result counts exactly
+        what the loaded processor counts (tests/unit/test_prepare_counts.py checks every family)."""
+        folder = Path(folder)
+        family = (_read_json(folder / MODEL_INFO) or {}).get("family")
+        settings = _read_json(folder / "processor_config.json") or {}
+        tok_config = _read_json(folder / "tokenizer_config.json") or {}
+        if not family or not (folder / "tokenizer.json").is_file() or not (settings or (folder / "preprocessor_config.json").is_file()):
+            return None
+        template = _chat_template(folder, settings)
+        if isinstance(template, dict) or (template is None and tok_config.get("chat_template")):
+            return None  # named templates, or only the tokenizer's: leave them to transformers
+        self = cls.__new__(cls)
+        self._set_family(family)
+        if self._family is None:
+            return None
+        from tokenizers import Tokenizer
+
+        try:
+            tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception:  # noqa: BLE001 - a damaged file: transformers' load reports it (`load`)
+            return None
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
+        if "image_processor" not in settings:
+            settings = {**settings, "image_processor": _read_json(folder / "preprocessor_config.json") or {}}
+        self.processor = SimpleNamespace(**settings)  # what the family's visual-token rule reads, by attribute
+        self.tokenizer = tokenizer
+        self.folder = folder
+        # The placeholder the chat template writes per image: the family's prompt when it is one token (Gemma 3's
+        # `<start_of_image>`, which its processor expands), else the token the processor repeats.
+        prompt = self._family.image_prompt
+        token = prompt if tokenizer.token_to_id(prompt) is not None else (
+            settings.get("image_token") or _content(tok_config.get("image_token")) or self._family.image_token)
+        self.image_token = token
+        self.image_token_id = tokenizer.token_to_id(token)
+        specials = {k: _content(v) for k, v in tok_config.items() if k.endswith("_token") and _content(v) is not None}
+        self._apply_template = _template_renderer(template, specials) if template else None
+        self._encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids
+        return self
 
     def visual_tokens(self, width: int, height: int) -> int:
         """Visual tokens of one image of `width` x `height` pixels."""
@@ -115,14 +175,105 @@ class TokenCounter:
             {"role": m["role"], "content": [{"type": "image"} if p["type"] == "image" else {"type": "text", "text": p["text"]} for p in m["content"]]}
             for m in sample.messages
         ]
-        if self._has_template:
-            return self.processor.apply_chat_template(messages, tokenize=False)
+        if self._apply_template is not None:
+            return self._apply_template(messages)
         return "\n".join(
             "".join(self.image_token if p["type"] == "image" else p["text"] for p in m["content"]) for m in sample.messages
         )
 
     def count(self, sample: Sample, sizes: list[tuple[int, int]]) -> int:
         """Tokens of `sample` (text + visual); `sizes` are the (width, height) of its images in order."""
-        ids = self.tokenizer(self.render(sample), add_special_tokens=False)["input_ids"]
+        ids = self._encode(self.render(sample))
         placeholders = sum(1 for t in ids if t == self.image_token_id)
         return len(ids) - placeholders + sum(self.visual_tokens(w, h) for w, h in sizes)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _content(value: Any) -> str | None:
+    """A special token as saved in tokenizer_config.json: a string or an AddedToken dict ({"content": ...})."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _chat_template(folder: Path, settings: dict[str, Any]) -> str | dict | None:
+    """The processor's chat template, looked up where transformers' `ProcessorMixin.from_pretrained` finds it."""
+    if (folder / _TEMPLATE_FILE).is_file():
+        return (folder / _TEMPLATE_FILE).read_text()
+    legacy = _read_json(folder / "chat_template.json")
+    if legacy and legacy.get("chat_template"):
+        return legacy["chat_template"]
+    if settings.get("chat_template"):
+        return settings["chat_template"]
+    if (folder / "additional_chat_templates").is_dir():
+        return {}  # named templates: leave the choice to transformers
+    return None
+
+
+def _template_renderer(template: str, specials: dict[str, str]) -> Callable[[list[dict]], str]:
+    """`messages -> text` rendering `template` as `processor.apply_chat_template(messages, tokenize=False)` does:
+    the special tokens as variables, no generation prompt, in transformers' sandboxed environment
+    (`transformers.utils.chat_template_utils._cached_compile_jinja_template`, 5.23: trim_blocks, lstrip_blocks,
+    loop controls, the `{% generation %}` tag, `tojson`, `raise_exception`, `strftime_now`, guarded namespaces)."""
+    compiled = compile_chat_template(template)
+    return lambda messages: compiled.render(messages=messages, tools=None, documents=None, add_generation_prompt=False, **specials)
+
+
+def compile_chat_template(template: str):
+    """A jinja2 Template of `template` in the environment transformers renders chat templates in (see
+    `_template_renderer`). Raises jinja2.TemplateSyntaxError for a broken template."""
+    from datetime import datetime
+
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        # `{% generation %}...{% endgeneration %}` marks the assistant's tokens for training; rendering keeps the body.
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    class Namespace(jinja2.utils.Namespace):
+        # As transformers': no underscore attributes on namespaces (a sandbox escape route).
+        def __init__(*args, **kwargs):
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                Namespace._check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            Namespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attributes ({name!r})")
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # transformers' override: no HTML escaping, and json.dumps's options
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
+                       dict=lambda *a, **k: dict(*a, **k), namespace=Namespace)
+    return env.from_string(template)

@@ -78,7 +78,8 @@ def validate_data(
     """Run every check over `data.sources` (or `paths`) and count rejections per reason (a duplicate's detail names
     the earlier sample it repeats). Writes nothing.
 
-    Raises UsageError when there is nothing to check and DataError when a source cannot be opened.
+    Raises UsageError when there is nothing to check, MissingSourceError (a DataError, exit code 2) for a source
+    that does not exist and DataError when a source cannot be opened.
     """
     from vlmctl.data.tokens import has_processor
 

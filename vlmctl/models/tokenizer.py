@@ -37,7 +37,11 @@ def chatml_template(image_prompt: str = "<image>") -> str:
     return CHATML_TEMPLATE.replace("__IMAGE__", image_prompt)
 
 
-def texts_from_prepared(prepared_dir: Path, limit: int = 200_000) -> Iterator[str]:
+TEXT_LIMIT = 200_000
+"""At most this many text parts train a tokenizer (the first ones of the train split, in shard order)."""
+
+
+def texts_from_prepared(prepared_dir: Path, limit: int = TEXT_LIMIT) -> Iterator[str]:
     """Text parts of the samples in `prepared_dir/train/*.parquet` (at most `limit` texts).
 
     Raises DataError when there are no shards.
@@ -50,17 +54,32 @@ def texts_from_prepared(prepared_dir: Path, limit: int = 200_000) -> Iterator[st
             f"no Parquet shards under {Path(prepared_dir) / 'train'} to train a tokenizer on",
             hint="run `vlmctl data prepare` first, or set model.tokenizer to an existing tokenizer",
         )
+
+    def conversations() -> Iterator[list[dict]]:
+        for shard in shards:
+            # Record batches of the one column: `pq.read_table` imports pyarrow.dataset and holds the whole shard.
+            for batch in pq.ParquetFile(shard).iter_batches(columns=["messages"]):
+                yield from batch.column(0).to_pylist()
+
+    yield from conversation_texts(conversations(), limit)
+
+
+def conversation_texts(conversations: Iterable[list[dict] | None], limit: int = TEXT_LIMIT) -> Iterator[str]:
+    """The non-empty text parts of canonical conversations (`Sample.messages`), in order, at most `limit` of them.
+
+    What `texts_from_prepared` yields for train shards holding these conversations in this order, so a tokenizer
+    trained on it before the shards exist (`vlmctl data prepare` of a random-init preset) is the one `model build`
+    trains on the shards afterwards.
+    """
     n = 0
-    for shard in shards:
-        table = pq.read_table(shard, columns=["messages"])
-        for messages in table.column("messages").to_pylist():
-            for m in messages or []:
-                for part in m["content"] or []:
-                    if part.get("type") == "text" and part.get("text"):
-                        yield part["text"]
-                        n += 1
-                        if n >= limit:
-                            return
+    for messages in conversations:
+        for m in messages or []:
+            for part in m["content"] or []:
+                if part.get("type") == "text" and part.get("text"):
+                    yield part["text"]
+                    n += 1
+                    if n >= limit:
+                        return
 
 
 def train_tokenizer(
