@@ -129,3 +129,88 @@ def test_section_errors_are_clear(tmp_path):
     with pytest.raises(ConfigError, match="only a vision encoder"):
         build_model(ModelSection(preset="siglip-so400m", init="random", output_dir=tmp_path / "a"))
     assert not (tmp_path / "a").exists()
+
+
+def test_quiet_transformers_restores_logging_and_progress_bars():
+    from transformers.utils import logging as hf_logging
+
+    from vlmctl.models.load import quiet_transformers
+
+    hf_logging.set_verbosity_warning()
+    hf_logging.enable_progress_bar()
+    try:
+        with quiet_transformers():
+            assert hf_logging.get_verbosity() == hf_logging.ERROR
+            assert not hf_logging.is_progress_bar_enabled()
+        assert hf_logging.get_verbosity() == hf_logging.WARNING and hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        with quiet_transformers():
+            pass
+        assert not hf_logging.is_progress_bar_enabled()  # what the caller chose stays chosen
+    finally:
+        hf_logging.enable_progress_bar()
+
+
+NOISE = ("Loading weights", "Writing model shards", "it/s]", "torchvision", "[WARNING]", "real_accelerator")
+
+
+def test_build_and_load_print_no_third_party_noise(tmp_path):
+    # A fresh process: transformers' warnings are `warning_once` and would not repeat inside this test session.
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from vlmctl.config.model import ModelSection\n"
+        "from vlmctl.models import build_model, load_model, load_processor\n"
+        f"texts = {TEXTS[:8]!r} * 10\n"
+        f"r = build_model(ModelSection(preset='tiny', init='random', output_dir={str(tmp_path / 'm')!r}, dtype='fp32'), tokenizer_texts=texts)\n"
+        "load_processor(r.output_dir)\n"
+        "load_model(r.output_dir)\n"
+        "print('DEEPSPEED', 'deepspeed' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    for noise in NOISE:
+        assert noise not in done.stdout + done.stderr, noise
+    assert "DEEPSPEED False" in done.stdout  # saving the model does not import DeepSpeed
+
+
+def test_image_processor_class_needs_no_torchvision():
+    import importlib.util
+
+    from vlmctl.models.load import image_processor_class
+
+    cls = image_processor_class("SiglipImageProcessor")
+    if importlib.util.find_spec("torchvision") is None:
+        assert cls.__name__ == "SiglipImageProcessorPil"
+    assert cls(size={"height": 32, "width": 32}).size["height"] == 32
+
+
+def test_processor_only_commands_load_no_weights(tiny, tmp_path, monkeypatch, capsys):
+    # Counting tokens against a built model (data validate / prepare) needs its processor, never its weights.
+    import transformers
+    from PIL import Image
+
+    from cli_runner import run_cli
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("model weights were loaded")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(no_weights))
+    Image.new("RGB", (64, 64), "red").save(tmp_path / "red.png")
+    rows = [{"id": "a", "image": "red.png", "conversations": [{"from": "human", "value": "<image>\nWhat color?"},
+                                                              {"from": "gpt", "value": "red"}]}]
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    (tmp_path / "vlmctl.yaml").write_text(
+        f"project: {{name: t}}\nmodel: {{preset: tiny, init: random, output_dir: {tiny.output_dir}}}\n"
+        "data:\n  sources:\n    - {path: d.json, format: llava}\n  num_proc: 1\n")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(["data", "validate"], capsys)
+    assert code == 0, err
+    code, out, err = run_cli(["data", "prepare"], capsys)
+    assert code == 0, err
+    assert "too_long was not checked" not in out  # the counts came from the built model's processor
+    from vlmctl.models import load_processor
+
+    assert load_processor(tiny.output_dir).tokenizer is not None

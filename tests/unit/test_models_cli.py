@@ -29,7 +29,10 @@ def _project(tmp_path):
     return tmp_path / "vlmctl.yaml"
 
 
-def test_model_build_cli(tmp_path, capsys):
+def test_model_build_cli(tmp_path, capsys, monkeypatch):
+    import vlmctl.models.summary
+
+    monkeypatch.setattr(vlmctl.models.summary, "training_device", lambda launcher: "cuda")  # as on a GPU machine
     cfg = _project(tmp_path)
     code, out, err = run(["-c", str(cfg), "model", "build"], capsys)
     assert code == 0, err
@@ -58,3 +61,53 @@ def test_memory_estimate_follows_sharding():
     align = memory_per_gpu(params, trained_parts("align"), strategy="ddp", num_gpus=1)
     assert align["total"] == 2 * 2000 + 14 * 100
     assert trained_parts("full", freeze=["vision"]) == {"vision": False, "projector": True, "llm": True}
+
+
+def test_memory_estimate_follows_device_and_precision(tmp_path, capsys, monkeypatch):
+    # The tiny template's settings on a machine without a GPU: 2 CPU processes in fp32, not "2 GPU(s), bf16".
+    import vlmctl.models.summary as summary
+
+    monkeypatch.setattr(summary, "training_device", lambda launcher: "cpu")
+    cfg = _project(tmp_path)
+    code, out, err = run(["-c", str(cfg), "model", "build", "train.stage=full", "train.precision=auto"], capsys)
+    assert code == 0, err
+    text = " ".join(out.split())
+    assert "Training memory per process (fsdp, 2 process(es) on CPU, fp32 + AdamW, without activations)" in text
+    assert "GPU" not in text and "bf16" not in text
+    code, out, err = run(["-c", str(cfg), "model", "build", "--force", "--json", "train.stage=full"], capsys)
+    s = json.loads(out)["summary"]
+    total = s["parameters"]["total"]
+    assert (s["device"], s["num_processes"], s["num_gpus"], s["precision"]) == ("cpu", 2, 0, "fp32")
+    assert s["bytes_per_parameter"] == {"weight": 4, "grad": 4, "optim": 8, "frozen": 4}
+    assert s["memory_per_gpu_bytes"]["total"] == 16 * total // 2
+    # The same project on GPUs: auto precision is bf16 with fp32 master weights; pure bf16 halves it.
+    monkeypatch.setattr(summary, "training_device", lambda launcher: "cuda")
+    code, out, err = run(["-c", str(cfg), "model", "build", "--force", "train.stage=full", "train.nproc_per_node=4",
+                          "train.master_weights=bf16"], capsys)
+    assert code == 0, err
+    assert "Training memory per GPU (fsdp, 4 GPU(s), pure bf16 + AdamW, without activations)" in " ".join(out.split())
+    # launcher none trains in this one process whatever nproc_per_node says
+    code, out, err = run(["-c", str(cfg), "model", "build", "--force", "--json", "train.launcher=none"], capsys)
+    assert json.loads(out)["summary"]["num_processes"] == 1
+
+
+def test_memory_per_parameter_by_strategy_and_precision():
+    from vlmctl.models.summary import ParamBytes, param_bytes, resolve_precision, training_summary
+
+    assert resolve_precision("auto", "cpu") == "fp32" and resolve_precision("auto", "cuda") == "bf16"
+    assert resolve_precision("fp16", "cpu") == "fp16"
+    assert param_bytes("fsdp", "bf16") == ParamBytes(4, 4, 8, 4)  # fp32 master weights, bf16 compute
+    assert param_bytes("ddp", "fp32") == ParamBytes(4, 4, 8, 4)
+    assert param_bytes("fsdp", "bf16", "bf16") == ParamBytes(2, 2, 4, 2)  # pure bf16
+    assert param_bytes("zero3", "bf16") == ParamBytes(2, 2, 12, 2)  # the ZeRO paper's mixed precision
+    assert param_bytes("zero2", "fp32") == ParamBytes(4, 4, 8, 4)
+    assert param_bytes("fsdp", "bf16", optimizer_in_backward=True).grad == 0
+    params = {"vision": 400, "projector": 100, "llm": 1500, "total": 2000}
+    info = {"family": "llava", "parameters": params}
+    # align on 2 CPU processes with DDP: frozen parts in fp32 (4 B), the projector 16 B; nothing sharded
+    s = training_summary(info, stage="align", strategy="ddp", num_gpus=2, device="cpu")
+    assert s["memory_per_gpu_bytes"]["total"] == 4 * 1900 + 16 * 100
+    # QLoRA: the frozen LLM in 4 bits, the rest in the compute dtype
+    s = training_summary(info, stage="finetune", strategy="ddp", num_gpus=1, device="cuda", lora=True, quantize="4bit")
+    assert s["memory_per_gpu_bytes"]["weights"] == 2 * 400 + 2 * 100 + 1500 // 2
+    assert "4bit" in s["storage"]

@@ -10,13 +10,17 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
 
 import typer
 from rich.console import Console
 
 if TYPE_CHECKING:
     from vlmctl.config import VlmctlConfig
+
+
+def _debug_env() -> bool:
+    return os.environ.get("VLMCTL_DEBUG", "") not in ("", "0", "false")
 
 
 @dataclass
@@ -26,10 +30,21 @@ class State:
     verbose: bool = False
     config: Path | None = None  # -c given before the command: `vlmctl -c x.yaml train`
 
+    def reset(self) -> None:
+        """Back to the defaults (VLMCTL_DEBUG read again): each invocation starts from them."""
+        self.debug, self.quiet, self.verbose, self.config = _debug_env(), False, False, None
 
-state = State(debug=os.environ.get("VLMCTL_DEBUG", "") not in ("", "0", "false"))
+    def set_flags(self, *, debug: bool = False, quiet: bool = False, verbose: bool = False) -> None:
+        """Turn on the global flags given (before or after the command name); a flag is never turned off here."""
+        self.debug = self.debug or debug
+        self.quiet = self.quiet or quiet
+        self.verbose = self.verbose or verbose
+
+
+state = State(debug=_debug_env())
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
+GLOBAL_PANEL = "Global options"  # where --help lists the global flags
 
 ConfigOpt = Annotated[
     Optional[Path],
@@ -40,6 +55,61 @@ OverridesArg = Annotated[
     typer.Argument(help="Dotted overrides section.key=value, e.g. train.max_steps=50.", show_default=False),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON (for scripts).")]
+DebugOpt = Annotated[bool, typer.Option("--debug", help="Show full tracebacks (also VLMCTL_DEBUG=1).", rich_help_panel=GLOBAL_PANEL)]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print only results and errors.", rich_help_panel=GLOBAL_PANEL)]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Print more detail.", rich_help_panel=GLOBAL_PANEL)]
+GLOBAL_FLAGS = {"debug": DebugOpt, "quiet": QuietOpt, "verbose": VerboseOpt}
+"""The flags every command accepts before or after its name (`vlmctl -q data validate` = `vlmctl data validate -q`)."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C inside a command (exit code 130): raised in place of KeyboardInterrupt so `app.main` reports it."""
+
+
+def add_global_flags(app: typer.Typer) -> None:
+    """Give every command of `app` (and of its sub-apps) the global flags, so they also work after the command name.
+
+    Each command's callback is wrapped: the wrapper's signature is the command's plus `GLOBAL_FLAGS` (those it does not
+    define itself); it records them in `state` and calls the command without them.
+    """
+    for info in app.registered_commands:
+        if info.callback is not None:
+            info.callback = _with_global_flags(info.callback)
+    for group in app.registered_groups:
+        sub = group.typer_instance
+        if sub is None:
+            continue
+        if sub.registered_callback is None:  # `vlmctl data -q validate`: the flags between group and command too
+            sub.callback()(_group_flags)
+        add_global_flags(sub)
+
+
+def _group_flags(debug: DebugOpt = False, quiet: QuietOpt = False, verbose: VerboseOpt = False) -> None:
+    state.set_flags(debug=debug, quiet=quiet, verbose=verbose)
+
+
+def _with_global_flags(fn: Callable[..., Any]) -> Callable[..., Any]:
+    import functools
+    import inspect
+
+    if getattr(fn, "__vlmctl_global_flags__", False):
+        return fn
+    sig = inspect.signature(fn, eval_str=True)
+    extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=False, annotation=annotation)
+             for name, annotation in GLOBAL_FLAGS.items() if name not in sig.parameters]
+    names = [p.name for p in extra]
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        state.set_flags(**{name: bool(kwargs.pop(name, False)) for name in names})
+        try:
+            return fn(*args, **kwargs)
+        except KeyboardInterrupt:
+            raise Interrupted() from None  # typer would exit 130 without a word; `app.main` says why
+
+    wrapper.__signature__ = sig.replace(parameters=[*sig.parameters.values(), *extra])  # type: ignore[attr-defined]
+    wrapper.__vlmctl_global_flags__ = True  # type: ignore[attr-defined]
+    return wrapper
 
 
 def is_override(arg: str) -> bool:

@@ -32,16 +32,15 @@ def _version(value: bool) -> None:
 @app.callback()
 def root(
     version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")] = None,
-    debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks (also VLMCTL_DEBUG=1).")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only results and errors.")] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print more detail.")] = False,
+    debug: _common.DebugOpt = False,
+    quiet: _common.QuietOpt = False,
+    verbose: _common.VerboseOpt = False,
     config: _common.ConfigOpt = None,
 ) -> None:
     """Build, train and ship vision-language models from one project file (vlmctl.yaml)."""
+    state.reset()
     state.config = config
-    state.debug = state.debug or debug
-    state.quiet = quiet
-    state.verbose = verbose
+    state.set_flags(debug=debug, quiet=quiet, verbose=verbose)
 
 
 def _register() -> None:
@@ -60,6 +59,7 @@ def _register() -> None:
     app.command("bench", epilog=bench.EXAMPLE)(bench.bench)
     app.command("demo", epilog=demo.EXAMPLE)(demo.demo)
     app.add_typer(config.app, name="config")
+    _common.add_global_flags(app)
 
 
 _register()
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
             traceback.print_exc()
         render_error(exc.title, exc.message, exc.hint)
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _common.Interrupted):
         render_error("Interrupted", "stopped by the user", None)
         sys.exit(130)
     except Exception as exc:  # noqa: BLE001 - the one place that turns crashes into a readable panel

@@ -29,16 +29,12 @@ def build(
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from vlmctl.models.build import build_model
-    from vlmctl.models.summary import training_summary
 
     prepared = cfg.data.prepared_dir if (cfg.data.prepared_dir / "train").is_dir() else None
     with Progress(SpinnerColumn(), TextColumn("building the model"), TimeElapsedColumn(), console=console,
                   transient=True, disable=state.quiet or as_json):
         result = build_model(cfg.model, prepared_dir=prepared, force=force, seed=cfg.project.seed)
-    t = cfg.train
-    num_gpus = t.nproc_per_node if isinstance(t.nproc_per_node, int) else _visible_gpus()
-    summary = training_summary(result.info, stage=t.stage, strategy=t.strategy, num_gpus=num_gpus * t.nnodes,
-                               freeze=t.freeze, lora=t.lora is not None)
+    summary = _summary(result.info, cfg.train)
     if as_json:
         print_json({**result.to_dict(), "summary": summary})
         return
@@ -84,10 +80,17 @@ def _list_families(as_json: bool) -> None:
         console.print(table)
 
 
-def _visible_gpus() -> int:
-    import torch
+def _summary(info: dict[str, Any], t: Any) -> dict[str, Any]:
+    """The build under the project's `train` settings, on the device and process count a `vlmctl train` here uses."""
+    from vlmctl.models import summary
+    from vlmctl.train.launch import resolve_nproc
 
-    return max(1, torch.cuda.device_count())
+    processes = 1 if t.launcher == "none" else resolve_nproc(t.nproc_per_node) * t.nnodes
+    return summary.training_summary(
+        info, stage=t.stage, strategy=t.strategy, num_gpus=processes, freeze=t.freeze, lora=t.lora is not None,
+        device=summary.training_device(t.launcher), precision=t.precision, master_weights=t.master_weights,
+        optimizer_in_backward=t.optimizer_in_backward, quantize=t.lora.quantize if t.lora is not None else None,
+    )
 
 
 def _render(result: Any, s: dict[str, Any]) -> None:
@@ -106,8 +109,10 @@ def _render(result: Any, s: dict[str, Any]) -> None:
     if s["visual_tokens_per_image"] is not None:
         info(f"Visual tokens per image: {s['visual_tokens_per_image']:,} at {s['image_size']}x{s['image_size']} px")
     mem = s["memory_per_gpu_bytes"]
+    n = s["num_processes"]
+    where = ("per GPU", f"{n} GPU(s)") if s["device"] == "cuda" else ("per process", f"{n} process(es) on CPU")
     info(
-        f"Training memory per GPU ({s['strategy']}, {s['num_gpus']} GPU(s), bf16 + AdamW, without activations): "
+        f"Training memory {where[0]} ({s['strategy']}, {where[1]}, {s['storage']}, without activations): "
         f"~{_gib(mem['total'])} (weights {_gib(mem['weights'])}, gradients {_gib(mem['gradients'])}, optimizer {_gib(mem['optimizer'])})"
     )
     info(f"[green]Built[/green] {result.output_dir} in {result.seconds:.1f} s")

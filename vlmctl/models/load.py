@@ -5,14 +5,16 @@ shared with `model build` (`load_or_explain`: Hub / offline / missing-folder fai
     vision = model.get_submodule(family.vision_tower)
 
 `load_model` accepts a folder written by `model build` (including a base-mode folder, which only points at the
-checkpoint it describes), any local Hugging Face VLM folder of a registered family, or a Hub id.
+checkpoint it describes), any local Hugging Face VLM folder of a registered family, or a Hub id. `load_processor`
+reads no weights. Both run inside `quiet_transformers()`: no third-party progress bars or load reports.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +34,57 @@ def transformers_class(name: str):
 
 
 def silence_transformers() -> None:
-    """Only errors from transformers' logger (its load reports repeat what vlmctl prints)."""
+    """Only errors from transformers' logger from now on (its load reports repeat what vlmctl prints).
+    Prefer `quiet_transformers()`, which restores the previous state."""
     import transformers
 
     transformers.logging.set_verbosity_error()
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Within the block: transformers' logger at error level and no third-party progress bars (transformers'
+    "Loading weights" / "Writing model shards", huggingface_hub's downloads); the previous verbosity and bar
+    settings are restored afterwards. vlmctl shows its own progress; a library that embeds vlmctl keeps its own.
+
+    Also keeps transformers' "`XImageProcessor` requires torchvision ... falling back to `XImageProcessorPil`"
+    notice (a `warning_once`) out of vlmctl's output: that fallback is expected on CPU installs.
+    """
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    with warnings.catch_warnings():
+        # huggingface_hub warns when HF_HUB_DISABLE_PROGRESS_BARS pins the setting; it then keeps its own value
+        warnings.simplefilter("ignore")
+        if bars:
+            hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                hf_logging.enable_progress_bar()
+
+
+def image_processor_class(name: str):
+    """`transformers.<name>`, or its PIL variant `<name>Pil` when torchvision is not installed: the class
+    transformers itself falls back to there, picked without its fallback warning."""
+    import importlib.util
+
+    import transformers
+
+    if importlib.util.find_spec("torchvision") is None and name.endswith("ImageProcessor"):
+        try:
+            return getattr(transformers, f"{name}Pil")
+        except (AttributeError, ImportError):
+            pass
+    return getattr(transformers, name)
 
 
 def load_or_explain(what: str, ref: str, fn: Callable[[], Any]) -> Any:
@@ -94,7 +143,8 @@ def load_processor(path: str | Path, *, trust_remote_code: bool = False):
     `AutoProcessor`; the image-only variant of the same class is returned instead (`FamilySpec.make_processor`).
     """
     ref, _ = _resolve(path)
-    return load_or_explain("processor", ref, lambda: _auto_processor(ref, trust_remote_code))
+    with quiet_transformers():
+        return load_or_explain("processor", ref, lambda: _auto_processor(ref, trust_remote_code))
 
 
 def _auto_processor(ref: str, trust_remote_code: bool):
@@ -107,12 +157,10 @@ def _auto_processor(ref: str, trust_remote_code: bool):
     except (OSError, ImportError, AttributeError, ValueError):
         if importlib.util.find_spec("torchvision") is not None:
             raise
-        from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+        from transformers import AutoConfig
 
         fam = get_family(detect_family(AutoConfig.from_pretrained(ref, trust_remote_code=trust_remote_code)))
-        tok = AutoTokenizer.from_pretrained(ref, trust_remote_code=trust_remote_code)
-        improc = AutoImageProcessor.from_pretrained(ref, trust_remote_code=trust_remote_code)
-        return fam.make_processor(tok, improc, tok.chat_template)
+        return fam.image_only_processor(ref, trust_remote_code=trust_remote_code)  # keeps the saved processor settings
 
 
 def load_model(
@@ -143,11 +191,11 @@ def load_model(
         import torch
 
         dtype = getattr(torch, DTYPES.get(dtype, dtype))
-    silence_transformers()
     cls = transformers_class(fam.model_class)
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     kwargs["dtype"] = dtype if dtype is not None else "auto"
-    model = load_or_explain("model weights", ref, lambda: cls.from_pretrained(ref, **kwargs))
+    with quiet_transformers():
+        model = load_or_explain("model weights", ref, lambda: cls.from_pretrained(ref, **kwargs))
     if device is not None:
         model = model.to(device)
     processor = load_processor(ref, trust_remote_code=trust_remote_code)

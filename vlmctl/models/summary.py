@@ -1,14 +1,26 @@
-"""What a built model means for training: which parts a stage trains and a per-GPU memory estimate.
+"""What a built model means for training: which parts a stage trains and a memory estimate per device.
 
-Memory follows the mixed-precision Adam accounting of the ZeRO paper (Rajbhandari et al. 2020,
-https://arxiv.org/abs/1910.02054, section 3.1): per trained parameter 2 bytes of bf16 weights + 2 bytes of bf16
-gradients + 12 bytes of fp32 optimizer state (master weights, momentum, variance) = 16 bytes; per frozen parameter
-2 bytes. DDP replicates everything, ZeRO-2 shards gradients and optimizer state, FSDP (FULL_SHARD) and ZeRO-3 shard
-all of it across the GPUs. Activations are not included (they depend on batch tokens and checkpointing).
+Memory counts the bytes that stay resident for the whole run: weights, gradients and AdamW state (two moments), per
+parameter, for the configured strategy, precision and master weights (`ParamBytes`, `param_bytes`):
+
+- DDP / FSDP with fp32 master weights (compute in bf16 through autocast or FSDP's mixed-precision policy, or fp32):
+  4 bytes of fp32 weights + 4 of fp32 gradients + 8 of fp32 AdamW moments = 16 per trained parameter, 4 per
+  frozen one. With `train.master_weights: bf16` (pure bf16): 2 + 2 + 4 = 8 per trained parameter, 2 per frozen one.
+- DeepSpeed ZeRO-2/3 in bf16 or fp16: 2 bytes of half-precision weights + 2 of gradients + 12 of optimizer state
+  (fp32 master copy and the two moments) = 16, as in the mixed-precision Adam accounting of the ZeRO paper
+  (Rajbhandari et al. 2020, https://arxiv.org/abs/1910.02054, section 3.1); 2 per frozen parameter. In fp32:
+  4 + 4 + 8, and 4 per frozen parameter.
+- `train.optimizer_in_backward` frees each gradient as soon as its parameter is stepped: no resident gradients.
+- QLoRA (`train.lora.quantize`) stores the frozen language model in 4 or 8 bits (0.5 or 1 byte per parameter).
+
+DDP replicates everything, ZeRO-2 shards gradients and optimizer state, FSDP (FULL_SHARD) and ZeRO-3 shard all of
+it across the processes. Activations, the transient gathered layers of FSDP and ZeRO-3, and communication buffers
+are not included (they depend on batch tokens, checkpointing and bucket sizes).
 """
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from vlmctl.families import PARTS
@@ -18,6 +30,27 @@ STAGE_TRAINS = {"align": ("projector",), "finetune": ("projector", "llm"), "full
 it through `trained_parts` (`vlmctl.train.setup.trainable_parts`)."""
 
 BYTES_WEIGHT, BYTES_GRAD, BYTES_OPTIM = 2, 2, 12
+DEEPSPEED = ("zero2", "zero3")
+QUANTIZED_BYTES = {"4bit": 0.5, "8bit": 1.0}
+
+
+@dataclass(frozen=True)
+class ParamBytes:
+    """Resident bytes per parameter: `weight`, `grad` and `optim` (AdamW state) of a trained parameter, `frozen`
+    (the stored weight) of a frozen one."""
+
+    weight: float
+    grad: float
+    optim: float
+    frozen: float
+
+    @property
+    def trained(self) -> float:
+        return self.weight + self.grad + self.optim
+
+
+ZERO_MIXED = ParamBytes(BYTES_WEIGHT, BYTES_GRAD, BYTES_OPTIM, BYTES_WEIGHT)
+"""The ZeRO paper's mixed-precision Adam accounting (16 bytes per trained parameter, 2 per frozen one)."""
 
 
 def trained_parts(stage: str, freeze: list[str] | None = None) -> dict[str, bool]:
@@ -27,14 +60,57 @@ def trained_parts(stage: str, freeze: list[str] | None = None) -> dict[str, bool
     return {p: p in STAGE_TRAINS[stage] for p in PARTS}
 
 
-def memory_per_gpu(parameters: dict[str, int], trained: dict[str, bool], *, strategy: str, num_gpus: int) -> dict[str, int]:
-    """Bytes per GPU for weights, gradients and optimizer state, and their total (see the module docstring)."""
+def training_device(launcher: str) -> str:
+    """Where a run of this project trains, "cuda" or "cpu": the nodes of a SLURM launch get GPUs (the sbatch script
+    asks for them); other launchers run here, on the GPUs when torch sees one, else on CPU."""
+    if launcher == "slurm":
+        return "cuda"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_precision(precision: str, device: str) -> str:
+    """The compute precision a run uses: `auto` is bf16 on a GPU, fp32 on CPU (as `vlmctl.train.setup.resolve_dtype`;
+    a visible GPU without bf16 support resolves to fp32 there, which this function cannot see without CUDA)."""
+    if precision != "auto":
+        return precision
+    return "bf16" if device == "cuda" else "fp32"
+
+
+def param_bytes(strategy: str, precision: str, master_weights: str = "fp32", *,
+                optimizer_in_backward: bool = False) -> ParamBytes:
+    """Bytes per parameter for a strategy ("ddp", "fsdp", "zero2", "zero3"), a resolved compute precision ("bf16",
+    "fp16", "fp32") and `train.master_weights` ("fp32", "bf16"); see the module docstring for the sources."""
+    if strategy in DEEPSPEED:
+        out = ZERO_MIXED if precision in ("bf16", "fp16") else ParamBytes(4, 4, 8, 4)
+    elif master_weights == "bf16":
+        out = ParamBytes(2, 2, 4, 2)
+    else:
+        out = ParamBytes(4, 4, 8, 4)
+    if optimizer_in_backward:
+        out = ParamBytes(out.weight, 0, out.optim, out.frozen)
+    return out
+
+
+def memory_per_gpu(parameters: dict[str, int], trained: dict[str, bool], *, strategy: str, num_gpus: int,
+                   bytes_per_param: ParamBytes = ZERO_MIXED, quantized_llm: str | None = None) -> dict[str, int]:
+    """Bytes per device (GPU, or process on CPU) for weights, gradients and optimizer state, and their total.
+
+    `bytes_per_param` from `param_bytes` (default: the ZeRO paper's mixed-precision accounting); `quantized_llm`
+    ("4bit" / "8bit") stores a frozen language model quantized (QLoRA). See the module docstring.
+    """
     n = max(1, int(num_gpus))
-    total = sum(parameters[p] for p in PARTS)
+    b = bytes_per_param
+    weights = 0.0
+    for p in PARTS:
+        per = b.weight if trained[p] else b.frozen
+        if p == "llm" and quantized_llm in QUANTIZED_BYTES and not trained[p]:
+            per = QUANTIZED_BYTES[quantized_llm]
+        weights += per * parameters[p]
     trainable = sum(parameters[p] for p in PARTS if trained[p])
-    weights = BYTES_WEIGHT * total
-    grads = BYTES_GRAD * trainable
-    optim = BYTES_OPTIM * trainable
+    grads = b.grad * trainable
+    optim = b.optim * trainable
     if strategy == "zero2":
         grads, optim = grads / n, optim / n
     elif strategy in ("fsdp", "zero3"):
@@ -44,16 +120,42 @@ def memory_per_gpu(parameters: dict[str, int], trained: dict[str, bool], *, stra
     return out
 
 
+def precision_label(strategy: str, precision: str, master_weights: str) -> str:
+    """How the estimate stores the run, in words: e.g. "bf16 compute, fp32 master weights + AdamW"."""
+    if strategy in DEEPSPEED and precision in ("bf16", "fp16"):
+        return f"{precision} weights, fp32 master copy + AdamW"
+    if precision == "fp32":
+        return "fp32 + AdamW"
+    if master_weights == "bf16":
+        return "pure bf16 + AdamW"
+    return f"{precision} compute, fp32 master weights + AdamW"
+
+
 def training_summary(info: dict[str, Any], *, stage: str, strategy: str, num_gpus: int, freeze: list[str] | None = None,
-                     lora: bool = False) -> dict[str, Any]:
+                     lora: bool = False, device: str = "cuda", precision: str = "auto", master_weights: str = "fp32",
+                     optimizer_in_backward: bool = False, quantize: str | None = None) -> dict[str, Any]:
     """Summary of a build (`vlmctl_model.json` content) under the configured training settings.
 
-    With `lora`, the language model's weights stay frozen and only adapters (not counted) are trained on it.
+    `num_gpus`: the processes of the run (all nodes); `device`: "cuda" or "cpu", where they run; `precision`:
+    `train.precision` ("auto" resolves for `device`); `master_weights`, `optimizer_in_backward`, `quantize`: the
+    `train` keys of the same names (`quantize`: `train.lora.quantize`). With `lora`, the language model's weights stay
+    frozen and only adapters (not counted) are trained on it.
+
+    Returns a dict with "parameters", "trained", "trainable_parameters", "device", "num_processes", "precision",
+    "bytes_per_parameter" and "memory_per_gpu_bytes" (bytes per device: per GPU, or per process on CPU), among others.
     """
     trained = trained_parts(stage, freeze)
     if lora:
         trained["llm"] = False
     params = info["parameters"]
+    resolved = resolve_precision(precision, device)
+    quantized = quantize if lora and quantize not in (None, "none") else None
+    per = param_bytes(strategy, resolved, master_weights, optimizer_in_backward=optimizer_in_backward)
+    storage = precision_label(strategy, resolved, master_weights)
+    if quantized:  # QLoRA stores every other weight in the compute dtype (`vlmctl.train.setup.setup_run`)
+        size = 4 if resolved == "fp32" else 2
+        per = ParamBytes(size, size if per.grad else 0, 2 * size, size)
+        storage = f"{resolved} + AdamW, language model in {quantized}"
     return {
         "family": info["family"],
         "parameters": params,
@@ -64,6 +166,13 @@ def training_summary(info: dict[str, Any], *, stage: str, strategy: str, num_gpu
         "image_size": info.get("image_size"),
         "stage": stage,
         "strategy": strategy,
-        "num_gpus": num_gpus,
-        "memory_per_gpu_bytes": memory_per_gpu(params, trained, strategy=strategy, num_gpus=num_gpus),
+        "device": device,
+        "num_processes": num_gpus,
+        "num_gpus": num_gpus if device == "cuda" else 0,
+        "precision": resolved,
+        "master_weights": master_weights,
+        "storage": storage,
+        "bytes_per_parameter": asdict(per),
+        "memory_per_gpu_bytes": memory_per_gpu(params, trained, strategy=strategy, num_gpus=num_gpus, bytes_per_param=per,
+                                               quantized_llm=quantized),
     }
