@@ -165,3 +165,20 @@ def test_shipped_templates_validate(tmp_path):
         path.parent.mkdir()
         path.write_text(text)
         load_config(path)
+
+
+def test_a_bad_override_is_blamed_on_the_command_line_not_the_file(write_config):
+    from vlmctl.config import load_config
+    from vlmctl.errors import ConfigError
+
+    path = write_config("project: {name: p}\ntrain: {max_steps: 5}\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(path, ["train.max_stepz=5"])
+    assert "command line" in exc.value.message and "'train.max_stepz=5'" in exc.value.message
+    assert f"{path} is invalid" not in exc.value.message
+    # an error in the file itself is still the file's, beside an override's
+    bad = write_config("project: {name: p}\ntrain: {max_stepz: 5}\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(bad, ["data.val_ratio=2"])
+    assert f"{bad} is invalid" in exc.value.message and "(command-line override 'data.val_ratio=2')" in exc.value.message
+    assert "unknown key train.max_stepz: did you mean train.max_steps?\n" in exc.value.message + "\n"

@@ -163,21 +163,52 @@ def load_config(path: Path | str | None = None, overrides: list[str] | None = No
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must be a mapping of sections (project, data, model, train, eval, hub)")
     raw = apply_overrides(raw, overrides or [])
-    cfg = validate_config(raw, base_dir=path.resolve().parent, source=str(path))
+    cfg = validate_config(raw, base_dir=path.resolve().parent, source=str(path), overrides=overrides)
     cfg._path = path.resolve()
     return cfg
 
 
-def validate_config(raw: dict[str, Any], base_dir: Path | None = None, source: str = "config") -> VlmctlConfig:
-    """Validate a raw mapping; raise ConfigError naming every bad key path with its value or a suggestion."""
+def validate_config(raw: dict[str, Any], base_dir: Path | None = None, source: str = "config",
+                    overrides: list[str] | None = None) -> VlmctlConfig:
+    """Validate a raw mapping; raise ConfigError naming every bad key path with its value or a suggestion. A key
+    set by one of `overrides` (the command line's `section.key=value`) is blamed on that override, not on `source`."""
     try:
         return VlmctlConfig.model_validate(raw, context={"base_dir": base_dir})
     except ValidationError as exc:
-        lines = [mask_secrets(_describe(err, raw)) for err in exc.errors()]
+        by_key = _override_keys(overrides or [])
+        lines, from_file = [], False
+        for err in exc.errors():
+            line = _describe(err, raw)
+            text = _override_of(_dotted(_plain_loc(err["loc"])), by_key)
+            from_file |= text is None
+            lines.append(mask_secrets(line if text is None else f"{line} (command-line override {text!r})"))
+        where = f"{source} is invalid" if from_file else f"the command line's overrides are invalid (over {source})"
+        fix = "fix the keys above" if from_file else "fix the overrides on the command line"
         raise ConfigError(
-            f"{source} is invalid:\n" + "\n".join(f"  - {line}" for line in lines),
-            hint="fix the keys above (see `vlmctl config show` for all keys and docs/config.md for their meaning)",
+            f"{where}:\n" + "\n".join(f"  - {line}" for line in lines),
+            hint=f"{fix} (see `vlmctl config show` for all keys and docs/config.md for their meaning)",
         ) from None
+
+
+def _override_keys(overrides: list[str]) -> dict[str, str]:
+    """{dotted key path as `_dotted` writes it: override text} of `section.key=value` overrides."""
+    out = {}
+    for text in overrides:
+        keys, _ = parse_override(text)
+        out[_dotted(tuple(int(k) if k.isdigit() else k for k in keys))] = text
+    return out
+
+
+def _override_of(key: str, by_key: dict[str, str]) -> str | None:
+    """The override that set `key` or one of its parent sections, else None."""
+    for path, text in by_key.items():
+        if key == path or key.startswith((path + ".", path + "[")):
+            return text
+    return None
+
+
+def _plain_loc(loc: tuple) -> tuple:
+    return tuple(p for p in loc if not (isinstance(p, str) and p.startswith(("function-after", "literal["))))
 
 
 # Access tokens by their documented prefixes: Hugging Face (hf_, api_org_), GitHub (ghp_, gho_, ghu_, ghs_, ghr_,
@@ -222,7 +253,7 @@ def _dotted(loc: tuple) -> str:
 
 
 def _describe(err: dict, raw: dict) -> str:
-    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-after", "literal["))))
+    loc = _plain_loc(err["loc"])
     key = _dotted(loc)
     if err["type"] == "extra_forbidden":
         valid = _fields_at(loc[:-1])
