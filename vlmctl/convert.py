@@ -17,8 +17,9 @@ processor and, for LoRA, the frozen base) is taken from `trainer_state.json` or 
 
 Output: `save_pretrained` safetensors shards + index, config, generation config, the processor (image processor,
 tokenizer, chat template) and `vlmctl_export.json` (provenance), written into a temporary folder that is renamed
-into place only after `verify` passed. Nothing is unpickled except through restricted loaders: safetensors,
-`torch.load(weights_only=True)`, and an allow-listed unpickler for DCP's `.metadata`.
+into place only after `verify` passed. Checkpoint files are read through `vlmctl.checkpoints`: nothing is unpickled
+except through restricted loaders (safetensors, `torch.load(weights_only=True)`, an allow-listed unpickler for DCP's
+`.metadata`).
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pickle
 import re
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
+from vlmctl.checkpoints import read_json
 from vlmctl.errors import ModelError, UsageError
 
 if TYPE_CHECKING:
@@ -197,7 +198,7 @@ def detect_source(src: Path | str, *, base: str | None = None) -> Source:
         adapter = _read_json(src / "adapter_config.json")
         model_path = base or adapter.get("base_model_name_or_path")
         if run_dir is not None and not base:
-            state = _read_json(src / "trainer_state.json") if (src / "trainer_state.json").is_file() else {}
+            state = read_json(src / "trainer_state.json") if (src / "trainer_state.json").is_file() else {}
             model_path = _trained_model_path(state, run_dir) or model_path
         if not model_path:
             raise UsageError(f"LoRA adapter {src} does not name its base model", hint="pass --base PATH_OR_HUB_ID")
@@ -205,7 +206,7 @@ def detect_source(src: Path | str, *, base: str | None = None) -> Source:
     if _has_hf_weights(src):
         return Source("hf", src, run_dir=run_dir, model_path=str(src))
 
-    state = _read_json(src / "trainer_state.json") if (src / "trainer_state.json").is_file() else {}
+    state = read_json(src / "trainer_state.json") if (src / "trainer_state.json").is_file() else {}
     dcp = _dcp_dir(src)
     kind: SourceKind | None = "dcp" if dcp is not None else ("deepspeed" if _is_deepspeed(src) else None)
     if kind is None:
@@ -230,128 +231,17 @@ def detect_source(src: Path | str, *, base: str | None = None) -> Source:
 # Reading weights
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickler for DCP's `.metadata`: only torch.distributed.checkpoint's metadata classes and plain values."""
-
-    _ALLOWED_MODULES = ("torch.distributed.checkpoint.", "torch.distributed._shard.")
-    _ALLOWED = {("collections", "OrderedDict"), ("torch", "Size"), ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}
-
-    def find_class(self, module: str, name: str):
-        import torch
-
-        if module.startswith(self._ALLOWED_MODULES) or (module, name) in self._ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, which is not allowed")
-
-
-def _dcp_reader(path: Path):
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    class SafeReader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any):
-            with open(Path(self.path) / ".metadata", "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return SafeReader(str(path))
-
-
 def read_dcp_model_state(path: Path, prefix: str = "model.") -> dict[str, "torch.Tensor"]:
     """Full (unsharded) tensors of the `prefix` entries of a torch DCP checkpoint, keys without the prefix.
 
     Runs in one process without a process group (`dcp.load(..., no_dist=True)`): FSDP2's DTensor shards are saved
-    with their global shapes in the metadata, so plain tensors of those shapes are allocated and filled.
-    Raises ModelError for unreadable metadata or missing/truncated data files.
+    with their global shapes in the metadata, so plain tensors of those shapes are allocated and filled. Read through
+    `vlmctl.checkpoints` (nothing unpickled but DCP's metadata classes and weights-only values). Raises
+    CheckpointError (a ModelError) for unreadable or refused metadata and missing/truncated/refused data files.
     """
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from vlmctl.checkpoints import read_dcp_tensors
 
-    reader = _dcp_reader(path)
-    try:
-        metadata = reader.read_metadata()
-    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError) as exc:
-        raise ModelError(f"cannot read the DCP metadata {path / '.metadata'}: {exc}", hint="the checkpoint is truncated or not a torch DCP checkpoint; convert an earlier one") from exc
-    state = {}
-    for key, meta in metadata.state_dict_metadata.items():
-        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata):
-            state[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-    if not state:
-        keys = ", ".join(sorted({k.split(".")[0] for k in metadata.state_dict_metadata})) or "none"
-        raise ModelError(f"the DCP checkpoint {path} has no {prefix!r} tensors (top-level keys: {keys})", hint='the trainer saves dcp.save({"model": model_state_dict, ...})')
-    files = {sd.relative_path for sd in (metadata.storage_data or {}).values()}
-    missing = sorted(f for f in files if not (path / f).is_file())
-    if missing:
-        raise ModelError(f"the DCP checkpoint {path} is incomplete: missing {', '.join(missing)}", hint="the save was interrupted; convert an earlier checkpoint")
-    # Every data file must hold all the bytes the metadata records for it, whichever items this export reads:
-    # a cut-off file is a damaged checkpoint even when the model's own tensors happen to lie before the cut.
-    needed: dict[str, int] = {}
-    for sd in (metadata.storage_data or {}).values():
-        needed[sd.relative_path] = max(needed.get(sd.relative_path, 0), sd.offset + sd.length)
-    for name, end in sorted(needed.items()):
-        size = (path / name).stat().st_size
-        if size < end:
-            raise ModelError(
-                f"cannot read the DCP checkpoint {path} (truncated: {name} has {size} bytes, the metadata records {end})",
-                hint="a data file is truncated or corrupt; convert an earlier checkpoint",
-            )
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    try:
-        dcp.load(state, storage_reader=reader, no_dist=True)
-    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - CheckpointException derives from BaseException
-        cause = next(iter(getattr(exc, "failures", {}).values()), exc)  # CheckpointException wraps per-rank errors
-        cause = getattr(cause, "exc", cause)
-        detail = type(cause).__name__ + (f": {str(cause).splitlines()[0]}" if str(cause) else "")
-        raise ModelError(f"cannot read the DCP checkpoint {path} ({detail})", hint="a data file is truncated or corrupt; convert an earlier checkpoint") from exc
-    return {k[len(prefix):]: v for k, v in state.items()}
-
-
-@contextlib.contextmanager
-def _weights_only_torch_load():
-    """Make `torch.load` calls inside (DeepSpeed's consolidation) use `weights_only=True` plus the few plain
-    classes DeepSpeed checkpoints contain."""
-    import torch
-
-    original = torch.load
-
-    def safe_load(*args, **kwargs):
-        kwargs["weights_only"] = True
-        return original(*args, **kwargs)
-
-    allowed = []
-    try:
-        from deepspeed.runtime.fp16.loss_scaler import LossScaler, DynamicLossScaler
-
-        allowed += [LossScaler, DynamicLossScaler]
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        from deepspeed.runtime.zero.config import ZeroStageEnum
-
-        allowed.append(ZeroStageEnum)
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        from deepspeed.utils.tensor_fragment import fragment_address
-
-        allowed.append(fragment_address)
-    except ImportError:  # pragma: no cover
-        pass
-    import argparse
-
-    torch.load = safe_load
-    try:
-        with torch.serialization.safe_globals([*allowed, argparse.Namespace, set]):
-            yield
-    finally:
-        torch.load = original
+    return read_dcp_tensors(path, prefix)
 
 
 def read_deepspeed_model_state(path: Path) -> dict[str, "torch.Tensor"]:
@@ -373,9 +263,13 @@ def read_deepspeed_model_state(path: Path) -> dict[str, "torch.Tensor"]:
             tag = step_dirs[-1].name
         elif any(path.glob("*model_states.pt")):
             path, tag = path.parent, path.name
+    from vlmctl.checkpoints import CheckpointError, deepspeed_weights_only
+
     try:
-        with _weights_only_torch_load(), open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+        with deepspeed_weights_only(), open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
             state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)
+    except CheckpointError:
+        raise
     except Exception as exc:  # noqa: BLE001 - DeepSpeed raises ValueError/FileNotFoundError/RuntimeError/EOFError
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ModelError(f"cannot consolidate the DeepSpeed checkpoint {path}: {type(exc).__name__}: {msg}", hint="a ZeRO partition is missing or truncated; convert an earlier checkpoint") from exc
@@ -409,15 +303,15 @@ def _load_hf(path: str, dtype: "torch.dtype | str" = "auto"):
 
 
 def _load_processor(*paths: str | Path | None):
-    from transformers import AutoProcessor
+    from vlmctl.models.load import load_processor  # AutoProcessor, or its image-only variant without torchvision
 
     errors = []
     for p in paths:
         if p is None:
             continue
         try:
-            return AutoProcessor.from_pretrained(str(p))
-        except (OSError, ValueError, TypeError, KeyError) as exc:
+            return load_processor(p)
+        except (OSError, ValueError, TypeError, KeyError, ModelError) as exc:
             errors.append(f"{p}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
     raise ModelError(
         "no processor (image processor + tokenizer) found for the output: " + "; ".join(errors),
@@ -478,6 +372,9 @@ def load_source(source: Source, progress: Progress | None = None):
         return model, processor
 
     say(f"reading {source.kind} weights from {source.path}")
+    from vlmctl.checkpoints import check_rng_files
+
+    check_rng_files(source.path)  # not needed for the weights; a checkpoint holding a refused object is refused whole
     state = read_dcp_model_state(source.path) if source.kind == "dcp" else read_deepspeed_model_state(source.path)
     dtype = next(iter(state.values())).dtype
     if not dtype.is_floating_point:
@@ -551,10 +448,12 @@ def verify_folder(folder: Path, ref_logits: "torch.Tensor", ref_inputs: dict[str
     differ by more than the tolerance.
     """
     import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
+
+    from vlmctl.models.load import load_processor  # AutoProcessor, or its image-only variant without torchvision
 
     try:
-        processor = AutoProcessor.from_pretrained(str(folder))
+        processor = load_processor(folder)
         model = AutoModelForImageTextToText.from_pretrained(str(folder), dtype="auto").eval()
     except Exception as exc:  # noqa: BLE001
         raise ModelError(f"verification failed: the output does not load with AutoModelForImageTextToText/AutoProcessor: {type(exc).__name__}: {exc}") from exc

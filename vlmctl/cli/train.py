@@ -45,12 +45,29 @@ def train(
         if launch.script_text:
             console.print(launch.script_text, soft_wrap=True, markup=False)
         return
+    from vlmctl.train.rundir import release_run
+
     run_dir = L.prepare_run(cfg, resume=resume)
+    try:
+        _run(train_cfg, run_dir)
+    finally:
+        release_run(run_dir)
+
+
+def _run(train_cfg, run_dir) -> None:
+    """Launch the prepared run and report how it ended: one line after a signal (exit 128 + signal), nothing more
+    when the ranks reported their own failure (exit 1 or 2), a panel otherwise."""
+    from vlmctl.train import launch as L
+
     info(f"run folder: {run_dir}")
     if train_cfg.launcher == "none":
+        import signal
+
         outcome = L.run_in_process(run_dir)
-        if outcome == "stopped":
-            raise typer.Exit(code=143)
+        if outcome != "done":
+            signum = signal.SIGINT if outcome == "interrupted" else signal.SIGTERM
+            _stopped(run_dir, signum)
+            raise typer.Exit(code=128 + signum)
         return
     launch = L.launch_command(train_cfg, run_dir)
     if train_cfg.launcher == "slurm":
@@ -60,14 +77,24 @@ def train(
     info(f"[dim]{launch.render()}[/dim]")
     code, signum = L.spawn(launch.command, env=L.launch_env(train_cfg))
     if signum is not None:
-        from vlmctl.train.checkpoint import latest_checkpoint
-
-        last = latest_checkpoint(run_dir)
-        console.print(f"[yellow]stopped by signal {signum}; last checkpoint: {last}. "
-                      f"Continue with `vlmctl train --resume train.run_name={run_dir.name}`[/yellow]")
+        _stopped(run_dir, signum)
         raise typer.Exit(code=128 + signum)
+    if code in (1, 2):  # the ranks printed their panel (or traceback) already
+        raise typer.Exit(code=code)
     if code != 0:
         from vlmctl.errors import VlmctlError
 
         raise VlmctlError(f"training failed (exit code {code})", hint=f"see the output above; the run folder is {run_dir}")
     info(f"done: {run_dir / 'final'}")
+
+
+def _stopped(run_dir, signum: int) -> None:
+    """The one line of a run stopped by SIGTERM/SIGINT: where its last checkpoint is and how to continue."""
+    import signal
+
+    from vlmctl.train.checkpoint import latest_checkpoint
+
+    last = latest_checkpoint(run_dir)
+    where = f"last checkpoint: {last}" if last is not None else "no checkpoint was written"
+    console.print(f"[yellow]stopped by signal {signum} ({signal.Signals(signum).name}); {where}. "
+                  f"Continue with `vlmctl train --resume train.run_name={run_dir.name}`[/yellow]", soft_wrap=True)

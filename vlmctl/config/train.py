@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from vlmctl.config.base import ProjectPath, Section
+
+SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+
+
+def name_problem(value: str) -> str | None:
+    """Why `value` cannot be a folder name and a shell word (None when it can): letters, digits and `._-` only,
+    no `..`, not starting with `.` or `-`, at most 128 characters."""
+    if not value:
+        return "must not be empty"
+    if len(value) > 128:
+        return "must be at most 128 characters"
+    if ".." in value or not SAFE_NAME.fullmatch(value):
+        return "may hold only letters, digits and . _ - (no '/', no '..', no spaces; not starting with '.' or '-')"
+    return None
 
 
 class LoraSection(Section):
@@ -28,7 +43,7 @@ class TrainSection(Section):
     nnodes: int = Field(1, gt=0, description="Number of nodes.")
     node_rank: int = Field(0, ge=0, description="Rank of this node (multi-node torchrun/accelerate).")
     master_addr: str = Field("127.0.0.1", description="Rendezvous host (multi-node).")
-    master_port: int = Field(29500, gt=0, lt=65536, description="Rendezvous port.")
+    master_port: int = Field(29500, gt=0, lt=65536, description="Rendezvous port. Multi-node runs use it as given; single-node runs use it when it is free and no other vlmctl run on the machine claimed it, else a free port.")
     precision: Literal["auto", "bf16", "fp16", "fp32"] = Field("auto", description="Compute precision; auto = bf16 on GPUs that support it, fp32 on CPU.")
     master_weights: Literal["fp32", "bf16"] = Field("fp32", description="Stored parameters, gradients and AdamW state: fp32 master weights with compute in train.precision (mixed precision), or bf16 throughout (pure bf16: half the memory of weights and optimizer state; ddp/fsdp only).")
     micro_batch_size: int = Field(1, gt=0, description="Samples per device per forward pass (without packing; packing uses tokens_per_batch).")
@@ -62,6 +77,15 @@ class TrainSection(Section):
     logging_steps: int = Field(10, gt=0, description="Log metrics every this many steps.")
     report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list, description="Experiment trackers to log to.")
     resume: str | None = Field(None, description="auto = continue from the last complete checkpoint; or a checkpoint path.")
-    run_name: str | None = Field(None, description="Run folder name under output_dir (default: <project>-<stage>-<timestamp>).")
+    run_name: str | None = Field(None, description="Run folder name under output_dir: letters, digits and . _ - only (default: <project>-<stage>-<timestamp>, with -2, -3, ... when taken). A fresh run refuses a name that already holds a run; --resume continues it.")
     output_dir: ProjectPath = Field(Path("outputs/runs"), description="Where run folders (config, checkpoints, metrics, final export) go.")
     seed: int = Field(0, ge=0, description="Training seed (initialization, data order, dropout).")
+
+    @field_validator("run_name")
+    @classmethod
+    def _safe_run_name(cls, value: str | None) -> str | None:
+        """The run name becomes a folder and a word of the SLURM script: safe characters only."""
+        problem = None if value is None else name_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value

@@ -64,3 +64,53 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def port_is_free(port: int, host: str = "") -> bool:
+    """Whether a TCP socket can bind `port` now (on every interface by default, as torchrun's store does)."""
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def claim_port(preferred: int) -> tuple[int, object | None]:
+    """A rendezvous port for a launch on this machine: `preferred` when it is free and no other vlmctl launch on
+    this machine has claimed it, else a free port the kernel picks (ephemeral, so two launches do not get the same
+    one). Returns (port, claim): the claim of `preferred` is an open file holding an exclusive `flock` on
+    `<tmp>/vlmctl-ports/<port>.lock`; keep it until the agent has bound the port (closing it, or the end of this
+    process, releases it). The claim is None for a free port or where `flock` is missing."""
+    claim = _flock_port(preferred)
+    if claim is not False and port_is_free(preferred):
+        return preferred, claim
+    if claim:
+        claim.close()
+    return free_port(), None
+
+
+def _flock_port(port: int):
+    """An open file with an exclusive lock on this port's claim file; False when another process holds it;
+    None when locks are not available here."""
+    import tempfile
+    from pathlib import Path
+
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        return None
+    folder = Path(tempfile.gettempdir()) / "vlmctl-ports"
+    try:
+        folder.mkdir(mode=0o1777, exist_ok=True)
+        f = open(folder / f"{port}.lock", "a")
+    except OSError:
+        return None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        return False
+    return f

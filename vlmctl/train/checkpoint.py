@@ -55,25 +55,41 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def read_state(checkpoint: Path) -> dict[str, Any]:
-    return json.loads((Path(checkpoint) / STATE_FILE).read_text())
+    """trainer_state.json of `checkpoint`; raises CheckpointError naming the file when it is missing or broken."""
+    from vlmctl.checkpoints import read_json
+
+    return read_json(Path(checkpoint) / STATE_FILE)
 
 
 def rng_state() -> dict[str, Any]:
+    """This process's RNG states as tensors and plain values (what `torch.load(weights_only=True)` reads back):
+    python's Mersenne Twister, numpy's legacy global generator, torch CPU (and CUDA)."""
     import numpy as np
     import torch
 
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    version, mt, gauss = random.getstate()
+    np_state = np.random.get_state(legacy=False)
+    state = {"python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
+             "numpy": {"key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)), "pos": int(np_state["state"]["pos"]),
+                       "has_gauss": int(np_state["has_gauss"]), "gauss": float(np_state["gauss"])},
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore `rng_state()`'s states (or the tuples of files written before they held tensors only)."""
     import numpy as np
     import torch
 
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py, npy = state["python"], state["numpy"]
+    if isinstance(py, dict):
+        py = (py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"])
+    if isinstance(npy, dict):
+        npy = ("MT19937", npy["key"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["gauss"])
+    random.setstate(py)
+    np.random.set_state(npy)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -85,19 +101,32 @@ def save(run_dir: Path, step: int, trainer_state: dict[str, Any], *, rank: int, 
 
     DCP for a torch model + optimizer, or `engine.save_checkpoint` for a DeepSpeed engine. Written to
     `.tmp-checkpoint-<step>` and renamed by rank 0 once every rank is done; then old checkpoints beyond
-    `total_limit` are removed.
+    `total_limit` are removed. A write that fails on any rank (disk full, permissions) fails on every rank with
+    the same CheckpointError naming the file (and the free space for a full disk); the temporary folder is removed.
     """
-    import torch
-    import torch.distributed as dist
-
     folder = checkpoints_dir(run_dir)
-    final = folder / f"checkpoint-{step}"
-    tmp = folder / f".tmp-checkpoint-{step}"
-    if rank == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    dist.barrier()
+    final, tmp = folder / f"checkpoint-{step}", folder / f".tmp-checkpoint-{step}"
+    try:
+        _agree(_attempt(lambda: _make_tmp(tmp) if rank == 0 else None, tmp))
+        _agree(_attempt(lambda: _write_state(tmp, step, rank, model, optimizer, scheduler, engine), tmp))
+        _agree(_attempt(lambda: _install(run_dir, tmp, final, trainer_state, total_limit) if rank == 0 else None, tmp))
+    except Exception:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def _make_tmp(tmp: Path) -> None:
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+
+
+def _write_state(tmp: Path, step: int, rank: int, model, optimizer, scheduler, engine) -> None:
+    """This rank's part: DCP shards (collective) or DeepSpeed's files, then its RNG states."""
+    import torch
+
     if engine is not None:
         engine.save_checkpoint(str(tmp), tag=f"global_step{step}", client_state={"step": step})
     else:
@@ -107,15 +136,91 @@ def save(run_dir: Path, step: int, trainer_state: dict[str, Any], *, rank: int, 
         model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer))
         dcp.save({"model": model_sd, "optim": optim_sd, "scheduler": _plain(scheduler.state_dict())}, checkpoint_id=str(tmp))
     torch.save(rng_state(), tmp / f"rng-{rank}.pt")
-    dist.barrier()
-    if rank == 0:
-        (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2, default=str))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        prune(run_dir, total_limit)
-    dist.barrier()
-    return final
+
+
+def _install(run_dir: Path, tmp: Path, final: Path, trainer_state: dict[str, Any], total_limit: int | None) -> None:
+    """Rank 0, once every rank wrote its part: trainer_state.json, the rename into place, pruning."""
+    (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2, default=str))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    prune(run_dir, total_limit)
+
+
+def _attempt(action, where: Path):
+    """Run `action`; return None, or the (message, hint) of the write error it raised (OSError, CheckpointError,
+    or DCP's CheckpointException around one)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from vlmctl.checkpoints import CheckpointError
+
+    try:
+        action()
+    except CheckpointError as exc:
+        return exc.message, exc.hint
+    except OSError as exc:
+        return write_error(exc, where)
+    except CheckpointException as exc:
+        cause = _os_error_in(exc)
+        if cause is None:
+            raise
+        return write_error(cause, where)
+    return None
+
+
+def _os_error_in(exc: BaseException) -> OSError | None:
+    """The first OSError among DCP's per-rank failures (or the exception's causes)."""
+    from vlmctl.checkpoints import rank_failures
+
+    for cause in rank_failures(exc):
+        if isinstance(cause, OSError):
+            return cause
+    seen = exc.__cause__ or exc.__context__
+    return seen if isinstance(seen, OSError) else None
+
+
+def write_error(exc: OSError, where: Path) -> tuple[str, str]:
+    """(message, hint) for a failed write: a full disk names the file and the free space left."""
+    import errno
+
+    path = Path(exc.filename) if exc.filename else Path(where)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        free = free_space(path)
+        return (f"disk full while writing {path} ({human_bytes(free)} free on that filesystem)",
+                "free some space (or lower train.save_total_limit, or move train.output_dir), then continue with "
+                "`vlmctl train --resume`")
+    return (f"cannot write {path}: {exc.strerror or exc}", "check that train.output_dir is writable")
+
+
+def free_space(path: Path) -> int:
+    """Free bytes on the filesystem of `path` (its nearest existing ancestor)."""
+    for candidate in (Path(path), *Path(path).parents):
+        if candidate.exists():
+            return shutil.disk_usage(candidate).free
+    return 0
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _agree(error: tuple[str, str] | None) -> None:
+    """Every rank learns whether any rank failed (all_gather of the errors); all raise the first rank's error."""
+    import torch.distributed as dist
+
+    from vlmctl.checkpoints import CheckpointError
+
+    errors = [error]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise CheckpointError(*first)
 
 
 def _plain(state: dict[str, Any]) -> dict[str, Any]:
@@ -126,42 +231,54 @@ def _plain(state: dict[str, Any]) -> dict[str, Any]:
 def load(checkpoint: Path, *, rank: int, model=None, optimizer=None, scheduler=None, engine=None) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and this rank's RNG states in place; return trainer_state.json.
 
-    Every rank calls this. Raises VlmctlError when the checkpoint was written by a different world size for DCP's
-    non-resharding parts (RNG files), which is reported with the fix.
+    Every rank calls this. Every file is read through `vlmctl.checkpoints` (JSON, weights-only tensors, DCP with
+    the allow-listed metadata reader and planner, DeepSpeed with weights-only loads) after `check_checkpoint`, so
+    every rank raises the same CheckpointError naming the file for a missing, truncated, damaged or refused one.
     """
-    import torch
-
-    from vlmctl.errors import VlmctlError
+    from vlmctl import checkpoints as safe
 
     checkpoint = Path(checkpoint)
-    state = read_state(checkpoint)
+    state = safe.check_checkpoint(checkpoint)
+    for key in ("step", "consumed_micro_batches"):  # the loop's position (TrainState.from_checkpoint)
+        if not isinstance(state.get(key), int) or state[key] < 0:
+            raise safe.corrupt(checkpoint / STATE_FILE, f"{key} is {state.get(key)!r}, not a step count")
     if engine is not None:
-        path, _ = engine.load_checkpoint(str(checkpoint), load_optimizer_states=True, load_lr_scheduler_states=True)
-        if path is None:
-            raise VlmctlError(f"DeepSpeed found no checkpoint in {checkpoint}", hint="pass another checkpoint, or start without --resume")
+        _load_deepspeed(checkpoint, engine)
     else:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-        model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer))
-        strict = {"model": model_sd, "scheduler": _plain(scheduler.state_dict())}
-        dcp.load(strict, checkpoint_id=str(checkpoint))
-        # Parameters that never received a gradient (e.g. a vision layer after the selected feature layer) have
-        # no AdamW state in the checkpoint; the placeholders `get_state_dict` creates for them stay unused.
-        optim = {"optim": optim_sd}
-        dcp.load(optim, checkpoint_id=str(checkpoint), planner=DefaultLoadPlanner(allow_partial_load=True))
-        set_state_dict(model, _optimizers(optimizer), model_state_dict=strict["model"], optim_state_dict=optim["optim"])
-        scheduler.load_state_dict({**scheduler.state_dict(), **strict["scheduler"]})
-        # DCP restores the groups' lr for one optimizer but not across several (OptimizerInBackward): the
-        # scheduler's last learning rates are the groups' current ones either way
-        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-            group["lr"] = lr
+        _load_dcp(checkpoint, model, optimizer, scheduler)
     rng_file = checkpoint / f"rng-{rank}.pt"
     if rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        set_rng_state(safe.load_tensors(rng_file))
     return state
+
+
+def _load_deepspeed(checkpoint: Path, engine) -> None:
+    from vlmctl.checkpoints import CheckpointError, deepspeed_weights_only
+
+    with deepspeed_weights_only():
+        path, _ = engine.load_checkpoint(str(checkpoint), load_optimizer_states=True, load_lr_scheduler_states=True)
+    if path is None:
+        raise CheckpointError(f"DeepSpeed found no checkpoint in {checkpoint}", hint="pass another checkpoint, or start without --resume")
+
+
+def _load_dcp(checkpoint: Path, model, optimizer, scheduler) -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from vlmctl.checkpoints import dcp_load
+
+    model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer))
+    strict = {"model": model_sd, "scheduler": _plain(scheduler.state_dict())}
+    dcp_load(strict, checkpoint)
+    # Parameters that never received a gradient (e.g. a vision layer after the selected feature layer) have
+    # no AdamW state in the checkpoint; the placeholders `get_state_dict` creates for them stay unused.
+    optim = {"optim": optim_sd}
+    dcp_load(optim, checkpoint, allow_partial_load=True)
+    set_state_dict(model, _optimizers(optimizer), model_state_dict=strict["model"], optim_state_dict=optim["optim"])
+    scheduler.load_state_dict({**scheduler.state_dict(), **strict["scheduler"]})
+    # DCP restores the groups' lr for one optimizer but not across several (OptimizerInBackward): the
+    # scheduler's last learning rates are the groups' current ones either way
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+        group["lr"] = lr
 
 
 def prune(run_dir: Path, total_limit: int | None) -> list[Path]:
@@ -239,6 +356,6 @@ class Saver:
                 "bad_steps": state.bad_steps, "tokens_seen": state.tokens, "reason": reason, **self.info}
         path = save(self.run_dir, step, info, rank=self.rank, model=self.model, optimizer=self.optimizer,
                     scheduler=self.scheduler, engine=self.engine, total_limit=self.total_limit)
-        if self.notify is not None:
+        if self.notify is not None and reason != "signal":  # the stop message names the checkpoint
             self.notify(f"saved {path}")
         return path

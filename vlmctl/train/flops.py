@@ -124,6 +124,8 @@ class VisionShape:
         width = getattr(v, "embed_dim", None) or getattr(v, "hidden_size", None)
         layers = getattr(v, "depth", None) or getattr(v, "num_hidden_layers", None)
         patch = getattr(v, "patch_size", None)
+        if isinstance(patch, (list, tuple)):  # stored as [height, width] by some configs; square patches
+            patch = patch[0]
         if not (width and layers and patch):
             raise ModelError("the vision config lacks hidden_size/depth/patch_size; cannot count its FLOPs",
                              hint="use a supported vision encoder config")

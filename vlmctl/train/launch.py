@@ -1,11 +1,13 @@
 """The launcher side of `vlmctl train`: prepare the run folder, build the launch command, spawn it.
 
-    run_dir = prepare_run(cfg, resume=False)          # <train.output_dir>/<run name>/config.yaml
-    cmd = launch_command(cfg.train, run_dir)          # torchrun / accelerate / sbatch line
-    code = spawn(cmd)                                 # streams output, forwards SIGTERM/SIGINT
+    run_dir = prepare_run(cfg, resume=False)          # <train.output_dir>/<run name>/config.yaml, locked
+    cmd = launch_command(cfg.train, run_dir)          # torchrun / accelerate / sbatch line, a free rendezvous port
+    code = spawn(cmd)                                 # streams output, passes SIGTERM/SIGINT to the ranks
 
 Every launcher runs the same worker module (`python -m vlmctl.train.worker RUN_DIR`); the worker decides the
-strategy from the config, so accelerate is only a process spawner here.
+strategy from the config, so accelerate is only a process spawner here. torchrun and accelerate run through
+`vlmctl.distributed.torchrun` / `.accelerate`, which die with this process and exit with the ranks' code when
+they fail (`vlmctl.distributed.process`). Run folders are unique and locked while in use (`train.rundir`).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from vlmctl.errors import ConfigError, UsageError
 
@@ -38,116 +41,149 @@ def resolve_nproc(value: int | str) -> int:
 
 
 def default_run_name(cfg) -> str:
-    return f"{cfg.project.name}-{cfg.train.stage}-{time.strftime('%Y%m%d-%H%M%S')}"
+    """`<project.name>-<stage>-<YYYYmmdd-HHMMSS>`, the project name reduced to safe characters."""
+    from vlmctl.train.rundir import safe_part
+
+    return f"{safe_part(cfg.project.name)}-{cfg.train.stage}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def find_resumable_run(cfg) -> Path | None:
     """The newest run folder of this project and stage (under train.output_dir) that has a complete checkpoint."""
     from vlmctl.train.checkpoint import latest_checkpoint
+    from vlmctl.train.rundir import safe_part
 
     root = Path(cfg.train.output_dir)
     if not root.is_dir():
         return None
-    prefix = f"{cfg.project.name}-{cfg.train.stage}-"
+    prefix = f"{safe_part(cfg.project.name)}-{cfg.train.stage}-"
     runs = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(prefix) and latest_checkpoint(p) is not None]
-    return max(runs, key=lambda p: p.name) if runs else None
+    return max(runs, key=_run_order) if runs else None
+
+
+def _run_order(path: Path) -> tuple[str, int]:
+    """Newest last: the timestamp in the name, then the collision suffix (`-2` after the plain name)."""
+    import re
+
+    m = re.fullmatch(r"(.*-\d{8}-\d{6})(?:-(\d+))?", path.name)
+    return (m.group(1), int(m.group(2) or 1)) if m else (path.name, 0)
 
 
 def prepare_run(cfg, resume: bool = False) -> Path:
-    """Create (or reuse, when resuming) the run folder and write the resolved config into it.
+    """Create (or reuse, when resuming) the run folder, lock it and write the resolved config into it.
 
     With `resume`, `train.resume` becomes `auto` and the run is `train.run_name`, else the newest run of this
-    project and stage with a checkpoint. Raises UsageError when there is nothing to resume, DataError/ModelError
-    when the prepared data or the model is missing (see `preflight`).
+    project and stage with a checkpoint. A fresh run without `train.run_name` gets a folder of its own (a suffix
+    when the name is taken); an explicit `train.run_name` that already holds a run needs `--resume`. The folder
+    stays locked until `rundir.release_run` (or the end of this process); stale temporary files are removed.
+    Raises UsageError when there is nothing to resume or the folder is in use, ConfigError for a taken
+    run_name, DataError/ModelError when the prepared data or the model is missing and CheckpointError for a
+    checkpoint that cannot be resumed (see `preflight`).
     """
     from vlmctl.config import dump_config
+    from vlmctl.train.rundir import claim_run_dir, sweep_temporaries
 
     train = cfg.train
     if resume and train.resume is None:
         train.resume = "auto"
     fresh_slurm = train.launcher == "slurm" and train.resume is None
-    if train.run_name:
-        run_dir = Path(train.output_dir) / train.run_name
-    elif train.resume not in (None, "auto"):
+    root, name, explicit = Path(train.output_dir), train.run_name, bool(train.run_name)
+    if not explicit and train.resume not in (None, "auto"):
         run_dir = Path(train.resume).resolve().parent.parent  # <run>/checkpoints/checkpoint-<step>
-    elif train.resume is not None:
+        root, name = run_dir.parent, run_dir.name
+    elif not explicit and train.resume is not None:
         found = find_resumable_run(cfg)
         if found is None:
             raise UsageError(f"no run with a checkpoint to resume under {train.output_dir}",
                              hint="start a new run without --resume, or set train.run_name to the run folder's name")
-        run_dir = found
-    else:
-        run_dir = Path(train.output_dir) / default_run_name(cfg)
+        name = found.name
+    elif not explicit:
+        name = default_run_name(cfg)
     if train.launcher != "slurm":  # an sbatch script runs elsewhere, later: its nodes check for themselves
-        preflight(cfg)
+        preflight(cfg, root / name if train.resume is not None else None)
+    run_dir = claim_run_dir(root, name, explicit=explicit, resume=train.resume is not None)
+    sweep_temporaries(run_dir)
     train.run_name = run_dir.name
     if fresh_slurm:
         train.resume = "auto"  # a requeued job continues from its last checkpoint
-    run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / ".config.yaml.tmp"
     tmp.write_text(dump_config(cfg))
     os.replace(tmp, run_dir / "config.yaml")
     return run_dir
 
 
-def preflight(cfg) -> None:
-    """Fail before spawning processes when the prepared data or the model is missing (DataError / ModelError)."""
+def preflight(cfg, run_dir: Path | None = None) -> None:
+    """Fail before spawning processes when the prepared data or the model is missing (DataError / ModelError), or
+    when the checkpoint a resumed run (`run_dir`) would load is damaged or refused (`checkpoints.check_checkpoint`,
+    CheckpointError naming the file)."""
     from vlmctl.errors import DataError
+    from vlmctl.train.checkpoint import resolve_resume
     from vlmctl.train.setup import model_source
 
     train_dir = Path(cfg.data.prepared_dir) / "train"
     if not any(train_dir.glob("*.parquet")):
         raise DataError(f"no prepared training shards in {train_dir}", hint="run `vlmctl data prepare` first")
     model_source(cfg)  # raises ModelError without a built model or model.base
+    checkpoint = resolve_resume(run_dir, cfg.train.resume) if run_dir is not None else None
+    if checkpoint is not None:
+        from vlmctl.checkpoints import check_checkpoint
+
+        check_checkpoint(checkpoint)
 
 
 @dataclass
 class Launch:
-    """A launch: the command to run, and for SLURM the script it submits."""
+    """A launch: the command to run, for SLURM the script it submits, and the claim on the rendezvous port
+    (`distributed.env.claim_port`; held until the agent bound it)."""
 
     command: list[str]
     script: Path | None = None
     script_text: str | None = None
+    port_claim: Any = field(default=None, repr=False, compare=False)
 
     def render(self) -> str:
         return shlex.join(self.command)
 
 
 def _torchrun() -> list[str]:
-    exe = Path(sys.executable).parent / "torchrun"
-    return [str(exe)] if exe.is_file() else [sys.executable, "-m", "torch.distributed.run"]
+    """torchrun through `vlmctl.distributed.torchrun` (dies with vlmctl, no ChildFailedError dump)."""
+    return [sys.executable, "-m", "vlmctl.distributed.torchrun"]
 
 
 def _accelerate() -> list[str]:
-    # The console script next to this interpreter, else the module: a venv need not be on PATH.
-    exe = Path(sys.executable).parent / "accelerate"
-    return [str(exe)] if exe.is_file() else [sys.executable, "-m", "accelerate.commands.accelerate_cli"]
+    """`accelerate launch` through `vlmctl.distributed.accelerate` (dies with vlmctl, no traceback dump)."""
+    return [sys.executable, "-m", "vlmctl.distributed.accelerate"]
 
 
 def launch_command(train, run_dir: Path, module: str = WORKER_MODULE) -> Launch:
     """Build the command of `train.launcher` (torchrun, accelerate, slurm, none) running `python -m MODULE
     run_dir` (the training worker unless given, e.g. `vlmctl.bench`).
 
-    Raises ConfigError when a multi-node setting is missing.
+    On one node the rendezvous is `train.master_addr` on `train.master_port` when that port is free and no other
+    vlmctl launch here claimed it, else on a free port (so two runs on one machine never collide). Raises
+    ConfigError when a multi-node setting is missing.
     """
     nproc = resolve_nproc(train.nproc_per_node)
     worker = ["-m", module, str(run_dir)]
-    endpoint = f"{train.master_addr}:{train.master_port}"
     if train.nnodes > 1 and train.master_addr in ("127.0.0.1", "localhost"):
         raise ConfigError(f"train.nnodes={train.nnodes} needs the rendezvous host of node 0",
                           hint="pass --master-addr <node 0 address> (and --node-rank on each node)")
+    port, claim = train.master_port, None
+    if train.nnodes == 1 and train.launcher in ("torchrun", "accelerate"):
+        from vlmctl.distributed.env import claim_port
+
+        port, claim = claim_port(train.master_port)
     if train.launcher == "torchrun":
         cmd = [*_torchrun(), "--nproc-per-node", str(nproc), "--nnodes", str(train.nnodes), "--node-rank",
-               str(train.node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, *worker]
-        return Launch(cmd)
+               str(train.node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{train.master_addr}:{port}", *worker]
+        return Launch(cmd, port_claim=claim)
     if train.launcher == "accelerate":
         cmd = [*_accelerate(), "launch", "--num_processes", str(nproc * train.nnodes), "--num_machines", str(train.nnodes),
                "--machine_rank", str(train.node_rank), "--main_process_ip", train.master_addr, "--main_process_port",
-               str(train.master_port), "--mixed_precision", "no", "--dynamo_backend", "no"]
+               str(port), "--mixed_precision", "no", "--dynamo_backend", "no"]
         if nproc * train.nnodes > 1:
             cmd.append("--multi_gpu")  # accelerate's torch.distributed spawner; it works for CPU processes too
         cmd += ["--module", module, str(run_dir)]
-        return Launch(cmd)
+        return Launch(cmd, port_claim=claim)
     if train.launcher == "slurm":
         script = run_dir / "sbatch.sh"
         text = sbatch_script(train, run_dir, nproc)
@@ -157,38 +193,58 @@ def launch_command(train, run_dir: Path, module: str = WORKER_MODULE) -> Launch:
     raise UsageError(f"unknown launcher {train.launcher!r}", hint="use torchrun, accelerate, slurm or none")
 
 
+def _script_word(value: object, key: str) -> str:
+    """`value` quoted for the sbatch script (`shlex.quote`); ConfigError for control characters (a newline
+    would end an `#SBATCH` line and start a command)."""
+    text = str(value)
+    if any(ord(c) < 32 or ord(c) == 127 for c in text):
+        raise ConfigError(f"{key} = {text!r} holds a control character (newline, tab, ...)",
+                          hint="use a value without control characters")
+    return shlex.quote(text)
+
+
 def sbatch_script(train, run_dir: Path, nproc: int) -> str:
     """An sbatch script running one torchrun per node, rendezvous on the first node of the allocation.
 
     Requeue-friendly: SLURM sends SIGTERM 120 s before the time limit (`--signal`), the workers save a checkpoint
     and exit, and the requeued job resumes from it (`prepare_run` sets `train.resume: auto` in the run's config.yaml for
-    SLURM runs; with no checkpoint yet it starts from scratch).
+    SLURM runs; with no checkpoint yet it starts from scratch). Every value is quoted with `shlex.quote`;
+    control characters are refused (ConfigError).
     """
-    name = run_dir.name
-    torchrun = " ".join(shlex.quote(p) for p in _torchrun())
+    name = _script_word(run_dir.name, "train.run_name")
+    folder = _script_word(run_dir, "train.output_dir")
+    log = _script_word(f"{run_dir}/slurm-%j.out", "train.output_dir")
+    port, nnodes, gpus = (_script_word(int(v), k) for v, k in ((train.master_port, "train.master_port"),
+                                                               (train.nnodes, "train.nnodes"), (nproc, "train.nproc_per_node")))
+    torchrun = " ".join(_script_word(p, "python") for p in _torchrun())
     return f"""#!/bin/bash
 #SBATCH --job-name={name}
-#SBATCH --nodes={train.nnodes}
+#SBATCH --nodes={nnodes}
 #SBATCH --ntasks-per-node=1
-#SBATCH --gpus-per-node={nproc}
-#SBATCH --output={run_dir}/slurm-%j.out
+#SBATCH --gpus-per-node={gpus}
+#SBATCH --output={log}
 #SBATCH --open-mode=append
 #SBATCH --requeue
 #SBATCH --signal=TERM@120
 set -euo pipefail
 export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-export MASTER_PORT={train.master_port}
+export MASTER_PORT={port}
 srun --kill-on-bad-exit=1 {torchrun} \\
-  --nproc-per-node {nproc} --nnodes "$SLURM_NNODES" \\
+  --nproc-per-node {gpus} --nnodes "$SLURM_NNODES" \\
   --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" \\
-  -m {WORKER_MODULE} {shlex.quote(str(run_dir))}
+  -m {WORKER_MODULE} {folder}
 """
 
 
 def launch_env(train) -> dict[str, str]:
+    """The environment of a launch: this one, one OpenMP thread per rank unless set, CPU DeepSpeed without CUDA,
+    and `VLMCTL_LAUNCHER_PID` (this process: the ranks exit when it is gone and leave the stop message to it)."""
+    from vlmctl.distributed.process import LAUNCHER_ENV
+
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env[LAUNCHER_ENV] = str(os.getpid())
     if train.strategy in ("zero2", "zero3") and not _has_cuda():
         env.setdefault("DS_ACCELERATOR", "cpu")
     return env
@@ -204,15 +260,21 @@ def _has_cuda() -> bool:
 
 
 def spawn(command: list[str], env: dict[str, str] | None = None) -> tuple[int, int | None]:
-    """Run `command`, streaming its output; SIGTERM/SIGINT are forwarded to it (the workers then save a
-    checkpoint and exit). Returns (exit code, the forwarded signal or None)."""
-    proc = subprocess.Popen(command, env=env)
+    """Run `command` (a process agent) in a session of its own, streaming its output. SIGTERM/SIGINT go to the
+    ranks under it (`process.signal_ranks`): they finish the step, save a checkpoint and exit. A second signal
+    kills the whole session at once. Returns (exit code, the first signal received or None)."""
+    from vlmctl.distributed.process import signal_ranks
+
+    proc = subprocess.Popen(command, env=env, start_new_session=True)
     received: list[int] = []
 
     def forward(signum, frame):
         received.append(signum)
         try:
-            proc.send_signal(signum)
+            if len(received) == 1:
+                signal_ranks(proc.pid, signum)
+            else:  # asked twice: stop now, without saving
+                os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
 
@@ -226,11 +288,21 @@ def spawn(command: list[str], env: dict[str, str] | None = None) -> tuple[int, i
 
 
 def run_in_process(run_dir: Path) -> str:
-    """`--launcher none`: run the worker in this process (one rank)."""
+    """`--launcher none`: run the worker in this process (one rank). Returns the worker's outcome ("done",
+    "stopped" after SIGTERM, "interrupted" after SIGINT); the caller reports a stop."""
+    from vlmctl.distributed.process import LAUNCHER_ENV
     from vlmctl.train.worker import run
 
     clear_rank_env()
-    return run(run_dir)
+    previous = os.environ.get(LAUNCHER_ENV)
+    os.environ[LAUNCHER_ENV] = str(os.getpid())  # this process is the launcher: it reports a stop
+    try:
+        return run(run_dir)
+    finally:
+        if previous is None:
+            os.environ.pop(LAUNCHER_ENV, None)
+        else:
+            os.environ[LAUNCHER_ENV] = previous
 
 
 def clear_rank_env() -> None:

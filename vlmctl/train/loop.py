@@ -274,10 +274,12 @@ class Trainer:
         return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def train(self) -> str:
-        """Run steps until `total_steps` or a signal; returns "done" or "stopped"."""
+        """Run steps until `total_steps` or a signal; returns "done", "interrupted" (SIGINT on this rank) or
+        "stopped" (SIGTERM, or a signal on another rank)."""
         previous = self.install_signal_handlers()
         try:
-            return self._train()
+            outcome = self._train()
+            return "interrupted" if outcome == "stopped" and self._signal == signal.SIGINT else outcome
         finally:
             for sig, old in previous.items():
                 signal.signal(sig, old)

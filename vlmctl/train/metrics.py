@@ -168,10 +168,27 @@ def plot_loss(run_dir: Path) -> Path | None:
     fig.tight_layout()
     out = Path(run_dir) / "loss.png"
     tmp = out.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, out)
+    try:
+        fig.savefig(tmp, dpi=100)
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)
     return out
+
+
+def plot_loss_or_warn(run_dir: Path) -> Path | None:
+    """`plot_loss`, with a failure to write it (a full disk) reported as one warning line: loss.png is a
+    convenience, never the run's error."""
+    import sys
+
+    try:
+        return plot_loss(run_dir)
+    except OSError as exc:
+        print(f"warning: {Path(run_dir) / 'loss.png'} not written: {exc.strerror or exc}", file=sys.stderr)
+        return None
 
 
 def startup_table(info: dict[str, Any]):

@@ -452,8 +452,15 @@ def setup_run(train) -> RunContext:
 def prepare_model(model, family, train, device) -> TrainingModel:
     """Kernels, the batch hook, the cost model, stage/freeze, LoRA, activation checkpointing and compile: what
     `vlmctl train` and `vlmctl bench` do to a loaded model before wrapping it."""
+    import os
+    import sys
+
     from vlmctl.train.flops import CostModel
 
+    if train.packing and not family.supports_packing:  # before the attention backend and compile depend on it
+        train.packing = False
+        if os.environ.get("RANK", "0") == "0":
+            print(f"train.packing: {family.name} models cannot take packed rows; training on padded micro-batches", file=sys.stderr)
     # counted on the model as built: before the vision kernels pad or reshape its layers, peft wraps it
     # (modules_to_save copies would count twice) and ZeRO-3 / FSDP2 shard it
     cost_model = CostModel.from_model(model, family, trainable_parts(train.stage, train.freeze), lora=train.lora is not None)

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlmctl.errors import VlmctlError, render
+from vlmctl.distributed.process import LAUNCHER_ENV
+from vlmctl.errors import VlmctlError
 from vlmctl.train.setup import (DEEPSPEED, RunContext, TrainingModel, build_optimizer, build_scheduler, load_quantized,
                                 load_source, model_source, prepare_model, setup_run)
 
@@ -158,13 +159,13 @@ def build_trainer(cfg, run_dir: Path, ctx: RunContext, tm: TrainingModel, wrappe
 
 
 def train_run(cfg, run_dir: Path, ctx: RunContext) -> str:
-    """Model -> data -> wrap -> resume -> train -> export on this rank; returns "done" or "stopped"."""
+    """Model -> data -> wrap -> resume -> train -> export on this rank; returns "done", "stopped" or "interrupted"."""
     from vlmctl.data.collate import Collator, PackedCollator
     from vlmctl.data.loader import build_loader
     from vlmctl.train import report
     from vlmctl.train.checkpoint import resolve_resume
     from vlmctl.train.export import export_final
-    from vlmctl.train.metrics import MetricsLogger, plot_loss
+    from vlmctl.train.metrics import MetricsLogger, plot_loss_or_warn
 
     train, env = cfg.train, ctx.env
     tm = load_model_for_training(cfg, ctx)
@@ -192,10 +193,11 @@ def train_run(cfg, run_dir: Path, ctx: RunContext) -> str:
         trainer.progress.close()
         if logger is not None:
             logger.close()
-            plot_loss(run_dir)
-    if outcome == "stopped":
-        trainer.progress.print(f"[yellow]stopped by a signal at step {state.step}; checkpoint saved. "
-                               f"Continue with `vlmctl train --resume`[/yellow]")
+            plot_loss_or_warn(run_dir)  # a convenience: a full disk here is a warning, not the run's error
+    if outcome != "done":
+        if os.environ.get(LAUNCHER_ENV) is None:  # else the launcher reports the stop, in one line
+            trainer.progress.print(f"[yellow]stopped by a signal at step {state.step}; checkpoint saved. "
+                                   f"Continue with `vlmctl train --resume`[/yellow]")
         return outcome
     export_final(run_dir, cfg, model=None if wrapped.engine else wrapped.model, engine=wrapped.engine, source=tm.source,
                  dtype=ctx.dtype, rank=env.rank, lora=train.lora, parts_trainable=tm.trainable)
@@ -204,38 +206,44 @@ def train_run(cfg, run_dir: Path, ctx: RunContext) -> str:
 
 
 def run(run_dir: Path) -> str:
-    """Train per `run_dir/config.yaml` on this rank; returns "done" or "stopped" (after a signal)."""
+    """Train per `run_dir/config.yaml` on this rank; returns "done", "stopped" or "interrupted" (after a signal).
+    `rundir.guard_run`: temporary files are swept before and after a failure, a full disk is a CheckpointError."""
     import torch.distributed as dist
 
     from vlmctl.config import load_config
+    from vlmctl.train.rundir import guard_run
 
     # DeepSpeed and FSDP call collectives torch marks as renamed; the warning repeats every step.
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     run_dir = Path(run_dir).resolve()
     cfg = load_config(run_dir / "config.yaml")
     try:
-        outcome = train_run(cfg, run_dir, setup_run(cfg.train))
-        dist.barrier()
+        with guard_run(run_dir, main=int(os.environ.get("RANK", "0")) == 0):
+            outcome = train_run(cfg, run_dir, setup_run(cfg.train))
+            dist.barrier()
         return outcome
     finally:
-        # No barrier after a failure: the other ranks may be blocked in a collective; the launcher stops them.
+        # No barrier after a failure: the other ranks may be blocked in a collective; the agent stops them.
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry of a rank: `python -m vlmctl.train.worker RUN_DIR`."""
+    """Console entry of a rank: `python -m vlmctl.train.worker RUN_DIR`. The rank dies with the agent that started
+    it and with the `vlmctl train` named in VLMCTL_LAUNCHER_PID (`distributed.process`)."""
+    from vlmctl.distributed.process import exit_on_stop_signals, report_error, tie_to_launcher
+
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print("usage: python -m vlmctl.train.worker RUN_DIR", file=sys.stderr)
         sys.exit(2)
+    tie_to_launcher()
+    exit_on_stop_signals()  # until the step loop installs its own handlers (finish the step, save, stop)
     try:
         outcome = run(Path(args[0]))
     except VlmctlError as exc:
-        if int(os.environ.get("RANK", "0")) == 0:
-            render(exc)
-        sys.exit(exc.exit_code)
-    sys.exit(EXIT_STOPPED if outcome == "stopped" else 0)
+        sys.exit(report_error(exc))
+    sys.exit(EXIT_STOPPED if outcome != "done" else 0)
 
 
 if __name__ == "__main__":
