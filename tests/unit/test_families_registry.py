@@ -47,7 +47,9 @@ def test_every_family_names_a_tiny_preset_of_itself():
         assert load_preset(spec.tiny_preset)["family"] == name
         for model_type in spec.model_types:
             assert detect_family({"model_type": model_type}) == name
-        assert spec.image_token == spec.modalities["image"] and spec.image_token in spec.image_prompt
+        # the prompt holds the image token, or (Gemma 3) a marker the processor expands into image tokens: checked
+        # on the real processor in test_tiny_preset_builds_and_the_spec_resolves_its_paths
+        assert spec.image_token == spec.modalities["image"] and spec.image_prompt
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -74,6 +76,11 @@ def test_tiny_preset_builds_and_the_spec_resolves_its_paths(name):
         assert len(tok.encode(token, add_special_tokens=False)) == 1, token
     for key, token in spec.config_token_ids.items():
         assert getattr(model.config, key) == tok.convert_tokens_to_ids(token), key
+    # what a chat template writes for one image expands to the visual-token rule's image tokens
+    from PIL import Image
+
+    out = processor(text=[spec.image_prompt], images=[Image.new("RGB", (64, 64))], return_tensors="pt")
+    assert int((out["input_ids"] == tok.convert_tokens_to_ids(spec.image_token)).sum()) == spec.num_visual_tokens(64, 64, processor)
 
 
 def test_the_registry_lists_every_family():

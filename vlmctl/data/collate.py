@@ -158,6 +158,8 @@ def encode_sample(sample: Sample, processor, family: Any = None, max_length: int
     messages, media = template_media(sample)
     text, spans = assistant_spans(messages, processor)
     proc_out = processor(text=[text], **_media_kwargs(media), return_tensors="pt", add_special_tokens=False)
+    if hasattr(family, "processor_outputs"):  # the family's layout for batching (e.g. padded anyres tiles dropped)
+        proc_out = family.processor_outputs(proc_out, processor)
     ids = proc_out["input_ids"][0].to(torch.long)
     plain = processor.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     visual = media_token_ids(processor)
@@ -259,6 +261,8 @@ def dummy_row(unit: ModalityUnit, processor, family: Any = None) -> Encoded:
 
     out = processor(text=[unit.prompt(processor, family)], **{unit.processor_kwarg: [unit.dummy_input(processor)]},
                     return_tensors="pt", add_special_tokens=False)
+    if hasattr(family, "processor_outputs"):
+        out = family.processor_outputs(out, processor)
     ids = out["input_ids"][0].to(torch.long)
     labels = torch.full_like(ids, IGNORE_INDEX)
     token_inputs, media_inputs = split_processor_outputs(out)

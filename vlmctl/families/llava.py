@@ -92,6 +92,7 @@ LLAVA = register(LlavaSpec(
     config_token_ids={"image_token_id": "<image>"},
     tiny_preset="tiny",
     compose=True,
+    fixed_image_tokens=True,  # one fixed-size view per image
     # Vision encoders LlavaModel cannot drive: they need inputs it does not pass.
     unsupported_vision={
         "siglip2_vision_model": "SigLIP2 NaFlex encoders need pixel_attention_mask/spatial_shapes, which LLaVA does not "

@@ -5,8 +5,8 @@
     spec = get_family(detect_family(config))   # by a checkpoint's config
     spec = compose_family()                    # the family `model.vision` + `model.llm` builds into
 
-Importing `vlmctl.families` imports every built-in family module (`llava`, `qwen_vl`, `idefics3`), each of which
-calls `register(spec)` once. The module paths of each family are documented in its module; `family_table()` lists
+Importing `vlmctl.families` imports every built-in family module (`llava`, `qwen_vl`, `idefics3`, `internvl`,
+`gemma3`, `llava_next`, `llava_onevision`, `qwen3_vl_moe`), each of which calls `register(spec)` once. The module paths of each family are documented in its module; `family_table()` lists
 them (`vlmctl model build --list` prints it).
 """
 
@@ -80,7 +80,8 @@ def compose_family() -> FamilySpec:
 def family_table() -> list[dict[str, Any]]:
     """One row per registered family, for listings (`vlmctl model build --list`): name, model class, model types,
     modalities (modality -> placeholder token), vision tower / projector / language model paths, layer classes,
-    liger patch, lmms-eval model, tiny preset, whether it composes, mRoPE, notes. JSON-serializable."""
+    liger patch, lmms-eval model, tiny preset, whether it composes, mRoPE, whether every image has the same number of
+    visual tokens, whether it packs, notes. JSON-serializable."""
     return [
         {
             "name": fam.name,
@@ -97,6 +98,8 @@ def family_table() -> list[dict[str, Any]]:
             "tiny_preset": fam.tiny_preset,
             "compose": fam.compose,
             "mrope": fam.mrope,
+            "fixed_image_tokens": fam.fixed_image_tokens,
+            "supports_packing": fam.supports_packing,
             "notes": fam.notes,
         }
         for fam in FAMILIES.values()

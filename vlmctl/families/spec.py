@@ -9,14 +9,16 @@ A `FamilySpec` holds everything that differs between VLM families, so no other m
 - the FSDP / activation-checkpointing units: `decoder_layer_classes`, `vision_layer_classes` (class names; empty:
   discovered from the loaded model);
 - modalities: the placeholder token per accepted modality (`modalities`), what a chat template writes for one
-  media part (`prompts`), the visual-token rule, extra `forward()` tensors (`image_grid_args`), position ids
-  (`mrope`, `position_hook`);
+  media part (`prompts`), the visual-token rule (`fixed_image_tokens` when the size does not matter), extra
+  `forward()` tensors (`image_grid_args`), the layout of one sample's processor outputs for batching
+  (`processor_outputs`), position ids (`mrope`, `position_hook`), whether packed rows work (`supports_packing`);
 - the build recipe of `model build`: tokenizer special tokens, config token ids, image / video processor classes
-  and the hooks below;
+  and the hooks below (`init_random` adjusts a random-init model);
 - integrations: liger-kernel patch, lmms-eval model name, sequence / tensor-parallel plans.
 
-Each family lives in its own module (`llava.py`, `qwen_vl.py`, `idefics3.py`), which documents its module paths,
-builds one spec (a subclass where a hook differs) and registers it (`vlmctl.families.registry`).
+Each family lives in its own module (`llava.py`, `qwen_vl.py`, `idefics3.py`, `internvl.py`, `gemma3.py`,
+`llava_next.py`, `llava_onevision.py`, `qwen3_vl_moe.py`), which documents its module paths, builds one spec (a
+subclass where a hook differs) and registers it (`vlmctl.families.registry`).
 docs/adding-a-family.md shows how to add one.
 
 Parts: a parameter belongs to the projector when its name starts with a projector path, else to the vision tower
@@ -78,6 +80,8 @@ class FamilySpec:
     visual_token_rule: VisualTokenRule = field(repr=False)
     image_grid_args: tuple[str, ...] = ()  # extra forward() tensors that come with pixel_values
     mrope: bool = False  # position ids are (3, batch, seq): temporal/height/width (model.get_rope_index)
+    fixed_image_tokens: bool = False  # every image becomes the same number of visual tokens, whatever its size
+    supports_packing: bool = True  # False: the model cannot take packed rows (`train.packing` falls back to padding)
     # -- build recipe (`model build`)
     special_tokens: tuple[str, ...] = ()  # tokens a locally trained tokenizer must have for this family's processor
     extra_special_tokens: Mapping[str, str] = field(default_factory=dict)  # tokenizer attribute -> token (e.g. video_token)
@@ -135,6 +139,11 @@ class FamilySpec:
         family needs, or None when the collator's (1, T) per-sample positions are right as they are."""
         return None
 
+    def processor_outputs(self, outputs: Mapping[str, Any], processor: Any) -> Mapping[str, Any]:
+        """One sample's processor `outputs` in the layout the collator batches: media tensors with images (or their
+        tiles) along dim 0, or Idefics3-style per-sample stacks [1, n, ...]. Default: unchanged."""
+        return outputs
+
     # ---- build recipe: whole-model presets
 
     def image_processor(self, **kwargs: Any):
@@ -160,6 +169,10 @@ class FamilySpec:
     def default_image_size(self, image_processor: Any) -> int | None:
         """The image side (px) reported in the build summary when the processor has no fixed height (default: None)."""
         return None
+
+    def init_random(self, model: "torch.nn.Module") -> None:
+        """Adjust a freshly initialized model of a random-init build in place, where transformers' own
+        initialization would keep images from reaching the loss (default: nothing)."""
 
     def preset_processor(self, tokenizer: Any, chat_template: str | None, kwargs: Mapping[str, Any], config: Mapping[str, Any]):
         """The processor of a whole-model preset: image processor from `kwargs` + `tokenizer` + `chat_template`."""
@@ -196,6 +209,15 @@ class FamilySpec:
         if video is not None:
             return cls(video_processor=video, **common)
         return _image_only(cls)(video_processor=None, **common)
+
+    def image_only_processor(self, ref: str, *, trust_remote_code: bool = False):
+        """The image-only variant of the family's processor class (see `make_processor`) loaded from the saved
+        processor at `ref` (a folder or Hub id), its settings (`image_seq_length`, ...) included: for processors that
+        own a video processor where torchvision is not installed."""
+        import transformers
+
+        cls = getattr(transformers, self.processor_class)
+        return _image_only(cls).from_pretrained(ref, trust_remote_code=trust_remote_code)
 
     # ---- build recipe: compose families (any vision encoder + any causal LM)
 

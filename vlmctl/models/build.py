@@ -33,7 +33,7 @@ from typing import Any
 from vlmctl.config.model import ModelSection
 from vlmctl.errors import ConfigError, ModelError
 from vlmctl.families import CLS_VISION_TYPES, FamilySpec, compose_family, count_parameters, get_family, has_cls_token
-from vlmctl.models.load import DTYPES, INFO_FILE, load_or_explain, silence_transformers, transformers_class
+from vlmctl.models.load import DTYPES, INFO_FILE, image_processor_class, load_or_explain, quiet_transformers, transformers_class
 from vlmctl.models.tokenizer import chatml_template, texts_from_prepared, train_tokenizer
 
 PRESET_DIR = Path(__file__).parent / "presets"
@@ -374,12 +374,10 @@ def _image_processor(ref: str | None, vision_config, image_size: int, trc: bool)
         except Exception:  # noqa: BLE001 - a config-only folder: build one below
             proc = None
     if proc is None:
-        from transformers import CLIPImageProcessor, SiglipImageProcessor
-
         if vision_config.model_type in CLS_VISION_TYPES:
-            proc = CLIPImageProcessor(size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size})
+            proc = image_processor_class("CLIPImageProcessor")(size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size})
         else:
-            proc = SiglipImageProcessor(size={"height": image_size, "width": image_size})
+            proc = image_processor_class("SiglipImageProcessor")(size={"height": image_size, "width": image_size})
     return proc
 
 
@@ -432,30 +430,57 @@ def build_model(
     out = Path(model.output_dir)
     if out.exists() and not force:
         raise ModelError(f"{out} already exists", hint="pass --force to rebuild it (the old folder is replaced), or set model.output_dir")
-    plan = plan_build(model)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
-        if plan.mode == "base":
-            info = _build_base(plan, tmp)
-        else:
-            processor = make_processor(plan, prepared_dir=prepared_dir, tokenizer_texts=tokenizer_texts)
-            vlm = make_model(plan, processor, seed=seed)
-            info = _info(plan, vlm, processor)
-            silence_transformers()
-            vlm.save_pretrained(tmp)
-            processor.save_pretrained(tmp)
-        (tmp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
-        _swap_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with quiet_transformers():
+        plan = plan_build(model)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        try:
+            if plan.mode == "base":
+                info = _build_base(plan, tmp)
+            else:
+                processor = make_processor(plan, prepared_dir=prepared_dir, tokenizer_texts=tokenizer_texts)
+                vlm = make_model(plan, processor, seed=seed)
+                info = _info(plan, vlm, processor)
+                save_model(vlm, tmp)
+                processor.save_pretrained(tmp)
+            (tmp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+            _swap_into_place(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return BuildResult(output_dir=out, family=info["family"], mode=info["mode"], parameters=info["parameters"],
                        visual_tokens_per_image=info.get("visual_tokens_per_image"), image_size=info.get("image_size"),
                        seconds=time.perf_counter() - start, info=info)
+
+
+def save_model(model, folder: Path) -> None:
+    """`model.save_pretrained(folder)` without importing DeepSpeed.
+
+    transformers unwraps the model through accelerate before saving, and accelerate imports DeepSpeed (when it is
+    installed) only to test `isinstance(model, DeepSpeedEngine)`: seconds of start-up and a "Setting accelerator to
+    CPU" warning on CPU machines. A model that is not already inside a DeepSpeed engine cannot be one, so the probe
+    is skipped unless DeepSpeed is already imported.
+    """
+    import sys
+
+    with quiet_transformers():
+        if "deepspeed" in sys.modules:
+            model.save_pretrained(folder)
+            return
+        try:
+            import accelerate.utils.other as unwrap
+        except ImportError:
+            model.save_pretrained(folder)
+            return
+        probe = getattr(unwrap, "is_deepspeed_available", None)
+        unwrap.is_deepspeed_available = lambda: False
+        try:
+            model.save_pretrained(folder)
+        finally:
+            unwrap.is_deepspeed_available = probe
 
 
 def _swap_into_place(tmp: Path, out: Path) -> None:
@@ -586,6 +611,7 @@ def make_model(plan: BuildPlan, processor, *, seed: int = 0):
     if plan.init == "random":
         torch.manual_seed(seed)
         vlm = instantiate(plan, tok)
+        plan.family.init_random(vlm)
         if plan.projector is not None and plan.projector.init is not None:
             plan.projector.init(vlm.get_submodule(plan.family.projector[0]))
         vlm = vlm.to(_torch_dtype(dtype))
@@ -606,12 +632,12 @@ def _compose_pretrained(plan: BuildPlan, tok, seed: int):
     import transformers
     from transformers import AutoModelForCausalLM
 
-    silence_transformers()
     torch_dtype = _torch_dtype(plan.section.dtype)
     trc = plan.trust_remote_code
     cfg = make_config(plan, tok)
-    vision = load_or_explain("vision encoder weights", plan.vision_ref, lambda: _load_vision(plan.vision_ref, plan.vision_config, torch_dtype, trc))
-    llm = load_or_explain("language model weights", plan.llm_ref, lambda: AutoModelForCausalLM.from_pretrained(plan.llm_ref, dtype=torch_dtype, trust_remote_code=trc))
+    with quiet_transformers():
+        vision = load_or_explain("vision encoder weights", plan.vision_ref, lambda: _load_vision(plan.vision_ref, plan.vision_config, torch_dtype, trc))
+        llm = load_or_explain("language model weights", plan.llm_ref, lambda: AutoModelForCausalLM.from_pretrained(plan.llm_ref, dtype=torch_dtype, trust_remote_code=trc))
     cfg.text_config = llm.config
     fam = plan.family
     with torch.device("meta"):
