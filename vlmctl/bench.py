@@ -242,19 +242,21 @@ def _measure(trainer, model_section, train, ctx, *, steps: int, warmup: int, log
 def benchmark(cfg, *, steps: int = 20, warmup: int = 3, spec: WorkloadSpec = WorkloadSpec(), log=print) -> BenchResult:
     """`vlmctl bench` for a project config: in this process for one process per node and one node, else one process
     per GPU through torchrun (`train.nproc_per_node`, auto = the visible GPUs), rank 0 handing the figures back
-    through a temporary folder. Raises UsageError for more than one node, VlmctlError when the ranks fail."""
+    through a temporary folder. Raises UsageError for more than one node, ConfigError for an optional package the
+    config needs that is missing (`train.launch.check_packages`), VlmctlError when the ranks fail."""
     import json
     import tempfile
     from pathlib import Path
 
     from vlmctl.config import dump_config
     from vlmctl.errors import UsageError, VlmctlError
-    from vlmctl.train.launch import clear_rank_env, launch_command, launch_env, resolve_nproc, spawn
+    from vlmctl.train.launch import check_packages, clear_rank_env, launch_command, launch_env, resolve_nproc, spawn
     from vlmctl.distributed.env import free_port
 
     train = cfg.train
     if train.nnodes > 1:
         raise UsageError("vlmctl bench runs on one node", hint="set train.nnodes=1 (tokens/s per GPU carry over to more nodes only approximately)")
+    check_packages(train)  # before any process starts (ConfigError)
     nproc = resolve_nproc(train.nproc_per_node)
     if nproc == 1:
         clear_rank_env()
@@ -284,8 +286,11 @@ def main(argv: list[str] | None = None) -> None:
     from pathlib import Path
 
     from vlmctl.config import load_config
-    from vlmctl.errors import VlmctlError, render
+    from vlmctl.distributed.process import exit_on_stop_signals, report_error, tie_to_launcher
+    from vlmctl.errors import VlmctlError
 
+    tie_to_launcher()  # no rank outlives `vlmctl bench`
+    exit_on_stop_signals()  # nothing to save: SIGTERM/SIGINT end a rank at once, quietly
     work = Path((sys.argv[1:] if argv is None else argv)[0])
     args = json.loads((work / "args.json").read_text())
     cfg = load_config(work / "config.yaml")
@@ -295,9 +300,7 @@ def main(argv: list[str] | None = None) -> None:
         result = run_bench(cfg.model, cfg.train, steps=args["steps"], warmup=args["warmup"], spec=spec,
                            log=(lambda msg: print(msg, flush=True)) if args.get("verbose", True) else (lambda msg: None))
     except VlmctlError as exc:
-        if rank == 0:
-            render(exc)
-        sys.exit(exc.exit_code)
+        sys.exit(report_error(exc))
     if rank == 0:
         tmp = work / "result.json.tmp"
         tmp.write_text(json.dumps(result.as_dict()))

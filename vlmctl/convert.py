@@ -567,6 +567,11 @@ def convert(
         ref_inputs = probe_inputs(processor)
         ref_logits = probe_logits(model, ref_inputs)
 
+    from functools import partial
+    from types import SimpleNamespace
+
+    from vlmctl.models.build import save_model
+
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -574,7 +579,7 @@ def convert(
         merged = False
         if adapter_only:
             say(f"saving the adapter ({dtype})")
-            model.save_pretrained(str(tmp))
+            save_model(model, tmp)  # without accelerate's DeepSpeed probe (its "Setting accelerator" warning)
             # peft writes a placeholder README; `vlmctl push` generates the real model card when README.md is absent.
             (tmp / "README.md").unlink(missing_ok=True)
             # The base is referenced by path or Hub id so that transformers/peft can load the adapter directly.
@@ -592,7 +597,8 @@ def convert(
                 merged = True
             model = model.to(_dtype(dtype))
             say(f"saving safetensors shards ({dtype}, max {max_shard_size} each)")
-            model.save_pretrained(str(tmp), max_shard_size=max_shard_size)
+            # save_model saves through `.save_pretrained(folder)`: hand it one that keeps the shard size
+            save_model(SimpleNamespace(save_pretrained=partial(model.save_pretrained, max_shard_size=max_shard_size)), tmp)
         processor.save_pretrained(str(tmp))
         _copy_extras(source, tmp)
         info = {

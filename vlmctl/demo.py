@@ -213,25 +213,25 @@ def train_stage(cfg, progress: ProgressFn | None = None, poll_s: float = 0.5) ->
 
     run_dir = L.prepare_run(cfg)
     launch = L.launch_command(cfg.train, run_dir)
-    log_path = run_dir / "train.log"
+    log_path = run_dir / L.TRAIN_LOG
     total = cfg.train.max_steps
     metrics = run_dir / "metrics.jsonl"
-    env = L.launch_env(cfg.train)
-    env["PYTHONUNBUFFERED"] = "1"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(launch.command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    running = L.Running(launch.command, env=L.launch_env(cfg.train), log_path=log_path, echo=False)
+    proc = running.proc
+    try:
+        while proc.poll() is None:
+            time.sleep(poll_s)
+            if progress:
+                progress("train", _last_step(metrics), total)
+    except BaseException:
+        proc.terminate()  # the launcher forwards SIGTERM to the workers, which stop cleanly
         try:
-            while proc.poll() is None:
-                time.sleep(poll_s)
-                if progress:
-                    progress("train", _last_step(metrics), total)
-        except BaseException:
-            proc.terminate()  # the launcher forwards SIGTERM to the workers, which stop cleanly
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            raise
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise
+    finally:
+        running.close()
     if proc.returncode != 0 or not (run_dir / "final" / "config.json").is_file():
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
         raise VlmctlError(f"training failed (exit code {proc.returncode}); last lines of {log_path}:\n{tail}",

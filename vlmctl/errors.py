@@ -55,9 +55,11 @@ class ModelError(VlmctlError):
 
 def panel(title: str, message: str, hint: str | None):
     """The rich panel of an error: `message`, then the hint after "Fix:"."""
+    from rich.markup import escape
     from rich.panel import Panel
 
-    body = message if not hint else f"{message}\n\n[bold]Fix:[/bold] {hint}"
+    # plain text: `vlmctl[tracking]` or a path with brackets must not be read as rich markup
+    body = escape(message) if not hint else f"{escape(message)}\n\n[bold]Fix:[/bold] {escape(hint)}"
     return Panel(body, title=f"[bold]{title}[/bold]", title_align="left", border_style="red")
 
 

@@ -258,6 +258,22 @@ def test_torchrun_fsdp_two_ranks_trains_and_checkpoints(fsdp_run):
 
 @pytest.mark.slow
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
+def test_every_run_folder_has_train_log_with_the_startup_table_and_step_lines(project, fsdp_run, capsys):
+    """torchrun (the reference run) and in-process runs copy the ranks' output into <run>/train.log while it
+    still reaches the console."""
+    log = (fsdp_run / "train.log").read_text()
+    assert "world size" in log and "strategy" in log and "fsdp" in log  # the start-up table
+    assert "step 1/8" in log and "step 8/8" in log and "tok/s" in log
+    code, out, err = run_cli_inprocess(["-c", str(project / "vlmctl.yaml"), "train", "--launcher", "none", "train.max_steps=2",
+                                        "train.save_steps=100", "train.strategy=ddp", "train.run_name=log-none"], capsys)
+    assert code == 0, out + err
+    log = (project / "runs" / "log-none" / "train.log").read_text()
+    assert "world size" in log and "step 2/2" in log and "tok/s" in log
+    assert "step 2/2" in out + err  # still on the console
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
 def test_text_only_rank_runs_a_dummy_image_and_does_not_hang(fsdp_run):
     # With every third sample text-only and 2 samples per rank, some steps give one rank only text: that rank
     # appends a zero-weighted dummy image so FSDP's collective gathers of the vision tower line up.

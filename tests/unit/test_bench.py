@@ -136,3 +136,28 @@ def test_bench_and_the_training_metrics_give_the_same_mfu_for_the_same_batches(m
     trainer.peak_flops = bench.DEFAULT_PEAK
     row = trainer._row(steps[1:], seconds=2.0)
     assert row["mfu"] == result.mfu
+
+
+def test_bench_ranks_tie_themselves_to_the_launcher(tmp_path, monkeypatch):
+    """A bench rank (`python -m vlmctl.bench WORKDIR`) dies with the launcher as a training rank does, and reports
+    its error through the ranks' one-panel path."""
+    import pytest
+
+    import vlmctl.bench as bench
+    import vlmctl.distributed.process as process
+    from vlmctl.errors import ConfigError
+
+    calls = []
+    monkeypatch.setattr(process, "tie_to_launcher", lambda: calls.append("tie"))
+    monkeypatch.setattr(process, "exit_on_stop_signals", lambda: calls.append("signals"))
+    monkeypatch.setattr(process, "report_error", lambda exc: calls.append(type(exc).__name__) or exc.exit_code)
+
+    def failing(*args, **kwargs):
+        raise ConfigError("nope")
+
+    monkeypatch.setattr(bench, "run_bench", failing)
+    (tmp_path / "config.yaml").write_text("model: {preset: tiny-qwen2.5-vl, init: random}\n")
+    (tmp_path / "args.json").write_text(json.dumps({"steps": 1, "warmup": 0, "image_sizes": [28], "text_tokens": [8, 16]}))
+    with pytest.raises(SystemExit) as exc:
+        bench.main([str(tmp_path)])
+    assert exc.value.code == 2 and calls == ["tie", "signals", "ConfigError"]

@@ -47,6 +47,9 @@ def eval_cmd(
 
     cfg = load_project(config, overrides)
     ev = cfg.eval
+    from vlmctl.evaluation.runner import preflight
+
+    preflight(backend=None if lmms_eval else (backend or ev.backend), lmms_eval=bool(lmms_eval))  # before loading anything
     model_dir = Path(positionals[0]) if positionals else evaluation.default_model_dir(cfg.train.output_dir, cfg.model.output_dir)
     model_dir = model_dir.expanduser().resolve()
     label = model_dir.parent.name if model_dir.name == "final" else model_dir.name

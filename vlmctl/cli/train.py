@@ -75,7 +75,7 @@ def _run(train_cfg, run_dir) -> None:
         info(text if submitted else f"sbatch is not available here; submit the script with: sbatch {text}")
         return
     info(f"[dim]{launch.render()}[/dim]")
-    code, signum = L.spawn(launch.command, env=L.launch_env(train_cfg))
+    code, signum = L.spawn(launch.command, env=L.launch_env(train_cfg), log_path=run_dir / L.TRAIN_LOG)
     if signum is not None:
         _stopped(run_dir, signum)
         raise typer.Exit(code=128 + signum)

@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any
 from vlmctl.errors import ConfigError, UsageError
 
 WORKER_MODULE = "vlmctl.train.worker"
+TRAIN_LOG = "train.log"  # the ranks' combined output, in every run folder
 
 
 def resolve_nproc(value: int | str) -> int:
@@ -111,14 +113,57 @@ def prepare_run(cfg, resume: bool = False) -> Path:
     return run_dir
 
 
+def require_package(module: str, setting: str, *, package: str | None = None, extra: str | None = None,
+                    error: type = ConfigError) -> None:
+    """Raise `error` (ConfigError unless given) naming `setting` when `module` cannot be imported here; the hint
+    installs it through vlmctl's optional dependency `extra` (pyproject.toml) or as `package`. Looks the module up
+    with `importlib.util.find_spec`, without importing it."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken install counts as missing
+        found = False
+    if not found:
+        package = package or module
+        install = f"pip install 'vlmctl[{extra}]'" if extra else f"pip install {package}"
+        raise error(f"{setting} needs the {package} package, which is not installed",
+                    hint=f"{install}, or change {setting.split('=')[0]}")
+
+
+def required_packages(train) -> list[tuple[str, str, str | None, str | None]]:
+    """The optional packages `train` (a TrainSection) needs, as (module, setting, pip package, extra)."""
+    needs = [(tracker, f"train.report_to={tracker}", None, "tracking") for tracker in train.report_to]
+    if train.strategy in ("zero2", "zero3"):
+        needs.append(("deepspeed", f"train.strategy={train.strategy}", None, "deepspeed"))
+    if train.liger == "on":
+        needs.append(("liger_kernel", "train.liger=on", "liger-kernel", "gpu"))
+    if train.attn_implementation == "flash_attn":
+        needs.append(("flash_attn", "train.attn_implementation=flash_attn", "flash-attn", "flash"))
+    if train.lora is not None:
+        needs.append(("peft", "train.lora", None, None))
+        if train.lora.quantize != "none":
+            needs.append(("bitsandbytes", f"train.lora.quantize={train.lora.quantize}", None, None))
+    return needs
+
+
+def check_packages(train) -> None:
+    """Raise ConfigError (exit 2) for the first optional package `train` needs that is not installed
+    (`required_packages`), before any process starts."""
+    for module, setting, package, extra in required_packages(train):
+        require_package(module, setting, package=package, extra=extra)
+
+
 def preflight(cfg, run_dir: Path | None = None) -> None:
-    """Fail before spawning processes when the prepared data or the model is missing (DataError / ModelError), or
-    when the checkpoint a resumed run (`run_dir`) would load is damaged or refused (`checkpoints.check_checkpoint`,
-    CheckpointError naming the file)."""
+    """Fail before spawning processes when an optional package the config needs is missing (ConfigError,
+    `check_packages`), the prepared data or the model is missing (DataError / ModelError), or when the checkpoint
+    a resumed run (`run_dir`) would load is damaged or refused (`checkpoints.check_checkpoint`, CheckpointError
+    naming the file)."""
     from vlmctl.errors import DataError
     from vlmctl.train.checkpoint import resolve_resume
     from vlmctl.train.setup import model_source
 
+    check_packages(cfg.train)
     train_dir = Path(cfg.data.prepared_dir) / "train"
     if not any(train_dir.glob("*.parquet")):
         raise DataError(f"no prepared training shards in {train_dir}", hint="run `vlmctl data prepare` first")
@@ -259,13 +304,56 @@ def _has_cuda() -> bool:
         return False
 
 
-def spawn(command: list[str], env: dict[str, str] | None = None) -> tuple[int, int | None]:
-    """Run `command` (a process agent) in a session of its own, streaming its output. SIGTERM/SIGINT go to the
-    ranks under it (`process.signal_ranks`): they finish the step, save a checkpoint and exit. A second signal
-    kills the whole session at once. Returns (exit code, the first signal received or None)."""
+class Running:
+    """A launched process agent in a session of its own, its output (stdout and stderr) copied line by line into
+    `log_path` (appended) and, with `echo`, to this process's stdout and stderr. `close()` waits for the copies
+    to end (the pipes close when the last rank exits) and closes the log."""
+
+    def __init__(self, command: list[str], env: dict[str, str] | None = None, log_path: Path | None = None,
+                 echo: bool = True):
+        self.log = Path(log_path).open("ab") if log_path is not None else None
+        piped = subprocess.PIPE if self.log is not None else None
+        if self.log is not None:
+            env = dict(os.environ if env is None else env)
+            env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the log as they are printed
+            env.setdefault("COLUMNS", str(shutil.get_terminal_size().columns))  # rich tables as wide as the terminal
+        self.proc = subprocess.Popen(command, env=env, start_new_session=True, stdout=piped, stderr=piped)
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._copy, args=(pipe, sink if echo else None), daemon=True)
+                         for pipe, sink in ((self.proc.stdout, sys.stdout), (self.proc.stderr, sys.stderr)) if pipe]
+        for thread in self._threads:
+            thread.start()
+
+    def _copy(self, pipe, sink) -> None:
+        for line in iter(pipe.readline, b""):
+            with self._lock:
+                self.log.write(line)
+                self.log.flush()
+                if sink is not None:
+                    try:
+                        sink.write(line.decode(errors="replace"))
+                        sink.flush()
+                    except (OSError, ValueError):  # the console is gone: keep the log going
+                        pass
+        pipe.close()
+
+    def close(self, timeout: float = 10.0) -> None:
+        for thread in self._threads:
+            thread.join(timeout)
+        if self.log is not None:
+            with self._lock:
+                self.log.close()
+
+
+def spawn(command: list[str], env: dict[str, str] | None = None, log_path: Path | None = None) -> tuple[int, int | None]:
+    """Run `command` (a process agent) in a session of its own, streaming its output (and, with `log_path`,
+    copying it there: `Running`). SIGTERM/SIGINT go to the ranks under it (`process.signal_ranks`): they finish
+    the step, save a checkpoint and exit. A second signal kills the whole session at once. Returns (exit code,
+    the first signal received or None)."""
     from vlmctl.distributed.process import signal_ranks
 
-    proc = subprocess.Popen(command, env=env, start_new_session=True)
+    running = Running(command, env=env, log_path=log_path)
+    proc = running.proc
     received: list[int] = []
 
     def forward(signum, frame):
@@ -284,12 +372,55 @@ def spawn(command: list[str], env: dict[str, str] | None = None) -> tuple[int, i
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        running.close()
     return code, (received[0] if received else None)
 
 
+class _Tee:
+    """A text stream writing to `stream` and to the binary `log` (shared lock: whole writes stay together)."""
+
+    def __init__(self, stream, log, lock: threading.Lock):
+        self.stream, self.log, self.lock = stream, log, lock
+
+    def write(self, text: str) -> int:
+        with self.lock:
+            self.log.write(text.encode(errors="replace"))
+            self.log.flush()
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:  # plain lines, as a launched rank writes them into its pipe
+        return False
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
+class tee_output:
+    """`with tee_output(path):` copy this process's sys.stdout and sys.stderr into `path` (appended) while they
+    still reach the console; the in-process counterpart of `Running`."""
+
+    def __init__(self, log_path: Path):
+        self.log_path = Path(log_path)
+
+    def __enter__(self):
+        self.log = self.log_path.open("ab")
+        self.saved = sys.stdout, sys.stderr
+        lock = threading.Lock()
+        sys.stdout, sys.stderr = _Tee(sys.stdout, self.log, lock), _Tee(sys.stderr, self.log, lock)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.stdout, sys.stderr = self.saved
+        self.log.close()
+
+
 def run_in_process(run_dir: Path) -> str:
-    """`--launcher none`: run the worker in this process (one rank). Returns the worker's outcome ("done",
-    "stopped" after SIGTERM, "interrupted" after SIGINT); the caller reports a stop."""
+    """`--launcher none`: run the worker in this process (one rank), its output copied into `<run>/train.log`.
+    Returns the worker's outcome ("done", "stopped" after SIGTERM, "interrupted" after SIGINT); the caller
+    reports a stop."""
     from vlmctl.distributed.process import LAUNCHER_ENV
     from vlmctl.train.worker import run
 
@@ -297,7 +428,8 @@ def run_in_process(run_dir: Path) -> str:
     previous = os.environ.get(LAUNCHER_ENV)
     os.environ[LAUNCHER_ENV] = str(os.getpid())  # this process is the launcher: it reports a stop
     try:
-        return run(run_dir)
+        with tee_output(Path(run_dir) / TRAIN_LOG):
+            return run(run_dir)
     finally:
         if previous is None:
             os.environ.pop(LAUNCHER_ENV, None)

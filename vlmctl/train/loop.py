@@ -286,7 +286,7 @@ class Trainer:
 
     def _train(self) -> str:
         interval: list[StepResult] = []
-        t0 = time.monotonic()
+        t0, paused = time.monotonic(), 0.0  # paused: seconds of the interval spent saving, not training
         while self.state.step < self.total_steps:
             result = self.train_step()
             self.state.step += 1
@@ -300,16 +300,22 @@ class Trainer:
             step = self.state.step
             row = None
             if step % self.logging_steps == 0 or step == self.total_steps or result.stop:
-                row = self._row(interval, time.monotonic() - t0)
+                row = self._row(interval, time.monotonic() - t0 - paused, save_s=paused)
                 self.log(row)
-                interval, t0 = [], time.monotonic()
+                interval, t0, paused = [], time.monotonic(), 0.0
             self.progress.update(step, row)
             if result.stop:
                 self.save(step, self.state, "signal")
                 return "stopped"
             if step % self.save_steps == 0 or step == self.total_steps:
-                self.save(step, self.state, "interval")
+                paused += self._timed_save(step, "interval")
         return "done"
+
+    def _timed_save(self, step: int, reason: str) -> float:
+        """`save` a checkpoint; returns its seconds, which the next metrics row leaves out of its throughput."""
+        start = time.monotonic()
+        self.save(step, self.state, reason)
+        return time.monotonic() - start
 
     @property
     def dp_size(self) -> int:
@@ -389,7 +395,9 @@ class Trainer:
             stats[6:] = flag
         return stats
 
-    def _row(self, interval: list[StepResult], seconds: float) -> dict[str, Any]:
+    def _row(self, interval: list[StepResult], seconds: float, save_s: float = 0.0) -> dict[str, Any]:
+        """The metrics row of `interval`: `seconds` of training (checkpoint time excluded), `save_s` the seconds
+        spent saving in the interval (reported apart so tokens/s after a checkpoint stays comparable)."""
         import torch
 
         last = interval[-1]
@@ -420,6 +428,7 @@ class Trainer:
             "text_tokens_per_s": text / max(seconds, 1e-9),
             "visual_tokens_per_s": visual / max(seconds, 1e-9),
             "step_time_s": seconds / n,
+            "save_s": round(save_s, 3),
             "mfu": mfu,
             "memory_gib": memory,
             "dummy_images": sum(r.dummy_images for r in interval),

@@ -56,14 +56,14 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as exc:
                 raise ConfigError("train.report_to has tensorboard but the package is not installed",
-                                  hint="pip install tensorboard, or remove it from train.report_to") from exc
+                                  hint="pip install 'vlmctl[tracking]', or remove it from train.report_to") from exc
             self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
         if "wandb" in report_to:
             try:
                 import wandb
             except ImportError as exc:
                 raise ConfigError("train.report_to has wandb but the package is not installed",
-                                  hint="pip install wandb, or remove it from train.report_to") from exc
+                                  hint="pip install 'vlmctl[tracking]', or remove it from train.report_to") from exc
             self._wandb = wandb.init(project=project, name=run_name, id=run_name.replace("/", "-"), resume="allow",
                                      dir=str(run_dir), config=config)
 
@@ -142,6 +142,8 @@ def format_row(row: dict[str, Any]) -> str:
         parts.append(f"MFU {100 * row['mfu']:.1f}%")
     if row.get("memory_gib") is not None:
         parts.append(f"mem {row['memory_gib']:.1f} GiB")
+    if row.get("save_s"):
+        parts.append(f"checkpoint {row['save_s']:.1f} s")
     return " | ".join(parts)
 
 
