@@ -367,3 +367,27 @@ def test_fp32_on_cuda_picks_sdpa_and_refuses_the_bf16_only_kernels():
     assert resolve_attention(TrainSection(precision="fp32"), cuda) == "sdpa"
     with pytest.raises(ConfigError, match="bf16"):
         resolve_attention(TrainSection(precision="fp32", attn_implementation="varlen"), cuda)
+
+
+def test_the_launcher_turns_the_ranks_step_lines_into_one_progress_bar_on_a_terminal():
+    import io
+
+    from rich.console import Console
+
+    from vlmctl.train.launch import ConsoleEcho
+
+    echo, out, stream = ConsoleEcho(), io.StringIO(), io.StringIO()
+    echo.console = Console(file=out, force_terminal=True)
+    echo.write("starting\n", stream)
+    echo.write("step 2/8 loss 1.2345 | lr 1.00e-04 eta 12s\n", stream)
+    echo.write("saved checkpoint-2\n", stream)
+    echo.write("step 4/8 loss 0.9000 | lr 1.00e-04 eta 6s\n", stream)
+    echo.close()
+    assert stream.getvalue() == "starting\n"  # before the bar: passed through as it came
+    assert echo.bar.tasks[0].completed == 4 and echo.bar.tasks[0].total == 8
+    assert echo.bar.tasks[0].fields["info"] == "loss 0.9000 | lr 1.00e-04"
+    assert "saved checkpoint-2" in out.getvalue()
+    # off a terminal every line passes through unchanged
+    plain, stream = ConsoleEcho(), io.StringIO()
+    plain.write("step 2/8 loss 1.2 eta 1s\n", stream)
+    assert stream.getvalue() == "step 2/8 loss 1.2 eta 1s\n" and plain.bar is None

@@ -13,6 +13,7 @@ they fail (`vlmctl.distributed.process`). Run folders are unique and locked whil
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -304,6 +305,46 @@ def _has_cuda() -> bool:
         return False
 
 
+STEP_LINE = re.compile(r"step (\d+)/(\d+) (.*) eta \d+s")
+"""The plain progress line a rank prints when its output is not a terminal (`metrics.Progress`)."""
+
+
+class ConsoleEcho:
+    """Shows a launched run's output on this terminal: the ranks write plain lines into a pipe (so that train.log
+    holds no control codes), and their `step N/M ...` lines drive one rich progress bar here; every other line is
+    printed above it. Off a terminal, lines pass through unchanged."""
+
+    def __init__(self):
+        from rich.console import Console
+
+        self.console = Console(highlight=False)
+        self.bar = None
+        self.task = None
+
+    def write(self, text: str, stream) -> None:
+        match = STEP_LINE.fullmatch(text.rstrip("\n")) if self.console.is_terminal else None
+        if match is None:
+            if self.bar is None:
+                stream.write(text)
+                stream.flush()
+            else:
+                self.bar.console.print(text.rstrip("\n"), markup=False, highlight=False, soft_wrap=True)
+            return
+        step, total, info = int(match[1]), int(match[2]), match[3]
+        if self.bar is None:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                                TimeRemainingColumn(), console=self.console)
+            self.task = self.bar.add_task("train", total=total, completed=step, info=info)
+            self.bar.start()
+        self.bar.update(self.task, completed=step, total=total, info=info)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
 class Running:
     """A launched process agent in a session of its own, its output (stdout and stderr) copied line by line into
     `log_path` (appended) and, with `echo`, to this process's stdout and stderr. `close()` waits for the copies
@@ -319,6 +360,7 @@ class Running:
             env.setdefault("COLUMNS", str(shutil.get_terminal_size().columns))  # rich tables as wide as the terminal
         self.proc = subprocess.Popen(command, env=env, start_new_session=True, stdout=piped, stderr=piped)
         self._lock = threading.Lock()
+        self._echo = ConsoleEcho() if echo else None
         self._threads = [threading.Thread(target=self._copy, args=(pipe, sink if echo else None), daemon=True)
                          for pipe, sink in ((self.proc.stdout, sys.stdout), (self.proc.stderr, sys.stderr)) if pipe]
         for thread in self._threads:
@@ -331,8 +373,7 @@ class Running:
                 self.log.flush()
                 if sink is not None:
                     try:
-                        sink.write(line.decode(errors="replace"))
-                        sink.flush()
+                        self._echo.write(line.decode(errors="replace"), sink)
                     except (OSError, ValueError):  # the console is gone: keep the log going
                         pass
         pipe.close()
@@ -340,6 +381,8 @@ class Running:
     def close(self, timeout: float = 10.0) -> None:
         for thread in self._threads:
             thread.join(timeout)
+        if self._echo is not None:
+            self._echo.close()
         if self.log is not None:
             with self._lock:
                 self.log.close()
