@@ -182,3 +182,12 @@ def test_a_bad_override_is_blamed_on_the_command_line_not_the_file(write_config)
         load_config(bad, ["data.val_ratio=2"])
     assert f"{bad} is invalid" in exc.value.message and "(command-line override 'data.val_ratio=2')" in exc.value.message
     assert "unknown key train.max_stepz: did you mean train.max_steps?\n" in exc.value.message + "\n"
+
+
+def test_bare_on_and_off_in_yaml_or_overrides_mean_the_words(write_config):
+    from vlmctl.config import load_config
+
+    cfg = load_config(write_config("project: {name: p}\ntrain: {liger: on, compile_vision: off}\n"))
+    assert (cfg.train.liger, cfg.train.compile_vision) == ("on", "off")
+    cfg = load_config(write_config("project: {name: p}\n"), ["train.liger=off", "train.compile_vision=on"])
+    assert (cfg.train.liger, cfg.train.compile_vision) == ("off", "on")

@@ -81,6 +81,12 @@ class TrainSection(Section):
     output_dir: ProjectPath = Field(Path("outputs/runs"), description="Where run folders (config, checkpoints, metrics, final export) go.")
     seed: int = Field(0, ge=0, description="Training seed (initialization, data order, dropout).")
 
+    @field_validator("liger", "compile_vision", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value):
+        """YAML 1.1 reads a bare `on` / `off` as a boolean: take it as the word the user typed."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
     @field_validator("run_name")
     @classmethod
     def _safe_run_name(cls, value: str | None) -> str | None:
