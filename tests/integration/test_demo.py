@@ -84,6 +84,7 @@ def test_demo_reduced_runs_every_stage(tmp_path, capsys):
     args = ["demo", str(folder), "--num-samples", "240", "train.max_steps=6", "train.save_steps=3", "train.logging_steps=1"]
     code, out, err = run(args, capsys)
     assert code == 0, err + out
+    assert "✓ train (" in out and "✓ eval on the val split (" in out  # off a terminal, one line per stage as it ends
     summary = json.loads((folder / "outputs" / "demo_summary.json").read_text())
     assert list(summary["stage_seconds"]) == ["init", "prepare", "build", "train", "eval"]
     assert all(s > 0 for s in summary["stage_seconds"].values())

@@ -58,6 +58,8 @@ def demo(
             bar.update(tasks[stage], total=t.total or 1, completed=t.total or 1,
                        description=f"[green]✓[/green] {LABELS[stage]} ({seconds:.0f} s)")
             bar.stop_task(tasks[stage])
+            if not console.is_terminal and not quiet:  # piped or logged: the bar draws only at the end
+                console.print(f"✓ {LABELS[stage]} ({seconds:.0f} s)")
             following = STAGES[STAGES.index(stage) + 1:] if stage in STAGES else ()
             if following:
                 start(following[0])
