@@ -165,3 +165,37 @@ def test_bad_input_is_caught_before_weights(hub, tmp_path, monkeypatch):
     with pytest.raises(ModelError, match="Hub is unreachable"):
         load_model("nobody/no-such-vlm")
     assert not out.exists()
+
+
+def test_pixel_shuffle_composes_pretrained_siglip_and_llama_into_idefics3(hub, tmp_path):
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    from vlmctl.models import build_model
+
+    section = ModelSection(vision=str(hub / "siglip"), llm=str(hub / "llama"), projector="pixel_shuffle",
+                           chat_template=str(hub / "chat.jinja"), output_dir=tmp_path / "ps", dtype="fp32")
+    result = build_model(section)
+    assert result.family == "idefics3" and result.info["model_class"] == "Idefics3ForConditionalGeneration"
+    model, processor, batch = _roundtrip(result.output_dir)
+    # The pretrained weights are carried: SigLIP's vision model (without its `vision_model.` prefix) and the LLM.
+    vsrc = AutoModel.from_pretrained(hub / "siglip").vision_model
+    assert torch.equal(model.model.vision_model.encoder.layers[0].mlp.fc1.weight, vsrc.encoder.layers[0].mlp.fc1.weight)
+    assert torch.equal(model.model.vision_model.post_layernorm.weight, vsrc.post_layernorm.weight)
+    src_llm = AutoModelForCausalLM.from_pretrained(hub / "llama")
+    assert torch.equal(model.model.text_model.layers[1].mlp.down_proj.weight, src_llm.model.layers[1].mlp.down_proj.weight)
+    # 32 px / patch 8 = 4 x 4 patches -> 2 x 2 tokens per view; the (40 x 30) image is split into tiles + a global view.
+    assert processor.image_seq_len == 4
+    from vlmctl.families import get_family
+
+    assert int((batch["input_ids"] == model.config.image_token_id).sum()) == get_family(result.family).num_visual_tokens(40, 30, processor)
+    out = model.generate(**batch, max_new_tokens=3, do_sample=False)
+    assert out.shape[1] > batch["input_ids"].shape[1]
+
+
+def test_pixel_shuffle_refuses_a_clip_encoder_before_weights(hub, tmp_path):
+    from vlmctl.models import build_model
+
+    with pytest.raises(ModelError, match="SigLIP"):
+        build_model(ModelSection(vision=str(hub / "clip"), llm=str(hub / "qwen2"), projector="pixel_shuffle", output_dir=tmp_path / "x"))
+    assert not (tmp_path / "x").exists()

@@ -72,7 +72,7 @@ def test_compose_refuses_naflex_encoders(tmp_path):
 
 
 def test_families_that_do_not_compose_say_so():
-    spec = get_family("idefics3")
+    spec = get_family("gemma3")  # idefics3 composes (model.projector=pixel_shuffle)
     assert not spec.compose
     with pytest.raises(ModelError, match="does not compose"):
         spec.compose_config(None, None, token_ids={}, feature_layer=-1, feature_strategy="full", projector_config={})

@@ -13,7 +13,8 @@ from vlmctl.config.base import ModelRef, ProjectPath, Section
 class ModelSection(Section):
     vision: ModelRef | None = Field(None, description="Vision encoder: Hub id, local path, or a size preset name with init: random (compose mode).")
     llm: ModelRef | None = Field(None, description="Causal language model: Hub id, local path, or a size preset name with init: random (compose mode).")
-    projector: Literal["mlp2x_gelu", "linear"] = Field("mlp2x_gelu", description="Projector from visual features to the LLM's embedding space (compose mode).")
+    projector: Literal["mlp2x_gelu", "linear", "pixel_shuffle"] = Field("mlp2x_gelu", description="Connector from visual features to the LLM's embedding space (compose mode): mlp2x_gelu / linear build LLaVA (one token per patch); pixel_shuffle builds Idefics3 (patches / pixel_shuffle_scale**2 tokens per view; SigLIP encoders only).")
+    pixel_shuffle_scale: int = Field(2, ge=1, description="model.projector=pixel_shuffle: side of the patch blocks merged into one visual token (2: 4 patches per token); must divide the encoder's patch grid.")
     base: ModelRef | None = Field(None, description="Existing VLM to fine-tune: Hub id, local path, or a preset name with init: random.")
     preset: str | None = Field(None, description="Whole-model size preset for init: random (e.g. tiny, qwen2.5-vl-3b); see `vlmctl model build --help`.")
     init: Literal["pretrained", "random"] = Field("pretrained", description="pretrained: load weights; random: build from configs only (no downloads).")
@@ -31,4 +32,6 @@ class ModelSection(Section):
     def _one_mode(self) -> "ModelSection":
         if self.base is not None and (self.vision is not None or self.llm is not None):
             raise ValueError("set either model.base (fine-tune an existing VLM) or model.vision + model.llm (compose), not both")
+        if "pixel_shuffle_scale" in self.model_fields_set and self.projector != "pixel_shuffle":
+            raise ValueError("model.pixel_shuffle_scale applies to model.projector=pixel_shuffle only")
         return self

@@ -12,6 +12,9 @@ Module paths (transformers 5.23, checked by tests/unit/test_families_idefics3.py
 Images only: each image is split into tiles of the encoder's size plus one global view; every tile becomes
 `image_seq_len` `<image>` tokens (patches / scale_factor**2 after pixel shuffle), framed by text markers
 (`<fake_token_around_image>`, `<row_i_col_j>`, `<global-img>`). The decoder layer class is discovered.
+
+Compose mode: `model.projector: pixel_shuffle` (`model.pixel_shuffle_scale`) builds a SigLIP encoder and any LLM
+that `AutoModel` knows into this class (`Idefics3Spec.check_compose` refuses the rest).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from vlmctl.errors import ModelError
 from vlmctl.families.registry import register
 from vlmctl.families.spec import FamilySpec, setting, split_source
 
@@ -75,8 +79,74 @@ def idefics3_tokens(width: int, height: int, source: Any) -> int:
     return seq_len * (rows * cols + 1)
 
 
+COMPOSE_VISION_TYPES = frozenset({"siglip_vision_model", "idefics3_vision"})
+"""Vision encoder `model_type`s whose weights load into Idefics3's vision model (SigLIP's layout: Conv2d patch
+embedding, learned position table, pre-norm encoder, post-layernorm; Idefics3's own is a copy of it)."""
+
+VISION_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels",
+               "image_size", "patch_size", "hidden_act", "layer_norm_eps", "attention_dropout")
+"""The `Idefics3VisionConfig` settings read from a SigLIP vision config (same names, same meaning)."""
+
+
 class Idefics3Spec(FamilySpec):
-    """Idefics3's build recipe: tile settings of the image processor, `image_seq_len` of the processor."""
+    """Idefics3's build recipe: tile settings of the image processor, `image_seq_len` of the processor, and the
+    compose recipe of `model.projector: pixel_shuffle` (any SigLIP encoder + any LLM `AutoModel` knows)."""
+
+    def check_compose(self, vision_config: Any, text_config: Any, vision_ref: str, llm_ref: str) -> None:
+        """Idefics3's vision model takes SigLIP-shaped encoders only, and its `text_model` is
+        `AutoModel.from_config(text_config)` (transformers `modeling_idefics3.py`, 5.23): an LLM without a base-model
+        class there cannot load without remote code. Raises ModelError naming the part and the fix."""
+        from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+        vtype = setting(vision_config, "model_type", default="?")
+        if vtype not in COMPOSE_VISION_TYPES:
+            raise ModelError(
+                f"model.vision={vision_ref!r} is a {vtype!r} encoder; model.projector=pixel_shuffle builds "
+                f"{self.model_class}, whose vision model has SigLIP's layout and loads SigLIP weights only",
+                hint="use a SigLIP vision encoder (model_type siglip / siglip_vision_model, e.g. "
+                "google/siglip-so400m-patch14-384), or model.projector=mlp2x_gelu for this encoder",
+            )
+        ttype = setting(text_config, "model_type", default="?")
+        if ttype not in MODEL_MAPPING_NAMES:
+            raise ModelError(
+                f"model.llm={llm_ref!r} ({ttype}) has no base-model class in transformers, which "
+                f"{self.model_class} builds its text model with (AutoModel)",
+                hint="use an LLM transformers ships (Llama, Qwen2/2.5/3, Mistral, Gemma, SmolLM, ...), or "
+                "model.projector=mlp2x_gelu",
+            )
+
+    def compose_config(self, vision_config: Any, text_config: Any, *, token_ids: Mapping[str, int], feature_layer: int,
+                       feature_strategy: str, projector_config: Mapping[str, Any]):
+        """`Idefics3Config` joining a SigLIP vision config (copied into `Idefics3VisionConfig`) and any LLM config.
+        `projector_config` holds `scale_factor`. The vision features are the encoder's last layer after its
+        post-layernorm (Idefics3 has no feature-layer setting)."""
+        import transformers
+
+        vision = transformers.Idefics3VisionConfig(**{k: getattr(vision_config, k) for k in VISION_KEYS if hasattr(vision_config, k)})
+        return getattr(transformers, self.config_class)(
+            vision_config=vision, text_config=text_config, scale_factor=int(projector_config["scale_factor"]),
+            tie_word_embeddings=bool(getattr(text_config, "tie_word_embeddings", False)), **token_ids,
+        )
+
+    def compose_processor(self, tokenizer: Any, image_processor: Any, vision_config: Any, feature_strategy: str,
+                          chat_template: str | None, projector_config: Mapping[str, Any] | None = None):
+        """`Idefics3Processor`: tiles of the encoder's size (`max_image_size`), images resized to at most 4 tiles a
+        side first (SmolVLM's ratio), the encoder's normalization; the tile markers are added to the tokenizer as
+        single tokens. `image_seq_len` = (image_size / patch_size)**2 / scale_factor**2."""
+        import transformers
+
+        tile = int(vision_config.image_size)
+        scale = int((projector_config or {}).get("scale_factor", 2))
+        improc = getattr(transformers, self.image_processor_class)(
+            do_image_splitting=True, size={"longest_edge": 4 * tile}, max_image_size={"longest_edge": tile},
+            image_mean=getattr(image_processor, "image_mean", None) or [0.5, 0.5, 0.5],
+            image_std=getattr(image_processor, "image_std", None) or [0.5, 0.5, 0.5],
+        )
+        missing = [t for t in ("<global-img>", *ROW_COL_TOKENS) if t not in tokenizer.get_vocab()]
+        if missing:
+            tokenizer.add_tokens(missing, special_tokens=True)
+        return self.make_processor(tokenizer, improc, chat_template,
+                                   image_seq_len=(tile // int(vision_config.patch_size)) ** 2 // scale**2)
 
     def processor_kwargs(self, config: Mapping[str, Any]) -> dict[str, Any]:
         """`image_seq_len` = (image_size / patch_size)**2 / scale_factor**2 (Idefics3Processor docstring)."""
@@ -111,6 +181,9 @@ IDEFICS3 = register(Idefics3Spec(
     config_token_ids={"image_token_id": "<image>"},
     image_processor_class="Idefics3ImageProcessor",
     tiny_preset="tiny-idefics3",
+    compose=True,
+    compose_projectors=("pixel_shuffle",),
     lmms_model="idefics2",
-    notes="SmolVLM (v1). Images are split into tiles + a global view; pixel shuffle (scale_factor) in the connector.",
+    notes="SmolVLM (v1). Images are split into tiles + a global view; pixel shuffle (scale_factor) in the connector. "
+    "model.projector=pixel_shuffle composes any SigLIP encoder + any LLM into it.",
 ))

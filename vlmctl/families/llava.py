@@ -66,7 +66,7 @@ class LlavaSpec(FamilySpec):
         )
 
     def compose_processor(self, tokenizer: Any, image_processor: Any, vision_config: Any, feature_strategy: str,
-                          chat_template: str | None):
+                          chat_template: str | None, projector_config: Mapping[str, Any] | None = None):
         """`LlavaProcessor` over the encoder's image processor and the LLM's tokenizer."""
         import transformers
 
@@ -92,6 +92,7 @@ LLAVA = register(LlavaSpec(
     config_token_ids={"image_token_id": "<image>"},
     tiny_preset="tiny",
     compose=True,
+    compose_projectors=("mlp2x_gelu", "linear"),
     fixed_image_tokens=True,  # one fixed-size view per image
     # Vision encoders LlavaModel cannot drive: they need inputs it does not pass.
     unsupported_vision={

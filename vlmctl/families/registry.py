@@ -67,14 +67,16 @@ def detect_family(config: Any) -> str:
     )
 
 
-def compose_family() -> FamilySpec:
+def compose_family(projector: str | None = None) -> FamilySpec:
     """The family that joins any vision encoder and any causal LM (`model.vision` + `model.llm`): the first
-    registered spec with `compose=True`. Raises ModelError when none is registered."""
+    registered spec with `compose=True`, or, given `projector` (a `model.projector` value), the first whose
+    `compose_projectors` holds it. Raises ModelError when none is registered."""
     for fam in FAMILIES.values():
-        if fam.compose:
+        if fam.compose and (projector is None or projector in fam.compose_projectors):
             return fam
-    raise ModelError("no registered model family composes a vision encoder and an LLM",
-                     hint="use model.preset or model.base")
+    known = [p for fam in FAMILIES.values() if fam.compose for p in fam.compose_projectors]
+    raise ModelError(f"no registered model family composes a vision encoder and an LLM{f' with projector {projector!r}' if projector else ''}",
+                     hint=f"model.projector: one of {', '.join(known)}" if known and projector else "use model.preset or model.base")
 
 
 def family_table() -> list[dict[str, Any]]:

@@ -90,6 +90,7 @@ class FamilySpec:
     video_processor_class: str | None = None
     tiny_preset: str | None = None  # a whole-model preset under vlmctl/models/presets/ that tests build
     compose: bool = False  # builds from any vision encoder + any causal LM (`model.vision` + `model.llm`)
+    compose_projectors: tuple[str, ...] = ()  # compose: the `model.projector` values this family's layout holds
     unsupported_vision: Mapping[str, str] = field(default_factory=dict)  # compose: vision model_type -> why not
     # -- integrations
     liger_patch: str | None = None  # liger_kernel.transformers function that patches the model class in place
@@ -227,9 +228,13 @@ class FamilySpec:
         raise ModelError(f"family {self.name} does not compose a vision encoder and an LLM", hint="use model.preset or model.base")
 
     def compose_processor(self, tokenizer: Any, image_processor: Any, vision_config: Any, feature_strategy: str,
-                          chat_template: str | None):
+                          chat_template: str | None, projector_config: Mapping[str, Any] | None = None):
         """The processor of a composed model. Raises ModelError unless `compose`."""
         raise ModelError(f"family {self.name} does not compose a vision encoder and an LLM", hint="use model.preset or model.base")
+
+    def check_compose(self, vision_config: Any, text_config: Any, vision_ref: str, llm_ref: str) -> None:
+        """Refuse, before any weights load, a vision encoder or LLM this compose family's layout cannot hold
+        (`text_config` may be a preset's dict). Raises ModelError naming the part and the fix (default: accept)."""
 
 
 Family = FamilySpec

@@ -3,8 +3,9 @@
 Three modes, picked from the section:
 
 - **compose** (`vision` + `llm`): a vision encoder and a causal LM joined by a projector into the layout of the
-  compose family (`vlmctl.families.compose_family()`: LLaVA's `LlavaForConditionalGeneration`, LLaVA-1.5, Liu et al.
-  2023, https://arxiv.org/abs/2310.03744) with its processor (the encoder's image processor, the LLM's tokenizer
+  compose family that holds `model.projector` (`vlmctl.families.compose_family(projector)`: LLaVA's
+  `LlavaForConditionalGeneration` for mlp2x_gelu / linear, LLaVA-1.5, Liu et al. 2023,
+  https://arxiv.org/abs/2310.03744; Idefics3's for pixel_shuffle; see `vlmctl.models.connectors`) with its processor (the encoder's image processor, the LLM's tokenizer
   with the image token added, a chat template). Loads with plain `AutoModelForImageTextToText` / `AutoProcessor`.
 - **preset** (`preset` with `init: random`): a whole model built from a size preset under `presets/` (YAML data):
   weights initialized from configs, tokenizer trained on the prepared data (`vlmctl.models.tokenizer`). No download.
@@ -24,7 +25,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -33,6 +34,7 @@ from typing import Any
 from vlmctl.config.model import ModelSection
 from vlmctl.errors import ConfigError, ModelError
 from vlmctl.families import CLS_VISION_TYPES, FamilySpec, compose_family, count_parameters, get_family, has_cls_token
+from vlmctl.models.connectors import PROJECTORS, ProjectorSpec, check_connector, projector_spec  # noqa: F401  (re-exported)
 from vlmctl.models.load import DTYPES, INFO_FILE, image_processor_class, load_or_explain, quiet_transformers, transformers_class
 from vlmctl.models.tokenizer import chatml_template, texts_from_prepared, train_tokenizer
 
@@ -77,36 +79,7 @@ def is_preset(ref: str | None) -> bool:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ProjectorSpec:
-    """How a projector choice (`model.projector`) maps onto the compose family's layout (`compose_family()`).
-
-    `config` are the family config keys that select it; `init` adjusts the freshly initialized projector module.
-    A connector that changes the number of visual tokens (pixel shuffle, perceiver resampler) adds an entry here
-    and sets `token_divisor`.
-    """
-
-    name: str
-    config: dict[str, Any]
-    init: Callable[[Any], None] | None = None
-    token_divisor: int = 1
-
-
-def _init_linear(projector) -> None:
-    # `linear` = LLaVA's two layers with an identity activation; linear_2 starts as the identity so the projector is
-    # exactly one linear map at initialization (LLaVA-1.0's projector, Liu et al. 2023).
-    import torch
-
-    with torch.no_grad():
-        projector.linear_2.weight.copy_(torch.eye(projector.linear_2.weight.shape[0], dtype=projector.linear_2.weight.dtype))
-        if projector.linear_2.bias is not None:
-            projector.linear_2.bias.zero_()
-
-
-PROJECTORS: dict[str, ProjectorSpec] = {
-    "mlp2x_gelu": ProjectorSpec("mlp2x_gelu", {"projector_hidden_act": "gelu", "multimodal_projector_bias": True}),
-    "linear": ProjectorSpec("linear", {"projector_hidden_act": "linear", "multimodal_projector_bias": True}, init=_init_linear),
-}
+# `ProjectorSpec`, `PROJECTORS` and the settings checks live in `vlmctl.models.connectors` (re-exported here).
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -171,11 +144,13 @@ def plan_build(model: ModelSection) -> BuildPlan:
             hint="compose a VLM with model.vision + model.llm, fine-tune one with model.base, or use "
             "model.preset=tiny with model.init=random",
         )
-    plan = BuildPlan(mode="compose", family=compose_family(), init=model.init, section=model, trust_remote_code=trc,
-                     vision_ref=model.vision, llm_ref=model.llm)
+    plan = BuildPlan(mode="compose", family=compose_family(model.projector), init=model.init, section=model,
+                     trust_remote_code=trc, vision_ref=model.vision, llm_ref=model.llm)
     plan.vision_config = _vision_config(model.vision, model.init, trc, plan.family)
     plan.text_config = _llm_config(model.llm, model.init, trc)
-    plan.projector = PROJECTORS[model.projector]
+    plan.projector = projector_spec(model)
+    check_connector(model, plan.projector, plan.vision_config)
+    plan.family.check_compose(plan.vision_config, plan.text_config, model.vision, model.llm)
     plan.feature_layer = model.vision_feature_layer
     if is_preset(model.vision) and "vision_feature_layer" not in model.model_fields_set:
         plan.feature_layer = load_preset(model.vision).get("vision_feature_layer", plan.feature_layer)
@@ -200,15 +175,20 @@ def _plan_preset(model: ModelSection, name: str) -> BuildPlan:
             "or pick a whole-model preset such as tiny or qwen2.5-vl-3b",
         )
     family = get_family(data["family"])
+    composed = "config" not in data  # the preset holds a vision encoder and an LLM config
+    if composed and "projector" in model.model_fields_set:
+        family = compose_family(model.projector)  # the projector picks the layout
     plan = BuildPlan(mode="preset", family=family, init="random", section=model, preset=name)
     plan.tokenizer_vocab_size = int((data.get("tokenizer") or {}).get("vocab_size", 512))
     if model.tokenizer is not None:
         ref = model.tokenizer
         plan.tokenizer = _load_tokenizer(ref, family, model.trust_remote_code)
-    if family.compose:  # the preset holds a vision encoder and an LLM config
+    if composed:
         plan.vision_config = _config_from_dict(data["vision"])
         plan.text_config = data["llm"]  # made a config once the tokenizer size is known (vocab_size: auto)
-        plan.projector = PROJECTORS[model.projector if "projector" in model.model_fields_set else data.get("projector", "mlp2x_gelu")]
+        plan.projector = projector_spec(model, model.projector if "projector" in model.model_fields_set else data.get("projector", "mlp2x_gelu"))
+        check_connector(model, plan.projector, plan.vision_config)
+        family.check_compose(plan.vision_config, plan.text_config, name, name)
         plan.feature_layer = model.vision_feature_layer if "vision_feature_layer" in model.model_fields_set else data.get("vision_feature_layer", -2)
         _check_feature_layer(plan)
         plan.feature_strategy = _feature_strategy(model.vision_feature_select_strategy, plan.vision_config)
@@ -533,7 +513,8 @@ def make_processor(plan: BuildPlan, *, prepared_dir: Path | None = None, tokeniz
         tok.chat_template = plan.chat_template
     template = tok.chat_template
     if plan.vlm_config is None:  # composed from a vision encoder and an LLM
-        return fam.compose_processor(tok, plan.image_processor, plan.vision_config, plan.feature_strategy, template)
+        return fam.compose_processor(tok, plan.image_processor, plan.vision_config, plan.feature_strategy, template,
+                                     projector_config=plan.projector.config)
     return fam.preset_processor(tok, template, plan.processor_kwargs, plan.vlm_config)
 
 
@@ -642,7 +623,7 @@ def _compose_pretrained(plan: BuildPlan, tok, seed: int):
     fam = plan.family
     with torch.device("meta"):
         vlm = getattr(transformers, fam.model_class)(cfg)
-    vlm.set_submodule(fam.vision_tower, vision)
+    vlm.set_submodule(fam.vision_tower, _fit_vision(vlm.get_submodule(fam.vision_tower), vision, plan.vision_ref))
     vlm.set_submodule(fam.language_model, llm.get_decoder())
     vlm.set_submodule(fam.lm_head, llm.get_output_embeddings())
     torch.manual_seed(seed)
@@ -666,6 +647,25 @@ def _compose_pretrained(plan: BuildPlan, tok, seed: int):
         vlm.config.tie_word_embeddings = True
         vlm.tie_weights()
     return vlm
+
+
+def _fit_vision(skeleton, vision, ref: str):
+    """`vision` (the loaded encoder) as the module the family's layout holds: itself when the classes match (LLaVA
+    holds the encoder's own class), else the skeleton's class (on the meta device) filled with its weights, the
+    parameter names equal up to a wrapper prefix (Idefics3's vision model has SigLIP's names without `vision_model.`).
+    Raises ModelError when the names do not match."""
+    if type(skeleton) is type(vision):
+        return vision
+    src = vision.state_dict()
+    want = set(skeleton.state_dict())
+    for prefix in ("", *sorted({k.split(".", 1)[0] + "." for k in src if "." in k})):
+        sub = {k[len(prefix):]: v for k, v in src.items() if k.startswith(prefix)}
+        if set(sub) == want:
+            target = skeleton.to_empty(device="cpu")
+            target.load_state_dict(sub, strict=True)
+            return target.to(next(iter(sub.values())).dtype)
+    raise ModelError(f"the weights of model.vision={ref!r} ({type(vision).__name__}) do not fit {type(skeleton).__name__}",
+                     hint=f"missing e.g. {sorted(want - set(src))[:2]}; use model.projector=mlp2x_gelu for this encoder")
 
 
 def _load_vision(ref: str, vision_config, dtype, trc: bool):
@@ -702,8 +702,9 @@ def _info(plan: BuildPlan, vlm, processor) -> dict[str, Any]:
             "preset": plan.preset, "vision": plan.vision_ref, "llm": plan.llm_ref, "base": plan.base_ref,
             "projector": plan.projector.name if plan.projector else None,
             "tokenizer": s.tokenizer or ("trained" if plan.section.tokenizer is None and (plan.mode == "preset" or is_preset(plan.llm_ref)) else plan.llm_ref),
-            "vision_feature_layer": plan.feature_layer if plan.family.compose else None,
-            "vision_feature_select_strategy": plan.feature_strategy if plan.family.compose else None,
+            "vision_feature_layer": plan.feature_layer if plan.projector and plan.projector.feature_select else None,
+            "vision_feature_select_strategy": plan.feature_strategy if plan.projector and plan.projector.feature_select else None,
+            "pixel_shuffle_scale": plan.projector.config.get("scale_factor") if plan.projector else None,
         },
         "model_class": type(vlm).__name__,
         "dtype": s.dtype,

@@ -1,0 +1,74 @@
+"""`vlmctl train` on a compose model with the pixel-shuffle connector (Idefics3 layout): stage `align` runs in process
+and changes exactly the connector's weights; the exported model loads with vanilla transformers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cli_runner import run_cli
+from convert_helpers import TEXTS
+
+
+def _write_shards(folder: Path, n: int) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from vlmctl.data.sample import Sample, arrow_schema
+    from vlmctl.data.synthetic import generate_shapes_vqa
+
+    raw = generate_shapes_vqa(folder / "raw", num_samples=n, image_size=64)
+    samples = []
+    for rec in json.loads(raw.read_text()):
+        question = rec["conversations"][0]["value"].replace("<image>\n", "")
+        user = {"role": "user", "content": [{"type": "image", "index": 0}, {"type": "text", "text": question}]}
+        answer = {"role": "assistant", "content": [{"type": "text", "text": rec["conversations"][1]["value"]}]}
+        img = (folder / "raw" / rec["image"]).read_bytes()
+        samples.append(Sample(id=rec["id"], messages=[user, answer], images=[img], source="shapes_vqa.json"))
+    out = folder / "prepared" / "train"
+    out.mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist([s.to_row() for s in samples], schema=arrow_schema()), out / "shard-00000.parquet")
+
+
+@pytest.mark.timeout(180)
+def test_align_step_on_pixel_shuffle_changes_only_the_connector(tmp_path, capsys):
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from vlmctl.config import ModelSection
+    from vlmctl.models import build_model
+
+    _write_shards(tmp_path / "data", 6)
+    model = dict(vision="tiny", llm="tiny", init="random", projector="pixel_shuffle", output_dir=tmp_path / "model", dtype="fp32")
+    build_model(ModelSection(**model), tokenizer_texts=TEXTS)
+    (tmp_path / "vlmctl.yaml").write_text(f"""
+project: {{name: ps}}
+data: {{prepared_dir: data/prepared, max_length: 512}}
+model: {{vision: tiny, llm: tiny, init: random, projector: pixel_shuffle, output_dir: model}}
+train:
+  stage: align
+  strategy: ddp
+  nproc_per_node: 1
+  precision: fp32
+  learning_rate: 1.0e-2
+  warmup_ratio: 0.0
+  micro_batch_size: 2
+  packing: false
+  max_steps: 1
+  save_steps: 100
+  logging_steps: 1
+  num_workers: 0
+  output_dir: runs
+  run_name: align
+""")
+    code, out, err = run_cli(["-c", str(tmp_path / "vlmctl.yaml"), "train", "--launcher", "none"], capsys)
+    assert code == 0, out + err
+    before = AutoModelForImageTextToText.from_pretrained(tmp_path / "model").state_dict()
+    final = tmp_path / "runs" / "align" / "final"
+    after = AutoModelForImageTextToText.from_pretrained(final)
+    assert type(after).__name__ == "Idefics3ForConditionalGeneration"
+    changed = {n for n, t in after.state_dict().items() if not torch.equal(t, before[n])}
+    assert changed == {"model.connector.modality_projection.proj.weight"}
+    AutoProcessor.from_pretrained(final)
