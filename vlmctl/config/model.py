@@ -32,6 +32,8 @@ class ModelSection(Section):
     def _one_mode(self) -> "ModelSection":
         if self.base is not None and (self.vision is not None or self.llm is not None):
             raise ValueError("set either model.base (fine-tune an existing VLM) or model.vision + model.llm (compose), not both")
-        if "pixel_shuffle_scale" in self.model_fields_set and self.projector != "pixel_shuffle":
+        # a value other than the default (a resolved config.yaml spells the default out for every projector)
+        default = type(self).model_fields["pixel_shuffle_scale"].default
+        if self.pixel_shuffle_scale != default and self.projector != "pixel_shuffle":
             raise ValueError("model.pixel_shuffle_scale applies to model.projector=pixel_shuffle only")
         return self
