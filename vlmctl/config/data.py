@@ -11,6 +11,8 @@ from vlmctl.config.base import ProjectPath, Section
 
 DataFormat = Literal["auto", "llava", "sharegpt", "messages", "parquet", "webdataset", "hf"]
 
+EnergonFormat = Literal["auto", "vqa", "captioning", "crude"]
+
 DEFAULT_MAX_IMAGE_PIXELS = 64_000_000
 """64 megapixels (8000 x 8000): larger pictures are rejected as image_too_large before they are decoded."""
 
@@ -37,6 +39,17 @@ class DataSource(Section):
         return self
 
 
+class DataExport(Section):
+    energon_format: EnergonFormat = Field(
+        "auto",
+        description="Shape of `data prepare --export energon` (see docs/formats.md): vqa (VQASample: image, question, answer), "
+        "captioning (CaptioningSample: image, caption), crude (any conversation, read with vlmctl's cooker), or auto: "
+        "captioning when every sample is one image, one question and one answer with an empty or generic caption "
+        "prompt, else vqa when every sample is one image, one question and one answer, else crude. An explicit vqa or "
+        "captioning fails on the first sample that does not fit.",
+    )
+
+
 class DataSection(Section):
     sources: list[DataSource] = Field(default_factory=list, description="Raw data sources to read (see docs/formats.md).")
     prepared_dir: ProjectPath = Field(Path("data/prepared"), description="Where `data prepare` writes train/val Parquet shards and manifest.json.")
@@ -61,3 +74,4 @@ class DataSection(Section):
         0.5, ge=0, le=1,
         description="`data prepare` fails when a source keeps less than this fraction of its records; rejections by your own limits (duplicate, duplicate_id, image_too_small, image_too_large, too_long) do not count. 0 turns the check off.",
     )
+    export: DataExport = Field(default_factory=DataExport, description="How `data prepare --export` writes its export.")

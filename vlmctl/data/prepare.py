@@ -277,9 +277,10 @@ def prepare_data(
     `model` (`vlmctl.data.counting`: a random-init preset's tokenizer is trained on the train split as the build
     trains it). Without either, or when the model's processor cannot be loaded (`PrepareResult.token_note` says
     why), samples have `num_tokens` None. `export="energon"` also writes a Megatron-Energon dataset to `export_dir`
-    (default `prepared_dir/energon`).
+    (default `prepared_dir/energon`) in the shape of `data.export.energon_format` (`vlmctl.data.energon`).
     Raises UsageError (no sources, unknown export, output inside an input) and DataError (a missing or unreadable
-    source, a source below `data.min_kept_fraction`, an empty train split, a full disk).
+    source, a source below `data.min_kept_fraction`, an empty train split, a full disk, a sample that does not fit
+    an explicit `data.export.energon_format` of vqa or captioning).
     """
     from vlmctl import __version__
     from vlmctl.data.tokens import has_processor
@@ -315,6 +316,8 @@ def prepare_data(
             etmp.mkdir(parents=True)
         results, counts = _checked_and_counted(data, sources, work, num_proc=num_proc, pdir=pdir, model=model, progress=progress)
         manifest = _run(data, results, sources, tmp, etmp, num_proc=num_proc, counts=counts, progress=progress)
+        if manifest["export"] is not None:
+            manifest["export"]["path"] = str(edir_final)  # the writer only knows the temporary folder
         manifest["vlmctl_version"] = __version__
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
         shutil.rmtree(work)
@@ -510,7 +513,7 @@ def _run(data: DataSection, results: Results, sources, tmp: Path, etmp: Path | N
     if etmp is not None:
         from vlmctl.data.energon import EnergonWriter
 
-        energon = EnergonWriter(etmp, shard_bytes)
+        energon = EnergonWriter(etmp, shard_bytes, data.export.energon_format)
     tallies = [SourceTally(s.name, s.path, s.format) for s in sources]
     stats = Stats()
     rejected_total: Counter = Counter()
@@ -533,7 +536,9 @@ def _run(data: DataSection, results: Results, sources, tmp: Path, etmp: Path | N
     for name, w in writers.items():
         files = w.close()
         splits[name] = {"samples": w.samples, "shards": [f"{name}/{f}" for f in files], "bytes": sum((tmp / name / f).stat().st_size for f in files)}
-    export = energon.finish(workers=num_proc or 1) if energon is not None else None
+    # The export is written from the finished shards: its shape (data.export.energon_format: auto) depends on
+    # every sample.
+    export = energon.finish({n: [tmp / f for f in s["shards"]] for n, s in splits.items()}, workers=num_proc or 1) if energon is not None else None
     write_histogram(tmp / "length_histogram.png", stats, data.max_length if stats.tokens else None)
     kept = sum(t.kept for t in tallies)
     n_rejected = sum(rejected_total.values())
