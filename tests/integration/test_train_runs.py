@@ -210,6 +210,11 @@ def test_in_process_run_changes_exactly_the_trained_weights(project, mode, capsy
     if mode == "align":
         assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     if mode == "lora":
+        # train.activation_checkpointing was left auto: on CPU it resolves without a probe, recorded in the run
+        from vlmctl.config import load_config
+
+        assert load_config(run / "config.yaml").train.activation_checkpointing == "off"
+        assert json.loads((run / "autotune.json").read_text())["reason"] == "no probe on CPU"
         state = json.loads((run / "checkpoints" / "checkpoint-3" / "trainer_state.json").read_text())
         assert state["lora"]["r"] == 4
         # target_modules: the adapted modules' names as a JSON list that peft accepts

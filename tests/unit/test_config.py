@@ -13,7 +13,7 @@ from vlmctl.errors import ConfigError
 def test_defaults_fill_every_section(write_config):
     cfg = load_config(write_config("project:\n  name: p\n"))
     assert cfg.project.name == "p"
-    assert cfg.train.strategy == "ddp" and cfg.train.learning_rate == 2e-5
+    assert cfg.train.strategy == "auto" and cfg.train.learning_rate == 2e-5
     assert cfg.eval.task == "auto" and cfg.hub.repo_id is None
 
 
@@ -191,3 +191,14 @@ def test_bare_on_and_off_in_yaml_or_overrides_mean_the_words(write_config):
     assert (cfg.train.liger, cfg.train.compile_vision) == ("on", "off")
     cfg = load_config(write_config("project: {name: p}\n"), ["train.liger=off", "train.compile_vision=on"])
     assert (cfg.train.liger, cfg.train.compile_vision) == ("off", "on")
+
+
+def test_a_dumped_config_loads_back_unchanged(write_config, tmp_path):
+    """A run folder's config.yaml spells out every default; loading it back must give the same config."""
+    from vlmctl.config import dump_config
+
+    for text in ("project:\n  name: p\n", "project:\n  name: p\nmodel: {vision: tiny, llm: tiny, init: random, projector: pixel_shuffle, pixel_shuffle_scale: 4}\n"):
+        cfg = load_config(write_config(text))
+        again = tmp_path / "dumped.yaml"
+        again.write_text(dump_config(cfg))
+        assert load_config(again).model_dump() == cfg.model_dump()

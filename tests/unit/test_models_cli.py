@@ -96,7 +96,7 @@ def test_memory_per_parameter_by_strategy_and_precision():
 
     assert resolve_precision("auto", "cpu") == "fp32" and resolve_precision("auto", "cuda") == "bf16"
     assert resolve_precision("fp16", "cpu") == "fp16"
-    assert param_bytes("fsdp", "bf16") == ParamBytes(4, 4, 8, 4)  # fp32 master weights, bf16 compute
+    assert param_bytes("fsdp", "bf16") == ParamBytes(4, 4, 8, 2)  # fp32 master weights, bf16 compute, frozen in bf16
     assert param_bytes("ddp", "fp32") == ParamBytes(4, 4, 8, 4)
     assert param_bytes("fsdp", "bf16", "bf16") == ParamBytes(2, 2, 4, 2)  # pure bf16
     assert param_bytes("zero3", "bf16") == ParamBytes(2, 2, 12, 2)  # the ZeRO paper's mixed precision

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from vlmctl.config.base import ProjectPath, Section
 
@@ -25,6 +25,15 @@ def name_problem(value: str) -> str | None:
     return None
 
 
+def resolve_strategy(strategy: str, cuda: bool, quantized: bool = False) -> str:
+    """`train.strategy: auto` -> fsdp on GPUs (FSDP2 keeps fp32 master weights sharded and computes on bf16 copies
+    gathered per layer, even on one GPU), ddp on CPU and for QLoRA (`quantized`: its 4-bit base is small enough to
+    replicate). Other values unchanged."""
+    if strategy != "auto":
+        return strategy
+    return "fsdp" if cuda and not quantized else "ddp"
+
+
 class LoraSection(Section):
     r: int = Field(16, gt=0, description="LoRA rank.")
     alpha: int = Field(32, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
@@ -37,7 +46,7 @@ class LoraSection(Section):
 class TrainSection(Section):
     stage: Literal["align", "finetune", "full"] = Field("finetune", description="align: projector only; finetune: projector + LLM; full: everything.")
     freeze: list[Literal["vision", "projector", "llm"]] | None = Field(None, description="Parts to freeze, overriding the stage's default.")
-    strategy: Literal["ddp", "fsdp", "zero2", "zero3"] = Field("ddp", description="Data-parallel strategy: ddp, fsdp (FSDP2), zero2, zero3 (DeepSpeed).")
+    strategy: Literal["auto", "ddp", "fsdp", "zero2", "zero3"] = Field("auto", description="Data-parallel strategy: ddp, fsdp (FSDP2), zero2, zero3 (DeepSpeed); auto = fsdp on GPUs (fp32 master weights sharded, compute on bf16 copies of the weights), ddp on CPU.")
     launcher: Literal["torchrun", "accelerate", "slurm", "none"] = Field("torchrun", description="How processes are spawned; none runs in this process.")
     nproc_per_node: int | Literal["auto"] = Field("auto", description="Processes per node; auto = visible GPUs, else 1.")
     nnodes: int = Field(1, gt=0, description="Number of nodes.")
@@ -45,8 +54,8 @@ class TrainSection(Section):
     master_addr: str = Field("127.0.0.1", description="Rendezvous host (multi-node).")
     master_port: int = Field(29500, gt=0, lt=65536, description="Rendezvous port. Multi-node runs use it as given; single-node runs use it when it is free and no other vlmctl run on the machine claimed it, else a free port.")
     precision: Literal["auto", "bf16", "fp16", "fp32"] = Field("auto", description="Compute precision; auto = bf16 on GPUs that support it, fp32 on CPU.")
-    master_weights: Literal["fp32", "bf16"] = Field("fp32", description="Stored parameters, gradients and AdamW state: fp32 master weights with compute in train.precision (mixed precision), or bf16 throughout (pure bf16: half the memory of weights and optimizer state; ddp/fsdp only).")
-    micro_batch_size: int = Field(1, gt=0, description="Samples per device per forward pass (without packing; packing uses tokens_per_batch).")
+    master_weights: Literal["fp32", "bf16"] = Field("fp32", description="Stored trained parameters, gradients and AdamW state: fp32 master weights with compute in train.precision (mixed precision), or bf16 throughout (pure bf16: half the memory of weights and optimizer state; ddp/fsdp only). fp32 is the default although pure bf16 is faster: in bf16 an update smaller than half the weight's spacing (2^-8 of its size) is rounded away, so fine-tuning learning rates lose most updates (Micikevicius et al. 2018, arXiv:1710.03740; Zamirai et al. 2020, arXiv:2010.06192). Frozen parameters are stored in the compute dtype either way.")
+    micro_batch_size: int | Literal["auto"] = Field("auto", description="Samples per device per forward pass (without packing; packing uses tokens_per_batch); auto = the largest that fits in GPU memory, measured by a probe at start-up (ddp/fsdp on a GPU), else 1.")
     gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches accumulated per optimizer step.")
     learning_rate: float = Field(2e-5, gt=0, description="Peak learning rate.")
     vision_lr: float | None = Field(None, gt=0, description="Learning rate of the vision tower when it is trained (default: learning_rate).")
@@ -61,13 +70,14 @@ class TrainSection(Section):
     num_epochs: float = Field(1.0, gt=0, description="Passes over the training data (when max_steps is unset).")
     max_bad_steps: int = Field(10, ge=0, description="Steps with NaN/inf loss that are skipped before the run aborts.")
     packing: bool = Field(True, description="Pack samples into token-budget batches with per-sample attention (no padding).")
-    tokens_per_batch: int = Field(8192, gt=0, description="Token budget of one packed micro-batch per device.")
+    tokens_per_batch: int | Literal["auto"] = Field("auto", description="Token budget of one packed micro-batch per device; auto = the fastest budget that fits in GPU memory, measured by a probe at start-up (ddp/fsdp on a GPU), else 8192.")
     group_by_length: bool = Field(True, description="Batch samples of similar length together (without packing).")
     attn_implementation: Literal["auto", "varlen", "flash_attn", "sdpa", "flex", "eager"] = Field("auto", description="Attention backend; auto picks varlen on CUDA and sdpa/flex on CPU.")
     liger: Literal["auto", "on", "off"] = Field("auto", description="liger-kernel fused cross-entropy and norms (CUDA only); auto = when installed.")
     compile: bool = Field(False, description="torch.compile each decoder layer.")
     compile_vision: Literal["auto", "on", "off"] = Field("auto", description="torch.compile the vision tower's rotary embedding and width-aligned MLP (fuses their elementwise work); auto = on CUDA.")
-    gradient_checkpointing: bool = Field(False, description="Recompute activations per layer in the backward pass to save memory.")
+    activation_checkpointing: Literal["auto", "off", "full", "op"] | int = Field("auto", description="Recompute activations in the backward pass to save memory: off; full = every decoder layer and vision block; an integer k = every k-th layer (selective per layer); op = every layer, keeping matmul and attention outputs (selective per op); auto = the fastest mode that fits, measured by the start-up probe (ddp/fsdp on a GPU), else off.")
+    gradient_checkpointing: bool | None = Field(None, description="Older name: true = activation_checkpointing: full, false = off (when activation_checkpointing is auto).")
     fsdp_reshard_after_forward: bool = Field(True, description="FSDP2: free each layer's gathered weights after its forward and gather them again for backward (less memory); false keeps them (less communication).")
     lora: LoraSection | None = Field(None, description="LoRA/QLoRA adapters through peft; unset trains full weights.")
     deepspeed_config: ProjectPath | None = Field(None, description="A DeepSpeed JSON config to use instead of the generated one (\"auto\" values are filled in).")
@@ -80,6 +90,20 @@ class TrainSection(Section):
     run_name: str | None = Field(None, description="Run folder name under output_dir: letters, digits and . _ - only (default: <project>-<stage>-<timestamp>, with -2, -3, ... when taken). A fresh run refuses a name that already holds a run; --resume continues it.")
     output_dir: ProjectPath = Field(Path("outputs/runs"), description="Where run folders (config, checkpoints, metrics, final export) go.")
     seed: int = Field(0, ge=0, description="Training seed (initialization, data order, dropout).")
+
+    @field_validator("micro_batch_size", "tokens_per_batch", "activation_checkpointing")
+    @classmethod
+    def _positive(cls, value):
+        if isinstance(value, int) and value <= 0:
+            raise ValueError("must be a positive integer or auto")
+        return value
+
+    @model_validator(mode="after")
+    def _older_checkpointing_key(self):
+        """`gradient_checkpointing: true/false` keeps its meaning where `activation_checkpointing` was left auto."""
+        if self.gradient_checkpointing is not None and self.activation_checkpointing == "auto":
+            self.activation_checkpointing = "full" if self.gradient_checkpointing else "off"
+        return self
 
     @field_validator("liger", "compile_vision", mode="before")
     @classmethod

@@ -4,8 +4,8 @@ Memory counts the bytes that stay resident for the whole run: weights, gradients
 parameter, for the configured strategy, precision and master weights (`ParamBytes`, `param_bytes`):
 
 - DDP / FSDP with fp32 master weights (compute in bf16 through autocast or FSDP's mixed-precision policy, or fp32):
-  4 bytes of fp32 weights + 4 of fp32 gradients + 8 of fp32 AdamW moments = 16 per trained parameter, 4 per
-  frozen one. With `train.master_weights: bf16` (pure bf16): 2 + 2 + 4 = 8 per trained parameter, 2 per frozen one.
+  4 bytes of fp32 weights + 4 of fp32 gradients + 8 of fp32 AdamW moments = 16 per trained parameter; a frozen
+  one is stored in the compute dtype (2 bytes in bf16, 4 in fp32). With `train.master_weights: bf16` (pure bf16): 2 + 2 + 4 = 8 per trained parameter, 2 per frozen one.
 - DeepSpeed ZeRO-2/3 in bf16 or fp16: 2 bytes of half-precision weights + 2 of gradients + 12 of optimizer state
   (fp32 master copy and the two moments) = 16, as in the mixed-precision Adam accounting of the ZeRO paper
   (Rajbhandari et al. 2020, https://arxiv.org/abs/1910.02054, section 3.1); 2 per frozen parameter. In fp32:
@@ -86,8 +86,8 @@ def param_bytes(strategy: str, precision: str, master_weights: str = "fp32", *,
         out = ZERO_MIXED if precision in ("bf16", "fp16") else ParamBytes(4, 4, 8, 4)
     elif master_weights == "bf16":
         out = ParamBytes(2, 2, 4, 2)
-    else:
-        out = ParamBytes(4, 4, 8, 4)
+    else:  # frozen weights are stored in the compute dtype (`vlmctl.train.setup.store_frozen`)
+        out = ParamBytes(4, 4, 8, 2 if precision in ("bf16", "fp16") else 4)
     if optimizer_in_backward:
         out = ParamBytes(out.weight, 0, out.optim, out.frozen)
     return out
@@ -144,6 +144,9 @@ def training_summary(info: dict[str, Any], *, stage: str, strategy: str, num_gpu
     Returns a dict with "parameters", "trained", "trainable_parameters", "device", "num_processes", "precision",
     "bytes_per_parameter" and "memory_per_gpu_bytes" (bytes per device: per GPU, or per process on CPU), among others.
     """
+    from vlmctl.config.train import resolve_strategy
+
+    strategy = resolve_strategy(strategy, device == "cuda", lora and quantize not in (None, "none"))
     trained = trained_parts(stage, freeze)
     if lora:
         trained["llm"] = False

@@ -85,7 +85,12 @@ def prepare_run(cfg, resume: bool = False) -> Path:
     from vlmctl.config import dump_config
     from vlmctl.train.rundir import claim_run_dir, sweep_temporaries
 
+    from vlmctl.config.train import resolve_strategy
+
     train = cfg.train
+    # recorded resolved: the ranks, `vlmctl convert` and a resume read the strategy the run used (SLURM nodes: GPUs)
+    train.strategy = resolve_strategy(train.strategy, train.launcher == "slurm" or _has_cuda(),
+                                      train.lora is not None and train.lora.quantize != "none")
     if resume and train.resume is None:
         train.resume = "auto"
     fresh_slurm = train.launcher == "slurm" and train.resume is None

@@ -38,6 +38,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         super().__init__(params, {"lr": groups[0]["lr"]})
         self._building = None
         self._sq_norms: list[torch.Tensor] = []
+        self.paused = False  # the start-up memory probe runs backward passes that must not step
         for p in self.optimizers:
             p.register_post_accumulate_grad_hook(self._step_param)
 
@@ -58,6 +59,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
         return list(self.optimizers.values())
 
     def _step_param(self, param) -> None:
+        if self.paused:
+            param.grad = None  # freed as in a real step, so the probe measures the same memory
+            return
         grad = param.grad
         local = grad.to_local() if hasattr(grad, "to_local") else grad  # an FSDP2 shard: its own part of the norm
         self._sq_norms.append(local.detach().float().pow(2).sum())

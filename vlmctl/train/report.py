@@ -32,8 +32,12 @@ def _batching(train, sampler, dp_size: int) -> dict[str, str]:
 
 
 def _kernels(train, tm) -> str:
+    from vlmctl.train.checkpointing import describe
+
     loss = "liger fused linear cross-entropy" if tm.liger else "labelled-token logits" if train.packing else "full logits"
-    return (f"attention {tm.attn}, loss {loss}" + (", activation checkpointing" if train.gradient_checkpointing else "")
+    checkpointing = train.activation_checkpointing
+    return (f"attention {tm.attn}, loss {loss}"
+            + (f", activation checkpointing {describe(checkpointing)}" if checkpointing not in ("off", "auto") else "")
             + (", compiled decoder layers" if train.compile else "") + "".join(f", vision {k}" for k in tm.vision_kernels))
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vlmctl.config.train import resolve_strategy
 from vlmctl.errors import ConfigError, ModelError
 from vlmctl.families import PARTS
 
@@ -84,11 +85,17 @@ def load_quantized(source: str, cfg, *, dtype):
         bnb = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
     cls = getattr(transformers, family.model_class)
     model = cls.from_pretrained(ref, quantization_config=bnb, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
-    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.train.gradient_checkpointing)
+    # activation checkpointing is set per layer by `apply_training_setup` (train.activation_checkpointing)
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     return model, load_processor(source, trust_remote_code=cfg.model.trust_remote_code), family
 
 
 # ------------------------------------------------------------------------------------------------ dtypes
+
+
+def quantized(train) -> bool:
+    """QLoRA: the frozen base is loaded in 4 or 8 bits (`train.lora.quantize`)."""
+    return train.lora is not None and train.lora.quantize != "none"
 
 
 def resolve_dtype(precision: str, device) -> Any:
@@ -233,20 +240,33 @@ def lora_config_dict(model) -> dict | None:
     return json.loads(json.dumps(out, default=lambda o: sorted(o) if isinstance(o, (set, frozenset)) else str(o)))
 
 
-def apply_training_setup(model, family, train):
-    """Stage/freeze, LoRA, activation checkpointing and torch.compile, in torchtitan's order (checkpointing, then
-    compile, then the wrapping of `vlmctl.distributed`). Returns (model, parts, trainable part names)."""
+def store_frozen(model, dtype) -> int:
+    """Cast the frozen floating-point parameters to the compute `dtype` (they never change, so they need no fp32
+    master copy: a frozen vision tower, LoRA's base weights). Returns the number of parameters cast."""
+    count = 0
+    for param in model.parameters():
+        if not param.requires_grad and param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+            count += param.numel()
+    return count
+
+
+def apply_training_setup(model, family, train, compute_dtype=None):
+    """Stage/freeze, LoRA, frozen weights in `compute_dtype` (when given), activation checkpointing and
+    torch.compile, in torchtitan's order (checkpointing, then compile, then the wrapping of `vlmctl.distributed`).
+    Returns (model, parts, trainable part names)."""
+    from vlmctl.train.checkpointing import apply_activation_checkpointing
+
     parts = model_parts(model, family)
     trainable = trainable_parts(train.stage, train.freeze)
     apply_stage(model, parts, trainable)
     if train.lora is not None:
         model = apply_lora(model, train.lora, parts, trainable)
         parts = model_parts(model, family)
-    if train.gradient_checkpointing:
-        # transformers' per-layer checkpointing (each decoder layer and vision block), non-reentrant
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if hasattr(model, "enable_input_require_grads"):
-            model.enable_input_require_grads()
+    if compute_dtype is not None:
+        store_frozen(model, compute_dtype)
+    if train.activation_checkpointing not in ("auto", "off"):  # auto: the start-up probe sets it on the layers
+        apply_activation_checkpointing([parts.decoder_layers, parts.vision_layers], train.activation_checkpointing)
     if train.compile:
         for layer in parts.decoder_layers:
             layer.compile(dynamic=train.packing)  # packed rows change length every step
@@ -435,23 +455,27 @@ class TrainingModel:
 
 def setup_run(train) -> RunContext:
     """Process group and the run's one device mesh (`vlmctl.distributed`), seeds, compute and master dtypes.
-    Raises ConfigError for a precision or master-weights setting this strategy and device cannot train with."""
+    `train.strategy: auto` is resolved here when the launcher did not. Raises ConfigError for a precision or
+    master-weights setting this strategy and device cannot train with."""
+    import torch
+
     from vlmctl.distributed.env import init_distributed
     from vlmctl.distributed.mesh import ParallelDims
 
+    train.strategy = resolve_strategy(train.strategy, torch.cuda.is_available(), quantized(train))
     env = init_distributed(deepspeed=train.strategy in DEEPSPEED)
     dims = ParallelDims.for_strategy(train.strategy, env.world_size)
     dims.build_mesh(env.device.type)
     seed_everything(train.seed)
     dtype = resolve_dtype(train.precision, env.device)
     check_precision(train, dtype, env.device)
-    quantized = train.lora is not None and train.lora.quantize != "none"
-    return RunContext(env=env, dims=dims, dtype=dtype, stored=dtype if quantized else master_dtype(train, dtype))
+    return RunContext(env=env, dims=dims, dtype=dtype, stored=dtype if quantized(train) else master_dtype(train, dtype))
 
 
-def prepare_model(model, family, train, device) -> TrainingModel:
-    """Kernels, the batch hook, the cost model, stage/freeze, LoRA, activation checkpointing and compile: what
-    `vlmctl train` and `vlmctl bench` do to a loaded model before wrapping it."""
+def prepare_model(model, family, train, device, compute_dtype=None) -> TrainingModel:
+    """Kernels, the batch hook, the cost model, stage/freeze, LoRA, frozen weights in `compute_dtype` (when given),
+    activation checkpointing and compile: what `vlmctl train` and `vlmctl bench` do to a loaded model before
+    wrapping it."""
     import os
     import sys
 
@@ -466,7 +490,7 @@ def prepare_model(model, family, train, device) -> TrainingModel:
     cost_model = CostModel.from_model(model, family, trainable_parts(train.stage, train.freeze), lora=train.lora is not None)
     attn, liger, vision_kernels = apply_kernels(model, family, train, device)
     prepare = family.position_hook(model, getattr(model.config, "image_token_id", None)) if train.packing else None
-    model, parts, trainable = apply_training_setup(model, family, train)
+    model, parts, trainable = apply_training_setup(model, family, train, compute_dtype)
     return TrainingModel(model=model, family=family, parts=parts, trainable=trainable, attn=attn, liger=liger,
                          vision_kernels=vision_kernels, prepare=prepare, parameters=part_parameters(model, parts),
                          num_trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),

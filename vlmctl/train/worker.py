@@ -5,8 +5,10 @@ torchtitan's)::
 
     ctx = setup_run(cfg.train)                        # process group, one device mesh, seed, dtypes
     tm = load_model_for_training(cfg, ctx)            # model, kernels, cost model, stage/freeze, LoRA, compile
-    dataset, sampler = build_data(cfg, ctx, tm)       # this data-parallel rank's packed or padded micro-batches
+    dataset, lengths = load_data(cfg, ctx, tm)        # the training shards and their token counts (train/data.py)
     wrapped = wrap_model(tm, cfg.train, ctx, steps)   # DDP / FSDP2 per layer then root / DeepSpeed; AdamW; schedule
+    autotune.tune(...)                                # auto batch size and activation checkpointing, probed on a GPU
+    sampler = build_sampler(cfg, ctx, dataset, lengths)   # this data-parallel rank's packed or padded micro-batches
     trainer = build_trainer(...)                      # resume, loader, metrics, checkpoints -> loop.Trainer
     trainer.train(); export_final(...)                # run_dir/final
 
@@ -26,6 +28,8 @@ from typing import Any
 
 from vlmctl.distributed.process import LAUNCHER_ENV
 from vlmctl.errors import VlmctlError
+from vlmctl.train import autotune
+from vlmctl.train.data import build_sampler, load_data
 from vlmctl.train.setup import (DEEPSPEED, RunContext, TrainingModel, build_optimizer, build_scheduler, load_quantized,
                                 load_source, model_source, prepare_model, setup_run)
 
@@ -46,42 +50,13 @@ class Wrapped:
 
 def load_model_for_training(cfg, ctx: RunContext) -> TrainingModel:
     """Load the model to train (`setup.model_source`; QLoRA's quantized base with `train.lora.quantize`) on CPU in
-    the stored dtype, then `prepare_model` it."""
+    the stored dtype, then `prepare_model` it (frozen weights cast to the compute dtype)."""
     source = model_source(cfg)
     quantized = cfg.train.lora is not None and cfg.train.lora.quantize != "none"
     model, processor, family = (load_quantized if quantized else load_source)(source, cfg, dtype=ctx.stored)
-    tm = prepare_model(model, family, cfg.train, ctx.env.device)
+    tm = prepare_model(model, family, cfg.train, ctx.env.device, compute_dtype=ctx.dtype)
     tm.processor, tm.source = processor, source
     return tm
-
-
-def build_data(cfg, ctx: RunContext, tm: TrainingModel):
-    """The training shards and this data-parallel rank's sampler: packed token-budget bins (`train.packing`) or
-    padded micro-batches. Returns (dataset, sampler)."""
-    from vlmctl.data.loader import DistributedBatchSampler, PackedBatchSampler, ShardDataset
-
-    train, main = cfg.train, ctx.env.is_main
-    dataset = ShardDataset.from_dir(Path(cfg.data.prepared_dir) / "train")
-    weights = {(s.name or Path(s.path).name): s.weight for s in cfg.data.sources}
-    sample_weights = dataset.sample_weights(weights) if any(w != 1.0 for w in weights.values()) else None
-    split = {"world_size": ctx.dims.dp_size, "rank": ctx.dims.dp_rank, "seed": train.seed, "weights": sample_weights}
-    if not train.packing:
-        return dataset, DistributedBatchSampler(dataset.lengths, micro_batch_size=train.micro_batch_size,
-                                                group_by_length=train.group_by_length, **split)
-    lengths = dataset.lengths
-    if not dataset.exact_lengths:  # shards prepared before the model was built: count with its processor
-        if main:
-            print(f"counting the tokens of {len(dataset)} samples for packing (`vlmctl data prepare` after "
-                  "`vlmctl model build` records them)", file=sys.stderr)
-        lengths = dataset.count_tokens(tm.processor, tm.family.name)
-    if cfg.data.max_length:
-        lengths = lengths.clip(max=cfg.data.max_length)  # encode_sample truncates text beyond max_length
-    sampler = PackedBatchSampler(lengths, tokens_per_batch=train.tokens_per_batch, **split)
-    if sampler.too_long and main:
-        print(f"warning: {sampler.too_long} samples are longer than train.tokens_per_batch={train.tokens_per_batch} "
-              "tokens and are left out (`vlmctl data prepare` drops them as too_long with data.max_length <= "
-              "train.tokens_per_batch)", file=sys.stderr)
-    return dataset, sampler
 
 
 def wrap_model(tm: TrainingModel, train, ctx: RunContext, total_steps: int) -> Wrapped:
@@ -115,6 +90,13 @@ def wrap_model(tm: TrainingModel, train, ctx: RunContext, total_steps: int) -> W
                                autocast_dtype=ctx.dtype if train.strategy != "fsdp" else None, liger=tm.liger)
     stepper.model.train()
     return Wrapped(model=model, optimizer=optimizer, scheduler=scheduler, engine=engine, stepper=stepper)
+
+
+def reschedule(wrapped: Wrapped, train, total_steps: int) -> Wrapped:
+    """A new LR schedule of `total_steps` on a torch strategy's optimizer (built before the probe knew the step
+    count; LambdaLR keeps each group's `initial_lr`)."""
+    wrapped.scheduler = wrapped.stepper.scheduler = build_scheduler(wrapped.optimizer, train, total_steps)
+    return wrapped
 
 
 def resume_state(resume_from: Path | None, ctx: RunContext, wrapped: Wrapped):
@@ -168,10 +150,18 @@ def train_run(cfg, run_dir: Path, ctx: RunContext) -> str:
     from vlmctl.train.metrics import MetricsLogger, plot_loss_or_warn
 
     train, env = cfg.train, ctx.env
+    fixed = autotune.settle_without_probe(train, env.device)  # CPU, DeepSpeed, the batching not in use
     tm = load_model_for_training(cfg, ctx)
-    dataset, sampler = build_data(cfg, ctx, tm)
+    dataset, lengths = load_data(cfg, ctx, tm)
+    wrapped = None
+    if autotune.wants(train):  # the probe measures the wrapped model; the schedule's length follows its choice
+        wrapped = wrap_model(tm, train, ctx, total_steps=1)
+        autotune.tune(cfg, run_dir, ctx, tm, wrapped.stepper, dataset, lengths, log=lambda m: print(m, file=sys.stderr))
+    elif fixed is not None and env.is_main:
+        autotune.save_record(run_dir, fixed, cfg)
+    sampler = build_sampler(cfg, ctx, dataset, lengths)
     total_steps = train.max_steps or max(1, math.ceil(train.num_epochs * sampler.batches_per_epoch / train.gradient_accumulation_steps))
-    wrapped = wrap_model(tm, train, ctx, total_steps)
+    wrapped = wrap_model(tm, train, ctx, total_steps) if wrapped is None else reschedule(wrapped, train, total_steps)
     resume_from = resolve_resume(run_dir, train.resume)
     state = resume_state(resume_from, ctx, wrapped)
     sampler.set_position(state.consumed)

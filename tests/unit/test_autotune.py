@@ -1,0 +1,133 @@
+"""The `auto` batch size / activation checkpointing search, on measured-like trials (peak = base + per-token bytes,
+time = per-token seconds), and the fixed values where no probe runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from vlmctl.train import autotune
+from vlmctl.train.autotune import Trial, fit_size, search
+
+GIB = 2**30
+# per mode: (base bytes, bytes per token, seconds per token): more checkpointing, less memory, more compute
+MODES = {"off": (10 * GIB, 5 * 2**20, 1.0e-4), "op": (10 * GIB, 3 * 2**20, 1.1e-4),
+         2: (10 * GIB, 2.6 * 2**20, 1.17e-4), "full": (10 * GIB, 0.3 * 2**20, 1.33e-4)}
+
+
+def fake_run(modes=MODES, budget_cut=None, calls=None):
+    def run(mode, size):
+        base, per, sec = modes[mode]
+        if calls is not None:
+            calls.append((mode, size))
+        peak = int(base + per * size)
+        if budget_cut is not None and peak > budget_cut:
+            return Trial(mode, size, 0, 0.0, oom=True)
+        return Trial(mode, size, peak, sec * size)
+    return run
+
+
+def test_fit_size_is_the_largest_step_multiple_within_budget():
+    a, b = Trial("off", 1000, 10 * GIB + 1000 * 2**20, 0.1), Trial("off", 2000, 10 * GIB + 2000 * 2**20, 0.2)
+    size = fit_size(a, b, 30 * GIB, 4 * GIB, floor=1, cap=10**6, step=512)
+    assert size % 512 == 0
+    assert 10 * GIB + size * 2**20 + 4 * GIB <= 30 * GIB < 10 * GIB + (size + 512) * 2**20 + 4 * GIB
+    assert fit_size(a, b, 30 * GIB, 4 * GIB, floor=1, cap=4096, step=512) == 4096  # capped
+    assert fit_size(a, b, 30 * GIB, 4 * GIB, floor=20000, cap=10**6, step=512) == 0  # below the longest sample
+
+
+def test_search_picks_the_fastest_mode_at_the_largest_fitting_size():
+    budget, state = 80 * GIB, 20 * GIB
+    choice = search(fake_run(), modes=list(MODES), sizes=(2048, 4096), budget=budget, state=state, floor=1024,
+                    cap=65536, step=512)
+    # every mode runs at its largest fitting size; with these figures full fits the cap and is the fastest per token
+    # among what fits... unless a cheaper mode fits a size where its rate is higher: rates are size/time = 1/sec
+    rates = {m: 1 / sec for m, (_, _, sec) in MODES.items()}
+    assert choice.activation_checkpointing == max(rates, key=rates.get) == "off"
+    base, per, _ = MODES["off"]
+    assert base + per * choice.tokens_per_batch + state <= budget
+    assert base + per * (choice.tokens_per_batch + 512) + state > budget
+    for trial in choice.trials:  # every measured size is recorded
+        assert trial.size > 0
+
+
+def test_a_mode_that_fits_only_a_small_row_loses_to_one_that_fits_a_large_row_when_speed_grows_with_size():
+    # speed that grows with the row (fixed per-pass overhead of 0.5 s): the bigger row of full checkpointing wins
+    modes = {"off": (10 * GIB, 20 * 2**20, 1.0e-4), "full": (10 * GIB, 0.5 * 2**20, 1.33e-4)}
+
+    def run(mode, size):
+        base, per, sec = modes[mode]
+        return Trial(mode, size, int(base + per * size), 0.5 + sec * size)
+
+    choice = search(run, modes=list(modes), sizes=(2048, 4096), budget=60 * GIB, state=10 * GIB, floor=1024,
+                    cap=65536, step=512)
+    assert choice.activation_checkpointing == "full" and choice.tokens_per_batch == 65536
+    assert choice.rates["full"] > choice.rates["off"]
+
+
+def test_an_optimistic_prediction_is_checked_and_shrunk():
+    # memory grows faster than linearly past 20k tokens: the first check runs out of memory, the shrunk one fits
+    modes = {"off": (10 * GIB, 2**20, 1e-4)}
+    calls = []
+
+    def run(mode, size):
+        calls.append(size)
+        peak = 10 * GIB + size * 2**20 + (max(0, size - 20000) * 2**21)
+        return Trial(mode, size, 0, 0.0, oom=True) if peak > 40 * GIB else Trial(mode, size, peak, 1e-4 * size)
+
+    choice = search(run, modes=["off"], sizes=(2048, 4096), budget=40 * GIB, state=0, floor=1024, cap=65536, step=512)
+    assert calls[2] > choice.tokens_per_batch == calls[-1]  # predicted, missed, bisected, then timed at the size that fits
+    assert 10 * GIB + choice.tokens_per_batch * 2**20 + max(0, choice.tokens_per_batch - 20000) * 2**21 <= 40 * GIB
+
+
+def test_when_no_mode_fits_the_longest_sample_the_most_frugal_is_taken_and_said():
+    choice = search(fake_run(), modes=list(MODES), sizes=(2048, 4096), budget=12 * GIB, state=GIB, floor=60000,
+                    cap=65536, step=512)
+    assert choice.activation_checkpointing == "full" and choice.tokens_per_batch < 60000
+    assert "longest sample" in choice.reason
+
+
+def test_nothing_fits_at_all_is_an_error():
+    with pytest.raises(RuntimeError, match="no activation checkpointing mode fits"):
+        search(fake_run(budget_cut=GIB), modes=["off"], sizes=(2048, 4096), budget=GIB, state=0, floor=1,
+               cap=65536, step=512)
+
+
+def test_fixed_values_where_no_probe_runs():
+    import torch
+
+    from vlmctl.config.train import TrainSection
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    train = TrainSection()
+    assert autotune.settle_without_probe(train, cpu) is not None
+    assert (train.tokens_per_batch, train.micro_batch_size, train.activation_checkpointing) == (8192, 1, "off")
+    train = TrainSection(strategy="zero3")
+    autotune.settle_without_probe(train, gpu)
+    assert (train.tokens_per_batch, train.activation_checkpointing) == (8192, "full")
+    # on a GPU with fsdp the probe settles the batching in use and checkpointing; the other batching gets its default
+    train = TrainSection(strategy="fsdp")
+    autotune.settle_without_probe(train, gpu)
+    assert train.tokens_per_batch == "auto" and train.activation_checkpointing == "auto" and train.micro_batch_size == 1
+    assert autotune.wants(train) == {"tokens_per_batch", "activation_checkpointing"}
+    # explicit values are never touched
+    train = TrainSection(tokens_per_batch=4096, activation_checkpointing=2, micro_batch_size=3)
+    assert autotune.settle_without_probe(train, cpu) is None
+    assert (train.tokens_per_batch, train.micro_batch_size, train.activation_checkpointing) == (4096, 3, 2)
+
+
+def test_the_record_round_trips_and_resolves_only_auto_keys(tmp_path):
+    from vlmctl.config import load_config
+
+    (tmp_path / "vlmctl.yaml").write_text("project: {name: p}\ntrain: {micro_batch_size: 4}\n")
+    cfg = load_config(tmp_path / "vlmctl.yaml")
+    choice = search(fake_run(), modes=["full"], sizes=(2048, 4096), budget=40 * GIB, state=GIB, floor=1,
+                    cap=30000, step=512)
+    choice.micro_batch_size = 9  # never applied: the config sets 4
+    applied = choice.apply(cfg.train)
+    assert applied == [f"tokens_per_batch={choice.tokens_per_batch}", "activation_checkpointing=full"]
+    autotune.save_record(tmp_path, choice, cfg)
+    again = autotune.load_record(tmp_path)
+    assert again.tokens_per_batch == choice.tokens_per_batch and len(again.trials) == len(choice.trials)
+    saved = load_config(tmp_path / "config.yaml")
+    assert (saved.train.tokens_per_batch, saved.train.activation_checkpointing, saved.train.micro_batch_size) == (
+        choice.tokens_per_batch, "full", 4)

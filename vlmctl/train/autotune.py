@@ -1,0 +1,385 @@
+"""The `auto` values of `train.tokens_per_batch`, `train.micro_batch_size` and `train.activation_checkpointing`.
+
+On a GPU with a torch strategy (ddp, fsdp) every rank runs a short probe on the wrapped model before the data
+loader is built: for each activation checkpointing mode (off, op, every 2nd layer, full) it measures the peak GPU
+memory of a forward + backward pass (`torch.cuda.max_memory_allocated`, max over ranks) on rows of two sizes built
+from the training data's longest samples, fits peak = base + per_unit x size, adds the AdamW state the first
+optimizer step will allocate (two moments per trainable parameter in the stored dtype), and takes the largest size
+that stays within `MEMORY_FRACTION` of the GPU's memory (less what other processes hold). That size is run once
+to check it fits and once more to time it; the mode with the most tokens (samples) per second wins. A size is a
+row's token budget with packing, the samples of a padded micro-batch without.
+
+The choice is printed, written to `RUN_DIR/autotune.json` (every trial: mode, size, peak GiB, seconds) and into
+`RUN_DIR/config.yaml`; a resumed run reuses it, so its batches and data order stay those of the first run.
+Elsewhere (CPU, DeepSpeed, whose engine accumulates gradients across backward passes) `auto` means the fixed
+defaults below.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+DEFAULT_TOKENS = 8192  # tokens_per_batch without a probe
+DEFAULT_MICRO_BATCH = 1
+MEMORY_FRACTION = 0.92  # of the GPU's memory a choice may plan for: the rest absorbs fragmentation and the
+#                         optimizer step's temporaries
+MAX_TOKENS = 65536  # beyond this a longer row adds little speed and makes epochs coarse
+MAX_MICRO_BATCH = 256
+TOKEN_STEP = 512  # packed budgets are multiples of this
+CANDIDATES = ("off", "op", 2, "full")
+CHECKS = 3  # trials at a predicted size before settling for the largest size measured to fit
+RECORD = "autotune.json"
+
+
+@dataclass
+class Trial:
+    """One probe pass: checkpointing `mode`, `size` (tokens per row, or samples per micro-batch), the peak GPU
+    memory in bytes (max over ranks, optimizer state excluded), the forward + backward seconds (max over ranks) and
+    whether it ran out of memory."""
+
+    mode: Any
+    size: int
+    peak_bytes: int
+    seconds: float
+    oom: bool = False
+
+
+@dataclass
+class Choice:
+    """What `auto` resolved to, and why."""
+
+    tokens_per_batch: int | None = None
+    micro_batch_size: int | None = None
+    activation_checkpointing: Any = None
+    reason: str = ""
+    budget_bytes: int | None = None
+    state_bytes: int | None = None
+    trials: list[Trial] = field(default_factory=list)
+    rates: dict[str, float] = field(default_factory=dict)  # mode -> size units per second at its chosen size
+
+    def apply(self, train) -> list[str]:
+        """Write the resolved values into `train` (only where it says auto); returns "key=value" for each."""
+        done = []
+        for key in ("tokens_per_batch", "micro_batch_size", "activation_checkpointing"):
+            value = getattr(self, key)
+            if value is not None and getattr(train, key) == "auto":
+                setattr(train, key, value)
+                done.append(f"{key}={value}")
+        return done
+
+
+def wants(train) -> set[str]:
+    """The keys of `train` left at auto that the probe can settle: the batch size of the batching in use, and
+    activation checkpointing."""
+    size_key = "tokens_per_batch" if train.packing else "micro_batch_size"
+    return {k for k in (size_key, "activation_checkpointing") if getattr(train, k) == "auto"}
+
+
+def can_probe(train, device) -> bool:
+    """True on a CUDA device with a torch strategy (ddp/fsdp): DeepSpeed accumulates gradients inside its engine."""
+    return device.type == "cuda" and train.strategy in ("ddp", "fsdp")
+
+
+def fixed_choice(train, device) -> Choice:
+    """The values of `auto` without a probe: 8192 tokens per row, 1 sample per micro-batch, and activation
+    checkpointing off on CPU, full on a GPU (where nothing was measured, the mode that fits most)."""
+    why = "no probe on CPU" if device.type != "cuda" else f"no probe with {train.strategy}"
+    return Choice(tokens_per_batch=DEFAULT_TOKENS, micro_batch_size=DEFAULT_MICRO_BATCH,
+                  activation_checkpointing="off" if device.type != "cuda" else "full", reason=why)
+
+
+def settle_without_probe(train, device) -> Choice | None:
+    """Resolve every auto the probe will not touch (the batching not in use; all of them where no probe can run).
+    Returns the fixed choice applied, or None when nothing was auto."""
+    fixed = fixed_choice(train, device)
+    probing = wants(train) if can_probe(train, device) else set()
+    keys = {"tokens_per_batch", "micro_batch_size", "activation_checkpointing"} - probing
+    applied = Choice(**{k: getattr(fixed, k) for k in keys}, reason=fixed.reason).apply(train)
+    return fixed if applied else None
+
+
+# ------------------------------------------------------------------------------------------------- the search
+
+
+def fit_size(small: Trial, large: Trial, budget: int, state: int, *, floor: int, cap: int, step: int) -> int:
+    """The largest size (a multiple of `step`, within [floor, cap]) whose predicted peak, base + slope x size from
+    the two trials plus `state` bytes, stays within `budget`; 0 when even `floor` does not fit."""
+    if large.size == small.size:
+        slope = small.peak_bytes / max(small.size, 1)
+        base = 0.0
+    else:
+        slope = max((large.peak_bytes - small.peak_bytes) / (large.size - small.size), 1.0)
+        base = small.peak_bytes - slope * small.size
+    size = int((budget - state - base) // slope)
+    size = min(cap, size - size % step if size >= step else size)
+    return size if size >= floor else 0
+
+
+def _round(size: int, step: int) -> int:
+    return size - size % step if size >= step else size
+
+
+def search(run: Callable[[Any, int], Trial], *, modes, sizes: tuple[int, int], budget: int, state: int, floor: int,
+           cap: int, step: int, log=lambda msg: None) -> Choice:
+    """For each mode: two trials at `sizes` -> predicted largest fitting size -> a trial at it (on a miss: refit
+    through the miss, or bisect towards the largest size known to fit after running out of memory; at most CHECKS
+    trials) -> a timed trial; the mode with the best size/second wins (on a tie
+    the one with the larger size). `run(mode, size)` returns a Trial. Returns the Choice with `size` in
+    `tokens_per_batch` (callers move it for padded batches) and every trial; reason names the winner.
+    When no mode fits `floor`, the mode that fits the largest size is taken at that size."""
+    trials: list[Trial] = []
+    rates: dict[str, float] = {}
+    best: tuple[float, int, Any] | None = None
+    fallback: tuple[int, Any] | None = None
+    for mode in modes:
+        a, b = run(mode, sizes[0]), run(mode, sizes[1])
+        trials += [a, b]
+        if a.oom:
+            continue
+        good = b if not b.oom and b.peak_bytes + state <= budget else a
+        size = fit_size(a, b if not b.oom else a, budget, state, floor=1, cap=cap, step=step)
+        for _ in range(CHECKS):  # the linear prediction is checked; a miss refits or bisects towards the good size
+            if size <= good.size:
+                size = good.size if good.peak_bytes + state <= budget else 0
+                break
+            check = run(mode, size)
+            trials.append(check)
+            if not check.oom and check.peak_bytes + state <= budget:
+                break
+            if check.oom:
+                size = _round((good.size + size) // 2, step)
+            else:
+                size = min(size - step, fit_size(good, check, budget, state, floor=1, cap=cap, step=step))
+        else:
+            size = good.size if good.peak_bytes + state <= budget else 0
+        if size <= 0:
+            continue
+        if size < floor:
+            if fallback is None or size > fallback[0]:
+                fallback = (size, mode)
+            continue
+        timed = run(mode, size)
+        trials.append(timed)
+        if timed.oom or timed.seconds <= 0:
+            continue
+        rate = size / timed.seconds
+        rates[str(mode)] = rate
+        log(f"  {mode}: {size} -> {rate:,.0f}/s, peak {(timed.peak_bytes + state) / 2**30:.1f} GiB")
+        if best is None or (rate, size) > best[:2]:
+            best = (rate, size, mode)
+    if best is None:
+        if fallback is None:
+            raise RuntimeError("no activation checkpointing mode fits the smallest probe in GPU memory")
+        size, mode = fallback
+        return Choice(tokens_per_batch=size, activation_checkpointing=mode, trials=trials, rates=rates,
+                      budget_bytes=budget, state_bytes=state,
+                      reason=f"nothing fits the longest sample ({floor}); {mode} fits the most")
+    rate, size, mode = best
+    return Choice(tokens_per_batch=size, activation_checkpointing=mode, trials=trials, rates=rates,
+                  budget_bytes=budget, state_bytes=state, reason=f"probe: fastest that fits ({rate:,.0f}/s)")
+
+
+# ------------------------------------------------------------------------------------------- on the GPU
+
+
+def optimizer_state_bytes(model, stored_bytes: int) -> int:
+    """Bytes of the AdamW moments the first step allocates on this rank: 2 x the local (sharded) elements of the
+    trainable parameters x `stored_bytes`."""
+    n = 0
+    for p in model.parameters():
+        if p.requires_grad:
+            n += (p.to_local() if hasattr(p, "to_local") else p).numel()
+    return 2 * n * stored_bytes
+
+
+def memory_budget(device) -> int:
+    """Bytes a choice may plan for on `device`: MEMORY_FRACTION of its memory, less what is held outside this
+    process's caching allocator (CUDA context, NCCL buffers, other processes)."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info(device)
+    outside = max(0, total - free - torch.cuda.memory_reserved(device))
+    return int(MEMORY_FRACTION * total) - outside
+
+
+def probe_rows(lengths, make_batch, *, packing: bool):
+    """`rows(size)` -> one batch of the data's longest samples: a packed row filled to at most `size` tokens
+    (the longest samples first, repeated as needed), or `size` samples padded to the longest. `lengths` is the
+    per-sample token count (np.ndarray); `make_batch(indices)` collates those samples."""
+    import numpy as np
+
+    order = [int(i) for i in np.argsort(-np.asarray(lengths), kind="stable")]
+
+    def rows(size: int):
+        if not packing:
+            return make_batch([order[i % len(order)] for i in range(size)])
+        picked, used = [], 0
+        fitting = [i for i in order if lengths[i] <= size]
+        while fitting:
+            added = False
+            for i in fitting:
+                if used + int(lengths[i]) <= size:
+                    picked.append(i)
+                    used += int(lengths[i])
+                    added = True
+            if not added:
+                break
+        return make_batch(picked)
+
+    return rows
+
+
+def measure_pass(stepper, batch, device, group=None) -> tuple[int, float]:
+    """Peak GPU bytes and seconds of one forward + backward of `batch` (gradients then dropped), max over ranks."""
+    import torch
+    import torch.distributed as dist
+
+    from vlmctl.train.loop import to_device
+
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    loss = stepper.loss(to_device(batch, device))
+    stepper.backward(loss, 1.0 / max(1, int(batch.get("num_label_tokens", 1) or 1)))
+    torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - t0
+    del loss
+    stepper.optimizer.zero_grad(set_to_none=True)
+    out = torch.tensor([float(torch.cuda.max_memory_allocated(device)), seconds], device=device, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    torch.cuda.empty_cache()
+    return int(out[0].item()), float(out[1].item())
+
+
+def probe(train, *, stepper, layer_groups, rows, device, lengths, dp_size: int, stored_bytes: int,
+          group=None, log=lambda msg: None) -> Choice:
+    """Run `search` on the wrapped model behind `stepper`: `layer_groups` are the decoder layers and vision blocks
+    (checkpointing modes are set on them), `rows(size)` builds a batch (see `probe_rows`). The modes tried are
+    CANDIDATES when activation_checkpointing is auto, else the configured one. Leaves the chosen mode set on the
+    layers."""
+    import torch
+
+    from vlmctl.train.checkpointing import apply_activation_checkpointing
+
+    modes = CANDIDATES if train.activation_checkpointing == "auto" else (train.activation_checkpointing,)
+    longest = int(max(lengths)) if len(lengths) else 1
+    if train.packing:
+        total = int(sum(int(x) for x in lengths))
+        cap = max(longest, min(MAX_TOKENS, total // max(dp_size, 1)))
+        floor, step = longest, TOKEN_STEP
+        small = min(cap, max(longest, 2048))
+        sizes = (small, min(cap, max(2 * small, small + step)))
+        fixed = None if train.tokens_per_batch == "auto" else int(train.tokens_per_batch)
+    else:
+        cap = max(1, min(MAX_MICRO_BATCH, len(lengths) // max(dp_size, 1)))
+        floor, step, sizes = 1, 1, (1, min(2, cap))
+        fixed = None if train.micro_batch_size == "auto" else int(train.micro_batch_size)
+    if fixed is not None:  # only the mode is auto: measure at the configured size
+        floor, cap, sizes = fixed, fixed, (fixed, fixed)
+    pause = getattr(stepper.optimizer, "paused", None)
+    if pause is not None:
+        stepper.optimizer.paused = True
+    state = 0 if stepper.optimizer.state else optimizer_state_bytes(stepper.model, stored_bytes)
+
+    def run(mode, size: int) -> Trial:
+        apply_activation_checkpointing(layer_groups, mode)
+        try:
+            peak, seconds = measure_pass(stepper, rows(size), device, group)
+            return Trial(mode=mode, size=size, peak_bytes=peak, seconds=seconds)
+        except torch.OutOfMemoryError:
+            stepper.optimizer.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            return Trial(mode=mode, size=size, peak_bytes=0, seconds=0.0, oom=True)
+
+    try:
+        choice = search(run, modes=modes, sizes=sizes, budget=memory_budget(device), state=state, floor=floor,
+                        cap=cap, step=step, log=log)
+    finally:
+        if pause is not None:
+            stepper.optimizer.paused = False
+    apply_activation_checkpointing(layer_groups, choice.activation_checkpointing)
+    if not train.packing:
+        choice.micro_batch_size, choice.tokens_per_batch = choice.tokens_per_batch, None
+    return choice
+
+
+# ------------------------------------------------------------------------------------------- the record
+
+
+def load_record(run_dir: Path) -> Choice | None:
+    """The choice a previous start of this run recorded, or None."""
+    path = Path(run_dir) / RECORD
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    data["trials"] = [Trial(**t) for t in data.get("trials", [])]
+    return Choice(**data)
+
+
+def save_record(run_dir: Path, choice: Choice, cfg) -> None:
+    """Write `autotune.json` and the resolved project config (`cfg`) as `config.yaml` of `run_dir` (temporary
+    files, renamed)."""
+    from vlmctl.config import dump_config
+
+    run_dir = Path(run_dir)
+    for name, text in ((RECORD, json.dumps(asdict(choice), indent=2, default=str)), ("config.yaml", dump_config(cfg))):
+        tmp = run_dir / f".{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, run_dir / name)
+
+
+def summary(choice: Choice, applied: list[str]) -> str:
+    """One line for the console: what auto chose and why."""
+    gib = f", plan {choice.budget_bytes / 2**30:.1f} GiB" if choice.budget_bytes else ""
+    return f"auto: {', '.join(applied)} ({choice.reason}{gib})" if applied else ""
+
+
+
+# ------------------------------------------------------------------------------------------- in a run
+
+
+def tune(cfg, run_dir: Path, ctx, tm, stepper, dataset, lengths, log=print) -> Choice | None:
+    """Settle the auto keys `wants(cfg.train)` on a wrapped model (`stepper`: the loop's TorchStepper): from
+    `RUN_DIR/autotune.json` when resuming, else by `probe` on rows of `dataset` (a ShardDataset) collated as
+    training collates them (`lengths`: their token counts). Rank 0 records and prints the choice. Returns the
+    choice, or None when nothing was auto."""
+    from vlmctl.data.collate import Collator, PackedCollator
+    from vlmctl.train.checkpointing import apply_activation_checkpointing, describe
+
+    train, groups = cfg.train, [tm.parts.decoder_layers, tm.parts.vision_layers]
+    if not wants(train):
+        return None
+    record = load_record(run_dir) if train.resume is not None else None
+    if record is not None:
+        applied = record.apply(train)
+        apply_activation_checkpointing(groups, train.activation_checkpointing)
+        if ctx.env.is_main:
+            log(f"auto (recorded when the run started): {', '.join(applied)}")
+        return record
+
+    def make_batch(indices):
+        size = int(sum(int(lengths[i]) for i in indices))
+        collate = (PackedCollator(tm.processor, tm.family, max_length=cfg.data.max_length, tokens_per_batch=max(size, 1))
+                   if train.packing else Collator(tm.processor, tm.family, max_length=cfg.data.max_length))
+        batch = collate([dataset[i] for i in indices])
+        return tm.prepare(batch) if tm.prepare is not None else batch
+
+    if ctx.env.is_main:
+        log("auto: probing activation checkpointing and batch size in GPU memory (forward + backward per trial)")
+    choice = probe(train, stepper=stepper, layer_groups=groups, rows=probe_rows(lengths, make_batch, packing=train.packing),
+                   device=ctx.env.device, lengths=lengths, dp_size=ctx.dims.dp_size,
+                   stored_bytes=ctx.stored.itemsize, group=ctx.dims.dp_group,
+                   log=log if ctx.env.is_main else (lambda msg: None))
+    applied = choice.apply(train)
+    if ctx.env.is_main:
+        save_record(run_dir, choice, cfg)
+        log(summary(choice, applied).replace(f"activation_checkpointing={train.activation_checkpointing}",
+                                             f"activation_checkpointing={train.activation_checkpointing} "
+                                             f"({describe(train.activation_checkpointing)})"))
+    return choice

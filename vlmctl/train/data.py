@@ -1,0 +1,43 @@
+"""The run's data: the training shards with each sample's token count, and this data-parallel rank's sampler
+(packed token-budget bins or padded micro-batches, `vlmctl.data.samplers`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def load_data(cfg, ctx, tm):
+    """The training shards and the token count of each sample (counted with the model's processor when the shards
+    were prepared before the model was built). Returns (dataset, lengths)."""
+    from vlmctl.data.loader import ShardDataset
+
+    dataset = ShardDataset.from_dir(Path(cfg.data.prepared_dir) / "train")
+    lengths = dataset.lengths
+    if cfg.train.packing and not dataset.exact_lengths:
+        if ctx.env.is_main:
+            print(f"counting the tokens of {len(dataset)} samples for packing (`vlmctl data prepare` after "
+                  "`vlmctl model build` records them)", file=sys.stderr)
+        lengths = dataset.count_tokens(tm.processor, tm.family.name)
+    if cfg.train.packing and cfg.data.max_length:
+        lengths = lengths.clip(max=cfg.data.max_length)  # encode_sample truncates text beyond max_length
+    return dataset, lengths
+
+
+def build_sampler(cfg, ctx, dataset, lengths):
+    """This data-parallel rank's sampler: packed token-budget bins (`train.packing`) or padded micro-batches."""
+    from vlmctl.data.loader import DistributedBatchSampler, PackedBatchSampler
+
+    train = cfg.train
+    weights = {(s.name or Path(s.path).name): s.weight for s in cfg.data.sources}
+    sample_weights = dataset.sample_weights(weights) if any(w != 1.0 for w in weights.values()) else None
+    split = {"world_size": ctx.dims.dp_size, "rank": ctx.dims.dp_rank, "seed": train.seed, "weights": sample_weights}
+    if not train.packing:
+        return DistributedBatchSampler(lengths, micro_batch_size=train.micro_batch_size,
+                                       group_by_length=train.group_by_length, **split)
+    sampler = PackedBatchSampler(lengths, tokens_per_batch=train.tokens_per_batch, **split)
+    if sampler.too_long and ctx.env.is_main:
+        print(f"warning: {sampler.too_long} samples are longer than train.tokens_per_batch={train.tokens_per_batch} "
+              "tokens and are left out (`vlmctl data prepare` drops them as too_long with data.max_length <= "
+              "train.tokens_per_batch)", file=sys.stderr)
+    return sampler
