@@ -1,8 +1,9 @@
-"""A procedurally generated visual question-answering set: colored shapes, questions about them.
+"""Synthetic data: a procedurally generated visual question-answering set (colored shapes, questions about them),
+and random chat samples for throughput measurements (`image_chat`, at the end).
 
-Used by the `tiny` template and `vlmctl demo`: it needs no download, is deterministic for a seed, and a model can
-only answer it well by looking at the image. Written in the LLaVA format (`{id, image, conversations}`) so it goes
-through the real readers.
+The shapes set is used by the `tiny` template and `vlmctl demo`: it needs no download, is deterministic for a
+seed, and a model can only answer it well by looking at the image. Written in the LLaVA format (`{id, image,
+conversations}`) so it goes through the real readers.
 
 Each picture is a 2 x 2 grid of cells (`image_size / 2` pixels each) on a plain or noisy light background; every
 object fills one cell, so at the tiny template's resolution (32 px input, 8 px patches) each object covers 2 x 2
@@ -27,6 +28,8 @@ import hashlib
 import json
 import random
 from pathlib import Path
+
+from vlmctl.data.sample import Sample
 
 COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 200, 30)}
 SHAPES = ("circle", "square", "triangle")
@@ -162,3 +165,74 @@ def generate_shapes_vqa(out_dir: Path, num_samples: int = 3000, seed: int = 0, i
     path = out_dir / "shapes_vqa.json"
     path.write_text(json.dumps(records, indent=1))
     return path
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Random chat samples: the workload of `vlmctl bench` (vlmctl.bench), encoded by the model's own processor
+# ---------------------------------------------------------------------------------------------------------------------
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def random_image(side: int, seed: int | tuple[int, ...]) -> bytes:
+    """A `side` x `side` px RGB PNG of uniform random pixels, deterministic for `seed`. Stored without compression:
+    noise does not compress, and a level-0 PNG is written and decoded fastest. Returns the encoded bytes."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, size=(side, side, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(out, format="PNG", compress_level=0)
+    return out.getvalue()
+
+
+def word_texts(num_texts: int = 400, words_per_text: int = 24, vocabulary: int = 64, seed: int = 0) -> list[str]:
+    """`num_texts` lines of `words_per_text` pseudo-words drawn from `vocabulary` random lowercase words (3 to 5
+    letters): text to train a tokenizer on where a random-init model has none (a few distinct, frequent words, so
+    most of them become one token each). Deterministic for `seed`."""
+    rng = random.Random(seed)
+    words = ["".join(rng.choice(LETTERS) for _ in range(rng.randint(3, 5))) for _ in range(vocabulary)]
+    return [" ".join(rng.choice(words) for _ in range(words_per_text)) for _ in range(num_texts)]
+
+
+def single_token_words(tokenizer, limit: int = 4096) -> list[str]:
+    """Up to `limit` strings of a space and two or more lowercase ASCII letters (" word") that `tokenizer` (a
+    transformers tokenizer) encodes as exactly one token, in vocabulary order. Concatenated, n of them encode as n
+    tokens with byte-level BPE and SentencePiece tokenizers, whose pre-tokenizers split before each space. Returns an
+    empty list for a vocabulary without such tokens."""
+    import re
+
+    pattern = re.compile(r" [a-z]{2,}")
+    special = set(tokenizer.all_special_ids)
+    words = []
+    for token, index in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]):
+        if index in special:
+            continue
+        text = tokenizer.convert_tokens_to_string([token])
+        if pattern.fullmatch(text) and len(tokenizer(text, add_special_tokens=False)["input_ids"]) == 1:
+            words.append(text)
+            if len(words) >= limit:
+                break
+    return words
+
+
+def random_text(words: list[str], num_words: int, rng: random.Random) -> str:
+    """`num_words` words drawn from `words` (e.g. `single_token_words`: then `num_words` tokens), joined as they
+    are: each word keeps its leading space, the first one too, so that it stays the one token it was chosen as."""
+    return "".join(rng.choice(words) for _ in range(num_words))
+
+
+def image_chat(sample_id: str, answer: str, image: bytes) -> Sample:
+    """One user turn holding one image and one assistant turn answering with `answer` (the tokens the trainer's
+    collator labels): the shape of every sample `vlmctl bench` trains on."""
+    return Sample(
+        id=sample_id,
+        messages=[
+            {"role": "user", "content": [{"type": "image", "index": 0}]},
+            {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+        ],
+        images=[image],
+        source="synthetic",
+    )
