@@ -233,7 +233,11 @@ def main(argv: list[str] | None = None) -> None:
         outcome = run(Path(args[0]))
     except VlmctlError as exc:
         sys.exit(report_error(exc))
-    sys.exit(EXIT_STOPPED if outcome != "done" else 0)
+    # Everything is saved and the process group is gone: leave without interpreter teardown, where a CUDA/NCCL
+    # library's static destructors can abort an otherwise finished rank (seen after FSDP2 runs on one GPU).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_STOPPED if outcome != "done" else 0)
 
 
 if __name__ == "__main__":
