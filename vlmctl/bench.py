@@ -1,37 +1,121 @@
 """Training-throughput benchmark: tokens/s, MFU (vision tower included), step time, peak memory.
 
-The measured step is the trainer's own (`vlmctl.train.loop.Trainer.train_step`) on the model, kernels, stage,
-strategy (none/ddp/fsdp/zero2/zero3) and optimizer that `vlmctl train` would use for the same config; only the data
-is synthetic and packed in advance. Multi-GPU runs start one process per GPU through torchrun
-(`python -m vlmctl.bench WORKDIR`); every rank packs its own rows and the figures are summed over ranks.
+The measured step is the trainer's own (`vlmctl.train.loop.Trainer.train_step`) on the model, kernels, stage, LoRA /
+QLoRA adapters, strategy (none/ddp/fsdp/zero2/zero3) and optimizer that `vlmctl train` would use for the same config;
+only the data is synthetic. Multi-GPU runs start one process per GPU through torchrun (`python -m vlmctl.bench
+WORKDIR`); every rank builds its own micro-batches and the figures are summed over ranks. Everything that can be
+checked without weights (flags, the model, the device, precision, kernels, the workload) is checked by `prepare`
+before any process starts: a usage error is one panel and exit code 2.
 
-The workload reproduces the plain-transformers baseline's sample distribution for Qwen-VL architectures (one
-square image of 224/336/448/560 px, i.e. 64..400 merged visual tokens, plus 64..1536 uniformly random text
-tokens, every text token labelled), so vlmctl and the baseline can be measured in one run on the same GPU.
+The model (`choose_model`), as `vlmctl train` gets it: the folder `vlmctl model build` wrote (`model.output_dir`)
+when it was built from the `model` section as it stands; else, with `model.init: random`, the section's model (a
+preset or a compose spec) built in memory as `model build` builds it, its tokenizer trained on synthetic text where
+it has none; else `model.base`. QLoRA (`train.lora.quantize`, CUDA + bitsandbytes) loads the frozen base through
+`vlmctl.train.setup.load_quantized`, which reads a folder: a random-init model is saved to a temporary one first.
 
-FLOPs: each packed row's training FLOPs come from `vlmctl.train.flops.CostModel.batch_flops`, summed by the
-trainer's own step over the data-parallel ranks, exactly as `vlmctl train` sums them for its MFU column; so bench
-and train report the same MFU for the same batch. MFU = FLOPs / step time / (peak x GPUs), with the device's
-data-sheet peak (`vlmctl.train.metrics.peak_flops`), else 989 TFLOP/s (H100/H200 SXM dense bf16).
+Workloads (`WorkloadSpec.kind`, `--workload`):
+
+- chat: every sample is one square RGB noise image (side drawn from `--image-sizes`) in a user turn and an
+  assistant turn of `--text-tokens` random tokens (single-token words of the model's tokenizer), every answer token
+  labelled. The samples go through the trainer's own data path: the model's processor and chat template
+  (`vlmctl.data.collate.encode_sample`) and its collator, packed rows of `train.tokens_per_batch` tokens
+  (`PackedCollator`, with `train.packing`) or padded micro-batches of `train.micro_batch_size` samples (`Collator`).
+  Families that cannot take packed rows (`FamilySpec.supports_packing`) get padded batches, as in training.
+- baseline: the plain-transformers baseline's Qwen-VL samples (one square image of 224/336/448/560 px by default,
+  i.e. 64..400 merged visual tokens between vision start/end tokens, then 64..1536 uniformly random text tokens, no
+  chat template, every text token labelled), packed by the trainer's collator: the workload of the Qwen-VL figures
+  in docs/benchmarks.md, so vlmctl and that baseline can be measured on the same GPU. The chat workload cannot
+  reproduce its token counts (the chat template adds its own tokens, and only the answer is labelled).
+- auto (the default): baseline for Qwen-VL families (mRoPE) with packed rows, chat otherwise.
+
+Micro-batches: every rank draws the same samples. Packed rows are planned by first-fit decreasing and taken fullest
+first (the partial rows at the tail of a finite sample set would understate throughput), every dp_size-th to each
+rank; padded micro-batches are the trainer's `DistributedBatchSampler`'s (length grouping as
+`train.group_by_length`). All are collated before the timed steps (training collates in DataLoader workers, in the
+background of the steps); pixel values stay as the processor returns them (float32), as in training.
+
+FLOPs: each micro-batch's training FLOPs come from `vlmctl.train.flops.CostModel.batch_flops` (built by
+`vlmctl.train.setup.prepare_model` with `lora=` set for adapters: a frozen base counts its forward and activation
+gradient, not its weight gradient), summed by the trainer's own step over the data-parallel ranks, exactly as
+`vlmctl train` sums them for its MFU column; so bench and train report the same MFU for the same batch.
+MFU = FLOPs / step time / (peak x GPUs) (PaLM, Chowdhery et al. 2022, appendix B), with the device's data-sheet peak
+(`vlmctl.train.metrics.peak_flops`), else 989 TFLOP/s (H100/H200 SXM dense bf16).
 """
 
 from __future__ import annotations
 
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 DEFAULT_PEAK = 989e12  # H100/H200 SXM dense bf16: the reference for devices without a data-sheet figure (CPUs)
+WORKLOADS = ("auto", "chat", "baseline")
+RARE_FIT = 0.01  # when fewer than this fraction of the drawn chat samples fit a packed row, stop drawing (usage error)
+
+
+def token_budget(train) -> int:
+    """Tokens of one packed row per device (`train.tokens_per_batch`), as an integer: the one place bench reads the
+    budget. `auto` reads as training's value without a probe (`vlmctl.train.autotune.DEFAULT_TOKENS`): bench runs
+    no probe."""
+    from vlmctl.train.autotune import DEFAULT_TOKENS
+
+    value = train.tokens_per_batch
+    return value if isinstance(value, int) else DEFAULT_TOKENS
+
+
+def micro_batch(train) -> int:
+    """Samples of one padded micro-batch per device (`train.micro_batch_size`), as an integer: the one place bench
+    reads it. `auto` reads as training's value without a probe (`vlmctl.train.autotune.DEFAULT_MICRO_BATCH`)."""
+    from vlmctl.train.autotune import DEFAULT_MICRO_BATCH
+
+    value = train.micro_batch_size
+    return value if isinstance(value, int) else DEFAULT_MICRO_BATCH
 
 
 @dataclass
 class WorkloadSpec:
+    """The synthetic workload: image sides in px (one drawn per sample), the [min, max] range of text tokens per
+    sample (answer tokens in the chat workload), the workload kind (`WORKLOADS`, see the module docstring) and the
+    Qwen-VL patch geometry the baseline workload builds its visual tokens with."""
+
     image_sizes: tuple[int, ...] = (224, 336, 448, 560)
     text_tokens: tuple[int, int] = (64, 1536)
     patch_size: int = 14
     merge_size: int = 2
     temporal_patch_size: int = 2
+    kind: str = "auto"
+
+    @classmethod
+    def from_flags(cls, image_sizes: str, text_tokens: str, workload: str = "auto") -> "WorkloadSpec":
+        """The spec of the CLI flags `--image-sizes 224,336` (px), `--text-tokens MIN,MAX` and `--workload`.
+        Raises UsageError naming the flag that does not parse or is out of range."""
+        from vlmctl.errors import UsageError
+
+        def ints(text: str, flag: str, example: str) -> tuple[int, ...]:
+            try:
+                return tuple(int(x) for x in text.split(",") if x.strip())
+            except ValueError:
+                raise UsageError(f"{flag} {text!r} is not a comma-separated list of integers", hint=f"e.g. {flag} {example}") from None
+
+        spec = cls(image_sizes=ints(image_sizes, "--image-sizes", "224,336,448,560"), kind=workload,
+                   text_tokens=ints(text_tokens, "--text-tokens", "64,1536"))
+        spec.check()
+        return spec
+
+    def check(self) -> None:
+        """Raise UsageError for image sides or text lengths that make no sample, or an unknown workload kind."""
+        from vlmctl.errors import UsageError
+
+        if not self.image_sizes or any(s < 1 for s in self.image_sizes):
+            raise UsageError(f"--image-sizes {','.join(map(str, self.image_sizes)) or '(none)'}: give one or more positive sides in px",
+                             hint="e.g. --image-sizes 224,336,448,560")
+        if len(self.text_tokens) != 2 or not 1 <= self.text_tokens[0] <= self.text_tokens[1]:
+            raise UsageError(f"--text-tokens {','.join(map(str, self.text_tokens))} is not MIN,MAX with 1 <= MIN <= MAX",
+                             hint="e.g. --text-tokens 64,1536")
+        if self.kind not in WORKLOADS:
+            raise UsageError(f"--workload {self.kind!r} is not one of {', '.join(WORKLOADS)}", hint="e.g. --workload chat")
 
 
 @dataclass
@@ -48,6 +132,11 @@ class BenchResult:
     mfu: float
     peak_memory_gib: float  # the largest over ranks
     tokens_per_step: float  # all ranks together
+    flops_per_token: float = 0.0  # training FLOPs per token of the measured steps (the cost model's)
+    workload: str = "baseline"  # chat | baseline
+    packing: bool = True  # packed rows, else padded micro-batches
+    adapter: str = "none"  # none | lora | qlora-4bit | qlora-8bit
+    stage: str = ""
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -57,10 +146,142 @@ class BenchResult:
         return {**asdict(self), "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu}
 
 
-def qwen_vl_samples(n: int, cfg, spec: WorkloadSpec = WorkloadSpec(), seed: int = 0) -> list[dict[str, Any]]:
+# --------------------------------------------------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelChoice:
+    """Where the benchmarked model comes from (see `choose_model`), resolved without loading weights.
+
+    `kind`: "folder" (a `model build` folder), "base" (`model.base`) or "random" (built in memory from `plan`);
+    `source`: the folder or base reference (None for random); `processor`: the model's processor; `config`: its
+    transformers config; `note`: why a built folder was passed over, or ""."""
+
+    kind: str
+    name: str
+    family: Any
+    processor: Any
+    config: Any
+    source: str | None = None
+    plan: Any = None
+    note: str = ""
+
+
+def choose_model(model_section) -> ModelChoice:
+    """The model `vlmctl train` would train for `model_section`, without its weights: the built folder
+    (`model.output_dir`) unless it was built from other settings, else a random-init build plan (`model.init:
+    random`), else `model.base` (as `vlmctl.train.setup.model_source`).
+
+    Raises UsageError when the section names pretrained weights that are not built (compose mode) or a built folder
+    that no longer matches it; ConfigError / ModelError from `vlmctl.models.build.plan_build` and from loading a
+    processor (an unknown preset, a Hub id that cannot be reached, ...).
+    """
+    from vlmctl.errors import UsageError
+    from vlmctl.models.build import is_preset
+    from vlmctl.models.load import quiet_transformers
+    from vlmctl.train.setup import BUILT_MODEL_FILES
+
+    folder = Path(model_section.output_dir)
+    built = any((folder / name).is_file() for name in BUILT_MODEL_FILES)
+    stale = built and _built_from_other_settings(folder, model_section)
+    with quiet_transformers():
+        if built and not stale:
+            return _loaded_choice("folder", str(folder), model_section)
+        if model_section.init == "random":
+            choice = _random_choice(model_section)
+            if stale:
+                choice.note = f"{folder} was built from other model settings: benchmarking a random-init model of the configured ones"
+            return choice
+        if stale:
+            raise UsageError(f"{folder} holds a model built from other settings than the model section",
+                             hint="rebuild it with `vlmctl model build --force`, or set model.output_dir to another folder")
+        if model_section.base is not None and not (is_preset(model_section.base)):
+            return _loaded_choice("base", str(model_section.base), model_section)
+    raise UsageError(f"no built model in {folder}, and model.init is pretrained: vlmctl bench has no weights to load",
+                     hint="run `vlmctl model build` first, or set model.init=random to measure random weights of the same architecture")
+
+
+def _built_from_other_settings(folder: Path, section) -> bool:
+    """True when `folder`'s `vlmctl_model.json` records a preset, vision encoder + LLM, or base other than the ones
+    `section` names (a folder without that record is taken as it is, as training takes it)."""
+    from vlmctl.models.build import is_preset
+    from vlmctl.models.load import read_build_info
+
+    info = read_build_info(folder)
+    if not info:
+        return False
+    built = info.get("built_from") or {}
+    preset = section.preset or (section.base if section.init == "random" and is_preset(section.base) else None)
+    if preset is not None:
+        return built.get("preset") != preset
+    if section.vision is not None or section.llm is not None:
+        return (built.get("vision"), built.get("llm")) != (section.vision, section.llm)
+    if section.base is not None:
+        base = str(section.base)
+        local = Path(base).expanduser()
+        return built.get("base") not in (base, str(local.resolve()) if local.exists() else base)
+    return False
+
+
+def _loaded_choice(kind: str, source: str, section) -> ModelChoice:
+    """A folder or base model: its processor and config (no weights), its family as `load_model` detects it."""
+    from vlmctl.families import detect_family, get_family
+    from vlmctl.models.load import load_or_explain, load_processor, read_build_info, transformers_class
+
+    info = (read_build_info(source) if Path(source).is_dir() else None) or {}
+    ref = info.get("source", source) if info.get("mode") == "base" else source
+    config = load_or_explain("model", ref, lambda: transformers_class("AutoConfig").from_pretrained(
+        ref, trust_remote_code=section.trust_remote_code))
+    family = get_family(section.family or info.get("family") or detect_family(config))
+    processor = load_processor(source, trust_remote_code=section.trust_remote_code)
+    built = info.get("built_from") or {}
+    what = built.get("preset") or built.get("base") or (f"{built['vision']} + {built['llm']}" if built.get("vision") else family.name)
+    name = f"{what} ({source})" if kind == "folder" else source
+    return ModelChoice(kind=kind, name=name, family=family, processor=processor, config=config, source=source)
+
+
+def _random_choice(section) -> ModelChoice:
+    """A random-init model of the section: its build plan, and the processor `model build` would make (a tokenizer
+    trained on synthetic text where the plan has none, `vlmctl.data.synthetic.word_texts`)."""
+    from vlmctl.data.synthetic import word_texts
+    from vlmctl.models.build import make_config, make_processor, plan_build
+
+    plan = plan_build(section)
+    processor = make_processor(plan, tokenizer_texts=word_texts())
+    name = plan.preset or (f"{section.vision} + {section.llm}" if section.vision else str(section.base))
+    return ModelChoice(kind="random", name=name, family=plan.family, processor=processor,
+                       config=make_config(plan, processor.tokenizer), plan=plan)
+
+
+def random_model(plan, processor, *, device, dtype):
+    """A random-init model of `plan` on `device` in `dtype` (a torch dtype), initialized as `model build`'s
+    random-init path does (`vlmctl.models.build.make_model`: the family's `init_random`, the projector's own init),
+    allocated on the device directly (no CPU copy). Token ids and the vocabulary size come from `processor`'s
+    tokenizer."""
+    import torch
+
+    from vlmctl.models.build import instantiate
+
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+    model = instantiate(plan, processor.tokenizer, device=str(device), dtype=names[dtype])
+    plan.family.init_random(model)
+    if plan.projector is not None and plan.projector.init is not None:
+        plan.projector.init(model.get_submodule(plan.family.projector[0]))
+    return model
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The workload
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def qwen_vl_samples(n: int, cfg, spec: WorkloadSpec = WorkloadSpec(), seed: int = 0, *, pixels: bool = True) -> list[dict[str, Any]]:
     """`n` encoded samples shaped like the baseline's: dicts with input_ids/labels (L,), mm_token_type_ids (L,),
-    pixel_values (patches, 3 * t * patch^2) float32 and image_grid_thw (1, 3), plus `n_patches`, `n_visual`,
-    `n_text` counts. `cfg` is a Qwen2/2.5-VL config (token ids, vocabulary size)."""
+    pixel_values (patches, 3 * t * patch^2) float32 (None with `pixels=False`; `baseline_row` draws them) and
+    image_grid_thw (1, 3), plus `n_patches`, `n_visual`, `n_text` counts (tokens). `cfg` is a Qwen2/2.5-VL config
+    (token ids, vocabulary size)."""
     import torch
 
     rng = random.Random(seed)
@@ -81,7 +302,7 @@ def qwen_vl_samples(n: int, cfg, spec: WorkloadSpec = WorkloadSpec(), seed: int 
             "input_ids": ids_t,
             "labels": labels,
             "mm_token_type_ids": (ids_t == cfg.image_token_id).long(),
-            "pixel_values": torch.randn(gh * gw, 3 * spec.temporal_patch_size * spec.patch_size**2),
+            "pixel_values": torch.randn(gh * gw, 3 * spec.temporal_patch_size * spec.patch_size**2) if pixels else None,
             "image_grid_thw": torch.tensor([[1, gh, gw]]),
             "n_patches": gh * gw,
             "n_visual": n_visual,
@@ -90,114 +311,387 @@ def qwen_vl_samples(n: int, cfg, spec: WorkloadSpec = WorkloadSpec(), seed: int 
     return out
 
 
-def packed_batch(group: list[dict[str, Any]], dtype) -> dict[str, Any]:
-    """One packed row of synthetic samples with the counters the trainer's collator adds (see
-    `vlmctl.data.collate.PackedCollator`); pixel values in the training dtype, as the processor's output would be
-    cast on the device."""
-    from vlmctl.data.packing import pack_samples
+def baseline_row(sample: dict[str, Any], spec: WorkloadSpec):
+    """One `qwen_vl_samples` sample as the collator's `Encoded` row (random pixel values drawn where it has none)."""
+    import torch
 
-    batch = pack_samples([{k: v for k, v in s.items() if hasattr(v, "numel")} for s in group])
-    batch["pixel_values"] = batch["pixel_values"].to(dtype)
-    batch["num_label_tokens"] = sum(int((s["labels"][1:] != -100).sum()) for s in group)
-    batch["num_visual_tokens"] = sum(s["n_visual"] for s in group)
-    batch["num_text_tokens"] = sum(s["n_text"] for s in group)
-    batch["num_dummy_images"] = 0
-    batch["num_samples"] = len(group)
-    return batch
+    from vlmctl.data.collate import Encoded
+
+    pixels = sample["pixel_values"]
+    if pixels is None:
+        pixels = torch.randn(sample["n_patches"], 3 * spec.temporal_patch_size * spec.patch_size**2)
+    return Encoded(sample["input_ids"], sample["labels"], {"image": {"pixel_values": pixels, "image_grid_thw": sample["image_grid_thw"]}},
+                   {"image": 1}, num_visual_tokens=sample["n_visual"], token_inputs={"mm_token_type_ids": sample["mm_token_type_ids"]})
+
+
+class Workload:
+    """The synthetic samples of one bench: `lengths` (tokens per sample, list of ints) and `batch(indices, collator)`,
+    one micro-batch collated by the trainer's collator. Deterministic for its seed: every rank draws the same."""
+
+    kind = ""
+
+    def batch(self, indices: list[int], collator) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class ChatWorkload(Workload):
+    """Random chat samples (`vlmctl.data.synthetic.image_chat`) for `processor`: at least `min_samples` of them, and
+    with `budget` (packed rows of that many tokens) at least `min_tokens` tokens of samples that fit a row. Their
+    lengths are counted without images (`vlmctl.data.tokens.TokenCounter`, exactly what the processor makes); images
+    are drawn only for the samples a rank collates. Raises UsageError when (almost) no sample fits a row."""
+
+    kind = "chat"
+
+    def __init__(self, processor, family, spec: WorkloadSpec, *, seed: int, min_samples: int, min_tokens: int = 0,
+                 budget: int | None = None):
+        from vlmctl.data.synthetic import single_token_words, word_texts
+        from vlmctl.data.tokens import TokenCounter
+
+        self.spec, self.seed = spec, seed
+        self.counter = TokenCounter(processor, family.name, None)
+        tokenizer = getattr(processor, "tokenizer", processor)
+        # where the vocabulary has no single-token words, pseudo-words keep the text random (its length in tokens
+        # then only approximates --text-tokens; the counted lengths stay exact)
+        self.words = single_token_words(tokenizer) or [" " + w for w in " ".join(word_texts(num_texts=4)).split()]
+        if budget is not None:
+            shortest = self._count(self._answer(random.Random(seed), spec.text_tokens[0]), min(spec.image_sizes))
+            if shortest > budget:
+                from vlmctl.errors import UsageError
+
+                raise UsageError(f"the shortest synthetic sample ({shortest} tokens: a {min(spec.image_sizes)} px image and "
+                                 f"{spec.text_tokens[0]} answer tokens) does not fit a packed row of train.tokens_per_batch={budget} tokens",
+                                 hint="raise train.tokens_per_batch, or lower --text-tokens / --image-sizes")
+        rng = random.Random(seed)
+        self.sides: list[int] = []
+        self.answers: list[str] = []
+        self.lengths: list[int] = []
+        fitting = fits = 0
+        while len(self.lengths) < min_samples or fitting < min_tokens:
+            if len(self.lengths) >= 4096 and fits < RARE_FIT * len(self.lengths):
+                from vlmctl.errors import UsageError
+
+                raise UsageError(f"only {fits} of {len(self.lengths)} synthetic samples fit a packed row of "
+                                 f"train.tokens_per_batch={budget} tokens", hint="raise train.tokens_per_batch, or lower --text-tokens / --image-sizes")
+            side, n_text = rng.choice(spec.image_sizes), rng.randint(*spec.text_tokens)
+            answer = self._answer(rng, n_text)
+            n = self._count(answer, side)
+            self.sides.append(side)
+            self.answers.append(answer)
+            self.lengths.append(n)
+            if budget is None or n <= budget:
+                fitting, fits = fitting + n, fits + 1
+
+    def _answer(self, rng: random.Random, n_text: int) -> str:
+        from vlmctl.data.synthetic import random_text
+
+        return random_text(self.words, n_text, rng)
+
+    def _count(self, answer: str, side: int) -> int:
+        from vlmctl.data.synthetic import image_chat
+
+        return self.counter.count(image_chat("count", answer, b""), [(side, side)])
+
+    def sample(self, i: int):
+        """Sample `i` with its image (deterministic for the workload's seed and `i`)."""
+        from vlmctl.data.synthetic import image_chat, random_image
+
+        return image_chat(f"synthetic-{i}", self.answers[i], random_image(self.sides[i], (self.seed, i)))
+
+    def batch(self, indices: list[int], collator) -> dict[str, Any]:
+        """The trainer's collator over samples `indices`: encode (processor, chat template, labels) then pack or pad."""
+        return collator([self.sample(i) for i in indices])
+
+
+class BaselineWorkload(Workload):
+    """The baseline's Qwen-VL samples (`qwen_vl_samples`), as many as today's formula draws for `rows` packed rows of
+    `budget` tokens; packed by the trainer's collator (`PackedCollator.pack`). Raises UsageError for image sides that
+    are not multiples of patch x merge, or samples that cannot fit a row."""
+
+    kind = "baseline"
+
+    def __init__(self, config, spec: WorkloadSpec, *, seed: int, rows: int, budget: int):
+        from vlmctl.errors import UsageError
+
+        unit = spec.patch_size * spec.merge_size
+        odd = [s for s in spec.image_sizes if s % unit]
+        if odd:
+            raise UsageError(f"--image-sizes {','.join(map(str, odd))}: the baseline workload needs sides that are multiples of "
+                             f"{unit} px (patch {spec.patch_size} x merge {spec.merge_size})",
+                             hint=f"use multiples of {unit}, e.g. 224,336,448,560, or --workload chat (the processor resizes)")
+        shortest = spec.text_tokens[0] + 2 + min(spec.image_sizes) ** 2 // unit**2
+        if shortest > budget:
+            raise UsageError(f"the shortest baseline sample ({shortest} tokens) does not fit a packed row of "
+                             f"train.tokens_per_batch={budget} tokens", hint="raise train.tokens_per_batch, or lower --text-tokens / --image-sizes")
+        self.spec = spec
+        mean_tokens = sum(spec.text_tokens) / 2 + sum((s // spec.patch_size) ** 2 / spec.merge_size**2 for s in spec.image_sizes) / len(spec.image_sizes)
+        n = int((rows + 2) * budget / mean_tokens * 1.3) + 8
+        self.samples = qwen_vl_samples(n, config, spec, seed=seed, pixels=False)
+        self.lengths = [int(s["input_ids"].numel()) for s in self.samples]
+
+    def batch(self, indices: list[int], collator) -> dict[str, Any]:
+        return collator.pack([baseline_row(self.samples[i], self.spec) for i in indices])
+
+
+def rank_batches(lengths: list[int], *, packing: bool, budget: int, micro_batch_size: int, rows: int, dp_rank: int,
+                 dp_size: int, seed: int = 0, group_by_length: bool = True) -> list[list[int]]:
+    """This data-parallel rank's `rows` micro-batches (sample indices) of samples of `lengths` tokens.
+
+    Packed: first-fit decreasing bins of at most `budget` tokens (`vlmctl.data.packing.first_fit_decreasing`;
+    longer samples are left out, as the trainer's packed sampler leaves them), fullest first, every dp_size-th to
+    this rank. Padded: the trainer's `DistributedBatchSampler` (`micro_batch_size` samples, length grouping as
+    `group_by_length`). Raises UsageError when the samples make too few micro-batches.
+    """
+    import itertools
+
+    import numpy as np
+
+    from vlmctl.data.packing import first_fit_decreasing
+    from vlmctl.data.samplers import DistributedBatchSampler
+    from vlmctl.errors import DataError, UsageError
+
+    if packing:
+        fitting = ((i, n) for i, n in enumerate(lengths) if n <= budget)
+        bins = list(first_fit_decreasing(fitting, budget, lookahead=512))
+        bins.sort(key=lambda b: -sum(lengths[k] for k in b))
+        if len(bins) < rows * dp_size:
+            raise UsageError(f"{len(lengths)} synthetic samples make only {len(bins)} packed rows; {rows * dp_size} are needed",
+                             hint="raise train.tokens_per_batch or lower --steps")
+        return bins[dp_rank:rows * dp_size:dp_size]
+    try:
+        sampler = DistributedBatchSampler(np.asarray(lengths), micro_batch_size=micro_batch_size, world_size=dp_size,
+                                          rank=dp_rank, seed=seed, group_by_length=group_by_length)
+    except DataError as exc:
+        raise UsageError(exc.message, hint="lower train.micro_batch_size or --nproc-per-node") from None
+    return list(itertools.islice(iter(sampler), rows))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# What a bench measures, checked before any process starts
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BenchPlan:
+    """A bench resolved without weights: the model, whether rows are packed, the workload and its samples, the
+    micro-batches per rank (`rows`) and the data-parallel size they were planned for."""
+
+    model: ModelChoice
+    packing: bool
+    spec: WorkloadSpec
+    workload: Workload
+    rows: int
+    dp_size: int
+    adapter: str = "none"
+
+
+def adapter_name(train) -> str:
+    """none, lora, qlora-4bit or qlora-8bit for `train.lora`."""
+    if train.lora is None:
+        return "none"
+    return "lora" if train.lora.quantize == "none" else f"qlora-{train.lora.quantize}"
+
+
+def prepare(model_section, train, spec: WorkloadSpec = WorkloadSpec(), *, steps: int = 20, warmup: int = 3,
+            dp_size: int = 1, check_device: bool = True, log=None) -> BenchPlan:
+    """Resolve and check a bench of `steps + warmup` optimizer steps on `dp_size` data-parallel processes, loading no
+    weights: the flags (`spec`, steps), the model (`choose_model`), packing (off for families without it), the
+    workload and its micro-batches, and with `check_device` what this machine's device must allow (QLoRA on CUDA,
+    no more processes than visible GPUs, precision, attention and liger settings, `optimizer_in_backward`).
+
+    Raises UsageError (exit code 2) for bad flags and settings bench cannot run, ConfigError for settings training
+    refuses too, ModelError for a model that cannot be loaded.
+    """
+    from vlmctl.errors import UsageError
+
+    log = log or (lambda msg: None)
+    if steps < 1 or warmup < 0:
+        raise UsageError(f"--steps {steps} / --warmup {warmup}: bench needs at least one measured step and no negative warm-up",
+                         hint="e.g. --steps 20 --warmup 3")
+    spec.check()
+    model = choose_model(model_section)
+    if model.note:
+        log(model.note)
+    packing = bool(train.packing and model.family.supports_packing)
+    for key, value in (("tokens_per_batch", token_budget(train)) if packing else ("micro_batch_size", micro_batch(train)),
+                       ("activation_checkpointing", "off")):
+        if getattr(train, key, None) == "auto":  # training settles these by a probe in GPU memory; bench runs none
+            log(f"train.{key}=auto reads as {value} (bench runs no memory probe)")
+    if check_device:
+        check_device_settings(train, model.family, packing=packing, nproc=dp_size)
+    kind = spec.kind
+    if kind == "auto":
+        kind = "baseline" if model.family.mrope and packing else "chat"
+    if kind == "baseline" and not (model.family.mrope and packing):
+        why = "packed rows" if model.family.mrope else "Qwen-VL families"
+        raise UsageError(f"--workload baseline is the Qwen-VL baseline's packed workload; this bench has no {why}",
+                         hint="use --workload chat (or auto)" + ("" if model.family.mrope else f"; model family {model.family.name!r}"))
+    rows = (steps + warmup) * train.gradient_accumulation_steps
+    budget = token_budget(train)
+    if kind == "baseline":
+        workload: Workload = BaselineWorkload(model.config, spec, seed=train.seed, rows=rows * dp_size, budget=budget)
+    else:
+        min_samples = 0 if packing else rows * dp_size * micro_batch(train)
+        workload = ChatWorkload(model.processor, model.family, spec, seed=train.seed, min_samples=min_samples,
+                                min_tokens=int((rows * dp_size + 2) * budget * 1.3) if packing else 0,
+                                budget=budget if packing else None)
+    plan = BenchPlan(model=model, packing=packing, spec=replace(spec, kind=kind), workload=workload, rows=rows,
+                     dp_size=dp_size, adapter=adapter_name(train))
+    plan_batches(plan, train, dp_rank=0)  # raises UsageError when the samples make too few micro-batches
+    return plan
+
+
+def plan_batches(plan: BenchPlan, train, *, dp_rank: int) -> list[list[int]]:
+    """`rank_batches` of `plan` for data-parallel rank `dp_rank`."""
+    return rank_batches(plan.workload.lengths, packing=plan.packing, budget=token_budget(train),
+                        micro_batch_size=micro_batch(train), rows=plan.rows, dp_rank=dp_rank, dp_size=plan.dp_size,
+                        seed=train.seed, group_by_length=train.group_by_length)
+
+
+def check_device_settings(train, family, *, packing: bool, nproc: int) -> None:
+    """Check on this machine what the ranks would refuse: more processes than visible GPUs (CPU processes are
+    allowed where no GPU is visible), QLoRA without CUDA, and the precision, master-weights, attention, liger and
+    `optimizer_in_backward` settings (`vlmctl.train.setup`'s own checks, with `packing` as training resolves it).
+    Raises UsageError or ConfigError."""
+    import torch
+
+    from vlmctl.errors import UsageError
+    from vlmctl.train import setup
+
+    cuda = torch.cuda.is_available()
+    gpus = torch.cuda.device_count() if cuda else 0
+    if nproc < 1:
+        raise UsageError(f"--nproc-per-node {nproc}: at least one process is needed", hint="e.g. --nproc-per-node 1")
+    if gpus and nproc > gpus:
+        raise UsageError(f"--nproc-per-node {nproc} (train.nproc_per_node) is more than the {gpus} visible GPU(s)",
+                         hint=f"use --nproc-per-node {gpus} (or auto), or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+    quantized = train.lora is not None and train.lora.quantize != "none"
+    if quantized and not cuda:
+        raise UsageError(f"train.lora.quantize={train.lora.quantize} (QLoRA) needs a CUDA GPU and bitsandbytes; no GPU is visible here",
+                         hint="set train.lora.quantize=none to measure LoRA here, or run on a GPU machine")
+    device = torch.device("cuda" if cuda else "cpu")
+    checked = train.model_copy(update={"packing": packing, "strategy": setup.resolve_strategy(train.strategy, cuda)})
+    dtype = setup.resolve_dtype(checked.precision, device)
+    setup.check_precision(checked, dtype, device)
+    if not quantized:
+        setup.master_dtype(checked, dtype)
+    setup.resolve_attention(checked, device)
+    setup.resolve_liger(checked, family, device)
+    if checked.optimizer_in_backward:
+        setup.check_optimizer_in_backward(checked, nproc)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# One rank
+# --------------------------------------------------------------------------------------------------------------------
 
 
 def run_bench(model_section, train_section, *, steps: int = 20, warmup: int = 3, spec: WorkloadSpec = WorkloadSpec(),
-              log=print, setup=None) -> BenchResult:
-    """`vlmctl bench` on this rank: a random-init model of `model_section` (a Qwen-VL `preset`, e.g.
-    qwen2.5-vl-3b) trained for `warmup + steps` optimizer steps on the synthetic baseline-shaped workload with the
-    settings of `train_section` (strategy, precision, master_weights, tokens_per_batch, attn_implementation, liger,
-    gradient_checkpointing, compile, stage, ...). Call it in every process of a torchrun launch, or alone (one
-    process). `setup(model)`, when given, is applied to the model before wrapping (benchmark scripts use it to try
-    kernels that have no config key yet). Returns the figures of the last `steps` steps, summed over ranks.
+              log=print, setup=None, plan: BenchPlan | None = None, scratch: Path | None = None) -> BenchResult:
+    """`vlmctl bench` on this rank: the model of `model_section` (see `choose_model`) trained for `warmup + steps`
+    optimizer steps on the synthetic workload `spec` with the settings of `train_section` (strategy, precision,
+    master_weights, tokens_per_batch or micro_batch_size, packing, attn_implementation, liger, checkpointing, compile,
+    stage, lora, ...). Call it in every process of a torchrun launch, or alone (one process). `setup(model)`, when
+    given, is applied to the model before wrapping (benchmark scripts use it to try kernels that have no config key
+    yet). `plan`: the `prepare`d bench, when the caller has it (one process); `scratch`: a folder all ranks see,
+    where rank 0 saves a random-init model for QLoRA (default: a temporary folder). Returns the figures of the
+    last `steps` steps, summed over ranks.
 
-    Raises UsageError for a model that is not a Qwen-VL preset (the workload is Qwen-VL shaped) or for
-    `train.packing: false`.
+    Raises UsageError / ConfigError / ModelError as `prepare` does (and ConfigError from `vlmctl.train.setup` for
+    settings only the loaded model shows, e.g. LoRA target modules that match no layer).
     """
+    import tempfile
+
     import torch.distributed as dist
 
     from vlmctl.train.setup import setup_run
 
     log = log or (lambda msg: None)
-    plan = bench_plan(model_section, train_section)
+    if plan is None:  # a launched rank (its launcher checked the device and logged the notes) or a script
+        world = _world_size()
+        plan = prepare(model_section, train_section, spec, steps=steps, warmup=warmup, check_device=False,
+                       dp_size=world, log=log if world == 1 else None)
     try:
         ctx = setup_run(train_section)
-        return _run_bench(plan, model_section, train_section, ctx, steps=steps, warmup=warmup, spec=spec, log=log, setup=setup)
+        with tempfile.TemporaryDirectory(prefix="vlmctl-bench-model-") as tmp:
+            return _run_bench(plan, model_section, train_section, ctx, steps=steps, warmup=warmup, log=log,
+                              setup=setup, scratch=Path(scratch or tmp))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def bench_plan(model_section, train):
-    """The build plan of the benchmarked model. Raises UsageError for a model that is not a Qwen-VL architecture
-    (the workload is Qwen-VL shaped) or for `train.packing: false`."""
-    from vlmctl.errors import UsageError
-    from vlmctl.models.build import plan_build
+def _world_size() -> int:
+    import os
 
-    plan = plan_build(model_section)
-    if not plan.family.mrope:
-        raise UsageError(
-            f"vlmctl bench runs Qwen-VL architectures; model family {plan.family.name!r} is not one",
-            hint="set model.preset to qwen2.5-vl-3b, qwen2.5-vl-7b or tiny-qwen2.5-vl (with model.init=random)",
-        )
-    if not train.packing:
-        raise UsageError("vlmctl bench measures packed training; train.packing is false",
-                         hint="set train.packing=true (the default)")
-    return plan
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def rank_rows(model, train, spec: WorkloadSpec, *, rows: int, dp_rank: int, dp_size: int, dtype) -> list[dict[str, Any]]:
-    """This data-parallel rank's packed rows of synthetic samples: every rank draws the same samples and packs the
-    same `rows` rows (fullest first), then takes every dp_size-th row. Raises UsageError when too few rows fit."""
-    from vlmctl.data.packing import first_fit_decreasing
-    from vlmctl.errors import UsageError
+def load_model(plan: BenchPlan, model_section, train, ctx, scratch: Path, log) -> Any:
+    """The benchmarked model on this rank, prepared for training (`vlmctl.train.setup.prepare_model`): loaded as
+    `vlmctl.train.worker.load_model_for_training` loads it (`load_source`, or `load_quantized` for QLoRA), or a
+    random-init one (`random_model`, on the device). For QLoRA of a random-init model, rank 0 saves it to
+    `scratch` first and every rank loads the quantized base from there. Returns the `TrainingModel`."""
+    from types import SimpleNamespace
 
-    mean_tokens = sum(spec.text_tokens) / 2 + sum((s // spec.patch_size) ** 2 / spec.merge_size**2 for s in spec.image_sizes) / len(spec.image_sizes)
-    n = int((rows + 2) * train.tokens_per_batch / mean_tokens * 1.3) + 8
-    samples = qwen_vl_samples(n, model.config, spec, seed=train.seed)
-    # samples longer than a row are left out, as the trainer's packed sampler does
-    fitting = ((i, s["input_ids"].numel()) for i, s in enumerate(samples) if s["input_ids"].numel() <= train.tokens_per_batch)
-    bins = list(first_fit_decreasing(fitting, train.tokens_per_batch, lookahead=512))
-    # fullest rows first: the partial tail rows of a finite sample set would understate throughput
-    bins.sort(key=lambda b: -sum(samples[k]["input_ids"].numel() for k in b))
-    if len(bins) < rows:
-        raise UsageError(f"{len(samples)} synthetic samples make only {len(bins)} packed rows; {rows} are needed",
-                         hint="raise train.tokens_per_batch or lower --steps")
-    return [packed_batch([samples[k] for k in b], dtype) for b in bins[dp_rank:rows:dp_size]]
+    import torch.distributed as dist
+
+    from vlmctl.models.build import save_model
+    from vlmctl.models.load import quiet_transformers
+    from vlmctl.train.setup import load_quantized, load_source, prepare_model
+
+    choice, env = plan.model, ctx.env
+    cfg = SimpleNamespace(model=model_section, train=train)  # what the loaders read of a project config
+    quantized = train.lora is not None and train.lora.quantize != "none"
+    source = choice.source
+    with quiet_transformers():
+        if choice.kind == "random" and quantized:
+            source = str(scratch / "model")
+            if env.is_main:
+                log(f"saving the random-init model to {source} for QLoRA's quantized load")
+                save_model(random_model(choice.plan, choice.processor, device="cpu", dtype=ctx.stored), Path(source))
+                choice.processor.save_pretrained(source)
+            dist.barrier()
+        if choice.kind == "random" and not quantized:
+            model, processor, family = random_model(choice.plan, choice.processor, device=env.device, dtype=ctx.stored), choice.processor, choice.family
+        else:
+            model, processor, family = (load_quantized if quantized else load_source)(source, cfg, dtype=ctx.stored)
+    tm = prepare_model(model, family, train, env.device, compute_dtype=ctx.dtype)  # as the worker prepares it
+    tm.processor, tm.source = processor, source
+    return tm
 
 
-def _run_bench(plan, model_section, train, ctx, *, steps, warmup, spec, log, setup) -> BenchResult:
-    import torch
-
-    from vlmctl.models.build import instantiate
+def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log, setup, scratch) -> BenchResult:
+    from vlmctl.data.collate import Collator, PackedCollator
     from vlmctl.train.loop import Trainer, TrainState, prefetch
-    from vlmctl.train.setup import prepare_model
     from vlmctl.train.worker import wrap_model
 
     env, dims, total_steps = ctx.env, ctx.dims, steps + warmup
-    model = instantiate(plan, device=str(env.device), dtype="bf16" if ctx.stored == torch.bfloat16 else "fp32")
-    tm = prepare_model(model, plan.family, train, env.device)
-    log(f"attention {tm.attn}, liger {'on' if tm.liger else 'off'}" + "".join(f", vision {k}" for k in tm.vision_kernels))
+    tm = load_model(plan, model_section, train, ctx, scratch, log)
+    if env.is_main:
+        log(f"{plan.model.name}: {plan.spec.kind} workload, {'packed rows' if plan.packing else 'padded micro-batches'}, "
+            f"attention {tm.attn}, liger {'on' if tm.liger else 'off'}" + "".join(f", vision {k}" for k in tm.vision_kernels)
+            + (f", {plan.adapter}" if plan.adapter != "none" else ""))
     if setup is not None:
         setup(tm.model)
-    gas = train.gradient_accumulation_steps
-    batches = rank_rows(tm.model, train, spec, rows=total_steps * gas * dims.dp_size, dp_rank=dims.dp_rank,
-                        dp_size=dims.dp_size, dtype=ctx.dtype)
+    if dims.dp_size != plan.dp_size:  # planned for another world size (a caller's own plan): plan again
+        plan = replace(plan, dp_size=dims.dp_size)
+    collator = (PackedCollator(tm.processor, tm.family, tokens_per_batch=token_budget(train)) if plan.packing
+                else Collator(tm.processor, tm.family))
+    batches = [plan.workload.batch(indices, collator) for indices in plan_batches(plan, train, dp_rank=dims.dp_rank)]
     wrapped = wrap_model(tm, train, ctx, total_steps)
     trainer = Trainer(stepper=wrapped.stepper, batches=prefetch(iter(batches), tm.prepare), env=env, state=TrainState(),
-                      total_steps=total_steps, grad_accum=gas, batches_per_epoch=len(batches), save_steps=1 << 30,
-                      logging_steps=1 << 30, max_bad_steps=total_steps, save=None, log=None, progress=None,
-                      flops_of=tm.cost_model.batch_flops, dp_group=dims.dp_group)
-    return _measure(trainer, model_section, train, ctx, steps=steps, warmup=warmup, log=log)
+                      total_steps=total_steps, grad_accum=train.gradient_accumulation_steps, batches_per_epoch=len(batches),
+                      save_steps=1 << 30, logging_steps=1 << 30, max_bad_steps=total_steps, save=None, log=None,
+                      progress=None, flops_of=tm.cost_model.batch_flops, dp_group=dims.dp_group)
+    labels = {"name": plan.model.name, "workload": plan.spec.kind, "packing": plan.packing, "adapter": plan.adapter,
+              "stage": train.stage}
+    return _measure(trainer, labels, train, ctx, steps=steps, warmup=warmup, log=log)
 
 
-def _measure(trainer, model_section, train, ctx, *, steps: int, warmup: int, log) -> BenchResult:
+def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup: int, log) -> BenchResult:
     """`warmup + steps` trainer steps; the figures of the last `steps`. Tokens, samples and FLOPs are the steps'
-    own data-parallel sums; the time is the slowest rank's, the memory the largest."""
+    own data-parallel sums; the time is the slowest rank's, the memory the largest. `labels`: the result's name,
+    workload, packing, adapter and stage."""
     import torch
     import torch.distributed as dist
 
@@ -232,42 +726,50 @@ def _measure(trainer, model_section, train, ctx, *, steps: int, warmup: int, log
     total, world, toks = float(seconds.cpu()[0]), env.world_size, text + visual
     mfu = cost.mfu(flops, total, peak_flops(env.device) or DEFAULT_PEAK, world)
     return BenchResult(
-        name=model_section.preset or "model", steps=steps, world_size=world, strategy=train.strategy,
+        name=labels["name"], steps=steps, world_size=world, strategy=train.strategy,
         tokens_per_s=toks / total, text_tokens_per_s=text / total, visual_tokens_per_s=visual / total,
         samples_per_s=n_samples / total, step_time_s=total / steps, mfu=mfu or 0.0,
-        peak_memory_gib=float(peak.cpu()[0]), tokens_per_step=toks / steps,
+        peak_memory_gib=float(peak.cpu()[0]), tokens_per_step=toks / steps, flops_per_token=flops / max(toks, 1.0),
+        workload=labels["workload"], packing=labels["packing"], adapter=labels["adapter"], stage=labels["stage"],
     )
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# The command
+# --------------------------------------------------------------------------------------------------------------------
+
+
 def benchmark(cfg, *, steps: int = 20, warmup: int = 3, spec: WorkloadSpec = WorkloadSpec(), log=print) -> BenchResult:
-    """`vlmctl bench` for a project config: in this process for one process per node and one node, else one process
-    per GPU through torchrun (`train.nproc_per_node`, auto = the visible GPUs), rank 0 handing the figures back
-    through a temporary folder. Raises UsageError for more than one node, ConfigError for an optional package the
-    config needs that is missing (`train.launch.check_packages`), VlmctlError when the ranks fail."""
+    """`vlmctl bench` for a project config: checked first (`prepare`, before any process starts), then run in this
+    process for one process per node, else one process per GPU through torchrun (`train.nproc_per_node`, auto =
+    the visible GPUs; CPU processes where no GPU is visible), rank 0 handing the figures back through a temporary
+    folder. Raises UsageError for more than one node and what `prepare` raises, ConfigError for an optional package
+    the config needs that is missing (`train.launch.check_packages`), VlmctlError when the ranks fail."""
     import json
     import tempfile
-    from pathlib import Path
 
     from vlmctl.config import dump_config
+    from vlmctl.distributed.env import free_port
     from vlmctl.errors import UsageError, VlmctlError
     from vlmctl.train.launch import check_packages, clear_rank_env, launch_command, launch_env, resolve_nproc, spawn
-    from vlmctl.distributed.env import free_port
 
     train = cfg.train
     if train.nnodes > 1:
         raise UsageError("vlmctl bench runs on one node", hint="set train.nnodes=1 (tokens/s per GPU carry over to more nodes only approximately)")
     check_packages(train)  # before any process starts (ConfigError)
     nproc = resolve_nproc(train.nproc_per_node)
+    plan = prepare(cfg.model, train, spec, steps=steps, warmup=warmup, dp_size=nproc, log=log)
     if nproc == 1:
         clear_rank_env()
-        return run_bench(cfg.model, train, steps=steps, warmup=warmup, spec=spec, log=log)
+        return run_bench(cfg.model, train, steps=steps, warmup=warmup, spec=spec, log=log, plan=plan)
     # torchrun on this node whatever train.launcher says, on a free port (a training run may hold master_port)
     local = train.model_copy(update={"launcher": "torchrun", "master_addr": "127.0.0.1", "master_port": free_port(), "node_rank": 0})
     with tempfile.TemporaryDirectory(prefix="vlmctl-bench-") as tmp:
         work = Path(tmp)
         (work / "config.yaml").write_text(dump_config(cfg))
         (work / "args.json").write_text(json.dumps({"steps": steps, "warmup": warmup, "image_sizes": list(spec.image_sizes),
-                                                    "text_tokens": list(spec.text_tokens), "verbose": log is not None}))
+                                                    "text_tokens": list(spec.text_tokens), "workload": spec.kind,
+                                                    "verbose": log is not None}))
         code, _ = spawn(launch_command(local, work, module="vlmctl.bench").command, env=launch_env(train))
         result = work / "result.json"
         if code != 0 or not result.is_file():
@@ -279,11 +781,11 @@ def benchmark(cfg, *, steps: int = 20, warmup: int = 3, spec: WorkloadSpec = Wor
 
 def main(argv: list[str] | None = None) -> None:
     """One rank of a multi-process bench: `python -m vlmctl.bench WORKDIR` (torchrun sets the rank). WORKDIR holds
-    `config.yaml` and `args.json` (steps, warmup, image_sizes, text_tokens); rank 0 writes `result.json`."""
+    `config.yaml` and `args.json` (steps, warmup, image_sizes, text_tokens, workload); rank 0 writes `result.json`.
+    A random-init model for QLoRA is saved under WORKDIR/model."""
     import json
     import os
     import sys
-    from pathlib import Path
 
     from vlmctl.config import load_config
     from vlmctl.distributed.process import exit_on_stop_signals, report_error, tie_to_launcher
@@ -293,11 +795,12 @@ def main(argv: list[str] | None = None) -> None:
     exit_on_stop_signals()  # nothing to save: SIGTERM/SIGINT end a rank at once, quietly
     work = Path((sys.argv[1:] if argv is None else argv)[0])
     args = json.loads((work / "args.json").read_text())
-    cfg = load_config(work / "config.yaml")
-    spec = WorkloadSpec(image_sizes=tuple(args["image_sizes"]), text_tokens=tuple(args["text_tokens"]))
     rank = int(os.environ.get("RANK", "0"))
     try:
-        result = run_bench(cfg.model, cfg.train, steps=args["steps"], warmup=args["warmup"], spec=spec,
+        cfg = load_config(work / "config.yaml")
+        spec = WorkloadSpec(image_sizes=tuple(args["image_sizes"]), text_tokens=tuple(args["text_tokens"]),
+                            kind=args.get("workload", "auto"))
+        result = run_bench(cfg.model, cfg.train, steps=args["steps"], warmup=args["warmup"], spec=spec, scratch=work,
                            log=(lambda msg: print(msg, flush=True)) if args.get("verbose", True) else (lambda msg: None))
     except VlmctlError as exc:
         sys.exit(report_error(exc))

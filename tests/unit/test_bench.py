@@ -1,9 +1,14 @@
-"""`vlmctl bench` on CPU with a tiny Qwen2.5-VL: the report is real and consistent."""
+"""`vlmctl bench` on CPU with tiny models: the report is real and consistent, the synthetic workload goes through
+the trainer's data path, and usage errors stop before any process starts. The families' benches (LLaVA packed and
+padded, Qwen padded, LoRA) are in tests/integration/test_bench_models.py."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+
+from cli_runner import run_cli
 from vlmctl.bench import WorkloadSpec, qwen_vl_samples
 from vlmctl.cli.app import main
 
@@ -18,17 +23,9 @@ def test_bench_cli_reports_consistent_throughput(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["steps"] == 2 and 0 < out["tokens_per_step"] <= 384
     assert out["tokens_per_s"] > 0 and out["mfu"] > 0
+    # a Qwen-VL model with packed rows keeps the baseline's workload (the published figures' samples)
+    assert out["workload"] == "baseline" and out["packing"] is True and out["adapter"] == "none"
     assert abs(out["text_tokens_per_s"] + out["visual_tokens_per_s"] - out["tokens_per_s"]) < 1e-6 * out["tokens_per_s"] + 1e-6
-
-
-def test_bench_refuses_non_qwen_models(tmp_path, capsys):
-    path = tmp_path / "vlmctl.yaml"
-    path.write_text("model:\n  preset: tiny\n  init: random\n")
-    try:
-        main(["bench", "-c", str(path), "--steps", "1"])
-    except SystemExit as exc:
-        assert exc.code == 2
-    assert "Qwen-VL" in capsys.readouterr().err
 
 
 def test_synthetic_samples_have_matching_image_tokens_and_flops_grow_with_length():
@@ -161,3 +158,122 @@ def test_bench_ranks_tie_themselves_to_the_launcher(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as exc:
         bench.main([str(tmp_path)])
     assert exc.value.code == 2 and calls == ["tie", "signals", "ConfigError"]
+
+
+# ---------------------------------------------------------------------------------------------- the chat workload
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2.5-vl"])
+def test_chat_samples_go_through_the_processor_and_label_every_answer_token(preset):
+    # LLaVA's fixed-size images and Qwen's dynamic resolution: counted lengths (planning) equal encoded lengths, the
+    # answer has the requested number of tokens, all of them (and the end-of-turn token) labelled, nothing else
+    from vlmctl import bench
+    from vlmctl.config import ModelSection, TrainSection
+    from vlmctl.data.collate import IGNORE_INDEX, Collator
+
+    spec = WorkloadSpec(image_sizes=(28, 56, 84), text_tokens=(3, 30), kind="chat")
+    plan = bench.prepare(ModelSection(preset=preset, init="random"), TrainSection(packing=False, micro_batch_size=2),
+                         spec, steps=3, warmup=1, check_device=False)
+    workload, family = plan.workload, plan.model.family
+    assert plan.spec.kind == "chat" and isinstance(workload, bench.ChatWorkload) and len(workload.lengths) == 8
+    collator = Collator(plan.model.processor, family)
+    tokenizer = plan.model.processor.tokenizer
+    for i in range(len(workload.lengths)):
+        sample = workload.sample(i)
+        row = collator.encode(sample)
+        answer = sample.messages[1]["content"][0]["text"]
+        labelled = row.labels[row.labels != IGNORE_INDEX].tolist()
+        assert row.length == workload.lengths[i]
+        assert len(tokenizer(answer, add_special_tokens=False)["input_ids"]) == len(answer.split(" ")) - 1
+        assert 3 <= len(labelled) - 1 <= 30 and labelled[:-1] == tokenizer(answer, add_special_tokens=False)["input_ids"]
+        assert row.num_images == 1 and row.num_visual_tokens == family.num_visual_tokens(workload.sides[i], workload.sides[i], plan.model.processor)
+    # the micro-batches: the trainer's padded collator over the trainer's sampler
+    batches = bench.plan_batches(plan, TrainSection(packing=False, micro_batch_size=2, group_by_length=False), dp_rank=0)
+    assert len(batches) == 4 and all(len(b) == 2 for b in batches) and len({i for b in batches for i in b}) == 8
+    batch = workload.batch(batches[0], collator)
+    assert batch["input_ids"].shape[0] == 2 and batch["num_samples"] == 2 and batch["num_dummy_images"] == 0
+
+
+def test_packed_rows_fit_the_budget_fullest_first_and_differ_per_rank():
+    from vlmctl.bench import rank_batches
+
+    lengths = [30, 70, 55, 20, 90, 40, 65, 10, 85, 45, 35, 60, 150]  # 150 does not fit a row of 100
+    rows = {r: rank_batches(lengths, packing=True, budget=100, micro_batch_size=1, rows=2, dp_rank=r, dp_size=2)
+            for r in (0, 1)}
+    fill = [sum(lengths[i] for i in b) for b in rows[0] + rows[1]]
+    assert all(f <= 100 for f in fill) and 12 not in {i for r in rows.values() for b in r for i in b}
+    assert [sum(lengths[i] for i in b) for b in rows[0]] == sorted((sum(lengths[i] for i in b) for b in rows[0]), reverse=True)
+    assert not {i for b in rows[0] for i in b} & {i for b in rows[1] for i in b}
+    from vlmctl.errors import UsageError
+
+    with pytest.raises(UsageError, match="packed rows"):
+        rank_batches(lengths, packing=True, budget=100, micro_batch_size=1, rows=20, dp_rank=0, dp_size=1)
+
+
+# --------------------------------------------------------------------------------------------------- usage errors
+
+
+@pytest.fixture
+def tiny_project(tmp_path, monkeypatch):
+    """`vlmctl init --template tiny` (4 generated samples, not prepared, no model built); spawning processes fails
+    the test: every error below must come before any process starts."""
+    import vlmctl.train.launch as launch
+    from vlmctl.project import init_project
+
+    def spawn(*args, **kwargs):
+        raise AssertionError("a usage error must stop vlmctl bench before it spawns processes")
+
+    monkeypatch.setattr(launch, "spawn", spawn)
+    init_project(tmp_path / "proj", "tiny", num_samples=4)
+    return tmp_path / "proj" / "vlmctl.yaml"
+
+
+def _one_panel(code: int, err: str) -> str:
+    assert code == 2, err
+    assert err.count("╭─") == 1 and "Traceback" not in err, err
+    return " ".join(err.split())  # the panel's text without its line breaks
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--text-tokens", "40"], ["--text-tokens", "MIN,MAX"]),
+    (["--text-tokens", "40,8"], ["--text-tokens", "MIN <= MAX"]),
+    (["--image-sizes", "224,big"], ["--image-sizes", "integers"]),
+    (["--workload", "fast"], ["--workload", "chat"]),
+    (["--steps", "0"], ["--steps", "at least one"]),
+    (["--workload", "baseline"], ["baseline", "llava", "--workload chat"]),
+    (["model.init=pretrained"], ["no built model", "model build", "model.init=random"]),
+    (["model.preset=tiny-nothing"], ["unknown model preset", "tiny-nothing"]),
+    (["train.attn_implementation=varlen"], ["varlen", "train.packing"]),
+])
+def test_usage_errors_print_one_panel_and_exit_2_before_any_process_starts(tiny_project, capsys, args, words):
+    # the template asks for 2 processes: none is started
+    code, _, err = run_cli(["bench", "-c", str(tiny_project), "--nproc-per-node", "2", *args], capsys)
+    text = _one_panel(code, err)
+    assert all(w in text for w in words), text
+
+
+def test_qlora_without_cuda_is_a_usage_error(tiny_project, capsys, monkeypatch):
+    import vlmctl.train.launch as launch
+
+    if _cuda():
+        pytest.skip("a GPU is visible")
+    monkeypatch.setattr(launch, "check_packages", lambda train: None)  # bitsandbytes or not: the GPU is missing
+    code, _, err = run_cli(["bench", "-c", str(tiny_project), "train.lora.r=16", "train.lora.quantize=4bit"], capsys)
+    text = _one_panel(code, err)
+    assert "QLoRA" in text and "CUDA" in text and "train.lora.quantize=none" in text
+
+
+def test_more_processes_than_gpus_is_a_usage_error(tiny_project, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    code, _, err = run_cli(["bench", "-c", str(tiny_project), "--nproc-per-node", "3"], capsys)
+    text = _one_panel(code, err)
+    assert "--nproc-per-node 3" in text and "2 visible GPU" in text
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

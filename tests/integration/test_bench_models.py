@@ -1,0 +1,133 @@
+"""`vlmctl bench` on the models a project configures, on CPU: the tiny template's LLaVA (padded as the template
+trains it, and packed), a Qwen2.5-VL preset on padded batches, LoRA against full fine-tuning. Every figure is
+checked against the trainer's own cost model on the very batches the steps trained on."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cli_runner import run_cli
+
+STEPS, WARMUP = 2, 1
+FLAGS = ["--steps", str(STEPS), "--warmup", str(WARMUP), "--text-tokens", "8,40", "--json"]
+
+
+@pytest.fixture
+def tiny_project(tmp_path):
+    """`vlmctl init --template tiny`: a random-init LLaVA (tiny SigLIP + Qwen2), 2 processes, FSDP, padded
+    micro-batches of 16; nothing prepared or built."""
+    from vlmctl.project import init_project
+
+    init_project(tmp_path / "proj", "tiny", num_samples=4)
+    return tmp_path / "proj" / "vlmctl.yaml"
+
+
+@pytest.fixture
+def trained(monkeypatch):
+    """Records what the bench's trainer did: its cost model, every micro-batch it counted FLOPs of (in step order)
+    and its step results, and the trainer."""
+    from vlmctl import bench
+
+    seen: dict = {"batches": [], "steps": []}
+    measure = bench._measure
+
+    def spy(trainer, *args, **kwargs):
+        flops_of, train_step = trainer.flops_of, trainer.train_step
+        seen.update(trainer=trainer, cost=flops_of.__self__)
+
+        def counted(batch):
+            seen["batches"].append(batch)
+            return flops_of(batch)
+
+        def step():
+            seen["steps"].append(train_step())
+            return seen["steps"][-1]
+
+        trainer.flops_of, trainer.train_step = counted, step
+        return measure(trainer, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "_measure", spy)
+    return seen
+
+
+def _bench(capsys, config, *args) -> dict:
+    code, out, err = run_cli(["bench", "-c", str(config), "--nproc-per-node", "1", *FLAGS, *args], capsys)
+    assert code == 0, err
+    return json.loads(out[out.index("{"):])
+
+
+def _consistent(out: dict, seen: dict) -> None:
+    """Positive throughput; FLOPs per token and MFU are the trainer's cost model's on the measured batches."""
+    from vlmctl.bench import DEFAULT_PEAK
+    from vlmctl.train.flops import CostModel
+
+    assert out["tokens_per_s"] > 0 and out["mfu"] > 0 and out["steps"] == STEPS
+    assert isinstance(seen["cost"], CostModel) and len(seen["batches"]) == STEPS + WARMUP
+    measured = seen["batches"][WARMUP:]
+    flops = sum(seen["cost"].batch_flops(b) for b in measured)
+    tokens = sum(b["num_text_tokens"] + b["num_visual_tokens"] for b in measured)
+    assert tokens == pytest.approx(out["tokens_per_step"] * STEPS)
+    assert out["flops_per_token"] == pytest.approx(flops / tokens, rel=1e-9)
+    # CPU: no data-sheet peak, the H100/H200 reference instead
+    assert out["mfu"] == pytest.approx(flops / (out["step_time_s"] * STEPS) / (DEFAULT_PEAK * out["world_size"]), rel=1e-9)
+
+
+def test_tiny_template_llava_padded_as_configured(tiny_project, capsys, trained):
+    out = _bench(capsys, tiny_project)
+    assert (out["workload"], out["packing"], out["strategy"]) == ("chat", False, "fsdp")
+    _consistent(out, trained)
+    batch = trained["batches"][-1]
+    assert batch["input_ids"].shape[0] == 16 and "attention_mask" in batch and batch["num_dummy_images"] == 0
+    # one 32 px image per sample (the template's model.image_size), 8 px patches: 16 visual tokens each
+    assert batch["num_visual_tokens"] == 16 * 16
+
+
+def test_tiny_template_llava_packed(tiny_project, capsys, trained):
+    out = _bench(capsys, tiny_project, "train.packing=true", "train.tokens_per_batch=400")
+    assert (out["workload"], out["packing"]) == ("chat", True)
+    assert 0 < out["tokens_per_step"] <= 400
+    _consistent(out, trained)
+    batch = trained["batches"][-1]
+    assert batch["input_ids"].shape[0] == 1 and len(batch["seq_lens"]) == batch["num_samples"] > 1
+
+
+def test_qwen_preset_on_padded_batches(tiny_project, capsys, trained):
+    # the template trains padded micro-batches: a Qwen-VL preset in it gets the chat workload, not the baseline's
+    out = _bench(capsys, tiny_project, "model.preset=tiny-qwen2.5-vl", "train.micro_batch_size=4")
+    assert (out["name"], out["workload"], out["packing"]) == ("tiny-qwen2.5-vl", "chat", False)
+    _consistent(out, trained)
+    batch = trained["batches"][-1]
+    assert batch["input_ids"].shape[0] == 4 and batch["image_grid_thw"].shape == (4, 3) and "mm_token_type_ids" in batch
+
+
+def test_lora_counts_fewer_flops_per_token_than_full_fine_tuning(tiny_project, capsys, trained):
+    full = _bench(capsys, tiny_project, "train.stage=finetune")
+    full_cost = trained["cost"]
+    trained["batches"].clear()
+    lora = _bench(capsys, tiny_project, "train.stage=finetune", "train.lora.r=8")
+    assert (full["adapter"], lora["adapter"]) == ("none", "lora")
+    _consistent(lora, trained)
+    # the adapters train; the language model's own weights are frozen but pass the gradient on (forward +
+    # activation gradient: 4 FLOPs per weight per token instead of 6)
+    model = trained["trainer"].stepper.model
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and any("lora_A" in n for n in trainable) and not any("q_proj.base_layer" in n for n in trainable)
+    cost = trained["cost"]
+    assert "llm" in full_cost.trained and "llm" not in cost.trained and "llm" in cost.grad_through
+    assert cost.weight_factor("llm") == 4 and full_cost.weight_factor("llm") == 6
+    # the same samples in the same micro-batches: fewer FLOPs per token
+    assert full["tokens_per_step"] == lora["tokens_per_step"]
+    assert 0 < lora["flops_per_token"] < full["flops_per_token"]
+
+
+def test_tiny_template_as_it_is_two_processes(tiny_project, capsys):
+    # the template's own settings: 2 processes through torchrun, FSDP2, padded micro-batches of 16 per rank
+    code, out, err = run_cli(["bench", "-c", str(tiny_project), *FLAGS], capsys)
+    assert code == 0, err
+    out = json.loads(out[out.index("{"):])
+    assert (out["world_size"], out["strategy"], out["packing"], out["workload"]) == (2, "fsdp", False, "chat")
+    assert out["samples_per_s"] * out["step_time_s"] == pytest.approx(32)  # 16 samples per rank and step
+    assert out["tokens_per_s"] > 0 and out["mfu"] > 0
+    assert out["tokens_per_s_per_gpu"] * 2 == pytest.approx(out["tokens_per_s"])
