@@ -41,8 +41,9 @@ if TYPE_CHECKING:
 
 SourceKind = Literal["hf", "lora", "dcp", "deepspeed"]
 DTYPE_NAMES = ("bf16", "fp16", "fp32")
-# Max |logit difference| allowed by `verify`, relative to max(1, max |reference logit|), by output dtype: fp32 only
-# reorders float operations; half precisions round every weight (8 / 11 mantissa bits) and every activation.
+# Max |logit difference| allowed by `verify`, relative to max(1, max |reference logit|), by the coarser of the two
+# compute dtypes compared (the source model's and the output's): fp32 only reorders float operations (a LoRA merge
+# included); half precisions round every weight (8 / 11 mantissa bits) and every activation.
 TOLERANCE = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 6e-2}
 EXPORT_INFO = "vlmctl_export.json"
 MODEL_INFO = "vlmctl_model.json"
@@ -365,9 +366,14 @@ def load_source(source: Source, progress: Progress | None = None):
     if source.kind == "lora":
         from peft import PeftModel
 
-        say(f"loading base {source.model_path}")
-        base = _load_hf(source.model_path)
-        model = PeftModel.from_pretrained(base, str(source.path)).eval()
+        say(f"loading base {source.model_path} (fp32)")
+        base = _load_hf(source.model_path, dtype=torch.float32)
+        try:
+            model = PeftModel.from_pretrained(base, str(source.path)).eval()
+        except (ValueError, KeyError, RuntimeError, OSError) as exc:  # adapter shapes/keys that do not fit the base
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ModelError(f"cannot load the LoRA adapter {source.path} into {source.model_path}: {first}",
+                             hint="pass --base with the model the adapter was trained on") from exc
         processor = _load_processor(source.path, source.model_path)
         return model, processor
 
@@ -377,18 +383,41 @@ def load_source(source: Source, progress: Progress | None = None):
     check_rng_files(source.path)  # not needed for the weights; a checkpoint holding a refused object is refused whole
     state = read_dcp_model_state(source.path) if source.kind == "dcp" else read_deepspeed_model_state(source.path)
     dtype = next(iter(state.values())).dtype
-    if not dtype.is_floating_point:
-        dtype = torch.float32
-    say(f"loading model {source.model_path}")
+    if not dtype.is_floating_point or source.lora:
+        dtype = torch.float32  # a LoRA model is merged in fp32 (`merge_lora_model`), whatever dtype training stored
+    say(f"loading model {source.model_path}" + (" (fp32)" if source.lora else ""))
     model = _load_hf(source.model_path, dtype=dtype)
     if source.lora:
         from peft import get_peft_model
 
         model = get_peft_model(model, _lora_config(source.lora))
-        model.to(dtype)
+    # The whole trained state: adapters, `modules_to_save` copies and the frozen base weights, so that the model is
+    # the training model even when the run stored its weights in another dtype than the base folder's.
     _load_state_into(model, state, source.path)
     processor = _load_processor(source.model_path)
     return model.eval(), processor
+
+
+def merge_lora_model(model, dtype: "torch.dtype"):
+    """peft's `merge_and_unload` of a LoRA `PeftModel`, computed in fp32, then cast to `dtype`.
+
+    Each adapted weight becomes W + (lora_alpha / r) * B @ A (peft's `LoraLayer.merge`, Hu et al. 2021,
+    https://arxiv.org/abs/2106.09685) and `modules_to_save` copies replace their originals. Merging in fp32 and
+    rounding once keeps the merged model equal to the unmerged one up to float reordering; merging into bf16
+    weights instead rounds every sum to bf16 (0.002 to 0.009 in logits on a LoRA run of the tiny template). The
+    model is upcast to fp32 first when it is not already (its tensors are then the rounded ones it holds). Returns
+    the plain transformers model; `model` itself is consumed. Raises ModelError when the merge produces NaN or inf
+    (`safe_merge`).
+    """
+    import torch
+
+    if any(p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters()):
+        model = model.to(torch.float32)
+    try:
+        merged = model.merge_and_unload(safe_merge=True)
+    except ValueError as exc:  # peft's safe_merge: the adapter holds NaN/inf, or the sum overflows
+        raise ModelError(f"merging the LoRA adapters failed: {exc}", hint="the adapter weights are broken (NaN/inf); convert an earlier checkpoint") from exc
+    return merged.to(dtype)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -430,19 +459,27 @@ def probe_logits(model, inputs: dict[str, "torch.Tensor"]) -> "torch.Tensor":
         return model(**batch).logits.float()
 
 
-def compare(ref: "torch.Tensor", out: "torch.Tensor", dtype_name: str) -> VerifyResult:
-    """Max |ref - out| against `TOLERANCE[dtype_name] * max(1, max |ref|)`."""
+def tolerance_dtype(*names: str) -> str:
+    """The coarsest of the dtype names (bf16 > fp16 > fp32): the one whose rounding bounds a comparison."""
+    return max(names, key=lambda n: TOLERANCE[n])
+
+
+def compare(ref: "torch.Tensor", out: "torch.Tensor", dtype_name: str, ref_dtype_name: str = "fp32") -> VerifyResult:
+    """Max |ref - out| of logits [1, T, vocab] against `TOLERANCE[d] * max(1, max |ref|)`, where d is the coarser of
+    the output's dtype `dtype_name` and the dtype the reference was computed in (`ref_dtype_name`). Raises
+    ModelError when the shapes differ."""
     if ref.shape != out.shape:
         raise ModelError(f"verification failed: logits shapes differ ({tuple(ref.shape)} vs {tuple(out.shape)})")
     diff = float((ref - out).abs().max())
     scale = max(1.0, float(ref.abs().max()))
-    tol = TOLERANCE[dtype_name] * scale
+    tol = TOLERANCE[tolerance_dtype(dtype_name, ref_dtype_name)] * scale
     return VerifyResult(max_abs_diff=diff, tolerance=tol, ref_max_abs=float(ref.abs().max()), num_logits=ref.numel(), passed=diff <= tol)
 
 
-def verify_folder(folder: Path, ref_logits: "torch.Tensor", ref_inputs: dict[str, "torch.Tensor"], dtype_name: str) -> VerifyResult:
+def verify_folder(folder: Path, ref_logits: "torch.Tensor", ref_inputs: dict[str, "torch.Tensor"], dtype_name: str,
+                  ref_dtype_name: str = "fp32") -> VerifyResult:
     """Load `folder` with `AutoModelForImageTextToText` + `AutoProcessor` (an adapter folder loads its base through
-    transformers' peft integration), run the probe, and compare with the reference logits.
+    transformers' peft integration), run the probe, and compare with the reference logits (`compare`).
 
     Raises ModelError when the folder does not load, its processor tokenizes the probe differently, or the logits
     differ by more than the tolerance.
@@ -461,7 +498,7 @@ def verify_folder(folder: Path, ref_logits: "torch.Tensor", ref_inputs: dict[str
     for key, value in ref_inputs.items():
         if key not in inputs or inputs[key].shape != value.shape or not torch.equal(inputs[key], value):
             raise ModelError(f"verification failed: the exported processor produces a different {key!r} for the probe than the source processor")
-    return compare(ref_logits, probe_logits(model, inputs), dtype_name)
+    return compare(ref_logits, probe_logits(model, inputs), dtype_name, ref_dtype_name)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -525,12 +562,17 @@ def convert(
 ) -> ConvertResult:
     """Convert `src` (see module docstring) into a complete HF folder at `out` and verify it.
 
-    `dtype` (bf16|fp16|fp32) defaults to the trained model's saved dtype (HF sources keep theirs). LoRA sources are
-    merged (`merge_and_unload`) unless `adapter_only` (or `merge_lora=False`), which exports the peft adapter plus
-    the processor (the adapter keeps its weights' dtype; `dtype` is then the base's). With `verify`, logits of OUT on
-    a fixed image+text probe must match the source model's within `TOLERANCE[dtype] * max(1, max |logit|)`.
+    `dtype` (bf16|fp16|fp32) defaults to the trained model's saved dtype (HF sources keep theirs). LoRA sources
+    (adapter folders, LoRA DCP/ZeRO checkpoints) are loaded into their base in fp32 with peft and merged there
+    (`merge_lora_model`: peft's `merge_and_unload` in fp32, then cast to `dtype`) unless `adapter_only` (or
+    `merge_lora=False`), which exports the peft adapter (in fp32) plus the processor (`dtype` is then the base's
+    saved dtype).
+    With `verify`, logits of OUT on a fixed image+text probe must match the source model's (for LoRA: the unmerged
+    fp32 peft model) within `TOLERANCE[d] * max(1, max |logit|)`, d the coarser of `dtype` and the dtype the source
+    model ran in.
 
-    Memory: the source model is instantiated once with its weights (plus the checkpoint's state dict while loading).
+    Memory: the source model is instantiated once with its weights (plus the checkpoint's state dict while loading);
+    LoRA sources in fp32, i.e. 4 bytes per parameter.
 
     Raises:
         UsageError: unknown source kind, bad option values, OUT exists without `force`.
@@ -562,6 +604,7 @@ def convert(
     dtype = dtype or saved_dtype
 
     ref_inputs = ref_logits = None
+    ref_dtype = _dtype_name(next(model.parameters()).dtype)  # LoRA sources: fp32, the unmerged peft model
     if verify:
         say("running the probe on the source model")
         ref_inputs = probe_inputs(processor)
@@ -592,8 +635,8 @@ def convert(
             cfg_path.write_text(json.dumps(adapter_cfg, indent=2))
         else:
             if is_lora:
-                say("merging LoRA adapters")
-                model = model.merge_and_unload()
+                say(f"merging LoRA adapters (fp32, then {dtype})")
+                model = merge_lora_model(model, _dtype(dtype))
                 merged = True
             model = model.to(_dtype(dtype))
             say(f"saving safetensors shards ({dtype}, max {max_shard_size} each)")
@@ -616,10 +659,11 @@ def convert(
         result_verify = None
         if verify:
             say("verifying: reloading the output and comparing logits")
-            result_verify = verify_folder(tmp, ref_logits, ref_inputs, dtype)
+            result_verify = verify_folder(tmp, ref_logits, ref_inputs, dtype, ref_dtype)
             if not result_verify.passed:
                 raise ModelError(
-                    f"verification failed: max |logit difference| {result_verify.max_abs_diff:.3g} > tolerance {result_verify.tolerance:.3g} ({dtype})",
+                    f"verification failed: max |logit difference| {result_verify.max_abs_diff:.3g} > tolerance "
+                    f"{result_verify.tolerance:.3g} ({tolerance_dtype(dtype, ref_dtype)})",
                     hint="the exported weights do not reproduce the source model; run with --debug and report it (or --no-verify to keep the output anyway)",
                 )
         _install(tmp, out, force)

@@ -25,8 +25,9 @@ def export_final(run_dir: Path, cfg, *, model, engine, source: str, dtype, rank:
     """Write `run_dir/final/`: an HF folder loadable by AutoModelForImageTextToText + AutoProcessor (LoRA merged),
     or the peft adapter with `train.lora.keep_adapter`. Every rank calls this (gathering weights is collective).
 
-    Saved in fp32 when training ran in fp32, else in bf16. Raises VlmctlError when the trained weights do not fit
-    a freshly loaded model.
+    The trained state is loaded into a fresh fp32 copy of the model; LoRA adapters are merged there with peft
+    (`vlmctl.convert.merge_lora_model`). Saved in fp32 when training ran in fp32, else in bf16. Raises VlmctlError
+    when the trained weights do not fit a freshly loaded model.
     """
     import torch
     import torch.distributed as dist
@@ -44,6 +45,7 @@ def _write_final(run_dir: Path, cfg, state: dict, *, source: str, lora, parts_tr
     """Load the trained `state` into a fresh copy of `source` and save it (with its processor) atomically."""
     import torch
 
+    from vlmctl.convert import merge_lora_model
     from vlmctl.train.setup import apply_lora, load_source, model_parts
 
     fresh, processor, family = load_source(source, cfg, dtype=torch.float32)
@@ -59,8 +61,11 @@ def _write_final(run_dir: Path, cfg, state: dict, *, source: str, lora, parts_tr
     tmp = run_dir / ".tmp-final"
     shutil.rmtree(tmp, ignore_errors=True)
     if lora is not None and not lora.keep_adapter:
-        fresh = fresh.merge_and_unload()
+        fresh = merge_lora_model(fresh, out_dtype)  # peft's merge_and_unload in fp32, then one rounding
     fresh.to(out_dtype).save_pretrained(tmp)
+    if lora is not None and lora.keep_adapter:
+        # peft's placeholder card names the base by its local path; `vlmctl push` writes the model card.
+        (tmp / "README.md").unlink(missing_ok=True)
     processor.save_pretrained(tmp)
     final = run_dir / "final"
     if final.exists():
