@@ -25,6 +25,7 @@ def eval_cmd(
     out: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output folder (default: a new folder under eval.output_dir named after the model, task and data).")] = None,
     backend: Annotated[Optional[str], typer.Option("--backend", help="hf, or vllm when installed.")] = None,
     lmms_eval: Annotated[Optional[str], typer.Option("--lmms-eval", help="Comma-separated lmms-eval tasks to run on MODEL (when lmms-eval is installed).")] = None,
+    lmms_include: Annotated[Optional[Path], typer.Option("--lmms-eval-include", help="Folder of custom lmms-eval task YAMLs (lmms-eval's --include_path).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Generate answers on a validation set or benchmark file and compute VQA/ANLS/relaxed/MCQ/caption metrics."""
@@ -54,12 +55,22 @@ def eval_cmd(
     model_dir = model_dir.expanduser().resolve()
     label = model_dir.parent.name if model_dir.name == "final" else model_dir.name
 
+    if lmms_include is not None and not lmms_eval:
+        raise UsageError("--lmms-eval-include needs --lmms-eval", hint="name the tasks to run: --lmms-eval TASK[,TASK...]")
     if lmms_eval:
         from vlmctl.evaluation.lmms import run_lmms_eval
 
         check_model_dir(model_dir)
+        if lmms_include is not None and not lmms_include.is_dir():
+            raise UsageError(f"--lmms-eval-include {lmms_include}: no such folder", hint="pass the folder that holds the task YAML files")
         out_dir = out or ev.output_dir / f"{label}-lmms-eval"
-        scores = run_lmms_eval(model_dir, lmms_eval, out_dir, batch_size=batch_size or ev.batch_size)
+        notes: list[str] = []
+        # lmms-eval's own default batch of 1, not eval.batch_size: most of its adapters refuse more (e.g. llava_hf).
+        scores = run_lmms_eval(model_dir, lmms_eval, out_dir, batch_size=batch_size or 1, dtype=ev.dtype,
+                               include_path=lmms_include.resolve() if lmms_include else None, limit=limit,
+                               echo=not state.quiet, notes=notes)
+        for note in notes if not as_json else ():
+            info(f"[yellow]{note}[/yellow]")
         result = evaluation.fold_into_metrics(out_dir, scores, model=str(model_dir), data=f"lmms-eval:{lmms_eval}")
         _render(result, as_json)
         return

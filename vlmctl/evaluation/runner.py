@@ -63,15 +63,14 @@ from vlmctl.inference import (
 def preflight(*, backend: str | None = None, lmms_eval: bool = False) -> None:
     """Raise UsageError (exit 2) before any model is loaded or process started when the evaluation needs a package
     that is not installed here: vllm for `backend="vllm"` (`inference.check_backend`, which also refuses an
-    unknown backend), lmms-eval for `lmms_eval`. Looks packages up with `importlib.util.find_spec`."""
+    unknown backend), lmms-eval for `lmms_eval` (`lmms.check_installed`, whose hint installs it without replacing
+    torch). Looks packages up with `importlib.util.find_spec`."""
     if backend is not None:
         check_backend(backend)
     if lmms_eval:
-        from vlmctl.evaluation.lmms import lmms_eval_available
+        from vlmctl.evaluation.lmms import check_installed
 
-        if not lmms_eval_available():
-            raise UsageError("--lmms-eval needs the lmms-eval package, which is not installed",
-                             hint="pip install lmms-eval, or leave out --lmms-eval")
+        check_installed()
 
 
 def references_of(sample: Sample) -> list[str]:
