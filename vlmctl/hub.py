@@ -5,6 +5,12 @@ and `ModelCard.from_template`; the body reports how the model was trained, read 
 it (`config.yaml`, `checkpoints/*/trainer_state.json`, `metrics.jsonl`), the eval table from `vlmctl eval`'s
 `metrics.json` files (`{"task", "model", "data", "n", "metrics": {name: value}}`) and a usage snippet.
 
+Every push sends vlmctl's card: a folder's `README.md` is replaced when it is a placeholder (the card template
+peft's `save_pretrained` writes into adapter folders) or an earlier vlmctl card, and kept when someone wrote it.
+The upload goes from a staged copy in a temporary folder (links to the model's files, plus the generated
+`README.md` and, for an adapter whose base is on the Hub, an `adapter_config.json` naming that Hub id instead of a
+local path): the model folder itself is never written to.
+
 Uploads use `HfApi.create_repo(exist_ok=True)` and `HfApi.upload_folder` (or `upload_large_folder`, where the
 installed huggingface_hub has it, for folders over `LARGE_FOLDER_BYTES`). The token comes from `HF_TOKEN` or the
 stored login (`huggingface_hub.get_token`) and is never printed. HTTP failures are mapped to `VlmctlError`s that
@@ -16,6 +22,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +42,12 @@ LARGE_FOLDER_BYTES = 50 * 1024**3
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # Files of a model folder that never go to the Hub (the export record holds local paths).
 IGNORE_PATTERNS = [".git/*", "*.tmp", ".cache/*", "**/.cache/*", EXPORT_INFO]
+# Splits `vlmctl data prepare` writes; `vlmctl eval --data val` records the data as "val".
+_PREPARED_SPLITS = ("train", "val")
+# Text of huggingface_hub's model card template (what peft's `save_pretrained` fills into adapter folders) that a
+# written card no longer holds, and the line that ends vlmctl's own cards.
+_PLACEHOLDER_MARKS = ("# Model Card for Model ID", "<!-- Provide a quick summary of what the model is/does. -->")
+_VLMCTL_MARK = "Trained with [vlmctl](https://github.com/vlmctl/vlmctl)."
 
 # Eval task (vlmctl eval) -> Hub task type for the model-index metadata.
 _TASK_TYPES = {
@@ -57,6 +71,8 @@ CARD_TEMPLATE = """---
 
 {{ architecture }}
 
+{{ base_note }}
+
 ## Training
 {% if training %}
 | | |
@@ -72,7 +88,9 @@ No training run was found next to this folder.
 |---|---|---|---|---|
 {% for row in evals %}| {{ row.task }} | {{ row.data }} | {{ row.n }} | {{ row.metric }} | {{ row.value }} |
 {% endfor %}
-{% else %}
+{% if index_note %}
+{{ index_note }}
+{% endif %}{% else %}
 No `vlmctl eval` results were found for this model.
 {% endif %}
 ## Usage
@@ -99,7 +117,10 @@ class TrainingSummary:
     learning_rate: float | None = None
     lora: str | None = None
     base_models: list[str] = field(default_factory=list)
-    datasets: list[str] = field(default_factory=list)
+    datasets: list[str] = field(default_factory=list)  # Hub dataset ids among data.sources (format hf)
+    all_sources_on_hub: bool = False  # every data source is a Hub dataset (none is a local file)
+    model_dir: str | None = None  # model.output_dir: the built model the run trained
+    model_section: dict[str, Any] = field(default_factory=dict)
     project: str | None = None
 
     def rows(self) -> list[tuple[str, str]]:
@@ -254,7 +275,8 @@ def training_summary(run_dir: Path) -> TrainingSummary:
         lora_text = f"r={state['lora'].get('r', '?')}, alpha={state['lora'].get('lora_alpha', '?')}"
 
     base_models = [v for v in (model.get("base"), model.get("vision"), model.get("llm")) if _looks_like_hub_id(v)]
-    datasets = [s["path"] for s in data.get("sources") or [] if isinstance(s, dict) and s.get("format") == "hf" and s.get("path")]
+    sources = [s for s in data.get("sources") or [] if isinstance(s, dict)]
+    datasets = [s["path"] for s in sources if s.get("format") == "hf" and s.get("path")]
     return TrainingSummary(
         run_dir=str(run_dir),
         stage=train.get("stage"),
@@ -267,6 +289,9 @@ def training_summary(run_dir: Path) -> TrainingSummary:
         lora=lora_text,
         base_models=base_models,
         datasets=datasets,
+        all_sources_on_hub=bool(sources) and len(datasets) == len(sources),
+        model_dir=str(model["output_dir"]) if model.get("output_dir") else None,
+        model_section=model,
         project=(cfg.get("project") or {}).get("name"),
     )
 
@@ -316,6 +341,141 @@ def _eval_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def eval_dataset(data: Any, hub: "HubSection", summary: TrainingSummary | None) -> tuple[str | None, str | None]:
+    """(Hub dataset id, split) of the data an eval result names, for the card's `model-index`.
+
+    A prepared split (`val`, `train`, or a `.../val` folder) was drawn from the project's data sources: its id is the
+    first of `hub.datasets`, else the one Hub dataset the run trained on when every source was that dataset. Data
+    that is itself a Hub id is its own dataset (no split). Local files, lmms-eval tasks and prepared splits of
+    mixed or local sources have no id: (None, None).
+    """
+    text = str(data or "")
+    if not text or text.startswith("lmms-eval:"):
+        return None, None
+    name = Path(text).name
+    if name in _PREPARED_SPLITS:
+        if hub.datasets:
+            return hub.datasets[0], name
+        if summary is not None and summary.all_sources_on_hub and len(set(summary.datasets)) == 1:
+            return summary.datasets[0], name
+        return None, None
+    if _looks_like_hub_id(text):
+        return text, None
+    return None, None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Base model
+
+
+@dataclass
+class BaseModels:
+    """What the card says about the model's origin.
+
+    `kind`: base (fine-tuned from one existing VLM), composed (vision encoder + LLM), preset (random init) or
+    unknown. `ids`: Hub ids for the `base_model` metadata (never a local path). `relation`: `base_model_relation`,
+    set only where the Hub's own inference would be wrong (it reads several base models as a merge). `origin`: one
+    sentence for the card body on where the weights came from; `remark`: what the metadata makes of it.
+    `adapter_base`: the Hub id an adapter applies to (what its `adapter_config.json` should name).
+    """
+
+    kind: str = "unknown"
+    ids: list[str] = field(default_factory=list)
+    relation: str | None = None
+    origin: str = ""
+    remark: str = ""
+    adapter_base: str | None = None
+
+    @property
+    def note(self) -> str:
+        return " ".join(t for t in (self.origin, self.remark) if t)
+
+
+def _hub_link(ref: str) -> str:
+    return f"[`{ref}`](https://huggingface.co/{ref})"
+
+
+def _from_build(record: dict[str, Any]) -> BaseModels:
+    """BaseModels of a model described by `vlmctl model build`'s record (`vlmctl_model.json`: `mode`, `init`,
+    `built_from`, and a base build's `source`)."""
+    built = record.get("built_from") or {}
+    if record.get("init") == "random":  # weights from configs only: nothing was fine-tuned from the named models
+        what = f"vlmctl's `{built['preset']}` preset" if built.get("preset") else "the configs of " + ", ".join(
+            f"`{built[k]}`" for k in ("base", "vision", "llm") if built.get(k))
+        return BaseModels("preset", origin=f"Built from {what} with randomly initialized weights.",
+                          remark="There is no base model on the Hub.")
+    base = built.get("base") or record.get("source")
+    if record.get("mode") == "base" or base:
+        if _looks_like_hub_id(base):
+            return BaseModels("base", [base], origin=f"Fine-tuned from {_hub_link(base)}.")
+        return BaseModels("base", origin="Fine-tuned from a local model folder that is not on the Hub.", remark="The card names no `base_model`.")
+    vision, llm = built.get("vision"), built.get("llm")
+    if vision or llm:
+        ids = [r for r in (llm, vision) if _looks_like_hub_id(r)]  # the language model first, as composed VLMs list them
+
+        def show(ref):  # local paths stay out of the card
+            return _hub_link(ref) if _looks_like_hub_id(ref) else "in a local folder (not on the Hub)"
+
+        projector = f"a new `{built['projector']}` projector" if built.get("projector") else "a new projector"
+        origin = f"Composed by `vlmctl model build` from the vision encoder {show(vision)} and the language model {show(llm)}, joined by {projector}, then trained."
+        if len(ids) == 2:
+            remark = "Both are listed as `base_model` with `base_model_relation: finetune` (trained from both, not a weight merge)."
+        elif ids:
+            remark = f"Only `{ids[0]}` is on the Hub: it is the card's `base_model`."
+        else:
+            remark = "Neither is on the Hub: the card names no `base_model`."
+        # Several base models read as a merge on the Hub; these were joined and trained, not weight-merged.
+        return BaseModels("composed", ids, relation="finetune" if len(ids) > 1 else None, origin=origin, remark=remark)
+    if built.get("preset"):
+        return BaseModels("preset", origin=f"Built from vlmctl's `{built['preset']}` preset with randomly initialized weights.",
+                          remark="There is no base model on the Hub.")
+    return BaseModels()
+
+
+def _model_record(path: Any) -> dict[str, Any] | None:
+    """`vlmctl_model.json` of a local model folder, or None."""
+    if not path or _looks_like_hub_id(path):
+        return None
+    data = _read_json(Path(str(path)).expanduser() / MODEL_INFO)
+    return data if isinstance(data, dict) else None
+
+
+def _trained_model(folder: Path, summary: TrainingSummary | None) -> BaseModels:
+    """Origin of a full model folder: its own build record, that of the model the run trained (or that `vlmctl
+    convert` recorded), else the run's `model` section."""
+    export = _read_json(folder / EXPORT_INFO) or {}
+    for record in (_model_record(folder), _model_record(summary.model_dir if summary else None), _model_record(export.get("model_path"))):
+        if record:
+            return _from_build(record)
+    if summary is not None and summary.model_section:
+        m = summary.model_section
+        return _from_build({"init": m.get("init"), "built_from": {k: m.get(k) for k in ("base", "vision", "llm", "projector", "preset")}})
+    if _looks_like_hub_id(export.get("model_path")):
+        return _from_build({"mode": "base", "built_from": {"base": export["model_path"]}})
+    return BaseModels(origin="Where the weights came from is not recorded next to this folder.", remark="The card names no `base_model`.")
+
+
+def _adapter_base(adapter_cfg: dict[str, Any], summary: TrainingSummary | None) -> BaseModels:
+    """Origin of a peft adapter folder. Its `base_model` is the model the adapter applies to, so only a Hub model
+    qualifies: a model composed or built from a preset is local, and listing its parts would point users at models
+    the adapter does not fit."""
+    ref = adapter_cfg.get("base_model_name_or_path")
+    origin = BaseModels("base", [ref]) if _looks_like_hub_id(ref) else None
+    record = None if origin else (_model_record(ref) or _model_record(summary.model_dir if summary else None))
+    if record:
+        origin = _from_build(record)
+    elif origin is None and summary is not None and summary.model_section.get("init") != "random" and _looks_like_hub_id(summary.model_section.get("base")):
+        origin = BaseModels("base", [summary.model_section["base"]])
+    if origin is not None and origin.kind == "base" and origin.ids:
+        base = origin.ids[0]
+        return BaseModels("base", [base], origin=f"A LoRA adapter (peft) for {_hub_link(base)}.", adapter_base=base)
+    text = "A LoRA adapter (peft) for a base model that is not on the Hub."
+    if origin is not None and origin.origin:
+        text += f" The base model was {origin.origin[0].lower()}{origin.origin[1:]}"
+    return BaseModels(origin.kind if origin else "unknown", origin=text,
+                      remark="The card names no `base_model`: load the base model first, or push a standalone model made with `vlmctl convert --merge-lora`.")
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Model card
 
@@ -333,7 +493,7 @@ def _architecture(folder: Path) -> str:
         parts.append(f"vision encoder: `{vision or '?'}`, language model: `{text or '?'}`")
     built = info.get("built_from") or {}
     for key in ("preset", "vision", "llm", "base", "projector"):
-        if built.get(key):
+        if built.get(key) and (key in ("preset", "projector") or _looks_like_hub_id(built[key])):  # no local paths
             parts.append(f"{key}: `{built[key]}`")
     params = info.get("parameters") or {}
     if params.get("total"):
@@ -341,19 +501,22 @@ def _architecture(folder: Path) -> str:
         parts.append(f"{params['total'] / 1e6:.2f}M parameters" + (f" ({split})" if split else ""))
     if (folder / "adapter_config.json").is_file():
         adapter = _read_json(folder / "adapter_config.json") or {}
-        parts.append(f"peft LoRA adapter on `{adapter.get('base_model_name_or_path', '?')}`")
+        parts.append(f"peft LoRA adapter (r={adapter.get('r', '?')}, alpha={adapter.get('lora_alpha', '?')})")
     return "; ".join(parts) or "A vision-language model."
 
 
-def _usage(repo_id: str, adapter: bool) -> str:
-    load = (
-        f'model = AutoModelForImageTextToText.from_pretrained("{repo_id}")  # loads the base model and this LoRA adapter (peft)'
-        if adapter
-        else f'model = AutoModelForImageTextToText.from_pretrained("{repo_id}", dtype="auto")'
-    )
+def _usage(repo_id: str, adapter: bool, adapter_base: str | None = None) -> str:
+    imports = "from PIL import Image\nfrom transformers import AutoModelForImageTextToText, AutoProcessor\n"
+    if adapter and adapter_base is None:  # the base is not on the Hub: load it first, then the adapter onto it
+        imports = "from peft import PeftModel\n" + imports
+        load = ('base = AutoModelForImageTextToText.from_pretrained("PATH/TO/BASE_MODEL", dtype="auto")  # the model the adapter was trained on\n'
+                f'model = PeftModel.from_pretrained(base, "{repo_id}")')
+    elif adapter:
+        load = f'model = AutoModelForImageTextToText.from_pretrained("{repo_id}")  # loads the base model and this LoRA adapter (peft)'
+    else:
+        load = f'model = AutoModelForImageTextToText.from_pretrained("{repo_id}", dtype="auto")'
     return (
-        "from PIL import Image\n"
-        "from transformers import AutoModelForImageTextToText, AutoProcessor\n\n"
+        f"{imports}\n"
         f'processor = AutoProcessor.from_pretrained("{repo_id}")\n'
         f"{load}\n"
         'messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in the image?"}]}]\n'
@@ -364,6 +527,17 @@ def _usage(repo_id: str, adapter: bool) -> str:
     )
 
 
+def base_models(folder: Path, *, run_dir: Path | None = None) -> BaseModels:
+    """Where the model in `folder` came from (see `BaseModels`), from its build record, its adapter config and the
+    run that produced it (`run_dir` defaults to the run found by `find_run_dir`)."""
+    folder = Path(folder)
+    run_dir = run_dir or find_run_dir(folder)
+    summary = training_summary(run_dir) if run_dir else None
+    if (folder / "adapter_config.json").is_file():
+        return _adapter_base(_read_json(folder / "adapter_config.json") or {}, summary)
+    return _trained_model(folder, summary)
+
+
 def build_model_card(
     folder: Path,
     *,
@@ -372,54 +546,63 @@ def build_model_card(
     run_dir: Path | None = None,
     eval_dir: Path | None = None,
 ) -> "ModelCard":
-    """Build the model card (README.md) of a model folder.
+    """Build the model card (README.md) of a model folder with huggingface_hub's `ModelCardData` + `ModelCard`.
 
-    Metadata: `base_model` (the Hub ids of the base VLM, or of the vision encoder and LLM it was composed from),
-    `datasets`, `license`, `pipeline_tag: image-text-to-text`, `library_name: transformers` (`peft` for an adapter),
-    `tags` and a `model-index` with the eval results. `run_dir` defaults to the run found by `find_run_dir`.
+    Metadata (the Hub's model card spec, https://huggingface.co/docs/hub/model-cards): `base_model` (Hub ids only,
+    see `base_models`: the base VLM, or the language model and vision encoder a composed model was built from, with
+    `base_model_relation: finetune`; an adapter's base only when that is on the Hub; omitted, with a note in the
+    text, otherwise), `datasets` (`hub.datasets`, then the Hub datasets the run trained on), `license`,
+    `pipeline_tag: image-text-to-text`, `library_name` (`peft` for an adapter, else `transformers`), `tags`, and a
+    `model-index` with the eval results whose data has a Hub dataset id (`eval_dataset`): the id in `dataset.type`,
+    the split in `dataset.split`. Results without an id stay in the body's table only. `run_dir` defaults to the run
+    found by `find_run_dir`.
     """
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
     folder = Path(folder)
     run_dir = run_dir or find_run_dir(folder)
     summary = training_summary(run_dir) if run_dir else None
-    built = (_read_json(folder / MODEL_INFO) or {}).get("built_from") or {}
-    adapter_cfg = _read_json(folder / "adapter_config.json") if (folder / "adapter_config.json").is_file() else None
-
-    base_models = list(summary.base_models) if summary else []
-    for key in ("base", "vision", "llm"):
-        if _looks_like_hub_id(built.get(key)) and built[key] not in base_models:
-            base_models.append(built[key])
-    if adapter_cfg and _looks_like_hub_id(adapter_cfg.get("base_model_name_or_path")):
-        base_models = [adapter_cfg["base_model_name_or_path"]]
+    adapter = (folder / "adapter_config.json").is_file()
+    origin = base_models(folder, run_dir=run_dir)
     datasets = list(dict.fromkeys([*hub.datasets, *(summary.datasets if summary else [])]))
 
     name = repo_id.split("/")[-1]
     evals = find_eval_results(folder, run_dir=run_dir, eval_dir=eval_dir)
-    eval_results = []
+    eval_results, unindexed = [], 0
     for r in evals:
+        dataset_id, split = eval_dataset(r.get("data"), hub, summary)
         for metric, value in r["metrics"].items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                data_name = Path(str(r.get("data", "eval"))).name or "eval"
-                eval_results.append(
-                    EvalResult(
-                        task_type=_TASK_TYPES.get(str(r.get("task")), "image-text-to-text"),
-                        dataset_type=data_name,
-                        dataset_name=data_name,
-                        metric_type=metric,
-                        metric_value=float(value),
-                    )
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            if dataset_id is None:
+                unindexed += 1
+                continue
+            eval_results.append(
+                EvalResult(
+                    task_type=_TASK_TYPES.get(str(r.get("task")), "image-text-to-text"),
+                    dataset_type=dataset_id,
+                    dataset_name=f"{dataset_id.split('/')[-1]} ({split})" if split else dataset_id.split("/")[-1],
+                    dataset_split=split,
+                    metric_type=metric,
+                    metric_value=float(value),
                 )
-    tags = list(dict.fromkeys(["vlmctl", "vision-language", "image-text-to-text", *(["lora"] if adapter_cfg else []), *hub.tags]))
+            )
+    index_note = (
+        "Results on data without a Hub dataset id (a local file, or the prepared val split when neither `hub.datasets` "
+        "nor a single Hub data source names its dataset) are listed here only, not in the card's `model-index` metadata."
+        if unindexed else ""
+    )
+    tags = list(dict.fromkeys(["vlmctl", "vision-language", "image-text-to-text", *(["lora"] if adapter else []), *hub.tags]))
     card_data = ModelCardData(
-        base_model=base_models or None,
+        base_model=origin.ids or None,
         datasets=datasets or None,
         license=hub.license,
         pipeline_tag="image-text-to-text",
-        library_name="peft" if adapter_cfg else "transformers",
+        library_name="peft" if adapter else "transformers",
         tags=tags,
         model_name=name if eval_results else None,
         eval_results=eval_results or None,
+        **({"base_model_relation": origin.relation} if origin.relation else {}),
     )
     description = f"A vision-language model trained with vlmctl{f' (project `{summary.project}`)' if summary and summary.project else ''}."
     return ModelCard.from_template(
@@ -428,9 +611,11 @@ def build_model_card(
         model_name=name,
         description=description,
         architecture=_architecture(folder),
+        base_note=origin.note,
         training=summary.rows() if summary else [],
         evals=_eval_rows(evals),
-        usage=_usage(repo_id, adapter=adapter_cfg is not None),
+        index_note=index_note,
+        usage=_usage(repo_id, adapter=adapter, adapter_base=origin.adapter_base),
     )
 
 
@@ -517,6 +702,48 @@ def check_write_access(api, repo_id: str) -> str:
     return user
 
 
+def is_replaceable_card(text: str) -> bool:
+    """True for a README.md that `push` replaces with vlmctl's card: huggingface_hub's unfilled model card template
+    (the placeholder peft's `save_pretrained` writes into adapter folders) or a card vlmctl generated before."""
+    return any(mark in text for mark in _PLACEHOLDER_MARKS) or _VLMCTL_MARK in text
+
+
+def _adapter_config_for_hub(folder: Path, adapter_base: str | None) -> bytes | None:
+    """The folder's `adapter_config.json` with `base_model_name_or_path` set to the Hub id of the adapter's base, so
+    that `from_pretrained(repo_id)` finds it anywhere; None when there is nothing to change."""
+    path = folder / "adapter_config.json"
+    cfg = _read_json(path) if adapter_base and path.is_file() else None
+    if not isinstance(cfg, dict) or cfg.get("base_model_name_or_path") == adapter_base:
+        return None
+    return (json.dumps({**cfg, "base_model_name_or_path": adapter_base}, indent=2, sort_keys=True) + "\n").encode()
+
+
+def plan_upload(folder: Path, card_text: str | None, adapter_config: bytes | None = None) -> dict[str, Path | bytes]:
+    """What the Hub repository receives: repo path -> the file on disk, or generated bytes (`card_text` as
+    README.md, `adapter_config` as adapter_config.json), for the files `list_upload_files` selects."""
+    contents: dict[str, Path | bytes] = {f.path: Path(folder) / f.path for f in list_upload_files(folder)}
+    if card_text is not None:
+        contents[CARD_NAME] = card_text.encode()
+    if adapter_config is not None:
+        contents["adapter_config.json"] = adapter_config
+    return dict(sorted(contents.items()))
+
+
+def stage_upload(contents: dict[str, Path | bytes], stage: Path) -> None:
+    """Lay `contents` out in the empty folder `stage`: links to the model's files (copies where links cannot be
+    made), generated files written. The upload then reads `stage`; the model folder is not written to."""
+    for rel, value in contents.items():
+        dst = stage / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(value, bytes):
+            dst.write_bytes(value)
+            continue
+        try:
+            os.symlink(Path(value).resolve(), dst)
+        except OSError:  # no symlinks on this file system (or no permission to make them)
+            shutil.copy2(value, dst)
+
+
 def push_folder(
     folder: Path,
     *,
@@ -528,10 +755,14 @@ def push_folder(
     dry_run: bool = False,
     eval_dir: Path | None = None,
 ) -> PushResult:
-    """Upload a model folder to the Hub, generating `README.md` (model card) when absent.
+    """Upload a model folder to the Hub with vlmctl's model card (`build_model_card`) as `README.md`.
 
-    Arguments left None fall back to the `hub` section. With `dry_run` nothing is written or sent: the result lists
-    the files (including the card that would be generated) and the card text.
+    A `README.md` in the folder is sent as is only when someone wrote it (`is_replaceable_card` is False); a peft
+    placeholder or an earlier vlmctl card is replaced. An adapter whose base model is on the Hub is sent with that
+    Hub id in `adapter_config.json`. The upload reads a staged copy in a temporary folder (`stage_upload`), removed
+    afterwards: the model folder is never written to. Arguments left None fall back to the `hub` section. With
+    `dry_run` nothing is written or sent: the result lists the files (with their sizes in bytes, the card included)
+    and the card text.
 
     Raises:
         UsageError: no repo id, or the folder does not exist / is empty.
@@ -551,13 +782,14 @@ def push_folder(
     commit_message = commit_message or hub.commit_message or f"Upload {repo_id.split('/')[-1]} with vlmctl"
 
     card_path = folder / CARD_NAME
-    generated = not card_path.is_file()
-    card_text = build_model_card(folder, hub=hub, repo_id=repo_id, eval_dir=eval_dir).content if generated else card_path.read_text()
-    files = list_upload_files(folder)
-    if generated:
-        files = sorted([*files, UploadFile(CARD_NAME, len(card_text.encode()))], key=lambda f: f.path)
-    if not files:
+    existing = card_path.read_text(encoding="utf-8", errors="replace") if card_path.is_file() else None
+    generated = existing is None or is_replaceable_card(existing)
+    card_text = build_model_card(folder, hub=hub, repo_id=repo_id, eval_dir=eval_dir).content if generated else existing
+    adapter_config = _adapter_config_for_hub(folder, base_models(folder).adapter_base)
+    if not list_upload_files(folder):
         raise UsageError(f"{folder} is empty", hint="convert a checkpoint into it first: vlmctl convert RUN -o FOLDER")
+    contents = plan_upload(folder, card_text if generated else None, adapter_config)
+    files = [UploadFile(rel, len(v) if isinstance(v, bytes) else v.stat().st_size) for rel, v in contents.items()]
     result = PushResult(repo_id=repo_id, files=files, card=card_text, card_generated=generated, dry_run=dry_run)
     if dry_run:
         return result
@@ -566,27 +798,27 @@ def push_folder(
         raise VlmctlError("HF_HUB_OFFLINE is set: the Hub cannot be reached", hint="unset HF_HUB_OFFLINE (or set it to 0) to upload; `--dry-run` works offline")
     api = _api()
     check_write_access(api, repo_id)
-    if generated:
-        tmp = folder / f".{CARD_NAME}.tmp"
-        tmp.write_text(card_text)
-        tmp.replace(card_path)
+    stage = Path(tempfile.mkdtemp(prefix="vlmctl-push-"))
     try:
+        stage_upload(contents, stage)
         url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         if revision:
             api.create_branch(repo_id, branch=revision, exist_ok=True)
         large = hasattr(api, "upload_large_folder") and result.total_bytes > LARGE_FOLDER_BYTES
         if large:
-            api.upload_large_folder(repo_id=repo_id, folder_path=folder, repo_type="model", revision=revision, private=private, ignore_patterns=IGNORE_PATTERNS)
+            api.upload_large_folder(repo_id=repo_id, folder_path=stage, repo_type="model", revision=revision, private=private, ignore_patterns=IGNORE_PATTERNS)
             commit = None
         else:
             info = api.upload_folder(
-                repo_id=repo_id, folder_path=folder, revision=revision, commit_message=commit_message, ignore_patterns=list(IGNORE_PATTERNS)
+                repo_id=repo_id, folder_path=stage, revision=revision, commit_message=commit_message, ignore_patterns=list(IGNORE_PATTERNS)
             )
             commit = getattr(info, "oid", None)
     except VlmctlError:
         raise
     except Exception as exc:  # noqa: BLE001 - mapped to a readable error
         raise _hub_error(exc, repo_id=repo_id, endpoint=api.endpoint) from exc
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
     result.url = str(url)
     result.commit = commit
     return result

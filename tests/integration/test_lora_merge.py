@@ -1,7 +1,7 @@
 """LoRA merges equal peft's own: a real LoRA run of the tiny template (`vlmctl init --template tiny`: base model saved
 in bf16, training in fp32, `train.lora.keep_adapter`) converted from its `final/` adapter folder and from its DCP
 checkpoint, compared with peft's `merge_and_unload` of the same adapter on an fp32 base; `--verify` passes in fp32
-and bf16.
+and bf16; pushing the adapter folder sends vlmctl's card.
 """
 
 from __future__ import annotations
@@ -144,3 +144,20 @@ def test_verify_tolerance_follows_the_coarser_dtype(lora_run, tmp_path):
     result = convert(_project(lora_run) / "outputs" / "model", tmp_path / "fp32", dtype="fp32")
     assert result.verify.passed and result.verify.max_abs_diff > TOLERANCE["fp32"] * max(1.0, result.verify.ref_max_abs)
     assert result.verify.tolerance == pytest.approx(TOLERANCE["bf16"] * max(1.0, result.verify.ref_max_abs))
+
+
+def test_push_of_the_keep_adapter_folder_sends_vlmctl_card(lora_run, capsys):
+    from huggingface_hub import ModelCard, ModelCardData
+
+    final = lora_run / "final"
+    assert not (final / "README.md").exists()  # the run's export leaves out peft's placeholder card
+    code, out, err = run_cli(["-c", str(_project(lora_run) / "vlmctl.yaml"), "push", str(final), "--repo-id", "me/tiny-lora",
+                              "--dry-run", "--json", "hub.license=mit"], capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    card = ModelCard(result["card"])
+    data = card.data.to_dict()
+    assert ModelCardData(**data).to_dict() == data
+    assert data["library_name"] == "peft" and data["license"] == "mit" and "base_model" not in data
+    assert str(_project(lora_run)) not in result["card"]  # no local paths
+    assert "| LoRA | r=8, alpha=16 |" in card.text and f"| optimizer steps | {STEPS} |" in card.text

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import shutil
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -220,23 +221,46 @@ def run_folder(tmp_path) -> Path:
 
 
 
+def _check_hub_metadata(card_text: str) -> dict:
+    """Parse a card with huggingface_hub and run its offline metadata checks; returns the metadata dict."""
+    from huggingface_hub import ModelCard, ModelCardData
+    from huggingface_hub.repocard_data import model_index_to_eval_results
+
+    parsed = ModelCard(card_text)  # raises on YAML that is not a mapping
+    data = parsed.data.to_dict()
+    again = ModelCardData(**data)  # round trip: model-index back into EvalResults, and out again
+    assert again.to_dict() == data
+    if "model-index" in data:
+        name, results = model_index_to_eval_results(data["model-index"])
+        assert name and results and all(r.dataset_type and r.metric_type for r in results)
+    for key in ("base_model", "datasets"):
+        for ref in ([data[key]] if isinstance(data.get(key), str) else data.get(key) or []):
+            assert not Path(ref).is_absolute() and "/" in ref and not Path(ref).exists(), (key, ref)  # Hub ids only
+    return data
+
+
 def test_model_card_metadata_and_body(run_folder):
     from huggingface_hub import ModelCard
+    from huggingface_hub.repocard_data import model_index_to_eval_results
 
     from vlmctl.hub import build_model_card
 
     final = run_folder / "final"
     hub = HubSection(license="mit", tags=["shapes"], datasets=["alice/shapes-extra"])
     card = build_model_card(final, hub=hub, repo_id="alice/shapes-vlm", eval_dir=run_folder.parents[1] / "eval")
-    parsed = ModelCard(card.content)  # round-trips through huggingface_hub's parser
-    data = parsed.data.to_dict()
-    assert data["base_model"] == ["google/siglip-base-patch16-224", "Qwen/Qwen2.5-0.5B"]
+    data = _check_hub_metadata(card.content)
+    # composed from two Hub models (config.yaml model.vision + model.llm): both, the language model first
+    assert data["base_model"] == ["Qwen/Qwen2.5-0.5B", "google/siglip-base-patch16-224"]
+    assert data["base_model_relation"] == "finetune"
     assert data["datasets"] == ["alice/shapes-extra", "lmms-lab/shapes-vqa"]
     assert data["license"] == "mit" and data["pipeline_tag"] == "image-text-to-text" and data["library_name"] == "transformers"
     assert "shapes" in data["tags"] and "vlmctl" in data["tags"]
-    results = data["model-index"][0]["results"]
-    assert {m["type"]: m["value"] for r in results for m in r["metrics"]} == {"accuracy": 0.4125, "exact_match": 0.375}
-    body = parsed.text
+    _, results = model_index_to_eval_results(data["model-index"])
+    # the eval ran on the prepared val split: the dataset is the project's Hub dataset, the split is separate
+    assert {(r.dataset_type, r.dataset_split, r.task_type) for r in results} == {("alice/shapes-extra", "val", "visual-question-answering")}
+    assert {r.metric_type: r.metric_value for r in results} == {"accuracy": 0.4125, "exact_match": 0.375}
+    body = ModelCard(card.content).text
+    assert "Composed by `vlmctl model build` from the vision encoder" in body and "Qwen/Qwen2.5-0.5B" in body
     assert "| stage | finetune |" in body and "| strategy | fsdp |" in body
     assert "| optimizer steps | 40 |" in body
     assert "| tokens seen | 20,480 |" in body  # last cumulative `tokens` of metrics.jsonl
@@ -248,6 +272,58 @@ def test_model_card_metadata_and_body(run_folder):
     assert "LlavaForConditionalGeneration" in body
 
 
+def test_eval_results_without_a_dataset_id_stay_out_of_the_model_index(run_folder):
+    from vlmctl.hub import build_model_card
+
+    final = run_folder / "final"
+    # no hub.datasets, and the run's data mixes a Hub dataset with a local file: the val split has no Hub id
+    card = build_model_card(final, hub=HubSection(), repo_id="alice/shapes-vlm", eval_dir=run_folder.parents[1] / "eval")
+    data = _check_hub_metadata(card.content)
+    assert "model-index" not in data and data["datasets"] == ["lmms-lab/shapes-vqa"]
+    assert "| vqa | val | 120 | accuracy | 0.4125 |" in card.text and "not in the card's `model-index`" in card.text
+
+    # a run trained on one Hub dataset only: its val split is that dataset's
+    cfg = yaml.safe_load((run_folder / "config.yaml").read_text())
+    cfg["data"]["sources"] = [{"path": "lmms-lab/shapes-vqa", "format": "hf"}]
+    (run_folder / "config.yaml").write_text(yaml.safe_dump(cfg))
+    card = build_model_card(final, hub=HubSection(), repo_id="alice/shapes-vlm", eval_dir=run_folder.parents[1] / "eval")
+    index = _check_hub_metadata(card.content)["model-index"][0]["results"]
+    assert {(r["dataset"]["type"], r["dataset"]["split"]) for r in index} == {("lmms-lab/shapes-vqa", "val")}
+
+
+@pytest.mark.parametrize(
+    "record, base_model, relation, text",
+    [
+        ({"mode": "base", "init": "pretrained", "built_from": {"base": "Qwen/Qwen2-VL-2B-Instruct"}, "source": "Qwen/Qwen2-VL-2B-Instruct"},
+         ["Qwen/Qwen2-VL-2B-Instruct"], None, "Fine-tuned from [`Qwen/Qwen2-VL-2B-Instruct`]"),
+        ({"mode": "base", "init": "pretrained", "built_from": {"base": "/data/models/my-vlm"}, "source": "/data/models/my-vlm"},
+         None, None, "local model folder that is not on the Hub"),
+        ({"mode": "compose", "init": "pretrained", "built_from": {"vision": "google/siglip2-base-patch16-224", "llm": "Qwen/Qwen3-0.6B", "projector": "mlp2x_gelu"}},
+         ["Qwen/Qwen3-0.6B", "google/siglip2-base-patch16-224"], "finetune", "joined by a new `mlp2x_gelu` projector"),
+        ({"mode": "compose", "init": "pretrained", "built_from": {"vision": "/data/siglip", "llm": "Qwen/Qwen3-0.6B"}},
+         ["Qwen/Qwen3-0.6B"], None, "the vision encoder in a local folder (not on the Hub)"),
+        ({"mode": "compose", "init": "random", "built_from": {"vision": "google/siglip2-base-patch16-224", "llm": "Qwen/Qwen3-0.6B"}},
+         None, None, "randomly initialized weights"),
+        ({"mode": "preset", "init": "random", "built_from": {"preset": "tiny"}}, None, None, "`tiny` preset"),
+    ],
+    ids=["base-hub", "base-local", "compose-hub", "compose-half-local", "compose-random", "preset"],
+)
+def test_base_model_names_hub_ids_only(tmp_path, record, base_model, relation, text):
+    from vlmctl.hub import build_model_card
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava"}))
+    (folder / "vlmctl_model.json").write_text(json.dumps(record))
+    card = build_model_card(folder, hub=HubSection(), repo_id="alice/m")
+    data = _check_hub_metadata(card.content)
+    assert data.get("base_model") == base_model and data.get("base_model_relation") == relation
+    assert text in card.text
+    assert "/data/" not in card.content  # local paths never reach the card
+    if base_model is None:
+        assert "no base model on the Hub" in card.text or "names no `base_model`" in card.text
+
+
 def test_model_card_without_run_says_so(tmp_path):
     from vlmctl.hub import build_model_card
 
@@ -257,6 +333,8 @@ def test_model_card_without_run_says_so(tmp_path):
     card = build_model_card(folder, hub=HubSection(), repo_id="alice/m")
     assert "No training run was found" in card.text and "No `vlmctl eval` results" in card.text
     assert card.data.base_model is None and card.data.license == "apache-2.0"
+    assert "the card names no `base_model`" in card.text.lower()
+    _check_hub_metadata(card.content)
 
 
 def test_dry_run_lists_files_and_card_and_uploads_nothing(run_folder, capsys, monkeypatch):
@@ -283,27 +361,138 @@ def test_dry_run_json(run_folder, capsys):
     assert data["card_generated"] and data["total_bytes"] == sum(sizes.values())
 
 
+def _snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
+    return {p.relative_to(folder).as_posix(): (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
+
+
 def test_upload_to_local_hub_receives_exact_files(run_folder, fake_hub, capsys):
     final = run_folder / "final"
+    before = _snapshot(final)
     code, out, err = run_cli(["push", str(final), "--repo-id", "alice-lab/shapes-vlm", "--public", "--commit-message", "first"], capsys)
     assert code == 0, err
     assert TOKEN not in out + err
     repo = fake_hub.repos["alice-lab/shapes-vlm"]
     assert repo["visibility"] == "public"
     received = repo["branches"]["main"]
-    on_disk = {p.relative_to(final).as_posix(): p.read_bytes() for p in final.rglob("*") if p.is_file()}
-    assert "README.md" in on_disk  # the generated card is written next to the model, then uploaded
-    assert received == on_disk
+    assert _snapshot(final) == before  # nothing written into the model folder, not even the card
+    on_disk = {rel: data for rel, (data, _) in before.items()}
+    assert {k: v for k, v in received.items() if k != "README.md"} == on_disk
+    card = received["README.md"].decode()
+    assert _check_hub_metadata(card)["base_model"] == ["Qwen/Qwen2.5-0.5B", "google/siglip-base-patch16-224"]
+    assert "# shapes-vlm" in card
     assert fake_hub.commits[-1]["header"]["summary"] == "first"
     assert "lfsFile" in fake_hub.commits[-1]["ops"] and "file" in fake_hub.commits[-1]["ops"]
     assert any(m == "PUT" and p.startswith("/_lfs/") for m, p in fake_hub.requests)
 
-    # A second push to a branch of the existing repo keeps the existing README and sends the same bytes.
+    # A second push to a branch of the existing repo sends the changed weights and the same card again.
     (final / "model.safetensors").write_bytes((final / "model.safetensors").read_bytes()[:-4] + b"\0\0\0\0")
     code, _, err = run_cli(["push", str(final), "--repo-id", "alice-lab/shapes-vlm", "--revision", "v2"], capsys)
     assert code == 0, err
     assert repo["branches"]["v2"]["model.safetensors"] == (final / "model.safetensors").read_bytes()
-    assert repo["branches"]["v2"]["README.md"] == on_disk["README.md"]
+    assert repo["branches"]["v2"]["README.md"] == received["README.md"]
+    assert not (final / "README.md").exists()
+
+
+def test_push_takes_dotted_overrides(run_folder, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(run_folder.parents[2])  # the project folder (vlmctl.yaml: license unset, hub.datasets set)
+    final = run_folder / "final"
+    code, out, err = run_cli(["push", str(final), "--dry-run", "--json", "hub.license=mit", "hub.tags=[geometry]"], capsys)
+    assert code == 0, err
+    data = _check_hub_metadata(json.loads(out)["card"])
+    assert data["license"] == "mit" and "geometry" in data["tags"]
+    assert json.loads(out)["repo_id"] == "alice/shapes-vlm"  # the rest of the project file still applies
+
+    monkeypatch.chdir(tmp_path)  # outside any project: the overrides apply to the defaults
+    code, out, err = run_cli(["push", str(final), "--dry-run", "--json", "hub.repo_id=bob/m", "hub.license=mit"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["repo_id"] == "bob/m" and "license: mit" in json.loads(out)["card"]
+
+    code, _, err = run_cli(["push", str(final), "--dry-run", "hub.licence=mit"], capsys)
+    assert code == 2 and "licence" in " ".join(err.split())
+    code, _, err = run_cli(["push", str(final), str(final), "--dry-run"], capsys)
+    assert code == 2 and "unexpected argument" in " ".join(err.split())
+
+
+@pytest.fixture(scope="module")
+def peft_adapter(tmp_path_factory) -> Path:
+    """A LoRA adapter saved by peft's own `save_pretrained` (with its placeholder README naming the local base
+    path) on the tiny preset model, plus the processor files."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from convert_helpers import make_tiny_model
+
+    tiny = make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+    model = get_peft_model(AutoModelForImageTextToText.from_pretrained(str(tiny), dtype=torch.float32),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    folder = tmp_path_factory.mktemp("adapter") / "adapter"
+    model.save_pretrained(str(folder))
+    AutoProcessor.from_pretrained(str(tiny)).save_pretrained(str(folder))
+    return folder
+
+
+def test_adapter_folder_gets_vlmctl_card_instead_of_peft_placeholder(peft_adapter, tmp_path, fake_hub, capsys):
+    folder = tmp_path / "adapter"
+    shutil.copytree(peft_adapter, folder)
+    base_path = json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"]
+    placeholder = (folder / "README.md").read_text()
+    assert "Model Card for Model ID" in placeholder and base_path in placeholder  # what peft writes
+    before = _snapshot(folder)
+
+    code, out, err = run_cli(["push", str(folder), "--repo-id", "alice/shapes-lora", "--dry-run", "--json", "hub.datasets=[alice/shapes]"], capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["card_generated"] and "Model Card for Model ID" not in result["card"]
+    data = _check_hub_metadata(result["card"])
+    assert data["library_name"] == "peft" and data["license"] == "apache-2.0" and data["pipeline_tag"] == "image-text-to-text"
+    assert data["datasets"] == ["alice/shapes"] and "lora" in data["tags"]
+    assert "base_model" not in data  # the base is a local preset model: no Hub id to name
+    assert base_path not in result["card"] and "base model that is not on the Hub" in result["card"]
+    assert "`tiny` preset" in result["card"] and "PeftModel.from_pretrained" in result["card"]
+    assert {f["path"]: f["size"] for f in result["files"]}["README.md"] == len(result["card"].encode())
+
+    code, _, err = run_cli(["push", str(folder), "--repo-id", "alice/shapes-lora", "hub.datasets=[alice/shapes]"], capsys)
+    assert code == 0, err
+    received = fake_hub.repos["alice/shapes-lora"]["branches"]["main"]
+    assert received["README.md"].decode() == result["card"]
+    assert received["adapter_config.json"] == (folder / "adapter_config.json").read_bytes()
+    assert _snapshot(folder) == before  # the placeholder stays in the user's folder; only the upload differs
+
+
+def test_adapter_on_a_hub_model_names_it_as_base(peft_adapter, tmp_path, fake_hub, capsys):
+    # `vlmctl model build` with model.base: the built folder records the Hub id it points at
+    built = tmp_path / "built"
+    built.mkdir()
+    (built / "vlmctl_model.json").write_text(json.dumps({"family": "qwen2_vl", "mode": "base", "built_from": {"base": "Qwen/Qwen2-VL-2B-Instruct"},
+                                                        "source": "Qwen/Qwen2-VL-2B-Instruct"}))
+    folder = tmp_path / "adapter"
+    shutil.copytree(peft_adapter, folder)
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**cfg, "base_model_name_or_path": str(built)}))
+    before = _snapshot(folder)
+
+    code, _, err = run_cli(["push", str(folder), "--repo-id", "alice/qwen-lora"], capsys)
+    assert code == 0, err
+    received = fake_hub.repos["alice/qwen-lora"]["branches"]["main"]
+    card = received["README.md"].decode()
+    data = _check_hub_metadata(card)
+    assert data["base_model"] == ["Qwen/Qwen2-VL-2B-Instruct"] and data["library_name"] == "peft"
+    assert str(built) not in card and 'AutoModelForImageTextToText.from_pretrained("alice/qwen-lora")' in card
+    # the uploaded adapter names its base by Hub id, so that it loads anywhere; the local file keeps the path
+    assert json.loads(received["adapter_config.json"])["base_model_name_or_path"] == "Qwen/Qwen2-VL-2B-Instruct"
+    assert {k: v for k, v in json.loads(received["adapter_config.json"]).items() if k != "base_model_name_or_path"} == \
+        {k: v for k, v in cfg.items() if k != "base_model_name_or_path"}
+    assert _snapshot(folder) == before
+
+
+def test_hand_written_card_is_kept(run_folder, capsys):
+    final = run_folder / "final"
+    (final / "README.md").write_text("---\nlicense: mit\n---\n\n# Shapes VLM\n\nOur own words.\n")
+    code, out, err = run_cli(["push", str(final), "--repo-id", "alice/m", "--dry-run", "--json"], capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    assert not result["card_generated"] and result["card"] == (final / "README.md").read_text()
 
 
 @pytest.mark.parametrize(

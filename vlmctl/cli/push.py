@@ -7,9 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from vlmctl.cli._common import ConfigOpt, JsonOpt, console, info, print_json, state
+from vlmctl.cli._common import ConfigOpt, JsonOpt, console, info, load_project, print_json, split_args, state
 
-EXAMPLE = "Example: vlmctl push outputs/runs/my-run/final --repo-id my-org/my-vlm --dry-run"
+EXAMPLE = "Example: vlmctl push outputs/runs/my-run/final --repo-id my-org/my-vlm --dry-run hub.license=mit"
 
 
 def _human(n: int) -> str:
@@ -26,8 +26,18 @@ def _latest_final(runs_dir: Path) -> Path | None:
     return max(finals, key=lambda p: p.stat().st_mtime) if finals else None
 
 
+def _load_config(config: Path | None, overrides: list[str]):
+    """The project file with overrides; without one anywhere, the defaults of every section plus the overrides
+    (a folder can be pushed from outside a project)."""
+    from vlmctl.config import apply_overrides, find_config, validate_config
+
+    if config is None and state.config is None and find_config() is None:
+        return validate_config(apply_overrides({}, overrides), base_dir=Path.cwd(), source="overrides")
+    return load_project(config, overrides)
+
+
 def push(
-    folder: Annotated[Optional[Path], typer.Argument(help="Model folder (default: the latest run's final export).")] = None,
+    args: Annotated[Optional[list[str]], typer.Argument(help="Model folder (default: the latest run's final export), then overrides such as hub.license=mit.", show_default=False)] = None,
     config: ConfigOpt = None,
     repo_id: Annotated[Optional[str], typer.Option("--repo-id", help="ORG/NAME (default: hub.repo_id).")] = None,
     private: Annotated[Optional[bool], typer.Option("--private/--public", help="Repository visibility (default: hub.private).")] = None,
@@ -39,12 +49,14 @@ def push(
     """Upload a model folder to the Hugging Face Hub with a model card."""
     from rich.table import Table
 
-    from vlmctl.config import VlmctlConfig, find_config, load_config
     from vlmctl.errors import UsageError
     from vlmctl.hub import push_folder
 
-    # A project file is optional when the folder is given: defaults of the hub section apply.
-    cfg = load_config(config or state.config) if (config or state.config or find_config()) else VlmctlConfig()
+    positionals, overrides = split_args(args)
+    if len(positionals) > 1:
+        raise UsageError(f"unexpected argument {positionals[1]!r}", hint="give at most one model FOLDER, then section.key=value overrides")
+    folder = Path(positionals[0]) if positionals else None
+    cfg = _load_config(config, overrides)
     if folder is None:
         folder = _latest_final(cfg.train.output_dir)
         if folder is None:
