@@ -81,6 +81,10 @@ def test_scores_come_back_and_the_machine_device_reaches_the_adapter(project, st
     assert argv[argv.index("--batch_size") + 1] == "1"  # lmms-eval's default, not eval.batch_size (8)
     assert "Verbosity set to INFO" in err and "Verbosity set to INFO" in (out / "lmms_eval" / "lmms_eval.log").read_text()
 
+    code, stdout, err = run(["eval", str(model), "-c", str(cfg), "--lmms-eval", "shapes", "-o", str(out)], capsys)
+    assert code == 0, err
+    assert "lmms_eval/shapes/anls" in stdout and f"Wrote {out}/ (metrics.json, lmms_eval/)" in stdout
+
     # A later run into the same folder that fails: a failing `vlmctl eval`, the earlier results not taken as its own.
     monkeypatch.setenv("LMMS_STUB", "swallow")
     code, _, err = run(["eval", str(model), "-c", str(cfg), "--lmms-eval", "shapes", "-o", str(out), "--batch-size", "4"], capsys)

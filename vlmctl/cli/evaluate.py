@@ -162,5 +162,8 @@ def _render(result, as_json: bool) -> None:
         counts = ", ".join(f"{reason} {count}" for reason, count in skipped["reasons"].items())
         info(f"[yellow]{skipped['count']} samples skipped[/yellow] ({counts}): not in these metrics")
     if result.out_dir is not None:
-        extra = ", skipped.jsonl" if skipped else ""
-        info(f"Wrote {result.out_dir}/ (metrics.json, predictions.jsonl, report.html{extra})")
+        # what is there: an lmms-eval run writes metrics.json and lmms_eval/, no predictions or report
+        folder = Path(result.out_dir)
+        names = ["metrics.json", *(n for n in ("predictions.jsonl", "report.html") if (folder / n).is_file()),
+                 *(["skipped.jsonl"] if skipped else []), *(["lmms_eval/"] if (folder / "lmms_eval").is_dir() else [])]
+        info(f"Wrote {result.out_dir}/ ({', '.join(names)})")
