@@ -237,6 +237,30 @@ def test_sample_flops_from_counts():
     assert slid.sample_terms(**long)["llm_attention"] < cost.sample_terms(**long)["llm_attention"]
 
 
+@pytest.mark.parametrize("name", ["llava", "qwen2_vl", "idefics3"])
+def test_sample_costs_are_sample_flops_for_many_samples_at_once(name):
+    # the balancer's per-sample costs are the same formulas as sample_flops, vectorized: CLS positions (LLaVA),
+    # windowless towers, pixel shuffle; the sliding-window variant checks the causal pairs' vectorized branch
+    import numpy as np
+
+    model, family, _ = _family_model(name)
+    cost = CostModel.from_model(model, family, {"projector", "llm"})
+    rng = np.random.default_rng(0)
+    n = 50
+    images = rng.integers(0, 4, n)
+    per_image = rng.integers(1, 40, n)  # visual tokens per image
+    visual = images * (per_image + cost.vision.keep_cls)
+    text = rng.integers(1, 3000, n)
+    labelled = rng.integers(0, text + 1)
+    for model_cost in (cost, dataclasses.replace(cost, llm_sliding_layers=1, llm_full_layers=1, sliding_window=700)):
+        got = model_cost.sample_costs(text + visual, visual, labelled, images)
+        expected = [model_cost.sample_flops(text_tokens=int(t), labelled_tokens=int(lab), visual_tokens=int(v),
+                                            image_patches=[int(p) * cost.vision.patches_per_token] * int(k))
+                    for t, lab, v, p, k in zip(text, labelled, visual, per_image, images)]
+        assert got.shape == (n,) and got == pytest.approx(expected, rel=1e-12)
+    assert len(set(got.tolist())) > n // 2  # the draws give samples of different costs
+
+
 def _family_model(name: str):
     """A tiny random model of family `name` from a transformers config, eager attention, and one sample's inputs."""
     import torch

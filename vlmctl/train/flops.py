@@ -3,6 +3,7 @@
     cost = CostModel.from_model(model, family, trainable_parts={"projector", "llm"})
     cost.batch_flops(batch)                                   # one collated micro-batch (packed or padded)
     cost.sample_flops(text_tokens=300, labelled_tokens=40, image_grids=[(1, 28, 42)])   # one sample
+    cost.sample_costs(tokens, visual_tokens, labelled_tokens, images)  # N samples from counts (arrays [N])
     mfu(flops, seconds, peak_flops(device), world_size)
 
 Everything is read from the model (parameter shapes, config) and from the batch's shapes; the family spec only gives
@@ -69,6 +70,13 @@ counted. Recomputation by activation checkpointing is not useful work and is not
 FLOPs, not hardware FLOPs). On tiny models of every family these terms equal what `FlopCounterMode` counts for a
 forward + backward pass, up to the causal half (tests/unit/test_flops.py).
 
+Per-sample costs for compute-balanced batching (`sample_costs`) use the same terms on the counts a sampler has
+before collation: the sample's tokens (`num_tokens` of the prepared shards), its visual and labelled tokens and
+its number of images. Prepared shards record only the total; `vlmctl.data.loader.ShardDataset.count_estimates`
+approximates the rest (its docstring says how), and images are taken as equal-sized, one frame each, with full
+windows. What a balancer needs is the ranking and the ratios of samples' costs, which the tokens and the quadratic
+attention term dominate.
+
 MFU (PaLM, Chowdhery et al. 2022, appendix B) = model FLOPs per second / (peak FLOP/s per device x devices), see
 `mfu`; the peak figures come from `vlmctl.train.metrics.peak_flops`.
 
@@ -80,6 +88,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Sequence
+
+import numpy as np
 
 from vlmctl.errors import DataError, ModelError
 
@@ -143,18 +153,25 @@ class VisionShape:
 
     def attention_pairs(self, image: ImageShape) -> float:
         """Sum over the tower's layers of sum over attention blocks of s^2 (query-key pairs) for one image."""
-        t = image.grid[0] if image.grid else 1
-        frame = image.patches // t + self.cls
-        full = t * frame**2
+        if image.grid is None:
+            return self.count_pairs(image.patches)
+        t, h, w = image.grid
+        full = t * (image.patches // t + self.cls) ** 2
         if self.window is None:
             return self.layers * full
-        if image.grid is None:  # counts only: every window taken as full
-            side = self.window * self.merge
-            windowed = image.patches * min(image.patches, side * side)
-        else:
-            _, h, w = image.grid  # windows tile the merged-token grid; each holds merge^2 patches per token
-            rows, cols = _window_sq(h // self.merge, self.window), _window_sq(w // self.merge, self.window)
-            windowed = t * rows * cols * self.merge**4
+        # windows tile the merged-token grid; each holds merge^2 patches per token
+        rows, cols = _window_sq(h // self.merge, self.window), _window_sq(w // self.merge, self.window)
+        windowed = t * rows * cols * self.merge**4
+        return self.full_layers * full + (self.layers - self.full_layers) * windowed
+
+    def count_pairs(self, patches):
+        """`attention_pairs` of one-frame images known by their patch count only: every window is taken as full.
+        Elementwise over a numpy array of patch counts."""
+        full = (patches + self.cls) ** 2
+        if self.window is None:
+            return self.layers * full
+        side = self.window * self.merge
+        windowed = patches * np.minimum(patches, side * side)
         return self.full_layers * full + (self.layers - self.full_layers) * windowed
 
     def visual_tokens(self, image: ImageShape) -> int:
@@ -255,31 +272,39 @@ class CostModel:
                visual_tokens: int) -> dict[str, float]:
         """Training FLOPs per term (see TERMS) of LLM `segments` (tokens per attention segment), `labelled` targets,
         `images` through the vision tower and `visual_tokens` through the projector."""
-        terms = dict.fromkeys(TERMS, 0.0)
-        if images and self.vision is not None:
-            terms["vision"], terms["vision_attention"] = self._vision_terms(images)
-        per_token = (self.weight_factor("projector") * self.projector_params
-                     + self.weight_factor("projector", input_layer=True) * self.projector_input_params)
-        terms["projector"] = visual_tokens * per_token
-        terms["llm"] = float(self.weight_factor("llm") * self.llm_params * sum(segments))
-        terms["lm_head"] = float(self.weight_factor("llm") * self.head_params * labelled)
-        pairs = sum(self.llm_full_layers * s * s / 2 + self.llm_sliding_layers * _causal_pairs(s, self.sliding_window)
-                    for s in segments)
-        terms["llm_attention"] = self.attention_factor("llm") * 4.0 * self.llm_width * pairs
+        vision = self.vision if images else None
+        terms = self._combine(
+            tokens=sum(segments), llm_pairs=sum(self.llm_pairs(s) for s in segments), labelled=labelled,
+            visual=visual_tokens, patches=sum(im.patches for im in images),
+            frames=sum((im.grid[0] if im.grid else 1) for im in images),
+            vision_pairs=sum(vision.attention_pairs(im) for im in images) if vision is not None else 0)
         return {k: float(v) for k, v in terms.items()}
 
-    def _vision_terms(self, images: Sequence[ImageShape]) -> tuple[float, float]:
-        """(weights, attention) training FLOPs of the vision tower over `images`. Layers past the last feature layer
-        run forward only (no gradient reaches them)."""
-        v = self.vision
-        patches = sum(im.patches for im in images)
-        positions = patches + v.cls * sum((im.grid[0] if im.grid else 1) for im in images)
-        live = (v.layers - v.unused_layers) / v.layers
-        weights = (self.weight_factor("vision") * live + 2 * (1 - live)) * self.vision_params * positions
-        weights += self.weight_factor("vision", input_layer=True) * self.vision_input_params * patches
-        pairs = sum(v.attention_pairs(im) for im in images)
-        attention = (self.attention_factor("vision") * live + (1 - live)) * 4.0 * v.width * pairs
-        return weights, attention
+    def llm_pairs(self, s):
+        """Query-key pairs of one causal segment of `s` tokens summed over the language model's layers (full layers
+        see s^2 / 2, sliding ones at most `sliding_window` keys per query). Elementwise over a numpy array."""
+        return self.llm_full_layers * s * s / 2 + self.llm_sliding_layers * _causal_pairs(s, self.sliding_window)
+
+    def _combine(self, *, tokens, llm_pairs, labelled, visual, patches, frames, vision_pairs) -> dict[str, Any]:
+        """The terms' formulas (module docstring), from a batch's or a sample's totals: LLM `tokens`, `llm_pairs`
+        (`llm_pairs` summed over segments), `labelled` targets, `visual` tokens, vision-tower `patches`, image
+        `frames` (one CLS position each) and `vision_pairs` (`VisionShape.attention_pairs` summed). Scalars or
+        numpy arrays of samples, elementwise."""
+        terms = dict.fromkeys(TERMS, 0.0)
+        if self.vision is not None:
+            v = self.vision
+            live = (v.layers - v.unused_layers) / v.layers  # layers past the last feature layer run forward only
+            positions = patches + v.cls * frames
+            terms["vision"] = ((self.weight_factor("vision") * live + 2 * (1 - live)) * self.vision_params * positions
+                               + self.weight_factor("vision", input_layer=True) * self.vision_input_params * patches)
+            terms["vision_attention"] = (self.attention_factor("vision") * live + (1 - live)) * 4.0 * v.width * vision_pairs
+        per_token = (self.weight_factor("projector") * self.projector_params
+                     + self.weight_factor("projector", input_layer=True) * self.projector_input_params)
+        terms["projector"] = visual * per_token
+        terms["llm"] = self.weight_factor("llm") * self.llm_params * tokens
+        terms["lm_head"] = self.weight_factor("llm") * self.head_params * labelled
+        terms["llm_attention"] = self.attention_factor("llm") * 4.0 * self.llm_width * llm_pairs
+        return terms
 
     def sample_terms(self, *, text_tokens: int, labelled_tokens: int, image_patches: Sequence[int] = (),
                      image_grids: Sequence[Sequence[int]] = (), visual_tokens: int | None = None) -> dict[str, float]:
@@ -303,6 +328,27 @@ class CostModel:
         terms = self.sample_terms(text_tokens=text_tokens, labelled_tokens=labelled_tokens,
                                   image_patches=image_patches, image_grids=image_grids, visual_tokens=visual_tokens)
         return sum(terms.values())
+
+    def sample_costs(self, tokens, visual_tokens, labelled_tokens, images) -> np.ndarray:
+        """Training FLOPs of each of N samples from the counts a sampler knows before collation (compute-balanced
+        batching, `vlmctl.data.packing.balance_bins`): `tokens` (text + visual, the prepared `num_tokens`),
+        `visual_tokens`, `labelled_tokens` and `images` (images per sample), arrays [N]. Returns float64 [N].
+
+        The same terms as `sample_flops`, vectorized: a sample is one causal segment of `tokens` tokens; its images'
+        patches are (visual_tokens - images x CLS tokens kept) x patches per visual token (`VisionShape`), split
+        evenly among its images, each one frame, windows taken as full (as `sample_flops(image_patches=...)`).
+        """
+        tokens, visual, labelled, images = (np.asarray(x, dtype=np.float64) for x in (tokens, visual_tokens, labelled_tokens, images))
+        patches = frames = vision_pairs = np.zeros_like(tokens)
+        v = self.vision
+        if v is not None:
+            frames = images
+            patches = np.where(frames > 0, np.maximum(visual - v.keep_cls * frames, 0) * v.patches_per_token, 0.0)
+            per_image = np.divide(patches, frames, out=np.zeros_like(patches), where=frames > 0)
+            vision_pairs = frames * v.count_pairs(per_image)
+        terms = self._combine(tokens=tokens, llm_pairs=self.llm_pairs(tokens), labelled=labelled, visual=visual,
+                              patches=patches, frames=frames, vision_pairs=vision_pairs)
+        return np.sum([np.broadcast_to(t, tokens.shape) for t in terms.values()], axis=0)
 
     def batch_terms(self, batch: dict[str, Any]) -> dict[str, float]:
         """`batch_flops` per term (FLOPs, keys TERMS)."""
@@ -329,11 +375,12 @@ class CostModel:
         return sum(self.batch_terms(batch).values())
 
 
-def _causal_pairs(s: int, window: int | None) -> float:
-    """Query-key pairs of causal attention over `s` tokens, each query seeing at most `window` keys."""
-    if window is None or s <= window:
+def _causal_pairs(s, window: int | None):
+    """Query-key pairs of causal attention over `s` tokens, each query seeing at most `window` keys (elementwise
+    over a numpy array)."""
+    if window is None:
         return s * s / 2
-    return window * s - window * window / 2
+    return np.where(s <= window, s * s / 2, window * s - window * window / 2)
 
 
 def batch_segments(batch: dict[str, Any]) -> list[int]:
