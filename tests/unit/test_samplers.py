@@ -16,23 +16,45 @@ def take(sampler: BatchSampler, n: int, position: int = 0) -> list[list[int]]:
     return list(itertools.islice(iter(sampler), n))
 
 
-def make(kind: str, rank: int = 0, world_size: int = 2, weights=None) -> BatchSampler:
+def make(kind: str, rank: int = 0, world_size: int = 2, weights=None, balanced: bool = False) -> BatchSampler:
     lengths = np.random.default_rng(1).integers(5, 90, size=131)
+    # balanced: costs that are not proportional to tokens (a quadratic term), three micro-batches per step
+    split = {"costs": lengths**2 + 40 * lengths, "step_batches": 3} if balanced else {}
     if kind == "padded":
         return DistributedBatchSampler(lengths, micro_batch_size=3, world_size=world_size, rank=rank, seed=4,
-                                       group_by_length=True, weights=weights)
-    return PackedBatchSampler(lengths, tokens_per_batch=200, world_size=world_size, rank=rank, seed=4, weights=weights)
+                                       group_by_length=True, weights=weights, **split)
+    return PackedBatchSampler(lengths, tokens_per_batch=200, world_size=world_size, rank=rank, seed=4, weights=weights,
+                              **split)
 
 
 @pytest.mark.parametrize("kind", ["padded", "packed"])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_every_position_resumes_at_the_next_micro_batch(kind, weighted):
+@pytest.mark.parametrize("balanced", [False, True])
+def test_every_position_resumes_at_the_next_micro_batch(kind, weighted, balanced):
     weights = np.where(np.arange(131) % 2 == 0, 2.0, 0.5) if weighted else None
-    sampler = make(kind, weights=weights)
+    sampler = make(kind, weights=weights, balanced=balanced)
+    assert sampler.balancing == balanced
     n = sampler.batches_per_epoch
     run = take(sampler, 3 * n + 2)
-    for position in (0, 1, n - 1, n, n + 1, 2 * n + 3):
-        assert take(make(kind, weights=weights), 5, position) == run[position:position + 5], position
+    # positions inside a step too (balanced steps are 3 micro-batches), and steps across epoch ends
+    for position in (0, 1, 2, n - 1, n, n + 1, 2 * n + 3):
+        assert take(make(kind, weights=weights, balanced=balanced), 5, position) == run[position:position + 5], position
+    if balanced:
+        assert run != take(make(kind, weights=weights), 3 * n + 2)  # the costs did change the split
+
+
+@pytest.mark.parametrize("kind", ["padded", "packed"])
+def test_balanced_ranks_share_each_step_and_the_order_does_not_depend_on_the_process(kind):
+    ranks = [make(kind, rank=r, balanced=True) for r in range(2)]
+    again = [make(kind, rank=r, balanced=True) for r in range(2)]
+    n = 3 * ranks[0].batches_per_epoch
+    for sampler, twin in zip(ranks, again):
+        assert take(sampler, n) == take(twin, n)  # a pure function of the inputs: every rank computes the same split
+    plain = [make(kind, rank=r) for r in range(2)]
+    steps = [take(s, n) for s in ranks], [take(s, n) for s in plain]
+    for start in range(0, n - 2, 3):  # a step's samples over both ranks: the same with and without balancing
+        balanced, unbalanced = ([i for rank in runs for batch in rank[start:start + 3] for i in batch] for runs in steps)
+        assert sorted(balanced) == sorted(unbalanced) and len(balanced) > 6
 
 
 @pytest.mark.parametrize("kind", ["padded", "packed"])

@@ -24,6 +24,17 @@ Packing (`PackedBatchSampler`, with `PackedCollator`): an epoch's shuffled sampl
 look-ahead) over their known lengths; the bins are shuffled and dealt to ranks in whole global micro-batches
 (`world_size` bins), bin `g * world_size + r` to rank r. The bin list does not depend on the world size: 2 ranks x
 1 bin per step see the same samples as 1 rank x 2 accumulated bins.
+
+Compute balancing (`costs=`, `step_batches=`): ranks that get equal tokens can still get unequal work (visual
+tokens through the vision tower, attention's quadratic term, labelled tokens through the LM head), and every step
+waits for the busiest rank. With per-sample costs (training FLOPs, `vlmctl.train.flops.CostModel.sample_costs`)
+the sampler takes each optimizer step's `step_batches` global micro-batches (those of one optimizer step: steps
+start at multiples of `step_batches` micro-batches from the start of training) and splits the same samples again
+into `step_batches x world_size` micro-batches of as equal cost as possible (`vlmctl.data.packing.balance_bins`),
+each within `tokens_per_batch` tokens (packed) or of `micro_batch_size` samples (padded); the micro-batches of
+similar cost form one global micro-batch, dealt one per rank. A step holds the same samples with or without
+balancing, so its loss (a mean over the global batch's labelled tokens) is the same; the order stays a pure function
+of (seed, epoch, lengths, weights, costs) and resumes from the same one integer.
 """
 
 from __future__ import annotations
@@ -64,17 +75,27 @@ class BatchSampler:
     `epoch_indices`). Subclasses implement `global_batches(epoch)` (the epoch's global micro-batches, for all
     ranks) and `deal(global_batch)` (this rank's share), and set `batches_per_epoch` (epoch 0's micro-batches per
     rank); `epoch_batches(epoch)` is that count for any epoch (the default: the same for all).
+
+    `costs`: estimated training FLOPs per sample [N] (`CostModel.sample_costs`), or None for no compute balancing;
+    `step_batches`: micro-batches per rank in one optimizer step (`train.gradient_accumulation_steps`), the unit
+    balanced together (module docstring). Subclasses then also implement `ranks_of` and set `budget` or `size`.
+    Raises DataError for costs of another length than `lengths`, negative or not finite.
     """
 
     batches_per_epoch: int
 
+    budget: int | None = None  # tokens per micro-batch when balancing (packed)
+    size: int | None = None  # samples per micro-batch when balancing (padded)
+
     def __init__(self, lengths: np.ndarray, *, world_size: int = 1, rank: int = 0, seed: int = 0,
-                 weights: np.ndarray | None = None):
+                 weights: np.ndarray | None = None, costs: np.ndarray | None = None, step_batches: int = 1):
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.world_size = world_size
         self.rank = rank
         self.seed = seed
         self.weights = weights
+        self.step_batches = int(step_batches)
+        self.costs = _integer_costs(costs, len(self.lengths))
         self.consumed = 0
 
     def set_position(self, consumed: int) -> None:
@@ -105,13 +126,52 @@ class BatchSampler:
             epoch += 1
         return epoch, offset
 
-    def __iter__(self) -> Iterator[list[int]]:
-        epoch, offset = self.locate(self.consumed)
+    @property
+    def balancing(self) -> bool:
+        """Whether each step's samples are split again by cost (costs given, more than one micro-batch a step)."""
+        return self.costs is not None and self.step_batches * self.world_size > 1
+
+    def stream(self, consumed: int) -> Iterator[Any]:
+        """The global micro-batches from the `consumed`-th on, across epochs."""
+        epoch, offset = self.locate(consumed)
         while True:
             batches = self.global_batches(epoch)
             for g in range(offset, len(batches)):
-                yield self.deal(batches[g])
+                yield batches[g]
             epoch, offset = epoch + 1, 0
+
+    def ranks_of(self, global_batch: Any) -> list[list[int]]:
+        """Every rank's micro-batch of one global micro-batch, in rank order."""
+        raise NotImplementedError
+
+    def balance(self, step: list[Any]) -> list[list[list[int]]]:
+        """One optimizer step's global micro-batches split again by cost (module docstring): as many global
+        micro-batches, each a list of `world_size` micro-batches (sample indices), heaviest first."""
+        from vlmctl.data.packing import balance_bins
+
+        start, items = [], []
+        for global_batch in step:
+            for part in self.ranks_of(global_batch):
+                start.append(list(range(len(items), len(items) + len(part))))
+                items.extend(part)
+        order = np.asarray(items, dtype=np.int64)
+        groups = balance_bins(self.lengths[order], self.costs[order], len(start), budget=self.budget, size=self.size,
+                              start=start)
+        w = self.world_size
+        return [[order[g].tolist() for g in groups[j:j + w]] for j in range(0, len(groups), w)]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if not self.balancing:
+            yield from (self.deal(global_batch) for global_batch in self.stream(self.consumed))
+            return
+        first = self.consumed - self.consumed % self.step_batches  # where this step began
+        stream, skip = self.stream(first), self.consumed - first
+        while True:
+            for global_batch in self.balance([next(stream) for _ in range(self.step_batches)]):
+                if skip:
+                    skip -= 1
+                    continue
+                yield global_batch[self.rank]
 
 
 class DistributedBatchSampler(BatchSampler):
@@ -123,9 +183,11 @@ class DistributedBatchSampler(BatchSampler):
     """
 
     def __init__(self, lengths: np.ndarray, *, micro_batch_size: int, world_size: int = 1, rank: int = 0, seed: int = 0,
-                 group_by_length: bool = False, weights: np.ndarray | None = None):
-        super().__init__(lengths, world_size=world_size, rank=rank, seed=seed, weights=weights)
-        self.micro_batch_size = micro_batch_size
+                 group_by_length: bool = False, weights: np.ndarray | None = None, costs: np.ndarray | None = None,
+                 step_batches: int = 1):
+        super().__init__(lengths, world_size=world_size, rank=rank, seed=seed, weights=weights, costs=costs,
+                         step_batches=step_batches)
+        self.micro_batch_size = self.size = micro_batch_size
         self.group_by_length = group_by_length
         per_epoch = len(self.epoch_order(0)) // self.global_micro_batch
         if per_epoch == 0:
@@ -163,6 +225,9 @@ class DistributedBatchSampler(BatchSampler):
         # Strided deal: with length grouping each rank gets a similar share of long and short samples.
         return global_batch[self.rank::self.world_size].tolist()
 
+    def ranks_of(self, global_batch: np.ndarray) -> list[list[int]]:
+        return [global_batch[r::self.world_size].tolist() for r in range(self.world_size)]
+
 
 class PackedBatchSampler(BatchSampler):
     """Packed micro-batches: bins of at most `tokens_per_batch` tokens by `lengths` (see the module docstring).
@@ -173,9 +238,11 @@ class PackedBatchSampler(BatchSampler):
     """
 
     def __init__(self, lengths: np.ndarray, *, tokens_per_batch: int, world_size: int = 1, rank: int = 0, seed: int = 0,
-                 weights: np.ndarray | None = None, lookahead: int = PACKING_LOOKAHEAD):
-        super().__init__(lengths, world_size=world_size, rank=rank, seed=seed, weights=weights)
-        self.tokens_per_batch = tokens_per_batch
+                 weights: np.ndarray | None = None, lookahead: int = PACKING_LOOKAHEAD, costs: np.ndarray | None = None,
+                 step_batches: int = 1):
+        super().__init__(lengths, world_size=world_size, rank=rank, seed=seed, weights=weights, costs=costs,
+                         step_batches=step_batches)
+        self.tokens_per_batch = self.budget = tokens_per_batch
         self.lookahead = lookahead
         self.too_long = int((self.lengths > tokens_per_batch).sum())
         self._plans: dict[int, list[list[int]]] = {}
@@ -215,3 +282,19 @@ class PackedBatchSampler(BatchSampler):
 
     def deal(self, global_batch: list[list[int]]) -> list[int]:
         return global_batch[self.rank]
+
+    def ranks_of(self, global_batch: list[list[int]]) -> list[list[int]]:
+        return [list(b) for b in global_batch]
+
+
+def _integer_costs(costs: np.ndarray | None, n: int) -> np.ndarray | None:
+    """`costs` [n] scaled to integers (the largest 2^40) so every rank sums and compares them exactly the same
+    way; None stays None. Raises DataError for a wrong length or negative or non-finite costs."""
+    if costs is None:
+        return None
+    costs = np.asarray(costs, dtype=np.float64)
+    if costs.shape != (n,) or not np.isfinite(costs).all() or (costs < 0).any():
+        raise DataError(f"sample costs must be {n} finite non-negative numbers, got shape {costs.shape}",
+                        hint="pass CostModel.sample_costs of the sampler's samples")
+    top = costs.max() if n else 0.0
+    return np.rint(costs / top * 2.0**40).astype(np.int64) if top > 0 else np.zeros(n, dtype=np.int64)
