@@ -146,3 +146,35 @@ def test_the_sampler_splits_each_step_by_cost_with_the_same_samples(cost_model, 
     assert np.mean(after) < np.mean(before)
     if kind == "padded":  # without length grouping a padded step is far from balanced; by cost it nearly is
         assert np.mean(after) < 1.02 < 1.05 < np.mean(before)
+
+
+def test_count_estimates_recover_visual_and_labelled_tokens_from_the_shards(tmp_path):
+    # shards that record only num_tokens: 3 tokens per 10 characters + 12 template tokens per sample, and
+    # 50-400 visual tokens per image; the fit recovers the split up to rounding
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from vlmctl.data.loader import ShardDataset
+    from vlmctl.data.sample import Sample, arrow_schema
+
+    rng = np.random.default_rng(0)
+    rows, visual, labelled = [], [], []
+    for i in range(200):
+        question, answer = "q" * int(rng.integers(10, 400)), "a" * int(rng.integers(10, 1000))
+        images = int(rng.integers(0, 3))
+        per_image = rng.integers(50, 400, images)
+        user = [{"type": "image", "index": k} for k in range(images)] + [{"type": "text", "text": question}]
+        messages = [{"role": "user", "content": user}, {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
+        text = 0.3 * (len(question) + len(answer)) + 12
+        rows.append(Sample(id=str(i), messages=messages, images=[b"x"] * images,
+                           num_tokens=int(round(text + per_image.sum()))).to_row())
+        visual.append(per_image.sum())
+        labelled.append(text * len(answer) / (len(question) + len(answer)))
+    (tmp_path / "train").mkdir()
+    pq.write_table(pa.Table.from_pylist(rows, schema=arrow_schema()), tmp_path / "train" / "shard-00000.parquet")
+    dataset = ShardDataset.from_dir(tmp_path / "train")
+    counts = dataset.count_estimates(dataset.lengths)
+    assert counts["images"].tolist() == [len(r["images"]) for r in rows]
+    assert np.abs(counts["visual_tokens"] - np.asarray(visual)).max() <= 2
+    assert np.abs(counts["labelled_tokens"] - np.asarray(labelled)).max() <= 2
+    assert (counts["visual_tokens"][counts["images"] == 0] == 0).all()

@@ -72,6 +72,7 @@ class TrainSection(Section):
     packing: bool = Field(True, description="Pack samples into token-budget batches with per-sample attention (no padding).")
     tokens_per_batch: int | Literal["auto"] = Field("auto", description="Token budget of one packed micro-batch per device; auto = the fastest budget that fits in GPU memory, measured by a probe at start-up (ddp/fsdp on a GPU), else 8192.")
     group_by_length: bool = Field(True, description="Batch samples of similar length together (without packing).")
+    balance: Literal["auto", "on", "off"] = Field("auto", description="Compute-balanced batches: each optimizer step's samples are split again over the data-parallel ranks and accumulated micro-batches so that their estimated training FLOPs (vision tower, attention's quadratic term, LM head on labelled tokens: vlmctl/train/flops.py) are as equal as possible, within tokens_per_batch (packed) or micro_batch_size (padded). A step keeps the same samples, so its loss is unchanged. auto = on with more than one data-parallel rank; on also balances one rank's accumulated micro-batches; off keeps the token-packed (or length-grouped) split.")
     attn_implementation: Literal["auto", "varlen", "flash_attn", "sdpa", "flex", "eager"] = Field("auto", description="Attention backend; auto picks varlen on CUDA and sdpa/flex on CPU.")
     liger: Literal["auto", "on", "off"] = Field("auto", description="liger-kernel fused cross-entropy and norms (CUDA only); auto = when installed.")
     compile: bool = Field(False, description="torch.compile each decoder layer.")
@@ -105,7 +106,7 @@ class TrainSection(Section):
             self.activation_checkpointing = "full" if self.gradient_checkpointing else "off"
         return self
 
-    @field_validator("liger", "compile_vision", mode="before")
+    @field_validator("liger", "compile_vision", "balance", mode="before")
     @classmethod
     def _yaml_on_off(cls, value):
         """YAML 1.1 reads a bare `on` / `off` as a boolean: take it as the word the user typed."""

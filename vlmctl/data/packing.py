@@ -1,4 +1,8 @@
-"""Sequence packing: token-budget bins and packed batch assembly with per-sample positions.
+"""Sequence packing: token-budget bins, their compute balancing, and packed batch assembly with per-sample positions.
+
+`first_fit_decreasing` groups samples into bins of at most `tokens_per_batch` tokens; `balance_bins` splits one
+optimizer step's samples again into as many bins of as equal estimated cost as the budget allows (compute-balanced
+data parallelism, `vlmctl.data.samplers`).
 
 Packing concatenates several samples into one row of at most `tokens_per_batch` tokens with no padding. Attention
 stays inside each sample: position ids restart at 0 for every sample, and transformers derives the block-diagonal

@@ -1,5 +1,6 @@
-"""The run's data: the training shards with each sample's token count, and this data-parallel rank's sampler
-(packed token-budget bins or padded micro-batches, `vlmctl.data.samplers`)."""
+"""The run's data: the training shards with each sample's token count (and estimated training FLOPs when batches
+are compute-balanced, `train.balance`), and this data-parallel rank's sampler (packed token-budget bins or padded
+micro-batches, `vlmctl.data.samplers`)."""
 
 from __future__ import annotations
 
@@ -21,17 +22,34 @@ def load_data(cfg, ctx, tm):
         lengths = dataset.count_tokens(tm.processor, tm.family.name)
     if cfg.train.packing and cfg.data.max_length:
         lengths = lengths.clip(max=cfg.data.max_length)  # encode_sample truncates text beyond max_length
+    if balancing(cfg.train, ctx.dims.dp_size):
+        dataset.sample_costs = sample_costs(tm.cost_model, dataset, lengths)
     return dataset, lengths
 
 
+def balancing(train, dp_size: int) -> bool:
+    """Whether `train.balance` asks for compute-balanced batches with `dp_size` data-parallel ranks (auto: more
+    than one)."""
+    return train.balance == "on" or (train.balance == "auto" and dp_size > 1)
+
+
+def sample_costs(cost_model, dataset, lengths):
+    """Estimated training FLOPs per sample (float64 [N]): `CostModel.sample_costs` on `lengths` and the visual and
+    labelled tokens `ShardDataset.count_estimates` derives from the shards (an approximation, documented there)."""
+    counts = dataset.count_estimates(lengths)
+    return cost_model.sample_costs(lengths, counts["visual_tokens"], counts["labelled_tokens"], counts["images"])
+
+
 def build_sampler(cfg, ctx, dataset, lengths):
-    """This data-parallel rank's sampler: packed token-budget bins (`train.packing`) or padded micro-batches."""
+    """This data-parallel rank's sampler: packed token-budget bins (`train.packing`) or padded micro-batches, each
+    optimizer step's samples split by cost when `load_data` estimated costs (`train.balance`)."""
     from vlmctl.data.loader import DistributedBatchSampler, PackedBatchSampler
 
     train = cfg.train
     weights = {(s.name or Path(s.path).name): s.weight for s in cfg.data.sources}
     sample_weights = dataset.sample_weights(weights) if any(w != 1.0 for w in weights.values()) else None
-    split = {"world_size": ctx.dims.dp_size, "rank": ctx.dims.dp_rank, "seed": train.seed, "weights": sample_weights}
+    split = {"world_size": ctx.dims.dp_size, "rank": ctx.dims.dp_rank, "seed": train.seed, "weights": sample_weights,
+             "costs": getattr(dataset, "sample_costs", None), "step_batches": train.gradient_accumulation_steps}
     if not train.packing:
         return DistributedBatchSampler(lengths, micro_batch_size=train.micro_batch_size,
                                        group_by_length=train.group_by_length, **split)
