@@ -26,6 +26,8 @@ from vlmctl.data.samplers import (
 )
 from vlmctl.errors import DataError
 
+TEST_DATA_DELAY = "VLMCTL_TEST_DATA_DELAY"
+
 __all__ = [
     "MEGA_BATCH_MULT", "PACKING_LOOKAHEAD", "BatchSampler", "DistributedBatchSampler", "PackedBatchSampler",
     "ShardDataset", "build_loader", "epoch_indices",
@@ -174,10 +176,47 @@ def _text_fit(tokens: np.ndarray, chars: np.ndarray, images: np.ndarray) -> tupl
     return (float(coef[0]), float(coef[1])) if 0 < coef[0] < 2 else (0.25, 0.0)
 
 
+class DelayedCollate:
+    """`collate_fn` that sleeps `seconds` first: a slow data loader on one rank, for tests of the straggler
+    metrics (`data_wait`)."""
+
+    def __init__(self, collate_fn: Any, seconds: float):
+        self.collate_fn = collate_fn
+        self.seconds = seconds
+
+    def __call__(self, samples):
+        import time
+
+        time.sleep(self.seconds)
+        return self.collate_fn(samples)
+
+
+def injected_data_delay(rank: int) -> float:
+    """Seconds each micro-batch of global `rank` is delayed by, from VLMCTL_TEST_DATA_DELAY=rank:seconds (tests
+    only; 0 when unset or naming another rank). Raises DataError when the value is malformed."""
+    import os
+
+    value = os.environ.get(TEST_DATA_DELAY, "").strip()
+    if not value:
+        return 0.0
+    try:
+        who, seconds = value.split(":")
+        return float(seconds) if int(who) == rank else 0.0
+    except ValueError:
+        raise DataError(f"{TEST_DATA_DELAY}={value!r} is not rank:seconds",
+                        hint=f"unset {TEST_DATA_DELAY} (a test hook), or give e.g. 1:0.5") from None
+
+
 def build_loader(dataset: Any, sampler: BatchSampler, collate_fn: Any, num_workers: int = 0, seed: int = 0):
-    """A DataLoader running `collate_fn` (the processor) in `num_workers` worker processes."""
+    """A DataLoader running `collate_fn` (the processor) in `num_workers` worker processes. Under the test hook
+    VLMCTL_TEST_DATA_DELAY (`injected_data_delay`) the named rank's micro-batches are each delayed."""
+    import os
+
     import torch
 
+    delay = injected_data_delay(int(os.environ.get("RANK", "0")))
+    if delay > 0:
+        collate_fn = DelayedCollate(collate_fn, delay)
     return torch.utils.data.DataLoader(
         dataset,
         batch_sampler=sampler,

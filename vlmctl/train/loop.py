@@ -14,6 +14,16 @@ and micro-batches (1 rank x 8 samples == 2 ranks x 4 samples), unlike a mean of 
 losses, token counts and FLOPs are summed over the data-parallel group (`ParallelDims.dp_group`), the ranks that
 read different data.
 
+Stragglers: every collective waits for the slowest rank. Each step records, per data-parallel rank, its
+forward + backward time (`StepTimer`: CUDA events on a GPU, read after one synchronize per step; host clocks on a
+CPU) and its wait for the data loader (the host blocked on the next micro-batch), gathered in the step's result
+(`rank_compute_s`, `rank_data_wait_s`, `rank_flops`; `vlmctl.train.metrics.straggler_stats` turns them into the
+rows' `balance` and `data_wait`). The first collective of a step (the label-token count) comes before any forward
+pass, so a rank whose data arrives late makes the others wait there, outside their forward + backward time: a slow
+loader shows as `data_wait` on its rank, not as imbalance. Under FSDP2 the per-layer all-gathers keep the ranks in
+step inside the forward and backward passes too, so a fast rank's wait for a slow one partly counts as its compute
+and `balance` reads closer to 1 than the ranks' own work is; `balance_flops` (the estimated FLOPs per rank) does not.
+
 Bad steps: a micro-batch whose loss is NaN/inf on any rank is not back-propagated and the step is skipped
 (torch strategies: no optimizer step, gradients dropped; DeepSpeed: the bad micro-batch is left out of the
 window, as its engine always steps at the boundary). After `train.max_bad_steps` the run aborts.
@@ -209,6 +219,46 @@ class DeepSpeedStepper:
         return self.engine.get_lr()[0]
 
 
+class StepTimer:
+    """One rank's forward + backward seconds in a step (CUDA events on a GPU, host clocks otherwise) and its
+    seconds blocked waiting for the data loader (host clock)."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.spans: list[tuple[Any, Any]] = []
+        self.data_s = 0.0
+
+    def mark(self):
+        """A point in time on the device's stream (a recorded CUDA event) or on the host clock."""
+        if self.cuda:
+            import torch
+
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.monotonic()
+
+    def span(self, start) -> None:
+        """Count the time from `start` (a `mark`) to now as compute."""
+        self.spans.append((start, self.mark()))
+
+    def next_batch(self, batches: Iterator[dict[str, Any]]) -> dict[str, Any]:
+        """`next(batches)`, its blocking time counted as data wait."""
+        start = time.monotonic()
+        batch = next(batches)
+        self.data_s += time.monotonic() - start
+        return batch
+
+    def compute_s(self) -> float:
+        """The spans' total seconds; on a GPU this waits for the last span's end (the step's one synchronize)."""
+        if not self.spans:
+            return 0.0
+        if self.cuda:
+            self.spans[-1][1].synchronize()
+            return sum(a.elapsed_time(b) for a, b in self.spans) / 1000.0
+        return float(sum(b - a for a, b in self.spans))
+
+
 @dataclass
 class TrainState:
     step: int = 0
@@ -235,6 +285,10 @@ class StepResult:
     stop: bool
     bad: bool
     flops: float = 0.0  # training FLOPs of the step's global batch (0 without a cost model)
+    # per data-parallel rank, in rank order: forward + backward seconds, seconds waiting for the data loader, FLOPs
+    rank_compute_s: list[float] = field(default_factory=list)
+    rank_data_wait_s: list[float] = field(default_factory=list)
+    rank_flops: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -329,43 +383,64 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
-        window = [next(self.batches) for _ in range(self.grad_accum)]
+        timer = StepTimer(self.env.device)
+        window = [timer.next_batch(self.batches) for _ in range(self.grad_accum)]
         self.state.consumed += len(window)
         flops = float(sum(self.flops_of(b) for b in window)) if self.flops_of is not None else 0.0
-        # The loss is a mean over the assistant tokens of the whole global batch: count them first.
+        # The loss is a mean over the assistant tokens of the whole global batch: count them first. (This first
+        # collective is also where the ranks wait for one whose data came late, before any compute is timed.)
         label_tokens = torch.tensor([float(sum(b["num_label_tokens"] for b in window))], device=self.env.device)
         dist.all_reduce(label_tokens, group=self.dp_group)
         total_tokens = float(label_tokens)
-        loss_sum, bad = self._accumulate(window, scale=self.dp_size / max(total_tokens, 1.0))
+        loss_sum, bad = self._accumulate(window, scale=self.dp_size / max(total_tokens, 1.0), timer=timer)
         grad_norm = self.stepper.step(skip=bad)
         bad = bad or grad_norm is None and not isinstance(self.stepper, DeepSpeedStepper)
         stats = self._reduce_stats(window, loss_sum, flops)
+        ranks = self._gather_ranks([timer.compute_s(), timer.data_s, flops])
         text, visual = int(stats[1]), int(stats[2])
         self.state.tokens += text + visual
         return StepResult(
             loss=None if bad else float(stats[0]) / max(total_tokens, 1.0), grad_norm=grad_norm, label_tokens=int(total_tokens),
             text_tokens=text, visual_tokens=visual, dummy_images=int(stats[3]), samples=int(stats[4]),
             stop=bool(stats[6] > 0), bad=bad, flops=float(stats[5]),
+            rank_compute_s=[r[0] for r in ranks], rank_data_wait_s=[r[1] for r in ranks], rank_flops=[r[2] for r in ranks],
         )
 
-    def _accumulate(self, window: list[dict[str, Any]], scale: float):
-        """Forward and backward of each micro-batch (gradients synchronized on the last); returns (summed loss as
-        a float64 tensor, whether a micro-batch was skipped for a non-finite loss)."""
+    def _gather_ranks(self, values: list[float]) -> list[list[float]]:
+        """`values` of every data-parallel rank, in rank order (one all-gather; none with a single rank)."""
+        import torch
+        import torch.distributed as dist
+
+        if self.dp_size == 1:
+            return [list(values)]
+        mine = torch.tensor(values, dtype=torch.float64, device=self.env.device)
+        every = [torch.zeros_like(mine) for _ in range(self.dp_size)]
+        dist.all_gather(every, mine, group=self.dp_group)
+        return [t.tolist() for t in every]
+
+    def _accumulate(self, window: list[dict[str, Any]], scale: float, timer: StepTimer | None = None):
+        """Forward and backward of each micro-batch (gradients synchronized on the last), timed by `timer`; returns
+        (summed loss as a float64 tensor, whether a micro-batch was skipped for a non-finite loss)."""
         import torch
         import torch.distributed as dist
 
         device = self.env.device
+        timer = timer or StepTimer(device)
         loss_sum = torch.zeros((), device=device, dtype=torch.float64)
         bad = False
         for i, batch in enumerate(window):
             batch = to_device(batch, device)
             with self.stepper.sync(last=i == len(window) - 1):
+                start = timer.mark()
                 loss = self.stepper.loss(batch)
+                timer.span(start)  # before the finiteness check, where ranks wait for each other
                 # over every rank (not only the data-parallel ones): all of them must skip the same backward
                 finite = torch.tensor([1.0 if bool(torch.isfinite(loss.detach())) else 0.0], device=device)
                 dist.all_reduce(finite, op=dist.ReduceOp.MIN)
                 if float(finite) == 1.0:
+                    start = timer.mark()
                     self.stepper.backward(loss, scale)
+                    timer.span(start)
                     loss_sum += loss.detach().double()
                 else:
                     bad = True
@@ -414,6 +489,8 @@ class Trainer:
         memory = None
         if self.env.device.type == "cuda":
             memory = torch.cuda.max_memory_allocated(self.env.device) / 2**30
+        from vlmctl.train.metrics import straggler_stats
+
         return {
             "step": self.state.step,
             "epoch": round(self.state.consumed / self.batches_per_epoch, 4),
@@ -435,4 +512,5 @@ class Trainer:
             "bad_steps": self.state.bad_steps,
             "tokens_seen": self.state.tokens,
             "device": self.device_name,
+            **straggler_stats(interval, seconds),
         }

@@ -8,6 +8,17 @@ Throughput and MFU:
   projector, language model, LM head on labelled tokens, causal attention per packed sample; sources there). Peak
   FLOP/s (`peak_flops`) are the dense bf16 tensor-core figures of the vendor data sheets; unknown devices (and
   CPUs) get no MFU.
+
+Stragglers (`straggler_stats`; every step waits for the slowest data-parallel rank):
+- balance = sum over steps of the mean rank forward + backward time / sum over steps of the largest: the share of
+  the step's compute time the average rank spends working (1 = all ranks as busy as the slowest). `balance_flops`
+  is the same ratio of the ranks' estimated FLOPs (`vlmctl.train.flops.CostModel.batch_flops`), what compute
+  balancing (`train.balance`) evens out.
+- data_wait = the share of the interval's wall time the worst rank (`data_wait_rank`) spent blocked waiting for
+  its data loader; a slow loader shows here, on its own rank, not in `balance`.
+- per rank, in rank order: `rank_compute_s` (forward + backward seconds per step), `rank_data_wait_s` (seconds per
+  step waiting for data), `rank_sync_s` (the rest of the step: collectives, where ranks wait for each other, the
+  optimizer step and host work).
 """
 
 from __future__ import annotations
@@ -35,6 +46,36 @@ def peak_flops(device) -> float | None:
         if key in name:
             return value
     return None
+
+
+def straggler_stats(steps, seconds: float) -> dict[str, Any]:
+    """The straggler figures (module docstring) of `steps` (`vlmctl.train.loop.StepResult`s with per-rank
+    `rank_compute_s`, `rank_data_wait_s`, `rank_flops`) over `seconds` of wall time: `balance`, `balance_flops`
+    (fractions in (0, 1], None when nothing was measured), `data_wait` (a fraction of `seconds`),
+    `data_wait_rank`, and the per-rank lists `rank_compute_s`, `rank_data_wait_s`, `rank_sync_s` (seconds per
+    step). Empty when the steps carry no per-rank figures."""
+    steps = [s for s in steps if s.rank_compute_s]
+    if not steps:
+        return {}
+    n = len(steps)
+
+    def ratio(per_rank: list[list[float]]) -> float | None:
+        worst = sum(max(r) for r in per_rank)
+        return sum(sum(r) / len(r) for r in per_rank) / worst if worst > 0 else None
+
+    compute = [sum(s.rank_compute_s[r] for s in steps) / n for r in range(len(steps[0].rank_compute_s))]
+    waiting = [sum(s.rank_data_wait_s[r] for s in steps) / n for r in range(len(compute))]
+    shares = [w * n / max(seconds, 1e-9) for w in waiting]
+    worst = max(range(len(shares)), key=lambda r: (shares[r], -r))
+    return {
+        "balance": ratio([s.rank_compute_s for s in steps]),
+        "balance_flops": ratio([s.rank_flops for s in steps]),
+        "data_wait": shares[worst],
+        "data_wait_rank": worst,
+        "rank_compute_s": compute,
+        "rank_data_wait_s": waiting,
+        "rank_sync_s": [max(seconds / n - c - w, 0.0) for c, w in zip(compute, waiting)],
+    }
 
 
 class MetricsLogger:
@@ -140,6 +181,11 @@ def format_row(row: dict[str, Any]) -> str:
     parts.append(f"tok/s {row['tokens_per_s']:.0f} (text {row['text_tokens_per_s']:.0f}, visual {row['visual_tokens_per_s']:.0f})")
     if row.get("mfu") is not None:
         parts.append(f"MFU {100 * row['mfu']:.1f}%")
+    if row.get("balance") is not None and len(row.get("rank_compute_s") or ()) > 1:
+        parts.append(f"balance {100 * row['balance']:.1f}%")
+    if row.get("data_wait") is not None:
+        rank = f" (rank {row['data_wait_rank']})" if len(row.get("rank_compute_s") or ()) > 1 else ""
+        parts.append(f"data wait {100 * row['data_wait']:.1f}%{rank}")
     if row.get("memory_gib") is not None:
         parts.append(f"mem {row['memory_gib']:.1f} GiB")
     if row.get("save_s"):
