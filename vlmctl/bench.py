@@ -120,6 +120,11 @@ class WorkloadSpec:
 
 @dataclass
 class BenchResult:
+    """The figures of the measured steps, all ranks together: tokens (text + visual) and samples per second, the
+    mean step time in seconds, MFU as a fraction of the peak, the largest rank's peak GPU memory in GiB (0 on CPU),
+    tokens per step and training FLOPs per token (the cost model's); and what was measured (`name` of the model,
+    `workload`, `packing`, `adapter`, `stage`, `strategy`, `world_size` processes)."""
+
     name: str
     steps: int
     world_size: int
@@ -398,7 +403,9 @@ class ChatWorkload(Workload):
         return image_chat(f"synthetic-{i}", self.answers[i], random_image(self.sides[i], (self.seed, i)))
 
     def batch(self, indices: list[int], collator) -> dict[str, Any]:
-        """The trainer's collator over samples `indices`: encode (processor, chat template, labels) then pack or pad."""
+        """The trainer's collator over samples `indices`: encode (processor, chat template, labels) then pack (one
+        row: `input_ids` [1, T]) or pad (`input_ids` [len(indices), T_max]), with the media tensors and counters of
+        `vlmctl.data.collate`."""
         return collator([self.sample(i) for i in indices])
 
 
@@ -429,6 +436,7 @@ class BaselineWorkload(Workload):
         self.lengths = [int(s["input_ids"].numel()) for s in self.samples]
 
     def batch(self, indices: list[int], collator) -> dict[str, Any]:
+        """One packed row ([1, T]) of samples `indices` by the trainer's `PackedCollator.pack`."""
         return collator.pack([baseline_row(self.samples[i], self.spec) for i in indices])
 
 
@@ -541,7 +549,8 @@ def prepare(model_section, train, spec: WorkloadSpec = WorkloadSpec(), *, steps:
 
 
 def plan_batches(plan: BenchPlan, train, *, dp_rank: int) -> list[list[int]]:
-    """`rank_batches` of `plan` for data-parallel rank `dp_rank`."""
+    """`rank_batches` of `plan` for data-parallel rank `dp_rank` (lists of sample indices). Raises UsageError when
+    the samples make too few micro-batches."""
     return rank_batches(plan.workload.lengths, packing=plan.packing, budget=token_budget(train),
                         micro_batch_size=micro_batch(train), rows=plan.rows, dp_rank=dp_rank, dp_size=plan.dp_size,
                         seed=train.seed, group_by_length=train.group_by_length)
@@ -630,7 +639,9 @@ def load_model(plan: BenchPlan, model_section, train, ctx, scratch: Path, log) -
     """The benchmarked model on this rank, prepared for training (`vlmctl.train.setup.prepare_model`): loaded as
     `vlmctl.train.worker.load_model_for_training` loads it (`load_source`, or `load_quantized` for QLoRA), or a
     random-init one (`random_model`, on the device). For QLoRA of a random-init model, rank 0 saves it to
-    `scratch` first and every rank loads the quantized base from there. Returns the `TrainingModel`."""
+    `scratch` first and every rank loads the quantized base from there. Returns the `TrainingModel`.
+
+    Raises ModelError for weights that cannot be loaded, ConfigError for LoRA target modules that match no layer."""
     from types import SimpleNamespace
 
     import torch.distributed as dist
