@@ -1,6 +1,10 @@
 """FSDP2 (`fully_shard`) over the data-parallel dimensions of the run's mesh (torchtitan's
 `torchtitan/distributed/fsdp.py` order: each repeated layer, then the root). On CPU it runs under gloo as is
-(accelerate does not do FSDP on CPU; `fully_shard` does)."""
+(accelerate does not do FSDP on CPU; `fully_shard` does).
+
+Hybrid sharding (`train.fsdp_sharding: hybrid`) is `fully_shard` on the 2-D (dp_replicate, dp_shard) mesh: torch's
+HSDP, which all-gathers and reduce-scatters along `dp_shard` (the ranks of one node) and all-reduces the gradient
+shards along `dp_replicate` (across nodes); see the `mesh` argument of `torch.distributed.fsdp.fully_shard`."""
 
 from __future__ import annotations
 

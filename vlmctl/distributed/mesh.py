@@ -6,10 +6,15 @@ parallel shards (`dp_shard`: FSDP2 / ZeRO), sequence-parallel ranks (`sp`) and t
 innermost: neighbouring ranks share the fastest links). One `DeviceMesh` with the dimensions larger than one is
 built per run; the data-parallel ranks (`dp_replicate x dp_shard`) are the ones a batch is split over and the loss
 is reduced over. Sequence and tensor parallelism are not available yet: `sp` and `tp` must be 1.
+
+Hybrid sharding (`train.fsdp_sharding: hybrid`, HSDP) puts the nodes on `dp_replicate` and the processes of one node
+on `dp_shard`: torchrun numbers the ranks node by node (global rank = node's group rank x processes per node + local
+rank), so the row-major mesh keeps every shard group inside one node.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,18 +23,24 @@ from vlmctl.errors import ConfigError
 DIM_NAMES = ("dp_replicate", "dp_shard", "sp", "tp")
 DP_DIMS = ("dp_replicate", "dp_shard")
 SHARDED_STRATEGIES = ("fsdp", "zero2", "zero3")
+SHARDINGS = ("full", "hybrid")
+# train.fsdp_sharding as the launcher hands it to the ranks (`train.launch.rank_env`)
+SHARDING_ENV = "VLMCTL_FSDP_SHARDING"
 
 
 @dataclass
 class ParallelDims:
     """Sizes of the parallel dimensions; their product must be `world_size`. `dp_shard=-1` takes what is left of
-    the world. Raises ConfigError for a size below 1, sp/tp other than 1, or a product that is not the world."""
+    the world. `hsdp`: FSDP2 runs on the (dp_replicate, dp_shard) mesh even where `dp_shard` is 1 (hybrid sharding
+    with one process per node). Raises ConfigError for a size below 1, sp/tp other than 1, or a product that is not
+    the world."""
 
     dp_replicate: int = 1
     dp_shard: int = -1
     sp: int = 1
     tp: int = 1
     world_size: int = 1
+    hsdp: bool = False
     _mesh: Any = field(default=None, init=False, repr=False)
     _dp_mesh: Any = field(default=None, init=False, repr=False)
 
@@ -37,9 +48,29 @@ class ParallelDims:
         self._validate()
 
     @classmethod
-    def for_strategy(cls, strategy: str, world_size: int) -> "ParallelDims":
+    def for_strategy(cls, strategy: str, world_size: int, *, sharding: str | None = None,
+                     ranks_per_node: int | None = None) -> "ParallelDims":
         """ddp replicates the model on every rank (`dp_replicate = world`); fsdp, zero2 and zero3 shard it
-        (`dp_shard = world`)."""
+        (`dp_shard = world`); fsdp with `sharding="hybrid"` (`train.fsdp_sharding`) shards it over the ranks of a
+        node and replicates it across nodes (`dp_replicate = world / ranks_per_node`, `dp_shard = ranks_per_node`:
+        HSDP, as torchtitan's `data_parallel_replicate_degree`).
+
+        `sharding` None: the launcher's `VLMCTL_FSDP_SHARDING`, else full. `ranks_per_node` None: torchrun's
+        `LOCAL_WORLD_SIZE`, else the world (one node). Raises ConfigError for an unknown sharding, hybrid with
+        another strategy than fsdp, and what `check_nodes_agree` raises.
+        """
+        sharding = sharding or os.environ.get(SHARDING_ENV) or "full"
+        if sharding not in SHARDINGS:
+            raise ConfigError(f"train.fsdp_sharding = {sharding!r} is not one of {', '.join(SHARDINGS)}",
+                              hint="set train.fsdp_sharding to full or hybrid")
+        if sharding == "hybrid" and strategy != "fsdp":
+            raise ConfigError(f"train.fsdp_sharding=hybrid needs train.strategy=fsdp, not {strategy}",
+                              hint="set train.strategy=fsdp, or train.fsdp_sharding=full")
+        per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        check_nodes_agree(world_size, sharding, per_node)
+        if sharding == "hybrid":
+            nodes = world_size // per_node
+            return cls(dp_replicate=nodes, dp_shard=per_node, world_size=world_size, hsdp=nodes > 1)
         if strategy in SHARDED_STRATEGIES:
             return cls(dp_replicate=1, dp_shard=world_size, world_size=world_size)
         return cls(dp_replicate=world_size, dp_shard=1, world_size=world_size)
@@ -75,9 +106,11 @@ class ParallelDims:
 
     def mesh_dims(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
         """(names, sizes) of the mesh: the dimensions larger than one, outermost first; `dp_shard` is kept when no
-        data-parallel dimension is larger than one, so that the mesh always has a data-parallel dimension."""
+        data-parallel dimension is larger than one, so that the mesh always has a data-parallel dimension, and for
+        `hsdp`, so that FSDP2 replicates across `dp_replicate`."""
         sizes = dict(zip(DIM_NAMES, (self.dp_replicate, self.dp_shard, self.sp, self.tp)))
-        names = tuple(n for n in DIM_NAMES if sizes[n] > 1 or (n == "dp_shard" and self.dp_replicate == 1 and sizes[n] == 1))
+        names = tuple(n for n in DIM_NAMES
+                      if sizes[n] > 1 or (n == "dp_shard" and (self.dp_replicate == 1 or self.hsdp)))
         return names, tuple(sizes[n] for n in names)
 
     def build_mesh(self, device_type: str):
@@ -116,3 +149,25 @@ class ParallelDims:
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel ranks (which part of the batch it reads)."""
         return self.dp_mesh.get_local_rank()
+
+
+def check_nodes_agree(world_size: int, sharding: str, per_node: int) -> None:
+    """Raise ConfigError (on every rank) unless all ranks build the same mesh: the same `sharding` everywhere (each
+    node's launcher hands its own `train.fsdp_sharding` to its ranks) and, for hybrid, nodes of `per_node` ranks
+    each. The ranks' values are gathered over the default process group when one of `world_size` ranks is
+    initialized (one small collective at start-up), else only this rank's are checked."""
+    import torch.distributed as dist
+
+    mine = (sharding, per_node)
+    found = [mine]
+    if world_size > 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size:
+        found = [None] * world_size
+        dist.all_gather_object(found, mine)
+    shardings, sizes = sorted({s for s, _ in found}), sorted({n for _, n in found})
+    if len(shardings) > 1:
+        raise ConfigError(f"train.fsdp_sharding differs between the nodes of this run: {' and '.join(shardings)}",
+                          hint="start every node with the same train.fsdp_sharding")
+    if sharding == "hybrid" and (len(sizes) > 1 or per_node < 1 or world_size % per_node):
+        raise ConfigError(f"train.fsdp_sharding=hybrid needs the same number of processes on every node; the "
+                          f"{world_size} ranks run {' and '.join(map(str, sizes))} per node",
+                          hint="launch the same train.nproc_per_node on every node, or set train.fsdp_sharding=full")
