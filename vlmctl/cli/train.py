@@ -17,14 +17,17 @@ def train(
     launcher: Annotated[Optional[str], typer.Option("--launcher", help="torchrun | accelerate | slurm | none (default: train.launcher).")] = None,
     strategy: Annotated[Optional[str], typer.Option("--strategy", help="ddp | fsdp | zero2 | zero3 (default: train.strategy).")] = None,
     nproc_per_node: Annotated[Optional[str], typer.Option("--nproc-per-node", help="Processes per node, or auto.")] = None,
-    nnodes: Annotated[Optional[int], typer.Option("--nnodes", help="Number of nodes.")] = None,
-    node_rank: Annotated[Optional[int], typer.Option("--node-rank", help="Rank of this node.")] = None,
-    master_addr: Annotated[Optional[str], typer.Option("--master-addr", help="Rendezvous host.")] = None,
+    nnodes: Annotated[Optional[int], typer.Option("--nnodes", help="Number of nodes (torchrun/accelerate: run vlmctl train on each, with its --node-rank).")] = None,
+    node_rank: Annotated[Optional[int], typer.Option("--node-rank", help="Rank of this node; node 0 owns the run folder.")] = None,
+    master_addr: Annotated[Optional[str], typer.Option("--master-addr", help="Rendezvous host: node 0's address.")] = None,
     master_port: Annotated[Optional[int], typer.Option("--master-port", help="Rendezvous port.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the last complete checkpoint.")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the exact launch command and exit.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the exact launch commands (every node's, or the sbatch script) and exit.")] = False,
 ) -> None:
-    """Train the model: spawn torchrun/accelerate/sbatch (or run in-process) for DDP, FSDP2 or ZeRO-2/3."""
+    """Train the model: spawn torchrun/accelerate/sbatch (or run in-process) for DDP, FSDP2 or ZeRO-2/3.
+
+    Several nodes: start it on every node with the same train.run_name and --master-addr and the node's
+    --node-rank (the run folder on a shared filesystem), or once with --launcher slurm."""
     from vlmctl.train import launch as L
 
     cfg = load_project(config, overrides)
@@ -40,10 +43,7 @@ def train(
         from pathlib import Path
 
         run_dir = Path(train_cfg.output_dir) / (train_cfg.run_name or L.default_run_name(cfg))
-        launch = L.launch_command(train_cfg, run_dir)
-        console.print(launch.render(), soft_wrap=True, markup=False)
-        if launch.script_text:
-            console.print(launch.script_text, soft_wrap=True, markup=False)
+        console.print(L.dry_run_text(train_cfg, run_dir), soft_wrap=True, markup=False, highlight=False)
         return
     from vlmctl.train.rundir import release_run
 
@@ -75,7 +75,7 @@ def _run(train_cfg, run_dir) -> None:
         info(text if submitted else f"sbatch is not available here; submit the script with: sbatch {text}")
         return
     info(f"[dim]{launch.render()}[/dim]")
-    code, signum = L.spawn(launch.command, env=L.launch_env(train_cfg), log_path=run_dir / L.TRAIN_LOG)
+    code, signum = L.spawn(launch.command, env=L.launch_env(train_cfg), log_path=run_dir / L.log_name(train_cfg))
     if signum is not None:
         _stopped(run_dir, signum)
         raise typer.Exit(code=128 + signum)

@@ -8,6 +8,13 @@ Every launcher runs the same worker module (`python -m vlmctl.train.worker RUN_D
 strategy from the config, so accelerate is only a process spawner here. torchrun and accelerate run through
 `vlmctl.distributed.torchrun` / `.accelerate`, which die with this process and exit with the ranks' code when
 they fail (`vlmctl.distributed.process`). Run folders are unique and locked while in use (`train.rundir`).
+
+Several nodes (`train.nnodes` > 1, torchrun or accelerate): every node runs `vlmctl train` with the same project,
+the same `train.run_name` and rendezvous (`train.master_addr:master_port`, node 0's address) and its own
+`train.node_rank`. The run folder lies on a filesystem every node sees. Node 0 claims and locks it and writes
+config.yaml; the other nodes only check their packages, data and model and start their agent: their ranks read
+node 0's config.yaml once torchrun's c10d rendezvous has completed, which needs node 0's agent, started after
+config.yaml was written. Each node's launcher copies its ranks' output into its own log (`log_name`).
 """
 
 from __future__ import annotations
@@ -25,10 +32,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vlmctl.distributed.mesh import SHARDING_ENV
 from vlmctl.errors import ConfigError, UsageError
 
 WORKER_MODULE = "vlmctl.train.worker"
 TRAIN_LOG = "train.log"  # the ranks' combined output, in every run folder
+AGENTS = ("torchrun", "accelerate")  # the launchers that start one process agent per node from this command
 
 
 def resolve_nproc(value: int | str) -> int:
@@ -78,22 +87,47 @@ def prepare_run(cfg, resume: bool = False) -> Path:
     project and stage with a checkpoint. A fresh run without `train.run_name` gets a folder of its own (a suffix
     when the name is taken); an explicit `train.run_name` that already holds a run needs `--resume`. The folder
     stays locked until `rundir.release_run` (or the end of this process); stale temporary files are removed.
-    Raises UsageError when there is nothing to resume or the folder is in use, ConfigError for a taken
-    run_name, DataError/ModelError when the prepared data or the model is missing and CheckpointError for a
-    checkpoint that cannot be resumed (see `preflight`).
+    A node other than node 0 of a multi-node run (`joins_run`) only makes sure the folder exists
+    (`rundir.join_run_dir`): node 0 locks it, writes config.yaml and checks the checkpoint.
+    Raises ConfigError for a multi-node setting that is missing (`check_nodes`), UsageError when there is nothing
+    to resume or the folder is in use, ConfigError for a taken run_name, DataError/ModelError when the prepared
+    data or the model is missing and CheckpointError for a checkpoint that cannot be resumed (see `preflight`).
     """
     from vlmctl.config import dump_config
-    from vlmctl.train.rundir import claim_run_dir, sweep_temporaries
-
     from vlmctl.config.train import resolve_strategy
+    from vlmctl.train.rundir import claim_run_dir, join_run_dir, sweep_temporaries
 
     train = cfg.train
+    check_nodes(train)
     # recorded resolved: the ranks, `vlmctl convert` and a resume read the strategy the run used (SLURM nodes: GPUs)
     train.strategy = resolve_strategy(train.strategy, train.launcher == "slurm" or _has_cuda(),
                                       train.lora is not None and train.lora.quantize != "none")
+    check_sharding(train)
     if resume and train.resume is None:
         train.resume = "auto"
     fresh_slurm = train.launcher == "slurm" and train.resume is None
+    root, name, explicit = _run_location(cfg)
+    if train.launcher != "slurm":  # an sbatch script runs elsewhere, later: its nodes check for themselves
+        preflight(cfg, root / name if train.resume is not None and not joins_run(train) else None)
+    if joins_run(train):
+        train.run_name = name
+        return join_run_dir(root, name)
+    run_dir = claim_run_dir(root, name, explicit=explicit, resume=train.resume is not None)
+    sweep_temporaries(run_dir)
+    train.run_name = run_dir.name
+    if fresh_slurm:
+        train.resume = "auto"  # a requeued job continues from its last checkpoint
+    tmp = run_dir / ".config.yaml.tmp"
+    tmp.write_text(dump_config(cfg))
+    os.replace(tmp, run_dir / "config.yaml")
+    return run_dir
+
+
+def _run_location(cfg) -> tuple[Path, str, bool]:
+    """(output folder, run name, whether the name was given) of the run `prepare_run` prepares: `train.run_name`;
+    the run of a checkpoint path in `train.resume`; the newest resumable run for `train.resume: auto`; else a new
+    default name. Raises UsageError when `auto` finds nothing to resume."""
+    train = cfg.train
     root, name, explicit = Path(train.output_dir), train.run_name, bool(train.run_name)
     if not explicit and train.resume not in (None, "auto"):
         run_dir = Path(train.resume).resolve().parent.parent  # <run>/checkpoints/checkpoint-<step>
@@ -106,17 +140,55 @@ def prepare_run(cfg, resume: bool = False) -> Path:
         name = found.name
     elif not explicit:
         name = default_run_name(cfg)
-    if train.launcher != "slurm":  # an sbatch script runs elsewhere, later: its nodes check for themselves
-        preflight(cfg, root / name if train.resume is not None else None)
-    run_dir = claim_run_dir(root, name, explicit=explicit, resume=train.resume is not None)
-    sweep_temporaries(run_dir)
-    train.run_name = run_dir.name
-    if fresh_slurm:
-        train.resume = "auto"  # a requeued job continues from its last checkpoint
-    tmp = run_dir / ".config.yaml.tmp"
-    tmp.write_text(dump_config(cfg))
-    os.replace(tmp, run_dir / "config.yaml")
-    return run_dir
+    return root, name, explicit
+
+
+def joins_run(train) -> bool:
+    """Whether this launch is a node other than node 0 of a multi-node torchrun/accelerate run: it uses the run
+    folder node 0 prepared instead of claiming it."""
+    return train.launcher in AGENTS and train.nnodes > 1 and train.node_rank > 0
+
+
+def check_nodes(train) -> None:
+    """Raise ConfigError for a node layout that cannot run (`check_layout`) and, for torchrun/accelerate over
+    several nodes, for a missing `train.run_name`: every node must name the same run folder (a checkpoint path in
+    `train.resume` names it too)."""
+    check_layout(train)
+    multi = train.launcher in AGENTS and train.nnodes > 1
+    if multi and train.run_name is None and train.resume in (None, "auto"):
+        raise ConfigError(f"train.nnodes={train.nnodes} needs train.run_name: every node must write into the same run folder",
+                          hint="pass the same train.run_name=<name> on every node")
+
+
+def check_layout(train) -> None:
+    """Raise ConfigError for `train.node_rank` not below `train.nnodes`, for more than one node in one process
+    (`launcher: none`), and for torchrun/accelerate over several nodes with the rendezvous host left at its
+    default (it must be node 0's address, the same on every node; an explicit 127.0.0.1 runs every node here)."""
+    if train.node_rank >= train.nnodes:
+        raise ConfigError(f"train.node_rank={train.node_rank} is not below train.nnodes={train.nnodes}",
+                          hint=f"number the nodes 0 to {train.nnodes - 1} (--node-rank), or raise --nnodes")
+    if train.nnodes == 1 or train.launcher == "slurm":  # SLURM: the allocation names the nodes
+        return
+    if train.launcher not in AGENTS:
+        raise ConfigError(f"train.launcher={train.launcher} runs one process here; train.nnodes={train.nnodes} needs a launcher",
+                          hint="use --launcher torchrun (or accelerate, or slurm), or set --nnodes 1")
+    if "master_addr" not in train.model_fields_set:
+        raise ConfigError(f"train.nnodes={train.nnodes} needs the rendezvous host of node 0",
+                          hint="pass --master-addr <node 0 address> (and --node-rank on each node)")
+
+
+def check_sharding(train) -> None:
+    """Raise ConfigError when `train.fsdp_sharding: hybrid` meets a strategy other than fsdp (`train.strategy`
+    resolved as `prepare_run` resolves it)."""
+    from vlmctl.config.train import resolve_strategy
+
+    if train.fsdp_sharding == "full":
+        return
+    strategy = resolve_strategy(train.strategy, train.launcher == "slurm" or _has_cuda(),
+                                train.lora is not None and train.lora.quantize != "none")
+    if strategy != "fsdp":
+        raise ConfigError(f"train.fsdp_sharding=hybrid needs train.strategy=fsdp, not {strategy}",
+                          hint="set train.strategy=fsdp, or train.fsdp_sharding=full")
 
 
 def require_package(module: str, setting: str, *, package: str | None = None, extra: str | None = None,
@@ -183,16 +255,19 @@ def preflight(cfg, run_dir: Path | None = None) -> None:
 
 @dataclass
 class Launch:
-    """A launch: the command to run, for SLURM the script it submits, and the claim on the rendezvous port
-    (`distributed.env.claim_port`; held until the agent bound it)."""
+    """A launch: the command to run, for SLURM the script it submits, the claim on the rendezvous port
+    (`distributed.env.claim_port`; held until the agent bound it) and the variables it needs beyond the
+    environment of a default run (`rank_env`; `launch_env` sets them)."""
 
     command: list[str]
     script: Path | None = None
     script_text: str | None = None
     port_claim: Any = field(default=None, repr=False, compare=False)
+    env: dict[str, str] = field(default_factory=dict)
 
     def render(self) -> str:
-        return shlex.join(self.command)
+        """The command as one shell line, `NAME=value` words of `env` first."""
+        return shlex.join([*(f"{k}={v}" for k, v in self.env.items()), *self.command])
 
 
 def _torchrun() -> list[str]:
@@ -207,26 +282,34 @@ def _accelerate() -> list[str]:
 
 def launch_command(train, run_dir: Path, module: str = WORKER_MODULE) -> Launch:
     """Build the command of `train.launcher` (torchrun, accelerate, slurm, none) running `python -m MODULE
-    run_dir` (the training worker unless given, e.g. `vlmctl.bench`).
+    run_dir` (the training worker unless given, e.g. `vlmctl.bench`) on node `train.node_rank`.
 
     On one node the rendezvous is `train.master_addr` on `train.master_port` when that port is free and no other
-    vlmctl launch here claimed it, else on a free port (so two runs on one machine never collide). Raises
-    ConfigError when a multi-node setting is missing.
+    vlmctl launch here claimed it, else on a free port (so two runs on one machine never collide); over several
+    nodes it is `master_addr:master_port` as given, torchrun's c10d rendezvous with the run folder's name as its
+    id. Raises ConfigError when a multi-node setting is missing (`check_layout`), for hybrid sharding without fsdp
+    (`check_sharding`) and for SLURM with `train.nproc_per_node: auto` (the nodes' GPUs are not visible here).
     """
-    nproc = resolve_nproc(train.nproc_per_node)
+    check_layout(train)
+    check_sharding(train)
     worker = ["-m", module, str(run_dir)]
-    if train.nnodes > 1 and train.master_addr in ("127.0.0.1", "localhost"):
-        raise ConfigError(f"train.nnodes={train.nnodes} needs the rendezvous host of node 0",
-                          hint="pass --master-addr <node 0 address> (and --node-rank on each node)")
     port, claim = train.master_port, None
-    if train.nnodes == 1 and train.launcher in ("torchrun", "accelerate"):
+    if train.nnodes == 1 and train.launcher in AGENTS:
         from vlmctl.distributed.env import claim_port
 
         port, claim = claim_port(train.master_port)
+    if train.launcher == "slurm":
+        if train.nproc_per_node == "auto":
+            raise ConfigError("train.launcher=slurm needs train.nproc_per_node: the GPUs of the allocated nodes are not visible here",
+                              hint="pass --nproc-per-node <GPUs per node>")
+        script = run_dir / "sbatch.sh"
+        return Launch(["sbatch", str(script)], script=script, script_text=sbatch_script(train, run_dir, int(train.nproc_per_node)))
+    nproc = resolve_nproc(train.nproc_per_node)
     if train.launcher == "torchrun":
         cmd = [*_torchrun(), "--nproc-per-node", str(nproc), "--nnodes", str(train.nnodes), "--node-rank",
-               str(train.node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{train.master_addr}:{port}", *worker]
-        return Launch(cmd, port_claim=claim)
+               str(train.node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{train.master_addr}:{port}",
+               "--rdzv-id", run_dir.name, *worker]
+        return Launch(cmd, port_claim=claim, env=rank_env(train))
     if train.launcher == "accelerate":
         cmd = [*_accelerate(), "launch", "--num_processes", str(nproc * train.nnodes), "--num_machines", str(train.nnodes),
                "--machine_rank", str(train.node_rank), "--main_process_ip", train.master_addr, "--main_process_port",
@@ -234,14 +317,31 @@ def launch_command(train, run_dir: Path, module: str = WORKER_MODULE) -> Launch:
         if nproc * train.nnodes > 1:
             cmd.append("--multi_gpu")  # accelerate's torch.distributed spawner; it works for CPU processes too
         cmd += ["--module", module, str(run_dir)]
-        return Launch(cmd, port_claim=claim)
-    if train.launcher == "slurm":
-        script = run_dir / "sbatch.sh"
-        text = sbatch_script(train, run_dir, nproc)
-        return Launch(["sbatch", str(script)], script=script, script_text=text)
+        return Launch(cmd, port_claim=claim, env=rank_env(train))
     if train.launcher == "none":
         return Launch([sys.executable, *worker])
     raise UsageError(f"unknown launcher {train.launcher!r}", hint="use torchrun, accelerate, slurm or none")
+
+
+def dry_run_text(train, run_dir: Path) -> str:
+    """What `vlmctl train --dry-run` prints: the launch command; for torchrun or accelerate over several nodes the
+    command of every node (node_rank 0 to nnodes-1), each under a `# node N of M` line; for SLURM the sbatch line
+    and the script. Nothing is written or started (a claimed port is released). Raises what `launch_command`
+    raises."""
+    check_nodes(train)  # this node's settings, before every node's are printed
+    nodes = range(train.nnodes) if train.launcher in AGENTS and train.nnodes > 1 else [None]
+    lines = []
+    for rank in nodes:
+        node = train if rank is None else train.model_copy(update={"node_rank": rank})
+        launch = launch_command(node, run_dir)
+        if launch.port_claim:
+            launch.port_claim.close()
+        if rank is not None:
+            lines.append(f"# node {rank} of {train.nnodes} (vlmctl train --node-rank {rank} there)")
+        lines.append(launch.render())
+        if launch.script_text:
+            lines.append(launch.script_text.rstrip("\n"))
+    return "\n".join(lines)
 
 
 def _script_word(value: object, key: str) -> str:
@@ -255,7 +355,8 @@ def _script_word(value: object, key: str) -> str:
 
 
 def sbatch_script(train, run_dir: Path, nproc: int) -> str:
-    """An sbatch script running one torchrun per node, rendezvous on the first node of the allocation.
+    """An sbatch script running one torchrun per node (`srun`, one task per node), rendezvous (torchrun's c10d,
+    the job id as its id) on the first node of the allocation (`scontrol show hostnames`) at `train.master_port`.
 
     Requeue-friendly: SLURM sends SIGTERM 120 s before the time limit (`--signal`), the workers save a checkpoint
     and exit, and the requeued job resumes from it (`prepare_run` sets `train.resume: auto` in the run's config.yaml for
@@ -268,6 +369,7 @@ def sbatch_script(train, run_dir: Path, nproc: int) -> str:
     port, nnodes, gpus = (_script_word(int(v), k) for v, k in ((train.master_port, "train.master_port"),
                                                                (train.nnodes, "train.nnodes"), (nproc, "train.nproc_per_node")))
     torchrun = " ".join(_script_word(p, "python") for p in _torchrun())
+    sharding = _script_word(train.fsdp_sharding, "train.fsdp_sharding")
     return f"""#!/bin/bash
 #SBATCH --job-name={name}
 #SBATCH --nodes={nnodes}
@@ -280,6 +382,7 @@ def sbatch_script(train, run_dir: Path, nproc: int) -> str:
 set -euo pipefail
 export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_PORT={port}
+export {SHARDING_ENV}={sharding}
 srun --kill-on-bad-exit=1 {torchrun} \\
   --nproc-per-node {gpus} --nnodes "$SLURM_NNODES" \\
   --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" \\
@@ -287,18 +390,32 @@ srun --kill-on-bad-exit=1 {torchrun} \\
 """
 
 
+def rank_env(train) -> dict[str, str]:
+    """The variables a launch needs beyond those of a default run: `VLMCTL_FSDP_SHARDING=hybrid` for
+    `train.fsdp_sharding: hybrid` (the ranks build their mesh from it: `distributed.mesh.ParallelDims.for_strategy`)."""
+    return {SHARDING_ENV: train.fsdp_sharding} if train.fsdp_sharding != "full" else {}
+
+
 def launch_env(train) -> dict[str, str]:
     """The environment of a launch: this one, one OpenMP thread per rank unless set, CPU DeepSpeed without CUDA,
-    and `VLMCTL_LAUNCHER_PID` (this process: the ranks exit when it is gone and leave the stop message to it)."""
+    `train.fsdp_sharding` for the ranks (`VLMCTL_FSDP_SHARDING`) and `VLMCTL_LAUNCHER_PID` (this process: the
+    ranks exit when it is gone and leave the stop message to it)."""
     from vlmctl.distributed.process import LAUNCHER_ENV
 
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env[SHARDING_ENV] = train.fsdp_sharding
     env[LAUNCHER_ENV] = str(os.getpid())
     if train.strategy in ("zero2", "zero3") and not _has_cuda():
         env.setdefault("DS_ACCELERATOR", "cpu")
     return env
+
+
+def log_name(train) -> str:
+    """The file in the run folder a launcher copies its ranks' output into: `train.log`, and on node N > 0 of a
+    multi-node run `train-node<N>.log` (every node's launcher writes its own file on the shared filesystem)."""
+    return f"train-node{train.node_rank}.log" if joins_run(train) else TRAIN_LOG
 
 
 def _has_cuda() -> bool:

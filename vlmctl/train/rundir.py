@@ -7,6 +7,11 @@
 Two `vlmctl train` started in the same second get two folders (`<name>`, `<name>-2`, ...): the folder is created
 with an exclusive `mkdir`. A folder in use holds `.lock` (JSON: pid, host, process start time); a lock whose
 process is gone (on this host) is taken over, a live one is refused with the pid that holds it.
+
+A multi-node run shares one folder on a filesystem every node sees. Node 0's launcher claims, locks and sweeps it
+and writes config.yaml, as for one node; the launchers of the other nodes join it (`join_run_dir`): they take no
+lock (node 0's is live, so theirs would be refused as "in use"), write no config and sweep nothing (node 0's
+ranks may be writing), and keep their output in their own `train-node<N>.log`.
 """
 
 from __future__ import annotations
@@ -63,6 +68,14 @@ def claim_run_dir(root: Path, name: str, *, explicit: bool, resume: bool) -> Pat
         lock_run(run_dir)
         return run_dir
     raise UsageError(f"no free run folder name {name}-N under {root}", hint="set train.run_name")
+
+
+def join_run_dir(root: Path, name: str) -> Path:
+    """The run folder `root/name` of a multi-node run, for a node other than node 0: created when this node comes
+    first (node 0 claims it all the same: the folder holds no run yet), never locked or swept here."""
+    run_dir = Path(root) / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
 
 
 def holds_a_run(run_dir: Path) -> bool:
