@@ -73,14 +73,14 @@ def test_unit_prompt_and_modalities_come_from_the_family_spec(tiny):
     unit = get_unit("image")
     for spec in FAMILIES.values():
         assert unit.prompt(processor, spec) == spec.image_prompt and unit.accepted_by(spec)
-        assert units_for(spec) == [unit]  # Qwen-VL also takes video, which has no unit yet
+        assert units_for(spec) == [u for u in UNITS.values() if u.name in spec.modalities]  # Qwen-VL: image and video
     flat = SimpleNamespace(image_prompt="<a><image><b>")  # a spec without a modalities map
     assert unit.prompt(processor, flat) == "<a><image><b>" and units_for(flat) == [unit]
     assert unit.prompt(processor, None) == "<image>" and units_for(None) == [unit]  # no spec: the processor's token
     audio_only = SimpleNamespace(modalities={"audio": "<audio>"}, prompt=lambda modality: "<audio>")
     assert units_for(audio_only) == [] and unit.prompt(processor, audio_only) == "<image>"
     with pytest.raises(DataError, match="no modality unit"):
-        get_unit("video")
+        get_unit("audio")
 
 
 def test_collator_adds_dummy_rows_only_for_the_family_modalities(tiny):
@@ -116,8 +116,8 @@ def test_processor_outputs_go_to_the_unit_that_owns_them():
     assert set(token) == {"mm_token_type_ids"} and token["mm_token_type_ids"].shape == (5,)
     assert set(media) == {"image", "video"} and set(media["image"]) == {"pixel_values", "image_grid_thw"}
     assert set(media["video"]) == {"pixel_values_videos"}
-    _, media = split_processor_outputs(out)  # registered units only: the image unit takes the rest
-    assert set(media) == {"image"} and "pixel_values_videos" in media["image"]
+    _, media = split_processor_outputs(out)  # the registered units: the video unit claims its keys, images the rest
+    assert set(media["video"]) == {"pixel_values_videos"} and set(media["image"]) == {"pixel_values", "image_grid_thw"}
 
 
 # ------------------------------------------------------------------------------------------- sample and rows
@@ -196,6 +196,6 @@ def test_parts_of_a_modality_without_a_unit_are_refused_where_they_are_encoded()
     assert messages[0]["content"] == [{"type": "image"}, {"type": "text", "text": "Q?"}, {"type": "image"}]
     assert media == {"image": [red, red]} and template_messages(s) == (messages, [red, red])
     with pytest.raises(DataError, match="no modality unit"):
-        template_media(Sample("v", [user({"type": "video", "index": 0}), ANSWER], videos=[b"clip"]))
+        template_media(Sample("a", [user({"type": "audio", "index": 0}), ANSWER], audios=[b"RIFF....WAVE"]))
     with pytest.raises(DataError, match="points at image 1"):
         template_media(Sample("bad", [user({"type": "image", "index": 1}), ANSWER], images=[red]))

@@ -50,6 +50,45 @@ class DataExport(Section):
     )
 
 
+DEFAULT_VIDEO_FPS = 2.0
+"""Frames sampled per second of video: qwen-vl-utils' and LLaMA-Factory's default (`video_fps: 2.0`)."""
+
+
+class DataVideo(Section):
+    fps: float = Field(
+        DEFAULT_VIDEO_FPS, gt=0,
+        description="Frames sampled per second of video at `data prepare` (uniformly over the clip), before the max_frames cap.",
+    )
+    max_frames: int = Field(
+        64, ge=2,
+        description="At most this many frames per clip; a longer clip is sampled more sparsely. Counts are rounded down to an even number (video encoders take frames in temporal patches of 2).",
+    )
+    min_frames: int = Field(
+        4, ge=2,
+        description="Clips with fewer decodable frames are rejected as video_too_short (4: transformers' Qwen2-VL video processor's min_frames).",
+    )
+    min_pixels: int = Field(
+        16 * 16, gt=0,
+        description="Sampled frames smaller than this many pixels (width x height) are scaled up to it, keeping the aspect ratio (LLaMA-Factory's video_min_pixels).",
+    )
+    max_pixels: int = Field(
+        256 * 256, gt=0,
+        description="Sampled frames larger than this many pixels are scaled down to it, keeping the aspect ratio (LLaMA-Factory's video_max_pixels); the model's processor may resize again to its patch grid.",
+    )
+    max_seconds: float = Field(
+        600.0, gt=0,
+        description="Clips longer than this many seconds (read from the header, before decoding) are rejected as video_too_long.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "DataVideo":
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(f"data.video.min_pixels ({self.min_pixels}) is above data.video.max_pixels ({self.max_pixels})")
+        if self.min_frames > self.max_frames:
+            raise ValueError(f"data.video.min_frames ({self.min_frames}) is above data.video.max_frames ({self.max_frames})")
+        return self
+
+
 class DataSection(Section):
     sources: list[DataSource] = Field(default_factory=list, description="Raw data sources to read (see docs/formats.md).")
     prepared_dir: ProjectPath = Field(Path("data/prepared"), description="Where `data prepare` writes train/val Parquet shards and manifest.json.")
@@ -75,3 +114,4 @@ class DataSection(Section):
         description="`data prepare` fails when a source keeps less than this fraction of its records; rejections by your own limits (duplicate, duplicate_id, image_too_small, image_too_large, too_long) do not count. 0 turns the check off.",
     )
     export: DataExport = Field(default_factory=DataExport, description="How `data prepare --export` writes its export.")
+    video: DataVideo = Field(default_factory=DataVideo, description="How `data prepare` samples and checks video clips (see docs/formats.md, Video).")

@@ -9,20 +9,25 @@ Every rejected sample gets exactly one reason code. The codes are public output 
 | `too_deep` | a record nested deeper than 100 levels (`formats._json.MAX_DEPTH`) | reader |
 | `too_large` | a record over 64 MiB (`formats._json.MAX_RECORD_BYTES`), or a tar member over the image file limit | reader |
 | `bad_roles` | roles must be an optional system turn, then user/assistant alternating, ending with assistant | `build_sample` |
-| `empty_turn` | a turn with blank text and no image | `build_sample` |
-| `placeholder_mismatch` | number of `<image>` placeholders != number of images | `build_sample` |
+| `empty_turn` | a turn with blank text and no image or video | `build_sample` |
+| `placeholder_mismatch` | number of `<image>` placeholders != number of images, or of `<video>` placeholders != number of videos | `build_sample` |
 | `outside_root` | an image path resolves (symlinks included) outside the source's folder, its `image_root` and `data.media_roots` | reader |
 | `missing_image` | the image file does not exist, is a folder, or is a remote URL | `check_images` |
 | `not_a_file` | the image path is a device, FIFO or socket (refused before reading) | `check_images` |
 | `corrupt_image` | the image does not fully decode (truncated file, not an image) | `check_images` |
 | `image_too_large` | over `data.max_image_pixels` (from the header, before decoding) or a file over 512 MiB | `check_images` |
 | `image_too_small` | the shorter side is below `data.min_image_side` pixels | `check_images` |
+| `missing_video` | the video file does not exist, is a folder, or is a remote URL | `check_images` |
+| `corrupt_video` | not a video container, truncated, a packet that does not decode, no frames, a still image | `check_images` |
+| `unsupported_codec` | FFmpeg (PyAV) has no decoder for the video stream's codec | `check_images` |
+| `video_too_short` | fewer decodable frames than `data.video.min_frames` | `check_images` |
+| `video_too_long` | longer than `data.video.max_seconds` (from the header, before decoding), or a file over 2 GiB | `check_images` |
 | `duplicate` | same normalized text and image bytes as an earlier sample (the detail names it) | prepare / validate |
 | `duplicate_id` | the same `id` as an earlier sample of the same source (the detail names it); with `data.duplicate_ids: keep` only counted | prepare / validate |
 | `too_long` | text + visual tokens over `data.max_length` (only when a processor is known) | prepare / validate |
 
-A sample with images and no placeholder at all is kept: its images are put at the start of the first user turn
-(the LLaVA convention).
+A sample with images (or videos) and no placeholder of that modality at all is kept: its images, then its videos,
+are put at the start of the first user turn (the LLaVA convention).
 """
 
 from __future__ import annotations
@@ -50,14 +55,27 @@ REASONS = (
     "corrupt_image",
     "image_too_large",
     "image_too_small",
+    "missing_video",
+    "corrupt_video",
+    "unsupported_codec",
+    "video_too_short",
+    "video_too_long",
     "duplicate",
     "duplicate_id",
     "too_long",
 )
-FILTERS = ("duplicate", "duplicate_id", "image_too_small", "image_too_large", "too_long")
-"""Reasons that apply a limit the project sets (dedup, duplicate_ids, min_image_side, max_image_pixels, max_length)
-rather than a defect of the data: they do not count against `data.min_kept_fraction`."""
+FILTERS = ("duplicate", "duplicate_id", "image_too_small", "image_too_large", "video_too_short", "video_too_long", "too_long")
+"""Reasons that apply a limit the project sets (dedup, duplicate_ids, min_image_side, max_image_pixels,
+data.video.min_frames / max_seconds, max_length) rather than a defect of the data: they do not count against
+`data.min_kept_fraction`."""
 IMAGE_PLACEHOLDER = "<image>"
+VIDEO_PLACEHOLDER = "<video>"
+PLACEHOLDERS = {"image": IMAGE_PLACEHOLDER, "video": VIDEO_PLACEHOLDER}
+"""Text placeholder of each modality a reader accepts (LLaMA-Factory's ShareGPT: `<image>`, `<video>`)."""
+PART_TYPES = {"image": "image", "image_url": "image", "input_image": "image",
+              "video": "video", "video_url": "video", "input_video": "video"}
+"""Content-part `type` -> modality (transformers' chat templates: image / video; OpenAI: image_url, input_image;
+vLLM's OpenAI-compatible server: video_url)."""
 
 ROLE_ALIASES = {
     "user": "user",
@@ -88,6 +106,18 @@ class RecordError(Exception):
     """Raised by readers for a record of the wrong shape (reported as parse_error at the record's location)."""
 
 
+@dataclass(frozen=True)
+class VideoFacts:
+    """One checked video: `frames` sampled and stored, frame `width` x `height` (pixels), `seconds` of the original,
+    `converted` (False when a stored clip was kept byte for byte)."""
+
+    frames: int
+    width: int
+    height: int
+    seconds: float
+    converted: bool = True
+
+
 @dataclass
 class SampleInfo:
     """What the check stage learned about a kept sample (for dedup, split and statistics)."""
@@ -99,6 +129,7 @@ class SampleInfo:
     text_chars: int = 0
     num_turns: int = 0
     flags: list[str] = field(default_factory=list)  # findings that did not reject it (duplicate_id with `keep`)
+    videos: list[VideoFacts] = field(default_factory=list)  # one per video, in order
 
 
 # --------------------------------------------------------------------------------------------------- assembly
@@ -108,23 +139,27 @@ def build_sample(
     turns: Iterable[tuple[Any, Any]],
     *,
     images: list[Any] | None = None,
+    videos: list[Any] | None = None,
     id: str,
     source: str,
     location: str,
     meta: dict[str, Any] | None = None,
     resolve_part: Callable[[dict[str, Any]], Any] | None = None,
+    image_placeholder_for_video: bool = False,
 ) -> Sample | Rejection:
     """Assemble a canonical Sample from raw turns, running the text checks (bad_roles, empty_turn,
     placeholder_mismatch) in that order.
 
-    `turns` are (role, content) pairs; content is a string (with optional `<image>` placeholders) or a list of
-    content parts (`{"type": "text", "text"|"value": ...}`, `{"type": "image"|"image_url", ...}`). `images` are
-    the record-level image references that placeholders consume in order. `resolve_part(part)` turns an explicit
-    image part into a reference (bytes, Path or MissingRef), or None when the part carries no reference (it then
-    consumes the next record-level image, like a placeholder). The returned Sample's `images` still hold references;
-    `check_images` reads and normalizes them.
+    `turns` are (role, content) pairs; content is a string (with optional `<image>` / `<video>` placeholders) or a
+    list of content parts (`{"type": "text", "text"|"value": ...}`, `{"type": "image"|"image_url", ...}`,
+    `{"type": "video"|"video_url", ...}`: `PART_TYPES`). `images` / `videos` are the record-level references that
+    placeholders of their modality consume in order. `resolve_part(part)` turns an explicit media part into a
+    reference (bytes, Path or MissingRef), or None when the part carries no reference (it then consumes the next
+    record-level part of its modality, like a placeholder). `image_placeholder_for_video`: `<image>` placeholders
+    stand for the videos when the record has videos and no images (LLaVA-Video's layout). The returned Sample's
+    media still hold references; `check_images` reads and normalizes them.
     """
-    record_images = list(images or [])
+    record = {"image": list(images or []), "video": list(videos or [])}
     reject = lambda reason, detail: Rejection(reason, source, location, detail, id)  # noqa: E731
 
     # 1. roles
@@ -142,43 +177,54 @@ def build_sample(
 
     # 2. parts + empty turns
     messages: list[dict[str, Any]] = []
-    explicit: list[Any] = []  # references of explicit image parts, in order
-    n_placeholders = 0
+    explicit: dict[str, list[Any]] = {"image": [], "video": []}  # references of explicit media parts, in order
     for i, (role, content) in enumerate(zip(roles, contents)):
         try:
             parts = _parts(content, resolve_part, explicit)
         except RecordError as exc:
             return Rejection("parse_error", source, location, f"turn {i}: {exc}", id)
-        n_placeholders += sum(1 for p in parts if p.get("placeholder"))
-        if not any(p["type"] == "image" for p in parts) and not "".join(p["text"] for p in parts if p["type"] == "text").strip():
+        if all(p["type"] == "text" for p in parts) and not "".join(p["text"] for p in parts).strip():
             return reject("empty_turn", f"turn {i} ({role}) has no text")
         messages.append({"role": role, "content": parts})
+    if image_placeholder_for_video and record["video"] and not record["image"] and not explicit["image"]:
+        _retype_placeholders(messages, "image", "video")
 
-    # 3. placeholders
-    if explicit and (n_placeholders or record_images):
-        what = f"{n_placeholders} {IMAGE_PLACEHOLDER} placeholder(s) in text" if n_placeholders else f"{len(record_images)} listed image(s)"
-        return reject("placeholder_mismatch", f"{len(explicit)} image part(s) and also {what}")
-    if n_placeholders == 0 and record_images:
-        first_user = next(m for m in messages if m["role"] == "user")
-        first_user["content"][:0] = [{"type": "image", "placeholder": True} for _ in record_images]
-        n_placeholders = len(record_images)
-    if n_placeholders != len(record_images) and not explicit:
-        return reject(
-            "placeholder_mismatch",
-            f"{n_placeholders} {IMAGE_PLACEHOLDER} placeholder(s) for {len(record_images)} image(s)",
-        )
-    refs = explicit or record_images
-    index = 0
+    # 3. placeholders, per modality
+    refs: dict[str, list[Any]] = {}
+    for kind in ("image", "video"):
+        listed, parts_given = record[kind], explicit[kind]
+        n_placeholders = sum(1 for m in messages for p in m["content"] if p["type"] == kind and p.get("placeholder"))
+        token = PLACEHOLDERS[kind]
+        if parts_given and (n_placeholders or listed):
+            what = f"{n_placeholders} {token} placeholder(s) in text" if n_placeholders else f"{len(listed)} listed {kind}(s)"
+            return reject("placeholder_mismatch", f"{len(parts_given)} {kind} part(s) and also {what}")
+        if n_placeholders == 0 and listed:
+            first_user = next(m for m in messages if m["role"] == "user")
+            at = sum(1 for p in first_user["content"] if p.get("prepended"))  # after the parts prepended before
+            first_user["content"][at:at] = [{"type": kind, "placeholder": True, "prepended": True} for _ in listed]
+            n_placeholders = len(listed)
+        if n_placeholders != len(listed) and not parts_given:
+            return reject("placeholder_mismatch", f"{n_placeholders} {token} placeholder(s) for {len(listed)} {kind}(s)")
+        refs[kind] = parts_given or listed
+    index = {"image": 0, "video": 0}
     for m in messages:
         for p in m["content"]:
-            if p["type"] == "image":
-                p.pop("placeholder", None)
-                p.pop("ref", None)
-                p["index"] = index
-                index += 1
-    sample = Sample(id=str(id), messages=messages, images=refs, source=source, meta=dict(meta or {}))
+            if p["type"] in index:
+                for key in ("placeholder", "ref", "prepended"):
+                    p.pop(key, None)
+                p["index"] = index[p["type"]]
+                index[p["type"]] += 1
+    sample = Sample(id=str(id), messages=messages, images=refs["image"], videos=refs["video"] or None, source=source,
+                    meta=dict(meta or {}))
     sample.location = location
     return sample
+
+
+def _retype_placeholders(messages: list[dict[str, Any]], old: str, new: str) -> None:
+    for m in messages:
+        for p in m["content"]:
+            if p["type"] == old and p.get("placeholder"):
+                p["type"] = new
 
 
 def _role_problem(roles: list[str]) -> str | None:
@@ -195,7 +241,7 @@ def _role_problem(roles: list[str]) -> str | None:
     return None
 
 
-def _parts(content: Any, resolve_part, explicit: list[Any]) -> list[dict[str, Any]]:
+def _parts(content: Any, resolve_part, explicit: dict[str, list[Any]]) -> list[dict[str, Any]]:
     if content is None:
         return []
     if isinstance(content, str):
@@ -213,7 +259,10 @@ def _parts(content: Any, resolve_part, explicit: list[Any]) -> list[dict[str, An
             raise RecordError(f"content part must be an object, not {type(part).__name__}")
         kind = part.get("type")
         if kind is None:
-            kind = "text" if ("text" in part or "value" in part) and not any(k in part for k in ("image", "image_url", "path")) else "image"
+            if any(k in part for k in ("video", "video_url")):
+                kind = "video"
+            else:
+                kind = "text" if ("text" in part or "value" in part) and not any(k in part for k in ("image", "image_url", "path")) else "image"
         if kind == "text":
             text = part.get("text", part.get("value"))
             if text is None:
@@ -221,27 +270,33 @@ def _parts(content: Any, resolve_part, explicit: list[Any]) -> list[dict[str, An
             if not isinstance(text, str):
                 raise RecordError(f"text part must hold a string, not {type(text).__name__}")
             parts.extend(_split_placeholders(text))
-        elif kind in ("image", "image_url", "input_image"):
+        elif kind in PART_TYPES:
             # A part without its own reference ({"type": "image"}, the transformers chat-template style) is a
-            # placeholder for the next record-level image.
+            # placeholder for the next record-level part of its modality.
+            modality = PART_TYPES[kind]
             ref = resolve_part(part) if resolve_part is not None else None
             if ref is None:
-                parts.append({"type": "image", "placeholder": True})
+                parts.append({"type": modality, "placeholder": True})
             else:
-                explicit.append(ref)
-                parts.append({"type": "image"})
+                explicit[modality].append(ref)
+                parts.append({"type": modality})
         else:
-            raise RecordError(f"unsupported content part type {kind!r} (expected text, image or image_url)")
+            raise RecordError(f"unsupported content part type {kind!r} (expected text, {', '.join(PART_TYPES)})")
     return parts
+
+
+_PLACEHOLDER_RE = re.compile("(" + "|".join(re.escape(t) for t in PLACEHOLDERS.values()) + ")")
+_PLACEHOLDER_KIND = {token: kind for kind, token in PLACEHOLDERS.items()}
 
 
 def _split_placeholders(text: str) -> list[dict[str, Any]]:
     # Whitespace next to a placeholder ("<image>\nWhat is...") is layout, not content: strip it.
-    pieces = text.split(IMAGE_PLACEHOLDER)
+    pieces = _PLACEHOLDER_RE.split(text)  # text, token, text, token, ..., text
     parts: list[dict[str, Any]] = []
     for i, piece in enumerate(pieces):
-        if i > 0:
-            parts.append({"type": "image", "placeholder": True})
+        if i % 2:
+            parts.append({"type": _PLACEHOLDER_KIND[piece], "placeholder": True})
+            continue
         if len(pieces) > 1:
             piece = piece.strip()
         if piece or len(pieces) == 1:
@@ -252,13 +307,16 @@ def _split_placeholders(text: str) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------------------------- image stage
 
 
-def check_images(sample: Sample, *, min_image_side: int = 28, max_image_pixels: int | None = None) -> tuple[Sample, SampleInfo] | Rejection:
-    """Read, fully decode and normalize the sample's images; compute its dedup digest.
+def check_images(sample: Sample, *, min_image_side: int = 28, max_image_pixels: int | None = None,
+                 video: Any = None) -> tuple[Sample, SampleInfo] | Rejection:
+    """Read, fully decode and normalize the sample's images and videos; compute its dedup digest.
 
-    Returns the sample with `images` as 8-bit RGB encoded bytes, or a Rejection with reason outside_root,
-    missing_image, not_a_file, corrupt_image, image_too_large (over `max_image_pixels`, checked from the header
-    before decoding, or a file over `images.MAX_IMAGE_FILE_BYTES`) or image_too_small (the detail names the image
-    index and file).
+    Returns the sample with `images` as 8-bit RGB encoded bytes and `videos` as stored clips
+    (`vlmctl.data.modalities.video.normalize_video`, sampled by `video`, a `DataVideo`; default settings when
+    None), or a Rejection with reason outside_root, missing_image, not_a_file, corrupt_image, image_too_large (over
+    `max_image_pixels`, checked from the header before decoding, or a file over `images.MAX_IMAGE_FILE_BYTES`),
+    image_too_small, or for a video missing_video, corrupt_video, unsupported_codec, video_too_short,
+    video_too_long (the detail names the image or video index and file).
     """
     location = getattr(sample, "location", "")
     info = SampleInfo(digest=b"")
@@ -287,6 +345,10 @@ def check_images(sample: Sample, *, min_image_side: int = 28, max_image_pixels: 
         if norm.conversion:
             info.conversions.append(norm.conversion)
     sample.images = data
+    if sample.videos:
+        rejected = _check_videos(sample, info, video)
+        if rejected is not None:
+            return rejected
     info.digest = sample_digest(sample)
     texts = sample.text_parts()
     info.text_chars = sum(len(t) for t in texts)
@@ -294,17 +356,46 @@ def check_images(sample: Sample, *, min_image_side: int = 28, max_image_pixels: 
     return sample, info
 
 
+_VIDEO_READ_REASONS = {"missing_image": "missing_video", "image_too_large": "video_too_long"}
+
+
+def _check_videos(sample: Sample, info: SampleInfo, settings: Any) -> Rejection | None:
+    """Read and normalize `sample.videos` in place (stored clips), recording `VideoFacts` in `info`; the first
+    failure as a Rejection."""
+    from vlmctl.data.modalities.video import MAX_VIDEO_FILE_BYTES, VideoError, normalize_video
+
+    location = getattr(sample, "location", "")
+    clips = []
+    for i, ref in enumerate(sample.videos):
+        name = f"video {i}" + (f" ({ref})" if isinstance(ref, Path) else "")
+        try:
+            data = read_ref(ref, max_bytes=MAX_VIDEO_FILE_BYTES)
+        except ImageError as exc:  # the detail names the file already
+            return Rejection(_VIDEO_READ_REASONS.get(exc.reason, exc.reason), sample.source, location, f"video {i}: {exc.detail}", sample.id)
+        try:
+            clip = normalize_video(data, settings)
+        except VideoError as exc:
+            return Rejection(exc.reason, sample.source, location, f"{name}: {exc.detail}", sample.id)
+        clips.append(clip.data)
+        info.videos.append(VideoFacts(clip.frames, clip.width, clip.height, clip.seconds, clip.conversion is not None))
+    sample.media["video"] = clips
+    return None
+
+
 def sample_digest(sample: Sample) -> bytes:
-    """16-byte blake2b of the normalized conversation (roles, whitespace-collapsed text, image positions) and the
-    image bytes. Equal digests = duplicate samples; the digest also drives the train/val split."""
+    """16-byte blake2b of the normalized conversation (roles, whitespace-collapsed text, media positions) and the
+    media bytes (images, then stored video clips). Equal digests = duplicate samples; the digest also drives the
+    train/val split (image-only samples hash as they did before videos existed, so splits do not move)."""
     h = hashlib.blake2b(digest_size=16)
     norm = [
-        [m["role"], [(" ".join(p["text"].split()) if p["type"] == "text" else ["image", p["index"]]) for p in m["content"]]]
+        [m["role"], [(" ".join(p["text"].split()) if p["type"] == "text" else [p["type"], p["index"]]) for p in m["content"]]]
         for m in sample.messages
     ]
     h.update(json.dumps(norm, ensure_ascii=False, separators=(",", ":")).encode())
     for img in sample.images:
         h.update(hashlib.blake2b(img, digest_size=16).digest())
+    for clip in sample.videos:
+        h.update(hashlib.blake2b(clip, digest_size=16).digest())
     return h.digest()
 
 

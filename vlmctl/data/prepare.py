@@ -76,7 +76,12 @@ class PrepareResult:
 
 class ShardWriter:
     """Parquet shards of one split: row groups of up to ROWS_PER_GROUP rows / GROUP_BYTES, files of about
-    `shard_bytes` (a new file starts once the current one passes it)."""
+    `shard_bytes` (a new file starts once the current one passes it).
+
+    Shards get a `videos` column once a sample with videos arrives: the file being written ends there, later files
+    have the column, and at `close` the files written before get it too (null), so every shard of a prepared
+    folder has one schema (`datasets.load_dataset("parquet", ...)` needs that). Image-only data keeps the image-only
+    schema."""
 
     def __init__(self, folder: Path, prefix: str, shard_bytes: int):
         from vlmctl.data.sample import arrow_schema
@@ -88,12 +93,16 @@ class ShardWriter:
         self.writer = None
         self.file_bytes = 0
         self.files: list[str] = []
+        self.without_videos: list[str] = []  # files written before the first video, to get the column at close
         self.samples = 0
         self.bytes = 0
 
     def add(self, sample: Sample) -> None:
+        if sample.videos and "videos" not in self.schema.names:
+            self._start_videos()
         self.rows.append(sample.to_row())
-        self.buffered += sum(len(b) for b in sample.images) + sum(len(t) for t in sample.text_parts()) + 64
+        self.buffered += (sum(len(b) for b in sample.images) + sum(len(b) for b in sample.videos)
+                          + sum(len(t) for t in sample.text_parts()) + 64)
         self.samples += 1
         if len(self.rows) >= ROWS_PER_GROUP or self.buffered >= GROUP_BYTES:
             self._flush()
@@ -103,21 +112,39 @@ class ShardWriter:
 
         name = f"{self.prefix}-{len(self.files):05d}.parquet"
         self.folder.mkdir(parents=True, exist_ok=True)
-        # Image bytes are already compressed (JPEG/PNG/WebP): no codec and no dictionary for them (a dictionary
-        # over 100 KB values costs 10x the write time for nothing); zstd + dictionaries for the text columns.
-        # use_compliant_nested_type=False keeps list fields named "item", so the file's schema is exactly
-        # arrow_schema() when read back (the Parquet-compliant spelling would rename them "element").
-        leaves = _leaf_paths(self.schema)
-        self.writer = pq.ParquetWriter(
-            self.folder / name,
-            self.schema,
-            compression={c: ("none" if c.startswith("images.") else "zstd") for c in leaves},
-            use_dictionary=[c for c in leaves if not c.startswith("images.")],
-            write_statistics=False,
-            use_compliant_nested_type=False,
-        )
+        self.writer = _parquet_writer(self.folder / name, self.schema)
         self.files.append(name)
         self.file_bytes = 0
+
+    def _start_videos(self) -> None:
+        """Switch to the schema with a `videos` column (see the class docstring)."""
+        from vlmctl.data.sample import arrow_schema
+
+        self._flush()
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        self.without_videos = list(self.files)
+        self.schema = arrow_schema(("image", "video"))
+
+    def _add_video_column(self) -> None:
+        """Rewrite the files written before the first video with a null `videos` column (temporary file, then
+        rename)."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        for name in self.without_videos:
+            path = self.folder / name
+            table = pq.read_table(path)
+            # null, as later image-only rows have it (`Sample.from_row` reads both as no videos)
+            table = table.append_column("videos", pa.nulls(table.num_rows, self.schema.field("videos").type)).cast(self.schema)
+            tmp = path.with_name(f".{name}.tmp")
+            writer = _parquet_writer(tmp, self.schema)
+            for group in range(pq.ParquetFile(path).num_row_groups):  # keep the row groups as they were
+                writer.write_table(table.slice(*_group_span(path, group)))
+            writer.close()
+            tmp.replace(path)
+        self.without_videos = []
 
     def _flush(self) -> None:
         import pyarrow as pa
@@ -141,7 +168,36 @@ class ShardWriter:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        self._add_video_column()
         return self.files
+
+
+def _parquet_writer(path: Path, schema):
+    import pyarrow.parquet as pq
+
+    # Image bytes and video clips are already compressed (JPEG/PNG/WebP, Motion JPEG): no codec and no dictionary
+    # for them (a dictionary over 100 KB values costs 10x the write time for nothing); zstd + dictionaries for the
+    # text columns. use_compliant_nested_type=False keeps list fields named "item", so the file's schema is exactly
+    # arrow_schema() when read back (the Parquet-compliant spelling would rename them "element").
+    leaves = _leaf_paths(schema)
+    media = ("images.", "videos.")
+    return pq.ParquetWriter(
+        path,
+        schema,
+        compression={c: ("none" if c.startswith(media) else "zstd") for c in leaves},
+        use_dictionary=[c for c in leaves if not c.startswith(media)],
+        write_statistics=False,
+        use_compliant_nested_type=False,
+    )
+
+
+def _group_span(path: Path, group: int) -> tuple[int, int]:
+    """(first row, rows) of row group `group` of a Parquet file."""
+    import pyarrow.parquet as pq
+
+    meta = pq.ParquetFile(path).metadata
+    start = sum(meta.row_group(g).num_rows for g in range(group))
+    return start, meta.row_group(group).num_rows
 
 
 def _leaf_paths(schema) -> list[str]:
@@ -169,6 +225,7 @@ class Stats:
         self.turns: Counter = Counter()
         self.tokens: Counter = Counter()
         self.conversions: Counter = Counter()
+        self.video = VideoStats()
 
     def add(self, sample: Sample, info) -> None:
         self.widths.update(info.widths)
@@ -179,6 +236,50 @@ class Stats:
         self.conversions.update(c.split(",")[0] for c in info.conversions)
         if sample.num_tokens is not None:
             self.tokens[sample.num_tokens] += 1
+        self.video.add(sample, info)
+
+
+class VideoStats:
+    """Value counters of the kept videos: per sample, frames, seconds (0.1 s bins), frame sizes and placeholder
+    tokens per clip (when counted)."""
+
+    def __init__(self):
+        self.per_sample: Counter = Counter()
+        self.frames: Counter = Counter()
+        self.seconds: Counter = Counter()
+        self.widths: Counter = Counter()
+        self.heights: Counter = Counter()
+        self.tokens: Counter = Counter()
+        self.kept_as_is = 0
+
+    def add(self, sample: Sample, info) -> None:
+        videos = getattr(info, "videos", [])
+        self.per_sample[len(videos)] += 1
+        for v in videos:
+            self.frames[v.frames] += 1
+            self.seconds[round(v.seconds, 1)] += 1
+            self.widths[v.width] += 1
+            self.heights[v.height] += 1
+            self.kept_as_is += not v.converted
+        self.tokens.update(sample.media_tokens.get("video", []))
+
+    def section(self, video) -> dict[str, Any] | None:
+        """The manifest's `videos` (None when no sample has one); `video` is `data.video`."""
+        count = sum(self.frames.values())
+        if not count:
+            return None
+        return {
+            "count": count,
+            "per_sample": summarize(self.per_sample),
+            "frames": summarize(self.frames),
+            "seconds": summarize(self.seconds),
+            "width": summarize(self.widths),
+            "height": summarize(self.heights),
+            "tokens_per_clip": summarize(self.tokens),
+            "stored": "sampled frames as Motion JPEG in Matroska (docs/formats.md, Video)",
+            "kept_as_is": self.kept_as_is,
+            "settings": video.model_dump(),
+        }
 
 
 def summarize(counter: Counter) -> dict[str, Any] | None:
@@ -568,6 +669,7 @@ def _run(data: DataSection, results: Results, sources, tmp: Path, etmp: Path | N
             "height": summarize(stats.heights),
             "converted": dict(sorted(stats.conversions.items())),
         },
+        "videos": stats.video.section(data.video),
         "text": {"chars": summarize(stats.text_chars), "turns": summarize(stats.turns)},
         "tokens": _token_section(stats, data, counts),
         "export": export,

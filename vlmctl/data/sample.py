@@ -16,8 +16,8 @@ A sample is a conversation plus its media parts, by modality::
     sample.media == {"image": [b"\\xff\\xd8..."]}   # the same parts, by modality
 
 Roles are `system|user|assistant`; content parts are `{"type": "text", "text": str}` or
-`{"type": <modality>, "index": int}` with a modality of `MODALITIES` (an index into `media[<modality>]`; today
-readers produce `image` parts only). This is the same shape as transformers' chat templates' content parts, so
+`{"type": <modality>, "index": int}` with a modality of `MODALITIES` (an index into `media[<modality>]`; readers
+produce `image` and `video` parts). This is the same shape as transformers' chat templates' content parts, so
 `processor.apply_chat_template` can render it after the media are attached. `Sample(images=...)`,
 `Sample(videos=...)`, `Sample(audios=...)` and `Sample(media={...})` build the same thing; `sample.images` is
 `sample.media["image"]`.
@@ -26,6 +26,8 @@ Prepared shards store one row per sample with the Arrow schema of `arrow_schema(
 (`MEDIA_COLUMNS`: `images`, `videos`, `audios`) of `{bytes, path}` structs. `images` is always there and uses the
 layout of `datasets.Image`, so `datasets.load_dataset("parquet", ...)` decodes images to PIL; the `videos` and
 `audios` columns are optional (shards without them read as having none) and are written only when asked for.
+Video parts are stored clips after the checks (`vlmctl.data.modalities.video.normalize_video`: the sampled frames as
+Motion JPEG in Matroska), references before.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class Sample:
     meta: dict[str, Any]
     num_tokens: int | None  # text + media tokens under the project's processor, when known
     location: str = field(compare=False)  # where it was read (file:line, shard:key); not stored in shards
+    media_tokens: dict[str, list[int]] = field(compare=False)  # placeholder tokens per part, by modality, when counted; not stored
 
     def __init__(self, id: str, messages: list[dict[str, Any]], images: list[Any] | None = None, source: str = "",
                  meta: dict[str, Any] | None = None, num_tokens: int | None = None, location: str = "", *,
@@ -73,6 +76,7 @@ class Sample:
         self.meta = {} if meta is None else meta
         self.num_tokens = num_tokens
         self.location = location
+        self.media_tokens = {}
         parts = dict(media or {})
         for name, given in (("image", images), ("video", videos), ("audio", audios)):
             if given is not None:

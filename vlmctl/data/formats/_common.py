@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from vlmctl.config.data import DataSource
-from vlmctl.data.checks import Rejection, RecordError, build_sample
+from vlmctl.data.checks import PART_TYPES, Rejection, RecordError, build_sample
 from vlmctl.data.formats._json import JsonParseError, read_json
 from vlmctl.data.images import MediaRoots, MissingRef, resolve_ref
 from vlmctl.data.sample import Sample
@@ -108,9 +108,9 @@ def as_list(value: Any) -> list[Any]:
 
 
 def image_ref(value: Any, base: Path | MediaRoots) -> Any:
-    """A reference (bytes, Path or MissingRef) from a path/URL string, raw bytes, a `{bytes, path}` dict or a
-    `{url}` dict; paths are confined to `base` when it is a MediaRoots (see `images.resolve_ref`). Raises
-    RecordError for anything else."""
+    """A media reference (bytes, Path or MissingRef) from a path/URL string, raw bytes, a `{bytes, path}` dict or a
+    `{url}` dict; paths are confined to `base` when it is a MediaRoots (see `images.resolve_ref`). Used for images
+    and videos alike. Raises RecordError for anything else."""
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value)
     if isinstance(value, str):
@@ -120,10 +120,10 @@ def image_ref(value: Any, base: Path | MediaRoots) -> Any:
     if isinstance(value, dict):
         if value.get("bytes"):
             return bytes(value["bytes"])
-        for key in ("url", "path", "image_url", "image"):
+        for key in ("url", "path", "image_url", "image", "video_url", "video"):
             if value.get(key):
                 return image_ref(value[key], base)
-        raise RecordError(f"image entry {sorted(value)} has no bytes, path or url")
+        raise RecordError(f"media entry {sorted(value)} has no bytes, path or url")
     if hasattr(value, "save") and hasattr(value, "mode"):  # a PIL image (decoded datasets rows)
         import io
 
@@ -156,13 +156,20 @@ def turns_of(record: dict[str, Any], keys: Iterable[str]) -> list[tuple[Any, Any
     return turns
 
 
+PART_REF_KEYS = {"image": ("image", "image_url", "url", "path", "value", "bytes"),
+                 "video": ("video", "video_url", "url", "path", "value", "bytes")}
+"""Keys holding the reference of an explicit media part, by modality (OpenAI `image_url`: a string or `{url}`;
+vLLM's `video_url` likewise; transformers' chat templates: `image` / `video` / `url` / `path`)."""
+
+
 def part_ref(part: dict[str, Any], base: Path | MediaRoots) -> Any:
-    """The image reference of an explicit image part (`image`, `image_url` (str or {url}), `url`, `path`, `value`),
-    or None for a part without one."""
-    for key in ("image", "image_url", "url", "path", "value", "bytes"):
+    """The media reference of an explicit image or video part (`checks.PART_TYPES`; keys `PART_REF_KEYS`), or None
+    for a part without one."""
+    kind = PART_TYPES.get(part.get("type") or "", "video" if any(k in part for k in ("video", "video_url")) else "image")
+    for key in PART_REF_KEYS[kind]:
         if part.get(key) is not None:
             return image_ref(part[key], base)
-    return None  # a placeholder part: it takes the next image of the record's `images`
+    return None  # a placeholder part: it takes the next part of its modality in the record's `images` / `videos`
 
 
 def iter_json_source(source: DataSource, suffixes: tuple[str, ...] = (".json", ".jsonl", ".ndjson")) -> Iterator[tuple[Path, str, Any] | Rejection]:
@@ -186,11 +193,15 @@ def read_conversation_json(
     *,
     turn_keys: tuple[str, ...],
     image_keys: tuple[str, ...],
+    video_keys: tuple[str, ...] = ("videos", "video"),
     system_key: str | None = None,
     extra_roots: Iterable[Path | str] = (),
+    image_placeholder_for_video: bool = False,
 ) -> Iterator[Sample | Rejection]:
     """Shared reader of the llava / sharegpt / messages layouts (they differ only in key spelling).
-    `extra_roots`: more folders image paths may resolve into (`data.media_roots`)."""
+    `image_keys` / `video_keys`: the record keys listing its images / videos (the first present one counts);
+    `extra_roots`: more folders media paths may resolve into (`data.media_roots`);
+    `image_placeholder_for_video`: see `checks.build_sample`."""
     name = source_name(source)
     count = 0
     roots_of: dict[Path, MediaRoots] = {}
@@ -211,20 +222,27 @@ def read_conversation_json(
             turns = turns_of(record, turn_keys)
             if system_key and isinstance(record.get(system_key), str) and record[system_key].strip():
                 turns.insert(0, ("system", record[system_key]))
-            images: list[Any] = []
-            for key in image_keys:
-                if record.get(key) is not None:
-                    images = [image_ref(v, roots) for v in as_list(record[key])]
-                    break
+            images = _listed(record, image_keys, roots)
+            videos = _listed(record, video_keys, roots)
         except RecordError as exc:
             yield Rejection("parse_error", name, location, str(exc), sid)
             continue
         yield build_sample(
             turns,
             images=images,
+            videos=videos,
             id=sid,
             source=name,
             location=location,
             meta=extract_meta(record),
             resolve_part=lambda part, roots=roots: part_ref(part, roots),
+            image_placeholder_for_video=image_placeholder_for_video,
         )
+
+
+def _listed(record: dict[str, Any], keys: tuple[str, ...], roots: MediaRoots) -> list[Any]:
+    """References of the first of `keys` the record has (a list or a single value); [] when none."""
+    for key in keys:
+        if record.get(key) is not None:
+            return [image_ref(v, roots) for v in as_list(record[key])]
+    return []

@@ -5,10 +5,17 @@
                                               {"type": "text", "text": "What is this?"}]},
                   {"role": "assistant", "content": "A cat."}]}
 
-`content` is a string or a list of parts. A text part holds `text` or `value`; an image part (`type` image or
-image_url) holds `image`, `image_url` (a string or `{"url": ...}`), `value` or `path`. Image references are paths
-(relative to `image_root`, default the file's folder), `file://` URLs or base64 `data:` URLs (RFC 2397).
-String contents may also use `<image>` placeholders with a top-level `images` list.
+`content` is a string or a list of parts. A text part holds `text` or `value`; an image part (`type` image,
+image_url or input_image) holds `image`, `image_url` (a string or `{"url": ...}`), `value` or `path`; a video part
+(`type` video, video_url as vLLM's OpenAI-compatible server takes it, or input_video) holds `video`, `video_url` (a
+string or `{"url": ...}`), `url`, `value` or `path`:
+
+    {"type": "video_url", "video_url": {"url": "clips/1.mp4"}}      {"type": "video", "video": "clips/1.mp4"}
+
+Media references are paths (relative to `image_root`, default the file's folder), `file://` URLs or base64 `data:`
+URLs (RFC 2397). String contents may also use `<image>` / `<video>` placeholders with top-level `images` / `videos`
+lists, and a part without a reference (`{"type": "video"}`, the transformers chat-template style) takes the next
+listed one.
 """
 
 from __future__ import annotations
@@ -24,4 +31,5 @@ from vlmctl.data.sample import Sample
 
 def read_messages(source: DataSource, *, media_roots: Iterable[Path | str] = ()) -> Iterator[Sample | Rejection]:
     """Stream unchecked samples and parse errors of an OpenAI-messages source."""
-    return read_conversation_json(source, turn_keys=("messages",), image_keys=("images",), system_key="system", extra_roots=media_roots)
+    return read_conversation_json(source, turn_keys=("messages",), image_keys=("images",), video_keys=("videos",),
+                                  system_key="system", extra_roots=media_roots)

@@ -7,6 +7,7 @@ files. Logical columns and their default physical names (override with the sourc
 | logical | default column(s) | content |
 |---|---|---|
 | `images` | `images`, `image` | a list of (or one) `{bytes, path}` struct, raw bytes or a path string |
+| `videos` | `videos`, `video` | the same for video files (vlmctl's prepared shards: stored clips, see docs/formats.md) |
 | `texts` | `texts` | the_cauldron layout: `[{user, assistant}]`, one entry per turn pair |
 | `messages` | `messages`, `conversations` | role/content or from/value turns; content parts may reference images |
 | `question`, `answer` | `question`, `answer` | single-turn VQA |
@@ -16,7 +17,7 @@ files. Logical columns and their default physical names (override with the sourc
 | `id` | `id` | sample id (default: `{source}-{row}`) |
 
 One of `messages`, `texts` or `question` must exist. vlmctl's own prepared shards use the `messages` + `images`
-layout, so a prepared folder reads back with this reader.
+(+ `videos`) layout, so a prepared folder reads back with this reader.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from vlmctl.data.images import MediaRoots
 from vlmctl.data.sample import Sample
 from vlmctl.errors import DataError
 
-LOGICAL = ("id", "images", "texts", "messages", "question", "answer", "answers", "options", "question_type", "system", "meta")
-ALTERNATIVES = {"images": ("images", "image"), "messages": ("messages", "conversations"), "options": ("options", "choices")}
+LOGICAL = ("id", "images", "videos", "texts", "messages", "question", "answer", "answers", "options", "question_type", "system", "meta")
+ALTERNATIVES = {"images": ("images", "image"), "videos": ("videos", "video"), "messages": ("messages", "conversations"), "options": ("options", "choices")}
 BATCH_ROWS = 64
 
 
@@ -77,6 +78,7 @@ def row_to_sample(row: dict[str, Any], cols: dict[str, str], *, name: str, locat
     meta: dict[str, Any] = {}
     try:
         images = [image_ref(v, base) for v in as_list(row.get(cols["images"])) if v is not None] if "images" in cols else []
+        videos = [image_ref(v, base) for v in as_list(row.get(cols["videos"])) if v is not None] if "videos" in cols else []
         for key in ("answers", "options", "question_type"):
             if key in cols and row.get(cols[key]) is not None:
                 meta[key] = row[cols[key]]
@@ -110,7 +112,7 @@ def row_to_sample(row: dict[str, Any], cols: dict[str, str], *, name: str, locat
             turns.insert(0, ("system", row[cols["system"]]))
     except (RecordError, json.JSONDecodeError, TypeError, ValueError) as exc:
         return Rejection("parse_error", name, location, str(exc), sid)
-    return build_sample(turns, images=images, id=sid, source=name, location=location, meta=meta)
+    return build_sample(turns, images=images, videos=videos, id=sid, source=name, location=location, meta=meta)
 
 
 def _arrow_files(path: Path, split: str) -> list[Path]:

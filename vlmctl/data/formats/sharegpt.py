@@ -4,9 +4,11 @@ A JSON list or JSONL of::
 
     {"messages": [{"role": "user", "content": "<image>Who are they?"}, {"role": "assistant", "content": "..."}],
      "images": ["mllm_demo_data/1.jpg"], "system": "optional system prompt"}
+    {"messages": [{"role": "user", "content": "<video>Why is this video funny?"}, {"role": "assistant", "content": "..."}],
+     "videos": ["mllm_demo_data/1.mp4"]}                              (LLaMA-Factory's mllm_video_demo.json)
 
-also spelled `conversations` / `from` / `value` (roles human/gpt). One `<image>` per listed image, in order; the
-same file may be listed twice when two placeholders show the same picture.
+also spelled `conversations` / `from` / `value` (roles human/gpt). One `<image>` per listed image and one `<video>`
+per listed video, in order; the same file may be listed twice when two placeholders show the same picture.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from vlmctl.data.sample import Sample
 def read_sharegpt(source: DataSource, *, media_roots: Iterable[Path | str] = ()) -> Iterator[Sample | Rejection]:
     """Stream unchecked samples and parse errors of a ShareGPT source."""
     return read_conversation_json(
-        source, turn_keys=("messages", "conversations"), image_keys=("images", "image"), system_key="system",
+        source, turn_keys=("messages", "conversations"), image_keys=("images", "image"), video_keys=("videos", "video"),
+        system_key="system",
         extra_roots=media_roots,
     )

@@ -2,12 +2,13 @@
 
     unit = get_unit("image")
     pil = unit.decode(sample.media["image"])                  # bytes -> processor inputs
+    kwargs = unit.processor_inputs(sample.media["image"])     # {"images": [...]} for the processor call
     n = unit.num_tokens(sample.images[0], family, processor)  # visual tokens, from the family spec
-    units = units_for(family)                                 # the modalities a family takes ([image] today)
+    units = units_for(family)                                 # the modalities a family takes
 
-Registered: `image` (`image.ImageUnit`). Slots ready in `vlmctl.data.sample.MODALITIES` for:
-- `video`: ShareGPT `videos` and `<video>` placeholders, frames decoded with PyAV or torchcodec, the processor's
-  `videos=` (Qwen-VL: `pixel_values_videos`, `video_grid_thw`);
+Registered: `image` (`image.ImageUnit`) and `video` (`video.VideoUnit`: clips decoded with PyAV, the processor's
+`videos=`; Qwen-VL: `pixel_values_videos`, `video_grid_thw`, `second_per_grid_ts`). A slot is ready in
+`vlmctl.data.sample.MODALITIES` for:
 - `audio`: ShareGPT `audios` and `<audio>` placeholders, waveforms decoded with soundfile, the processor's
   `audio=` (`input_features`, `feature_attention_mask`).
 A new unit subclasses `base.ModalityUnit` and is added to `UNITS`; samples with parts of a modality that has no
@@ -20,10 +21,11 @@ from typing import Any
 
 from vlmctl.data.modalities.base import ModalityUnit, placeholder_token_ids
 from vlmctl.data.modalities.image import ImageUnit
+from vlmctl.data.modalities.video import VideoUnit
 from vlmctl.data.sample import MODALITIES
 from vlmctl.errors import DataError
 
-UNITS: dict[str, ModalityUnit] = {"image": ImageUnit()}
+UNITS: dict[str, ModalityUnit] = {"image": ImageUnit(), "video": VideoUnit()}
 """Modality name -> unit, in the order of `MODALITIES`."""
 
 
@@ -52,4 +54,4 @@ def media_token_ids(processor: Any) -> set[int]:
     return ids
 
 
-__all__ = ["UNITS", "ImageUnit", "ModalityUnit", "get_unit", "media_token_ids", "placeholder_token_ids", "units_for"]
+__all__ = ["UNITS", "ImageUnit", "ModalityUnit", "VideoUnit", "get_unit", "media_token_ids", "placeholder_token_ids", "units_for"]

@@ -35,12 +35,14 @@ class ModalityUnit(ABC):
 
     Class attributes: `name` (the content-part type `{"type": name, "index": i}` and the key of `Sample.media`),
     `processor_kwarg` (the processor call's keyword its decoded parts go to, e.g. `images`), `catch_all` (True for
-    the one unit that owns the processor outputs no other unit claims, see `owns`).
+    the one unit that owns the processor outputs no other unit claims, see `owns`), `encoder` (the model part its
+    inputs run through: units sharing one need one dummy input between them, see `vlmctl.data.collate`).
     """
 
     name: str
     processor_kwarg: str
     catch_all: bool = False
+    encoder: str = "vision"
 
     @property
     def column(self) -> str:
@@ -52,9 +54,15 @@ class ModalityUnit(ABC):
         """The batch counter of its dummy rows (`num_dummy_images`)."""
         return f"num_dummy_{self.column}"
 
-    def template_part(self) -> dict[str, Any]:
-        """Its content part in transformers' chat-template form (`{"type": "image"}`)."""
+    def template_part(self, processor: Any = None, family: Any = None) -> dict[str, Any]:
+        """Its content part in transformers' chat-template form (`{"type": "image"}`). `processor` / `family`: for
+        units that write their prompt as text (see `VideoUnit`)."""
         return {"type": self.name}
+
+    def processor_inputs(self, parts: list[bytes]) -> dict[str, Any]:
+        """Keyword arguments of the processor call for encoded `parts`: `{processor_kwarg: decode(parts)}`, plus
+        whatever else the modality needs (the video unit adds `video_metadata`)."""
+        return {self.processor_kwarg: self.decode(parts)}
 
     def accepted_by(self, family: Any) -> bool:
         """True when `family` takes this modality: it is a key of the spec's `modalities` map (modality ->
