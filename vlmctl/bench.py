@@ -50,6 +50,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from vlmctl.train import autotune
+
 DEFAULT_PEAK = 989e12  # H100/H200 SXM dense bf16: the reference for devices without a data-sheet figure (CPUs)
 WORKLOADS = ("auto", "chat", "baseline")
 RARE_FIT = 0.01  # when fewer than this fraction of the drawn chat samples fit a packed row, stop drawing (usage error)
@@ -142,6 +144,7 @@ class BenchResult:
     packing: bool = True  # packed rows, else padded micro-batches
     adapter: str = "none"  # none | lora | qlora-4bit | qlora-8bit
     stage: str = ""
+    settings: str = ""  # strategy, batch size, activation checkpointing, master weights (and what auto chose)
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -522,8 +525,8 @@ def prepare(model_section, train, spec: WorkloadSpec = WorkloadSpec(), *, steps:
     packing = bool(train.packing and model.family.supports_packing)
     for key, value in (("tokens_per_batch", token_budget(train)) if packing else ("micro_batch_size", micro_batch(train)),
                        ("activation_checkpointing", "off")):
-        if getattr(train, key, None) == "auto":  # training settles these by a probe in GPU memory; bench runs none
-            log(f"train.{key}=auto reads as {value} (bench runs no memory probe)")
+        if getattr(train, key, None) == "auto" and not autotune.can_probe(train, _device()):
+            log(f"train.{key}=auto reads as {value} here (no memory probe without a GPU and ddp/fsdp)")
     if check_device:
         check_device_settings(train, model.family, packing=packing, nproc=dp_size)
     kind = spec.kind
@@ -621,12 +624,19 @@ def run_bench(model_section, train_section, *, steps: int = 20, warmup: int = 3,
                        dp_size=world, log=log if world == 1 else None)
     try:
         ctx = setup_run(train_section)
+        autotune.settle_without_probe(train_section, ctx.env.device)  # CPU, DeepSpeed: training's fixed values
         with tempfile.TemporaryDirectory(prefix="vlmctl-bench-model-") as tmp:
             return _run_bench(plan, model_section, train_section, ctx, steps=steps, warmup=warmup, log=log,
                               setup=setup, scratch=Path(scratch or tmp))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _device():
+    import torch
+
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _world_size() -> int:
@@ -686,17 +696,63 @@ def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log
         setup(tm.model)
     if dims.dp_size != plan.dp_size:  # planned for another world size (a caller's own plan): plan again
         plan = replace(plan, dp_size=dims.dp_size)
+    wrapped = wrap_model(tm, train, ctx, total_steps)
+    choice = None
+    if autotune.wants(train):  # as `vlmctl train` does on a GPU: probe, then plan the workload at the chosen size
+        choice = probe_auto(plan, tm, train, ctx, wrapped.stepper, log)
+        plan = prepare(model_section, train, plan.spec, steps=steps, warmup=warmup, check_device=False,
+                       dp_size=dims.dp_size)
     collator = (PackedCollator(tm.processor, tm.family, tokens_per_batch=token_budget(train)) if plan.packing
                 else Collator(tm.processor, tm.family))
     batches = [plan.workload.batch(indices, collator) for indices in plan_batches(plan, train, dp_rank=dims.dp_rank)]
-    wrapped = wrap_model(tm, train, ctx, total_steps)
     trainer = Trainer(stepper=wrapped.stepper, batches=prefetch(iter(batches), tm.prepare), env=env, state=TrainState(),
                       total_steps=total_steps, grad_accum=train.gradient_accumulation_steps, batches_per_epoch=len(batches),
                       save_steps=1 << 30, logging_steps=1 << 30, max_bad_steps=total_steps, save=None, log=None,
                       progress=None, flops_of=tm.cost_model.batch_flops, dp_group=dims.dp_group)
     labels = {"name": plan.model.name, "workload": plan.spec.kind, "packing": plan.packing, "adapter": plan.adapter,
               "stage": train.stage}
-    return _measure(trainer, labels, train, ctx, steps=steps, warmup=warmup, log=log)
+    result = _measure(trainer, labels, train, ctx, steps=steps, warmup=warmup, log=log)
+    result.settings = settings_line(train, choice)
+    return result
+
+
+def probe_auto(plan: BenchPlan, tm, train, ctx, stepper, log):
+    """Settle `auto` batch size and activation checkpointing by training's own probe (`vlmctl.train.autotune.probe`)
+    on rows of the bench's workload (its longest samples first). Returns the Choice, applied to `train`."""
+    import numpy as np
+
+    from vlmctl.data.collate import Collator, PackedCollator
+
+    lengths = np.asarray(plan.workload.lengths)
+
+    def make(indices):
+        size = int(lengths[indices].sum())
+        collator = (PackedCollator(tm.processor, tm.family, tokens_per_batch=max(size, 1)) if plan.packing
+                    else Collator(tm.processor, tm.family))
+        batch = plan.workload.batch(indices, collator)
+        return tm.prepare(batch) if tm.prepare is not None else batch
+
+    main = ctx.env.is_main
+    choice = autotune.probe(train, stepper=stepper, layer_groups=[tm.parts.decoder_layers, tm.parts.vision_layers],
+                            rows=autotune.probe_rows(lengths, make, packing=plan.packing), device=ctx.env.device,
+                            lengths=lengths, dp_size=ctx.dims.dp_size, stored_bytes=ctx.stored.itemsize,
+                            group=ctx.dims.dp_group, log=log if main else (lambda m: None))
+    applied = choice.apply(train)
+    if main:
+        log(autotune.summary(choice, applied))
+    return choice
+
+
+def settings_line(train, choice) -> str:
+    """What was measured, in one line: strategy, batch size, activation checkpointing, master weights (and why,
+    when `auto` chose them)."""
+    from vlmctl.train.checkpointing import describe
+
+    size = f"{token_budget(train)} tokens per row" if train.packing else f"micro-batch {micro_batch(train)}"
+    why = f" [auto: {choice.reason}]" if choice is not None else ""
+    ac = train.activation_checkpointing
+    return (f"{train.strategy}, {size}, activation checkpointing {describe(ac if ac != 'auto' else 'off')}, "
+            f"{train.master_weights} master weights{why}")
 
 
 def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup: int, log) -> BenchResult:

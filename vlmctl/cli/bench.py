@@ -21,12 +21,15 @@ def bench(
     text_tokens: Annotated[str, typer.Option("--text-tokens", help="Range of text tokens per sample (the answer's in the chat workload), MIN,MAX.")] = "64,1536",
     workload: Annotated[str, typer.Option("--workload", help="chat (processor + chat template + the trainer's collator), baseline (the Qwen-VL baseline's packed samples) or auto (baseline for Qwen-VL with packing, else chat).")] = "auto",
     nproc_per_node: Annotated[Optional[str], typer.Option("--nproc-per-node", help="Processes (GPUs), or auto; more than one runs through torchrun.")] = None,
+    auto: Annotated[bool, typer.Option("--auto", help="Batch size and activation checkpointing as `auto` (whatever the config says): shows what training's start-up probe picks here, and why.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Run N training steps of the configured model, stage, adapters (LoRA/QLoRA), strategy and kernels (the trainer's
     own step) on synthetic data, packed or padded as training batches it, and report tokens/s (text and visual, all
     GPUs and per GPU), MFU with ViT FLOPs, step time, peak memory."""
-    cfg = load_project(config, [*(overrides or []), *([f"train.nproc_per_node={nproc_per_node}"] if nproc_per_node else [])])
+    auto_keys = ["train.tokens_per_batch=auto", "train.micro_batch_size=auto", "train.activation_checkpointing=auto"] if auto else []
+    cfg = load_project(config, [*(overrides or []), *auto_keys,
+                                *([f"train.nproc_per_node={nproc_per_node}"] if nproc_per_node else [])])
     from vlmctl.bench import WorkloadSpec, benchmark
 
     spec = WorkloadSpec.from_flags(image_sizes, text_tokens, workload)
@@ -56,4 +59,5 @@ def bench(
         ("peak memory", f"{result.peak_memory_gib:.1f} GiB"),
     ]:
         table.add_row(label, value)
+    table.add_row("settings", result.settings)
     console.print(table)

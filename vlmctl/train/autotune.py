@@ -82,7 +82,7 @@ def wants(train) -> set[str]:
 
 def can_probe(train, device) -> bool:
     """True on a CUDA device with a torch strategy (ddp/fsdp): DeepSpeed accumulates gradients inside its engine."""
-    return device.type == "cuda" and train.strategy in ("ddp", "fsdp")
+    return device.type == "cuda" and train.strategy in ("auto", "ddp", "fsdp")  # auto: fsdp or ddp on a GPU
 
 
 def fixed_choice(train, device) -> Choice:

@@ -464,7 +464,7 @@ def setup_run(train) -> RunContext:
 
     train.strategy = resolve_strategy(train.strategy, torch.cuda.is_available(), quantized(train))
     env = init_distributed(deepspeed=train.strategy in DEEPSPEED)
-    dims = ParallelDims.for_strategy(train.strategy, env.world_size)
+    dims = ParallelDims.for_strategy(train.strategy, env.world_size, sharding=train.fsdp_sharding)
     dims.build_mesh(env.device.type)
     seed_everything(train.seed)
     dtype = resolve_dtype(train.precision, env.device)
