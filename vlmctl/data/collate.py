@@ -20,7 +20,10 @@ owns some of the processor's outputs and batches them, and gives the dummy input
 Family-specific inputs are whatever the processor returns besides `input_ids`/`attention_mask`: per-token tensors
 (Qwen-VL's `mm_token_type_ids`) are padded like `input_ids`; media tensors are batched by their unit (images:
 `pixel_values`, `image_grid_thw`, ... concatenated along dim 0, or stacked per sample for processors that return
-[1, N_images, ...] such as Idefics3). What differs per family comes from the family spec, never from its name.
+[1, N_images, ...] such as Idefics3; videos: `pixel_values_videos` [patches, C*t*p*p], `video_grid_thw` [N, 3],
+`second_per_grid_ts` [N] concatenated along dim 0). Videos are decoded stored clips (frames [T, H, W, 3] uint8)
+passed with their metadata, written into the text as the family's video prompt. What differs per family comes
+from the family spec, never from its name.
 """
 
 from __future__ import annotations
@@ -71,13 +74,13 @@ class Encoded:
         return self.media_counts.get("image", 0)
 
 
-def template_media(sample: Sample) -> tuple[list[dict], dict[str, list[bytes]]]:
+def template_media(sample: Sample, processor: Any = None, family: Any = None) -> tuple[list[dict], dict[str, list[bytes]]]:
     """The sample's messages in transformers' chat-template form, and its media bytes per modality in order of
     appearance.
 
-    A media part becomes its unit's template part (`{"type": "image"}`); a part used twice is passed twice
-    (processors consume one input per placeholder). Raises DataError for an index out of range or a modality
-    without a unit.
+    A media part becomes its unit's template part (`{"type": "image"}`; a video, with a `processor`, the family's
+    video prompt as text: `VideoUnit.template_part`); a part used twice is passed twice (processors consume one
+    input per placeholder). Raises DataError for an index out of range or a modality without a unit.
     """
     messages, media = [], {}
     for m in sample.messages:
@@ -93,7 +96,7 @@ def template_media(sample: Sample) -> tuple[list[dict], dict[str, list[bytes]]]:
             if not 0 <= idx < len(stored):
                 raise DataError(f"sample {sample.id!r}: {kind} part points at {kind} {idx}, but the sample has {len(stored)}",
                                 hint=f"re-run `vlmctl data prepare`; prepared samples keep {kind} indices in range")
-            parts.append(unit.template_part())
+            parts.append(unit.template_part(processor, family))
             media.setdefault(kind, []).append(stored[idx])
         messages.append({"role": m["role"], "content": parts})
     return messages, media
@@ -142,8 +145,12 @@ def image_token_ids(processor) -> set[int]:
 
 
 def _media_kwargs(media: dict[str, list[bytes]]) -> dict[str, Any]:
-    # processor keyword -> decoded parts, for the modalities present
-    return {get_unit(kind).processor_kwarg: get_unit(kind).decode(parts) for kind, parts in media.items() if parts}
+    # the processor call's keywords for the modalities present (decoded parts, and e.g. videos' metadata)
+    kwargs: dict[str, Any] = {}
+    for kind, parts in media.items():
+        if parts:
+            kwargs.update(get_unit(kind).processor_inputs(parts))
+    return kwargs
 
 
 def encode_sample(sample: Sample, processor, family: Any = None, max_length: int | None = None) -> Encoded:
@@ -155,7 +162,7 @@ def encode_sample(sample: Sample, processor, family: Any = None, max_length: int
     """
     import torch
 
-    messages, media = template_media(sample)
+    messages, media = template_media(sample, processor, family)
     text, spans = assistant_spans(messages, processor)
     proc_out = processor(text=[text], **_media_kwargs(media), return_tensors="pt", add_special_tokens=False)
     if hasattr(family, "processor_outputs"):  # the family's layout for batching (e.g. padded anyres tiles dropped)
@@ -325,11 +332,14 @@ class Collator:
     def with_dummies(self, rows: list[Encoded], *, never_empty: bool = False) -> tuple[list[Encoded], dict[str, int]]:
         """`rows` plus one dummy row (see `dummy_row`) per modality of the family that no row has, and the
         dummy counters ({`num_dummy_images`: 0 or 1, ...}). `never_empty`: an empty `rows` gets the dummy rows
-        even with `dummy_image=False` (a packed micro-batch must still run one forward pass)."""
+        even with `dummy_image=False` (a packed micro-batch must still run one forward pass). Units sharing an
+        encoder (`ModalityUnit.encoder`: images and videos run the same vision tower) need no dummy when a row has
+        parts of any of them."""
         counts = {u.dummy_counter: 0 for u in UNITS.values()}
         extra = []
         for unit in self.units:
-            needed = (self.dummy_image and not any(r.media_counts.get(unit.name) for r in rows)) or (never_empty and not rows)
+            sharing = [u.name for u in self.units if u.encoder == unit.encoder]
+            needed = (self.dummy_image and not any(r.media_counts.get(name) for r in rows for name in sharing)) or (never_empty and not rows)
             if needed and unit.name not in self._dummies and unit.dummy_input(self.processor) is not None:
                 self._dummies[unit.name] = dummy_row(unit, self.processor, self.family)
             counts[unit.dummy_counter] = int(needed and unit.name in self._dummies)
@@ -378,8 +388,8 @@ class PackedCollator(Collator):
 
     The bins are planned on known lengths (the shards' `num_tokens`); a sample whose encoded length no longer fits
     (the processor changed since `data prepare`) is left out of the row and counted in `self.dropped` with a warning.
-    A row without images gets the dummy image as one more zero-label sample (see `dummy_row`); so does an
-    empty row, so every rank still runs one forward pass per micro-batch.
+    A row without images or videos gets the dummy image as one more zero-label sample (see `dummy_row`); so does
+    an empty row, so every rank still runs one forward pass per micro-batch.
     """
 
     def __init__(self, processor, family: Any = None, max_length: int | None = None, *, tokens_per_batch: int,

@@ -4,8 +4,11 @@
     n = counter.count(sample, sizes=[(640, 480)])          # tokens
 
 Text tokens: the conversation rendered with the processor's chat template (so template tokens count), tokenized
-without extra special tokens. Each image's placeholder token in that text is replaced by the family's number of
-visual tokens for the image's size:
+without extra special tokens; a video part is rendered as the family's video prompt (as the collator writes it,
+`vlmctl.data.modalities.video.VideoUnit`). Each video's placeholder token is replaced by the family's video-token
+count for its stored clip (`FamilySpec.num_video_tokens(frames, width, height, processor)`, frames and size read
+from the clip's header), and each image's placeholder token by the family's number of visual tokens for the
+image's size:
 1. `vlmctl.families.get_family(name).num_visual_tokens(width, height, processor)` when the model folder's
    `vlmctl_model.json` names a registered family;
 2. else the processor's own `_get_num_multimodal_tokens(image_sizes=...)` (transformers processors);
@@ -55,6 +58,8 @@ class TokenCounter:
         token = getattr(processor, "image_token", None) or getattr(self.tokenizer, "image_token", None) or "<image>"
         self.image_token = token
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(token)
+        video = self._video_prompt_token(getattr(processor, "video_token", None) or getattr(self.tokenizer, "video_token", None))
+        self.video_prompt, self.video_token_id = video[0], (self.tokenizer.convert_tokens_to_ids(video[1]) if video[1] else None)
         has_template = bool(getattr(processor, "chat_template", None) or getattr(self.tokenizer, "chat_template", None))
         self._apply_template: Callable[[list[dict]], str] | None = (
             (lambda messages: self.processor.apply_chat_template(messages, tokenize=False)) if has_template else None
@@ -144,10 +149,32 @@ class TokenCounter:
             settings.get("image_token") or _content(tok_config.get("image_token")) or self._family.image_token)
         self.image_token = token
         self.image_token_id = tokenizer.token_to_id(token)
+        self.video_prompt, video_token = self._video_prompt_token(None)
+        self.video_token_id = tokenizer.token_to_id(video_token) if video_token else None
         specials = {k: _content(v) for k, v in tok_config.items() if k.endswith("_token") and _content(v) is not None}
         self._apply_template = _template_renderer(template, specials) if template else None
         self._encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids
         return self
+
+    def _video_prompt_token(self, processor_token: str | None) -> tuple[str | None, str | None]:
+        """(what a video part renders as, the placeholder token the processor expands): the family's video prompt
+        and token when it takes videos, else the processor's video token (both None without one)."""
+        table = getattr(self._family, "modalities", None) or {}
+        if "video" in table:
+            return self._family.prompt("video"), table["video"]
+        return processor_token, processor_token
+
+    def video_tokens(self, data: bytes) -> int:
+        """Placeholder tokens of one stored clip (`normalize_video` bytes) under the family's video-token rule.
+        Raises ModelError when the family has none, DataError for a folder without a family."""
+        from vlmctl.data.modalities.video import clip_shape
+        from vlmctl.errors import DataError
+
+        if self._family is None:
+            raise DataError(f"no family is known for the processor in {self.folder}: its video tokens cannot be counted",
+                            hint="use a model folder written by `vlmctl model build` (its vlmctl_model.json names the family)")
+        frames, width, height = clip_shape(data)
+        return int(self._family.num_video_tokens(frames, width, height, self.processor))
 
     def visual_tokens(self, width: int, height: int) -> int:
         """Visual tokens of one image of `width` x `height` pixels."""
@@ -171,21 +198,36 @@ class TokenCounter:
 
     def render(self, sample: Sample) -> str:
         """The conversation as the model sees it (chat template applied), with one image token per image."""
-        messages = [
-            {"role": m["role"], "content": [{"type": "image"} if p["type"] == "image" else {"type": "text", "text": p["text"]} for p in m["content"]]}
-            for m in sample.messages
-        ]
+        messages = [{"role": m["role"], "content": [self._part(p) for p in m["content"]]} for m in sample.messages]
         if self._apply_template is not None:
             return self._apply_template(messages)
         return "\n".join(
-            "".join(self.image_token if p["type"] == "image" else p["text"] for p in m["content"]) for m in sample.messages
+            "".join(self.image_token if p["type"] == "image" else self._part(p)["text"] for p in m["content"]) for m in sample.messages
         )
 
+    def _part(self, part: dict) -> dict:
+        if part["type"] == "image":
+            return {"type": "image"}
+        if part["type"] == "video":
+            if self.video_prompt is None:
+                from vlmctl.errors import DataError
+
+                raise DataError(f"the processor in {self.folder} has no video token: this model takes no video",
+                                hint="drop the video samples, or use a model that takes video (Qwen2-VL, Qwen2.5-VL)")
+            return {"type": "text", "text": self.video_prompt}
+        return {"type": "text", "text": part["text"]}
+
     def count(self, sample: Sample, sizes: list[tuple[int, int]]) -> int:
-        """Tokens of `sample` (text + visual); `sizes` are the (width, height) of its images in order."""
+        """Tokens of `sample` (text + visual); `sizes` are the (width, height) of its images in order, its videos are
+        read from `sample.videos` (stored clips). A part counts each time it is used, as the collator passes it.
+        Records the placeholder tokens of each stored image and video in `sample.media_tokens`."""
         ids = self._encode(self.render(sample))
-        placeholders = sum(1 for t in ids if t == self.image_token_id)
-        return len(ids) - placeholders + sum(self.visual_tokens(w, h) for w, h in sizes)
+        per = {"image": [self.visual_tokens(w, h) for w, h in sizes], "video": [self.video_tokens(clip) for clip in sample.videos]}
+        sample.media_tokens = {kind: n for kind, n in per.items() if n or kind == "image"}
+        media = {self.image_token_id} | ({self.video_token_id} if per["video"] else set())
+        placeholders = sum(1 for t in ids if t in media)
+        used = sum(per[p["type"]][p["index"]] for m in sample.messages for p in m["content"] if p["type"] in per)
+        return len(ids) - placeholders + used
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

@@ -10,14 +10,22 @@ Module paths (transformers 5.23, checked by tests/unit/test_families_qwen_vl.py)
 
 The projector (the patch merger) sits *inside* the vision tower module (see `spec.part_of_parameter`). Images
 and videos: dynamic resolution (`smart_resize` to multiples of patch * merge, one token per merge x merge block),
-`image_grid_thw` passed to `forward`, and 3-D mRoPE position ids (temporal, height, width) that a packed row gets
-from `position_hook` (`mrope_prepare`).
+`image_grid_thw` / `video_grid_thw` passed to `forward`, and 3-D mRoPE position ids (temporal, height, width) that a
+packed row gets from `position_hook` (`mrope_prepare`, images and videos, with Qwen2.5-VL's `second_per_grid_ts`).
+
+Videos (Qwen2-VL, Qwen2.5-VL): frames sampled by vlmctl (`vlmctl.data.modalities.video`) go to the processor's
+`videos=` with their metadata; transformers' `Qwen2VLVideoProcessor` turns them into `pixel_values_videos`
+[patches, C * temporal_patch_size * patch * patch] and `video_grid_thw` [videos, 3] (t = frames / 2). That class
+needs torchvision; where it is not installed, `qwen_video.FramesVideoProcessor` stands in: the same outputs from transformers'
+torchvision-free Qwen2-VL image processor (resize, rescale, normalize, patchify per frame), frames paired along the
+temporal patch as `Qwen2VLVideoProcessor.patchify` pairs them (tests/unit/test_video_qwen.py compares the two
+layouts on the library's own code).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any, Callable
 
 from vlmctl.errors import ModelError
@@ -72,6 +80,55 @@ def qwen_rule(default_patch: int, default_min: int, default_max: int) -> VisualT
     return partial(qwen_visual_tokens, default_patch=default_patch, default_min=default_min, default_max=default_max)
 
 
+VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS = 128 * 28 * 28, 768 * 28 * 28
+"""transformers' `Qwen2VLVideoProcessor.size` defaults (pixels per frame), assumed when counting from a model config."""
+
+
+def qwen_video_tokens(frames: int, width: int, height: int, source: Any, *, default_patch: int = 14) -> int:
+    """Video placeholder tokens of one clip of `frames` frames of `width` x `height` pixels under Qwen2-VL's video
+    processor: ceil(frames / temporal_patch_size) temporal patches, each (H' / patch) * (W' / patch) / merge**2
+    tokens with (H', W') = smart_resize(H, W, patch * merge, size["shortest_edge"], size["longest_edge"]).
+
+    Source: transformers `qwen2_vl.video_processing_qwen2_vl.Qwen2VLVideoProcessor` (`resize`, `patchify`: the last
+    frame is repeated to fill the temporal patch) and `Qwen2VLProcessor.replace_video_token` (grid product /
+    merge**2). `source`: a processor, a video processor, a dict of its settings (a saved processor_config.json's
+    `video_processor`) or a model config (then the published video processor's pixel bounds are assumed).
+    """
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    video = _video_settings(source)
+    cfg = setting(video, "vision_config") if video is not None and not isinstance(video, dict) else (video or {}).get("vision_config")
+    if cfg is not None:
+        patch, merge = int(setting(cfg, "patch_size", default=default_patch)), int(setting(cfg, "spatial_merge_size", default=2))
+        temporal, low, high = int(setting(cfg, "temporal_patch_size", default=2)), VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS
+    else:
+        size = setting(video, "size", default={}) or {}
+        patch, merge = int(setting(video, "patch_size", default=default_patch)), int(setting(video, "merge_size", default=2))
+        temporal = int(setting(video, "temporal_patch_size", default=2))
+        low = int(setting(video, "min_pixels", default=None) or _get(size, "shortest_edge") or VIDEO_MIN_PIXELS)
+        high = int(setting(video, "max_pixels", default=None) or _get(size, "longest_edge") or VIDEO_MAX_PIXELS)
+    h, w = smart_resize(int(height), int(width), factor=patch * merge, min_pixels=low, max_pixels=high)
+    return -(-int(frames) // temporal) * (h // patch) * (w // patch) // (merge * merge)
+
+
+def _video_settings(source: Any) -> Any:
+    """The video processor (or its settings dict, or a model config) of a video-token rule's `source`."""
+    if source is None:
+        return None
+    video = source.get("video_processor") if isinstance(source, dict) else getattr(source, "video_processor", None)
+    if video is not None:
+        return video
+    if hasattr(source, "vision_config") or (isinstance(source, dict) and "vision_config" in source):
+        return {"vision_config": setting(source, "vision_config")}
+    if hasattr(source, "image_processor") or (isinstance(source, dict) and "image_processor" in source):
+        return None  # a processor without a video processor: the published defaults
+    return source
+
+
+def _get(size: Any, key: str) -> Any:
+    return size.get(key) if isinstance(size, dict) else getattr(size, key, None)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Position ids (3-D mRoPE)
 # --------------------------------------------------------------------------------------------------------------------
@@ -89,10 +146,9 @@ def rope_index_fn(model):
 
 def mrope_prepare(model, image_token_id: int | None) -> Callable[[dict[str, Any]], dict[str, Any]]:
     """A batch hook (run by `loop.prefetch` ahead of the step) replacing the packed row's (1, T) position ids by the
-    (4, 1, T) text + mRoPE position ids computed per sample (`vlmctl.data.packing.mrope_position_ids`), on CPU
+    (4, 1, T) text + mRoPE position ids computed per sample (`packed_mrope_positions`: images and videos), on CPU
     before the device copy. Padded batches pass through unchanged (the model computes their positions)."""
     from vlmctl.data.collate import is_packed
-    from vlmctl.data.packing import mrope_position_ids
 
     rope_index = rope_index_fn(model)
 
@@ -102,10 +158,51 @@ def mrope_prepare(model, image_token_id: int | None) -> Callable[[dict[str, Any]
         types = batch.get("mm_token_type_ids")
         if types is None:  # processors without token types: image placeholders are the image tokens
             types = (batch["input_ids"] == image_token_id).long()
-        positions = mrope_position_ids(rope_index, batch["input_ids"], types, batch.get("image_grid_thw"), batch["seq_lens"])
+        positions = packed_mrope_positions(rope_index, batch["input_ids"], types, batch["seq_lens"],
+                                           image_grid_thw=batch.get("image_grid_thw"), video_grid_thw=batch.get("video_grid_thw"),
+                                           second_per_grid_ts=batch.get("second_per_grid_ts"))
         return {**batch, "position_ids": positions}
 
     return prepare
+
+
+def packed_mrope_positions(get_rope_index: Callable[..., tuple[Any, Any]], input_ids, mm_token_type_ids, seq_lens: list[int], *,
+                           image_grid_thw=None, video_grid_thw=None, second_per_grid_ts=None):
+    """(4, 1, T) position ids of a packed Qwen-VL row: the 1-D text positions (row 0, restarting per sample, what
+    transformers reads to build the packed mask) over the per-sample 3-D mRoPE positions (rows 1-3).
+
+    `get_rope_index` is the model's own, called once per sample with that sample's tokens and its slices of the
+    row's `image_grid_thw` [n_images, 3], `video_grid_thw` [n_videos, 3] and `second_per_grid_ts` [n_videos]
+    (Qwen2.5-VL: seconds per temporal patch, which space the videos' temporal positions), so every sample gets the
+    positions it has unpacked. `input_ids` / `mm_token_type_ids` (0 text, 1 image, 2 video): (1, T). Media of a
+    sample are the contiguous runs of its image / video tokens, in order.
+    """
+    import torch
+
+    rows, start, used = [], 0, {1: 0, 2: 0}
+    grids = {1: image_grid_thw, 2: video_grid_thw}
+    token_types = mm_token_type_ids[0]
+    for n in seq_lens:
+        ids = input_ids[:, start:start + n]
+        types = token_types[start:start + n]
+        counts = {kind: int(((types[1:] == kind) & (types[:-1] != kind)).sum() + (types[0] == kind)) for kind in grids}
+        if not any(counts.values()):
+            pos = torch.arange(n, device=input_ids.device).view(1, 1, -1).expand(3, 1, -1)
+        else:
+            kwargs: dict[str, Any] = {}
+            for kind, key in ((1, "image_grid_thw"), (2, "video_grid_thw")):
+                if counts[kind]:
+                    kwargs[key] = grids[kind][used[kind]:used[kind] + counts[kind]]
+            if counts[2] and second_per_grid_ts is not None:
+                kwargs["second_per_grid_ts"] = second_per_grid_ts[used[2]:used[2] + counts[2]]
+            pos, _ = get_rope_index(input_ids=ids, mm_token_type_ids=types[None], **kwargs)
+        rows.append(pos)
+        start += n
+        for kind in used:
+            used[kind] += counts[kind]
+    mrope = torch.cat(rows, dim=-1)
+    text = torch.cat([torch.arange(n, device=input_ids.device) for n in seq_lens]).view(1, 1, -1)
+    return torch.cat([text.to(mrope.dtype), mrope], dim=0)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -128,15 +225,104 @@ class QwenVLSpec(FamilySpec):
         """448 px: a square image at the size Qwen-VL examples use (dynamic resolution has no native size)."""
         return 448
 
-    def video_processor(self, image_processor: Any):
-        """The version's video processor with the image processor's patch / merge / temporal patch sizes.
+    def num_video_tokens(self, frames: int, width: int, height: int, processor_or_config: Any) -> int:
+        """`qwen_video_tokens` (Qwen2-VL's video processor). Raises ModelError for Qwen3-VL, whose processor also
+        writes a timestamp text per temporal patch (not counted here)."""
+        if self.video_processor_class != "Qwen2VLVideoProcessor":
+            return super().num_video_tokens(frames, width, height, processor_or_config)
+        return qwen_video_tokens(frames, width, height, processor_or_config, default_patch=self._patch)
 
-        Raises ImportError without torchvision."""
+    @property
+    def _patch(self) -> int:
+        return int(self.visual_token_rule.keywords["default_patch"])
+
+    def video_processor(self, image_processor: Any, **settings: Any):
+        """The version's video processor with the image processor's patch / merge / temporal patch sizes (and
+        `settings`, e.g. a saved video processor's `size`): transformers' class, or where torchvision is missing
+        `qwen_video.FramesVideoProcessor` for the versions whose video processor is Qwen2-VL's.
+
+        Raises ImportError without torchvision for the other versions."""
         import transformers
 
-        cls = getattr(transformers, self.video_processor_class)  # raises ImportError without torchvision
-        return cls(patch_size=image_processor.patch_size, merge_size=image_processor.merge_size,
-                   temporal_patch_size=image_processor.temporal_patch_size)
+        kwargs = {"patch_size": image_processor.patch_size, "merge_size": image_processor.merge_size,
+                  "temporal_patch_size": image_processor.temporal_patch_size, **settings}
+        try:
+            return getattr(transformers, self.video_processor_class)(**kwargs)  # ImportError without torchvision
+        except ImportError:
+            if self.video_processor_class != FramesStandIn.stands_for:
+                raise
+        from vlmctl.families.qwen_video import FramesVideoProcessor
+
+        return FramesVideoProcessor(**kwargs)
+
+    def image_only_processor(self, ref: str, *, trust_remote_code: bool = False):
+        """The saved processor at `ref` with `qwen_video.FramesVideoProcessor` as its video processor (its saved
+        settings kept), where transformers' own video processor cannot load (no torchvision); the image-only
+        variant (`FamilySpec.image_only_processor`) for versions without a stand-in."""
+        processor = super().image_only_processor(ref, trust_remote_code=trust_remote_code)
+        try:
+            video = self.video_processor(processor.image_processor, **_saved_video_settings(ref))
+        except ImportError:
+            return processor
+        return self._with_frames(processor.image_processor, processor.tokenizer, video, processor.chat_template)
+
+    def make_processor(self, tokenizer: Any, image_processor: Any, chat_template: str | None = None, **kwargs: Any):
+        """`FamilySpec.make_processor`, with `qwen_video.FramesVideoProcessor` as the video processor where
+        transformers' needs torchvision and it is not installed."""
+        try:
+            video = self.video_processor(image_processor)
+        except ImportError:
+            video = None
+        if not _is_stand_in(video):
+            return super().make_processor(tokenizer, image_processor, chat_template, **kwargs)
+        return self._with_frames(image_processor, tokenizer, video, chat_template, **kwargs)
+
+    def _with_frames(self, image_processor: Any, tokenizer: Any, video: Any, chat_template: str | None, **kwargs: Any):
+        import transformers
+
+        cls = _frames_variant(getattr(transformers, self.processor_class))
+        return cls(image_processor=image_processor, tokenizer=tokenizer, video_processor=video, chat_template=chat_template, **kwargs)
+
+
+class FramesStandIn:
+    """What `qwen_video.FramesVideoProcessor` stands in for (kept here so checking it imports no transformers)."""
+
+    stands_for = "Qwen2VLVideoProcessor"
+
+
+def _is_stand_in(video: Any) -> bool:
+    return video is not None and getattr(type(video), "stands_for", None) == FramesStandIn.stands_for
+
+
+@lru_cache(maxsize=None)
+def _frames_variant(cls):
+    """`cls` (a Qwen-VL processor class) accepting `FramesVideoProcessor` as its video processor: transformers checks
+    sub-processors against `VideoProcessorMixin` by name in its top-level namespace, where the class is not exported
+    without torchvision. Saved under the real class's name, so a machine with torchvision loads transformers' own."""
+
+    class WithFrames(cls):
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument_name == "video_processor" and _is_stand_in(argument):
+                return type(argument)
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    WithFrames.__name__ = WithFrames.__qualname__ = cls.__name__
+    return WithFrames
+
+
+def _saved_video_settings(ref: str) -> dict[str, Any]:
+    """The `video_processor` settings saved in `ref`'s processor_config.json (a folder; {} when there are none):
+    its pixel bounds and sizes, without the class name."""
+    import json
+    from pathlib import Path
+
+    path = Path(ref).expanduser() / "processor_config.json"
+    try:
+        saved = json.loads(path.read_text()).get("video_processor") or {}
+    except (OSError, ValueError):
+        return {}
+    keep = ("size", "patch_size", "merge_size", "temporal_patch_size", "image_mean", "image_std", "rescale_factor")
+    return {k: saved[k] for k in keep if k in saved}
 
 
 def qwen_vl(name: str, prefix: str, *, patch: int, min_pixels: int, max_pixels: int, decoder_layer: str,

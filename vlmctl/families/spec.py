@@ -9,7 +9,8 @@ A `FamilySpec` holds everything that differs between VLM families, so no other m
 - the FSDP / activation-checkpointing units: `decoder_layer_classes`, `vision_layer_classes` (class names; empty:
   discovered from the loaded model);
 - modalities: the placeholder token per accepted modality (`modalities`), what a chat template writes for one
-  media part (`prompts`), the visual-token rule (`fixed_image_tokens` when the size does not matter), extra
+  media part (`prompts`), the visual-token rule (`fixed_image_tokens` when the size does not matter) and the
+  video-token rule (`num_video_tokens`, where the family has one), extra
   `forward()` tensors (`image_grid_args`), the layout of one sample's processor outputs for batching
   (`processor_outputs`), position ids (`mrope`, `position_hook`), whether packed rows work (`supports_packing`);
 - the build recipe of `model build`: tokenizer special tokens, config token ids, image / video processor classes
@@ -134,6 +135,14 @@ class FamilySpec:
         family's default processor settings are assumed). Returns a token count.
         """
         return int(self.visual_token_rule(int(width), int(height), processor_or_config))
+
+    def num_video_tokens(self, frames: int, width: int, height: int, processor_or_config: Any) -> int:
+        """Video placeholder tokens for one clip of `frames` sampled frames of `width` x `height` pixels, under the
+        family's video processor (`processor_or_config` as for `num_visual_tokens`). Returns a token count.
+
+        Raises ModelError where the family has no video-token rule (the default).
+        """
+        raise ModelError(f"family {self.name} has no video-token rule in vlmctl", hint="train videos with a family that has one (Qwen2-VL, Qwen2.5-VL)")
 
     def position_hook(self, model: "torch.nn.Module", image_token_id: int | None) -> Callable[[dict], dict] | None:
         """A batch hook (run by `loop.prefetch` ahead of the step) that sets the position ids a packed row of this
