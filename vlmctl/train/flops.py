@@ -39,10 +39,15 @@ excluded; d_x = attention width = heads x head_dim; L_x = layers), forward FLOPs
   forward only (their output is not used).
 - Patches per image: t * h * w from `image_grid_thw` when the batch has it, else (H / patch_size) * (W / patch_size)
   from `pixel_values` [N, C, H, W] (LLaVA) or [B, N, C, H, W] with all-zero padding images skipped (Idefics3).
-- Visual tokens (the projector's rows, also part of the language model's tokens): the batch's image placeholder
-  tokens (`config.image_token_id`); from counts, patches / spatial_merge_size^2 (Qwen's merger: transformers
-  `Qwen2_5_VLPatchMerger` concatenates spatial_merge_size^2 neighbouring patches before its MLP), patches /
-  scale_factor^2 (Idefics3's pixel shuffle), or patches (+ CLS with `vision_feature_select_strategy: full`, LLaVA).
+  Videos (Qwen2/2.5-VL, `video_grid_thw`): t * h * w patches per clip, t = frames / temporal_patch_size (2): one
+  patch embeds two frames (the patch-embedding convolution's kernel spans them, so its parameters count that), and
+  attention runs per temporal slice of h * w patches, like an image of t frames (transformers
+  `Qwen2_5_VisionTransformerPretrainedModel.forward`: `cu_seqlens` repeats h * w for each of the t slices).
+- Visual tokens (the projector's rows, also part of the language model's tokens): the batch's image and video
+  placeholder tokens (`config.image_token_id`, `config.video_token_id`); from counts, patches /
+  spatial_merge_size^2 (Qwen's merger: transformers `Qwen2_5_VLPatchMerger` concatenates spatial_merge_size^2
+  neighbouring patches before its MLP), patches / scale_factor^2 (Idefics3's pixel shuffle), or patches (+ CLS with
+  `vision_feature_select_strategy: full`, LLaVA).
 - Language-model segments: a packed row's `seq_lens` (or `packed_cu_seqlens`), a padded batch's per-row
   `attention_mask` sums. Only real tokens count: padding, and the full T^2 scores an eager or SDPA kernel computes
   over a packed row, are not useful work. Layers listed as `sliding_attention` in the text config's `layer_types`
@@ -80,7 +85,7 @@ attention term dominate.
 MFU (PaLM, Chowdhery et al. 2022, appendix B) = model FLOPs per second / (peak FLOP/s per device x devices), see
 `mfu`; the peak figures come from `vlmctl.train.metrics.peak_flops`.
 
-Not modelled: videos (`pixel_values_videos`), Qwen3-VL's deepstack additions (elementwise), the first decoder
+Not modelled: Qwen3-VL's deepstack additions (elementwise), the first decoder
 layer's input gradient that LoRA with nothing earlier trained does not need.
 """
 
@@ -219,6 +224,7 @@ class CostModel:
     image_token_id: int | None
     trained: frozenset[str]
     grad_through: frozenset[str]
+    video_token_id: int | None = None
 
     @classmethod
     def from_model(cls, model, family, trainable_parts: set[str], *, lora: bool = False) -> "CostModel":
@@ -250,6 +256,7 @@ class CostModel:
             llm_sliding_layers=sliding, sliding_window=int(window) if sliding else None,
             image_token_id=getattr(config, "image_token_index", None) if image_id is None else image_id,
             trained=frozenset(trained), grad_through=frozenset(PART_ORDER[first:]),
+            video_token_id=getattr(config, "video_token_id", None),
         )
 
     # ---- backward factors ----
@@ -362,6 +369,8 @@ class CostModel:
             ids = batch["input_ids"]
             mask = batch.get("attention_mask")
             hits = ids == self.image_token_id
+            if self.video_token_id is not None:
+                hits = hits | (ids == self.video_token_id)
             visual = int((hits & (mask != 0)).sum() if mask is not None else hits.sum())
         else:
             visual = sum(self.vision.visual_tokens(im) for im in images) if self.vision else 0
@@ -400,10 +409,20 @@ def batch_segments(batch: dict[str, Any]) -> list[int]:
 def batch_images(batch: dict[str, Any], patch_size: int | None) -> list[ImageShape]:
     """The images a batch sends through the vision tower: from `image_grid_thw` (t, h, w per image), else from the
     shapes of `pixel_values` ([N, C, H, W]; [B, N, C, H, W] with all-zero padding images skipped; [P, D] patch
-    rows: one image of P patches)."""
+    rows: one image of P patches); then its videos, from `video_grid_thw` (t, h, w per clip)."""
+    return _images(batch, patch_size) + _grids(batch.get("video_grid_thw"))
+
+
+def _grids(grid) -> list[ImageShape]:
+    if grid is None:
+        return []
+    return [ImageShape(t * h * w, (t, h, w)) for t, h, w in (map(int, row) for row in grid.reshape(-1, 3).tolist())]
+
+
+def _images(batch: dict[str, Any], patch_size: int | None) -> list[ImageShape]:
     grid = batch.get("image_grid_thw")
     if grid is not None:
-        return [ImageShape(t * h * w, (t, h, w)) for t, h, w in (map(int, row) for row in grid.reshape(-1, 3).tolist())]
+        return _grids(grid)
     pv = batch.get("pixel_values")
     if pv is None:
         return []
