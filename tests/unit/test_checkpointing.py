@@ -56,14 +56,43 @@ def test_a_mode_can_be_switched_back_off_on_the_same_model():
     assert not any(layer.gradient_checkpointing for layer in layers)
 
 
-def test_unknown_modes_and_layers_that_cannot_checkpoint_are_refused():
+def test_unknown_modes_are_refused_and_any_module_can_be_checkpointed():
     with pytest.raises(ValueError, match="unknown activation checkpointing mode"):
         apply_activation_checkpointing([[]], "some")
     with pytest.raises(ValueError):
         apply_activation_checkpointing([[]], 0)
-    with pytest.raises(TypeError, match="GradientCheckpointingLayer"):
-        apply_activation_checkpointing([[torch.nn.Linear(2, 2)]], "full")
-    assert apply_activation_checkpointing([[torch.nn.Linear(2, 2)]], "off") == 0
+    torch.manual_seed(0)
+    linear = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
+    x = torch.randn(3, 4, requires_grad=True)
+    linear(x).sum().backward()
+    reference = x.grad.clone()
+    x.grad = None
+    assert apply_activation_checkpointing([[linear]], "full") == 1
+    runs = []
+    linear[1].register_forward_pre_hook(lambda m, i: runs.append(1))
+    linear(x).sum().backward()
+    assert len(runs) == 2 and torch.equal(x.grad, reference)
+    assert apply_activation_checkpointing([[linear]], "off") == 0 and "forward" not in linear.__dict__
+
+
+def test_hooks_of_a_checkpointed_layer_stay_outside_the_recompute():
+    """A pre-forward hook that casts the inputs (as FSDP2's mixed precision does) runs once; the recompute sees the
+    cast inputs."""
+    model = tiny_lm()
+    layers = list(model.model.layers)
+    seen = []
+
+    def cast(module, args, kwargs):
+        seen.append(1)
+        return tuple(a.double() if torch.is_tensor(a) and a.is_floating_point() else a for a in args), kwargs
+
+    model.double()
+    handle = layers[0].register_forward_pre_hook(cast, with_kwargs=True)
+    apply_activation_checkpointing([layers], "full")
+    ids = torch.arange(1, 9).view(1, 8)
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()  # recompute with other dtypes would raise
+    handle.remove()
+    assert len(seen) == 1
 
 
 def test_describe_names_the_modes():

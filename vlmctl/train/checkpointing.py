@@ -10,8 +10,8 @@ Modes (torchtitan's `full` and `selective` modes, `torchtitan/models/llama3/infr
   (selective per op, `torch.utils.checkpoint.create_selective_checkpoint_contexts`): the backward pass recomputes
   only the cheap elementwise work (norms, activations, rotary).
 
-The layers are transformers' `GradientCheckpointingLayer`s: a mode only sets their `gradient_checkpointing` flag and
-checkpoint function, so parameter names, FSDP2 units and checkpoints stay the same and a mode can be changed on a
+A mode only gives the chosen layers an instance `forward` that runs through `torch.utils.checkpoint` (any
+`nn.Module` works), so parameter names, FSDP2 units and checkpoints stay the same and a mode can be changed on a
 wrapped model (the start-up probe does).
 """
 
@@ -65,11 +65,20 @@ def checkpoint_function(mode):
     return functools.partial(checkpoint, use_reentrant=False)
 
 
+def _checkpointed(function, forward, *args, **kwargs):
+    return function(forward, *args, **kwargs)
+
+
 def apply_activation_checkpointing(layer_groups: list[list[Any]], mode) -> int:
     """Set `mode` (off, full, op or an integer stride k) on the layers of each group (the decoder layers, the vision
     blocks); with a stride, layers 0, k, 2k, ... of each group are checkpointed. Returns the number of layers
-    checkpointed. Raises ValueError for an unknown mode and TypeError for a layer that is not a transformers
-    `GradientCheckpointingLayer` when a mode other than off asks to checkpoint it."""
+    checkpointed. Raises ValueError for an unknown mode.
+
+    A checkpointed layer gets an instance `forward` that runs its class's forward through `checkpoint_function`:
+    module hooks stay outside the checkpoint, so FSDP2's pre-forward cast of the inputs to the compute dtype is not
+    skipped when backward recomputes the layer (transformers' own layer checkpointing wraps `__call__` in some
+    versions, and a recompute then saw fp32 rotary tensors where the forward had bf16 ones).
+    """
     if not (mode in MODES or (isinstance(mode, int) and not isinstance(mode, bool) and mode > 0)):
         raise ValueError(f"unknown activation checkpointing mode {mode!r}: use off, full, op or a positive integer")
     stride = 1 if mode in ("full", "op") else (mode if isinstance(mode, int) else 0)
@@ -77,12 +86,10 @@ def apply_activation_checkpointing(layer_groups: list[list[Any]], mode) -> int:
     count = 0
     for layers in layer_groups:
         for i, layer in enumerate(layers):
-            on = bool(stride) and i % stride == 0
-            if on and not hasattr(type(layer), "gradient_checkpointing"):
-                raise TypeError(f"{type(layer).__name__} is not a transformers GradientCheckpointingLayer")
-            if hasattr(type(layer), "gradient_checkpointing"):
-                layer.gradient_checkpointing = on
-                if on:
-                    layer._gradient_checkpointing_func = function
-            count += on
+            layer.__dict__.pop("forward", None)  # back to the class's forward
+            if getattr(layer, "gradient_checkpointing", False):
+                layer.gradient_checkpointing = False  # one mechanism only: ours
+            if stride and i % stride == 0:
+                layer.forward = functools.partial(_checkpointed, function, type(layer).forward.__get__(layer))
+                count += 1
     return count
