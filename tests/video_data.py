@@ -54,3 +54,17 @@ def png_bytes(side: int = 32) -> bytes:
     buf = io.BytesIO()
     Image.new("RGB", (side, side), (0, 128, 0)).save(buf, "PNG")
     return buf.getvalue()
+
+
+def rotated(data: bytes, quarter_turns_clockwise: int = 1) -> bytes:
+    """An MP4 clip whose track header's display matrix says: show the frames turned 90 degrees clockwise (what
+    phones write for portrait video). ISO/IEC 14496-12 `tkhd`: the 3x3 matrix (16.16 fixed point) sits 44 bytes
+    after the box type of a version-0 box."""
+    import struct
+
+    assert quarter_turns_clockwise == 1
+    out = bytearray(data)
+    at = out.find(b"tkhd")
+    assert at > 0 and out[at + 4] == 0
+    out[at + 44:at + 80] = struct.pack(">9i", 0, 0x10000, 0, -0x10000, 0, 0, 0, 0, 0x40000000)
+    return bytes(out)

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("av")
 
-from video_data import moving_square, png_bytes, square_x, unknown_codec  # noqa: E402
+from video_data import moving_square, png_bytes, rotated, square_x, unknown_codec  # noqa: E402
 
 from vlmctl.config.data import DataSource, DataVideo  # noqa: E402
 from vlmctl.data.checks import Rejection, build_sample, check_images  # noqa: E402
@@ -70,6 +70,19 @@ def test_a_stored_clip_is_kept_byte_for_byte_when_prepared_again():
     # with other settings it is sampled again
     fewer = normalize_video(stored.data, DataVideo(fps=4, max_frames=4, min_pixels=16, max_pixels=32 * 24))
     assert fewer.frames == 4 and fewer.data != stored.data
+
+
+def test_a_clip_with_a_display_rotation_is_stored_upright():
+    import numpy as np
+
+    upright = decode_clip(normalize_video(moving_square(frames=8, width=64, height=48), DataVideo(fps=8, min_pixels=16)).data).frames
+    turned = decode_clip(normalize_video(rotated(moving_square(frames=8, width=64, height=48)), DataVideo(fps=8, min_pixels=16)).data).frames
+    assert upright.shape == (8, 48, 64, 3) and turned.shape == (8, 64, 48, 3)  # portrait after a quarter turn
+    # turned clockwise: the square's top-left start is now top-right, and its rightward motion goes down
+    assert np.abs(np.rot90(upright, k=-1, axes=(1, 2)).astype(int) - turned.astype(int)).mean() < 4
+    red = [np.nonzero((f[..., 0] > 128) & (f[..., 1] < 100)) for f in turned]
+    rows = [r.mean() for r, _ in red]
+    assert rows == sorted(rows) and red[0][1].mean() > 24
 
 
 # ------------------------------------------------------------------------------------------------ defects

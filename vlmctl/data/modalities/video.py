@@ -5,8 +5,9 @@ What `data prepare` stores for a clip is not the original file but the frames tr
 "Video", says why): `normalize_video` decodes the original once, samples `n` frames uniformly over the clip
 (`n = round(seconds x data.video.fps)`, within [`min_frames`, `max_frames`] and the clip's own frame count, rounded
 down to an even number), scales them into [`min_pixels`, `max_pixels`] pixels keeping the aspect ratio (FFmpeg's
-swscale, bicubic) and encodes them as Motion JPEG in Matroska at the sampled rate (every frame a JPEG of its own, so
-a training worker decodes exactly the `n` frames it uses and nothing else). Such a clip is a playable video file;
+swscale, bicubic), turns them upright when the stream has a display rotation (phone videos), and encodes them as
+Motion JPEG in Matroska at the sampled rate (every frame a JPEG of its own, so a training worker decodes exactly the
+`n` frames it uses and nothing else). Such a clip is a playable video file;
 `decode_clip` reads it back as frames [T, H, W, 3] uint8 with its rate (frames per second of the sampled clip,
 which Qwen2.5-VL's processor turns into `second_per_grid_ts` = temporal_patch_size / fps seconds per temporal
 patch).
@@ -231,7 +232,8 @@ def sample_clip(data: bytes, settings: DataVideo, info: VideoInfo | None = None)
     try:
         for frame in container.decode(stream):
             if index in wanted:
-                frames.append(frame.reformat(width=width, height=height, format="rgb24", interpolation="BICUBIC").to_ndarray())
+                pixels = frame.reformat(width=width, height=height, format="rgb24", interpolation="BICUBIC").to_ndarray()
+                frames.append(_upright(pixels, frame.rotation))
             index += 1
             if len(frames) == len(keep):
                 break
@@ -244,6 +246,16 @@ def sample_clip(data: bytes, settings: DataVideo, info: VideoInfo | None = None)
         raise VideoError("corrupt_video", what)
     seconds = info.seconds if info.seconds > 0 else len(keep) / settings.fps
     return Clip(np.stack(frames), len(keep) / seconds)
+
+
+def _upright(pixels, rotation: int):
+    """Frame pixels [H, W, 3] turned as the stream's display matrix says (phone videos store portrait frames
+    sideways): PyAV's `VideoFrame.rotation` is the counterclockwise angle the display applies, as FFmpeg's player
+    rotates on playback."""
+    import numpy as np
+
+    turns = round(rotation / 90) % 4
+    return np.ascontiguousarray(np.rot90(pixels, k=turns)) if turns else pixels
 
 
 # ------------------------------------------------------------------------------------------------- stored clips
