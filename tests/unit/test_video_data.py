@@ -286,3 +286,19 @@ def test_prepare_writes_stored_clips_and_one_schema_for_mixed_shards(tmp_path):
     result = prepare_data(data, progress=False)
     assert result.manifest["videos"] is None
     assert "videos" not in pq.read_schema(tmp_path / "prepared" / result.manifest["splits"]["train"]["shards"][0]).names
+
+
+def test_a_video_sample_for_a_family_without_video_is_refused_with_the_fix():
+    from vlmctl.config import ModelSection
+    from vlmctl.data.collate import encode_sample
+    from vlmctl.errors import DataError
+    from vlmctl.models.build import make_processor, plan_build
+
+    plan = plan_build(ModelSection(preset="tiny", init="random"))  # LLaVA: images only
+    processor = make_processor(plan, tokenizer_texts=["What moves? A square."] * 20)
+    sample = Sample("v", [{"role": "user", "content": [{"type": "video", "index": 0}, {"type": "text", "text": "What moves?"}]},
+                          {"role": "assistant", "content": [{"type": "text", "text": "A square."}]}],
+                    videos=[normalize_video(moving_square(frames=8), SMALL).data])
+    with pytest.raises(DataError, match="takes no video input") as err:
+        encode_sample(sample, processor, plan.family)
+    assert "drop the video samples" in err.value.hint
