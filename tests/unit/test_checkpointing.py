@@ -107,5 +107,7 @@ def test_the_older_gradient_checkpointing_key_keeps_its_meaning():
     assert TrainSection(gradient_checkpointing=False).activation_checkpointing == "off"
     assert TrainSection(gradient_checkpointing=True, activation_checkpointing=2).activation_checkpointing == 2
     assert TrainSection(activation_checkpointing="3").activation_checkpointing == 3
+    # a bare `off` on the command line or in YAML arrives as a boolean
+    assert TrainSection(activation_checkpointing=False).activation_checkpointing == "off"
     with pytest.raises(ValueError):
         TrainSection(activation_checkpointing=0)

@@ -93,6 +93,12 @@ class TrainSection(Section):
     output_dir: ProjectPath = Field(Path("outputs/runs"), description="Where run folders (config, checkpoints, metrics, final export) go.")
     seed: int = Field(0, ge=0, description="Training seed (initialization, data order, dropout).")
 
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _yaml_checkpointing_word(cls, value):
+        """YAML 1.1 reads a bare `off` as false (and `on` as true): take `off` as typed, `on` as full."""
+        return {True: "full", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
     @field_validator("micro_batch_size", "tokens_per_batch", "activation_checkpointing")
     @classmethod
     def _positive(cls, value):
