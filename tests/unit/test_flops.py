@@ -345,3 +345,31 @@ def test_mfu():
     assert mfu(4e15, 2.0, 1e15, 4) == pytest.approx(0.5)
     assert mfu(4e15, 2.0, None, 4) is None
     assert mfu(4e15, 0.0, 1e15, 4) is None
+
+
+def test_a_4bit_packed_weight_counts_its_full_matrix():
+    """bitsandbytes stores a 4-bit weight packed as (n, 1); its `quant_state.shape` is the matrix the FLOPs see."""
+    import types
+
+    import torch
+
+    from vlmctl.train.flops import _param_counts
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.vision = torch.nn.Linear(2, 2, bias=False)
+            self.proj = torch.nn.Linear(2, 2, bias=False)
+            self.language_model = torch.nn.Linear(8, 16, bias=False)
+
+        def get_output_embeddings(self):
+            return None
+
+    family = types.SimpleNamespace(vision_tower="vision", projector=["proj"], language_model="language_model",
+                                   lm_head="lm_head", name="x")
+    model = Tiny()
+    full = _param_counts(model, family)["llm_params"]
+    packed = torch.nn.Parameter(torch.zeros(64, 1), requires_grad=False)
+    packed.quant_state = types.SimpleNamespace(shape=torch.Size([16, 8]))
+    model.language_model.weight = packed
+    assert full == 128 and _param_counts(model, family)["llm_params"] == 128

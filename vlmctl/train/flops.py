@@ -91,6 +91,8 @@ layer's input gradient that LoRA with nothing earlier trained does not need.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -457,7 +459,8 @@ def _param_counts(model, family) -> dict[str, int]:
             continue
         part = part_of_parameter(name, family)
         key = f"{part}_input_params" if id(p) in inputs and part != "llm" else f"{part}_params"
-        counts[key] += p.numel()
+        quant = getattr(p, "quant_state", None)  # bitsandbytes 4-bit packs two weights per byte: count the matrix
+        counts[key] += math.prod(quant.shape) if quant is not None else p.numel()
     return {**counts, "head_params": head_params}
 
 
