@@ -145,6 +145,9 @@ class BenchResult:
     adapter: str = "none"  # none | lora | qlora-4bit | qlora-8bit
     stage: str = ""
     settings: str = ""  # strategy, batch size, activation checkpointing, master weights (and what auto chose)
+    balance: float | None = None  # mean / max rank forward+backward time (several ranks only)
+    balance_flops: float | None = None  # the same ratio of the ranks' training FLOPs
+    data_wait: float | None = None  # the largest rank's share of the time spent waiting for batches
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -763,7 +766,7 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
     import torch.distributed as dist
 
     from vlmctl.train import flops as cost
-    from vlmctl.train.metrics import peak_flops
+    from vlmctl.train.metrics import peak_flops, straggler_stats
 
     env = ctx.env
     cuda = env.device.type == "cuda"
@@ -772,6 +775,7 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
         torch.cuda.reset_peak_memory_stats()
     totals = torch.zeros(4, dtype=torch.float64)  # flops, text, visual, samples
     seconds = torch.zeros(1, dtype=torch.float64)
+    measured = []  # the measured steps' results: per-rank compute and data-wait figures
     for i in range(steps + warmup):
         sync()
         t0 = time.perf_counter()
@@ -780,6 +784,7 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
         if i >= warmup:
             totals += torch.tensor([result.flops, result.text_tokens, result.visual_tokens, result.samples], dtype=torch.float64)
             seconds += dt
+            measured.append(result)
         if env.is_main:
             loss = "skipped" if result.loss is None else f"{result.loss:.3f}"
             log(f"step {i}{' (warm-up)' if i < warmup else ''}: loss {loss}, {dt * 1000:.0f} ms, "
@@ -792,12 +797,15 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
     flops, text, visual, n_samples = (float(x) for x in totals)
     total, world, toks = float(seconds.cpu()[0]), env.world_size, text + visual
     mfu = cost.mfu(flops, total, peak_flops(env.device) or DEFAULT_PEAK, world)
+    stragglers = straggler_stats(measured, total)
     return BenchResult(
         name=labels["name"], steps=steps, world_size=world, strategy=train.strategy,
         tokens_per_s=toks / total, text_tokens_per_s=text / total, visual_tokens_per_s=visual / total,
         samples_per_s=n_samples / total, step_time_s=total / steps, mfu=mfu or 0.0,
         peak_memory_gib=float(peak.cpu()[0]), tokens_per_step=toks / steps, flops_per_token=flops / max(toks, 1.0),
         workload=labels["workload"], packing=labels["packing"], adapter=labels["adapter"], stage=labels["stage"],
+        balance=stragglers.get("balance"), balance_flops=stragglers.get("balance_flops"),
+        data_wait=stragglers.get("data_wait"),
     )
 
 

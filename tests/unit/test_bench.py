@@ -59,6 +59,8 @@ def test_bench_two_processes_fsdp_sums_ranks(tmp_path, capsys):
     assert out["world_size"] == 2 and out["strategy"] == "fsdp"
     assert 256 < out["tokens_per_step"] <= 2 * 256  # two packed rows per step, one per rank
     assert abs(out["tokens_per_s_per_gpu"] * 2 - out["tokens_per_s"]) < 1e-6 * out["tokens_per_s"]
+    # the ranks' balance, as training reports it: a ratio of mean to max, so in (0, 1]
+    assert 0 < out["balance"] <= 1 and 0 < out["balance_flops"] <= 1 and 0 <= out["data_wait"] < 1
 
 
 def _cost_model(cfg, trainable: set[str]):

@@ -59,5 +59,7 @@ def bench(
         ("peak memory", f"{result.peak_memory_gib:.1f} GiB"),
     ]:
         table.add_row(label, value)
+    if result.balance is not None:
+        table.add_row("balance (compute / FLOPs)", f"{result.balance * 100:.1f}% / {(result.balance_flops or 0) * 100:.1f}%")
     table.add_row("settings", result.settings)
     console.print(table)
