@@ -175,11 +175,12 @@ def test_a_checkpoint_of_two_nodes_resumes_on_one_node(project, hybrid_run):
     rows = metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert _state(run, 4)["world_size"] == 2
-    # The curve goes on from the restored weights and optimizer (the data after a resume on another world size is
-    # not the original's, see `checkpoint.resume`): below the untrained model's loss, and two updates in, below the
-    # loss one update reached; a model that started afresh would be back at the first loss.
-    start, one_update = before[0]["loss"], before[1]["loss"]
-    assert rows[2]["loss"] < one_update and all(r["loss"] < start for r in rows[2:])
+    # The curve goes on from the restored weights and optimizer, on the same global micro-batches: the per-rank
+    # position is rescaled from 4 ranks to 2 (`TrainState.from_checkpoint`), so steps 3 and 4 see the samples the
+    # 4-rank run saw and their losses match it.
+    after = metrics(source)
+    for resumed, original in zip(rows[2:], after[2:4]):
+        assert resumed["loss"] == pytest.approx(original["loss"], rel=1e-4)
 
 
 @pytest.mark.slow

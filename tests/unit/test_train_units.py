@@ -391,3 +391,14 @@ def test_the_launcher_turns_the_ranks_step_lines_into_one_progress_bar_on_a_term
     plain, stream = ConsoleEcho(), io.StringIO()
     plain.write("step 2/8 loss 1.2 eta 1s\n", stream)
     assert stream.getvalue() == "step 2/8 loss 1.2 eta 1s\n" and plain.bar is None
+
+
+def test_a_resume_on_another_number_of_ranks_continues_at_the_same_global_micro_batch():
+    from vlmctl.train.loop import TrainState
+
+    saved = {"step": 5, "consumed_micro_batches": 10, "world_size": 4, "dp_size": 4}
+    assert TrainState.from_checkpoint(saved, dp_size=4).consumed == 10
+    assert TrainState.from_checkpoint(saved, dp_size=2).consumed == 20  # 40 global micro-batches, 2 ranks
+    assert TrainState.from_checkpoint(saved, dp_size=8).consumed == 5
+    # checkpoints written before dp_size was recorded: their world size
+    assert TrainState.from_checkpoint({"step": 1, "consumed_micro_batches": 3, "world_size": 2}, dp_size=1).consumed == 6

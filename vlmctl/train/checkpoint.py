@@ -321,8 +321,10 @@ def resolve_resume(run_dir: Path, resume: str | None) -> Path | None:
 def resume(checkpoint: Path, *, rank: int, world_size: int, model=None, optimizer=None, scheduler=None, engine=None) -> dict[str, Any]:
     """`load` for resuming a run on `world_size` ranks; returns trainer_state.json.
 
-    DCP reshards weights and optimizer state onto another world size (rank 0 warns: the data position is counted in
-    per-rank micro-batches, so the data order differs afterwards); DeepSpeed does not, which raises ConfigError.
+    DCP reshards weights and optimizer state onto another world size (rank 0 says so; the loop rescales its per-rank
+    data position, `loop.TrainState.from_checkpoint`, so the run continues at the same global micro-batch; the
+    steps see the same samples when ranks x gradient_accumulation_steps is unchanged); DeepSpeed does not, which
+    raises ConfigError.
     """
     import sys
 
@@ -335,8 +337,8 @@ def resume(checkpoint: Path, *, rank: int, world_size: int, model=None, optimize
             raise ConfigError(f"{checkpoint} was written by {written} ranks; DeepSpeed resumes with the same number",
                               hint=f"launch with {written} processes in total")
         if rank == 0:
-            print(f"warning: {checkpoint} was written by {written} ranks, resuming with {world_size}: "
-                  "the data order after resume differs from the original run", file=sys.stderr)
+            print(f"note: {checkpoint} was written by {written} ranks, resuming with {world_size}: weights and "
+                  "optimizer state resharded, data continued at the same global micro-batch", file=sys.stderr)
     return saved
 
 

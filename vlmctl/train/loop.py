@@ -267,9 +267,15 @@ class TrainState:
     tokens: int = 0  # real tokens seen, global
 
     @classmethod
-    def from_checkpoint(cls, saved: dict[str, Any]) -> "TrainState":
-        """The position a checkpoint's trainer_state.json records."""
-        return cls(step=saved["step"], consumed=saved["consumed_micro_batches"], bad_steps=saved.get("bad_steps", 0),
+    def from_checkpoint(cls, saved: dict[str, Any], dp_size: int | None = None) -> "TrainState":
+        """The position a checkpoint's trainer_state.json records. Resumed on `dp_size` data-parallel ranks where
+        the checkpoint had another number (its `dp_size`, else `world_size`), the per-rank count is rescaled so the
+        run continues at the same global micro-batch: the samplers deal one global sequence of micro-batches."""
+        consumed = int(saved["consumed_micro_batches"])
+        before = saved.get("dp_size") or saved.get("world_size")
+        if dp_size and before and int(before) != dp_size:
+            consumed = consumed * int(before) // dp_size
+        return cls(step=saved["step"], consumed=consumed, bad_steps=saved.get("bad_steps", 0),
                    tokens=saved.get("tokens_seen", 0))
 
 

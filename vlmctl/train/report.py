@@ -77,7 +77,7 @@ def print_startup(rows: dict[str, Any]) -> None:
 def checkpoint_info(train, *, ctx, tm, lora: dict | None, engine, total_steps: int, batches_per_epoch: int) -> dict[str, Any]:
     """The run's description saved in every checkpoint's trainer_state.json (with the loop's position)."""
     return {
-        "lora": lora, "model_source": tm.source, "family": tm.family.name, "world_size": ctx.env.world_size,
+        "lora": lora, "model_source": tm.source, "family": tm.family.name, "world_size": ctx.env.world_size, "dp_size": ctx.dims.dp_size,
         "strategy": train.strategy, "stage": train.stage, "trainable_parts": sorted(tm.trainable),
         "format": "deepspeed" if engine else "dcp", "micro_batch_size": train.micro_batch_size,
         "gradient_accumulation_steps": train.gradient_accumulation_steps, "total_steps": total_steps,

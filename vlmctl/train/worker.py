@@ -109,7 +109,7 @@ def resume_state(resume_from: Path | None, ctx: RunContext, wrapped: Wrapped):
     saved = ckpt.resume(resume_from, rank=ctx.env.rank, world_size=ctx.env.world_size, engine=wrapped.engine,
                         model=None if wrapped.engine else wrapped.model, optimizer=wrapped.optimizer,
                         scheduler=wrapped.scheduler)
-    return TrainState.from_checkpoint(saved)
+    return TrainState.from_checkpoint(saved, dp_size=ctx.dims.dp_size)
 
 
 def build_trainer(cfg, run_dir: Path, ctx: RunContext, tm: TrainingModel, wrapped: Wrapped, *, loader, sampler,
