@@ -13,8 +13,11 @@ from vlmctl.config.base import ModelRef, ProjectPath, Section
 class ModelSection(Section):
     vision: ModelRef | None = Field(None, description="Vision encoder: Hub id, local path, or a size preset name with init: random (compose mode).")
     llm: ModelRef | None = Field(None, description="Causal language model: Hub id, local path, or a size preset name with init: random (compose mode).")
-    projector: Literal["mlp2x_gelu", "linear", "pixel_shuffle"] = Field("mlp2x_gelu", description="Connector from visual features to the LLM's embedding space (compose mode): mlp2x_gelu / linear build LLaVA (one token per patch); pixel_shuffle builds Idefics3 (patches / pixel_shuffle_scale**2 tokens per view; SigLIP encoders only).")
+    projector: Literal["mlp2x_gelu", "linear", "pixel_shuffle", "perceiver"] = Field("mlp2x_gelu", description="Connector from visual features to the LLM's embedding space (compose mode): mlp2x_gelu / linear build LLaVA (one token per patch); pixel_shuffle builds Idefics3 (patches / pixel_shuffle_scale**2 tokens per view); perceiver builds Idefics2 (perceiver_queries tokens per image); SigLIP encoders only for the last two.")
     pixel_shuffle_scale: int = Field(2, ge=1, description="model.projector=pixel_shuffle: side of the patch blocks merged into one visual token (2: 4 patches per token); must divide the encoder's patch grid.")
+    perceiver_queries: int = Field(64, ge=1, description="model.projector=perceiver: learned latent queries of the perceiver resampler = visual tokens per image (Idefics2: 64).")
+    perceiver_depth: int = Field(3, ge=1, description="model.projector=perceiver: cross-attention blocks of the perceiver resampler (Idefics2: 3).")
+    perceiver_heads: int = Field(16, ge=1, description="model.projector=perceiver: attention heads of the resampler (Idefics2: 16); must divide the LLM's hidden size.")
     base: ModelRef | None = Field(None, description="Existing VLM to fine-tune: Hub id, local path, or a preset name with init: random.")
     preset: str | None = Field(None, description="Whole-model size preset for init: random (e.g. tiny, qwen2.5-vl-3b); see `vlmctl model build --help`.")
     init: Literal["pretrained", "random"] = Field("pretrained", description="pretrained: load weights; random: build from configs only (no downloads).")
@@ -33,7 +36,8 @@ class ModelSection(Section):
         if self.base is not None and (self.vision is not None or self.llm is not None):
             raise ValueError("set either model.base (fine-tune an existing VLM) or model.vision + model.llm (compose), not both")
         # a value other than the default (a resolved config.yaml spells the default out for every projector)
-        default = type(self).model_fields["pixel_shuffle_scale"].default
-        if self.pixel_shuffle_scale != default and self.projector != "pixel_shuffle":
-            raise ValueError("model.pixel_shuffle_scale applies to model.projector=pixel_shuffle only")
+        for key, projector in (("pixel_shuffle_scale", "pixel_shuffle"), ("perceiver_queries", "perceiver"),
+                               ("perceiver_depth", "perceiver"), ("perceiver_heads", "perceiver")):
+            if getattr(self, key) != type(self).model_fields[key].default and self.projector != projector:
+                raise ValueError(f"model.{key} applies to model.projector={projector} only")
         return self

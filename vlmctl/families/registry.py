@@ -5,7 +5,7 @@
     spec = get_family(detect_family(config))   # by a checkpoint's config
     spec = compose_family()                    # the family `model.vision` + `model.llm` builds into
 
-Importing `vlmctl.families` imports every built-in family module (`llava`, `qwen_vl`, `idefics3`, `internvl`,
+Importing `vlmctl.families` imports every built-in family module (`llava`, `qwen_vl`, `idefics3`, `idefics2`, `internvl`,
 `gemma3`, `llava_next`, `llava_onevision`, `qwen3_vl_moe`), each of which calls `register(spec)` once. The module paths of each family are documented in its module; `family_table()` lists
 them (`vlmctl model build --list` prints it).
 """

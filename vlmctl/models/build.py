@@ -5,7 +5,7 @@ Three modes, picked from the section:
 - **compose** (`vision` + `llm`): a vision encoder and a causal LM joined by a projector into the layout of the
   compose family that holds `model.projector` (`vlmctl.families.compose_family(projector)`: LLaVA's
   `LlavaForConditionalGeneration` for mlp2x_gelu / linear, LLaVA-1.5, Liu et al. 2023,
-  https://arxiv.org/abs/2310.03744; Idefics3's for pixel_shuffle; see `vlmctl.models.connectors`) with its processor (the encoder's image processor, the LLM's tokenizer
+  https://arxiv.org/abs/2310.03744; Idefics3's for pixel_shuffle; Idefics2's for perceiver; see `vlmctl.models.connectors`) with its processor (the encoder's image processor, the LLM's tokenizer
   with the image token added, a chat template). Loads with plain `AutoModelForImageTextToText` / `AutoProcessor`.
 - **preset** (`preset` with `init: random`): a whole model built from a size preset under `presets/` (YAML data):
   weights initialized from configs, tokenizer trained on the prepared data (`vlmctl.models.tokenizer`). No download.
@@ -149,7 +149,7 @@ def plan_build(model: ModelSection) -> BuildPlan:
     plan.vision_config = _vision_config(model.vision, model.init, trc, plan.family)
     plan.text_config = _llm_config(model.llm, model.init, trc)
     plan.projector = projector_spec(model)
-    check_connector(model, plan.projector, plan.vision_config)
+    check_connector(model, plan.projector, plan.vision_config, plan.text_config)
     plan.family.check_compose(plan.vision_config, plan.text_config, model.vision, model.llm)
     plan.feature_layer = model.vision_feature_layer
     if is_preset(model.vision) and "vision_feature_layer" not in model.model_fields_set:
@@ -187,7 +187,7 @@ def _plan_preset(model: ModelSection, name: str) -> BuildPlan:
         plan.vision_config = _config_from_dict(data["vision"])
         plan.text_config = data["llm"]  # made a config once the tokenizer size is known (vocab_size: auto)
         plan.projector = projector_spec(model, model.projector if "projector" in model.model_fields_set else data.get("projector", "mlp2x_gelu"))
-        check_connector(model, plan.projector, plan.vision_config)
+        check_connector(model, plan.projector, plan.vision_config, plan.text_config)
         family.check_compose(plan.vision_config, plan.text_config, name, name)
         plan.feature_layer = model.vision_feature_layer if "vision_feature_layer" in model.model_fields_set else data.get("vision_feature_layer", -2)
         _check_feature_layer(plan)
@@ -705,6 +705,7 @@ def _info(plan: BuildPlan, vlm, processor) -> dict[str, Any]:
             "vision_feature_layer": plan.feature_layer if plan.projector and plan.projector.feature_select else None,
             "vision_feature_select_strategy": plan.feature_strategy if plan.projector and plan.projector.feature_select else None,
             "pixel_shuffle_scale": plan.projector.config.get("scale_factor") if plan.projector else None,
+            "perceiver_queries": (plan.projector.queries or None) if plan.projector else None,
         },
         "model_class": type(vlm).__name__,
         "dtype": s.dtype,
