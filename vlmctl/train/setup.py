@@ -73,6 +73,7 @@ def load_quantized(source: str, cfg, *, dtype):
 
     from vlmctl.families import detect_family, get_family
     from vlmctl.models import load_processor, read_build_info
+    from vlmctl.models.load import quiet_transformers
 
     info = read_build_info(source) if Path(source).is_dir() else None
     ref = info["source"] if info and info.get("mode") == "base" and not (Path(source) / "config.json").is_file() else source
@@ -84,7 +85,8 @@ def load_quantized(source: str, cfg, *, dtype):
     else:
         bnb = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
     cls = getattr(transformers, family.model_class)
-    model = cls.from_pretrained(ref, quantization_config=bnb, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
+    with quiet_transformers():  # no third-party progress bar or load report
+        model = cls.from_pretrained(ref, quantization_config=bnb, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
     # activation checkpointing is set per layer by `apply_training_setup` (train.activation_checkpointing)
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     return model, load_processor(source, trust_remote_code=cfg.model.trust_remote_code), family
