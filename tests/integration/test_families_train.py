@@ -22,7 +22,7 @@ import pytest
 from cli_runner import run_cli
 from convert_helpers import TEXTS
 
-FAMILIES = ["internvl", "gemma3", "llava_next", "llava_onevision", "qwen3_vl_moe"]
+FAMILIES = ["internvl", "gemma3", "llava_next", "llava_onevision", "qwen3_vl_moe", "idefics2"]
 RUN_TIMEOUT = 120
 
 

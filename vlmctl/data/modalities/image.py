@@ -59,18 +59,33 @@ def stack_images(inputs: list[dict[str, Any]], *, packed: bool = False) -> dict[
     per_sample = any(inp.get("pixel_values") is not None and inp["pixel_values"].ndim == 5 for inp in inputs)
     out = {}
     for k in keys:
-        present = [inp[k] for inp in inputs if k in inp]
+        idx = [i for i, inp in enumerate(inputs) if k in inp]
+        present = [inputs[i][k] for i in idx]
+        if per_sample:  # images of different sizes (Idefics2 keeps the aspect ratio): zero-padded to the largest
+            present = _pad_trailing(present)
         if not per_sample or packed:
             out[k] = torch.cat(present, dim=1 if per_sample else 0)
             continue
         n = max(t.shape[1] for t in present)
         ref = present[0]
         stacked = torch.zeros((len(inputs), n, *ref.shape[2:]), dtype=ref.dtype)
-        for i, inp in enumerate(inputs):
-            if k in inp:
-                t = inp[k][0]
-                stacked[i, : t.shape[0]] = t
+        for i, t in zip(idx, present):
+            stacked[i, : t.shape[1]] = t[0]
         out[k] = stacked
+    return out
+
+
+def _pad_trailing(tensors: list) -> list:
+    """Zero-pad dims 2.. of [1, N, ...] tensors to their largest sizes: pixels [1, N, 3, H, W] get black borders
+    and `pixel_attention_mask` [1, N, H, W] zeros there, which is how the Idefics2/3 processors pad a batch."""
+    if len({tuple(t.shape[2:]) for t in tensors}) <= 1:
+        return tensors
+    sizes = [max(t.shape[d] for t in tensors) for d in range(2, tensors[0].ndim)]
+    out = []
+    for t in tensors:
+        padded = t.new_zeros((*t.shape[:2], *sizes))
+        padded[(slice(None), slice(None), *(slice(0, n) for n in t.shape[2:]))] = t
+        out.append(padded)
     return out
 
 
