@@ -720,30 +720,11 @@ def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log
 
 
 def probe_auto(plan: BenchPlan, tm, train, ctx, stepper, log):
-    """Settle `auto` batch size and activation checkpointing by training's own probe (`vlmctl.train.autotune.probe`)
-    on rows of the bench's workload (its longest samples first). Returns the Choice, applied to `train`."""
-    import numpy as np
-
-    from vlmctl.data.collate import Collator, PackedCollator
-
-    lengths = np.asarray(plan.workload.lengths)
-
-    def make(indices):
-        size = int(lengths[indices].sum())
-        collator = (PackedCollator(tm.processor, tm.family, tokens_per_batch=max(size, 1)) if plan.packing
-                    else Collator(tm.processor, tm.family))
-        batch = plan.workload.batch(indices, collator)
-        return tm.prepare(batch) if tm.prepare is not None else batch
-
-    main = ctx.env.is_main
-    choice = autotune.probe(train, stepper=stepper, layer_groups=[tm.parts.decoder_layers, tm.parts.vision_layers],
-                            rows=autotune.probe_rows(lengths, make, packing=plan.packing), device=ctx.env.device,
-                            lengths=lengths, dp_size=ctx.dims.dp_size, stored_bytes=ctx.stored.itemsize,
-                            group=ctx.dims.dp_group, log=log if main else (lambda m: None))
-    applied = choice.apply(train)
-    if main:
-        log(autotune.summary(choice, applied))
-    return choice
+    """Settle `auto` batch size and activation checkpointing by training's own probe
+    (`vlmctl.train.autotune.probe_and_apply`) on rows of the bench's workload (its longest samples first). Returns
+    the Choice, applied to `train`."""
+    return autotune.probe_and_apply(train, ctx, tm, stepper, plan.workload.lengths, plan.workload.batch,
+                                    packing=plan.packing, log=log)
 
 
 def settings_line(train, choice) -> str:

@@ -335,9 +335,13 @@ def save_record(run_dir: Path, choice: Choice, cfg) -> None:
 
 
 def summary(choice: Choice, applied: list[str]) -> str:
-    """One line for the console: what auto chose and why."""
+    """One line for the console: what auto chose (checkpointing modes named in words) and why."""
+    from vlmctl.train.checkpointing import describe
+
+    named = [f"{item} ({describe(choice.activation_checkpointing)})" if item.startswith("activation_checkpointing=")
+             else item for item in applied]
     gib = f", plan {choice.budget_bytes / 2**30:.1f} GiB" if choice.budget_bytes else ""
-    return f"auto: {', '.join(applied)} ({choice.reason}{gib})" if applied else ""
+    return f"auto: {', '.join(named)} ({choice.reason}{gib})" if applied else ""
 
 
 
@@ -349,8 +353,7 @@ def tune(cfg, run_dir: Path, ctx, tm, stepper, dataset, lengths, log=print) -> C
     `RUN_DIR/autotune.json` when resuming, else by `probe` on rows of `dataset` (a ShardDataset) collated as
     training collates them (`lengths`: their token counts). Rank 0 records and prints the choice. Returns the
     choice, or None when nothing was auto."""
-    from vlmctl.data.collate import Collator, PackedCollator
-    from vlmctl.train.checkpointing import apply_activation_checkpointing, describe
+    from vlmctl.train.checkpointing import apply_activation_checkpointing
 
     train, groups = cfg.train, [tm.parts.decoder_layers, tm.parts.vision_layers]
     if not wants(train):
@@ -363,23 +366,40 @@ def tune(cfg, run_dir: Path, ctx, tm, stepper, dataset, lengths, log=print) -> C
             log(f"auto (recorded when the run started): {', '.join(applied)}")
         return record
 
-    def make_batch(indices):
-        size = int(sum(int(lengths[i]) for i in indices))
-        collate = (PackedCollator(tm.processor, tm.family, max_length=cfg.data.max_length, tokens_per_batch=max(size, 1))
-                   if train.packing else Collator(tm.processor, tm.family, max_length=cfg.data.max_length))
-        batch = collate([dataset[i] for i in indices])
-        return tm.prepare(batch) if tm.prepare is not None else batch
-
     if ctx.env.is_main:
         log("auto: probing activation checkpointing and batch size in GPU memory (forward + backward per trial)")
-    choice = probe(train, stepper=stepper, layer_groups=groups, rows=probe_rows(lengths, make_batch, packing=train.packing),
-                   device=ctx.env.device, lengths=lengths, dp_size=ctx.dims.dp_size,
-                   stored_bytes=ctx.stored.itemsize, group=ctx.dims.dp_group,
-                   log=log if ctx.env.is_main else (lambda msg: None))
-    applied = choice.apply(train)
+    choice = probe_and_apply(train, ctx, tm, stepper, lengths, lambda indices, collate: collate([dataset[i] for i in indices]),
+                             packing=train.packing, max_length=cfg.data.max_length, log=log)
     if ctx.env.is_main:
         save_record(run_dir, choice, cfg)
-        log(summary(choice, applied).replace(f"activation_checkpointing={train.activation_checkpointing}",
-                                             f"activation_checkpointing={train.activation_checkpointing} "
-                                             f"({describe(train.activation_checkpointing)})"))
+    return choice
+
+
+def probe_and_apply(train, ctx, tm, stepper, lengths, collate_rows, *, packing: bool, max_length=None,
+                    log=print) -> Choice:
+    """`probe` on rows of the caller's samples, collated as training collates them, then the choice applied to
+    `train` and printed by rank 0. `lengths`: the samples' token counts; `collate_rows(indices, collator)` returns
+    the batch of those samples through `collator` (a PackedCollator sized to the row, or a padded Collator).
+    `vlmctl train` (`tune`) and `vlmctl bench` call it on their own data."""
+    import numpy as np
+
+    from vlmctl.data.collate import Collator, PackedCollator
+
+    lengths = np.asarray(lengths)
+
+    def make_batch(indices):
+        size = int(lengths[indices].sum())
+        collator = (PackedCollator(tm.processor, tm.family, max_length=max_length, tokens_per_batch=max(size, 1))
+                    if packing else Collator(tm.processor, tm.family, max_length=max_length))
+        batch = collate_rows(indices, collator)
+        return tm.prepare(batch) if tm.prepare is not None else batch
+
+    main = ctx.env.is_main
+    choice = probe(train, stepper=stepper, layer_groups=[tm.parts.decoder_layers, tm.parts.vision_layers],
+                   rows=probe_rows(lengths, make_batch, packing=packing), device=ctx.env.device, lengths=lengths,
+                   dp_size=ctx.dims.dp_size, stored_bytes=ctx.stored.itemsize, group=ctx.dims.dp_group,
+                   log=log if main else (lambda msg: None))
+    applied = choice.apply(train)
+    if main:
+        log(summary(choice, applied))
     return choice
