@@ -25,7 +25,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from vlmctl.errors import ConfigError, ModelError
+from vlmctl.errors import ConfigError
+from vlmctl.families.idefics3 import VISION_KEYS, check_siglip_compose
 from vlmctl.families.registry import register
 from vlmctl.families.spec import FamilySpec, setting, split_source
 
@@ -59,9 +60,7 @@ COMPOSE_VISION_TYPES = frozenset({"siglip_vision_model", "idefics2_vision", "ide
 embedding, learned position table, no CLS token, pre-norm encoder, post-layernorm; Idefics2's / Idefics3's own are
 copies of it). CLIP (CLS token, pre-layernorm), DINOv2 or SigLIP2 NaFlex (linear patch embedding) do not fit."""
 
-VISION_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels",
-               "image_size", "patch_size", "hidden_act", "layer_norm_eps", "attention_dropout")
-"""The `Idefics2VisionConfig` settings read from a SigLIP vision config (same names, same meaning)."""
+# VISION_KEYS (from idefics3): the vision config settings copied into `Idefics2VisionConfig` too (same names).
 
 
 class Idefics2Spec(FamilySpec):
@@ -72,25 +71,8 @@ class Idefics2Spec(FamilySpec):
         """Idefics2's vision model takes SigLIP-shaped encoders only, and its `text_model` is
         `AutoModel.from_config(text_config)` (transformers `modeling_idefics2.py`, 5.23). Raises ConfigError naming
         model.vision and the fix for another encoder, ModelError for an LLM without a base-model class."""
-        from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
-
-        vtype = setting(vision_config, "model_type", default="?")
-        if vtype not in COMPOSE_VISION_TYPES:
-            raise ConfigError(
-                f"model.vision={vision_ref!r} is a {vtype!r} encoder; model.projector=perceiver builds "
-                f"{self.model_class}, whose vision model has SigLIP's layout (no CLS token, no pre-layernorm) and "
-                "loads SigLIP weights only",
-                hint="set model.vision to a SigLIP encoder (model_type siglip / siglip_vision_model, e.g. "
-                "google/siglip-so400m-patch14-384), or use model.projector=mlp2x_gelu for this encoder",
-            )
-        ttype = setting(text_config, "model_type", default="?")
-        if ttype not in MODEL_MAPPING_NAMES:
-            raise ModelError(
-                f"model.llm={llm_ref!r} ({ttype}) has no base-model class in transformers, which "
-                f"{self.model_class} builds its text model with (AutoModel)",
-                hint="use an LLM transformers ships (Llama, Qwen2/2.5/3, Mistral, Gemma, SmolLM, ...), or "
-                "model.projector=mlp2x_gelu",
-            )
+        check_siglip_compose(self.model_class, vision_config, text_config, vision_ref, llm_ref, projector="perceiver",
+                             vision_types=COMPOSE_VISION_TYPES, vision_error=ConfigError)
 
     def compose_config(self, vision_config: Any, text_config: Any, *, token_ids: Mapping[str, int], feature_layer: int,
                        feature_strategy: str, projector_config: Mapping[str, Any]):

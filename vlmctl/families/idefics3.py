@@ -88,6 +88,32 @@ VISION_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_att
 """The `Idefics3VisionConfig` settings read from a SigLIP vision config (same names, same meaning)."""
 
 
+def check_siglip_compose(model_class: str, vision_config: Any, text_config: Any, vision_ref: str, llm_ref: str, *,
+                         projector: str, vision_types: frozenset, vision_error: type) -> None:
+    """The compose checks of the Idefics classes (Idefics2, Idefics3): the vision encoder's `model_type` must be one
+    of `vision_types` (SigLIP's layout), else `vision_error`; the LLM needs a base-model class in transformers, which
+    these classes build their `text_model` with (`AutoModel.from_config`), else ModelError. Both name the part
+    and the fix."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    vtype = setting(vision_config, "model_type", default="?")
+    if vtype not in vision_types:
+        raise vision_error(
+            f"model.vision={vision_ref!r} is a {vtype!r} encoder; model.projector={projector} builds {model_class}, "
+            "whose vision model has SigLIP's layout (no CLS token, no pre-layernorm) and loads SigLIP weights only",
+            hint="set model.vision to a SigLIP encoder (model_type siglip / siglip_vision_model, e.g. "
+            "google/siglip-so400m-patch14-384), or use model.projector=mlp2x_gelu for this encoder",
+        )
+    ttype = setting(text_config, "model_type", default="?")
+    if ttype not in MODEL_MAPPING_NAMES:
+        raise ModelError(
+            f"model.llm={llm_ref!r} ({ttype}) has no base-model class in transformers, which "
+            f"{model_class} builds its text model with (AutoModel)",
+            hint="use an LLM transformers ships (Llama, Qwen2/2.5/3, Mistral, Gemma, SmolLM, ...), or "
+            "model.projector=mlp2x_gelu",
+        )
+
+
 class Idefics3Spec(FamilySpec):
     """Idefics3's build recipe: tile settings of the image processor, `image_seq_len` of the processor, and the
     compose recipe of `model.projector: pixel_shuffle` (any SigLIP encoder + any LLM `AutoModel` knows)."""
@@ -96,24 +122,8 @@ class Idefics3Spec(FamilySpec):
         """Idefics3's vision model takes SigLIP-shaped encoders only, and its `text_model` is
         `AutoModel.from_config(text_config)` (transformers `modeling_idefics3.py`, 5.23): an LLM without a base-model
         class there cannot load without remote code. Raises ModelError naming the part and the fix."""
-        from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
-
-        vtype = setting(vision_config, "model_type", default="?")
-        if vtype not in COMPOSE_VISION_TYPES:
-            raise ModelError(
-                f"model.vision={vision_ref!r} is a {vtype!r} encoder; model.projector=pixel_shuffle builds "
-                f"{self.model_class}, whose vision model has SigLIP's layout and loads SigLIP weights only",
-                hint="use a SigLIP vision encoder (model_type siglip / siglip_vision_model, e.g. "
-                "google/siglip-so400m-patch14-384), or model.projector=mlp2x_gelu for this encoder",
-            )
-        ttype = setting(text_config, "model_type", default="?")
-        if ttype not in MODEL_MAPPING_NAMES:
-            raise ModelError(
-                f"model.llm={llm_ref!r} ({ttype}) has no base-model class in transformers, which "
-                f"{self.model_class} builds its text model with (AutoModel)",
-                hint="use an LLM transformers ships (Llama, Qwen2/2.5/3, Mistral, Gemma, SmolLM, ...), or "
-                "model.projector=mlp2x_gelu",
-            )
+        check_siglip_compose(self.model_class, vision_config, text_config, vision_ref, llm_ref, projector="pixel_shuffle",
+                             vision_types=COMPOSE_VISION_TYPES, vision_error=ModelError)
 
     def compose_config(self, vision_config: Any, text_config: Any, *, token_ids: Mapping[str, int], feature_layer: int,
                        feature_strategy: str, projector_config: Mapping[str, Any]):
