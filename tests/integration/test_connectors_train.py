@@ -10,26 +10,7 @@ import pytest
 
 from cli_runner import run_cli
 from convert_helpers import TEXTS
-
-
-def _write_shards(folder: Path, n: int) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from vlmctl.data.sample import Sample, arrow_schema
-    from vlmctl.data.synthetic import generate_shapes_vqa
-
-    raw = generate_shapes_vqa(folder / "raw", num_samples=n, image_size=64)
-    samples = []
-    for rec in json.loads(raw.read_text()):
-        question = rec["conversations"][0]["value"].replace("<image>\n", "")
-        user = {"role": "user", "content": [{"type": "image", "index": 0}, {"type": "text", "text": question}]}
-        answer = {"role": "assistant", "content": [{"type": "text", "text": rec["conversations"][1]["value"]}]}
-        img = (folder / "raw" / rec["image"]).read_bytes()
-        samples.append(Sample(id=rec["id"], messages=[user, answer], images=[img], source="shapes_vqa.json"))
-    out = folder / "prepared" / "train"
-    out.mkdir(parents=True)
-    pq.write_table(pa.Table.from_pylist([s.to_row() for s in samples], schema=arrow_schema()), out / "shard-00000.parquet")
+from shapes_shards import write_shapes_shards
 
 
 @pytest.mark.timeout(180)
@@ -40,7 +21,7 @@ def test_align_step_on_pixel_shuffle_changes_only_the_connector(tmp_path, capsys
     from vlmctl.config import ModelSection
     from vlmctl.models import build_model
 
-    _write_shards(tmp_path / "data", 6)
+    write_shapes_shards(tmp_path / "data", 6, text_only_every=0)
     model = dict(vision="tiny", llm="tiny", init="random", projector="pixel_shuffle", output_dir=tmp_path / "model", dtype="fp32")
     build_model(ModelSection(**model), tokenizer_texts=TEXTS)
     (tmp_path / "vlmctl.yaml").write_text(f"""
@@ -84,7 +65,7 @@ def test_one_fsdp_align_step_on_perceiver_changes_only_the_connector(tmp_path, c
     from vlmctl.config import ModelSection
     from vlmctl.models import build_model
 
-    _write_shards(tmp_path / "data", 6)
+    write_shapes_shards(tmp_path / "data", 6, text_only_every=0)
     model = dict(vision="tiny", llm="tiny", init="random", projector="perceiver", perceiver_queries=8, perceiver_depth=1,
                  perceiver_heads=4)
     build_model(ModelSection(**model, output_dir=tmp_path / "model", dtype="fp32"), tokenizer_texts=TEXTS)

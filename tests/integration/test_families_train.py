@@ -21,41 +21,17 @@ import pytest
 
 from cli_runner import run_cli
 from convert_helpers import TEXTS
+from shapes_shards import write_shapes_shards
 
 FAMILIES = ["internvl", "gemma3", "llava_next", "llava_onevision", "qwen3_vl_moe", "idefics2"]
 RUN_TIMEOUT = 120
-
-
-def _write_shards(folder: Path, n: int) -> None:
-    """`n` generated shapes-VQA samples (64 px images); every third one is text-only."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from vlmctl.data.sample import Sample, arrow_schema
-    from vlmctl.data.synthetic import generate_shapes_vqa
-
-    raw = generate_shapes_vqa(folder / "raw", num_samples=n, image_size=64)
-    samples = []
-    for i, rec in enumerate(json.loads(raw.read_text())):
-        question = rec["conversations"][0]["value"].replace("<image>\n", "")
-        answer = {"role": "assistant", "content": [{"type": "text", "text": rec["conversations"][1]["value"]}]}
-        if i % 3 == 2:
-            user = {"role": "user", "content": [{"type": "text", "text": question}]}
-            samples.append(Sample(id=rec["id"], messages=[user, answer], source="text_only"))
-        else:
-            user = {"role": "user", "content": [{"type": "image", "index": 0}, {"type": "text", "text": question}]}
-            img = (folder / "raw" / rec["image"]).read_bytes()
-            samples.append(Sample(id=rec["id"], messages=[user, answer], images=[img], source="shapes_vqa.json"))
-    out = folder / "prepared" / "train"
-    out.mkdir(parents=True)
-    pq.write_table(pa.Table.from_pylist([s.to_row() for s in samples], schema=arrow_schema()), out / "shard-00000.parquet")
 
 
 def _project(root: Path, preset: str) -> Path:
     from vlmctl.config import ModelSection
     from vlmctl.models import build_model
 
-    _write_shards(root / "data", 12)
+    write_shapes_shards(root / "data", 12)
     build_model(ModelSection(preset=preset, init="random", output_dir=root / "model", dtype="fp32"), tokenizer_texts=TEXTS)
     (root / "vlmctl.yaml").write_text(f"""
 project: {{name: fam}}

@@ -20,6 +20,7 @@ import pytest
 
 from cli_runner import run_cli as run_cli_inprocess
 from real_data import REAL
+from shapes_shards import write_shapes_shards
 
 RUN_TIMEOUT = 150
 # what the tiny models' tokenizer is trained on: the generated questions' words
@@ -30,31 +31,6 @@ TOKENIZER_TEXTS = ["What color is the triangle? How many circles are there? Is t
 # ----------------------------------------------------------------------------------------------------- fixtures
 
 
-def _write_shards(folder: Path, n: int) -> None:
-    """Generated shapes VQA samples; every third one is text-only (question without its image)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from vlmctl.data.sample import Sample, arrow_schema
-    from vlmctl.data.synthetic import generate_shapes_vqa
-
-    raw = generate_shapes_vqa(folder / "raw", num_samples=n, image_size=64)
-    samples = []
-    for i, rec in enumerate(json.loads(raw.read_text())):
-        question = rec["conversations"][0]["value"].replace("<image>\n", "")
-        answer = {"role": "assistant", "content": [{"type": "text", "text": rec["conversations"][1]["value"]}]}
-        if i % 3 == 2:
-            user = {"role": "user", "content": [{"type": "text", "text": question}]}
-            samples.append(Sample(id=rec["id"], messages=[user, answer], source="text_only"))
-        else:
-            user = {"role": "user", "content": [{"type": "image", "index": 0}, {"type": "text", "text": question}]}
-            img = (folder / "raw" / rec["image"]).read_bytes()
-            samples.append(Sample(id=rec["id"], messages=[user, answer], images=[img], source="shapes_vqa.json"))
-    out = folder / "prepared" / "train"
-    out.mkdir(parents=True)
-    pq.write_table(pa.Table.from_pylist([s.to_row() for s in samples], schema=arrow_schema()), out / "shard-00000.parquet")
-
-
 @pytest.fixture(scope="session")
 def project(tmp_path_factory) -> Path:
     """A project folder with a built tiny model, prepared shards and a vlmctl.yaml for 2-rank FSDP."""
@@ -62,7 +38,7 @@ def project(tmp_path_factory) -> Path:
     from vlmctl.models import build_model
 
     root = tmp_path_factory.mktemp("train")
-    _write_shards(root / "data", 96)
+    write_shapes_shards(root / "data", 96)
     build_model(ModelSection(preset="tiny", init="random", output_dir=root / "model"), tokenizer_texts=TOKENIZER_TEXTS)
     (root / "vlmctl.yaml").write_text(f"""
 project: {{name: t}}
@@ -459,7 +435,7 @@ def qwen_project(tmp_path_factory) -> Path:
     from vlmctl.models import build_model
 
     root = tmp_path_factory.mktemp("train-qwen")
-    _write_shards(root / "data", 36)
+    write_shapes_shards(root / "data", 36)
     build_model(ModelSection(preset="tiny-qwen2.5-vl", init="random", output_dir=root / "model"), tokenizer_texts=TOKENIZER_TEXTS)
     (root / "vlmctl.yaml").write_text("""
 project: {name: q}
