@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from fake_slurm import JOB_ID, install
-from test_train_runs import TOKENIZER_TEXTS, _write_shards
+from shapes_shards import write_shapes_shards
+from test_train_runs import TOKENIZER_TEXTS
 
 RUN_TIMEOUT = 240  # 4 ranks on 2 CPU cores
 
@@ -33,7 +34,7 @@ def project(tmp_path_factory) -> Path:
     from vlmctl.models import build_model
 
     root = tmp_path_factory.mktemp("multinode")
-    _write_shards(root / "data", 48)
+    write_shapes_shards(root / "data", 48)
     build_model(ModelSection(preset="tiny", init="random", output_dir=root / "model"), tokenizer_texts=TOKENIZER_TEXTS)
     (root / "vlmctl.yaml").write_text("""
 project: {name: m}
