@@ -67,6 +67,32 @@ def test_counts_read_from_the_files_equal_the_loaded_processors(spec, tmp_path):
         assert light.count(sample, sizes) == full.count(sample, sizes)
 
 
+def _png(width: int, height: int) -> bytes:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(np.random.default_rng(width * height).integers(0, 256, (height, width, 3), dtype=np.uint8)).save(out, "PNG")
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_counts_equal_the_collated_length(spec, tmp_path):
+    """The counted tokens are the tokens the trainer's collator makes from the same sample: marker tokens and text a
+    processor writes around the visual tokens (InternVL's <img>, Idefics' tile markers, Gemma 3's blank lines)
+    included, for one image, two images of other sizes in one turn, and text only."""
+    from vlmctl.data.collate import Collator
+
+    processor = saved_processor(spec, tmp_path)
+    collator = Collator(processor, spec, max_length=100_000, dummy_image=False)
+    counter = TokenCounter.from_files(tmp_path)
+    for sample, sizes in samples():
+        with_images = Sample(id=sample.id, messages=sample.messages, images=[_png(w, h) for w, h in sizes])
+        assert counter.count(sample, sizes) == collator([with_images])["input_ids"].shape[1], sample.id
+
+
 def test_the_template_sandbox_renders_as_transformers():
     from transformers.utils.chat_template_utils import render_jinja_template
 

@@ -221,10 +221,19 @@ class TokenCounter:
         """Tokens of `sample` (text + visual); `sizes` are the (width, height) of its images in order, its videos are
         read from `sample.videos` (stored clips). A part counts each time it is used, as the collator passes it.
         Records the placeholder tokens of each stored image and video in `sample.media_tokens`."""
-        ids = self._encode(self.render(sample))
+        text = self.render(sample)
         per = {"image": [self.visual_tokens(w, h) for w, h in sizes], "video": [self.video_tokens(clip) for clip in sample.videos]}
         sample.media_tokens = {kind: n for kind, n in per.items() if n or kind == "image"}
-        media = {self.image_token_id} | ({self.video_token_id} if per["video"] else set())
+        # Families whose processor writes marker tokens or text around the visual tokens: tokenize the text as the
+        # processor rewrites it (the images' tokens are then in it, with their markers).
+        used_images = [sizes[p["index"]] for m in sample.messages for p in m["content"] if p["type"] == "image"]
+        expanded = self._family.expand_images(text, used_images, self.processor) if self._family is not None and used_images else None
+        if expanded is not None:
+            text, per["image"], media = expanded, [0] * len(per["image"]), set()
+        else:
+            media = {self.image_token_id}
+        ids = self._encode(text)
+        media |= {self.video_token_id} if per["video"] else set()
         placeholders = sum(1 for t in ids if t in media)
         used = sum(per[p["type"]][p["index"]] for m in sample.messages for p in m["content"] if p["type"] in per)
         return len(ids) - placeholders + used

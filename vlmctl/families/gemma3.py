@@ -21,7 +21,7 @@ image tokens attend to each other bidirectionally; they are passed through like 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from vlmctl.families.registry import register
@@ -47,6 +47,15 @@ class Gemma3Spec(FamilySpec):
     def processor_kwargs(self, config: Mapping[str, Any]) -> dict[str, Any]:
         """`image_seq_length` = `mm_tokens_per_image` (the pooled tokens of one view)."""
         return {"image_seq_length": int(config.get("mm_tokens_per_image", 256))}
+
+    def expand_images(self, text: str, sizes: Sequence[tuple[int, int]], processor: Any) -> str | None:
+        """Every `<start_of_image>` of `text` replaced by the processor's `full_image_sequence`: a blank line,
+        `<start_of_image>`, the image's `<image_soft_token>` tokens, `<end_of_image>`, a blank line (transformers
+        `Gemma3Processor.__init__` / `replace_image_token`, 5.23; no pan-and-scan)."""
+        if not sizes:
+            return None
+        soft = "<image_soft_token>" * gemma3_tokens(*sizes[0], processor)  # the same for every image
+        return text.replace(self.image_prompt, f"\n\n<start_of_image>{soft}<end_of_image>\n\n")
 
     def init_random(self, model) -> None:
         """The projector's `mm_input_projection_weight` [vision hidden, text hidden] drawn from N(0, 0.02**2)

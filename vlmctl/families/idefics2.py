@@ -22,7 +22,8 @@ a SigLIP encoder and any LLM that `AutoModel` knows into this class (`Idefics2Sp
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from vlmctl.errors import ConfigError
@@ -116,6 +117,21 @@ class Idefics2Spec(FamilySpec):
             tokenizer._set_model_specific_special_tokens({"image_boundary_token": BOUNDARY})
         queries = int((projector_config or {}).get("resampler_n_latents", DEFAULT_QUERIES))
         return self.make_processor(tokenizer, improc, chat_template, image_seq_len=queries)
+
+    def expand_images(self, text: str, sizes: Sequence[tuple[int, int]], processor: Any) -> str | None:
+        """`text` as `Idefics2Processor.__call__` rewrites it (transformers `models/idefics2/processing_idefics2.py`,
+        5.23): every `<image>` becomes `<fake_token_around_image>` + the view's `<image>` tokens +
+        `<fake_token_around_image>` (5 views with `do_image_splitting`), doubled markers of adjacent images merge,
+        and a word written right after a closing marker is moved one space away."""
+        if not sizes:
+            return None
+        boundary = setting(processor, "image_boundary_token", default=None) or BOUNDARY
+        proc, improc, _ = split_source(processor)
+        seq_len = int(setting(proc, "image_seq_len", default=DEFAULT_QUERIES)) if proc is not None else DEFAULT_QUERIES
+        view = f"{boundary}{'<image>' * seq_len}{boundary}"
+        image = view * (SPLIT_VIEWS if bool(setting(improc, "do_image_splitting", default=False)) else 1)
+        out = text.replace(self.image_prompt, image).replace(boundary * 2, boundary)
+        return re.sub(rf"{re.escape(boundary)}(?=[^\s<])", f"{boundary} ", out)
 
     def processor_kwargs(self, config: Mapping[str, Any]) -> dict[str, Any]:
         """`image_seq_len` = `perceiver_config.resampler_n_latents` (Idefics2Processor docstring)."""

@@ -20,12 +20,12 @@ that `AutoModel` knows into this class (`Idefics3Spec.check_compose` refuses the
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from vlmctl.errors import ModelError
 from vlmctl.families.registry import register
-from vlmctl.families.spec import FamilySpec, setting, split_source
+from vlmctl.families.spec import FamilySpec, replace_in_order, setting, split_source
 
 ROW_COL_TOKENS = tuple(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))
 """The tile-position markers the processor writes (up to a 6 x 6 split)."""
@@ -51,13 +51,12 @@ def idefics3_resize(height: int, width: int, longest: int, max_size: int = 4096)
     return max(height, 1), max(width, 1)
 
 
-def idefics3_tokens(width: int, height: int, source: Any) -> int:
-    """Idefics3 / SmolVLM: the image is resized so its longest edge is `size.longest_edge`, split into tiles of
-    `max_image_size.longest_edge` plus one global image; each tile becomes `image_seq_len` tokens
-    (= (tile / patch)**2 / scale_factor**2 after pixel shuffle).
+def idefics3_grid(width: int, height: int, source: Any) -> tuple[int, int, int]:
+    """(rows, cols, image_seq_len) of one `width` x `height` image (px): the tiles of `max_image_size.longest_edge`
+    after the resize to `size.longest_edge` (0, 0 when the image stays one view: no splitting, or it fits one tile),
+    and the `<image>` tokens per view (= (tile / patch)**2 / scale_factor**2 after pixel shuffle).
 
-    Source: transformers `Idefics3ImageProcessor.get_number_of_image_patches` and `Idefics3Processor` (5.23).
-    Counts `<image>` tokens only; the processor also adds `<fake_token_around_image>` / `<row_i_col_j>` text markers.
+    Source: transformers `Idefics3ImageProcessor.split_image` / `get_number_of_image_patches` (5.23).
     """
     proc, improc, cfg = split_source(source)
     if cfg is not None:
@@ -71,12 +70,34 @@ def idefics3_tokens(width: int, height: int, source: Any) -> int:
         splitting = bool(setting(improc, "do_image_splitting", default=True))
         seq_len = int(setting(proc, "image_seq_len"))
     if not splitting:
-        return seq_len
+        return 0, 0, seq_len
     h, w = idefics3_resize(height, width, longest)
     rows, cols = math.ceil(h / tile), math.ceil(w / tile)
-    if rows == 1 and cols == 1:
-        return seq_len
+    return (0, 0, seq_len) if rows == 1 and cols == 1 else (rows, cols, seq_len)
+
+
+def idefics3_tokens(width: int, height: int, source: Any) -> int:
+    """Idefics3 / SmolVLM: the image is resized so its longest edge is `size.longest_edge`, split into tiles of
+    `max_image_size.longest_edge` plus one global image (`idefics3_grid`); each view becomes `image_seq_len` tokens.
+
+    Source: transformers `Idefics3ImageProcessor.get_number_of_image_patches` and `Idefics3Processor` (5.23).
+    Counts `<image>` tokens only; the processor also adds `<fake_token_around_image>` / `<row_i_col_j>` /
+    `<global-img>` markers (`idefics3_image_text`).
+    """
+    rows, cols, seq_len = idefics3_grid(width, height, source)
     return seq_len * (rows * cols + 1)
+
+
+def idefics3_image_text(rows: int, cols: int, seq_len: int) -> str:
+    """The text `Idefics3Processor.replace_image_token` writes for one image of `rows` x `cols` tiles (0, 0: one
+    view) and `seq_len` `<image>` tokens per view (transformers `models/idefics3/processing_idefics3.py`, 5.23)."""
+    image = "<image>" * seq_len
+    glob = f"<fake_token_around_image><global-img>{image}<fake_token_around_image>"
+    if rows == 0 and cols == 0:
+        return glob
+    grid = "".join("".join(f"<fake_token_around_image><row_{r + 1}_col_{c + 1}>{image}" for c in range(cols)) + "\n"
+                   for r in range(rows))
+    return f"{grid}\n{glob}"
 
 
 COMPOSE_VISION_TYPES = frozenset({"siglip_vision_model", "idefics3_vision"})
@@ -157,6 +178,11 @@ class Idefics3Spec(FamilySpec):
             tokenizer.add_tokens(missing, special_tokens=True)
         return self.make_processor(tokenizer, improc, chat_template,
                                    image_seq_len=(tile // int(vision_config.patch_size)) ** 2 // scale**2)
+
+    def expand_images(self, text: str, sizes: Sequence[tuple[int, int]], processor: Any) -> str | None:
+        """Each `<image>` of `text` replaced by its tiles and global view with their markers (`idefics3_image_text`),
+        as `Idefics3Processor.__call__` does before tokenizing."""
+        return replace_in_order(text, self.image_prompt, [idefics3_image_text(*idefics3_grid(w, h, processor)) for w, h in sizes])
 
     def processor_kwargs(self, config: Mapping[str, Any]) -> dict[str, Any]:
         """`image_seq_len` = (image_size / patch_size)**2 / scale_factor**2 (Idefics3Processor docstring)."""

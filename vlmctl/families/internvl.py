@@ -18,11 +18,11 @@ one tile; every tile becomes `image_seq_length` `<IMG_CONTEXT>` tokens (patches 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from vlmctl.families.registry import register
-from vlmctl.families.spec import FamilySpec, setting, split_source
+from vlmctl.families.spec import FamilySpec, replace_in_order, setting, split_source
 
 PUBLISHED_MAX_PATCHES = 12
 """`max_patches` of the published InternVL 3 / 3.5 processors (tiles per image, the thumbnail not counted)."""
@@ -81,6 +81,12 @@ class InternVLSpec(FamilySpec):
         vision = config["vision_config"]
         ratio = float(config.get("downsample_ratio", 0.5))
         return {"image_seq_length": int((_side(vision["image_size"]) // _side(vision["patch_size"])) ** 2 * ratio**2)}
+
+    def expand_images(self, text: str, sizes: Sequence[tuple[int, int]], processor: Any) -> str | None:
+        """Each `<IMG_CONTEXT>` of `text` replaced by `<img>` + its tiles' `<IMG_CONTEXT>` tokens + `</img>`
+        (transformers `InternVLProcessor.replace_image_token`, 5.23)."""
+        return replace_in_order(text, self.image_prompt, [
+            f"<img>{'<IMG_CONTEXT>' * internvl_tokens(w, h, processor)}</img>" for w, h in sizes])
 
     def default_image_size(self, image_processor: Any) -> int | None:
         """The tile size: an image of that side is one tile."""

@@ -31,7 +31,7 @@ families the projector (the patch merger) sits *inside* the vision tower module,
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -135,6 +135,17 @@ class FamilySpec:
         family's default processor settings are assumed). Returns a token count.
         """
         return int(self.visual_token_rule(int(width), int(height), processor_or_config))
+
+    def expand_images(self, text: str, sizes: Sequence[tuple[int, int]], processor: Any) -> str | None:
+        """`text` (a rendered chat with one `image_prompt` per image) as the family's processor rewrites it before
+        tokenizing: each image's placeholder replaced by its visual tokens together with the marker tokens and text
+        the processor writes around them, for images of `sizes` ((width, height) px) in order.
+
+        None (the default) when the processor writes exactly `num_visual_tokens` image tokens in place of the
+        placeholder and nothing else: then the tokens are counted without rebuilding the text. `processor` as for
+        `num_visual_tokens` (a processor, or the settings read from its files).
+        """
+        return None
 
     def num_video_tokens(self, frames: int, width: int, height: int, processor_or_config: Any) -> int:
         """Video placeholder tokens for one clip of `frames` sampled frames of `width` x `height` pixels, under the
@@ -273,6 +284,17 @@ def setting(source: Any, *names: str, default: Any = None) -> Any:
         if value is not None:
             return value
     return default
+
+
+def replace_in_order(text: str, placeholder: str, replacements: Sequence[str]) -> str:
+    """`text` with its first len(`replacements`) occurrences of `placeholder` replaced by `replacements`, in order
+    (what a processor's per-image `replace_image_token` does); later occurrences stay."""
+    pieces = text.split(placeholder)
+    out = [pieces[0]]
+    for i, piece in enumerate(pieces[1:]):
+        out.append(replacements[i] if i < len(replacements) else placeholder)
+        out.append(piece)
+    return "".join(out)
 
 
 def split_source(source: Any) -> tuple[Any, Any, Any]:
