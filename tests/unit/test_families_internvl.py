@@ -54,3 +54,20 @@ def test_visual_token_rule_from_a_config():
     assert internvl_tokens(448, 448, config) == 256
     assert internvl_tokens(896, 448, config) == 256 * (2 + 1)
     assert internvl_tiles(4000, 100, 448, 1, 12) == 12 + 1  # a very wide image: the widest grid
+
+
+def test_the_8b_preset_has_the_published_shape():
+    """The `internvl3-8b` preset builds InternVL3-8B's architecture (meta device, no weights): 7.94B parameters of
+    which 0.30B in InternViT-300M, and 256 visual tokens per 448 px tile (pixel shuffle 0.5 of 32 x 32 patches)."""
+    import torch
+    import transformers
+
+    from vlmctl.models.build import make_config, plan_build
+
+    cfg = make_config(plan_build(ModelSection(preset="internvl3-8b", init="random")))
+    with torch.device("meta"):
+        model = transformers.InternVLForConditionalGeneration(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    vision = sum(p.numel() for p in model.model.vision_tower.parameters())
+    assert 7.90e9 < total < 7.98e9 and 0.29e9 < vision < 0.31e9
+    assert internvl_tokens(448, 448, cfg) == 256
