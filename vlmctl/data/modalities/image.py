@@ -49,9 +49,10 @@ def stack_images(inputs: list[dict[str, Any]], *, packed: bool = False) -> dict[
     """Image tensors of a batch, from each row's (or packed sample's) image tensors.
 
     Most processors return images along dim 0 ([N_images, ...]; Qwen-VL: patches along dim 0 plus
-    `image_grid_thw` [N_images, 3]): concatenated. Idefics3-style processors return [1, N, 3, H, W] per sample:
-    stacked to [B, N_max, ...], zero-padded (all-zero images are skipped by those models), or for one packed
-    row concatenated along dim 1 to [1, sum N, ...].
+    `image_grid_thw` [N_images, 3]): concatenated, images of different sizes ([N, 3, H, W] with H, W per sample:
+    Pixtral keeps each image's size and passes the real ones as `image_sizes`) zero-padded to the largest first.
+    Idefics3-style processors return [1, N, 3, H, W] per sample: stacked to [B, N_max, ...], zero-padded (all-zero
+    images are skipped by those models), or for one packed row concatenated along dim 1 to [1, sum N, ...].
     """
     import torch
 
@@ -61,8 +62,8 @@ def stack_images(inputs: list[dict[str, Any]], *, packed: bool = False) -> dict[
     for k in keys:
         idx = [i for i, inp in enumerate(inputs) if k in inp]
         present = [inputs[i][k] for i in idx]
-        if per_sample:  # images of different sizes (Idefics2 keeps the aspect ratio): zero-padded to the largest
-            present = _pad_trailing(present)
+        # images of different sizes (Idefics2 keeps the aspect ratio, Pixtral the size): zero-padded to the largest
+        present = _pad_trailing(present)
         if not per_sample or packed:
             out[k] = torch.cat(present, dim=1 if per_sample else 0)
             continue
@@ -76,8 +77,9 @@ def stack_images(inputs: list[dict[str, Any]], *, packed: bool = False) -> dict[
 
 
 def _pad_trailing(tensors: list) -> list:
-    """Zero-pad dims 2.. of [1, N, ...] tensors to their largest sizes: pixels [1, N, 3, H, W] get black borders
-    and `pixel_attention_mask` [1, N, H, W] zeros there, which is how the Idefics2/3 processors pad a batch."""
+    """Zero-pad dims 2.. of [1, N, ...] or [N, C, ...] tensors to their largest sizes: pixels [1, N, 3, H, W] get
+    black borders and `pixel_attention_mask` [1, N, H, W] zeros there, which is how the Idefics2/3 processors pad a
+    batch; pixels [N, 3, H, W] get zeros right and below, as `PixtralImageProcessor` pads a batch."""
     if len({tuple(t.shape[2:]) for t in tensors}) <= 1:
         return tensors
     sizes = [max(t.shape[d] for t in tensors) for d in range(2, tensors[0].ndim)]
