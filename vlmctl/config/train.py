@@ -80,7 +80,8 @@ class TrainSection(Section):
     activation_checkpointing: Literal["auto", "off", "full", "op"] | int = Field("auto", description="Recompute activations in the backward pass to save memory: off; full = every decoder layer and vision block; an integer k = every k-th layer (selective per layer); op = every layer, keeping matmul and attention outputs (selective per op); auto = the fastest mode that fits, measured by the start-up probe (ddp/fsdp on a GPU), else off.")
     gradient_checkpointing: bool | None = Field(None, description="Older name: true = activation_checkpointing: full, false = off (when activation_checkpointing is auto).")
     fsdp_sharding: Literal["full", "hybrid"] = Field("full", description="FSDP2 (train.strategy: fsdp) over several nodes: full = parameters, gradients and optimizer state sharded over every rank of the run; hybrid = sharded over the ranks of one node and replicated across nodes (HSDP on a (nodes x processes per node) mesh, what FSDP1 calls HYBRID_SHARD): the per-layer all-gathers and reduce-scatters stay on the fast links inside a node, one all-reduce of the gradient shards per step crosses nodes, and each rank holds 1/(processes per node) of the model state instead of 1/(all ranks). Needs the same number of processes on every node. On one node both are the same.")
-    fsdp_reshard_after_forward: bool = Field(True, description="FSDP2: free each layer's gathered weights after its forward and gather them again for backward (less memory); false keeps them (less communication).")
+    fsdp_reshard_after_forward: bool | Literal["auto"] = Field("auto", description="FSDP2: true frees each layer's gathered weights after its forward and gathers them again for backward (least memory; the last decoder layer, whose backward follows at once, is kept); false keeps every layer gathered from its forward to its backward: one all-gather per layer and micro-batch less (a third of FSDP's traffic), for the memory of the whole model in the compute dtype on every rank (as ZeRO-2). auto = false when the shard group has at most 8 ranks and the gathered layers take at most a quarter of a rank's memory (GPU memory; on CPU the machine's memory per process), else true. Why: on one node of 4 H200s false raised per-GPU efficiency from 75.0% to 82.7% (docs/benchmarks.md); the gathered model does not shrink with more ranks while the sharded state does, so a shard group wider than one 8-GPU node (full sharding across nodes, chosen for its memory) keeps resharding (hybrid sharding keeps the shard group inside a node and gets false), and the quarter leaves the rest to the sharded state and the activations, whose batch the start-up probe fits. The embeddings and the LM head are never resharded after forward (they stay in FSDP2's root group, gathered once per step).")
+    fsdp_prefetch: Literal["auto", "off"] | int = Field("auto", description="FSDP2: how many layers ahead each layer issues its all-gathers (FSDPModule.set_modules_to_forward_prefetch / set_modules_to_backward_prefetch, as torchtitan sets them): 1 overlaps as FSDP2's implicit prefetch does but issues each all-gather earlier from the CPU, at no extra memory; N >= 2 keeps up to N + 1 layers gathered at once (more memory), for links too slow to hide one layer's all-gather behind one layer's compute; off leaves FSDP2's implicit prefetch. auto = 1. The results are the same whatever the setting.")
     lora: LoraSection | None = Field(None, description="LoRA/QLoRA adapters through peft; unset trains full weights.")
     deepspeed_config: ProjectPath | None = Field(None, description="A DeepSpeed JSON config to use instead of the generated one (\"auto\" values are filled in).")
     num_workers: int = Field(2, ge=0, description="DataLoader worker processes per rank.")
@@ -98,6 +99,15 @@ class TrainSection(Section):
     def _yaml_checkpointing_word(cls, value):
         """YAML 1.1 reads a bare `off` as false (and `on` as true): take `off` as typed, `on` as full."""
         return {True: "full", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+    @field_validator("fsdp_prefetch", mode="before")
+    @classmethod
+    def _yaml_prefetch_word(cls, value):
+        """YAML 1.1 reads a bare `off` as false (and `on` as true): take `off` as typed, `on` as auto."""
+        value = {True: "auto", False: "off"}.get(value, value) if isinstance(value, bool) else value
+        if isinstance(value, int) and value <= 0:
+            raise ValueError("must be auto, off or a positive number of layers")
+        return value
 
     @field_validator("micro_batch_size", "tokens_per_batch", "activation_checkpointing")
     @classmethod
