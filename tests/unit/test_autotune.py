@@ -131,3 +131,24 @@ def test_the_record_round_trips_and_resolves_only_auto_keys(tmp_path):
     saved = load_config(tmp_path / "config.yaml")
     assert (saved.train.tokens_per_batch, saved.train.activation_checkpointing, saved.train.micro_batch_size) == (
         choice.tokens_per_batch, "full", 4)
+
+
+def test_probe_rows_take_the_heaviest_samples_per_token_first():
+    """A packed probe row is filled with the samples of the most estimated FLOPs per token (image-heavy ones),
+    not the longest: those need the most activation memory per token. Padded rows stay longest first."""
+    import numpy as np
+
+    lengths = np.array([1000, 300, 900, 250, 800])
+    costs = np.array([1000.0, 900.0, 900.0, 750.0, 800.0])  # per token: 1, 3, 1, 3, 1
+    seen = []
+    rows = autotune.probe_rows(lengths, lambda idx: seen.append(list(idx)) or idx, packing=True, costs=costs)
+    rows(600)
+    assert seen[-1] == [1, 3]  # 300 + 250 tokens of the heaviest samples (3 FLOPs per token), longest first
+    rows(1500)
+    assert seen[-1][:2] == [1, 3] and sum(lengths[seen[-1]]) <= 1500
+    plain = autotune.probe_rows(lengths, lambda idx: seen.append(list(idx)) or idx, packing=True)
+    plain(1500)
+    assert seen[-1][0] == 0  # without costs: the longest first
+    padded = autotune.probe_rows(lengths, lambda idx: seen.append(list(idx)) or idx, packing=False, costs=costs)
+    padded(2)
+    assert seen[-1] == [0, 2]

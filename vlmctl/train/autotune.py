@@ -3,7 +3,7 @@
 On a GPU with a torch strategy (ddp, fsdp) every rank runs a short probe on the wrapped model before the data
 loader is built: for each activation checkpointing mode (off, op, every 2nd layer, full) it measures the peak GPU
 memory of a forward + backward pass (`torch.cuda.max_memory_allocated`, max over ranks) on rows of two sizes built
-from the training data's longest samples, fits peak = base + per_unit x size, adds the AdamW state the first
+from the training data's heaviest samples (most FLOPs per token), fits peak = base + per_unit x size, adds the AdamW state the first
 optimizer step will allocate (two moments per trainable parameter in the stored dtype), and takes the largest size
 that stays within `MEMORY_FRACTION` of the GPU's memory (less what other processes hold). That size is run once
 to check it fits and once more to time it; the mode with the most tokens (samples) per second wins. A size is a
@@ -207,13 +207,24 @@ def memory_budget(device) -> int:
     return int(MEMORY_FRACTION * total) - outside
 
 
-def probe_rows(lengths, make_batch, *, packing: bool):
-    """`rows(size)` -> one batch of the data's longest samples: a packed row filled to at most `size` tokens
-    (the longest samples first, repeated as needed), or `size` samples padded to the longest. `lengths` is the
-    per-sample token count (np.ndarray); `make_batch(indices)` collates those samples."""
+def probe_rows(lengths, make_batch, *, packing: bool, costs=None):
+    """`rows(size)` -> one batch of the data's most memory-hungry samples: a packed row filled to at most `size`
+    tokens, or `size` samples padded to the longest (the longest samples first, repeated as needed). `lengths` is
+    the per-sample token count (np.ndarray); `make_batch(indices)` collates those samples.
+
+    With `costs` (estimated training FLOPs per sample, `vlmctl.train.flops.CostModel.sample_costs`) a packed row
+    takes the samples of the most FLOPs per token first (longest first among equals): a visual token costs the
+    vision tower's activations for its patches besides the language model's, so a row of image-heavy samples
+    needs more memory than a row of the same length of long text, and the probe must plan for the heaviest row
+    training can draw."""
     import numpy as np
 
-    order = [int(i) for i in np.argsort(-np.asarray(lengths), kind="stable")]
+    lengths = np.asarray(lengths)
+    if packing and costs is not None:
+        per_token = np.asarray(costs, dtype=np.float64) / np.maximum(lengths, 1)
+        order = [int(i) for i in np.lexsort((-lengths, -per_token))]
+    else:
+        order = [int(i) for i in np.argsort(-lengths, kind="stable")]
 
     def rows(size: int):
         if not packing:
@@ -368,18 +379,24 @@ def tune(cfg, run_dir: Path, ctx, tm, stepper, dataset, lengths, log=print) -> C
 
     if ctx.env.is_main:
         log("auto: probing activation checkpointing and batch size in GPU memory (forward + backward per trial)")
+    from vlmctl.train.data import sample_costs
+
+    costs = getattr(dataset, "sample_costs", None)
+    if costs is None and train.packing:
+        costs = sample_costs(tm.cost_model, dataset, lengths)
     choice = probe_and_apply(train, ctx, tm, stepper, lengths, lambda indices, collate: collate([dataset[i] for i in indices]),
-                             packing=train.packing, max_length=cfg.data.max_length, log=log)
+                             packing=train.packing, max_length=cfg.data.max_length, costs=costs, log=log)
     if ctx.env.is_main:
         save_record(run_dir, choice, cfg)
     return choice
 
 
 def probe_and_apply(train, ctx, tm, stepper, lengths, collate_rows, *, packing: bool, max_length=None,
-                    log=print) -> Choice:
+                    costs=None, log=print) -> Choice:
     """`probe` on rows of the caller's samples, collated as training collates them, then the choice applied to
     `train` and printed by rank 0. `lengths`: the samples' token counts; `collate_rows(indices, collator)` returns
-    the batch of those samples through `collator` (a PackedCollator sized to the row, or a padded Collator).
+    the batch of those samples through `collator` (a PackedCollator sized to the row, or a padded Collator);
+    `costs`: their estimated training FLOPs, which pick the heaviest rows (`probe_rows`).
     `vlmctl train` (`tune`) and `vlmctl bench` call it on their own data."""
     import numpy as np
 
@@ -396,7 +413,7 @@ def probe_and_apply(train, ctx, tm, stepper, lengths, collate_rows, *, packing: 
 
     main = ctx.env.is_main
     choice = probe(train, stepper=stepper, layer_groups=[tm.parts.decoder_layers, tm.parts.vision_layers],
-                   rows=probe_rows(lengths, make_batch, packing=packing), device=ctx.env.device, lengths=lengths,
+                   rows=probe_rows(lengths, make_batch, packing=packing, costs=costs), device=ctx.env.device, lengths=lengths,
                    dp_size=ctx.dims.dp_size, stored_bytes=ctx.stored.itemsize, group=ctx.dims.dp_group,
                    log=log if main else (lambda msg: None))
     applied = choice.apply(train)
