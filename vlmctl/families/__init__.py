@@ -9,7 +9,7 @@ families (module paths, modalities, visual-token rule, build recipe, position id
 - `registry.py`: `FAMILIES`, `register`, `get_family`, `detect_family`, `compose_family`, `family_table`;
 - `llava.py` (the compose family), `qwen_vl.py` (qwen2_vl, qwen2_5_vl, qwen3_vl), `idefics3.py`, `idefics2.py`, `internvl.py`,
   `gemma3.py`, `llava_next.py`, `llava_onevision.py`, `qwen3_vl_moe.py`,
-  `mistral3.py`: the families, each with its table of module
+  `mistral3.py`, `smolvlm.py`: the families, each with its table of module
   paths.
 
 docs/adding-a-family.md shows how to add a family (one module + one test).
@@ -32,7 +32,7 @@ from vlmctl.families.spec import (
 )
 
 # The built-in families register themselves on import, in this order.
-from vlmctl.families import llava, qwen_vl, idefics3, idefics2, internvl, gemma3, llava_next, llava_onevision, qwen3_vl_moe, mistral3  # noqa: E402, F401  isort: skip
+from vlmctl.families import llava, qwen_vl, idefics3, idefics2, internvl, gemma3, llava_next, llava_onevision, qwen3_vl_moe, mistral3, smolvlm  # noqa: E402, F401  isort: skip
 
 __all__ = [
     "CLS_VISION_TYPES", "FAMILIES", "PARTS", "Family", "FamilySpec", "compose_family", "count_parameters",
