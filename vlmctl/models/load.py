@@ -180,17 +180,7 @@ def load_model(
     Raises ModelError for unknown ids (with an offline hint), folders that are not checkpoints, and model types of
     no registered family.
     """
-    ref, info = _resolve(path_or_id)
-    cfg = load_or_explain("model", ref, lambda: transformers_class("AutoConfig").from_pretrained(ref, trust_remote_code=trust_remote_code))
-    name = family or (info or {}).get("family") or detect_family(cfg)
-    fam = get_family(name)
-    if cfg.model_type not in fam.model_types:
-        raise ModelError(f"{ref} is a {cfg.model_type!r} model, not of family {fam.name}",
-                         hint="remove model.family, or point at a checkpoint of that family")
-    if isinstance(dtype, str):
-        import torch
-
-        dtype = getattr(torch, DTYPES.get(dtype, dtype))
+    ref, cfg, fam, dtype = _model_plan(path_or_id, dtype, trust_remote_code, family)
     cls = transformers_class(fam.model_class)
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     kwargs["dtype"] = dtype if dtype is not None else "auto"
@@ -200,3 +190,53 @@ def load_model(
         model = model.to(device)
     processor = load_processor(ref, trust_remote_code=trust_remote_code)
     return model, processor, fam
+
+
+def _model_plan(path_or_id: str | Path, dtype: Any, trust_remote_code: bool, family: str | None):
+    """(reference to load, its config, FamilySpec, torch dtype or None) of a built folder, a local VLM folder or a
+    Hub id; raises ModelError for unknown ids and model types of another family."""
+    ref, info = _resolve(path_or_id)
+    cfg = load_or_explain("model", ref, lambda: transformers_class("AutoConfig").from_pretrained(ref, trust_remote_code=trust_remote_code))
+    fam = get_family(family or (info or {}).get("family") or detect_family(cfg))
+    if cfg.model_type not in fam.model_types:
+        raise ModelError(f"{ref} is a {cfg.model_type!r} model, not of family {fam.name}",
+                         hint="remove model.family, or point at a checkpoint of that family")
+    if isinstance(dtype, str):
+        import torch
+
+        dtype = getattr(torch, DTYPES.get(dtype, dtype))
+    return ref, cfg, fam, dtype
+
+
+def build_empty_model(
+    path_or_id: str | Path,
+    *,
+    dtype: Any = None,
+    trust_remote_code: bool = False,
+    family: str | None = None,
+) -> tuple[Any, Any, FamilySpec]:
+    """The model `load_model` would load, built without its weights; return `(model, processor, family)`.
+
+    Parameters are on the meta device (no storage: shapes and dtypes only) while buffers are computed on CPU as
+    the model's constructor computes them (rotary `inv_freq`, position ids: non-persistent buffers that no
+    checkpoint holds), through accelerate's `init_empty_weights(include_buffers=False)`. Tied weights are tied
+    again afterwards (re-registering a parameter under that context makes a new meta parameter). The generation
+    config is read from the checkpoint when it has one, and the model is in eval mode, as `from_pretrained` leaves
+    it. No weight file is read. Same arguments and errors as `load_model`.
+    """
+    from accelerate import init_empty_weights
+
+    ref, cfg, fam, dtype = _model_plan(path_or_id, dtype, trust_remote_code, family)
+    cls = transformers_class(fam.model_class)
+    with quiet_transformers():
+        with init_empty_weights(include_buffers=False):
+            model = cls._from_config(cfg, **({"dtype": dtype} if dtype is not None else {}))
+        model.tie_weights()
+        model.eval()
+        try:
+            generation = transformers_class("GenerationConfig").from_pretrained(ref)
+        except (OSError, TypeError, ValueError):  # none in the checkpoint: the one derived from the config stays
+            generation = None
+    if generation is not None and getattr(model, "generation_config", None) is not None:
+        model.generation_config = generation
+    return model, load_processor(ref, trust_remote_code=trust_remote_code), fam

@@ -1,4 +1,10 @@
-"""The final export of a run: `run_dir/final/`, an HF folder (LoRA merged) or the peft adapter."""
+"""The final export of a run: `run_dir/final/`, an HF folder (LoRA merged) or the peft adapter.
+
+Host memory: the weights are gathered one tensor at a time (every rank takes part in each tensor's all-gather
+and ranks other than 0 drop it at once), rank 0 keeps them in the output dtype and moves them into a model built
+without weights (`setup.load_empty`), so rank 0 holds one copy of the model and the others none. QLoRA re-reads its
+full-precision base from the source instead (the quantized base is not what is exported).
+"""
 
 from __future__ import annotations
 
@@ -9,55 +15,69 @@ from pathlib import Path
 from vlmctl.errors import VlmctlError
 
 
-def gather_state_dict(model, engine, rank: int):
-    """The full model state dict on rank 0 (CPU; None on other ranks for ZeRO-2), gathered collectively from a
-    DDP/FSDP2 model or a DeepSpeed engine. Every rank calls this."""
-    if engine is not None:
-        if engine.zero_optimization_stage() == 3:
-            return engine._zero3_consolidated_16bit_state_dict()
-        return engine.module.state_dict() if rank == 0 else None
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+def gather_state_dict(model, engine, rank: int, dtype=None):
+    """The full model state dict on rank 0 (CPU tensors, in `dtype` when given; None on other ranks), gathered
+    collectively from a DDP/FSDP2 model or a DeepSpeed engine. Every rank calls this.
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    A torch model's sharded state dict (`torch.distributed.checkpoint.state_dict.get_model_state_dict`: DTensor
+    shards under FSDP2, no copy) is gathered tensor by tensor (`DTensor.full_tensor`), so no rank ever holds more
+    than one full tensor it does not keep. DeepSpeed gives rank 0 its own consolidated copy (ZeRO-3's 16-bit
+    gather) or module state dict (ZeRO-2)."""
+    if engine is not None:
+        return _deepspeed_state(engine, rank, dtype)
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    gathered = {}
+    for key, value in get_model_state_dict(model).items():
+        sharded = isinstance(value, DTensor)
+        full = value.full_tensor() if sharded else value  # collective for a shard: every rank, in the same order
+        if rank == 0:  # a copy of an unsharded tensor: the export must not share storage with the trained model
+            gathered[key] = full.detach().to("cpu", dtype=dtype or full.dtype, copy=not sharded)
+        del full
+    return gathered if rank == 0 else None
+
+
+def _deepspeed_state(engine, rank: int, dtype):
+    """Rank 0's full state dict of a DeepSpeed engine in `dtype` (None elsewhere): ZeRO-3's consolidated 16-bit
+    copy (collective; converted tensor by tensor as it is emptied), ZeRO-2's module state dict (copied: the
+    export must not share storage with the engine's module)."""
+    own = engine.zero_optimization_stage() == 3
+    state = engine._zero3_consolidated_16bit_state_dict() if own else (engine.module.state_dict() if rank == 0 else None)
+    if rank != 0:
+        return None
+    return {key: (value := state.pop(key)).detach().to("cpu", dtype=dtype or value.dtype, copy=not own) for key in list(state)}
 
 
 def export_final(run_dir: Path, cfg, *, model, engine, source: str, dtype, rank: int, lora, parts_trainable: set[str]) -> Path:
     """Write `run_dir/final/`: an HF folder loadable by AutoModelForImageTextToText + AutoProcessor (LoRA merged),
     or the peft adapter with `train.lora.keep_adapter`. Every rank calls this (gathering weights is collective).
 
-    The trained state is loaded into a fresh fp32 copy of the model; LoRA adapters are merged there with peft
-    (`vlmctl.convert.merge_lora_model`). Saved in fp32 when training ran in fp32, else in bf16. Raises VlmctlError
-    when the trained weights do not fit a freshly loaded model.
+    Saved in fp32 when training ran in fp32, else in bf16. LoRA adapters are merged with peft in fp32, then cast
+    once (`vlmctl.convert.merge_lora_model`). The trained state is gathered on rank 0 (`gather_state_dict`) in the
+    dtype it is merged or saved in and moved into a model built without weights (`_load_trained`); no weight file
+    of the source is read, except QLoRA's full-precision base. Raises VlmctlError when the trained weights do not
+    fit the model.
     """
     import torch
     import torch.distributed as dist
 
-    state = gather_state_dict(model, engine, rank)
+    out_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
+    merges = lora is not None and not lora.keep_adapter
+    state = gather_state_dict(model, engine, rank, dtype=torch.float32 if merges else out_dtype)
     final = Path(run_dir) / "final"
     if rank == 0:
         _write_final(Path(run_dir), cfg, state, source=source, lora=lora, parts_trainable=parts_trainable,
-                     out_dtype=torch.float32 if dtype == torch.float32 else torch.bfloat16)
+                     out_dtype=out_dtype)
     dist.barrier()
     return final
 
 
 def _write_final(run_dir: Path, cfg, state: dict, *, source: str, lora, parts_trainable: set[str], out_dtype) -> None:
-    """Load the trained `state` into a fresh copy of `source` and save it (with its processor) atomically."""
-    import torch
-
+    """Put the trained `state` into a model of `source` and save it (with its processor) atomically."""
     from vlmctl.convert import merge_lora_model
-    from vlmctl.train.setup import apply_lora, load_source, model_parts
 
-    fresh, processor, family = load_source(source, cfg, dtype=torch.float32)
-    if lora is not None:
-        fresh = apply_lora(fresh, lora, model_parts(fresh, family), parts_trainable)
-    quantized = lora is not None and lora.quantize != "none"
-    if quantized:  # the trained tensors are the adapters (and fully trained parts); the base is re-read in full
-        state = {k: v for k, v in state.items() if "lora_" in k or "modules_to_save" in k}
-    missing, unexpected = fresh.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-    if unexpected or (not quantized and [k for k in missing if "lm_head" not in k]):
-        raise VlmctlError(f"the trained weights do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}",
-                          hint="report this with the model family and strategy")
+    fresh, processor = _load_trained(cfg, state, source=source, lora=lora, parts_trainable=parts_trainable)
     tmp = run_dir / ".tmp-final"
     shutil.rmtree(tmp, ignore_errors=True)
     if lora is not None and not lora.keep_adapter:
@@ -71,3 +91,29 @@ def _write_final(run_dir: Path, cfg, state: dict, *, source: str, lora, parts_tr
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
+
+
+def _load_trained(cfg, state: dict, *, source: str, lora, parts_trainable: set[str]):
+    """(model of `source` holding the trained `state`, processor). The model is built without weights
+    (`setup.load_empty`, peft adapters added as in training) and takes `state`'s tensors as they are
+    (`load_state_dict(assign=True)`, emptying `state` as it goes); tied weights are tied again. QLoRA: the
+    full-precision base is loaded from `source` in fp32 and only the adapters (and fully trained parts) are taken.
+    Raises VlmctlError when a weight of the model is not in `state` or `state` has keys the model does not."""
+    import torch
+
+    from vlmctl.train.setup import apply_lora, load_empty, load_source, model_parts
+
+    quantized = lora is not None and lora.quantize != "none"
+    fresh, processor, family = (load_source if quantized else load_empty)(source, cfg, dtype=torch.float32)
+    if lora is not None:
+        fresh = apply_lora(fresh, lora, model_parts(fresh, family), parts_trainable)
+    if quantized:  # the trained tensors are the adapters (and fully trained parts); the base is re-read in full
+        state = {k: v.float() for k, v in state.items() if "lora_" in k or "modules_to_save" in k}
+    _, unexpected = fresh.load_state_dict(state, strict=False, assign=not quantized)
+    state.clear()  # the model holds the tensors now
+    (fresh.get_base_model() if lora is not None else fresh).tie_weights()
+    empty = [name for name, param in fresh.named_parameters() if param.is_meta]
+    if unexpected or empty:
+        raise VlmctlError(f"the trained weights do not match the model: missing {empty[:3]}, unexpected {unexpected[:3]}",
+                          hint="report this with the model family and strategy")
+    return fresh, processor

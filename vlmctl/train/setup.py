@@ -62,6 +62,14 @@ def load_source(source: str, cfg, *, dtype):
                       trust_remote_code=cfg.model.trust_remote_code)
 
 
+def load_empty(source: str, cfg, *, dtype):
+    """(model, processor, family spec) as `load_source` returns them, without the weights: parameters on the meta
+    device, buffers computed on CPU (`vlmctl.models.load.build_empty_model`). No weight file is read."""
+    from vlmctl.models.load import build_empty_model
+
+    return build_empty_model(source, dtype=dtype, family=cfg.model.family, trust_remote_code=cfg.model.trust_remote_code)
+
+
 def load_quantized(source: str, cfg, *, dtype):
     """QLoRA's frozen base: the language model in 4-bit NF4 (or 8-bit) through bitsandbytes, vision tower,
     projector and lm_head kept in `dtype`. The 4-bit storage dtype equals the compute dtype, so FSDP shards the
@@ -90,6 +98,163 @@ def load_quantized(source: str, cfg, *, dtype):
     # activation checkpointing is set per layer by `apply_training_setup` (train.activation_checkpointing)
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     return model, load_processor(source, trust_remote_code=cfg.model.trust_remote_code), family
+
+
+# ---------------------------------------------------------------------------- the weights read once per run
+
+
+def rank0_loads(train, world_size: int) -> bool:
+    """Whether the ranks share one read of the model's weights (what accelerate calls
+    `fsdp_cpu_ram_efficient_loading`): the torch strategies (fsdp, ddp) on more than one rank. Rank 0 reads them
+    and the other ranks build the model on the meta device (`load_empty`) and receive their parameters after
+    wrapping (`place_weights`), so host memory holds one full copy of the weights per run instead of one per rank;
+    a resumed run reads no source weights at all (every rank builds empty, and the checkpoint's resume reads each
+    rank's own shards).
+
+    DeepSpeed (zero2, zero3) and QLoRA keep every rank loading the full model on CPU: DeepSpeed's engine takes a
+    model that holds its weights and partitions them itself, and bitsandbytes quantizes the weights while
+    transformers reads them, which a model built empty cannot go through.
+    """
+    return world_size > 1 and train.strategy in ("fsdp", "ddp") and not quantized(train)
+
+
+def load_for_rank(source: str, cfg, ctx, *, resuming: bool = False) -> tuple[Any, Any, Any]:
+    """This rank's model before `prepare_model`, in `ctx.stored`: QLoRA's quantized base (`load_quantized`); the
+    full model on CPU (`load_source`) where every rank loads; else (`rank0_loads`) the full model on rank 0 and
+    the model built empty (`load_empty`) on the others, checked against rank 0's (`match_rank0`, collective), or
+    built empty on every rank when `resuming` (the checkpoint holds every weight). Returns (model, processor,
+    family spec)."""
+    if quantized(cfg.train):
+        return load_quantized(source, cfg, dtype=ctx.stored)
+    if not rank0_loads(cfg.train, ctx.env.world_size):
+        return load_source(source, cfg, dtype=ctx.stored)
+    if resuming:
+        return load_empty(source, cfg, dtype=ctx.stored)
+    model, processor, family = (load_source if ctx.env.is_main else load_empty)(source, cfg, dtype=ctx.stored)
+    match_rank0(model, ctx.env.rank)
+    return model, processor, family
+
+
+def match_rank0(model, rank: int) -> int:
+    """Check that this rank's model has rank 0's parameters and buffers (names and shapes, tied weights counted
+    once) and give it rank 0's dtypes (transformers keeps some modules in fp32 while loading them: a model's
+    `_keep_in_fp32_modules`); only meta tensors are cast. Collective; returns the number of tensors cast. Raises
+    ModelError on every rank, naming the first difference, when a rank's model differs."""
+    import torch.distributed as dist
+
+    mine = [(name, tuple(t.shape), t.dtype) for name, t in _tensors(model)]
+    box = [mine if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    error, cast = None, 0
+    if len(box[0]) != len(mine) or any(a[:2] != b[:2] for a, b in zip(box[0], mine)):
+        first = next(((a, b) for a, b in zip(box[0], mine) if a[:2] != b[:2]), (len(box[0]), len(mine)))
+        error = f"rank {rank} built a model that differs from rank 0's loaded one: {first[0]} vs {first[1]}"
+    else:
+        cast = _cast_like(model, [d for _, _, d in box[0]])
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    if any(errors):
+        raise ModelError(next(e for e in errors if e), hint="report this with the model family; "
+                         "the model must be built the same way on every rank")
+    return cast
+
+
+def _tensors(model) -> list[tuple[str, Any]]:
+    """(name, tensor) of the parameters (tied ones once) and the buffers of `model`, in module order."""
+    return [*model.named_parameters(), *model.named_buffers()]
+
+
+def _cast_like(model, dtypes: list) -> int:
+    """Cast the meta parameters and buffers of `model` (`_tensors` order) to `dtypes`; returns how many changed."""
+    cast = 0
+    for (name, tensor), dtype in zip(_tensors(model), dtypes):
+        if tensor.is_meta and tensor.dtype != dtype:
+            tensor.data = tensor.data.to(dtype)
+            cast += 1
+    return cast
+
+
+@dataclass
+class DeferredWeights:
+    """The weights a rank receives once the model is wrapped, where the ranks share one read (`rank0_loads`).
+
+    `source`: "rank0" (fsdp: `place_weights` broadcasts rank 0's `state` into every rank's shards), "ddp" (DDP's
+    construction broadcasts rank 0's parameters and buffers) or "checkpoint" (a resumed run: zeros until the
+    resume reads the checkpoint). `state`: rank 0's full state dict of the prepared model under "rank0" (its own
+    tensors, no copy), None elsewhere."""
+
+    source: str
+    state: dict | None = None
+
+
+def defer_weights(model, train, env, *, resuming: bool = False) -> DeferredWeights | None:
+    """After `prepare_model`: what `place_weights` needs once the model is wrapped, or None where every rank
+    loaded its weights. Unless `resuming`, every rank also takes rank 0's torch RNG state (collective): loading
+    draws random numbers where building empty does not (LoRA's adapter initialization), and every rank drew the
+    same before."""
+    import torch
+    import torch.distributed as dist
+
+    if not rank0_loads(train, env.world_size):
+        return None
+    if resuming:
+        return DeferredWeights("checkpoint")
+    box = [torch.get_rng_state() if env.is_main else None]
+    dist.broadcast_object_list(box, src=0)
+    torch.set_rng_state(box[0])
+    if train.strategy != "fsdp":
+        return DeferredWeights("ddp")
+    return DeferredWeights("rank0", state=model.state_dict() if env.is_main else None)
+
+
+def materialize(model, device, *, zero: bool = False) -> bool:
+    """Uninitialized storage (zeros with `zero`) on `device` for the meta parameters and buffers of `model`
+    (`nn.Module.to_empty`; FSDP2's sharded parameters get their local shards only). Buffers that hold values (computed when the model
+    was built: rotary `inv_freq`, position ids) keep them, and a parameter shared by several modules (tied input
+    and output embeddings) stays one parameter: `to_empty` gives each module its own copy of a meta parameter.
+    Returns whether anything was on the meta device."""
+    import itertools
+
+    import torch
+
+    if not any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+        return False
+    kept = [(name, buf) for name, buf in model.named_buffers(remove_duplicate=False) if not buf.is_meta]
+    shared: dict[int, list[tuple[Any, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                shared.setdefault(id(param), []).append((module, name))
+    model.to_empty(device=device)
+    if zero:
+        with torch.no_grad():
+            for tensor in itertools.chain(model.parameters(), model.buffers()):
+                tensor.zero_()
+    for (first, first_name), *others in shared.values():
+        for module, name in others:
+            module._parameters[name] = first._parameters[first_name]
+    for name, buf in kept:
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._buffers[leaf] = buf.to(device)
+    return True
+
+
+def place_weights(model, deferred: DeferredWeights | None, device) -> None:
+    """Give the wrapped model the weights the ranks share (nothing for None): ranks that built it empty get
+    storage on `device` (`materialize`); under fsdp rank 0 then broadcasts its full state dict tensor by tensor and
+    every rank keeps its shard (`torch.distributed.checkpoint.state_dict.set_model_state_dict` with
+    `full_state_dict` and `broadcast_from_rank0`), after which rank 0's full copy is released. A resumed run gets
+    zeros here and its weights from the checkpoint. Call it after `apply_fsdp`, or before DDP wraps the model (DDP
+    broadcasts rank 0's parameters and buffers when it is built). Collective under fsdp."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if deferred is None:
+        return
+    materialize(model, device, zero=deferred.source == "checkpoint")
+    if deferred.source == "rank0":
+        set_model_state_dict(model, deferred.state or {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    deferred.state = None
 
 
 # ------------------------------------------------------------------------------------------------ dtypes
@@ -453,6 +618,7 @@ class TrainingModel:
     cost_model: Any  # flops.CostModel of the unwrapped model: training FLOPs per collated batch
     processor: Any = None
     source: str | None = None
+    deferred: DeferredWeights | None = None  # weights placed after wrapping (`defer_weights`), where rank 0 alone read them
 
 
 def setup_run(train) -> RunContext:

@@ -4,9 +4,11 @@ Every rank reads `RUN_DIR/config.yaml` and runs these steps (the order of checkp
 torchtitan's)::
 
     ctx = setup_run(cfg.train)                        # process group, one device mesh, seed, dtypes
-    tm = load_model_for_training(cfg, ctx)            # model, kernels, cost model, stage/freeze, LoRA, compile
+    tm = load_model_for_training(cfg, ctx)            # model (fsdp/ddp: rank 0 reads the weights), kernels, cost model,
+                                                      # stage/freeze, LoRA, compile
     dataset, lengths = load_data(cfg, ctx, tm)        # the training shards and their token counts (train/data.py)
-    wrapped = wrap_model(tm, cfg.train, ctx, steps)   # DDP / FSDP2 per layer then root / DeepSpeed; AdamW; schedule
+    wrapped = wrap_model(tm, cfg.train, ctx, steps)   # DDP / FSDP2 per layer then root (rank 0's weights placed) /
+                                                      # DeepSpeed; AdamW; schedule
     autotune.tune(...)                                # auto batch size and activation checkpointing, probed on a GPU
     sampler = build_sampler(cfg, ctx, dataset, lengths)   # this data-parallel rank's packed or padded micro-batches
     trainer = build_trainer(...)                      # resume, loader, metrics, checkpoints -> loop.Trainer
@@ -30,8 +32,8 @@ from vlmctl.distributed.process import LAUNCHER_ENV
 from vlmctl.errors import VlmctlError
 from vlmctl.train import autotune
 from vlmctl.train.data import build_sampler, load_data
-from vlmctl.train.setup import (DEEPSPEED, RunContext, TrainingModel, build_optimizer, build_scheduler, load_quantized,
-                                load_source, model_source, prepare_model, setup_run)
+from vlmctl.train.setup import (DEEPSPEED, RunContext, TrainingModel, build_optimizer, build_scheduler, defer_weights,
+                                load_for_rank, model_source, place_weights, prepare_model, setup_run)
 
 EXIT_STOPPED = 0  # a run stopped by SIGTERM/SIGINT after saving exits cleanly; the launcher reports it
 
@@ -48,13 +50,14 @@ class Wrapped:
     stepper: Any
 
 
-def load_model_for_training(cfg, ctx: RunContext) -> TrainingModel:
-    """Load the model to train (`setup.model_source`; QLoRA's quantized base with `train.lora.quantize`) on CPU in
-    the stored dtype, then `prepare_model` it (frozen weights cast to the compute dtype)."""
+def load_model_for_training(cfg, ctx: RunContext, resuming: bool = False) -> TrainingModel:
+    """Load the model to train (`setup.model_source`) in the stored dtype and `prepare_model` it (frozen weights
+    cast to the compute dtype). Under fsdp and ddp on several ranks only rank 0 reads the weights (none when
+    `resuming`); the others build it on the meta device and get theirs in `wrap_model` (`setup.rank0_loads`)."""
     source = model_source(cfg)
-    quantized = cfg.train.lora is not None and cfg.train.lora.quantize != "none"
-    model, processor, family = (load_quantized if quantized else load_source)(source, cfg, dtype=ctx.stored)
+    model, processor, family = load_for_rank(source, cfg, ctx, resuming=resuming)
     tm = prepare_model(model, family, cfg.train, ctx.env.device, compute_dtype=ctx.dtype)
+    tm.deferred = defer_weights(tm.model, cfg.train, ctx.env, resuming=resuming)
     tm.processor, tm.source = processor, source
     return tm
 
@@ -80,10 +83,13 @@ def wrap_model(tm: TrainingModel, train, ctx: RunContext, total_steps: int) -> W
         if train.strategy == "fsdp":
             model = apply_fsdp(model, tm.parts, dims.world_mesh, param_dtype=ctx.dtype,
                                reshard_after_forward=train.fsdp_reshard_after_forward)
+            place_weights(model, tm.deferred, env.device)  # rank 0's weights, into every rank's shards
         else:
+            place_weights(model, tm.deferred, env.device)  # empty storage; DDP broadcasts rank 0's weights
             model = model.to(env.device)
             if train.strategy == "ddp" and (dims.dp_size > 1 or os.environ.get("LOCAL_WORLD_SIZE")):
                 model = apply_ddp(model, dims.dp_mesh, env.device)
+        tm.deferred = None
         optimizer = build_optimizer(model, tm.parts, train, env.device, dims.dp_size)
         scheduler = build_scheduler(optimizer, train, total_steps)
         stepper = TorchStepper(model, optimizer, scheduler, max_grad_norm=train.max_grad_norm, device=env.device,
@@ -151,7 +157,8 @@ def train_run(cfg, run_dir: Path, ctx: RunContext) -> str:
 
     train, env = cfg.train, ctx.env
     fixed = autotune.settle_without_probe(train, env.device)  # CPU, DeepSpeed, the batching not in use
-    tm = load_model_for_training(cfg, ctx)
+    resume_from = resolve_resume(run_dir, train.resume)
+    tm = load_model_for_training(cfg, ctx, resuming=resume_from is not None)
     dataset, lengths = load_data(cfg, ctx, tm)
     wrapped = None
     if autotune.wants(train):  # the probe measures the wrapped model; the schedule's length follows its choice
@@ -162,7 +169,6 @@ def train_run(cfg, run_dir: Path, ctx: RunContext) -> str:
     sampler = build_sampler(cfg, ctx, dataset, lengths)
     total_steps = train.max_steps or max(1, math.ceil(train.num_epochs * sampler.batches_per_epoch / train.gradient_accumulation_steps))
     wrapped = wrap_model(tm, train, ctx, total_steps) if wrapped is None else reschedule(wrapped, train, total_steps)
-    resume_from = resolve_resume(run_dir, train.resume)
     state = resume_state(resume_from, ctx, wrapped)
     sampler.set_position(state.consumed)
     collator = (PackedCollator(tm.processor, tm.family, max_length=cfg.data.max_length, tokens_per_batch=train.tokens_per_batch)
