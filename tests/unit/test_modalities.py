@@ -72,15 +72,16 @@ def test_unit_prompt_and_modalities_come_from_the_family_spec(tiny):
     processor, _ = tiny
     unit = get_unit("image")
     for spec in FAMILIES.values():
-        assert unit.prompt(processor, spec) == spec.image_prompt and unit.accepted_by(spec)
         assert units_for(spec) == [u for u in UNITS.values() if u.name in spec.modalities]  # Qwen-VL: image and video
+        if "image" in spec.modalities:  # Qwen2-Audio: audio only
+            assert unit.prompt(processor, spec) == spec.image_prompt and unit.accepted_by(spec)
     flat = SimpleNamespace(image_prompt="<a><image><b>")  # a spec without a modalities map
     assert unit.prompt(processor, flat) == "<a><image><b>" and units_for(flat) == [unit]
     assert unit.prompt(processor, None) == "<image>" and units_for(None) == [unit]  # no spec: the processor's token
     audio_only = SimpleNamespace(modalities={"audio": "<audio>"}, prompt=lambda modality: "<audio>")
-    assert units_for(audio_only) == [] and unit.prompt(processor, audio_only) == "<image>"
+    assert units_for(audio_only) == [UNITS["audio"]] and unit.prompt(processor, audio_only) == "<image>"
     with pytest.raises(DataError, match="no modality unit"):
-        get_unit("audio")
+        get_unit("smell")
 
 
 def test_collator_adds_dummy_rows_only_for_the_family_modalities(tiny):
@@ -90,7 +91,7 @@ def test_collator_adds_dummy_rows_only_for_the_family_modalities(tiny):
     text_only = [Sample(f"t{i}", [user({"type": "text", "text": "Hi" * (i + 1)}), ANSWER]) for i in range(2)]
     with_image = Collator(processor, family)(text_only)
     assert with_image["input_ids"].shape[0] == 3 and with_image["num_dummy_images"] == 1
-    no_image = SimpleNamespace(modalities={"audio": "<audio>"}, prompt=lambda modality: "<audio>")
+    no_image = SimpleNamespace(modalities={"video": "<video>"}, prompt=lambda modality: "<video>")  # videos need no dummy
     batch = Collator(processor, no_image)(text_only)
     assert batch["input_ids"].shape[0] == 2 and batch["num_dummy_images"] == 0 and "pixel_values" not in batch
     row = PackedCollator(processor, family, tokens_per_batch=4096).pack([])  # an empty packed row still runs once
@@ -196,6 +197,7 @@ def test_parts_of_a_modality_without_a_unit_are_refused_where_they_are_encoded()
     assert messages[0]["content"] == [{"type": "image"}, {"type": "text", "text": "Q?"}, {"type": "image"}]
     assert media == {"image": [red, red]} and template_messages(s) == (messages, [red, red])
     with pytest.raises(DataError, match="no modality unit"):
-        template_media(Sample("a", [user({"type": "audio", "index": 0}), ANSWER], audios=[b"RIFF....WAVE"]))
+        get_unit("smell")  # every modality a Sample can hold has a unit now: audio parts pass as audio parts
+    assert template_media(Sample("a", [user({"type": "audio", "index": 0}), ANSWER], audios=[b"RIFF....WAVE"]))[0][0]["content"] == [{"type": "audio"}]
     with pytest.raises(DataError, match="points at image 1"):
         template_media(Sample("bad", [user({"type": "image", "index": 1}), ANSWER], images=[red]))

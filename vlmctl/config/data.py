@@ -89,6 +89,31 @@ class DataVideo(Section):
         return self
 
 
+DEFAULT_AUDIO_RATE = 16_000
+"""Samples per second of stored audio: the rate of Whisper-family feature extractors (Whisper, Qwen2-Audio)."""
+
+
+class DataAudio(Section):
+    sampling_rate: int = Field(
+        DEFAULT_AUDIO_RATE, ge=8000, le=192_000,
+        description="Sample rate (Hz) clips are stored at: `data prepare` down-mixes every clip to mono and resamples it (soxr) to this rate. Use the model's feature-extractor rate (16000 for Whisper-family encoders, Qwen2-Audio); training resamples again where the model's rate differs.",
+    )
+    min_seconds: float = Field(
+        0.1, ge=0,
+        description="Clips shorter than this many seconds (and empty ones) are rejected as audio_too_short (0.1 s: the shortest clip a Whisper-style encoder turns into two or more tokens).",
+    )
+    max_seconds: float = Field(
+        30.0, gt=0,
+        description="Clips longer than this many seconds (read from the header, before decoding) are rejected as audio_too_long; 30 s is the window of Whisper-family feature extractors, which cut longer clips.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "DataAudio":
+        if self.min_seconds >= self.max_seconds:
+            raise ValueError(f"data.audio.min_seconds ({self.min_seconds:g}) must be below data.audio.max_seconds ({self.max_seconds:g})")
+        return self
+
+
 class DataSection(Section):
     sources: list[DataSource] = Field(default_factory=list, description="Raw data sources to read (see docs/formats.md).")
     prepared_dir: ProjectPath = Field(Path("data/prepared"), description="Where `data prepare` writes train/val Parquet shards and manifest.json.")
@@ -111,7 +136,8 @@ class DataSection(Section):
     )
     min_kept_fraction: float = Field(
         0.5, ge=0, le=1,
-        description="`data prepare` fails when a source keeps less than this fraction of its records; rejections by your own limits (duplicate, duplicate_id, image_too_small, image_too_large, too_long) do not count. 0 turns the check off.",
+        description="`data prepare` fails when a source keeps less than this fraction of its records; rejections by your own limits (duplicate, duplicate_id, image_too_small, image_too_large, video_too_short, video_too_long, audio_too_short, audio_too_long, too_long) do not count. 0 turns the check off.",
     )
     export: DataExport = Field(default_factory=DataExport, description="How `data prepare --export` writes its export.")
     video: DataVideo = Field(default_factory=DataVideo, description="How `data prepare` samples and checks video clips (see docs/formats.md, Video).")
+    audio: DataAudio = Field(default_factory=DataAudio, description="How `data prepare` checks and stores audio clips (see docs/formats.md, Audio).")

@@ -10,7 +10,7 @@ Every rejected sample gets exactly one reason code. The codes are public output 
 | `too_large` | a record over 64 MiB (`formats._json.MAX_RECORD_BYTES`), or a tar member over the image file limit | reader |
 | `bad_roles` | roles must be an optional system turn, then user/assistant alternating, ending with assistant | `build_sample` |
 | `empty_turn` | a turn with blank text and no image or video | `build_sample` |
-| `placeholder_mismatch` | number of `<image>` placeholders != number of images, or of `<video>` placeholders != number of videos | `build_sample` |
+| `placeholder_mismatch` | number of `<image>` placeholders != number of images, of `<video>` placeholders != number of videos, or of `<audio>` placeholders != number of audio clips | `build_sample` |
 | `outside_root` | an image path resolves (symlinks included) outside the source's folder, its `image_root` and `data.media_roots` | reader |
 | `missing_image` | the image file does not exist, is a folder, or is a remote URL | `check_images` |
 | `not_a_file` | the image path is a device, FIFO or socket (refused before reading) | `check_images` |
@@ -22,12 +22,17 @@ Every rejected sample gets exactly one reason code. The codes are public output 
 | `unsupported_codec` | FFmpeg (PyAV) has no decoder for the video stream's codec | `check_images` |
 | `video_too_short` | fewer decodable frames than `data.video.min_frames` | `check_images` |
 | `video_too_long` | longer than `data.video.max_seconds` (from the header, before decoding), or a file over 2 GiB | `check_images` |
+| `missing_audio` | the audio file does not exist, is a folder, or is a remote URL | `check_images` |
+| `corrupt_audio` | not an audio file libsndfile reads, truncated (fewer samples than the header lists), samples that do not decode | `check_images` |
+| `unsupported_audio` | a container libsndfile has no decoder for (MP4/M4A/AAC, WebM, WMA, AMR): convert to FLAC or WAV | `check_images` |
+| `audio_too_short` | no samples, or shorter than `data.audio.min_seconds` | `check_images` |
+| `audio_too_long` | longer than `data.audio.max_seconds` (from the header, before decoding), or a file over 1 GiB | `check_images` |
 | `duplicate` | same normalized text and image bytes as an earlier sample (the detail names it) | prepare / validate |
 | `duplicate_id` | the same `id` as an earlier sample of the same source (the detail names it); with `data.duplicate_ids: keep` only counted | prepare / validate |
 | `too_long` | text + visual tokens over `data.max_length` (only when a processor is known) | prepare / validate |
 
-A sample with images (or videos) and no placeholder of that modality at all is kept: its images, then its videos,
-are put at the start of the first user turn (the LLaVA convention).
+A sample with images (or videos, or audio clips) and no placeholder of that modality at all is kept: its images, then
+its videos, then its audio clips are put at the start of the first user turn (the LLaVA convention).
 """
 
 from __future__ import annotations
@@ -60,22 +65,32 @@ REASONS = (
     "unsupported_codec",
     "video_too_short",
     "video_too_long",
+    "missing_audio",
+    "corrupt_audio",
+    "unsupported_audio",
+    "audio_too_short",
+    "audio_too_long",
     "duplicate",
     "duplicate_id",
     "too_long",
 )
-FILTERS = ("duplicate", "duplicate_id", "image_too_small", "image_too_large", "video_too_short", "video_too_long", "too_long")
+FILTERS = ("duplicate", "duplicate_id", "image_too_small", "image_too_large", "video_too_short", "video_too_long",
+           "audio_too_short", "audio_too_long", "too_long")
 """Reasons that apply a limit the project sets (dedup, duplicate_ids, min_image_side, max_image_pixels,
-data.video.min_frames / max_seconds, max_length) rather than a defect of the data: they do not count against
-`data.min_kept_fraction`."""
+data.video.min_frames / max_seconds, data.audio.min_seconds / max_seconds, max_length) rather than a defect of the
+data: they do not count against `data.min_kept_fraction`."""
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
-PLACEHOLDERS = {"image": IMAGE_PLACEHOLDER, "video": VIDEO_PLACEHOLDER}
-"""Text placeholder of each modality a reader accepts (LLaMA-Factory's ShareGPT: `<image>`, `<video>`)."""
+AUDIO_PLACEHOLDER = "<audio>"
+PLACEHOLDERS = {"image": IMAGE_PLACEHOLDER, "video": VIDEO_PLACEHOLDER, "audio": AUDIO_PLACEHOLDER}
+"""Text placeholder of each modality a reader accepts (LLaMA-Factory's ShareGPT: `<image>`, `<video>`, `<audio>`)."""
 PART_TYPES = {"image": "image", "image_url": "image", "input_image": "image",
-              "video": "video", "video_url": "video", "input_video": "video"}
-"""Content-part `type` -> modality (transformers' chat templates: image / video; OpenAI: image_url, input_image;
-vLLM's OpenAI-compatible server: video_url)."""
+              "video": "video", "video_url": "video", "input_video": "video",
+              "audio": "audio", "audio_url": "audio", "input_audio": "audio"}
+"""Content-part `type` -> modality (transformers' chat templates: image / video / audio; OpenAI: image_url,
+input_image, input_audio; vLLM's OpenAI-compatible server: video_url, audio_url)."""
+MEDIA_KEYS = {"video": ("video", "video_url"), "audio": ("audio", "audio_url", "input_audio")}
+"""Keys that mark an untyped content part as a video or audio part (any other untyped media part is an image)."""
 
 ROLE_ALIASES = {
     "user": "user",
@@ -118,6 +133,17 @@ class VideoFacts:
     converted: bool = True
 
 
+@dataclass(frozen=True)
+class AudioFacts:
+    """One checked audio clip: `seconds` of audio, the original `sampling_rate` (Hz) and `channels`, `converted`
+    (False when a stored FLAC was kept byte for byte)."""
+
+    seconds: float
+    sampling_rate: int
+    channels: int
+    converted: bool = True
+
+
 @dataclass
 class SampleInfo:
     """What the check stage learned about a kept sample (for dedup, split and statistics)."""
@@ -130,6 +156,7 @@ class SampleInfo:
     num_turns: int = 0
     flags: list[str] = field(default_factory=list)  # findings that did not reject it (duplicate_id with `keep`)
     videos: list[VideoFacts] = field(default_factory=list)  # one per video, in order
+    audios: list[AudioFacts] = field(default_factory=list)  # one per audio clip, in order
 
 
 # --------------------------------------------------------------------------------------------------- assembly
@@ -140,6 +167,7 @@ def build_sample(
     *,
     images: list[Any] | None = None,
     videos: list[Any] | None = None,
+    audios: list[Any] | None = None,
     id: str,
     source: str,
     location: str,
@@ -150,16 +178,17 @@ def build_sample(
     """Assemble a canonical Sample from raw turns, running the text checks (bad_roles, empty_turn,
     placeholder_mismatch) in that order.
 
-    `turns` are (role, content) pairs; content is a string (with optional `<image>` / `<video>` placeholders) or a
-    list of content parts (`{"type": "text", "text"|"value": ...}`, `{"type": "image"|"image_url", ...}`,
-    `{"type": "video"|"video_url", ...}`: `PART_TYPES`). `images` / `videos` are the record-level references that
-    placeholders of their modality consume in order. `resolve_part(part)` turns an explicit media part into a
+    `turns` are (role, content) pairs; content is a string (with optional `<image>` / `<video>` / `<audio>`
+    placeholders) or a list of content parts (`{"type": "text", "text"|"value": ...}`, `{"type": "image"|"image_url",
+    ...}`, `{"type": "video"|"video_url", ...}`, `{"type": "audio"|"input_audio"|"audio_url", ...}`: `PART_TYPES`).
+    `images` / `videos` / `audios` are the record-level references that placeholders of their modality consume in
+    order. `resolve_part(part)` turns an explicit media part into a
     reference (bytes, Path or MissingRef), or None when the part carries no reference (it then consumes the next
     record-level part of its modality, like a placeholder). `image_placeholder_for_video`: `<image>` placeholders
     stand for the videos when the record has videos and no images (LLaVA-Video's layout). The returned Sample's
     media still hold references; `check_images` reads and normalizes them.
     """
-    record = {"image": list(images or []), "video": list(videos or [])}
+    record = {"image": list(images or []), "video": list(videos or []), "audio": list(audios or [])}
     reject = lambda reason, detail: Rejection(reason, source, location, detail, id)  # noqa: E731
 
     # 1. roles
@@ -177,7 +206,7 @@ def build_sample(
 
     # 2. parts + empty turns
     messages: list[dict[str, Any]] = []
-    explicit: dict[str, list[Any]] = {"image": [], "video": []}  # references of explicit media parts, in order
+    explicit: dict[str, list[Any]] = {kind: [] for kind in PLACEHOLDERS}  # references of explicit media parts, in order
     for i, (role, content) in enumerate(zip(roles, contents)):
         try:
             parts = _parts(content, resolve_part, explicit)
@@ -191,7 +220,7 @@ def build_sample(
 
     # 3. placeholders, per modality
     refs: dict[str, list[Any]] = {}
-    for kind in ("image", "video"):
+    for kind in PLACEHOLDERS:
         listed, parts_given = record[kind], explicit[kind]
         n_placeholders = sum(1 for m in messages for p in m["content"] if p["type"] == kind and p.get("placeholder"))
         token = PLACEHOLDERS[kind]
@@ -206,7 +235,7 @@ def build_sample(
         if n_placeholders != len(listed) and not parts_given:
             return reject("placeholder_mismatch", f"{n_placeholders} {token} placeholder(s) for {len(listed)} {kind}(s)")
         refs[kind] = parts_given or listed
-    index = {"image": 0, "video": 0}
+    index = {kind: 0 for kind in PLACEHOLDERS}
     for m in messages:
         for p in m["content"]:
             if p["type"] in index:
@@ -214,8 +243,8 @@ def build_sample(
                     p.pop(key, None)
                 p["index"] = index[p["type"]]
                 index[p["type"]] += 1
-    sample = Sample(id=str(id), messages=messages, images=refs["image"], videos=refs["video"] or None, source=source,
-                    meta=dict(meta or {}))
+    sample = Sample(id=str(id), messages=messages, images=refs["image"], videos=refs["video"] or None,
+                    audios=refs["audio"] or None, source=source, meta=dict(meta or {}))
     sample.location = location
     return sample
 
@@ -259,8 +288,9 @@ def _parts(content: Any, resolve_part, explicit: dict[str, list[Any]]) -> list[d
             raise RecordError(f"content part must be an object, not {type(part).__name__}")
         kind = part.get("type")
         if kind is None:
-            if any(k in part for k in ("video", "video_url")):
-                kind = "video"
+            marked = [m for m, keys in MEDIA_KEYS.items() if any(k in part for k in keys)]
+            if marked:
+                kind = marked[0]
             else:
                 kind = "text" if ("text" in part or "value" in part) and not any(k in part for k in ("image", "image_url", "path")) else "image"
         if kind == "text":
@@ -308,15 +338,17 @@ def _split_placeholders(text: str) -> list[dict[str, Any]]:
 
 
 def check_images(sample: Sample, *, min_image_side: int = 28, max_image_pixels: int | None = None,
-                 video: Any = None) -> tuple[Sample, SampleInfo] | Rejection:
-    """Read, fully decode and normalize the sample's images and videos; compute its dedup digest.
+                 video: Any = None, audio: Any = None) -> tuple[Sample, SampleInfo] | Rejection:
+    """Read, fully decode and normalize the sample's images, videos and audio clips; compute its dedup digest.
 
-    Returns the sample with `images` as 8-bit RGB encoded bytes and `videos` as stored clips
-    (`vlmctl.data.modalities.video.normalize_video`, sampled by `video`, a `DataVideo`; default settings when
-    None), or a Rejection with reason outside_root, missing_image, not_a_file, corrupt_image, image_too_large (over
+    Returns the sample with `images` as 8-bit RGB encoded bytes, `videos` as stored clips
+    (`vlmctl.data.modalities.video.normalize_video`, sampled by `video`, a `DataVideo`) and `audios` as stored FLAC
+    (`vlmctl.data.modalities.audio.normalize_audio` under `audio`, a `DataAudio`; default settings when None), or a
+    Rejection with reason outside_root, missing_image, not_a_file, corrupt_image, image_too_large (over
     `max_image_pixels`, checked from the header before decoding, or a file over `images.MAX_IMAGE_FILE_BYTES`),
-    image_too_small, or for a video missing_video, corrupt_video, unsupported_codec, video_too_short,
-    video_too_long (the detail names the image or video index and file).
+    image_too_small, for a video missing_video, corrupt_video, unsupported_codec, video_too_short, video_too_long,
+    for an audio clip missing_audio, corrupt_audio, unsupported_audio, audio_too_short, audio_too_long (the detail
+    names the image, video or audio index and file).
     """
     location = getattr(sample, "location", "")
     info = SampleInfo(digest=b"")
@@ -347,6 +379,10 @@ def check_images(sample: Sample, *, min_image_side: int = 28, max_image_pixels: 
     sample.images = data
     if sample.videos:
         rejected = _check_videos(sample, info, video)
+        if rejected is not None:
+            return rejected
+    if sample.audios:
+        rejected = _check_audios(sample, info, audio)
         if rejected is not None:
             return rejected
     info.digest = sample_digest(sample)
@@ -382,10 +418,37 @@ def _check_videos(sample: Sample, info: SampleInfo, settings: Any) -> Rejection 
     return None
 
 
+_AUDIO_READ_REASONS = {"missing_image": "missing_audio", "image_too_large": "audio_too_long"}
+
+
+def _check_audios(sample: Sample, info: SampleInfo, settings: Any) -> Rejection | None:
+    """Read and normalize `sample.audios` in place (stored FLAC), recording `AudioFacts` in `info`; the first
+    failure as a Rejection."""
+    from vlmctl.data.modalities.audio import MAX_AUDIO_FILE_BYTES, AudioError, normalize_audio
+
+    location = getattr(sample, "location", "")
+    clips = []
+    for i, ref in enumerate(sample.audios):
+        name = f"audio {i}" + (f" ({ref})" if isinstance(ref, Path) else "")
+        try:
+            data = read_ref(ref, max_bytes=MAX_AUDIO_FILE_BYTES)
+        except ImageError as exc:  # the detail names the file already
+            return Rejection(_AUDIO_READ_REASONS.get(exc.reason, exc.reason), sample.source, location, f"audio {i}: {exc.detail}", sample.id)
+        try:
+            clip = normalize_audio(data, settings)
+        except AudioError as exc:
+            return Rejection(exc.reason, sample.source, location, f"{name}: {exc.detail}", sample.id)
+        clips.append(clip.data)
+        info.audios.append(AudioFacts(clip.seconds, clip.sampling_rate, clip.channels, clip.conversion is not None))
+    sample.media["audio"] = clips
+    return None
+
+
 def sample_digest(sample: Sample) -> bytes:
     """16-byte blake2b of the normalized conversation (roles, whitespace-collapsed text, media positions) and the
-    media bytes (images, then stored video clips). Equal digests = duplicate samples; the digest also drives the
-    train/val split (image-only samples hash as they did before videos existed, so splits do not move)."""
+    media bytes (images, then stored video clips, then stored audio clips). Equal digests = duplicate samples; the
+    digest also drives the train/val split (samples without videos or audio hash as they did before those existed,
+    so splits do not move)."""
     h = hashlib.blake2b(digest_size=16)
     norm = [
         [m["role"], [(" ".join(p["text"].split()) if p["type"] == "text" else [p["type"], p["index"]]) for p in m["content"]]]
@@ -395,6 +458,8 @@ def sample_digest(sample: Sample) -> bytes:
     for img in sample.images:
         h.update(hashlib.blake2b(img, digest_size=16).digest())
     for clip in sample.videos:
+        h.update(hashlib.blake2b(clip, digest_size=16).digest())
+    for clip in sample.audios:
         h.update(hashlib.blake2b(clip, digest_size=16).digest())
     return h.digest()
 

@@ -21,9 +21,11 @@ Family-specific inputs are whatever the processor returns besides `input_ids`/`a
 (Qwen-VL's `mm_token_type_ids`) are padded like `input_ids`; media tensors are batched by their unit (images:
 `pixel_values`, `image_grid_thw`, ... concatenated along dim 0, or stacked per sample for processors that return
 [1, N_images, ...] such as Idefics3; videos: `pixel_values_videos` [patches, C*t*p*p], `video_grid_thw` [N, 3],
-`second_per_grid_ts` [N] concatenated along dim 0). Videos are decoded stored clips (frames [T, H, W, 3] uint8)
-passed with their metadata, written into the text as the family's video prompt. What differs per family comes
-from the family spec, never from its name.
+`second_per_grid_ts` [N] concatenated along dim 0; audio: `input_features` [N, mel bins, frames] and
+`feature_attention_mask` [N, frames] concatenated along dim 0). Videos are decoded stored clips (frames [T, H, W, 3]
+uint8) passed with their metadata, written into the text as the family's video prompt; audio clips are mono float32
+waveforms at the feature extractor's rate (`sampling_rate=` passed along), written as the family's audio prompt. What
+differs per family comes from the family spec, never from its name.
 """
 
 from __future__ import annotations
@@ -78,9 +80,10 @@ def template_media(sample: Sample, processor: Any = None, family: Any = None) ->
     """The sample's messages in transformers' chat-template form, and its media bytes per modality in order of
     appearance.
 
-    A media part becomes its unit's template part (`{"type": "image"}`; a video, with a `processor`, the family's
-    video prompt as text: `VideoUnit.template_part`); a part used twice is passed twice (processors consume one
-    input per placeholder). Raises DataError for an index out of range or a modality without a unit.
+    A media part becomes its unit's template part (`{"type": "image"}`; a video or audio clip, with a `processor`,
+    the family's prompt as text: `VideoUnit.template_part`, `AudioUnit.template_part`); a part used twice is passed
+    twice (processors consume one input per placeholder). Raises DataError for an index out of range, a modality
+    without a unit, or a part of a modality `family` does not take (Qwen2-Audio and an image).
     """
     messages, media = [], {}
     for m in sample.messages:
@@ -91,6 +94,10 @@ def template_media(sample: Sample, processor: Any = None, family: Any = None) ->
                 parts.append({"type": "text", "text": p.get("text") or ""})
                 continue
             unit = get_unit(kind)
+            if family is not None and not unit.accepted_by(family):
+                raise DataError(f"family {getattr(family, 'name', family)} takes no {kind} input (it takes "
+                                f"{', '.join(getattr(family, 'modalities', None) or ['image'])}), but sample {sample.id!r} has a {kind} part",
+                                hint=f"drop the {kind} samples from data.sources, or train a family that takes {kind} input")
             stored = sample.media.get(kind, [])
             idx = p["index"]
             if not 0 <= idx < len(stored):
@@ -144,12 +151,15 @@ def image_token_ids(processor) -> set[int]:
     return media_token_ids(processor)
 
 
-def _media_kwargs(media: dict[str, list[bytes]]) -> dict[str, Any]:
-    # the processor call's keywords for the modalities present (decoded parts, and e.g. videos' metadata)
+def _media_kwargs(media: dict[str, list[bytes]], processor: Any = None) -> dict[str, Any]:
+    """The processor call's keywords for the modalities present: decoded parts, and e.g. videos' metadata or the
+    audio's `sampling_rate` (units with `needs_processor` get the processor: the audio unit resamples to its feature
+    extractor's rate)."""
     kwargs: dict[str, Any] = {}
     for kind, parts in media.items():
         if parts:
-            kwargs.update(get_unit(kind).processor_inputs(parts))
+            unit = get_unit(kind)
+            kwargs.update(unit.processor_inputs(parts, processor) if getattr(unit, "needs_processor", False) else unit.processor_inputs(parts))
     return kwargs
 
 
@@ -164,7 +174,7 @@ def encode_sample(sample: Sample, processor, family: Any = None, max_length: int
 
     messages, media = template_media(sample, processor, family)
     text, spans = assistant_spans(messages, processor)
-    proc_out = processor(text=[text], **_media_kwargs(media), return_tensors="pt", add_special_tokens=False)
+    proc_out = processor(text=[text], **_media_kwargs(media, processor), return_tensors="pt", add_special_tokens=False)
     if hasattr(family, "processor_outputs"):  # the family's layout for batching (e.g. padded anyres tiles dropped)
         proc_out = family.processor_outputs(proc_out, processor)
     ids = proc_out["input_ids"][0].to(torch.long)
@@ -187,8 +197,9 @@ def encode_sample(sample: Sample, processor, family: Any = None, max_length: int
 
 def split_processor_outputs(out, units: list[ModalityUnit] | None = None) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """(per-token tensors [T] such as Qwen's `mm_token_type_ids`, {modality: its tensors}) of a 1-sample processor
-    output. A tensor belongs to the first of `units` (default: all registered) that owns it, else to the
-    catch-all unit (images)."""
+    output. A tensor belongs to the first of `units` (default: all registered) that owns it (before any shape test:
+    one clip's `feature_attention_mask` [1, frames] may have the text's length), else it is a per-token tensor when
+    it is [1, T], else it belongs to the catch-all unit (images)."""
     units = list(UNITS.values()) if units is None else units
     claimants = sorted(units, key=lambda u: u.catch_all)  # specific owners first
     length = out["input_ids"].shape[-1]
@@ -196,6 +207,10 @@ def split_processor_outputs(out, units: list[ModalityUnit] | None = None) -> tup
     media: dict[str, dict[str, Any]] = {}
     for k, v in out.items():
         if k in TEXT_KEYS or not hasattr(v, "shape"):
+            continue
+        specific = next((u for u in claimants if not u.catch_all and u.owns(k)), None)
+        if specific is not None:
+            media.setdefault(specific.name, {})[k] = v
             continue
         if v.ndim == 2 and tuple(v.shape) == (1, length):
             token[k] = v[0]
@@ -266,7 +281,8 @@ def dummy_row(unit: ModalityUnit, processor, family: Any = None) -> Encoded:
     """
     import torch
 
-    out = processor(text=[unit.prompt(processor, family)], **{unit.processor_kwarg: [unit.dummy_input(processor)]},
+    extra = unit.call_kwargs(processor) if hasattr(unit, "call_kwargs") else {}  # e.g. the audio's sampling_rate
+    out = processor(text=[unit.prompt(processor, family)], **{unit.processor_kwarg: [unit.dummy_input(processor)]}, **extra,
                     return_tensors="pt", add_special_tokens=False)
     if hasattr(family, "processor_outputs"):
         out = family.processor_outputs(out, processor)

@@ -201,7 +201,7 @@ def iter_checked(
 
     procs = num_proc or data.num_proc or os.cpu_count() or 1
     pdir = processor_dir if has_processor(processor_dir) else None
-    limits = {"min_image_side": data.min_image_side, "max_image_pixels": data.max_image_pixels, "video": data.video}
+    limits = {"min_image_side": data.min_image_side, "max_image_pixels": data.max_image_pixels, "video": data.video, "audio": data.audio}
     seen = DigestSet(values=True)  # content digest -> location handle of the first sample
     ids = DigestSet(values=True)  # (source, id) digest -> location handle of the first sample
     where = LocationTable()

@@ -78,73 +78,75 @@ class ShardWriter:
     """Parquet shards of one split: row groups of up to ROWS_PER_GROUP rows / GROUP_BYTES, files of about
     `shard_bytes` (a new file starts once the current one passes it).
 
-    Shards get a `videos` column once a sample with videos arrives: the file being written ends there, later files
-    have the column, and at `close` the files written before get it too (null), so every shard of a prepared
-    folder has one schema (`datasets.load_dataset("parquet", ...)` needs that). Image-only data keeps the image-only
-    schema."""
+    Shards get a `videos` (`audios`) column once a sample with videos (audio clips) arrives: the file being written
+    ends there, later files have the column, and at `close` the files written before get it too (null), so every
+    shard of a prepared folder has one schema (`datasets.load_dataset("parquet", ...)` needs that). Image-only data
+    keeps the image-only schema."""
 
     def __init__(self, folder: Path, prefix: str, shard_bytes: int):
         from vlmctl.data.sample import arrow_schema
 
         self.folder, self.prefix, self.shard_bytes = folder, prefix, shard_bytes
+        self.modalities: set[str] = {"image"}
         self.schema = arrow_schema()
         self.rows: list[dict[str, Any]] = []
         self.buffered = 0
         self.writer = None
         self.file_bytes = 0
         self.files: list[str] = []
-        self.without_videos: list[str] = []  # files written before the first video, to get the column at close
+        self.narrower: dict[str, Any] = {}  # file -> its schema, for files written before a media column was added
         self.samples = 0
         self.bytes = 0
 
     def add(self, sample: Sample) -> None:
-        if sample.videos and "videos" not in self.schema.names:
-            self._start_videos()
+        present = {name for name, parts in sample.media.items() if parts}
+        if present - self.modalities:
+            self._widen(present)
         self.rows.append(sample.to_row())
-        self.buffered += (sum(len(b) for b in sample.images) + sum(len(b) for b in sample.videos)
-                          + sum(len(t) for t in sample.text_parts()) + 64)
+        self.buffered += sum(len(b) for parts in sample.media.values() for b in parts) + sum(len(t) for t in sample.text_parts()) + 64
         self.samples += 1
         if len(self.rows) >= ROWS_PER_GROUP or self.buffered >= GROUP_BYTES:
             self._flush()
 
     def _open(self) -> None:
-        import pyarrow.parquet as pq
-
         name = f"{self.prefix}-{len(self.files):05d}.parquet"
         self.folder.mkdir(parents=True, exist_ok=True)
         self.writer = _parquet_writer(self.folder / name, self.schema)
         self.files.append(name)
         self.file_bytes = 0
 
-    def _start_videos(self) -> None:
-        """Switch to the schema with a `videos` column (see the class docstring)."""
+    def _widen(self, present: set[str]) -> None:
+        """Switch to the schema with the media columns of `present` too (see the class docstring)."""
         from vlmctl.data.sample import arrow_schema
 
         self._flush()
         if self.writer is not None:
             self.writer.close()
             self.writer = None
-        self.without_videos = list(self.files)
-        self.schema = arrow_schema(("image", "video"))
+        for name in self.files:
+            self.narrower.setdefault(name, self.schema)
+        self.modalities |= present
+        self.schema = arrow_schema(tuple(self.modalities))
 
-    def _add_video_column(self) -> None:
-        """Rewrite the files written before the first video with a null `videos` column (temporary file, then
-        rename)."""
+    def _add_media_columns(self) -> None:
+        """Rewrite the files written before a media column was added with that column null (temporary file, then
+        rename), row groups kept as they were."""
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        for name in self.without_videos:
+        for name in self.narrower:
             path = self.folder / name
             table = pq.read_table(path)
-            # null, as later image-only rows have it (`Sample.from_row` reads both as no videos)
-            table = table.append_column("videos", pa.nulls(table.num_rows, self.schema.field("videos").type)).cast(self.schema)
+            # null, as later rows without such parts have it (`Sample.from_row` reads both as no parts)
+            columns = [table.column(f.name) if f.name in table.column_names else pa.nulls(table.num_rows, f.type) for f in self.schema]
+            table = pa.Table.from_arrays(columns, schema=self.schema)
             tmp = path.with_name(f".{name}.tmp")
             writer = _parquet_writer(tmp, self.schema)
-            for group in range(pq.ParquetFile(path).num_row_groups):  # keep the row groups as they were
+            for group in range(pq.ParquetFile(path).num_row_groups):
                 writer.write_table(table.slice(*_group_span(path, group)))
             writer.close()
             tmp.replace(path)
-        self.without_videos = []
+        self.narrower = {}
 
     def _flush(self) -> None:
         import pyarrow as pa
@@ -168,19 +170,19 @@ class ShardWriter:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
-        self._add_video_column()
+        self._add_media_columns()
         return self.files
 
 
 def _parquet_writer(path: Path, schema):
     import pyarrow.parquet as pq
 
-    # Image bytes and video clips are already compressed (JPEG/PNG/WebP, Motion JPEG): no codec and no dictionary
+    # Image bytes, video clips and audio are already compressed (JPEG/PNG/WebP, Motion JPEG, FLAC): no codec and no dictionary
     # for them (a dictionary over 100 KB values costs 10x the write time for nothing); zstd + dictionaries for the
     # text columns. use_compliant_nested_type=False keeps list fields named "item", so the file's schema is exactly
     # arrow_schema() when read back (the Parquet-compliant spelling would rename them "element").
     leaves = _leaf_paths(schema)
-    media = ("images.", "videos.")
+    media = ("images.", "videos.", "audios.")
     return pq.ParquetWriter(
         path,
         schema,
@@ -226,6 +228,7 @@ class Stats:
         self.tokens: Counter = Counter()
         self.conversions: Counter = Counter()
         self.video = VideoStats()
+        self.audio = AudioStats()
 
     def add(self, sample: Sample, info) -> None:
         self.widths.update(info.widths)
@@ -237,6 +240,7 @@ class Stats:
         if sample.num_tokens is not None:
             self.tokens[sample.num_tokens] += 1
         self.video.add(sample, info)
+        self.audio.add(sample, info)
 
 
 class VideoStats:
@@ -279,6 +283,49 @@ class VideoStats:
             "stored": "sampled frames as Motion JPEG in Matroska (docs/formats.md, Video)",
             "kept_as_is": self.kept_as_is,
             "settings": video.model_dump(),
+        }
+
+
+class AudioStats:
+    """Value counters of the kept audio clips: per sample, seconds (0.1 s bins), original sampling rates (Hz) and
+    channels, and placeholder tokens per clip (when counted)."""
+
+    def __init__(self):
+        self.per_sample: Counter = Counter()
+        self.seconds: Counter = Counter()
+        self.rates: Counter = Counter()
+        self.channels: Counter = Counter()
+        self.tokens: Counter = Counter()
+        self.kept_as_is = 0
+        self.total_seconds = 0.0
+
+    def add(self, sample: Sample, info) -> None:
+        audios = getattr(info, "audios", [])
+        self.per_sample[len(audios)] += 1
+        for a in audios:
+            self.seconds[round(a.seconds, 1)] += 1
+            self.total_seconds += a.seconds
+            self.rates[a.sampling_rate] += 1
+            self.channels[a.channels] += 1
+            self.kept_as_is += not a.converted
+        self.tokens.update(sample.media_tokens.get("audio", []))
+
+    def section(self, audio) -> dict[str, Any] | None:
+        """The manifest's `audios` (None when no sample has one); `audio` is `data.audio`."""
+        count = sum(self.seconds.values())
+        if not count:
+            return None
+        return {
+            "count": count,
+            "per_sample": summarize(self.per_sample),
+            "seconds": summarize(self.seconds),
+            "total_hours": round(self.total_seconds / 3600, 4),
+            "original_sampling_rate": dict(sorted(self.rates.items())),
+            "original_channels": dict(sorted(self.channels.items())),
+            "tokens_per_clip": summarize(self.tokens),
+            "stored": f"{audio.sampling_rate} Hz mono 16-bit FLAC (docs/formats.md, Audio)",
+            "kept_as_is": self.kept_as_is,
+            "settings": audio.model_dump(),
         }
 
 
@@ -670,6 +717,7 @@ def _run(data: DataSection, results: Results, sources, tmp: Path, etmp: Path | N
             "converted": dict(sorted(stats.conversions.items())),
         },
         "videos": stats.video.section(data.video),
+        "audios": stats.audio.section(data.audio),
         "text": {"chars": summarize(stats.text_chars), "turns": summarize(stats.turns)},
         "tokens": _token_section(stats, data, counts),
         "export": export,

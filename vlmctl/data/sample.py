@@ -17,7 +17,7 @@ A sample is a conversation plus its media parts, by modality::
 
 Roles are `system|user|assistant`; content parts are `{"type": "text", "text": str}` or
 `{"type": <modality>, "index": int}` with a modality of `MODALITIES` (an index into `media[<modality>]`; readers
-produce `image` and `video` parts). This is the same shape as transformers' chat templates' content parts, so
+produce `image`, `video` and `audio` parts). This is the same shape as transformers' chat templates' content parts, so
 `processor.apply_chat_template` can render it after the media are attached. `Sample(images=...)`,
 `Sample(videos=...)`, `Sample(audios=...)` and `Sample(media={...})` build the same thing; `sample.images` is
 `sample.media["image"]`.
@@ -27,7 +27,9 @@ Prepared shards store one row per sample with the Arrow schema of `arrow_schema(
 layout of `datasets.Image`, so `datasets.load_dataset("parquet", ...)` decodes images to PIL; the `videos` and
 `audios` columns are optional (shards without them read as having none) and are written only when asked for.
 Video parts are stored clips after the checks (`vlmctl.data.modalities.video.normalize_video`: the sampled frames as
-Motion JPEG in Matroska), references before.
+Motion JPEG in Matroska), audio parts 16-bit mono FLAC (`vlmctl.data.modalities.audio.normalize_audio`), references
+before. The `audios` column is plain `{bytes, path}` structs rather than `datasets.Audio` (decoding that needs
+torchcodec); `datasets.Audio(decode=False)` reads the same layout.
 """
 
 from __future__ import annotations

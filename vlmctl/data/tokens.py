@@ -5,10 +5,12 @@
 
 Text tokens: the conversation rendered with the processor's chat template (so template tokens count), tokenized
 without extra special tokens; a video part is rendered as the family's video prompt (as the collator writes it,
-`vlmctl.data.modalities.video.VideoUnit`). Each video's placeholder token is replaced by the family's video-token
+`vlmctl.data.modalities.video.VideoUnit`), an audio part as the family's audio prompt
+(`vlmctl.data.modalities.audio.AudioUnit`). Each video's placeholder token is replaced by the family's video-token
 count for its stored clip (`FamilySpec.num_video_tokens(frames, width, height, processor)`, frames and size read
-from the clip's header), and each image's placeholder token by the family's number of visual tokens for the
-image's size:
+from the clip's header), each audio clip's by the family's audio-token count (`num_audio_tokens(samples,
+sampling_rate, processor)`, read from the stored FLAC's header), and each image's placeholder token by the
+family's number of visual tokens for the image's size:
 1. `vlmctl.families.get_family(name).num_visual_tokens(width, height, processor)` when the model folder's
    `vlmctl_model.json` names a registered family;
 2. else the processor's own `_get_num_multimodal_tokens(image_sizes=...)` (transformers processors);
@@ -60,6 +62,8 @@ class TokenCounter:
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(token)
         video = self._video_prompt_token(getattr(processor, "video_token", None) or getattr(self.tokenizer, "video_token", None))
         self.video_prompt, self.video_token_id = video[0], (self.tokenizer.convert_tokens_to_ids(video[1]) if video[1] else None)
+        audio = self._prompt_token("audio", getattr(processor, "audio_token", None) or getattr(self.tokenizer, "audio_token", None))
+        self.audio_prompt, self.audio_token_id = audio[0], (self.tokenizer.convert_tokens_to_ids(audio[1]) if audio[1] else None)
         has_template = bool(getattr(processor, "chat_template", None) or getattr(self.tokenizer, "chat_template", None))
         self._apply_template: Callable[[list[dict]], str] | None = (
             (lambda messages: self.processor.apply_chat_template(messages, tokenize=False)) if has_template else None
@@ -143,14 +147,19 @@ class TokenCounter:
         self.tokenizer = tokenizer
         self.folder = folder
         # The placeholder the chat template writes per image: the family's prompt when it is one token (Gemma 3's
-        # `<start_of_image>`, which its processor expands), else the token the processor repeats.
-        prompt = self._family.image_prompt
-        token = prompt if tokenizer.token_to_id(prompt) is not None else (
-            settings.get("image_token") or _content(tok_config.get("image_token")) or self._family.image_token)
+        # `<start_of_image>`, which its processor expands), else the token the processor repeats (none for a family
+        # that takes no images).
+        token = None
+        if "image" in self._family.modalities:
+            prompt = self._family.image_prompt
+            token = prompt if tokenizer.token_to_id(prompt) is not None else (
+                settings.get("image_token") or _content(tok_config.get("image_token")) or self._family.image_token)
         self.image_token = token
-        self.image_token_id = tokenizer.token_to_id(token)
+        self.image_token_id = tokenizer.token_to_id(token) if token else None
         self.video_prompt, video_token = self._video_prompt_token(None)
         self.video_token_id = tokenizer.token_to_id(video_token) if video_token else None
+        self.audio_prompt, audio_token = self._prompt_token("audio", None)
+        self.audio_token_id = tokenizer.token_to_id(audio_token) if audio_token else None
         specials = {k: _content(v) for k, v in tok_config.items() if k.endswith("_token") and _content(v) is not None}
         self._apply_template = _template_renderer(template, specials) if template else None
         self._encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids
@@ -159,10 +168,28 @@ class TokenCounter:
     def _video_prompt_token(self, processor_token: str | None) -> tuple[str | None, str | None]:
         """(what a video part renders as, the placeholder token the processor expands): the family's video prompt
         and token when it takes videos, else the processor's video token (both None without one)."""
+        return self._prompt_token("video", processor_token)
+
+    def _prompt_token(self, modality: str, processor_token: str | None) -> tuple[str | None, str | None]:
+        """(what a part of `modality` renders as, the placeholder token the processor expands): the family's prompt
+        and token when it takes the modality, else the processor's token (both None without one)."""
         table = getattr(self._family, "modalities", None) or {}
-        if "video" in table:
-            return self._family.prompt("video"), table["video"]
+        if modality in table:
+            return self._family.prompt(modality), table[modality]
         return processor_token, processor_token
+
+    def audio_tokens(self, data: bytes) -> int:
+        """Placeholder tokens of one stored audio clip (`normalize_audio` bytes) under the family's audio-token rule.
+        Raises DataError for a folder without a family, or a family without an audio-token rule."""
+        from vlmctl.data.modalities.audio import audio_shape
+        from vlmctl.errors import DataError
+
+        rule = getattr(self._family, "num_audio_tokens", None)
+        if rule is None:
+            raise DataError(f"no audio-token rule is known for the processor in {self.folder}: its audio tokens cannot be counted",
+                            hint="use a model folder of a family that takes audio (qwen2_audio) written by `vlmctl model build`")
+        samples, rate = audio_shape(data)
+        return int(rule(samples, rate, self.processor))
 
     def video_tokens(self, data: bytes) -> int:
         """Placeholder tokens of one stored clip (`normalize_video` bytes) under the family's video-token rule.
@@ -215,14 +242,23 @@ class TokenCounter:
                 raise DataError(f"the processor in {self.folder} has no video token: this model takes no video",
                                 hint="drop the video samples, or use a model that takes video (Qwen2-VL, Qwen2.5-VL)")
             return {"type": "text", "text": self.video_prompt}
+        if part["type"] == "audio":
+            if self.audio_prompt is None:
+                from vlmctl.errors import DataError
+
+                raise DataError(f"the processor in {self.folder} has no audio token: this model takes no audio",
+                                hint="drop the audio samples, or use a model that takes audio (qwen2_audio)")
+            return {"type": "text", "text": self.audio_prompt}
         return {"type": "text", "text": part["text"]}
 
     def count(self, sample: Sample, sizes: list[tuple[int, int]]) -> int:
-        """Tokens of `sample` (text + visual); `sizes` are the (width, height) of its images in order, its videos are
-        read from `sample.videos` (stored clips). A part counts each time it is used, as the collator passes it.
-        Records the placeholder tokens of each stored image and video in `sample.media_tokens`."""
+        """Tokens of `sample` (text + media); `sizes` are the (width, height) of its images in order, its videos and
+        audio clips are read from `sample.videos` / `sample.audios` (stored clips). A part counts each time it is
+        used, as the collator passes it. Records the placeholder tokens of each stored image, video and audio clip in
+        `sample.media_tokens`."""
         text = self.render(sample)
-        per = {"image": [self.visual_tokens(w, h) for w, h in sizes], "video": [self.video_tokens(clip) for clip in sample.videos]}
+        per = {"image": [self.visual_tokens(w, h) for w, h in sizes], "video": [self.video_tokens(clip) for clip in sample.videos],
+               "audio": [self.audio_tokens(clip) for clip in sample.audios]}
         sample.media_tokens = {kind: n for kind, n in per.items() if n or kind == "image"}
         # Families whose processor writes marker tokens or text around the visual tokens: tokenize the text as the
         # processor rewrites it (the images' tokens are then in it, with their markers).
@@ -234,6 +270,7 @@ class TokenCounter:
             media = {self.image_token_id}
         ids = self._encode(text)
         media |= {self.video_token_id} if per["video"] else set()
+        media |= {self.audio_token_id} if per["audio"] else set()
         placeholders = sum(1 for t in ids if t in media)
         used = sum(per[p["type"]][p["index"]] for m in sample.messages for p in m["content"] if p["type"] in per)
         return len(ids) - placeholders + used

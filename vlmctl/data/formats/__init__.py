@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from vlmctl.config.data import DEFAULT_MAX_IMAGE_PIXELS, DataSource, DataVideo
+from vlmctl.config.data import DEFAULT_MAX_IMAGE_PIXELS, DataAudio, DataSource, DataVideo
 from vlmctl.data.checks import Rejection, check_images
 from vlmctl.data.sample import Sample
 from vlmctl.errors import DataError
@@ -91,7 +91,7 @@ def _detect_json(file: Path, path: str) -> str:
         record = item[1]
         if not isinstance(record, dict):
             break
-        if "conversations" in record and "images" not in record and "videos" not in record:
+        if "conversations" in record and not any(k in record for k in ("images", "videos", "audios")):
             return "llava"
         turns = record.get("messages", record.get("conversations"))
         if isinstance(turns, list):
@@ -100,7 +100,7 @@ def _detect_json(file: Path, path: str) -> str:
             return "sharegpt"
         raise DataError(
             f"cannot tell the format of {file}: its first record has keys {', '.join(sorted(record))}",
-            hint="expected conversations (llava), messages + images or videos (sharegpt) or messages with content parts (messages); or set data.sources[].format",
+            hint="expected conversations (llava), messages + images, videos or audios (sharegpt) or messages with content parts (messages); or set data.sources[].format",
         )
     raise DataError(f"cannot tell the format of {path}: no JSON object records found", hint="set data.sources[].format")
 
@@ -132,13 +132,17 @@ def read_source(
     media_roots: Iterable[Path | str] = (),
     max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
     video: DataVideo | None = None,
+    audio: DataAudio | None = None,
 ) -> Iterator[Sample | Rejection]:
     """Stream the samples of one source as canonical Samples or reason-coded Rejections.
 
     With `check` (the default) every sample also passes the image checks (outside_root, missing_image,
     not_a_file, corrupt_image, image_too_large, image_too_small) and its images are normalized to 8-bit RGB
     encoded bytes; its videos pass the video checks (missing_video, corrupt_video, unsupported_codec,
-    video_too_short, video_too_long) and become stored clips sampled by `video` (`data.video`; defaults when None). `media_roots`: folders besides the source's own that image paths may resolve into. Dedup,
+    video_too_short, video_too_long) and become stored clips sampled by `video` (`data.video`; defaults when None);
+    its audio clips pass the audio checks (missing_audio, corrupt_audio, unsupported_audio, audio_too_short,
+    audio_too_long) and become 16-bit mono FLAC at `audio.sampling_rate` (`data.audio`; defaults when None).
+    `media_roots`: folders besides the source's own that media paths may resolve into. Dedup,
     duplicate ids and too_long need the whole dataset or a processor and are applied by `prepare_data` /
     `validate_data`.
     Raises DataError when the source cannot be opened at all (missing path, unknown layout, Hub unreachable).
@@ -147,7 +151,7 @@ def read_source(
         if isinstance(item, Rejection) or not check:
             yield item
             continue
-        out = check_images(item, min_image_side=min_image_side, max_image_pixels=max_image_pixels, video=video)
+        out = check_images(item, min_image_side=min_image_side, max_image_pixels=max_image_pixels, video=video, audio=audio)
         yield out if isinstance(out, Rejection) else out[0]
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from vlmctl.config.data import DataSource
-from vlmctl.data.checks import PART_TYPES, Rejection, RecordError, build_sample
+from vlmctl.data.checks import MEDIA_KEYS, PART_TYPES, Rejection, RecordError, build_sample
 from vlmctl.data.formats._json import JsonParseError, read_json
 from vlmctl.data.images import MediaRoots, MissingRef, resolve_ref
 from vlmctl.data.sample import Sample
@@ -108,9 +108,11 @@ def as_list(value: Any) -> list[Any]:
 
 
 def image_ref(value: Any, base: Path | MediaRoots) -> Any:
-    """A media reference (bytes, Path or MissingRef) from a path/URL string, raw bytes, a `{bytes, path}` dict or a
-    `{url}` dict; paths are confined to `base` when it is a MediaRoots (see `images.resolve_ref`). Used for images
-    and videos alike. Raises RecordError for anything else."""
+    """A media reference (bytes, Path or MissingRef) from a path/URL string, raw bytes, a `{bytes, path}` dict
+    (`datasets`' Image and Audio features undecoded), a `{url}` dict or OpenAI's `input_audio` object
+    (`{"data": <base64>, "format": "wav"}`; invalid base64 gives empty bytes, reported by the check stage); paths
+    are confined to `base` when it is a MediaRoots (see `images.resolve_ref`). Used for images, videos and audio
+    alike. Raises RecordError for anything else."""
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value)
     if isinstance(value, str):
@@ -120,7 +122,15 @@ def image_ref(value: Any, base: Path | MediaRoots) -> Any:
     if isinstance(value, dict):
         if value.get("bytes"):
             return bytes(value["bytes"])
-        for key in ("url", "path", "image_url", "image", "video_url", "video"):
+        if isinstance(value.get("data"), str):  # OpenAI input_audio: base64 without a data: URL header
+            import base64
+            import binascii
+
+            try:
+                return base64.b64decode(value["data"], validate=False)
+            except (binascii.Error, ValueError):
+                return b""
+        for key in ("url", "path", "image_url", "image", "video_url", "video", "audio_url", "audio"):
             if value.get(key):
                 return image_ref(value[key], base)
         raise RecordError(f"media entry {sorted(value)} has no bytes, path or url")
@@ -157,15 +167,18 @@ def turns_of(record: dict[str, Any], keys: Iterable[str]) -> list[tuple[Any, Any
 
 
 PART_REF_KEYS = {"image": ("image", "image_url", "url", "path", "value", "bytes"),
-                 "video": ("video", "video_url", "url", "path", "value", "bytes")}
+                 "video": ("video", "video_url", "url", "path", "value", "bytes"),
+                 "audio": ("audio", "input_audio", "audio_url", "url", "path", "value", "bytes")}
 """Keys holding the reference of an explicit media part, by modality (OpenAI `image_url`: a string or `{url}`;
-vLLM's `video_url` likewise; transformers' chat templates: `image` / `video` / `url` / `path`)."""
+OpenAI `input_audio`: `{data: <base64>, format}`; vLLM's `video_url` / `audio_url` likewise; transformers' chat
+templates: `image` / `video` / `audio` / `url` / `path`)."""
 
 
 def part_ref(part: dict[str, Any], base: Path | MediaRoots) -> Any:
-    """The media reference of an explicit image or video part (`checks.PART_TYPES`; keys `PART_REF_KEYS`), or None
-    for a part without one."""
-    kind = PART_TYPES.get(part.get("type") or "", "video" if any(k in part for k in ("video", "video_url")) else "image")
+    """The media reference of an explicit image, video or audio part (`checks.PART_TYPES`; keys `PART_REF_KEYS`),
+    or None for a part without one."""
+    marked = [m for m, keys in MEDIA_KEYS.items() if any(k in part for k in keys)]
+    kind = PART_TYPES.get(part.get("type") or "", marked[0] if marked else "image")
     for key in PART_REF_KEYS[kind]:
         if part.get(key) is not None:
             return image_ref(part[key], base)
@@ -194,12 +207,14 @@ def read_conversation_json(
     turn_keys: tuple[str, ...],
     image_keys: tuple[str, ...],
     video_keys: tuple[str, ...] = ("videos", "video"),
+    audio_keys: tuple[str, ...] = ("audios", "audio"),
     system_key: str | None = None,
     extra_roots: Iterable[Path | str] = (),
     image_placeholder_for_video: bool = False,
 ) -> Iterator[Sample | Rejection]:
     """Shared reader of the llava / sharegpt / messages layouts (they differ only in key spelling).
-    `image_keys` / `video_keys`: the record keys listing its images / videos (the first present one counts);
+    `image_keys` / `video_keys` / `audio_keys`: the record keys listing its images / videos / audio clips (the first
+    present one counts);
     `extra_roots`: more folders media paths may resolve into (`data.media_roots`);
     `image_placeholder_for_video`: see `checks.build_sample`."""
     name = source_name(source)
@@ -224,6 +239,7 @@ def read_conversation_json(
                 turns.insert(0, ("system", record[system_key]))
             images = _listed(record, image_keys, roots)
             videos = _listed(record, video_keys, roots)
+            audios = _listed(record, audio_keys, roots)
         except RecordError as exc:
             yield Rejection("parse_error", name, location, str(exc), sid)
             continue
@@ -231,6 +247,7 @@ def read_conversation_json(
             turns,
             images=images,
             videos=videos,
+            audios=audios,
             id=sid,
             source=name,
             location=location,

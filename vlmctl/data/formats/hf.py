@@ -1,7 +1,8 @@
 """`hf`: a dataset on the Hugging Face Hub, read with `datasets.load_dataset(path, split=..., streaming=True)`.
 
-Rows are mapped like the `parquet` format (same logical columns and `columns:` mapping); images are read
-undecoded (`IterableDataset.decode(False)`), so their original bytes go through the same checks. Without network
+Rows are mapped like the `parquet` format (same logical columns and `columns:` mapping); images and audio (the
+`Image` and `Audio` features) are read undecoded (`IterableDataset.decode(False)`: `{bytes, path}`), so their original
+bytes go through the same checks and nothing needs torchcodec. Without network
 access (or with `HF_HUB_OFFLINE=1`) loading fails with a DataError that says how to work offline.
 """
 

@@ -8,16 +8,18 @@ files. Logical columns and their default physical names (override with the sourc
 |---|---|---|
 | `images` | `images`, `image` | a list of (or one) `{bytes, path}` struct, raw bytes or a path string |
 | `videos` | `videos`, `video` | the same for video files (vlmctl's prepared shards: stored clips, see docs/formats.md) |
+| `audios` | `audios`, `audio` | the same for audio files: `datasets`' `Audio` feature is a `{bytes, path}` struct (prepared shards: 16-bit mono FLAC) |
 | `texts` | `texts` | the_cauldron layout: `[{user, assistant}]`, one entry per turn pair |
 | `messages` | `messages`, `conversations` | role/content or from/value turns; content parts may reference images |
-| `question`, `answer` | `question`, `answer` | single-turn VQA |
+| `question`, `answer` | `question`, `answer` | single-turn VQA; `answer` alone next to media: a caption or transcript (the media are the user turn) |
 | `answers`, `options`, `question_type` | same names (`choices` for options) | eval references, stored in `meta` |
 | `system` | `system` | optional system prompt |
 | `meta` | `meta` | a JSON object (or its JSON text) merged into `meta` |
 | `id` | `id` | sample id (default: `{source}-{row}`) |
 
 One of `messages`, `texts` or `question` must exist. vlmctl's own prepared shards use the `messages` + `images`
-(+ `videos`) layout, so a prepared folder reads back with this reader.
+(+ `videos`, `audios`) layout, so a prepared folder reads back with this reader. A speech-recognition table (an
+`audio` column, and the transcript as `answer` next to a `question` prompt) reads as one audio question each.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ from vlmctl.data.images import MediaRoots
 from vlmctl.data.sample import Sample
 from vlmctl.errors import DataError
 
-LOGICAL = ("id", "images", "videos", "texts", "messages", "question", "answer", "answers", "options", "question_type", "system", "meta")
-ALTERNATIVES = {"images": ("images", "image"), "videos": ("videos", "video"), "messages": ("messages", "conversations"), "options": ("options", "choices")}
+LOGICAL = ("id", "images", "videos", "audios", "texts", "messages", "question", "answer", "answers", "options", "question_type", "system", "meta")
+ALTERNATIVES = {"images": ("images", "image"), "videos": ("videos", "video"), "audios": ("audios", "audio"), "messages": ("messages", "conversations"), "options": ("options", "choices")}
 BATCH_ROWS = 64
 
 
@@ -62,10 +64,12 @@ def resolve_columns(available: list[str], mapping: dict[str, str] | None, where:
             if candidate in available:
                 cols[logical] = candidate
                 break
-    if not any(k in cols for k in ("messages", "texts", "question")):
+    captions = "answer" in cols and any(k in cols for k in ("images", "videos", "audios"))
+    if not captions and not any(k in cols for k in ("messages", "texts", "question")):
         raise DataError(
-            f"{where} has no conversation column (looked for messages, conversations, texts, question)",
-            hint=f"map yours with columns:, e.g. columns: {{question: <col>, answer: <col>, images: <col>}}; available: {', '.join(available)}",
+            f"{where} has no conversation column (looked for messages, conversations, texts, question; or answer next to a media column)",
+            hint=f"map yours with columns:, e.g. columns: {{question: <col>, answer: <col>, images: <col>}} or, for speech "
+            f"recognition, {{audios: audio, answer: text}}; available: {', '.join(available)}",
         )
     return cols
 
@@ -79,6 +83,7 @@ def row_to_sample(row: dict[str, Any], cols: dict[str, str], *, name: str, locat
     try:
         images = [image_ref(v, base) for v in as_list(row.get(cols["images"])) if v is not None] if "images" in cols else []
         videos = [image_ref(v, base) for v in as_list(row.get(cols["videos"])) if v is not None] if "videos" in cols else []
+        audios = [image_ref(v, base) for v in as_list(row.get(cols["audios"])) if v is not None] if "audios" in cols else []
         for key in ("answers", "options", "question_type"):
             if key in cols and row.get(cols[key]) is not None:
                 meta[key] = row[cols[key]]
@@ -106,13 +111,18 @@ def row_to_sample(row: dict[str, Any], cols: dict[str, str], *, name: str, locat
             if answer is not None and "answers" not in meta:
                 meta["answers"] = [answer]
             turns = [("user", row[cols["question"]]), ("assistant", answer)]
+        elif "answer" in cols and row.get(cols["answer"]) is not None and (images or videos or audios):
+            # a caption or transcript: the media alone are the user turn
+            media = [{"type": "image"} for _ in images] + [{"type": "video"} for _ in videos] + [{"type": "audio"} for _ in audios]
+            turns = [("user", media), ("assistant", row[cols["answer"]])]
+            meta.setdefault("answers", [row[cols["answer"]]])
         else:
             raise RecordError("the conversation column is empty in this row")
         if "system" in cols and isinstance(row.get(cols["system"]), str) and row[cols["system"]].strip():
             turns.insert(0, ("system", row[cols["system"]]))
     except (RecordError, json.JSONDecodeError, TypeError, ValueError) as exc:
         return Rejection("parse_error", name, location, str(exc), sid)
-    return build_sample(turns, images=images, videos=videos, id=sid, source=name, location=location, meta=meta)
+    return build_sample(turns, images=images, videos=videos, audios=audios, id=sid, source=name, location=location, meta=meta)
 
 
 def _arrow_files(path: Path, split: str) -> list[Path]:

@@ -6,9 +6,12 @@ A JSON list or JSONL of::
      "images": ["mllm_demo_data/1.jpg"], "system": "optional system prompt"}
     {"messages": [{"role": "user", "content": "<video>Why is this video funny?"}, {"role": "assistant", "content": "..."}],
      "videos": ["mllm_demo_data/1.mp4"]}                              (LLaMA-Factory's mllm_video_demo.json)
+    {"messages": [{"role": "user", "content": "<audio>What's that sound?"}, {"role": "assistant", "content": "..."}],
+     "audios": ["mllm_demo_data/1.mp3"]}                              (LLaMA-Factory's mllm_audio_demo.json)
 
-also spelled `conversations` / `from` / `value` (roles human/gpt). One `<image>` per listed image and one `<video>`
-per listed video, in order; the same file may be listed twice when two placeholders show the same picture.
+also spelled `conversations` / `from` / `value` (roles human/gpt). One `<image>` per listed image, one `<video>` per
+listed video and one `<audio>` per listed audio clip, in order; the same file may be listed twice when two
+placeholders show the same picture.
 """
 
 from __future__ import annotations
@@ -26,6 +29,6 @@ def read_sharegpt(source: DataSource, *, media_roots: Iterable[Path | str] = ())
     """Stream unchecked samples and parse errors of a ShareGPT source."""
     return read_conversation_json(
         source, turn_keys=("messages", "conversations"), image_keys=("images", "image"), video_keys=("videos", "video"),
-        system_key="system",
+        audio_keys=("audios", "audio"), system_key="system",
         extra_roots=media_roots,
     )

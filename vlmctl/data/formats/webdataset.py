@@ -3,13 +3,16 @@
 
 Per sample `{key}`:
 - images: `{key}.jpg|jpeg|png|webp|...` or several numbered ones (`{key}.0.jpg`, `{key}.img1.png`), in natural
-  order of their extensions; videos likewise: `{key}.mp4|mkv|webm|mov|avi|...` (`video.VIDEO_EXTENSIONS`);
+  order of their extensions; videos likewise: `{key}.mp4|mkv|webm|mov|avi|...` (`video.VIDEO_EXTENSIONS`), and audio
+  clips: `{key}.wav|flac|mp3|ogg|...` (`audio.AUDIO_EXTENSIONS`);
 - text, one of:
   - `{key}.json` with `messages` / `conversations` (as in the messages and sharegpt formats; image parts and
-    `<image>` placeholders take the tar's images in order, video parts and `<video>` placeholders its videos;
+    `<image>` placeholders take the tar's images in order, video parts and `<video>` placeholders its videos, audio
+    parts and `<audio>` placeholders its audio clips;
     vlmctl's energon export writes this);
   - the energon VQA layout: `{key}.json` = `{"question": ...}` (optionally `answers`) + `{key}.txt` answer;
-  - captioning: `{key}.txt` alone (the user turn is the image, the assistant turn the caption).
+  - captioning: `{key}.txt` alone (the user turn is the media, the assistant turn the caption or transcript: a
+    `{key}.flac` + `{key}.txt` pair is a speech-recognition sample).
 
 Shards are read as tar streams (`tarfile` mode `r|*`), one sample in memory at a time.
 """
@@ -26,6 +29,7 @@ from vlmctl.data.checks import Rejection, RecordError, build_sample
 from vlmctl.data.formats._common import display, expand_paths, extract_meta, source_name, turns_of
 from vlmctl.data.formats._json import JsonParseError, decode_record
 from vlmctl.data.images import IMAGE_EXTENSIONS, MAX_IMAGE_FILE_BYTES
+from vlmctl.data.modalities.audio import AUDIO_EXTENSIONS
 from vlmctl.data.modalities.video import VIDEO_EXTENSIONS
 from vlmctl.data.sample import Sample
 
@@ -83,6 +87,8 @@ def group_to_sample(key: str, parts: dict[str, bytes], *, name: str, location: s
     images = [parts[e] for e in image_exts]
     video_exts = sorted((e for e in parts if e.rsplit(".", 1)[-1] in VIDEO_EXTENSIONS), key=_natural)
     videos = [parts[e] for e in video_exts]
+    audio_exts = sorted((e for e in parts if e.rsplit(".", 1)[-1] in AUDIO_EXTENSIONS), key=_natural)
+    audios = [parts[e] for e in audio_exts]
     meta: dict[str, Any] = {}
     sid = key
     try:
@@ -110,14 +116,15 @@ def group_to_sample(key: str, parts: dict[str, bytes], *, name: str, location: s
             if answer is not None and "answers" not in meta:
                 meta["answers"] = [answer]
             turns = [("user", record["question"]), ("assistant", answer)]
-        elif answer is not None and (images or videos):
-            # A caption sample: the media alone are the user turn.
-            turns = [("user", [{"type": "image"} for _ in images] + [{"type": "video"} for _ in videos]), ("assistant", answer)]
+        elif answer is not None and (images or videos or audios):
+            # A caption (or transcript) sample: the media alone are the user turn.
+            media = [{"type": "image"} for _ in images] + [{"type": "video"} for _ in videos] + [{"type": "audio"} for _ in audios]
+            turns = [("user", media), ("assistant", answer)]
         else:
             raise RecordError(f"sample {key} has no .json with messages/question and no .txt caption (parts: {', '.join(sorted(parts))})")
     except RecordError as exc:
         return Rejection("parse_error", name, location, str(exc), sid)
-    return build_sample(turns, images=images, videos=videos, id=sid, source=name, location=location, meta=meta)
+    return build_sample(turns, images=images, videos=videos, audios=audios, id=sid, source=name, location=location, meta=meta)
 
 
 def read_webdataset(source: DataSource, *, media_roots: Iterable[Path | str] = ()) -> Iterator[Sample | Rejection]:

@@ -6,26 +6,25 @@
     n = unit.num_tokens(sample.images[0], family, processor)  # visual tokens, from the family spec
     units = units_for(family)                                 # the modalities a family takes
 
-Registered: `image` (`image.ImageUnit`) and `video` (`video.VideoUnit`: clips decoded with PyAV, the processor's
-`videos=`; Qwen-VL: `pixel_values_videos`, `video_grid_thw`, `second_per_grid_ts`). A slot is ready in
-`vlmctl.data.sample.MODALITIES` for:
-- `audio`: ShareGPT `audios` and `<audio>` placeholders, waveforms decoded with soundfile, the processor's
-  `audio=` (`input_features`, `feature_attention_mask`).
-A new unit subclasses `base.ModalityUnit` and is added to `UNITS`; samples with parts of a modality that has no
-unit yet are refused with a DataError where they are encoded.
+Registered: `image` (`image.ImageUnit`), `video` (`video.VideoUnit`: clips decoded with PyAV, the processor's
+`videos=`; Qwen-VL: `pixel_values_videos`, `video_grid_thw`, `second_per_grid_ts`) and `audio` (`audio.AudioUnit`:
+clips decoded with soundfile and stored as 16-bit mono FLAC, the processor's `audio=`; Qwen2-Audio:
+`input_features`, `feature_attention_mask`). A new unit subclasses `base.ModalityUnit` and is added to `UNITS`;
+samples with parts of a modality that has no unit are refused with a DataError where they are encoded.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from vlmctl.data.modalities.audio import AudioUnit
 from vlmctl.data.modalities.base import ModalityUnit, placeholder_token_ids
 from vlmctl.data.modalities.image import ImageUnit
 from vlmctl.data.modalities.video import VideoUnit
 from vlmctl.data.sample import MODALITIES
 from vlmctl.errors import DataError
 
-UNITS: dict[str, ModalityUnit] = {"image": ImageUnit(), "video": VideoUnit()}
+UNITS: dict[str, ModalityUnit] = {"image": ImageUnit(), "video": VideoUnit(), "audio": AudioUnit()}
 """Modality name -> unit, in the order of `MODALITIES`."""
 
 
@@ -54,4 +53,4 @@ def media_token_ids(processor: Any) -> set[int]:
     return ids
 
 
-__all__ = ["UNITS", "ImageUnit", "ModalityUnit", "VideoUnit", "get_unit", "media_token_ids", "placeholder_token_ids", "units_for"]
+__all__ = ["UNITS", "AudioUnit", "ImageUnit", "ModalityUnit", "VideoUnit", "get_unit", "media_token_ids", "placeholder_token_ids", "units_for"]

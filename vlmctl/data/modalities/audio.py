@@ -1,0 +1,351 @@
+"""The audio unit: clips decoded with soundfile (libsndfile, https://python-soundfile.readthedocs.io), checked with
+reason codes, stored as 16-bit mono FLAC at `data.audio.sampling_rate`, and handed to the processor's `audio=`.
+
+What `data prepare` stores for a clip (docs/formats.md, "Audio", says why): the waveform down-mixed to mono (the
+mean of the channels, as transformers' and librosa's `to_mono`), resampled with soxr (https://github.com/dofuuz/python-soxr,
+quality HQ, librosa's default resampler) to `data.audio.sampling_rate` (16 kHz by default: the rate of Whisper-family
+feature extractors), and written as FLAC with 16-bit samples. A FLAC input that is already 16-bit mono at that rate
+is kept byte for byte (preparing prepared shards again changes nothing). Training decodes the FLAC back to float32
+samples in [-1, 1] and resamples once more only when the model's feature extractor takes another rate.
+
+Reason codes (`AudioError.reason`, see `vlmctl.data.checks`): `missing_audio` (no such file), `corrupt_audio` (not an
+audio file libsndfile reads, a truncated file, samples that do not decode), `unsupported_audio` (a container
+libsndfile has no decoder for: MP4/M4A/AAC, WebM/Matroska, WMA, AMR), `audio_too_short` (no samples, or shorter
+than `data.audio.min_seconds`), `audio_too_long` (over `data.audio.max_seconds` by the header, or a file over
+`MAX_AUDIO_FILE_BYTES`).
+
+    stored = normalize_audio(data, cfg.data.audio)         # original bytes -> stored FLAC (raises AudioError)
+    wave = decode_audio(stored.data, 16_000)               # float32 [samples], mono, at 16 kHz
+    AudioUnit().processor_inputs([stored.data], processor) # {"audio": [wave], "sampling_rate": 16000}
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from vlmctl.config.data import DataAudio
+from vlmctl.data.modalities.base import ModalityUnit
+
+STORED_FORMAT = "FLAC"
+STORED_SUBTYPE = "PCM_16"
+"""Stored clips: FLAC (lossless, about half the size of PCM WAV for speech) with 16-bit samples."""
+RESAMPLE_QUALITY = "HQ"
+"""soxr quality of every resampling (librosa's default `res_type` is soxr_hq)."""
+MAX_AUDIO_FILE_BYTES = 1 << 30
+"""Largest audio file read (bytes): larger files are rejected as audio_too_long before they are read (a 30 s
+stereo 96 kHz 32-bit WAV is 23 MiB)."""
+AUDIO_EXTENSIONS = ("wav", "flac", "mp3", "ogg", "oga", "opus", "aiff", "aif", "au", "caf", "w64")
+"""File extensions taken as audio members of a WebDataset tar (formats libsndfile decodes)."""
+AUDIO_KEYS = ("input_features", "feature_attention_mask")
+"""Processor outputs of the audio unit (transformers' Qwen2-Audio processor: log-mel features [N, mel bins, frames]
+and their frame mask [N, frames])."""
+EXACT_LENGTH_FORMATS = ("WAV", "WAVEX", "RF64", "W64", "FLAC", "AIFF", "CAF")
+"""Containers whose header gives the exact sample count: decoding fewer samples means a truncated file."""
+DUMMY_SECONDS = 0.1
+"""Length of the silent dummy clip of ranks without audio (two encoder tokens under Whisper-style feature
+extractors)."""
+
+
+class AudioError(Exception):
+    """A reason-coded audio failure: `reason` is one of missing_audio, corrupt_audio, unsupported_audio,
+    audio_too_short, audio_too_long (or outside_root / not_a_file from reading the file)."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class AudioInfo:
+    """What a clip's header says: libsndfile's `format` and `subtype` names (e.g. WAV, PCM_16), `sampling_rate` (Hz),
+    `channels`, `frames` (samples per channel) and `seconds` (frames / sampling_rate)."""
+
+    format: str
+    subtype: str
+    sampling_rate: int
+    channels: int
+    frames: int
+
+    @property
+    def seconds(self) -> float:
+        return self.frames / self.sampling_rate if self.sampling_rate else 0.0
+
+
+@dataclass
+class NormalizedAudio:
+    """A stored clip (FLAC bytes) and what the check stage records: `seconds` of audio, the original
+    `sampling_rate` (Hz) and `channels`, and `conversion` (None when the input was kept byte for byte)."""
+
+    data: bytes
+    seconds: float
+    sampling_rate: int
+    channels: int
+    conversion: str | None
+
+
+# ------------------------------------------------------------------------------------------------- reading
+
+
+def _sf():
+    try:
+        import soundfile
+    except ImportError:  # the optional extra
+        raise AudioError("unsupported_audio", "soundfile is not installed: install vlmctl's audio extra (pip install 'vlmctl[audio]')") from None
+    return soundfile
+
+
+_UNSUPPORTED = (
+    (lambda d: d[4:8] == b"ftyp", "an MP4/M4A container (AAC or ALAC audio)"),
+    (lambda d: d[:4] == b"\x1a\x45\xdf\xa3", "a WebM/Matroska container"),
+    (lambda d: d[:8] == b"\x30\x26\xb2\x75\x8e\x66\xcf\x11", "an ASF/WMA container"),
+    (lambda d: d[:5] == b"#!AMR", "AMR audio"),
+    (lambda d: len(d) > 1 and d[0] == 0xFF and d[1] & 0xF6 == 0xF0, "raw AAC (ADTS)"),
+)
+"""Containers libsndfile does not decode, told by their first bytes (ISO/IEC 14496-12 `ftyp`, the EBML magic, the
+ASF header GUID, RFC 4867's AMR magic, the ADTS sync word with layer 0)."""
+
+
+def probe(data: bytes) -> AudioInfo:
+    """Header facts of an encoded clip, without decoding its samples (`AudioInfo`).
+
+    Raises AudioError: corrupt_audio (empty, not an audio file libsndfile reads, or a WAV whose data chunk is
+    shorter than its header declares), unsupported_audio (a container libsndfile has no decoder for).
+    """
+    sf = _sf()
+    if not data:
+        raise AudioError("corrupt_audio", "empty file")
+    try:
+        info = sf.info(io.BytesIO(data))
+    except (RuntimeError, sf.LibsndfileError, TypeError, ValueError) as exc:
+        for test, what in _UNSUPPORTED:
+            if test(data):
+                raise AudioError("unsupported_audio", f"{what}, which libsndfile does not decode: convert it to FLAC or WAV") from None
+        raise AudioError("corrupt_audio", f"not a readable audio file ({_message(exc)})") from None
+    if info.samplerate <= 0 or info.channels <= 0:
+        raise AudioError("corrupt_audio", f"the header says {info.samplerate} Hz and {info.channels} channel(s)")
+    short = _riff_shortfall(data)
+    if short is not None:
+        raise AudioError("corrupt_audio", short)
+    return AudioInfo(str(info.format), str(info.subtype), int(info.samplerate), int(info.channels), int(info.frames))
+
+
+def _message(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.split(": ", 1)[-1] if text.startswith("Error opening") else text or type(exc).__name__
+
+
+def _riff_shortfall(data: bytes) -> str | None:
+    """Why a RIFF/WAVE file is truncated (its `data` chunk declares more bytes than the file holds), else None.
+    libsndfile reads such a file without error, returning the samples present (Microsoft's RIFF layout: 4-byte
+    chunk id, little-endian 32-bit size)."""
+    if data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        return None
+    at = 12
+    while at + 8 <= len(data):
+        chunk, size = data[at:at + 4], struct.unpack_from("<I", data, at + 4)[0]
+        if chunk == b"data":
+            present = len(data) - at - 8
+            if size not in (0, 0xFFFFFFFF) and present < size:  # 0 / -1: a streamed header without the size
+                return f"truncated: the data chunk declares {size:,} bytes, {present:,} are present"
+            return None
+        at += 8 + size + (size & 1)
+    return None
+
+
+def decode_samples(data: bytes, info: AudioInfo | None = None):
+    """All samples of an encoded clip as float32 [frames, channels] in [-1, 1], with `info` (`probe` when None).
+
+    Raises AudioError(corrupt_audio) when a block does not decode or, for containers with exact lengths
+    (`EXACT_LENGTH_FORMATS`), fewer samples decode than the header lists; and the reasons of `probe`.
+    """
+    sf = _sf()
+    info = probe(data) if info is None else info
+    try:
+        samples, _ = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    except (RuntimeError, sf.LibsndfileError, TypeError, ValueError) as exc:
+        raise AudioError("corrupt_audio", f"does not decode ({_message(exc)})") from None
+    if info.format in EXACT_LENGTH_FORMATS and len(samples) < info.frames:
+        raise AudioError("corrupt_audio", f"truncated: {len(samples):,} of the {info.frames:,} samples its header lists decode")
+    return samples
+
+
+def to_mono(samples):
+    """float32 [frames, channels] -> [frames]: the mean of the channels (transformers' and librosa's down-mix)."""
+    import numpy as np
+
+    return np.ascontiguousarray(samples.mean(axis=1, dtype=np.float32) if samples.shape[1] > 1 else samples[:, 0])
+
+
+def resample(wave, rate: int, target: int):
+    """Mono float32 samples [n] at `rate` Hz -> [round(n * target / rate)] at `target` Hz (soxr, `RESAMPLE_QUALITY`);
+    unchanged when the rates are equal."""
+    if rate == target:
+        return wave
+    import numpy as np
+
+    try:
+        import soxr
+    except ImportError:  # the optional extra
+        raise AudioError("unsupported_audio", f"resampling {rate} Hz to {target} Hz needs soxr: install vlmctl's audio extra "
+                         "(pip install 'vlmctl[audio]')") from None
+    return np.asarray(soxr.resample(wave, rate, target, quality=RESAMPLE_QUALITY), dtype=np.float32)
+
+
+def encode_flac(wave, rate: int) -> bytes:
+    """Mono float32 samples [n] -> FLAC bytes with 16-bit samples at `rate` Hz (values clipped to [-1, 1] first, so
+    resampling overshoot cannot wrap around). The same samples always give the same bytes."""
+    import numpy as np
+
+    sf = _sf()
+    out = io.BytesIO()
+    sf.write(out, np.clip(wave, -1.0, 1.0), rate, format=STORED_FORMAT, subtype=STORED_SUBTYPE)
+    return out.getvalue()
+
+
+def normalize_audio(data: bytes, settings: DataAudio | None = None) -> NormalizedAudio:
+    """Check an encoded clip and turn it into the stored FLAC training reads (module docstring).
+
+    In order: the file size (audio_too_long), the header (corrupt_audio, unsupported_audio), the duration against
+    `settings.max_seconds` (from the header, before decoding: audio_too_long), every sample must decode
+    (corrupt_audio), then the length against `settings.min_seconds` (audio_too_short; an empty clip always). A
+    16-bit mono FLAC at `settings.sampling_rate` is kept byte for byte. Raises AudioError.
+    """
+    settings = settings if settings is not None else DataAudio()
+    if len(data) > MAX_AUDIO_FILE_BYTES:
+        raise AudioError("audio_too_long", f"the file is {len(data) / 2**20:,.1f} MiB, over the limit of {MAX_AUDIO_FILE_BYTES >> 20} MiB per audio file")
+    info = probe(data)
+    if info.seconds > settings.max_seconds:
+        raise AudioError("audio_too_long", f"{info.seconds:,.2f} s, over data.audio.max_seconds={settings.max_seconds:g}")
+    samples = decode_samples(data, info)
+    seconds = len(samples) / info.sampling_rate
+    if len(samples) == 0:
+        raise AudioError("audio_too_short", "no samples (an empty clip)")
+    if seconds < settings.min_seconds:
+        raise AudioError("audio_too_short", f"{seconds:.3f} s, under data.audio.min_seconds={settings.min_seconds:g}")
+    if (info.format, info.subtype, info.channels, info.sampling_rate) == (STORED_FORMAT, STORED_SUBTYPE, 1, settings.sampling_rate):
+        return NormalizedAudio(data, seconds, info.sampling_rate, 1, None)
+    wave = resample(to_mono(samples), info.sampling_rate, settings.sampling_rate)
+    layout = "mono" if info.channels == 1 else f"{info.channels} channels"
+    conversion = f"{info.format} {info.subtype} {info.sampling_rate} Hz {layout} -> FLAC PCM_16 {settings.sampling_rate} Hz mono"
+    return NormalizedAudio(encode_flac(wave, settings.sampling_rate), seconds, info.sampling_rate, info.channels, conversion)
+
+
+def audio_shape(data: bytes) -> tuple[int, int]:
+    """(samples, sampling rate in Hz) of a stored clip, from its header. Raises AudioError."""
+    info = probe(data)
+    return info.frames, info.sampling_rate
+
+
+def decode_audio(data: bytes, rate: int | None = None):
+    """A stored clip as mono float32 samples [n] in [-1, 1], resampled to `rate` Hz when given and different.
+    Raises AudioError (corrupt_audio)."""
+    info = probe(data)
+    wave = to_mono(decode_samples(data, info))
+    return resample(wave, info.sampling_rate, rate) if rate else wave
+
+
+def resampled_length(samples: int, rate: int, target: int) -> int:
+    """Samples of a clip of `samples` at `rate` Hz once `resample`d to `target` Hz (soxr's output length,
+    round(samples * target / rate), computed by resampling silence of that length when the rates differ)."""
+    if rate == target or samples == 0:
+        return samples
+    import numpy as np
+
+    return len(resample(np.zeros(samples, np.float32), rate, target))
+
+
+# ------------------------------------------------------------------------------------------------- the unit
+
+
+def feature_rate(processor: Any, default: int | None = None) -> int | None:
+    """The sampling rate (Hz) of `processor`'s feature extractor (a processor, a feature extractor, or a dict of the
+    settings a saved processor_config.json holds), else `default`."""
+    extractor = processor.get("feature_extractor", processor) if isinstance(processor, dict) else getattr(processor, "feature_extractor", processor)
+    rate = extractor.get("sampling_rate") if isinstance(extractor, dict) else getattr(extractor, "sampling_rate", None)
+    return int(rate) if isinstance(rate, (int, float)) and rate else default
+
+
+def concat_audio(inputs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Audio tensors of a batch: every key concatenated along dim 0 in row order (features [N, mel bins, frames],
+    frame masks [N, frames]), as transformers' Qwen2-Audio processor batches several clips; the model pairs them
+    with the audio tokens of `input_ids` in row-major order."""
+    import torch
+
+    keys = sorted({k for inp in inputs for k in inp})
+    return {k: torch.cat([inp[k] for inp in inputs if k in inp], dim=0) for k in keys}
+
+
+class AudioUnit(ModalityUnit):
+    """Audio: `{"type": "audio", "index": i}` parts, the processor's `audio=` (mono float32 waveforms at the feature
+    extractor's rate, with `sampling_rate`); it owns `AUDIO_KEYS`. Runs through its own encoder (the audio tower), so
+    a rank whose micro-batch has no audio gets a silent dummy clip (`dummy_input`).
+
+    An audio part is written into the conversation as the family's audio prompt (`FamilySpec.prompt("audio")`, e.g.
+    Qwen2-Audio's `<|audio_bos|><|AUDIO|><|audio_eos|>`), so chat templates that render image parts only (vlmctl's
+    ChatML of random-init presets) still place it. `needs_processor`: `processor_inputs` takes the processor (the
+    feature extractor's rate), see `vlmctl.data.collate`.
+    """
+
+    name = "audio"
+    processor_kwarg = "audio"
+    encoder = "audio"
+    needs_processor = True
+
+    def owns(self, key: str) -> bool:
+        return key in AUDIO_KEYS
+
+    def template_part(self, processor: Any = None, family: Any = None) -> dict[str, Any]:
+        """The family's audio prompt as a text part when a processor is given, else `{"type": "audio"}`. Raises
+        DataError when the family takes no audio."""
+        if processor is None:
+            return {"type": self.name}
+        if family is not None and not self.accepted_by(family):
+            from vlmctl.errors import DataError
+
+            raise DataError(f"family {getattr(family, 'name', family)} takes no audio input, but a sample has an audio part",
+                            hint="drop the audio samples from data.sources, or train a family that takes audio (qwen2_audio)")
+        return {"type": "text", "text": self.prompt(processor, family)}
+
+    def decode(self, parts: list[bytes]) -> list:
+        """Stored clips -> mono float32 waveforms [n] at their stored rate."""
+        return [decode_audio(data) for data in parts]
+
+    def processor_inputs(self, parts: list[bytes], processor: Any = None) -> dict[str, Any]:
+        """`audio=` (mono float32 waveforms [n], resampled to the feature extractor's rate of `processor` where it
+        differs from the stored rate) and `sampling_rate=` (Hz)."""
+        rate = feature_rate(processor)
+        waves = [decode_audio(data, rate) for data in parts]
+        if rate is None:
+            rate = audio_shape(parts[0])[1] if parts else None
+        return {"audio": waves, **({"sampling_rate": rate} if rate else {})}
+
+    def call_kwargs(self, processor: Any) -> dict[str, Any]:
+        """Keywords of a processor call next to `audio=` of `dummy_input`: the feature extractor's `sampling_rate`."""
+        rate = feature_rate(processor)
+        return {"sampling_rate": rate} if rate else {}
+
+    def num_tokens(self, data: bytes, family: Any, processor: Any) -> int:
+        """`family.num_audio_tokens(samples, sampling_rate, processor)` of a stored clip (its header only). Raises
+        DataError when the family has no audio-token rule."""
+        rule = getattr(family, "num_audio_tokens", None)
+        if rule is None:
+            from vlmctl.errors import DataError
+
+            raise DataError(f"family {getattr(family, 'name', family)} has no audio-token rule",
+                            hint="train audio with a family that takes audio (qwen2_audio)")
+        samples, rate = audio_shape(data)
+        return int(rule(samples, rate, processor))
+
+    def dummy_input(self, processor: Any):
+        """`DUMMY_SECONDS` of silence, float32 [n] at the feature extractor's rate (16 kHz without one)."""
+        import numpy as np
+
+        rate = feature_rate(processor, 16_000)
+        return np.zeros(int(rate * DUMMY_SECONDS), np.float32)
+
+    def collate(self, inputs: list[dict[str, Any]], *, packed: bool) -> dict[str, Any]:
+        return concat_audio(inputs)
