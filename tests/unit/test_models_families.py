@@ -1,6 +1,7 @@
-"""Every registered family, built from its tiny preset: module paths on real transformers classes, a
-forward/backward, and the visual-token rule against its real processor. Family-specific checks live in
-tests/unit/test_families_<family>.py; the registry's in tests/unit/test_families_registry.py."""
+"""Every registered family that takes images, built from its tiny preset: module paths on real transformers classes,
+a forward/backward, and the visual-token rule against its real processor. Family-specific checks live in
+tests/unit/test_families_<family>.py (audio families: tests/unit/test_audio_qwen2.py); the registry's in
+tests/unit/test_families_registry.py."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from vlmctl.models import build_model, load_model
 
 TEXTS = ["What color is the triangle? Answer with one word.", "red", "How many circles are there?", "3"] * 10
 TINY = {name: spec.tiny_preset for name, spec in FAMILIES.items() if spec.tiny_preset}
+IMAGES = {name: preset for name, preset in TINY.items() if "image" in FAMILIES[name].modalities}
 SIZES = [(64, 64), (100, 60), (37, 211), (300, 200), (640, 480)]
 
 
@@ -23,13 +25,13 @@ def test_every_family_has_a_tiny_preset():
 def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
     out = {}
-    for name, preset in TINY.items():
+    for name, preset in IMAGES.items():
         build_model(ModelSection(preset=preset, init="random", output_dir=root / name, dtype="fp32"), tokenizer_texts=TEXTS)
         out[name] = load_model(root / name)
     return out
 
 
-@pytest.mark.parametrize("name", list(TINY))
+@pytest.mark.parametrize("name", list(IMAGES))
 def test_family_paths_forward_backward(built, name):
     import torch
     from PIL import Image
@@ -62,7 +64,7 @@ def test_family_paths_forward_backward(built, name):
     model.zero_grad(set_to_none=True)
 
 
-@pytest.mark.parametrize("name", list(TINY))
+@pytest.mark.parametrize("name", list(IMAGES))
 def test_visual_token_rule_matches_processor(built, name):
     from PIL import Image
 

@@ -95,9 +95,7 @@ def template_media(sample: Sample, processor: Any = None, family: Any = None) ->
                 continue
             unit = get_unit(kind)
             if family is not None and not unit.accepted_by(family):
-                raise DataError(f"family {getattr(family, 'name', family)} takes no {kind} input (it takes "
-                                f"{', '.join(getattr(family, 'modalities', None) or ['image'])}), but sample {sample.id!r} has a {kind} part",
-                                hint=f"drop the {kind} samples from data.sources, or train a family that takes {kind} input")
+                raise _not_taken(kind, family, sample.id)
             stored = sample.media.get(kind, [])
             idx = p["index"]
             if not 0 <= idx < len(stored):
@@ -107,6 +105,15 @@ def template_media(sample: Sample, processor: Any = None, family: Any = None) ->
             media.setdefault(kind, []).append(stored[idx])
         messages.append({"role": m["role"], "content": parts})
     return messages, media
+
+
+def _not_taken(kind: str, family: Any, sample_id: str) -> DataError:
+    """The DataError of a `kind` part under a family that does not take it."""
+    article = "an" if kind[0] in "aeiou" else "a"
+    return DataError(f"family {getattr(family, 'name', family)} takes no {kind} input (it takes "
+                     f"{', '.join(getattr(family, 'modalities', None) or ['image'])}), but sample {sample_id!r} has {article} {kind} part",
+                     hint=f"drop the {kind} samples from data.sources, or train a family that takes {kind} input "
+                     "(`vlmctl model build --list` shows each family's modalities)")
 
 
 def template_messages(sample: Sample) -> tuple[list[dict], list[bytes]]:

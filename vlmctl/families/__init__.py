@@ -32,7 +32,7 @@ from vlmctl.families.spec import (
 )
 
 # The built-in families register themselves on import, in this order.
-from vlmctl.families import llava, qwen_vl, idefics3, idefics2, internvl, gemma3, llava_next, llava_onevision, qwen3_vl_moe, mistral3, smolvlm  # noqa: E402, F401  isort: skip
+from vlmctl.families import llava, qwen_vl, idefics3, idefics2, internvl, gemma3, llava_next, llava_onevision, qwen3_vl_moe, mistral3, smolvlm, qwen2_audio  # noqa: E402, F401  isort: skip
 
 __all__ = [
     "CLS_VISION_TYPES", "FAMILIES", "PARTS", "Family", "FamilySpec", "compose_family", "count_parameters",

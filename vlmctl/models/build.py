@@ -13,8 +13,8 @@ Three modes, picked from the section:
   to verify it, records its family and parameter counts, and writes only `vlmctl_model.json` pointing at it
   (weights are neither copied nor linked); `load_model(output_dir)` follows the pointer.
 
-What differs between families (config token ids, image / video processor, tokenizer special tokens, image-size
-settings) is asked of the family spec (`vlmctl.families.FamilySpec`); this module branches on no family name.
+What differs between families (config token ids, image / video processor or audio feature extractor, tokenizer
+special tokens, image-size settings) is asked of the family spec (`vlmctl.families.FamilySpec`); this module branches on no family name.
 Everything that can be checked without weights (ids, configs, tokenizer, chat template, vision/LLM compatibility) is
 checked before any weights load. Output is written to a temporary sibling folder and renamed into place.
 """
@@ -225,10 +225,35 @@ def _plan_base(model: ModelSection) -> BuildPlan:
 
 
 def _load_tokenizer(ref: str, family: FamilySpec, trc: bool):
-    # `extra_special_tokens` adds the image token when missing and exposes it as `tokenizer.image_token`, which is
-    # what the processors read; it is saved with the tokenizer.
+    # `extra_special_tokens` adds the image token (a family without images: its own special tokens, e.g. Qwen2-Audio's
+    # audio_token) when missing and exposes it as `tokenizer.image_token`, which is what the processors read; it is
+    # saved with the tokenizer.
+    extra = {"image_token": family.image_token} if _takes_images(family) else dict(family.extra_special_tokens)
     return load_or_explain("tokenizer", ref, lambda: transformers_class("AutoTokenizer").from_pretrained(
-        ref, trust_remote_code=trc, extra_special_tokens={"image_token": family.image_token}))
+        ref, trust_remote_code=trc, extra_special_tokens=extra))
+
+
+def _takes_images(family: FamilySpec) -> bool:
+    return "image" in family.modalities
+
+
+def _template_modality(family: FamilySpec) -> str:
+    """The modality whose parts vlmctl's ChatML template writes as the family's prompt: image, else the family's
+    first modality (Qwen2-Audio: audio)."""
+    return "image" if _takes_images(family) else next(iter(family.modalities))
+
+
+def _chatml(family: FamilySpec) -> str:
+    """vlmctl's ChatML template (`models.tokenizer.chatml_template`) writing the family's prompt for each part of
+    `_template_modality` (`{"type": "image"}`, or `{"type": "audio"}` for Qwen2-Audio)."""
+    modality = _template_modality(family)
+    template = chatml_template(family.prompt(modality))
+    needle = "part['type'] == 'image'"
+    if modality != "image":
+        if needle not in template:
+            raise ModelError("internal: the ChatML template no longer tests part['type'] == 'image'")
+        template = template.replace(needle, f"part['type'] == '{modality}'")
+    return template
 
 
 def _config_from_dict(data: dict[str, Any]):
@@ -334,7 +359,7 @@ def _chat_template(model: ModelSection, tokenizer, family: FamilySpec) -> str | 
             text = p.read_text()
         return text
     if tokenizer is None:
-        return chatml_template(family.image_prompt)  # the tokenizer will be trained with ChatML tokens
+        return _chatml(family)  # the tokenizer will be trained with ChatML tokens
     if getattr(tokenizer, "chat_template", None):
         return None  # keep the LLM's own
     raise ModelError(
@@ -503,8 +528,9 @@ def make_processor(plan: BuildPlan, *, prepared_dir: Path | None = None, tokeniz
                 raise DataError("a tokenizer must be trained for this random-init model, but there is no data",
                                 hint="run `vlmctl data prepare` first (its shards are used), or set model.tokenizer")
             texts = list(texts_from_prepared(Path(prepared_dir)))
+        images = _takes_images(fam)
         tok = train_tokenizer(texts, vocab_size=plan.tokenizer_vocab_size, special_tokens=fam.special_tokens,
-                              image_token=fam.image_token, image_prompt=fam.image_prompt,
+                              image_token=fam.image_token if images else None, image_prompt=fam.image_prompt if images else "",
                               extra_special_tokens=dict(fam.extra_special_tokens))
     else:
         if tok.pad_token is None:
@@ -692,7 +718,7 @@ def _set_generation_config(vlm, tok) -> None:
 
 def _info(plan: BuildPlan, vlm, processor) -> dict[str, Any]:
     s = plan.section
-    size = plan.image_size or _default_image_size(plan.family, processor)
+    size = (plan.image_size or _default_image_size(plan.family, processor)) if _takes_images(plan.family) else None
     return {
         "version": INFO_VERSION,
         "family": plan.family.name,
@@ -712,9 +738,20 @@ def _info(plan: BuildPlan, vlm, processor) -> dict[str, Any]:
         "parameters": count_parameters(vlm, plan.family),
         "image_size": size,
         "visual_tokens_per_image": plan.family.num_visual_tokens(size, size, processor) if size else None,
+        **_audio_info(plan.family, processor),
         "vocab_size": len(processor.tokenizer),
         "vlmctl_version": _version(),
     }
+
+
+def _audio_info(family: FamilySpec, processor) -> dict[str, Any]:
+    """For a family that takes audio: `audio_window_seconds` (the feature extractor's window; longer clips are cut)
+    and `audio_tokens_per_window` (the audio tokens of a clip filling it, the family's audio-token rule)."""
+    extractor = getattr(processor, "feature_extractor", None)
+    if "audio" not in family.modalities or extractor is None:
+        return {}
+    rate, samples = int(extractor.sampling_rate), int(extractor.n_samples)
+    return {"audio_window_seconds": samples / rate, "audio_tokens_per_window": family.num_audio_tokens(samples, rate, processor)}
 
 
 def _default_image_size(family: FamilySpec, processor) -> int | None:
@@ -736,7 +773,7 @@ def _build_base(plan: BuildPlan, tmp: Path) -> dict[str, Any]:
     from vlmctl.models.load import load_model
 
     vlm, processor, fam = load_model(plan.base_ref, trust_remote_code=plan.trust_remote_code, family=plan.family.name)
-    size = plan.image_size or _default_image_size(fam, processor)
+    size = (plan.image_size or _default_image_size(fam, processor)) if _takes_images(fam) else None
     local = Path(plan.base_ref).expanduser()
     return {
         "version": INFO_VERSION,
@@ -750,6 +787,7 @@ def _build_base(plan: BuildPlan, tmp: Path) -> dict[str, Any]:
         "parameters": count_parameters(vlm, fam),
         "image_size": size,
         "visual_tokens_per_image": fam.num_visual_tokens(size, size, processor) if size else None,
+        **_audio_info(fam, processor),
         "trust_remote_code": plan.trust_remote_code,
         "vlmctl_version": _version(),
     }

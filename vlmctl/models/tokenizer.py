@@ -87,7 +87,7 @@ def train_tokenizer(
     *,
     vocab_size: int = 512,
     special_tokens: Iterable[str] = ("<|im_start|>", "<|im_end|>", "<image>", "<pad>"),
-    image_token: str = "<image>",
+    image_token: str | None = "<image>",
     image_prompt: str = "<image>",
     extra_special_tokens: dict[str, str] | None = None,
 ):
@@ -95,7 +95,8 @@ def train_tokenizer(
 
     `vocab_size` counts the 256 byte symbols, the special tokens and the learned merges (fewer when the text is too
     small to learn that many). `<|im_end|>` is the EOS token, `<pad>` the padding token, `image_token` is exposed as
-    `tokenizer.image_token` (what the processors read). Raises DataError when `texts` is empty.
+    `tokenizer.image_token` (what the processors read; None for a family that takes no images). Raises DataError
+    when `texts` is empty.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -103,7 +104,7 @@ def train_tokenizer(
     texts = [t for t in texts if t]
     if not texts:
         raise DataError("no text to train the tokenizer on", hint="prepare some data first (`vlmctl data prepare`)")
-    specials = list(dict.fromkeys(["<pad>", "<|im_start|>", "<|im_end|>", image_token, *special_tokens]))
+    specials = list(dict.fromkeys(t for t in ["<pad>", "<|im_start|>", "<|im_end|>", image_token, *special_tokens] if t))
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -120,7 +121,7 @@ def train_tokenizer(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<pad>",
-        extra_special_tokens={"image_token": image_token, **(extra_special_tokens or {})},
+        extra_special_tokens={**({"image_token": image_token} if image_token else {}), **(extra_special_tokens or {})},
         chat_template=chatml_template(image_prompt),
         model_max_length=1 << 30,
     )

@@ -1,0 +1,140 @@
+"""Qwen2-Audio: a Whisper-style audio encoder + a linear projector + a Qwen2 LLM in
+`Qwen2AudioForConditionalGeneration` (Chu et al. 2024, https://arxiv.org/abs/2407.10759). Audio and text only: the
+family takes no images.
+
+Module paths (transformers 5.23, checked by tests/unit/test_audio_qwen2.py):
+
+| part                                  | path                        |
+|---------------------------------------|-----------------------------|
+| audio tower (the `vision` part)       | model.audio_tower           |
+| projector                             | model.multi_modal_projector |
+| language model                        | model.language_model        |
+| lm head                               | lm_head                     |
+
+The audio tower is what `train.freeze` and the parameter summaries call the `vision` part (the encoder in front of
+the projector); its `Qwen2AudioEncoderLayer`s and the LLM's `Qwen2DecoderLayer`s are the FSDP2 and
+activation-checkpointing units.
+
+Audio-token rule (transformers 5.23, src/transformers/models/qwen2_audio/processing_qwen2_audio.py,
+`Qwen2AudioProcessor._process_audio`, over src/transformers/models/whisper/feature_extraction_whisper.py): the
+feature extractor pads or cuts every clip to `chunk_length` seconds (`n_samples` = chunk_length x sampling_rate) and
+its frame mask keeps one frame per `hop_length` samples of audio, so a clip of `s` samples (at the extractor's rate)
+has L = ceil(min(s, n_samples) / hop_length) frames, and becomes (((L - 1) // 2 + 1) - 2) // 2 + 1 `<|AUDIO|>`
+tokens (the encoder's stride-2 convolution, then its stride-2 average pooling): 25 per second at 16 kHz with a hop of
+160, 750 for a 30 s window. Clips longer than the window are cut by the feature extractor; `data.audio.max_seconds`
+should stay within it.
+
+Packing: transformers' Qwen2-Audio model runs the audio tower over `input_features` of the whole batch and scatters
+the features into the audio tokens in row-major order, which a packed row keeps; vlmctl does not pack its rows yet
+(no packed == padded test), so `train.packing` falls back to padded micro-batches (`supports_packing=False`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from vlmctl.errors import ModelError
+from vlmctl.families.registry import register
+from vlmctl.families.spec import FamilySpec, setting
+
+AUDIO_TOKEN, AUDIO_BOS, AUDIO_EOS = "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"
+"""The placeholder token the processor repeats per encoder frame, and the markers around it (Qwen2AudioProcessor)."""
+WHISPER_DEFAULTS = {"sampling_rate": 16_000, "hop_length": 160}
+"""WhisperFeatureExtractor defaults, assumed when counting from a model config (which has no extractor settings)."""
+
+
+def _no_images(width: int, height: int, source: Any) -> int:
+    raise ModelError("family qwen2_audio takes no images", hint="train images with a vision-language family")
+
+
+def extractor_settings(source: Any) -> dict[str, int]:
+    """{sampling_rate, hop_length, n_samples} of the feature extractor behind `source`: a processor, a feature
+    extractor, a dict of the settings a saved processor_config.json holds (its `feature_extractor`), or a model
+    config (Whisper's 16 kHz and hop of 160, over the encoder's window of 2 x max_source_positions frames).
+    Raises ModelError when `source` says nothing about audio."""
+    if source is None:
+        raise ModelError("no processor or config to count audio tokens with")
+    audio_config = setting(source, "audio_config")
+    if audio_config is not None:
+        frames = 2 * int(setting(audio_config, "max_source_positions", default=1500))
+        return {**WHISPER_DEFAULTS, "n_samples": frames * WHISPER_DEFAULTS["hop_length"]}
+    extractor = setting(source, "feature_extractor", default=source)
+    rate, hop = setting(extractor, "sampling_rate"), setting(extractor, "hop_length")
+    if rate is None or hop is None:
+        raise ModelError(f"{type(source).__name__} has no feature-extractor settings (sampling_rate, hop_length)",
+                         hint="count with the model's processor (a WhisperFeatureExtractor)")
+    n_samples = setting(extractor, "n_samples") or int(setting(extractor, "chunk_length", default=30)) * int(rate)
+    return {"sampling_rate": int(rate), "hop_length": int(hop), "n_samples": int(n_samples)}
+
+
+def audio_tokens(samples: int, *, hop_length: int, n_samples: int) -> int:
+    """`<|AUDIO|>` tokens of a clip of `samples` samples at the feature extractor's rate (module docstring):
+    L = ceil(min(samples, n_samples) / hop_length) frames, (((L - 1) // 2 + 1) - 2) // 2 + 1 tokens (0 for L < 3)."""
+    frames = -(-min(int(samples), int(n_samples)) // int(hop_length))
+    frames = min(frames, int(n_samples) // int(hop_length))
+    return max(0, (((frames - 1) // 2 + 1) - 2) // 2 + 1) if frames > 0 else 0
+
+
+class Qwen2AudioSpec(FamilySpec):
+    """Qwen2-Audio: audio parts only (`modalities` has no image), the audio-token rule, the Whisper feature extractor
+    of its presets."""
+
+    def __post_init__(self) -> None:
+        for name in ("modalities", "prompts", "extra_special_tokens", "config_token_ids", "unsupported_vision"):
+            object.__setattr__(self, name, dict(getattr(self, name)))  # a copy: the caller's dict stays theirs
+        if "audio" not in self.modalities:
+            raise ModelError(f"family {self.name!r} declares no audio placeholder token", hint="set modalities={'audio': ...}")
+
+    def num_audio_tokens(self, samples: int, sampling_rate: int, processor_or_config: Any) -> int:
+        """Audio placeholder tokens of one clip of `samples` samples at `sampling_rate` Hz (resampled to the feature
+        extractor's rate first, as `vlmctl.data.modalities.audio.AudioUnit` hands it over). `processor_or_config`: the
+        processor, its feature extractor, a saved processor_config.json's settings, or the model config. Returns a
+        token count (module docstring). Raises ModelError without feature-extractor settings."""
+        from vlmctl.data.modalities.audio import resampled_length
+
+        fe = extractor_settings(processor_or_config)
+        n = resampled_length(int(samples), int(sampling_rate), fe["sampling_rate"])
+        return audio_tokens(n, hop_length=fe["hop_length"], n_samples=fe["n_samples"])
+
+    def preset_processor(self, tokenizer: Any, chat_template: str | None, kwargs: Mapping[str, Any], config: Mapping[str, Any]):
+        """`Qwen2AudioProcessor` over a `WhisperFeatureExtractor` with the preset's settings `kwargs` (feature_size =
+        the encoder's mel bins, chunk_length x sampling_rate / hop_length = 2 x max_source_positions frames)."""
+        import transformers
+
+        audio = dict(config.get("audio_config") or {})
+        extractor = transformers.WhisperFeatureExtractor(**dict(kwargs))
+        frames, mels = 2 * int(audio.get("max_source_positions", 1500)), int(audio.get("num_mel_bins", 128))
+        if extractor.nb_max_frames != frames or extractor.feature_size != mels:
+            raise ModelError(f"the preset's feature extractor gives {extractor.nb_max_frames} frames of {extractor.feature_size} mel bins, "
+                             f"but its audio encoder takes {frames} frames of {mels}",
+                             hint="set processor.chunk_length / hop_length / feature_size to match audio_config")
+        return getattr(transformers, self.processor_class)(feature_extractor=extractor, tokenizer=tokenizer, chat_template=chat_template,
+                                                           audio_token=AUDIO_TOKEN, audio_bos_token=AUDIO_BOS, audio_eos_token=AUDIO_EOS)
+
+    def image_processor(self, **kwargs: Any):
+        """None of its own: Qwen2-Audio takes no images. Raises ModelError."""
+        raise ModelError(f"family {self.name} takes no images: it has no image processor", hint="use its feature extractor (processor.feature_extractor)")
+
+
+QWEN2_AUDIO = register(Qwen2AudioSpec(
+    name="qwen2_audio",
+    model_types=("qwen2_audio",),
+    model_class="Qwen2AudioForConditionalGeneration",
+    config_class="Qwen2AudioConfig",
+    processor_class="Qwen2AudioProcessor",
+    vision_tower="model.audio_tower",
+    projector=("model.multi_modal_projector",),
+    language_model="model.language_model",
+    decoder_layer_classes=("Qwen2DecoderLayer",),
+    vision_layer_classes=("Qwen2AudioEncoderLayer",),
+    modalities={"audio": AUDIO_TOKEN},
+    prompts={"audio": f"{AUDIO_BOS}{AUDIO_TOKEN}{AUDIO_EOS}"},
+    visual_token_rule=_no_images,
+    supports_packing=False,
+    special_tokens=("<|im_start|>", "<|im_end|>", "<pad>", AUDIO_TOKEN, AUDIO_BOS, AUDIO_EOS),
+    extra_special_tokens={"audio_token": AUDIO_TOKEN, "audio_bos_token": AUDIO_BOS, "audio_eos_token": AUDIO_EOS},
+    config_token_ids={"audio_token_index": AUDIO_TOKEN},
+    tiny_preset="tiny-qwen2-audio",
+    notes="Audio + text (no images): Whisper-style encoder, linear projector, Qwen2 LLM; the audio tower is the `vision` part.",
+))
