@@ -34,6 +34,10 @@ rank; padded micro-batches are the trainer's `DistributedBatchSampler`'s (length
 `train.group_by_length`). All are collated before the timed steps (training collates in DataLoader workers, in the
 background of the steps); pixel values stay as the processor returns them (float32), as in training.
 
+Scaling (`scaling`, `--scaling 1,2,4`): the same bench at each process count of this node, one after the other,
+every count checked before the first process starts; each process runs the same workload whatever the count (weak
+scaling), so the tokens/s per GPU of a count over those of the fewest processes is its efficiency.
+
 FLOPs: each micro-batch's training FLOPs come from `vlmctl.train.flops.CostModel.batch_flops` (built by
 `vlmctl.train.setup.prepare_model` with `lora=` set for adapters: a frozen base counts its forward and activation
 gradient, not its weight gradient), summed by the trainer's own step over the data-parallel ranks, exactly as
@@ -145,7 +149,7 @@ class BenchResult:
     adapter: str = "none"  # none | lora | qlora-4bit | qlora-8bit
     stage: str = ""
     settings: str = ""  # strategy, batch size, activation checkpointing, master weights (and what auto chose)
-    balance: float | None = None  # mean / max rank forward+backward time (several ranks only)
+    balance: float | None = None  # mean / max rank forward+backward time (1.0 on one rank)
     balance_flops: float | None = None  # the same ratio of the ranks' training FLOPs
     data_wait: float | None = None  # the largest rank's share of the time spent waiting for batches
 
@@ -686,6 +690,7 @@ def load_model(plan: BenchPlan, model_section, train, ctx, scratch: Path, log) -
 
 def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log, setup, scratch) -> BenchResult:
     from vlmctl.data.collate import Collator, PackedCollator
+    from vlmctl.distributed.fsdp import fsdp_plan_of
     from vlmctl.train.loop import Trainer, TrainState, prefetch
     from vlmctl.train.worker import wrap_model
 
@@ -715,7 +720,7 @@ def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log
     labels = {"name": plan.model.name, "workload": plan.spec.kind, "packing": plan.packing, "adapter": plan.adapter,
               "stage": train.stage}
     result = _measure(trainer, labels, train, ctx, steps=steps, warmup=warmup, log=log)
-    result.settings = settings_line(train, choice)
+    result.settings = settings_line(train, choice, fsdp_plan_of(wrapped.model))
     return result
 
 
@@ -727,16 +732,18 @@ def probe_auto(plan: BenchPlan, tm, train, ctx, stepper, log):
                                     packing=plan.packing, log=log)
 
 
-def settings_line(train, choice) -> str:
+def settings_line(train, choice, fsdp=None) -> str:
     """What was measured, in one line: strategy, batch size, activation checkpointing, master weights (and why,
-    when `auto` chose them)."""
+    when `auto` chose them), and with `fsdp` (the `vlmctl.distributed.fsdp.FsdpPlan` of the wrapped model) FSDP2's
+    reshard-after-forward and prefetch."""
     from vlmctl.train.checkpointing import describe
 
     size = f"{token_budget(train)} tokens per row" if train.packing else f"micro-batch {micro_batch(train)}"
     why = f" [auto: {choice.reason}]" if choice is not None else ""
     ac = train.activation_checkpointing
+    overlap = f"; FSDP2 {fsdp.describe()}" if fsdp is not None else ""
     return (f"{train.strategy}, {size}, activation checkpointing {describe(ac if ac != 'auto' else 'off')}, "
-            f"{train.master_weights} master weights{why}")
+            f"{train.master_weights} master weights{why}{overlap}")
 
 
 def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup: int, log) -> BenchResult:
@@ -796,33 +803,54 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
 
 
 def benchmark(cfg, *, steps: int = 20, warmup: int = 3, spec: WorkloadSpec = WorkloadSpec(), log=print) -> BenchResult:
-    """`vlmctl bench` for a project config: checked first (`prepare`, before any process starts), then run in this
-    process for one process per node, else one process per GPU through torchrun (`train.nproc_per_node`, auto =
-    the visible GPUs; CPU processes where no GPU is visible), rank 0 handing the figures back through a temporary
-    folder. Raises UsageError for more than one node and what `prepare` raises, ConfigError for an optional package
-    the config needs that is missing (`train.launch.check_packages`), VlmctlError when the ranks fail."""
+    """`vlmctl bench` for a project config: checked first (`check_bench`, before any process starts), then run
+    (`run_processes`) in this process for one process per node, else one process per GPU through torchrun
+    (`train.nproc_per_node`, auto = the visible GPUs; CPU processes where no GPU is visible). Raises what
+    `check_bench` and `run_processes` raise."""
+    from vlmctl.train.launch import resolve_nproc
+
+    nproc = resolve_nproc(cfg.train.nproc_per_node)
+    plan = check_bench(cfg, nproc, steps=steps, warmup=warmup, spec=spec, log=log)
+    return run_processes(cfg, plan, nproc, steps=steps, warmup=warmup, spec=spec, log=log)
+
+
+def check_bench(cfg, nproc: int, *, steps: int, warmup: int, spec: WorkloadSpec, log=None) -> BenchPlan:
+    """Everything a bench on `nproc` processes of this node checks before a process starts: one node, the optional
+    packages the config needs, and `prepare` (flags, model, device, workload). Returns the plan. Raises UsageError
+    for more than one node and what `prepare` raises, ConfigError for a missing optional package
+    (`train.launch.check_packages`)."""
+    from vlmctl.errors import UsageError
+    from vlmctl.train.launch import check_packages
+
+    if cfg.train.nnodes > 1:
+        raise UsageError("vlmctl bench runs on one node", hint="set train.nnodes=1 (tokens/s per GPU carry over to more nodes only approximately)")
+    check_packages(cfg.train)  # before any process starts (ConfigError)
+    return prepare(cfg.model, cfg.train, spec, steps=steps, warmup=warmup, dp_size=nproc, log=log)
+
+
+def run_processes(cfg, plan: BenchPlan, nproc: int, *, steps: int, warmup: int, spec: WorkloadSpec, log=print,
+                  launch_one: bool = False) -> BenchResult:
+    """Run a `check_bench`ed bench on `nproc` processes: in this process for one (unless `launch_one`), else
+    through torchrun on this node (whatever `train.launcher` says, on a free port: a training run may hold
+    `master_port`; with the ranks' environment of `vlmctl train`, `train.launch.launch_env`), rank 0 handing the
+    figures back through a temporary folder. Raises VlmctlError when the ranks fail."""
     import json
     import tempfile
 
     from vlmctl.config import dump_config
     from vlmctl.distributed.env import free_port
-    from vlmctl.errors import UsageError, VlmctlError
-    from vlmctl.train.launch import check_packages, clear_rank_env, launch_command, launch_env, resolve_nproc, spawn
+    from vlmctl.errors import VlmctlError
+    from vlmctl.train.launch import clear_rank_env, launch_command, launch_env, spawn
 
     train = cfg.train
-    if train.nnodes > 1:
-        raise UsageError("vlmctl bench runs on one node", hint="set train.nnodes=1 (tokens/s per GPU carry over to more nodes only approximately)")
-    check_packages(train)  # before any process starts (ConfigError)
-    nproc = resolve_nproc(train.nproc_per_node)
-    plan = prepare(cfg.model, train, spec, steps=steps, warmup=warmup, dp_size=nproc, log=log)
-    if nproc == 1:
+    if nproc == 1 and not launch_one:
         clear_rank_env()
         return run_bench(cfg.model, train, steps=steps, warmup=warmup, spec=spec, log=log, plan=plan)
-    # torchrun on this node whatever train.launcher says, on a free port (a training run may hold master_port)
-    local = train.model_copy(update={"launcher": "torchrun", "master_addr": "127.0.0.1", "master_port": free_port(), "node_rank": 0})
+    local = train.model_copy(update={"launcher": "torchrun", "master_addr": "127.0.0.1", "master_port": free_port(),
+                                     "node_rank": 0, "nproc_per_node": nproc})
     with tempfile.TemporaryDirectory(prefix="vlmctl-bench-") as tmp:
         work = Path(tmp)
-        (work / "config.yaml").write_text(dump_config(cfg))
+        (work / "config.yaml").write_text(dump_config(cfg.model_copy(update={"train": train.model_copy(update={"nproc_per_node": nproc})})))
         (work / "args.json").write_text(json.dumps({"steps": steps, "warmup": warmup, "image_sizes": list(spec.image_sizes),
                                                     "text_tokens": list(spec.text_tokens), "workload": spec.kind,
                                                     "verbose": log is not None}))
@@ -833,6 +861,89 @@ def benchmark(cfg, *, steps: int = 20, warmup: int = 3, spec: WorkloadSpec = Wor
         data = json.loads(result.read_text())
     data.pop("tokens_per_s_per_gpu", None)
     return BenchResult(**data)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Scaling: the same bench at several process counts
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ScalingResult:
+    """The bench at each process count (`results`, fewest processes first). Every process runs the same per-process
+    workload (its own packed rows of `train.tokens_per_batch`, or micro-batches of `train.micro_batch_size`), so a
+    perfect scale-out keeps the tokens/s per GPU: `efficiency` is a count's tokens/s per GPU over the fewest
+    processes' (1.0 there)."""
+
+    results: list[BenchResult]
+
+    @property
+    def baseline(self) -> BenchResult:
+        return self.results[0]
+
+    def efficiency(self, result: BenchResult) -> float:
+        """`result`'s tokens/s per GPU as a fraction of the baseline's (the fewest processes)."""
+        return result.tokens_per_s_per_gpu / self.baseline.tokens_per_s_per_gpu
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"baseline_processes": self.baseline.world_size,
+                "rows": [{**r.as_dict(), "efficiency": self.efficiency(r)} for r in self.results]}
+
+
+def parse_counts(text: str) -> tuple[int, ...]:
+    """The process counts of `--scaling 1,2,4`, fewest first. Raises UsageError for an empty list, a word that is
+    not an integer, a count below 1 or a count given twice."""
+    from vlmctl.errors import UsageError
+
+    hint = "e.g. --scaling 1,2,4 (process counts, one process per GPU)"
+    words = [w.strip() for w in text.split(",")]
+    try:
+        counts = [int(w) for w in words]
+    except ValueError:
+        raise UsageError(f"--scaling {text!r} is not a comma-separated list of process counts", hint=hint) from None
+    if not counts or any(n < 1 for n in counts):
+        raise UsageError(f"--scaling {text!r}: every process count must be at least 1", hint=hint)
+    twice = sorted({n for n in counts if counts.count(n) > 1})
+    if twice:
+        raise UsageError(f"--scaling {text!r} lists {', '.join(map(str, twice))} more than once", hint=hint)
+    return tuple(sorted(counts))
+
+
+def check_counts(counts: tuple[int, ...]) -> None:
+    """Raise UsageError when a count is more than the visible GPUs (CPU processes are allowed where none is
+    visible)."""
+    import torch
+
+    from vlmctl.errors import UsageError
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and max(counts) > gpus:
+        raise UsageError(f"--scaling {','.join(map(str, counts))}: {max(counts)} processes is more than the {gpus} visible GPU(s)",
+                         hint=f"list counts of at most {gpus}, or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+
+
+def scaling(cfg, counts: str | tuple[int, ...], *, steps: int = 20, warmup: int = 3, spec: WorkloadSpec = WorkloadSpec(),
+            log=print) -> ScalingResult:
+    """`vlmctl bench --scaling 1,2,4`: the bench of `cfg` at each process count (`parse_counts`; one process per
+    GPU, CPU processes where no GPU is visible), each from the config as given (an `auto` batch size or
+    checkpointing is settled per count, as `vlmctl train` would on that many GPUs) and each through torchrun, one
+    process included, so that every count runs in the ranks' environment (one CPU thread per rank on CPU: the
+    threads of one process in this one would compete with the machine's other work). Every count is checked
+    (`check_counts`, `check_bench`) before the first process starts. Returns the ScalingResult.
+
+    Raises UsageError for a bad list, counts beyond the visible GPUs and what `check_bench` raises; VlmctlError
+    when the ranks of a count fail."""
+    say = log or (lambda msg: None)
+    counts = parse_counts(counts) if isinstance(counts, str) else tuple(sorted(counts))
+    check_counts(counts)
+    plans = {n: check_bench(cfg, n, steps=steps, warmup=warmup, spec=spec, log=log if n == counts[0] else None)
+             for n in counts}
+    results = []
+    for n in counts:
+        say(f"scaling: {n} process{'es' * (n > 1)}")
+        own = cfg.model_copy(update={"train": cfg.train.model_copy(deep=True)})  # a run settles auto values in place
+        results.append(run_processes(own, plans[n], n, steps=steps, warmup=warmup, spec=spec, log=log, launch_one=True))
+    return ScalingResult(results)
 
 
 def main(argv: list[str] | None = None) -> None:

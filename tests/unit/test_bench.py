@@ -279,3 +279,92 @@ def _cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+# ------------------------------------------------------------------------------------------------------ --scaling
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--scaling", "1,two"], ["--scaling", "not a comma-separated list", "--scaling 1,2,4"]),
+    (["--scaling", ""], ["--scaling", "not a comma-separated list"]),
+    (["--scaling", "0,1"], ["--scaling", "at least 1"]),
+    (["--scaling", "1,2,2"], ["--scaling", "lists 2 more than once"]),
+    (["--scaling", "1,2", "--nproc-per-node", "2"], ["--scaling and --nproc-per-node", "give one of them"]),
+    (["--scaling", "1,2", "--workload", "fast"], ["--workload", "chat"]),
+    (["--scaling", "1,2", "train.nnodes=2", "train.master_addr=10.0.0.1"], ["one node", "train.nnodes=1"]),
+])
+def test_scaling_usage_errors_print_one_panel_and_exit_2_before_any_process_starts(tiny_project, capsys, monkeypatch, args, words):
+    import vlmctl.bench as bench
+
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: pytest.fail("no bench may run after a usage error"))
+    code, _, err = run_cli(["bench", "-c", str(tiny_project), *args], capsys)
+    text = _one_panel(code, err)
+    assert all(w in text for w in words), text
+
+
+def test_scaling_to_more_processes_than_gpus_is_a_usage_error(tiny_project, capsys, monkeypatch):
+    import torch
+
+    import vlmctl.bench as bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: pytest.fail("no bench may run after a usage error"))
+    code, _, err = run_cli(["bench", "-c", str(tiny_project), "--scaling", "4,1,2"], capsys)
+    text = _one_panel(code, err)
+    assert "--scaling 1,2,4" in text and "4 processes" in text and "2 visible GPU" in text
+
+
+def test_scaling_checks_every_count_before_the_first_runs(tiny_project, capsys, monkeypatch):
+    # the check of the last count refuses it after the others passed: no count runs at all
+    import vlmctl.bench as bench
+
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: pytest.fail("no bench may run after a usage error"))
+    monkeypatch.setattr(bench, "check_bench", _failing_from(bench.check_bench, 3))
+    code, _, err = run_cli(["bench", "-c", str(tiny_project), "--scaling", "1,2,3"], capsys)
+    assert "count 3 refused" in _one_panel(code, err)
+
+
+def _failing_from(check, bad: int):
+    from vlmctl.errors import UsageError
+
+    def checked(cfg, nproc, **kwargs):
+        if nproc == bad:
+            raise UsageError(f"count {bad} refused")
+        return check(cfg, nproc, **kwargs)
+
+    return checked
+
+
+def _result(world: int, tokens_per_s: float, **extra):
+    from vlmctl.bench import BenchResult
+
+    return BenchResult(name="tiny", steps=2, world_size=world, strategy="fsdp", tokens_per_s=tokens_per_s,
+                       text_tokens_per_s=tokens_per_s / 2, visual_tokens_per_s=tokens_per_s / 2, samples_per_s=1.0,
+                       step_time_s=0.5, mfu=0.01, peak_memory_gib=0.0, tokens_per_step=100.0, workload="chat", **extra)
+
+
+def test_scaling_efficiency_is_per_gpu_throughput_against_the_fewest_processes():
+    from vlmctl.bench import ScalingResult, parse_counts
+
+    assert parse_counts("4, 1,2") == (1, 2, 4)
+    table = ScalingResult([_result(1, 1000.0, data_wait=0.01), _result(2, 1800.0, balance=0.9, data_wait=0.02),
+                           _result(4, 3000.0, balance=0.8, data_wait=0.05)])
+    assert [table.efficiency(r) for r in table.results] == [1.0, 0.9, 0.75]
+    out = table.as_dict()
+    assert out["baseline_processes"] == 1 and [r["world_size"] for r in out["rows"]] == [1, 2, 4]
+    assert [r["efficiency"] for r in out["rows"]] == [1.0, 0.9, 0.75]
+    assert [r["tokens_per_s_per_gpu"] for r in out["rows"]] == [1000.0, 900.0, 750.0]
+    assert out["rows"][1]["balance"] == 0.9 and out["rows"][2]["data_wait"] == 0.05
+
+
+def test_scaling_table_has_a_row_per_count(capsys):
+    from vlmctl.bench import ScalingResult
+    from vlmctl.cli.bench import _render_scaling
+
+    _render_scaling(ScalingResult([_result(1, 1000.0, settings="fsdp, same"), _result(2, 1800.0, balance=0.9, data_wait=0.02, settings="fsdp, same")]))
+    out = capsys.readouterr().out
+    rows = [" ".join(line.split()) for line in out.splitlines() if line.strip()[:1] in ("1", "2")]
+    assert rows[0] == "1 1,000 1,000 100.0% 1.0% 500 0.0 - -"  # balance and data wait unknown
+    assert rows[1] == "2 1,800 900 90.0% 1.0% 500 0.0 90.0% 2.0%"
+    assert out.count("settings: fsdp, same") == 1  # the same settings for every count: printed once

@@ -9,7 +9,8 @@ import typer
 from vlmctl.cli._common import ConfigOpt, JsonOpt, OverridesArg, console, load_project, print_json, state
 
 EXAMPLE = ("Example: vlmctl bench --steps 20 --nproc-per-node 2 model.preset=qwen2.5-vl-7b model.init=random "
-           "train.strategy=fsdp train.stage=full   (LoRA: train.lora.r=16; padded: train.packing=false)")
+           "train.strategy=fsdp train.stage=full   (LoRA: train.lora.r=16; padded: train.packing=false; "
+           "scale-out: --scaling 1,2,4)")
 
 
 def bench(
@@ -21,19 +22,32 @@ def bench(
     text_tokens: Annotated[str, typer.Option("--text-tokens", help="Range of text tokens per sample (the answer's in the chat workload), MIN,MAX.")] = "64,1536",
     workload: Annotated[str, typer.Option("--workload", help="chat (processor + chat template + the trainer's collator), baseline (the Qwen-VL baseline's packed samples) or auto (baseline for Qwen-VL with packing, else chat).")] = "auto",
     nproc_per_node: Annotated[Optional[str], typer.Option("--nproc-per-node", help="Processes (GPUs), or auto; more than one runs through torchrun.")] = None,
+    scaling: Annotated[Optional[str], typer.Option("--scaling", help="Process counts, e.g. 1,2,4: run the bench at each (one process per GPU; CPU processes where no GPU is visible) and report tokens/s per GPU and the efficiency against the fewest processes.")] = None,
     auto: Annotated[bool, typer.Option("--auto", help="Batch size and activation checkpointing as `auto` (whatever the config says): shows what training's start-up probe picks here, and why.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Run N training steps of the configured model, stage, adapters (LoRA/QLoRA), strategy and kernels (the trainer's
     own step) on synthetic data, packed or padded as training batches it, and report tokens/s (text and visual, all
-    GPUs and per GPU), MFU with ViT FLOPs, step time, peak memory."""
+    GPUs and per GPU), MFU with ViT FLOPs, step time, peak memory; with --scaling, one row per process count."""
+    from vlmctl.errors import UsageError
+
+    if scaling is not None and nproc_per_node is not None:
+        raise UsageError("--scaling and --nproc-per-node both set the number of processes", hint="give one of them, e.g. --scaling 1,2,4")
     auto_keys = ["train.tokens_per_batch=auto", "train.micro_batch_size=auto", "train.activation_checkpointing=auto"] if auto else []
     cfg = load_project(config, [*(overrides or []), *auto_keys,
                                 *([f"train.nproc_per_node={nproc_per_node}"] if nproc_per_node else [])])
     from vlmctl.bench import WorkloadSpec, benchmark
+    from vlmctl.bench import scaling as bench_scaling
 
     spec = WorkloadSpec.from_flags(image_sizes, text_tokens, workload)
     log = None if (as_json or state.quiet) else (lambda msg: console.print(f"[dim]{msg}[/dim]", markup=True, highlight=False))
+    if scaling is not None:
+        rows = bench_scaling(cfg, scaling, steps=steps, warmup=warmup, spec=spec, log=log)
+        if as_json:
+            print_json(rows.as_dict())
+        else:
+            _render_scaling(rows)
+        return
     result = benchmark(cfg, steps=steps, warmup=warmup, spec=spec, log=log)
     if as_json:
         print_json(result.as_dict())
@@ -61,5 +75,36 @@ def bench(
         table.add_row(label, value)
     if result.balance is not None:
         table.add_row("balance (compute / FLOPs)", f"{result.balance * 100:.1f}% / {(result.balance_flops or 0) * 100:.1f}%")
+    if result.data_wait is not None:
+        table.add_row("data wait", _percent(result.data_wait))
     table.add_row("settings", result.settings)
     console.print(table)
+
+
+def _percent(value) -> str:
+    return "-" if value is None else f"{value * 100:.1f}%"
+
+
+def _render_scaling(scaling) -> None:
+    """One row per process count: tokens/s (all and per GPU), efficiency, MFU, step time, peak memory, balance and
+    data wait; then the settings measured (once when every count ran the same)."""
+    from rich import box
+    from rich.table import Table
+
+    base = scaling.baseline
+    batching = "packed rows" if base.packing else "padded micro-batches"
+    adapter = "" if base.adapter == "none" else f", {base.adapter}"
+    table = Table(title=f"vlmctl bench --scaling: {base.name} (stage {base.stage}{adapter}), {base.strategy}, {base.steps} "
+                        f"steps per count ({base.workload} workload, {batching}); efficiency = tokens/s per GPU against "
+                        f"{base.world_size} process{'es' * (base.world_size > 1)}", box=box.SIMPLE_HEAD)
+    for name in ("procs", "tokens/s", "per\nGPU", "effic.", "MFU", "step\nms", "peak\nGiB", "balance", "data\nwait"):
+        table.add_column(name, justify="right", no_wrap=True)
+    for r in scaling.results:
+        table.add_row(str(r.world_size), f"{r.tokens_per_s:,.0f}", f"{r.tokens_per_s_per_gpu:,.0f}",
+                      _percent(scaling.efficiency(r)), _percent(r.mfu), f"{r.step_time_s * 1000:,.0f}",
+                      f"{r.peak_memory_gib:.1f}", _percent(r.balance), _percent(r.data_wait))
+    console.print(table)
+    settings = {r.settings for r in scaling.results}
+    for r in scaling.results if len(settings) > 1 else scaling.results[:1]:
+        count = f" ({r.world_size} process{'es' * (r.world_size > 1)})" if len(settings) > 1 else ""
+        console.print(f"settings{count}: {r.settings}", highlight=False)
