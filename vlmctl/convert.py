@@ -293,11 +293,24 @@ def _dtype_name(dtype: "torch.dtype") -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, "fp32")
 
 
-def _load_hf(path: str, dtype: "torch.dtype | str" = "auto"):
-    from transformers import AutoModelForImageTextToText
+def auto_model_class(path: str | Path):
+    """transformers' auto class that loads the model folder `path`: `AutoModelForImageTextToText` for vision-language
+    models, `AutoModelForMultimodalLM` for the others it maps (audio-language models such as Qwen2-Audio)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     try:
-        model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
+        model_type = transformers.AutoConfig.from_pretrained(str(path)).model_type
+    except Exception:  # noqa: BLE001 - a folder that does not load: from_pretrained below says why
+        model_type = None
+    if model_type is None or model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForMultimodalLM
+
+
+def _load_hf(path: str, dtype: "torch.dtype | str" = "auto"):
+    try:
+        model = auto_model_class(path).from_pretrained(path, dtype=dtype)
     except Exception as exc:  # noqa: BLE001 - OSError, ValueError, SafetensorError (truncated shard), ...
         raise ModelError(f"cannot load the model {path}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", hint="the folder must be a complete image-text-to-text model (config.json + weights); a truncated shard needs re-export") from exc
     return model.eval()
@@ -425,11 +438,16 @@ def merge_lora_model(model, dtype: "torch.dtype"):
 
 
 def probe_inputs(processor) -> dict[str, "torch.Tensor"]:
-    """The fixed image+text probe: a 64x64 RGB gradient with a square, and a chat-formatted question.
+    """The fixed image+text probe: a 64x64 RGB gradient with a square, and a chat-formatted question; for a processor
+    that takes audio and no images (Qwen2-Audio), a fixed 1 s chirp instead of the image.
 
-    Returns the processor's tensors (input_ids [1, T], attention_mask [1, T], pixel_values [1, 3, H, W], ...).
+    Returns the processor's tensors (input_ids [1, T], attention_mask [1, T], pixel_values [1, 3, H, W], ...; audio:
+    input_features [1, mel bins, frames], feature_attention_mask [1, frames]).
     """
     import numpy as np
+
+    if getattr(processor, "image_processor", None) is None and getattr(processor, "feature_extractor", None) is not None:
+        return _audio_probe(processor)
     from PIL import Image
 
     y, x = np.mgrid[0:64, 0:64]
@@ -447,6 +465,27 @@ def probe_inputs(processor) -> dict[str, "torch.Tensor"]:
         image_token = getattr(processor, "image_token", None) or "<image>"
         text = f"{image_token}\n{PROBE_TEXT}"
     return dict(processor(images=image, text=text, return_tensors="pt"))
+
+
+def _audio_probe(processor) -> dict[str, "torch.Tensor"]:
+    """`probe_inputs` of an audio processor: 1 s of a 200 -> 2000 Hz linear chirp at the feature extractor's rate and
+    the probe question, the audio written as an `{"type": "audio"}` part through the chat template (else the
+    processor's audio token before the question)."""
+    import numpy as np
+
+    rate = int(processor.feature_extractor.sampling_rate)
+    t = np.arange(rate) / rate
+    audio = (0.3 * np.sin(2 * np.pi * (200 * t + 900 * t * t))).astype(np.float32)  # instantaneous 200 + 1800 t Hz
+    text = None
+    if getattr(processor, "chat_template", None):
+        messages = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": PROBE_TEXT}]}]
+        try:
+            text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception:  # noqa: BLE001 - templates that do not take list content fall back to plain text
+            text = None
+    if text is None or getattr(processor, "audio_token", "") not in text:
+        text = f"{getattr(processor, 'audio_token', '<audio>')}\n{PROBE_TEXT}"
+    return dict(processor(audio=[audio], text=[text], sampling_rate=rate, return_tensors="pt"))
 
 
 def probe_logits(model, inputs: dict[str, "torch.Tensor"]) -> "torch.Tensor":
@@ -478,22 +517,23 @@ def compare(ref: "torch.Tensor", out: "torch.Tensor", dtype_name: str, ref_dtype
 
 def verify_folder(folder: Path, ref_logits: "torch.Tensor", ref_inputs: dict[str, "torch.Tensor"], dtype_name: str,
                   ref_dtype_name: str = "fp32") -> VerifyResult:
-    """Load `folder` with `AutoModelForImageTextToText` + `AutoProcessor` (an adapter folder loads its base through
-    transformers' peft integration), run the probe, and compare with the reference logits (`compare`).
+    """Load `folder` with `AutoModelForImageTextToText` (`AutoModelForMultimodalLM` for audio-language models,
+    `auto_model_class`) + `AutoProcessor` (an adapter folder loads its base through transformers' peft integration),
+    run the probe, and compare with the reference logits (`compare`).
 
     Raises ModelError when the folder does not load, its processor tokenizes the probe differently, or the logits
     differ by more than the tolerance.
     """
     import torch
-    from transformers import AutoModelForImageTextToText
 
     from vlmctl.models.load import load_processor  # AutoProcessor, or its image-only variant without torchvision
 
+    cls = auto_model_class(folder)
     try:
         processor = load_processor(folder)
-        model = AutoModelForImageTextToText.from_pretrained(str(folder), dtype="auto").eval()
+        model = cls.from_pretrained(str(folder), dtype="auto").eval()
     except Exception as exc:  # noqa: BLE001
-        raise ModelError(f"verification failed: the output does not load with AutoModelForImageTextToText/AutoProcessor: {type(exc).__name__}: {exc}") from exc
+        raise ModelError(f"verification failed: the output does not load with {cls.__name__}/AutoProcessor: {type(exc).__name__}: {exc}") from exc
     inputs = probe_inputs(processor)
     for key, value in ref_inputs.items():
         if key not in inputs or inputs[key].shape != value.shape or not torch.equal(inputs[key], value):
