@@ -145,7 +145,7 @@ def run_demo(
 
     timed("init", init)
     config = folder / "vlmctl.yaml"
-    cfg = load_config(config, [*overrides, *run_overrides])
+    cfg = _fit_connector(load_config(config, [*overrides, *run_overrides]))
     result.strategy = cfg.train.strategy
 
     def prepare() -> Any:
@@ -185,6 +185,19 @@ def run_demo(
     result.baseline_overall = sum(s.baseline * s.n for s in scores) / total if total else 0.0
     write_summary(result, Path(cfg.train.output_dir).parent / "demo_summary.json")
     return result
+
+
+def _fit_connector(cfg):
+    """The project config with the tiny template's `model.vision_feature_layer` dropped when an override picks a
+    connector that reads the encoder's last layer (`model.projector` pixel_shuffle or perceiver), which refuses
+    the key; any other config is returned as is."""
+    from vlmctl.config import ModelSection
+
+    model = cfg.model
+    if model.projector in ("pixel_shuffle", "perceiver") and "vision_feature_layer" in model.model_fields_set:
+        kept = model.model_dump(exclude_unset=True, exclude={"vision_feature_layer"})
+        cfg = cfg.model_copy(update={"model": ModelSection(**kept)})
+    return cfg
 
 
 def _clear_outputs(folder: Path, overrides: list[str]) -> None:
