@@ -348,6 +348,10 @@ class Workload:
     def batch(self, indices: list[int], collator) -> dict[str, Any]:
         raise NotImplementedError
 
+    def costs(self, cost_model):
+        """Estimated training FLOPs per sample (float64 [N], `CostModel.sample_costs`), or None when unknown."""
+        return None
+
 
 class ChatWorkload(Workload):
     """Random chat samples (`vlmctl.data.synthetic.image_chat`) for `processor`: at least `min_samples` of them, and
@@ -406,6 +410,16 @@ class ChatWorkload(Workload):
 
         return self.counter.count(image_chat("count", answer, b""), [(side, side)])
 
+    def costs(self, cost_model):
+        """Training FLOPs per sample: one image of its side's visual tokens, the rest text, all of it labelled (an
+        upper bound: the chat template's tokens are not)."""
+        import numpy as np
+
+        per_side = {side: self.counter.visual_tokens(side, side) for side in set(self.sides)}
+        tokens = np.asarray(self.lengths)
+        visual = np.asarray([per_side[side] for side in self.sides])
+        return cost_model.sample_costs(tokens, visual, np.maximum(tokens - visual, 0), np.ones_like(tokens))
+
     def sample(self, i: int):
         """Sample `i` with its image (deterministic for the workload's seed and `i`)."""
         from vlmctl.data.synthetic import image_chat, random_image
@@ -444,6 +458,15 @@ class BaselineWorkload(Workload):
         n = int((rows + 2) * budget / mean_tokens * 1.3) + 8
         self.samples = qwen_vl_samples(n, config, spec, seed=seed, pixels=False)
         self.lengths = [int(s["input_ids"].numel()) for s in self.samples]
+
+    def costs(self, cost_model):
+        """Training FLOPs per sample from its counts (`n_visual` visual tokens of one image, `n_text` labelled)."""
+        import numpy as np
+
+        tokens = np.asarray(self.lengths)
+        visual = np.asarray([s["n_visual"] for s in self.samples])
+        labelled = np.asarray([s["n_text"] for s in self.samples])
+        return cost_model.sample_costs(tokens, visual, labelled, np.ones_like(tokens))
 
     def batch(self, indices: list[int], collator) -> dict[str, Any]:
         """One packed row ([1, T]) of samples `indices` by the trainer's `PackedCollator.pack`."""
@@ -726,10 +749,10 @@ def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log
 
 def probe_auto(plan: BenchPlan, tm, train, ctx, stepper, log):
     """Settle `auto` batch size and activation checkpointing by training's own probe
-    (`vlmctl.train.autotune.probe_and_apply`) on rows of the bench's workload (its longest samples first). Returns
-    the Choice, applied to `train`."""
+    (`vlmctl.train.autotune.probe_and_apply`) on rows of the bench's workload (its heaviest samples per token
+    first, as training's). Returns the Choice, applied to `train`."""
     return autotune.probe_and_apply(train, ctx, tm, stepper, plan.workload.lengths, plan.workload.batch,
-                                    packing=plan.packing, log=log)
+                                    packing=plan.packing, costs=plan.workload.costs(tm.cost_model), log=log)
 
 
 def settings_line(train, choice, fsdp=None) -> str:

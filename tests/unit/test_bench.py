@@ -368,3 +368,25 @@ def test_scaling_table_has_a_row_per_count(capsys):
     assert rows[0] == "1 1,000 1,000 100.0% 1.0% 500 0.0 - -"  # balance and data wait unknown
     assert rows[1] == "2 1,800 900 90.0% 1.0% 500 0.0 90.0% 2.0%"
     assert out.count("settings: fsdp, same") == 1  # the same settings for every count: printed once
+
+
+def test_workload_costs_put_image_heavy_samples_first_in_the_probe():
+    """The bench's probe rows take the samples of the most estimated FLOPs per token, as training's: with a vision
+    tower as wide as the LLM, a visual token (4 patches through the tower) costs more than a text token, so the
+    probe's first samples are the image-heavy ones, not the longest."""
+    import numpy as np
+    from transformers import Qwen2_5_VLConfig
+
+    from vlmctl.bench import BaselineWorkload, WorkloadSpec
+    from vlmctl.train.autotune import probe_rows
+
+    cfg = Qwen2_5_VLConfig(text_config=dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1),
+                           vision_config=dict(depth=2, hidden_size=64, num_heads=2, out_hidden_size=64, fullatt_block_indexes=[1]))
+    workload = BaselineWorkload(cfg, WorkloadSpec(image_sizes=(112, 448), text_tokens=(64, 1024)), seed=0, rows=4, budget=4096)
+    lengths = np.asarray(workload.lengths)
+    costs = workload.costs(_cost_model(cfg, {"vision", "projector", "llm"}))
+    share = np.asarray([s["n_visual"] for s in workload.samples]) / lengths
+    assert costs.shape == lengths.shape and np.corrcoef(share, costs / lengths)[0, 1] > 0.9
+    picked = []
+    probe_rows(lengths, lambda idx: picked.extend(idx) or idx, packing=True, costs=costs)(int(lengths.max()) * 2)
+    assert share[picked].mean() > share.mean() and share[picked[0]] >= np.quantile(share, 0.9)

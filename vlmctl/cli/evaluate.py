@@ -17,7 +17,7 @@ def eval_cmd(
     args: Annotated[Optional[list[str]], typer.Argument(help="MODEL folder (default: latest final export), then overrides.", show_default=False)] = None,
     config: ConfigOpt = None,
     data: Annotated[Optional[str], typer.Option("--data", help="val, or a data file in any supported format.")] = None,
-    task: Annotated[Optional[str], typer.Option("--task", help="auto|vqa|docvqa|chartqa|mcq|caption|loss.")] = None,
+    task: Annotated[Optional[str], typer.Option("--task", help="auto|vqa|docvqa|chartqa|mcq|caption|asr|loss.")] = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Samples per generation batch.")] = None,
     max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", help="Tokens generated per answer.")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", help="Score at most N samples.")] = None,

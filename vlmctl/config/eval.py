@@ -12,7 +12,7 @@ from vlmctl.config.base import ProjectPath, Section
 
 class EvalSection(Section):
     data: str = Field("val", description="val = the prepared val split; or a path in any format the data commands read.")
-    task: Literal["auto", "vqa", "docvqa", "chartqa", "mcq", "caption", "loss"] = Field("auto", description="Metric family; auto picks from the data.")
+    task: Literal["auto", "vqa", "docvqa", "chartqa", "mcq", "caption", "asr", "loss"] = Field("auto", description="Metric family (asr: word and character error rates of transcripts); auto picks from the data.")
     max_new_tokens: int = Field(32, gt=0, description="Tokens generated per answer (greedy).")
     batch_size: int = Field(8, gt=0, description="Samples per generation batch.")
     limit: int | None = Field(None, gt=0, description="Score at most this many samples.")

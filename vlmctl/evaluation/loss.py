@@ -13,8 +13,9 @@ def teacher_forced_loss(model, processor, samples: Sequence[Sample], *, batch_si
     """Per-sample (summed cross-entropy in nats, number of label tokens) on the assistant tokens, in sample order.
 
     `model`, `processor` as returned by `vlmctl.inference.load_for_generation`. Inputs and labels come from
-    `vlmctl.data.collate.Collator` (assistant turns labelled, everything else -100; rows right-padded to the longest
-    sample, [batch_size, T]); logits [batch_size, T, vocab] at position t predict the token at t + 1, and are cast
+    `vlmctl.data.collate.Collator` with the model's family spec (`family_of`: media parts written as in training,
+    e.g. Qwen2-Audio's `<|audio_bos|><|AUDIO|><|audio_eos|>`; assistant turns labelled, everything else -100; rows
+    right-padded to the longest sample, [batch_size, T]); logits [batch_size, T, vocab] at position t predict the token at t + 1, and are cast
     to fp32 before the cross-entropy. Mean loss per token = sum of nats / sum of tokens; perplexity = exp(mean).
     Raises DataError for samples the collator cannot encode.
     """
@@ -23,7 +24,7 @@ def teacher_forced_loss(model, processor, samples: Sequence[Sample], *, batch_si
 
     from vlmctl.data.collate import IGNORE_INDEX, Collator, model_inputs
 
-    collator = Collator(processor, dummy_image=False)
+    collator = Collator(processor, family_of(model), dummy_image=False)
     device = next(model.parameters()).device
     out: list[tuple[float, int]] = []
     for start in range(0, len(samples), batch_size):
@@ -44,4 +45,16 @@ def teacher_forced_loss(model, processor, samples: Sequence[Sample], *, batch_si
     return out
 
 
-__all__ = ["teacher_forced_loss"]
+def family_of(model):
+    """The registered family spec of `model` (by its config's `model_type`), or None for a model of no family."""
+    from vlmctl.errors import ModelError
+    from vlmctl.families import detect_family, get_family
+
+    config = getattr(model, "config", None)
+    try:
+        return get_family(detect_family(config)) if config is not None else None
+    except ModelError:
+        return None
+
+
+__all__ = ["family_of", "teacher_forced_loss"]

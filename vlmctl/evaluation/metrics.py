@@ -1,4 +1,4 @@
-"""Answer-scoring metrics for VQA, document VQA, charts, multiple choice and captions.
+"""Answer-scoring metrics for VQA, document VQA, charts, multiple choice, captions and speech recognition.
 
 Every function takes plain strings; none loads a model. Values are fractions in [0, 1] except CIDEr, which keeps
 its published scale (the mean over images of 10 x the averaged n-gram cosine similarity; 1.0 here is "100" in
@@ -11,6 +11,11 @@ papers that print it x100).
 | `chartqa` | `relaxed_accuracy`, `exact_match`                          | ChartQA, pix2struct `relaxed_correctness` |
 | `mcq`     | `mcq_accuracy`, `mcq_unparsed`                             | MMBench-style option extraction           |
 | `caption` | `cider`, `bleu4`                                           | CIDEr (pycocoevalcap), BLEU (sacrebleu)   |
+| `asr`     | `wer`, `cer`, `word_accuracy`                              | word / character error rate (jiwer)       |
+
+Lower is better for `wer` and `cer` (errors per reference word / character, corpus-level; above 1 when the
+predictions insert more words than the references hold); the per-sample `score` of `asr` is that sample's word
+accuracy, max(0, 1 - WER), so that higher is better for every task's per-sample score.
 
 Use `score_records(task, records)` to score a list of `ScoredRecord`s in place and get the corpus metrics.
 """
@@ -19,12 +24,13 @@ from __future__ import annotations
 
 import math
 import re
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from vlmctl.errors import UsageError, VlmctlError
 
-TASKS = ("vqa", "docvqa", "chartqa", "mcq", "caption")
+TASKS = ("vqa", "docvqa", "chartqa", "mcq", "caption", "asr")
 
 # ---------------------------------------------------------------------------------------------------------------
 # VQAv2 answer normalization. Tables and rules from the official evaluation script `vqaEval.py`
@@ -335,15 +341,15 @@ def caption_tokenize(text: str) -> str:
     return " ".join(t for t in tokens if t not in _PTB_PUNCT and t not in "()[]{}")
 
 
-def _require(module: str, package: str):
+def _require(module: str, package: str, *, what: str = "caption metrics", extra: str = "eval"):
     import importlib
 
     try:
         return importlib.import_module(module)
     except ImportError as exc:
         raise VlmctlError(
-            f"caption metrics need the `{package}` package, which is not installed",
-            hint=f"pip install {package}   (or: pip install 'vlmctl[eval]')",
+            f"{what} need the `{package}` package, which is not installed",
+            hint=f"pip install {package}   (or: pip install 'vlmctl[{extra}]')",
         ) from exc
 
 
@@ -380,6 +386,50 @@ def cider(predictions: Sequence[str], references: Sequence[Sequence[str]]) -> tu
         scorer += (caption_tokenize(pred), [caption_tokenize(r) for r in refs])
     score, scores = scorer.compute_score()
     return float(score), [float(s) for s in scores]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Speech recognition: word and character error rates through jiwer (https://github.com/jitsi/jiwer)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def normalize_transcript(text: str) -> str:
+    """A transcript as WER compares it: lowercased, punctuation removed (Unicode category P, apostrophes kept inside
+    words: "don't" stays one word), whitespace collapsed. Whisper-style spelling normalizers (numbers, British
+    spellings) are not applied."""
+    text = re.sub(r"(?<!\w)'|'(?!\w)", " ", text.lower())
+    text = "".join(" " if unicodedata.category(c).startswith("P") and c != "'" else c for c in text)
+    return " ".join(text.split())
+
+
+def error_rates(predictions: Sequence[str], references: Sequence[Sequence[str]]) -> tuple[dict[str, float], list[float]]:
+    """Corpus WER and CER (jiwer's `process_words` / `process_characters`: (substitutions + deletions + insertions) /
+    reference words or characters, summed over the corpus) on `normalize_transcript`ed text, and each sample's
+    WER. Of several references, a sample is scored against the one it has the fewest word errors with.
+
+    Returns ({"wer", "cer", "word_accuracy"}, [WER per sample]). Raises VlmctlError when jiwer is missing,
+    ValueError when the lengths differ or a sample's references are all empty after normalization.
+    """
+    if len(predictions) != len(references):
+        raise ValueError(f"{len(predictions)} predictions for {len(references)} reference lists")
+    if not predictions:
+        return {"wer": math.nan, "cer": math.nan, "word_accuracy": math.nan}, []
+    jiwer = _require("jiwer", "jiwer", what="speech-recognition metrics", extra="audio")
+    hyps, refs, per_sample = [], [], []
+    for i, (pred, options) in enumerate(zip(predictions, references)):
+        hyp = normalize_transcript(pred)
+        candidates = [r for r in (normalize_transcript(o) for o in options) if r]
+        if not candidates:
+            raise ValueError(f"sample {i}: every reference transcript is empty")
+        scored = [(jiwer.wer(r, hyp) if hyp else 1.0, r) for r in candidates]
+        best, ref = min(scored, key=lambda x: x[0])
+        per_sample.append(float(best))
+        hyps.append(hyp)
+        refs.append(ref)
+    words = jiwer.process_words(refs, hyps)
+    chars = jiwer.process_characters(refs, hyps)
+    wer, cer = float(words.wer), float(chars.cer)
+    return {"wer": wer, "cer": cer, "word_accuracy": max(0.0, 1.0 - wer)}, per_sample
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -421,7 +471,8 @@ def infer_task(records: Iterable[ScoredRecord]) -> str:
     return "vqa"
 
 
-PRIMARY = {"vqa": "vqa_accuracy", "docvqa": "anls", "chartqa": "relaxed_accuracy", "mcq": "mcq_accuracy", "caption": "cider"}
+PRIMARY = {"vqa": "vqa_accuracy", "docvqa": "anls", "chartqa": "relaxed_accuracy", "mcq": "mcq_accuracy", "caption": "cider",
+           "asr": "wer"}
 
 
 def score_records(task: str, records: list[ScoredRecord]) -> dict[str, float]:
@@ -438,6 +489,15 @@ def score_records(task: str, records: list[ScoredRecord]) -> dict[str, float]:
         if task == "mcq" and not r.options:
             raise UsageError(f"sample {r.id!r} has no options for --task mcq", hint="add `options` to the sample, or choose another --task")
     n = len(records)
+    if task == "asr":
+        for r in records:
+            if not any(normalize_transcript(ref) for ref in r.references):
+                raise UsageError(f"sample {r.id!r} has only empty reference transcripts (after removing punctuation)",
+                                 hint="give each sample its transcript as the assistant answer, `answer` or `answers`")
+        metrics, per_sample = error_rates([r.prediction for r in records], [r.references for r in records])
+        for r, wer in zip(records, per_sample):
+            r.score = max(0.0, 1.0 - wer)
+        return metrics
     if task == "caption":
         preds = [r.prediction for r in records]
         refs = [r.references for r in records]
