@@ -24,9 +24,10 @@ tokens (the encoder's stride-2 convolution, then its stride-2 average pooling): 
 160, 750 for a 30 s window. Clips longer than the window are cut by the feature extractor; `data.audio.max_seconds`
 should stay within it.
 
-Packing: transformers' Qwen2-Audio model runs the audio tower over `input_features` of the whole batch and scatters
-the features into the audio tokens in row-major order, which a packed row keeps; vlmctl does not pack its rows yet
-(no packed == padded test), so `train.packing` falls back to padded micro-batches (`supports_packing=False`).
+Packing: not supported (`supports_packing=False`: `train.packing` falls back to padded micro-batches and says so).
+vlmctl's packed loss asks the model for the logits of the labelled positions only (`logits_to_keep`, see
+`vlmctl.train.kernels.token_losses`), which `Qwen2AudioForConditionalGeneration.forward` (transformers 5.23) does
+not take: it returns the logits of every position.
 """
 
 from __future__ import annotations
