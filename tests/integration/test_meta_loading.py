@@ -201,22 +201,52 @@ def test_rank_1_builds_on_meta_and_trains_exactly_as_when_every_rank_loads(runs,
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_final_export_equals_the_export_of_every_rank_loading(runs, variant):
+    import torch
     from safetensors.torch import load_file
 
     new, old = runs / variant / "new" / "final", runs / variant / "old" / "final"
     a, b = load_file(str(new / "model.safetensors")), load_file(str(old / "model.safetensors"))
     assert a.keys() == b.keys() and len(a) > 50
-    assert [k for k in a if not (a[k].dtype == b[k].dtype and torch_equal(a[k], b[k]))] == []
+    assert [k for k in a if not (a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]))] == []
     assert json.loads((new / "config.json").read_text()) == json.loads((old / "config.json").read_text())
     assert json.loads((new / "generation_config.json").read_text()) == json.loads((old / "generation_config.json").read_text())
     built = load_file(str(runs.parent / "model" / "model.safetensors"))
-    assert any(not torch_equal(a[k], built[k]) for k in a if k in built)  # the export holds the trained weights
+    assert any(not torch.equal(a[k], built[k]) for k in a if k in built)  # the export holds the trained weights
 
 
-def torch_equal(x, y) -> bool:
+def _family_names() -> list[str]:
+    from vlmctl.families import FAMILIES
+
+    return sorted(name for name, spec in FAMILIES.items() if spec.tiny_preset)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _family_names())
+def test_the_empty_build_is_the_loaded_model_without_its_weights(name, tmp_path):
+    """Every family's tiny preset, in fp32 and bf16: `build_empty_model` has `load_model`'s parameters and buffers
+    (names, shapes, dtypes; tied weights counted once), its buffers' values (computed, not read), its generation config
+    and eval mode, and no parameter storage."""
     import torch
 
-    return torch.equal(x, y)
+    from convert_helpers import TEXTS
+    from vlmctl.config import ModelSection
+    from vlmctl.families import get_family
+    from vlmctl.models import build_model
+    from vlmctl.models.load import build_empty_model, load_model
+
+    folder = tmp_path / "model"
+    build_model(ModelSection(preset=get_family(name).tiny_preset, init="random", output_dir=folder, dtype="fp32"),
+                tokenizer_texts=TEXTS)
+    for dtype in (torch.float32, torch.bfloat16):
+        loaded, _, family = load_model(folder, dtype=dtype)
+        empty, _, empty_family = build_empty_model(folder, dtype=dtype)
+        assert empty_family is family
+        layout = lambda m: [(n, tuple(t.shape), t.dtype) for n, t in [*m.named_parameters(), *m.named_buffers()]]  # noqa: E731
+        assert layout(empty) == layout(loaded)
+        assert all(p.is_meta for p in empty.parameters())
+        assert all(not b.is_meta and torch.equal(b, a) for (_, a), (_, b) in zip(loaded.named_buffers(), empty.named_buffers()))
+        assert empty.generation_config.to_dict() == loaded.generation_config.to_dict()
+        assert empty.training is loaded.training is False
 
 
 if __name__ == "__main__":

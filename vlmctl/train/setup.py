@@ -137,8 +137,8 @@ def load_for_rank(source: str, cfg, ctx, *, resuming: bool = False) -> tuple[Any
 
 def match_rank0(model, rank: int) -> int:
     """Check that this rank's model has rank 0's parameters and buffers (names and shapes, tied weights counted
-    once) and give it rank 0's dtypes (transformers keeps some modules in fp32 while loading them: a model's
-    `_keep_in_fp32_modules`); only meta tensors are cast. Collective; returns the number of tensors cast. Raises
+    once) and give its empty parameters and its buffers rank 0's dtypes (transformers keeps some modules in fp32
+    while loading them: a model's `_keep_in_fp32_modules`). Collective; returns the number of tensors cast. Raises
     ModelError on every rank, naming the first difference, when a rank's model differs."""
     import torch.distributed as dist
 
@@ -165,10 +165,13 @@ def _tensors(model) -> list[tuple[str, Any]]:
 
 
 def _cast_like(model, dtypes: list) -> int:
-    """Cast the meta parameters and buffers of `model` (`_tensors` order) to `dtypes`; returns how many changed."""
+    """Cast the meta parameters and the buffers of `model` (`_tensors` order) to `dtypes`; returns how many
+    changed. A parameter that holds its weights keeps them as they are."""
+    from torch import nn
+
     cast = 0
-    for (name, tensor), dtype in zip(_tensors(model), dtypes):
-        if tensor.is_meta and tensor.dtype != dtype:
+    for (_, tensor), dtype in zip(_tensors(model), dtypes):
+        if tensor.dtype != dtype and (tensor.is_meta or not isinstance(tensor, nn.Parameter)):
             tensor.data = tensor.data.to(dtype)
             cast += 1
     return cast
