@@ -1,4 +1,4 @@
-"""`model` section: compose a vision encoder + LLM, or fine-tune an existing VLM (`base`)."""
+"""`model` section: compose a vision encoder (or an audio encoder) + LLM, or fine-tune an existing VLM (`base`)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from vlmctl.config.base import ModelRef, ProjectPath, Section
 class ModelSection(Section):
     vision: ModelRef | None = Field(None, description="Vision encoder: Hub id, local path, or a size preset name with init: random (compose mode).")
     llm: ModelRef | None = Field(None, description="Causal language model: Hub id, local path, or a size preset name with init: random (compose mode).")
+    audio: ModelRef | None = Field(None, description="Audio encoder instead of model.vision (compose mode): a Whisper checkpoint (Hub id or local path; its encoder half is used, with init: random only its config). With model.llm it builds Qwen2AudioForConditionalGeneration: the encoder, a linear projector, the LLM.")
     projector: Literal["mlp2x_gelu", "linear", "pixel_shuffle", "perceiver"] = Field("mlp2x_gelu", description="Connector from visual features to the LLM's embedding space (compose mode): mlp2x_gelu / linear build LLaVA (one token per patch); pixel_shuffle builds Idefics3 (patches / pixel_shuffle_scale**2 tokens per view); perceiver builds Idefics2 (perceiver_queries tokens per image); SigLIP encoders only for the last two.")
     pixel_shuffle_scale: int = Field(2, ge=1, description="model.projector=pixel_shuffle: side of the patch blocks merged into one visual token (2: 4 patches per token); must divide the encoder's patch grid.")
     perceiver_queries: int = Field(64, ge=1, description="model.projector=perceiver: learned latent queries of the perceiver resampler = visual tokens per image (Idefics2: 64).")
@@ -33,8 +34,14 @@ class ModelSection(Section):
 
     @model_validator(mode="after")
     def _one_mode(self) -> "ModelSection":
-        if self.base is not None and (self.vision is not None or self.llm is not None):
-            raise ValueError("set either model.base (fine-tune an existing VLM) or model.vision + model.llm (compose), not both")
+        if self.base is not None and (self.vision is not None or self.llm is not None or self.audio is not None):
+            raise ValueError("set either model.base (fine-tune an existing VLM) or model.vision / model.audio + model.llm (compose), not both")
+        if self.audio is not None and self.vision is not None:
+            raise ValueError("set model.vision (a vision-language model) or model.audio (an audio-language model), not both")
+        if self.audio is not None and self.preset is not None:
+            raise ValueError("set model.preset or model.audio + model.llm, not both")
+        if self.audio is not None and "projector" in self.model_fields_set and self.projector != "linear":
+            raise ValueError("model.audio builds Qwen2-Audio, whose projector is one linear layer: model.projector must be linear (or unset)")
         # a value other than the default (a resolved config.yaml spells the default out for every projector)
         for key, projector in (("pixel_shuffle_scale", "pixel_shuffle"), ("perceiver_queries", "perceiver"),
                                ("perceiver_depth", "perceiver"), ("perceiver_heads", "perceiver")):

@@ -10,7 +10,8 @@ Where the processor comes from is what `model build` would use (`vlmctl.models.b
 configs and tokenizers, never weights):
 
 - `model.base`: the checkpoint's own processor (`vlmctl.models.load.load_processor`);
-- `model.vision` + `model.llm`, or a preset with `model.tokenizer`: `make_processor` over the loaded tokenizer;
+- `model.vision` (or `model.audio`) + `model.llm`, or a preset with `model.tokenizer`: `make_processor` over the
+  loaded tokenizer;
 - a random-init preset without `model.tokenizer`: the build trains a tokenizer on the text of the prepared train
   split (`vlmctl.models.tokenizer.texts_from_prepared`). `fit_tokenizer` trains the same one before the shards
   exist: the same function (`make_processor`) on the same texts in the same order
@@ -63,8 +64,8 @@ class FitResult:
 
 
 def model_configured(model: ModelSection | None) -> bool:
-    """True when the section names a model to build (preset, base, or vision + llm)."""
-    return model is not None and bool(model.preset or model.base or (model.vision and model.llm))
+    """True when the section names a model to build (preset, base, or vision / audio + llm)."""
+    return model is not None and bool(model.preset or model.base or ((model.vision or model.audio) and model.llm))
 
 
 def configured_processor(model: ModelSection) -> ConfiguredProcessor | None:
@@ -83,7 +84,8 @@ def configured_processor(model: ModelSection) -> ConfiguredProcessor | None:
     if plan.mode == "base":
         processor = load_processor(plan.base_ref, trust_remote_code=plan.trust_remote_code)
         return ConfiguredProcessor(family, f"the processor of model.base {plan.base_ref}", processor=processor)
-    what = f"model.preset {plan.preset}" if plan.preset else f"model.vision {plan.vision_ref} + model.llm {plan.llm_ref}"
+    encoder = f"model.audio {plan.audio_ref}" if plan.audio_ref else f"model.vision {plan.vision_ref}"
+    what = f"model.preset {plan.preset}" if plan.preset else f"{encoder} + model.llm {plan.llm_ref}"
     if plan.tokenizer is None:
         return ConfiguredProcessor(family, f"{what}, tokenizer trained on the prepared train split as `model build` does", plan=plan)
     return ConfiguredProcessor(family, f"{what} (not built yet)", processor=make_processor(plan))

@@ -24,6 +24,14 @@ tokens (the encoder's stride-2 convolution, then its stride-2 average pooling): 
 160, 750 for a 30 s window. Clips longer than the window are cut by the feature extractor; `data.audio.max_seconds`
 should stay within it.
 
+Compose mode (`model.audio` + `model.llm`): the encoder half of a Whisper checkpoint (Radford et al. 2022,
+https://arxiv.org/abs/2212.04356) becomes the audio tower (`Qwen2AudioEncoder` is transformers' `WhisperEncoder`
+with an average pooling after it: the same parameter names, so the weights load as they are), any causal LM the
+language model (transformers' `Qwen2AudioModel` builds it with `AutoModel.from_config(text_config)`), and a fresh
+linear projector joins them: exactly `Qwen2AudioForConditionalGeneration`, which vanilla transformers loads
+(`AutoModelForMultimodalLM`, `AutoProcessor`). The processor is `Qwen2AudioProcessor` over the checkpoint's
+`WhisperFeatureExtractor` and the LLM's tokenizer with the three audio tokens added.
+
 Packing: not supported (`supports_packing=False`: `train.packing` falls back to padded micro-batches and says so).
 vlmctl's packed loss asks the model for the logits of the labelled positions only (`logits_to_keep`, see
 `vlmctl.train.kernels.token_losses`), which `Qwen2AudioForConditionalGeneration.forward` (transformers 5.23) does
@@ -43,6 +51,30 @@ AUDIO_TOKEN, AUDIO_BOS, AUDIO_EOS = "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>
 """The placeholder token the processor repeats per encoder frame, and the markers around it (Qwen2AudioProcessor)."""
 WHISPER_DEFAULTS = {"sampling_rate": 16_000, "hop_length": 160}
 """WhisperFeatureExtractor defaults, assumed when counting from a model config (which has no extractor settings)."""
+
+
+ENCODER_KEYS = ("num_mel_bins", "encoder_layers", "encoder_attention_heads", "encoder_ffn_dim", "d_model", "dropout",
+                "attention_dropout", "activation_function", "activation_dropout", "scale_embedding", "max_source_positions",
+                "encoder_layerdrop")
+"""`WhisperConfig` keys that `Qwen2AudioEncoderConfig` shares (its encoder half)."""
+
+
+def audio_encoder_config(config: Any):
+    """The `Qwen2AudioEncoderConfig` of an audio encoder's config: a Whisper config (`model_type` whisper: its encoder
+    half, `ENCODER_KEYS`), a Qwen2-Audio encoder config, or a Qwen2-Audio model's `audio_config`. Raises ModelError for
+    any other model type."""
+    import transformers
+
+    model_type = getattr(config, "model_type", None)
+    if model_type == "qwen2_audio":
+        config = config.audio_config
+        model_type = config.model_type
+    if model_type == "qwen2_audio_encoder":
+        return transformers.Qwen2AudioEncoderConfig(**{k: getattr(config, k) for k in ENCODER_KEYS if hasattr(config, k)})
+    if model_type != "whisper":
+        raise ModelError(f"model.audio is a {model_type!r} model, not a Whisper-family audio encoder",
+                         hint="set model.audio to a Whisper checkpoint (e.g. openai/whisper-small) or a Qwen2-Audio encoder")
+    return transformers.Qwen2AudioEncoderConfig(**{k: getattr(config, k) for k in ENCODER_KEYS if hasattr(config, k)})
 
 
 def _no_images(width: int, height: int, source: Any) -> int:
@@ -112,6 +144,53 @@ class Qwen2AudioSpec(FamilySpec):
                              hint="set processor.chunk_length / hop_length / feature_size to match audio_config")
         return getattr(transformers, self.processor_class)(feature_extractor=extractor, tokenizer=tokenizer, chat_template=chat_template,
                                                            audio_token=AUDIO_TOKEN, audio_bos_token=AUDIO_BOS, audio_eos_token=AUDIO_EOS)
+
+    # ---- compose mode: a Whisper-family encoder + any causal LM (`model.audio` + `model.llm`)
+
+    def compose_audio_config(self, audio_config: Any, text_config: Any, *, token_ids: Mapping[str, int]):
+        """`Qwen2AudioConfig` joining an audio encoder's config (`audio_encoder_config`) and any LLM's `text_config`;
+        `token_ids` holds `audio_token_index`. Raises ModelError for an encoder that is not Whisper-style."""
+        import transformers
+
+        return getattr(transformers, self.config_class)(audio_config=audio_encoder_config(audio_config).to_dict(),
+                                                        text_config=text_config.to_dict(), **token_ids)
+
+    def audio_feature_extractor(self, audio_config: Any, ref: str | None = None, *, trust_remote_code: bool = False):
+        """The feature extractor of a composed model: the checkpoint's own at `ref` when it has one, else a
+        `WhisperFeatureExtractor` (16 kHz, hop 160) whose window is the encoder's 2 x max_source_positions frames and
+        whose mel bins are its `num_mel_bins`. Raises ModelError when the extractor does not fit the encoder."""
+        import transformers
+
+        encoder = audio_encoder_config(audio_config)
+        frames, mels = 2 * int(encoder.max_source_positions), int(encoder.num_mel_bins)
+        extractor = None
+        if ref is not None:
+            try:
+                extractor = transformers.AutoFeatureExtractor.from_pretrained(ref, trust_remote_code=trust_remote_code)
+            except Exception:  # noqa: BLE001 - a config-only folder: build one below
+                extractor = None
+        if extractor is None:
+            samples = frames * WHISPER_DEFAULTS["hop_length"]
+            if samples % WHISPER_DEFAULTS["sampling_rate"]:
+                raise ModelError(f"the audio encoder's window of {frames} frames is not a whole number of seconds at 16 kHz",
+                                 hint="use a Whisper checkpoint that ships its preprocessor_config.json")
+            extractor = transformers.WhisperFeatureExtractor(feature_size=mels, sampling_rate=WHISPER_DEFAULTS["sampling_rate"],
+                                                             hop_length=WHISPER_DEFAULTS["hop_length"],
+                                                             chunk_length=samples // WHISPER_DEFAULTS["sampling_rate"])
+        if getattr(extractor, "nb_max_frames", None) != frames or getattr(extractor, "feature_size", None) != mels:
+            raise ModelError(f"the feature extractor of {ref} gives {getattr(extractor, 'nb_max_frames', '?')} frames of "
+                             f"{getattr(extractor, 'feature_size', '?')} mel bins, but its encoder takes {frames} frames of {mels}",
+                             hint="use a Whisper checkpoint whose preprocessor_config.json matches its config")
+        return extractor
+
+    def compose_audio_processor(self, tokenizer: Any, feature_extractor: Any, chat_template: str | None):
+        """`Qwen2AudioProcessor` over `feature_extractor` and the LLM's `tokenizer` (which must hold the audio tokens,
+        `extra_special_tokens`)."""
+        import transformers
+
+        return getattr(transformers, self.processor_class)(feature_extractor=feature_extractor, tokenizer=tokenizer,
+                                                           chat_template=chat_template, audio_token=AUDIO_TOKEN,
+                                                           audio_bos_token=AUDIO_BOS, audio_eos_token=AUDIO_EOS)
 
     def image_processor(self, **kwargs: Any):
         """None of its own: Qwen2-Audio takes no images. Raises ModelError."""

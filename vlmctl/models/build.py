@@ -7,6 +7,10 @@ Three modes, picked from the section:
   `LlavaForConditionalGeneration` for mlp2x_gelu / linear, LLaVA-1.5, Liu et al. 2023,
   https://arxiv.org/abs/2310.03744; Idefics3's for pixel_shuffle; Idefics2's for perceiver; see `vlmctl.models.connectors`) with its processor (the encoder's image processor, the LLM's tokenizer
   with the image token added, a chat template). Loads with plain `AutoModelForImageTextToText` / `AutoProcessor`.
+- **audio compose** (`audio` + `llm`): the encoder half of a Whisper checkpoint, a linear projector and any causal
+  LM in Qwen2-Audio's `Qwen2AudioForConditionalGeneration` (the family that takes audio and composes it,
+  `_audio_family`; see `vlmctl.families.qwen2_audio`), with `Qwen2AudioProcessor` over the checkpoint's Whisper
+  feature extractor and the LLM's tokenizer. Loads with plain `AutoModelForMultimodalLM` / `AutoProcessor`.
 - **preset** (`preset` with `init: random`): a whole model built from a size preset under `presets/` (YAML data):
   weights initialized from configs, tokenizer trained on the prepared data (`vlmctl.models.tokenizer`). No download.
 - **base** (`base`): an existing VLM of a registered family (`vlmctl.families.FAMILIES`). The build loads it once
@@ -97,9 +101,12 @@ class BuildPlan:
     section: ModelSection
     preset: str | None = None
     vision_ref: str | None = None
+    audio_ref: str | None = None
     llm_ref: str | None = None
     base_ref: str | None = None
     vision_config: Any = None  # compose: the vision encoder's config
+    audio_config: Any = None  # audio compose: the audio encoder's config (a WhisperConfig)
+    feature_extractor: Any = None  # audio compose: the encoder's feature extractor
     text_config: Any = None  # compose: the LLM's config
     vlm_config: dict[str, Any] | None = None  # preset of a whole family: the family config as a dict
     projector: ProjectorSpec | None = None
@@ -137,6 +144,8 @@ def plan_build(model: ModelSection) -> BuildPlan:
         return _plan_preset(model, preset_name)
     if model.base is not None:
         return _plan_base(model)
+    if model.audio is not None:
+        return _plan_audio(model)
     if model.vision is None or model.llm is None:
         missing = "model.llm" if model.vision else "model.vision" if model.llm else "model.vision and model.llm"
         raise ConfigError(
@@ -163,6 +172,38 @@ def plan_build(model: ModelSection) -> BuildPlan:
         plan.tokenizer = _load_tokenizer(tok_ref, plan.family, trc)
     plan.chat_template = _chat_template(model, plan.tokenizer, plan.family)
     plan.image_processor = _image_processor(model.vision, plan.vision_config, plan.image_size, trc)
+    return plan
+
+
+def _audio_family() -> FamilySpec:
+    """The registered family that composes an audio encoder and an LLM (it takes audio and has
+    `compose_audio_config`). Raises ModelError when none is registered."""
+    from vlmctl.families import FAMILIES
+
+    for fam in FAMILIES.values():
+        if "audio" in fam.modalities and callable(getattr(fam, "compose_audio_config", None)):
+            return fam
+    raise ModelError("no registered model family composes an audio encoder and an LLM", hint="use model.preset or model.base")
+
+
+def _plan_audio(model: ModelSection) -> BuildPlan:
+    """The plan of `model.audio` + `model.llm`: the Whisper encoder's config and feature extractor, the LLM's config,
+    tokenizer (the audio tokens added) and chat template. Reads configs and tokenizers only."""
+    if model.llm is None:
+        raise ConfigError("model.llm not set: model.audio needs a language model to compose with",
+                          hint="set model.llm to a causal LM (Hub id, local folder, or an LLM preset with model.init=random)")
+    trc = model.trust_remote_code
+    family = _audio_family()
+    plan = BuildPlan(mode="compose", family=family, init=model.init, section=model, trust_remote_code=trc,
+                     audio_ref=model.audio, llm_ref=model.llm)
+    plan.audio_config = load_or_explain("audio encoder", model.audio,
+                                        lambda: transformers_class("AutoConfig").from_pretrained(model.audio, trust_remote_code=trc))
+    plan.feature_extractor = family.audio_feature_extractor(plan.audio_config, model.audio, trust_remote_code=trc)
+    plan.text_config = _llm_config(model.llm, model.init, trc)
+    tok_ref = model.tokenizer or (None if is_preset(model.llm) else model.llm)
+    if tok_ref is not None:
+        plan.tokenizer = _load_tokenizer(tok_ref, family, trc)
+    plan.chat_template = _chat_template(model, plan.tokenizer, family)
     return plan
 
 
@@ -538,6 +579,8 @@ def make_processor(plan: BuildPlan, *, prepared_dir: Path | None = None, tokeniz
     if plan.chat_template is not None:
         tok.chat_template = plan.chat_template
     template = tok.chat_template
+    if plan.audio_config is not None:  # composed from an audio encoder and an LLM
+        return fam.compose_audio_processor(tok, plan.feature_extractor, template)
     if plan.vlm_config is None:  # composed from a vision encoder and an LLM
         return fam.compose_processor(tok, plan.image_processor, plan.vision_config, plan.feature_strategy, template,
                                      projector_config=plan.projector.config)
@@ -577,6 +620,8 @@ def make_config(plan: BuildPlan, tokenizer=None):
         text.pad_token_id = pad_id
         if isinstance(plan.text_config, dict):  # a preset: its token ids are the trained tokenizer's
             text.eos_token_id, text.bos_token_id = eos_id, None
+        if plan.audio_config is not None:
+            return fam.compose_audio_config(plan.audio_config, text, token_ids=token_ids)
         return fam.compose_config(plan.vision_config, text, token_ids=token_ids, feature_layer=plan.feature_layer,
                                   feature_strategy=plan.feature_strategy, projector_config=plan.projector.config)
     data = json.loads(json.dumps(plan.vlm_config))
@@ -622,6 +667,8 @@ def make_model(plan: BuildPlan, processor, *, seed: int = 0):
         if plan.projector is not None and plan.projector.init is not None:
             plan.projector.init(vlm.get_submodule(plan.family.projector[0]))
         vlm = vlm.to(_torch_dtype(dtype))
+    elif plan.audio_config is not None:
+        vlm = _compose_audio_pretrained(plan, tok, seed)
     else:
         vlm = _compose_pretrained(plan, tok, seed)
     _set_generation_config(vlm, tok)
@@ -675,6 +722,60 @@ def _compose_pretrained(plan: BuildPlan, tok, seed: int):
     return vlm
 
 
+def _compose_audio_pretrained(plan: BuildPlan, tok, seed: int):
+    """Load the Whisper encoder's and the LLM's weights into the audio family's layout with a fresh linear projector
+    (nn.Linear's default init, seeded). The skeleton is built on the meta device; the audio tower takes the
+    encoder's state dict as it is (`Qwen2AudioEncoder` has `WhisperEncoder`'s parameter names), the language model is
+    the LLM's decoder, and the LM head a copy of the LLM's (untied: the Qwen2-Audio class ties no weights). Peak
+    memory: the Whisper checkpoint (decoder included) plus the LLM, once. Raises ModelError when a part does not
+    fit."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = _torch_dtype(plan.section.dtype)
+    trc = plan.trust_remote_code
+    cfg = make_config(plan, tok)
+    fam = plan.family
+    with quiet_transformers():
+        whisper = load_or_explain("audio encoder weights", plan.audio_ref,
+                                  lambda: transformers.AutoModel.from_pretrained(plan.audio_ref, dtype=torch_dtype, trust_remote_code=trc))
+        llm = load_or_explain("language model weights", plan.llm_ref,
+                              lambda: AutoModelForCausalLM.from_pretrained(plan.llm_ref, dtype=torch_dtype, trust_remote_code=trc))
+    encoder = whisper.get_encoder() if hasattr(whisper, "get_encoder") else whisper
+    cfg.text_config = llm.config
+    with torch.device("meta"):
+        vlm = getattr(transformers, fam.model_class)(cfg)
+    tower = vlm.get_submodule(fam.vision_tower).to_empty(device="cpu")
+    missing, unexpected = tower.load_state_dict(encoder.state_dict(), strict=False)
+    if missing or unexpected:
+        raise ModelError(f"the encoder of model.audio={plan.audio_ref!r} does not fit {type(tower).__name__}: missing "
+                         f"{missing[:2]}, unexpected {unexpected[:2]}", hint="use a Whisper checkpoint")
+    vlm.set_submodule(fam.vision_tower, tower.to(torch_dtype))
+    del whisper, encoder
+    vlm.set_submodule(fam.language_model, llm.get_decoder())
+    head = llm.get_output_embeddings()
+    untied = torch.nn.Linear(head.in_features, head.out_features, bias=head.bias is not None, dtype=head.weight.dtype)
+    untied.load_state_dict(head.state_dict())
+    vlm.set_submodule(fam.lm_head, untied)
+    torch.manual_seed(seed)
+    for path in fam.projector:
+        projector = vlm.get_submodule(path).to_empty(device="cpu")
+        for layer in projector.modules():
+            if isinstance(layer, torch.nn.Linear):
+                layer.reset_parameters()
+        vlm.set_submodule(path, projector.to(torch_dtype))
+    meta = [n for n, t in [*vlm.named_parameters(), *vlm.named_buffers()] if t.is_meta]
+    if meta:
+        raise ModelError(f"internal: parameters left uninitialized after composition: {meta[:3]}")
+    if len(tok) > vlm.get_input_embeddings().weight.shape[0]:
+        vlm.resize_token_embeddings(len(tok), pad_to_multiple_of=64, mean_resizing=True)
+    vlm.config.text_config.vocab_size = vlm.get_input_embeddings().weight.shape[0]
+    vlm.config.text_config.pad_token_id = tok.pad_token_id
+    vlm.config.text_config.tie_word_embeddings = False
+    return vlm
+
+
 def _fit_vision(skeleton, vision, ref: str):
     """`vision` (the loaded encoder) as the module the family's layout holds: itself when the classes match (LLaVA
     holds the encoder's own class), else the skeleton's class (on the meta device) filled with its weights, the
@@ -725,7 +826,7 @@ def _info(plan: BuildPlan, vlm, processor) -> dict[str, Any]:
         "mode": plan.mode,
         "init": plan.init,
         "built_from": {
-            "preset": plan.preset, "vision": plan.vision_ref, "llm": plan.llm_ref, "base": plan.base_ref,
+            "preset": plan.preset, "vision": plan.vision_ref, "audio": plan.audio_ref, "llm": plan.llm_ref, "base": plan.base_ref,
             "projector": plan.projector.name if plan.projector else None,
             "tokenizer": s.tokenizer or ("trained" if plan.section.tokenizer is None and (plan.mode == "preset" or is_preset(plan.llm_ref)) else plan.llm_ref),
             "vision_feature_layer": plan.feature_layer if plan.projector and plan.projector.feature_select else None,
