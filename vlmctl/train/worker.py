@@ -82,7 +82,7 @@ def wrap_model(tm: TrainingModel, train, ctx: RunContext, total_steps: int) -> W
         engine = None
         if train.strategy == "fsdp":
             model = apply_fsdp(model, tm.parts, dims.world_mesh, param_dtype=ctx.dtype,
-                               reshard_after_forward=train.fsdp_reshard_after_forward)
+                               reshard_after_forward=train.fsdp_reshard_after_forward, prefetch=train.fsdp_prefetch)
             place_weights(model, tm.deferred, env.device)  # rank 0's weights, into every rank's shards
         else:
             place_weights(model, tm.deferred, env.device)  # empty storage; DDP broadcasts rank 0's weights
