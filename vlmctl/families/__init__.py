@@ -7,10 +7,9 @@ families (module paths, modalities, visual-token rule, build recipe, position id
 
 - `spec.py`: the `FamilySpec` class and helpers over a loaded model (parts, parameter counts, layer discovery);
 - `registry.py`: `FAMILIES`, `register`, `get_family`, `detect_family`, `compose_family`, `family_table`;
-- `llava.py` (the compose family), `qwen_vl.py` (qwen2_vl, qwen2_5_vl, qwen3_vl), `idefics3.py`, `idefics2.py`, `internvl.py`,
-  `gemma3.py`, `llava_next.py`, `llava_onevision.py`, `qwen3_vl_moe.py`,
-  `mistral3.py`, `smolvlm.py`: the families, each with its table of module
-  paths.
+- `llava.py` (the compose family), `qwen_vl.py` (qwen2_vl, qwen2_5_vl, qwen3_vl), `qwen3_vl_moe.py`, `idefics3.py`,
+  `smolvlm.py`, `idefics2.py`, `internvl.py`, `gemma3.py`, `llava_next.py`, `llava_onevision.py`, `mistral3.py` and
+  `qwen2_audio.py` (audio): the families, each with its table of module paths.
 
 docs/adding-a-family.md shows how to add a family (one module + one test).
 """
