@@ -57,6 +57,7 @@ _TASK_TYPES = {
     "mcq": "visual-question-answering",
     "caption": "image-to-text",
     "loss": "image-text-to-text",
+    "asr": "automatic-speech-recognition",
 }
 
 CARD_TEMPLATE = """---
@@ -274,7 +275,7 @@ def training_summary(run_dir: Path) -> TrainingSummary:
     elif isinstance(state.get("lora"), dict):
         lora_text = f"r={state['lora'].get('r', '?')}, alpha={state['lora'].get('lora_alpha', '?')}"
 
-    base_models = [v for v in (model.get("base"), model.get("vision"), model.get("llm")) if _looks_like_hub_id(v)]
+    base_models = [v for v in (model.get("base"), model.get("vision"), model.get("audio"), model.get("llm")) if _looks_like_hub_id(v)]
     sources = [s for s in data.get("sources") or [] if isinstance(s, dict)]
     datasets = [s["path"] for s in sources if s.get("format") == "hf" and s.get("path")]
     return TrainingSummary(
@@ -401,7 +402,7 @@ def _from_build(record: dict[str, Any]) -> BaseModels:
     built = record.get("built_from") or {}
     if record.get("init") == "random":  # weights from configs only: nothing was fine-tuned from the named models
         what = f"vlmctl's `{built['preset']}` preset" if built.get("preset") else "the configs of " + ", ".join(
-            f"`{built[k]}`" for k in ("base", "vision", "llm") if built.get(k))
+            f"`{built[k]}`" for k in ("base", "vision", "audio", "llm") if built.get(k))
         return BaseModels("preset", origin=f"Built from {what} with randomly initialized weights.",
                           remark="There is no base model on the Hub.")
     base = built.get("base") or record.get("source")
@@ -409,7 +410,8 @@ def _from_build(record: dict[str, Any]) -> BaseModels:
         if _looks_like_hub_id(base):
             return BaseModels("base", [base], origin=f"Fine-tuned from {_hub_link(base)}.")
         return BaseModels("base", origin="Fine-tuned from a local model folder that is not on the Hub.", remark="The card names no `base_model`.")
-    vision, llm = built.get("vision"), built.get("llm")
+    llm = built.get("llm")
+    kind, vision = ("audio", built["audio"]) if built.get("audio") and not built.get("vision") else ("vision", built.get("vision"))
     if vision or llm:
         ids = [r for r in (llm, vision) if _looks_like_hub_id(r)]  # the language model first, as composed VLMs list them
 
@@ -417,7 +419,7 @@ def _from_build(record: dict[str, Any]) -> BaseModels:
             return _hub_link(ref) if _looks_like_hub_id(ref) else "in a local folder (not on the Hub)"
 
         projector = f"a new `{built['projector']}` projector" if built.get("projector") else "a new projector"
-        origin = f"Composed by `vlmctl model build` from the vision encoder {show(vision)} and the language model {show(llm)}, joined by {projector}, then trained."
+        origin = f"Composed by `vlmctl model build` from the {kind} encoder {show(vision)} and the language model {show(llm)}, joined by {projector}, then trained."
         if len(ids) == 2:
             remark = "Both are listed as `base_model` with `base_model_relation: finetune` (trained from both, not a weight merge)."
         elif ids:
@@ -449,7 +451,7 @@ def _trained_model(folder: Path, summary: TrainingSummary | None) -> BaseModels:
             return _from_build(record)
     if summary is not None and summary.model_section:
         m = summary.model_section
-        return _from_build({"init": m.get("init"), "built_from": {k: m.get(k) for k in ("base", "vision", "llm", "projector", "preset")}})
+        return _from_build({"init": m.get("init"), "built_from": {k: m.get(k) for k in ("base", "vision", "audio", "llm", "projector", "preset")}})
     if _looks_like_hub_id(export.get("model_path")):
         return _from_build({"mode": "base", "built_from": {"base": export["model_path"]}})
     return BaseModels(origin="Where the weights came from is not recorded next to this folder.", remark="The card names no `base_model`.")
@@ -487,12 +489,14 @@ def _architecture(folder: Path) -> str:
     arch = (cfg.get("architectures") or [None])[0]
     if arch:
         parts.append(f"`{arch}` ({cfg.get('model_type', '?')})")
+    audio = (cfg.get("audio_config") or {}).get("model_type")
     vision = (cfg.get("vision_config") or {}).get("model_type")
     text = (cfg.get("text_config") or {}).get("model_type")
-    if vision or text:
-        parts.append(f"vision encoder: `{vision or '?'}`, language model: `{text or '?'}`")
+    if audio or vision or text:
+        encoder = f"audio encoder: `{audio}`" if audio and not vision else f"vision encoder: `{vision or '?'}`"
+        parts.append(f"{encoder}, language model: `{text or '?'}`")
     built = info.get("built_from") or {}
-    for key in ("preset", "vision", "llm", "base", "projector"):
+    for key in ("preset", "vision", "audio", "llm", "base", "projector"):
         if built.get(key) and (key in ("preset", "projector") or _looks_like_hub_id(built[key])):  # no local paths
             parts.append(f"{key}: `{built[key]}`")
     params = info.get("parameters") or {}
@@ -505,23 +509,71 @@ def _architecture(folder: Path) -> str:
     return "; ".join(parts) or "A vision-language model."
 
 
-def _usage(repo_id: str, adapter: bool, adapter_base: str | None = None) -> str:
-    imports = "from PIL import Image\nfrom transformers import AutoModelForImageTextToText, AutoProcessor\n"
+def _modalities(folder: Path, summary: TrainingSummary | None) -> tuple[str, ...]:
+    """What the model in `folder` takes besides text: its family's `modalities` (`vlmctl.families`), the family found
+    from the `model_type` of a `config.json` or the `family` of a build record (`vlmctl_model.json`) in the folder, in
+    the local base model its adapter config names, or in the model folder the run trained. Empty when none of them
+    names a known family."""
+    from vlmctl.errors import ModelError
+    from vlmctl.families import get_family
+
+    adapter = _read_json(folder / "adapter_config.json")
+    base = adapter.get("base_model_name_or_path") if isinstance(adapter, dict) else None
+    places = [folder]
+    if base and not _looks_like_hub_id(base):
+        places.append(Path(str(base)).expanduser())
+    if summary is not None and summary.model_dir:
+        places.append(Path(summary.model_dir).expanduser())
+    for place in places:
+        for file, key in (("config.json", "model_type"), (MODEL_INFO, "family")):
+            data = _read_json(place / file)
+            name = data.get(key) if isinstance(data, dict) else None
+            if not name:
+                continue
+            try:
+                return tuple(get_family(str(name)).modalities)
+            except ModelError:
+                continue
+    return ()
+
+
+def _is_audio(modalities: tuple[str, ...]) -> bool:
+    """An audio-language model: its family takes audio and no images (Qwen2-Audio)."""
+    return "audio" in modalities and "image" not in modalities
+
+
+# Usage snippet per input kind: the Auto class vanilla transformers loads the model with, the imports, the chat
+# content item, the question, the line that reads the input (if any) and the processor's argument for it. Audio
+# (transformers 5.23): `Qwen2AudioForConditionalGeneration` is in `MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES`
+# (src/transformers/models/auto/modeling_auto.py), not in the image-text-to-text mapping; `Qwen2AudioProcessor` takes
+# the waveform as `audio=`, sampled at its feature extractor's `sampling_rate` (16 kHz for Whisper's).
+_USAGE = {
+    "image": ("AutoModelForImageTextToText", "from PIL import Image\n", "image", "What is in the image?",
+              "", 'images=Image.open("image.jpg")'),
+    "audio": ("AutoModelForMultimodalLM", "import librosa\n", "audio", "What is said in the audio?",
+              'audio, _ = librosa.load("audio.wav", sr=processor.feature_extractor.sampling_rate)', "audio=audio"),
+}
+
+
+def _usage(repo_id: str, adapter: bool, adapter_base: str | None = None, *, audio: bool = False) -> str:
+    auto, extra, item, question, read, keyword = _USAGE["audio" if audio else "image"]
+    imports = f"{extra}from transformers import {auto}, AutoProcessor\n"
     if adapter and adapter_base is None:  # the base is not on the Hub: load it first, then the adapter onto it
         imports = "from peft import PeftModel\n" + imports
-        load = ('base = AutoModelForImageTextToText.from_pretrained("PATH/TO/BASE_MODEL", dtype="auto")  # the model the adapter was trained on\n'
+        load = (f'base = {auto}.from_pretrained("PATH/TO/BASE_MODEL", dtype="auto")  # the model the adapter was trained on\n'
                 f'model = PeftModel.from_pretrained(base, "{repo_id}")')
     elif adapter:
-        load = f'model = AutoModelForImageTextToText.from_pretrained("{repo_id}")  # loads the base model and this LoRA adapter (peft)'
+        load = f'model = {auto}.from_pretrained("{repo_id}")  # loads the base model and this LoRA adapter (peft)'
     else:
-        load = f'model = AutoModelForImageTextToText.from_pretrained("{repo_id}", dtype="auto")'
+        load = f'model = {auto}.from_pretrained("{repo_id}", dtype="auto")'
     return (
         f"{imports}\n"
         f'processor = AutoProcessor.from_pretrained("{repo_id}")\n'
         f"{load}\n"
-        'messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in the image?"}]}]\n'
+        f'messages = [{{"role": "user", "content": [{{"type": "{item}"}}, {{"type": "text", "text": "{question}"}}]}}]\n'
         "prompt = processor.apply_chat_template(messages, add_generation_prompt=True)\n"
-        'inputs = processor(images=Image.open("image.jpg"), text=prompt, return_tensors="pt")\n'
+        + (f"{read}\n" if read else "")
+        + f'inputs = processor({keyword}, text=prompt, return_tensors="pt")\n'
         "out = model.generate(**inputs, max_new_tokens=64)\n"
         'print(processor.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))'
     )
@@ -552,7 +604,8 @@ def build_model_card(
     see `base_models`: the base VLM, or the language model and vision encoder a composed model was built from, with
     `base_model_relation: finetune`; an adapter's base only when that is on the Hub; omitted, with a note in the
     text, otherwise), `datasets` (`hub.datasets`, then the Hub datasets the run trained on), `license`,
-    `pipeline_tag: image-text-to-text`, `library_name` (`peft` for an adapter, else `transformers`), `tags`, and a
+    `pipeline_tag` (`image-text-to-text`; `audio-text-to-text` for a model whose family takes audio and no images,
+    see `_modalities`: the Hub's task tags, https://huggingface.co/tasks), `library_name` (`peft` for an adapter, else `transformers`), `tags`, and a
     `model-index` with the eval results whose data has a Hub dataset id (`eval_dataset`): the id in `dataset.type`,
     the split in `dataset.split`. Results without an id stay in the body's table only. `run_dir` defaults to the run
     found by `find_run_dir`.
@@ -563,6 +616,8 @@ def build_model_card(
     run_dir = run_dir or find_run_dir(folder)
     summary = training_summary(run_dir) if run_dir else None
     adapter = (folder / "adapter_config.json").is_file()
+    audio = _is_audio(_modalities(folder, summary))
+    task = "audio-text-to-text" if audio else "image-text-to-text"
     origin = base_models(folder, run_dir=run_dir)
     datasets = list(dict.fromkeys([*hub.datasets, *(summary.datasets if summary else [])]))
 
@@ -579,7 +634,7 @@ def build_model_card(
                 continue
             eval_results.append(
                 EvalResult(
-                    task_type=_TASK_TYPES.get(str(r.get("task")), "image-text-to-text"),
+                    task_type=_TASK_TYPES.get(str(r.get("task")), task),
                     dataset_type=dataset_id,
                     dataset_name=f"{dataset_id.split('/')[-1]} ({split})" if split else dataset_id.split("/")[-1],
                     dataset_split=split,
@@ -592,19 +647,19 @@ def build_model_card(
         "nor a single Hub data source names its dataset) are listed here only, not in the card's `model-index` metadata."
         if unindexed else ""
     )
-    tags = list(dict.fromkeys(["vlmctl", "vision-language", "image-text-to-text", *(["lora"] if adapter else []), *hub.tags]))
+    tags = list(dict.fromkeys(["vlmctl", "audio-language" if audio else "vision-language", task, *(["lora"] if adapter else []), *hub.tags]))
     card_data = ModelCardData(
         base_model=origin.ids or None,
         datasets=datasets or None,
         license=hub.license,
-        pipeline_tag="image-text-to-text",
+        pipeline_tag=task,
         library_name="peft" if adapter else "transformers",
         tags=tags,
         model_name=name if eval_results else None,
         eval_results=eval_results or None,
         **({"base_model_relation": origin.relation} if origin.relation else {}),
     )
-    description = f"A vision-language model trained with vlmctl{f' (project `{summary.project}`)' if summary and summary.project else ''}."
+    description = f"A{'n audio' if audio else ' vision'}-language model trained with vlmctl{f' (project `{summary.project}`)' if summary and summary.project else ''}."
     return ModelCard.from_template(
         card_data,
         template_str=CARD_TEMPLATE,
@@ -615,7 +670,7 @@ def build_model_card(
         training=summary.rows() if summary else [],
         evals=_eval_rows(evals),
         index_note=index_note,
-        usage=_usage(repo_id, adapter=adapter, adapter_base=origin.adapter_base),
+        usage=_usage(repo_id, adapter=adapter, adapter_base=origin.adapter_base, audio=audio),
     )
 
 
