@@ -32,6 +32,23 @@ it through `trained_parts` (`vlmctl.train.setup.trainable_parts`)."""
 BYTES_WEIGHT, BYTES_GRAD, BYTES_OPTIM = 2, 2, 12
 DEEPSPEED = ("zero2", "zero3")
 QUANTIZED_BYTES = {"4bit": 0.5, "8bit": 1.0}
+PART_LABELS = {"vision": "vision tower", "projector": "projector", "llm": "language model"}
+"""What the parameter table calls each part (`vlmctl.families.PARTS`); see `part_labels` for audio models."""
+
+
+def part_labels(family: str) -> dict[str, str]:
+    """{part: label} of the parameter table for a family (a `vlmctl.families` name): the encoder in front of the
+    projector (the `vision` part) is the "audio tower" of a family whose `modalities` take audio and no images
+    (Qwen2-Audio), the "vision tower" otherwise, and of an unknown family."""
+    from vlmctl.errors import ModelError
+    from vlmctl.families import get_family
+
+    try:
+        modalities = get_family(family).modalities
+    except ModelError:
+        return dict(PART_LABELS)
+    audio = "audio" in modalities and "image" not in modalities
+    return {**PART_LABELS, "vision": "audio tower"} if audio else dict(PART_LABELS)
 
 
 @dataclass(frozen=True)
@@ -141,7 +158,7 @@ def training_summary(info: dict[str, Any], *, stage: str, strategy: str, num_gpu
     `train` keys of the same names (`quantize`: `train.lora.quantize`). With `lora`, the language model's weights stay
     frozen and only adapters (not counted) are trained on it.
 
-    Returns a dict with "parameters", "trained", "trainable_parameters", "device", "num_processes", "precision",
+    Returns a dict with "parameters", "part_labels" (`part_labels`: what to call each part), "trained", "trainable_parameters", "device", "num_processes", "precision",
     "bytes_per_parameter" and "memory_per_gpu_bytes" (bytes per device: per GPU, or per process on CPU), among others.
     """
     from vlmctl.config.train import resolve_strategy
@@ -162,6 +179,7 @@ def training_summary(info: dict[str, Any], *, stage: str, strategy: str, num_gpu
     return {
         "family": info["family"],
         "parameters": params,
+        "part_labels": part_labels(info["family"]),
         "trained": trained,
         "lora_on_llm": lora,
         "trainable_parameters": sum(params[p] for p in PARTS if trained[p]),
