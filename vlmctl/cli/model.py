@@ -96,7 +96,7 @@ def _summary(info: dict[str, Any], t: Any) -> dict[str, Any]:
 def _render(result: Any, s: dict[str, Any]) -> None:
     from rich.table import Table
 
-    names = {"vision": "vision tower", "projector": "projector", "llm": "language model"}
+    names = s.get("part_labels") or {"vision": "vision tower", "projector": "projector", "llm": "language model"}
     table = Table(title=f"{result.output_dir} ({s['family']}, {result.mode})", title_justify="left")
     table.add_column("part")
     table.add_column("parameters", justify="right")
