@@ -212,10 +212,10 @@ def defer_weights(model, train, env, *, resuming: bool = False) -> DeferredWeigh
 
 def materialize(model, device, *, zero: bool = False) -> bool:
     """Uninitialized storage (zeros with `zero`) on `device` for the meta parameters and buffers of `model`
-    (`nn.Module.to_empty`; FSDP2's sharded parameters get their local shards only). Buffers that hold values (computed when the model
-    was built: rotary `inv_freq`, position ids) keep them, and a parameter shared by several modules (tied input
-    and output embeddings) stays one parameter: `to_empty` gives each module its own copy of a meta parameter.
-    Returns whether anything was on the meta device."""
+    (`nn.Module.to_empty`; FSDP2's sharded parameters get their local shards only). Buffers that hold values
+    (computed when the model was built: rotary `inv_freq`, position ids) keep them, and a parameter shared by
+    several modules (tied input and output embeddings) stays one parameter: `to_empty` gives each module its own
+    copy of a meta parameter. Returns whether anything was on the meta device (False: `model` is left as it is)."""
     import itertools
 
     import torch
