@@ -377,12 +377,8 @@ def check_images(sample: Sample, *, min_image_side: int = 28, max_image_pixels: 
         if norm.conversion:
             info.conversions.append(norm.conversion)
     sample.images = data
-    if sample.videos:
-        rejected = _check_videos(sample, info, video)
-        if rejected is not None:
-            return rejected
-    if sample.audios:
-        rejected = _check_audios(sample, info, audio)
+    for name, settings in (("video", video), ("audio", audio)):
+        rejected = _check_clips(sample, info, settings, name) if sample.media.get(name) else None
         if rejected is not None:
             return rejected
     info.digest = sample_digest(sample)
@@ -392,55 +388,42 @@ def check_images(sample: Sample, *, min_image_side: int = 28, max_image_pixels: 
     return sample, info
 
 
-_VIDEO_READ_REASONS = {"missing_image": "missing_video", "image_too_large": "video_too_long"}
+def _check_clips(sample: Sample, info: SampleInfo, settings: Any, name: str) -> Rejection | None:
+    """Read and normalize the sample's `name` parts in place ("video": stored clips, recording `VideoFacts`;
+    "audio": stored FLAC, recording `AudioFacts` in `info`); the first failure as a Rejection. A file that cannot
+    be read is `missing_<name>`, one over the size limit `<name>_too_long`."""
+    if name == "video":
+        from vlmctl.data.modalities.video import MAX_VIDEO_FILE_BYTES as max_bytes
+        from vlmctl.data.modalities.video import VideoError as ClipError
+        from vlmctl.data.modalities.video import normalize_video as normalize
 
+        def facts(clip):
+            return VideoFacts(clip.frames, clip.width, clip.height, clip.seconds, clip.conversion is not None)
+        recorded = info.videos
+    else:
+        from vlmctl.data.modalities.audio import MAX_AUDIO_FILE_BYTES as max_bytes
+        from vlmctl.data.modalities.audio import AudioError as ClipError
+        from vlmctl.data.modalities.audio import normalize_audio as normalize
 
-def _check_videos(sample: Sample, info: SampleInfo, settings: Any) -> Rejection | None:
-    """Read and normalize `sample.videos` in place (stored clips), recording `VideoFacts` in `info`; the first
-    failure as a Rejection."""
-    from vlmctl.data.modalities.video import MAX_VIDEO_FILE_BYTES, VideoError, normalize_video
-
+        def facts(clip):
+            return AudioFacts(clip.seconds, clip.sampling_rate, clip.channels, clip.conversion is not None)
+        recorded = info.audios
+    read_reasons = {"missing_image": f"missing_{name}", "image_too_large": f"{name}_too_long"}
     location = getattr(sample, "location", "")
     clips = []
-    for i, ref in enumerate(sample.videos):
-        name = f"video {i}" + (f" ({ref})" if isinstance(ref, Path) else "")
+    for i, ref in enumerate(sample.media[name]):
+        label = f"{name} {i}" + (f" ({ref})" if isinstance(ref, Path) else "")
         try:
-            data = read_ref(ref, max_bytes=MAX_VIDEO_FILE_BYTES)
+            data = read_ref(ref, max_bytes=max_bytes)
         except ImageError as exc:  # the detail names the file already
-            return Rejection(_VIDEO_READ_REASONS.get(exc.reason, exc.reason), sample.source, location, f"video {i}: {exc.detail}", sample.id)
+            return Rejection(read_reasons.get(exc.reason, exc.reason), sample.source, location, f"{name} {i}: {exc.detail}", sample.id)
         try:
-            clip = normalize_video(data, settings)
-        except VideoError as exc:
-            return Rejection(exc.reason, sample.source, location, f"{name}: {exc.detail}", sample.id)
+            clip = normalize(data, settings)
+        except ClipError as exc:
+            return Rejection(exc.reason, sample.source, location, f"{label}: {exc.detail}", sample.id)
         clips.append(clip.data)
-        info.videos.append(VideoFacts(clip.frames, clip.width, clip.height, clip.seconds, clip.conversion is not None))
-    sample.media["video"] = clips
-    return None
-
-
-_AUDIO_READ_REASONS = {"missing_image": "missing_audio", "image_too_large": "audio_too_long"}
-
-
-def _check_audios(sample: Sample, info: SampleInfo, settings: Any) -> Rejection | None:
-    """Read and normalize `sample.audios` in place (stored FLAC), recording `AudioFacts` in `info`; the first
-    failure as a Rejection."""
-    from vlmctl.data.modalities.audio import MAX_AUDIO_FILE_BYTES, AudioError, normalize_audio
-
-    location = getattr(sample, "location", "")
-    clips = []
-    for i, ref in enumerate(sample.audios):
-        name = f"audio {i}" + (f" ({ref})" if isinstance(ref, Path) else "")
-        try:
-            data = read_ref(ref, max_bytes=MAX_AUDIO_FILE_BYTES)
-        except ImageError as exc:  # the detail names the file already
-            return Rejection(_AUDIO_READ_REASONS.get(exc.reason, exc.reason), sample.source, location, f"audio {i}: {exc.detail}", sample.id)
-        try:
-            clip = normalize_audio(data, settings)
-        except AudioError as exc:
-            return Rejection(exc.reason, sample.source, location, f"{name}: {exc.detail}", sample.id)
-        clips.append(clip.data)
-        info.audios.append(AudioFacts(clip.seconds, clip.sampling_rate, clip.channels, clip.conversion is not None))
-    sample.media["audio"] = clips
+        recorded.append(facts(clip))
+    sample.media[name] = clips
     return None
 
 

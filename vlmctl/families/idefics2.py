@@ -49,11 +49,19 @@ def idefics2_tokens(width: int, height: int, source: Any) -> int:
     Source: transformers `Idefics2Processor.__call__` (5.23). Counts `<image>` tokens only; the processor also adds
     `<fake_token_around_image>` markers (one around each view).
     """
+    seq_len, views = idefics2_views(source)
+    return seq_len * views
+
+
+def idefics2_views(source: Any) -> tuple[int, int]:
+    """(`<image>` tokens per view, views per image) of `idefics2_tokens`' `source`: a model config gives
+    `perceiver_config.resampler_n_latents` and one view; a processor its `image_seq_len` (64 without one) and 5
+    views with the image processor's `do_image_splitting`."""
     proc, improc, cfg = split_source(source)
     if cfg is not None:
-        return int(setting(setting(cfg, "perceiver_config", default={}), "resampler_n_latents", default=DEFAULT_QUERIES))
+        return int(setting(setting(cfg, "perceiver_config", default={}), "resampler_n_latents", default=DEFAULT_QUERIES)), 1
     seq_len = int(setting(proc, "image_seq_len", default=DEFAULT_QUERIES)) if proc is not None else DEFAULT_QUERIES
-    return seq_len * (SPLIT_VIEWS if bool(setting(improc, "do_image_splitting", default=False)) else 1)
+    return seq_len, SPLIT_VIEWS if bool(setting(improc, "do_image_splitting", default=False)) else 1
 
 
 COMPOSE_VISION_TYPES = frozenset({"siglip_vision_model", "idefics2_vision", "idefics3_vision"})
@@ -126,10 +134,8 @@ class Idefics2Spec(FamilySpec):
         if not sizes:
             return None
         boundary = setting(processor, "image_boundary_token", default=None) or BOUNDARY
-        proc, improc, _ = split_source(processor)
-        seq_len = int(setting(proc, "image_seq_len", default=DEFAULT_QUERIES)) if proc is not None else DEFAULT_QUERIES
-        view = f"{boundary}{'<image>' * seq_len}{boundary}"
-        image = view * (SPLIT_VIEWS if bool(setting(improc, "do_image_splitting", default=False)) else 1)
+        seq_len, views = idefics2_views(processor)
+        image = f"{boundary}{'<image>' * seq_len}{boundary}" * views
         out = text.replace(self.image_prompt, image).replace(boundary * 2, boundary)
         return re.sub(rf"{re.escape(boundary)}(?=[^\s<])", f"{boundary} ", out)
 

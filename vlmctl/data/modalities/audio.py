@@ -301,14 +301,7 @@ class AudioUnit(ModalityUnit):
     def template_part(self, processor: Any = None, family: Any = None) -> dict[str, Any]:
         """The family's audio prompt as a text part when a processor is given, else `{"type": "audio"}`. Raises
         DataError when the family takes no audio."""
-        if processor is None:
-            return {"type": self.name}
-        if family is not None and not self.accepted_by(family):
-            from vlmctl.errors import DataError
-
-            raise DataError(f"family {getattr(family, 'name', family)} takes no audio input, but a sample has an audio part",
-                            hint="drop the audio samples from data.sources, or train a family that takes audio (qwen2_audio)")
-        return {"type": "text", "text": self.prompt(processor, family)}
+        return self.prompt_part(processor, family, takers="qwen2_audio")
 
     def decode(self, parts: list[bytes]) -> list:
         """Stored clips -> mono float32 waveforms [n] at their stored rate."""

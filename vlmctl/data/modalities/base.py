@@ -59,6 +59,20 @@ class ModalityUnit(ABC):
         units that write their prompt as text (see `VideoUnit`)."""
         return {"type": self.name}
 
+    def prompt_part(self, processor: Any, family: Any, takers: str) -> dict[str, Any]:
+        """`template_part` of a unit that writes its prompt as text: the family's prompt of this modality as a text
+        part when a processor is given, else `{"type": <name>}`. Raises DataError, naming `takers` (families that
+        take this modality) in the fix, when the family takes none of it."""
+        if processor is None:
+            return {"type": self.name}
+        if family is not None and not self.accepted_by(family):
+            from vlmctl.errors import DataError
+
+            article = "an" if self.name[0] in "aeiou" else "a"
+            raise DataError(f"family {getattr(family, 'name', family)} takes no {self.name} input, but a sample has {article} {self.name} part",
+                            hint=f"drop the {self.name} samples from data.sources, or train a family that takes {self.name} ({takers})")
+        return {"type": "text", "text": self.prompt(processor, family)}
+
     def processor_inputs(self, parts: list[bytes]) -> dict[str, Any]:
         """Keyword arguments of the processor call for encoded `parts`: `{processor_kwarg: decode(parts)}`, plus
         whatever else the modality needs (the video unit adds `video_metadata`)."""

@@ -369,14 +369,7 @@ class VideoUnit(ModalityUnit):
     def template_part(self, processor: Any = None, family: Any = None) -> dict[str, Any]:
         """The family's video prompt as a text part when a processor is given, else `{"type": "video"}`. Raises
         DataError when the family takes no video."""
-        if processor is None:
-            return {"type": self.name}
-        if family is not None and not self.accepted_by(family):
-            from vlmctl.errors import DataError
-
-            raise DataError(f"family {getattr(family, 'name', family)} takes no video input, but a sample has a video part",
-                            hint="drop the video samples from data.sources, or train a family that takes video (Qwen2-VL, Qwen2.5-VL)")
-        return {"type": "text", "text": self.prompt(processor, family)}
+        return self.prompt_part(processor, family, takers="Qwen2-VL, Qwen2.5-VL")
 
     def decode(self, parts: list[bytes]) -> list:
         """Stored clips -> frame arrays [T, H, W, 3] uint8."""
