@@ -301,7 +301,7 @@ class AudioUnit(ModalityUnit):
     def template_part(self, processor: Any = None, family: Any = None) -> dict[str, Any]:
         """The family's audio prompt as a text part when a processor is given, else `{"type": "audio"}`. Raises
         DataError when the family takes no audio."""
-        return self.prompt_part(processor, family, takers="qwen2_audio")
+        return self.prompt_part(processor, family, takers="Qwen2-Audio")
 
     def decode(self, parts: list[bytes]) -> list:
         """Stored clips -> mono float32 waveforms [n] at their stored rate."""
