@@ -194,3 +194,83 @@ def test_validate_cli_table_json_and_exit_codes(tmp_path, capsys, monkeypatch):
     code, out, _ = run(["data", "validate", str(REAL / "llava_examples" / "llava_format.json")], capsys)
     assert code == 0 and "OK" in out
     assert not list(tmp_path.glob("data"))  # validate writes nothing
+
+
+def test_row_budget_rejects_a_sample_over_one_gpu_or_splits_it_over_sequence_parallel(tmp_path, capsys, monkeypatch):
+    """A sample over train.tokens_per_batch but within data.max_length: too_long with sequence_parallel 1 (the detail
+    names the fix), kept on 2 GPUs with sequence_parallel 2; auto (or no packing) keeps today's limit. The CLI builds
+    the row budget from the train section, for prepare and validate."""
+    tiny_processor(tmp_path / "model")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "vlmctl.yaml").write_text(
+        f"data:\n  sources:\n    - path: {REAL / 'llava_examples' / 'llava_format.json'}\n  val_ratio: 0.0\n  max_length: 100000\n"
+        "model:\n  output_dir: model\n"
+    )
+
+    def prepare(*overrides: str) -> tuple[dict, list[dict]]:
+        code, out, err = run(["data", "prepare", "--num-proc", "1", "--json", *overrides], capsys)
+        assert code == 0, err + out
+        rejected = [json.loads(line) for line in Path("data/prepared/rejected.jsonl").read_text().splitlines()]
+        return json.loads(out), rejected
+
+    auto, rejected = prepare()
+    tokens = auto["tokens"]
+    assert auto["totals"]["kept"] == 3 and rejected == []
+    assert (tokens["row_budget_tokens"], tokens["tokens_per_batch"], tokens["sequence_parallel"]) == (None, None, None)
+    assert (tokens["gpus_needed"], tokens["gpus_needed_at"]) == (1, 8192)
+    longest = tokens["max"]
+    per_gpu = max(tokens["p50"], -(-longest // 2))  # the two shorter samples fit one GPU, the longest needs two
+    assert per_gpu < longest
+
+    one, rejected = prepare(f"train.tokens_per_batch={per_gpu}")
+    assert one["totals"]["rejected"] == {"too_long": 1} and [r["reason"] for r in rejected] == ["too_long"]
+    assert rejected[0]["detail"] == (
+        f"{longest:,} tokens (text + visual) > {per_gpu:,} tokens per packed row (train.tokens_per_batch={per_gpu} x "
+        "train.sequence_parallel=1); it needs 2 GPUs: set train.sequence_parallel=2 (or raise train.tokens_per_batch)")
+    assert one["tokens"]["row_budget_tokens"] == per_gpu and one["tokens"]["gpus_needed"] == 1
+
+    two, rejected = prepare(f"train.tokens_per_batch={per_gpu}", "train.sequence_parallel=2")
+    assert two["totals"]["kept"] == 3 and rejected == []
+    keys = ("row_budget_tokens", "tokens_per_batch", "sequence_parallel", "gpus_needed", "gpus_needed_at")
+    assert [two["tokens"][k] for k in keys] == [2 * per_gpu, per_gpu, 2, 2, per_gpu]
+
+    padded, rejected = prepare(f"train.tokens_per_batch={per_gpu}", "train.packing=false")  # no packed row to fit
+    assert padded["totals"]["kept"] == 3 and padded["tokens"]["row_budget_tokens"] is None
+
+    code, out, err = run(["data", "prepare", "--num-proc", "1", f"train.tokens_per_batch={per_gpu}", "train.sequence_parallel=2"], capsys)
+    assert code == 0, err
+    assert (f"Longest sample: {longest:,} tokens, 2 GPUs at train.tokens_per_batch={per_gpu} (train.sequence_parallel=2 holds it)"
+            in " ".join((out + err).split()))
+
+    code, out, _ = run(["data", "validate", "--json", f"train.tokens_per_batch={per_gpu}"], capsys)
+    report = json.loads(out)
+    assert code == 1 and report["counts"] == {"too_long": 1}
+    assert "set train.sequence_parallel=2" in report["examples"]["too_long"][0]["detail"]
+    code, out, _ = run(["data", "validate", "--json", f"train.tokens_per_batch={per_gpu}", "train.sequence_parallel=2"], capsys)
+    assert code == 0 and json.loads(out)["kept"] == 3
+
+
+def test_row_budget_applies_to_the_tokenizer_trained_at_prepare_time(tmp_path):
+    """Before the build of a random-init preset, the tokenizer's rounds drop samples over the row budget too."""
+    from vlmctl.config.model import ModelSection
+    from vlmctl.data.pipeline import RowBudget
+
+    src = DataSource(path=str(REAL / "llava_examples" / "llava_format.json"))
+    model = ModelSection(preset="tiny", init="random")
+
+    def prepare(budget: RowBudget | None) -> tuple[dict, list[dict]]:
+        data = DataSection(sources=[src], prepared_dir=tmp_path / "prepared", val_ratio=0.0, max_length=100_000)
+        tokens = prepare_data(data, num_proc=1, model=model, row_budget=budget, progress=False).manifest["tokens"]
+        return tokens, [json.loads(line) for line in (tmp_path / "prepared" / "rejected.jsonl").read_text().splitlines()]
+
+    tokens, rejected = prepare(None)
+    assert tokens["tokenizer"]["rounds"] == 1 and rejected == [] and tokens["count"] == 3
+    # between the two longest: a tokenizer trained on fewer texts counts the others a little longer
+    longest, per_gpu = tokens["max"], (tokens["p50"] + tokens["max"]) // 2
+    assert tokens["p50"] < per_gpu < longest <= 2 * per_gpu
+    # over the row: dropped, and the tokenizer trained again without it (the build trains on what the shards hold)
+    tokens, rejected = prepare(RowBudget(per_gpu))
+    assert [r["reason"] for r in rejected] == ["too_long"] and "set train.sequence_parallel=2" in rejected[0]["detail"]
+    assert tokens["count"] == 2 and tokens["tokenizer"] == {"rounds": 2, "converged": True} and tokens["max"] <= per_gpu
+    tokens, rejected = prepare(RowBudget(per_gpu, 2))
+    assert rejected == [] and tokens["max"] == longest and tokens["gpus_needed"] == 2 and tokens["tokenizer"]["rounds"] == 1

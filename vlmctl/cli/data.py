@@ -11,6 +11,7 @@ from vlmctl.cli._common import ConfigOpt, JsonOpt, OverridesArg, console, info, 
 
 if TYPE_CHECKING:
     from vlmctl.config import VlmctlConfig
+    from vlmctl.data.pipeline import RowBudget
 
 app = typer.Typer(help="Prepare and validate training data.", no_args_is_help=True)
 
@@ -23,6 +24,18 @@ def _processor_dir(cfg: "VlmctlConfig") -> Path | None:
     from vlmctl.data.tokens import has_processor
 
     return Path(cfg.model.output_dir) if has_processor(cfg.model.output_dir) else None
+
+
+def _row_budget(cfg: "VlmctlConfig") -> "RowBudget | None":
+    """The packed training row the trainer fills (`vlmctl.train.data.build_sampler`): train.tokens_per_batch x
+    train.sequence_parallel tokens. None without packing (a sample is its own padded row) or with
+    train.tokens_per_batch auto (the budget is measured when training starts)."""
+    from vlmctl.data.pipeline import RowBudget
+
+    train = cfg.train
+    if not train.packing or not isinstance(train.tokens_per_batch, int):
+        return None
+    return RowBudget(train.tokens_per_batch, train.sequence_parallel)
 
 
 @app.command("prepare", epilog=PREPARE_EXAMPLE)
@@ -43,6 +56,7 @@ def prepare(
         num_proc=num_proc,
         processor_dir=_processor_dir(cfg),
         model=cfg.model,  # before a build: the configured model's tokenizer / processor counts
+        row_budget=_row_budget(cfg),
         export=export,
         export_dir=Path(export_dir) if export_dir else None,
         progress=not (as_json or state.quiet),
@@ -77,6 +91,7 @@ def _render_prepare(m: dict[str, Any], out: Path, export_dir: Path | None, token
             f"Tokens per sample: p50 {tokens['p50']:,}, max {tokens['max']:,}; suggested max_length {tokens['suggested_max_length']:,}, "
             f"packing length {tokens['suggested_packing_length']:,}"
         )
+        info(_longest_line(tokens))
     else:
         from rich.markup import escape
 
@@ -84,6 +99,21 @@ def _render_prepare(m: dict[str, Any], out: Path, export_dir: Path | None, token
     info(f"Length histogram: {out / 'length_histogram.png'}")
     if export_dir:
         info(f"Energon export: {export_dir}")
+
+
+def _longest_line(tokens: dict[str, Any]) -> str:
+    """How many GPUs the longest kept sample needs, at the row budget's tokens per GPU (or the default one)."""
+    gpus, at = tokens.get("gpus_needed"), tokens.get("gpus_needed_at")
+    line = f"Longest sample: {tokens['max']:,} tokens, {gpus} GPU{'s' if gpus != 1 else ''}"
+    sp = tokens.get("sequence_parallel")
+    if sp is None:  # no row budget: counted at training's default tokens per GPU
+        hint = f"; set train.sequence_parallel={gpus} for it" if gpus > 1 else ""
+        return f"{line} at {at:,} tokens per GPU (train.tokens_per_batch: auto without a probe{hint})"
+    line = f"{line} at train.tokens_per_batch={at}"
+    if sp == 1:
+        return line
+    fewer = f"; train.sequence_parallel={gpus} would too" if gpus < sp else ""  # a smaller group leaves more data-parallel ranks
+    return f"{line} (train.sequence_parallel={sp} holds it{fewer})"
 
 
 @app.command("validate", epilog=VALIDATE_EXAMPLE)
@@ -102,6 +132,7 @@ def validate(
         paths=paths or None,
         processor_dir=_processor_dir(cfg),
         progress=not (as_json or state.quiet),
+        row_budget=_row_budget(cfg),
     )
     if as_json:
         print_json(report.to_dict())

@@ -29,7 +29,7 @@ Every rejected sample gets exactly one reason code. The codes are public output 
 | `audio_too_long` | longer than `data.audio.max_seconds` (from the header, before decoding), or a file over 1 GiB | `check_images` |
 | `duplicate` | same normalized text and image bytes as an earlier sample (the detail names it) | prepare / validate |
 | `duplicate_id` | the same `id` as an earlier sample of the same source (the detail names it); with `data.duplicate_ids: keep` only counted | prepare / validate |
-| `too_long` | text + visual tokens over `data.max_length` (only when a processor is known) | prepare / validate |
+| `too_long` | text + visual tokens over `data.max_length`, or over one packed training row (`train.tokens_per_batch x train.sequence_parallel`, when packing and a number) when that is smaller: the detail names the GPUs it needs (only when a processor is known) | prepare / validate |
 
 A sample with images (or videos, or audio clips) and no placeholder of that modality at all is kept: its images, then
 its videos, then its audio clips are put at the start of the first user turn (the LLaVA convention).

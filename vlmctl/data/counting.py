@@ -2,7 +2,7 @@
 
     conf = configured_processor(cfg.model)        # None when the model section names no model
     if conf.needs_training:                         # a random-init preset: its tokenizer is trained on the data
-        counter = fit_tokenizer(conf, kept_train, data.max_length, folder)
+        counter = fit_tokenizer(conf, kept_train, data.max_length, folder, row_budget)
     else:
         counter = counter_in(folder, conf.processor, conf.family)
 
@@ -17,8 +17,9 @@ configs and tokenizers, never weights):
   exist: the same function (`make_processor`) on the same texts in the same order
   (`vlmctl.models.tokenizer.conversation_texts`) of the samples that the shards will hold. Which samples those are
   depends on the tokenizer (too_long), so it iterates: train on the kept train samples, count, drop the ones over
-  `data.max_length`, and train again until the set no longer changes (one round when nothing is too long, two
-  when some outliers are). The build then trains exactly this tokenizer from the shards.
+  `data.max_length` (or over the packed training row, `pipeline.RowBudget`, when that is smaller), and train again
+  until the set no longer changes (one round when nothing is too long, two when some outliers are). The build then
+  trains exactly this tokenizer from the shards.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 
 from vlmctl.config.model import ModelSection
 from vlmctl.data.checks import SampleInfo
+from vlmctl.data.pipeline import RowBudget, token_limit
 from vlmctl.data.sample import Sample
 from vlmctl.data.tokens import MODEL_INFO, TokenCounter
 
@@ -110,16 +112,20 @@ def fit_tokenizer(
     kept_train: Callable[[], Iterable[tuple[Sample, SampleInfo]]],
     max_length: int,
     folder: Path,
+    row_budget: RowBudget | None = None,
 ) -> FitResult | None:
     """Train the tokenizer `model build` will train, on the train samples the shards will hold, and return its
     counter (saved in `folder`). None when the train split has no text.
 
     `kept_train()` yields the kept samples of the train split in shard order with their `SampleInfo` (image sizes),
-    before the too_long check; it is called twice per round. Raises DataError as `train_tokenizer` does.
+    before the too_long check; it is called twice per round. A sample is left out of the next round when it has
+    more than `token_limit(max_length, row_budget)` tokens (text + visual), the limit the too_long check applies
+    after. Raises DataError as `train_tokenizer` does.
     """
     from vlmctl.models.build import make_processor
     from vlmctl.models.tokenizer import conversation_texts
 
+    limit = token_limit(max_length, row_budget)
     dropped: set[int] = set()
     counter = None
     for rounds in range(1, MAX_ROUNDS + 1):
@@ -128,7 +134,7 @@ def fit_tokenizer(
             return None
         counter = counter_in(folder, make_processor(conf.plan, tokenizer_texts=texts), conf.family)
         too_long = {k for k, (s, info) in enumerate(kept_train())
-                    if counter.count(s, list(zip(info.widths, info.heights))) > max_length}
+                    if counter.count(s, list(zip(info.widths, info.heights))) > limit}
         if too_long == dropped:
             return FitResult(counter, rounds, True)
         dropped = too_long

@@ -3,6 +3,10 @@
     sources --read (main process, streaming)--> batches --check_images + token count (worker processes)-->
     in-order results --dedup, duplicate ids, too_long (main process)--> (source index, Sample | Rejection)
 
+too_long rejects a sample over `data.max_length` tokens, or over the packed training row (`RowBudget`:
+`train.tokens_per_batch x train.sequence_parallel` tokens) when that is smaller: a sample longer than the row would
+only be left out by the trainer's sampler.
+
 Reading and parsing stay in the main process (cheap, and it keeps the order of records); image reading,
 full decoding, RGB normalization and token counting run in `num_proc` worker processes. At most
 `2 * num_proc` batches of `BATCH_SIZE` samples are in flight, so memory does not grow with the dataset.
@@ -26,9 +30,48 @@ from vlmctl.data.sample import Sample
 from vlmctl.errors import MissingSourceError
 
 BATCH_SIZE = 32
+DEFAULT_TOKENS_PER_GPU = 8192
+"""Tokens per GPU when `train.tokens_per_batch` is auto and no probe ran (`vlmctl.train.autotune.DEFAULT_TOKENS`):
+what `gpus_needed` is computed at without a row budget."""
 
 # Per-process state of the check workers (set by _init_worker, or directly when num_proc == 1).
 _STATE: dict[str, Any] = {}
+
+
+@dataclass(frozen=True)
+class RowBudget:
+    """The tokens of one packed training row: `tokens_per_batch` per GPU (`train.tokens_per_batch`) times the
+    `sequence_parallel` GPUs that split each row along the sequence (`train.sequence_parallel`), as the trainer's
+    sampler fills it (`vlmctl.train.data.build_sampler`).
+
+    Raises ValueError for a budget below 1 token per GPU or fewer than 1 GPU.
+    """
+
+    tokens_per_batch: int
+    sequence_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tokens_per_batch < 1 or self.sequence_parallel < 1:
+            raise ValueError(f"RowBudget needs tokens_per_batch >= 1 and sequence_parallel >= 1, got "
+                             f"{self.tokens_per_batch} and {self.sequence_parallel}")
+
+    @property
+    def tokens(self) -> int:
+        """Tokens one packed row holds (tokens_per_batch x sequence_parallel)."""
+        return self.tokens_per_batch * self.sequence_parallel
+
+    def gpus_for(self, n_tokens: int) -> int:
+        """GPUs of `tokens_per_batch` tokens each that a sample of `n_tokens` tokens needs: ceil(n / tokens_per_batch),
+        at least 1."""
+        return max(1, -(-n_tokens // self.tokens_per_batch))
+
+    def to_dict(self) -> dict[str, int]:
+        return {"row_budget_tokens": self.tokens, "tokens_per_batch": self.tokens_per_batch, "sequence_parallel": self.sequence_parallel}
+
+
+def token_limit(max_length: int, row_budget: RowBudget | None) -> int:
+    """The most tokens a kept sample may have: `data.max_length`, or the packed row's tokens when smaller."""
+    return min(max_length, row_budget.tokens) if row_budget is not None else max_length
 
 
 def _init_worker(processor_dir: str | None, limits: dict[str, Any], counter: Any = None) -> None:
@@ -190,12 +233,16 @@ def iter_checked(
     num_proc: int | None = None,
     processor_dir: Path | None = None,
     on_item: Callable[[], None] | None = None,
+    row_budget: RowBudget | None = None,
 ) -> Iterator[tuple[int, Sample | Rejection, SampleInfo | None]]:
     """All checks over `sources` (already passed through `unique_sources`), in input order.
 
     Yields (source index, Sample, SampleInfo) for kept samples and (source index, Rejection, None) for the rest.
     A `duplicate` or `duplicate_id` rejection names the earlier sample; with `data.duplicate_ids: keep` a repeated
-    id is kept and flagged in `SampleInfo.flags`. too_long is checked only when `processor_dir` holds a processor.
+    id is kept and flagged in `SampleInfo.flags`. too_long is checked only when `processor_dir` holds a processor,
+    against `token_limit(data.max_length, row_budget)` tokens (text + visual).
+
+    Raises DataError when a source cannot be opened (as the readers do).
     """
     from vlmctl.data.tokens import has_processor
 
@@ -226,27 +273,38 @@ def iter_checked(
                 yield src, Rejection("duplicate_id", sample.source, sample.location, detail, sample.id), None
                 continue
             info.flags.append("duplicate_id")
-        if sample.num_tokens is not None and sample.num_tokens > data.max_length:
-            yield src, too_long(sample, data.max_length), None
-            continue
-        yield src, sample, info
+        rejection = too_long(sample, data.max_length, row_budget)
+        yield (src, rejection, None) if rejection is not None else (src, sample, info)
 
 
-def too_long(sample: Sample, max_length: int) -> Rejection:
-    """The too_long rejection of a sample whose `num_tokens` exceed `max_length`."""
-    detail = f"{sample.num_tokens} tokens (text + visual) > data.max_length={max_length}"
+def too_long(sample: Sample, max_length: int, row_budget: RowBudget | None = None) -> Rejection | None:
+    """The too_long rejection of a sample whose `num_tokens` exceed `token_limit(max_length, row_budget)`; None
+    when it fits or was not counted. Over the row budget, the detail says how many GPUs the sample needs and which
+    key to set."""
+    n = sample.num_tokens
+    if n is None or n <= token_limit(max_length, row_budget):
+        return None
+    detail = f"{n} tokens (text + visual) > data.max_length={max_length}" if n > max_length else f"{n:,} tokens (text + visual)"
+    if row_budget is not None and n > row_budget.tokens:
+        gpus = row_budget.gpus_for(n)
+        row = (f"{row_budget.tokens:,} tokens per packed row (train.tokens_per_batch={row_budget.tokens_per_batch} x "
+               f"train.sequence_parallel={row_budget.sequence_parallel}); it needs {gpus} GPUs: ")
+        fix = f"set train.sequence_parallel={gpus} (or raise train.tokens_per_batch)"
+        detail += f" and > {row}raise data.max_length and {fix}" if n > max_length else f" > {row}{fix}"
     return Rejection("too_long", sample.source, sample.location, detail, sample.id)
 
 
 def with_token_counts(results: Iterable[tuple[int, Sample | Rejection, SampleInfo | None]], counter: Any,
-                      max_length: int) -> Iterator[tuple[int, Sample | Rejection, SampleInfo | None]]:
+                      max_length: int, row_budget: RowBudget | None = None) -> Iterator[tuple[int, Sample | Rejection, SampleInfo | None]]:
     """`iter_checked` results checked without a processor, now counted with `counter` (a `TokenCounter`): each
-    kept sample gets `num_tokens`, and those over `max_length` become too_long rejections (the last check)."""
+    kept sample gets `num_tokens`, and those over `token_limit(max_length, row_budget)` tokens become too_long
+    rejections (the last check)."""
     for src, item, info in results:
         if info is not None:
             item.num_tokens = counter.count(item, list(zip(info.widths, info.heights)))
-            if item.num_tokens > max_length:
-                yield src, too_long(item, max_length), None
+            rejection = too_long(item, max_length, row_budget)
+            if rejection is not None:
+                yield src, rejection, None
                 continue
         yield src, item, info
 

@@ -1,6 +1,7 @@
 """`vlmctl data prepare`: sources -> checks -> dedup -> split -> Parquet shards + manifest (+ energon export).
 
-    result = prepare_data(cfg.data, num_proc=8, processor_dir=cfg.model.output_dir, model=cfg.model)
+    result = prepare_data(cfg.data, num_proc=8, processor_dir=cfg.model.output_dir, model=cfg.model,
+                          row_budget=RowBudget(tokens_per_batch=8192, sequence_parallel=2))
     result.manifest["splits"]["train"]["samples"]
 
 Output (`data.prepared_dir`)::
@@ -9,7 +10,7 @@ Output (`data.prepared_dir`)::
     val/val-00000.parquet ...        (`datasets.load_dataset("parquet", data_dir=prepared_dir)` reads both)
     manifest.json                    sources, totals, splits, image/text/token statistics
     rejected.jsonl                   one line per dropped sample: source, location, reason, detail, id
-    length_histogram.png             tokens per sample (or characters when no processor is known)
+    length_histogram.png             tokens per sample (or characters when no processor is known), with the limits
     energon/                         with --export energon and no export dir
 
 Everything is written into `.<name>.tmp-<pid>` next to the prepared folder and renamed into place at the end, so
@@ -20,6 +21,9 @@ the split is a hash of each sample's content (`checks.is_val`), and no timestamp
 Token counts: with the built model's processor (`processor_dir`) when there is one, else with the processor the
 configured model will have (`vlmctl.data.counting`; for a random-init preset, a first pass checks every sample
 into a spool file, the tokenizer is trained on the train samples kept, and the spool is replayed with counts).
+A counted sample over `data.max_length`, or over the packed training row (`row_budget`: `train.tokens_per_batch x
+train.sequence_parallel` tokens) when that is smaller, is dropped as too_long; the manifest's `tokens` records the
+row budget and the GPUs the longest kept sample needs.
 
 A prepare fails (DataError, nothing replaced) when a source keeps less than `data.min_kept_fraction` of its
 records (not counting the rejections of the project's own limits, `checks.FILTERS`), when the train split ends
@@ -41,7 +45,8 @@ from typing import Any
 from vlmctl.config.data import DataSection
 from vlmctl.config.model import ModelSection
 from vlmctl.data.checks import FILTERS, REASONS, Rejection, is_val
-from vlmctl.data.pipeline import SourceTally, iter_checked, progress_bar, unique_sources, with_token_counts
+from vlmctl.data.pipeline import (DEFAULT_TOKENS_PER_GPU, RowBudget, SourceTally, iter_checked, progress_bar, unique_sources,
+                                   with_token_counts)
 from vlmctl.data.sample import SCHEMA_VERSION, Sample
 from vlmctl.errors import DataError, UsageError
 
@@ -349,7 +354,7 @@ def summarize(counter: Counter) -> dict[str, Any] | None:
     return out
 
 
-def _token_section(stats: Stats, data: DataSection, counts: "TokenSource") -> dict[str, Any] | None:
+def _token_section(stats: Stats, data: DataSection, counts: "TokenSource", row_budget: RowBudget | None) -> dict[str, Any] | None:
     summary = summarize(stats.tokens)
     if summary is None:
         return None
@@ -357,6 +362,10 @@ def _token_section(stats: Stats, data: DataSection, counts: "TokenSource") -> di
     suggested = -(-longest // 64) * 64
     packing = 1 << max(0, (max(suggested, 8 * summary["p50"]) - 1).bit_length())
     extra = {"tokenizer": counts.tokenizer} if counts.tokenizer else {}
+    # Without a row budget (train.tokens_per_batch auto, or no packing) the GPUs are counted at training's
+    # default budget; `gpus_needed_at` says at how many tokens per GPU.
+    per_gpu = row_budget or RowBudget(DEFAULT_TOKENS_PER_GPU)
+    budget = row_budget.to_dict() if row_budget else dict.fromkeys(("row_budget_tokens", "tokens_per_batch", "sequence_parallel"))
     return {
         "processor": counts.processor,
         "family": counts.family,
@@ -368,11 +377,16 @@ def _token_section(stats: Stats, data: DataSection, counts: "TokenSource") -> di
         "suggested_max_length": suggested,
         # A power of two holding the longest sample and about 8 median samples.
         "suggested_packing_length": packing,
+        **budget,
+        # GPUs that split the longest kept sample's row: the train.sequence_parallel it needs.
+        "gpus_needed": per_gpu.gpus_for(longest),
+        "gpus_needed_at": per_gpu.tokens_per_batch,
     }
 
 
-def write_histogram(path: Path, stats: Stats, max_length: int | None) -> None:
-    """Length histogram PNG: tokens per sample when known, else text characters per sample."""
+def write_histogram(path: Path, stats: Stats, max_length: int | None, row_budget: RowBudget | None = None) -> None:
+    """Length histogram PNG: tokens per sample when known, else text characters per sample; with tokens,
+    `max_length` and the packed row's tokens (`row_budget`) are drawn as vertical lines."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -385,6 +399,10 @@ def write_histogram(path: Path, stats: Stats, max_length: int | None) -> None:
         ax.hist(values, weights=[counter[v] for v in values], bins=min(50, max(1, len(values))), color="#4c72b0")
         if stats.tokens and max_length:
             ax.axvline(max_length, color="#c44e52", linestyle="--", label=f"data.max_length = {max_length}")
+            if row_budget is not None:
+                ax.axvline(row_budget.tokens, color="#dd8452", linestyle=":",
+                           label=f"packed row = {row_budget.tokens} (train.tokens_per_batch={row_budget.tokens_per_batch} "
+                           f"x train.sequence_parallel={row_budget.sequence_parallel})")
             ax.legend()
     ax.set_xlabel(label)
     ax.set_ylabel("samples")
@@ -417,6 +435,7 @@ def prepare_data(
     export: str | None = None,
     export_dir: Path | str | None = None,
     progress: bool = True,
+    row_budget: RowBudget | None = None,
 ) -> PrepareResult:
     """Read every source of `data`, check, dedup, split and write Parquet shards + manifest.json + rejected.jsonl.
 
@@ -424,8 +443,13 @@ def prepare_data(
     `processor_dir` (a built model folder) when it holds one, else the processor `model build` would make for
     `model` (`vlmctl.data.counting`: a random-init preset's tokenizer is trained on the train split as the build
     trains it). Without either, or when the model's processor cannot be loaded (`PrepareResult.token_note` says
-    why), samples have `num_tokens` None. `export="energon"` also writes a Megatron-Energon dataset to `export_dir`
-    (default `prepared_dir/energon`) in the shape of `data.export.energon_format` (`vlmctl.data.energon`).
+    why), samples have `num_tokens` None. A counted sample is dropped as too_long over `data.max_length` tokens
+    (text + visual), or over `row_budget.tokens` (one packed training row: `train.tokens_per_batch x
+    train.sequence_parallel`, which the caller builds from the train section; None when it is not known before
+    training, e.g. `train.tokens_per_batch: auto`) when that is smaller; the manifest's `tokens` records the budget
+    and `gpus_needed`, the GPUs of `tokens_per_batch` tokens (8192 without a budget) the longest kept sample needs.
+    `export="energon"` also writes a Megatron-Energon dataset to `export_dir` (default `prepared_dir/energon`) in
+    the shape of `data.export.energon_format` (`vlmctl.data.energon`).
     Raises UsageError (no sources, unknown export, output inside an input) and DataError (a missing or unreadable
     source, a source below `data.min_kept_fraction`, an empty train split, a full disk, a sample that does not fit
     an explicit `data.export.energon_format` of vqa or captioning).
@@ -462,8 +486,9 @@ def prepare_data(
             etmp = tmp / edir_final.resolve().relative_to(out.resolve()) if inside else edir_final.parent / f".{edir_final.name}.tmp-{os.getpid()}"
             shutil.rmtree(etmp, ignore_errors=True)
             etmp.mkdir(parents=True)
-        results, counts = _checked_and_counted(data, sources, work, num_proc=num_proc, pdir=pdir, model=model, progress=progress)
-        manifest = _run(data, results, sources, tmp, etmp, num_proc=num_proc, counts=counts, progress=progress)
+        results, counts = _checked_and_counted(data, sources, work, num_proc=num_proc, pdir=pdir, model=model, progress=progress,
+                                               row_budget=row_budget)
+        manifest = _run(data, results, sources, tmp, etmp, num_proc=num_proc, counts=counts, progress=progress, row_budget=row_budget)
         if manifest["export"] is not None:
             manifest["export"]["path"] = str(edir_final)  # the writer only knows the temporary folder
         manifest["vlmctl_version"] = __version__
@@ -498,9 +523,10 @@ Results = Iterator[tuple[int, "Sample | Rejection", Any]]
 
 
 def _checked_and_counted(data: DataSection, sources, work: Path, *, num_proc, pdir: Path | None, model: ModelSection | None,
-                         progress: bool) -> tuple[Results, TokenSource]:
+                         progress: bool, row_budget: RowBudget | None) -> tuple[Results, TokenSource]:
     """The checked samples in input order, counted with the built model's processor (`pdir`), else with the
-    configured model's (`vlmctl.data.counting`), else not counted."""
+    configured model's (`vlmctl.data.counting`), else not counted; too_long at `token_limit(data.max_length,
+    row_budget)` tokens when counted."""
     from vlmctl.data.tokens import MODEL_INFO
 
     if pdir is not None:
@@ -510,7 +536,7 @@ def _checked_and_counted(data: DataSection, sources, work: Path, *, num_proc, pd
                 family = json.loads((pdir / MODEL_INFO).read_text()).get("family")
             except (ValueError, OSError):
                 family = None
-        return iter_checked(data, sources, num_proc=num_proc, processor_dir=pdir), TokenSource(str(pdir), family)
+        return iter_checked(data, sources, num_proc=num_proc, processor_dir=pdir, row_budget=row_budget), TokenSource(str(pdir), family)
     from vlmctl.data.counting import configured_processor, counter_in, model_configured
     from vlmctl.errors import VlmctlError
 
@@ -523,11 +549,13 @@ def _checked_and_counted(data: DataSection, sources, work: Path, *, num_proc, pd
     if not conf.needs_training:
         folder = work / "processor"
         counter_in(folder, conf.processor, conf.family)
-        return iter_checked(data, sources, num_proc=num_proc, processor_dir=folder), TokenSource(conf.description, conf.family)
-    return _counted_with_trained_tokenizer(data, sources, work, conf, num_proc=num_proc, progress=progress)
+        results = iter_checked(data, sources, num_proc=num_proc, processor_dir=folder, row_budget=row_budget)
+        return results, TokenSource(conf.description, conf.family)
+    return _counted_with_trained_tokenizer(data, sources, work, conf, num_proc=num_proc, progress=progress, row_budget=row_budget)
 
 
-def _counted_with_trained_tokenizer(data: DataSection, sources, work: Path, conf, *, num_proc, progress: bool) -> tuple[Results, TokenSource]:
+def _counted_with_trained_tokenizer(data: DataSection, sources, work: Path, conf, *, num_proc, progress: bool,
+                                    row_budget: RowBudget | None) -> tuple[Results, TokenSource]:
     """A first pass checks every sample (no counts) into a spool file; the tokenizer is trained on the train
     samples it kept (`counting.fit_tokenizer`); the spool is then replayed with counts and the too_long check."""
     import pickle
@@ -551,11 +579,11 @@ def _counted_with_trained_tokenizer(data: DataSection, sources, work: Path, conf
     def kept_train():
         return ((item, info) for _, item, info in replay() if info is not None and not is_val(info.digest, data.val_ratio))
 
-    fit = fit_tokenizer(conf, kept_train, data.max_length, work / "processor")
+    fit = fit_tokenizer(conf, kept_train, data.max_length, work / "processor", row_budget)
     if fit is None:
         return replay(), TokenSource(note="the train split has no text to train the tokenizer on")
     source = TokenSource(conf.description, conf.family, tokenizer={"rounds": fit.rounds, "converged": fit.converged})
-    return with_token_counts(replay(), fit.counter, data.max_length), source
+    return with_token_counts(replay(), fit.counter, data.max_length, row_budget), source
 
 
 def _pid_alive(pid: int) -> bool:
@@ -654,7 +682,7 @@ def _swap(tmp: Path, final: Path) -> None:
 
 
 def _run(data: DataSection, results: Results, sources, tmp: Path, etmp: Path | None, *, num_proc, counts: TokenSource,
-         progress) -> dict[str, Any]:
+         progress, row_budget: RowBudget | None = None) -> dict[str, Any]:
     shard_bytes = data.shard_size_mb << 20
     writers = {"train": ShardWriter(tmp / "train", "train", shard_bytes), "val": ShardWriter(tmp / "val", "val", shard_bytes)}
     energon = None
@@ -687,7 +715,7 @@ def _run(data: DataSection, results: Results, sources, tmp: Path, etmp: Path | N
     # The export is written from the finished shards: its shape (data.export.energon_format: auto) depends on
     # every sample.
     export = energon.finish({n: [tmp / f for f in s["shards"]] for n, s in splits.items()}, workers=num_proc or 1) if energon is not None else None
-    write_histogram(tmp / "length_histogram.png", stats, data.max_length if stats.tokens else None)
+    write_histogram(tmp / "length_histogram.png", stats, data.max_length if stats.tokens else None, row_budget)
     kept = sum(t.kept for t in tallies)
     n_rejected = sum(rejected_total.values())
     flagged: Counter = Counter()
@@ -719,7 +747,7 @@ def _run(data: DataSection, results: Results, sources, tmp: Path, etmp: Path | N
         "videos": stats.video.section(data.video),
         "audios": stats.audio.section(data.audio),
         "text": {"chars": summarize(stats.text_chars), "turns": summarize(stats.turns)},
-        "tokens": _token_section(stats, data, counts),
+        "tokens": _token_section(stats, data, counts, row_budget),
         "export": export,
         "files": {"rejected": "rejected.jsonl", "histogram": "length_histogram.png"},
     }

@@ -2,6 +2,7 @@
 
     report = validate_data(cfg.data)                      # the configured sources
     report = validate_data(cfg.data, paths=["raw.json"])  # given files/folders (format auto), or a prepared dir
+    report = validate_data(cfg.data, processor_dir=built_model, row_budget=RowBudget(8192, 2))  # too_long per row too
     report.ok, report.counts["corrupt_image"], report.examples["corrupt_image"][0]["location"]
 """
 
@@ -13,7 +14,7 @@ from typing import Any
 
 from vlmctl.config.data import DataSection, DataSource
 from vlmctl.data.checks import REASONS, Rejection
-from vlmctl.data.pipeline import SourceTally, iter_checked, progress_bar, unique_sources
+from vlmctl.data.pipeline import RowBudget, SourceTally, iter_checked, progress_bar, unique_sources
 from vlmctl.errors import UsageError
 
 
@@ -74,9 +75,12 @@ def validate_data(
     processor_dir: Path | None = None,
     progress: bool = True,
     max_examples: int = 5,
+    row_budget: RowBudget | None = None,
 ) -> ValidationReport:
     """Run every check over `data.sources` (or `paths`) and count rejections per reason (a duplicate's detail names
-    the earlier sample it repeats). Writes nothing.
+    the earlier sample it repeats). Writes nothing. too_long is checked when `processor_dir` holds a processor:
+    over `data.max_length` tokens (text + visual), or over `row_budget.tokens` (one packed training row,
+    `train.tokens_per_batch x train.sequence_parallel`) when that is smaller.
 
     Raises UsageError when there is nothing to check, MissingSourceError (a DataError, exit code 2) for a source
     that does not exist and DataError when a source cannot be opened.
@@ -89,7 +93,8 @@ def validate_data(
     sources = unique_sources(raw)
     report = ValidationReport(sources=[SourceTally(s.name, s.path, s.format) for s in sources], tokens_checked=has_processor(processor_dir))
     with progress_bar(progress, "Validating") as advance:
-        for src, item, info in iter_checked(data, sources, num_proc=num_proc, processor_dir=processor_dir, on_item=advance):
+        for src, item, info in iter_checked(data, sources, num_proc=num_proc, processor_dir=processor_dir, on_item=advance,
+                                            row_budget=row_budget):
             report.total += 1
             report.sources[src].add(item, info)
             if isinstance(item, Rejection):
