@@ -15,9 +15,14 @@ it has none; else `model.base`. QLoRA (`train.lora.quantize`, CUDA + bitsandbyte
 
 Workloads (`WorkloadSpec.kind`, `--workload`):
 
-- chat: every sample is one square RGB noise image (side drawn from `--image-sizes`) in a user turn and an
-  assistant turn of `--text-tokens` random tokens (single-token words of the model's tokenizer), every answer token
-  labelled. The samples go through the trainer's own data path: the model's processor and chat template
+- chat: every sample is a user turn holding `--images-per-sample` square RGB noise images (each side drawn from
+  `--image-sizes`; one image by default) and an assistant turn of `--text-tokens` random tokens (single-token words
+  of the model's tokenizer), every answer token labelled. With `--video-frames MIN,MAX` the user turn holds one
+  video instead: an even number of square random RGB frames in that range (frames come in temporal patches of 2),
+  a side from `--video-sizes`, encoded at `VIDEO_FPS` as `data prepare` stores clips
+  (`vlmctl.data.modalities.video.encode_clip`), so that the frames are decoded and go through the family's video
+  processor as training data does (families that take video: `FamilySpec.modalities`, Qwen2-VL and Qwen2.5-VL).
+  The samples go through the trainer's own data path: the model's processor and chat template
   (`vlmctl.data.collate.encode_sample`) and its collator, packed rows of `train.tokens_per_batch` tokens
   (`PackedCollator`, with `train.packing`) or padded micro-batches of `train.micro_batch_size` samples (`Collator`).
   Families that cannot take packed rows (`FamilySpec.supports_packing`) get padded batches, as in training.
@@ -26,7 +31,9 @@ Workloads (`WorkloadSpec.kind`, `--workload`):
   chat template, every text token labelled), packed by the trainer's collator: the workload of the Qwen-VL figures
   in docs/benchmarks.md, so vlmctl and that baseline can be measured on the same GPU. The chat workload cannot
   reproduce its token counts (the chat template adds its own tokens, and only the answer is labelled).
-- auto (the default): baseline for Qwen-VL families (mRoPE) with packed rows, chat otherwise.
+  `--images-per-sample` puts that many images, each between its own vision start/end tokens, before the text.
+  It has no video samples.
+- auto (the default): baseline for Qwen-VL families (mRoPE) with packed rows, chat otherwise (and for video).
 
 Micro-batches: every rank draws the same samples. Packed rows are planned by first-fit decreasing and taken fullest
 first (the partial rows at the tail of a finite sample set would understate throughput), every dp_size-th to each
@@ -40,7 +47,8 @@ scaling), so the tokens/s per GPU of a count over those of the fewest processes 
 
 FLOPs: each micro-batch's training FLOPs come from `vlmctl.train.flops.CostModel.batch_flops` (built by
 `vlmctl.train.setup.prepare_model` with `lora=` set for adapters: a frozen base counts its forward and activation
-gradient, not its weight gradient), summed by the trainer's own step over the data-parallel ranks, exactly as
+gradient, not its weight gradient; images and video clips through the vision tower from their patch grids,
+`image_grid_thw` / `video_grid_thw`), summed by the trainer's own step over the data-parallel ranks, exactly as
 `vlmctl train` sums them for its MFU column; so bench and train report the same MFU for the same batch.
 MFU = FLOPs / step time / (peak x GPUs) (PaLM, Chowdhery et al. 2022, appendix B), with the device's data-sheet peak
 (`vlmctl.train.metrics.peak_flops`), else 989 TFLOP/s (H100/H200 SXM dense bf16).
@@ -52,12 +60,13 @@ import random
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from vlmctl.train import autotune
 
 DEFAULT_PEAK = 989e12  # H100/H200 SXM dense bf16: the reference for devices without a data-sheet figure (CPUs)
 WORKLOADS = ("auto", "chat", "baseline")
+VIDEO_FPS = 2.0  # frames per second of the synthetic clips: Qwen-VL's sampling rate, 1 s per temporal patch of 2
 RARE_FIT = 0.01  # when fewer than this fraction of the drawn chat samples fit a packed row, stop drawing (usage error)
 
 
@@ -82,9 +91,11 @@ def micro_batch(train) -> int:
 
 @dataclass
 class WorkloadSpec:
-    """The synthetic workload: image sides in px (one drawn per sample), the [min, max] range of text tokens per
-    sample (answer tokens in the chat workload), the workload kind (`WORKLOADS`, see the module docstring) and the
-    Qwen-VL patch geometry the baseline workload builds its visual tokens with."""
+    """The synthetic workload: image sides in px (one drawn per image), the [min, max] range of images per sample,
+    the [min, max] range of text tokens per sample (answer tokens in the chat workload), the workload kind
+    (`WORKLOADS`, see the module docstring), the [min, max] range of video frames per sample (None: image samples)
+    and the video frame sides in px (one drawn per clip), and the Qwen-VL patch geometry the baseline workload
+    builds its visual tokens with."""
 
     image_sizes: tuple[int, ...] = (224, 336, 448, 560)
     text_tokens: tuple[int, int] = (64, 1536)
@@ -92,10 +103,15 @@ class WorkloadSpec:
     merge_size: int = 2
     temporal_patch_size: int = 2
     kind: str = "auto"
+    images_per_sample: tuple[int, int] = (1, 1)
+    video_frames: tuple[int, int] | None = None  # None: no video, image samples
+    video_sizes: tuple[int, ...] = (224, 336, 448)
 
     @classmethod
-    def from_flags(cls, image_sizes: str, text_tokens: str, workload: str = "auto") -> "WorkloadSpec":
-        """The spec of the CLI flags `--image-sizes 224,336` (px), `--text-tokens MIN,MAX` and `--workload`.
+    def from_flags(cls, image_sizes: str, text_tokens: str, workload: str = "auto", *, images_per_sample: str = "1,1",
+                   video_frames: str | None = None, video_sizes: str = "224,336,448") -> "WorkloadSpec":
+        """The spec of the CLI flags `--image-sizes 224,336` (px), `--text-tokens MIN,MAX`, `--workload`,
+        `--images-per-sample MIN,MAX`, `--video-frames MIN,MAX` (None: off) and `--video-sizes 224,448` (px).
         Raises UsageError naming the flag that does not parse or is out of range."""
         from vlmctl.errors import UsageError
 
@@ -106,22 +122,63 @@ class WorkloadSpec:
                 raise UsageError(f"{flag} {text!r} is not a comma-separated list of integers", hint=f"e.g. {flag} {example}") from None
 
         spec = cls(image_sizes=ints(image_sizes, "--image-sizes", "224,336,448,560"), kind=workload,
-                   text_tokens=ints(text_tokens, "--text-tokens", "64,1536"))
+                   text_tokens=ints(text_tokens, "--text-tokens", "64,1536"),
+                   images_per_sample=ints(images_per_sample, "--images-per-sample", "2,4"),
+                   video_frames=None if video_frames is None else ints(video_frames, "--video-frames", "16,64"),
+                   video_sizes=ints(video_sizes, "--video-sizes", "224,336,448"))
         spec.check()
         return spec
 
     def check(self) -> None:
-        """Raise UsageError for image sides or text lengths that make no sample, or an unknown workload kind."""
+        """Raise UsageError for image sides, images per sample, text lengths, video frames or frame sides that make
+        no sample, an unknown workload kind, or video samples with several images or the baseline workload."""
+        from vlmctl.data.modalities.video import FRAME_MULTIPLE
         from vlmctl.errors import UsageError
 
-        if not self.image_sizes or any(s < 1 for s in self.image_sizes):
-            raise UsageError(f"--image-sizes {','.join(map(str, self.image_sizes)) or '(none)'}: give one or more positive sides in px",
-                             hint="e.g. --image-sizes 224,336,448,560")
-        if len(self.text_tokens) != 2 or not 1 <= self.text_tokens[0] <= self.text_tokens[1]:
-            raise UsageError(f"--text-tokens {','.join(map(str, self.text_tokens))} is not MIN,MAX with 1 <= MIN <= MAX",
-                             hint="e.g. --text-tokens 64,1536")
+        def sides(values: tuple[int, ...], flag: str, example: str) -> None:
+            if not values or any(s < 1 for s in values):
+                raise UsageError(f"{flag} {','.join(map(str, values)) or '(none)'}: give one or more positive sides in px",
+                                 hint=f"e.g. {flag} {example}")
+
+        def span(values: tuple[int, ...], flag: str, example: str) -> None:
+            if len(values) != 2 or not 1 <= values[0] <= values[1]:
+                raise UsageError(f"{flag} {','.join(map(str, values))} is not MIN,MAX with 1 <= MIN <= MAX", hint=f"e.g. {flag} {example}")
+
+        sides(self.image_sizes, "--image-sizes", "224,336,448,560")
+        span(self.text_tokens, "--text-tokens", "64,1536")
+        span(self.images_per_sample, "--images-per-sample", "2,4")
         if self.kind not in WORKLOADS:
             raise UsageError(f"--workload {self.kind!r} is not one of {', '.join(WORKLOADS)}", hint="e.g. --workload chat")
+        if self.video_frames is None:
+            return
+        span(self.video_frames, "--video-frames", "16,64")
+        low, high = self.video_frames
+        if high - high % FRAME_MULTIPLE < low:
+            raise UsageError(f"--video-frames {low},{high} holds no multiple of {FRAME_MULTIPLE}: clips have frames in "
+                             f"temporal patches of {FRAME_MULTIPLE}, as `vlmctl data prepare` stores them", hint="e.g. --video-frames 16,64")
+        sides(self.video_sizes, "--video-sizes", "224,336,448")
+        if self.images_per_sample != (1, 1):
+            raise UsageError("--images-per-sample with --video-frames: a video sample holds one video and no image",
+                             hint="give one of them")
+        if self.kind == "baseline":
+            raise UsageError("--workload baseline has no video samples",
+                             hint="use --workload chat (or auto): video samples go through the model's processor")
+
+    def media(self) -> str:
+        """What a sample holds besides its text, in words: "1 image (224-560 px)", "2-3 images (224-560 px)" or
+        "1 video of 16-64 frames (224-448 px)"."""
+        def span(values) -> str:
+            return f"{min(values)}-{max(values)}" if min(values) != max(values) else str(values[0])
+
+        if self.video_frames is not None:
+            return f"1 video of {span(self.video_frames)} frames ({span(self.video_sizes)} px)"
+        plural = "s" if max(self.images_per_sample) > 1 else ""
+        return f"{span(self.images_per_sample)} image{plural} ({span(self.image_sizes)} px)"
+
+    def size_flags(self) -> str:
+        """The flags that set a sample's length, for hints."""
+        media = "--video-frames / --video-sizes" if self.video_frames is not None else "--image-sizes / --images-per-sample"
+        return f"--text-tokens / {media}"
 
 
 @dataclass
@@ -129,7 +186,8 @@ class BenchResult:
     """The figures of the measured steps, all ranks together: tokens (text + visual) and samples per second, the
     mean step time in seconds, MFU as a fraction of the peak, the largest rank's peak GPU memory in GiB (0 on CPU),
     tokens per step and training FLOPs per token (the cost model's); and what was measured (`name` of the model,
-    `workload`, `packing`, `adapter`, `stage`, `strategy`, `world_size` processes)."""
+    `workload` and the `media` of its samples, `packing`, `adapter`, `stage`, `strategy`, `world_size` processes).
+    Visual tokens are the image and video placeholder tokens the collator counted."""
 
     name: str
     steps: int
@@ -145,6 +203,7 @@ class BenchResult:
     tokens_per_step: float  # all ranks together
     flops_per_token: float = 0.0  # training FLOPs per token of the measured steps (the cost model's)
     workload: str = "baseline"  # chat | baseline
+    media: str = ""  # what a sample holds besides its text (`WorkloadSpec.media`), e.g. "1 video of 16-64 frames (224-448 px)"
     packing: bool = True  # packed rows, else padded micro-batches
     adapter: str = "none"  # none | lora | qlora-4bit | qlora-8bit
     stage: str = ""
@@ -292,11 +351,80 @@ def random_model(plan, processor, *, device, dtype):
 # --------------------------------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class SampleMedia:
+    """The media of one synthetic sample: the sides in px of its square images, in order, or one video clip of
+    `video` = (frames, side in px) square frames."""
+
+    images: tuple[int, ...] = ()
+    video: tuple[int, int] | None = None
+
+
+def draw_media(spec: WorkloadSpec, rng: random.Random) -> SampleMedia:
+    """One sample's media drawn from `spec` with `rng`: a clip of an even frame count in `spec.video_frames` (each
+    count equally likely) and a side of `spec.video_sizes`, else `spec.images_per_sample` images, a side of
+    `spec.image_sizes` each."""
+    from vlmctl.data.modalities.video import FRAME_MULTIPLE
+
+    if spec.video_frames is not None:
+        low, high = spec.video_frames
+        frames = rng.randrange(low + -low % FRAME_MULTIPLE, high - high % FRAME_MULTIPLE + 1, FRAME_MULTIPLE)
+        return SampleMedia(video=(frames, rng.choice(spec.video_sizes)))
+    low, high = spec.images_per_sample
+    count = low if low == high else rng.randint(low, high)  # no draw for a fixed count: one-image samples stay as they were
+    return SampleMedia(images=tuple(rng.choice(spec.image_sizes) for _ in range(count)))
+
+
+def smallest_media(spec: WorkloadSpec) -> SampleMedia:
+    """The media of `spec`'s shortest sample: the fewest frames or images, at the smallest side."""
+    from vlmctl.data.modalities.video import FRAME_MULTIPLE
+
+    if spec.video_frames is not None:
+        low = spec.video_frames[0]
+        return SampleMedia(video=(low + -low % FRAME_MULTIPLE, min(spec.video_sizes)))
+    return SampleMedia(images=(min(spec.image_sizes),) * spec.images_per_sample[0])
+
+
+def describe_media(media: SampleMedia) -> str:
+    """`media` in words, for messages: "a 224 px image", "2 images of 224, 336 px", "a video of 16 frames of 224 px"."""
+    if media.video is not None:
+        return f"a video of {media.video[0]} frames of {media.video[1]} px"
+    if len(media.images) == 1:
+        return f"a {media.images[0]} px image"
+    return f"{len(media.images)} images of {', '.join(map(str, media.images))} px"
+
+
+def chat_sample(sample_id: str, answer: str, *, images: Sequence[bytes] = (), video: bytes | None = None):
+    """One user turn holding `images` (encoded, in order) or one stored `video` clip, and one assistant turn
+    answering with `answer` (the tokens the trainer's collator labels): the shape of every chat sample `vlmctl
+    bench` trains on (`vlmctl.data.synthetic.image_chat` with several images, or a video)."""
+    from vlmctl.data.sample import Sample
+
+    parts = [{"type": "video", "index": 0}] if video is not None else [{"type": "image", "index": k} for k in range(len(images))]
+    return Sample(id=sample_id, source="synthetic", images=list(images), videos=None if video is None else [video],
+                  messages=[{"role": "user", "content": parts},
+                            {"role": "assistant", "content": [{"type": "text", "text": answer}]}])
+
+
+def random_clip(frames: int, side: int, seed: int | tuple[int, ...]) -> bytes:
+    """A stored clip (`vlmctl.data.modalities.video.encode_clip`: Motion JPEG in Matroska, what `data prepare`
+    stores) of `frames` frames of `side` x `side` px uniform random RGB pixels at `VIDEO_FPS`, deterministic for
+    `seed`. Returns the encoded bytes. Raises VideoError without PyAV."""
+    import numpy as np
+
+    from vlmctl.data.modalities.video import Clip, encode_clip
+
+    pixels = np.random.default_rng(seed).integers(0, 256, size=(frames, side, side, 3), dtype=np.uint8)
+    return encode_clip(Clip(pixels, VIDEO_FPS))
+
+
 def qwen_vl_samples(n: int, cfg, spec: WorkloadSpec = WorkloadSpec(), seed: int = 0, *, pixels: bool = True) -> list[dict[str, Any]]:
     """`n` encoded samples shaped like the baseline's: dicts with input_ids/labels (L,), mm_token_type_ids (L,),
     pixel_values (patches, 3 * t * patch^2) float32 (None with `pixels=False`; `baseline_row` draws them) and
-    image_grid_thw (1, 3), plus `n_patches`, `n_visual`, `n_text` counts (tokens). `cfg` is a Qwen2/2.5-VL config
-    (token ids, vocabulary size)."""
+    image_grid_thw (images, 3), plus `n_patches`, `n_visual`, `n_text` counts (tokens; the vision start/end tokens
+    count as text) and `n_images`. Each image (`spec.images_per_sample` of them, `draw_media`) is its visual tokens
+    between vision start/end tokens, the text follows them. `cfg` is a Qwen2/2.5-VL config (token ids, vocabulary
+    size)."""
     import torch
 
     rng = random.Random(seed)
@@ -304,24 +432,27 @@ def qwen_vl_samples(n: int, cfg, spec: WorkloadSpec = WorkloadSpec(), seed: int 
     special = {cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id}
     out = []
     for _ in range(n):
-        side = rng.choice(spec.image_sizes)
-        gh = gw = side // spec.patch_size
-        n_visual = gh * gw // spec.merge_size**2
+        grids = [(side // spec.patch_size,) * 2 for side in draw_media(spec, rng).images]
         n_text = rng.randint(*spec.text_tokens)
-        ids = [cfg.vision_start_token_id] + [cfg.image_token_id] * n_visual + [cfg.vision_end_token_id]
+        ids = []
+        for gh, gw in grids:
+            ids += [cfg.vision_start_token_id] + [cfg.image_token_id] * (gh * gw // spec.merge_size**2) + [cfg.vision_end_token_id]
+        prefix = len(ids)
         ids += [t if t not in special else t + len(special) + 1 for t in (rng.randrange(0, vocab - len(special) - 1) for _ in range(n_text))]
         ids_t = torch.tensor(ids)
         labels = ids_t.clone()
-        labels[: n_visual + 2] = -100
+        labels[:prefix] = -100
+        patches = sum(gh * gw for gh, gw in grids)
         out.append({
             "input_ids": ids_t,
             "labels": labels,
             "mm_token_type_ids": (ids_t == cfg.image_token_id).long(),
-            "pixel_values": torch.randn(gh * gw, 3 * spec.temporal_patch_size * spec.patch_size**2) if pixels else None,
-            "image_grid_thw": torch.tensor([[1, gh, gw]]),
-            "n_patches": gh * gw,
-            "n_visual": n_visual,
-            "n_text": n_text + 2,
+            "pixel_values": torch.randn(patches, 3 * spec.temporal_patch_size * spec.patch_size**2) if pixels else None,
+            "image_grid_thw": torch.tensor([[1, gh, gw] for gh, gw in grids]),
+            "n_patches": patches,
+            "n_visual": prefix - 2 * len(grids),
+            "n_text": n_text + 2 * len(grids),
+            "n_images": len(grids),
         })
     return out
 
@@ -336,7 +467,8 @@ def baseline_row(sample: dict[str, Any], spec: WorkloadSpec):
     if pixels is None:
         pixels = torch.randn(sample["n_patches"], 3 * spec.temporal_patch_size * spec.patch_size**2)
     return Encoded(sample["input_ids"], sample["labels"], {"image": {"pixel_values": pixels, "image_grid_thw": sample["image_grid_thw"]}},
-                   {"image": 1}, num_visual_tokens=sample["n_visual"], token_inputs={"mm_token_type_ids": sample["mm_token_type_ids"]})
+                   {"image": int(sample["image_grid_thw"].shape[0])}, num_visual_tokens=sample["n_visual"],
+                   token_inputs={"mm_token_type_ids": sample["mm_token_type_ids"]})
 
 
 class Workload:
@@ -354,10 +486,11 @@ class Workload:
 
 
 class ChatWorkload(Workload):
-    """Random chat samples (`vlmctl.data.synthetic.image_chat`) for `processor`: at least `min_samples` of them, and
-    with `budget` (packed rows of that many tokens) at least `min_tokens` tokens of samples that fit a row. Their
-    lengths are counted without images (`vlmctl.data.tokens.TokenCounter`, exactly what the processor makes); images
-    are drawn only for the samples a rank collates. Raises UsageError when (almost) no sample fits a row."""
+    """Random chat samples (`chat_sample`: images, or one video clip) for `processor`: at least `min_samples` of them,
+    and with `budget` (packed rows of that many tokens) at least `min_tokens` tokens of samples that fit a row.
+    Their lengths are counted without media (`vlmctl.data.tokens.TokenCounter`, exactly what the processor makes;
+    a clip's tokens by the family's video-token rule, `FamilySpec.num_video_tokens`); images and clips are drawn
+    only for the samples a rank collates. Raises UsageError when (almost) no sample fits a row."""
 
     kind = "chat"
 
@@ -365,36 +498,39 @@ class ChatWorkload(Workload):
                  budget: int | None = None):
         from vlmctl.data.synthetic import single_token_words, word_texts
         from vlmctl.data.tokens import TokenCounter
+        from vlmctl.errors import UsageError
 
-        self.spec, self.seed = spec, seed
+        self.spec, self.seed, self.family = spec, seed, family
         self.counter = TokenCounter(processor, family.name, None)
         tokenizer = getattr(processor, "tokenizer", processor)
         # where the vocabulary has no single-token words, pseudo-words keep the text random (its length in tokens
         # then only approximates --text-tokens; the counted lengths stay exact)
         self.words = single_token_words(tokenizer) or [" " + w for w in " ".join(word_texts(num_texts=4)).split()]
+        self._per_side: dict[int, int] = {}
+        if spec.video_frames is not None:
+            # a sample's text is counted around a 2-frame stand-in clip whose tokens are then taken out again
+            self._stand_in = random_clip(2, 28, 0)
+            self._stand_in_tokens = self.counter.video_tokens(self._stand_in)
         if budget is not None:
-            shortest = self._count(self._answer(random.Random(seed), spec.text_tokens[0]), min(spec.image_sizes))
+            smallest = smallest_media(spec)
+            shortest = self._count(self._answer(random.Random(seed), spec.text_tokens[0]), smallest)
             if shortest > budget:
-                from vlmctl.errors import UsageError
-
-                raise UsageError(f"the shortest synthetic sample ({shortest} tokens: a {min(spec.image_sizes)} px image and "
+                raise UsageError(f"the shortest synthetic sample ({shortest} tokens: {describe_media(smallest)} and "
                                  f"{spec.text_tokens[0]} answer tokens) does not fit a packed row of train.tokens_per_batch={budget} tokens",
-                                 hint="raise train.tokens_per_batch, or lower --text-tokens / --image-sizes")
+                                 hint=f"raise train.tokens_per_batch, or lower {spec.size_flags()}")
         rng = random.Random(seed)
-        self.sides: list[int] = []
+        self.media: list[SampleMedia] = []
         self.answers: list[str] = []
         self.lengths: list[int] = []
         fitting = fits = 0
         while len(self.lengths) < min_samples or fitting < min_tokens:
             if len(self.lengths) >= 4096 and fits < RARE_FIT * len(self.lengths):
-                from vlmctl.errors import UsageError
-
                 raise UsageError(f"only {fits} of {len(self.lengths)} synthetic samples fit a packed row of "
-                                 f"train.tokens_per_batch={budget} tokens", hint="raise train.tokens_per_batch, or lower --text-tokens / --image-sizes")
-            side, n_text = rng.choice(spec.image_sizes), rng.randint(*spec.text_tokens)
+                                 f"train.tokens_per_batch={budget} tokens", hint=f"raise train.tokens_per_batch, or lower {spec.size_flags()}")
+            media, n_text = draw_media(spec, rng), rng.randint(*spec.text_tokens)
             answer = self._answer(rng, n_text)
-            n = self._count(answer, side)
-            self.sides.append(side)
+            n = self._count(answer, media)
+            self.media.append(media)
             self.answers.append(answer)
             self.lengths.append(n)
             if budget is None or n <= budget:
@@ -405,26 +541,51 @@ class ChatWorkload(Workload):
 
         return random_text(self.words, n_text, rng)
 
-    def _count(self, answer: str, side: int) -> int:
-        from vlmctl.data.synthetic import image_chat
+    def _count(self, answer: str, media: SampleMedia) -> int:
+        """Tokens of a sample answering `answer` with `media`, as the processor makes them."""
+        if media.video is None:
+            return self.counter.count(chat_sample("count", answer, images=[b""] * len(media.images)),
+                                      [(side, side) for side in media.images])
+        text = self.counter.count(chat_sample("count", answer, video=self._stand_in), []) - self._stand_in_tokens
+        return text + self.visual_tokens(media)
 
-        return self.counter.count(image_chat("count", answer, b""), [(side, side)])
+    def visual_tokens(self, media: SampleMedia) -> int:
+        """Visual (placeholder) tokens of a sample's images or video under the family's rules."""
+        if media.video is not None:
+            frames, side = media.video
+            return int(self.family.num_video_tokens(frames, side, side, self.counter.processor))
+        for side in set(media.images) - set(self._per_side):
+            self._per_side[side] = self.counter.visual_tokens(side, side)
+        return sum(self._per_side[side] for side in media.images)
+
+    def vision_frames(self, media: SampleMedia) -> int:
+        """Frames the vision tower attends over one by one: one per image; a clip's temporal patches (frames /
+        the video processor's temporal patch size, rounded up)."""
+        if media.video is None:
+            return len(media.images)
+        temporal = int(getattr(getattr(self.counter.processor, "video_processor", None), "temporal_patch_size", None) or 2)
+        return -(-media.video[0] // temporal)
 
     def costs(self, cost_model):
-        """Training FLOPs per sample: one image of its side's visual tokens, the rest text, all of it labelled (an
-        upper bound: the chat template's tokens are not)."""
+        """Training FLOPs per sample: its images' or clip's visual tokens (a clip as its temporal patches, each an
+        image of the frame's patches), the rest text, all of it labelled (an upper bound: the chat template's
+        tokens are not)."""
         import numpy as np
 
-        per_side = {side: self.counter.visual_tokens(side, side) for side in set(self.sides)}
         tokens = np.asarray(self.lengths)
-        visual = np.asarray([per_side[side] for side in self.sides])
-        return cost_model.sample_costs(tokens, visual, np.maximum(tokens - visual, 0), np.ones_like(tokens))
+        visual = np.asarray([self.visual_tokens(m) for m in self.media])
+        frames = np.asarray([self.vision_frames(m) for m in self.media])
+        return cost_model.sample_costs(tokens, visual, np.maximum(tokens - visual, 0), frames)
 
     def sample(self, i: int):
-        """Sample `i` with its image (deterministic for the workload's seed and `i`)."""
-        from vlmctl.data.synthetic import image_chat, random_image
+        """Sample `i` with its images or clip (deterministic for the workload's seed and `i`)."""
+        from vlmctl.data.synthetic import random_image
 
-        return image_chat(f"synthetic-{i}", self.answers[i], random_image(self.sides[i], (self.seed, i)))
+        media = self.media[i]
+        if media.video is not None:
+            return chat_sample(f"synthetic-{i}", self.answers[i], video=random_clip(*media.video, (self.seed, i)))
+        images = [random_image(side, (self.seed, i, k)) for k, side in enumerate(media.images)]
+        return chat_sample(f"synthetic-{i}", self.answers[i], images=images)
 
     def batch(self, indices: list[int], collator) -> dict[str, Any]:
         """The trainer's collator over samples `indices`: encode (processor, chat template, labels) then pack (one
@@ -449,24 +610,27 @@ class BaselineWorkload(Workload):
             raise UsageError(f"--image-sizes {','.join(map(str, odd))}: the baseline workload needs sides that are multiples of "
                              f"{unit} px (patch {spec.patch_size} x merge {spec.merge_size})",
                              hint=f"use multiples of {unit}, e.g. 224,336,448,560, or --workload chat (the processor resizes)")
-        shortest = spec.text_tokens[0] + 2 + min(spec.image_sizes) ** 2 // unit**2
+        least = spec.images_per_sample[0]
+        shortest = spec.text_tokens[0] + least * (2 + min(spec.image_sizes) ** 2 // unit**2)
         if shortest > budget:
             raise UsageError(f"the shortest baseline sample ({shortest} tokens) does not fit a packed row of "
-                             f"train.tokens_per_batch={budget} tokens", hint="raise train.tokens_per_batch, or lower --text-tokens / --image-sizes")
+                             f"train.tokens_per_batch={budget} tokens", hint=f"raise train.tokens_per_batch, or lower {spec.size_flags()}")
         self.spec = spec
-        mean_tokens = sum(spec.text_tokens) / 2 + sum((s // spec.patch_size) ** 2 / spec.merge_size**2 for s in spec.image_sizes) / len(spec.image_sizes)
+        per_image = sum((s // spec.patch_size) ** 2 / spec.merge_size**2 for s in spec.image_sizes) / len(spec.image_sizes)
+        mean_tokens = sum(spec.text_tokens) / 2 + per_image * sum(spec.images_per_sample) / 2
         n = int((rows + 2) * budget / mean_tokens * 1.3) + 8
         self.samples = qwen_vl_samples(n, config, spec, seed=seed, pixels=False)
         self.lengths = [int(s["input_ids"].numel()) for s in self.samples]
 
     def costs(self, cost_model):
-        """Training FLOPs per sample from its counts (`n_visual` visual tokens of one image, `n_text` labelled)."""
+        """Training FLOPs per sample from its counts (`n_visual` visual tokens of `n_images` images, `n_text`
+        labelled)."""
         import numpy as np
 
         tokens = np.asarray(self.lengths)
         visual = np.asarray([s["n_visual"] for s in self.samples])
         labelled = np.asarray([s["n_text"] for s in self.samples])
-        return cost_model.sample_costs(tokens, visual, labelled, np.ones_like(tokens))
+        return cost_model.sample_costs(tokens, visual, labelled, np.asarray([s["n_images"] for s in self.samples]))
 
     def batch(self, indices: list[int], collator) -> dict[str, Any]:
         """One packed row ([1, T]) of samples `indices` by the trainer's `PackedCollator.pack`."""
@@ -535,9 +699,10 @@ def adapter_name(train) -> str:
 def prepare(model_section, train, spec: WorkloadSpec = WorkloadSpec(), *, steps: int = 20, warmup: int = 3,
             dp_size: int = 1, check_device: bool = True, log=None) -> BenchPlan:
     """Resolve and check a bench of `steps + warmup` optimizer steps on `dp_size` data-parallel processes, loading no
-    weights: the flags (`spec`, steps), the model (`choose_model`), packing (off for families without it), the
-    workload and its micro-batches, and with `check_device` what this machine's device must allow (QLoRA on CUDA,
-    no more processes than visible GPUs, precision, attention and liger settings, `optimizer_in_backward`).
+    weights: the flags (`spec`, steps), the model (`choose_model`), packing (off for families without it), video
+    samples on a family that takes them (`check_video`), the workload and its micro-batches, and with
+    `check_device` what this machine's device must allow (QLoRA on CUDA, no more processes than visible GPUs,
+    precision, attention and liger settings, `optimizer_in_backward`).
 
     Raises UsageError (exit code 2) for bad flags and settings bench cannot run, ConfigError for settings training
     refuses too, ModelError for a model that cannot be loaded.
@@ -559,9 +724,11 @@ def prepare(model_section, train, spec: WorkloadSpec = WorkloadSpec(), *, steps:
             log(f"train.{key}=auto reads as {value} here (no memory probe without a GPU and ddp/fsdp)")
     if check_device:
         check_device_settings(train, model.family, packing=packing, nproc=dp_size)
+    if spec.video_frames is not None:
+        check_video(model)
     kind = spec.kind
     if kind == "auto":
-        kind = "baseline" if model.family.mrope and packing else "chat"
+        kind = "baseline" if model.family.mrope and packing and spec.video_frames is None else "chat"
     if kind == "baseline" and not (model.family.mrope and packing):
         why = "packed rows" if model.family.mrope else "Qwen-VL families"
         raise UsageError(f"--workload baseline is the Qwen-VL baseline's packed workload; this bench has no {why}",
@@ -579,6 +746,27 @@ def prepare(model_section, train, spec: WorkloadSpec = WorkloadSpec(), *, steps:
                      dp_size=dp_size, adapter=adapter_name(train))
     plan_batches(plan, train, dp_rank=0)  # raises UsageError when the samples make too few micro-batches
     return plan
+
+
+def check_video(model: ModelChoice) -> None:
+    """Raise UsageError when `--video-frames` cannot run on `model`: its family takes no video
+    (`FamilySpec.modalities`) or has no video-token rule in vlmctl (Qwen3-VL: timestamps between temporal patches),
+    its processor has no video processor, or PyAV (the `video` extra, which writes and reads the clips) is missing."""
+    from vlmctl.errors import ModelError, UsageError
+    from vlmctl.train.launch import require_package
+
+    family = model.family
+    hint = "measure video on a family that takes it (Qwen2-VL, Qwen2.5-VL), or drop --video-frames"
+    if "video" not in family.modalities:
+        raise UsageError(f"--video-frames: model family {family.name} takes no video (it takes {', '.join(family.modalities)})", hint=hint)
+    try:
+        family.num_video_tokens(2, 56, 56, model.processor)
+    except ModelError as exc:
+        raise UsageError(f"--video-frames: {exc.message}", hint=hint) from None
+    if getattr(model.processor, "video_processor", None) is None:
+        raise UsageError(f"--video-frames: the processor of {model.name} has no video processor (transformers' "
+                         f"{family.video_processor_class} needs torchvision)", hint="install torchvision, or drop --video-frames")
+    require_package("av", "--video-frames", package="av", extra="video", error=UsageError)
 
 
 def plan_batches(plan: BenchPlan, train, *, dp_rank: int) -> list[list[int]]:
@@ -720,7 +908,8 @@ def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log
     env, dims, total_steps = ctx.env, ctx.dims, steps + warmup
     tm = load_model(plan, model_section, train, ctx, scratch, log)
     if env.is_main:
-        log(f"{plan.model.name}: {plan.spec.kind} workload, {'packed rows' if plan.packing else 'padded micro-batches'}, "
+        log(f"{plan.model.name}: {plan.spec.kind} workload ({plan.spec.media()}), "
+            f"{'packed rows' if plan.packing else 'padded micro-batches'}, "
             f"attention {tm.attn}, liger {'on' if tm.liger else 'off'}" + "".join(f", vision {k}" for k in tm.vision_kernels)
             + (f", {plan.adapter}" if plan.adapter != "none" else ""))
     if setup is not None:
@@ -740,8 +929,8 @@ def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log
                       total_steps=total_steps, grad_accum=train.gradient_accumulation_steps, batches_per_epoch=len(batches),
                       save_steps=1 << 30, logging_steps=1 << 30, max_bad_steps=total_steps, save=None, log=None,
                       progress=None, flops_of=tm.cost_model.batch_flops, dp_group=dims.dp_group)
-    labels = {"name": plan.model.name, "workload": plan.spec.kind, "packing": plan.packing, "adapter": plan.adapter,
-              "stage": train.stage}
+    labels = {"name": plan.model.name, "workload": plan.spec.kind, "media": plan.spec.media(), "packing": plan.packing,
+              "adapter": plan.adapter, "stage": train.stage}
     result = _measure(trainer, labels, train, ctx, steps=steps, warmup=warmup, log=log)
     result.settings = settings_line(train, choice, fsdp_plan_of(wrapped.model))
     return result
@@ -772,7 +961,7 @@ def settings_line(train, choice, fsdp=None) -> str:
 def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup: int, log) -> BenchResult:
     """`warmup + steps` trainer steps; the figures of the last `steps`. Tokens, samples and FLOPs are the steps'
     own data-parallel sums; the time is the slowest rank's, the memory the largest. `labels`: the result's name,
-    workload, packing, adapter and stage."""
+    workload, media, packing, adapter and stage."""
     import torch
     import torch.distributed as dist
 
@@ -814,7 +1003,8 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
         tokens_per_s=toks / total, text_tokens_per_s=text / total, visual_tokens_per_s=visual / total,
         samples_per_s=n_samples / total, step_time_s=total / steps, mfu=mfu or 0.0,
         peak_memory_gib=float(peak.cpu()[0]), tokens_per_step=toks / steps, flops_per_token=flops / max(toks, 1.0),
-        workload=labels["workload"], packing=labels["packing"], adapter=labels["adapter"], stage=labels["stage"],
+        workload=labels["workload"], media=labels["media"], packing=labels["packing"], adapter=labels["adapter"],
+        stage=labels["stage"],
         balance=stragglers.get("balance"), balance_flops=stragglers.get("balance_flops"),
         data_wait=stragglers.get("data_wait"),
     )
@@ -876,7 +1066,9 @@ def run_processes(cfg, plan: BenchPlan, nproc: int, *, steps: int, warmup: int, 
         (work / "config.yaml").write_text(dump_config(cfg.model_copy(update={"train": train.model_copy(update={"nproc_per_node": nproc})})))
         (work / "args.json").write_text(json.dumps({"steps": steps, "warmup": warmup, "image_sizes": list(spec.image_sizes),
                                                     "text_tokens": list(spec.text_tokens), "workload": spec.kind,
-                                                    "verbose": log is not None}))
+                                                    "images_per_sample": list(spec.images_per_sample),
+                                                    "video_frames": spec.video_frames and list(spec.video_frames),
+                                                    "video_sizes": list(spec.video_sizes), "verbose": log is not None}))
         code, _ = spawn(launch_command(local, work, module="vlmctl.bench").command, env=launch_env(train))
         result = work / "result.json"
         if code != 0 or not result.is_file():
@@ -971,7 +1163,8 @@ def scaling(cfg, counts: str | tuple[int, ...], *, steps: int = 20, warmup: int 
 
 def main(argv: list[str] | None = None) -> None:
     """One rank of a multi-process bench: `python -m vlmctl.bench WORKDIR` (torchrun sets the rank). WORKDIR holds
-    `config.yaml` and `args.json` (steps, warmup, image_sizes, text_tokens, workload); rank 0 writes `result.json`.
+    `config.yaml` and `args.json` (steps, warmup, image_sizes, text_tokens, workload, images_per_sample,
+    video_frames, video_sizes); rank 0 writes `result.json`.
     A random-init model for QLoRA is saved under WORKDIR/model."""
     import json
     import os
@@ -988,8 +1181,11 @@ def main(argv: list[str] | None = None) -> None:
     rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = load_config(work / "config.yaml")
+        frames = args.get("video_frames")
         spec = WorkloadSpec(image_sizes=tuple(args["image_sizes"]), text_tokens=tuple(args["text_tokens"]),
-                            kind=args.get("workload", "auto"))
+                            kind=args.get("workload", "auto"), images_per_sample=tuple(args.get("images_per_sample", (1, 1))),
+                            video_frames=tuple(frames) if frames else None,
+                            video_sizes=tuple(args.get("video_sizes", WorkloadSpec.video_sizes)))
         result = run_bench(cfg.model, cfg.train, steps=args["steps"], warmup=args["warmup"], spec=spec, scratch=work,
                            log=(lambda msg: print(msg, flush=True)) if args.get("verbose", True) else (lambda msg: None))
     except VlmctlError as exc:

@@ -131,3 +131,45 @@ def test_tiny_template_as_it_is_two_processes(tiny_project, capsys):
     assert out["samples_per_s"] * out["step_time_s"] == pytest.approx(32)  # 16 samples per rank and step
     assert out["tokens_per_s"] > 0 and out["mfu"] > 0
     assert out["tokens_per_s_per_gpu"] * 2 == pytest.approx(out["tokens_per_s"])
+
+
+def _visual_tokens_of(batch, key: str) -> int:
+    """Visual tokens of a batch's images or clips by their patch grids (`image_grid_thw` / `video_grid_thw`: t x h x
+    w patches, 2 x 2 of them merged into one token)."""
+    return sum(t * h * w // 4 for t, h, w in batch[key].tolist())
+
+
+@pytest.mark.parametrize("workload", ["chat", "baseline"])
+def test_qwen_preset_with_several_images_per_sample(tiny_project, capsys, trained, workload):
+    out = _bench(capsys, tiny_project, "model.preset=tiny-qwen2.5-vl", "train.packing=true", "train.tokens_per_batch=1024",
+                 "--workload", workload, "--images-per-sample", "2,3", "--image-sizes", "28,56")
+    assert (out["workload"], out["packing"], out["media"]) == (workload, True, "2-3 images (28-56 px)")
+    _consistent(out, trained)
+    measured = trained["batches"][WARMUP:]
+    for batch in measured:
+        images = batch["image_grid_thw"].shape[0]
+        assert batch["num_dummy_images"] == 0 and 2 * batch["num_samples"] <= images <= 3 * batch["num_samples"]
+        assert batch["num_visual_tokens"] == _visual_tokens_of(batch, "image_grid_thw") > 0
+    # the reported tokens are the collator's, visual tokens included
+    assert out["visual_tokens_per_s"] * out["step_time_s"] * STEPS == pytest.approx(sum(b["num_visual_tokens"] for b in measured))
+    assert out["text_tokens_per_s"] * out["step_time_s"] * STEPS == pytest.approx(sum(b["num_text_tokens"] for b in measured))
+
+
+def test_qwen_preset_on_video_samples(tiny_project, capsys, trained):
+    # one clip of 4-8 frames per sample through the Qwen2.5-VL video processor, packed; the processor's pixel bounds
+    # scale 56 px frames up, so the visual tokens are whatever it made of them
+    out = _bench(capsys, tiny_project, "model.preset=tiny-qwen2.5-vl", "train.packing=true", "train.tokens_per_batch=1024",
+                 "--video-frames", "4,8", "--video-sizes", "56")
+    assert (out["workload"], out["packing"], out["media"]) == ("chat", True, "1 video of 4-8 frames (56 px)")
+    _consistent(out, trained)
+    measured = trained["batches"][WARMUP:]
+    for batch in measured:
+        clips = batch["video_grid_thw"]
+        assert clips.shape[0] == batch["num_samples"] and set(clips[:, 0].tolist()) <= {2, 3, 4}  # frames / 2
+        assert "pixel_values" not in batch and batch["num_dummy_images"] == 0
+        assert batch["pixel_values_videos"].shape[0] == sum(t * h * w for t, h, w in clips.tolist())
+        assert batch["num_visual_tokens"] == _visual_tokens_of(batch, "video_grid_thw") > 0
+        assert int((batch["mm_token_type_ids"] == 2).sum()) == batch["num_visual_tokens"]  # video tokens, as mRoPE reads them
+    visual = sum(b["num_visual_tokens"] for b in measured)
+    assert out["visual_tokens_per_s"] * out["step_time_s"] * STEPS == pytest.approx(visual)
+    assert out["tokens_per_step"] * STEPS == pytest.approx(visual + sum(b["num_text_tokens"] for b in measured))

@@ -167,13 +167,14 @@ def test_bench_ranks_tie_themselves_to_the_launcher(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2.5-vl"])
 def test_chat_samples_go_through_the_processor_and_label_every_answer_token(preset):
-    # LLaVA's fixed-size images and Qwen's dynamic resolution: counted lengths (planning) equal encoded lengths, the
-    # answer has the requested number of tokens, all of them (and the end-of-turn token) labelled, nothing else
+    # LLaVA's fixed-size images and Qwen's dynamic resolution, one to three images per sample: counted lengths
+    # (planning) equal encoded lengths, the answer has the requested number of tokens, all of them (and the
+    # end-of-turn token) labelled, nothing else
     from vlmctl import bench
     from vlmctl.config import ModelSection, TrainSection
     from vlmctl.data.collate import IGNORE_INDEX, Collator
 
-    spec = WorkloadSpec(image_sizes=(28, 56, 84), text_tokens=(3, 30), kind="chat")
+    spec = WorkloadSpec(image_sizes=(28, 56, 84), text_tokens=(3, 30), kind="chat", images_per_sample=(1, 3))
     plan = bench.prepare(ModelSection(preset=preset, init="random"), TrainSection(packing=False, micro_batch_size=2),
                          spec, steps=3, warmup=1, check_device=False)
     workload, family = plan.workload, plan.model.family
@@ -188,7 +189,10 @@ def test_chat_samples_go_through_the_processor_and_label_every_answer_token(pres
         assert row.length == workload.lengths[i]
         assert len(tokenizer(answer, add_special_tokens=False)["input_ids"]) == len(answer.split(" ")) - 1
         assert 3 <= len(labelled) - 1 <= 30 and labelled[:-1] == tokenizer(answer, add_special_tokens=False)["input_ids"]
-        assert row.num_images == 1 and row.num_visual_tokens == family.num_visual_tokens(workload.sides[i], workload.sides[i], plan.model.processor)
+        sides = workload.media[i].images
+        assert row.num_images == len(sides) and workload.media[i].video is None
+        assert row.num_visual_tokens == sum(family.num_visual_tokens(side, side, plan.model.processor) for side in sides)
+    assert len({len(m.images) for m in workload.media}) > 1 and all(1 <= len(m.images) <= 3 for m in workload.media)
     # the micro-batches: the trainer's padded collator over the trainer's sampler
     batches = bench.plan_batches(plan, TrainSection(packing=False, micro_batch_size=2, group_by_length=False), dp_rank=0)
     assert len(batches) == 4 and all(len(b) == 2 for b in batches) and len({i for b in batches for i in b}) == 8
@@ -246,6 +250,19 @@ def _one_panel(code: int, err: str) -> str:
     (["model.init=pretrained"], ["no built model", "model build", "model.init=random"]),
     (["model.preset=tiny-nothing"], ["unknown model preset", "tiny-nothing"]),
     (["train.attn_implementation=varlen"], ["varlen", "train.packing"]),
+    (["--images-per-sample", "2"], ["--images-per-sample 2", "MIN,MAX"]),
+    (["--images-per-sample", "0,2"], ["--images-per-sample 0,2", "1 <= MIN <= MAX"]),
+    (["--images-per-sample", "3,2"], ["--images-per-sample 3,2", "1 <= MIN <= MAX"]),
+    (["--images-per-sample", "two"], ["--images-per-sample", "integers"]),
+    (["--video-frames", "8,4"], ["--video-frames 8,4", "1 <= MIN <= MAX"]),
+    (["--video-frames", "4"], ["--video-frames 4", "MIN,MAX"]),
+    (["--video-frames", "3,3"], ["--video-frames 3,3", "multiple of 2"]),
+    (["--video-frames", "4,8", "--video-sizes", "0"], ["--video-sizes 0", "positive sides"]),
+    (["--video-frames", "4,8", "--images-per-sample", "2,3"], ["--images-per-sample with --video-frames", "one video"]),
+    (["--video-frames", "4,8", "--workload", "baseline"], ["--workload baseline has no video", "--workload chat"]),
+    # the tiny template's LLaVA takes images only; Qwen3-VL's processor writes timestamps vlmctl does not count
+    (["--video-frames", "4,8"], ["--video-frames", "llava takes no video", "Qwen2.5-VL"]),
+    (["--video-frames", "4,8", "model.preset=tiny-qwen3-vl"], ["--video-frames", "qwen3_vl has no video-token rule"]),
 ])
 def test_usage_errors_print_one_panel_and_exit_2_before_any_process_starts(tiny_project, capsys, args, words):
     # the template asks for 2 processes: none is started
@@ -368,6 +385,23 @@ def test_scaling_table_has_a_row_per_count(capsys):
     assert rows[0] == "1 1,000 1,000 100.0% 1.0% 500 0.0 - -"  # balance and data wait unknown
     assert rows[1] == "2 1,800 900 90.0% 1.0% 500 0.0 90.0% 2.0%"
     assert out.count("settings: fsdp, same") == 1  # the same settings for every count: printed once
+
+
+def test_bench_table_names_the_media_of_the_samples(tiny_project, capsys, monkeypatch):
+    # the flags reach the bench as one spec, and the table's title says what the samples held
+    import vlmctl.bench as bench
+
+    seen = {}
+
+    def measured(cfg, *, spec, **kwargs):
+        seen["spec"] = spec
+        return _result(1, 1000.0, media=spec.media(), settings="fsdp")
+
+    monkeypatch.setattr(bench, "benchmark", measured)
+    code, out, err = run_cli(["bench", "-c", str(tiny_project), "--video-frames", "16,64", "--video-sizes", "224,448"], capsys)
+    assert code == 0, err
+    assert (seen["spec"].video_frames, seen["spec"].video_sizes, seen["spec"].images_per_sample) == ((16, 64), (224, 448), (1, 1))
+    assert "(chat workload: 1 video of 16-64 frames (224-448 px), packed rows)" in " ".join(out.split())
 
 
 def test_workload_costs_put_image_heavy_samples_first_in_the_probe():

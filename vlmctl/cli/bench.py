@@ -18,9 +18,12 @@ def bench(
     overrides: OverridesArg = None,
     steps: Annotated[int, typer.Option("--steps", help="Measured training steps.")] = 20,
     warmup: Annotated[int, typer.Option("--warmup", help="Unmeasured steps first (compilation, allocator warm-up).")] = 3,
-    image_sizes: Annotated[str, typer.Option("--image-sizes", help="Square image sides in px, one drawn per sample.")] = "224,336,448,560",
+    image_sizes: Annotated[str, typer.Option("--image-sizes", help="Square image sides in px, one drawn per image.")] = "224,336,448,560",
+    images_per_sample: Annotated[str, typer.Option("--images-per-sample", help="Range of images per sample, MIN,MAX.")] = "1,1",
+    video_frames: Annotated[Optional[str], typer.Option("--video-frames", help="Video samples instead of images: one clip per sample of MIN,MAX frames (even counts; families that take video: Qwen2-VL, Qwen2.5-VL), through the chat workload.")] = None,
+    video_sizes: Annotated[str, typer.Option("--video-sizes", help="Square video frame sides in px, one drawn per clip (with --video-frames).")] = "224,336,448",
     text_tokens: Annotated[str, typer.Option("--text-tokens", help="Range of text tokens per sample (the answer's in the chat workload), MIN,MAX.")] = "64,1536",
-    workload: Annotated[str, typer.Option("--workload", help="chat (processor + chat template + the trainer's collator), baseline (the Qwen-VL baseline's packed samples) or auto (baseline for Qwen-VL with packing, else chat).")] = "auto",
+    workload: Annotated[str, typer.Option("--workload", help="chat (processor + chat template + the trainer's collator), baseline (the Qwen-VL baseline's packed samples) or auto (baseline for Qwen-VL with packing and image samples, else chat).")] = "auto",
     nproc_per_node: Annotated[Optional[str], typer.Option("--nproc-per-node", help="Processes (GPUs), or auto; more than one runs through torchrun.")] = None,
     scaling: Annotated[Optional[str], typer.Option("--scaling", help="Process counts, e.g. 1,2,4: run the bench at each (one process per GPU; CPU processes where no GPU is visible) and report tokens/s per GPU and the efficiency against the fewest processes.")] = None,
     auto: Annotated[bool, typer.Option("--auto", help="Batch size and activation checkpointing as `auto` (whatever the config says): shows what training's start-up probe picks here, and why.")] = False,
@@ -28,7 +31,8 @@ def bench(
 ) -> None:
     """Run N training steps of the configured model, stage, adapters (LoRA/QLoRA), strategy and kernels (the trainer's
     own step) on synthetic data, packed or padded as training batches it, and report tokens/s (text and visual, all
-    GPUs and per GPU), MFU with ViT FLOPs, step time, peak memory; with --scaling, one row per process count."""
+    GPUs and per GPU), MFU with ViT FLOPs, step time, peak memory; with --scaling, one row per process count.
+    Samples hold one image, --images-per-sample images, or with --video-frames one video clip, plus the text."""
     from vlmctl.errors import UsageError
 
     if scaling is not None and nproc_per_node is not None:
@@ -39,7 +43,8 @@ def bench(
     from vlmctl.bench import WorkloadSpec, benchmark
     from vlmctl.bench import scaling as bench_scaling
 
-    spec = WorkloadSpec.from_flags(image_sizes, text_tokens, workload)
+    spec = WorkloadSpec.from_flags(image_sizes, text_tokens, workload, images_per_sample=images_per_sample,
+                                   video_frames=video_frames, video_sizes=video_sizes)
     log = None if (as_json or state.quiet) else (lambda msg: console.print(f"[dim]{msg}[/dim]", markup=True, highlight=False))
     if scaling is not None:
         rows = bench_scaling(cfg, scaling, steps=steps, warmup=warmup, spec=spec, log=log)
@@ -58,7 +63,7 @@ def bench(
     adapter = "" if result.adapter == "none" else f", {result.adapter}"
     table = Table(title=f"vlmctl bench: {result.name} (stage {result.stage}{adapter}), {result.strategy} on "
                         f"{result.world_size} process(es), {result.steps} steps of {result.tokens_per_step:,.0f} tokens "
-                        f"({result.workload} workload, {batching})")
+                        f"({result.workload} workload{_media(result)}, {batching})")
     table.add_column("metric")
     table.add_column("value", justify="right")
     for label, value in [
@@ -81,6 +86,11 @@ def bench(
     console.print(table)
 
 
+def _media(result) -> str:
+    """The title's ": MEDIA" part: what a sample held besides its text ("" for a result without that label)."""
+    return f": {result.media}" if result.media else ""
+
+
 def _percent(value) -> str:
     return "-" if value is None else f"{value * 100:.1f}%"
 
@@ -95,7 +105,7 @@ def _render_scaling(scaling) -> None:
     batching = "packed rows" if base.packing else "padded micro-batches"
     adapter = "" if base.adapter == "none" else f", {base.adapter}"
     table = Table(title=f"vlmctl bench --scaling: {base.name} (stage {base.stage}{adapter}), {base.strategy}, {base.steps} "
-                        f"steps per count ({base.workload} workload, {batching}); efficiency = tokens/s per GPU against "
+                        f"steps per count ({base.workload} workload{_media(base)}, {batching}); efficiency = tokens/s per GPU against "
                         f"{base.world_size} process{'es' * (base.world_size > 1)}", box=box.SIMPLE_HEAD)
     for name in ("procs", "tokens/s", "per\nGPU", "effic.", "MFU", "step\nms", "peak\nGiB", "balance", "data\nwait"):
         table.add_column(name, justify="right", no_wrap=True)
