@@ -11,7 +11,7 @@ from vlmctl.errors import ConfigError
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"dp_replicate": 2, "dp_shard": 2, "world_size": 2}, r"dp_replicate=2 x dp_shard=2 x sp=1 x tp=1 = 4, but the world has 2 processes"),
-    ({"dp_shard": 2, "sp": 2, "world_size": 4}, r"sequence parallelism \(sp=2\) is not available yet"),
+    ({"dp_shard": 4, "sp": 2, "world_size": 4}, r"dp_replicate=1 x dp_shard=4 x sp=2 x tp=1 = 8, but the world has 4"),
     ({"dp_shard": 2, "tp": 2, "world_size": 4}, r"tensor parallelism \(tp=2\) is not available yet"),
     ({"dp_replicate": 0, "world_size": 2}, r"dp_replicate=0 must be at least 1"),
     ({"dp_replicate": 3, "world_size": 4}, r"dp_replicate=3 x sp=1 x tp=1 = 3 does not divide the 4 processes"),
@@ -34,6 +34,9 @@ def test_parallel_dims_fill_the_world_and_name_the_mesh():
     assert ParallelDims.for_strategy("ddp", 1).mesh_dims() == (("dp_shard",), (1,))
     with pytest.raises(RuntimeError, match="build_mesh"):
         ParallelDims(world_size=1).dp_group  # noqa: B018
+    # sequence parallelism keeps dp_shard in the mesh (flattened with sp for FSDP2 / ZeRO and gradients)
+    sp = ParallelDims.for_strategy("ddp", 4, ranks_per_node=4, sp=2)
+    assert (sp.dp_replicate, sp.dp_shard, sp.sp, sp.mesh_dims()) == (2, 1, 2, (("dp_replicate", "dp_shard", "sp"), (2, 1, 2)))
 
 
 def _tiny_trainer(env, dims, label_tokens: int, flops_of=None):

@@ -144,4 +144,4 @@ def test_a_spec_refuses_modalities_it_does_not_accept():
     assert "video" not in spec.modalities
     with pytest.raises(ModelError, match="does not accept video"):
         spec.prompt("video")
-    assert spec.sequence_parallel_plan is None and spec.tensor_parallel_plan is None  # hooks for later
+    assert spec.sequence_parallel_plan is None and spec.tensor_parallel_plan is None  # nothing beyond the sequence

@@ -50,13 +50,16 @@ PLAN_ATTR = "vlmctl_fsdp_plan"  # where `apply_fsdp` leaves its FsdpPlan on the 
 
 def shard_mesh(mesh):
     """The part of `mesh` FSDP2 shards over: `dp_shard`, or (`dp_replicate`, `dp_shard`) when both exist (HSDP:
-    replicated across the first, sharded along the second). A mesh without named dimensions is used as is."""
+    replicated across the first, sharded along the second). With sequence parallelism (an `sp` dimension) the
+    shards span `dp_shard` x `sp` (`ParallelDims.build_mesh` flattens them as `dp_shard_sp`): the sequence ranks
+    hold different gradients of the same weights. A mesh without named dimensions is used as is."""
     names = mesh.mesh_dim_names or ()
     if "dp_shard" not in names:
         return mesh
+    shard = "dp_shard_sp" if "sp" in names else "dp_shard"
     if "dp_replicate" in names:
-        return mesh["dp_replicate", "dp_shard"]
-    return mesh["dp_shard"]
+        return mesh["dp_replicate", shard]
+    return mesh[shard]
 
 
 @dataclass

@@ -5,7 +5,13 @@ The world is split, outermost first, into data-parallel replicas (`dp_replicate`
 parallel shards (`dp_shard`: FSDP2 / ZeRO), sequence-parallel ranks (`sp`) and tensor-parallel ranks (`tp`, the
 innermost: neighbouring ranks share the fastest links). One `DeviceMesh` with the dimensions larger than one is
 built per run; the data-parallel ranks (`dp_replicate x dp_shard`) are the ones a batch is split over and the loss
-is reduced over. Sequence and tensor parallelism are not available yet: `sp` and `tp` must be 1.
+is reduced over. Tensor parallelism is not available yet: `tp` must be 1.
+
+Sequence parallelism (`train.sequence_parallel`, `vlmctl.distributed.sequence`): the `sp` ranks of a group read the
+same batch and split each row along the sequence. They are not data-parallel ranks (the sampler deals over
+`dp_mesh`), but they hold different gradients of the same weights: the gradients are reduced, and FSDP2 / ZeRO
+shard, over every data-parallel and sequence-parallel rank (`grad_mesh`; FSDP2's `dp_shard_sp`, torchtitan's
+`dp_shard_cp`).
 
 Hybrid sharding (`train.fsdp_sharding: hybrid`, HSDP) puts the nodes on `dp_replicate` and the processes of one node
 on `dp_shard`: torchrun numbers the ranks node by node (global rank = node's group rank x processes per node + local
@@ -32,7 +38,7 @@ SHARDING_ENV = "VLMCTL_FSDP_SHARDING"
 class ParallelDims:
     """Sizes of the parallel dimensions; their product must be `world_size`. `dp_shard=-1` takes what is left of
     the world. `hsdp`: FSDP2 runs on the (dp_replicate, dp_shard) mesh even where `dp_shard` is 1 (hybrid sharding
-    with one process per node). Raises ConfigError for a size below 1, sp/tp other than 1, or a product that is not
+    with one process per node). Raises ConfigError for a size below 1, tp other than 1, or a product that is not
     the world."""
 
     dp_replicate: int = 1
@@ -43,17 +49,20 @@ class ParallelDims:
     hsdp: bool = False
     _mesh: Any = field(default=None, init=False, repr=False)
     _dp_mesh: Any = field(default=None, init=False, repr=False)
+    _grad_mesh: Any = field(default=None, init=False, repr=False)
+    _fsdp_mesh: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._validate()
 
     @classmethod
     def for_strategy(cls, strategy: str, world_size: int, *, sharding: str | None = None,
-                     ranks_per_node: int | None = None) -> "ParallelDims":
+                     ranks_per_node: int | None = None, sp: int = 1) -> "ParallelDims":
         """ddp replicates the model on every rank (`dp_replicate = world`); fsdp, zero2 and zero3 shard it
         (`dp_shard = world`); fsdp with `sharding="hybrid"` (`train.fsdp_sharding`) shards it over the ranks of a
         node and replicates it across nodes (`dp_replicate = world / ranks_per_node`, `dp_shard = ranks_per_node`:
-        HSDP, as torchtitan's `data_parallel_replicate_degree`).
+        HSDP, as torchtitan's `data_parallel_replicate_degree`). `sp` (`train.sequence_parallel`) ranks of
+        each group split the sequence: the data-parallel sizes are the world divided by `sp`.
 
         `sharding` None: the launcher's `VLMCTL_FSDP_SHARDING`, else full. `ranks_per_node` None: torchrun's
         `LOCAL_WORLD_SIZE`, else the world (one node). Raises ConfigError for an unknown sharding, hybrid with
@@ -68,12 +77,13 @@ class ParallelDims:
                               hint="set train.strategy=fsdp, or train.fsdp_sharding=full")
         per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         check_nodes_agree(world_size, sharding, per_node)
+        check_sequence_split(world_size, sp, per_node)
         if sharding == "hybrid":
             nodes = world_size // per_node
-            return cls(dp_replicate=nodes, dp_shard=per_node, world_size=world_size, hsdp=nodes > 1)
+            return cls(dp_replicate=nodes, dp_shard=per_node // sp, sp=sp, world_size=world_size, hsdp=nodes > 1)
         if strategy in SHARDED_STRATEGIES:
-            return cls(dp_replicate=1, dp_shard=world_size, world_size=world_size)
-        return cls(dp_replicate=world_size, dp_shard=1, world_size=world_size)
+            return cls(dp_replicate=1, dp_shard=world_size // sp, sp=sp, world_size=world_size)
+        return cls(dp_replicate=world_size // sp, dp_shard=1, sp=sp, world_size=world_size)
 
     def _validate(self) -> None:
         sizes = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "sp": self.sp, "tp": self.tp}
@@ -82,11 +92,9 @@ class ParallelDims:
         for name, size in sizes.items():
             if size < 1 and not (name == "dp_shard" and size == -1):
                 raise ConfigError(f"parallel dimension {name}={size} must be at least 1 (dp_shard=-1: the rest of the world)")
-        for name in ("sp", "tp"):
-            if sizes[name] != 1:
-                what = "sequence" if name == "sp" else "tensor"
-                raise ConfigError(f"{what} parallelism ({name}={sizes[name]}) is not available yet",
-                                  hint=f"set {name}=1; data parallelism (ddp, fsdp, zero2, zero3) splits the batch")
+        if self.tp != 1:
+            raise ConfigError(f"tensor parallelism (tp={self.tp}) is not available yet",
+                              hint="set tp=1; data parallelism (ddp, fsdp, zero2, zero3) splits the batch")
         if self.dp_shard == -1:
             rest = self.dp_replicate * self.sp * self.tp
             if self.world_size % rest:
@@ -106,11 +114,11 @@ class ParallelDims:
 
     def mesh_dims(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
         """(names, sizes) of the mesh: the dimensions larger than one, outermost first; `dp_shard` is kept when no
-        data-parallel dimension is larger than one, so that the mesh always has a data-parallel dimension, and for
-        `hsdp`, so that FSDP2 replicates across `dp_replicate`."""
+        data-parallel dimension is larger than one, so that the mesh always has a data-parallel dimension, for
+        `hsdp`, so that FSDP2 replicates across `dp_replicate`, and with sequence parallelism (flattened with `sp`)."""
         sizes = dict(zip(DIM_NAMES, (self.dp_replicate, self.dp_shard, self.sp, self.tp)))
         names = tuple(n for n in DIM_NAMES
-                      if sizes[n] > 1 or (n == "dp_shard" and (self.dp_replicate == 1 or self.hsdp)))
+                      if sizes[n] > 1 or (n == "dp_shard" and (self.dp_replicate == 1 or self.hsdp or self.sp > 1)))
         return names, tuple(sizes[n] for n in names)
 
     def build_mesh(self, device_type: str):
@@ -124,6 +132,14 @@ class ParallelDims:
             dp = [n for n in DP_DIMS if n in names]
             # both data-parallel dimensions (HSDP): one flattened group over all of them, as torchtitan does
             self._dp_mesh = mesh[dp[0]] if len(dp) == 1 else mesh[tuple(dp)]._flatten("dp")
+            self._grad_mesh = self._dp_mesh
+            self._fsdp_mesh = None  # `fsdp.shard_mesh(mesh)`
+            if self.sp > 1:
+                # FSDP2 / ZeRO shard over the sequence ranks too; flattened meshes are kept here, not sliced again
+                # from the root mesh (deprecated)
+                shards = mesh["dp_shard", "sp"]._flatten("dp_shard_sp")
+                self._fsdp_mesh = mesh["dp_replicate", "dp_shard_sp"] if self.hsdp else shards
+                self._grad_mesh = mesh[(*dp, "sp")]._flatten("dp_sp")
             self._mesh = mesh
         return self._mesh
 
@@ -141,6 +157,36 @@ class ParallelDims:
         return self._dp_mesh
 
     @property
+    def grad_mesh(self):
+        """The 1-D mesh of every rank gradients are reduced over: the data-parallel ranks and, with sequence
+        parallelism, their sequence-parallel ranks (`dp_sp`); equal to `dp_mesh` otherwise."""
+        self.world_mesh  # noqa: B018 - raises before build_mesh
+        return self._grad_mesh
+
+    @property
+    def fsdp_mesh(self):
+        """The mesh FSDP2 shards over (`fsdp.shard_mesh` of the world mesh): `dp_shard`, (`dp_replicate`,
+        `dp_shard`) for HSDP, and with sequence parallelism `dp_shard_sp` (or (`dp_replicate`, `dp_shard_sp`))."""
+        from vlmctl.distributed.fsdp import shard_mesh
+
+        return self._fsdp_mesh if self._fsdp_mesh is not None else shard_mesh(self.world_mesh)
+
+    @property
+    def grad_size(self) -> int:
+        """Ranks gradients are averaged over (`grad_mesh`): data-parallel x sequence-parallel."""
+        return self.dp_size * self.sp
+
+    @property
+    def sp_group(self):
+        """The sequence-parallel process group of this rank (None without sequence parallelism)."""
+        return self.world_mesh["sp"].get_group() if self.sp > 1 else None
+
+    @property
+    def sp_rank(self) -> int:
+        """This rank's index in its sequence-parallel group (0 without sequence parallelism)."""
+        return self.world_mesh["sp"].get_local_rank() if self.sp > 1 else 0
+
+    @property
     def dp_group(self):
         """The data-parallel process group (the default group while dp size equals the world)."""
         return self.dp_mesh.get_group()
@@ -149,6 +195,16 @@ class ParallelDims:
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel ranks (which part of the batch it reads)."""
         return self.dp_mesh.get_local_rank()
+
+
+def check_sequence_split(world_size: int, sp: int, per_node: int) -> None:
+    """Raise ConfigError unless `sp` (`train.sequence_parallel`) ranks per group divide the processes of a node
+    (a group's all-to-alls stay on the fast links inside one node)."""
+    if sp < 1:
+        raise ConfigError(f"train.sequence_parallel={sp} must be at least 1")
+    if sp > 1 and (per_node % sp or world_size % sp):
+        raise ConfigError(f"train.sequence_parallel={sp} does not divide the {per_node} processes per node "
+                          f"({world_size} in all)", hint=f"launch a multiple of {sp} processes per node, or lower train.sequence_parallel")
 
 
 def check_nodes_agree(world_size: int, sharding: str, per_node: int) -> None:

@@ -327,7 +327,7 @@ def _saved_video_settings(ref: str) -> dict[str, Any]:
 
 def qwen_vl(name: str, prefix: str, *, patch: int, min_pixels: int, max_pixels: int, decoder_layer: str,
             video_processor: str, projector: tuple[str, ...] = ("model.visual.merger",), tiny_preset: str,
-            notes: str = "") -> QwenVLSpec:
+            notes: str = "", sequence_parallel_plan: Callable[..., Any] | None = None) -> QwenVLSpec:
     """The spec of one Qwen-VL version. `prefix` is its transformers class prefix ("Qwen2_5_VL"); `patch`,
     `min_pixels`, `max_pixels` are its published processor's settings (for counts from a config)."""
     return QwenVLSpec(
@@ -355,17 +355,31 @@ def qwen_vl(name: str, prefix: str, *, patch: int, min_pixels: int, max_pixels: 
         tiny_preset=tiny_preset,
         liger_patch=f"apply_liger_kernel_to_{name}",
         lmms_model=name,
+        sequence_parallel_plan=sequence_parallel_plan,
         notes=notes,
     )
+
+
+def split_vision_tower(model, shard) -> None:
+    """Under sequence parallelism, spread a row's images over the group's ranks: Qwen2-VL / Qwen2.5-VL's vision tower
+    takes the patches of all images with their `grid_thw` and returns the merged visual tokens (`pooler_output`), so
+    contiguous runs of images can be encoded apart and gathered (`distributed.sequence.split_vision`). Qwen3-VL's
+    also returns DeepStack features per layer and is not split."""
+    from vlmctl.distributed.sequence import split_vision
+    from vlmctl.families.spec import _find_prefix
+
+    split_vision(model.get_submodule(_find_prefix(model, "model.visual")), shard)
 
 
 QWEN2_VL = register(qwen_vl(
     "qwen2_vl", "Qwen2VL", patch=14, min_pixels=56 * 56, max_pixels=28 * 28 * 1280,
     decoder_layer="Qwen2VLDecoderLayer", video_processor="Qwen2VLVideoProcessor", tiny_preset="tiny-qwen2-vl",
+    sequence_parallel_plan=split_vision_tower,
 ))
 QWEN2_5_VL = register(qwen_vl(
     "qwen2_5_vl", "Qwen2_5_VL", patch=14, min_pixels=56 * 56, max_pixels=28 * 28 * 1280,
     decoder_layer="Qwen2_5_VLDecoderLayer", video_processor="Qwen2VLVideoProcessor", tiny_preset="tiny-qwen2.5-vl",
+    sequence_parallel_plan=split_vision_tower,
     notes="Window attention in the vision tower except fullatt_block_indexes.",
 ))
 # Qwen3-VL's published processor: patch 16, shortest_edge 65536, longest_edge 16777216 pixels.

@@ -96,7 +96,9 @@ class FamilySpec:
     # -- integrations
     liger_patch: str | None = None  # liger_kernel.transformers function that patches the model class in place
     lmms_model: str | None = None  # the lmms-eval model name that loads this family
-    sequence_parallel_plan: Callable[..., Any] | None = None  # hook for later: (model, mesh) -> None, shards the sequence
+    # (model, distributed.sequence.SequenceShard) -> None: what the family splits beyond the language model's sequence
+    # under `train.sequence_parallel` (Qwen2-VL / Qwen2.5-VL: the vision tower's images); None: nothing more
+    sequence_parallel_plan: Callable[..., Any] | None = None
     tensor_parallel_plan: Callable[..., Any] | None = None  # hook for later: (model, mesh) -> None, applies DTensor plans
     notes: str = ""
 

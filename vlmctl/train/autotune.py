@@ -81,14 +81,18 @@ def wants(train) -> set[str]:
 
 
 def can_probe(train, device) -> bool:
-    """True on a CUDA device with a torch strategy (ddp/fsdp): DeepSpeed accumulates gradients inside its engine."""
-    return device.type == "cuda" and train.strategy in ("auto", "ddp", "fsdp")  # auto: fsdp or ddp on a GPU
+    """True on a CUDA device with a torch strategy (ddp/fsdp) without sequence parallelism: DeepSpeed accumulates
+    gradients inside its engine, and a sequence-split row's memory depends on the whole group's row."""
+    return (device.type == "cuda" and train.strategy in ("auto", "ddp", "fsdp")  # auto: fsdp or ddp on a GPU
+            and getattr(train, "sequence_parallel", 1) == 1)
 
 
 def fixed_choice(train, device) -> Choice:
-    """The values of `auto` without a probe: 8192 tokens per row, 1 sample per micro-batch, and activation
+    """The values of `auto` without a probe: 8192 tokens per row (per rank), 1 sample per micro-batch, and activation
     checkpointing off on CPU, full on a GPU (where nothing was measured, the mode that fits most)."""
     why = "no probe on CPU" if device.type != "cuda" else f"no probe with {train.strategy}"
+    if device.type == "cuda" and getattr(train, "sequence_parallel", 1) > 1:
+        why = "no probe with sequence parallelism"
     return Choice(tokens_per_batch=DEFAULT_TOKENS, micro_batch_size=DEFAULT_MICRO_BATCH,
                   activation_checkpointing="off" if device.type != "cuda" else "full", reason=why)
 

@@ -42,7 +42,9 @@ def sample_costs(cost_model, dataset, lengths):
 
 def build_sampler(cfg, ctx, dataset, lengths):
     """This data-parallel rank's sampler: packed token-budget bins (`train.packing`) or padded micro-batches, each
-    optimizer step's samples split by cost when `load_data` estimated costs (`train.balance`)."""
+    optimizer step's samples split by cost when `load_data` estimated costs (`train.balance`). The ranks of a
+    sequence-parallel group share one sampler position (`dims.dp_rank`) and a row budget of
+    `tokens_per_batch x sequence_parallel` tokens."""
     from vlmctl.data.loader import DistributedBatchSampler, PackedBatchSampler
 
     train = cfg.train
@@ -53,9 +55,11 @@ def build_sampler(cfg, ctx, dataset, lengths):
     if not train.packing:
         return DistributedBatchSampler(lengths, micro_batch_size=train.micro_batch_size,
                                        group_by_length=train.group_by_length, **split)
-    sampler = PackedBatchSampler(lengths, tokens_per_batch=train.tokens_per_batch, **split)
+    # a row is split over the sequence-parallel group: its budget is the group's
+    budget = train.tokens_per_batch * ctx.dims.sp
+    sampler = PackedBatchSampler(lengths, tokens_per_batch=budget, **split)
     if sampler.too_long and ctx.env.is_main:
-        print(f"warning: {sampler.too_long} samples are longer than train.tokens_per_batch={train.tokens_per_batch} "
-              "tokens and are left out (`vlmctl data prepare` drops them as too_long with data.max_length <= "
-              "train.tokens_per_batch)", file=sys.stderr)
+        what = f"train.tokens_per_batch={train.tokens_per_batch}" + (f" x sequence_parallel={ctx.dims.sp}" if ctx.dims.sp > 1 else "")
+        print(f"warning: {sampler.too_long} samples are longer than {what} tokens and are left out (`vlmctl data "
+              "prepare` drops them as too_long with data.max_length <= that budget)", file=sys.stderr)
     return sampler

@@ -147,15 +147,19 @@ def _varlen_params() -> frozenset[str]:
     return frozenset(inspect.signature(varlen_attn).parameters)
 
 
-def token_losses(model, batch: dict[str, Any]):
+def token_losses(model, batch: dict[str, Any], shard=None):
     """Per-token cross-entropy (nats) of the labelled tokens of `batch`, without full logits.
 
     `batch` holds model inputs of one packed row plus `labels` (1, T) with -100 on unlabelled tokens. Returns
     `(losses, index)`: `losses` (n,) float32, one per labelled target token, and `index` (n,) the positions t of
     those target tokens, so callers can sum losses per packed sample. The model is called with
-    `logits_to_keep` = the positions that predict a labelled token (t - 1), and no `labels`.
-    Raises ValueError for more than one row.
+    `logits_to_keep` = the positions that predict a labelled token (t - 1), and no `labels`. With a
+    sequence-parallel `shard` (`distributed.sequence.SequenceShard`) the model's output covers this rank's slice of
+    the row only: the targets are those predicted from it (`sequence.local_targets`), and the group's ranks'
+    losses add up to the row's. Raises ValueError for more than one row.
     """
+    from vlmctl.distributed.sequence import local_targets
+
     import torch
     import torch.nn.functional as F
 
@@ -169,11 +173,13 @@ def token_losses(model, batch: dict[str, Any]):
         raise ValueError(f"token_losses takes one packed row (batch size 1), got {B} rows; padded batches use train.loop.token_loss_sum")
     target_pos = torch.nonzero(labels[0] != -100, as_tuple=False).squeeze(1)
     target_pos = target_pos[target_pos > 0]
+    target_pos, keep = local_targets(target_pos, T, shard)
     if target_pos.numel() == 0:
         # keep every parameter in the graph (FSDP/ZeRO-3 need the same collectives on every rank)
-        out = model(**inputs, logits_to_keep=torch.tensor([T - 1], device=labels.device))
+        last = T - 1 if shard is None else 0
+        out = model(**inputs, logits_to_keep=torch.tensor([last], device=labels.device))
         return out.logits.float().sum()[None] * 0.0, torch.zeros(0, dtype=torch.long, device=labels.device)
-    out = model(**inputs, logits_to_keep=target_pos - 1)
+    out = model(**inputs, logits_to_keep=keep)
     logits = out.logits[0].float()  # (n, V)
     losses = F.cross_entropy(logits, labels[0, target_pos], reduction="none")
     return losses, target_pos

@@ -12,7 +12,9 @@ positions only), else the padded batch's full logits. Each micro-batch's summed 
 data-parallel ranks. So the loss and gradients of a step do not depend on how the global batch is split over ranks
 and micro-batches (1 rank x 8 samples == 2 ranks x 4 samples), unlike a mean of per-rank means. Label tokens,
 losses, token counts and FLOPs are summed over the data-parallel group (`ParallelDims.dp_group`), the ranks that
-read different data.
+read different data. With sequence parallelism the ranks of a group read the same row and each computes the loss
+of its slice (`distributed.sequence`): the scale is `dp_size x sp / global_label_tokens`, as gradients are averaged
+over all of them, and a batch's loss is summed over its group before it is reported.
 
 Stragglers: every collective waits for the slowest rank. Each step records, per data-parallel rank, its
 forward + backward time (`StepTimer`: CUDA events on a GPU, read after one synchronize per step; host clocks on a
@@ -52,17 +54,22 @@ def token_loss_sum(logits, labels):
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def loss_sum(model, batch: dict[str, Any], *, liger: bool = False, inputs: dict[str, Any] | None = None):
+def loss_sum(model, batch: dict[str, Any], *, liger: bool = False, inputs: dict[str, Any] | None = None, shard=None):
     """Summed next-token cross-entropy (fp32 scalar, nats) over the labelled tokens of one micro-batch.
 
     `model` is the root module (DDP/FSDP2/DeepSpeed wrapper included, so its hooks run); `inputs` overrides the
     model inputs taken from `batch` (e.g. cast pixel values). With `liger` the model was patched by
     `kernels.apply_liger`: given labels, its forward returns the fused linear cross-entropy, summed because
-    `num_items_in_batch=1` (transformers' and liger's convention: sum / num_items_in_batch).
+    `num_items_in_batch=1` (transformers' and liger's convention: sum / num_items_in_batch). With a
+    sequence-parallel `shard` the loss is this rank's part of the row's (`kernels.token_losses`; liger's loss,
+    which shifts the labels of the local slice, is not used).
     """
     from vlmctl.train.kernels import token_losses
 
     inputs = model_inputs(batch) if inputs is None else inputs
+    if shard is not None:
+        losses, _ = token_losses(model, {**inputs, "labels": batch["labels"], "use_cache": False}, shard=shard)
+        return losses.sum()
     if liger:
         return model(**inputs, labels=batch["labels"], num_items_in_batch=1, use_cache=False).loss.float()
     if is_packed(batch):
@@ -123,11 +130,13 @@ def to_device(batch: dict[str, Any], device) -> dict[str, Any]:
 class TorchStepper:
     """Forward/backward/step for an nn.Module wrapped (or not) in DDP or FSDP2, with a torch optimizer."""
 
-    def __init__(self, model, optimizer, scheduler, *, max_grad_norm: float, autocast_dtype=None, device=None, liger: bool = False):
+    def __init__(self, model, optimizer, scheduler, *, max_grad_norm: float, autocast_dtype=None, device=None, liger: bool = False,
+                 shard=None):
         import torch
 
         self.model = model
         self.liger = liger
+        self.shard = shard
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.max_grad_norm = max_grad_norm
@@ -148,7 +157,7 @@ class TorchStepper:
 
         ctx = torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype else contextlib.nullcontext()
         with ctx:
-            return loss_sum(self.model, batch, liger=self.liger)
+            return loss_sum(self.model, batch, liger=self.liger, shard=self.shard)
 
     def backward(self, loss, scale: float) -> None:
         (loss * scale).backward()
@@ -187,10 +196,11 @@ class TorchStepper:
 class DeepSpeedStepper:
     """The same interface over a DeepSpeed engine (it accumulates, clips, steps and schedules itself)."""
 
-    def __init__(self, engine, liger: bool = False):
+    def __init__(self, engine, liger: bool = False, shard=None):
         self.engine = engine
         self.model = engine
         self.liger = liger
+        self.shard = shard
 
     def sync(self, last: bool):
         return contextlib.nullcontext()
@@ -200,7 +210,7 @@ class DeepSpeedStepper:
         dtype = next((p.dtype for p in self.engine.module.parameters()), None)
         if "pixel_values" in inputs and dtype is not None:
             inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
-        return loss_sum(self.engine, batch, liger=self.liger, inputs=inputs)
+        return loss_sum(self.engine, batch, liger=self.liger, inputs=inputs, shard=self.shard)
 
     def backward(self, loss, scale: float) -> None:
         # Our scale already averages over the window, so DeepSpeed must not divide by the accumulation steps again.
@@ -304,6 +314,8 @@ class Trainer:
     `flops_of(batch)`: training FLOPs of one collated micro-batch (`flops.CostModel.batch_flops`), computed on the
     CPU batch before its device copy; the row's `mfu` comes from their sum. `dp_group`: the data-parallel process
     group the loss and counts are reduced over (`ParallelDims.dp_group`; None = the default group, the world).
+    `sp_group`: this rank's sequence-parallel group (`ParallelDims.sp_group`), whose ranks share a batch and each
+    compute part of its loss; None without sequence parallelism.
     """
 
     stepper: Any
@@ -323,6 +335,7 @@ class Trainer:
     peak_flops: float | None = None  # per device, FLOP/s
     device_name: str = "cpu"  # recorded in every metrics row
     dp_group: Any = None
+    sp_group: Any = None
     _signal: int | None = field(default=None, init=False)
 
     def install_signal_handlers(self) -> dict:
@@ -384,6 +397,13 @@ class Trainer:
 
         return dist.get_world_size(self.dp_group)
 
+    @property
+    def sp_size(self) -> int:
+        """Sequence-parallel ranks per group (1 without sequence parallelism)."""
+        import torch.distributed as dist
+
+        return dist.get_world_size(self.sp_group) if self.sp_group is not None else 1
+
     def train_step(self) -> StepResult:
         """One optimizer step over `grad_accum` micro-batches of this rank."""
         import torch
@@ -398,7 +418,8 @@ class Trainer:
         label_tokens = torch.tensor([float(sum(b["num_label_tokens"] for b in window))], device=self.env.device)
         dist.all_reduce(label_tokens, group=self.dp_group)
         total_tokens = float(label_tokens)
-        loss_sum, bad = self._accumulate(window, scale=self.dp_size / max(total_tokens, 1.0), timer=timer)
+        # gradients are averaged over the data-parallel and sequence-parallel ranks (`ParallelDims.grad_mesh`)
+        loss_sum, bad = self._accumulate(window, scale=self.dp_size * self.sp_size / max(total_tokens, 1.0), timer=timer)
         grad_norm = self.stepper.step(skip=bad)
         bad = bad or grad_norm is None and not isinstance(self.stepper, DeepSpeedStepper)
         stats = self._reduce_stats(window, loss_sum, flops)
@@ -460,6 +481,9 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
+        if self.sp_group is not None:  # each sequence rank holds part of its batch's loss
+            loss_sum = loss_sum.clone()
+            dist.all_reduce(loss_sum, group=self.sp_group)
         stats = torch.tensor([
             float(loss_sum),
             float(sum(b["num_text_tokens"] for b in window)),

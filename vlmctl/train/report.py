@@ -18,13 +18,15 @@ def _dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _batching(train, sampler, dp_size: int) -> dict[str, str]:
-    """The global batch, batching and per-epoch rows of the start-up table."""
+def _batching(train, sampler, dp_size: int, sp: int = 1) -> dict[str, str]:
+    """The global batch, batching and per-epoch rows of the start-up table (`sp`: sequence-parallel ranks per row)."""
     gas = train.gradient_accumulation_steps
     if train.packing:
-        return {"global batch": (f"up to {train.tokens_per_batch * gas * dp_size} tokens ({train.tokens_per_batch} x {gas} "
-                                 f"accumulation x {dp_size} ranks)"),
-                "batching": f"packed rows of up to {train.tokens_per_batch} tokens",
+        row = train.tokens_per_batch * sp
+        split = f" ({train.tokens_per_batch} per GPU x {sp} sequence-parallel ranks)" if sp > 1 else ""
+        return {"global batch": (f"up to {row * gas * dp_size} tokens ({row} x {gas} "
+                                 f"accumulation x {dp_size} data-parallel ranks)"),
+                "batching": f"packed rows of up to {row} tokens{split}",
                 "per epoch": f"{sampler.batches_per_epoch * dp_size} packed micro-batches per epoch"}
     return {"global batch": f"{train.micro_batch_size * gas * dp_size} samples ({train.micro_batch_size} x {gas} accumulation x {dp_size} ranks)",
             "batching": "padded micro-batches" + (", length-grouped" if train.group_by_length else ""),
@@ -47,7 +49,7 @@ def startup_rows(train, *, run_dir: Path, ctx, tm, dataset, sampler, start_step:
     global batch, batching, steps, data, run folder. `ctx` is the worker's RunContext, `tm` its TrainingModel."""
     from vlmctl.train.metrics import human
 
-    batching = _batching(train, sampler, ctx.dims.dp_size)
+    batching = _batching(train, sampler, ctx.dims.dp_size, ctx.dims.sp)
     params = tm.parameters
     return {
         "model": f"{tm.source} ({tm.family.name})",
@@ -55,7 +57,8 @@ def startup_rows(train, *, run_dir: Path, ctx, tm, dataset, sampler, start_step:
         "trainable": f"{human(tm.num_trainable)} ({', '.join(sorted(tm.trainable))}{'; LoRA on the llm' if train.lora else ''})",
         "strategy": f"{train.strategy} ({_dtype_name(ctx.dtype)}, {device_name(ctx.env.device)})",
         "kernels": _kernels(train, tm),
-        "world size": ctx.env.world_size,
+        "world size": ctx.env.world_size if ctx.dims.sp == 1 else
+        f"{ctx.env.world_size} ({ctx.dims.dp_size} data-parallel x {ctx.dims.sp} sequence-parallel, Ulysses)",
         "global batch": batching["global batch"],
         "batching": batching["batching"],
         "steps": f"{start_step} -> {total_steps}" if start_step else total_steps,

@@ -622,6 +622,7 @@ class TrainingModel:
     processor: Any = None
     source: str | None = None
     deferred: DeferredWeights | None = None  # weights placed after wrapping (`defer_weights`), where rank 0 alone read them
+    shard: Any = None  # distributed.sequence.SequenceShard with train.sequence_parallel > 1, else None
 
 
 def setup_run(train) -> RunContext:
@@ -635,7 +636,7 @@ def setup_run(train) -> RunContext:
 
     train.strategy = resolve_strategy(train.strategy, torch.cuda.is_available(), quantized(train))
     env = init_distributed(deepspeed=train.strategy in DEEPSPEED)
-    dims = ParallelDims.for_strategy(train.strategy, env.world_size, sharding=train.fsdp_sharding)
+    dims = ParallelDims.for_strategy(train.strategy, env.world_size, sharding=train.fsdp_sharding, sp=train.sequence_parallel)
     dims.build_mesh(env.device.type)
     seed_everything(train.seed)
     dtype = resolve_dtype(train.precision, env.device)
@@ -666,3 +667,20 @@ def prepare_model(model, family, train, device, compute_dtype=None) -> TrainingM
                          vision_kernels=vision_kernels, prepare=prepare, parameters=part_parameters(model, parts),
                          num_trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
                          cost_model=cost_model)
+
+
+def split_sequences(tm: TrainingModel, train, dims) -> TrainingModel:
+    """With sequence parallelism (`train.sequence_parallel` > 1): split the language model of `tm` over this rank's
+    sequence-parallel group (`distributed.sequence.apply_sequence_parallel`, before wrapping) and keep the shard
+    for the loss (`tm.shard`). Raises ConfigError where the model cannot be split (padded batches: packing off or
+    not supported by the family; attention heads that do not divide; DeepSpeed missing)."""
+    if dims.sp <= 1:
+        return tm
+    from vlmctl.distributed.sequence import SequenceShard, apply_sequence_parallel, check_sequence_parallel
+    from vlmctl.train.kernels import VARLEN_NAME, varlen_attention_forward
+
+    check_sequence_parallel(dims.sp, tm.model.config.get_text_config(), packing=train.packing)
+    tm.shard = SequenceShard(dims.sp_group, dims.sp_rank, dims.sp)
+    # the varlen kernel attends over the whole row on a GPU; elsewhere sdpa with the row's segment mask
+    apply_sequence_parallel(tm.model, tm.family, tm.shard, varlen_attention_forward if tm.attn == VARLEN_NAME else None)
+    return tm

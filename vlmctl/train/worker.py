@@ -5,7 +5,7 @@ torchtitan's)::
 
     ctx = setup_run(cfg.train)                        # process group, one device mesh, seed, dtypes
     tm = load_model_for_training(cfg, ctx)            # model (fsdp/ddp: rank 0 reads the weights), kernels, cost model,
-                                                      # stage/freeze, LoRA, compile
+                                                      # stage/freeze, LoRA, compile, sequence split (Ulysses)
     dataset, lengths = load_data(cfg, ctx, tm)        # the training shards and their token counts (train/data.py)
     wrapped = wrap_model(tm, cfg.train, ctx, steps)   # DDP / FSDP2 per layer then root (rank 0's weights placed) /
                                                       # DeepSpeed; AdamW; schedule
@@ -33,7 +33,7 @@ from vlmctl.errors import VlmctlError
 from vlmctl.train import autotune
 from vlmctl.train.data import build_sampler, load_data
 from vlmctl.train.setup import (DEEPSPEED, RunContext, TrainingModel, build_optimizer, build_scheduler, defer_weights,
-                                load_for_rank, model_source, place_weights, prepare_model, setup_run)
+                                load_for_rank, model_source, place_weights, prepare_model, setup_run, split_sequences)
 
 EXIT_STOPPED = 0  # a run stopped by SIGTERM/SIGINT after saving exits cleanly; the launcher reports it
 
@@ -56,7 +56,7 @@ def load_model_for_training(cfg, ctx: RunContext, resuming: bool = False) -> Tra
     `resuming`); the others build it on the meta device and get theirs in `wrap_model` (`setup.rank0_loads`)."""
     source = model_source(cfg)
     model, processor, family = load_for_rank(source, cfg, ctx, resuming=resuming)
-    tm = prepare_model(model, family, cfg.train, ctx.env.device, compute_dtype=ctx.dtype)
+    tm = split_sequences(prepare_model(model, family, cfg.train, ctx.env.device, compute_dtype=ctx.dtype), cfg.train, ctx.dims)
     tm.deferred = defer_weights(tm.model, cfg.train, ctx.env, resuming=resuming)
     tm.processor, tm.source = processor, source
     return tm
@@ -74,26 +74,26 @@ def wrap_model(tm: TrainingModel, train, ctx: RunContext, total_steps: int) -> W
     if train.strategy in DEEPSPEED:
         optimizer = build_optimizer(model, tm.parts, train, env.device)
         scheduler = build_scheduler(optimizer, train, total_steps)
-        ds_cfg = ds.deepspeed_config(train, dp_size=dims.dp_size, dtype=ctx.dtype, hidden_size=ds.hidden_size(model),
+        ds_cfg = ds.deepspeed_config(train, dp_size=dims.grad_size, dtype=ctx.dtype, hidden_size=ds.hidden_size(model),
                                      stage=int(train.strategy[-1]))
         engine, optimizer, scheduler = ds.deepspeed_engine(model, optimizer, scheduler, ds_cfg)
-        stepper = DeepSpeedStepper(engine, liger=tm.liger)
+        stepper = DeepSpeedStepper(engine, liger=tm.liger, shard=tm.shard)
     else:
         engine = None
         if train.strategy == "fsdp":
-            model = apply_fsdp(model, tm.parts, dims.world_mesh, param_dtype=ctx.dtype,
+            model = apply_fsdp(model, tm.parts, dims.fsdp_mesh, param_dtype=ctx.dtype,
                                reshard_after_forward=train.fsdp_reshard_after_forward, prefetch=train.fsdp_prefetch)
             place_weights(model, tm.deferred, env.device)  # rank 0's weights, into every rank's shards
         else:
             place_weights(model, tm.deferred, env.device)  # empty storage; DDP broadcasts rank 0's weights
             model = model.to(env.device)
-            if train.strategy == "ddp" and (dims.dp_size > 1 or os.environ.get("LOCAL_WORLD_SIZE")):
-                model = apply_ddp(model, dims.dp_mesh, env.device)
+            if train.strategy == "ddp" and (dims.grad_size > 1 or os.environ.get("LOCAL_WORLD_SIZE")):
+                model = apply_ddp(model, dims.grad_mesh, env.device)
         tm.deferred = None
         optimizer = build_optimizer(model, tm.parts, train, env.device, dims.dp_size)
         scheduler = build_scheduler(optimizer, train, total_steps)
         stepper = TorchStepper(model, optimizer, scheduler, max_grad_norm=train.max_grad_norm, device=env.device,
-                               autocast_dtype=ctx.dtype if train.strategy != "fsdp" else None, liger=tm.liger)
+                               autocast_dtype=ctx.dtype if train.strategy != "fsdp" else None, liger=tm.liger, shard=tm.shard)
     stepper.model.train()
     return Wrapped(model=model, optimizer=optimizer, scheduler=scheduler, engine=engine, stepper=stepper)
 
@@ -142,7 +142,7 @@ def build_trainer(cfg, run_dir: Path, ctx: RunContext, tm: TrainingModel, wrappe
         save_steps=train.save_steps, logging_steps=train.logging_steps, max_bad_steps=train.max_bad_steps, save=save,
         log=logger.log if logger else (lambda row: None), progress=progress,
         flops_of=tm.cost_model.batch_flops,
-        peak_flops=peak_flops(env.device), device_name=report.device_name(env.device), dp_group=ctx.dims.dp_group,
+        peak_flops=peak_flops(env.device), device_name=report.device_name(env.device), dp_group=ctx.dims.dp_group, sp_group=ctx.dims.sp_group,
     )
 
 
@@ -171,7 +171,7 @@ def train_run(cfg, run_dir: Path, ctx: RunContext) -> str:
     wrapped = wrap_model(tm, train, ctx, total_steps) if wrapped is None else reschedule(wrapped, train, total_steps)
     state = resume_state(resume_from, ctx, wrapped)
     sampler.set_position(state.consumed)
-    collator = (PackedCollator(tm.processor, tm.family, max_length=cfg.data.max_length, tokens_per_batch=train.tokens_per_batch)
+    collator = (PackedCollator(tm.processor, tm.family, max_length=cfg.data.max_length, tokens_per_batch=train.tokens_per_batch * ctx.dims.sp)
                 if train.packing else Collator(tm.processor, tm.family, max_length=cfg.data.max_length))
     loader = build_loader(dataset, sampler, collator, num_workers=train.num_workers, seed=train.seed)
     logger = None

@@ -1,0 +1,279 @@
+"""Sequence parallelism for long samples (`train.sequence_parallel: N`): DeepSpeed's Ulysses attention for HF
+models (`deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF`; the ALST paper, arXiv 2506.13996).
+
+The N ranks of a sequence-parallel group (the mesh's `sp` dimension) read the same packed row. Every rank embeds
+the whole row (text embeddings, the vision tower's visual tokens merged in, Qwen's 3-D mRoPE positions computed on
+the whole sample: `position_hook` and the model's own code run before the split), then the language model sees
+only its 1/N of the sequence:
+
+- `split_sequence` (a forward pre-hook on the language model) pads the row to a multiple of N tokens (the padding
+  is one more packed segment with no labels) and keeps this rank's contiguous slice of `inputs_embeds` and of the
+  position ids (any leading dims: mRoPE's (4, 1, T) too). Packed segments may cross the split: the segment
+  boundaries (`packed_cu_seqlens`) stay those of the whole row.
+- Attention: Ulysses' all-to-all turns the (T/N tokens, all heads) shard into (T tokens, heads/N) before the core
+  attention and back after it, so each rank attends over the whole row for its heads. The core is the run's
+  varlen kernel on CUDA (`kernels.varlen_attention_forward`), else sdpa with the block-diagonal causal mask of the
+  row's segments (`segment_attention`): both exact, so the loss equals the unsplit row's.
+- Loss: each rank computes the cross-entropy of the labelled tokens its slice predicts (`local_targets`, the logits
+  of those positions only); the sum over the group's ranks is the row's loss, and the gradients are reduced over
+  every rank of the data-parallel and sequence-parallel dimensions (`ParallelDims.grad_mesh`).
+- The vision tower (Qwen2-VL / Qwen2.5-VL: the family's `sequence_parallel_plan` calls `split_vision`): the images of a row are spread over the group's ranks
+  (contiguous runs balanced by patches), each rank encodes its own and the visual tokens are all-gathered
+  (autograd-aware: the backward sums the ranks' gradients), so a row's images need 1/N of the vision activations.
+  Other families' vision towers encode every image on every rank (same result, no saving).
+
+Raises ConfigError (see `check_sequence_parallel`) for heads that do not divide over N, padded batches (packing
+is required) or a missing DeepSpeed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vlmctl.errors import ConfigError
+
+ULYSSES_NAME = "vlmctl_ulysses"  # the attention implementation name the language model is switched to
+SHARD_ATTR = "vlmctl_sequence_shard"  # where `apply_sequence_parallel` leaves the shard on the model
+
+
+@dataclass(frozen=True)
+class SequenceShard:
+    """This rank's part of a packed row split over the `size` ranks of its sequence-parallel `group`."""
+
+    group: Any
+    rank: int
+    size: int
+
+    def padded(self, length: int) -> int:
+        """The row's length (tokens) rounded up to a multiple of `size`."""
+        return -(-length // self.size) * self.size
+
+    def bounds(self, length: int) -> tuple[int, int]:
+        """[start, end) of this rank's slice of a row of `length` tokens (after padding, see `padded`)."""
+        n = self.padded(length) // self.size
+        return self.rank * n, (self.rank + 1) * n
+
+
+def check_sequence_parallel(size: int, text_config: Any, *, packing: bool) -> None:
+    """Raise ConfigError unless a language model with `text_config` can be split over `size` ranks: packed rows,
+    attention heads divisible by `size`, key/value heads dividing or divided by it (Ulysses scatters heads), and
+    DeepSpeed installed (`pip install 'vlmctl[deepspeed]'`)."""
+    import importlib.util
+
+    if size <= 1:
+        return
+    if not packing:
+        raise ConfigError(f"train.sequence_parallel={size} splits packed rows; padded micro-batches cannot be split",
+                          hint="set train.packing=true (every family that packs), or train.sequence_parallel=1")
+    heads = int(getattr(text_config, "num_attention_heads"))
+    kv = int(getattr(text_config, "num_key_value_heads", None) or heads)
+    if heads % size or (kv % size and size % kv):
+        raise ConfigError(f"train.sequence_parallel={size}: the language model's {heads} attention heads "
+                          f"({kv} key/value heads) cannot be spread over {size} ranks",
+                          hint=f"use a sequence_parallel that divides {heads} (and divides or is a multiple of {kv})")
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError(f"train.sequence_parallel={size} uses DeepSpeed's Ulysses attention, which is not installed",
+                          hint="pip install 'vlmctl[deepspeed]'")
+
+
+def apply_sequence_parallel(model, family, shard: SequenceShard, core_attention=None) -> None:
+    """Split `model`'s language model over `shard`'s group (see the module docstring); call it on every rank before
+    wrapping (FSDP2 / DeepSpeed). `core_attention`: the transformers attention function that attends over the whole
+    row after the all-to-all (the run's varlen kernel on CUDA, `train.kernels.varlen_attention_forward`); None:
+    `segment_attention` (sdpa). No-op for `shard.size == 1`."""
+    if shard.size <= 1:
+        return
+    from vlmctl.families.spec import _find_prefix
+
+    text_config = model.config.get_text_config()
+    check_sequence_parallel(shard.size, text_config, packing=True)
+    _register_ulysses(shard, text_config, core_attention or segment_attention)
+    _set_text_attention(model, ULYSSES_NAME)
+    language_model = model.get_submodule(_find_prefix(model, family.language_model))
+    language_model.register_forward_pre_hook(split_sequence(shard), with_kwargs=True)
+    if family.sequence_parallel_plan is not None:  # e.g. Qwen-VL's images over the group (`split_vision`)
+        family.sequence_parallel_plan(model, shard)
+    setattr(model, SHARD_ATTR, shard)
+
+
+def _set_text_attention(model, name: str) -> None:
+    """Switch the language model (only) to `name`: the vision tower keeps its own implementation, since its
+    sequence is not split."""
+    config = model.config
+    text = config.get_text_config()
+    text._attn_implementation_internal = name
+    if text is not config and "vision_config" not in getattr(config, "sub_configs", {}):
+        config._attn_implementation_internal = name
+
+
+def _register_ulysses(shard: SequenceShard, text_config: Any, core) -> None:
+    """Register `vlmctl_ulysses` with transformers: Ulysses' all-to-all around the core attention. Its mask
+    function returns None: the core builds the segment mask of the whole row itself."""
+    import deepspeed.comm as ds_comm
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    if not ds_comm.is_initialized():  # the process group exists already; DeepSpeed's comm layer wraps it
+        ds_comm.init_distributed(auto_mpi_discovery=False, verbose=False)
+    heads = int(text_config.num_attention_heads)
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+    ulysses = UlyssesSPAttentionHF(
+        attn=core, batch_size=1, attn_head_count=heads, attn_head_size=head_dim,
+        kv_head_count=int(getattr(text_config, "num_key_value_heads", None) or heads),
+        num_hidden_layers=int(text_config.num_hidden_layers), process_group=shard.group, seq_length_is_variable=True)
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        # transformers' mask (if any) is for the local slice; the core uses the row's segments instead
+        return ulysses(module, query, key, value, None, *args, **kwargs)
+
+    AttentionInterface.register(ULYSSES_NAME, attention)
+    AttentionMaskInterface.register(ULYSSES_NAME, lambda *args, **kwargs: None)
+
+
+def segment_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Exact attention over a whole packed row with sdpa and the block-diagonal causal mask of its segments.
+
+    query (1, H, T, D), key/value (1, H_kv, T, D); segments from `packed_cu_seqlens` int32 (n + 1,) (tokens), else
+    the row is one segment. Returns ((1, T, H, D), None) like transformers' attention functions. Memory is
+    O(T^2) for the mask: the CPU path (GPUs use the varlen kernel)."""
+    import torch
+    import torch.nn.functional as F
+
+    total = query.shape[2]
+    cu = kwargs.get("packed_cu_seqlens")
+    if cu is None:
+        cu = torch.tensor([0, total])
+    segment = torch.bucketize(torch.arange(total, device=query.device), cu.to(query.device)[1:], right=True)
+    pos = torch.arange(total, device=query.device)
+    mask = (segment[:, None] == segment[None, :]) & (pos[:, None] >= pos[None, :])
+    key_, value_ = key, value
+    if key.shape[1] != query.shape[1]:
+        repeat = query.shape[1] // key.shape[1]
+        key_, value_ = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+    out = F.scaled_dot_product_attention(query, key_.to(query.dtype), value_.to(query.dtype), attn_mask=mask,
+                                         scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def split_sequence(shard: SequenceShard):
+    """The language model's forward pre-hook: pad the row to a multiple of `shard.size` and keep this rank's slice
+    of `inputs_embeds` (1, T, E) and the position ids (..., 1, T); the padding becomes one more segment of
+    `packed_cu_seqlens`."""
+    import torch
+    import torch.nn.functional as F
+
+    def hook(module, args, kwargs):
+        embeds = kwargs.get("inputs_embeds")
+        if embeds is None or args:
+            raise ConfigError("train.sequence_parallel: this family calls its language model without inputs_embeds "
+                              "as a keyword; it cannot be split", hint="set train.sequence_parallel=1")
+        if kwargs.get("attention_mask") is not None and kwargs["attention_mask"].ndim == 2 and not bool(kwargs["attention_mask"].all()):
+            raise ConfigError("train.sequence_parallel splits packed rows; this batch is padded",
+                              hint="set train.packing=true")
+        total = embeds.shape[1]
+        pad = shard.padded(total) - total
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            positions = torch.arange(total, device=embeds.device)[None]
+        cu = kwargs.get("packed_cu_seqlens")
+        if cu is None:
+            cu = torch.tensor([0, total], dtype=torch.int32, device=embeds.device)
+        if pad:
+            embeds = F.pad(embeds, (0, 0, 0, pad))
+            tail = torch.arange(pad, device=positions.device, dtype=positions.dtype)
+            positions = torch.cat([positions, tail.expand(*positions.shape[:-1], pad)], dim=-1)
+            cu = torch.cat([cu, cu.new_tensor([total + pad])])
+            kwargs["packed_max_seqlen"] = max(int(kwargs.get("packed_max_seqlen") or 0), pad)
+        start, end = shard.bounds(total)
+        kwargs["inputs_embeds"] = embeds[:, start:end]
+        kwargs["position_ids"] = positions[..., start:end]
+        kwargs["packed_cu_seqlens"] = cu
+        kwargs["attention_mask"] = None
+        kwargs.pop("cache_position", None)
+        return args, kwargs
+
+    return hook
+
+
+def local_targets(target_pos, total: int, shard: SequenceShard | None):
+    """The labelled target positions (n,) of a row of `total` tokens whose logits this rank computes: those t whose
+    predicting position t - 1 lies in its slice. Returns (targets, logits_to_keep): the positions t and the
+    indices of t - 1 within the local slice (all of them, unshifted, without a shard)."""
+    if shard is None or shard.size <= 1:
+        return target_pos, target_pos - 1
+    start, end = shard.bounds(total)
+    mine = target_pos[(target_pos - 1 >= start) & (target_pos - 1 < end)]
+    return mine, mine - 1 - start
+
+
+def split_vision(visual, shard: SequenceShard) -> None:
+    """Spread a Qwen-VL vision tower's images over `shard`'s group: each rank encodes a contiguous run of the
+    images (balanced by patches, `image_runs`), and the merged visual tokens of all runs are all-gathered in image
+    order, so the output equals the unsplit tower's. With fewer images than ranks every rank encodes them all (each
+    rank must run the tower: FSDP2 gathers its weights collectively)."""
+    import torch
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    forward = visual.forward
+
+    def split_forward(hidden_states, grid_thw, **kwargs):
+        runs = image_runs([int(n) for n in grid_thw.prod(-1).tolist()], shard.size)
+        if runs is None:
+            return forward(hidden_states, grid_thw, **kwargs)
+        patches = grid_thw.prod(-1)
+        first, last = runs[shard.rank]
+        p0, p1 = int(patches[:first].sum()), int(patches[:last].sum())
+        out = forward(hidden_states[p0:p1], grid_thw[first:last], **kwargs)
+        merged = out.pooler_output
+        merge = int(visual.spatial_merge_size) ** 2
+        sizes = [int(patches[a:b].sum()) // merge for a, b in runs]
+        merged = gather_rows(merged, sizes, shard)
+        return BaseModelOutputWithPooling(last_hidden_state=None, pooler_output=merged)
+
+    visual.forward = split_forward
+
+
+def image_runs(patches: list[int], ranks: int) -> list[tuple[int, int]] | None:
+    """Contiguous runs [first, last) of images, one non-empty run per rank, whose largest patch count is the smallest
+    possible (`patches`: patches per image; the linear partition problem, solved by a binary search on the largest
+    run with a greedy fill). None when there are fewer images than ranks."""
+    if len(patches) < ranks:
+        return None
+
+    def fill(limit: int) -> list[tuple[int, int]]:
+        runs, first, load = [], 0, 0
+        for i, n in enumerate(patches):
+            if load + n > limit and i > first:
+                runs.append((first, i))
+                first, load = i, 0
+            load += n
+        return runs + [(first, len(patches))]
+
+    low, high = max(patches), sum(patches)
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if len(fill(mid)) <= ranks else (mid + 1, high)
+    runs = fill(low)
+    while len(runs) < ranks:  # splitting a run never raises the largest load
+        k = max(range(len(runs)), key=lambda j: runs[j][1] - runs[j][0])
+        first, last = runs[k]
+        runs[k:k + 1] = [(first, last - 1), (last - 1, last)]
+    return runs
+
+
+def gather_rows(local, sizes: list[int], shard: SequenceShard):
+    """All-gather `local` (sizes[rank], E) from every rank of the group into (sum(sizes), E) in rank order; the
+    backward reduce-scatters, summing the ranks' gradients for each rank's rows
+    (`torch.distributed._functional_collectives.all_gather_single_autograd`, named `all_gather_tensor_autograd`
+    before torch 2.12)."""
+    import torch
+    import torch.distributed._functional_collectives as funcol
+    import torch.nn.functional as F
+
+    all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+
+    longest = max(sizes)
+    padded = F.pad(local, (0, 0, 0, longest - local.shape[0]))
+    gathered = all_gather(padded.contiguous(), gather_dim=0, group=shard.group)
+    return torch.cat([part[:n] for part, n in zip(gathered.split(longest), sizes)])
