@@ -80,6 +80,12 @@ def token_budget(train) -> int:
     return value if isinstance(value, int) else DEFAULT_TOKENS
 
 
+def row_budget(train) -> int:
+    """Tokens of one packed row: `token_budget` per device x `train.sequence_parallel` (a sequence-parallel group
+    splits one row over its ranks)."""
+    return token_budget(train) * train.sequence_parallel
+
+
 def micro_batch(train) -> int:
     """Samples of one padded micro-batch per device (`train.micro_batch_size`), as an integer: the one place bench
     reads it. `auto` reads as training's value without a probe (`vlmctl.train.autotune.DEFAULT_MICRO_BATCH`)."""
@@ -734,7 +740,7 @@ def prepare(model_section, train, spec: WorkloadSpec = WorkloadSpec(), *, steps:
         raise UsageError(f"--workload baseline is the Qwen-VL baseline's packed workload; this bench has no {why}",
                          hint="use --workload chat (or auto)" + ("" if model.family.mrope else f"; model family {model.family.name!r}"))
     rows = (steps + warmup) * train.gradient_accumulation_steps
-    budget = token_budget(train)
+    budget = row_budget(train)
     if kind == "baseline":
         workload: Workload = BaselineWorkload(model.config, spec, seed=train.seed, rows=rows * dp_size, budget=budget)
     else:
@@ -772,7 +778,7 @@ def check_video(model: ModelChoice) -> None:
 def plan_batches(plan: BenchPlan, train, *, dp_rank: int) -> list[list[int]]:
     """`rank_batches` of `plan` for data-parallel rank `dp_rank` (lists of sample indices). Raises UsageError when
     the samples make too few micro-batches."""
-    return rank_batches(plan.workload.lengths, packing=plan.packing, budget=token_budget(train),
+    return rank_batches(plan.workload.lengths, packing=plan.packing, budget=row_budget(train),
                         micro_batch_size=micro_batch(train), rows=plan.rows, dp_rank=dp_rank, dp_size=plan.dp_size,
                         seed=train.seed, group_by_length=train.group_by_length)
 
@@ -839,7 +845,7 @@ def run_bench(model_section, train_section, *, steps: int = 20, warmup: int = 3,
     if plan is None:  # a launched rank (its launcher checked the device and logged the notes) or a script
         world = _world_size()
         plan = prepare(model_section, train_section, spec, steps=steps, warmup=warmup, check_device=False,
-                       dp_size=world, log=log if world == 1 else None)
+                       dp_size=world // train_section.sequence_parallel, log=log if world == 1 else None)
     try:
         ctx = setup_run(train_section)
         autotune.settle_without_probe(train_section, ctx.env.device)  # CPU, DeepSpeed: training's fixed values
@@ -876,7 +882,7 @@ def load_model(plan: BenchPlan, model_section, train, ctx, scratch: Path, log) -
 
     from vlmctl.models.build import save_model
     from vlmctl.models.load import quiet_transformers
-    from vlmctl.train.setup import load_quantized, load_source, prepare_model
+    from vlmctl.train.setup import load_quantized, load_source, prepare_model, split_sequences
 
     choice, env = plan.model, ctx.env
     cfg = SimpleNamespace(model=model_section, train=train)  # what the loaders read of a project config
@@ -895,6 +901,7 @@ def load_model(plan: BenchPlan, model_section, train, ctx, scratch: Path, log) -
         else:
             model, processor, family = (load_quantized if quantized else load_source)(source, cfg, dtype=ctx.stored)
     tm = prepare_model(model, family, train, env.device, compute_dtype=ctx.dtype)  # as the worker prepares it
+    split_sequences(tm, train, ctx.dims)
     tm.processor, tm.source = processor, source
     return tm
 
@@ -922,13 +929,13 @@ def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log
         choice = probe_auto(plan, tm, train, ctx, wrapped.stepper, log)
         plan = prepare(model_section, train, plan.spec, steps=steps, warmup=warmup, check_device=False,
                        dp_size=dims.dp_size)
-    collator = (PackedCollator(tm.processor, tm.family, tokens_per_batch=token_budget(train)) if plan.packing
+    collator = (PackedCollator(tm.processor, tm.family, tokens_per_batch=row_budget(train)) if plan.packing
                 else Collator(tm.processor, tm.family))
     batches = [plan.workload.batch(indices, collator) for indices in plan_batches(plan, train, dp_rank=dims.dp_rank)]
     trainer = Trainer(stepper=wrapped.stepper, batches=prefetch(iter(batches), tm.prepare), env=env, state=TrainState(),
                       total_steps=total_steps, grad_accum=train.gradient_accumulation_steps, batches_per_epoch=len(batches),
                       save_steps=1 << 30, logging_steps=1 << 30, max_bad_steps=total_steps, save=None, log=None,
-                      progress=None, flops_of=tm.cost_model.batch_flops, dp_group=dims.dp_group)
+                      progress=None, flops_of=tm.cost_model.batch_flops, dp_group=dims.dp_group, sp_group=dims.sp_group)
     labels = {"name": plan.model.name, "workload": plan.spec.kind, "media": plan.spec.media(), "packing": plan.packing,
               "adapter": plan.adapter, "stage": train.stage}
     result = _measure(trainer, labels, train, ctx, steps=steps, warmup=warmup, log=log)
@@ -951,6 +958,8 @@ def settings_line(train, choice, fsdp=None) -> str:
     from vlmctl.train.checkpointing import describe
 
     size = f"{token_budget(train)} tokens per row" if train.packing else f"micro-batch {micro_batch(train)}"
+    if train.packing and train.sequence_parallel > 1:
+        size = f"{row_budget(train)} tokens per row over {train.sequence_parallel} sequence-parallel ranks (Ulysses)"
     why = f" [auto: {choice.reason}]" if choice is not None else ""
     ac = train.activation_checkpointing
     overlap = f"; FSDP2 {fsdp.describe()}" if fsdp is not None else ""
@@ -1038,7 +1047,11 @@ def check_bench(cfg, nproc: int, *, steps: int, warmup: int, spec: WorkloadSpec,
     if cfg.train.nnodes > 1:
         raise UsageError("vlmctl bench runs on one node", hint="set train.nnodes=1 (tokens/s per GPU carry over to more nodes only approximately)")
     check_packages(cfg.train)  # before any process starts (ConfigError)
-    return prepare(cfg.model, cfg.train, spec, steps=steps, warmup=warmup, dp_size=nproc, log=log)
+    sp = cfg.train.sequence_parallel
+    if nproc % sp:
+        raise UsageError(f"train.sequence_parallel={sp} does not divide the {nproc} processes",
+                         hint=f"run a multiple of {sp} processes (--nproc-per-node), or lower train.sequence_parallel")
+    return prepare(cfg.model, cfg.train, spec, steps=steps, warmup=warmup, dp_size=nproc // sp, log=log)
 
 
 def run_processes(cfg, plan: BenchPlan, nproc: int, *, steps: int, warmup: int, spec: WorkloadSpec, log=print,

@@ -173,3 +173,23 @@ def test_qwen_preset_on_video_samples(tiny_project, capsys, trained):
     visual = sum(b["num_visual_tokens"] for b in measured)
     assert out["visual_tokens_per_s"] * out["step_time_s"] * STEPS == pytest.approx(visual)
     assert out["tokens_per_step"] * STEPS == pytest.approx(visual + sum(b["num_text_tokens"] for b in measured))
+
+
+def test_sequence_parallel_bench_runs_the_rows_of_one_process_over_two(tiny_project, capsys):
+    # SP=2 on 2 processes splits each packed row of 2 x 1024 tokens; one process with a 2048-token row plans the same rows
+    common = ["model.preset=tiny-qwen2.5-vl", "train.packing=true", "train.strategy=fsdp", "--images-per-sample", "2,3",
+              "--image-sizes", "28,56", "--workload", "chat"]
+    code, out, err = run_cli(["bench", "-c", str(tiny_project), "--nproc-per-node", "2", *FLAGS, *common,
+                              "train.sequence_parallel=2", "train.tokens_per_batch=1024"], capsys)
+    assert code == 0, err
+    split = json.loads(out[out.index("{"):])
+    whole = _bench(capsys, tiny_project, *common, "train.tokens_per_batch=2048")
+    assert split["world_size"] == 2 and "2048 tokens per row over 2 sequence-parallel ranks" in split["settings"]
+    assert split["tokens_per_step"] == whole["tokens_per_step"]
+    assert split["tokens_per_s_per_gpu"] * 2 == pytest.approx(split["tokens_per_s"])
+
+
+def test_sequence_parallel_that_does_not_divide_the_processes_is_a_usage_error(tiny_project, capsys):
+    code, out, err = run_cli(["bench", "-c", str(tiny_project), "--nproc-per-node", "3", *FLAGS,
+                              "model.preset=tiny-qwen2.5-vl", "train.sequence_parallel=2"], capsys)
+    assert code == 2 and "train.sequence_parallel=2 does not divide the 3 processes" in err and "Traceback" not in err
