@@ -72,6 +72,9 @@ class TrainSection(Section):
     packing: bool = Field(True, description="Pack samples into token-budget batches with per-sample attention (no padding).")
     tokens_per_batch: int | Literal["auto"] = Field("auto", description="Token budget of one packed micro-batch per device; auto = the fastest budget that fits in GPU memory, measured by a probe at start-up (ddp/fsdp on a GPU), else 8192.")
     sequence_parallel: int = Field(1, ge=1, description="Ranks that split each packed row along the sequence (Ulysses sequence parallelism through DeepSpeed's UlyssesSPAttentionHF, with fsdp, ddp, zero2 or zero3): a row of up to tokens_per_batch x sequence_parallel tokens is spread over that many GPUs, so one sample can be longer than one GPU holds. Must divide the processes per node and the language model's attention heads; needs packing and the deepspeed extra. 1 = off.")
+    activation_offload: bool = Field(False, description="With activation checkpointing (full or every k-th layer): keep each checkpointed layer's input hidden states in pinned host memory instead of GPU memory, copied back for the layer's recompute in backward (the ALST paper's checkpoint offload, arXiv 2506.13996). Saves (layers x tokens x hidden size) of GPU memory for long rows at the cost of PCIe traffic; no effect without checkpointing or on CPU.")
+    tiled_mlp: int | Literal["off"] = Field("off", description="Run each decoder layer's MLP over this many slices of the sequence, recomputing a slice's intermediate activations in backward (DeepSpeed's TiledMLP, the ALST paper, arXiv 2506.13996): the MLP's (tokens x intermediate size) activations shrink by that factor, for very long rows. off = one pass.")
+    group_by_modality: bool = Field(False, description="Every optimizer step draws its samples from one modality (image, video, audio or text-only) on every data-parallel rank, so no rank runs a dummy input for a modality another rank has; off (the default) mixes modalities and gives a rank without one a dummy input so every rank runs every tower.")
     group_by_length: bool = Field(True, description="Batch samples of similar length together (without packing).")
     balance: Literal["auto", "on", "off"] = Field("auto", description="Compute-balanced batches: each optimizer step's samples are split again over the data-parallel ranks and accumulated micro-batches so that their estimated training FLOPs (vision tower, attention's quadratic term, LM head on labelled tokens: vlmctl/train/flops.py) are as equal as possible, within tokens_per_batch (packed) or micro_batch_size (padded). A step keeps the same samples, so its loss is unchanged. auto = on with more than one data-parallel rank; on also balances one rank's accumulated micro-batches; off keeps the token-packed (or length-grouped) split.")
     attn_implementation: Literal["auto", "varlen", "flash_attn", "sdpa", "flex", "eager"] = Field("auto", description="Attention backend; auto picks varlen on CUDA and sdpa/flex on CPU.")
@@ -108,6 +111,16 @@ class TrainSection(Section):
         value = {True: "auto", False: "off"}.get(value, value) if isinstance(value, bool) else value
         if isinstance(value, int) and value <= 0:
             raise ValueError("must be auto, off or a positive number of layers")
+        return value
+
+    @field_validator("tiled_mlp", mode="before")
+    @classmethod
+    def _yaml_tiles_word(cls, value):
+        """YAML 1.1 reads a bare `off` as false; one slice or fewer is off."""
+        if value is False or (isinstance(value, int) and not isinstance(value, bool) and value <= 1):
+            return "off"
+        if value is True:
+            raise ValueError("must be off or a number of slices (2 or more)")
         return value
 
     @field_validator("micro_batch_size", "tokens_per_batch", "activation_checkpointing")
