@@ -963,7 +963,9 @@ def settings_line(train, choice, fsdp=None) -> str:
     why = f" [auto: {choice.reason}]" if choice is not None else ""
     ac = train.activation_checkpointing
     overlap = f"; FSDP2 {fsdp.describe()}" if fsdp is not None else ""
-    return (f"{train.strategy}, {size}, activation checkpointing {describe(ac if ac != 'auto' else 'off')}, "
+    extra = (", inputs offloaded to host" if train.activation_offload and ac not in ("off", "op", "auto") else "") + (
+        f", tiled MLP ({train.tiled_mlp} slices)" if train.tiled_mlp != "off" else "")
+    return (f"{train.strategy}, {size}, activation checkpointing {describe(ac if ac != 'auto' else 'off')}{extra}, "
             f"{train.master_weights} master weights{why}{overlap}")
 
 

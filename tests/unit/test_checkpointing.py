@@ -111,3 +111,55 @@ def test_the_older_gradient_checkpointing_key_keeps_its_meaning():
     assert TrainSection(activation_checkpointing=False).activation_checkpointing == "off"
     with pytest.raises(ValueError):
         TrainSection(activation_checkpointing=0)
+
+
+def test_tiled_mlp_runs_each_mlp_over_slices_with_exact_gradients():
+    from vlmctl.train.checkpointing import apply_tiled_mlp
+
+    model = tiny_lm()
+    reference, _ = grads_and_calls(model, "off")
+    layers = list(model.model.layers)
+    assert apply_tiled_mlp(layers, 3) == 4
+    rows = []
+    hooks = [layer.mlp.down_proj.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[-2])) for layer in layers]
+    grads, calls = grads_and_calls(model, "full")
+    for h in hooks:
+        h.remove()
+    # 24 tokens in 3 slices of 8; each slice runs in forward, in the checkpoint's recompute and in TiledMLP's backward
+    assert set(rows) == {8} and len(rows) == 4 * 3 * 3
+    for name, g in reference.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
+    assert apply_tiled_mlp(layers, "off") == 0 and all("forward" not in layer.mlp.__dict__ for layer in layers)
+
+
+def test_offload_keeps_the_layer_inputs_on_the_host_and_gradients_exact(monkeypatch):
+    # CPU stands in for the GPU: the copy goes to a plain host tensor and the layer sees a tensor it moved back
+    from vlmctl.train import checkpointing
+
+    class ToHost(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            moved.append(x.shape)
+            return x.detach().clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    moved: list = []
+    monkeypatch.setattr(checkpointing, "_to_host", lambda: ToHost)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: self + 0)  # the copy back, kept in the graph
+    model = tiny_lm()
+    layers = list(model.model.layers)
+    apply_activation_checkpointing([layers], "off")
+    reference = {}
+    ids = torch.arange(1, 25).view(1, 24) % 64
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    assert apply_activation_checkpointing([layers], "full", offload=True) == 4
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    assert moved == [torch.Size([1, 24, 32])] * 4  # each layer's input, once (the recompute reads the host copy)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, reference[name], rtol=1e-5, atol=1e-6, msg=name)

@@ -303,7 +303,7 @@ def probe(train, *, stepper, layer_groups, rows, device, lengths, dp_size: int, 
     state = 0 if stepper.optimizer.state else optimizer_state_bytes(stepper.model, stored_bytes)
 
     def run(mode, size: int) -> Trial:
-        apply_activation_checkpointing(layer_groups, mode)
+        apply_activation_checkpointing(layer_groups, mode, offload=train.activation_offload)
         try:
             peak, seconds = measure_pass(stepper, rows(size), device, group)
             return Trial(mode=mode, size=size, peak_bytes=peak, seconds=seconds)
@@ -318,7 +318,7 @@ def probe(train, *, stepper, layer_groups, rows, device, lengths, dp_size: int, 
     finally:
         if pause is not None:
             stepper.optimizer.paused = False
-    apply_activation_checkpointing(layer_groups, choice.activation_checkpointing)
+    apply_activation_checkpointing(layer_groups, choice.activation_checkpointing, offload=train.activation_offload)
     if not train.packing:
         choice.micro_batch_size, choice.tokens_per_batch = choice.tokens_per_batch, None
     return choice
@@ -376,7 +376,7 @@ def tune(cfg, run_dir: Path, ctx, tm, stepper, dataset, lengths, log=print) -> C
     record = load_record(run_dir) if train.resume is not None else None
     if record is not None:
         applied = record.apply(train)
-        apply_activation_checkpointing(groups, train.activation_checkpointing)
+        apply_activation_checkpointing(groups, train.activation_checkpointing, offload=train.activation_offload)
         if ctx.env.is_main:
             log(f"auto (recorded when the run started): {', '.join(applied)}")
         return record

@@ -13,6 +13,15 @@ Modes (torchtitan's `full` and `selective` modes, `torchtitan/models/llama3/infr
 A mode only gives the chosen layers an instance `forward` that runs through `torch.utils.checkpoint` (any
 `nn.Module` works), so parameter names, FSDP2 units and checkpoints stay the same and a mode can be changed on a
 wrapped model (the start-up probe does).
+
+Two more memory helpers for long rows (the ALST paper, arXiv 2506.13996, section 3):
+
+- Checkpoint offload (`train.activation_offload`): a checkpointed layer's input, the one activation full
+  checkpointing keeps per layer ((tokens x hidden size) each), is copied to pinned host memory in forward and back
+  for the layer's recompute in backward. The copies run on the compute stream, in order with the kernels around them.
+- Tiled MLP (`train.tiled_mlp: N`, `apply_tiled_mlp`): each decoder layer's MLP runs over N slices of the sequence
+  under DeepSpeed's `TiledMLP` (it recomputes a slice's forward in backward), so its (tokens x intermediate size)
+  activations exist for one slice at a time.
 """
 
 from __future__ import annotations
@@ -69,10 +78,84 @@ def _checkpointed(function, forward, *args, **kwargs):
     return function(forward, *args, **kwargs)
 
 
-def apply_activation_checkpointing(layer_groups: list[list[Any]], mode) -> int:
+def _offloaded(function, forward, *args, **kwargs):
+    """`_checkpointed`, with the layer's input hidden states (the first positional argument, or `hidden_states`) in
+    pinned host memory until the recompute copies them back (CUDA tensors only; elsewhere as `_checkpointed`)."""
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    if not (hasattr(hidden, "is_cuda") and hidden.is_cuda):
+        return function(forward, *args, **kwargs)
+    device = hidden.device
+    host = _to_host().apply(hidden)
+
+    def on_device(h, *rest, **named):
+        return forward(h.to(device, non_blocking=True), *rest, **named)
+
+    if args:
+        return function(on_device, host, *args[1:], **kwargs)
+    named = dict(kwargs)
+    named.pop("hidden_states")
+    return function(on_device, host, **named)
+
+
+@functools.lru_cache(maxsize=1)
+def _to_host():
+    """The autograd function `_offloaded` copies with (built on first use: torch is imported lazily here)."""
+    import torch
+
+    class ToHost(torch.autograd.Function):
+        """A copy to pinned host memory whose gradient is copied back to the device (both non-blocking: the copies
+        are ordered on the current stream with the kernels that read and write the tensors)."""
+
+        @staticmethod
+        def forward(ctx, x):
+            ctx.device = x.device
+            host = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=True)
+            host.copy_(x, non_blocking=True)
+            return host
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad.to(ctx.device, non_blocking=True)
+
+    return ToHost
+
+
+def apply_tiled_mlp(layers: list[Any], slices) -> int:
+    """Run the MLP (`layer.mlp`) of each decoder layer over `slices` parts of the sequence with DeepSpeed's TiledMLP
+    (`deepspeed.runtime.sequence_parallel.ulysses_sp.TiledMLP`); `slices` "off" (or 1) restores one pass. Layers
+    without a dense `mlp` (mixture-of-experts blocks, whose forward also returns router logits) are left as they are.
+    Returns the number of MLPs tiled. Raises ConfigError without DeepSpeed installed."""
+    count = 0
+    tiles = 0 if slices in ("off", None) else int(slices)
+    mlps = [getattr(layer, "mlp", None) for layer in layers]
+    mlps = [m for m in mlps if m is not None and not hasattr(m, "experts") and not hasattr(m, "gate")]
+    for mlp in mlps:
+        mlp.__dict__.pop("forward", None)
+    if tiles <= 1:
+        return 0
+    try:
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+    except ImportError:
+        from vlmctl.errors import ConfigError
+
+        raise ConfigError("train.tiled_mlp uses DeepSpeed's TiledMLP, which is not installed",
+                          hint="pip install 'vlmctl[deepspeed]', or set train.tiled_mlp=off") from None
+    for mlp in mlps:
+        mlp.forward = functools.partial(_tiled, TiledMLP, type(mlp).forward, mlp, tiles)
+        count += 1
+    return count
+
+
+def _tiled(tiled_mlp, forward, mlp, tiles: int, x):
+    # each slice needs at least one token; ZeRO-3 reads the parameters to hold their gradients until the last slice
+    return tiled_mlp.apply(forward, mlp, x, max(1, min(tiles, x.shape[-2])), list(mlp.parameters()))
+
+
+def apply_activation_checkpointing(layer_groups: list[list[Any]], mode, offload: bool = False) -> int:
     """Set `mode` (off, full, op or an integer stride k) on the layers of each group (the decoder layers, the vision
-    blocks); with a stride, layers 0, k, 2k, ... of each group are checkpointed. Returns the number of layers
-    checkpointed. Raises ValueError for an unknown mode.
+    blocks); with a stride, layers 0, k, 2k, ... of each group are checkpointed; with `offload`, each checkpointed
+    layer's input waits for backward in pinned host memory (`train.activation_offload`; not with `op`, which keeps
+    more than the input). Returns the number of layers checkpointed. Raises ValueError for an unknown mode.
 
     A checkpointed layer gets an instance `forward` that runs its class's forward through `checkpoint_function`:
     module hooks stay outside the checkpoint, so FSDP2's pre-forward cast of the inputs to the compute dtype is not
@@ -83,6 +166,7 @@ def apply_activation_checkpointing(layer_groups: list[list[Any]], mode) -> int:
         raise ValueError(f"unknown activation checkpointing mode {mode!r}: use off, full, op or a positive integer")
     stride = 1 if mode in ("full", "op") else (mode if isinstance(mode, int) else 0)
     function = checkpoint_function(mode) if stride else None
+    wrapper = _offloaded if offload and mode != "op" else _checkpointed
     count = 0
     for layers in layer_groups:
         for i, layer in enumerate(layers):
@@ -90,6 +174,6 @@ def apply_activation_checkpointing(layer_groups: list[list[Any]], mode) -> int:
             if getattr(layer, "gradient_checkpointing", False):
                 layer.gradient_checkpointing = False  # one mechanism only: ours
             if stride and i % stride == 0:
-                layer.forward = functools.partial(_checkpointed, function, type(layer).forward.__get__(layer))
+                layer.forward = functools.partial(wrapper, function, type(layer).forward.__get__(layer))
                 count += 1
     return count

@@ -40,6 +40,8 @@ def _kernels(train, tm) -> str:
     checkpointing = train.activation_checkpointing
     return (f"attention {tm.attn}, loss {loss}"
             + (f", activation checkpointing {describe(checkpointing)}" if checkpointing not in ("off", "auto") else "")
+            + (" with its inputs offloaded to host memory" if train.activation_offload and checkpointing not in ("off", "op") else "")
+            + (f", tiled MLP ({train.tiled_mlp} slices)" if train.tiled_mlp != "off" else "")
             + (", compiled decoder layers" if train.compile else "") + "".join(f", vision {k}" for k in tm.vision_kernels))
 
 

@@ -425,7 +425,7 @@ def apply_training_setup(model, family, train, compute_dtype=None):
     """Stage/freeze, LoRA, frozen weights in `compute_dtype` (when given), activation checkpointing and
     torch.compile, in torchtitan's order (checkpointing, then compile, then the wrapping of `vlmctl.distributed`).
     Returns (model, parts, trainable part names)."""
-    from vlmctl.train.checkpointing import apply_activation_checkpointing
+    from vlmctl.train.checkpointing import apply_activation_checkpointing, apply_tiled_mlp
 
     parts = model_parts(model, family)
     trainable = trainable_parts(train.stage, train.freeze)
@@ -436,7 +436,9 @@ def apply_training_setup(model, family, train, compute_dtype=None):
     if compute_dtype is not None:
         store_frozen(model, compute_dtype)
     if train.activation_checkpointing not in ("auto", "off"):  # auto: the start-up probe sets it on the layers
-        apply_activation_checkpointing([parts.decoder_layers, parts.vision_layers], train.activation_checkpointing)
+        apply_activation_checkpointing([parts.decoder_layers, parts.vision_layers], train.activation_checkpointing,
+                                       offload=train.activation_offload)
+    apply_tiled_mlp(parts.decoder_layers, train.tiled_mlp)
     if train.compile:
         for layer in parts.decoder_layers:
             layer.compile(dynamic=train.packing)  # packed rows change length every step
