@@ -3,11 +3,14 @@
     cost = CostModel.from_model(model, family, trainable_parts={"projector", "llm"})
     cost.batch_flops(batch)                                   # one collated micro-batch (packed or padded)
     cost.sample_flops(text_tokens=300, labelled_tokens=40, image_grids=[(1, 28, 42)])   # one sample
+    cost.sample_flops(text_tokens=60, labelled_tokens=20, audio_frames=[3000], visual_tokens=125)  # one audio sample
     cost.sample_costs(tokens, visual_tokens, labelled_tokens, images)  # N samples from counts (arrays [N])
     mfu(flops, seconds, peak_flops(device), world_size)
 
 Everything is read from the model (parameter shapes, config) and from the batch's shapes; the family spec only gives
-the parts' module paths (`vision_tower`, `projector`, through `vlmctl.families.part_of_parameter`).
+the parts' module paths (`vision_tower`, `projector`, through `vlmctl.families.part_of_parameter`). An audio
+family's tower (Qwen2-Audio: `vision_tower` is `model.audio_tower`) is its `vision` part for freezing and backward
+factors, and gets the `audio` terms below instead of the `vision` ones.
 
 Counted FLOPs are those of the matrix multiplications (linear layers, convolutions, attention's two matmuls), as in
 Kaplan et al. 2020 ("Scaling Laws for Neural Language Models", sec. 2.1) and Hoffmann et al. 2022 (Chinchilla,
@@ -22,7 +25,12 @@ excluded; d_x = attention width = heads x head_dim; L_x = layers), forward FLOPs
                                                                    convolution: once per patch)
     vision_attention  4 * d_v * sum_layers sum_blocks s_b^2         Chinchilla app. F: QK^T 2*s^2*d + scores.V
                                                                    2*s^2*d; bidirectional, no causal halving
+    audio             sum_convs 2 * N_conv * positions_conv        Whisper-style encoder: the convolution stem
+                      + 2 * N_audio * positions                    (each kernel once per output position), then
+                                                                   the layers on the stem's output positions
+    audio_attention   4 * d_a * L_a * positions^2 per clip         bidirectional over the clip's positions
     projector         2 * N_projector * visual_tokens              the merger / connector runs on visual tokens
+                                                                   (audio: on the tower's pooled rows)
     llm               2 * N_llm * tokens                           input embedding excluded (a lookup)
     lm_head           2 * vocab * d * labelled_tokens              logits are computed only where a label is
     llm_attention     4 * d_llm * L_llm * sum_segments s^2 / 2     causal: half the s^2 scores (PaLM app. B counts
@@ -48,6 +56,17 @@ excluded; d_x = attention width = heads x head_dim; L_x = layers), forward FLOPs
   spatial_merge_size^2 (Qwen's merger: transformers `Qwen2_5_VLPatchMerger` concatenates spatial_merge_size^2
   neighbouring patches before its MLP), patches / scale_factor^2 (Idefics3's pixel shuffle), or patches (+ CLS with
   `vision_feature_select_strategy: full`, LLaVA).
+- Audio clips (Qwen2-Audio, transformers `modeling_qwen2_audio` `Qwen2AudioEncoder.forward`, which is Whisper's
+  encoder, Radford et al. 2022, plus an average pooling): `input_features` [N_clips, mel bins, F] with F the
+  feature extractor's window (2 x max_source_positions frames, 30 s for Whisper: it pads every clip to that, and the
+  encoder refuses any other length). conv1 (kernel 3, stride 1) runs at F positions, conv2 (kernel 3, stride 2) at
+  F / 2 = max_source_positions positions, which the layers and their attention see; the pooling (2, stride 2)
+  leaves F / 4 rows, all of which go through the projector before the rows past the clip's audio tokens are
+  dropped. The padded frames of a short clip are counted: the model computes them in every layer
+  (`feature_attention_mask` only hides them as attention keys) and no layout of the batch avoids them, as the
+  padding of a LLaVA `pad` image is counted; the collator's padding of token rows is not. N_audio: the tower's
+  matrices other than the stem's convolutions (the layers); d_a: d_model; the clip's audio tokens (its
+  `<|AUDIO|>` placeholders, `config.audio_token_id`) are language-model tokens like visual ones.
 - Language-model segments: a packed row's `seq_lens` (or `packed_cu_seqlens`), a padded batch's per-row
   `attention_mask` sums. Only real tokens count: padding, and the full T^2 scores an eager or SDPA kernel computes
   over a packed row, are not useful work. Layers listed as `sliding_attention` in the text config's `layer_types`
@@ -67,8 +86,9 @@ trained). A fully trained model costs Kaplan's 6N (PaLM appendix B: training = 3
 
 So a frozen vision tower costs its forward pass only, while a frozen language model behind a trained projector
 (`stage: align`) still back-propagates its activations (4N). The layer that reads a part's input (the vision
-tower's patch-embedding convolution; a projector's first linear layer unless a norm with weights comes before it)
-needs no input gradient when nothing earlier is trained: 4 instead of 6 when trained. LoRA (`lora=True`, "llm"
+tower's patch-embedding convolution, the audio tower's first convolution over the mel features; a projector's
+first linear layer unless a norm with weights comes before it) needs no input gradient when nothing earlier is
+trained: 4 instead of 6 when trained. The audio tower takes the `vision` part's factors. LoRA (`lora=True`, "llm"
 trained): the language model's weights get no gradient but its activations do, so it counts as a frozen language
 model the gradient travels through (4N); the adapters' own FLOPs (a fraction r / d of the adapted layers') are not
 counted. Recomputation by activation checkpointing is not useful work and is not counted (PaLM appendix B's model
@@ -77,9 +97,9 @@ forward + backward pass, up to the causal half (tests/unit/test_flops.py).
 
 Per-sample costs for compute-balanced batching (`sample_costs`) use the same terms on the counts a sampler has
 before collation: the sample's tokens (`num_tokens` of the prepared shards), its visual and labelled tokens and
-its number of images. Prepared shards record only the total; `vlmctl.data.loader.ShardDataset.count_estimates`
-approximates the rest (its docstring says how), and images are taken as equal-sized, one frame each, with full
-windows. What a balancer needs is the ranking and the ratios of samples' costs, which the tokens and the quadratic
+its number of images (of an audio model: its audio tokens and clips, each clip a whole window). Prepared shards
+record only the total; `vlmctl.data.loader.ShardDataset.count_estimates` approximates the rest (its docstring says
+how; it counts image parts, not clips), and images are taken as equal-sized, one frame each, with full windows. What a balancer needs is the ranking and the ratios of samples' costs, which the tokens and the quadratic
 attention term dominate.
 
 MFU (PaLM, Chowdhery et al. 2022, appendix B) = model FLOPs per second / (peak FLOP/s per device x devices), see
@@ -100,7 +120,7 @@ import numpy as np
 
 from vlmctl.errors import DataError, ModelError
 
-TERMS = ("vision", "vision_attention", "projector", "llm", "lm_head", "llm_attention")
+TERMS = ("vision", "vision_attention", "audio", "audio_attention", "projector", "llm", "lm_head", "llm_attention")
 """The terms of `CostModel.sample_terms` / `batch_terms`, in forward order."""
 
 PART_ORDER = ("vision", "projector", "llm")
@@ -204,6 +224,67 @@ def _window_sq(n: int, window: int) -> int:
 
 
 @dataclass(frozen=True)
+class AudioShape:
+    """What a Whisper-style audio tower's costs depend on (module docstring), read by `from_model` from
+    `config.audio_config` and the tower's modules: its convolution stem, its layers, its pooling."""
+
+    width: int  # attention width d_a (d_model = heads x head_dim)
+    layers: int
+    window: int  # mel frames of the encoder's input (the feature extractor's window, 2 x max_source_positions)
+    stem: tuple[tuple[int, int, int, int], ...]  # per convolution, in order: (kernel parameters, span, stride, padding)
+    pool: tuple[int, int] = (1, 1)  # (kernel, stride) of the pooling after the layers; (1, 1): none
+
+    @classmethod
+    def from_model(cls, model, family) -> "AudioShape":
+        """The shape of the audio tower at `family.vision_tower` of `model` (any device, meta included): its
+        `Conv1d`s in registration order (the stem, Whisper's conv1 and conv2), its average or max pooling, and from
+        `config.audio_config` d_model, encoder_layers and max_source_positions (the window is max_source_positions
+        x the stem's strides, the length `Qwen2AudioEncoder.forward` requires). Raises ModelError when a key, the
+        stem or the tower is missing."""
+        import torch
+
+        a = model.config.audio_config
+        width, layers = getattr(a, "d_model", None), getattr(a, "encoder_layers", None)
+        positions = getattr(a, "max_source_positions", None)
+        tower = _submodule(model, family.vision_tower)
+        convs = [m for m in tower.modules() if isinstance(m, torch.nn.Conv1d)]
+        if not (width and layers and positions and convs):
+            raise ModelError("the audio config lacks d_model/encoder_layers/max_source_positions, or its tower has no "
+                             "convolution stem; cannot count its FLOPs", hint="use a Whisper-style audio encoder (qwen2_audio)")
+        stem = tuple((int(c.weight.numel()), int(c.dilation[0]) * (int(c.kernel_size[0]) - 1) + 1, int(c.stride[0]),
+                      int(c.padding[0])) for c in convs)
+        pools = [m for m in tower.modules() if isinstance(m, (torch.nn.AvgPool1d, torch.nn.MaxPool1d))]
+        pool = (1, 1)
+        if pools:
+            kernel, stride = pools[0].kernel_size, pools[0].stride
+            kernel, stride = (k[0] if isinstance(k, tuple) else k for k in (kernel, stride or kernel))
+            pool = (int(kernel), int(stride))
+        return cls(width=int(width), layers=int(layers), window=int(positions) * math.prod(s for _, _, s, _ in stem),
+                   stem=stem, pool=pool)
+
+    def counts(self, frames) -> dict[str, Any]:
+        """What one clip of `frames` mel frames costs (elementwise over a numpy array of frame counts): `stem`,
+        the output positions of each convolution ((n + 2 * padding - span) // stride + 1, torch's Conv1d);
+        `positions`, the last one's (the layers' sequence); `pairs`, positions^2 (bidirectional attention per
+        layer); `rows`, the pooling's output rows (the projector's input)."""
+        stem, n = [], frames
+        for _, span, stride, pad in self.stem:
+            n = (n + 2 * pad - span) // stride + 1
+            stem.append(n)
+        kernel, stride = self.pool
+        return {"stem": stem, "positions": n, "pairs": n * n, "rows": (n - kernel) // stride + 1}
+
+
+def _audio_totals(audio: AudioShape | None, frames: Sequence[int]) -> dict[str, Any] | None:
+    """`AudioShape.counts` summed over clips of `frames` mel frames each; None without clips or an audio tower."""
+    if audio is None or not frames:
+        return None
+    per_clip = [audio.counts(int(f)) for f in frames]
+    return {"stem": [sum(c["stem"][i] for c in per_clip) for i in range(len(audio.stem))],
+            **{k: sum(c[k] for c in per_clip) for k in ("positions", "pairs", "rows")}}
+
+
+@dataclass(frozen=True)
 class CostModel:
     """Training FLOPs of samples and micro-batches of one model (formulas and sources: module docstring).
 
@@ -227,6 +308,8 @@ class CostModel:
     trained: frozenset[str]
     grad_through: frozenset[str]
     video_token_id: int | None = None
+    audio: AudioShape | None = None  # the tower is an audio encoder (its convolutions are `audio.stem`)
+    audio_params: int = 0  # the audio tower's matrices other than the stem (its layers)
 
     @classmethod
     def from_model(cls, model, family, trainable_parts: set[str], *, lora: bool = False) -> "CostModel":
@@ -235,7 +318,11 @@ class CostModel:
         model is trained through LoRA adapters (its weights get no gradient, its activations do). Count on the model
         before peft wraps it: peft's `modules_to_save` copies would be counted twice.
 
-        Raises ModelError for unknown part names or a vision config without width / depth / patch size.
+        An audio model (`config.audio_config`, Qwen2-Audio) gets an `AudioShape` and `audio_params` instead of the
+        vision counts: its tower is the family's `vision` part.
+
+        Raises ModelError for unknown part names, a vision config without width / depth / patch size, or an audio
+        config without the keys `AudioShape.from_model` reads.
         """
         unknown = set(trainable_parts) - set(PART_ORDER)
         if unknown:
@@ -251,6 +338,9 @@ class CostModel:
         trained = {p for p in trainable_parts if not (lora and p == "llm")}
         first = min((PART_ORDER.index(p) for p in trainable_parts), default=len(PART_ORDER))
         image_id = getattr(config, "image_token_id", None)
+        audio = AudioShape.from_model(model, family) if getattr(config, "audio_config", None) is not None else None
+        if audio is not None:  # the tower's convolutions are the stem (`audio.stem`), its other matrices the layers
+            counts = {**counts, "audio_params": counts["vision_params"], "vision_params": 0, "vision_input_params": 0}
         return cls(
             **counts,
             vision=VisionShape.from_config(config) if getattr(config, "vision_config", None) is not None else None,
@@ -258,7 +348,7 @@ class CostModel:
             llm_sliding_layers=sliding, sliding_window=int(window) if sliding else None,
             image_token_id=getattr(config, "image_token_index", None) if image_id is None else image_id,
             trained=frozenset(trained), grad_through=frozenset(PART_ORDER[first:]),
-            video_token_id=getattr(config, "video_token_id", None),
+            video_token_id=getattr(config, "video_token_id", None), audio=audio,
         )
 
     # ---- backward factors ----
@@ -278,15 +368,17 @@ class CostModel:
     # ---- terms ----
 
     def _terms(self, segments: Sequence[int], labelled: int, images: Sequence[ImageShape],
-               visual_tokens: int) -> dict[str, float]:
+               visual_tokens: int, audio_frames: Sequence[int] = ()) -> dict[str, float]:
         """Training FLOPs per term (see TERMS) of LLM `segments` (tokens per attention segment), `labelled` targets,
-        `images` through the vision tower and `visual_tokens` through the projector."""
+        `images` through the vision tower and `visual_tokens` through the projector, clips of `audio_frames` mel
+        frames each through the audio tower (and their pooled rows through the projector)."""
         vision = self.vision if images else None
         terms = self._combine(
             tokens=sum(segments), llm_pairs=sum(self.llm_pairs(s) for s in segments), labelled=labelled,
             visual=visual_tokens, patches=sum(im.patches for im in images),
             frames=sum((im.grid[0] if im.grid else 1) for im in images),
-            vision_pairs=sum(vision.attention_pairs(im) for im in images) if vision is not None else 0)
+            vision_pairs=sum(vision.attention_pairs(im) for im in images) if vision is not None else 0,
+            audio=_audio_totals(self.audio, audio_frames))
         return {k: float(v) for k, v in terms.items()}
 
     def llm_pairs(self, s):
@@ -294,11 +386,13 @@ class CostModel:
         see s^2 / 2, sliding ones at most `sliding_window` keys per query). Elementwise over a numpy array."""
         return self.llm_full_layers * s * s / 2 + self.llm_sliding_layers * _causal_pairs(s, self.sliding_window)
 
-    def _combine(self, *, tokens, llm_pairs, labelled, visual, patches, frames, vision_pairs) -> dict[str, Any]:
+    def _combine(self, *, tokens, llm_pairs, labelled, visual, patches, frames, vision_pairs,
+                 audio: dict[str, Any] | None = None) -> dict[str, Any]:
         """The terms' formulas (module docstring), from a batch's or a sample's totals: LLM `tokens`, `llm_pairs`
-        (`llm_pairs` summed over segments), `labelled` targets, `visual` tokens, vision-tower `patches`, image
-        `frames` (one CLS position each) and `vision_pairs` (`VisionShape.attention_pairs` summed). Scalars or
-        numpy arrays of samples, elementwise."""
+        (`llm_pairs` summed over segments), `labelled` targets, `visual` tokens (the projector's rows from images),
+        vision-tower `patches`, image `frames` (one CLS position each), `vision_pairs`
+        (`VisionShape.attention_pairs` summed) and `audio` (`AudioShape.counts` summed over clips; None: no clip).
+        Scalars or numpy arrays of samples, elementwise."""
         terms = dict.fromkeys(TERMS, 0.0)
         if self.vision is not None:
             v = self.vision
@@ -307,35 +401,53 @@ class CostModel:
             terms["vision"] = ((self.weight_factor("vision") * live + 2 * (1 - live)) * self.vision_params * positions
                                + self.weight_factor("vision", input_layer=True) * self.vision_input_params * patches)
             terms["vision_attention"] = (self.attention_factor("vision") * live + (1 - live)) * 4.0 * v.width * vision_pairs
+        rows = visual
+        if self.audio is not None and audio is not None:
+            a = self.audio
+            # the first convolution reads the mel features (no input gradient); the tower is the `vision` part
+            factors = [self.weight_factor("vision", input_layer=True)] + [self.weight_factor("vision")] * (len(a.stem) - 1)
+            terms["audio"] = (sum(f * conv[0] * n for f, conv, n in zip(factors, a.stem, audio["stem"]))
+                              + self.weight_factor("vision") * self.audio_params * audio["positions"])
+            terms["audio_attention"] = self.attention_factor("vision") * 4.0 * a.width * a.layers * audio["pairs"]
+            rows = rows + audio["rows"]
         per_token = (self.weight_factor("projector") * self.projector_params
                      + self.weight_factor("projector", input_layer=True) * self.projector_input_params)
-        terms["projector"] = visual * per_token
+        terms["projector"] = rows * per_token
         terms["llm"] = self.weight_factor("llm") * self.llm_params * tokens
         terms["lm_head"] = self.weight_factor("llm") * self.head_params * labelled
         terms["llm_attention"] = self.attention_factor("llm") * 4.0 * self.llm_width * llm_pairs
         return terms
 
     def sample_terms(self, *, text_tokens: int, labelled_tokens: int, image_patches: Sequence[int] = (),
-                     image_grids: Sequence[Sequence[int]] = (), visual_tokens: int | None = None) -> dict[str, float]:
+                     image_grids: Sequence[Sequence[int]] = (), visual_tokens: int | None = None,
+                     audio_frames: Sequence[int] = ()) -> dict[str, float]:
         """`sample_flops` per term (FLOPs, keys TERMS)."""
         images = [ImageShape(int(t) * int(h) * int(w), (int(t), int(h), int(w))) for t, h, w in image_grids]
         images += [ImageShape(int(p)) for p in image_patches]
+        clips = [int(f) for f in audio_frames] if self.audio is not None else []
         if visual_tokens is None:
             visual_tokens = sum(self.vision.visual_tokens(im) for im in images) if self.vision else 0
-        return self._terms([int(text_tokens) + int(visual_tokens)], int(labelled_tokens), images, int(visual_tokens))
+            visual_tokens += sum(self.audio.counts(f)["rows"] for f in clips)
+        # an audio model's media tokens are audio tokens: the projector's rows are the clips' pooled windows
+        projected = int(visual_tokens) if self.audio is None else 0
+        return self._terms([int(text_tokens) + int(visual_tokens)], int(labelled_tokens), images, projected, clips)
 
     def sample_flops(self, *, text_tokens: int, labelled_tokens: int, image_patches: Sequence[int] = (),
-                     image_grids: Sequence[Sequence[int]] = (), visual_tokens: int | None = None) -> float:
+                     image_grids: Sequence[Sequence[int]] = (), visual_tokens: int | None = None,
+                     audio_frames: Sequence[int] = ()) -> float:
         """Training FLOPs of one sample from its counts (for compute-balanced batching).
 
         `text_tokens`: its non-visual tokens; `labelled_tokens`: targets the loss is taken on; images given as
         `image_patches` (patches per image: t * h * w; window attention then assumes full windows) and/or
-        `image_grids` ((t, h, w) patch grids per image: exact windows); `visual_tokens`: placeholder tokens of its
-        images (default: derived from the patches and the vision config). The sample's sequence is
-        text_tokens + visual_tokens tokens, attended as one causal segment.
+        `image_grids` ((t, h, w) patch grids per image: exact windows); audio clips (an audio model; ignored by
+        others) as `audio_frames`, mel frames per clip as the encoder takes them (`AudioShape.window` for
+        Whisper-style encoders: every clip is padded to the window); `visual_tokens`: placeholder tokens of its
+        images or clips (default: derived from the patches and the vision config; a clip as its pooled rows, i.e.
+        as long as its frames). The sample's sequence is text_tokens + visual_tokens tokens, attended as one causal
+        segment.
         """
-        terms = self.sample_terms(text_tokens=text_tokens, labelled_tokens=labelled_tokens,
-                                  image_patches=image_patches, image_grids=image_grids, visual_tokens=visual_tokens)
+        terms = self.sample_terms(text_tokens=text_tokens, labelled_tokens=labelled_tokens, image_patches=image_patches,
+                                  image_grids=image_grids, visual_tokens=visual_tokens, audio_frames=audio_frames)
         return sum(terms.values())
 
     def sample_costs(self, tokens, visual_tokens, labelled_tokens, images) -> np.ndarray:
@@ -345,18 +457,24 @@ class CostModel:
 
         The same terms as `sample_flops`, vectorized: a sample is one causal segment of `tokens` tokens; its images'
         patches are (visual_tokens - images x CLS tokens kept) x patches per visual token (`VisionShape`), split
-        evenly among its images, each one frame, windows taken as full (as `sample_flops(image_patches=...)`).
+        evenly among its images, each one frame, windows taken as full (as `sample_flops(image_patches=...)`). For an
+        audio model `visual_tokens` are audio tokens and `images` clips, each a whole window
+        (`sample_flops(audio_frames=[window] * clips, visual_tokens=...)`).
         """
         tokens, visual, labelled, images = (np.asarray(x, dtype=np.float64) for x in (tokens, visual_tokens, labelled_tokens, images))
         patches = frames = vision_pairs = np.zeros_like(tokens)
-        v = self.vision
+        v, audio, projected = self.vision, None, visual
         if v is not None:
             frames = images
             patches = np.where(frames > 0, np.maximum(visual - v.keep_cls * frames, 0) * v.patches_per_token, 0.0)
             per_image = np.divide(patches, frames, out=np.zeros_like(patches), where=frames > 0)
             vision_pairs = frames * v.count_pairs(per_image)
-        terms = self._combine(tokens=tokens, llm_pairs=self.llm_pairs(tokens), labelled=labelled, visual=visual,
-                              patches=patches, frames=frames, vision_pairs=vision_pairs)
+        if self.audio is not None:  # every clip costs one window
+            clip = self.audio.counts(self.audio.window)
+            audio = {"stem": [images * n for n in clip["stem"]], **{k: images * clip[k] for k in ("positions", "pairs", "rows")}}
+            projected = np.zeros_like(tokens)
+        terms = self._combine(tokens=tokens, llm_pairs=self.llm_pairs(tokens), labelled=labelled, visual=projected,
+                              patches=patches, frames=frames, vision_pairs=vision_pairs, audio=audio)
         return np.sum([np.broadcast_to(t, tokens.shape) for t in terms.values()], axis=0)
 
     def batch_terms(self, batch: dict[str, Any]) -> dict[str, float]:
@@ -376,13 +494,15 @@ class CostModel:
             visual = int((hits & (mask != 0)).sum() if mask is not None else hits.sum())
         else:
             visual = sum(self.vision.visual_tokens(im) for im in images) if self.vision else 0
-        return self._terms(segments, labelled, images, visual)
+        clips = batch_audio_frames(batch) if self.audio is not None else []
+        return self._terms(segments, labelled, images, visual, clips)
 
     def batch_flops(self, batch: dict[str, Any]) -> float:
         """Training FLOPs of one collated micro-batch (`vlmctl.data.collate` output, CPU tensors): a packed row
         (`seq_lens` / `packed_cu_seqlens`, [1, T]) or a padded batch (`attention_mask` [B, T]), with `labels`
-        [B, T] (-100: not labelled), `pixel_values` and, for Qwen-VL, `image_grid_thw` [N_images, 3]. Counts every
-        row the batch holds (a dummy-image row included). Raises DataError for a batch without `input_ids`."""
+        [B, T] (-100: not labelled), `pixel_values` and, for Qwen-VL, `image_grid_thw` [N_images, 3]; for an audio
+        model `input_features` [N_clips, mel bins, frames] (`batch_audio_frames`). Counts every row the batch holds
+        (a dummy-image or dummy-clip row included). Raises DataError for a batch without `input_ids`."""
         return sum(self.batch_terms(batch).values())
 
 
@@ -413,6 +533,18 @@ def batch_images(batch: dict[str, Any], patch_size: int | None) -> list[ImageSha
     shapes of `pixel_values` ([N, C, H, W]; [B, N, C, H, W] with all-zero padding images skipped; [P, D] patch
     rows: one image of P patches); then its videos, from `video_grid_thw` (t, h, w per clip)."""
     return _images(batch, patch_size) + _grids(batch.get("video_grid_thw"))
+
+
+def batch_audio_frames(batch: dict[str, Any]) -> list[int]:
+    """Mel frames per audio clip the audio tower runs on: `input_features` [N_clips, mel bins, frames] ([mel bins,
+    frames]: one clip) gives N_clips clips of `frames` each. Every frame counts, `feature_attention_mask` [N_clips,
+    frames] notwithstanding: the mask marks the clip's real frames, but the encoder computes the whole window
+    (module docstring). [] without `input_features`."""
+    features = batch.get("input_features")
+    if features is None:
+        return []
+    clips = 1 if features.ndim == 2 else int(features.shape[0])
+    return [int(features.shape[-1])] * clips
 
 
 def _grids(grid) -> list[ImageShape]:
