@@ -23,6 +23,7 @@ from vlmctl.data.samplers import (
     DistributedBatchSampler,
     PackedBatchSampler,
     epoch_indices,
+    modality_groups,
 )
 from vlmctl.errors import DataError
 
@@ -133,6 +134,21 @@ class ShardDataset:
         count = lambda weights: np.bincount(sample_of_part, weights=weights, minlength=n).astype(np.int64)  # noqa: E731
         return {"chars": count(chars), "label_chars": count(chars * assistant[part_turn]),
                 "images": count(is_image.astype(np.float64))}
+
+    def modalities(self) -> np.ndarray:
+        """Each sample's modality group for `train.group_by_modality` (`vlmctl.data.samplers.modality_of`: video,
+        audio, image or text) from the types of its messages' content parts, read from the `messages` column without
+        decoding media (vectorized with pyarrow). Returns a str array [N]."""
+        import pyarrow.compute as pc
+
+        msgs = self._ds.data.column("messages").combine_chunks()
+        content = pc.struct_field(pc.list_flatten(msgs), "content")
+        kinds = pc.struct_field(pc.list_flatten(content), "type")
+        sample_of_part = np.asarray(pc.list_parent_indices(msgs))[np.asarray(pc.list_parent_indices(content))]
+        n = len(self)
+        counts = {name: np.bincount(sample_of_part[np.asarray(pc.fill_null(pc.equal(kinds, name), False))], minlength=n)
+                  for name in MODALITIES}
+        return modality_groups(counts)
 
     def count_estimates(self, lengths: np.ndarray) -> dict[str, np.ndarray]:
         """Visual and labelled tokens per sample for `vlmctl.train.flops.CostModel.sample_costs`, estimated from

@@ -35,11 +35,24 @@ each within `tokens_per_batch` tokens (packed) or of `micro_batch_size` samples 
 similar cost form one global micro-batch, dealt one per rank. A step holds the same samples with or without
 balancing, so its loss (a mean over the global batch's labelled tokens) is the same; the order stays a pure function
 of (seed, epoch, lengths, weights, costs) and resumes from the same one integer.
+
+Modality grouping (`modalities=`, `train.group_by_modality`): each sample has one modality group (`modality_of`:
+video if it has a video part, else audio if it has an audio part, else image if it has an image, else text). The
+epoch's shuffled (weighted) order is split into one stream per group, in that order; each stream forms its global
+micro-batches as above (length grouping, packing) and is cut into whole optimizer steps of `step_batches` global
+micro-batches (a stream's last incomplete step is dropped, as an incomplete global micro-batch is: a group with
+fewer samples than one step is never drawn, and `vlmctl.train.data.build_sampler` warns of it). The steps of
+the streams are interleaved in proportion to their counts (`interleave_steps`), so every optimizer step, on every
+rank and accumulation step, holds samples of one group. Every epoch is then a whole number of steps (steps keep
+starting at multiples of `step_batches`), the order stays a pure function of (seed, epoch, lengths, weights,
+modalities, costs), and compute balancing re-splits a step's samples among themselves, within the group.
+`batches_per_epoch` is epoch 0's count (with fractional weights a later epoch's group sizes, and so its count, may
+differ by a step or so).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -48,6 +61,44 @@ from vlmctl.errors import DataError
 
 MEGA_BATCH_MULT = 50
 PACKING_LOOKAHEAD = 1024  # samples in the first-fit-decreasing buffer: bounded memory, near-optimal bins
+
+MODALITY_GROUPS = ("image", "video", "audio", "text")
+"""The modality groups of `train.group_by_modality` (`modality_of`), in the order of the sampler's streams."""
+
+GROUP_MEDIA = {"video": ("video", "audio", "image"), "audio": ("audio", "image"), "image": ("image",), "text": ()}
+"""The media a sample of each group may carry (`modality_of`'s precedence): a video sample may also have audio or
+images, an audio sample images, an image sample only images, a text sample none."""
+
+
+def modality_of(counts: Mapping[str, int]) -> str:
+    """The modality group of one sample with `counts` media parts per modality (`Encoded.media_counts`, or the part
+    types of its messages): "video" if it has a video, else "audio" if it has audio, else "image" if it has images,
+    else "text"."""
+    return next((name for name in ("video", "audio", "image") if counts.get(name)), "text")
+
+
+def modality_groups(counts: Mapping[str, np.ndarray]) -> np.ndarray:
+    """`modality_of` of every sample: `counts` maps a modality to its parts per sample (int arrays [N]; a missing
+    modality counts 0). Returns the group names (str array [N])."""
+    n = len(next(iter(counts.values()))) if counts else 0
+    out = np.full(n, "text", dtype="<U5")
+    for name in ("image", "audio", "video"):  # the strongest last: it wins
+        if name in counts:
+            out[np.asarray(counts[name]) > 0] = name
+    return out
+
+
+def interleave_steps(counts: Sequence[int], rng: np.random.Generator) -> np.ndarray:
+    """The stream of each of `sum(counts)` optimizer steps, stream k having `counts[k]`, spread in proportion: the
+    j-th step of stream k sits at (j + u_k) / counts[k] of the epoch, with u_k uniform in [0, 1) from `rng` (a
+    phase per epoch), ties to the lower k. Returns stream indices (int64 [sum(counts)])."""
+    phase = rng.random(len(counts))
+    at = [(np.arange(n) + phase[k]) / n for k, n in enumerate(counts) if n]
+    who = [np.full(n, k, dtype=np.int64) for k, n in enumerate(counts) if n]
+    if not who:
+        return np.zeros(0, dtype=np.int64)
+    who_all = np.concatenate(who)
+    return who_all[np.lexsort((who_all, np.concatenate(at)))]
 
 
 def epoch_indices(num_samples: int, weights: np.ndarray | None, seed: int, epoch: int) -> np.ndarray:
@@ -72,14 +123,18 @@ class BatchSampler:
     """Yields this rank's micro-batches (lists of sample indices) forever, epoch after epoch, from a position.
 
     `lengths`: tokens per sample (int64 [N]); `weights`: per-sample draw weights [N] or None (see
-    `epoch_indices`). Subclasses implement `global_batches(epoch)` (the epoch's global micro-batches, for all
+    `epoch_indices`). Subclasses implement `form(order, key)` (the global micro-batches of some samples, for all
     ranks) and `deal(global_batch)` (this rank's share), and set `batches_per_epoch` (epoch 0's micro-batches per
-    rank); `epoch_batches(epoch)` is that count for any epoch (the default: the same for all).
+    rank); `global_batches(epoch)` are the epoch's global micro-batches and `epoch_batches(epoch)` their count (the
+    default: the same for all epochs).
 
     `costs`: estimated training FLOPs per sample [N] (`CostModel.sample_costs`), or None for no compute balancing;
     `step_batches`: micro-batches per rank in one optimizer step (`train.gradient_accumulation_steps`), the unit
     balanced together (module docstring). Subclasses then also implement `ranks_of` and set `budget` or `size`.
-    Raises DataError for costs of another length than `lengths`, negative or not finite.
+    `modalities`: each sample's modality group [N] (`modality_groups`; names of `MODALITY_GROUPS`), or None to mix
+    them; given, every optimizer step holds one group (module docstring).
+    Raises DataError for costs of another length than `lengths`, negative or not finite, and for modalities of
+    another length or not of `MODALITY_GROUPS`.
     """
 
     batches_per_epoch: int
@@ -88,7 +143,8 @@ class BatchSampler:
     size: int | None = None  # samples per micro-batch when balancing (padded)
 
     def __init__(self, lengths: np.ndarray, *, world_size: int = 1, rank: int = 0, seed: int = 0,
-                 weights: np.ndarray | None = None, costs: np.ndarray | None = None, step_batches: int = 1):
+                 weights: np.ndarray | None = None, costs: np.ndarray | None = None, step_batches: int = 1,
+                 modalities: Sequence[str] | np.ndarray | None = None):
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.world_size = world_size
         self.rank = rank
@@ -96,6 +152,8 @@ class BatchSampler:
         self.weights = weights
         self.step_batches = int(step_batches)
         self.costs = _integer_costs(costs, len(self.lengths))
+        self.groups = _group_codes(modalities, len(self.lengths))
+        self._grouped: dict[int, tuple[list[Any], dict[str, tuple[int, int]]]] = {}
         self.consumed = 0
 
     def set_position(self, consumed: int) -> None:
@@ -106,9 +164,40 @@ class BatchSampler:
         """The epoch's shuffled (weighted) sample indices."""
         return epoch_indices(len(self.lengths), self.weights, self.seed, epoch)
 
+    def form(self, order: np.ndarray, key: list[int]) -> Sequence[Any]:
+        """The global micro-batches (for all ranks) of the samples `order`, in order; `key` seeds their shuffles."""
+        raise NotImplementedError
+
+    @property
+    def grouping(self) -> bool:
+        """Whether every optimizer step holds one modality group (`modalities` given)."""
+        return self.groups is not None
+
     def global_batches(self, epoch: int) -> Sequence[Any]:
         """The epoch's global micro-batches, for all ranks, in order."""
-        raise NotImplementedError
+        if self.grouping:
+            return self.grouped(epoch)[0]
+        return self.form(self.epoch_order(epoch), [self.seed, epoch])
+
+    def grouped(self, epoch: int) -> tuple[list[Any], dict[str, tuple[int, int]]]:
+        """With modality grouping: the epoch's global micro-batches (whole optimizer steps, one group each, the
+        streams interleaved; module docstring) and, per group of `MODALITY_GROUPS`, (samples drawn this epoch,
+        optimizer steps formed of them). The two latest epochs are kept."""
+        if epoch not in self._grouped:
+            order, s = self.epoch_order(epoch), self.step_batches
+            steps, counts = [], {}
+            for k, name in enumerate(MODALITY_GROUPS):
+                stream = order[self.groups[order] == k]
+                batches = self.form(stream, [self.seed, epoch, 3, k])
+                steps.append([batches[j:j + s] for j in range(0, len(batches) - s + 1, s)])
+                counts[name] = (len(stream), len(steps[-1]))
+            picks = interleave_steps([len(x) for x in steps], np.random.default_rng([self.seed, epoch, 4]))
+            streams = [iter(x) for x in steps]
+            plan = [batch for k in picks for batch in next(streams[k])]
+            if len(self._grouped) > 1:
+                self._grouped.pop(min(self._grouped))
+            self._grouped[epoch] = (plan, counts)
+        return self._grouped[epoch]
 
     def deal(self, global_batch: Any) -> list[int]:
         """This rank's micro-batch of one global micro-batch."""
@@ -117,6 +206,18 @@ class BatchSampler:
     def epoch_batches(self, epoch: int) -> int:
         """Micro-batches per rank in `epoch`."""
         return self.batches_per_epoch
+
+    def check_grouped(self, epoch: int) -> int:
+        """Micro-batches per rank in `epoch` under modality grouping. Raises DataError when no group has the
+        samples of one optimizer step."""
+        plan, counts = self.grouped(epoch)
+        if not plan:
+            have = ", ".join(f"{name} {n}" for name, (n, _) in counts.items() if n)
+            raise DataError(f"with train.group_by_modality no modality has the samples of one optimizer step "
+                            f"({self.step_batches} x {self.world_size} micro-batches) in epoch {epoch} (samples: {have})",
+                            hint="turn train.group_by_modality off, lower train.gradient_accumulation_steps, the batch "
+                            "size or the number of processes, or add data")
+        return len(plan)
 
     def locate(self, consumed: int) -> tuple[int, int]:
         """(epoch, micro-batch within it) of the `consumed`-th micro-batch of this rank."""
@@ -179,14 +280,14 @@ class DistributedBatchSampler(BatchSampler):
 
     `global_micro_batch = world_size * micro_batch_size`; incomplete global micro-batches at the end of an epoch
     are dropped so every rank makes the same number of steps. Raises DataError when the data is smaller than one
-    global micro-batch.
+    global micro-batch (with `modalities`: when no modality has one optimizer step of samples).
     """
 
     def __init__(self, lengths: np.ndarray, *, micro_batch_size: int, world_size: int = 1, rank: int = 0, seed: int = 0,
                  group_by_length: bool = False, weights: np.ndarray | None = None, costs: np.ndarray | None = None,
-                 step_batches: int = 1):
+                 step_batches: int = 1, modalities: Sequence[str] | np.ndarray | None = None):
         super().__init__(lengths, world_size=world_size, rank=rank, seed=seed, weights=weights, costs=costs,
-                         step_batches=step_batches)
+                         step_batches=step_batches, modalities=modalities)
         self.micro_batch_size = self.size = micro_batch_size
         self.group_by_length = group_by_length
         per_epoch = len(self.epoch_order(0)) // self.global_micro_batch
@@ -194,18 +295,22 @@ class DistributedBatchSampler(BatchSampler):
             raise DataError(f"{len(self.lengths)} samples are fewer than one global micro-batch "
                             f"({world_size} ranks x {micro_batch_size} samples)",
                             hint="lower train.micro_batch_size or the number of processes, or add data")
-        self.batches_per_epoch = per_epoch
+        self.batches_per_epoch = self.check_grouped(0) if self.grouping else per_epoch
 
     @property
     def global_micro_batch(self) -> int:
         return self.world_size * self.micro_batch_size
 
+    def epoch_batches(self, epoch: int) -> int:
+        return self.check_grouped(epoch) if self.grouping else self.batches_per_epoch
+
     def locate(self, consumed: int) -> tuple[int, int]:
+        if self.grouping:  # fractional weights can change an epoch's group sizes: walk the epochs
+            return super().locate(consumed)
         return divmod(consumed, self.batches_per_epoch)  # every epoch has the same number of micro-batches
 
-    def global_batches(self, epoch: int) -> np.ndarray:
-        """[batches_per_epoch, global_micro_batch] sample indices of one epoch, for all ranks."""
-        order = self.epoch_order(epoch)
+    def form(self, order: np.ndarray, key: list[int]) -> np.ndarray:
+        """[len(order) // global_micro_batch, global_micro_batch] sample indices of `order`, for all ranks."""
         g = self.global_micro_batch
         if self.group_by_length:
             mega = g * MEGA_BATCH_MULT
@@ -213,11 +318,11 @@ class DistributedBatchSampler(BatchSampler):
             for start in range(0, len(order), mega):
                 part = order[start:start + mega]
                 chunks.append(part[np.argsort(-self.lengths[part], kind="stable")])
-            order = np.concatenate(chunks)
-        usable = self.batches_per_epoch * g
-        batches = order[:usable].reshape(self.batches_per_epoch, g)
+            order = np.concatenate(chunks) if chunks else order
+        n = len(order) // g
+        batches = order[:n * g].reshape(n, g)
         if self.group_by_length:
-            rng = np.random.default_rng([self.seed, epoch, 1])
+            rng = np.random.default_rng([*key, 1])
             batches = batches[rng.permutation(len(batches))]
         return batches
 
@@ -234,39 +339,46 @@ class PackedBatchSampler(BatchSampler):
 
     Samples longer than `tokens_per_batch` are never drawn; `too_long` counts them (`data prepare` normally drops
     them as too_long). `batches_per_epoch` is epoch 0's count of micro-batches per rank (later epochs pack their own
-    shuffle and may differ by a few bins). Raises DataError when an epoch makes fewer bins than ranks.
+    shuffle and may differ by a few bins). Raises DataError when an epoch makes fewer bins than ranks (with
+    `modalities`: when no modality has one optimizer step of bins).
     """
 
     def __init__(self, lengths: np.ndarray, *, tokens_per_batch: int, world_size: int = 1, rank: int = 0, seed: int = 0,
                  weights: np.ndarray | None = None, lookahead: int = PACKING_LOOKAHEAD, costs: np.ndarray | None = None,
-                 step_batches: int = 1):
+                 step_batches: int = 1, modalities: Sequence[str] | np.ndarray | None = None):
         super().__init__(lengths, world_size=world_size, rank=rank, seed=seed, weights=weights, costs=costs,
-                         step_batches=step_batches)
+                         step_batches=step_batches, modalities=modalities)
         self.tokens_per_batch = self.budget = tokens_per_batch
         self.lookahead = lookahead
         self.too_long = int((self.lengths > tokens_per_batch).sum())
         self._plans: dict[int, list[list[int]]] = {}
         self.batches_per_epoch = self.epoch_batches(0)
 
-    def bins(self, epoch: int) -> list[list[int]]:
-        """All bins of `epoch` (sample indices), shuffled, for all ranks; the same list for any world size."""
+    def pack(self, order: np.ndarray, key: list[int]) -> list[list[int]]:
+        """The bins of the samples `order` (sample indices), shuffled with `key`; the same for any world size."""
         from vlmctl.data.packing import first_fit_decreasing
 
+        order = order[self.lengths[order] <= self.tokens_per_batch]
+        # keys are positions in the epoch's order: a weighted sample may be drawn twice
+        items = ((pos, int(self.lengths[i])) for pos, i in enumerate(order))
+        bins = [[int(order[pos]) for pos in b] for b in first_fit_decreasing(items, self.tokens_per_batch, self.lookahead)]
+        # first-fit decreasing emits a buffer's bins from longest to shortest samples: shuffle them
+        perm = np.random.default_rng([*key, 2]).permutation(len(bins))
+        return [bins[j] for j in perm]
+
+    def bins(self, epoch: int) -> list[list[int]]:
+        """All bins of `epoch` (sample indices), shuffled, for all ranks, without modality grouping; the same list
+        for any world size. The two latest epochs are kept."""
         if epoch not in self._plans:
-            order = self.epoch_order(epoch)
-            order = order[self.lengths[order] <= self.tokens_per_batch]
-            # keys are positions in the epoch's order: a weighted sample may be drawn twice
-            items = ((pos, int(self.lengths[i])) for pos, i in enumerate(order))
-            bins = [[int(order[pos]) for pos in b] for b in first_fit_decreasing(items, self.tokens_per_batch, self.lookahead)]
-            # first-fit decreasing emits a buffer's bins from longest to shortest samples: shuffle them
-            perm = np.random.default_rng([self.seed, epoch, 2]).permutation(len(bins))
             if len(self._plans) > 1:
                 self._plans.pop(min(self._plans))
-            self._plans[epoch] = [bins[j] for j in perm]
+            self._plans[epoch] = self.pack(self.epoch_order(epoch), [self.seed, epoch])
         return self._plans[epoch]
 
     def epoch_batches(self, epoch: int) -> int:
         """Micro-batches per rank in `epoch` (incomplete global micro-batches at its end are dropped)."""
+        if self.grouping:
+            return self.check_grouped(epoch)
         n = len(self.bins(epoch)) // self.world_size
         if n == 0:
             raise DataError(f"{len(self.lengths) - self.too_long} samples pack into {len(self.bins(epoch))} bins of "
@@ -274,17 +386,41 @@ class PackedBatchSampler(BatchSampler):
                             hint="lower train.tokens_per_batch or the number of processes, or add data")
         return n
 
+    def form(self, order: np.ndarray, key: list[int]) -> list[list[list[int]]]:
+        """[len(bins) // world_size, world_size] bins of `order`: global micro-batch g holds bins g * world_size to
+        (g + 1) * world_size - 1."""
+        return _cut(self.pack(order, key), self.world_size)
+
     def global_batches(self, epoch: int) -> list[list[list[int]]]:
-        """[epoch_batches(epoch), world_size] bins of one epoch: global micro-batch g holds bins g * world_size
-        to (g + 1) * world_size - 1."""
-        bins, w = self.bins(epoch), self.world_size
-        return [bins[g * w:(g + 1) * w] for g in range(self.epoch_batches(epoch))]
+        """[epoch_batches(epoch), world_size] bins of one epoch (`form` of its order; its bins are kept)."""
+        return super().global_batches(epoch) if self.grouping else _cut(self.bins(epoch), self.world_size)
 
     def deal(self, global_batch: list[list[int]]) -> list[int]:
         return global_batch[self.rank]
 
     def ranks_of(self, global_batch: list[list[int]]) -> list[list[int]]:
         return [list(b) for b in global_batch]
+
+
+def _cut(bins: list[list[int]], world_size: int) -> list[list[list[int]]]:
+    """Consecutive bins in global micro-batches of `world_size` (an incomplete last one dropped)."""
+    return [bins[g * world_size:(g + 1) * world_size] for g in range(len(bins) // world_size)]
+
+
+def _group_codes(modalities: Sequence[str] | np.ndarray | None, n: int) -> np.ndarray | None:
+    """Each sample's index in `MODALITY_GROUPS` (int64 [n]), or None for None. Raises DataError for another length
+    or a name not of `MODALITY_GROUPS`."""
+    if modalities is None:
+        return None
+    names = np.asarray(modalities).astype(str)
+    codes = np.full(len(names), -1, dtype=np.int64)
+    for k, name in enumerate(MODALITY_GROUPS):
+        codes[names == name] = k
+    if names.shape != (n,) or (codes < 0).any():
+        odd = sorted(set(names[codes < 0].tolist()))[:3]
+        raise DataError(f"sample modalities must be {n} names of {list(MODALITY_GROUPS)}, got {len(names)}"
+                        + (f" with {odd}" if odd else ""), hint="pass ShardDataset.modalities() of the sampler's samples")
+    return codes
 
 
 def _integer_costs(costs: np.ndarray | None, n: int) -> np.ndarray | None:
