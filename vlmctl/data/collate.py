@@ -36,16 +36,17 @@ from typing import Any
 
 from vlmctl.data.modalities import UNITS, ModalityUnit, get_unit, media_token_ids, units_for
 from vlmctl.data.modalities.image import decode_images
-from vlmctl.data.sample import Sample
+from vlmctl.data.sample import MODALITIES, Sample
+from vlmctl.data.samplers import GROUP_MEDIA, modality_of
 from vlmctl.errors import DataError
 
 IGNORE_INDEX = -100
 TEXT_KEYS = ("input_ids", "attention_mask")
 
 __all__ = [
-    "COUNTER_KEYS", "IGNORE_INDEX", "Collator", "Encoded", "PackedCollator", "assistant_spans", "decode_images",
-    "dummy_image_row", "dummy_row", "encode_sample", "image_token_ids", "is_packed", "model_inputs",
-    "split_processor_outputs", "template_media", "template_messages",
+    "COUNTER_KEYS", "IGNORE_INDEX", "Collator", "Encoded", "PackedCollator", "assistant_spans", "batch_modality",
+    "decode_images", "dummy_image_row", "dummy_row", "encode_sample", "filler_row", "image_token_ids", "is_packed",
+    "model_inputs", "split_processor_outputs", "template_media", "template_messages",
 ]
 
 
@@ -300,6 +301,19 @@ def dummy_row(unit: ModalityUnit, processor, family: Any = None) -> Encoded:
     return Encoded(ids, labels, media_inputs, {unit.name: 1}, num_visual_tokens=int(visual.sum()), token_inputs=token_inputs)
 
 
+def filler_row(processor, family: Any = None) -> Encoded:
+    """A row of one short text (the tokenizer's end-of-sequence token) and no media, with no labels: the forward
+    pass of an empty packed row in a modality-grouped text-only step, where no rank runs a media encoder."""
+    import torch
+
+    out = processor(text=[processor.tokenizer.eos_token or "."], return_tensors="pt", add_special_tokens=False)
+    if hasattr(family, "processor_outputs"):
+        out = family.processor_outputs(out, processor)
+    ids = out["input_ids"][0].to(torch.long)
+    token_inputs, media_inputs = split_processor_outputs(out)
+    return Encoded(ids, torch.full_like(ids, IGNORE_INDEX), media_inputs, {}, token_inputs=token_inputs)
+
+
 def dummy_image_row(processor, family: Any = None) -> Encoded:
     """`dummy_row` of the image unit: one blank image's visual tokens."""
     return dummy_row(UNITS["image"], processor, family)
@@ -333,15 +347,22 @@ class Collator:
     `num_dummy_<column>` (`num_dummy_images`: 0 or 1, see `dummy_row`).
 
     `dummy_image=False` adds no dummy rows (single-process evaluation has no collective to keep in step).
+
+    `grouped=True` (`train.group_by_modality`): the sampler gives every rank of an optimizer step samples of one
+    modality group (`vlmctl.data.samplers.modality_of`), so an encoder no sample of that group can use
+    (`GROUP_MEDIA`) runs on no rank and needs no dummy: a text-only step runs no media encoder, an image step no
+    audio tower. Encoders the group may use keep their dummies (an audio step's samples may or may not have
+    images). The group is read from the batch's samples (from the rows for `pad` / `pack` called directly).
     """
 
     def __init__(self, processor, family: Any = None, max_length: int | None = None, dummy_image: bool = True,
-                 pad_to_multiple_of: int | None = None):
+                 pad_to_multiple_of: int | None = None, grouped: bool = False):
         self.processor = processor
         self.family = family
         self.max_length = max_length
         self.dummy_image = dummy_image
         self.pad_to_multiple_of = pad_to_multiple_of
+        self.grouped = grouped
         self.units = units_for(family)
         self._dummies: dict[str, Encoded] = {}
 
@@ -350,17 +371,24 @@ class Collator:
 
     def __call__(self, samples: list[Sample]) -> dict[str, Any]:
         rows = [self.encode(s) for s in samples]
-        return self.pad(rows)
+        return self.pad(rows, group=batch_modality(samples))
 
-    def with_dummies(self, rows: list[Encoded], *, never_empty: bool = False) -> tuple[list[Encoded], dict[str, int]]:
+    def with_dummies(self, rows: list[Encoded], *, never_empty: bool = False,
+                     group: str | None = None) -> tuple[list[Encoded], dict[str, int]]:
         """`rows` plus one dummy row (see `dummy_row`) per modality of the family that no row has, and the
         dummy counters ({`num_dummy_images`: 0 or 1, ...}). `never_empty`: an empty `rows` gets the dummy rows
         even with `dummy_image=False` (a packed micro-batch must still run one forward pass). Units sharing an
         encoder (`ModalityUnit.encoder`: images and videos run the same vision tower) need no dummy when a row has
-        parts of any of them."""
+        parts of any of them. With `grouped`, only encoders of `group`'s media (`GROUP_MEDIA`; default: the rows'
+        strongest group) get dummies, and an empty `rows` of a text-only step gets a `filler_row`."""
         counts = {u.dummy_counter: 0 for u in UNITS.values()}
         extra = []
+        if self.grouped:
+            group = group or modality_of({m: sum(r.media_counts.get(m, 0) for r in rows) for m in MODALITIES})
+            used = {u.encoder for u in self.units if u.name in GROUP_MEDIA[group]}
         for unit in self.units:
+            if self.grouped and unit.encoder not in used:  # no rank of this step runs that encoder
+                continue
             sharing = [u.name for u in self.units if u.encoder == unit.encoder]
             needed = (self.dummy_image and not any(r.media_counts.get(name) for r in rows for name in sharing)) or (never_empty and not rows)
             if needed and unit.name not in self._dummies and unit.dummy_input(self.processor) is not None:
@@ -368,13 +396,15 @@ class Collator:
             counts[unit.dummy_counter] = int(needed and unit.name in self._dummies)
             if counts[unit.dummy_counter]:
                 extra.append(self._dummies[unit.name])
+        if never_empty and not rows and not extra:  # grouped text-only step: one forward pass without media
+            extra.append(filler_row(self.processor, self.family))
         return [*rows, *extra], counts
 
-    def pad(self, rows: list[Encoded]) -> dict[str, Any]:
+    def pad(self, rows: list[Encoded], group: str | None = None) -> dict[str, Any]:
         import torch
 
         real = rows
-        rows, dummies = self.with_dummies(rows)
+        rows, dummies = self.with_dummies(rows, group=group)
         width = max(r.length for r in rows)
         if self.pad_to_multiple_of:
             width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
@@ -412,12 +442,13 @@ class PackedCollator(Collator):
     The bins are planned on known lengths (the shards' `num_tokens`); a sample whose encoded length no longer fits
     (the processor changed since `data prepare`) is left out of the row and counted in `self.dropped` with a warning.
     A row without images or videos gets the dummy image as one more zero-label sample (see `dummy_row`); so does
-    an empty row, so every rank still runs one forward pass per micro-batch.
+    an empty row, so every rank still runs one forward pass per micro-batch (with `grouped`, only the dummies of
+    encoders its step's modality group may use, see `Collator`; an empty text-only row gets a `filler_row`).
     """
 
     def __init__(self, processor, family: Any = None, max_length: int | None = None, *, tokens_per_batch: int,
-                 dummy_image: bool = True):
-        super().__init__(processor, family, max_length=max_length, dummy_image=dummy_image)
+                 dummy_image: bool = True, grouped: bool = False):
+        super().__init__(processor, family, max_length=max_length, dummy_image=dummy_image, grouped=grouped)
         self.tokens_per_batch = tokens_per_batch
         self.dropped = 0
 
@@ -433,19 +464,30 @@ class PackedCollator(Collator):
                 continue
             rows.append(r)
             used += r.length
-        return self.pack(rows)
+        return self.pack(rows, group=batch_modality(samples))  # the samples' group, even if all were left out
 
-    def pack(self, rows: list[Encoded]) -> dict[str, Any]:
+    def pack(self, rows: list[Encoded], group: str | None = None) -> dict[str, Any]:
         from vlmctl.data.packing import pack_samples
 
         real = rows
-        rows, dummies = self.with_dummies(rows, never_empty=True)
+        rows, dummies = self.with_dummies(rows, never_empty=True, group=group)
         batch = pack_samples([{"input_ids": r.input_ids, "labels": r.labels, **r.token_inputs} for r in rows])
         batch.update(_collate_media(rows, packed=True))
         batch.update(_counters(real))
         batch.update(dummies)
         batch["num_samples"] = len(real)
         return batch
+
+
+def batch_modality(samples: list[Sample]) -> str:
+    """The strongest modality group of `samples` (`modality_of` over the part types of all their messages): the
+    step's group when the sampler groups by modality."""
+    counts: dict[str, int] = {}
+    for s in samples:
+        for m in s.messages:
+            for p in m["content"]:
+                counts[p["type"]] = counts.get(p["type"], 0) + 1
+    return modality_of(counts)
 
 
 COUNTER_KEYS = ("num_label_tokens", "num_visual_tokens", "num_text_tokens", *(u.dummy_counter for u in UNITS.values()),

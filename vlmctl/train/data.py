@@ -1,6 +1,6 @@
 """The run's data: the training shards with each sample's token count (and estimated training FLOPs when batches
-are compute-balanced, `train.balance`), and this data-parallel rank's sampler (packed token-budget bins or padded
-micro-batches, `vlmctl.data.samplers`)."""
+are compute-balanced, `train.balance`), this data-parallel rank's sampler (packed token-budget bins or padded
+micro-batches, `vlmctl.data.samplers`) and its collator (`vlmctl.data.collate`)."""
 
 from __future__ import annotations
 
@@ -42,24 +42,54 @@ def sample_costs(cost_model, dataset, lengths):
 
 def build_sampler(cfg, ctx, dataset, lengths):
     """This data-parallel rank's sampler: packed token-budget bins (`train.packing`) or padded micro-batches, each
-    optimizer step's samples split by cost when `load_data` estimated costs (`train.balance`). The ranks of a
-    sequence-parallel group share one sampler position (`dims.dp_rank`) and a row budget of
-    `tokens_per_batch x sequence_parallel` tokens."""
+    optimizer step's samples split by cost when `load_data` estimated costs (`train.balance`), and of one modality
+    group when `train.group_by_modality` is on (`ShardDataset.modalities`; a group too small for one optimizer step
+    is never drawn, with a warning). The ranks of a sequence-parallel group share one sampler position
+    (`dims.dp_rank`) and a row budget of `tokens_per_batch x sequence_parallel` tokens."""
     from vlmctl.data.loader import DistributedBatchSampler, PackedBatchSampler
 
     train = cfg.train
     weights = {(s.name or Path(s.path).name): s.weight for s in cfg.data.sources}
     sample_weights = dataset.sample_weights(weights) if any(w != 1.0 for w in weights.values()) else None
     split = {"world_size": ctx.dims.dp_size, "rank": ctx.dims.dp_rank, "seed": train.seed, "weights": sample_weights,
-             "costs": getattr(dataset, "sample_costs", None), "step_batches": train.gradient_accumulation_steps}
+             "costs": getattr(dataset, "sample_costs", None), "step_batches": train.gradient_accumulation_steps,
+             "modalities": dataset.modalities() if train.group_by_modality else None}
     if not train.packing:
-        return DistributedBatchSampler(lengths, micro_batch_size=train.micro_batch_size,
-                                       group_by_length=train.group_by_length, **split)
-    # a row is split over the sequence-parallel group: its budget is the group's
-    budget = train.tokens_per_batch * ctx.dims.sp
-    sampler = PackedBatchSampler(lengths, tokens_per_batch=budget, **split)
-    if sampler.too_long and ctx.env.is_main:
-        what = f"train.tokens_per_batch={train.tokens_per_batch}" + (f" x sequence_parallel={ctx.dims.sp}" if ctx.dims.sp > 1 else "")
-        print(f"warning: {sampler.too_long} samples are longer than {what} tokens and are left out (`vlmctl data "
-              "prepare` drops them as too_long with data.max_length <= that budget)", file=sys.stderr)
+        sampler = DistributedBatchSampler(lengths, micro_batch_size=train.micro_batch_size,
+                                          group_by_length=train.group_by_length, **split)
+    else:
+        # a row is split over the sequence-parallel group: its budget is the group's
+        budget = train.tokens_per_batch * ctx.dims.sp
+        sampler = PackedBatchSampler(lengths, tokens_per_batch=budget, **split)
+        if sampler.too_long and ctx.env.is_main:
+            what = f"train.tokens_per_batch={train.tokens_per_batch}" + (f" x sequence_parallel={ctx.dims.sp}" if ctx.dims.sp > 1 else "")
+            print(f"warning: {sampler.too_long} samples are longer than {what} tokens and are left out (`vlmctl data "
+                  "prepare` drops them as too_long with data.max_length <= that budget)", file=sys.stderr)
+    if sampler.grouping and ctx.env.is_main:
+        for name, (samples, steps) in sampler.grouped(0)[1].items():
+            if samples and not steps:
+                print(f"warning: train.group_by_modality: the {samples} {name} samples are fewer than one optimizer "
+                      "step and are never drawn (lower train.gradient_accumulation_steps or the batch size, or add "
+                      f"{name} data)", file=sys.stderr)
     return sampler
+
+
+def build_collator(cfg, ctx, tm):
+    """This rank's collator: packed rows of `tokens_per_batch x sequence_parallel` tokens (`train.packing`) or padded
+    micro-batches, with a dummy input for each encoder a rank's micro-batch does not use (`Collator`).
+
+    With `train.group_by_modality` under fsdp or ddp the dummies follow the step's modality group
+    (`Collator(grouped=True)`): every rank of a step skips the same encoders, so FSDP2 issues the same collectives
+    on all of them and DDP (`find_unused_parameters`) reduces the same buckets. Under DeepSpeed (zero2, zero3)
+    every dummy stays (the sampler still groups): ZeRO-3 prefetches parameters along the module order it traced in
+    earlier steps, and a step that skips a traced tower leaves them in flight ("still have inflight params",
+    DeepSpeed issue 5828, released only by newer versions, PR 6557); ZeRO-2 is not checked without its dummies."""
+    from vlmctl.data.collate import Collator, PackedCollator
+    from vlmctl.train.setup import DEEPSPEED
+
+    train = cfg.train
+    grouped = train.group_by_modality and train.strategy not in DEEPSPEED
+    if train.packing:
+        return PackedCollator(tm.processor, tm.family, max_length=cfg.data.max_length,
+                              tokens_per_batch=train.tokens_per_batch * ctx.dims.sp, grouped=grouped)
+    return Collator(tm.processor, tm.family, max_length=cfg.data.max_length, grouped=grouped)

@@ -31,7 +31,7 @@ from typing import Any
 from vlmctl.distributed.process import LAUNCHER_ENV
 from vlmctl.errors import VlmctlError
 from vlmctl.train import autotune
-from vlmctl.train.data import build_sampler, load_data
+from vlmctl.train.data import build_collator, build_sampler, load_data
 from vlmctl.train.setup import (DEEPSPEED, RunContext, TrainingModel, build_optimizer, build_scheduler, defer_weights,
                                 load_for_rank, model_source, place_weights, prepare_model, setup_run, split_sequences)
 
@@ -148,7 +148,6 @@ def build_trainer(cfg, run_dir: Path, ctx: RunContext, tm: TrainingModel, wrappe
 
 def train_run(cfg, run_dir: Path, ctx: RunContext) -> str:
     """Model -> data -> wrap -> resume -> train -> export on this rank; returns "done", "stopped" or "interrupted"."""
-    from vlmctl.data.collate import Collator, PackedCollator
     from vlmctl.data.loader import build_loader
     from vlmctl.train import report
     from vlmctl.train.checkpoint import resolve_resume
@@ -171,9 +170,7 @@ def train_run(cfg, run_dir: Path, ctx: RunContext) -> str:
     wrapped = wrap_model(tm, train, ctx, total_steps) if wrapped is None else reschedule(wrapped, train, total_steps)
     state = resume_state(resume_from, ctx, wrapped)
     sampler.set_position(state.consumed)
-    collator = (PackedCollator(tm.processor, tm.family, max_length=cfg.data.max_length, tokens_per_batch=train.tokens_per_batch * ctx.dims.sp)
-                if train.packing else Collator(tm.processor, tm.family, max_length=cfg.data.max_length))
-    loader = build_loader(dataset, sampler, collator, num_workers=train.num_workers, seed=train.seed)
+    loader = build_loader(dataset, sampler, build_collator(cfg, ctx, tm), num_workers=train.num_workers, seed=train.seed)
     logger = None
     if env.is_main:
         logger = MetricsLogger(run_dir, list(train.report_to), run_name=run_dir.name, project=cfg.project.name,
