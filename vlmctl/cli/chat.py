@@ -1,4 +1,4 @@
-"""`vlmctl chat`: talk to a model in the terminal, with images."""
+"""`vlmctl chat`: talk to a model in the terminal, with images (or audio clips, for audio models)."""
 
 from __future__ import annotations
 
@@ -37,22 +37,46 @@ def chat(
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="At most this many tokens per reply.")] = 512,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
+    audio: Annotated[Optional[list[Path]], typer.Option("--audio", help="Audio file for the first message (repeatable; "
+                                                        "audio models such as qwen2_audio). /audio PATH attaches more.",
+                                                        show_default=False)] = None,
 ) -> None:
-    """Chat with a model: streamed replies, images (/image PATH, or paths in the message), history until /reset.
+    """Chat with a model: streamed replies, images (/image PATH, or paths in the message) or, for audio models,
+    clips (--audio FILE, /audio PATH), history until /reset.
 
     Lines are read from stdin, so a script can be piped in: `printf '/image cat.jpg\\nWhat is this?\\n' | vlmctl chat`.
     """
-    from vlmctl.inference import ChatSession, check_model_dir, load_for_generation, resolve_device
+    from vlmctl.inference import ChatSession, check_model_dir, folder_family, load_for_generation, resolve_device
+    from vlmctl.inference.chat import read_audio
+    from vlmctl.inference.prompt import check_modality
 
     model_dir = resolve_model_dir(args, config, "chat")
     check_model_dir(model_dir)
+    family = folder_family(model_dir)
+    if audio:  # before loading the model: a family without audio is a usage error, a bad file a data error
+        check_modality("audio", family, "--audio")
+        for path in audio:
+            read_audio(path)
     device = resolve_device(device)
     with console.status(f"Loading {escape(str(model_dir))} on {device}") if not state.quiet else nullcontext():
         model, processor = load_for_generation(model_dir, device=device, dtype=dtype)
-    session = ChatSession(model, processor, system=system, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    session = ChatSession(model, processor, system=system, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                          family=family)
+    for path in audio or ():
+        session.attach_audio(path)  # read again: the model's window is known now
     info(f"[bold]vlmctl chat[/bold] with {escape(str(model_dir))} ({device}, {str(model.dtype).removeprefix('torch.')}). "
-         "[dim]/image PATH attaches an image, /reset clears the history, /help, /exit[/dim]")
+         f"[dim]{_attach_help(session.family)}, /reset clears the history, /help, /exit[/dim]")
+    if audio:
+        info(f"[dim]attached {escape(', '.join(p.name for p in audio))} ({len(session.pending_audios)} clip(s) for the first message)[/dim]")
     _loop(session, interactive=sys.stdin.isatty())
+
+
+def _attach_help(family) -> str:
+    """How to attach the media the family takes (images when unknown)."""
+    takes = list(getattr(family, "modalities", None) or ["image"])
+    parts = [f"/{kind} PATH attaches {'an' if kind[0] in 'aeiou' else 'a'} {'audio clip' if kind == 'audio' else kind}"
+             for kind in ("image", "audio") if kind in takes]
+    return ", ".join(parts) or "text only"
 
 
 def resolve_model_dir(args: list[str] | None, config: Path | None, command: str) -> Path:
@@ -111,17 +135,21 @@ def _handle(session: "ChatSession", cmd) -> bool:
         width = max(map(len, COMMANDS))
         for usage, what in COMMANDS.items():
             console.print(f"  [bold]{escape(f'{usage:<{width}}')}[/bold]  {escape(what)}", highlight=False)
-        console.print("  Image paths written in a message are attached too: [bold]photo.jpg what is this?[/bold]", highlight=False)
+        console.print("  Image and audio paths written in a message are attached too: [bold]photo.jpg what is this?[/bold], "
+                      "[bold]talk.wav transcribe it[/bold]", highlight=False)
     elif cmd.kind == "unknown":
         console.print(f"[yellow]unknown command {escape(cmd.command)}[/yellow]; /help lists the commands", highlight=False)
-    elif cmd.kind in ("image", "message") and not cmd.text:
+    elif cmd.kind in ("image", "audio", "message") and not cmd.text:
         for path in cmd.images:
             session.attach(path)
-        if cmd.images:
-            names = escape(", ".join(p.name for p in cmd.images))
-            info(f"[dim]attached {names} ({len(session.pending)} image(s) for the next message)[/dim]")
-    elif cmd.kind in ("image", "message"):
-        _reply(session, cmd.text, cmd.images)
+        for path in cmd.audios:
+            session.attach_audio(path)
+        if cmd.images or cmd.audios:
+            names = escape(", ".join(p.name for p in (*cmd.images, *cmd.audios)))
+            counts = [f"{n} {what}(s)" for n, what in ((len(session.pending), "image"), (len(session.pending_audios), "clip")) if n]
+            info(f"[dim]attached {names} ({', '.join(counts)} for the next message)[/dim]")
+    elif cmd.kind in ("image", "audio", "message"):
+        _reply(session, cmd.text, cmd.images, cmd.audios)
     return True
 
 
@@ -134,9 +162,9 @@ def _printable(text: str) -> str:
     return text.translate(_CONTROL)
 
 
-def _reply(session: "ChatSession", text: str, images) -> None:
+def _reply(session: "ChatSession", text: str, images, audios=()) -> None:
     """Stream one reply to the console; Ctrl-C stops it (the turn is then not kept)."""
-    stream = session.stream(text, images)
+    stream = session.stream(text, images, audios)
     try:
         first = next(stream, "")  # errors (an unreadable image) come before any output
         console.print("[bold green]model[/bold green] › ", end="", highlight=False)

@@ -23,8 +23,8 @@ def generate_cmd(
     out: OutputOpt = Path("predictions.jsonl"),
     config: ConfigOpt = None,
     fmt: Annotated[str, typer.Option("--format", help="Input format: auto|llava|sharegpt|messages|parquet|webdataset|hf.")] = "auto",
-    image_root: Annotated[Optional[Path], typer.Option("--image-root", help="Folder that relative image paths are resolved "
-                                                       "against (default: the input file's folder).")] = None,
+    image_root: Annotated[Optional[Path], typer.Option("--image-root", help="Folder that relative image and audio paths are "
+                                                       "resolved against (default: the input file's folder).")] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Prompts per generation batch.")] = 8,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="At most this many tokens per answer.")] = 128,
     temperature: TemperatureOpt = 0.0,
@@ -39,12 +39,14 @@ def generate_cmd(
     """Answer every sample of a data file (its conversation up to the last assistant turn) -> predictions.jsonl.
 
     One row per readable sample: id, prompt, prediction, references (when it has one).
+    Samples may carry audio clips (ShareGPT `audios`, OpenAI `input_audio` parts) for audio models such as qwen2_audio.
     Score them with: vlmctl eval --predictions FILE.
     """
     from vlmctl.config import DataSource, find_config
     from vlmctl.errors import UsageError
     from vlmctl.evaluation import references_of
-    from vlmctl.inference import check_backend, check_model_dir, read_prompts, write_predictions
+    from vlmctl.inference import check_backend, check_model_dir, folder_family, read_prompts, request_from_sample, write_predictions
+    from vlmctl.inference.prompt import check_requests
 
     check_backend(backend)  # before loading anything: a missing vllm is a usage error
     if limit is not None and limit <= 0:
@@ -66,6 +68,8 @@ def generate_cmd(
     except ValueError as exc:  # pydantic's ValidationError: an unknown --format
         raise UsageError(f"unknown --format {fmt!r}", hint="use auto, llava, sharegpt, messages, parquet, webdataset or hf") from exc
     samples, rejected = read_prompts(source, limit, media_roots=media_roots)
+    # audio samples for a vision-language model (or images for an audio one): a usage error before the model loads
+    check_requests([request_from_sample(s) for s in samples], folder_family(model_dir))
     out = out / "predictions.jsonl" if out.is_dir() or not out.suffix else out
     quiet = as_json or state.quiet
     if not quiet:

@@ -7,13 +7,15 @@ Used by `vlmctl eval`, `vlmctl chat`, `vlmctl generate`, `vlmctl demo` and any c
     model, processor = load_for_generation("outputs/runs/run1/final", device="cpu")
     answers = generate(model, processor, [GenerationRequest(messages=[...], images=[png_bytes])], batch_size=8)
     answers[0].text
+    generate(model, processor, [GenerationRequest(messages=[...], audios=[wav_bytes])])   # audio models (qwen2_audio)
 
 - `load`: folder checks (`check_model_dir`), compute dtype, device, processor; `load_vllm` for the vLLM engine.
-- `prompt`: `GenerationRequest` (messages + images), `Generation` (prompt, text), `render_prompt`.
+- `prompt`: `GenerationRequest` (messages + images or audio clips), `Generation` (prompt, text), `render_inputs` /
+  `render_prompt`, `check_requests` (a modality the model's family does not take is a UsageError).
 - `generation`: `generate` (transformers, left-padded batches), `generate_vllm`, and `stream_generate` (one
   answer as pieces of text while it is generated).
-- `chat`: `ChatSession` (history, images, one streamed reply per turn) and `parse_input` (terminal lines and
-  commands) for `vlmctl chat`.
+- `chat`: `ChatSession` (history, images and clips, one streamed reply per turn), `parse_input` (terminal lines and
+  commands) and `read_audio` for `vlmctl chat`.
 - `batch`: `read_prompts` (any input format) and `write_predictions` (answers -> JSONL) for `vlmctl generate`.
 
 Importing this package is cheap: torch, transformers and vllm are imported when a function needs them.
@@ -22,23 +24,33 @@ Importing this package is cheap: torch, transformers and vllm are imported when 
 from __future__ import annotations
 
 from vlmctl.inference.batch import PredictionsResult, read_prompts, write_predictions
-from vlmctl.inference.chat import COMMANDS, ChatInput, ChatSession, parse_input, read_image
+from vlmctl.inference.chat import COMMANDS, ChatInput, ChatSession, parse_input, read_audio, read_image
 from vlmctl.inference.generation import ProgressFn, generate, generate_vllm, stream_generate
 from vlmctl.inference.load import (
     BACKENDS,
     DTYPES,
     check_backend,
     check_model_dir,
+    folder_family,
     load_for_generation,
     load_vllm,
     resolve_device,
     resolve_dtype,
 )
-from vlmctl.inference.prompt import Generation, GenerationRequest, render_prompt, request_from_sample
+from vlmctl.inference.prompt import (
+    Generation,
+    GenerationRequest,
+    RenderedPrompt,
+    check_requests,
+    render_inputs,
+    render_prompt,
+    request_from_sample,
+)
 
 __all__ = [
     "BACKENDS", "COMMANDS", "DTYPES", "ChatInput", "ChatSession", "Generation", "GenerationRequest", "PredictionsResult",
-    "ProgressFn", "check_backend", "check_model_dir", "generate", "generate_vllm", "load_for_generation", "load_vllm",
-    "parse_input", "read_image", "read_prompts", "render_prompt", "request_from_sample", "resolve_device",
-    "resolve_dtype", "stream_generate", "write_predictions",
+    "ProgressFn", "RenderedPrompt", "check_backend", "check_model_dir", "check_requests", "folder_family", "generate",
+    "generate_vllm", "load_for_generation", "load_vllm", "parse_input", "read_audio", "read_image", "read_prompts",
+    "render_inputs", "render_prompt", "request_from_sample", "resolve_device", "resolve_dtype", "stream_generate",
+    "write_predictions",
 ]

@@ -3,7 +3,8 @@
     samples, skipped = read_prompts(DataSource(path="questions.jsonl"))
     result = write_predictions("outputs/runs/run1/final", samples, Path("predictions.jsonl"), batch_size=8)
 
-Each sample is asked as `request_from_sample`: its conversation up to (not including) its last assistant turn.
+Each sample is asked as `request_from_sample`: its conversation up to (not including) its last assistant turn,
+with its images and audio clips (an audio family's, e.g. a ShareGPT `audios` list or OpenAI `input_audio` parts).
 One JSON object per sample, in input order::
 
     {"id": str, "prompt": str, "prediction": str, "references": [str, ...], "options": [...]}
@@ -25,8 +26,8 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from vlmctl.errors import DataError
 from vlmctl.inference.generation import ProgressFn, _check_sampling, generate, generate_vllm
-from vlmctl.inference.load import check_backend, check_model_dir, load_for_generation, load_vllm
-from vlmctl.inference.prompt import Generation, request_from_sample
+from vlmctl.inference.load import check_backend, check_model_dir, folder_family, load_for_generation, load_vllm
+from vlmctl.inference.prompt import Generation, check_requests, request_from_sample
 
 if TYPE_CHECKING:
     from vlmctl.config.data import DataSource
@@ -48,9 +49,10 @@ def read_prompts(source: "DataSource", limit: int | None = None, *, min_image_si
                  media_roots: Sequence[Path | str] = ()) -> tuple[list["Sample"], list["Rejection"]]:
     """(samples, rejections) of one data source in any input format (`vlmctl.data.formats.read_source`; a
     prepared split folder reads back with the parquet reader): at most `limit` samples, in file order, and the
-    records the reader rejected (missing or corrupt images, bad records). Pictures are read whatever their size
-    (`min_image_side` pixels; the processor resizes them), unlike training data; image paths may point into the
-    source's folder or one of `media_roots` (`data.media_roots`). Raises DataError when the source
+    records the reader rejected (missing or corrupt images or audio clips, bad records). Pictures are read whatever
+    their size (`min_image_side` pixels; the processor resizes them), unlike training data; audio clips pass the
+    data pipeline's checks and become 16 kHz mono (`vlmctl.data.modalities.audio.normalize_audio`, `data.audio`
+    defaults); media paths may point into the source's folder or one of `media_roots` (`data.media_roots`). Raises DataError when the source
     cannot be opened or holds no readable sample (naming the first rejection)."""
     from vlmctl.data.formats import read_source
     from vlmctl.data.sample import Sample
@@ -90,14 +92,18 @@ def write_predictions(
     `backend` `hf`: transformers' `generate` on `device` in left-padded batches of `batch_size`; `vllm`: vLLM's
     offline engine (it batches and places the model itself; `device` and `batch_size` are not used). `seed`
     seeds torch's generator before sampling (a positive `temperature`). `progress(done, total)` is called after
-    each batch. Raises UsageError for a bad backend (vllm not installed), device, dtype or sampling value,
-    ModelError for a folder that cannot be loaded, DataError for a sample whose image parts point past its images.
+    each batch. Raises UsageError for a bad backend (vllm not installed), device, dtype or sampling value, or a
+    sample with a modality the model's family does not take (audio for a vision-language model: checked before the
+    model is loaded, `check_requests`), ModelError for a folder that cannot be loaded, DataError for a sample whose
+    media parts point past its media.
     """
     t0 = time.perf_counter()
     _check_sampling(batch_size, max_new_tokens, temperature, top_p)
     check_backend(backend)
     check_model_dir(Path(model_dir))
     requests = [request_from_sample(s) for s in samples]
+    family = folder_family(Path(model_dir))
+    check_requests(requests, family)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
@@ -105,7 +111,8 @@ def write_predictions(
         with tmp.open("w", encoding="utf-8") as fh:
             if backend == "vllm":
                 llm, processor = load_vllm(Path(model_dir), dtype=dtype)
-                answers = generate_vllm(llm, processor, requests, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+                answers = generate_vllm(llm, processor, requests, max_new_tokens=max_new_tokens, temperature=temperature,
+                                        top_p=top_p, family=family)
                 _write_rows(fh, samples, answers, references)
                 if progress:
                     progress(len(samples), len(samples))
@@ -118,7 +125,7 @@ def write_predictions(
                 for start in range(0, len(requests), batch_size):
                     # One batch at a time, written as it comes: a long run shows its rows in the temporary file.
                     answers = generate(model, processor, requests[start : start + batch_size], batch_size=batch_size,
-                                       max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+                                       max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, family=family)
                     _write_rows(fh, samples[start : start + batch_size], answers, references)
                     fh.flush()
                     if progress:

@@ -3,7 +3,8 @@
     model, processor = load_for_generation("outputs/runs/run1/final", device="cuda:0", dtype="auto")
 
 A folder is usable for generation when it is a Hugging Face model folder (config.json) with a processor and a
-tokenizer (the prompt is rendered by the processor's chat template, images are read by its image processor). A
+tokenizer (the prompt is rendered by the processor's chat template, images are read by its image processor, audio
+clips by its feature extractor). A
 base-mode `vlmctl model build` folder only points at a checkpoint; that checkpoint is checked and loaded.
 """
 
@@ -59,6 +60,29 @@ def check_model_dir(path: Path) -> None:
             hint=f"save the base model's processor into it: AutoProcessor.from_pretrained(BASE).save_pretrained('{path}'), "
                  "or re-export it with `vlmctl convert`",
         )
+
+
+def folder_family(path: Path):
+    """The `FamilySpec` of the model in a folder, without loading it: the `family` a `vlmctl model build` folder
+    records, else the one of config.json's model_type. None when neither says (a base-mode folder pointing at a Hub
+    id, a model type of no registered family: loading it tells what is wrong). Used to refuse a modality the model
+    does not take before it is loaded."""
+    import json
+
+    from vlmctl.errors import ModelError
+    from vlmctl.families import detect_family, get_family
+
+    path = Path(path)
+    info = _build_info(path)
+    try:
+        if info.get("family"):
+            return get_family(str(info["family"]))
+        config = path / "config.json"
+        if not config.is_file() and info.get("mode") == "base":
+            config = Path(str(info.get("source", ""))).expanduser() / "config.json"
+        return get_family(detect_family(json.loads(config.read_text()))) if config.is_file() else None
+    except (ModelError, OSError, ValueError):
+        return None
 
 
 def _build_info(path: Path) -> dict[str, Any]:
@@ -135,6 +159,6 @@ def load_vllm(path: Path, *, dtype: str = "auto") -> tuple[Any, Any]:
 
 
 __all__ = [
-    "BACKENDS", "DTYPES", "check_backend", "check_model_dir", "resolve_device", "resolve_dtype", "load_for_generation",
-    "load_vllm",
+    "BACKENDS", "DTYPES", "check_backend", "check_model_dir", "folder_family", "resolve_device", "resolve_dtype",
+    "load_for_generation", "load_vllm",
 ]

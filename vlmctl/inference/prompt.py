@@ -1,20 +1,31 @@
-"""What generation reads and returns: a request (a conversation plus its images) and its rendered prompt.
+"""What generation reads and returns: a request (a conversation plus its images or audio clips) and its rendered
+prompt.
 
     request = GenerationRequest(
         messages=[{"role": "user", "content": [{"type": "image", "index": 0}, {"type": "text", "text": "What color?"}]}],
         images=[png_bytes],                  # encoded bytes or PIL images, indexed by the image parts
     )
     text, images = render_prompt(request, processor)   # chat template + generation prompt, PIL images in order
+    spoken = GenerationRequest(messages=[{"role": "user", "content": [{"type": "audio", "index": 0},
+                                                                      {"type": "text", "text": "Transcribe."}]}],
+                               audios=[wav_bytes])     # encoded clips, indexed by the audio parts
+    text, images, audios = render_inputs(spoken, processor, family)   # the family's audio prompt in the text
+    check_requests([spoken], family)     # UsageError when the family takes no audio (or no images)
 
 Messages use the canonical sample's shape (`vlmctl.data.sample`): roles `system|user|assistant`, content parts
-`{"type": "text", "text": str}` or `{"type": "image", "index": int}`. The model continues after the last message.
+`{"type": "text", "text": str}`, `{"type": "image", "index": int}` or `{"type": "audio", "index": int}`. The model
+continues after the last message. Media parts are written as training writes them (`vlmctl.data.collate.
+template_media`): an image as the chat template's image part, an audio clip as the family's audio prompt
+(`FamilySpec.prompt("audio")`, Qwen2-Audio's `<|audio_bos|><|AUDIO|><|audio_eos|>`) in the text.
 """
 
 from __future__ import annotations
 
 import io
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+
+from vlmctl.errors import UsageError
 
 if TYPE_CHECKING:
     from vlmctl.data.sample import Sample
@@ -23,11 +34,22 @@ if TYPE_CHECKING:
 @dataclass
 class GenerationRequest:
     """One prompt to answer: `messages` (the conversation so far, ending with the user's turn), `images` (encoded
-    bytes or PIL images that the image parts index), and an `id` used in error messages."""
+    bytes or PIL images that the image parts index), `audios` (encoded clips that the audio parts index: bytes of
+    any format libsndfile reads, e.g. the 16-bit mono FLAC of prepared shards), and an `id` used in error messages."""
 
     messages: list[dict[str, Any]]
     images: list[Any] = field(default_factory=list)
     id: str = ""
+    audios: list[bytes] = field(default_factory=list)
+
+
+class RenderedPrompt(NamedTuple):
+    """A request as the processor takes it: the prompt text (chat template applied, generation prompt appended),
+    PIL RGB images and encoded audio clips, each in order of their parts."""
+
+    text: str
+    images: list
+    audios: list[bytes]
 
 
 class Generation(NamedTuple):
@@ -40,24 +62,85 @@ class Generation(NamedTuple):
 
 def request_from_sample(sample: "Sample") -> GenerationRequest:
     """The request that asks for a sample's last assistant turn: its messages up to (not including) that turn, and
-    its images. A sample without an assistant turn is asked as it is."""
+    its images and audio clips. A sample without an assistant turn is asked as it is."""
     messages = sample.messages
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages))
-    return GenerationRequest(messages=list(messages[:last]), images=list(sample.images), id=sample.id)
+    return GenerationRequest(messages=list(messages[:last]), images=list(sample.images), id=sample.id,
+                             audios=list(sample.media.get("audio", [])))
 
 
-def render_prompt(request: GenerationRequest, processor) -> tuple[str, list]:
-    """(prompt text, PIL RGB images in order of their image parts) for `request`, rendered by the processor's chat
-    template with the generation prompt appended. An image used twice appears twice (one per placeholder).
+def render_inputs(request: GenerationRequest, processor, family: Any = None) -> RenderedPrompt:
+    """`request` rendered by the processor's chat template with the generation prompt appended, its media parts
+    written as training writes them (module docstring; an audio part as `family`'s audio prompt, or the
+    processor's audio token without a family). A part used twice appears twice (one per placeholder).
 
-    Raises DataError when an image part points past `request.images`.
+    Raises DataError when a media part points past the request's media (or names a modality `family` does not
+    take: check with `check_requests` first for the usage error).
     """
-    from vlmctl.data.collate import template_messages
+    from vlmctl.data.collate import template_media
     from vlmctl.data.sample import Sample
 
-    messages, images = template_messages(Sample(id=request.id, messages=request.messages, images=request.images))
+    sample = Sample(id=request.id, messages=request.messages, images=request.images,
+                    audios=request.audios or None)
+    messages, media = template_media(sample, processor, family)
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return text, [_to_rgb(img) for img in images]
+    return RenderedPrompt(text, [_to_rgb(img) for img in media.get("image", [])], list(media.get("audio", [])))
+
+
+def render_prompt(request: GenerationRequest, processor, family: Any = None) -> tuple[str, list]:
+    """(prompt text, PIL RGB images in order of their image parts) of `render_inputs`, for callers that send
+    images only. Raises DataError when an image part points past `request.images`."""
+    text, images, _ = render_inputs(request, processor, family)
+    return text, images
+
+
+def check_requests(requests: Sequence[GenerationRequest], family: Any) -> None:
+    """Raise UsageError, before any model runs, when a request has a media part or media of a modality `family`
+    (a `FamilySpec`) does not take (`check_modality`): audio for a vision-language family, an image for
+    Qwen2-Audio. Nothing is checked without a family."""
+    if family is None:
+        return
+    for request in requests:
+        kinds = {p["type"] for m in request.messages for p in m["content"] if p["type"] != "text"}
+        kinds |= {"audio"} if request.audios else set()
+        kinds |= {"image"} if request.images else set()
+        for kind in sorted(kinds):
+            check_modality(kind, family, f"request {request.id!r}" if request.id else "the request")
+
+
+def check_modality(kind: str, family: Any, where: str = "the attached file") -> None:
+    """Raise UsageError when `family` (a `FamilySpec`; None: anything goes) takes no `kind` input (image, video,
+    audio: the keys of its `modalities`), naming `where` the input came from and the families that take it."""
+    from vlmctl.data.modalities import get_unit
+
+    if family is None or get_unit(kind).accepted_by(family):
+        return
+    takes = ", ".join(getattr(family, "modalities", None) or ["image"])
+    what = {"audio": "an audio clip", "image": "an image"}.get(kind, f"a {kind}")
+    raise UsageError(f"family {family.name} takes no {kind} input (it takes {takes}), but {where} gives it {what}",
+                     hint=f"drop the {kind} inputs, or use a model of a family that takes {kind} ({_takers(kind)}; "
+                          "`vlmctl model build --list` shows each family's modalities)")
+
+
+def _takers(kind: str) -> str:
+    """Registered families that take modality `kind`."""
+    from vlmctl.data.modalities import get_unit
+    from vlmctl.families.registry import FAMILIES
+
+    return ", ".join(name for name, spec in FAMILIES.items() if get_unit(kind).accepted_by(spec)) or "none"
+
+
+def model_family(model: Any):
+    """The `FamilySpec` of a loaded model, from its config's model_type; None for a model of no registered family
+    (or without a config)."""
+    from vlmctl.errors import ModelError
+    from vlmctl.families import detect_family, get_family
+
+    config = getattr(model, "config", None)
+    try:
+        return get_family(detect_family(config)) if config is not None else None
+    except ModelError:
+        return None
 
 
 def _to_rgb(image: Any):
@@ -68,4 +151,5 @@ def _to_rgb(image: Any):
     return img if img.mode == "RGB" else img.convert("RGB")
 
 
-__all__ = ["GenerationRequest", "Generation", "request_from_sample", "render_prompt"]
+__all__ = ["GenerationRequest", "Generation", "RenderedPrompt", "check_modality", "check_requests", "model_family", "render_inputs",
+           "render_prompt", "request_from_sample"]
