@@ -321,3 +321,20 @@ def test_vlmctl_train_splits_rows_resumes_without_the_split_and_exports_a_plain_
     # a fraction of lr (1e-2) either way, hence atol 1e-4 on the weights after two steps
     for (name, a), (_, b) in zip(model.state_dict().items(), ref.state_dict().items()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_training_says_how_many_gpus_a_sample_left_out_needs(capsys):
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from vlmctl.config.train import TrainSection
+    from vlmctl.train.data import build_sampler
+
+    train = TrainSection(tokens_per_batch=1000, sequence_parallel=2, packing=True, balance="off")
+    cfg = SimpleNamespace(train=train, data=SimpleNamespace(sources=[]))
+    ctx = SimpleNamespace(dims=SimpleNamespace(dp_size=1, dp_rank=0, sp=2), env=SimpleNamespace(is_main=True))
+    sampler = build_sampler(cfg, ctx, SimpleNamespace(), np.array([900, 1900, 3500]))
+    assert sampler.too_long == 1  # 1900 tokens fit the group's 2 x 1000; 3500 do not
+    err = capsys.readouterr().err
+    assert "1 samples are longer than train.tokens_per_batch=1000 x sequence_parallel=2" in err and "needs 4 GPUs" in err

@@ -63,8 +63,10 @@ def build_sampler(cfg, ctx, dataset, lengths):
         sampler = PackedBatchSampler(lengths, tokens_per_batch=budget, **split)
         if sampler.too_long and ctx.env.is_main:
             what = f"train.tokens_per_batch={train.tokens_per_batch}" + (f" x sequence_parallel={ctx.dims.sp}" if ctx.dims.sp > 1 else "")
-            print(f"warning: {sampler.too_long} samples are longer than {what} tokens and are left out (`vlmctl data "
-                  "prepare` drops them as too_long with data.max_length <= that budget)", file=sys.stderr)
+            gpus = -(-int(max(lengths)) // train.tokens_per_batch)  # the longest sample, at this budget per GPU
+            print(f"warning: {sampler.too_long} samples are longer than {what} tokens and are left out; the longest "
+                  f"needs {gpus} GPUs (train.sequence_parallel={gpus}, a divisor of the GPUs per node and of the "
+                  "attention heads; `vlmctl data prepare` drops such samples as too_long)", file=sys.stderr)
     if sampler.grouping and ctx.env.is_main:
         for name, (samples, steps) in sampler.grouped(0)[1].items():
             if samples and not steps:
