@@ -22,6 +22,15 @@ only its 1/N of the sequence:
   (autograd-aware: the backward sums the ranks' gradients), so a row's images need 1/N of the vision activations.
   Other families' vision towers encode every image on every rank (same result, no saving).
 
+Why Ulysses and not PyTorch's `torch.distributed.tensor.experimental.context_parallel` (ring attention): ring
+attention shards the sequence into load-balanced chunks and rotates key/value blocks around the ring, but it wraps
+SDPA's dense causal kernels; the packed rows vlmctl trains on need per-segment (document) masking whose segments
+cross the split, which Ulysses gets for free (after its all-to-all each rank runs the ordinary varlen kernel over
+the whole row) and which ring attention would need a masked kernel per block pair for. Ulysses needs the heads to
+divide over N (ring attention does not) and moves 4 activations per layer through an all-to-all (inside one node:
+`ParallelDims` keeps a group on one node). Their throughput on GPUs has not been compared yet (docs/benchmarks.md
+lists the measurements that need two or more GPUs).
+
 Raises ConfigError (see `check_sequence_parallel`) for heads that do not divide over N, padded batches (packing
 is required) or a missing DeepSpeed.
 """
