@@ -117,3 +117,47 @@ def test_visual_token_rule_from_a_config_matches_the_published_processor_setting
         actual = int((batch["input_ids"] == image_id).sum())
         assert mistral3_tokens(w, h, config) == actual == mistral3_tokens(w, h, published), (w, h)
     assert mistral3_tokens(1540, 1540, config) == 55 * 55
+
+
+def test_the_vision_tower_takes_per_image_boundaries_from_the_varlen_implementation():
+    """Pixtral encodes a step's images as one sequence; under the varlen name (`vision_varlen`) it passes one
+    segment per image instead of the dense block mask. A per-segment sdpa stands in for the CUDA kernel here: the
+    vision tower's output must equal the dense-mask sdpa path's."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AttentionInterface
+
+    from vlmctl.models.build import instantiate, plan_build
+    from vlmctl.train.kernels import VARLEN_NAME, VISION_VARLEN_NAME, register_varlen_attention, set_attention
+
+    spec = get_family("mistral3")
+    assert spec.vision_varlen
+    torch.manual_seed(0)
+    model = instantiate(plan_build(ModelSection(preset=spec.tiny_preset, init="random")), device="cpu").float().eval()
+    vision = model.get_submodule(spec.vision_tower)
+    config = model.config.vision_config
+    pixels = torch.randn(2, 3, config.image_size, config.image_size)
+    sizes = torch.tensor([[config.image_size, config.image_size // 2], [config.image_size // 2, config.image_size]])
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        dense = vision(pixels, image_sizes=sizes).last_hidden_state
+    seen = []
+
+    def per_segment(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        cu = kwargs["cu_seq_lens_q"].tolist()
+        seen.append((cu, attention_mask))
+        parts = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], scale=scaling)
+                 for a, b in zip(cu, cu[1:])]
+        return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
+
+    try:
+        AttentionInterface.register(VARLEN_NAME, per_segment)
+        AttentionInterface.register(VISION_VARLEN_NAME, per_segment)
+        set_attention(model, VARLEN_NAME, vision_varlen=True)
+        with torch.no_grad():
+            varlen = vision(pixels, image_sizes=sizes).last_hidden_state
+    finally:
+        register_varlen_attention()  # the real kernel under both names again
+    patches = [int(h) // config.patch_size * (int(w) // config.patch_size) for h, w in sizes.tolist()]
+    assert seen and all(cu == [0, patches[0], sum(patches)] and mask is None for cu, mask in seen)
+    torch.testing.assert_close(varlen, dense, rtol=1e-4, atol=1e-5)

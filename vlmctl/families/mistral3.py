@@ -205,11 +205,12 @@ MISTRAL3 = register(Mistral3Spec(
     modalities={"image": IMAGE_TOKEN},
     visual_token_rule=mistral3_tokens,
     image_grid_args=("image_sizes",),
+    vision_varlen=True,  # Pixtral: one segment per image, `cu_seq_lens_q/k` for flash-named implementations
     special_tokens=("<|im_start|>", "<|im_end|>", IMAGE_TOKEN, BREAK_TOKEN, END_TOKEN, "<pad>"),
     config_token_ids={"image_token_index": IMAGE_TOKEN},
     image_processor_class="PixtralImageProcessor",
     tiny_preset="tiny-mistral3",
     lmms_model="huggingface",  # lmms-eval's AutoModelForImageTextToText adapter
     notes="Mistral Small 3.x / Ministral 3 (Pixtral encoder, patch merger). Each image at its own size: rows of [IMG] "
-    "with [IMG_BREAK] / [IMG_END]; packed rows run their images as one encoder batch.",
+    "with [IMG_BREAK] / [IMG_END]; packed rows run their images as one encoder sequence (varlen on GPUs).",
 ))

@@ -346,6 +346,7 @@ def qwen_vl(name: str, prefix: str, *, patch: int, min_pixels: int, max_pixels: 
         visual_token_rule=qwen_rule(patch, min_pixels, max_pixels),
         image_grid_args=("image_grid_thw",),
         mrope=True,
+        vision_varlen=True,
         special_tokens=QWEN_TOKENS,
         extra_special_tokens={"vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>", "video_token": "<|video_pad|>"},
         config_token_ids={"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",

@@ -83,6 +83,10 @@ class FamilySpec:
     mrope: bool = False  # position ids are (3, batch, seq): temporal/height/width (model.get_rope_index)
     fixed_image_tokens: bool = False  # every image becomes the same number of visual tokens, whatever its size
     supports_packing: bool = True  # False: the model cannot take packed rows (`train.packing` falls back to padding)
+    # the vision tower hands per-image (or per-window) boundaries `cu_seq_lens_q/k` to attention implementations whose
+    # name says flash (transformers' `is_flash_attention_requested`): the varlen kernel then encodes a step's images in
+    # one call, without the dense block mask (`train.kernels.set_attention`)
+    vision_varlen: bool = False
     # -- build recipe (`model build`)
     special_tokens: tuple[str, ...] = ()  # tokens a locally trained tokenizer must have for this family's processor
     extra_special_tokens: Mapping[str, str] = field(default_factory=dict)  # tokenizer attribute -> token (e.g. video_token)

@@ -516,7 +516,7 @@ def apply_kernels(model, family, train, device) -> tuple[str, bool, list[str]]:
     from vlmctl.train import kernels
 
     attn = resolve_attention(train, device)
-    kernels.set_attention(model, attn, vision_varlen=device.type == "cuda" and family.mrope)
+    kernels.set_attention(model, attn, vision_varlen=device.type == "cuda" and family.vision_varlen)
     liger = resolve_liger(train, family, device)
     if liger:
         # liger's norm/SwiGLU/RoPE kernels are autograd functions torch.compile cannot trace: compile fuses those
