@@ -1,5 +1,6 @@
-"""`data prepare --export energon`: the vqa, captioning and crude shapes, read by stock megatron-energon in a process
-that never imports vlmctl, by energon's CLI, by the documented cooker and by vlmctl's own webdataset reader."""
+"""`data prepare --export energon`: the vqa (images: VQASample, videos: VidQASample), captioning and crude shapes,
+video and audio clips included, read by stock megatron-energon in a process that never imports vlmctl, by energon's
+CLI, by the documented cooker, by the `webdataset` package and by vlmctl's own webdataset reader."""
 
 from __future__ import annotations
 
@@ -49,10 +50,14 @@ STOCK_COOKER = r"""
 import json, sys
 from megatron.energon import Cooker, DefaultTaskEncoder, WorkerConfig, basic_sample_keys, get_loader, get_train_dataset, stateless
 
+def numbered(sample, stem):  # img0.png, img1.jpg, ... / vid0.mkv, ... / aud0.flac, ...
+    names = [k for k in sample if k.startswith(stem) and k[len(stem):].split(".")[0].isdigit()]
+    return [sample[k] for k in sorted(names, key=lambda k: int(k[len(stem):].split(".")[0]))]
+
 @stateless
 def cook(sample: dict) -> dict:
-    images = sorted((k for k in sample if k.startswith("img")), key=lambda k: int(k[3:].split(".")[0]))
-    return dict(**basic_sample_keys(sample), **sample["json"], images=[sample[k] for k in images])
+    return dict(**basic_sample_keys(sample), **sample["json"], images=numbered(sample, "img"),
+                videos=numbered(sample, "vid"), audios=numbered(sample, "aud"))
 
 class Encoder(DefaultTaskEncoder):
     cookers = [Cooker(cook)]
@@ -62,7 +67,8 @@ class Encoder(DefaultTaskEncoder):
 
 ds = get_train_dataset(sys.argv[1], split_part="train", worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
                        batch_size=None, shuffle_buffer_size=None, max_samples_per_sequence=None, task_encoder=Encoder(), repeat=False)
-rows = [{"id": s["id"], "messages": s["messages"], "shapes": [list(i.shape) for i in s["images"]]} for s in get_loader(ds)]
+rows = [{"id": s["id"], "messages": s["messages"], "shapes": [list(i.shape) for i in s["images"]],
+         "clips": [type(c).__name__ for c in s["videos"] + s["audios"]]} for s in get_loader(ds)]
 assert "vlmctl" not in sys.modules
 print(json.dumps(rows))
 """
@@ -265,7 +271,7 @@ def test_multi_turn_export_is_crude_and_round_trips_through_the_cooker(tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     cooked = {r["id"]: r for r in json.loads(proc.stdout)}
     assert {sid: r["messages"] for sid, r in cooked.items()} == {sid: s.messages for sid, s in prepared.items()}
-    assert cooked["two_images"]["shapes"] == [[3, 40, 40], [3, 40, 40]]
+    assert cooked["two_images"]["shapes"] == [[3, 40, 40], [3, 40, 40]] and cooked["two_images"]["clips"] == []
 
     # stock energon without a cooker refuses the crude set
     lint = energon_cli("lint", str(root))
@@ -293,3 +299,181 @@ def test_explicit_vqa_on_multi_turn_data_fails_naming_the_sample(tmp_path):
     with tarfile.open(tmp_path / "energon" / "train" / "shard-00000.tar") as t:
         record = json.loads(t.extractfile("train_000000000.json").read())
     assert record["prompt"] == "What colour dominates?" and "question" not in record
+
+
+def clips_records(raw: Path) -> list[dict]:
+    """A video sample, an audio sample, an image sample and one with an image, two videos and an audio clip in two
+    turns; the sources are re-encoded at prepare (MP4/WebM -> Motion JPEG Matroska, 22.05 kHz WAV -> 16 kHz FLAC)."""
+    from tests.audio_data import wav
+    from tests.video_data import moving_square
+
+    (raw / "clip.mp4").write_bytes(moving_square())
+    (raw / "wide.webm").write_bytes(moving_square(frames=6, width=80, codec="libvpx", container="webm"))
+    (raw / "tone.wav").write_bytes(wav(1.0, rate=22_050))
+    noise_image(raw / "a.png", (40, 40), seed=1)
+    noise_image(raw / "b.jpg", (36, 44), seed=2)
+    turn = lambda role, text: {"role": role, "content": text}  # noqa: E731
+    return [
+        {"id": "clip", "messages": [turn("user", "<video>What moves?"), turn("assistant", "A red square.")], "videos": ["clip.mp4"]},
+        {"id": "speech", "messages": [turn("user", "<audio>Transcribe this."), turn("assistant", "A tone.")], "audios": ["tone.wav"]},
+        {"id": "picture", "messages": [turn("user", "<image>What is it?"), turn("assistant", "Noise.")], "images": ["a.png"]},
+        {"id": "mixed", "messages": [turn("user", "<video>Compare<image>with<video>"), turn("assistant", "Same square."),
+                                     turn("user", "And this?<audio>"), turn("assistant", "A tone.")],
+         "images": ["b.jpg"], "videos": ["clip.mp4", "wide.webm"], "audios": ["tone.wav"]},
+    ]
+
+
+@pytest.mark.filterwarnings("ignore:'pin_memory' argument")
+def test_video_and_audio_samples_export_crude_with_their_clips_byte_for_byte(tmp_path):
+    from vlmctl.data.modalities.audio import decode_audio
+    from vlmctl.data.modalities.video import decode_clip
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "media.jsonl").write_text("".join(json.dumps(r) + "\n" for r in clips_records(raw)))
+    export = prepare(tmp_path, [DataSource(path=str(raw / "media.jsonl"))], val_ratio=0.0).manifest["export"]
+    assert export["format"] == "crude" and export["samples"] == {"train": 4, "val": 0}
+    assert "'speech'" in export["format_note"] and "has audio parts" in export["format_note"]
+    prepared = {s.id: s for s in read_source(DataSource(path=str(tmp_path / "prepared"), format="parquet"))}
+    assert [len(prepared["mixed"].media[m]) for m in ("image", "video", "audio")] == [1, 2, 1]
+    assert prepared["clip"].videos[0][:4] == b"\x1a\x45\xdf\xa3" and prepared["speech"].audios[0][:4] == b"fLaC"
+
+    # the tar: per sample its json and every medium, numbered per modality, byte for byte
+    root = tmp_path / "energon"
+    with tarfile.open(root / "train" / "shard-00000.tar") as t:
+        members = {n: t.extractfile(n).read() for n in t.getnames()}
+    by_id = {}
+    for name, data in members.items():
+        if name.endswith(".json"):
+            record = json.loads(data)
+            by_id[record["id"]] = (name[: -len(".json")], record)
+    assert set(by_id) == set(prepared)
+    expected_parts = {"clip": ["vid0.mkv"], "speech": ["aud0.flac"], "picture": ["img0.png"],
+                      "mixed": ["aud0.flac", "img0.jpg", "vid0.mkv", "vid1.mkv"]}
+    for sid, (key, record) in by_id.items():
+        orig = prepared[sid]
+        parts = sorted(n[len(key) + 1:] for n in members if n.startswith(key + ".") and not n.endswith(".json"))
+        assert parts == expected_parts[sid]
+        for part in parts:
+            modality = {"img": "image", "vid": "video", "aud": "audio"}[part[:3]]
+            assert members[f"{key}.{part}"] == orig.media[modality][int(part[3:].split(".")[0])]
+        assert record == {"id": sid, "source": "media.jsonl", "messages": orig.messages, "meta": {}, "num_tokens": None}
+    assert {"type": "video", "index": 1} in by_id["mixed"][1]["messages"][0]["content"]
+
+    # .nv-meta: energon's crude form, the split and the shard count
+    meta = root / ".nv-meta"
+    assert yaml.safe_load((meta / "dataset.yaml").read_text()) == {"__module__": "megatron.energon", "__class__": "CrudeWebdataset"}
+    assert yaml.safe_load((meta / "split.yaml").read_text())["split_parts"] == {"train": ["train/shard-00000.tar"], "val": [], "test": []}
+    assert json.loads((meta / ".info.json").read_text())["shard_counts"] == {"train/shard-00000.tar": 4}
+
+    # the webdataset package reads the shard back with the same members
+    import webdataset as wds
+
+    raw_samples = list(wds.WebDataset(str(root / "train" / "shard-00000.tar"), shardshuffle=False))
+    assert {(s["__key__"], k) for s in raw_samples for k in s if not k.startswith("__")} == \
+           {tuple(n.split(".", 1)) for n in members}
+
+    # energon's own loader with the cooker: clips come as AVDecoder objects that decode to the prepared clips
+    pytest.importorskip("av")
+    pytest.importorskip("filetype")
+    from megatron.energon import Cooker, DefaultTaskEncoder, WorkerConfig, get_loader, get_train_dataset
+    from megatron.energon.av import AVDecoder
+
+    from vlmctl.data.energon import cook_conversation
+
+    class Encoder(DefaultTaskEncoder):
+        cookers = [Cooker(cook_conversation)]
+
+        def batch(self, samples):
+            return samples
+
+    ds = get_train_dataset(root, split_part="train", worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
+                           batch_size=None, shuffle_buffer_size=None, max_samples_per_sequence=None, task_encoder=Encoder(), repeat=False)
+    got = {s.id: s for s in get_loader(ds)}
+    assert set(got) == set(prepared)
+    for sid, sample in got.items():
+        orig = prepared[sid]
+        assert sample.messages == orig.messages and len(sample.images) == len(orig.images)
+        assert len(sample.videos) == len(orig.videos) and len(sample.audios) == len(orig.audios)
+        for decoder, data in zip(sample.videos, orig.videos):
+            assert isinstance(decoder, AVDecoder)
+            frames = decoder.get_video().video_clips[0]  # [T, 3, H, W] uint8
+            np.testing.assert_array_equal(frames.permute(0, 2, 3, 1).numpy(), decode_clip(data).frames)
+        for decoder, data in zip(sample.audios, orig.audios):
+            assert isinstance(decoder, AVDecoder)
+            wave = decoder.get_audio().audio_clips[0]  # [channels, samples], the FLAC's 16-bit integers
+            assert tuple(wave.shape) == (1, 16_000) and decoder.get_metadata().audio_sample_rate == 16_000
+            np.testing.assert_allclose(wave[0].numpy() / 32768, decode_audio(data), atol=1e-6)
+    assert [tuple(v.get_video().video_clips[0].shape) for v in got["mixed"].videos] == [(4, 3, 48, 64), (4, 3, 48, 80)]
+
+    # the stock-only cooker of docs/formats.md hands the clips over as AVDecoder objects too
+    proc = subprocess.run([sys.executable, "-c", STOCK_COOKER, str(root)], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert {r["id"]: r["clips"] for r in json.loads(proc.stdout)} == {
+        "clip": ["AVDecoder"], "speech": ["AVDecoder"], "picture": [], "mixed": ["AVDecoder"] * 3}
+
+    # and vlmctl's webdataset reader takes the clips back where they were
+    back = {s.id: s for s in read_source(DataSource(path=str(root), format="webdataset"))}
+    assert {sid: (s.messages, s.media) for sid, s in back.items()} == {sid: (s.messages, s.media) for sid, s in prepared.items()}
+
+
+# Stock energon only (never imports vlmctl): a VidQASample export, its clip decoded through AVDecoder.
+STOCK_VIDEO_READER = r"""
+import json, sys
+from megatron.energon import WorkerConfig, get_loader, get_train_dataset
+
+ds = get_train_dataset(sys.argv[1], split_part="train", worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
+                       batch_size=None, shuffle_buffer_size=None, max_samples_per_sequence=None, repeat=False)
+rows = [{"class": type(s).__name__, "decoder": type(s.video).__name__, "context": s.context, "answers": s.answers,
+         "shape": list(s.video.get_video().video_clips[0].shape)} for s in get_loader(ds)]
+assert "vlmctl" not in sys.modules
+print(json.dumps(rows))
+"""
+
+
+@pytest.mark.filterwarnings("ignore:'pin_memory' argument")
+def test_single_video_samples_export_as_vidqa(tmp_path):
+    pytest.importorskip("av")
+    pytest.importorskip("filetype")
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    records = [r for r in clips_records(raw) if r["id"] == "clip"]
+    records.append({"id": "wide", "messages": [{"role": "user", "content": "Describe the video.<video>"},
+                                                {"role": "assistant", "content": "A square moves right."}], "videos": ["wide.webm"]})
+    (raw / "videos.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    export = prepare(tmp_path, [DataSource(path=str(raw / "videos.jsonl"))], val_ratio=0.0).manifest["export"]
+    assert export["format"] == "vqa" and "has a video (energon's CaptioningSample holds an image)" in export["format_note"]
+
+    root = tmp_path / "energon"
+    assert yaml.safe_load((root / ".nv-meta" / "dataset.yaml").read_text()) == {
+        "sample_type": {"__module__": "megatron.energon", "__class__": "VidQASample"},
+        "field_map": {"video": "mkv", "context": "json[question]", "answers": "txt"}}
+    prepared = {s.id: s for s in read_source(DataSource(path=str(tmp_path / "prepared"), format="parquet"))}
+    with tarfile.open(root / "train" / "shard-00000.tar") as t:
+        members = {n: t.extractfile(n).read() for n in t.getnames()}
+    assert sorted(n.split(".", 1)[1] for n in members) == ["json", "json", "mkv", "mkv", "txt", "txt"]
+    for name, data in members.items():
+        if name.endswith(".json"):
+            record, key = json.loads(data), name[: -len(".json")]
+            assert members[f"{key}.mkv"] == prepared[record["id"]].videos[0]
+            assert record["question"] == {"clip": "What moves?", "wide": "Describe the video."}[record["id"]]
+
+    proc = subprocess.run([sys.executable, "-c", STOCK_VIDEO_READER, str(root)], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = sorted(json.loads(proc.stdout), key=lambda r: r["context"])
+    assert rows == [
+        {"class": "VidQASample", "decoder": "AVDecoder", "context": "Describe the video.", "answers": "A square moves right.", "shape": [4, 3, 48, 80]},
+        {"class": "VidQASample", "decoder": "AVDecoder", "context": "What moves?", "answers": "A red square.", "shape": [4, 3, 48, 64]},
+    ]
+    lint = energon_cli("lint", str(root))
+    assert lint.returncode == 0, lint.stderr[-2000:]
+    info = energon_cli("info", str(root))
+    assert info.returncode == 0 and "VidQASample" in info.stdout and "2 samples" in info.stdout
+
+    # a video has no energon captioning sample; an image among the videos has no place in one VidQASample export
+    with pytest.raises(DataError, match=r"energon_format=captioning: it has a video"):
+        prepare(tmp_path, [DataSource(path=str(raw / "videos.jsonl"))], fmt="captioning")
+    (raw / "mixed.jsonl").write_text(json.dumps({"id": "pic", "messages": [{"role": "user", "content": "<image>What?"},
+                                                                          {"role": "assistant", "content": "Noise."}], "images": ["a.png"]}) + "\n")
+    with pytest.raises(DataError, match=r"'pic'.* has an image while sample '(clip|wide)'.* has a video"):
+        prepare(tmp_path, [DataSource(path=str(raw / "videos.jsonl")), DataSource(path=str(raw / "mixed.jsonl"))], fmt="vqa")
