@@ -68,3 +68,22 @@ def test_processor_outputs_keep_the_tiles_of_each_image():
     nested = processor(images=[images], text=[text], return_tensors="pt")  # one multi-image sample: a view each
     assert nested["batch_num_images"].tolist() == [2]
     assert tuple(spec.processor_outputs(nested, processor)["pixel_values"].shape) == (2, 3, 32, 32)
+
+
+def test_video_modality_token_rule_and_stand_in_video_processor():
+    import pickle
+
+    import numpy as np
+
+    from vlmctl.families.llava_onevision import llava_onevision_video_tokens
+
+    spec, processor = _processor()
+    assert spec.prompt("video") == "<video>" and spec.video_processor_class == "LlavaOnevisionVideoProcessor"
+    # 4 x 4 features per 32 px frame, pooled 2 x 2 to 2 x 2, plus one newline per clip; the frame size does not matter
+    assert [spec.num_video_tokens(f, 640, 480, processor) for f in (1, 2, 8)] == [5, 9, 33]
+    assert llava_onevision_video_tokens(2, 1, 1, {"vision_config": {"image_size": 384, "patch_size": 14}}) == 2 * 14 * 14 + 1
+    video = processor.video_processor  # the torchvision-free stand-in here (no torchvision on CPU test machines)
+    clip = np.zeros((2, 40, 24, 3), np.uint8)
+    assert tuple(video(videos=[clip], return_tensors="pt")["pixel_values_videos"].shape) == (1, 2, 3, 32, 32)
+    copy = pickle.loads(pickle.dumps(video))  # DataLoader workers get the processor by pickling
+    assert copy.size == video.size and type(copy) is type(video)

@@ -343,11 +343,28 @@ def _fits(info: VideoInfo, settings: DataVideo) -> bool:
 
 def concat_videos(inputs: list[dict[str, Any]]) -> dict[str, Any]:
     """Video tensors of a batch: every key concatenated along dim 0 in row order (patches [P, D], grids [N, 3],
-    seconds per temporal patch [N]), as transformers' Qwen2-VL processor batches several videos."""
+    seconds per temporal patch [N]), as transformers' Qwen2-VL processor batches several videos; per-clip stacks
+    [N, T, C, H, W] (LLaVA-OneVision) likewise.
+
+    Raises DataError when the tensors of one key differ beyond dim 0: clips of different frame counts, which a model
+    taking one [videos, frames, ...] tensor cannot batch.
+    """
     import torch
 
     keys = sorted({k for inp in inputs for k in inp})
-    return {k: torch.cat([inp[k] for inp in inputs if k in inp], dim=0) for k in keys}
+    out = {}
+    for k in keys:
+        parts = [inp[k] for inp in inputs if k in inp]
+        if len({tuple(p.shape[1:]) for p in parts}) > 1:
+            from vlmctl.errors import DataError
+
+            shapes = sorted({tuple(p.shape[1:]) for p in parts})
+            raise DataError(f"the clips of one batch have {k} of different shapes {shapes} beyond dim 0 (different frame "
+                            "counts): the model takes one tensor for all of them",
+                            hint="set data.video.min_frames equal to data.video.max_frames so every clip keeps as many "
+                            "frames, or train one video sample per micro-batch")
+        out[k] = torch.cat(parts, dim=0)
+    return out
 
 
 class VideoUnit(ModalityUnit):
@@ -369,7 +386,7 @@ class VideoUnit(ModalityUnit):
     def template_part(self, processor: Any = None, family: Any = None) -> dict[str, Any]:
         """The family's video prompt as a text part when a processor is given, else `{"type": "video"}`. Raises
         DataError when the family takes no video."""
-        return self.prompt_part(processor, family, takers="Qwen2-VL, Qwen2.5-VL")
+        return self.prompt_part(processor, family, takers="Qwen2-VL, Qwen2.5-VL, LLaVA-OneVision")
 
     def decode(self, parts: list[bytes]) -> list:
         """Stored clips -> frame arrays [T, H, W, 3] uint8."""
