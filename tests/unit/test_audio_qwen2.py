@@ -1,7 +1,8 @@
 """The qwen2_audio family on its tiny preset: module paths and FSDP units on the real transformers classes, the
 audio-token rule against the real `Qwen2AudioProcessor` (tiny and published feature-extractor settings), token
-counts read from the saved files against the collated length, and padded batches with the audio tensors and the
-dummy clip of ranks without audio."""
+counts read from the saved files against the collated length, padded batches with the audio tensors and the
+dummy clip of ranks without audio, and packed rows (the per-sample losses and gradients of the samples one by one,
+logits of the labelled positions only, the audio tower's attention under the varlen kernel)."""
 
 from __future__ import annotations
 
@@ -173,6 +174,96 @@ def test_padded_batches_carry_the_audio_tensors_and_a_dummy_clip_for_text_only_r
     assert without["num_dummy_audios"] == 0 and "input_features" not in without
     with torch.no_grad():  # the dummy row adds no loss
         assert float(loss_sum(model, text_only)) == pytest.approx(float(loss_sum(model, without)), rel=1e-5)
+
+
+def _packed_model(model):
+    """A copy of the tiny model prepared for packed rows as training prepares it (the spec's `position_hook`)."""
+    import copy
+
+    packed = copy.deepcopy(model).eval()
+    assert SPEC.supports_packing and SPEC.position_hook(packed, None) is None
+    return packed
+
+
+def test_packed_rows_give_the_per_sample_losses_and_gradients(tiny):
+    """A packed row of clips and text (one clip, two clips, text only, the same clip twice) through the trainer's
+    collator and loss: each sample's summed loss and every gradient equal the samples' own, one padded batch each
+    through the class's own forward (full logits); the LM head sees the labelled positions only."""
+    import torch
+
+    from vlmctl.data.collate import Collator, PackedCollator, model_inputs
+    from vlmctl.train.kernels import per_sample_sums, token_losses
+    from vlmctl.train.loop import loss_sum
+
+    _, processor, base = tiny
+    model, samples = _packed_model(base), _samples()
+    single = Collator(processor, SPEC, dummy_image=False)
+    ref = torch.stack([loss_sum(model, single([s])) for s in samples])
+    ref.sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    assert any(n.startswith(SPEC.vision_tower + ".") for n in ref_grads)  # the audio reached the loss
+
+    row = PackedCollator(processor, SPEC, tokens_per_batch=4096)(samples)
+    assert row["input_ids"].shape[0] == 1 and row["num_dummy_audios"] == 0 and tuple(row["input_features"].shape[:2]) == (5, 32)
+    assert "attention_mask" not in row and row["position_ids"][0, row["seq_lens"][0]] == 0  # positions restart per sample
+    seen = []
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: seen.append(tuple(o.shape)))
+    losses, index = token_losses(model, {**model_inputs(row), "labels": row["labels"]})
+    hook.remove()
+    sums, counts = per_sample_sums(losses, index, row["seq_lens"])
+    assert seen == [(1, row["num_label_tokens"], model.config.text_config.vocab_size)]
+    assert counts.tolist() == [int((single([s])["labels"][0, 1:] != -100).sum()) for s in samples]
+    torch.testing.assert_close(sums.detach(), ref.detach(), rtol=1e-5, atol=1e-5)
+    loss_sum(model, row).backward()  # the trainer's loss of a packed row: the same token losses
+    for name, p in model.named_parameters():
+        if name in ref_grads:
+            torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-4, atol=1e-5, msg=f"gradient of {name}")
+        else:
+            assert p.grad is None or not p.grad.any(), name
+
+
+def test_the_class_forward_returns_every_logit_and_the_packed_forward_is_it_otherwise(tiny):
+    """Why the family prepares packed models: the class's forward takes no `logits_to_keep` (every position's
+    logits come back, so the packed loss cannot be computed). The prepared forward is the class's own without it,
+    refuses labels with it, and is installed once."""
+    import torch
+
+    from vlmctl.data.collate import PackedCollator, model_inputs
+    from vlmctl.families.qwen2_audio import keep_logits_forward
+    from vlmctl.train.kernels import token_losses
+
+    _, processor, base = tiny
+    row = PackedCollator(processor, SPEC, tokens_per_batch=4096)(_samples()[:2])
+    inputs = model_inputs(row)
+    keep = torch.tensor([3, 7])
+    with torch.no_grad():
+        assert base(**inputs, logits_to_keep=keep).logits.shape[1] == row["input_ids"].shape[1]
+        with pytest.raises(ValueError, match="batch_size"):
+            token_losses(base, {**inputs, "labels": row["labels"]})
+        model = _packed_model(base)
+        assert not keep_logits_forward(model)  # installed by the hook already
+        full = model(**inputs).logits
+        torch.testing.assert_close(full, base(**inputs).logits)
+        torch.testing.assert_close(model(**inputs, logits_to_keep=keep).logits, full[:, keep])
+        torch.testing.assert_close(model(**inputs, logits_to_keep=1).logits, full[:, -1:])
+        with pytest.raises(ValueError, match="no loss with logits_to_keep"):
+            model(**inputs, labels=row["labels"], logits_to_keep=keep)
+
+
+def test_the_audio_tower_keeps_a_masked_attention_under_the_varlen_kernel(tiny):
+    """`set_attention` gives a model without a vision config one implementation for all parts; the varlen kernel
+    takes one row and no padding mask, so the audio tower (a batch of padded clips) stays on sdpa."""
+    from vlmctl.train.kernels import VARLEN_NAME, register_varlen_attention, set_attention
+
+    _, _, base = tiny
+    model = _packed_model(base)
+    register_varlen_attention()
+    set_attention(model, VARLEN_NAME)
+    assert model.config.audio_config._attn_implementation == VARLEN_NAME  # what the tower would run
+    SPEC.position_hook(model, None)
+    assert model.config.audio_config._attn_implementation == "sdpa"
+    assert model.config.get_text_config()._attn_implementation == VARLEN_NAME
 
 
 def test_modalities_a_family_does_not_take_are_refused_with_the_fix(tiny):

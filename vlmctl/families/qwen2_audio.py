@@ -32,15 +32,37 @@ linear projector joins them: exactly `Qwen2AudioForConditionalGeneration`, which
 (`AutoModelForMultimodalLM`, `AutoProcessor`). The processor is `Qwen2AudioProcessor` over the checkpoint's
 `WhisperFeatureExtractor` and the LLM's tokenizer with the three audio tokens added.
 
-Packing: not supported (`supports_packing=False`: `train.packing` falls back to padded micro-batches and says so).
-vlmctl's packed loss asks the model for the logits of the labelled positions only (`logits_to_keep`, see
-`vlmctl.train.kernels.token_losses`), which `Qwen2AudioForConditionalGeneration.forward` (transformers 5.23) does
-not take: it returns the logits of every position.
+Packing (`supports_packing=True`): a packed row [1, T] of several samples, with per-sample position ids and
+`packed_cu_seqlens` and no attention mask (`vlmctl.data.collate.PackedCollator`), goes through
+`Qwen2AudioForConditionalGeneration` (transformers 5.23) as it is except for two things, both set up by
+`prepare_packed` (called through the spec's `position_hook`, which training calls with the model whenever
+`train.packing` is on):
+
+- the logits: vlmctl's packed loss asks for the labelled positions only (`logits_to_keep` as an index tensor, see
+  `vlmctl.train.kernels.token_losses`), which the class's forward does not take: it would pass the keyword on to
+  the language model, which ignores it, and return the logits of every position. `keep_logits_forward` gives the
+  instance a forward that runs the class's inner model (`model.model`: audio tower, projector, the audio features
+  scattered over the `<|AUDIO|>` tokens, language model) and applies the LM head to the kept hidden states only,
+  as transformers' other `*ForConditionalGeneration` classes do (`slice_logits_to_keep`); without
+  `logits_to_keep` it is the class's own forward.
+- the audio tower's attention: `set_attention` gives a model without a `vision_config` one implementation for all
+  its parts, so under the varlen kernel (`vlmctl_varlen`, CUDA) the audio tower would get it too, which takes one
+  row and no padding mask, while the tower encodes a batch of clips [N, mel bins, frames] whose padded frames are
+  masked. `audio_attention` keeps the tower on sdpa then.
+
+The rest needs nothing: the audio features of a row's clips are concatenated in row order, which is the order of
+their `<|AUDIO|>` runs, and scattered over them in that order; the position ids and the packed-sequence keywords
+reach the language model (the audio tower gets neither), which builds the per-sample causal mask from the position
+ids (sdpa, eager, flex) or hands `packed_cu_seqlens` to the varlen kernel. transformers' legacy merge (an
+unexpanded prompt: no two adjacent `<|AUDIO|>` tokens in the batch) needs an attention mask and rewrites the
+position ids, so it cannot take packed rows; it is never taken, as every clip of at least
+`data.audio.min_seconds` (0.1 s, the length of the dummy clip too) writes two or more `<|AUDIO|>` tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import types
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from vlmctl.errors import ModelError
@@ -109,6 +131,57 @@ def audio_tokens(samples: int, *, hop_length: int, n_samples: int) -> int:
     return max(0, (((frames - 1) // 2 + 1) - 2) // 2 + 1) if frames > 0 else 0
 
 
+MASKED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+"""transformers' attention implementations that take the audio tower's padding mask over a batch of clips."""
+
+
+def keep_logits_forward(model: Any) -> bool:
+    """Give `model` (a `Qwen2AudioForConditionalGeneration`, unwrapped) a forward that takes `logits_to_keep`
+    (`_forward_keeping_logits`, module docstring), in place: an instance attribute, so wrappers applied later
+    (peft, FSDP2, DDP, DeepSpeed) call it through their own forward and hooks. Idempotent; returns False when it
+    was there already."""
+    if getattr(model.forward, "__func__", None) is _forward_keeping_logits:
+        return False
+    model.forward = types.MethodType(_forward_keeping_logits, model)
+    return True
+
+
+def _forward_keeping_logits(self, *args: Any, logits_to_keep: Any = 0, **kwargs: Any):
+    """The class's forward with `logits_to_keep`: an int n keeps the last n positions (0: all of them, the class's
+    own forward runs), a 1-D index tensor (n,) those positions of every row. Returns the class's output with logits
+    [B, n, V] computed from the language model's hidden states at the kept positions only (the LM head never sees
+    the others) and no loss. Raises ValueError for `labels` with `logits_to_keep` (the loss of kept logits is the
+    caller's: `vlmctl.train.kernels.token_losses`)."""
+    if isinstance(logits_to_keep, int) and logits_to_keep == 0:
+        return type(self).forward(self, *args, **kwargs)  # the class's (FSDP2's subclass inherits it)
+    if kwargs.get("labels") is not None:
+        raise ValueError("Qwen2-Audio's forward computes no loss with logits_to_keep; compute it from the returned logits")
+    from transformers.modeling_utils import slice_logits_to_keep
+    from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioCausalLMOutputWithPast
+
+    out = self.model(*args, **kwargs)  # audio tower, projector, audio features merged, language model
+    logits = self.lm_head(slice_logits_to_keep(out.last_hidden_state, logits_to_keep))
+    return Qwen2AudioCausalLMOutputWithPast(logits=logits, past_key_values=out.past_key_values, hidden_states=out.hidden_states,
+                                            attentions=out.attentions, attention_mask=out.attention_mask)
+
+
+def audio_attention(model: Any, path: str = "model.audio_tower") -> str:
+    """Keep the audio tower at `path` on an attention implementation that takes its padding mask over a batch of
+    clips (`MASKED_ATTENTION`): one set for the whole model that does not (the varlen kernel of packed rows) is
+    replaced by sdpa for the tower only. Returns the tower's implementation."""
+    tower = model.get_submodule(path)
+    if tower.config._attn_implementation not in MASKED_ATTENTION:
+        tower.set_attn_implementation("sdpa")
+    return tower.config._attn_implementation
+
+
+def prepare_packed(model: Any, path: str = "model.audio_tower") -> None:
+    """What packed rows need of a Qwen2-Audio model (module docstring), in place, after the attention backend is
+    set and before any wrapper: `keep_logits_forward`, `audio_attention` for the audio tower at `path`."""
+    keep_logits_forward(model)
+    audio_attention(model, path)
+
+
 class Qwen2AudioSpec(FamilySpec):
     """Qwen2-Audio: audio parts only (`modalities` has no image), the audio-token rule, the Whisper feature extractor
     of its presets."""
@@ -129,6 +202,14 @@ class Qwen2AudioSpec(FamilySpec):
         fe = extractor_settings(processor_or_config)
         n = resampled_length(int(samples), int(sampling_rate), fe["sampling_rate"])
         return audio_tokens(n, hop_length=fe["hop_length"], n_samples=fe["n_samples"])
+
+    def position_hook(self, model: Any, image_token_id: int | None) -> Callable[[dict], dict] | None:
+        """None: the collator's (1, T) per-sample positions are right as they are. Training calls this hook with the
+        model exactly when rows are packed (`vlmctl.train.setup.prepare_model`: after the attention backend is set,
+        before peft and the parallel wrappers), so it also prepares the model for packed rows (`prepare_packed`:
+        the `logits_to_keep` forward, the audio tower's attention)."""
+        prepare_packed(model, self.vision_tower)
+        return None
 
     def preset_processor(self, tokenizer: Any, chat_template: str | None, kwargs: Mapping[str, Any], config: Mapping[str, Any]):
         """`Qwen2AudioProcessor` over a `WhisperFeatureExtractor` with the preset's settings `kwargs` (feature_size =
@@ -211,7 +292,7 @@ QWEN2_AUDIO = register(Qwen2AudioSpec(
     modalities={"audio": AUDIO_TOKEN},
     prompts={"audio": f"{AUDIO_BOS}{AUDIO_TOKEN}{AUDIO_EOS}"},
     visual_token_rule=_no_images,
-    supports_packing=False,
+    supports_packing=True,
     special_tokens=("<|im_start|>", "<|im_end|>", "<pad>", AUDIO_TOKEN, AUDIO_BOS, AUDIO_EOS),
     extra_special_tokens={"audio_token": AUDIO_TOKEN, "audio_bos_token": AUDIO_BOS, "audio_eos_token": AUDIO_EOS},
     config_token_ids={"audio_token_index": AUDIO_TOKEN},
