@@ -42,11 +42,13 @@ class DataSource(Section):
 class DataExport(Section):
     energon_format: EnergonFormat = Field(
         "auto",
-        description="Shape of `data prepare --export energon` (see docs/formats.md): vqa (VQASample: image, question, answer), "
-        "captioning (CaptioningSample: image, caption), crude (any conversation, read with vlmctl's cooker), or auto: "
+        description="Shape of `data prepare --export energon` (see docs/formats.md): vqa (VQASample: image, question, answer; "
+        "VidQASample: video, question, answer when every sample has one video), captioning (CaptioningSample: image, "
+        "caption), crude (any conversation, with audio clips or several media, read with vlmctl's cooker), or auto: "
         "captioning when every sample is one image, one question and one answer with an empty or generic caption "
-        "prompt, else vqa when every sample is one image, one question and one answer, else crude. An explicit vqa or "
-        "captioning fails on the first sample that does not fit.",
+        "prompt, else vqa when every sample is one image (or every sample one video), one question and one answer, else "
+        "crude. Clips are stored as prepared (Matroska video, FLAC audio) and decoded by energon's AVDecoder. An explicit "
+        "vqa or captioning fails on the first sample that does not fit.",
     )
 
 
