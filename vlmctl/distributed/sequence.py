@@ -107,13 +107,9 @@ def apply_sequence_parallel(model, family, shard: SequenceShard, core_attention=
 
 
 def _set_text_attention(model, name: str) -> None:
-    """Switch the language model (only) to `name`: the vision tower keeps its own implementation, since its
-    sequence is not split."""
-    config = model.config
-    text = config.get_text_config()
-    text._attn_implementation_internal = name
-    if text is not config and "vision_config" not in getattr(config, "sub_configs", {}):
-        config._attn_implementation_internal = name
+    """Switch the language model (only) to `name`: the vision (or audio) tower keeps its own implementation, since
+    its sequence is not split. The language model reads the text config object the composite config holds."""
+    model.config.get_text_config()._attn_implementation_internal = name
 
 
 def _register_ulysses(shard: SequenceShard, text_config: Any, core) -> None:
