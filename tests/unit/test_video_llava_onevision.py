@@ -195,3 +195,55 @@ def test_a_batch_of_clips_with_different_frame_counts_is_refused(tiny):
     with pytest.raises(DataError, match="different frame") as err:
         Collator(processor, family, dummy_image=False)(samples)
     assert "min_frames" in err.value.hint
+
+
+# ------------------------------------------------------------------------------------------------ compose mode
+
+
+def test_compose_mode_builds_llava_onevision_that_takes_images_and_video(tmp_path):
+    """`model.family: llava_onevision` with a composed model (the tiny preset's SigLIP + Qwen2, as `model.vision` +
+    `model.llm` would give): the class vanilla transformers loads, anyres tiles of the encoder's size, and a clip
+    through the saved processor."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from vlmctl.config import ModelSection
+    from vlmctl.families import compose_family
+    from vlmctl.models import build_model, load_model
+    from vlmctl.models.build import plan_build
+
+    assert plan_build(ModelSection(preset="tiny", init="random")).family.name == "llava"  # the default layout stays LLaVA
+    result = build_model(ModelSection(preset="tiny", init="random", family="llava_onevision", output_dir=tmp_path / "m"),
+                         tokenizer_texts=TEXTS)
+    assert result.family == "llava_onevision"
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["architectures"] == ["LlavaOnevisionForConditionalGeneration"]
+    assert config["image_grid_pinpoints"][0] == [64, 64] and config["vision_aspect_ratio"] == "anyres_max_9"
+    model, processor, family = load_model(tmp_path / "m", dtype="fp32")
+    assert family.name == "llava_onevision" and processor.num_image_tokens == 64  # 64 px tiles of 8 px patches
+    frames = decode_clip(_clip(8, 64, 48, 8)).frames
+    text = processor.apply_chat_template([{"role": "user", "content": [_text(family.prompt("video")), _text("What moves?")]}],
+                                         add_generation_prompt=True)
+    inputs = processor(text=[text], videos=[frames], return_tensors="pt")
+    vanilla = AutoModelForImageTextToText.from_pretrained(tmp_path / "m", dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = vanilla(**inputs)
+        generated = vanilla.generate(**inputs, max_new_tokens=3, do_sample=False)
+    assert out.video_hidden_states.shape[0] == family.num_video_tokens(FRAMES, 64, 48, processor)
+    assert generated.shape[1] == inputs["input_ids"].shape[1] + 3
+    # an image through the anyres tiles: the count the family's rule gives
+    from PIL import Image
+
+    image = Image.new("RGB", (130, 64), "red")
+    text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, _text("Color?")]}], add_generation_prompt=True)
+    inputs = processor(text=[text], images=[image], return_tensors="pt")
+    assert int((inputs["input_ids"] == vanilla.config.image_token_id).sum()) == family.num_visual_tokens(130, 64, processor)
+    with torch.no_grad():
+        assert torch.isfinite(vanilla(**inputs).logits).all()
+    # a family that does not compose, or a connector this layout does not hold, is refused by name
+    from vlmctl.errors import ModelError
+
+    with pytest.raises(ModelError, match="model.family=qwen2_5_vl does not compose"):
+        compose_family("mlp2x_gelu", "qwen2_5_vl")
+    with pytest.raises(ModelError, match="holds no model.projector=perceiver"):
+        compose_family("perceiver", "llava_onevision")

@@ -22,7 +22,7 @@ class ModelSection(Section):
     base: ModelRef | None = Field(None, description="Existing VLM to fine-tune: Hub id, local path, or a preset name with init: random.")
     preset: str | None = Field(None, description="Whole-model size preset for init: random (e.g. tiny, qwen2.5-vl-3b); see `vlmctl model build --help`.")
     init: Literal["pretrained", "random"] = Field("pretrained", description="pretrained: load weights; random: build from configs only (no downloads).")
-    family: str | None = Field(None, description="Model family override (a name of `vlmctl model build --list`, e.g. llava, qwen2_5_vl, idefics2, idefics3); detected when unset.")
+    family: str | None = Field(None, description="Model family override (a name of `vlmctl model build --list`, e.g. llava, qwen2_5_vl, idefics2, idefics3); detected when unset. In compose mode (model.vision + model.llm) it picks the layout among the composing families: llava_onevision builds LLaVA-OneVision (anyres tiles and video) instead of the projector's default.")
     output_dir: ProjectPath = Field(Path("outputs/model"), description="Where `model build` writes the Hugging Face checkpoint.")
     tokenizer: ModelRef | None = Field(None, description="Tokenizer to use instead of the LLM's (path or Hub id); random-init presets train one on the data when unset.")
     chat_template: str | None = Field(None, description="Jinja chat template (inline text or a path to a .jinja file); default: the LLM's own.")

@@ -227,8 +227,44 @@ def _saved_video_settings(ref: str) -> dict[str, Any]:
     return {}
 
 
+def compose_pinpoints(tile: int) -> list[list[int]]:
+    """Anyres grids of 1 to 6 tiles a side of `tile` px: the published grid (`PUBLISHED_PINPOINTS`) for 384 px tiles."""
+    return [[tile * r, tile * c] for r in range(1, 7) for c in range(1, 7)]
+
+
+COMPOSE_ASPECT_RATIO = "anyres_max_9"  # LlavaOnevisionConfig's default: at most 9 tiles' worth of features
+
+
 class LlavaOnevisionSpec(LlavaNextSpec):
-    """LLaVA-OneVision's build recipe and batching (LLaVA-NeXT's, with its own processor settings)."""
+    """LLaVA-OneVision's build recipe and batching (LLaVA-NeXT's, with its own processor settings). Compose mode
+    (`model.family: llava_onevision` with `model.vision` + `model.llm`) builds the same class from any encoder
+    LLaVA takes: tiles of the encoder's image size, the published 1-6 tiles a side and anyres_max_9 cap, and the
+    video path of the class (the reason to choose it over LLaVA for video)."""
+
+    def compose_config(self, vision_config: Any, text_config: Any, *, token_ids: Mapping[str, int], feature_layer: int,
+                       feature_strategy: str, projector_config: Mapping[str, Any]):
+        """`LlavaOnevisionConfig` joining the two configs (`compose_pinpoints` of the encoder's image size)."""
+        import transformers
+
+        return getattr(transformers, self.config_class)(
+            vision_config=vision_config, text_config=text_config, **token_ids,
+            vision_feature_layer=feature_layer, vision_feature_select_strategy=feature_strategy,
+            image_grid_pinpoints=compose_pinpoints(int(vision_config.image_size)), vision_aspect_ratio=COMPOSE_ASPECT_RATIO,
+            tie_word_embeddings=bool(getattr(text_config, "tie_word_embeddings", False)), **projector_config,
+        )
+
+    def compose_processor(self, tokenizer: Any, image_processor: Any, vision_config: Any, feature_strategy: str,
+                          chat_template: str | None, projector_config: Mapping[str, Any] | None = None):
+        """`LlavaOnevisionProcessor`: anyres tiles of the encoder's size with its normalization, the video processor
+        (`video_processor`), `num_image_tokens` = (image_size / patch_size)**2."""
+        tile = int(vision_config.image_size)
+        improc = self.image_processor(
+            size={"height": tile, "width": tile}, image_grid_pinpoints=compose_pinpoints(tile),
+            image_mean=getattr(image_processor, "image_mean", None) or [0.5, 0.5, 0.5],
+            image_std=getattr(image_processor, "image_std", None) or [0.5, 0.5, 0.5])
+        return self.make_processor(tokenizer, improc, chat_template,
+                                   num_image_tokens=(tile // int(vision_config.patch_size)) ** 2,
+                                   vision_feature_select_strategy=feature_strategy, vision_aspect_ratio=COMPOSE_ASPECT_RATIO)
 
     def processor_kwargs(self, config: Mapping[str, Any]) -> dict[str, Any]:
         """`num_image_tokens` = (image_size / patch_size)**2, the feature strategy and `vision_aspect_ratio`."""
@@ -314,6 +350,8 @@ LLAVA_ONEVISION = register(LlavaOnevisionSpec(
     image_processor_class="LlavaOnevisionImageProcessor",
     video_processor_class="LlavaOnevisionVideoProcessor",
     tiny_preset="tiny-llava-onevision",
+    compose=True,  # with model.family: llava_onevision; model.projector alone still picks LLaVA
+    compose_projectors=("mlp2x_gelu", "linear"),
     lmms_model="llava_hf",
     notes="SigLIP + Qwen2; anyres tiles + a base view, capped at anyres_max_N tiles' worth of features; videos: "
     "frames pooled 2 x 2, one newline per clip.",

@@ -67,10 +67,21 @@ def detect_family(config: Any) -> str:
     )
 
 
-def compose_family(projector: str | None = None) -> FamilySpec:
+def compose_family(projector: str | None = None, family: str | None = None) -> FamilySpec:
     """The family that joins any vision encoder and any causal LM (`model.vision` + `model.llm`): the first
     registered spec with `compose=True`, or, given `projector` (a `model.projector` value), the first whose
-    `compose_projectors` holds it. Raises ModelError when none is registered."""
+    `compose_projectors` holds it; `family` (`model.family`) picks one by name instead (e.g. llava_onevision for
+    video). Raises ModelError when none is registered, or `family` does not compose (with `projector`)."""
+    if family is not None:
+        fam = get_family(family)
+        composing = [f.name for f in FAMILIES.values() if f.compose]
+        if not fam.compose:
+            raise ModelError(f"model.family={family} does not compose a vision encoder and an LLM",
+                             hint=f"for model.vision + model.llm use one of {', '.join(composing)}, or unset model.family")
+        if projector is not None and projector not in fam.compose_projectors:
+            raise ModelError(f"model.family={family} holds no model.projector={projector}",
+                             hint=f"use model.projector {' or '.join(fam.compose_projectors)} with this family")
+        return fam
     for fam in FAMILIES.values():
         if fam.compose and (projector is None or projector in fam.compose_projectors):
             return fam

@@ -153,7 +153,7 @@ def plan_build(model: ModelSection) -> BuildPlan:
             hint="compose a VLM with model.vision + model.llm, fine-tune one with model.base, or use "
             "model.preset=tiny with model.init=random",
         )
-    plan = BuildPlan(mode="compose", family=compose_family(model.projector), init=model.init, section=model,
+    plan = BuildPlan(mode="compose", family=compose_family(model.projector, model.family), init=model.init, section=model,
                      trust_remote_code=trc, vision_ref=model.vision, llm_ref=model.llm)
     plan.vision_config = _vision_config(model.vision, model.init, trc, plan.family)
     plan.text_config = _llm_config(model.llm, model.init, trc)
@@ -217,8 +217,8 @@ def _plan_preset(model: ModelSection, name: str) -> BuildPlan:
         )
     family = get_family(data["family"])
     composed = "config" not in data  # the preset holds a vision encoder and an LLM config
-    if composed and "projector" in model.model_fields_set:
-        family = compose_family(model.projector)  # the projector picks the layout
+    if composed and ("projector" in model.model_fields_set or model.family):
+        family = compose_family(model.projector, model.family)  # the projector (or model.family) picks the layout
     plan = BuildPlan(mode="preset", family=family, init="random", section=model, preset=name)
     plan.tokenizer_vocab_size = int((data.get("tokenizer") or {}).get("vocab_size", 512))
     if model.tokenizer is not None:
