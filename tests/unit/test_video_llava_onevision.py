@@ -114,11 +114,13 @@ def test_the_built_folder_takes_video_in_transformers(tiny):
     assert AutoConfig.from_pretrained(folder).video_token_id == processor.video_token_id
     frames = decode_clip(_clip(8, 64, 48, 8)).frames
     assert frames.shape[0] == FRAMES
-    # vlmctl's ChatML template (random-init presets) renders image parts only: the video part is written as the
-    # family's prompt, as the data pipeline writes it (`VideoUnit.template_part`)
+    # the data pipeline writes the video part as the family's prompt (`VideoUnit.template_part`); vlmctl's ChatML
+    # template (random-init presets) writes the same for a video part
     messages = [{"role": "user", "content": [_text(family.prompt("video")), _text("What moves?")]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
     assert text.count("<video>") == 1
+    as_part = [{"role": "user", "content": [{"type": "video"}, _text("What moves?")]}]
+    assert processor.apply_chat_template(as_part, add_generation_prompt=True) == text
     inputs = processor(text=[text], videos=[frames], return_tensors="pt")
     assert tuple(inputs["pixel_values_videos"].shape) == (1, FRAMES, 3, 32, 32)
     model = LlavaOnevisionForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()

@@ -278,23 +278,10 @@ def _takes_images(family: FamilySpec) -> bool:
     return "image" in family.modalities
 
 
-def _template_modality(family: FamilySpec) -> str:
-    """The modality whose parts vlmctl's ChatML template writes as the family's prompt: image, else the family's
-    first modality (Qwen2-Audio: audio)."""
-    return "image" if _takes_images(family) else next(iter(family.modalities))
-
-
 def _chatml(family: FamilySpec) -> str:
-    """vlmctl's ChatML template (`models.tokenizer.chatml_template`) writing the family's prompt for each part of
-    `_template_modality` (`{"type": "image"}`, or `{"type": "audio"}` for Qwen2-Audio)."""
-    modality = _template_modality(family)
-    template = chatml_template(family.prompt(modality))
-    needle = "part['type'] == 'image'"
-    if modality != "image":
-        if needle not in template:
-            raise ModelError("internal: the ChatML template no longer tests part['type'] == 'image'")
-        template = template.replace(needle, f"part['type'] == '{modality}'")
-    return template
+    """vlmctl's ChatML template (`models.tokenizer.chatml_template`) writing the family's prompt for each part of a
+    modality the family takes (`{"type": "image"}`, `{"type": "video"}`, `{"type": "audio"}`)."""
+    return chatml_template(prompts={m: family.prompt(m) for m in family.modalities})
 
 
 def _config_from_dict(data: dict[str, Any]):

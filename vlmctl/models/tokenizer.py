@@ -9,7 +9,7 @@ template (https://github.com/openai/openai-python/blob/v0.28.1/chatml.md) whose 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 from vlmctl.errors import DataError
@@ -19,8 +19,8 @@ CHATML_TEMPLATE = (
     "{%- set ns = namespace(text='') -%}"
     "{%- if message['content'] is string -%}{%- set ns.text = message['content'] -%}"
     "{%- else -%}{%- for part in message['content'] -%}"
-    "{%- if part['type'] == 'image' -%}{%- set ns.text = ns.text + '__IMAGE__' -%}"
-    "{%- elif part['type'] == 'text' -%}{%- set ns.text = ns.text + part['text'] -%}{%- endif -%}"
+    "__MEDIA__"
+    "{%- if part['type'] == 'text' -%}{%- set ns.text = ns.text + part['text'] -%}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
     "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
     "{%- if message['role'] == 'assistant' -%}"
@@ -29,12 +29,17 @@ CHATML_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
-"""ChatML with list-of-parts content; `__IMAGE__` is replaced by the family's image prompt (see `chatml_template`)."""
+"""ChatML with list-of-parts content; `__MEDIA__` becomes one test per media part type (see `chatml_template`)."""
 
 
-def chatml_template(image_prompt: str = "<image>") -> str:
-    """The ChatML chat template writing `image_prompt` for each image part (e.g. `<image>` for LLaVA)."""
-    return CHATML_TEMPLATE.replace("__IMAGE__", image_prompt)
+def chatml_template(image_prompt: str = "<image>", *, prompts: Mapping[str, str] | None = None) -> str:
+    """The ChatML chat template writing, for each media part, its modality's prompt: `prompts` maps a part type
+    (image, video, audio) to its text (e.g. {"image": "<image>", "video": "<video>"}); without it, `image_prompt`
+    for image parts only (e.g. `<image>` for LLaVA). Other part types are left out of the text."""
+    prompts = {"image": image_prompt} if prompts is None else dict(prompts)
+    tests = "".join("{%- if part['type'] == '" + kind + "' -%}{%- set ns.text = ns.text + '" + text.replace("'", "\\'")
+                    + "' -%}{%- endif -%}" for kind, text in prompts.items())
+    return CHATML_TEMPLATE.replace("__MEDIA__", tests)
 
 
 TEXT_LIMIT = 200_000
