@@ -1,4 +1,5 @@
-"""`vlmctl chat`: talk to a model in the terminal, with images (or audio clips, for audio models)."""
+"""`vlmctl chat`: talk to a model in the terminal, with images (videos for video models, audio clips for audio
+models)."""
 
 from __future__ import annotations
 
@@ -40,14 +41,18 @@ def chat(
     audio: Annotated[Optional[list[Path]], typer.Option("--audio", help="Audio file for the first message (repeatable; "
                                                         "audio models such as qwen2_audio). /audio PATH attaches more.",
                                                         show_default=False)] = None,
+    video: Annotated[Optional[list[Path]], typer.Option("--video", help="Video file for the first message (repeatable; "
+                                                        "video models such as qwen2_5_vl, llava_onevision; frames sampled "
+                                                        "by the project's data.video). /video PATH attaches more.",
+                                                        show_default=False)] = None,
 ) -> None:
-    """Chat with a model: streamed replies, images (/image PATH, or paths in the message) or, for audio models,
-    clips (--audio FILE, /audio PATH), history until /reset.
+    """Chat with a model: streamed replies, images (/image PATH, or paths in the message), videos for video models
+    (--video FILE, /video PATH) or clips for audio models (--audio FILE, /audio PATH), history until /reset.
 
     Lines are read from stdin, so a script can be piped in: `printf '/image cat.jpg\\nWhat is this?\\n' | vlmctl chat`.
     """
     from vlmctl.inference import ChatSession, check_model_dir, folder_family, load_for_generation, resolve_device
-    from vlmctl.inference.chat import read_audio
+    from vlmctl.inference.chat import read_audio, read_video
     from vlmctl.inference.prompt import check_modality
 
     model_dir = resolve_model_dir(args, config, "chat")
@@ -57,25 +62,47 @@ def chat(
         check_modality("audio", family, "--audio")
         for path in audio:
             read_audio(path)
+    if video:
+        check_modality("video", family, "--video")
+    settings = _video_settings(model_dir, family, config, args)
+    clips = [read_video(path, settings) for path in video or ()]  # sampled once, before the model loads
     device = resolve_device(device)
     with console.status(f"Loading {escape(str(model_dir))} on {device}") if not state.quiet else nullcontext():
         model, processor = load_for_generation(model_dir, device=device, dtype=dtype)
     session = ChatSession(model, processor, system=system, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                          family=family)
+                          family=family, video=settings)
     for path in audio or ():
         session.attach_audio(path)  # read again: the model's window is known now
+    for clip in clips:
+        session.attach_video(clip)
     info(f"[bold]vlmctl chat[/bold] with {escape(str(model_dir))} ({device}, {str(model.dtype).removeprefix('torch.')}). "
          f"[dim]{_attach_help(session.family)}, /reset clears the history, /help, /exit[/dim]")
     if audio:
         info(f"[dim]attached {escape(', '.join(p.name for p in audio))} ({len(session.pending_audios)} clip(s) for the first message)[/dim]")
+    if video:
+        info(f"[dim]attached {escape(', '.join(p.name for p in video))} ({len(session.pending_videos)} video(s) for the first message)[/dim]")
     _loop(session, interactive=sys.stdin.isatty())
+
+
+def _video_settings(model_dir: Path, family, config: Path | None, args: list[str] | None):
+    """The `data.video` settings videos are sampled by (`vlmctl.inference.video_settings`): the project's inside
+    one, else the model's training run's, else the defaults; None for a family that takes no video (the project
+    is then not read)."""
+    from vlmctl.config import find_config
+    from vlmctl.data.modalities import get_unit
+    from vlmctl.inference import video_settings
+
+    if family is None or not get_unit("video").accepted_by(family):
+        return None
+    in_project = config is not None or state.config is not None or find_config() is not None
+    return video_settings(model_dir, load_project(config, split_args(args)[1]).data if in_project else None)
 
 
 def _attach_help(family) -> str:
     """How to attach the media the family takes (images when unknown)."""
     takes = list(getattr(family, "modalities", None) or ["image"])
-    parts = [f"/{kind} PATH attaches {'an' if kind[0] in 'aeiou' else 'a'} {'audio clip' if kind == 'audio' else kind}"
-             for kind in ("image", "audio") if kind in takes]
+    what = {"audio": "an audio clip", "image": "an image", "video": "a video"}
+    parts = [f"/{kind} PATH attaches {what[kind]}" for kind in ("image", "video", "audio") if kind in takes]
     return ", ".join(parts) or "text only"
 
 
@@ -135,21 +162,24 @@ def _handle(session: "ChatSession", cmd) -> bool:
         width = max(map(len, COMMANDS))
         for usage, what in COMMANDS.items():
             console.print(f"  [bold]{escape(f'{usage:<{width}}')}[/bold]  {escape(what)}", highlight=False)
-        console.print("  Image and audio paths written in a message are attached too: [bold]photo.jpg what is this?[/bold], "
-                      "[bold]talk.wav transcribe it[/bold]", highlight=False)
+        console.print("  Image, video and audio paths written in a message are attached too: [bold]photo.jpg what is this?[/bold], "
+                      "[bold]clip.mp4 what moves?[/bold], [bold]talk.wav transcribe it[/bold]", highlight=False)
     elif cmd.kind == "unknown":
         console.print(f"[yellow]unknown command {escape(cmd.command)}[/yellow]; /help lists the commands", highlight=False)
-    elif cmd.kind in ("image", "audio", "message") and not cmd.text:
+    elif cmd.kind in ("image", "video", "audio", "message") and not cmd.text:
         for path in cmd.images:
             session.attach(path)
+        for path in cmd.videos:
+            session.attach_video(path)
         for path in cmd.audios:
             session.attach_audio(path)
-        if cmd.images or cmd.audios:
-            names = escape(", ".join(p.name for p in (*cmd.images, *cmd.audios)))
-            counts = [f"{n} {what}(s)" for n, what in ((len(session.pending), "image"), (len(session.pending_audios), "clip")) if n]
+        if cmd.images or cmd.videos or cmd.audios:
+            names = escape(", ".join(p.name for p in (*cmd.images, *cmd.videos, *cmd.audios)))
+            counts = [f"{n} {what}(s)" for n, what in ((len(session.pending), "image"), (len(session.pending_videos), "video"),
+                                                       (len(session.pending_audios), "clip")) if n]
             info(f"[dim]attached {names} ({', '.join(counts)} for the next message)[/dim]")
-    elif cmd.kind in ("image", "audio", "message"):
-        _reply(session, cmd.text, cmd.images, cmd.audios)
+    elif cmd.kind in ("image", "video", "audio", "message"):
+        _reply(session, cmd.text, cmd.images, cmd.audios, cmd.videos)
     return True
 
 
@@ -162,9 +192,9 @@ def _printable(text: str) -> str:
     return text.translate(_CONTROL)
 
 
-def _reply(session: "ChatSession", text: str, images, audios=()) -> None:
+def _reply(session: "ChatSession", text: str, images, audios=(), videos=()) -> None:
     """Stream one reply to the console; Ctrl-C stops it (the turn is then not kept)."""
-    stream = session.stream(text, images, audios)
+    stream = session.stream(text, images, audios, videos)
     try:
         first = next(stream, "")  # errors (an unreadable image) come before any output
         console.print("[bold green]model[/bold green] › ", end="", highlight=False)

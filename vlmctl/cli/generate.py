@@ -23,7 +23,7 @@ def generate_cmd(
     out: OutputOpt = Path("predictions.jsonl"),
     config: ConfigOpt = None,
     fmt: Annotated[str, typer.Option("--format", help="Input format: auto|llava|sharegpt|messages|parquet|webdataset|hf.")] = "auto",
-    image_root: Annotated[Optional[Path], typer.Option("--image-root", help="Folder that relative image and audio paths are "
+    image_root: Annotated[Optional[Path], typer.Option("--image-root", help="Folder that relative image, video and audio paths are "
                                                        "resolved against (default: the input file's folder).")] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Prompts per generation batch.")] = 8,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="At most this many tokens per answer.")] = 128,
@@ -39,13 +39,16 @@ def generate_cmd(
     """Answer every sample of a data file (its conversation up to the last assistant turn) -> predictions.jsonl.
 
     One row per readable sample: id, prompt, prediction, references (when it has one).
-    Samples may carry audio clips (ShareGPT `audios`, OpenAI `input_audio` parts) for audio models such as qwen2_audio.
+    Samples may carry videos (ShareGPT `videos`, `video` parts; frames sampled by the project's data.video) for video
+    models such as qwen2_5_vl, and audio clips (ShareGPT `audios`, OpenAI `input_audio` parts) for audio models such as
+    qwen2_audio.
     Score them with: vlmctl eval --predictions FILE.
     """
     from vlmctl.config import DataSource, find_config
     from vlmctl.errors import UsageError
     from vlmctl.evaluation import references_of
-    from vlmctl.inference import check_backend, check_model_dir, folder_family, read_prompts, request_from_sample, write_predictions
+    from vlmctl.inference import (check_backend, check_model_dir, folder_family, read_prompts, request_from_sample, video_settings,
+                                  write_predictions)
     from vlmctl.inference.prompt import check_requests
 
     check_backend(backend)  # before loading anything: a missing vllm is a usage error
@@ -67,7 +70,9 @@ def generate_cmd(
         source = DataSource(path=path, format=fmt, image_root=image_root)
     except ValueError as exc:  # pydantic's ValidationError: an unknown --format
         raise UsageError(f"unknown --format {fmt!r}", hint="use auto, llava, sharegpt, messages, parquet, webdataset or hf") from exc
-    samples, rejected = read_prompts(source, limit, media_roots=media_roots)
+    # videos are sampled as training samples them: the project's data.video, else the model's run's, else defaults
+    video = video_settings(model_dir, data_cfg)
+    samples, rejected = read_prompts(source, limit, media_roots=media_roots, video=video)
     # audio samples for a vision-language model (or images for an audio one): a usage error before the model loads
     check_requests([request_from_sample(s) for s in samples], folder_family(model_dir))
     out = out / "predictions.jsonl" if out.is_dir() or not out.suffix else out
@@ -79,7 +84,7 @@ def generate_cmd(
     with _bar(len(samples), enabled=not quiet) as progress:
         result = write_predictions(model_dir, samples, out, references=references_of, batch_size=batch_size,
                                    max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, backend=backend,
-                                   device=device, dtype=dtype, seed=seed, progress=progress)
+                                   device=device, dtype=dtype, seed=seed, progress=progress, video=video)
     if as_json:
         print_json({"output": str(result.path), "n": result.n, "skipped": len(rejected), "backend": result.backend,
                     "seconds": round(result.seconds, 3)})

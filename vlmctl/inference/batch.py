@@ -4,7 +4,8 @@
     result = write_predictions("outputs/runs/run1/final", samples, Path("predictions.jsonl"), batch_size=8)
 
 Each sample is asked as `request_from_sample`: its conversation up to (not including) its last assistant turn,
-with its images and audio clips (an audio family's, e.g. a ShareGPT `audios` list or OpenAI `input_audio` parts).
+with its images, videos (a ShareGPT `videos` list, `video` parts) and audio clips (an audio family's, e.g. a ShareGPT
+`audios` list or OpenAI `input_audio` parts).
 One JSON object per sample, in input order::
 
     {"id": str, "prompt": str, "prediction": str, "references": [str, ...], "options": [...]}
@@ -30,7 +31,7 @@ from vlmctl.inference.load import check_backend, check_model_dir, folder_family,
 from vlmctl.inference.prompt import Generation, check_requests, request_from_sample
 
 if TYPE_CHECKING:
-    from vlmctl.config.data import DataSource
+    from vlmctl.config.data import DataSource, DataVideo
     from vlmctl.data.checks import Rejection
     from vlmctl.data.sample import Sample
 
@@ -46,19 +47,21 @@ class PredictionsResult:
 
 
 def read_prompts(source: "DataSource", limit: int | None = None, *, min_image_side: int = 1,
-                 media_roots: Sequence[Path | str] = ()) -> tuple[list["Sample"], list["Rejection"]]:
+                 media_roots: Sequence[Path | str] = (), video: "DataVideo | None" = None) -> tuple[list["Sample"], list["Rejection"]]:
     """(samples, rejections) of one data source in any input format (`vlmctl.data.formats.read_source`; a
     prepared split folder reads back with the parquet reader): at most `limit` samples, in file order, and the
     records the reader rejected (missing or corrupt images or audio clips, bad records). Pictures are read whatever
     their size (`min_image_side` pixels; the processor resizes them), unlike training data; audio clips pass the
     data pipeline's checks and become 16 kHz mono (`vlmctl.data.modalities.audio.normalize_audio`, `data.audio`
-    defaults); media paths may point into the source's folder or one of `media_roots` (`data.media_roots`). Raises DataError when the source
+    defaults); videos pass the video checks and become stored clips sampled by `video` (`data.video`; defaults when
+    None, `vlmctl.data.modalities.video.normalize_video`; a prepared split's clips are kept as they are); media
+    paths may point into the source's folder or one of `media_roots` (`data.media_roots`). Raises DataError when the source
     cannot be opened or holds no readable sample (naming the first rejection)."""
     from vlmctl.data.formats import read_source
     from vlmctl.data.sample import Sample
 
     samples, rejected = [], []
-    for item in read_source(source, min_image_side=min_image_side, media_roots=media_roots):
+    for item in read_source(source, min_image_side=min_image_side, media_roots=media_roots, video=video):
         if isinstance(item, Sample):
             samples.append(item)
             if limit is not None and len(samples) >= limit:
@@ -86,13 +89,15 @@ def write_predictions(
     dtype: str = "auto",
     seed: int | None = None,
     progress: ProgressFn | None = None,
+    video: "DataVideo | None" = None,
 ) -> PredictionsResult:
     """Answer `samples` with the model in `model_dir` and write one row per sample to `out` (module docstring).
 
     `backend` `hf`: transformers' `generate` on `device` in left-padded batches of `batch_size`; `vllm`: vLLM's
     offline engine (it batches and places the model itself; `device` and `batch_size` are not used). `seed`
     seeds torch's generator before sampling (a positive `temperature`). `progress(done, total)` is called after
-    each batch. Raises UsageError for a bad backend (vllm not installed), device, dtype or sampling value, or a
+    each batch. `video`: the `data.video` settings that videos which are not stored clips are sampled by (defaults
+    when None; `generate`). Raises UsageError for a bad backend (vllm not installed), device, dtype or sampling value, or a
     sample with a modality the model's family does not take (audio for a vision-language model: checked before the
     model is loaded, `check_requests`), ModelError for a folder that cannot be loaded, DataError for a sample whose
     media parts point past its media.
@@ -112,7 +117,7 @@ def write_predictions(
             if backend == "vllm":
                 llm, processor = load_vllm(Path(model_dir), dtype=dtype)
                 answers = generate_vllm(llm, processor, requests, max_new_tokens=max_new_tokens, temperature=temperature,
-                                        top_p=top_p, family=family)
+                                        top_p=top_p, family=family, video=video)
                 _write_rows(fh, samples, answers, references)
                 if progress:
                     progress(len(samples), len(samples))
@@ -125,7 +130,8 @@ def write_predictions(
                 for start in range(0, len(requests), batch_size):
                     # One batch at a time, written as it comes: a long run shows its rows in the temporary file.
                     answers = generate(model, processor, requests[start : start + batch_size], batch_size=batch_size,
-                                       max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, family=family)
+                                       max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, family=family,
+                                       video=video)
                     _write_rows(fh, samples[start : start + batch_size], answers, references)
                     fh.flush()
                     if progress:

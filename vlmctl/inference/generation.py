@@ -9,16 +9,27 @@ Audio clips (`GenerationRequest.audios`, audio families such as qwen2_audio) go 
 unit (`vlmctl.data.modalities.audio.AudioUnit.processor_inputs`): decoded with soundfile, down-mixed to mono and
 resampled with soxr to the feature extractor's rate (16 kHz for Whisper-style extractors), then handed to the
 processor's `audio=`, exactly as training hands them over; the processor returns `input_features` and
-`feature_attention_mask`. A request with a modality the model's family does not take is a UsageError
-(`check_requests`).
+`feature_attention_mask`.
+
+Videos (`GenerationRequest.videos`, Qwen2-VL / Qwen2.5-VL, LLaVA-OneVision) go through the data pipeline's video
+unit (`vlmctl.data.modalities.video`): a video file is checked and sampled by the `data.video` settings passed as
+`video=` (`normalize_video`: frames per second, frame and pixel bounds; defaults when None), a stored clip (prepared
+shards, `read_video`'s output) is used as it is, as training uses it; the frames [T, H, W, 3] uint8 and their
+metadata go to the processor's `videos=` as the collator hands them over (`VideoUnit.processor_inputs`), which
+returns `pixel_values_videos`, `video_grid_thw` and, for Qwen2.5-VL, `second_per_grid_ts`. A request with a
+modality the model's family does not take is a UsageError (`check_requests`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from vlmctl.errors import UsageError
-from vlmctl.inference.prompt import Generation, GenerationRequest, check_requests, model_family, render_inputs
+from vlmctl.inference.prompt import Generation, GenerationRequest, check_requests, model_family, render_request
+
+if TYPE_CHECKING:
+    from vlmctl.config.data import DataVideo
 
 ProgressFn = Callable[[int, int], None]
 """Called as progress(done, total) after each batch, in requests."""
@@ -57,16 +68,63 @@ def audio_inputs(processor, clips: list[bytes]) -> dict[str, Any]:
                         hint="use WAV, FLAC, MP3 or OGG clips (pip install 'vlmctl[audio]' for the decoders)") from None
 
 
-def _model_inputs(model, processor, texts: list[str], images: list, audios: list[bytes] = ()) -> dict[str, Any]:
+def read_video(video: bytes | str | Path, settings: "DataVideo | None" = None) -> bytes:
+    """A video as the data pipeline stores a clip (`vlmctl.data.modalities.video.normalize_video`: the frames
+    sampled by `settings`, `data.video` defaults when None, as Motion JPEG in Matroska). `video`: a path or encoded
+    bytes of any container and codec FFmpeg decodes. A stored clip (prepared shards' clips, this function's output)
+    is returned as it is: its frames are the ones training uses, so they are not sampled again.
+
+    Raises DataError naming the file (or the clip) when it is missing, not a video, has a codec FFmpeg cannot
+    decode, is shorter than `settings.min_frames` frames or longer than `settings.max_seconds` (the video unit's
+    reason codes).
+    """
+    from vlmctl.data.modalities.video import MAX_VIDEO_FILE_BYTES, VideoError, normalize_video, probe
+    from vlmctl.errors import DataError
+
+    name = "a video clip" if isinstance(video, (bytes, bytearray)) else str(video)
+    hint = "use a video file FFmpeg decodes (MP4, WebM, MKV, MOV...; pip install 'vlmctl[video]' for PyAV)"
+    if not isinstance(video, (bytes, bytearray)):
+        path = Path(video).expanduser()
+        if not path.is_file():
+            raise DataError(f"{path}: no such video file", hint="check the path (relative to the folder vlmctl started in)")
+        if path.stat().st_size > MAX_VIDEO_FILE_BYTES:
+            raise DataError(f"{path}: {path.stat().st_size / 2**30:,.1f} GiB, over the limit of {MAX_VIDEO_FILE_BYTES >> 30} GiB "
+                            "per video file", hint="cut the video into shorter clips")
+        video = path.read_bytes()
+    try:
+        if probe(bytes(video)).tagged:
+            return bytes(video)
+        return normalize_video(bytes(video), settings).data
+    except VideoError as exc:
+        if exc.reason in ("video_too_short", "video_too_long"):
+            hint = "change data.video (min_frames, max_seconds) in the project, or cut the video"
+        raise DataError(f"{name}: {exc.detail} ({exc.reason})", hint=hint) from None
+
+
+def video_inputs(videos: Sequence[bytes | str | Path], settings: "DataVideo | None" = None) -> dict[str, Any]:
+    """The processor call's video keywords for `videos` (paths or encoded bytes, read by `read_video` with
+    `settings`): `videos=` (frames [T, H, W, 3] uint8 per clip), `video_metadata=` (the sampled frame count and
+    rate per clip) and `do_sample_frames=False`, from the data pipeline's video unit; {} without videos. Raises
+    DataError as `read_video` does."""
+    if not videos:
+        return {}
+    from vlmctl.data.modalities import get_unit
+
+    return get_unit("video").processor_inputs([read_video(v, settings) for v in videos])
+
+
+def _model_inputs(model, processor, texts: list[str], images: list, audios: list[bytes] = (), videos: Sequence = (),
+                  video: "DataVideo | None" = None) -> dict[str, Any]:
     """The processor's tensors for rendered prompts (padded on the tokenizer's padding side), on the model's
-    device; floating image and audio-feature tensors in the model's dtype. `audios`: the encoded clips of the
-    prompts' audio parts, in order (`audio_inputs`)."""
+    device; floating image, video and audio-feature tensors in the model's dtype. `audios`: the encoded clips of
+    the prompts' audio parts, in order (`audio_inputs`); `videos`: those of their video parts (`video_inputs`,
+    sampled by `video`)."""
     device = next(model.parameters()).device
     media = {"images": images} if images else {}
-    inputs = processor(text=texts, **media, **audio_inputs(processor, list(audios)), padding=True, return_tensors="pt",
-                       add_special_tokens=False)
+    inputs = processor(text=texts, **media, **audio_inputs(processor, list(audios)), **video_inputs(list(videos), video),
+                       padding=True, return_tensors="pt", add_special_tokens=False)
     inputs = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in inputs.items()}
-    for key in ("pixel_values", "input_features"):
+    for key in ("pixel_values", "pixel_values_videos", "input_features"):
         if key in inputs and inputs[key].is_floating_point():
             inputs[key] = inputs[key].to(model.dtype)
     return inputs
@@ -83,20 +141,22 @@ def generate(
     top_p: float = 1.0,
     progress: ProgressFn | None = None,
     family: Any = None,
+    video: "DataVideo | None" = None,
 ) -> list[Generation]:
     """Answers for `requests` through `model.generate`, `batch_size` prompts at a time.
 
     Prompts are rendered by `render_inputs` and left-padded, so every row continues from its last position: with
     greedy decoding a request's answer does not depend on the batch it is in (up to floating-point ties). Each
     batch's `input_ids` is [batch_size, longest prompt in tokens]; at most `max_new_tokens` tokens are generated
-    per request, fewer when it reaches an end-of-sequence token. Image and audio-feature tensors are cast to the
-    model's dtype; audio clips are read as the module docstring says.
+    per request, fewer when it reaches an end-of-sequence token. Image, video and audio-feature tensors are cast
+    to the model's dtype; audio clips and videos are read as the module docstring says (videos that are not stored
+    clips sampled by `video`, the `data.video` settings; defaults when None).
 
     `model`, `processor` as returned by `load_for_generation`; `family` its `FamilySpec` (default: from the model's
     config, `model_family`). The tokenizer's pad token is set to its EOS token when it has none. Raises UsageError
     for a non-positive `batch_size` / `max_new_tokens`, a negative `temperature`, `top_p` outside (0, 1], or a
     request with a modality the family does not take (`check_requests`); DataError for a request whose media parts
-    point past its media, or a clip that does not decode.
+    point past its media, or a clip or video that does not decode (`read_video`).
     """
     import torch
 
@@ -110,10 +170,10 @@ def generate(
     out: list[Generation] = []
     try:
         for start in range(0, len(requests), batch_size):
-            rendered = [render_inputs(r, processor, family) for r in requests[start : start + batch_size]]
+            rendered = [render_request(r, processor, family) for r in requests[start : start + batch_size]]
             texts = [r.text for r in rendered]
             inputs = _model_inputs(model, processor, texts, [img for r in rendered for img in r.images],
-                                   [clip for r in rendered for clip in r.audios])
+                                   [clip for r in rendered for clip in r.audios], [v for r in rendered for v in r.videos], video)
             with torch.inference_mode():
                 generated = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
                                            **_sampling(temperature, top_p))
@@ -135,21 +195,22 @@ def generate_vllm(
     temperature: float = 0.0,
     top_p: float = 1.0,
     family: Any = None,
+    video: "DataVideo | None" = None,
 ) -> list[Generation]:
-    """Answers for `requests` through vLLM's offline `LLM.generate` (prompt text + `multi_modal_data`: images, and
-    audio clips as (waveform, sampling rate) pairs, read as `generate` reads them); vLLM batches and schedules the
-    requests itself.
+    """Answers for `requests` through vLLM's offline `LLM.generate` (prompt text + `multi_modal_data`: images,
+    videos as frames [T, H, W, 3] uint8 and audio clips as (waveform, sampling rate) pairs, read as `generate`
+    reads them, videos sampled by `video`); vLLM batches and schedules the requests itself.
 
     `llm`, `processor` as returned by `load_vllm`; `family` the model's `FamilySpec` (the modality check and the
-    audio prompt; without it nothing is checked and an audio part is the processor's audio token). Raises
-    UsageError for bad sampling values or modalities (see `generate`), DataError for a request whose media parts
-    point past its media.
+    video and audio prompts; without it nothing is checked and a video or audio part is the processor's token).
+    Raises UsageError for bad sampling values or modalities (see `generate`), DataError for a request whose media
+    parts point past its media, or a video that does not decode.
     """
     from vllm import SamplingParams
 
     _check_sampling(None, max_new_tokens, temperature, top_p)
     check_requests(requests, family)
-    rendered = [render_inputs(r, processor, family) for r in requests]
+    rendered = [render_request(r, processor, family) for r in requests]
     prompts = []
     for r in rendered:
         media: dict[str, Any] = {}
@@ -159,6 +220,9 @@ def generate_vllm(
             audio = audio_inputs(processor, r.audios)
             clips = [(wave, audio.get("sampling_rate")) for wave in audio["audio"]]
             media["audio"] = clips if len(clips) > 1 else clips[0]
+        if r.videos:
+            frames = video_inputs(r.videos, video)["videos"]
+            media["video"] = frames if len(frames) > 1 else frames[0]
         prompts.append({"prompt": r.text, **({"multi_modal_data": media} if media else {})})
     outputs = llm.generate(prompts, SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_new_tokens))
     return [Generation(r.text, o.outputs[0].text.strip()) for r, o in zip(rendered, outputs)]
@@ -173,6 +237,7 @@ def stream_generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     family: Any = None,
+    video: "DataVideo | None" = None,
 ) -> Iterator[str]:
     """The answer to one request as pieces of text, yielded while `model.generate` runs in a background thread
     (transformers' `TextIteratorStreamer`: a piece is yielded once it decodes to whole words).
@@ -180,8 +245,9 @@ def stream_generate(
     The pieces joined and stripped equal `generate(...)[0].text` for the same request and settings (greedy: the
     same tokens; both decode without special tokens). Closing the iterator early (a `break`, Ctrl-C in the
     consumer) stops generation after the current token. An exception raised by the model is raised here after the
-    pieces generated before it. `family`: as in `generate`. Raises UsageError for bad sampling values or
-    modalities (see `generate`), DataError for a request whose media parts point past its media.
+    pieces generated before it. `family`, `video`: as in `generate`. Raises UsageError for bad sampling values or
+    modalities (see `generate`), DataError for a request whose media parts point past its media or a video that
+    does not decode.
     """
     _check_sampling(None, max_new_tokens, temperature, top_p)
     import threading
@@ -192,8 +258,8 @@ def stream_generate(
     family = family if family is not None else model_family(model)
     check_requests([request], family)
     tok = processor.tokenizer
-    text, images, audios = render_inputs(request, processor, family)
-    inputs = _model_inputs(model, processor, [text], images, audios)
+    text, images, audios, videos = render_request(request, processor, family)
+    inputs = _model_inputs(model, processor, [text], images, audios, videos, video)
     streamer = TextIteratorStreamer(tok, skip_prompt=True, skip_special_tokens=True)
     stop = threading.Event()
     errors: list[BaseException] = []
@@ -225,4 +291,4 @@ def stream_generate(
         raise errors[0]
 
 
-__all__ = ["ProgressFn", "audio_inputs", "generate", "generate_vllm", "stream_generate"]
+__all__ = ["ProgressFn", "audio_inputs", "generate", "generate_vllm", "read_video", "stream_generate", "video_inputs"]

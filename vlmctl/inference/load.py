@@ -85,6 +85,29 @@ def folder_family(path: Path):
         return None
 
 
+def video_settings(path: Path, data: Any = None):
+    """The `data.video` settings (`DataVideo`) that videos given to the model in folder `path` are sampled by: those
+    of `data` (the project's `data` section) when given, else those of the training run the folder belongs to
+    (the run's `config.yaml` next to `RUN/final` or above `RUN/checkpoints/NAME`), else the defaults. A run config
+    whose `data.video` does not validate is not used (the defaults are)."""
+    from vlmctl.config.data import DataVideo
+
+    if data is not None:
+        return data.video
+    path = Path(path).resolve()
+    for run in (path.parent, path.parent.parent):
+        config = run / "config.yaml"
+        if config.is_file() and ((run / "final").is_dir() or (run / "checkpoints").is_dir()):
+            import yaml
+
+            try:
+                section = ((yaml.safe_load(config.read_text()) or {}).get("data") or {}).get("video") or {}
+                return DataVideo(**section)
+            except (OSError, ValueError, AttributeError, TypeError, yaml.YAMLError):
+                break  # a damaged run config: the defaults, as without one
+    return DataVideo()
+
+
 def _build_info(path: Path) -> dict[str, Any]:
     from vlmctl.models import read_build_info
 
@@ -160,5 +183,5 @@ def load_vllm(path: Path, *, dtype: str = "auto") -> tuple[Any, Any]:
 
 __all__ = [
     "BACKENDS", "DTYPES", "check_backend", "check_model_dir", "folder_family", "resolve_device", "resolve_dtype",
-    "load_for_generation", "load_vllm",
+    "load_for_generation", "load_vllm", "video_settings",
 ]
