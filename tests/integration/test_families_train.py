@@ -23,7 +23,7 @@ from cli_runner import run_cli
 from convert_helpers import TEXTS
 from shapes_shards import write_shapes_shards
 
-FAMILIES = ["internvl", "gemma3", "llava_next", "llava_onevision", "qwen3_vl_moe", "idefics2", "mistral3", "smolvlm"]
+FAMILIES = ["internvl", "gemma3", "llava_next", "llava_onevision", "qwen3_vl_moe", "idefics2", "mistral3", "smolvlm", "qwen2_5_omni"]
 RUN_TIMEOUT = 120
 
 
