@@ -118,3 +118,142 @@ def test_demo_reduced_runs_every_stage(tmp_path, capsys):
     # a second run in the same folder needs --force
     code, _, err = run(["demo", str(folder), "train.max_steps=2"], capsys)
     assert code == 2 and "--force" in err
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# `vlmctl demo --modality video` and `--modality audio`: the generated sets and reduced runs
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _decoded_frames(path: Path):
+    """Frames [T, H, W, 3] uint8 of a video file, decoded with PyAV."""
+    import av
+    import numpy as np
+
+    with av.open(str(path)) as container:
+        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+
+
+def test_generated_clips_are_deterministic_balanced_and_answerable(tmp_path):
+    pytest.importorskip("av")
+    import numpy as np
+
+    from vlmctl.data.synthetic_video import DIRECTIONS, MOTIONS, QUESTION_TYPES as VIDEO_TYPES, generate_moving_shapes
+
+    a = generate_moving_shapes(tmp_path / "a", num_samples=48, seed=3)
+    b = generate_moving_shapes(tmp_path / "b", num_samples=48, seed=3)
+    c = generate_moving_shapes(tmp_path / "c", num_samples=48, seed=4)
+    assert a.read_text() == b.read_text() and a.read_text() != c.read_text()
+    assert (a.parent / "videos" / "turn-00002.mp4").read_bytes() == (b.parent / "videos" / "turn-00002.mp4").read_bytes()
+    records = json.loads(a.read_text())
+    answers = {q: Counter(r["messages"][1]["content"] for r in records if r["id"].startswith(q + "-")) for q in VIDEO_TYPES}
+    # balanced types, and balanced answers within each type: the blind baseline is 1/4, 1/2 and 1/4
+    assert answers == {"direction": {d: 4 for d in DIRECTIONS}, "motion": {m: 8 for m in MOTIONS}, "turn": {c: 4 for c in COLORS}}
+    for r in records:
+        q, answer = r["id"].split("-")[0], r["messages"][1]["content"]
+        assert r["messages"][0]["content"].startswith("<video>") and r["videos"] == [f"videos/{r['id']}.mp4"]
+        frames = _decoded_frames(a.parent / r["videos"][0]).astype(int)
+        assert frames.shape == (4, 56, 56, 3)
+        if q in ("direction", "motion"):  # the shaded square's pixels are the only ones with little green
+            centers = [np.argwhere(f[..., 1] < 140).mean(axis=0) for f in frames]  # (row, column) per frame
+            (dy, dx) = centers[-1] - centers[0]
+            if q == "motion" and answer == "still":
+                assert abs(dx) < 1 and abs(dy) < 1
+            else:
+                assert max(abs(dx), abs(dy)) > 4
+                seen = ("right" if dx > 0 else "left") if abs(dx) > abs(dy) else ("down" if dy > 0 else "up")
+                assert q == "motion" or seen == answer
+        else:  # the object's color in the last frame is the answer, in the first frame another one
+            def color(f):
+                painted = (f.max(-1) - f.min(-1)) > 100
+                mean = f[painted].mean(axis=0)
+                return min(COLORS, key=lambda name: np.abs(np.array(COLORS[name]) - mean).sum())
+            assert color(frames[-1]) == answer and color(frames[0]) != answer
+
+
+def test_generated_tones_are_deterministic_balanced_and_answerable(tmp_path):
+    sf = pytest.importorskip("soundfile")
+    import numpy as np
+
+    from vlmctl.data.synthetic_audio import BEEP_COUNTS, GLIDES, PITCH_BANDS, QUESTION_TYPES as AUDIO_TYPES, generate_tones
+
+    a = generate_tones(tmp_path / "a", num_samples=36, seed=3)
+    b = generate_tones(tmp_path / "b", num_samples=36, seed=3)
+    c = generate_tones(tmp_path / "c", num_samples=36, seed=4)
+    assert a.read_text() == b.read_text() and a.read_text() != c.read_text()
+    assert (a.parent / "audio" / "glide-00002.wav").read_bytes() == (b.parent / "audio" / "glide-00002.wav").read_bytes()
+    records = json.loads(a.read_text())
+    answers = {q: Counter(r["messages"][1]["content"] for r in records if r["id"].startswith(q + "-")) for q in AUDIO_TYPES}
+    assert answers == {"beeps": {n: 3 for n in BEEP_COUNTS}, "pitch": {p: 4 for p in PITCH_BANDS}, "glide": {g: 4 for g in GLIDES}}
+    questions = {q: {r["messages"][0]["content"] for r in records if r["id"].startswith(q + "-")} for q in AUDIO_TYPES}
+    assert all(len(v) == 1 for v in questions.values())  # one wording per type: the text says nothing about the answer
+    assert {Path(r["audios"][0]).suffix for r in records} == {".wav", ".flac"}
+
+    def pitch(wave, rate):  # Hz of the strongest FFT bin
+        spectrum = np.abs(np.fft.rfft(wave * np.hanning(len(wave))))
+        return float(np.fft.rfftfreq(len(wave), 1 / rate)[spectrum.argmax()])
+
+    for r in records:
+        q, answer = r["id"].split("-")[0], r["messages"][1]["content"]
+        wave, rate = sf.read(a.parent / r["audios"][0], dtype="float32")
+        assert rate == 16_000 and wave.ndim == 1 and len(wave) == 16_000
+        loud = np.abs(wave).reshape(-1, 80).max(axis=1) > 0.1  # 5 ms blocks above the noise floor
+        if q == "beeps":
+            onsets = int(loud[0]) + int((loud[1:] & ~loud[:-1]).sum())
+            assert onsets == int(answer)
+        elif q == "pitch":
+            low, high = PITCH_BANDS[answer]
+            assert low * 0.95 <= pitch(wave, rate) <= high * 1.05
+        else:
+            blocks = np.flatnonzero(loud)
+            start, end = blocks[0] * 80, (blocks[-1] + 1) * 80
+            quarter = (end - start) // 4
+            first, last = pitch(wave[start:start + quarter], rate), pitch(wave[end - quarter:end], rate)
+            expected = {"up": last > 1.8 * first, "down": first > 1.8 * last, "level": abs(last / first - 1) < 0.1}
+            assert expected[answer], (r["id"], first, last)
+
+
+@pytest.mark.parametrize("modality", ["video", "audio"])
+def test_demo_of_another_modality_reduced_runs_every_stage(modality, tmp_path, capsys):
+    pytest.importorskip("av" if modality == "video" else "soundfile")
+    folder = tmp_path / modality
+    args = ["demo", str(folder), "--modality", modality, "--num-samples", "60", "data.val_ratio=0.3", "train.max_steps=3",
+            "train.save_steps=3", "train.logging_steps=1"]
+    code, out, err = run(args, capsys)
+    assert code == 0, err + out
+    assert f"✓ init: generate the {modality} clips (" in out and "✓ eval on the val split (" in out
+    summary = json.loads((folder / "outputs" / "demo_summary.json").read_text())
+    assert summary["modality"] == modality and list(summary["stage_seconds"]) == ["init", "prepare", "build", "train", "eval"]
+    assert summary["steps"] == 3 and summary["train_samples"] + summary["val_samples"] == 60
+    types = {"video": {"direction", "motion", "turn"}, "audio": {"beeps", "pitch", "glide"}}[modality]
+    assert {s["qtype"] for s in summary["scores"]} == types  # every type has val samples at this split
+    assert sum(s["n"] for s in summary["scores"]) == summary["val_samples"]
+
+    config = (folder / "vlmctl.yaml").read_text()
+    preset = {"video": "tiny-qwen2.5-vl", "audio": "tiny-qwen2-audio"}[modality]
+    assert f"name: {modality}\n" in config and f"preset: {preset}" in config
+    manifest = json.loads((Path(summary["prepared_dir"]) / "manifest.json").read_text())
+    media = manifest["videos" if modality == "video" else "audios"]
+    assert media["count"] == 60 and manifest["totals"]["rejected_total"] == 0
+    if modality == "video":  # 2 of each clip's 4 frames sampled: one temporal patch of the video encoder
+        assert (media["frames"]["min"], media["frames"]["max"], media["width"]["max"]) == (2, 2, 56)
+    else:  # 1 s clips; the FLAC half is stored as it is, the WAV half converted
+        assert (media["seconds"]["min"], media["seconds"]["max"], media["kept_as_is"]) == (1.0, 1.0, 30)
+    run_dir, eval_dir = Path(summary["run_dir"]), Path(summary["eval_dir"])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["visual_tokens"] > 0 for r in rows)  # the clips were encoded
+    predictions = [json.loads(line) for line in (eval_dir / "predictions.jsonl").read_text().splitlines()]
+    assert len(predictions) == summary["val_samples"]
+    for s in summary["scores"]:  # the per-type accuracies are the exact matches in predictions.jsonl
+        mine = [r for r in predictions if r["id"].startswith(s["qtype"] + "-")]
+        assert s["accuracy"] == pytest.approx(sum(r["prediction"].strip().lower() == r["references"][0] for r in mine) / len(mine))
+
+    # a second run in the same folder needs --force
+    code, _, err = run(["demo", str(folder), "--modality", modality, "train.max_steps=1"], capsys)
+    assert code == 2 and "--force" in err
+
+
+def test_demo_refuses_an_unknown_modality_before_writing(tmp_path, capsys):
+    code, _, err = run(["demo", str(tmp_path / "d"), "--modality", "smell"], capsys)
+    assert code == 2 and "no demo for modality 'smell'" in err and "image, video, audio" in err
+    assert not (tmp_path / "d").exists()

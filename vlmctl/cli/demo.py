@@ -1,4 +1,5 @@
-"""`vlmctl demo`: scaffold the tiny project and run prepare -> build -> train -> eval on this machine."""
+"""`vlmctl demo`: scaffold a demo project (pictures, video clips or audio clips) and run prepare -> build -> train ->
+eval on this machine."""
 
 from __future__ import annotations
 
@@ -12,34 +13,42 @@ from vlmctl.cli._common import JsonOpt, OverridesArg, console, is_override, prin
 if TYPE_CHECKING:
     from vlmctl.demo import DemoResult
 
-EXAMPLE = "Example: vlmctl demo my-demo"
+EXAMPLE = "Example: vlmctl demo my-demo, vlmctl demo video-demo --modality video"
 
 LABELS = {"init": "init: generate the shapes VQA set", "prepare": "data prepare", "build": "model build (tiny, random init)",
           "train": "train", "eval": "eval on the val split"}
+INIT_LABELS = {"image": LABELS["init"], "video": "init: generate the video clips", "audio": "init: generate the audio clips"}
+VERDICTS = {"image": "looks at the image", "video": "watches the video", "audio": "listens to the audio"}
 
 
 def demo(
     folder: Annotated[Path, typer.Argument(help="Where the demo project is created.")] = Path("vlmctl-demo"),
     force: Annotated[bool, typer.Option("--force", help="Reuse an existing demo folder.")] = False,
     overrides: OverridesArg = None,
-    num_samples: Annotated[Optional[int], typer.Option("--num-samples", help="Generated samples (default: the tiny template's 3000).")] = None,
+    modality: Annotated[str, typer.Option("--modality", help="image (shapes VQA, tiny LLaVA), video (moving-shapes clips, "
+                                          "tiny Qwen2.5-VL) or audio (beeps and tones, tiny Qwen2-Audio).")] = "image",
+    num_samples: Annotated[Optional[int], typer.Option("--num-samples", help="Generated samples (default: 3000 pictures, "
+                                                       "1500 video or audio clips).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Run the whole pipeline on a generated shapes VQA set (CPU, no downloads) and show that the model learns."""
+    """Run the whole pipeline on a generated question-answering set (CPU, no downloads) and show that the model learns."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from vlmctl.demo import STAGES, default_launch, run_demo
+    from vlmctl.demo import STAGES, default_launch, get_demo, run_demo
 
     if is_override(str(folder)):  # `vlmctl demo train.max_steps=50`: no folder given, only overrides
         overrides, folder = [str(folder), *(overrides or [])], Path("vlmctl-demo")
+    demo_spec = get_demo(modality)  # an unknown modality or a missing extra fails before anything is written
+    labels = {**LABELS, "init": INIT_LABELS[modality]}
     launcher, nproc = default_launch()
     quiet = state.quiet or as_json
     if not quiet:
         how = f"torchrun, {nproc} processes, FSDP2" if launcher == "torchrun" else "one process"
-        console.print(f"[bold]vlmctl demo[/bold] in {folder}: generated shapes VQA -> tiny VLM from scratch ({how}, CPU, no downloads)")
+        model = "tiny VLM" if modality == "image" else demo_spec.model
+        console.print(f"[bold]vlmctl demo[/bold] in {folder}: generated {demo_spec.data} -> {model} from scratch ({how}, CPU, no downloads)")
     with Progress(SpinnerColumn(), TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=quiet) as bar:
-        tasks = {s: bar.add_task(LABELS[s], total=None, start=False, visible=False) for s in STAGES}
+        tasks = {s: bar.add_task(labels[s], total=None, start=False, visible=False) for s in STAGES}
         current = {"stage": None}
 
         def start(stage: str) -> None:
@@ -56,16 +65,17 @@ def demo(
             start(stage)
             t = bar.tasks[tasks[stage]]
             bar.update(tasks[stage], total=t.total or 1, completed=t.total or 1,
-                       description=f"[green]✓[/green] {LABELS[stage]} ({seconds:.0f} s)")
+                       description=f"[green]✓[/green] {labels[stage]} ({seconds:.0f} s)")
             bar.stop_task(tasks[stage])
             if not console.is_terminal and not quiet:  # piped or logged: the bar draws only at the end
-                console.print(f"✓ {LABELS[stage]} ({seconds:.0f} s)")
+                console.print(f"✓ {labels[stage]} ({seconds:.0f} s)")
             following = STAGES[STAGES.index(stage) + 1:] if stage in STAGES else ()
             if following:
                 start(following[0])
 
         start("init")
-        result = run_demo(folder, force=force, overrides=overrides, num_samples=num_samples, progress=progress, on_stage=on_stage)
+        result = run_demo(folder, modality=modality, force=force, overrides=overrides, num_samples=num_samples, progress=progress,
+                          on_stage=on_stage)
     if as_json:
         print_json(result.to_dict())
         return
@@ -98,9 +108,12 @@ def _render(result: "DemoResult") -> None:
     acc.add_row("[bold]overall[/bold]", str(sum(s.n for s in result.scores)), f"[bold]{result.overall:.1%}[/bold]",
                 f"{result.baseline_overall:.1%}  ({ratio:.1f}x)")
 
-    verdict = ("[green]The model looks at the image: above the blind baseline on every question type, "
-               f"{ratio:.1f}x overall.[/green]" if result.learned else
-               "[yellow]Not above the blind baseline everywhere: train longer, e.g. `vlmctl demo --force train.max_steps=2000`.[/yellow]")
+    more = "" if result.modality == "image" else f" --modality {result.modality}"
+    longer = 2000 if result.modality == "image" else 2 * max(result.steps, 100)
+    verdict = (f"[green]The model {VERDICTS.get(result.modality, VERDICTS['image'])}: above the blind baseline on every question "
+               f"type, {ratio:.1f}x overall.[/green]" if result.learned else
+               f"[yellow]Not above the blind baseline everywhere: train longer, e.g. `vlmctl demo{more} --force "
+               f"train.max_steps={longer}`.[/yellow]")
     rel = lambda p: p.relative_to(result.folder) if p is not None and result.folder in p.parents else p  # noqa: E731
     where = Table(box=None, show_header=False, pad_edge=False)
     where.add_row("prepared data", str(rel(result.prepared_dir)))
