@@ -955,7 +955,7 @@ def settings_line(train, choice, fsdp=None) -> str:
     """What was measured, in one line: strategy, batch size, activation checkpointing, master weights (and why,
     when `auto` chose them), and with `fsdp` (the `vlmctl.distributed.fsdp.FsdpPlan` of the wrapped model) FSDP2's
     reshard-after-forward and prefetch."""
-    from vlmctl.train.checkpointing import describe
+    from vlmctl.train.checkpointing import describe, describe_memory_helpers
 
     size = f"{token_budget(train)} tokens per row" if train.packing else f"micro-batch {micro_batch(train)}"
     if train.packing and train.sequence_parallel > 1:
@@ -963,8 +963,7 @@ def settings_line(train, choice, fsdp=None) -> str:
     why = f" [auto: {choice.reason}]" if choice is not None else ""
     ac = train.activation_checkpointing
     overlap = f"; FSDP2 {fsdp.describe()}" if fsdp is not None else ""
-    extra = (", inputs offloaded to host" if train.activation_offload and ac not in ("off", "op", "auto") else "") + (
-        f", tiled MLP ({train.tiled_mlp} slices)" if train.tiled_mlp != "off" else "")
+    extra = describe_memory_helpers(train)
     return (f"{train.strategy}, {size}, activation checkpointing {describe(ac if ac != 'auto' else 'off')}{extra}, "
             f"{train.master_weights} master weights{why}{overlap}")
 

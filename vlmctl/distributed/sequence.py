@@ -217,24 +217,20 @@ def split_vision(visual, shard: SequenceShard) -> None:
     images (balanced by patches, `image_runs`), and the merged visual tokens of all runs are all-gathered in image
     order, so the output equals the unsplit tower's. With fewer images than ranks every rank encodes them all (each
     rank must run the tower: FSDP2 gathers its weights collectively)."""
-    import torch
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
     forward = visual.forward
 
     def split_forward(hidden_states, grid_thw, **kwargs):
-        runs = image_runs([int(n) for n in grid_thw.prod(-1).tolist()], shard.size)
+        patches = [int(n) for n in grid_thw.prod(-1).tolist()]  # per image
+        runs = image_runs(patches, shard.size)
         if runs is None:
             return forward(hidden_states, grid_thw, **kwargs)
-        patches = grid_thw.prod(-1)
         first, last = runs[shard.rank]
-        p0, p1 = int(patches[:first].sum()), int(patches[:last].sum())
-        out = forward(hidden_states[p0:p1], grid_thw[first:last], **kwargs)
-        merged = out.pooler_output
+        out = forward(hidden_states[sum(patches[:first]):sum(patches[:last])], grid_thw[first:last], **kwargs)
         merge = int(visual.spatial_merge_size) ** 2
-        sizes = [int(patches[a:b].sum()) // merge for a, b in runs]
-        merged = gather_rows(merged, sizes, shard)
-        return BaseModelOutputWithPooling(last_hidden_state=None, pooler_output=merged)
+        sizes = [sum(patches[a:b]) // merge for a, b in runs]
+        return BaseModelOutputWithPooling(last_hidden_state=None, pooler_output=gather_rows(out.pooler_output, sizes, shard))
 
     visual.forward = split_forward
 

@@ -120,12 +120,19 @@ def _to_host():
     return ToHost
 
 
+def describe_memory_helpers(train) -> str:
+    """", inputs offloaded to host" / ", tiled MLP (N slices)" for what `train` turns on (offload only where layers
+    are checkpointed whole: not off, op or a still unresolved auto); "" for neither."""
+    offload = train.activation_offload and train.activation_checkpointing not in ("off", "op", "auto")
+    return ((", inputs offloaded to host" if offload else "")
+            + (f", tiled MLP ({train.tiled_mlp} slices)" if train.tiled_mlp != "off" else ""))
+
+
 def apply_tiled_mlp(layers: list[Any], slices) -> int:
     """Run the MLP (`layer.mlp`) of each decoder layer over `slices` parts of the sequence with DeepSpeed's TiledMLP
     (`deepspeed.runtime.sequence_parallel.ulysses_sp.TiledMLP`); `slices` "off" (or 1) restores one pass. Layers
     without a dense `mlp` (mixture-of-experts blocks, whose forward also returns router logits) are left as they are.
     Returns the number of MLPs tiled. Raises ConfigError without DeepSpeed installed."""
-    count = 0
     tiles = 0 if slices in ("off", None) else int(slices)
     mlps = [getattr(layer, "mlp", None) for layer in layers]
     mlps = [m for m in mlps if m is not None and not hasattr(m, "experts") and not hasattr(m, "gate")]
@@ -142,8 +149,7 @@ def apply_tiled_mlp(layers: list[Any], slices) -> int:
                           hint="pip install 'vlmctl[deepspeed]', or set train.tiled_mlp=off") from None
     for mlp in mlps:
         mlp.forward = functools.partial(_tiled, TiledMLP, type(mlp).forward, mlp, tiles)
-        count += 1
-    return count
+    return len(mlps)
 
 
 def _tiled(tiled_mlp, forward, mlp, tiles: int, x):

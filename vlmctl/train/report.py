@@ -34,14 +34,13 @@ def _batching(train, sampler, dp_size: int, sp: int = 1) -> dict[str, str]:
 
 
 def _kernels(train, tm) -> str:
-    from vlmctl.train.checkpointing import describe
+    from vlmctl.train.checkpointing import describe, describe_memory_helpers
 
     loss = "liger fused linear cross-entropy" if tm.liger else "labelled-token logits" if train.packing else "full logits"
     checkpointing = train.activation_checkpointing
     return (f"attention {tm.attn}, loss {loss}"
             + (f", activation checkpointing {describe(checkpointing)}" if checkpointing not in ("off", "auto") else "")
-            + (" with its inputs offloaded to host memory" if train.activation_offload and checkpointing not in ("off", "op") else "")
-            + (f", tiled MLP ({train.tiled_mlp} slices)" if train.tiled_mlp != "off" else "")
+            + describe_memory_helpers(train)
             + (", compiled decoder layers" if train.compile else "") + "".join(f", vision {k}" for k in tm.vision_kernels))
 
 
