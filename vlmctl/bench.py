@@ -964,8 +964,9 @@ def settings_line(train, choice, fsdp=None) -> str:
     ac = train.activation_checkpointing
     overlap = f"; FSDP2 {fsdp.describe()}" if fsdp is not None else ""
     extra = describe_memory_helpers(train)
+    rounding = " (stochastic rounding)" if train.master_weights == "bf16" and train.stochastic_rounding == "on" else ""
     return (f"{train.strategy}, {size}, activation checkpointing {describe(ac if ac != 'auto' else 'off')}{extra}, "
-            f"{train.master_weights} master weights{why}{overlap}")
+            f"{train.master_weights} master weights{rounding}{why}{overlap}")
 
 
 def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup: int, log) -> BenchResult:

@@ -80,12 +80,19 @@ def test_memory_estimate_follows_device_and_precision(tmp_path, capsys, monkeypa
     assert (s["device"], s["num_processes"], s["num_gpus"], s["precision"]) == ("cpu", 2, 0, "fp32")
     assert s["bytes_per_parameter"] == {"weight": 4, "grad": 4, "optim": 8, "frozen": 4}
     assert s["memory_per_gpu_bytes"]["total"] == 16 * total // 2
-    # The same project on GPUs: auto precision is bf16 with fp32 master weights; pure bf16 halves it.
+    # The same project on GPUs: auto precision is bf16, and auto master weights bf16 (stochastic rounding): 8 bytes
+    # per trained parameter; fp32 master weights set by hand double it.
     monkeypatch.setattr(summary, "training_device", lambda launcher: "cuda")
-    code, out, err = run(["-c", str(cfg), "model", "build", "--force", "train.stage=full", "train.nproc_per_node=4",
-                          "train.master_weights=bf16"], capsys)
+    code, out, err = run(["-c", str(cfg), "model", "build", "--force", "train.stage=full", "train.nproc_per_node=4"],
+                         capsys)
     assert code == 0, err
-    assert "Training memory per GPU (fsdp, 4 GPU(s), pure bf16 + AdamW, without activations)" in " ".join(out.split())
+    assert ("Training memory per GPU (fsdp, 4 GPU(s), bf16 weights + AdamW (stochastic rounding by default), without "
+            "activations)") in " ".join(out.split())
+    code, out, err = run(["-c", str(cfg), "model", "build", "--force", "--json", "train.stage=full",
+                          "train.nproc_per_node=4", "train.master_weights=fp32"], capsys)
+    s = json.loads(out)["summary"]
+    assert s["bytes_per_parameter"] == {"weight": 4, "grad": 4, "optim": 8, "frozen": 2}
+    assert s["master_weights"] == "fp32" and s["memory_per_gpu_bytes"]["total"] == 16 * total // 4
     # launcher none trains in this one process whatever nproc_per_node says
     code, out, err = run(["-c", str(cfg), "model", "build", "--force", "--json", "train.launcher=none"], capsys)
     assert json.loads(out)["summary"]["num_processes"] == 1

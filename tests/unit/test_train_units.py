@@ -314,7 +314,7 @@ def test_optimizer_in_backward_steps_during_backward_and_frees_gradients():
                         {"params": [p for p in m.parameters() if p.ndim == 1], "lr": 1e-2, "weight_decay": 0.0}]
     train = TrainSection(lr_scheduler="linear", warmup_ratio=0.25, learning_rate=1e-2)
     opt_ref = torch.optim.AdamW(groups(ref), betas=(0.9, 0.99), eps=1e-8)
-    opt_oib = OptimizerInBackward(groups(oib), betas=(0.9, 0.99), eps=1e-8, fused=False)
+    opt_oib = OptimizerInBackward(groups(oib), make=lambda g: torch.optim.AdamW(g, betas=(0.9, 0.99), eps=1e-8))
     sched_ref, sched_oib = build_scheduler(opt_ref, train, 8), build_scheduler(opt_oib, train, 8)
     for step in range(6):
         x = torch.randn(4, 6)

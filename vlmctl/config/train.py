@@ -34,6 +34,32 @@ def resolve_strategy(strategy: str, cuda: bool, quantized: bool = False) -> str:
     return "fsdp" if cuda and not quantized else "ddp"
 
 
+def resolve_master_weights(master_weights: str, *, cuda: bool, precision: str, strategy: str, lora: bool) -> str:
+    """`train.master_weights: auto` -> "bf16" (with stochastic rounding, see `resolve_stochastic_rounding`) on a
+    GPU (`cuda`) computing in bf16 (`precision` auto or bf16) with a torch strategy (`strategy` resolved: ddp or
+    fsdp) that trains full weights (not `lora`) when torchao is installed; "fp32" otherwise. Other values
+    unchanged. A GPU without bf16 resolves `precision: auto` to fp32 compute; the run then keeps fp32 (setup_run)."""
+    if master_weights != "auto":
+        return master_weights
+    if cuda and precision in ("auto", "bf16") and strategy in ("ddp", "fsdp") and not lora and has_torchao():
+        return "bf16"
+    return "fp32"
+
+
+def resolve_stochastic_rounding(value: str, master_weights: str) -> str:
+    """`train.stochastic_rounding: auto` -> "on" with bf16 master weights when torchao is installed, else "off"."""
+    if value != "auto":
+        return value
+    return "on" if master_weights == "bf16" and has_torchao() else "off"
+
+
+def has_torchao() -> bool:
+    """torchao's optimizers can be imported (without importing them)."""
+    import importlib.util
+
+    return importlib.util.find_spec("torchao") is not None
+
+
 class LoraSection(Section):
     r: int = Field(16, gt=0, description="LoRA rank.")
     alpha: int = Field(32, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
@@ -54,7 +80,8 @@ class TrainSection(Section):
     master_addr: str = Field("127.0.0.1", description="Rendezvous host (multi-node).")
     master_port: int = Field(29500, gt=0, lt=65536, description="Rendezvous port. Multi-node runs use it as given; single-node runs use it when it is free and no other vlmctl run on the machine claimed it, else a free port.")
     precision: Literal["auto", "bf16", "fp16", "fp32"] = Field("auto", description="Compute precision; auto = bf16 on GPUs that support it, fp32 on CPU.")
-    master_weights: Literal["fp32", "bf16"] = Field("fp32", description="Stored trained parameters, gradients and AdamW state: fp32 master weights with compute in train.precision (mixed precision), or bf16 throughout (pure bf16: half the memory of weights and optimizer state; ddp/fsdp only). fp32 is the default although pure bf16 is faster: in bf16 an update smaller than half the weight's spacing (2^-8 of its size) is rounded away, so fine-tuning learning rates lose most updates (Micikevicius et al. 2018, arXiv:1710.03740; Zamirai et al. 2020, arXiv:2010.06192). Frozen parameters are stored in the compute dtype either way.")
+    master_weights: Literal["auto", "fp32", "bf16"] = Field("auto", description="Stored trained parameters, gradients and AdamW state: fp32 master weights with compute in train.precision (mixed precision: 16 bytes per trained parameter), or bf16 throughout (8 bytes: half the memory of weights, gradients and optimizer state; ddp/fsdp only). In bf16 an update smaller than half the weight's spacing (2^-8 of its size) is rounded away with round-to-nearest, so fine-tuning learning rates lose most updates (Micikevicius et al. 2018, arXiv:1710.03740); train.stochastic_rounding (on with bf16) rounds each update up or down with the probabilities that keep it unbiased, which closed the gap to fp32 master weights in these studies (Zamirai et al. 2020, arXiv:2010.06192; Ozkara et al. 2025, arXiv:2502.20566). auto = bf16 with stochastic rounding on a GPU computing in bf16 with ddp or fsdp when full weights are trained (the memory goes into longer rows and less recomputation), fp32 with LoRA (peft keeps adapters in fp32), DeepSpeed (its own fp32 master copy), on CPU, or without torchao. Frozen parameters are stored in the compute dtype either way.")
+    stochastic_rounding: Literal["auto", "on", "off"] = Field("auto", description="With bf16 master weights: round every AdamW update to bf16 stochastically (torchao's AdamW with bf16_stochastic_round: the step computed in fp32, the moments stored in bf16 as in DeepSeek-V3's training, arXiv:2412.19437 section 3.3.3), or to nearest (torch's fused AdamW: a few percent faster, loses updates below 2^-8 of a weight). auto = on with bf16 master weights when torchao is installed; no effect with fp32 master weights.")
     micro_batch_size: int | Literal["auto"] = Field("auto", description="Samples per device per forward pass (without packing; packing uses tokens_per_batch); auto = the largest that fits in GPU memory, measured by a probe at start-up (ddp/fsdp on a GPU), else 1.")
     gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches accumulated per optimizer step.")
     learning_rate: float = Field(2e-5, gt=0, description="Peak learning rate.")

@@ -144,26 +144,28 @@ def precision_label(strategy: str, precision: str, master_weights: str) -> str:
     if precision == "fp32":
         return "fp32 + AdamW"
     if master_weights == "bf16":
-        return "pure bf16 + AdamW"
+        return "bf16 weights + AdamW (stochastic rounding by default)"
     return f"{precision} compute, fp32 master weights + AdamW"
 
 
 def training_summary(info: dict[str, Any], *, stage: str, strategy: str, num_gpus: int, freeze: list[str] | None = None,
-                     lora: bool = False, device: str = "cuda", precision: str = "auto", master_weights: str = "fp32",
+                     lora: bool = False, device: str = "cuda", precision: str = "auto", master_weights: str = "auto",
                      optimizer_in_backward: bool = False, quantize: str | None = None) -> dict[str, Any]:
     """Summary of a build (`vlmctl_model.json` content) under the configured training settings.
 
     `num_gpus`: the processes of the run (all nodes); `device`: "cuda" or "cpu", where they run; `precision`:
-    `train.precision` ("auto" resolves for `device`); `master_weights`, `optimizer_in_backward`, `quantize`: the
+    `train.precision` ("auto" resolves for `device`, as does `master_weights`); `master_weights`, `optimizer_in_backward`, `quantize`: the
     `train` keys of the same names (`quantize`: `train.lora.quantize`). With `lora`, the language model's weights stay
     frozen and only adapters (not counted) are trained on it.
 
     Returns a dict with "parameters", "part_labels" (`part_labels`: what to call each part), "trained", "trainable_parameters", "device", "num_processes", "precision",
     "bytes_per_parameter" and "memory_per_gpu_bytes" (bytes per device: per GPU, or per process on CPU), among others.
     """
-    from vlmctl.config.train import resolve_strategy
+    from vlmctl.config.train import resolve_master_weights, resolve_strategy
 
     strategy = resolve_strategy(strategy, device == "cuda", lora and quantize not in (None, "none"))
+    master_weights = resolve_master_weights(master_weights, cuda=device == "cuda", precision=precision,
+                                            strategy=strategy, lora=lora)
     trained = trained_parts(stage, freeze)
     if lora:
         trained["llm"] = False

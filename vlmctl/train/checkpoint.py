@@ -262,6 +262,7 @@ def _load_deepspeed(checkpoint: Path, engine) -> None:
 
 
 def _load_dcp(checkpoint: Path, model, optimizer, scheduler) -> None:
+    import torch
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from vlmctl.checkpoints import dcp_load
@@ -278,7 +279,10 @@ def _load_dcp(checkpoint: Path, model, optimizer, scheduler) -> None:
     # DCP restores the groups' lr for one optimizer but not across several (OptimizerInBackward): the
     # scheduler's last learning rates are the groups' current ones either way
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-        group["lr"] = lr
+        if isinstance(group["lr"], torch.Tensor):  # torchao's AdamW keeps a tensor it reads in its compiled step
+            group["lr"].fill_(float(lr))
+        else:
+            group["lr"] = lr
 
 
 def prune(run_dir: Path, total_limit: int | None) -> list[Path]:

@@ -190,7 +190,7 @@ class TorchStepper:
 
     @property
     def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
+        return float(self.scheduler.get_last_lr()[0])  # a tensor with torchao's AdamW
 
 
 class DeepSpeedStepper:

@@ -22,18 +22,18 @@ class OptimizerInBackward(torch.optim.Optimizer):
     `zero_grad()` have nothing left to do after backward. `checkpoint_optimizers` lists the real optimizers for
     torch.distributed.checkpoint, which accepts several.
 
-    `groups`: AdamW parameter groups ({"params", "lr", "weight_decay"}). Raises ValueError for an empty set.
+    `groups`: AdamW parameter groups ({"params", "lr", "weight_decay"}); `make(groups)` builds one parameter's
+    AdamW (`vlmctl.train.setup.adamw_factory`). Raises ValueError for an empty set.
     """
 
-    def __init__(self, groups: list[dict[str, Any]], *, betas: tuple[float, float], eps: float, fused: bool):
+    def __init__(self, groups: list[dict[str, Any]], *, make):
         params = [p for g in groups for p in g["params"]]
         if not params:
             raise ValueError("OptimizerInBackward needs at least one parameter")
         self.optimizers: dict[torch.nn.Parameter, torch.optim.Optimizer] = {}
         for g in groups:
             for p in g["params"]:
-                self.optimizers[p] = torch.optim.AdamW([p], lr=g["lr"], weight_decay=g["weight_decay"], betas=betas,
-                                                       eps=eps, fused=fused)
+                self.optimizers[p] = make([{"params": [p], "lr": g["lr"], "weight_decay": g["weight_decay"]}])
         self._building: list | None = []  # Optimizer.__init__ fills its own group list, checked for duplicates
         super().__init__(params, {"lr": groups[0]["lr"]})
         self._building = None

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vlmctl.config.train import resolve_strategy
+from vlmctl.config.train import resolve_master_weights, resolve_stochastic_rounding, resolve_strategy
 from vlmctl.errors import ConfigError, ModelError
 from vlmctl.families import PARTS
 
@@ -289,12 +289,30 @@ def check_precision(train, dtype, device) -> None:
                           hint="set train.lora.quantize=none, or run on a GPU machine with bitsandbytes installed")
 
 
+def resolve_storage(train, dtype, device) -> None:
+    """Resolve `train.master_weights` and `train.stochastic_rounding` from auto for this device and compute
+    `dtype` (recorded in the run's config like the other auto values): bf16 master weights with stochastic
+    rounding where `resolve_master_weights` allows them and the compute really is bf16, else fp32."""
+    import torch
+
+    if train.master_weights == "auto":
+        train.master_weights = resolve_master_weights("auto", cuda=device.type == "cuda", precision=train.precision,
+                                                      strategy=train.strategy, lora=train.lora is not None)
+        if dtype != torch.bfloat16:  # precision auto on a GPU without bf16
+            train.master_weights = "fp32"
+    train.stochastic_rounding = resolve_stochastic_rounding(train.stochastic_rounding, train.master_weights)
+    if train.stochastic_rounding == "on" and train.master_weights == "bf16":
+        from vlmctl.train.launch import require_package
+
+        require_package("torchao", "train.stochastic_rounding=on", package="torchao")
+
+
 def master_dtype(train, dtype):
     """The dtype parameters are stored (and optimized) in: fp32 master weights, or `dtype` itself with
     `train.master_weights: bf16` (pure bf16). Raises ConfigError where pure bf16 cannot apply."""
     import torch
 
-    if train.master_weights == "fp32":
+    if train.master_weights in ("fp32", "auto"):  # auto: not resolved (`resolve_storage`), the safe choice
         return torch.float32
     if dtype != torch.bfloat16:
         raise ConfigError(f"train.master_weights=bf16 needs bf16 compute, but train.precision resolves to {str(dtype).removeprefix('torch.')}",
@@ -554,13 +572,34 @@ def build_optimizer(model, parts: ModelParts, train, device, dp_size: int = 1):
     groups = param_groups(model, parts, train)
     if not groups:
         raise ConfigError("nothing to train: every parameter is frozen", hint="check train.stage and train.freeze")
+    make = adamw_factory(train, device)
     if train.optimizer_in_backward:
         from vlmctl.train.optimizer import OptimizerInBackward
 
         check_optimizer_in_backward(train, dp_size)
-        return OptimizerInBackward(groups, betas=tuple(train.adam_betas), eps=1e-8, fused=device.type == "cuda")
-    return torch.optim.AdamW(groups, lr=train.learning_rate, betas=tuple(train.adam_betas), eps=1e-8,
-                             fused=device.type == "cuda")
+        return OptimizerInBackward(groups, make=make)
+    return make(groups)
+
+
+def adamw_factory(train, device):
+    """`make(groups)` -> the run's AdamW over parameter groups: torchao's AdamW with stochastic rounding of the bf16
+    weight update (`train.stochastic_rounding: on` with bf16 master weights; its step is compiled per parameter
+    shape, its learning rates are tensors), else torch's AdamW (fused on CUDA)."""
+    import torch
+
+    betas = tuple(train.adam_betas)
+    if train.master_weights == "bf16" and train.stochastic_rounding == "on":
+        import logging
+
+        # torchao warns at import about each of its prebuilt kernel libraries this torch cannot load (its
+        # low-precision GEMMs); the optimizer is plain torch code compiled per parameter shape and needs none
+        logging.getLogger("torchao").setLevel(logging.ERROR)
+        from torchao.optim import _AdamW  # torchao's name for its AdamW with bf16_stochastic_round
+
+        return lambda groups: _AdamW(groups, lr=train.learning_rate, betas=betas, eps=1e-8, weight_decay=0.0,
+                                     bf16_stochastic_round=True)
+    return lambda groups: torch.optim.AdamW(groups, lr=train.learning_rate, betas=betas, eps=1e-8,
+                                            fused=device.type == "cuda")
 
 
 def check_optimizer_in_backward(train, dp_size: int) -> None:
@@ -643,6 +682,7 @@ def setup_run(train) -> RunContext:
     seed_everything(train.seed)
     dtype = resolve_dtype(train.precision, env.device)
     check_precision(train, dtype, env.device)
+    resolve_storage(train, dtype, env.device)
     return RunContext(env=env, dims=dims, dtype=dtype, stored=dtype if quantized(train) else master_dtype(train, dtype))
 
 

@@ -1,0 +1,118 @@
+"""bf16 master weights with stochastic rounding (`train.master_weights`, `train.stochastic_rounding`): what `auto`
+resolves to, that small updates survive where round-to-nearest drops them, and that the optimizer state and the
+tensor learning rates of torchao's AdamW come back from a checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from vlmctl.config import TrainSection
+from vlmctl.config.train import resolve_master_weights, resolve_stochastic_rounding
+
+pytest.importorskip("torchao")
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    ({"cuda": True, "precision": "auto", "strategy": "fsdp", "lora": False}, "bf16"),
+    ({"cuda": True, "precision": "bf16", "strategy": "ddp", "lora": False}, "bf16"),
+    ({"cuda": False, "precision": "auto", "strategy": "ddp", "lora": False}, "fp32"),  # CPU
+    ({"cuda": True, "precision": "fp32", "strategy": "fsdp", "lora": False}, "fp32"),
+    ({"cuda": True, "precision": "auto", "strategy": "zero3", "lora": False}, "fp32"),  # DeepSpeed's own master copy
+    ({"cuda": True, "precision": "auto", "strategy": "fsdp", "lora": True}, "fp32"),  # adapters in fp32
+])
+def test_auto_master_weights_are_bf16_only_where_they_apply(kwargs, expected):
+    assert resolve_master_weights("auto", **kwargs) == expected
+    assert resolve_master_weights("fp32", **{**kwargs, "cuda": True, "strategy": "fsdp"}) == "fp32"  # set by hand: kept
+    assert resolve_stochastic_rounding("auto", expected) == ("on" if expected == "bf16" else "off")
+    assert resolve_stochastic_rounding("off", "bf16") == "off"
+
+
+def test_without_torchao_auto_keeps_fp32_master_weights(monkeypatch):
+    import vlmctl.config.train as train_config
+
+    monkeypatch.setattr(train_config, "has_torchao", lambda: False)
+    assert resolve_master_weights("auto", cuda=True, precision="auto", strategy="fsdp", lora=False) == "fp32"
+    assert resolve_stochastic_rounding("auto", "bf16") == "off"
+
+
+def test_setup_resolves_auto_on_cpu_to_fp32_and_records_it():
+    from vlmctl.train.setup import master_dtype, resolve_storage
+
+    train = TrainSection()
+    assert train.master_weights == "auto" and train.stochastic_rounding == "auto"
+    resolve_storage(train, torch.float32, torch.device("cpu"))
+    assert (train.master_weights, train.stochastic_rounding) == ("fp32", "off")
+    assert master_dtype(train, torch.float32) == torch.float32
+
+
+def _model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(1.0)  # bf16 spacing at 1.0 is 2^-7: every update below 2^-8 rounds back to 1.0 to nearest
+    return model.to(torch.bfloat16)
+
+
+def _optimizer(model, rounding: str):
+    from vlmctl.train.setup import adamw_factory
+
+    train = TrainSection(master_weights="bf16", stochastic_rounding=rounding, learning_rate=1e-4)
+    groups = [{"params": list(model.parameters()), "lr": train.learning_rate, "weight_decay": 0.0}]
+    return adamw_factory(train, torch.device("cpu"))(groups)
+
+
+def test_stochastic_rounding_keeps_updates_that_round_to_nearest_loses():
+    """Adam's first steps move each weight by about lr = 1e-4 per step, 1/78 of bf16's spacing at 1.0: after 40
+    steps the fp32 result is 0.996. Rounded to nearest, every update is lost; rounded stochastically, the mean
+    over 8,192 weights follows fp32."""
+    steps, lr = 40, 1e-4
+    means = {}
+    for rounding in ("on", "off"):
+        model = _model()
+        opt = _optimizer(model, rounding)
+        for _ in range(steps):
+            for p in model.parameters():
+                p.grad = torch.ones_like(p)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        means[rounding] = torch.stack([p.float().mean() for p in model.parameters()]).mean().item()
+    assert means["off"] == 1.0
+    assert means["on"] == pytest.approx(1.0 - steps * lr, abs=2e-4)
+
+
+def test_torchao_optimizer_state_and_tensor_lr_resume_from_a_checkpoint(tmp_path):
+    from vlmctl.train import checkpoint as ckpt
+    from vlmctl.train.setup import build_scheduler
+
+    train = TrainSection(lr_scheduler="linear", warmup_ratio=0.0, learning_rate=1e-4)
+
+    def trained(steps):
+        model = _model()
+        opt = _optimizer(model, "on")
+        sched = build_scheduler(opt, train, 10)
+        for _ in range(steps):
+            for p in model.parameters():
+                p.grad = torch.full_like(p, 0.5)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+        return model, opt, sched
+
+    model, opt, sched = trained(3)
+    saved = ckpt.save(tmp_path, 3, {"step": 3, "consumed_micro_batches": 3}, rank=0, model=model, optimizer=opt,
+                      scheduler=sched)
+    (saved / ckpt.STATE_FILE).write_text(json.dumps({"step": 3, "consumed_micro_batches": 3}))
+    model2, opt2, sched2 = trained(0)
+    ckpt.load(saved, rank=0, model=model2, optimizer=opt2, scheduler=sched2)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["exp_avg"], opt2.state[q]["exp_avg"])
+        assert torch.equal(opt.state[p]["exp_avg_sq"], opt2.state[q]["exp_avg_sq"])
+        assert float(opt.state[p]["step"]) == float(opt2.state[q]["step"]) == 3
+    lr = opt2.param_groups[0]["lr"]
+    assert isinstance(lr, torch.Tensor) and lr.item() == pytest.approx(1e-4 * 7 / 10)
+    assert sched2.last_epoch == 3
