@@ -217,6 +217,7 @@ class BenchResult:
     balance: float | None = None  # mean / max rank forward+backward time (1.0 on one rank)
     balance_flops: float | None = None  # the same ratio of the ranks' training FLOPs
     data_wait: float | None = None  # the largest rank's share of the time spent waiting for batches
+    auto: dict | None = None  # the start-up probe's trials and per-mode rates when `auto` was settled by it
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -940,6 +941,10 @@ def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log
               "adapter": plan.adapter, "stage": train.stage}
     result = _measure(trainer, labels, train, ctx, steps=steps, warmup=warmup, log=log)
     result.settings = settings_line(train, choice, fsdp_plan_of(wrapped.model))
+    if choice is not None and choice.trials:
+        result.auto = {"reason": choice.reason, "rates": choice.rates,
+                       "trials": [[str(t.mode), t.size, round(t.peak_bytes / 2**30, 1), round(t.seconds, 3), t.oom]
+                                  for t in choice.trials]}
     return result
 
 

@@ -15,7 +15,7 @@ MODES = {"off": (10 * GIB, 5 * 2**20, 1.0e-4), "op": (10 * GIB, 3 * 2**20, 1.1e-
 
 
 def fake_run(modes=MODES, budget_cut=None, calls=None):
-    def run(mode, size):
+    def run(mode, size, timed=False):
         base, per, sec = modes[mode]
         if calls is not None:
             calls.append((mode, size))
@@ -54,7 +54,7 @@ def test_a_mode_that_fits_only_a_small_row_loses_to_one_that_fits_a_large_row_wh
     # speed that grows with the row (fixed per-pass overhead of 0.5 s): the bigger row of full checkpointing wins
     modes = {"off": (10 * GIB, 20 * 2**20, 1.0e-4), "full": (10 * GIB, 0.5 * 2**20, 1.33e-4)}
 
-    def run(mode, size):
+    def run(mode, size, timed=False):
         base, per, sec = modes[mode]
         return Trial(mode, size, int(base + per * size), 0.5 + sec * size)
 
@@ -69,7 +69,7 @@ def test_an_optimistic_prediction_is_checked_and_shrunk():
     modes = {"off": (10 * GIB, 2**20, 1e-4)}
     calls = []
 
-    def run(mode, size):
+    def run(mode, size, timed=False):
         calls.append(size)
         peak = 10 * GIB + size * 2**20 + (max(0, size - 20000) * 2**21)
         return Trial(mode, size, 0, 0.0, oom=True) if peak > 40 * GIB else Trial(mode, size, peak, 1e-4 * size)
@@ -152,3 +152,21 @@ def test_probe_rows_take_the_heaviest_samples_per_token_first():
     padded = autotune.probe_rows(lengths, lambda idx: seen.append(list(idx)) or idx, packing=False, costs=costs)
     padded(2)
     assert seen[-1] == [0, 2]
+    # the timed row: samples in a fixed random order, not the heaviest first; the same on every call
+    rows(1500, heaviest=False)
+    typical = seen[-1]
+    assert sum(lengths[typical]) <= 1500 and typical[:2] != [1, 3]
+    rows(1500, heaviest=False)
+    assert seen[-1] == typical
+
+
+def test_the_timed_trial_asks_for_a_typical_row():
+    calls = []
+
+    def run(mode, size, timed=False):
+        calls.append((mode, size, timed))
+        return Trial(mode=mode, size=size, peak_bytes=size * 1000, seconds=size / 1e4)
+
+    choice = search(run, modes=["off"], sizes=(2048, 4096), budget=10**9, state=0, floor=1024, cap=8192, step=512)
+    assert choice.tokens_per_batch == 8192
+    assert [c[2] for c in calls] == [False] * (len(calls) - 1) + [True]  # fits measured on the heaviest rows

@@ -116,3 +116,38 @@ def test_torchao_optimizer_state_and_tensor_lr_resume_from_a_checkpoint(tmp_path
     lr = opt2.param_groups[0]["lr"]
     assert isinstance(lr, torch.Tensor) and lr.item() == pytest.approx(1e-4 * 7 / 10)
     assert sched2.last_epoch == 3
+
+
+def test_the_one_compiled_step_matches_torchaos_own_adamw():
+    """`stochastic_adamw` steps every parameter size through one dynamic-shape compiled kernel; torchao's `_AdamW`
+    compiles one per shape. Same gradients -> the same moments (rounded to nearest in both) and, after many steps,
+    weights within the stochastic rounding's noise of each other."""
+    from torchao.optim import _AdamW
+
+    from vlmctl.train.optimizer import stochastic_adamw
+
+    torch.manual_seed(1)
+    shapes = [(48, 32), (7,), (3, 5, 2)]
+    start = [torch.randn(s).to(torch.bfloat16) for s in shapes]
+    grads = [[torch.randn(s).to(torch.bfloat16) for s in shapes] for _ in range(30)]
+    runs = {}
+    for name in ("ours", "torchao"):
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        groups = [{"params": params[:1], "lr": 1e-3, "weight_decay": 0.1},
+                  {"params": params[1:], "lr": 1e-3, "weight_decay": 0.0}]
+        opt = (stochastic_adamw(groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8) if name == "ours" else
+               _AdamW(groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, bf16_stochastic_round=True))
+        for g in grads:
+            for p, gi in zip(params, g):
+                p.grad = gi.clone()
+            opt.step()
+        runs[name] = (params, opt)
+    (ours, opt_a), (ref, opt_b) = runs["ours"], runs["torchao"]
+    for p, q, p0 in zip(ours, ref, start):
+        assert p.shape == q.shape and p.dtype == torch.bfloat16
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt_a.state[p][key], opt_b.state[q][key])
+        assert float(opt_a.state[p]["step"]) == float(opt_b.state[q]["step"]) == 30
+        # 30 steps of ~1e-3 each: 0.03 of travel; stochastic rounding adds at most one bf16 spacing per weight
+        assert (p.float() - q.float()).abs().max() <= 2 ** -6 * max(1.0, q.float().abs().max().item())
+        assert not torch.equal(p.detach(), p0)

@@ -81,7 +81,7 @@ class TrainSection(Section):
     master_port: int = Field(29500, gt=0, lt=65536, description="Rendezvous port. Multi-node runs use it as given; single-node runs use it when it is free and no other vlmctl run on the machine claimed it, else a free port.")
     precision: Literal["auto", "bf16", "fp16", "fp32"] = Field("auto", description="Compute precision; auto = bf16 on GPUs that support it, fp32 on CPU.")
     master_weights: Literal["auto", "fp32", "bf16"] = Field("auto", description="Stored trained parameters, gradients and AdamW state: fp32 master weights with compute in train.precision (mixed precision: 16 bytes per trained parameter), or bf16 throughout (8 bytes: half the memory of weights, gradients and optimizer state; ddp/fsdp only). In bf16 an update smaller than half the weight's spacing (2^-8 of its size) is rounded away with round-to-nearest, so fine-tuning learning rates lose most updates (Micikevicius et al. 2018, arXiv:1710.03740); train.stochastic_rounding (on with bf16) rounds each update up or down with the probabilities that keep it unbiased, which closed the gap to fp32 master weights in these studies (Zamirai et al. 2020, arXiv:2010.06192; Ozkara et al. 2025, arXiv:2502.20566). auto = bf16 with stochastic rounding on a GPU computing in bf16 with ddp or fsdp when full weights are trained (the memory goes into longer rows and less recomputation), fp32 with LoRA (peft keeps adapters in fp32), DeepSpeed (its own fp32 master copy), on CPU, or without torchao. Frozen parameters are stored in the compute dtype either way.")
-    stochastic_rounding: Literal["auto", "on", "off"] = Field("auto", description="With bf16 master weights: round every AdamW update to bf16 stochastically (torchao's AdamW with bf16_stochastic_round: the step computed in fp32, the moments stored in bf16 as in DeepSeek-V3's training, arXiv:2412.19437 section 3.3.3), or to nearest (torch's fused AdamW: a few percent faster, loses updates below 2^-8 of a weight). auto = on with bf16 master weights when torchao is installed; no effect with fp32 master weights.")
+    stochastic_rounding: Literal["auto", "on", "off"] = Field("auto", description="With bf16 master weights: round every AdamW update to bf16 stochastically (the update computed in fp32 by torchao's AdamW step with bf16_stochastic_round, compiled once for every parameter size; the moments stored in bf16 as in DeepSeek-V3's training, arXiv:2412.19437 section 3.3.3), or to nearest (torch's fused AdamW: a few percent faster, loses updates below 2^-8 of a weight). auto = on with bf16 master weights when torchao is installed; no effect with fp32 master weights.")
     micro_batch_size: int | Literal["auto"] = Field("auto", description="Samples per device per forward pass (without packing; packing uses tokens_per_batch); auto = the largest that fits in GPU memory, measured by a probe at start-up (ddp/fsdp on a GPU), else 1.")
     gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches accumulated per optimizer step.")
     learning_rate: float = Field(2e-5, gt=0, description="Peak learning rate.")
@@ -130,6 +130,12 @@ class TrainSection(Section):
     def _yaml_checkpointing_word(cls, value):
         """YAML 1.1 reads a bare `off` as false (and `on` as true): take `off` as typed, `on` as full."""
         return {True: "full", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+    @field_validator("stochastic_rounding", "liger", "compile_vision", "balance", mode="before")
+    @classmethod
+    def _yaml_switch_word(cls, value):
+        """YAML 1.1 reads a bare `on` / `off` as true / false: take them as typed."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
     @field_validator("fsdp_prefetch", mode="before")
     @classmethod

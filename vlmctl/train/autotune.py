@@ -6,7 +6,8 @@ memory of a forward + backward pass (`torch.cuda.max_memory_allocated`, max over
 from the training data's heaviest samples (most FLOPs per token), fits peak = base + per_unit x size, adds the AdamW state the first
 optimizer step will allocate (two moments per trainable parameter in the stored dtype), and takes the largest size
 that stays within `MEMORY_FRACTION` of the GPU's memory (less what other processes hold). That size is run once
-to check it fits and once more to time it; the mode with the most tokens (samples) per second wins. A size is a
+to check it fits and once more, on a typical row (samples in a fixed random order), to time it; the mode with the
+most tokens (samples) per second wins. A size is a
 row's token budget with packing, the samples of a padded micro-batch without.
 
 The choice is printed, written to `RUN_DIR/autotune.json` (every trial: mode, size, peak GiB, seconds) and into
@@ -133,7 +134,8 @@ def search(run: Callable[[Any, int], Trial], *, modes, sizes: tuple[int, int], b
     """For each mode: two trials at `sizes` -> predicted largest fitting size -> a trial at it (on a miss: refit
     through the miss, or bisect towards the largest size known to fit after running out of memory; at most CHECKS
     trials) -> a timed trial; the mode with the best size/second wins (on a tie
-    the one with the larger size). `run(mode, size)` returns a Trial. Returns the Choice with `size` in
+    the one with the larger size). `run(mode, size, timed=False)` returns a Trial; the timed trial passes
+    `timed=True` (the caller may time it on a typical batch rather than the heaviest). Returns the Choice with `size` in
     `tokens_per_batch` (callers move it for padded batches) and every trial; reason names the winner.
     When no mode fits `floor`, the mode that fits the largest size is taken at that size."""
     trials: list[Trial] = []
@@ -167,7 +169,7 @@ def search(run: Callable[[Any, int], Trial], *, modes, sizes: tuple[int, int], b
             if fallback is None or size > fallback[0]:
                 fallback = (size, mode)
             continue
-        timed = run(mode, size)
+        timed = run(mode, size, timed=True)
         trials.append(timed)
         if timed.oom or timed.seconds <= 0:
             continue
@@ -215,6 +217,8 @@ def probe_rows(lengths, make_batch, *, packing: bool, costs=None):
     """`rows(size)` -> one batch of the data's most memory-hungry samples: a packed row filled to at most `size`
     tokens, or `size` samples padded to the longest (the longest samples first, repeated as needed). `lengths` is
     the per-sample token count (np.ndarray); `make_batch(indices)` collates those samples.
+    `rows(size, heaviest=False)` fills the row from the samples in a fixed random order instead: a typical row,
+    whose speed is what training sees (a row of the heaviest samples runs more vision tower per token than most).
 
     With `costs` (estimated training FLOPs per sample, `vlmctl.train.flops.CostModel.sample_costs`) a packed row
     takes the samples of the most FLOPs per token first (longest first among equals): a visual token costs the
@@ -230,11 +234,14 @@ def probe_rows(lengths, make_batch, *, packing: bool, costs=None):
     else:
         order = [int(i) for i in np.argsort(-lengths, kind="stable")]
 
-    def rows(size: int):
+    typical = [int(i) for i in np.random.default_rng(0).permutation(len(lengths))]
+
+    def rows(size: int, heaviest: bool = True):
+        sequence = order if heaviest else typical
         if not packing:
-            return make_batch([order[i % len(order)] for i in range(size)])
+            return make_batch([sequence[i % len(sequence)] for i in range(size)])
         picked, used = [], 0
-        fitting = [i for i in order if lengths[i] <= size]
+        fitting = [i for i in sequence if lengths[i] <= size]
         while fitting:
             added = False
             for i in fitting:
@@ -302,10 +309,11 @@ def probe(train, *, stepper, layer_groups, rows, device, lengths, dp_size: int, 
         stepper.optimizer.paused = True
     state = 0 if stepper.optimizer.state else optimizer_state_bytes(stepper.model, stored_bytes)
 
-    def run(mode, size: int) -> Trial:
+    def run(mode, size: int, timed: bool = False) -> Trial:
+        # memory is planned on the heaviest rows; the mode's speed is timed on a typical row of the chosen size
         apply_activation_checkpointing(layer_groups, mode, offload=train.activation_offload)
         try:
-            peak, seconds = measure_pass(stepper, rows(size), device, group)
+            peak, seconds = measure_pass(stepper, rows(size, heaviest=not timed), device, group)
             return Trial(mode=mode, size=size, peak_bytes=peak, seconds=seconds)
         except torch.OutOfMemoryError:
             stepper.optimizer.zero_grad(set_to_none=True)

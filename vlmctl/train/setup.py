@@ -582,22 +582,16 @@ def build_optimizer(model, parts: ModelParts, train, device, dp_size: int = 1):
 
 
 def adamw_factory(train, device):
-    """`make(groups)` -> the run's AdamW over parameter groups: torchao's AdamW with stochastic rounding of the bf16
-    weight update (`train.stochastic_rounding: on` with bf16 master weights; its step is compiled per parameter
-    shape, its learning rates are tensors), else torch's AdamW (fused on CUDA)."""
+    """`make(groups)` -> the run's AdamW over parameter groups: AdamW with stochastic rounding of the bf16 weight
+    update (`train.stochastic_rounding: on` with bf16 master weights, `optimizer.stochastic_adamw`; its learning
+    rates are tensors), else torch's AdamW (fused on CUDA)."""
     import torch
 
     betas = tuple(train.adam_betas)
     if train.master_weights == "bf16" and train.stochastic_rounding == "on":
-        import logging
+        from vlmctl.train.optimizer import stochastic_adamw
 
-        # torchao warns at import about each of its prebuilt kernel libraries this torch cannot load (its
-        # low-precision GEMMs); the optimizer is plain torch code compiled per parameter shape and needs none
-        logging.getLogger("torchao").setLevel(logging.ERROR)
-        from torchao.optim import _AdamW  # torchao's name for its AdamW with bf16_stochastic_round
-
-        return lambda groups: _AdamW(groups, lr=train.learning_rate, betas=betas, eps=1e-8, weight_decay=0.0,
-                                     bf16_stochastic_round=True)
+        return lambda groups: stochastic_adamw(groups, lr=train.learning_rate, betas=betas, eps=1e-8)
     return lambda groups: torch.optim.AdamW(groups, lr=train.learning_rate, betas=betas, eps=1e-8,
                                             fused=device.type == "cuda")
 
