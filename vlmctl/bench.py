@@ -806,7 +806,8 @@ def check_device_settings(train, family, *, packing: bool, nproc: int) -> None:
         raise UsageError(f"train.lora.quantize={train.lora.quantize} (QLoRA) needs a CUDA GPU and bitsandbytes; no GPU is visible here",
                          hint="set train.lora.quantize=none to measure LoRA here, or run on a GPU machine")
     device = torch.device("cuda" if cuda else "cpu")
-    checked = train.model_copy(update={"packing": packing, "strategy": setup.resolve_strategy(train.strategy, cuda)})
+    strategy = setup.resolve_strategy(train.strategy, cuda, single_bf16=setup.single_bf16(train, cuda, nproc))
+    checked = train.model_copy(update={"packing": packing, "strategy": strategy})
     dtype = setup.resolve_dtype(checked.precision, device)
     setup.check_precision(checked, dtype, device)
     if not quantized:

@@ -151,3 +151,20 @@ def test_the_one_compiled_step_matches_torchaos_own_adamw():
         # 30 steps of ~1e-3 each: 0.03 of travel; stochastic rounding adds at most one bf16 spacing per weight
         assert (p.float() - q.float()).abs().max() <= 2 ** -6 * max(1.0, q.float().abs().max().item())
         assert not torch.equal(p.detach(), p0)
+
+
+def test_strategy_auto_is_ddp_for_one_process_storing_bf16_weights():
+    """FSDP2 on one GPU only pays off as the cast from fp32 master weights to bf16 compute copies; with bf16
+    weights it would add a gathered copy of the model, so one process runs ddp (a plain model)."""
+    from vlmctl.config.train import resolve_strategy, single_bf16
+
+    train = TrainSection()
+    assert single_bf16(train, cuda=True, processes=1)
+    assert resolve_strategy("auto", True, single_bf16=single_bf16(train, True, 1)) == "ddp"
+    assert resolve_strategy("auto", True, single_bf16=single_bf16(train, True, 2)) == "fsdp"  # shards over 2 GPUs
+    fp32 = TrainSection(master_weights="fp32")
+    assert resolve_strategy("auto", True, single_bf16=single_bf16(fp32, True, 1)) == "fsdp"
+    lora = TrainSection(lora={"r": 8})
+    assert resolve_strategy("auto", True, single_bf16=single_bf16(lora, True, 1)) == "fsdp"
+    assert resolve_strategy("auto", False, single_bf16=single_bf16(train, False, 1)) == "ddp"  # CPU, as before
+    assert resolve_strategy("fsdp", True, single_bf16=True) == "fsdp"  # set by hand: kept

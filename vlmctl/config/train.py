@@ -25,13 +25,22 @@ def name_problem(value: str) -> str | None:
     return None
 
 
-def resolve_strategy(strategy: str, cuda: bool, quantized: bool = False) -> str:
+def resolve_strategy(strategy: str, cuda: bool, quantized: bool = False, *, single_bf16: bool = False) -> str:
     """`train.strategy: auto` -> fsdp on GPUs (FSDP2 keeps fp32 master weights sharded and computes on bf16 copies
-    gathered per layer, even on one GPU), ddp on CPU and for QLoRA (`quantized`: its 4-bit base is small enough to
-    replicate). Other values unchanged."""
+    gathered per layer, even on one GPU), ddp on CPU, for QLoRA (`quantized`: its 4-bit base is small enough to
+    replicate) and for one process storing bf16 weights (`single_bf16`, see `single_bf16`: nothing to shard and
+    no cast to do, so FSDP2 would only add a gathered copy of the weights). Other values unchanged."""
     if strategy != "auto":
         return strategy
-    return "fsdp" if cuda and not quantized else "ddp"
+    return "fsdp" if cuda and not quantized and not single_bf16 else "ddp"
+
+
+def single_bf16(train, cuda: bool, processes: int) -> bool:
+    """True when a run of `processes` processes in all stores bf16 master weights (`resolve_master_weights` with
+    `train.strategy: auto` taken as fsdp or ddp, which resolve alike): the case where strategy auto is ddp."""
+    strategy = "fsdp" if train.strategy == "auto" else train.strategy
+    return processes == 1 and resolve_master_weights(train.master_weights, cuda=cuda, precision=train.precision,
+                                                     strategy=strategy, lora=train.lora is not None) == "bf16"
 
 
 def resolve_master_weights(master_weights: str, *, cuda: bool, precision: str, strategy: str, lora: bool) -> str:

@@ -163,9 +163,11 @@ def training_summary(info: dict[str, Any], *, stage: str, strategy: str, num_gpu
     """
     from vlmctl.config.train import resolve_master_weights, resolve_strategy
 
-    strategy = resolve_strategy(strategy, device == "cuda", lora and quantize not in (None, "none"))
-    master_weights = resolve_master_weights(master_weights, cuda=device == "cuda", precision=precision,
-                                            strategy=strategy, lora=lora)
+    cuda = device == "cuda"
+    master_weights = resolve_master_weights(master_weights, cuda=cuda, precision=precision,
+                                            strategy="fsdp" if strategy == "auto" else strategy, lora=lora)
+    strategy = resolve_strategy(strategy, cuda, lora and quantize not in (None, "none"),
+                                single_bf16=num_gpus == 1 and master_weights == "bf16")
     trained = trained_parts(stage, freeze)
     if lora:
         trained["llm"] = False

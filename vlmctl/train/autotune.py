@@ -6,8 +6,9 @@ memory of a forward + backward pass (`torch.cuda.max_memory_allocated`, max over
 from the training data's heaviest samples (most FLOPs per token), fits peak = base + per_unit x size, adds the AdamW state the first
 optimizer step will allocate (two moments per trainable parameter in the stored dtype), and takes the largest size
 that stays within `MEMORY_FRACTION` of the GPU's memory (less what other processes hold). That size is run once
-to check it fits and once more, on a typical row (samples in a fixed random order), to time it; the mode with the
-most tokens (samples) per second wins. A size is a
+to check it fits and twice more, on a typical row (samples in a fixed random order), to time it (the second pass:
+the first refills the allocator's cache, emptied after every trial); the mode with the most tokens (samples) per
+second wins. A size is a
 row's token budget with packing, the samples of a padded micro-batch without.
 
 The choice is printed, written to `RUN_DIR/autotune.json` (every trial: mode, size, peak GiB, seconds) and into
@@ -313,7 +314,11 @@ def probe(train, *, stepper, layer_groups, rows, device, lengths, dp_size: int, 
         # memory is planned on the heaviest rows; the mode's speed is timed on a typical row of the chosen size
         apply_activation_checkpointing(layer_groups, mode, offload=train.activation_offload)
         try:
-            peak, seconds = measure_pass(stepper, rows(size, heaviest=not timed), device, group)
+            batch = rows(size, heaviest=not timed)
+            peak, seconds = measure_pass(stepper, batch, device, group)
+            if timed:  # the first pass after a trial refills the emptied allocator cache: time the second
+                peak2, seconds = measure_pass(stepper, batch, device, group)
+                peak = max(peak, peak2)
             return Trial(mode=mode, size=size, peak_bytes=peak, seconds=seconds)
         except torch.OutOfMemoryError:
             stepper.optimizer.zero_grad(set_to_none=True)

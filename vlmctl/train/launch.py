@@ -94,14 +94,16 @@ def prepare_run(cfg, resume: bool = False) -> Path:
     data or the model is missing and CheckpointError for a checkpoint that cannot be resumed (see `preflight`).
     """
     from vlmctl.config import dump_config
-    from vlmctl.config.train import resolve_strategy
+    from vlmctl.config.train import resolve_strategy, single_bf16
     from vlmctl.train.rundir import claim_run_dir, join_run_dir, sweep_temporaries
 
     train = cfg.train
     check_nodes(train)
     # recorded resolved: the ranks, `vlmctl convert` and a resume read the strategy the run used (SLURM nodes: GPUs)
-    train.strategy = resolve_strategy(train.strategy, train.launcher == "slurm" or _has_cuda(),
-                                      train.lora is not None and train.lora.quantize != "none")
+    cuda = train.launcher == "slurm" or _has_cuda()
+    processes = 1 if train.launcher == "none" else train.nnodes * resolve_nproc(train.nproc_per_node)
+    train.strategy = resolve_strategy(train.strategy, cuda, train.lora is not None and train.lora.quantize != "none",
+                                      single_bf16=single_bf16(train, cuda, processes))
     check_sharding(train)
     if resume and train.resume is None:
         train.resume = "auto"

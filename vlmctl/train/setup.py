@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vlmctl.config.train import resolve_master_weights, resolve_stochastic_rounding, resolve_strategy
+from vlmctl.config.train import resolve_master_weights, resolve_stochastic_rounding, resolve_strategy, single_bf16
 from vlmctl.errors import ConfigError, ModelError
 from vlmctl.families import PARTS
 
@@ -669,8 +669,10 @@ def setup_run(train) -> RunContext:
     from vlmctl.distributed.env import init_distributed
     from vlmctl.distributed.mesh import ParallelDims
 
-    train.strategy = resolve_strategy(train.strategy, torch.cuda.is_available(), quantized(train))
-    env = init_distributed(deepspeed=train.strategy in DEEPSPEED)
+    env = init_distributed(deepspeed=train.strategy in DEEPSPEED)  # auto never resolves to DeepSpeed
+    cuda = torch.cuda.is_available()
+    train.strategy = resolve_strategy(train.strategy, cuda, quantized(train),
+                                      single_bf16=single_bf16(train, cuda, env.world_size))
     dims = ParallelDims.for_strategy(train.strategy, env.world_size, sharding=train.fsdp_sharding, sp=train.sequence_parallel)
     dims.build_mesh(env.device.type)
     seed_everything(train.seed)
