@@ -80,3 +80,24 @@ def test_eval_on_a_prepared_val_split_of_videos(tmp_path, capsys, monkeypatch):
     assert sorted(r["id"] for r in rows) == sorted(s.id for s in val)
     assert all(isinstance(r["score"], (int, float)) and r["prompt"].count("<|video_pad|>") == 1 for r in rows)
     assert (folder / "report.html").is_file()
+
+
+def test_eval_on_a_raw_file_samples_its_videos_by_the_projects_data_video(tmp_path):
+    """`eval --data FILE` on a file that is not prepared reads it as `data prepare` would, with the project's
+    data.video settings: a cap of 2 frames gives 2-frame clips where the defaults keep all 8 of the 4 fps clip."""
+    from vlmctl.config.data import DataVideo
+    from vlmctl.data.modalities.video import clip_shape
+    from vlmctl.evaluation import runner
+
+    _project(tmp_path)
+    raw = str(tmp_path / "data" / "raw" / "videos.jsonl")
+    media = [tmp_path / "data" / "raw"]
+
+    def frames(video):
+        samples = runner.load_samples(raw, tmp_path / "unused", limit=4, media_roots=media, video=video)
+        assert len(samples) == 4 and not samples.skipped
+        return {clip_shape(s.videos[0])[0] for s in samples}
+
+    capped = DataVideo(fps=4, max_frames=2, min_frames=2, min_pixels=256, max_pixels=3072)
+    assert frames(capped) == {2}
+    assert max(frames(None)) > 2

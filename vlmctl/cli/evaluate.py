@@ -77,7 +77,8 @@ def eval_cmd(
 
     check_model_dir(model_dir)  # fail before reading data
     data_name = data or ev.data
-    samples = evaluation.load_samples(data_name, cfg.data.prepared_dir, limit or ev.limit, media_roots=cfg.data.media_roots)
+    samples = evaluation.load_samples(data_name, cfg.data.prepared_dir, limit or ev.limit, media_roots=cfg.data.media_roots,
+                                      video=cfg.data.video, audio=cfg.data.audio)
     task_name = evaluation.resolve_task(task or ev.task, samples)
     # Only rank 0 writes: it alone reserves a new folder; the other ranks never touch theirs.
     created = out is None and rank0

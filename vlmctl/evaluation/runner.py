@@ -87,10 +87,13 @@ def references_of(sample: Sample) -> list[str]:
     return []
 
 
-def load_samples(data: str, prepared_dir: Path, limit: int | None = None, *, media_roots: Sequence[Path | str] = ()) -> SampleList:
+def load_samples(data: str, prepared_dir: Path, limit: int | None = None, *, media_roots: Sequence[Path | str] = (),
+                 video=None, audio=None) -> SampleList:
     """Samples to evaluate: `data="val"` reads `prepared_dir/val/*.parquet`; otherwise `data` is a file or folder
     in any format `vlmctl.data.formats.read_source` reads, or a prepared split folder / Parquet file. At most
     `limit` samples, in file order. `media_roots`: folders besides the data's own that image paths may point into.
+    `video` / `audio`: the project's `data.video` / `data.audio` settings (`DataVideo`, `DataAudio`; defaults when
+    None), by which the clips of a file that is not prepared are checked and sampled, as `data prepare` would.
 
     Samples the reader rejects are not evaluated: they are returned in `SampleList.skipped` with their reasons
     (run_eval reports them in metrics.json, skipped.jsonl and report.html).
@@ -110,7 +113,7 @@ def load_samples(data: str, prepared_dir: Path, limit: int | None = None, *, med
         if parquet and _is_prepared(parquet[0]):
             samples = SampleList(_read_parquet(parquet, limit))
         else:
-            samples = _read_source(data, limit, media_roots)
+            samples = _read_source(data, limit, media_roots, video=video, audio=audio)
     if not samples:
         raise DataError(f"{data}: no samples to evaluate", hint="check the file, or run `vlmctl data validate` on it")
     return samples
@@ -139,7 +142,8 @@ def _read_parquet(files: Sequence[Path], limit: int | None) -> list[Sample]:
     return out
 
 
-def _read_source(path: str, limit: int | None, media_roots: Sequence[Path | str] = ()) -> SampleList:
+def _read_source(path: str, limit: int | None, media_roots: Sequence[Path | str] = (), *, video=None,
+                 audio=None) -> SampleList:
     try:
         from vlmctl.data.formats import read_source
     except ImportError as exc:
@@ -148,7 +152,8 @@ def _read_source(path: str, limit: int | None, media_roots: Sequence[Path | str]
     from vlmctl.config import DataSource
 
     out = SampleList()
-    for item in read_source(DataSource(path=str(path), max_samples=limit), media_roots=media_roots):
+    for item in read_source(DataSource(path=str(path), max_samples=limit), media_roots=media_roots, video=video,
+                            audio=audio):
         if isinstance(item, Sample):
             out.append(item)
             if limit is not None and len(out) >= limit:
