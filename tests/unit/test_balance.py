@@ -178,3 +178,33 @@ def test_count_estimates_recover_visual_and_labelled_tokens_from_the_shards(tmp_
     assert np.abs(counts["visual_tokens"] - np.asarray(visual)).max() <= 2
     assert np.abs(counts["labelled_tokens"] - np.asarray(labelled)).max() <= 2
     assert (counts["visual_tokens"][counts["images"] == 0] == 0).all()
+
+
+def test_count_estimates_count_video_and_audio_clips_as_encoded_media(tmp_path):
+    # videos and audio clips are encoded by a tower like images: their tokens are not text, and a sample holding
+    # one counts one media item (before, a video's 300-900 tokens were taken as text and skewed the fit)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from vlmctl.data.loader import ShardDataset
+    from vlmctl.data.sample import Sample, arrow_schema
+
+    rng = np.random.default_rng(1)
+    rows, visual = [], []
+    for i in range(120):
+        question, answer = "q" * int(rng.integers(10, 400)), "a" * int(rng.integers(10, 400))
+        kind = ["text", "image", "video", "audio"][i % 4]
+        media = int(rng.integers(300, 900)) if kind != "text" else 0
+        user = ([{"type": kind, "index": 0}] if kind != "text" else []) + [{"type": "text", "text": question}]
+        messages = [{"role": "user", "content": user}, {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
+        stored = {"images": [b"x"]} if kind == "image" else {"videos": [b"x"]} if kind == "video" else \
+            {"audios": [b"x"]} if kind == "audio" else {}
+        rows.append(Sample(id=str(i), messages=messages, num_tokens=int(round(0.3 * (len(question) + len(answer)) + 12 + media)),
+                           **stored).to_row())
+        visual.append(media)
+    (tmp_path / "train").mkdir()
+    pq.write_table(pa.Table.from_pylist(rows, schema=arrow_schema()), tmp_path / "train" / "shard-00000.parquet")
+    dataset = ShardDataset.from_dir(tmp_path / "train")
+    counts = dataset.count_estimates(dataset.lengths)
+    assert counts["images"].tolist() == [0 if i % 4 == 0 else 1 for i in range(120)]
+    assert np.abs(counts["visual_tokens"] - np.asarray(visual)).max() <= 2

@@ -117,8 +117,9 @@ class ShardDataset:
 
     def text_counts(self) -> dict[str, np.ndarray]:
         """Per sample, read from the `messages` column without decoding media (vectorized with pyarrow): `chars`
-        (characters of all text parts), `label_chars` (of the assistant turns' text) and `images` (image parts).
-        int64 arrays [N]."""
+        (characters of all text parts), `label_chars` (of the assistant turns' text), `images` (image parts) and
+        `media` (image, video and audio parts: the items a vision or audio tower encodes). int64 arrays [N]."""
+        import pyarrow as pa
         import pyarrow.compute as pc
 
         msgs = self._ds.data.column("messages").combine_chunks()
@@ -129,11 +130,13 @@ class ShardDataset:
         sample_of_part = np.asarray(pc.list_parent_indices(msgs))[part_turn]
         chars = np.asarray(pc.fill_null(pc.utf8_length(pc.struct_field(parts, "text")), 0), dtype=np.float64)
         assistant = np.asarray(pc.fill_null(pc.equal(pc.struct_field(turns, "role"), "assistant"), False))
-        is_image = np.asarray(pc.fill_null(pc.equal(pc.struct_field(parts, "type"), "image"), False))
+        kinds = pc.struct_field(parts, "type")
+        is_image = np.asarray(pc.fill_null(pc.equal(kinds, "image"), False))
+        is_media = np.asarray(pc.fill_null(pc.is_in(kinds, value_set=pa.array(["image", "video", "audio"])), False))
         n = len(self)
         count = lambda weights: np.bincount(sample_of_part, weights=weights, minlength=n).astype(np.int64)  # noqa: E731
         return {"chars": count(chars), "label_chars": count(chars * assistant[part_turn]),
-                "images": count(is_image.astype(np.float64))}
+                "images": count(is_image.astype(np.float64)), "media": count(is_media.astype(np.float64))}
 
     def modalities(self) -> np.ndarray:
         """Each sample's modality group for `train.group_by_modality` (`vlmctl.data.samplers.modality_of`: video,
@@ -153,26 +156,29 @@ class ShardDataset:
     def count_estimates(self, lengths: np.ndarray) -> dict[str, np.ndarray]:
         """Visual and labelled tokens per sample for `vlmctl.train.flops.CostModel.sample_costs`, estimated from
         `lengths` (tokens per sample, text + visual: the prepared `num_tokens`) and `text_counts`, since prepared
-        shards record only the total. Returns int64 arrays [N]: `visual_tokens`, `labelled_tokens`, `images`.
+        shards record only the total. Returns int64 arrays [N]: `visual_tokens` (image, video and audio tokens),
+        `labelled_tokens`, `images` (media items: images, videos and audio clips, each one item of
+        `CostModel.sample_costs`).
 
         Approximation: text tokens = a * chars + b, with a (tokens per character) and b (chat-template tokens per
-        sample) fitted by least squares on this data set: on its samples without images (all their tokens are
-        text) when there are at least 8, else on all samples as tokens ~ a * chars + c * images (+ b when some
-        samples have no image; c: mean visual tokens per image). A fit outside 0 < a < 2 falls back to a = 1/4,
+        sample) fitted by least squares on this data set: on its samples without media (all their tokens are
+        text) when there are at least 8, else on all samples as tokens ~ a * chars + c * media (+ b when some
+        samples have none; c: mean tokens per media item). A fit outside 0 < a < 2 falls back to a = 1/4,
         b = 0 (about four characters per token, the usual figure for English BPE tokenizers). A sample without
-        images is all text; one with images has visual tokens = tokens - text tokens (at least 0). Labelled tokens
+        media is all text; one with images, videos or audio clips has visual tokens = tokens - text tokens (at
+        least 0). Labelled tokens
         = text tokens x the assistant turns' share of the characters. Exact counts would need each image's size
         (reading the image bytes) and the tokenizer per sample; the estimate only ranks and weighs samples for
         balancing.
         """
         counts = self.text_counts()
         tokens = np.asarray(lengths, dtype=np.float64)
-        chars, images = counts["chars"].astype(np.float64), counts["images"].astype(np.float64)
-        a, b = _text_fit(tokens, chars, images)
-        text = np.where(images > 0, np.clip(a * chars + b, 0, tokens), tokens)
+        chars, media = counts["chars"].astype(np.float64), counts["media"].astype(np.float64)
+        a, b = _text_fit(tokens, chars, media)
+        text = np.where(media > 0, np.clip(a * chars + b, 0, tokens), tokens)
         share = np.divide(counts["label_chars"], chars, out=np.zeros_like(chars), where=chars > 0)
         return {"visual_tokens": np.rint(tokens - text).astype(np.int64),
-                "labelled_tokens": np.rint(text * share).astype(np.int64), "images": counts["images"]}
+                "labelled_tokens": np.rint(text * share).astype(np.int64), "images": counts["media"]}
 
     def sample_weights(self, weight_by_source: dict[str, float]) -> np.ndarray:
         """Per-sample weight from each sample's `source` (unknown sources weigh 1)."""
