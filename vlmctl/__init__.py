@@ -1,3 +1,10 @@
 """vlmctl: build, train and ship vision-language models from one project file (`vlmctl.yaml`)."""
 
+import logging as _logging
+
 __version__ = "0.1.0"
+
+# transformers imports torchao (when installed: the stochastic-rounding AdamW) with its model code; torchao then warns
+# about each prebuilt kernel library the installed torch cannot load (its low-precision GEMMs, which vlmctl does not
+# use). Its errors still show.
+_logging.getLogger("torchao").setLevel(_logging.ERROR)

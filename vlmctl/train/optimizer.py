@@ -114,11 +114,6 @@ def stochastic_adamw(groups: list[dict[str, Any]], *, lr: float, betas: tuple[fl
     "weight_decay"}); the groups' learning rates become 0-d tensors (read inside the compiled step). Works on plain
     tensors and FSDP2's DTensor shards (the local shard is stepped; the state is a DTensor like the parameter, so
     torch.distributed.checkpoint saves it sharded)."""
-    import logging
-
-    # torchao warns at import about each of its prebuilt kernel libraries this torch cannot load (its
-    # low-precision GEMMs); the optimizer is plain torch code and needs none of them
-    logging.getLogger("torchao").setLevel(logging.ERROR)
     from torch.distributed.tensor import DTensor
     from torchao.optim import _AdamW
 

@@ -304,7 +304,7 @@ def resolve_storage(train, dtype, device) -> None:
     if train.stochastic_rounding == "on" and train.master_weights == "bf16":
         from vlmctl.train.launch import require_package
 
-        require_package("torchao", "train.stochastic_rounding=on", package="torchao")
+        require_package("torchao", "train.stochastic_rounding=on", extra="gpu")
 
 
 def master_dtype(train, dtype):
