@@ -8,3 +8,14 @@ __version__ = "0.1.0"
 # about each prebuilt kernel library the installed torch cannot load (its low-precision GEMMs, which vlmctl does not
 # use). Its errors still show.
 _logging.getLogger("torchao").setLevel(_logging.ERROR)
+
+
+class _TorchaoEnumNotice(_logging.Filter):
+    """Drops torch's notice that torchao still registers its Enums as pytree constants (newer torch handles Enums
+    natively), printed twice whenever transformers imports torchao; it asks nothing of vlmctl's users."""
+
+    def filter(self, record: _logging.LogRecord) -> bool:
+        return "is an Enum subclass and is now natively supported" not in record.getMessage()
+
+
+_logging.getLogger("torch.utils._pytree").addFilter(_TorchaoEnumNotice())
