@@ -113,13 +113,24 @@ def stochastic_adamw(groups: list[dict[str, Any]], *, lr: float, betas: tuple[fl
     kernel for all parameter sizes (`_flat_step`). `groups`: AdamW parameter groups ({"params", "lr",
     "weight_decay"}); the groups' learning rates become 0-d tensors (read inside the compiled step). Works on plain
     tensors and FSDP2's DTensor shards (the local shard is stepped; the state is a DTensor like the parameter, so
-    torch.distributed.checkpoint saves it sharded)."""
+    torch.distributed.checkpoint saves it sharded). A parameter that is not bf16 is updated without rounding."""
+    return _stochastic_adamw_class()(groups, lr=lr, betas=betas, eps=eps, weight_decay=0.0, bf16_stochastic_round=True)
+
+
+_SR_CLASS = None
+
+
+def _stochastic_adamw_class():
+    """The torchao `_AdamW` subclass behind `stochastic_adamw`, defined once (torchao imported on first use)."""
+    global _SR_CLASS
+    if _SR_CLASS is not None:
+        return _SR_CLASS
     from torch.distributed.tensor import DTensor
     from torchao.optim import _AdamW
 
     def local(t):
         t = t.to_local() if isinstance(t, DTensor) else t
-        return t.view(-1) if t.is_contiguous() else None
+        return t.view(-1) if t.is_contiguous() else t  # dynamic sizes take any shape; flat keeps one graph
 
     class StochasticAdamW(_AdamW):
         @torch.no_grad()
@@ -128,7 +139,6 @@ def stochastic_adamw(groups: list[dict[str, Any]], *, lr: float, betas: tuple[fl
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
-            fallback = []
             for group in self.param_groups:
                 for p in group["params"]:
                     if p.grad is None:
@@ -138,23 +148,11 @@ def stochastic_adamw(groups: list[dict[str, Any]], *, lr: float, betas: tuple[fl
                         state["step"] = torch.tensor(0.0)
                         state["exp_avg"] = self._new_buffer(p, True)
                         state["exp_avg_sq"] = self._new_buffer(p, False)
-                    flat = [local(t) for t in (p.detach(), p.grad, state["exp_avg"], state["exp_avg_sq"])]
-                    if any(t is None for t in flat) or p.dtype != torch.bfloat16:
-                        fallback.append(p)
-                        continue
                     state["step"] += 1
-                    _flat_step()(*flat[:2], state["step"], *flat[2:], None, group["lr"], group["betas"][0],
-                                 group["betas"][1], group["weight_decay"], group["eps"], True, True)
-            if fallback:  # a non-contiguous or non-bf16 parameter: torchao's own per-shape path
-                only = {id(p) for p in fallback}
-                saved = [g["params"] for g in self.param_groups]
-                for g in self.param_groups:
-                    g["params"] = [p for p in g["params"] if id(p) in only]
-                try:
-                    super().step()
-                finally:
-                    for g, ps in zip(self.param_groups, saved):
-                        g["params"] = ps
+                    _flat_step()(local(p.detach()), local(p.grad), state["step"], local(state["exp_avg"]),
+                                 local(state["exp_avg_sq"]), None, group["lr"], group["betas"][0], group["betas"][1],
+                                 group["weight_decay"], group["eps"], True, p.dtype is torch.bfloat16)
             return loss
 
-    return StochasticAdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=0.0, bf16_stochastic_round=True)
+    _SR_CLASS = StochasticAdamW
+    return _SR_CLASS
