@@ -567,8 +567,6 @@ def param_groups(model, parts: ModelParts, train) -> list[dict[str, Any]]:
 def build_optimizer(model, parts: ModelParts, train, device, dp_size: int = 1):
     """AdamW over `param_groups`, or its per-parameter form stepped during backward (`train.optimizer_in_backward`).
     Raises ConfigError when nothing is trainable or the in-backward form cannot apply to these settings."""
-    import torch
-
     groups = param_groups(model, parts, train)
     if not groups:
         raise ConfigError("nothing to train: every parameter is frozen", hint="check train.stage and train.freeze")
