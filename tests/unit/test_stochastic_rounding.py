@@ -168,3 +168,14 @@ def test_strategy_auto_is_ddp_for_one_process_storing_bf16_weights():
     assert resolve_strategy("auto", True, single_bf16=single_bf16(lora, True, 1)) == "fsdp"
     assert resolve_strategy("auto", False, single_bf16=single_bf16(train, False, 1)) == "ddp"  # CPU, as before
     assert resolve_strategy("fsdp", True, single_bf16=True) == "fsdp"  # set by hand: kept
+
+
+def test_stochastic_rounding_without_torchao_is_a_config_error(monkeypatch):
+    import vlmctl.train.setup as setup
+    from vlmctl.errors import ConfigError
+
+    monkeypatch.setattr(setup, "has_torchao", lambda: False)
+    train = TrainSection(master_weights="bf16", stochastic_rounding="on")
+    with pytest.raises(ConfigError, match="torchao") as err:
+        setup.resolve_storage(train, torch.bfloat16, torch.device("cpu"))
+    assert "stochastic_rounding=off" in err.value.hint

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vlmctl.config.train import resolve_master_weights, resolve_stochastic_rounding, resolve_strategy, single_bf16
+from vlmctl.config.train import (has_torchao, resolve_master_weights, resolve_stochastic_rounding, resolve_strategy,
+                                 single_bf16)
 from vlmctl.errors import ConfigError, ModelError
 from vlmctl.families import PARTS
 
@@ -301,10 +302,9 @@ def resolve_storage(train, dtype, device) -> None:
         if dtype != torch.bfloat16:  # precision auto on a GPU without bf16
             train.master_weights = "fp32"
     train.stochastic_rounding = resolve_stochastic_rounding(train.stochastic_rounding, train.master_weights)
-    if train.stochastic_rounding == "on" and train.master_weights == "bf16":
-        from vlmctl.train.launch import require_package
-
-        require_package("torchao", "train.stochastic_rounding=on", extra="gpu")
+    if train.stochastic_rounding == "on" and train.master_weights == "bf16" and not has_torchao():
+        raise ConfigError("train.stochastic_rounding=on needs torchao, which is not installed here",
+                          hint='pip install "vlmctl[gpu]" (or torchao), or set train.stochastic_rounding=off')
 
 
 def master_dtype(train, dtype):
