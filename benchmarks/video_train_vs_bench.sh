@@ -11,7 +11,9 @@
 #
 # Env: PRESET, N (clips), FRAMES (comma-separated frame counts), SIZES (px), FPS (of the clips; data.video.fps is
 # set to it so every frame is kept), STEPS, WARMUP (first steps left out of train's figure; bench's --warmup),
-# TOKENS (tokens per packed row), NPROC, WORKERS (train.num_workers), KEYS (more key=value for both sides).
+# TOKENS (tokens per packed row), NPROC, WORKERS (train.num_workers), KEYS (more key=value for both sides), WORK
+# (the folder to work in; a new temporary one by default). Both sides read the same vlmctl.yaml (step 2) plus KEYS.
+# Train's figure is bench's: the tokens of the steps after WARMUP over their seconds (data waits included).
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PRESET=${PRESET:-qwen2.5-vl-3b} N=${N:-480} FRAMES=${FRAMES:-16,32,48,64} SIZES=${SIZES:-224,336,448} FPS=${FPS:-8}
@@ -21,26 +23,9 @@ WORK=${WORK:-$(mktemp -d)}; mkdir -p "$WORK"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
 cd "$WORK"
 
-# 1. clips: every (frames, size) pair, N in all, written in parallel
-python3 - "$N" "$FRAMES" "$SIZES" "$FPS" <<'PY'
-import json, sys
-from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
-from vlmctl.data.synthetic_video import generate_moving_shapes
-
-n, frames, sizes, fps = int(sys.argv[1]), [int(x) for x in sys.argv[2].split(",")], [int(x) for x in sys.argv[3].split(",")], int(sys.argv[4])
-pairs = [(f, s) for f in frames for s in sizes]
-with ProcessPoolExecutor() as pool:
-    jobs = [pool.submit(generate_moving_shapes, Path(f"clips/{f}x{s}"), max(1, n // len(pairs)), k, s, f, fps)
-            for k, (f, s) in enumerate(pairs)]
-    records = []
-    for job, (f, s) in zip(jobs, pairs):
-        for r in json.loads(job.result().read_text()):
-            r["id"], r["videos"] = f"{f}x{s}-{r['id']}", [f"{f}x{s}/{v}" for v in r["videos"]]
-            records.append(r)
-Path("clips/all.json").write_text(json.dumps(records))
-print(f"{len(records)} clips: {frames} frames x {sizes} px at {fps} fps")
-PY
+# 1. clips: N in all over every (frames, size) pair, written in parallel (benchmarks/video_clips.py: a square
+#    that wraps around the frame, since generate_moving_shapes cannot make clips of more than ~20 frames)
+python3 "$REPO/benchmarks/video_clips.py" clips "$N" "$FRAMES" "$SIZES" "$FPS"
 
 # 2. the project: every frame kept (data.video.fps = the clips' fps), frames at their own size
 cat > vlmctl.yaml <<EOF
@@ -75,16 +60,24 @@ from pathlib import Path
 warmup, out = int(sys.argv[1]), sys.argv[2]
 rows = [json.loads(line) for line in Path("runs/video/metrics.jsonl").read_text().splitlines() if line.strip()]
 rows = [r for r in rows if "tokens_per_s" in r and r.get("step", 0) > warmup]
+assert rows, f"no metrics rows after step {warmup} in runs/video/metrics.jsonl"
+# as bench counts: all measured tokens over all measured seconds (logging_steps=1: one row per step)
+tokens, seconds = sum(r["text_tokens"] + r["visual_tokens"] for r in rows), sum(r["step_time_s"] for r in rows)
 text = Path("bench.json").read_text()
 bench = json.loads(text[text.index("{"):])
-train = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows),
-         "mfu": statistics.median(r["mfu"] for r in rows if r.get("mfu") is not None) if any(r.get("mfu") is not None for r in rows) else None,
-         "steps": len(rows)}
-result = {"train": train, "bench": {k: bench[k] for k in ("tokens_per_s", "mfu", "peak_memory_gib", "settings", "media")},
+mfus = [r["mfu"] * r["step_time_s"] for r in rows if r.get("mfu") is not None]
+train = {"tokens_per_s": tokens / seconds, "mfu": sum(mfus) / seconds if len(mfus) == len(rows) else None,
+         "steps": len(rows), "tokens_per_step": tokens / len(rows),
+         "data_wait": statistics.mean(r["data_wait"] for r in rows) if all("data_wait" in r for r in rows) else None,
+         "median_step_tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows)}
+result = {"train": train, "bench": {k: bench.get(k) for k in ("tokens_per_s", "mfu", "steps", "tokens_per_step", "data_wait", "peak_memory_gib", "settings", "media")},
           "ratio": train["tokens_per_s"] / bench["tokens_per_s"]}
 mfu = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
-print(f"train: {train['tokens_per_s']:,.0f} tokens/s (median of {train['steps']} steps), MFU {mfu(train['mfu'])}")
-print(f"bench: {bench['tokens_per_s']:,.0f} tokens/s, MFU {mfu(bench['mfu'])} | {bench['media']} | {bench['settings']}")
+pct = lambda x: "-" if x is None else f"{100 * x:.2f}%"  # noqa: E731
+print(f"train: {train['tokens_per_s']:,.0f} tokens/s over {train['steps']} steps after {warmup}, MFU {mfu(train['mfu'])}, "
+      f"{train['tokens_per_step']:,.0f} tokens/step, data wait {pct(train['data_wait'])}")
+print(f"bench: {bench['tokens_per_s']:,.0f} tokens/s over {bench['steps']} steps, MFU {mfu(bench['mfu'])}, "
+      f"{bench['tokens_per_step']:,.0f} tokens/step, data wait {pct(bench.get('data_wait'))} | {bench['media']} | {bench['settings']}")
 print(f"train / bench: {result['ratio']:.3f}")
 if out:
     Path(out, "video_train_vs_bench.json").write_text(json.dumps(result, indent=1))
