@@ -895,8 +895,13 @@ def load_model(plan: BenchPlan, model_section, train, ctx, scratch: Path, log) -
             source = str(scratch / "model")
             if env.is_main:
                 log(f"saving the random-init model to {source} for QLoRA's quantized load")
-                save_model(random_model(choice.plan, choice.processor, device="cpu", dtype=ctx.stored), Path(source))
+                # initialized on the device: a 3B model's random init takes tens of seconds on CPU cores
+                save_model(random_model(choice.plan, choice.processor, device=env.device, dtype=ctx.stored), Path(source))
                 choice.processor.save_pretrained(source)
+                if env.device.type == "cuda":
+                    import torch
+
+                    torch.cuda.empty_cache()
             dist.barrier()
         if choice.kind == "random" and not quantized:
             model, processor, family = random_model(choice.plan, choice.processor, device=env.device, dtype=ctx.stored), choice.processor, choice.family
