@@ -164,8 +164,9 @@ def test_strategy_auto_is_ddp_for_one_process_storing_bf16_weights():
     assert resolve_strategy("auto", True, single_bf16=single_bf16(train, True, 2)) == "fsdp"  # shards over 2 GPUs
     fp32 = TrainSection(master_weights="fp32")
     assert resolve_strategy("auto", True, single_bf16=single_bf16(fp32, True, 1)) == "fsdp"
-    lora = TrainSection(lora={"r": 8})
-    assert resolve_strategy("auto", True, single_bf16=single_bf16(lora, True, 1)) == "fsdp"
+    lora = TrainSection(lora={"r": 8})  # a frozen base in the compute dtype: nothing to cast on one GPU either
+    assert resolve_strategy("auto", True, single_bf16=single_bf16(lora, True, 1)) == "ddp"
+    assert resolve_strategy("auto", True, single_bf16=single_bf16(lora, True, 2)) == "fsdp"
     assert resolve_strategy("auto", False, single_bf16=single_bf16(train, False, 1)) == "ddp"  # CPU, as before
     assert resolve_strategy("fsdp", True, single_bf16=True) == "fsdp"  # set by hand: kept
 
@@ -179,3 +180,23 @@ def test_stochastic_rounding_without_torchao_is_a_config_error(monkeypatch):
     with pytest.raises(ConfigError, match="torchao") as err:
         setup.resolve_storage(train, torch.bfloat16, torch.device("cpu"))
     assert "stochastic_rounding=off" in err.value.hint
+
+
+def test_compile_auto_is_on_for_torch_strategies_on_a_gpu_except_qlora():
+    import torch
+
+    from vlmctl.config.train import resolve_compile
+    from vlmctl.train.setup import resolve_storage
+
+    assert resolve_compile("auto", cuda=True, strategy="ddp", quantized=False) == "on"
+    assert resolve_compile("auto", cuda=True, strategy="fsdp", quantized=False) == "on"
+    assert resolve_compile("auto", cuda=True, strategy="ddp", quantized=True) == "off"  # QLoRA's bitsandbytes layers
+    assert resolve_compile("auto", cuda=True, strategy="zero3", quantized=False) == "off"
+    assert resolve_compile("auto", cuda=False, strategy="ddp", quantized=False) == "off"
+    assert resolve_compile("on", cuda=False, strategy="ddp", quantized=False) == "on"  # set by hand: kept
+    # YAML booleans and the older bool key read as the switch words
+    assert TrainSection(compile=True).compile == "on" and TrainSection(compile=False).compile == "off"
+    assert TrainSection().compile == "auto"
+    train = TrainSection(strategy="ddp")
+    resolve_storage(train, torch.float32, torch.device("cpu"))
+    assert train.compile == "off"  # recorded resolved, as the other auto values

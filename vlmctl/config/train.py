@@ -28,19 +28,24 @@ def name_problem(value: str) -> str | None:
 def resolve_strategy(strategy: str, cuda: bool, quantized: bool = False, *, single_bf16: bool = False) -> str:
     """`train.strategy: auto` -> fsdp on GPUs (FSDP2 keeps fp32 master weights sharded and computes on bf16 copies
     gathered per layer, even on one GPU), ddp on CPU, for QLoRA (`quantized`: its 4-bit base is small enough to
-    replicate) and for one process storing bf16 weights (`single_bf16`, see `single_bf16`: nothing to shard and
-    no cast to do, so FSDP2 would only add a gathered copy of the weights). Other values unchanged."""
+    replicate) and for one process storing its weights in bf16 (`single_bf16`, see `single_bf16`: bf16 master
+    weights or LoRA; nothing to shard and no cast to do, so FSDP2 would only add a gathered copy of the weights).
+    Other values unchanged."""
     if strategy != "auto":
         return strategy
     return "fsdp" if cuda and not quantized and not single_bf16 else "ddp"
 
 
 def single_bf16(train, cuda: bool, processes: int) -> bool:
-    """True when a run of `processes` processes in all stores bf16 master weights (`resolve_master_weights` with
-    `train.strategy: auto` taken as fsdp or ddp, which resolve alike): the case where strategy auto is ddp."""
+    """True when a run of `processes` processes in all is one process that stores its large weights in the
+    compute dtype: bf16 master weights (`resolve_master_weights` with `train.strategy: auto` taken as fsdp or ddp,
+    which resolve alike) or LoRA (a frozen base in the compute dtype, small adapters): the case where strategy auto
+    is ddp. (On one H100, LoRA of the 3B preset trained 4% faster under ddp than FSDP2, docs/benchmarks.md.)"""
+    if processes != 1:
+        return False
     strategy = "fsdp" if train.strategy == "auto" else train.strategy
-    return processes == 1 and resolve_master_weights(train.master_weights, cuda=cuda, precision=train.precision,
-                                                     strategy=strategy, lora=train.lora is not None) == "bf16"
+    return train.lora is not None or resolve_master_weights(
+        train.master_weights, cuda=cuda, precision=train.precision, strategy=strategy, lora=False) == "bf16"
 
 
 def resolve_master_weights(master_weights: str, *, cuda: bool, precision: str, strategy: str, lora: bool) -> str:
@@ -53,6 +58,14 @@ def resolve_master_weights(master_weights: str, *, cuda: bool, precision: str, s
     if cuda and precision in ("auto", "bf16") and strategy in ("ddp", "fsdp") and not lora and has_torchao():
         return "bf16"
     return "fp32"
+
+
+def resolve_compile(value: str, *, cuda: bool, strategy: str, quantized: bool) -> str:
+    """`train.compile: auto` -> "on" on a GPU (`cuda`) with a torch strategy (`strategy` resolved: ddp or fsdp)
+    unless the base is quantized (QLoRA), else "off". Other values unchanged."""
+    if value != "auto":
+        return value
+    return "on" if cuda and strategy in ("ddp", "fsdp") and not quantized else "off"
 
 
 def resolve_stochastic_rounding(value: str, master_weights: str) -> str:
@@ -115,7 +128,7 @@ class TrainSection(Section):
     balance: Literal["auto", "on", "off"] = Field("auto", description="Compute-balanced batches: each optimizer step's samples are split again over the data-parallel ranks and accumulated micro-batches so that their estimated training FLOPs (vision tower, attention's quadratic term, LM head on labelled tokens: vlmctl/train/flops.py) are as equal as possible, within tokens_per_batch (packed) or micro_batch_size (padded). A step keeps the same samples, so its loss is unchanged. auto = on with more than one data-parallel rank; on also balances one rank's accumulated micro-batches; off keeps the token-packed (or length-grouped) split.")
     attn_implementation: Literal["auto", "varlen", "flash_attn", "sdpa", "flex", "eager"] = Field("auto", description="Attention backend; auto picks varlen on CUDA and sdpa/flex on CPU.")
     liger: Literal["auto", "on", "off"] = Field("auto", description="liger-kernel fused cross-entropy and norms (CUDA only); auto = when installed.")
-    compile: bool = Field(False, description="torch.compile each decoder layer.")
+    compile: Literal["auto", "on", "off"] = Field("auto", description="torch.compile each language-model decoder layer (with dynamic shapes for packed rows; fuses norms, SwiGLU, rotary and LoRA's adapter arithmetic, and cuts the host's per-kernel launch work). auto = on for ddp/fsdp on a GPU except QLoRA (bitsandbytes' 4/8-bit layers are not compiled), else off. true/false read as on/off. Why: on one H100 it raised the 3B preset's tokens/s by 15% (full fine-tuning, every 2nd layer checkpointed, 16,384 tokens) and LoRA's by 37% (docs/benchmarks.md); the first steps take longer (compilation).")
     compile_vision: Literal["auto", "on", "off"] = Field("auto", description="torch.compile the vision tower's rotary embedding and width-aligned MLP (fuses their elementwise work); auto = on CUDA.")
     activation_checkpointing: Literal["auto", "off", "full", "op"] | int = Field("auto", description="Recompute activations in the backward pass to save memory: off; full = every decoder layer and vision block; an integer k = every k-th layer (selective per layer); op = every layer, keeping matmul and attention outputs (selective per op); auto = the fastest mode that fits, measured by the start-up probe (ddp/fsdp on a GPU), else off.")
     gradient_checkpointing: bool | None = Field(None, description="Older name: true = activation_checkpointing: full, false = off (when activation_checkpointing is auto).")
@@ -140,7 +153,7 @@ class TrainSection(Section):
         """YAML 1.1 reads a bare `off` as false (and `on` as true): take `off` as typed, `on` as full."""
         return {True: "full", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
-    @field_validator("stochastic_rounding", "liger", "compile_vision", "balance", mode="before")
+    @field_validator("stochastic_rounding", "liger", "compile", "compile_vision", "balance", mode="before")
     @classmethod
     def _yaml_switch_word(cls, value):
         """YAML 1.1 reads a bare `on` / `off` as true / false: take them as typed."""

@@ -167,7 +167,7 @@ def training_summary(info: dict[str, Any], *, stage: str, strategy: str, num_gpu
     master_weights = resolve_master_weights(master_weights, cuda=cuda, precision=precision,
                                             strategy="fsdp" if strategy == "auto" else strategy, lora=lora)
     strategy = resolve_strategy(strategy, cuda, lora and quantize not in (None, "none"),
-                                single_bf16=num_gpus == 1 and master_weights == "bf16")
+                                single_bf16=num_gpus == 1 and (master_weights == "bf16" or bool(lora)))
     trained = trained_parts(stage, freeze)
     if lora:
         trained["llm"] = False

@@ -41,7 +41,7 @@ def _kernels(train, tm) -> str:
     return (f"attention {tm.attn}, loss {loss}"
             + (f", activation checkpointing {describe(checkpointing)}" if checkpointing not in ("off", "auto") else "")
             + describe_memory_helpers(train)
-            + (", compiled decoder layers" if train.compile else "") + "".join(f", vision {k}" for k in tm.vision_kernels))
+            + (", compiled decoder layers" if train.compile == "on" else "") + "".join(f", vision {k}" for k in tm.vision_kernels))
 
 
 def startup_rows(train, *, run_dir: Path, ctx, tm, dataset, sampler, start_step: int, total_steps: int,

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vlmctl.config.train import (has_torchao, resolve_master_weights, resolve_stochastic_rounding, resolve_strategy,
-                                 single_bf16)
+from vlmctl.config.train import (has_torchao, resolve_compile, resolve_master_weights, resolve_stochastic_rounding,
+                                 resolve_strategy, single_bf16)
 from vlmctl.errors import ConfigError, ModelError
 from vlmctl.families import PARTS
 
@@ -291,9 +291,10 @@ def check_precision(train, dtype, device) -> None:
 
 
 def resolve_storage(train, dtype, device) -> None:
-    """Resolve `train.master_weights` and `train.stochastic_rounding` from auto for this device and compute
-    `dtype` (recorded in the run's config like the other auto values): bf16 master weights with stochastic
-    rounding where `resolve_master_weights` allows them and the compute really is bf16, else fp32."""
+    """Resolve `train.master_weights`, `train.stochastic_rounding` and `train.compile` from auto for this device
+    and compute `dtype` (recorded in the run's config like the other auto values): bf16 master weights with
+    stochastic rounding where `resolve_master_weights` allows them and the compute really is bf16, else fp32;
+    compiled decoder layers where `resolve_compile` allows them."""
     import torch
 
     if train.master_weights == "auto":
@@ -302,6 +303,8 @@ def resolve_storage(train, dtype, device) -> None:
         if dtype != torch.bfloat16:  # precision auto on a GPU without bf16
             train.master_weights = "fp32"
     train.stochastic_rounding = resolve_stochastic_rounding(train.stochastic_rounding, train.master_weights)
+    train.compile = resolve_compile(train.compile, cuda=device.type == "cuda", strategy=train.strategy,
+                                    quantized=quantized(train))
     if train.stochastic_rounding == "on" and train.master_weights == "bf16" and not has_torchao():
         raise ConfigError("train.stochastic_rounding=on needs torchao, which is not installed here",
                           hint='pip install "vlmctl[gpu]" (or torchao), or set train.stochastic_rounding=off')
@@ -457,7 +460,7 @@ def apply_training_setup(model, family, train, compute_dtype=None):
         apply_activation_checkpointing([parts.decoder_layers, parts.vision_layers], train.activation_checkpointing,
                                        offload=train.activation_offload)
     apply_tiled_mlp(parts.decoder_layers, train.tiled_mlp)
-    if train.compile:
+    if train.compile == "on":
         for layer in parts.decoder_layers:
             layer.compile(dynamic=train.packing)  # packed rows change length every step
     return model, parts, trainable
@@ -538,7 +541,7 @@ def apply_kernels(model, family, train, device) -> tuple[str, bool, list[str]]:
     liger = resolve_liger(train, family, device)
     if liger:
         # liger's norm/SwiGLU/RoPE kernels are autograd functions torch.compile cannot trace: compile fuses those
-        kernels.apply_liger(model, family, kernels=not train.compile)
+        kernels.apply_liger(model, family, kernels=train.compile != "on")
     vision = []
     if device.type == "cuda":
         has_triton = importlib.util.find_spec("triton") is not None
