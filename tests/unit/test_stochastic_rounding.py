@@ -200,3 +200,10 @@ def test_compile_auto_is_on_for_torch_strategies_on_a_gpu_except_qlora():
     train = TrainSection(strategy="ddp")
     resolve_storage(train, torch.float32, torch.device("cpu"))
     assert train.compile == "off"  # recorded resolved, as the other auto values
+
+
+def test_probe_leaves_op_checkpointing_out_under_compiled_layers():
+    from vlmctl.train.autotune import CANDIDATES, candidates
+
+    assert "op" in candidates(TrainSection(compile="off")) and candidates(TrainSection(compile="off")) == CANDIDATES
+    assert candidates(TrainSection(compile="on")) == ("off", 2, "full")

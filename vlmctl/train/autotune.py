@@ -280,17 +280,26 @@ def measure_pass(stepper, batch, device, group=None) -> tuple[int, float]:
     return int(out[0].item()), float(out[1].item())
 
 
+def candidates(train) -> tuple:
+    """The checkpointing modes the probe tries for `train.activation_checkpointing: auto`: CANDIDATES, without op
+    under compiled decoder layers (`train.compile: on`). Why: compiled, op's per-op policy ran slower than every
+    2nd layer in every probe on an H100 (LoRA 15,033 against 24,657 tokens/s), and its one win in the probe
+    (17,101 against full's 17,077) trained at 14,080 (docs/benchmarks.md); its compilation also cost the most
+    start-up time (45 s)."""
+    return tuple(m for m in CANDIDATES if m != "op") if train.compile == "on" else CANDIDATES
+
+
 def probe(train, *, stepper, layer_groups, rows, device, lengths, dp_size: int, stored_bytes: int,
           group=None, log=lambda msg: None) -> Choice:
     """Run `search` on the wrapped model behind `stepper`: `layer_groups` are the decoder layers and vision blocks
     (checkpointing modes are set on them), `rows(size)` builds a batch (see `probe_rows`). The modes tried are
-    CANDIDATES when activation_checkpointing is auto, else the configured one. Leaves the chosen mode set on the
+    `candidates(train)` when activation_checkpointing is auto, else the configured one. Leaves the chosen mode set on the
     layers."""
     import torch
 
     from vlmctl.train.checkpointing import apply_activation_checkpointing
 
-    modes = CANDIDATES if train.activation_checkpointing == "auto" else (train.activation_checkpointing,)
+    modes = candidates(train) if train.activation_checkpointing == "auto" else (train.activation_checkpointing,)
     longest = int(max(lengths)) if len(lengths) else 1
     if train.packing:
         total = int(sum(int(x) for x in lengths))
