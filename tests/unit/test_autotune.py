@@ -113,6 +113,11 @@ def test_fixed_values_where_no_probe_runs():
     train = TrainSection(tokens_per_batch=4096, activation_checkpointing=2, micro_batch_size=3)
     assert autotune.settle_without_probe(train, cpu) is None
     assert (train.tokens_per_batch, train.micro_batch_size, train.activation_checkpointing) == (4096, 3, 2)
+    # the returned choice (a run's autotune.json) holds only what auto decided, not the configured values' defaults
+    train = TrainSection(tokens_per_batch=4096)
+    settled = autotune.settle_without_probe(train, cpu)
+    assert settled.tokens_per_batch is None and train.tokens_per_batch == 4096
+    assert (settled.micro_batch_size, settled.activation_checkpointing) == (1, "off")
 
 
 def test_the_record_round_trips_and_resolves_only_auto_keys(tmp_path):

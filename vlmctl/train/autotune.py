@@ -101,12 +101,13 @@ def fixed_choice(train, device) -> Choice:
 
 def settle_without_probe(train, device) -> Choice | None:
     """Resolve every auto the probe will not touch (the batching not in use; all of them where no probe can run).
-    Returns the fixed choice applied, or None when nothing was auto."""
+    Returns the Choice of the values applied (keys that were not auto are None in it, so a run's `autotune.json`
+    records only what auto decided), or None when nothing was auto."""
     fixed = fixed_choice(train, device)
     probing = wants(train) if can_probe(train, device) else set()
     keys = {"tokens_per_batch", "micro_batch_size", "activation_checkpointing"} - probing
-    applied = Choice(**{k: getattr(fixed, k) for k in keys}, reason=fixed.reason).apply(train)
-    return fixed if applied else None
+    settled = Choice(**{k: getattr(fixed, k) for k in keys if getattr(train, k) == "auto"}, reason=fixed.reason)
+    return settled if settled.apply(train) else None
 
 
 # ------------------------------------------------------------------------------------------------- the search
