@@ -5,6 +5,7 @@ docs/benchmarks.md, not asserted here (a few steps do not learn)."""
 from __future__ import annotations
 
 import json
+import random
 from collections import Counter
 from pathlib import Path
 
@@ -169,6 +170,27 @@ def test_generated_clips_are_deterministic_balanced_and_answerable(tmp_path):
                 mean = f[painted].mean(axis=0)
                 return min(COLORS, key=lambda name: np.abs(np.array(COLORS[name]) - mean).sum())
             assert color(frames[-1]) == answer and color(frames[0]) != answer
+
+
+def test_long_generated_clips_keep_the_square_inside_and_moving_one_way(tmp_path):
+    """A clip longer than a size/28-px-per-frame path allows (56 px, 48 frames: 2 px x 47 frames > the 38 px free)
+    spreads the free span over the clip instead of failing, and the square still moves only the answer's way."""
+    pytest.importorskip("av")
+    import numpy as np
+
+    from vlmctl.data.synthetic_video import DIRECTIONS, _track, generate_moving_shapes
+
+    for answer, (ux, uy) in DIRECTIONS.items():
+        track = _track(random.Random(0), 56, 18, (2 * ux, 2 * uy), 48)
+        xs, ys = np.array(track).T
+        assert xs.min() >= 0 and ys.min() >= 0 and xs.max() + 18 <= 56 and ys.max() + 18 <= 56
+        steps = np.diff(xs) * ux + np.diff(ys) * uy  # along the direction: never back, at most 2 px a frame
+        assert steps.min() >= 0 and steps.max() <= 2 and steps.sum() == 38
+        assert (np.diff(xs) * uy == 0).all() and (np.diff(ys) * ux == 0).all()  # nothing across it
+    path = generate_moving_shapes(tmp_path, num_samples=3, seed=1, frames=48)
+    first = json.loads(path.read_text())[0]
+    assert first["id"].startswith("direction-")
+    assert _decoded_frames(tmp_path / first["videos"][0]).shape == (48, 56, 56, 3)
 
 
 def test_generated_tones_are_deterministic_balanced_and_answerable(tmp_path):

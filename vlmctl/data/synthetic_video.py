@@ -12,7 +12,7 @@ background. Question types (answers balanced within each type):
 
 - `direction`: "Which way does the square move?" -> left | right | up | down. One shaded square of `size / 3`
   pixels (red rising from its left side to its right, blue from its top to its bottom) moving `size / 28` pixels
-  per frame: the shading makes the motion show inside every patch the square covers (each pixel turns less red when
+  per frame (less in a clip too long for that path to stay inside the frame): the shading makes the motion show inside every patch the square covers (each pixel turns less red when
   it moves right, more blue when it moves up, ...), not only along its edges, which is what a video encoder trained
   from scratch on a CPU learns to read within minutes (with flat colors, where only the edges change, it answers
   blind for hundreds of steps).
@@ -47,12 +47,16 @@ SHADED = "shaded"
 
 def _track(rng: random.Random, size: int, side: int, step: tuple[int, int], frames: int) -> list[tuple[int, int]]:
     """Top-left corners, one per frame, of an object of `side` px moving by `step` px per frame, placed so that
-    the whole path stays inside the frame."""
-    dx, dy = step
-    span_x, span_y = abs(dx) * (frames - 1), abs(dy) * (frames - 1)
-    x = rng.randint(0, size - side - span_x) + (span_x if dx < 0 else 0)
-    y = rng.randint(0, size - side - span_y) + (span_y if dy < 0 else 0)
-    return [(x + dx * t, y + dy * t) for t in range(frames)]
+    the whole path stays inside the frame. A path longer than the frame allows (a long clip) is shortened to the
+    frame: the object then moves by the frame's free span spread evenly over the clip (some frames by a pixel
+    less, or none), always in the same direction."""
+    free = size - side
+    span_x, span_y = min(abs(step[0]) * (frames - 1), free), min(abs(step[1]) * (frames - 1), free)
+    sx, sy = (step[0] > 0) - (step[0] < 0), (step[1] > 0) - (step[1] < 0)
+    x = rng.randint(0, free - span_x) + (span_x if sx < 0 else 0)
+    y = rng.randint(0, free - span_y) + (span_y if sy < 0 else 0)
+    last = max(frames - 1, 1)
+    return [(x + sx * round(t * span_x / last), y + sy * round(t * span_y / last)) for t in range(frames)]
 
 
 def _scene(rng: random.Random, qtype: str, size: int, frames: int, answer: str) -> tuple[list[dict], str]:
