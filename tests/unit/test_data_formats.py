@@ -167,8 +167,15 @@ def test_webdataset_layouts(tmp_path):
         "c.png": blue, "c.txt": b"A blue square.",
         "d.png": blue,
     })
+    _tar(tmp_path / "shard-1.tar", {
+        "e.json": json.dumps({"question": " ", "answers": ["red"]}).encode(), "e.jpg": red, "e.txt": b"red",
+        "f.json": json.dumps({"question": ""}).encode(), "f.txt": b"red",
+    })
     out = samples(DataSource(path=str(tmp_path), format="webdataset"))
-    a, b, c, d = out
+    a, b, c, d, e, f = out
+    # an energon VQA sample without a question: its image alone is the user turn (a media-only sample has none)
+    assert text_of(e) == [("user", "<img0>"), ("assistant", "red")] and e.meta["answers"] == ["red"]
+    assert f.reason == "empty_turn"
     assert text_of(a) == [("user", "<img0> Color?"), ("assistant", "red")] and a.meta["answers"] == ["red"]
     assert b.images == [red, blue] and text_of(b)[0] == ("user", "<img0> And? <img1>")
     assert text_of(c) == [("user", "<img0>"), ("assistant", "A blue square.")]

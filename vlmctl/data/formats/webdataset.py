@@ -10,7 +10,8 @@ Per sample `{key}`:
     `<image>` placeholders take the tar's images in order, video parts and `<video>` placeholders its videos, audio
     parts and `<audio>` placeholders its audio clips;
     vlmctl's energon export writes this);
-  - the energon VQA layout: `{key}.json` = `{"question": ...}` (optionally `answers`) + `{key}.txt` answer;
+  - the energon VQA layout: `{key}.json` = `{"question": ...}` (optionally `answers`) + `{key}.txt` answer (an
+    empty question leaves the media alone as the user turn);
   - captioning: `{key}.txt` alone (the user turn is the media, the assistant turn the caption or transcript: a
     `{key}.flac` + `{key}.txt` pair is a speech-recognition sample).
 
@@ -115,16 +116,23 @@ def group_to_sample(key: str, parts: dict[str, bytes], *, name: str, location: s
                 answer = record.get("answer") or (record.get("answers") or [None])[0]
             if answer is not None and "answers" not in meta:
                 meta["answers"] = [answer]
-            turns = [("user", record["question"]), ("assistant", answer)]
+            question = record["question"]
+            if isinstance(question, str) and not question.strip() and (images or videos or audios):
+                question = media_parts(images, videos, audios)  # no question: the media alone ask, as in a caption
+            turns = [("user", question), ("assistant", answer)]
         elif answer is not None and (images or videos or audios):
             # A caption (or transcript) sample: the media alone are the user turn.
-            media = [{"type": "image"} for _ in images] + [{"type": "video"} for _ in videos] + [{"type": "audio"} for _ in audios]
-            turns = [("user", media), ("assistant", answer)]
+            turns = [("user", media_parts(images, videos, audios)), ("assistant", answer)]
         else:
             raise RecordError(f"sample {key} has no .json with messages/question and no .txt caption (parts: {', '.join(sorted(parts))})")
     except RecordError as exc:
         return Rejection("parse_error", name, location, str(exc), sid)
     return build_sample(turns, images=images, videos=videos, audios=audios, id=sid, source=name, location=location, meta=meta)
+
+
+def media_parts(images, videos, audios) -> list[dict[str, str]]:
+    """Content parts for a user turn made of a sample's media alone: one `{"type": ...}` per image, video, audio."""
+    return [{"type": "image"} for _ in images] + [{"type": "video"} for _ in videos] + [{"type": "audio"} for _ in audios]
 
 
 def read_webdataset(source: DataSource, *, media_roots: Iterable[Path | str] = ()) -> Iterator[Sample | Rejection]:
