@@ -374,3 +374,43 @@ def test_a_4bit_packed_weight_counts_its_full_matrix():
     packed.quant_state = types.SimpleNamespace(shape=torch.Size([16, 8]))
     model.language_model.weight = packed
     assert full == 128 and _param_counts(model, family)["llm_params"] == 128
+
+
+def test_mixture_of_experts_counts_the_experts_a_token_runs():
+    # the tiny Qwen3-VL-MoE preset (4 experts, 2 per token) through forward + backward with transformers' eager
+    # experts (a matmul per expert, which the FLOP counter sees): the cost model charges 2 of the 4 experts per token
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from vlmctl.bench import WorkloadSpec, prepare, random_model
+    from vlmctl.config.model import ModelSection
+    from vlmctl.config.train import TrainSection
+    from vlmctl.data.collate import Collator
+    from vlmctl.families import get_family
+
+    spec = get_family("qwen3_vl_moe")
+    plan = prepare(ModelSection(preset=spec.tiny_preset, init="random"), TrainSection(packing=False, strategy="ddp"),
+                   WorkloadSpec(image_sizes=(224,), text_tokens=(40, 80)), steps=1, warmup=0, dp_size=1)
+    torch.manual_seed(0)
+    model = random_model(plan.model.plan, plan.model.processor, device="cpu", dtype=torch.float32)
+    model.set_attn_implementation("eager")
+    model.set_experts_implementation("eager")
+    text = model.config.get_text_config()
+    assert (text.num_experts, text.num_experts_per_tok) == (4, 2)
+    batch = plan.workload.batch([0], Collator(plan.model.processor, plan.model.family, dummy_image=False))
+    labels = batch["labels"]
+    target = torch.nonzero(labels[0] != -100).squeeze(1)
+    inputs = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k != "labels" and not k.startswith("num_")}
+    with FlopCounterMode(display=False) as counter:
+        logits = model(**inputs, logits_to_keep=target - 1, use_cache=False).logits[0]
+        F.cross_entropy(logits.float(), labels[0, target], reduction="sum").backward()
+    cost = CostModel.from_model(model, spec, ALL)
+    terms = cost.batch_terms(batch)
+    expected = sum(terms.values()) + terms["llm_attention"]  # causal=False, as counted
+    measured = counter.get_total_flops()
+    assert abs(expected - measured) / measured < 0.02, (expected, measured, terms)
+    # every expert charged (the dense count) misses by far more than the tolerance
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    dense = dataclasses.replace(cost, llm_params=cost.llm_params + routed // 2).batch_terms(batch)
+    assert (sum(dense.values()) + dense["llm_attention"] - measured) / measured > 0.05

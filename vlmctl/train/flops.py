@@ -36,6 +36,11 @@ excluded; d_x = attention width = heads x head_dim; L_x = layers), forward FLOPs
     llm_attention     4 * d_llm * L_llm * sum_segments s^2 / 2     causal: half the s^2 scores (PaLM app. B counts
                                                                    the full 12 * L * d * s per token of training)
 
+- Mixture-of-experts language models (Qwen3-VL-MoE, any config with `num_experts_per_tok` and `num_experts` or
+  `num_local_experts`): a token runs through `num_experts_per_tok` of the experts, so the expert weights (parameters
+  under an `experts` module, stacked [experts, ...] or one module per expert) count in N_llm by top_k / experts;
+  the router and the dense layers count in full (Switch Transformer, Fedus et al. 2022, sec. 2: FLOPs per token
+  follow the active parameters, not the total).
 - Vision attention blocks `s_b`, per image: Qwen2.5-VL (transformers `modeling_qwen2_5_vl`
   `Qwen2_5_VisionTransformerPretrainedModel.forward` and `vision_utils.get_vision_window_index`) runs window
   attention in every layer except `fullatt_block_indexes`: windows of `window_size` px, i.e.
@@ -586,14 +591,32 @@ def _param_counts(model, family) -> dict[str, int]:
     inputs = {id(p) for m in _input_layers(model, family) for p in m.parameters()}
     counts = {"vision_params": 0, "vision_input_params": 0, "projector_params": 0, "projector_input_params": 0,
               "llm_params": 0}
+    experts, active = _experts_per_token(getattr(model, "config", None))
+    routed = 0  # the language model's expert weights, all experts: a token runs `active` of `experts`
     for name, p in model.named_parameters(remove_duplicate=True):
         if id(p) in skip or p.ndim < 2:
             continue
         part = part_of_parameter(name, family)
         key = f"{part}_input_params" if id(p) in inputs and part != "llm" else f"{part}_params"
         quant = getattr(p, "quant_state", None)  # bitsandbytes 4-bit packs two weights per byte: count the matrix
-        counts[key] += math.prod(quant.shape) if quant is not None else p.numel()
+        n = math.prod(quant.shape) if quant is not None else p.numel()
+        if experts and part == "llm" and "experts" in name.split("."):
+            routed += n
+        else:
+            counts[key] += n
+    if routed:
+        counts["llm_params"] += round(routed * active / experts)
     return {**counts, "head_params": head_params}
+
+
+def _experts_per_token(config) -> tuple[int, int]:
+    """(experts, experts per token) of a mixture-of-experts language model's config, (0, 0) for a dense one."""
+    if config is None:
+        return 0, 0
+    text = config.get_text_config()
+    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    active = getattr(text, "num_experts_per_tok", None)
+    return (int(experts), int(active)) if experts and active else (0, 0)
 
 
 def _input_layers(model, family) -> list:
