@@ -376,9 +376,9 @@ def test_a_4bit_packed_weight_counts_its_full_matrix():
     assert full == 128 and _param_counts(model, family)["llm_params"] == 128
 
 
-def test_mixture_of_experts_counts_the_experts_a_token_runs():
-    # the tiny Qwen3-VL-MoE preset (4 experts, 2 per token) through forward + backward with transformers' eager
-    # experts (a matmul per expert, which the FLOP counter sees): the cost model charges 2 of the 4 experts per token
+def _tiny_preset_pass(name: str):
+    """(cost model, batch, FLOPs torch counts) of one bench sample (one 224 px image, 40-80 answer tokens) of family
+    `name`'s tiny preset through forward + backward, eager attention (and eager experts), every part trained."""
     import torch
     import torch.nn.functional as F
     from torch.utils.flop_counter import FlopCounterMode
@@ -389,15 +389,14 @@ def test_mixture_of_experts_counts_the_experts_a_token_runs():
     from vlmctl.data.collate import Collator
     from vlmctl.families import get_family
 
-    spec = get_family("qwen3_vl_moe")
+    spec = get_family(name)
     plan = prepare(ModelSection(preset=spec.tiny_preset, init="random"), TrainSection(packing=False, strategy="ddp"),
                    WorkloadSpec(image_sizes=(224,), text_tokens=(40, 80)), steps=1, warmup=0, dp_size=1)
     torch.manual_seed(0)
     model = random_model(plan.model.plan, plan.model.processor, device="cpu", dtype=torch.float32)
     model.set_attn_implementation("eager")
-    model.set_experts_implementation("eager")
-    text = model.config.get_text_config()
-    assert (text.num_experts, text.num_experts_per_tok) == (4, 2)
+    if getattr(model.config.get_text_config(), "num_experts_per_tok", None):
+        model.set_experts_implementation("eager")  # a matmul per expert, which the FLOP counter sees
     batch = plan.workload.batch([0], Collator(plan.model.processor, plan.model.family, dummy_image=False))
     labels = batch["labels"]
     target = torch.nonzero(labels[0] != -100).squeeze(1)
@@ -405,10 +404,27 @@ def test_mixture_of_experts_counts_the_experts_a_token_runs():
     with FlopCounterMode(display=False) as counter:
         logits = model(**inputs, logits_to_keep=target - 1, use_cache=False).logits[0]
         F.cross_entropy(logits.float(), labels[0, target], reduction="sum").backward()
-    cost = CostModel.from_model(model, spec, ALL)
+    return CostModel.from_model(model, spec, ALL), batch, counter.get_total_flops(), model
+
+
+@pytest.mark.parametrize("name", ["gemma3", "internvl", "llava_next", "llava_onevision", "mistral3"])
+def test_more_families_match_the_flop_counter(name):
+    # the tiny presets of the families added after the four above, through the bench's own sample and collator
+    cost, batch, measured, _ = _tiny_preset_pass(name)
     terms = cost.batch_terms(batch)
     expected = sum(terms.values()) + terms["llm_attention"]  # causal=False, as counted
-    measured = counter.get_total_flops()
+    assert abs(expected - measured) / measured < 0.02, (name, expected, measured, terms)
+    assert terms["vision"] > 0 and terms["projector"] > 0
+
+
+def test_mixture_of_experts_counts_the_experts_a_token_runs():
+    # the tiny Qwen3-VL-MoE preset (4 experts, 2 per token) with transformers' eager experts: the cost model charges
+    # 2 of the 4 experts per token, as the counter counts them
+    cost, batch, measured, model = _tiny_preset_pass("qwen3_vl_moe")
+    text = model.config.get_text_config()
+    assert (text.num_experts, text.num_experts_per_tok) == (4, 2)
+    terms = cost.batch_terms(batch)
+    expected = sum(terms.values()) + terms["llm_attention"]  # causal=False, as counted
     assert abs(expected - measured) / measured < 0.02, (expected, measured, terms)
     # every expert charged (the dense count) misses by far more than the tolerance
     routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
