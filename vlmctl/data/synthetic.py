@@ -162,8 +162,29 @@ def generate_shapes_vqa(out_dir: Path, num_samples: int = 3000, seed: int = 0, i
                 {"from": "gpt", "value": answer},
             ],
         })
-    path = out_dir / "shapes_vqa.json"
-    path.write_text(json.dumps(records, indent=1))
+    return write_records(out_dir / "shapes_vqa.json", records)
+
+
+def media_question(sid: str, media: str, name: str, question: str, answer: str) -> dict:
+    """One ShareGPT record (LLaMA-Factory's layout) of a generated set: the user asks `question` about the file
+    `name` (a path relative to the JSON file) of modality `media` ("video", "audio": the `<video>` / `<audio>`
+    placeholder and the `videos` / `audios` list), the assistant answers `answer` in one word."""
+    return {
+        "id": sid,
+        "messages": [
+            {"role": "user", "content": f"<{media}>{question} Answer with one word."},
+            {"role": "assistant", "content": answer},
+        ],
+        f"{media}s": [name],
+    }
+
+
+def write_records(path: Path, records: list[dict]) -> Path:
+    """Write a generated set's records as one JSON array to `path` (through a temporary file, renamed). Returns
+    `path`."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(records, indent=1))
+    tmp.replace(path)
     return path
 
 

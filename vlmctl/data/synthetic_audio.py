@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import math
 import random
 from pathlib import Path
+
+from vlmctl.data.synthetic import media_question, write_records
 
 QUESTION_TYPES = ("beeps", "pitch", "glide")
 SAMPLING_RATE = 16_000
@@ -143,17 +144,8 @@ def generate_tones(out_dir: Path, num_samples: int = 1200, seed: int = 0, second
         fmt = "WAV" if i % 2 == 0 else "FLAC"
         name = f"audio/{sid}.{fmt.lower()}"
         (out_dir / name).write_bytes(encode_audio(wave, SAMPLING_RATE, fmt))
-        records.append({
-            "id": sid,
-            "messages": [
-                {"role": "user", "content": f"<audio>{QUESTIONS[qtype]} Answer with one word."},
-                {"role": "assistant", "content": answer},
-            ],
-            "audios": [name],
-        })
-    path = out_dir / "tones.json"
-    path.write_text(json.dumps(records, indent=1))
-    return path
+        records.append(media_question(sid, "audio", name, QUESTIONS[qtype], answer))
+    return write_records(out_dir / "tones.json", records)
 
 
 __all__ = ["QUESTION_TYPES", "QUESTIONS", "BEEP_COUNTS", "PITCH_BANDS", "GLIDES", "GLIDE_RATIO", "SAMPLING_RATE", "generate_tones", "encode_audio"]

@@ -31,11 +31,10 @@ docs/benchmarks.md has the measurements.)
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 from pathlib import Path
 
-from vlmctl.data.synthetic import COLORS, SHAPES, _draw_shape
+from vlmctl.data.synthetic import COLORS, SHAPES, _draw_shape, media_question, write_records
 
 QUESTION_TYPES = ("direction", "motion", "turn")
 DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
@@ -182,17 +181,8 @@ def generate_moving_shapes(out_dir: Path, num_samples: int = 1200, seed: int = 0
         sid = f"{qtype}-{i:05d}"
         name = f"videos/{sid}.mp4"
         (out_dir / name).write_bytes(encode_mp4(clip, fps))
-        records.append({
-            "id": sid,
-            "messages": [
-                {"role": "user", "content": f"<video>{question} Answer with one word."},
-                {"role": "assistant", "content": answer},
-            ],
-            "videos": [name],
-        })
-    path = out_dir / "moving_shapes.json"
-    path.write_text(json.dumps(records, indent=1))
-    return path
+        records.append(media_question(sid, "video", name, question, answer))
+    return write_records(out_dir / "moving_shapes.json", records)
 
 
 __all__ = ["QUESTION_TYPES", "DIRECTIONS", "MOTIONS", "SHADED", "generate_moving_shapes", "encode_mp4"]
