@@ -12,10 +12,10 @@ background. Question types (answers balanced within each type):
 
 - `direction`: "Which way does the square move?" -> left | right | up | down. One shaded square of `size / 3`
   pixels (red rising from its left side to its right, blue from its top to its bottom) moving `size / 28` pixels
-  per frame (less in a clip too long for that path to stay inside the frame): the shading makes the motion show inside every patch the square covers (each pixel turns less red when
-  it moves right, more blue when it moves up, ...), not only along its edges, which is what a video encoder trained
-  from scratch on a CPU learns to read within minutes (with flat colors, where only the edges change, it answers
-  blind for hundreds of steps).
+  per frame (less in a clip too long for that path to stay inside the frame): the shading makes the motion show
+  inside every patch the square covers (each pixel turns less red when it moves right, more blue when it moves
+  up, ...), not only along its edges, which is what a video encoder trained from scratch on a CPU learns to read
+  within minutes (with flat colors, where only the edges change, it answers blind for hundreds of steps).
 - `motion`: "Does the square move or stay still?" -> moving | still. The same shaded square, moving as above or not.
 - `turn`: "What color does the circle turn?" -> one of COLORS. One still, flat object (circle, square or triangle)
   of `size / 3` pixels that shows another color in the first half of the clip and the answer's in the second half.
