@@ -151,6 +151,8 @@ def mrope_prepare(model, image_token_id: int | None) -> Callable[[dict[str, Any]
     from vlmctl.data.collate import is_packed
 
     rope_index = rope_index_fn(model)
+    vision = getattr(getattr(getattr(rope_index, "__self__", None), "config", None), "vision_config", None)
+    merge = int(getattr(vision, "spatial_merge_size", None) or 2)
 
     def prepare(batch: dict[str, Any]) -> dict[str, Any]:
         if not is_packed(batch):
@@ -160,22 +162,25 @@ def mrope_prepare(model, image_token_id: int | None) -> Callable[[dict[str, Any]
             types = (batch["input_ids"] == image_token_id).long()
         positions = packed_mrope_positions(rope_index, batch["input_ids"], types, batch["seq_lens"],
                                            image_grid_thw=batch.get("image_grid_thw"), video_grid_thw=batch.get("video_grid_thw"),
-                                           second_per_grid_ts=batch.get("second_per_grid_ts"))
+                                           second_per_grid_ts=batch.get("second_per_grid_ts"), spatial_merge_size=merge)
         return {**batch, "position_ids": positions}
 
     return prepare
 
 
 def packed_mrope_positions(get_rope_index: Callable[..., tuple[Any, Any]], input_ids, mm_token_type_ids, seq_lens: list[int], *,
-                           image_grid_thw=None, video_grid_thw=None, second_per_grid_ts=None):
+                           image_grid_thw=None, video_grid_thw=None, second_per_grid_ts=None, spatial_merge_size: int = 2):
     """(4, 1, T) position ids of a packed Qwen-VL row: the 1-D text positions (row 0, restarting per sample, what
     transformers reads to build the packed mask) over the per-sample 3-D mRoPE positions (rows 1-3).
 
     `get_rope_index` is the model's own, called once per sample with that sample's tokens and its slices of the
     row's `image_grid_thw` [n_images, 3], `video_grid_thw` [n_videos, 3] and `second_per_grid_ts` [n_videos]
     (Qwen2.5-VL: seconds per temporal patch, which space the videos' temporal positions), so every sample gets the
-    positions it has unpacked. `input_ids` / `mm_token_type_ids` (0 text, 1 image, 2 video): (1, T). Media of a
-    sample are the contiguous runs of its image / video tokens, in order.
+    positions it has unpacked. `input_ids` / `mm_token_type_ids` (0 text, 1 image, 2 video): (1, T).
+
+    A sample's media are the grid rows, in order, whose tokens (t * h * w / `spatial_merge_size`**2 each) make up its
+    image / video tokens: a Qwen2-VL video is one run of tokens, a Qwen3-VL video one run per temporal patch (with
+    its timestamp text between them). Raises ModelError when a sample's tokens do not end on a grid row.
     """
     import torch
 
@@ -185,7 +190,7 @@ def packed_mrope_positions(get_rope_index: Callable[..., tuple[Any, Any]], input
     for n in seq_lens:
         ids = input_ids[:, start:start + n]
         types = token_types[start:start + n]
-        counts = {kind: int(((types[1:] == kind) & (types[:-1] != kind)).sum() + (types[0] == kind)) for kind in grids}
+        counts = {kind: _media_count(grids[kind], used[kind], int((types == kind).sum()), spatial_merge_size, kind) for kind in grids}
         if not any(counts.values()):
             pos = torch.arange(n, device=input_ids.device).view(1, 1, -1).expand(3, 1, -1)
         else:
@@ -203,6 +208,21 @@ def packed_mrope_positions(get_rope_index: Callable[..., tuple[Any, Any]], input
     mrope = torch.cat(rows, dim=-1)
     text = torch.cat([torch.arange(n, device=input_ids.device) for n in seq_lens]).view(1, 1, -1)
     return torch.cat([text.to(mrope.dtype), mrope], dim=0)
+
+
+def _media_count(grid_thw, first: int, tokens: int, merge: int, kind: int) -> int:
+    """How many rows of `grid_thw` [N, 3], from row `first`, hold `tokens` tokens (t * h * w / merge**2 a row).
+    Raises ModelError when they do not add up to exactly `tokens`."""
+    taken = count = 0
+    while taken < tokens and grid_thw is not None and first + count < len(grid_thw):
+        taken += int(grid_thw[first + count].prod()) // (merge * merge)
+        count += 1
+    if taken != tokens:
+        what = "image" if kind == 1 else "video"
+        rows = f"rows {first}..{first + count - 1} of {what}_grid_thw hold {taken}" if count else f"{what}_grid_thw has no row left"
+        raise ModelError(f"a packed sample has {tokens} {what} tokens, but {rows}",
+                         hint="the media tensors must come from the processor call that wrote the sample's tokens")
+    return count
 
 
 # --------------------------------------------------------------------------------------------------------------------
