@@ -258,10 +258,11 @@ class QwenVLSpec(FamilySpec):
 
     def video_processor(self, image_processor: Any, **settings: Any):
         """The version's video processor with the image processor's patch / merge / temporal patch sizes (and
-        `settings`, e.g. a saved video processor's `size`): transformers' class, or where torchvision is missing
-        `qwen_video.FramesVideoProcessor` for the versions whose video processor is Qwen2-VL's.
+        `settings`, e.g. a saved video processor's `size`): transformers' class, or where torchvision is missing its
+        stand-in (`qwen_video.STAND_INS`: `FramesVideoProcessor` for Qwen2-VL's, used by Qwen2-VL and Qwen2.5-VL;
+        `Qwen3FramesVideoProcessor` for Qwen3-VL's, used by Qwen3-VL and Qwen3-VL-MoE).
 
-        Raises ImportError without torchvision for the other versions."""
+        Raises ImportError without torchvision for a video processor class without a stand-in (`STAND_IN_FOR`)."""
         import transformers
 
         kwargs = {"patch_size": image_processor.patch_size, "merge_size": image_processor.merge_size,
@@ -269,16 +270,16 @@ class QwenVLSpec(FamilySpec):
         try:
             return getattr(transformers, self.video_processor_class)(**kwargs)  # ImportError without torchvision
         except ImportError:
-            if self.video_processor_class != FramesStandIn.stands_for:
+            if self.video_processor_class not in STAND_IN_FOR:
                 raise
-        from vlmctl.families.qwen_video import FramesVideoProcessor
+        from vlmctl.families.qwen_video import STAND_INS
 
-        return FramesVideoProcessor(**kwargs)
+        return STAND_INS[self.video_processor_class](**kwargs)
 
     def image_only_processor(self, ref: str, *, trust_remote_code: bool = False):
-        """The saved processor at `ref` with `qwen_video.FramesVideoProcessor` as its video processor (its saved
+        """The saved processor at `ref` with the version's stand-in video processor (`video_processor`, its saved
         settings kept), where transformers' own video processor cannot load (no torchvision); the image-only
-        variant (`FamilySpec.image_only_processor`) for versions without a stand-in."""
+        variant (`FamilySpec.image_only_processor`) for a video processor class without a stand-in."""
         processor = super().image_only_processor(ref, trust_remote_code=trust_remote_code)
         try:
             video = self.video_processor(processor.image_processor, **_saved_video_settings(ref))
@@ -287,7 +288,7 @@ class QwenVLSpec(FamilySpec):
         return self._with_frames(processor.image_processor, processor.tokenizer, video, processor.chat_template)
 
     def make_processor(self, tokenizer: Any, image_processor: Any, chat_template: str | None = None, **kwargs: Any):
-        """`FamilySpec.make_processor`, with `qwen_video.FramesVideoProcessor` as the video processor where
+        """`FamilySpec.make_processor`, with the version's stand-in video processor (`video_processor`) where
         transformers' needs torchvision and it is not installed."""
         try:
             video = self.video_processor(image_processor)
@@ -304,19 +305,18 @@ class QwenVLSpec(FamilySpec):
         return cls(image_processor=image_processor, tokenizer=tokenizer, video_processor=video, chat_template=chat_template, **kwargs)
 
 
-class FramesStandIn:
-    """What `qwen_video.FramesVideoProcessor` stands in for (kept here so checking it imports no transformers)."""
-
-    stands_for = "Qwen2VLVideoProcessor"
+STAND_IN_FOR = ("Qwen2VLVideoProcessor", "Qwen3VLVideoProcessor")
+"""The video processor classes `qwen_video` has a stand-in for (`qwen_video.STAND_INS`; named here so checking a
+processor imports no transformers)."""
 
 
 def _is_stand_in(video: Any) -> bool:
-    return video is not None and getattr(type(video), "stands_for", None) == FramesStandIn.stands_for
+    return video is not None and getattr(type(video), "stands_for", None) in STAND_IN_FOR
 
 
 @lru_cache(maxsize=None)
 def _frames_variant(cls):
-    """`cls` (a Qwen-VL processor class) accepting `FramesVideoProcessor` as its video processor: transformers checks
+    """`cls` (a Qwen-VL processor class) accepting a `qwen_video` stand-in as its video processor: transformers checks
     sub-processors against `VideoProcessorMixin` by name in its top-level namespace, where the class is not exported
     without torchvision. Saved under the real class's name, so a machine with torchvision loads transformers' own."""
 
@@ -341,7 +341,8 @@ def _saved_video_settings(ref: str) -> dict[str, Any]:
         saved = json.loads(path.read_text()).get("video_processor") or {}
     except (OSError, ValueError):
         return {}
-    keep = ("size", "patch_size", "merge_size", "temporal_patch_size", "image_mean", "image_std", "rescale_factor")
+    keep = ("size", "patch_size", "merge_size", "temporal_patch_size", "image_mean", "image_std", "rescale_factor",
+            "cap_pixels_per_frame", "max_video_tokens")
     return {k: saved[k] for k in keep if k in saved}
 
 
