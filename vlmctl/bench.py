@@ -21,7 +21,8 @@ Workloads (`WorkloadSpec.kind`, `--workload`):
   video instead: an even number of square random RGB frames in that range (frames come in temporal patches of 2),
   a side from `--video-sizes`, encoded at `VIDEO_FPS` as `data prepare` stores clips
   (`vlmctl.data.modalities.video.encode_clip`), so that the frames are decoded and go through the family's video
-  processor as training data does (families that take video: `FamilySpec.modalities`, Qwen2-VL and Qwen2.5-VL).
+  processor as training data does (families that take video: `FamilySpec.modalities`, Qwen2-VL, Qwen2.5-VL and
+  Qwen3-VL).
   The samples go through the trainer's own data path: the model's processor and chat template
   (`vlmctl.data.collate.encode_sample`) and its collator, packed rows of `train.tokens_per_batch` tokens
   (`PackedCollator`, with `train.packing`) or padded micro-batches of `train.micro_batch_size` samples (`Collator`).
@@ -557,10 +558,11 @@ class ChatWorkload(Workload):
         return text + self.visual_tokens(media)
 
     def visual_tokens(self, media: SampleMedia) -> int:
-        """Visual (placeholder) tokens of a sample's images or video under the family's rules."""
+        """Visual (placeholder) tokens of a sample's images or video under the family's rules (a Qwen3-VL clip's
+        include the timestamp text and vision start / end tokens its processor writes per temporal patch)."""
         if media.video is not None:
             frames, side = media.video
-            return int(self.family.num_video_tokens(frames, side, side, self.counter.processor))
+            return int(self.family.num_video_tokens(frames, side, side, self.counter.processor, fps=VIDEO_FPS))
         for side in set(media.images) - set(self._per_side):
             self._per_side[side] = self.counter.visual_tokens(side, side)
         return sum(self._per_side[side] for side in media.images)
@@ -757,17 +759,17 @@ def prepare(model_section, train, spec: WorkloadSpec = WorkloadSpec(), *, steps:
 
 def check_video(model: ModelChoice) -> None:
     """Raise UsageError when `--video-frames` cannot run on `model`: its family takes no video
-    (`FamilySpec.modalities`) or has no video-token rule in vlmctl (Qwen3-VL: timestamps between temporal patches),
+    (`FamilySpec.modalities`) or has no video-token rule in vlmctl (`FamilySpec.num_video_tokens`),
     its processor has no video processor, or PyAV (the `video` extra, which writes and reads the clips) is missing."""
     from vlmctl.errors import ModelError, UsageError
     from vlmctl.train.launch import require_package
 
     family = model.family
-    hint = "measure video on a family that takes it (Qwen2-VL, Qwen2.5-VL), or drop --video-frames"
+    hint = "measure video on a family that takes it (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), or drop --video-frames"
     if "video" not in family.modalities:
         raise UsageError(f"--video-frames: model family {family.name} takes no video (it takes {', '.join(family.modalities)})", hint=hint)
     try:
-        family.num_video_tokens(2, 56, 56, model.processor)
+        family.num_video_tokens(2, 56, 56, model.processor, fps=VIDEO_FPS)
     except ModelError as exc:
         raise UsageError(f"--video-frames: {exc.message}", hint=hint) from None
     if getattr(model.processor, "video_processor", None) is None:

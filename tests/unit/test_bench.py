@@ -260,9 +260,8 @@ def _one_panel(code: int, err: str) -> str:
     (["--video-frames", "4,8", "--video-sizes", "0"], ["--video-sizes 0", "positive sides"]),
     (["--video-frames", "4,8", "--images-per-sample", "2,3"], ["--images-per-sample with --video-frames", "one video"]),
     (["--video-frames", "4,8", "--workload", "baseline"], ["--workload baseline has no video", "--workload chat"]),
-    # the tiny template's LLaVA takes images only; Qwen3-VL's processor writes timestamps vlmctl does not count
+    # the tiny template's LLaVA takes images only
     (["--video-frames", "4,8"], ["--video-frames", "llava takes no video", "Qwen2.5-VL"]),
-    (["--video-frames", "4,8", "model.preset=tiny-qwen3-vl"], ["--video-frames", "qwen3_vl has no video-token rule"]),
 ])
 def test_usage_errors_print_one_panel_and_exit_2_before_any_process_starts(tiny_project, capsys, args, words):
     # the template asks for 2 processes: none is started

@@ -20,7 +20,7 @@ def bench(
     warmup: Annotated[int, typer.Option("--warmup", help="Unmeasured steps first (compilation, allocator warm-up).")] = 3,
     image_sizes: Annotated[str, typer.Option("--image-sizes", help="Square image sides in px, one drawn per image.")] = "224,336,448,560",
     images_per_sample: Annotated[str, typer.Option("--images-per-sample", help="Range of images per sample, MIN,MAX.")] = "1,1",
-    video_frames: Annotated[Optional[str], typer.Option("--video-frames", help="Video samples instead of images: one clip per sample of MIN,MAX frames (even counts; families that take video: Qwen2-VL, Qwen2.5-VL), through the chat workload.")] = None,
+    video_frames: Annotated[Optional[str], typer.Option("--video-frames", help="Video samples instead of images: one clip per sample of MIN,MAX frames (even counts; families that take video: Qwen2-VL, Qwen2.5-VL, Qwen3-VL), through the chat workload.")] = None,
     video_sizes: Annotated[str, typer.Option("--video-sizes", help="Square video frame sides in px, one drawn per clip (with --video-frames).")] = "224,336,448",
     text_tokens: Annotated[str, typer.Option("--text-tokens", help="Range of text tokens per sample (the answer's in the chat workload), MIN,MAX.")] = "64,1536",
     workload: Annotated[str, typer.Option("--workload", help="chat (processor + chat template + the trainer's collator), baseline (the Qwen-VL baseline's packed samples) or auto (baseline for Qwen-VL with packing and image samples, else chat).")] = "auto",

@@ -7,8 +7,9 @@ Text tokens: the conversation rendered with the processor's chat template (so te
 without extra special tokens; a video part is rendered as the family's video prompt (as the collator writes it,
 `vlmctl.data.modalities.video.VideoUnit`), an audio part as the family's audio prompt
 (`vlmctl.data.modalities.audio.AudioUnit`). Each video's placeholder token is replaced by the family's video-token
-count for its stored clip (`FamilySpec.num_video_tokens(frames, width, height, processor)`, frames and size read
-from the clip's header), each audio clip's by the family's audio-token count (`num_audio_tokens(samples,
+count for its stored clip (`FamilySpec.num_video_tokens(frames, width, height, processor, fps=rate)`, frames, size
+and rate read from the clip's header; Qwen3-VL's count includes the timestamp text its processor writes per temporal
+patch, counted with the tokenizer), each audio clip's by the family's audio-token count (`num_audio_tokens(samples,
 sampling_rate, processor)`, read from the stored FLAC's header), and each image's placeholder token by the
 family's number of visual tokens for the image's size:
 1. `vlmctl.families.get_family(name).num_visual_tokens(width, height, processor)` when the model folder's
@@ -143,7 +144,8 @@ class TokenCounter:
         tokenizer.no_padding()
         if "image_processor" not in settings:
             settings = {**settings, "image_processor": _read_json(folder / "preprocessor_config.json") or {}}
-        self.processor = SimpleNamespace(**settings)  # what the family's visual-token rule reads, by attribute
+        # what the family's visual- and video-token rules read, by attribute (the tokenizer: Qwen3-VL's timestamps)
+        self.processor = SimpleNamespace(**{**settings, "tokenizer": tokenizer})
         self.tokenizer = tokenizer
         self.folder = folder
         # The placeholder the chat template writes per image: the family's prompt when it is one token (Gemma 3's
@@ -192,16 +194,17 @@ class TokenCounter:
         return int(rule(samples, rate, self.processor))
 
     def video_tokens(self, data: bytes) -> int:
-        """Placeholder tokens of one stored clip (`normalize_video` bytes) under the family's video-token rule.
-        Raises ModelError when the family has none, DataError for a folder without a family."""
-        from vlmctl.data.modalities.video import clip_shape
+        """Tokens the processor writes in place of one stored clip's placeholder (`normalize_video` bytes) under the
+        family's video-token rule. Raises ModelError when the family has none, DataError for a folder without a
+        family."""
+        from vlmctl.data.modalities.video import probe
         from vlmctl.errors import DataError
 
         if self._family is None:
             raise DataError(f"no family is known for the processor in {self.folder}: its video tokens cannot be counted",
                             hint="use a model folder written by `vlmctl model build` (its vlmctl_model.json names the family)")
-        frames, width, height = clip_shape(data)
-        return int(self._family.num_video_tokens(frames, width, height, self.processor))
+        info = probe(data)
+        return int(self._family.num_video_tokens(info.frames, info.width, info.height, self.processor, fps=info.fps))
 
     def visual_tokens(self, width: int, height: int) -> int:
         """Visual tokens of one image of `width` x `height` pixels."""
@@ -240,7 +243,7 @@ class TokenCounter:
                 from vlmctl.errors import DataError
 
                 raise DataError(f"the processor in {self.folder} has no video token: this model takes no video",
-                                hint="drop the video samples, or use a model that takes video (Qwen2-VL, Qwen2.5-VL)")
+                                hint="drop the video samples, or use a model that takes video (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)")
             return {"type": "text", "text": self.video_prompt}
         if part["type"] == "audio":
             if self.audio_prompt is None:

@@ -283,8 +283,8 @@ class LlavaOnevisionSpec(LlavaNextSpec):
         tiled = None if per_sample is None else [int(n) == 1 for n in per_sample.tolist() for _ in range(int(n))]
         return drop_padded_tiles(outputs, processor, tiled)
 
-    def num_video_tokens(self, frames: int, width: int, height: int, processor_or_config: Any) -> int:
-        """`llava_onevision_video_tokens`: frames * ceil(side / 2)**2 + 1."""
+    def num_video_tokens(self, frames: int, width: int, height: int, processor_or_config: Any, *, fps: float | None = None) -> int:
+        """`llava_onevision_video_tokens`: frames * ceil(side / 2)**2 + 1 (`fps` does not matter)."""
         return llava_onevision_video_tokens(frames, width, height, processor_or_config)
 
     def video_processor(self, image_processor: Any, **settings: Any):

@@ -13,13 +13,18 @@ and videos: dynamic resolution (`smart_resize` to multiples of patch * merge, on
 `image_grid_thw` / `video_grid_thw` passed to `forward`, and 3-D mRoPE position ids (temporal, height, width) that a
 packed row gets from `position_hook` (`mrope_prepare`, images and videos, with Qwen2.5-VL's `second_per_grid_ts`).
 
-Videos (Qwen2-VL, Qwen2.5-VL): frames sampled by vlmctl (`vlmctl.data.modalities.video`) go to the processor's
-`videos=` with their metadata; transformers' `Qwen2VLVideoProcessor` turns them into `pixel_values_videos`
-[patches, C * temporal_patch_size * patch * patch] and `video_grid_thw` [videos, 3] (t = frames / 2). That class
-needs torchvision; where it is not installed, `qwen_video.FramesVideoProcessor` stands in: the same outputs from transformers'
+Videos: frames sampled by vlmctl (`vlmctl.data.modalities.video`) go to the processor's `videos=` with their
+metadata (frames, rate); the video processor turns them into `pixel_values_videos` [patches, C * temporal_patch_size *
+patch * patch] and `video_grid_thw` [videos, 3] (t = frames / 2). Qwen2-VL and Qwen2.5-VL use transformers'
+`Qwen2VLVideoProcessor` (frames resized one by one within per-frame pixel bounds) and write t * h * w / 4 video tokens
+per clip. Qwen3-VL (and Qwen3-VL-MoE) use `Qwen3VLVideoProcessor` (16 px patches, mean and std 0.5, pixel bounds over
+the whole clip), and its processor writes per temporal patch a timestamp text `<1.2 seconds>`, then
+`<|vision_start|>`, h * w / 4 video tokens and `<|vision_end|>` (`qwen3_video_tokens` counts them with the
+tokenizer); its `get_rope_index` places every temporal patch as a t = 1 grid of its own. Both video processors need
+torchvision; where it is not installed, `qwen_video`'s stand-ins give the same outputs from transformers'
 torchvision-free Qwen2-VL image processor (resize, rescale, normalize, patchify per frame), frames paired along the
-temporal patch as `Qwen2VLVideoProcessor.patchify` pairs them (tests/unit/test_video_qwen.py compares the two
-layouts on the library's own code).
+temporal patch as the library's `patchify` pairs them (tests/unit/test_video_qwen.py and test_video_qwen3.py compare
+them with the library's own code).
 """
 
 from __future__ import annotations
@@ -82,6 +87,11 @@ def qwen_rule(default_patch: int, default_min: int, default_max: int) -> VisualT
 
 VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS = 128 * 28 * 28, 768 * 28 * 28
 """transformers' `Qwen2VLVideoProcessor.size` defaults (pixels per frame), assumed when counting from a model config."""
+QWEN3_VIDEO_MIN_PIXELS, QWEN3_VIDEO_MAX_PIXELS = 128 * 32 * 32, 768 * 32 * 32
+"""transformers' `Qwen3VLVideoProcessor.size` defaults (pixels of a whole clip: frames x height x width), assumed when
+counting from a model config."""
+QWEN3_DEFAULT_FPS = 24.0
+"""The rate `Qwen3VLProcessor` assumes for a clip whose metadata has none (frames per second)."""
 
 
 def qwen_video_tokens(frames: int, width: int, height: int, source: Any, *, default_patch: int = 14) -> int:
@@ -94,21 +104,94 @@ def qwen_video_tokens(frames: int, width: int, height: int, source: Any, *, defa
     merge**2). `source`: a processor, a video processor, a dict of its settings (a saved processor_config.json's
     `video_processor`) or a model config (then the published video processor's pixel bounds are assumed).
     """
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+    patches, per_patch, _ = video_layout(frames, width, height, source, default_patch=default_patch)
+    return patches * per_patch
 
+
+def qwen3_video_tokens(frames: int, width: int, height: int, source: Any, *, fps: float | None = None,
+                       default_patch: int = 16) -> int:
+    """Tokens Qwen3-VL's processor writes in place of one clip's `<|video_pad|>` (`frames` frames of `width` x
+    `height` pixels at `fps` frames per second): per temporal patch, the text `<{seconds:.1f} seconds>` (the patch's
+    time, `qwen3_timestamps`), `<|vision_start|>`, the patch's (H' / patch) * (W' / patch) / merge**2 video tokens and
+    `<|vision_end|>`, with (H', W') from Qwen3-VL's video `smart_resize` over the whole clip (`video_layout`).
+
+    Source: transformers `qwen3_vl.processing_qwen3_vl.Qwen3VLProcessor.replace_video_token` and `_calculate_timestamps`,
+    `qwen3_vl.video_processing_qwen3_vl.Qwen3VLVideoProcessor.resize`. `fps`: the clip's rate, as its `video_metadata`
+    gives it to the processor (None: `QWEN3_DEFAULT_FPS`, as the processor assumes). The timestamp text is counted
+    with the tokenizer of `source` (a processor, or the settings `TokenCounter` reads from a model folder, with its
+    `tokenizer`). Raises ModelError when `source` has no tokenizer (a model config, a video processor alone) or the
+    clip has fewer frames than a temporal patch.
+    """
+    tokenizer = source.get("tokenizer") if isinstance(source, dict) else getattr(source, "tokenizer", None)
+    if tokenizer is None:
+        raise ModelError("Qwen3-VL video tokens include a timestamp text per temporal patch, counted with the tokenizer: "
+                         f"{type(source).__name__} has none", hint="pass the processor (it holds the tokenizer)")
+    patches, per_patch, temporal = video_layout(frames, width, height, source, default_patch=default_patch, whole_clip=True)
+    start = getattr(tokenizer, "vision_start_token", None) or "<|vision_start|>"
+    end = getattr(tokenizer, "vision_end_token", None) or "<|vision_end|>"
+    pad = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
+    times = qwen3_timestamps(frames, QWEN3_DEFAULT_FPS if fps is None else fps, temporal)
+    # the expansion with one video token per patch, between the prompt's own start / end tokens (its context)
+    marks = "".join(f"<{seconds:.1f} seconds>{start}{pad}{end}" for seconds in times)
+    text = _num_tokens(tokenizer, start + marks + end) - _num_tokens(tokenizer, start + end)
+    return text + patches * (per_patch - 1)
+
+
+def qwen3_timestamps(frames: int, fps: float, temporal: int = 2) -> list[float]:
+    """Seconds of each temporal patch of a clip of `frames` frames at `fps`, as `Qwen3VLProcessor._calculate_timestamps`
+    computes them for frames 0..frames-1: frame i at i / fps, the last frame repeated to fill the last patch, a
+    patch's time the mean of its first and last frame's."""
+    indices = list(range(frames)) + [frames - 1] * (-frames % temporal)
+    times = [i / fps for i in indices]
+    return [(times[i] + times[i + temporal - 1]) / 2 for i in range(0, len(times), temporal)]
+
+
+def _num_tokens(tokenizer: Any, text: str) -> int:
+    """Tokens of `text` without added special tokens: a transformers tokenizer (ids) or a `tokenizers.Tokenizer`
+    (an Encoding)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return len(getattr(ids, "ids", ids))
+
+
+def video_layout(frames: int, width: int, height: int, source: Any, *, default_patch: int,
+                 whole_clip: bool = False) -> tuple[int, int, int]:
+    """(temporal patches, video tokens per temporal patch, temporal patch size) of one clip of `frames` frames of
+    `width` x `height` pixels, with the video processor settings of `source` (see `qwen_video_tokens`).
+
+    The frame size: Qwen2-VL's `smart_resize` of one frame into [size["shortest_edge"], size["longest_edge"]] pixels;
+    with `whole_clip` (Qwen3-VL) Qwen3-VL's video `smart_resize`, whose bounds hold the pixels of the whole clip
+    (frames x height x width), under the per-frame cap when the settings have `cap_pixels_per_frame` true. Raises
+    ModelError (`whole_clip`) for fewer frames than a temporal patch.
+    """
     video = _video_settings(source)
     cfg = setting(video, "vision_config") if video is not None and not isinstance(video, dict) else (video or {}).get("vision_config")
+    low_default, high_default = (QWEN3_VIDEO_MIN_PIXELS, QWEN3_VIDEO_MAX_PIXELS) if whole_clip else (VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS)
+    cap, max_tokens = False, 768  # Qwen3VLVideoProcessor's cap_pixels_per_frame (None: off) and max_video_tokens
     if cfg is not None:
         patch, merge = int(setting(cfg, "patch_size", default=default_patch)), int(setting(cfg, "spatial_merge_size", default=2))
-        temporal, low, high = int(setting(cfg, "temporal_patch_size", default=2)), VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS
+        temporal, low, high = int(setting(cfg, "temporal_patch_size", default=2)), low_default, high_default
     else:
         size = setting(video, "size", default={}) or {}
         patch, merge = int(setting(video, "patch_size", default=default_patch)), int(setting(video, "merge_size", default=2))
         temporal = int(setting(video, "temporal_patch_size", default=2))
-        low = int(setting(video, "min_pixels", default=None) or _get(size, "shortest_edge") or VIDEO_MIN_PIXELS)
-        high = int(setting(video, "max_pixels", default=None) or _get(size, "longest_edge") or VIDEO_MAX_PIXELS)
-    h, w = smart_resize(int(height), int(width), factor=patch * merge, min_pixels=low, max_pixels=high)
-    return -(-int(frames) // temporal) * (h // patch) * (w // patch) // (merge * merge)
+        low = int(setting(video, "min_pixels", default=None) or _get(size, "shortest_edge") or low_default)
+        high = int(setting(video, "max_pixels", default=None) or _get(size, "longest_edge") or high_default)
+        cap, max_tokens = bool(setting(video, "cap_pixels_per_frame", default=False)), int(setting(video, "max_video_tokens", default=768))
+    factor = patch * merge
+    if whole_clip:
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as clip_resize
+
+        if int(frames) < temporal:
+            raise ModelError(f"a Qwen3-VL video clip needs at least {temporal} frames (one temporal patch), got {frames}",
+                             hint="keep data.video.min_frames at 2 or more")
+        if cap:  # Qwen3VLVideoProcessor.resize with cap_pixels_per_frame
+            high = max(min(max_tokens * factor * factor, high // int(frames)), int(low * 1.05)) * int(frames)
+        h, w = clip_resize(int(frames), int(height), int(width), temporal_factor=temporal, factor=factor, min_pixels=low, max_pixels=high)
+    else:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        h, w = smart_resize(int(height), int(width), factor=factor, min_pixels=low, max_pixels=high)
+    return -(-int(frames) // temporal), (h // patch) * (w // patch) // (merge * merge), temporal
 
 
 def _video_settings(source: Any) -> Any:
@@ -245,11 +328,14 @@ class QwenVLSpec(FamilySpec):
         """448 px: a square image at the size Qwen-VL examples use (dynamic resolution has no native size)."""
         return 448
 
-    def num_video_tokens(self, frames: int, width: int, height: int, processor_or_config: Any) -> int:
-        """`qwen_video_tokens` (Qwen2-VL's video processor). Raises ModelError for Qwen3-VL, whose processor also
-        writes a timestamp text per temporal patch (not counted here)."""
-        if self.video_processor_class != "Qwen2VLVideoProcessor":
-            return super().num_video_tokens(frames, width, height, processor_or_config)
+    def num_video_tokens(self, frames: int, width: int, height: int, processor_or_config: Any, *, fps: float | None = None) -> int:
+        """Tokens the processor writes in place of one clip's `<|video_pad|>`: `qwen_video_tokens` (Qwen2-VL's video
+        processor: Qwen2-VL, Qwen2.5-VL; `fps` does not matter), `qwen3_video_tokens` (Qwen3-VL's: the video tokens
+        with a timestamp text and vision start / end tokens per temporal patch, counted with the processor's
+        tokenizer; `fps`, the clip's rate, sets the timestamps). Raises ModelError for Qwen3-VL without a tokenizer
+        in `processor_or_config` (a model config)."""
+        if self.video_processor_class == "Qwen3VLVideoProcessor":
+            return qwen3_video_tokens(frames, width, height, processor_or_config, fps=fps, default_patch=self._patch)
         return qwen_video_tokens(frames, width, height, processor_or_config, default_patch=self._patch)
 
     @property

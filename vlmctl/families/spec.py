@@ -153,13 +153,16 @@ class FamilySpec:
         """
         return None
 
-    def num_video_tokens(self, frames: int, width: int, height: int, processor_or_config: Any) -> int:
-        """Video placeholder tokens for one clip of `frames` sampled frames of `width` x `height` pixels, under the
-        family's video processor (`processor_or_config` as for `num_visual_tokens`). Returns a token count.
+    def num_video_tokens(self, frames: int, width: int, height: int, processor_or_config: Any, *, fps: float | None = None) -> int:
+        """Tokens the family's processor writes in place of one clip's video placeholder, for `frames` sampled frames
+        of `width` x `height` pixels at `fps` frames per second (the clip's rate, for processors that write
+        timestamps: Qwen3-VL; None: the processor's default), under the family's video processor
+        (`processor_or_config` as for `num_visual_tokens`). Returns a token count.
 
         Raises ModelError where the family has no video-token rule (the default).
         """
-        raise ModelError(f"family {self.name} has no video-token rule in vlmctl", hint="train videos with a family that has one (Qwen2-VL, Qwen2.5-VL)")
+        raise ModelError(f"family {self.name} has no video-token rule in vlmctl",
+                         hint="train videos with a family that has one (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision)")
 
     def position_hook(self, model: "torch.nn.Module", image_token_id: int | None) -> Callable[[dict], dict] | None:
         """A batch hook (run by `loop.prefetch` ahead of the step) that sets the position ids a packed row of this

@@ -11,7 +11,7 @@ resampled with soxr to the feature extractor's rate (16 kHz for Whisper-style ex
 processor's `audio=`, exactly as training hands them over; the processor returns `input_features` and
 `feature_attention_mask`.
 
-Videos (`GenerationRequest.videos`, Qwen2-VL / Qwen2.5-VL, LLaVA-OneVision) go through the data pipeline's video
+Videos (`GenerationRequest.videos`, Qwen2-VL / Qwen2.5-VL / Qwen3-VL, LLaVA-OneVision) go through the data pipeline's video
 unit (`vlmctl.data.modalities.video`): a video file is checked and sampled by the `data.video` settings passed as
 `video=` (`normalize_video`: frames per second, frame and pixel bounds; defaults when None), a stored clip (prepared
 shards, `read_video`'s output) is used as it is, as training uses it; the frames [T, H, W, 3] uint8 and their

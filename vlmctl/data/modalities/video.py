@@ -10,7 +10,7 @@ Motion JPEG in Matroska at the sampled rate (every frame a JPEG of its own, so a
 `n` frames it uses and nothing else). Such a clip is a playable video file;
 `decode_clip` reads it back as frames [T, H, W, 3] uint8 with its rate (frames per second of the sampled clip,
 which Qwen2.5-VL's processor turns into `second_per_grid_ts` = temporal_patch_size / fps seconds per temporal
-patch).
+patch, and Qwen3-VL's into a timestamp text per temporal patch).
 
 Reason codes (`VideoError.reason`, see `vlmctl.data.checks`): `missing_video` (no such file), `corrupt_video` (not a
 video container, truncated, undecodable packets, no frame decodes, a still image), `unsupported_codec` (FFmpeg has
@@ -65,7 +65,8 @@ class VideoError(Exception):
 @dataclass(frozen=True)
 class VideoInfo:
     """What a clip's header and packets say: `codec`, `width` x `height` (pixels), `frames` (packets of the video
-    stream: frames, without decoding), `seconds` (duration), `container` (FFmpeg's demuxer name)."""
+    stream: frames, without decoding), `seconds` (duration), `container` (FFmpeg's demuxer name), `fps` (the stream's
+    rate, frames per second, as `decode_clip` reads it)."""
 
     codec: str
     width: int
@@ -74,6 +75,7 @@ class VideoInfo:
     seconds: float
     container: str
     tagged: bool = False  # a clip written by `encode_clip`
+    fps: float = 1.0
 
 
 @dataclass
@@ -89,10 +91,11 @@ class Clip:
 
     def metadata(self) -> dict[str, Any]:
         """transformers' `VideoMetadata` fields of the clip (`video_utils.VideoMetadata`): the frames are already
-        sampled, so `total_num_frames` is T and `fps` the sampled rate (`sampled_fps`)."""
+        sampled, so `total_num_frames` is T, `fps` the sampled rate (`sampled_fps`) and `frames_indices` 0..T-1 (frame
+        i at i / fps seconds: Qwen3-VL's processor writes timestamps from them)."""
         t, h, w = (int(x) for x in self.frames.shape[:3])
         return {"total_num_frames": t, "fps": float(self.fps), "width": w, "height": h, "duration": t / float(self.fps),
-                "video_backend": "pyav"}
+                "video_backend": "pyav", "frames_indices": list(range(t))}
 
 
 @dataclass
@@ -174,9 +177,15 @@ def probe(data: bytes) -> VideoInfo:
             seconds = frames / float(rate) if rate else 0.0
         return VideoInfo(codec=stream.codec_context.name, width=int(stream.width), height=int(stream.height), frames=frames,
                          seconds=float(seconds), container=container.format.name,
-                         tagged=container.metadata.get(CLIP_TAG) == CLIP_VERSION)
+                         tagged=container.metadata.get(CLIP_TAG) == CLIP_VERSION, fps=_rate(stream))
     finally:
         container.close()
+
+
+def _rate(stream) -> float:
+    """The stream's rate (frames per second): its average rate, else FFmpeg's guess, else 1."""
+    rate = stream.average_rate or stream.guessed_rate
+    return float(rate) if rate else 1.0
 
 
 def _seconds(container, stream) -> float | None:
@@ -293,7 +302,7 @@ def decode_clip(data: bytes) -> Clip:
     av = _av()
     container, stream = _open(data)
     try:
-        rate = stream.average_rate or stream.guessed_rate
+        rate = _rate(stream)
         frames = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
     except av.error.FFmpegError as exc:
         raise VideoError("corrupt_video", f"does not decode ({_ffmpeg_message(exc)})") from None
@@ -301,7 +310,7 @@ def decode_clip(data: bytes) -> Clip:
         container.close()
     if not frames:
         raise VideoError("corrupt_video", "no frame decodes")
-    return Clip(np.stack(frames), float(rate) if rate else 1.0)
+    return Clip(np.stack(frames), rate)
 
 
 def clip_shape(data: bytes) -> tuple[int, int, int]:
@@ -386,7 +395,7 @@ class VideoUnit(ModalityUnit):
     def template_part(self, processor: Any = None, family: Any = None) -> dict[str, Any]:
         """The family's video prompt as a text part when a processor is given, else `{"type": "video"}`. Raises
         DataError when the family takes no video."""
-        return self.prompt_part(processor, family, takers="Qwen2-VL, Qwen2.5-VL, LLaVA-OneVision")
+        return self.prompt_part(processor, family, takers="Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision")
 
     def decode(self, parts: list[bytes]) -> list:
         """Stored clips -> frame arrays [T, H, W, 3] uint8."""
@@ -399,9 +408,10 @@ class VideoUnit(ModalityUnit):
         return {"videos": [c.frames for c in clips], "video_metadata": [c.metadata() for c in clips], "do_sample_frames": False}
 
     def num_tokens(self, data: bytes, family: Any, processor: Any) -> int:
-        """`family.num_video_tokens(frames, width, height, processor)` of a stored clip (header and packets only)."""
-        frames, width, height = clip_shape(data)
-        return int(family.num_video_tokens(frames, width, height, processor))
+        """`family.num_video_tokens(frames, width, height, processor, fps=rate)` of a stored clip (header and packets
+        only)."""
+        info = probe(data)
+        return int(family.num_video_tokens(info.frames, info.width, info.height, processor, fps=info.fps))
 
     def dummy_input(self, processor: Any) -> None:
         """None: videos run the same vision tower as images, whose dummy image keeps every rank in step."""
