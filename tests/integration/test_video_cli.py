@@ -1,6 +1,6 @@
 """A mixed image + video data set end to end through the CLI: `data validate`, `data prepare` (tokens counted with
-the configured tiny Qwen2.5-VL, its tokenizer trained at prepare time), `model build`, the shards' token counts
-against the built processor, and a few packed training steps."""
+the configured tiny Qwen2.5-VL or Qwen3-VL, its tokenizer trained at prepare time), `model build`, the shards' token
+counts against the built processor, and a few packed training steps."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from video_data import moving_square, png_bytes  # noqa: E402
 TIMEOUT = 300
 
 
-def _project(root: Path) -> Path:
+def _project(root: Path, preset: str) -> Path:
     raw = root / "data" / "raw"
     raw.mkdir(parents=True)
     (raw / "slow.mp4").write_bytes(moving_square(frames=8, width=64, height=48, fps=4))
@@ -51,14 +51,15 @@ data:
   val_ratio: 0
   max_length: 2048
   video: {fps: 4, max_frames: 8, min_pixels: 256, max_pixels: 3072}
-model: {preset: tiny-qwen2.5-vl, init: random, output_dir: model}
+model: {preset: PRESET, init: random, output_dir: model}
 train: {stage: full, precision: fp32, learning_rate: 2.0e-3, tokens_per_batch: 2048, logging_steps: 1, num_workers: 0, output_dir: runs}
-""")
+""".replace("PRESET", preset))
     return root / "vlmctl.yaml"
 
 
 @pytest.mark.timeout(TIMEOUT)
-def test_mixed_image_and_video_data_validate_prepare_build_and_train(tmp_path, capsys):
+@pytest.mark.parametrize("preset, name", [("tiny-qwen2.5-vl", "qwen2_5_vl"), ("tiny-qwen3-vl", "qwen3_vl")])
+def test_mixed_image_and_video_data_validate_prepare_build_and_train(tmp_path, capsys, preset, name):
     import pyarrow.parquet as pq
 
     from vlmctl.data.collate import encode_sample
@@ -66,7 +67,7 @@ def test_mixed_image_and_video_data_validate_prepare_build_and_train(tmp_path, c
     from vlmctl.models import load_processor
     from vlmctl.families import get_family
 
-    config = _project(tmp_path)
+    config = _project(tmp_path, preset)
     raw_before = {p.name: p.read_bytes() for p in (tmp_path / "data" / "raw").iterdir()}
 
     code, out, err = run(["-c", str(config), "data", "validate", "--json"], capsys)
@@ -90,7 +91,7 @@ def test_mixed_image_and_video_data_validate_prepare_build_and_train(tmp_path, c
     code, out, err = run(["-c", str(config), "model", "build"], capsys)
     assert code == 0, out + err
     processor = load_processor(tmp_path / "model")
-    family = get_family("qwen2_5_vl")
+    family = get_family(name)
     shards = sorted((tmp_path / "data" / "prepared" / "train").glob("*.parquet"))
     samples = [Sample.from_row(r) for f in shards for r in pq.read_table(f).to_pylist()]
     assert sum(bool(s.videos) for s in samples) == 6
