@@ -30,6 +30,14 @@ def _turns(*user_parts, answer: str = "A red square moves to the right.") -> lis
     return [{"role": "user", "content": list(user_parts)}, {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
 
 
+def _video_feature_rows(out) -> int:
+    """The visual tokens the model made of its video: `video_hidden_states` (tokens, dim) before transformers 5.24,
+    `video_outputs.pooler_output` (videos, tokens, dim) since (where `video_hidden_states` is deprecated)."""
+    outputs = getattr(out, "video_outputs", None)
+    features = outputs.pooler_output if outputs is not None else out.video_hidden_states
+    return features.reshape(-1, features.shape[-1]).shape[0]
+
+
 def _text(t: str) -> dict:
     return {"type": "text", "text": t}
 
@@ -127,7 +135,7 @@ def test_the_built_folder_takes_video_in_transformers(tiny):
     with torch.no_grad():
         out = model(**inputs)
     assert out.logits.shape[:2] == inputs["input_ids"].shape and torch.isfinite(out.logits).all()
-    assert out.video_hidden_states.shape[0] == family.num_video_tokens(FRAMES, 64, 48, processor)
+    assert _video_feature_rows(out) == family.num_video_tokens(FRAMES, 64, 48, processor)
     with torch.no_grad():
         generated = model.generate(**inputs, max_new_tokens=3, do_sample=False)
     assert generated.shape[1] == inputs["input_ids"].shape[1] + 3
@@ -231,7 +239,7 @@ def test_compose_mode_builds_llava_onevision_that_takes_images_and_video(tmp_pat
     with torch.no_grad():
         out = vanilla(**inputs)
         generated = vanilla.generate(**inputs, max_new_tokens=3, do_sample=False)
-    assert out.video_hidden_states.shape[0] == family.num_video_tokens(FRAMES, 64, 48, processor)
+    assert _video_feature_rows(out) == family.num_video_tokens(FRAMES, 64, 48, processor)
     assert generated.shape[1] == inputs["input_ids"].shape[1] + 3
     # an image through the anyres tiles: the count the family's rule gives
     from PIL import Image
