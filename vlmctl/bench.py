@@ -1097,7 +1097,8 @@ def run_processes(cfg, plan: BenchPlan, nproc: int, *, steps: int, warmup: int, 
                                                     "images_per_sample": list(spec.images_per_sample),
                                                     "video_frames": spec.video_frames and list(spec.video_frames),
                                                     "video_sizes": list(spec.video_sizes), "verbose": log is not None}))
-        code, _ = spawn(launch_command(local, work, module="vlmctl.bench").command, env=launch_env(train))
+        # ranks have nothing to save: a stop signal that they cannot act on (blocked in CUDA) ends them after 10 s
+        code, _ = spawn(launch_command(local, work, module="vlmctl.bench").command, env=launch_env(train), grace_s=10.0)
         result = work / "result.json"
         if code != 0 or not result.is_file():
             raise VlmctlError(f"the bench processes failed (exit code {code})", hint="see the rank output above")

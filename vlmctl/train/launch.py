@@ -512,31 +512,48 @@ class Running:
                 self.log.close()
 
 
-def spawn(command: list[str], env: dict[str, str] | None = None, log_path: Path | None = None) -> tuple[int, int | None]:
+def spawn(command: list[str], env: dict[str, str] | None = None, log_path: Path | None = None,
+          grace_s: float | None = None) -> tuple[int, int | None]:
     """Run `command` (a process agent) in a session of its own, streaming its output (and, with `log_path`,
     copying it there: `Running`). SIGTERM/SIGINT go to the ranks under it (`process.signal_ranks`): they finish
-    the step, save a checkpoint and exit. A second signal kills the whole session at once. Returns (exit code,
-    the first signal received or None)."""
+    the step, save a checkpoint and exit. A second signal kills the whole session at once, and so does the end of
+    `grace_s` seconds after the first (for ranks with nothing to save: a rank blocked in a CUDA call or a collective
+    runs no Python signal handler, so a lone SIGTERM, as from `timeout`, would otherwise wait on it for ever).
+    Returns (exit code, the first signal received or None)."""
     from vlmctl.distributed.process import signal_ranks
 
     running = Running(command, env=env, log_path=log_path)
     proc = running.proc
     received: list[int] = []
+    timers: list[threading.Timer] = []
+
+    def kill_session():
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def forward(signum, frame):
         received.append(signum)
+        if len(received) > 1:  # asked twice: stop now, without saving
+            kill_session()
+            return
         try:
-            if len(received) == 1:
-                signal_ranks(proc.pid, signum)
-            else:  # asked twice: stop now, without saving
-                os.killpg(proc.pid, signal.SIGKILL)
+            signal_ranks(proc.pid, signum)
         except ProcessLookupError:
             pass
+        if grace_s is not None:
+            timers.append(threading.Timer(grace_s, kill_session))
+            timers[-1].daemon = True
+            timers[-1].start()
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         code = proc.wait()
     finally:
+        for timer in timers:
+            timer.cancel()
         for s, h in old.items():
             signal.signal(s, h)
         running.close()
