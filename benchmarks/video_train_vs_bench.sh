@@ -79,6 +79,10 @@ print(f"train: {train['tokens_per_s']:,.0f} tokens/s over {train['steps']} steps
 print(f"bench: {bench['tokens_per_s']:,.0f} tokens/s over {bench['steps']} steps, MFU {mfu(bench['mfu'])}, "
       f"{bench['tokens_per_step']:,.0f} tokens/step, data wait {pct(bench.get('data_wait'))} | {bench['media']} | {bench['settings']}")
 print(f"train / bench: {result['ratio']:.3f}")
+# An epoch's last row holds the samples left over (few tokens): in a short window it weighs on train's figure.
+short = [r["step"] for r in rows if r["text_tokens"] + r["visual_tokens"] < 0.5 * train["tokens_per_step"]]
+if short:
+    print(f"note: step(s) {short} carried under half the mean tokens per step (an epoch's last row?): raise N")
 if out:
     Path(out, "video_train_vs_bench.json").write_text(json.dumps(result, indent=1))
 PY
