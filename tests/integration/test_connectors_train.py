@@ -4,7 +4,6 @@ and changes exactly the connector's weights; the exported model loads with vanil
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

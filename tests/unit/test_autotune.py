@@ -66,7 +66,6 @@ def test_a_mode_that_fits_only_a_small_row_loses_to_one_that_fits_a_large_row_wh
 
 def test_an_optimistic_prediction_is_checked_and_shrunk():
     # memory grows faster than linearly past 20k tokens: the first check runs out of memory, the shrunk one fits
-    modes = {"off": (10 * GIB, 2**20, 1e-4)}
     calls = []
 
     def run(mode, size, timed=False):

@@ -4,13 +4,7 @@ the optimizer stepped in backward. No training run here (those are in tests/inte
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 

@@ -215,7 +215,7 @@ def test_compose_mode_builds_llava_onevision_that_takes_images_and_video(tmp_pat
     `model.llm` would give): the class vanilla transformers loads, anyres tiles of the encoder's size, and a clip
     through the saved processor."""
     import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
     from vlmctl.config import ModelSection
     from vlmctl.families import compose_family

@@ -5,8 +5,6 @@ batches (loss and gradients), and the FLOP model against torch's counter."""
 from __future__ import annotations
 
 import ast
-import inspect
-import json
 
 import pytest
 

@@ -8,7 +8,6 @@ processors from the processor. Units are registered by name in `vlmctl.data.moda
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
 from typing import Any
 
 from vlmctl.data.sample import MEDIA_COLUMNS
