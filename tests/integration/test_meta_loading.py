@@ -251,3 +251,33 @@ def test_the_empty_build_is_the_loaded_model_without_its_weights(name, tmp_path)
 
 if __name__ == "__main__":
     _worker(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:])
+
+
+def test_ddp_in_one_process_trains_the_model_unwrapped(tmp_path, monkeypatch):
+    """One rank under torchrun has nothing to reduce: `wrap_model` leaves the model as it is (DDP would add a bucket
+    copy of every gradient), and a step on the probe batch lowers the loss."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from convert_helpers import make_tiny_model
+    from vlmctl.convert import probe_inputs
+    from vlmctl.distributed.env import free_port
+    from vlmctl.train import setup
+    from vlmctl.train.worker import load_model_for_training, wrap_model
+
+    model_dir = make_tiny_model(tmp_path / "model")
+    # torchrun's variables for one process, as `vlmctl train --nproc-per-node 1` sets them
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(key, value)
+    cfg = _config(model_dir, tmp_path, "ddp-full")
+    ctx = setup.setup_run(cfg.train)
+    try:
+        tm = load_model_for_training(cfg, ctx)
+        wrapped = wrap_model(tm, cfg.train, ctx, total_steps=1)
+        assert not isinstance(wrapped.model, DistributedDataParallel) and wrapped.model is tm.model
+        inputs = probe_inputs(tm.processor)
+        before, after = _step(wrapped, {**inputs, "labels": inputs["input_ids"].clone()})
+        assert after < before
+    finally:
+        dist.destroy_process_group()

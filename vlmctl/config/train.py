@@ -94,7 +94,7 @@ class LoraSection(Section):
 class TrainSection(Section):
     stage: Literal["align", "finetune", "full"] = Field("finetune", description="align: projector only; finetune: projector + LLM; full: everything.")
     freeze: list[Literal["vision", "projector", "llm"]] | None = Field(None, description="Parts to freeze, overriding the stage's default.")
-    strategy: Literal["auto", "ddp", "fsdp", "zero2", "zero3"] = Field("auto", description="Data-parallel strategy: ddp, fsdp (FSDP2), zero2, zero3 (DeepSpeed); auto = fsdp on GPUs (weights, gradients and AdamW state sharded; fp32 master weights computed on bf16 copies gathered per layer), ddp on one GPU storing bf16 weights (nothing to shard or cast), on CPU and for QLoRA.")
+    strategy: Literal["auto", "ddp", "fsdp", "zero2", "zero3"] = Field("auto", description="Data-parallel strategy: ddp, fsdp (FSDP2), zero2, zero3 (DeepSpeed); auto = fsdp on GPUs (weights, gradients and AdamW state sharded; fp32 master weights computed on bf16 copies gathered per layer), ddp on one GPU storing bf16 weights (nothing to shard or cast), on CPU and for QLoRA. ddp in one process trains the model unwrapped (DDP would only copy its gradients).")
     launcher: Literal["torchrun", "accelerate", "slurm", "none"] = Field("torchrun", description="How processes are spawned; none runs in this process.")
     nproc_per_node: int | Literal["auto"] = Field("auto", description="Processes per node; auto = visible GPUs, else 1.")
     nnodes: int = Field(1, gt=0, description="Number of nodes.")

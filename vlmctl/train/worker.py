@@ -87,7 +87,9 @@ def wrap_model(tm: TrainingModel, train, ctx: RunContext, total_steps: int) -> W
         else:
             place_weights(model, tm.deferred, env.device)  # empty storage; DDP broadcasts rank 0's weights
             model = model.to(env.device)
-            if train.strategy == "ddp" and (dims.grad_size > 1 or os.environ.get("LOCAL_WORLD_SIZE")):
+            # one process reduces nothing: DDP would only add a bucket copy of every gradient (the size of the
+            # trained weights), its copies in and out and, with find_unused_parameters, a graph walk per step
+            if train.strategy == "ddp" and dims.grad_size > 1:
                 model = apply_ddp(model, dims.grad_mesh, env.device)
         tm.deferred = None
         optimizer = build_optimizer(model, tm.parts, train, env.device, dims.dp_size)
