@@ -249,10 +249,6 @@ def test_the_empty_build_is_the_loaded_model_without_its_weights(name, tmp_path)
         assert empty.training is loaded.training is False
 
 
-if __name__ == "__main__":
-    _worker(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:])
-
-
 def test_ddp_in_one_process_trains_the_model_unwrapped(tmp_path, monkeypatch):
     """One rank under torchrun has nothing to reduce: `wrap_model` leaves the model as it is (DDP would add a bucket
     copy of every gradient), and a step on the probe batch lowers the loss."""
@@ -281,3 +277,7 @@ def test_ddp_in_one_process_trains_the_model_unwrapped(tmp_path, monkeypatch):
         assert after < before
     finally:
         dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:])
