@@ -1216,7 +1216,7 @@ def main(argv: list[str] | None = None) -> None:
                             video_frames=tuple(frames) if frames else None,
                             video_sizes=tuple(args.get("video_sizes", WorkloadSpec.video_sizes)))
         result = run_bench(cfg.model, cfg.train, steps=args["steps"], warmup=args["warmup"], spec=spec, scratch=work,
-                           log=(lambda msg: print(msg, flush=True)) if args.get("verbose", True) else (lambda msg: None))
+                           log=(lambda msg: print(msg, file=sys.stderr, flush=True)) if args.get("verbose", True) else (lambda msg: None))
     except VlmctlError as exc:
         sys.exit(report_error(exc))
     if rank == 0:

@@ -50,6 +50,20 @@ def test_search_picks_the_fastest_mode_at_the_largest_fitting_size():
         assert trial.size > 0
 
 
+def test_search_reports_every_trial_as_it_runs():
+    lines, calls = [], []
+    choice = search(fake_run(budget_cut=30 * GIB, calls=calls), modes=["off", "full"], sizes=(2048, 4096),
+                    budget=40 * GIB, state=GIB, floor=1024, cap=65536, step=512, log=lines.append)
+    trial_lines = [line for line in lines if line.lstrip().startswith("trial ")]
+    assert len(trial_lines) == len(choice.trials) == len(calls)
+    for line, trial in zip(trial_lines, choice.trials):
+        assert f"trial {trial.mode}, {trial.size} tokens" in line
+        assert ("out of memory" in line) == trial.oom
+        if not trial.oom:  # the peak shown includes the optimizer state the trial did not allocate
+            assert f"peak {(trial.peak_bytes + GIB) / GIB:.1f} GiB" in line
+    assert sum("(timed)" in line for line in trial_lines) == len(choice.rates) == 2
+
+
 def test_a_mode_that_fits_only_a_small_row_loses_to_one_that_fits_a_large_row_when_speed_grows_with_size():
     # speed that grows with the row (fixed per-pass overhead of 0.5 s): the bigger row of full checkpointing wins
     modes = {"off": (10 * GIB, 20 * 2**20, 1.0e-4), "full": (10 * GIB, 0.5 * 2**20, 1.33e-4)}

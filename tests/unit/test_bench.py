@@ -5,6 +5,7 @@ padded, Qwen padded, LoRA) are in tests/integration/test_bench_models.py."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -20,8 +21,10 @@ def test_bench_cli_reports_consistent_throughput(tmp_path, capsys):
         main(["bench", "-c", str(path), "--steps", "2", "--image-sizes", "28,56", "--text-tokens", "8,40", "--json"])
     except SystemExit as exc:
         assert exc.code in (0, None)
-    out = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)  # stdout holds the JSON object only; the progress went to stderr
     assert out["steps"] == 2 and 0 < out["tokens_per_step"] <= 384
+    assert re.search(r"step \d+: loss", captured.err) and "(warm-up)" in captured.err
     assert out["tokens_per_s"] > 0 and out["mfu"] > 0
     # a Qwen-VL model with packed rows keeps the baseline's workload (the published figures' samples)
     assert out["workload"] == "baseline" and out["packing"] is True and out["adapter"] == "none"

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from vlmctl.cli._common import ConfigOpt, JsonOpt, OverridesArg, console, load_project, print_json, state
+from vlmctl.cli._common import ConfigOpt, JsonOpt, OverridesArg, console, err_console, load_project, print_json, state
 
 EXAMPLE = ("Example: vlmctl bench --steps 20 --nproc-per-node 2 model.preset=qwen2.5-vl-7b model.init=random "
            "train.strategy=fsdp train.stage=full   (LoRA: train.lora.r=16; padded: train.packing=false; "
@@ -45,7 +45,10 @@ def bench(
 
     spec = WorkloadSpec.from_flags(image_sizes, text_tokens, workload, images_per_sample=images_per_sample,
                                    video_frames=video_frames, video_sizes=video_sizes)
-    log = None if (as_json or state.quiet) else (lambda msg: console.print(f"[dim]{msg}[/dim]", markup=True, highlight=False))
+    # with --json the progress (start-up probe trials, compile, steps) goes to stderr, so stdout stays one JSON object
+    # and a run stopped by a time limit still shows how far it got
+    out = err_console if as_json else console
+    log = None if state.quiet else (lambda msg: out.print(f"[dim]{msg}[/dim]", markup=True, highlight=False))
     if scaling is not None:
         rows = bench_scaling(cfg, scaling, steps=steps, warmup=warmup, spec=spec, log=log)
         if as_json:

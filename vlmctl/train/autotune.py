@@ -144,6 +144,16 @@ def search(run: Callable[[Any, int], Trial], *, modes, sizes: tuple[int, int], b
     rates: dict[str, float] = {}
     best: tuple[float, int, Any] | None = None
     fallback: tuple[int, Any] | None = None
+    measure = run
+
+    def run(mode, size: int, timed: bool = False) -> Trial:
+        # one line per trial: a probe's first trials compile the layers (a minute or more on a large model), and a
+        # start-up that runs into a time limit shows how far it got
+        trial = measure(mode, size, timed=True) if timed else measure(mode, size)
+        what = "out of memory" if trial.oom else f"peak {(trial.peak_bytes + state) / 2**30:.1f} GiB"
+        log(f"  trial {mode}, {size} tokens{' (timed)' if timed else ''}: {what}, {trial.seconds:.1f} s")
+        return trial
+
     for mode in modes:
         a, b = run(mode, sizes[0]), run(mode, sizes[1])
         trials += [a, b]
