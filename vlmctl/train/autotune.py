@@ -131,6 +131,20 @@ def _round(size: int, step: int) -> int:
     return size - size % step if size >= step else size
 
 
+def _reported(run: Callable[..., Trial], state: int, log) -> Callable[..., Trial]:
+    """`run` that logs one line per trial (mode, tokens, peak GiB with `state` bytes added, seconds): a probe's first
+    trials compile the layers (a minute or more on a large model), and a start-up that runs into a time limit
+    shows how far it got."""
+
+    def reported(mode, size: int, timed: bool = False) -> Trial:
+        trial = run(mode, size, timed=True) if timed else run(mode, size)
+        what = "out of memory" if trial.oom else f"peak {(trial.peak_bytes + state) / 2**30:.1f} GiB"
+        log(f"  trial {mode}, {size} tokens{' (timed)' if timed else ''}: {what}, {trial.seconds:.1f} s")
+        return trial
+
+    return reported
+
+
 def search(run: Callable[[Any, int], Trial], *, modes, sizes: tuple[int, int], budget: int, state: int, floor: int,
            cap: int, step: int, log=lambda msg: None) -> Choice:
     """For each mode: two trials at `sizes` -> predicted largest fitting size -> a trial at it (on a miss: refit
@@ -144,16 +158,7 @@ def search(run: Callable[[Any, int], Trial], *, modes, sizes: tuple[int, int], b
     rates: dict[str, float] = {}
     best: tuple[float, int, Any] | None = None
     fallback: tuple[int, Any] | None = None
-    measure = run
-
-    def run(mode, size: int, timed: bool = False) -> Trial:
-        # one line per trial: a probe's first trials compile the layers (a minute or more on a large model), and a
-        # start-up that runs into a time limit shows how far it got
-        trial = measure(mode, size, timed=True) if timed else measure(mode, size)
-        what = "out of memory" if trial.oom else f"peak {(trial.peak_bytes + state) / 2**30:.1f} GiB"
-        log(f"  trial {mode}, {size} tokens{' (timed)' if timed else ''}: {what}, {trial.seconds:.1f} s")
-        return trial
-
+    run = _reported(run, state, log)
     for mode in modes:
         a, b = run(mode, sizes[0]), run(mode, sizes[1])
         trials += [a, b]
