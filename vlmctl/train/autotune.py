@@ -137,7 +137,7 @@ def _reported(run: Callable[..., Trial], state: int, log) -> Callable[..., Trial
     shows how far it got."""
 
     def reported(mode, size: int, timed: bool = False) -> Trial:
-        trial = run(mode, size, timed=True) if timed else run(mode, size)
+        trial = run(mode, size, timed=timed)
         what = "out of memory" if trial.oom else f"peak {(trial.peak_bytes + state) / 2**30:.1f} GiB"
         log(f"  trial {mode}, {size} tokens{' (timed)' if timed else ''}: {what}, {trial.seconds:.1f} s")
         return trial
