@@ -163,3 +163,59 @@ def test_offload_keeps_the_layer_inputs_on_the_host_and_gradients_exact(monkeypa
     assert moved == [torch.Size([1, 24, 32])] * 4  # each layer's input, once (the recompute reads the host copy)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, reference[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_vision_mode_recomputes_the_vision_blocks_only_and_keeps_gradients_exact():
+    """`vision` on a tiny Qwen2.5-VL: each vision block's forward runs twice, each decoder layer's once, and the
+    gradients of one image + text forward/backward match off's."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from vlmctl.families import get_family
+    from vlmctl.train.setup import model_parts
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    cfg = Qwen2_5_VLConfig(text_config=dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                            num_key_value_heads=1, intermediate_size=40, rope_parameters=rope),
+                           vision_config=dict(depth=2, hidden_size=32, intermediate_size=36, num_heads=2,
+                                              out_hidden_size=32, fullatt_block_indexes=[1], window_size=56),
+                           image_token_id=3, video_token_id=4, vision_start_token_id=5, vision_end_token_id=6)
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(cfg).float()
+    model.train()
+    parts = model_parts(model, get_family("qwen2_5_vl"))
+    groups = [parts.decoder_layers, parts.vision_layers]
+    assert len(groups[0]) == 1 and len(groups[1]) == 2
+    pixels = torch.randn(64, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(1))  # one 112 px image
+    ids = torch.tensor([[1, 5] + [3] * 16 + [6, 7, 8, 9, 10]])  # 8 x 8 patches merged 2 x 2: 16 visual tokens
+
+    def run(mode):
+        assert apply_activation_checkpointing(groups, mode) == {"off": 0, "vision": 2, "full": 3}[mode]
+        calls = {"vision": 0, "decoder": 0}
+        hooks = [m.mlp.register_forward_pre_hook(lambda *a, k=k: calls.__setitem__(k, calls[k] + 1))
+                 for k, layers in (("decoder", groups[0]), ("vision", groups[1])) for m in layers]
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, pixel_values=pixels, image_grid_thw=torch.tensor([[1, 8, 8]]), labels=ids).loss.backward()
+        for h in hooks:
+            h.remove()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, calls
+
+    reference, calls = run("off")
+    assert calls == {"vision": 2, "decoder": 1}
+    grads, calls = run("vision")
+    assert calls == {"vision": 4, "decoder": 1}
+    assert grads.keys() == reference.keys() and any(n.startswith("model.visual.") for n in grads)
+    for name, g in reference.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
+    assert describe("vision") == "vision tower only"
+
+
+def test_probe_tries_vision_only_where_the_vision_tower_trains():
+    from vlmctl.config.train import TrainSection
+    from vlmctl.train.autotune import candidates
+
+    decoder, vision = [torch.nn.Linear(2, 2)], [torch.nn.Linear(2, 2)]
+    train = TrainSection(compile="on")
+    assert candidates(train, [decoder, vision]) == ("off", "vision", 2, "full")
+    vision[0].requires_grad_(False)
+    assert candidates(train, [decoder, vision]) == ("off", 2, "full")
+    assert candidates(train, [decoder, []]) == ("off", 2, "full")  # no vision tower

@@ -206,4 +206,4 @@ def test_probe_leaves_op_checkpointing_out_under_compiled_layers():
     from vlmctl.train.autotune import CANDIDATES, candidates
 
     assert "op" in candidates(TrainSection(compile="off")) and candidates(TrainSection(compile="off")) == CANDIDATES
-    assert candidates(TrainSection(compile="on")) == ("off", 2, "full")
+    assert candidates(TrainSection(compile="on")) == ("off", "vision", 2, "full")

@@ -1,7 +1,7 @@
 """The `auto` values of `train.tokens_per_batch`, `train.micro_batch_size` and `train.activation_checkpointing`.
 
 On a GPU with a torch strategy (ddp, fsdp) every rank runs a short probe on the wrapped model before the data
-loader is built: for each activation checkpointing mode (off, op, every 2nd layer, full) it measures the peak GPU
+loader is built: for each activation checkpointing mode (off, vision tower only, op, every 2nd layer, full) it measures the peak GPU
 memory of a forward + backward pass (`torch.cuda.max_memory_allocated`, max over ranks) on rows of two sizes built
 from the training data's heaviest samples (most FLOPs per token), fits peak = base + per_unit x size, adds the AdamW state the first
 optimizer step will allocate (two moments per trainable parameter in the stored dtype), and takes the largest size
@@ -33,7 +33,7 @@ MEMORY_FRACTION = 0.92  # of the GPU's memory a choice may plan for: the rest ab
 MAX_TOKENS = 65536  # beyond this a longer row adds little speed and makes epochs coarse
 MAX_MICRO_BATCH = 256
 TOKEN_STEP = 512  # packed budgets are multiples of this
-CANDIDATES = ("off", "op", 2, "full")
+CANDIDATES = ("off", "vision", "op", 2, "full")
 CHECKS = 3  # trials at a predicted size before settling for the largest size measured to fit
 RECORD = "autotune.json"
 
@@ -296,13 +296,19 @@ def measure_pass(stepper, batch, device, group=None) -> tuple[int, float]:
     return int(out[0].item()), float(out[1].item())
 
 
-def candidates(train) -> tuple:
+def candidates(train, layer_groups=None) -> tuple:
     """The checkpointing modes the probe tries for `train.activation_checkpointing: auto`: CANDIDATES, without op
-    under compiled decoder layers (`train.compile: on`). Why: compiled, op's per-op policy ran slower than every
-    2nd layer in every probe on an H100 (LoRA 15,033 against 24,657 tokens/s), and its one win in the probe
-    (17,101 against full's 17,077) trained at 14,080 (docs/benchmarks.md); its compilation also cost the most
+    under compiled decoder layers (`train.compile: on`), and without vision where `layer_groups` ([decoder layers,
+    vision blocks]) show no vision block with a trainable parameter (a frozen tower keeps no activations for
+    backward, so vision would measure off again). Why no op under compile: compiled, op's per-op policy ran slower
+    than every 2nd layer in every probe on an H100 (LoRA 15,033 against 24,657 tokens/s), and its one win in the
+    probe (17,101 against full's 17,077) trained at 14,080 (docs/benchmarks.md); its compilation also cost the most
     start-up time (45 s)."""
-    return tuple(m for m in CANDIDATES if m != "op") if train.compile == "on" else CANDIDATES
+    modes = tuple(m for m in CANDIDATES if m != "op") if train.compile == "on" else CANDIDATES
+    if layer_groups is not None and not any(p.requires_grad for blocks in layer_groups[1:] for block in blocks
+                                            for p in block.parameters()):
+        modes = tuple(m for m in modes if m != "vision")
+    return modes
 
 
 def probe(train, *, stepper, layer_groups, rows, device, lengths, dp_size: int, stored_bytes: int,
@@ -315,7 +321,8 @@ def probe(train, *, stepper, layer_groups, rows, device, lengths, dp_size: int, 
 
     from vlmctl.train.checkpointing import apply_activation_checkpointing
 
-    modes = candidates(train) if train.activation_checkpointing == "auto" else (train.activation_checkpointing,)
+    modes = (candidates(train, layer_groups) if train.activation_checkpointing == "auto"
+             else (train.activation_checkpointing,))
     longest = int(max(lengths)) if len(lengths) else 1
     if train.packing:
         total = int(sum(int(x) for x in lengths))

@@ -4,6 +4,10 @@ Modes (torchtitan's `full` and `selective` modes, `torchtitan/models/llama3/infr
 
 - `off`: every activation is kept for the backward pass.
 - `full`: each layer keeps only its input; its forward runs again in the backward pass (about a third more compute).
+- `vision`: every block of the vision tower is checkpointed, no decoder layer is (ms-swift's
+  `vit_gradient_checkpointing` without the language model's). A visual token stands for several patches (4 in
+  Qwen2-VL's 2 x 2 merge), each with a block's activations in every vision layer, so on image-heavy rows the vision
+  tower holds more activation memory per token than the language model while costing less compute to redo.
 - an integer k: every k-th layer of the language model and of the vision tower is checkpointed (selective per layer:
   memory and extra compute in between off and full).
 - `op`: every layer is checkpointed, but the outputs of its matrix multiplications and attention kernels are kept
@@ -29,13 +33,15 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-MODES = ("off", "full", "op")  # plus a positive integer k
+MODES = ("off", "full", "op", "vision")  # plus a positive integer k
 
 
 def describe(mode) -> str:
-    """A short label for a mode: "off", "full", "op (selective)" or "every 2nd layer"."""
+    """A short label for a mode: "off", "full", "op (selective)", "vision tower only" or "every 2nd layer"."""
     if mode == "op":
         return "op (selective)"
+    if mode == "vision":
+        return "vision tower only"
     if isinstance(mode, int) and not isinstance(mode, bool):
         if mode == 1:
             return "full"
@@ -158,10 +164,12 @@ def _tiled(tiled_mlp, forward, mlp, tiles: int, x):
 
 
 def apply_activation_checkpointing(layer_groups: list[list[Any]], mode, offload: bool = False) -> int:
-    """Set `mode` (off, full, op or an integer stride k) on the layers of each group (the decoder layers, the vision
-    blocks); with a stride, layers 0, k, 2k, ... of each group are checkpointed; with `offload`, each checkpointed
-    layer's input waits for backward in pinned host memory (`train.activation_offload`; not with `op`, which keeps
-    more than the input). Returns the number of layers checkpointed. Raises ValueError for an unknown mode.
+    """Set `mode` (off, full, op, vision or an integer stride k) on the layers of each group: the first group is the
+    language model's decoder layers, the others the vision tower's blocks (callers pass [decoder layers, vision
+    blocks]). With a stride, layers 0, k, 2k, ... of each group are checkpointed; `vision` checkpoints every layer of
+    the groups after the first and none of the first. With `offload`, each checkpointed layer's input waits for
+    backward in pinned host memory (`train.activation_offload`; not with `op`, which keeps more than the input).
+    Returns the number of layers checkpointed. Raises ValueError for an unknown mode.
 
     A checkpointed layer gets an instance `forward` that runs its class's forward through `checkpoint_function`:
     module hooks stay outside the checkpoint, so FSDP2's pre-forward cast of the inputs to the compute dtype is not
@@ -169,17 +177,17 @@ def apply_activation_checkpointing(layer_groups: list[list[Any]], mode, offload:
     versions, and a recompute then saw fp32 rotary tensors where the forward had bf16 ones).
     """
     if not (mode in MODES or (isinstance(mode, int) and not isinstance(mode, bool) and mode > 0)):
-        raise ValueError(f"unknown activation checkpointing mode {mode!r}: use off, full, op or a positive integer")
-    stride = 1 if mode in ("full", "op") else (mode if isinstance(mode, int) else 0)
+        raise ValueError(f"unknown activation checkpointing mode {mode!r}: use off, full, op, vision or a positive integer")
+    stride = 1 if mode in ("full", "op", "vision") else (mode if isinstance(mode, int) else 0)
     function = checkpoint_function(mode) if stride else None
     wrapper = _offloaded if offload and mode != "op" else _checkpointed
     count = 0
-    for layers in layer_groups:
+    for g, layers in enumerate(layer_groups):
         for i, layer in enumerate(layers):
             layer.__dict__.pop("forward", None)  # back to the class's forward
             if getattr(layer, "gradient_checkpointing", False):
                 layer.gradient_checkpointing = False  # one mechanism only: ours
-            if stride and i % stride == 0:
+            if stride and i % stride == 0 and not (mode == "vision" and g == 0):
                 layer.forward = functools.partial(wrapper, function, type(layer).forward.__get__(layer))
                 count += 1
     return count
