@@ -1,6 +1,5 @@
-"""Time the bf16 AdamW step with stochastic rounding (`vlmctl.train.optimizer.stochastic_adamw`) on a preset's
-parameters: one parameter per compiled call (the step before chunking: CHUNK larger than any group) against
-CHUNK parameters per call.
+"""Time the bf16 AdamW step with stochastic rounding (`vlmctl.train.optimizer.stochastic_adamw`: one compiled call
+per parameter) on a preset's parameters.
 
 Usage (on a GPU machine with torchao):
 
@@ -8,7 +7,7 @@ Usage (on a GPU machine with torchao):
 
 Builds the preset's model on the meta device for its parameter shapes, allocates those parameters in bf16 on the
 GPU with random gradients (the step reads and writes 2 bytes per parameter for the weight, gradient and both
-moments), runs 3 warm-up steps (compiling) and STEPS timed steps per variant, and prints milliseconds per step
+moments), runs 3 warm-up steps (compiling) and STEPS timed steps, and prints milliseconds per step
 (wall, CUDA-synchronized), the host (CPU) milliseconds spent issuing the step, and the parameter count.
 """
 
@@ -36,33 +35,28 @@ def main(argv: list[str]) -> None:
         p.grad = torch.randn_like(p) * 1e-3
     n = sum(p.numel() for p in params)
     print(f"{preset}: {len(params)} parameters, {n / 1e9:.2f}B elements")
-    for chunk in (10**9, optimizer.CHUNK):  # 10**9: every parameter through the one-parameter step
-        optimizer.CHUNK = chunk
-        decay = [p for p in params if p.ndim >= 2]
-        rest = [p for p in params if p.ndim < 2]
-        opt = optimizer.stochastic_adamw([{"params": decay, "lr": 1e-5, "weight_decay": 0.1},
-                                          {"params": rest, "lr": 1e-5, "weight_decay": 0.0}],
-                                         lr=1e-5, betas=(0.9, 0.999), eps=1e-8)
-        t0 = time.perf_counter()
-        for _ in range(3):
-            opt.step()
+    decay = [p for p in params if p.ndim >= 2]
+    rest = [p for p in params if p.ndim < 2]
+    opt = optimizer.stochastic_adamw([{"params": decay, "lr": 1e-5, "weight_decay": 0.1},
+                                      {"params": rest, "lr": 1e-5, "weight_decay": 0.0}],
+                                     lr=1e-5, betas=(0.9, 0.999), eps=1e-8)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        opt.step()
+    torch.cuda.synchronize()
+    warm = time.perf_counter() - t0
+    host, wall = [], []
+    for _ in range(steps):
         torch.cuda.synchronize()
-        warm = time.perf_counter() - t0
-        host, wall = [], []
-        for _ in range(steps):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            opt.step()
-            host.append(time.perf_counter() - t0)
-            torch.cuda.synchronize()
-            wall.append(time.perf_counter() - t0)
-        wall.sort()
-        host.sort()
-        print(f"{'one per call' if chunk == 10**9 else f'CHUNK={chunk}'}: {1e3 * wall[len(wall) // 2]:.1f} ms per step (median of {steps}), host "
-              f"{1e3 * host[len(host) // 2]:.1f} ms, warm-up {warm:.1f} s, peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
-        del opt
-        torch.cuda.empty_cache()
-
+        t0 = time.perf_counter()
+        opt.step()
+        host.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        wall.append(time.perf_counter() - t0)
+    wall.sort()
+    host.sort()
+    print(f"{1e3 * wall[len(wall) // 2]:.1f} ms per step (median of {steps}), host {1e3 * host[len(host) // 2]:.1f} ms, "
+          f"warm-up {warm:.1f} s, peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
 
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -153,44 +153,6 @@ def test_the_one_compiled_step_matches_torchaos_own_adamw():
         assert not torch.equal(p.detach(), p0)
 
 
-def test_the_chunked_step_matches_torchaos_own_adamw(monkeypatch):
-    """Parameters are stepped CHUNK at a time through one compiled graph, the rest one by one: with 11 parameters
-    in two groups (weight decays 0.1 and 0) and chunks of 4, the moments equal torchao's, fp32 parameters (not
-    rounded; a chunk of them with weight decay) equal torchao's weights and bf16 ones stay within the rounding
-    noise."""
-    from torchao.optim import _AdamW
-
-    from vlmctl.train import optimizer
-
-    monkeypatch.setattr(optimizer, "CHUNK", 4)
-    torch.manual_seed(2)
-    shapes = [(16, 8), (5,), (3, 4), (9,), (2, 2, 2), (7,), (4, 4), (6,), (3,), (10,), (1, 5)]
-    dtypes = [torch.float32 if i in (0, 1, 2, 3, 10) else torch.bfloat16 for i in range(len(shapes))]
-    start = [torch.randn(s).to(d) for s, d in zip(shapes, dtypes)]
-    grads = [[torch.randn(s).to(d) for s, d in zip(shapes, dtypes)] for _ in range(12)]
-    runs = {}
-    for name in ("ours", "torchao"):
-        params = [torch.nn.Parameter(t.clone()) for t in start]
-        groups = [{"params": params[:6], "lr": 1e-3, "weight_decay": 0.1},
-                  {"params": params[6:], "lr": 1e-3, "weight_decay": 0.0}]
-        opt = (optimizer.stochastic_adamw(groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8) if name == "ours" else
-               _AdamW(groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, bf16_stochastic_round=True))
-        for g in grads:
-            for p, gi in zip(params, g):
-                p.grad = gi.clone()
-            opt.step()
-        runs[name] = (params, opt)
-    (ours, opt_a), (ref, opt_b) = runs["ours"], runs["torchao"]
-    for p, q, p0 in zip(ours, ref, start):
-        assert p.dtype == q.dtype and float(opt_a.state[p]["step"]) == 12
-        for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(opt_a.state[p][key], opt_b.state[q][key], rtol=0, atol=0)
-        if p.dtype is torch.float32:  # not rounded: the same fp32 arithmetic
-            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
-        assert (p.float() - q.float()).abs().max() <= 2 ** -6 * max(1.0, q.float().abs().max().item())
-        assert not torch.equal(p.detach(), p0)
-
-
 def test_strategy_auto_is_ddp_for_one_process_storing_bf16_weights():
     """FSDP2 on one GPU only pays off as the cast from fp32 master weights to bf16 compute copies; with bf16
     weights it would add a gathered copy of the model, so one process runs ddp (a plain model)."""

@@ -92,8 +92,6 @@ class OptimizerInBackward(torch.optim.Optimizer):
 # ------------------------------------------------------------------------------- AdamW with stochastic rounding
 
 _FLAT_STEP = None
-_CHUNK_STEP = None
-CHUNK = 16  # parameters per call of the compiled multi-parameter step
 
 
 def _flat_step():
@@ -107,23 +105,6 @@ def _flat_step():
 
         _FLAT_STEP = torch.compile(single_param_adam, fullgraph=True, dynamic=True)
     return _FLAT_STEP
-
-
-def _chunk_step():
-    """`_flat_step` for CHUNK parameters at once (one compiled graph, dynamic sizes, the weight decay a symbolic
-    float): one call and one guard check per CHUNK parameters instead of per parameter, which is what a step over
-    hundreds of parameters spends its CPU time on. Arguments: lists of CHUNK flat params, grads, first moments and
-    second moments, then the shared step tensor, lr tensor, beta1, beta2, weight decay, eps, stochastic rounding."""
-    global _CHUNK_STEP
-    if _CHUNK_STEP is None:
-        from torchao.optim.adam import single_param_adam
-
-        def chunk(ps, gs, ms, vs, step, lr, beta1, beta2, weight_decay, eps, rounding):
-            for p, g, m, v in zip(ps, gs, ms, vs):
-                single_param_adam(p, g, step, m, v, None, lr, beta1, beta2, weight_decay, eps, True, rounding)
-
-        _CHUNK_STEP = torch.compile(chunk, fullgraph=True, dynamic=True)
-    return _CHUNK_STEP
 
 
 def stochastic_adamw(groups: list[dict[str, Any]], *, lr: float, betas: tuple[float, float], eps: float):
@@ -159,9 +140,6 @@ def _stochastic_adamw_class():
                 with torch.enable_grad():
                     loss = closure()
             for group in self.param_groups:
-                # parameters that share the compiled step's specialized inputs (rounding on/off, the step count)
-                # are stepped CHUNK at a time; the rest one by one through the same math
-                runs: dict[tuple[bool, float], list] = {}
                 for p in group["params"]:
                     if p.grad is None:
                         continue
@@ -171,21 +149,10 @@ def _stochastic_adamw_class():
                         state["exp_avg"] = self._new_buffer(p, True)
                         state["exp_avg_sq"] = self._new_buffer(p, False)
                     state["step"] += 1
-                    runs.setdefault((p.dtype is torch.bfloat16, float(state["step"])), []).append(p)
-                for (rounding, _), params in runs.items():
-                    self._step_run(group, params, rounding)
+                    _flat_step()(local(p.detach()), local(p.grad), state["step"], local(state["exp_avg"]),
+                                 local(state["exp_avg_sq"]), None, group["lr"], group["betas"][0], group["betas"][1],
+                                 group["weight_decay"], group["eps"], True, p.dtype is torch.bfloat16)
             return loss
-
-        def _step_run(self, group, params, rounding):
-            tensors = [(local(p.detach()), local(p.grad), local(self.state[p]["exp_avg"]),
-                        local(self.state[p]["exp_avg_sq"])) for p in params]
-            step = self.state[params[0]]["step"]
-            args = (step, group["lr"], group["betas"][0], group["betas"][1], group["weight_decay"], group["eps"])
-            whole = len(tensors) - len(tensors) % CHUNK
-            for i in range(0, whole, CHUNK):
-                _chunk_step()(*map(list, zip(*tensors[i:i + CHUNK])), *args, rounding)
-            for p, g, m, v in tensors[whole:]:
-                _flat_step()(p, g, args[0], m, v, None, *args[1:], True, rounding)
 
     _SR_CLASS = StochasticAdamW
     return _SR_CLASS
