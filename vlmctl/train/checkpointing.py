@@ -16,9 +16,7 @@ Modes (torchtitan's `full` and `selective` modes, `torchtitan/models/llama3/infr
 
 A mode only gives the chosen layers an instance `forward` that runs through `torch.utils.checkpoint` (any
 `nn.Module` works), so parameter names, FSDP2 units and checkpoints stay the same and a mode can be changed on a
-wrapped model (the start-up probe does). A layer compiled by `compile_layer` keeps one torch.compile'd forward that
-every mode runs (inside the checkpoint where the layer is checkpointed): switching modes compiles nothing again,
-where compiling each checkpointed forward whole cost the probe a minute or more per mode on a 3B-7B model.
+wrapped model (the start-up probe does).
 
 Two more memory helpers for long rows (the ALST paper, arXiv 2506.13996, section 3):
 
@@ -36,7 +34,6 @@ import functools
 from typing import Any
 
 MODES = ("off", "full", "op", "vision")  # plus a positive integer k
-COMPILED = "_vlmctl_compiled_forward"  # the instance attribute holding a layer's compiled forward
 
 
 def describe(mode) -> str:
@@ -166,17 +163,6 @@ def _tiled(tiled_mlp, forward, mlp, tiles: int, x):
     return tiled_mlp.apply(forward, mlp, x, max(1, min(tiles, x.shape[-2])), list(mlp.parameters()))
 
 
-def compile_layer(layer, *, dynamic: bool) -> None:
-    """Compile `layer`'s class forward (bound to it) with torch.compile and make it the layer's forward; the
-    checkpointing modes run it from then on (`apply_activation_checkpointing`). Module hooks (FSDP2's gathers and
-    casts) stay outside the compiled function. `dynamic`: sizes change every step (packed rows)."""
-    import torch
-
-    layer.__dict__[COMPILED] = torch.compile(type(layer).forward.__get__(layer), dynamic=dynamic)
-    if "forward" not in layer.__dict__:
-        layer.forward = layer.__dict__[COMPILED]
-
-
 def apply_activation_checkpointing(layer_groups: list[list[Any]], mode, offload: bool = False) -> int:
     """Set `mode` (off, full, op, vision or an integer stride k) on the layers of each group: the first group is the
     language model's decoder layers, the others the vision tower's blocks (callers pass [decoder layers, vision
@@ -185,9 +171,8 @@ def apply_activation_checkpointing(layer_groups: list[list[Any]], mode, offload:
     backward in pinned host memory (`train.activation_offload`; not with `op`, which keeps more than the input).
     Returns the number of layers checkpointed. Raises ValueError for an unknown mode.
 
-    A checkpointed layer gets an instance `forward` that runs its forward through `checkpoint_function`: the compiled
-    one of `compile_layer` (eager under `op`, whose per-op policy must see each matmul), else its class's. Module
-    hooks stay outside the checkpoint, so FSDP2's pre-forward cast of the inputs to the compute dtype is not
+    A checkpointed layer gets an instance `forward` that runs its class's forward through `checkpoint_function`:
+    module hooks stay outside the checkpoint, so FSDP2's pre-forward cast of the inputs to the compute dtype is not
     skipped when backward recomputes the layer (transformers' own layer checkpointing wraps `__call__` in some
     versions, and a recompute then saw fp32 rotary tensors where the forward had bf16 ones).
     """
@@ -200,13 +185,9 @@ def apply_activation_checkpointing(layer_groups: list[list[Any]], mode, offload:
     for g, layers in enumerate(layer_groups):
         for i, layer in enumerate(layers):
             layer.__dict__.pop("forward", None)  # back to the class's forward
-            compiled = layer.__dict__.get(COMPILED)
             if getattr(layer, "gradient_checkpointing", False):
                 layer.gradient_checkpointing = False  # one mechanism only: ours
             if stride and i % stride == 0 and not (mode == "vision" and g == 0):
-                forward = compiled if compiled is not None and mode != "op" else type(layer).forward.__get__(layer)
-                layer.forward = functools.partial(wrapper, function, forward)
+                layer.forward = functools.partial(wrapper, function, type(layer).forward.__get__(layer))
                 count += 1
-            elif compiled is not None:
-                layer.forward = compiled
     return count

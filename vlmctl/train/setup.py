@@ -2,8 +2,7 @@
 dtype and master weights, the model parts, stage/freeze, LoRA, activation checkpointing and compile, kernels
 (attention backend, liger, vision tower), the AdamW parameter groups, the optimizer and the LR schedule.
 
-The worker and `vlmctl bench` run the same two steps (compile, then checkpointing around the compiled layers, then
-FSDP)::
+The worker and `vlmctl bench` run the same two steps (torchtitan's order: checkpointing, then compile, then FSDP)::
 
     ctx = setup_run(train)                            # process group, mesh, seed, resolve_dtype, master_dtype
     tm = prepare_model(model, family, train, device)  # apply_kernels, cost model, apply_training_setup (stage,
@@ -444,11 +443,10 @@ def store_frozen(model, dtype) -> int:
 
 
 def apply_training_setup(model, family, train, compute_dtype=None):
-    """Stage/freeze, LoRA, frozen weights in `compute_dtype` (when given), torch.compile of each decoder layer's
-    forward, then activation checkpointing around the compiled forwards (`checkpointing.compile_layer`: a mode change,
-    as the start-up probe makes, compiles nothing again), before the wrapping of `vlmctl.distributed`.
+    """Stage/freeze, LoRA, frozen weights in `compute_dtype` (when given), activation checkpointing and
+    torch.compile, in torchtitan's order (checkpointing, then compile, then the wrapping of `vlmctl.distributed`).
     Returns (model, parts, trainable part names)."""
-    from vlmctl.train.checkpointing import apply_activation_checkpointing, apply_tiled_mlp, compile_layer
+    from vlmctl.train.checkpointing import apply_activation_checkpointing, apply_tiled_mlp
 
     parts = model_parts(model, family)
     trainable = trainable_parts(train.stage, train.freeze)
@@ -458,13 +456,13 @@ def apply_training_setup(model, family, train, compute_dtype=None):
         parts = model_parts(model, family)
     if compute_dtype is not None:
         store_frozen(model, compute_dtype)
-    if train.compile == "on":
-        for layer in parts.decoder_layers:
-            compile_layer(layer, dynamic=train.packing)  # packed rows change length every step
     if train.activation_checkpointing not in ("auto", "off"):  # auto: the start-up probe sets it on the layers
         apply_activation_checkpointing([parts.decoder_layers, parts.vision_layers], train.activation_checkpointing,
                                        offload=train.activation_offload)
     apply_tiled_mlp(parts.decoder_layers, train.tiled_mlp)
+    if train.compile == "on":
+        for layer in parts.decoder_layers:
+            layer.compile(dynamic=train.packing)  # packed rows change length every step
     return model, parts, trainable
 
 

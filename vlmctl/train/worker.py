@@ -1,7 +1,7 @@
 """The per-rank entry point: `python -m vlmctl.train.worker RUN_DIR` (what torchrun, accelerate and sbatch run).
 
-Every rank reads `RUN_DIR/config.yaml` and runs these steps (compile, checkpointing around the compiled layers,
-then FSDP)::
+Every rank reads `RUN_DIR/config.yaml` and runs these steps (the order of checkpointing, compile and FSDP is
+torchtitan's)::
 
     ctx = setup_run(cfg.train)                        # process group, one device mesh, seed, dtypes
     tm = load_model_for_training(cfg, ctx)            # model (fsdp/ddp: rank 0 reads the weights), kernels, cost model,
