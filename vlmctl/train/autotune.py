@@ -1,8 +1,8 @@
 """The `auto` values of `train.tokens_per_batch`, `train.micro_batch_size` and `train.activation_checkpointing`.
 
 On a GPU with a torch strategy (ddp, fsdp) every rank runs a short probe on the wrapped model before the data
-loader is built: for each activation checkpointing mode (off, vision tower only, op, every 2nd layer, full) it measures the peak GPU
-memory of a forward + backward pass (`torch.cuda.max_memory_allocated`, max over ranks) on rows of two sizes built
+loader is built: for each activation checkpointing mode (off, vision tower only, op, every 2nd layer, full) it
+measures the peak GPU memory of a forward + backward pass (`torch.cuda.max_memory_allocated`, max over ranks) on rows of two sizes built
 from the training data's heaviest samples (most FLOPs per token), fits peak = base + per_unit x size, adds the AdamW state the first
 optimizer step will allocate (two moments per trainable parameter in the stored dtype), and takes the largest size
 that stays within `MEMORY_FRACTION` of the GPU's memory (less what other processes hold). That size is run once

@@ -7,7 +7,8 @@ Modes (torchtitan's `full` and `selective` modes, `torchtitan/models/llama3/infr
 - `vision`: every block of the vision tower is checkpointed, no decoder layer is (ms-swift's
   `vit_gradient_checkpointing` without the language model's). A visual token stands for several patches (4 in
   Qwen2-VL's 2 x 2 merge), each with a block's activations in every vision layer, so on image-heavy rows the vision
-  tower holds more activation memory per token than the language model while costing less compute to redo.
+  tower holds a larger share of the activation memory than of the FLOPs (42% of the memory on the 3B's heaviest
+  rows of `vlmctl bench`, docs/benchmarks.md; its recompute there cost more time than every 2nd layer's).
 - an integer k: every k-th layer of the language model and of the vision tower is checkpointed (selective per layer:
   memory and extra compute in between off and full).
 - `op`: every layer is checkpointed, but the outputs of its matrix multiplications and attention kernels are kept
