@@ -58,5 +58,6 @@ def main(argv: list[str]) -> None:
     print(f"{1e3 * wall[len(wall) // 2]:.1f} ms per step (median of {steps}), host {1e3 * host[len(host) // 2]:.1f} ms, "
           f"warm-up {warm:.1f} s, peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
 
+
 if __name__ == "__main__":
     main(sys.argv[1:])
