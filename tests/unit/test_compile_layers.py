@@ -1,5 +1,6 @@
-"""`train.compile: on` (the default on GPUs): torch.compile'd decoder layers train as the eager ones do, on packed
-rows with per-layer activation checkpointing, as `vlmctl train` and `vlmctl bench` prepare the model."""
+"""`train.compile: on` (the default on GPUs): torch.compile'd decoder layers, and with `train.compile_vision: blocks`
+(auto's choice under compiled layers) the vision blocks, train as the eager ones do, on packed rows with per-layer
+activation checkpointing, as `vlmctl train` and `vlmctl bench` prepare the model."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import copy
 import pytest
 
 
-def test_compiled_decoder_layers_give_the_eager_loss_and_gradients():
+def test_compiled_decoder_layers_and_vision_blocks_give_the_eager_loss_and_gradients():
     import torch
 
     from vlmctl.bench import WorkloadSpec, prepare, random_model
@@ -20,7 +21,7 @@ def test_compiled_decoder_layers_give_the_eager_loss_and_gradients():
 
     def train(compile_: str) -> TrainSection:
         return TrainSection(packing=True, strategy="ddp", compile=compile_, activation_checkpointing=2,
-                            tokens_per_batch=1024)
+                            tokens_per_batch=1024, compile_vision="blocks" if compile_ == "on" else "off")
 
     plan = prepare(ModelSection(preset="tiny-qwen2.5-vl", init="random"), train("off"),
                    WorkloadSpec(image_sizes=(56, 112), text_tokens=(20, 120)), steps=1, warmup=0, dp_size=1)
@@ -32,12 +33,16 @@ def test_compiled_decoder_layers_give_the_eager_loss_and_gradients():
     layers = compiled.parts.decoder_layers
     assert layers and all(layer._compiled_call_impl is not None for layer in layers)
     assert all(layer._compiled_call_impl is None for layer in eager.parts.decoder_layers)
+    blocks = compiled.parts.vision_layers
+    assert blocks and all(block._compiled_call_impl is not None for block in blocks)
+    assert all(block._compiled_call_impl is None for block in eager.parts.vision_layers)
 
     collate = PackedCollator(plan.model.processor, family, tokens_per_batch=1024)
     batches = [compiled.prepare(plan.workload.batch(list(rows), collate)) for rows in ((0, 1, 2), (3, 4))]
     assert batches[0]["input_ids"].shape[1] != batches[1]["input_ids"].shape[1]  # two row lengths: dynamic shapes
-    name, param = next((n, p) for n, p in compiled.model.named_parameters() if ".layers.0." in n and p.ndim == 2)
-    reference = dict(eager.model.named_parameters())[name]
+    named = dict(compiled.model.named_parameters())
+    names = [next(n for n, p in named.items() if f"{part}.1." in n and p.ndim == 2) for part in (".layers", ".blocks")]
+    references = dict(eager.model.named_parameters())
     for batch in batches:
         losses = []
         for tm in (eager, compiled):
@@ -46,4 +51,5 @@ def test_compiled_decoder_layers_give_the_eager_loss_and_gradients():
             loss.backward()
             losses.append(float(loss.detach()))
         assert losses[1] == pytest.approx(losses[0], rel=1e-5)
-        torch.testing.assert_close(param.grad, reference.grad, rtol=1e-4, atol=1e-6)
+        for name in names:  # a decoder layer and a vision block, neither checkpointed (stride 2 takes 0, 2, ...)
+            torch.testing.assert_close(named[name].grad, references[name].grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -199,7 +199,20 @@ def test_compile_auto_is_on_for_torch_strategies_on_a_gpu_except_qlora():
     assert TrainSection().compile == "auto"
     train = TrainSection(strategy="ddp")
     resolve_storage(train, torch.float32, torch.device("cpu"))
-    assert train.compile == "off"  # recorded resolved, as the other auto values
+    assert (train.compile, train.compile_vision) == ("off", "off")  # recorded resolved, as the other auto values
+    train = TrainSection(strategy="ddp", compile="on")
+    resolve_storage(train, torch.float32, torch.device("cpu"))
+    assert train.compile_vision == "blocks"  # the vision blocks follow the compiled decoder layers
+
+
+def test_compile_vision_auto_follows_the_decoder_layers():
+    from vlmctl.config.train import resolve_compile_vision
+
+    assert resolve_compile_vision("auto", cuda=True, compile="on") == "blocks"
+    assert resolve_compile_vision("auto", cuda=True, compile="off") == "kernels"  # QLoRA, DeepSpeed on a GPU
+    assert resolve_compile_vision("auto", cuda=False, compile="off") == "off"
+    assert resolve_compile_vision("kernels", cuda=True, compile="on") == "kernels"  # set by hand: kept
+    assert TrainSection(compile_vision=True).compile_vision == "kernels"  # YAML's bare on, the older word
 
 
 def test_probe_leaves_op_checkpointing_out_under_compiled_layers():

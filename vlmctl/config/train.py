@@ -68,6 +68,16 @@ def resolve_compile(value: str, *, cuda: bool, strategy: str, quantized: bool) -
     return "on" if cuda and strategy in ("ddp", "fsdp") and not quantized else "off"
 
 
+def resolve_compile_vision(value: str, *, cuda: bool, compile: str) -> str:
+    """`train.compile_vision: auto` -> "blocks" where the decoder layers are compiled (`compile` resolved "on"),
+    "kernels" on other CUDA runs, "off" on CPU. Other values unchanged."""
+    if value != "auto":
+        return value
+    if compile == "on":
+        return "blocks"
+    return "kernels" if cuda else "off"
+
+
 def resolve_stochastic_rounding(value: str, master_weights: str) -> str:
     """`train.stochastic_rounding: auto` -> "on" with bf16 master weights when torchao is installed, else "off"."""
     if value != "auto":
@@ -129,7 +139,7 @@ class TrainSection(Section):
     attn_implementation: Literal["auto", "varlen", "flash_attn", "sdpa", "flex", "eager"] = Field("auto", description="Attention backend; auto picks varlen on CUDA and sdpa/flex on CPU.")
     liger: Literal["auto", "on", "off"] = Field("auto", description="liger-kernel fused cross-entropy and norms (CUDA only); auto = when installed.")
     compile: Literal["auto", "on", "off"] = Field("auto", description="torch.compile each language-model decoder layer (with dynamic shapes for packed rows; fuses norms, SwiGLU, rotary and LoRA's adapter arithmetic, and cuts the host's per-kernel launch work). auto = on for ddp/fsdp on a GPU except QLoRA (bitsandbytes' 4/8-bit layers are not compiled), else off. true/false read as on/off. Why: on one H100 it raised the 3B preset's tokens/s by 15% (full fine-tuning, every 2nd layer checkpointed, 16,384 tokens) and LoRA's by 37% (docs/benchmarks.md); the first steps take longer (compilation).")
-    compile_vision: Literal["auto", "on", "off"] = Field("auto", description="torch.compile the vision tower's rotary embedding and width-aligned MLP (fuses their elementwise work); auto = on CUDA.")
+    compile_vision: Literal["auto", "blocks", "kernels", "off"] = Field("auto", description="torch.compile in the vision tower: blocks = each vision block whole, as train.compile does the decoder layers (fuses its norms, residual adds, rotary and MLP, and lets the compiled backward recompute elementwise results instead of keeping them; attention stays the backend's kernel); kernels = only its rotary embedding and width-aligned MLP; off = eager. auto = blocks where the decoder layers are compiled (train.compile on), kernels on other CUDA runs, off on CPU. on (the older word) reads as kernels.")
     activation_checkpointing: Literal["auto", "off", "full", "op", "vision"] | int = Field("auto", description="Recompute activations in the backward pass to save memory: off; full = every decoder layer and vision block; an integer k = every k-th layer (selective per layer); op = every layer, keeping matmul and attention outputs (selective per op); vision = every vision block, no decoder layer; auto = the fastest mode that fits, measured by the start-up probe (ddp/fsdp on a GPU), else off.")
     gradient_checkpointing: bool | None = Field(None, description="Older name: true = activation_checkpointing: full, false = off (when activation_checkpointing is auto).")
     fsdp_sharding: Literal["full", "hybrid"] = Field("full", description="FSDP2 (train.strategy: fsdp) over several nodes: full = parameters, gradients and optimizer state sharded over every rank of the run; hybrid = sharded over the ranks of one node and replicated across nodes (HSDP on a (nodes x processes per node) mesh, what FSDP1 calls HYBRID_SHARD): the per-layer all-gathers and reduce-scatters stay on the fast links inside a node, one all-reduce of the gradient shards per step crosses nodes, and each rank holds 1/(processes per node) of the model state instead of 1/(all ranks). Needs the same number of processes on every node. On one node both are the same.")
@@ -153,7 +163,7 @@ class TrainSection(Section):
         """YAML 1.1 reads a bare `off` as false (and `on` as true): take `off` as typed, `on` as full."""
         return {True: "full", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
-    @field_validator("stochastic_rounding", "liger", "compile", "compile_vision", "balance", mode="before")
+    @field_validator("stochastic_rounding", "liger", "compile", "balance", mode="before")
     @classmethod
     def _yaml_switch_word(cls, value):
         """YAML 1.1 reads a bare `on` / `off` as true / false: take them as typed."""
@@ -192,11 +202,18 @@ class TrainSection(Section):
             self.activation_checkpointing = "full" if self.gradient_checkpointing else "off"
         return self
 
-    @field_validator("liger", "compile_vision", "balance", mode="before")
+    @field_validator("liger", "balance", mode="before")
     @classmethod
     def _yaml_on_off(cls, value):
         """YAML 1.1 reads a bare `on` / `off` as a boolean: take it as the word the user typed."""
         return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+    @field_validator("compile_vision", mode="before")
+    @classmethod
+    def _older_compile_vision_word(cls, value):
+        """`on` (also YAML's bare on, read as true) meant the rotary and MLP kernels before blocks existed."""
+        value = {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+        return "kernels" if value == "on" else value
 
     @field_validator("run_name")
     @classmethod

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vlmctl.config.train import (has_torchao, resolve_compile, resolve_master_weights, resolve_stochastic_rounding,
+from vlmctl.config.train import (has_torchao, resolve_compile, resolve_compile_vision, resolve_master_weights, resolve_stochastic_rounding,
                                  resolve_strategy, single_bf16)
 from vlmctl.errors import ConfigError, ModelError
 from vlmctl.families import PARTS
@@ -294,7 +294,9 @@ def resolve_storage(train, dtype, device) -> None:
     """Resolve `train.master_weights`, `train.stochastic_rounding` and `train.compile` from auto for this device
     and compute `dtype` (recorded in the run's config like the other auto values): bf16 master weights with
     stochastic rounding where `resolve_master_weights` allows them and the compute really is bf16, else fp32;
-    compiled decoder layers where `resolve_compile` allows them."""
+    compiled decoder layers where `resolve_compile` allows them, and `train.compile_vision` after it."""
+    import importlib.util
+
     import torch
 
     if train.master_weights == "auto":
@@ -305,6 +307,10 @@ def resolve_storage(train, dtype, device) -> None:
     train.stochastic_rounding = resolve_stochastic_rounding(train.stochastic_rounding, train.master_weights)
     train.compile = resolve_compile(train.compile, cuda=device.type == "cuda", strategy=train.strategy,
                                     quantized=quantized(train))
+    # the compiled kernels need Triton on a GPU; the compiled blocks follow the decoder layers
+    train.compile_vision = resolve_compile_vision(
+        train.compile_vision, compile=train.compile,
+        cuda=device.type == "cuda" and importlib.util.find_spec("triton") is not None)
     if train.stochastic_rounding == "on" and train.master_weights == "bf16" and not has_torchao():
         raise ConfigError("train.stochastic_rounding=on needs torchao, which is not installed here",
                           hint='pip install "vlmctl[gpu]" (or torchao), or set train.stochastic_rounding=off')
@@ -463,6 +469,9 @@ def apply_training_setup(model, family, train, compute_dtype=None):
     if train.compile == "on":
         for layer in parts.decoder_layers:
             layer.compile(dynamic=train.packing)  # packed rows change length every step
+    if train.compile_vision == "blocks":
+        for block in parts.vision_layers:
+            block.compile(dynamic=True)  # the patch count changes every step
     return model, parts, trainable
 
 
@@ -543,10 +552,12 @@ def apply_kernels(model, family, train, device) -> tuple[str, bool, list[str]]:
         # liger's norm/SwiGLU/RoPE kernels are autograd functions torch.compile cannot trace: compile fuses those
         kernels.apply_liger(model, family, kernels=train.compile != "on")
     vision = []
-    if device.type == "cuda":
+    if device.type == "cuda":  # `train.compile_vision` resolved by `resolve_storage` (auto: kernels where Triton is)
         has_triton = importlib.util.find_spec("triton") is not None
-        compile_vision = train.compile_vision == "on" or (train.compile_vision == "auto" and has_triton)
-        vision = kernels.apply_vision_kernels(model, vision_layers(model, family), compile=compile_vision)
+        compile_kernels = train.compile_vision == "kernels" or (train.compile_vision == "auto" and has_triton)
+        vision = kernels.apply_vision_kernels(model, vision_layers(model, family), compile=compile_kernels)
+    if train.compile_vision == "blocks":
+        vision.append("compiled blocks")
     return attn, liger, vision
 
 
