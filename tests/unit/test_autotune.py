@@ -78,6 +78,44 @@ def test_a_mode_that_fits_only_a_small_row_loses_to_one_that_fits_a_large_row_wh
     assert choice.rates["full"] > choice.rates["off"]
 
 
+def test_the_optimizer_steps_share_can_turn_the_choice_to_the_longer_row():
+    # forward + backward alone: off (short rows, 1.0e-4 s/token) beats full (the cap, 1.1e-4 s/token); a fixed
+    # 0.2 s optimizer step per row costs off's ~4k-token rows far more per token than full's 65,536
+    modes = {"off": (10 * GIB, 10 * 2**20, 1.0e-4), "full": (10 * GIB, 0.3 * 2**20, 1.1e-4)}
+    kwargs = dict(modes=list(modes), sizes=(2048, 4096), budget=60 * GIB, state=10 * GIB, floor=1024, cap=65536, step=512)
+    alone = search(fake_run(modes), **kwargs)
+    stepped = search(fake_run(modes), overhead=0.2, **kwargs)
+    assert alone.activation_checkpointing == "off" and alone.step_seconds == 0.0
+    assert stepped.activation_checkpointing == "full" and stepped.step_seconds == 0.2
+    size = stepped.trials[-1].size  # full's timed trial
+    assert stepped.rates["full"] == pytest.approx(size / (1.1e-4 * size + 0.2))
+
+
+def test_measure_step_leaves_weights_and_optimizer_as_they_were():
+    import torch
+
+    from vlmctl.train.autotune import measure_step
+    from vlmctl.train.loop import TorchStepper
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    stepper = TorchStepper(model, optimizer, scheduler, max_grad_norm=1.0, device=torch.device("cpu"))
+    before = [p.detach().clone() for p in model.parameters()]
+    seconds = measure_step(stepper, torch.device("cpu"))
+    assert seconds > 0
+    for p, q in zip(model.parameters(), before):
+        assert torch.equal(p, q) and p.grad is None
+    assert not optimizer.state and optimizer.param_groups[0]["lr"] == 1e-3
+    # training's first step is the one it would have been without the measurement
+    model(torch.ones(2, 16)).sum().backward()
+    stepper.step(skip=False)
+    assert optimizer.state[next(model.parameters())]["step"] == 1
+    # a resumed run's optimizer already holds state: nothing is stepped
+    assert measure_step(stepper, torch.device("cpu")) == 0.0
+
+
 def test_an_optimistic_prediction_is_checked_and_shrunk():
     # memory grows faster than linearly past 20k tokens: the first check runs out of memory, the shrunk one fits
     calls = []

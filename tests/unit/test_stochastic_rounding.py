@@ -153,6 +153,25 @@ def test_the_one_compiled_step_matches_torchaos_own_adamw():
         assert not torch.equal(p.detach(), p0)
 
 
+def test_the_probes_optimizer_timing_leaves_bf16_weights_bit_for_bit():
+    """`autotune.measure_step` steps AdamW with stochastic rounding at learning rate 0 (a tensor here): a bf16 weight
+    plus an update of 0 rounds to itself, so no weight moves by even one bf16 spacing."""
+    from vlmctl.train.autotune import measure_step
+    from vlmctl.train.loop import TorchStepper
+    from vlmctl.train.optimizer import stochastic_adamw
+
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Linear(40, 3)).to(torch.bfloat16)
+    opt = stochastic_adamw([{"params": list(model.parameters()), "lr": 1e-3, "weight_decay": 0.1}], lr=1e-3,
+                           betas=(0.9, 0.999), eps=1e-8)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    stepper = TorchStepper(model, opt, sched, max_grad_norm=1.0, device=torch.device("cpu"))
+    before = [p.detach().clone() for p in model.parameters()]
+    assert measure_step(stepper, torch.device("cpu")) > 0
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert not opt.state and float(opt.param_groups[0]["lr"]) == pytest.approx(1e-3)
+
+
 def test_strategy_auto_is_ddp_for_one_process_storing_bf16_weights():
     """FSDP2 on one GPU only pays off as the cast from fp32 master weights to bf16 compute copies; with bf16
     weights it would add a gathered copy of the model, so one process runs ddp (a plain model)."""

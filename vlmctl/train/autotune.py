@@ -8,7 +8,8 @@ optimizer step will allocate (two moments per trainable parameter in the stored 
 that stays within `MEMORY_FRACTION` of the GPU's memory (less what other processes hold). That size is run once
 to check it fits and twice more, on a typical row (samples in a fixed random order), to time it (the second pass:
 the first refills the allocator's cache, emptied after every trial); the mode with the most tokens (samples) per
-second wins. A size is a
+second wins, counting for each row its share of one optimizer step (timed once before the trials, `measure_step`:
+a fixed cost per step that weighs more on short rows). A size is a
 row's token budget with packing, the samples of a padded micro-batch without.
 
 The choice is printed, written to `RUN_DIR/autotune.json` (every trial: mode, size, peak GiB, seconds) and into
@@ -63,6 +64,7 @@ class Choice:
     state_bytes: int | None = None
     trials: list[Trial] = field(default_factory=list)
     rates: dict[str, float] = field(default_factory=dict)  # mode -> size units per second at its chosen size
+    step_seconds: float = 0.0  # the optimizer step's share of a row, counted in the rates
 
     def apply(self, train) -> list[str]:
         """Write the resolved values into `train` (only where it says auto); returns "key=value" for each."""
@@ -146,13 +148,13 @@ def _reported(run: Callable[..., Trial], state: int, log) -> Callable[..., Trial
 
 
 def search(run: Callable[[Any, int], Trial], *, modes, sizes: tuple[int, int], budget: int, state: int, floor: int,
-           cap: int, step: int, log=lambda msg: None) -> Choice:
-    """For each mode: two trials at `sizes` -> predicted largest fitting size -> a trial at it (on a miss: refit
-    through the miss, or bisect towards the largest size known to fit after running out of memory; at most CHECKS
-    trials) -> a timed trial; the mode with the best size/second wins (on a tie
-    the one with the larger size). `run(mode, size, timed=False)` returns a Trial; the timed trial passes
-    `timed=True` (the caller may time it on a typical batch rather than the heaviest). Returns the Choice with `size` in
-    `tokens_per_batch` (callers move it for padded batches) and every trial; reason names the winner.
+           cap: int, step: int, overhead: float = 0.0, log=lambda msg: None) -> Choice:
+    """For each mode: two trials at `sizes` -> predicted largest fitting size (`_largest_fit`) -> a timed trial; the
+    mode with the best size / (seconds + `overhead`) wins (on a tie the one with the larger size). `overhead`: the
+    seconds a row costs outside forward + backward (its share of the optimizer step), which weigh more on short rows.
+    `run(mode, size, timed=False)` returns a Trial; the timed trial passes `timed=True` (the caller may time it on a
+    typical batch rather than the heaviest). Returns the Choice with `size` in `tokens_per_batch` (callers move it
+    for padded batches) and every trial; reason names the winner.
     When no mode fits `floor`, the mode that fits the largest size is taken at that size."""
     trials: list[Trial] = []
     rates: dict[str, float] = {}
@@ -164,22 +166,7 @@ def search(run: Callable[[Any, int], Trial], *, modes, sizes: tuple[int, int], b
         trials += [a, b]
         if a.oom:
             continue
-        good = b if not b.oom and b.peak_bytes + state <= budget else a
-        size = fit_size(a, b if not b.oom else a, budget, state, floor=1, cap=cap, step=step)
-        for _ in range(CHECKS):  # the linear prediction is checked; a miss refits or bisects towards the good size
-            if size <= good.size:
-                size = good.size if good.peak_bytes + state <= budget else 0
-                break
-            check = run(mode, size)
-            trials.append(check)
-            if not check.oom and check.peak_bytes + state <= budget:
-                break
-            if check.oom:
-                size = _round((good.size + size) // 2, step)
-            else:
-                size = min(size - step, fit_size(good, check, budget, state, floor=1, cap=cap, step=step))
-        else:
-            size = good.size if good.peak_bytes + state <= budget else 0
+        size = _largest_fit(run, mode, a, b, trials, budget=budget, state=state, cap=cap, step=step)
         if size <= 0:
             continue
         if size < floor:
@@ -190,7 +177,7 @@ def search(run: Callable[[Any, int], Trial], *, modes, sizes: tuple[int, int], b
         trials.append(timed)
         if timed.oom or timed.seconds <= 0:
             continue
-        rate = size / timed.seconds
+        rate = size / (timed.seconds + overhead)
         rates[str(mode)] = rate
         log(f"  {mode}: {size} -> {rate:,.0f}/s, peak {(timed.peak_bytes + state) / 2**30:.1f} GiB")
         if best is None or (rate, size) > best[:2]:
@@ -200,11 +187,32 @@ def search(run: Callable[[Any, int], Trial], *, modes, sizes: tuple[int, int], b
             raise RuntimeError("no activation checkpointing mode fits the smallest probe in GPU memory")
         size, mode = fallback
         return Choice(tokens_per_batch=size, activation_checkpointing=mode, trials=trials, rates=rates,
-                      budget_bytes=budget, state_bytes=state,
+                      budget_bytes=budget, state_bytes=state, step_seconds=overhead,
                       reason=f"nothing fits the longest sample ({floor}); {mode} fits the most")
     rate, size, mode = best
-    return Choice(tokens_per_batch=size, activation_checkpointing=mode, trials=trials, rates=rates,
-                  budget_bytes=budget, state_bytes=state, reason=f"probe: fastest that fits ({rate:,.0f}/s)")
+    return Choice(tokens_per_batch=size, activation_checkpointing=mode, trials=trials, rates=rates, budget_bytes=budget,
+                  state_bytes=state, step_seconds=overhead, reason=f"probe: fastest that fits ({rate:,.0f}/s)")
+
+
+def _largest_fit(run, mode, a: Trial, b: Trial, trials: list[Trial], *, budget: int, state: int, cap: int,
+                 step: int) -> int:
+    """The largest size of `mode` measured to fit `budget` with `state` bytes added, from its two trials `a` and `b`:
+    the linear prediction is checked by a trial (appended to `trials`); a miss refits through the miss, or bisects
+    towards the largest size known to fit after running out of memory, at most CHECKS times. 0 when none fits."""
+    good = b if not b.oom and b.peak_bytes + state <= budget else a
+    size = fit_size(a, b if not b.oom else a, budget, state, floor=1, cap=cap, step=step)
+    for _ in range(CHECKS):
+        if size <= good.size:
+            break
+        check = run(mode, size)
+        trials.append(check)
+        if not check.oom and check.peak_bytes + state <= budget:
+            return size
+        if check.oom:
+            size = _round((good.size + size) // 2, step)
+        else:
+            size = min(size - step, fit_size(good, check, budget, state, floor=1, cap=cap, step=step))
+    return good.size if good.peak_bytes + state <= budget else 0
 
 
 # ------------------------------------------------------------------------------------------- on the GPU
@@ -296,6 +304,54 @@ def measure_pass(stepper, batch, device, group=None) -> tuple[int, float]:
     return int(out[0].item()), float(out[1].item())
 
 
+def measure_step(stepper, device, group=None) -> float:
+    """Seconds of one optimizer step of `stepper` (gradient norm and AdamW over every trained parameter), max over
+    ranks: the part of a training step the probe's forward + backward passes leave out, the same for every row
+    size (95 ms for the 3B's AdamW with stochastic rounding on an H100, docs/benchmarks.md). Timed on the second of
+    two steps on zero gradients at learning rate 0 (the first allocates the moments and compiles torchao's step):
+    the weights keep their values (an update and a weight decay of 0 x lr; a bf16 value rounds to itself) and the
+    moments are dropped again, so training starts from the state it had. 0.0 when the optimizer already has
+    state (a resumed run) or steps inside backward (`train.optimizer_in_backward`)."""
+    import torch
+    import torch.distributed as dist
+
+    optimizer = stepper.optimizer
+    if optimizer.state or hasattr(optimizer, "grad_norm") or not stepper.params:
+        return 0.0
+    lrs = [group_["lr"] for group_ in optimizer.param_groups]
+    try:
+        for group_ in optimizer.param_groups:
+            group_["lr"] = torch.zeros_like(group_["lr"]) if torch.is_tensor(group_["lr"]) else 0.0
+        for p in stepper.params:
+            p.grad = torch.zeros_like(p)
+        for _ in range(2):
+            _synchronize(device)
+            t0 = time.perf_counter()
+            total = torch.nn.utils.get_total_norm([p.grad for p in stepper.params])
+            float(total.full_tensor() if hasattr(total, "full_tensor") else total)  # as TorchStepper.step
+            optimizer.step()
+            _synchronize(device)
+            seconds = time.perf_counter() - t0
+    finally:
+        optimizer.zero_grad(set_to_none=True)
+        optimizer.state.clear()
+        for group_, lr in zip(optimizer.param_groups, lrs):
+            group_["lr"] = lr
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    out = torch.tensor([seconds], device=device, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    return float(out.item())
+
+
+def _synchronize(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def candidates(train, layer_groups=None) -> tuple:
     """The checkpointing modes the probe tries for `train.activation_checkpointing: auto`: CANDIDATES, without op
     under compiled decoder layers (`train.compile: on`), and without vision where `layer_groups` ([decoder layers,
@@ -341,6 +397,8 @@ def probe(train, *, stepper, layer_groups, rows, device, lengths, dp_size: int, 
     if pause is not None:
         stepper.optimizer.paused = True
     state = 0 if stepper.optimizer.state else optimizer_state_bytes(stepper.model, stored_bytes)
+    overhead = measure_step(stepper, device, group) / train.gradient_accumulation_steps
+    log(f"  optimizer step: {overhead:.3f} s per row, added to each mode's forward + backward")
 
     def run(mode, size: int, timed: bool = False) -> Trial:
         # memory is planned on the heaviest rows; the mode's speed is timed on a typical row of the chosen size
@@ -359,7 +417,7 @@ def probe(train, *, stepper, layer_groups, rows, device, lengths, dp_size: int, 
 
     try:
         choice = search(run, modes=modes, sizes=sizes, budget=memory_budget(device), state=state, floor=floor,
-                        cap=cap, step=step, log=log)
+                        cap=cap, step=step, overhead=overhead, log=log)
     finally:
         if pause is not None:
             stepper.optimizer.paused = False
