@@ -950,7 +950,7 @@ def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log
     result = _measure(trainer, labels, train, ctx, steps=steps, warmup=warmup, log=log)
     result.settings = settings_line(train, choice, fsdp_plan_of(wrapped.model))
     if choice is not None and choice.trials:
-        result.auto = {"reason": choice.reason, "rates": choice.rates,
+        result.auto = {"reason": choice.reason, "rates": choice.rates, "step_seconds": round(choice.step_seconds, 4),
                        "trials": [[str(t.mode), t.size, round(t.peak_bytes / 2**30, 1), round(t.seconds, 3), t.oom]
                                   for t in choice.trials]}
     return result

@@ -307,7 +307,7 @@ def measure_pass(stepper, batch, device, group=None) -> tuple[int, float]:
 def measure_step(stepper, device, group=None) -> float:
     """Seconds of one optimizer step of `stepper` (gradient norm and AdamW over every trained parameter), max over
     ranks: the part of a training step the probe's forward + backward passes leave out, the same for every row
-    size (95 ms for the 3B's AdamW with stochastic rounding on an H100, docs/benchmarks.md). Timed on the second of
+    size (0.13 s for the 3B's AdamW with stochastic rounding on an H100, docs/benchmarks.md). Timed on the second of
     two steps on zero gradients at learning rate 0 (the first allocates the moments and compiles torchao's step):
     the weights keep their values (an update and a weight decay of 0 x lr; a bf16 value rounds to itself) and the
     moments are dropped again, so training starts from the state it had. 0.0 when the optimizer already has
@@ -318,10 +318,10 @@ def measure_step(stepper, device, group=None) -> float:
     optimizer = stepper.optimizer
     if optimizer.state or hasattr(optimizer, "grad_norm") or not stepper.params:
         return 0.0
-    lrs = [group_["lr"] for group_ in optimizer.param_groups]
+    lrs = [param_group["lr"] for param_group in optimizer.param_groups]
     try:
-        for group_ in optimizer.param_groups:
-            group_["lr"] = torch.zeros_like(group_["lr"]) if torch.is_tensor(group_["lr"]) else 0.0
+        for param_group in optimizer.param_groups:
+            param_group["lr"] = torch.zeros_like(param_group["lr"]) if torch.is_tensor(param_group["lr"]) else 0.0
         for p in stepper.params:
             p.grad = torch.zeros_like(p)
         for _ in range(2):
@@ -335,8 +335,8 @@ def measure_step(stepper, device, group=None) -> float:
     finally:
         optimizer.zero_grad(set_to_none=True)
         optimizer.state.clear()
-        for group_, lr in zip(optimizer.param_groups, lrs):
-            group_["lr"] = lr
+        for param_group, lr in zip(optimizer.param_groups, lrs):
+            param_group["lr"] = lr
         if device.type == "cuda":
             torch.cuda.empty_cache()
     out = torch.tensor([seconds], device=device, dtype=torch.float64)
