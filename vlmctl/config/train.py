@@ -202,12 +202,6 @@ class TrainSection(Section):
             self.activation_checkpointing = "full" if self.gradient_checkpointing else "off"
         return self
 
-    @field_validator("liger", "balance", mode="before")
-    @classmethod
-    def _yaml_on_off(cls, value):
-        """YAML 1.1 reads a bare `on` / `off` as a boolean: take it as the word the user typed."""
-        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
-
     @field_validator("compile_vision", mode="before")
     @classmethod
     def _older_compile_vision_word(cls, value):
