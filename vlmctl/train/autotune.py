@@ -316,6 +316,8 @@ def measure_step(stepper, device, group=None) -> float:
     import torch
     import torch.distributed as dist
 
+    from vlmctl.train.loop import total_grad_norm
+
     optimizer = stepper.optimizer
     if optimizer.state or hasattr(optimizer, "grad_norm") or not stepper.params:
         return 0.0
@@ -329,8 +331,7 @@ def measure_step(stepper, device, group=None) -> float:
         for _ in range(3):
             _synchronize(device)
             t0 = time.perf_counter()
-            total = torch.nn.utils.get_total_norm([p.grad for p in stepper.params])
-            float(total.full_tensor() if hasattr(total, "full_tensor") else total)  # as TorchStepper.step
+            total_grad_norm(stepper.params)  # as TorchStepper.step
             optimizer.step()
             _synchronize(device)
             times.append(time.perf_counter() - t0)

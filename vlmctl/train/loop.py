@@ -127,6 +127,16 @@ def to_device(batch: dict[str, Any], device) -> dict[str, Any]:
     return {k: (v.to(device, non_blocking=True) if hasattr(v, "to") else v) for k, v in batch.items()}
 
 
+def total_grad_norm(params) -> tuple[Any, float]:
+    """The 2-norm over the gradients of `params` (those that have one): the tensor (for clipping) and its value
+    (a host sync; FSDP2's DTensor norm is gathered first)."""
+    import torch
+
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    return total, float(total.full_tensor() if hasattr(total, "full_tensor") else total)
+
+
 class TorchStepper:
     """Forward/backward/step for an nn.Module wrapped (or not) in DDP or FSDP2, with a torch optimizer."""
 
@@ -174,9 +184,7 @@ class TorchStepper:
             self.optimizer.zero_grad(set_to_none=True)
             return norm if norm is not None and math.isfinite(norm) else None
         if not skip:
-            grads = [p.grad for p in self.params if p.grad is not None]
-            total = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-            norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)  # FSDP2: a DTensor
+            total, norm = total_grad_norm(self.params)
             # clip_grad_norm_ scales every gradient even when the norm is below the limit: one pass saved here
             if math.isfinite(norm) and 0 < self.max_grad_norm < norm:
                 torch.nn.utils.clip_grads_with_norm_(self.params, self.max_grad_norm, total)
