@@ -378,15 +378,24 @@ def run_demo(
 
 
 def _fit_connector(cfg):
-    """The project config with the tiny template's `model.vision_feature_layer` dropped when an override picks a
-    connector that reads the encoder's last layer (`model.projector` pixel_shuffle or perceiver), which refuses
-    the key; any other config is returned as is."""
+    """The project config fitted to a connector an override picks:
+
+    - `model.projector` pixel_shuffle or perceiver reads the encoder's last layer and refuses the tiny template's
+      `model.vision_feature_layer`, which is dropped;
+    - `model.projector: perceiver` (with `model.perceiver_init: region`, the default) trains with the vision tower
+      and the connector frozen (`train.freeze: [vision, projector]`) unless `train.freeze` is set: the region-seeded
+      resampler hands the language model visual tokens in raster order, and trained on this set it gives that up for
+      the content the other questions need (left/right fell to the blind baseline, docs/benchmarks.md).
+
+    Any other config is returned as is."""
     from vlmctl.config import ModelSection
 
     model = cfg.model
     if model.projector in ("pixel_shuffle", "perceiver") and "vision_feature_layer" in model.model_fields_set:
         kept = model.model_dump(exclude_unset=True, exclude={"vision_feature_layer"})
         cfg = cfg.model_copy(update={"model": ModelSection(**kept)})
+    if cfg.model.projector == "perceiver" and cfg.model.perceiver_init == "region" and cfg.train.freeze is None:
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"freeze": ["vision", "projector"]})})
     return cfg
 
 

@@ -279,3 +279,20 @@ def test_demo_refuses_an_unknown_modality_before_writing(tmp_path, capsys):
     code, _, err = run(["demo", str(tmp_path / "d"), "--modality", "smell"], capsys)
     assert code == 2 and "no demo for modality 'smell'" in err and "image, video, audio" in err
     assert not (tmp_path / "d").exists()
+
+
+def test_perceiver_demo_trains_the_language_model_over_a_fixed_region_seeded_connector(tmp_path):
+    """`model.projector=perceiver` (region-seeded by default) trains with the vision tower and the connector frozen,
+    unless train.freeze is set or the resampler starts random; the template's feature layer is dropped."""
+    from vlmctl.config import load_config
+    from vlmctl.demo import _fit_connector
+    from vlmctl.project import init_project
+
+    init_project(tmp_path / "d", template="tiny", num_samples=20)
+    config = tmp_path / "d" / "vlmctl.yaml"
+    cfg = _fit_connector(load_config(config, ["model.projector=perceiver"]))
+    assert cfg.train.freeze == ["vision", "projector"] and "vision_feature_layer" not in cfg.model.model_fields_set
+    assert _fit_connector(load_config(config, ["model.projector=perceiver", "train.freeze=[vision]"])).train.freeze == ["vision"]
+    assert _fit_connector(load_config(config, ["model.projector=perceiver", "model.perceiver_init=random"])).train.freeze is None
+    assert _fit_connector(load_config(config, ["model.projector=pixel_shuffle"])).train.freeze is None
+    assert _fit_connector(load_config(config, [])).train.freeze is None

@@ -128,6 +128,75 @@ def test_perceiver_builds_idefics2_that_vanilla_transformers_loads_and_generates
     assert out.shape[1] == batch["input_ids"].shape[1] + 3
 
 
+def test_region_cells_give_every_query_its_own_part_of_the_patch_grid():
+    from vlmctl.models.connectors import region_cells
+
+    import torch
+
+    assert torch.equal(region_cells(16, 4), torch.eye(16, dtype=torch.bool))  # one query per patch, raster order
+    blocks = region_cells(4, 4)  # 2 x 2 cells of 2 x 2 patches
+    assert blocks.sum(1).tolist() == [4, 4, 4, 4] and blocks.sum(0).tolist() == [1] * 16
+    assert blocks[0].nonzero().flatten().tolist() == [0, 1, 4, 5] and blocks[3].nonzero().flatten().tolist() == [10, 11, 14, 15]
+    many = region_cells(64, 4)  # more queries than patches: each query the patch under its cell's centre
+    assert many.sum(1).tolist() == [1] * 64 and many.sum(0).tolist() == [4] * 16
+    odd = region_cells(12, 8)  # 3 x 4 cells over 8 x 8 patches
+    assert bool(odd.any(1).all()) and bool(odd.any(0).all())
+
+
+def test_region_seeded_perceiver_gives_each_visual_token_its_own_cell(perceiver):
+    """`model.perceiver_init: region` (the default): visual token i reads cell i of a raster grid, so where an
+    object sits decides which visual token carries it; the random encoder's position table is SigLIP-scaled."""
+    import torch
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from vlmctl.models.connectors import region_cells
+
+    assert perceiver.info["built_from"]["perceiver_init"] == "region"
+    shares = perceiver.info["resampler_own_cell_attention"]
+    assert len(shares) == 2 and min(shares) > 0.5  # uniform attention would put 6 / 76 on a query's cell
+    model = AutoModelForImageTextToText.from_pretrained(perceiver.output_dir).eval()
+    processor = AutoProcessor.from_pretrained(perceiver.output_dir)
+    table = model.model.vision_model.embeddings.position_embedding.weight
+    assert float(table.detach().std()) == pytest.approx(64 ** -0.5, rel=0.1)  # SigLIP's N(0, 1 / width), not 0.02
+    resampler = model.model.connector.perceiver_resampler
+    with torch.no_grad():  # the latents' own keys are zero: no query attends to the latents
+        keys = resampler.layers[0].self_attn.k_proj(resampler.layers[0].input_latents_norm(resampler.latents))
+    assert float(keys.abs().max()) < 1e-4
+
+    def tokens(picture):
+        batch = processor(images=[picture], text=["<image>"], return_tensors="pt")
+        with torch.no_grad():
+            feats = model.model.get_image_features(batch["pixel_values"], batch["pixel_attention_mask"])
+        feats = feats.pooler_output if hasattr(feats, "pooler_output") else feats
+        return (feats[0] if isinstance(feats, (tuple, list)) else feats).reshape(12, -1)
+
+    grey = Image.new("RGB", (64, 64), (120, 120, 120))
+    base = tokens(grey)
+    cells = region_cells(12, 8)  # 3 x 4 cells over the 8 x 8 patches
+    for cell in (0, 6, 11):
+        picture = grey.copy()
+        for patch in cells[cell].nonzero().flatten().tolist():
+            row, col = divmod(patch, 8)
+            picture.paste((250, 30, 30), (col * 8, row * 8, col * 8 + 8, row * 8 + 8))
+        change = (tokens(picture) - base).norm(dim=-1)  # [12]: how much each visual token moved
+        assert int(change.argmax()) == cell
+
+
+def test_region_seeding_needs_an_encoder_that_knows_where_a_patch_is(perceiver):
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from vlmctl.models.connectors import seed_perceiver_regions
+
+    model = AutoModelForImageTextToText.from_pretrained(perceiver.output_dir).eval()
+    before = model.model.connector.perceiver_resampler.latents.detach().clone()
+    with torch.no_grad():
+        model.model.vision_model.embeddings.position_embedding.weight.zero_()
+    assert seed_perceiver_regions(model, "model.vision_model", "model.connector") == []
+    assert torch.equal(model.model.connector.perceiver_resampler.latents, before)
+
+
 def test_align_trains_exactly_the_perceiver_connector(perceiver):
     from vlmctl.models import load_model
     from vlmctl.train import setup

@@ -147,6 +147,18 @@ class Idefics2Spec(FamilySpec):
         """The longest edge images are resized to."""
         return int(image_processor.size["longest_edge"])
 
+    def init_random(self, model) -> None:
+        """The vision tower's position table [patches, vision hidden] drawn from N(0, 1 / vision hidden), SigLIP's own
+        initialization (`SiglipPreTrainedModel._init_weights`, transformers 5.23): Idefics2's generic one draws it
+        with std 0.02, about a tenth of what the patch embedding gives a picture, so the random encoder's output
+        barely depends on where a patch is, and the perceiver, which sees no patch order, gets no position to read
+        (measured on `vlmctl demo`, docs/benchmarks.md)."""
+        import torch
+
+        table = model.get_submodule(self.vision_tower).embeddings.position_embedding.weight
+        with torch.no_grad():
+            table.normal_(0.0, table.shape[1] ** -0.5)
+
 
 IDEFICS2 = register(Idefics2Spec(
     name="idefics2",

@@ -120,6 +120,7 @@ class BuildPlan:
     image_size: int | None = None
     trust_remote_code: bool = False
     base_config: Any = None
+    resampler_shares: list[float] = field(default_factory=list)  # perceiver_init=region: own-cell attention per block
 
 
 def plan_build(model: ModelSection) -> BuildPlan:
@@ -658,9 +659,25 @@ def make_model(plan: BuildPlan, processor, *, seed: int = 0):
         vlm = _compose_audio_pretrained(plan, tok, seed)
     else:
         vlm = _compose_pretrained(plan, tok, seed)
+    _seed_resampler(plan, vlm, seed)
     _set_generation_config(vlm, tok)
     vlm.eval()
     return vlm
+
+
+def _seed_resampler(plan: BuildPlan, vlm, seed: int) -> None:
+    """`model.perceiver_init: region`: start the perceiver resampler as a region pooler
+    (`connectors.seed_perceiver_regions`) once the vision tower it reads is in place. Raises ModelError when the
+    encoder's output does not depend on where a patch is (nothing to seed from)."""
+    if plan.projector is None or plan.projector.name != "perceiver" or plan.section.perceiver_init != "region":
+        return
+    from vlmctl.models.connectors import seed_perceiver_regions
+
+    plan.resampler_shares = seed_perceiver_regions(vlm, plan.family.vision_tower, plan.family.projector[0], seed=seed)
+    if not plan.resampler_shares:
+        raise ModelError("model.perceiver_init=region: the vision encoder's output does not depend on where a patch is, "
+                         "so there is no position to seed the resampler's queries from",
+                         hint="set model.perceiver_init=random")
 
 
 def _compose_pretrained(plan: BuildPlan, tok, seed: int):
@@ -820,7 +837,9 @@ def _info(plan: BuildPlan, vlm, processor) -> dict[str, Any]:
             "vision_feature_select_strategy": plan.feature_strategy if plan.projector and plan.projector.feature_select else None,
             "pixel_shuffle_scale": plan.projector.config.get("scale_factor") if plan.projector else None,
             "perceiver_queries": (plan.projector.queries or None) if plan.projector else None,
+            "perceiver_init": s.perceiver_init if plan.projector and plan.projector.name == "perceiver" else None,
         },
+        **({"resampler_own_cell_attention": [round(x, 4) for x in plan.resampler_shares]} if plan.resampler_shares else {}),
         "model_class": type(vlm).__name__,
         "dtype": s.dtype,
         "parameters": count_parameters(vlm, plan.family),

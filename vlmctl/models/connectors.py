@@ -128,3 +128,119 @@ def check_connector(model: ModelSection, projector: ProjectorSpec, vision_config
             nearest = min((d for d in range(1, hidden + 1) if hidden % d == 0), key=lambda d: abs(d - heads))
             raise ConfigError(f"model.perceiver_heads={heads} does not divide the LLM's hidden size {hidden}",
                               hint=f"use a divisor of {hidden} (e.g. {nearest})")
+
+
+def region_cells(queries: int, side: int):
+    """[queries, side * side] bool: which patches of a `side` x `side` grid (raster order) each query of a
+    `rows` x `cols` grid of cells owns (`rows` the largest divisor of `queries` up to its square root). A query owns
+    the patches whose centre lies in its cell and, where queries outnumber patches, the patch holding its cell's
+    centre, so every query owns at least one patch."""
+    import torch
+
+    rows = max(d for d in range(1, int(queries ** 0.5) + 1) if queries % d == 0)
+    cols = queries // rows
+    q = torch.arange(queries)
+    p = torch.arange(side * side)
+    qr, qc = (q // cols).float(), (q % cols).float()
+    pr, pc = (p // side).float(), (p % side).float()
+    # patch centre inside the query's cell, in [0, 1) coordinates
+    centre_in = ((((pr[None] + 0.5) / side) * rows).floor() == qr[:, None]) & ((((pc[None] + 0.5) / side) * cols).floor() == qc[:, None])
+    # the query cell's centre inside the patch
+    cell_in = ((((qr[:, None] + 0.5) / rows) * side).floor() == pr[None]) & ((((qc[:, None] + 0.5) / cols) * side).floor() == pc[None])
+    return centre_in | cell_in
+
+
+def seed_perceiver_regions(vlm, vision_path: str, connector_path: str, *, gap: float = 20.0, pictures: int = 16,
+                           seed: int = 0) -> list[float]:
+    """Start Idefics2's perceiver resampler as a region pooler (`model.perceiver_init: region`): visual token i
+    attends to the patches of cell i of a raster grid over the picture, so the visual tokens keep where things are,
+    as pixel shuffle's do, instead of pooling the patches as a set.
+
+    No data is needed. `pictures` flat pictures (one random colour each, [pictures, 3, S, S] normalized pixels in
+    [-1, 1], S the encoder's `image_size`) run through the vision tower and the modality projection; the mean of
+    each patch's normalized context over them, less its mean over patches, is the part of the context [P, hidden]
+    that only where the patch is decides. With U an orthonormal basis of that part (rank r <= min(P - 1,
+    hidden / 2)) and A a basis of r other directions orthogonal to U, every block's key projection becomes U U^T
+    (keys keep only their position part), the latents [queries, hidden] the position codes of their cells written
+    in A (so their own keys are zero and a query does not attend to the latents), and the query projection s U A^T,
+    with s (per block) such that on the flat pictures a query's logit on its own patches exceeds its others by `gap` on average
+    (20: 94% of its attention on its own cell on the flat pictures of the tiny demo model, about 40% on real ones). The latents' scale is the RMS of the value path's output
+    (o_proj(v_proj(context))), so the residual does not hide what a query reads. Later blocks share U and A (their
+    query input keeps the latents in its residual) and are scaled on the latents the earlier blocks produce.
+
+    Needs square attention projections (heads x head_dim = hidden, as `model.projector: perceiver` builds) and an
+    encoder whose output depends on where a patch is (SigLIP's learned position table; see
+    `Idefics2Spec.init_random` for random encoders). Returns, per block, the mean attention share of a query on
+    its own patches (of all its keys: patches and latents) on the flat pictures; an empty list when the encoder's output carries no
+    position (the resampler is left as it was). The idea of keeping locality in a resampler: Honeybee (Cha et al.
+    2024, arXiv:2312.06742); Qwen-VL adds 2D position encodings to its resampler's queries and keys for the same
+    reason (Bai et al. 2023, arXiv:2308.12966)."""
+    import torch
+
+    vision = vlm.get_submodule(vision_path)
+    connector = vlm.get_submodule(connector_path)
+    resampler = connector.perceiver_resampler
+    param = resampler.latents
+    size, patch = int(vision.config.image_size), int(vision.config.patch_size)
+    side = size // patch
+    gen = torch.Generator().manual_seed(seed)
+    colours = torch.rand(pictures, 3, 1, 1, generator=gen) * 2 - 1
+    pixels = colours.expand(pictures, 3, size, size).to(param.device, param.dtype)
+    shares: list[float] = []
+    with torch.no_grad():
+        context = connector.modality_projection(vision(pixel_values=pixels).last_hidden_state).float()
+        mask = torch.ones(pictures, context.shape[1], dtype=torch.long, device=param.device)
+        hidden = context.shape[-1]
+        own = region_cells(param.shape[0], side).to(param.device)
+        if context.shape[1] != side * side:
+            return shares
+        for index, layer in enumerate(resampler.layers):
+            attn = layer.self_attn
+            if attn.q_proj.weight.shape != (hidden, hidden) or attn.k_proj.weight.shape != (hidden, hidden):
+                return shares
+            ctx = layer.input_context_norm(context.to(param.dtype)).float()      # [n, P, hidden]
+            if index == 0:
+                position = ctx.mean(0) - ctx.mean((0, 1))                       # [P, hidden]
+                if position.pow(2).mean().sqrt() < 1e-4 * ctx.pow(2).mean().sqrt():
+                    return shares  # the output does not depend on where a patch is
+                basis, values, _ = torch.linalg.svd(position.T, full_matrices=False)
+                rank = min(int((values > values[0] * 1e-3).sum()), hidden // 2)
+                u = basis[:, :rank]                                            # [hidden, r]
+                other = torch.randn(hidden, rank, generator=gen).to(u)
+                a, _ = torch.linalg.qr(other - u @ (u.T @ other))              # [hidden, r], orthogonal to u
+                cells = own.float() / own.sum(1, keepdim=True)
+                codes = (cells @ position) @ u @ a.T                            # [queries, hidden], in span(a)
+                value_rms = attn.o_proj(attn.v_proj(ctx.to(param.dtype))).float().pow(2).mean().sqrt()
+                resampler.latents.copy_((codes / codes.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-12) * value_rms).to(param.dtype))
+            latents = _block_input(resampler, index, context.to(param.dtype), mask).float()   # [n, queries, hidden]
+            queries = layer.input_latents_norm(latents.to(param.dtype)).float() @ a @ u.T
+            keys = ctx @ u @ u.T
+            heads, dim = attn.num_heads, attn.head_dim
+            n, q_len = queries.shape[:2]
+            logits = torch.einsum("nihd,njhd->nhij", queries.view(n, q_len, heads, dim),
+                                  keys.view(n, -1, heads, dim)) * attn.scaling       # [n, heads, queries, P] at s = 1
+            spread = logits[..., own].mean() - logits[..., ~own].mean() if (~own).any() else logits[..., own].mean()
+            if spread <= 0:
+                return shares
+            scale = gap / spread.item()
+            attn.k_proj.weight.copy_((u @ u.T).to(param.dtype))
+            attn.q_proj.weight.copy_((scale * u @ a.T).to(param.dtype))
+            # the latents' keys are zero: logit 0 each, next to the patches'
+            weights = torch.cat([logits * scale, logits.new_zeros(*logits.shape[:-1], q_len)], -1).softmax(-1)
+            shares.append((weights[..., :own.shape[1]] * own).sum(-1).mean().item())
+    return shares
+
+
+def _block_input(resampler, index: int, context, mask):
+    """The latents [n, queries, hidden] that block `index` of the resampler receives for `context` [n, P, hidden]."""
+    seen = {}
+
+    def grab(module, args, kwargs):
+        seen["latents"] = args[0] if args else kwargs["latents"]
+
+    hook = resampler.layers[index].register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        resampler(context=context, attention_mask=mask)
+    finally:
+        hook.remove()
+    return seen["latents"]
