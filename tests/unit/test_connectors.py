@@ -129,9 +129,9 @@ def test_perceiver_builds_idefics2_that_vanilla_transformers_loads_and_generates
 
 
 def test_region_cells_give_every_query_its_own_part_of_the_patch_grid():
-    from vlmctl.models.connectors import region_cells
-
     import torch
+
+    from vlmctl.models.connectors import region_cells
 
     assert torch.equal(region_cells(16, 4), torch.eye(16, dtype=torch.bool))  # one query per patch, raster order
     blocks = region_cells(4, 4)  # 2 x 2 cells of 2 x 2 patches

@@ -200,14 +200,10 @@ def seed_perceiver_regions(vlm, vision_path: str, connector_path: str, *, gap: f
                 return shares
             ctx = layer.input_context_norm(context.to(param.dtype)).float()      # [n, P, hidden]
             if index == 0:
-                position = ctx.mean(0) - ctx.mean((0, 1))                       # [P, hidden]
-                if position.pow(2).mean().sqrt() < 1e-4 * ctx.pow(2).mean().sqrt():
-                    return shares  # the output does not depend on where a patch is
-                basis, values, _ = torch.linalg.svd(position.T, full_matrices=False)
-                rank = min(int((values > values[0] * 1e-3).sum()), hidden // 2)
-                u = basis[:, :rank]                                            # [hidden, r]
-                other = torch.randn(hidden, rank, generator=gen).to(u)
-                a, _ = torch.linalg.qr(other - u @ (u.T @ other))              # [hidden, r], orthogonal to u
+                found = _position_basis(ctx, gen)
+                if found is None:
+                    return shares
+                position, u, a = found
                 cells = own.float() / own.sum(1, keepdim=True)
                 codes = (cells @ position) @ u @ a.T                            # [queries, hidden], in span(a)
                 value_rms = attn.o_proj(attn.v_proj(ctx.to(param.dtype))).float().pow(2).mean().sqrt()
@@ -229,6 +225,25 @@ def seed_perceiver_regions(vlm, vision_path: str, connector_path: str, *, gap: f
             weights = torch.cat([logits * scale, logits.new_zeros(*logits.shape[:-1], q_len)], -1).softmax(-1)
             shares.append((weights[..., :own.shape[1]] * own).sum(-1).mean().item())
     return shares
+
+
+def _position_basis(ctx, gen):
+    """(position [P, hidden], U [hidden, r], A [hidden, r]) of the normalized context `ctx` [n, P, hidden] of flat
+    pictures: the part of each patch's context that only its place decides (mean over pictures less the mean over
+    patches), an orthonormal basis U of its span (r <= hidden / 2) and r random orthonormal directions A orthogonal
+    to U. None when the context does not depend on where a patch is."""
+    import torch
+
+    hidden = ctx.shape[-1]
+    position = ctx.mean(0) - ctx.mean((0, 1))
+    if position.pow(2).mean().sqrt() < 1e-4 * ctx.pow(2).mean().sqrt():
+        return None
+    basis, values, _ = torch.linalg.svd(position.T, full_matrices=False)
+    rank = min(int((values > values[0] * 1e-3).sum()), hidden // 2)
+    u = basis[:, :rank]
+    other = torch.randn(hidden, rank, generator=gen).to(u)
+    a, _ = torch.linalg.qr(other - u @ (u.T @ other))
+    return position, u, a
 
 
 def _block_input(resampler, index: int, context, mask):
