@@ -118,3 +118,17 @@ def test_memory_per_parameter_by_strategy_and_precision():
     s = training_summary(info, stage="finetune", strategy="ddp", num_gpus=1, device="cuda", lora=True, quantize="4bit")
     assert s["memory_per_gpu_bytes"]["weights"] == 2 * 400 + 2 * 100 + 1500 // 2
     assert "4bit" in s["storage"]
+
+
+def test_model_build_cli_reports_the_region_seeded_perceiver(tmp_path, capsys):
+    cfg = _project(tmp_path)
+    cfg.write_text("project: {name: t}\nmodel: {vision: tiny, llm: tiny, init: random, projector: perceiver, perceiver_queries: 16, "
+                   "perceiver_depth: 1, perceiver_heads: 4, dtype: fp32}\ntrain: {stage: align}\n")
+    code, out, err = run(["-c", str(cfg), "model", "build"], capsys)
+    assert code == 0, err
+    share = json.loads((tmp_path / "outputs" / "model" / "vlmctl_model.json").read_text())["resampler_own_cell_attention"]
+    assert "Perceiver resampler seeded by region" in out and f"{share[0]:.0%}" in out
+    code, out, err = run(["-c", str(cfg), "model", "build", "--force", "model.perceiver_init=random"], capsys)
+    assert code == 0, err
+    assert "seeded by region" not in out
+    assert "resampler_own_cell_attention" not in json.loads((tmp_path / "outputs" / "model" / "vlmctl_model.json").read_text())

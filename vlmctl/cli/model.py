@@ -108,6 +108,10 @@ def _render(result: Any, s: dict[str, Any]) -> None:
     console.print(table)
     if s["visual_tokens_per_image"] is not None:
         info(f"Visual tokens per image: {s['visual_tokens_per_image']:,} at {s['image_size']}x{s['image_size']} px")
+    shares = result.info.get("resampler_own_cell_attention")
+    if shares:
+        info("Perceiver resampler seeded by region: each visual token reads its own cell of the picture "
+             f"(attention on it per block: {', '.join(f'{x:.0%}' for x in shares)})")
     mem = s["memory_per_gpu_bytes"]
     n = s["num_processes"]
     where = ("per GPU", f"{n} GPU(s)") if s["device"] == "cuda" else ("per process", f"{n} process(es) on CPU")
