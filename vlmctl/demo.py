@@ -247,6 +247,7 @@ class DemoResult:
     train_samples: int = 0
     val_samples: int = 0
     steps: int = 0
+    frozen: list[str] = field(default_factory=list)  # train.freeze of the run (the perceiver's: vision, projector)
     final_loss: float | None = None
     prepared_dir: Path | None = None
     model_dir: Path | None = None
@@ -337,6 +338,7 @@ def run_demo(
     config = folder / "vlmctl.yaml"
     cfg = _fit_connector(load_config(config, [*overrides, *run_overrides]))
     result.strategy = cfg.train.strategy
+    result.frozen = list(cfg.train.freeze or [])
 
     def prepare() -> Any:
         from vlmctl.data.prepare import prepare_data

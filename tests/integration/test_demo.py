@@ -91,6 +91,7 @@ def test_demo_reduced_runs_every_stage(tmp_path, capsys):
     assert all(s > 0 for s in summary["stage_seconds"].values())
     assert (summary["launcher"], summary["nproc"]) == default_launch()
     assert summary["steps"] == 6 and summary["train_samples"] + summary["val_samples"] == 240
+    assert summary["frozen"] == []  # the default connector trains with everything else
 
     run_dir = Path(summary["run_dir"])
     assert (run_dir / "final" / "config.json").is_file() and (run_dir / "final" / "model.safetensors").is_file()

@@ -123,6 +123,8 @@ def _render(result: "DemoResult") -> None:
     where.add_row("evaluation", f"{rel(result.eval_dir)} (report.html, predictions.jsonl)")
     steps = f"{result.steps} steps" + (f", final loss {result.final_loss:.3f}" if result.final_loss is not None else "")
     train_line = f"train: {result.launcher} x{result.nproc} ({result.strategy}), {result.train_samples} samples, {steps}"
+    if result.frozen:
+        train_line += f"; frozen: {', '.join(result.frozen)}"
     nxt = "\n".join(f"  cd {result.folder.name} && {c}" if i == 0 else f"  {c}" for i, c in enumerate(next_commands(result)))
     body = Group(times, "", train_line, "", acc, verdict, "", "[bold]outputs[/bold] in " + str(result.folder), where, "",
                  "[bold]next[/bold]", nxt)
