@@ -248,6 +248,7 @@ class DemoResult:
     val_samples: int = 0
     steps: int = 0
     frozen: list[str] = field(default_factory=list)  # train.freeze of the run (the perceiver's: vision, projector)
+    projector: str | None = None  # model.projector of the run
     final_loss: float | None = None
     prepared_dir: Path | None = None
     model_dir: Path | None = None
@@ -339,6 +340,7 @@ def run_demo(
     cfg = _fit_connector(load_config(config, [*overrides, *run_overrides]))
     result.strategy = cfg.train.strategy
     result.frozen = list(cfg.train.freeze or [])
+    result.projector = cfg.model.projector
 
     def prepare() -> Any:
         from vlmctl.data.prepare import prepare_data

@@ -297,3 +297,19 @@ def test_perceiver_demo_trains_the_language_model_over_a_fixed_region_seeded_con
     assert _fit_connector(load_config(config, ["model.projector=perceiver", "model.perceiver_init=random"])).train.freeze is None
     assert _fit_connector(load_config(config, ["model.projector=pixel_shuffle"])).train.freeze is None
     assert _fit_connector(load_config(config, [])).train.freeze is None
+
+
+def test_demo_verdict_points_a_jointly_trained_perceiver_at_its_frozen_recipe():
+    from vlmctl.cli.demo import _verdict
+    from vlmctl.demo import DemoResult, TypeScore
+
+    def result(projector, frozen, position):
+        scores = [TypeScore("color", 10, 1.0, 0.2, "red"), TypeScore("position", 10, position, 0.5, "left")]
+        return DemoResult(folder=Path("d"), launcher="torchrun", nproc=2, strategy="fsdp", scores=scores, overall=0.8,
+                          baseline_overall=0.35, projector=projector, frozen=frozen)
+
+    assert "above the blind baseline on every question type" in _verdict(result("perceiver", ["vision", "projector"], 1.0), 2.3)
+    joint = _verdict(result("perceiver", [], 0.4), 2.3)
+    assert "perceiver trained with the encoder" in joint and "train.freeze unset" in joint and "max_steps" not in joint
+    assert "train longer" in _verdict(result("perceiver", ["vision", "projector"], 0.4), 2.3)
+    assert "train longer" in _verdict(result("mlp2x_gelu", [], 0.4), 2.3)
