@@ -195,6 +195,13 @@ def test_region_seeding_needs_an_encoder_that_knows_where_a_patch_is(perceiver):
         model.model.vision_model.embeddings.position_embedding.weight.zero_()
     assert seed_perceiver_regions(model, "model.vision_model", "model.connector") == []
     assert torch.equal(model.model.connector.perceiver_resampler.latents, before)
+    # a later block that cannot be seeded (keys not square) leaves the first one unseeded too: checked before any write
+    model = AutoModelForImageTextToText.from_pretrained(perceiver.output_dir).eval()
+    resampler = model.model.connector.perceiver_resampler
+    resampler.layers[1].self_attn.k_proj = torch.nn.Linear(128, 64, bias=False)
+    state = {k: v.clone() for k, v in resampler.state_dict().items()}
+    assert seed_perceiver_regions(model, "model.vision_model", "model.connector") == []
+    assert all(torch.equal(v, state[k]) for k, v in resampler.state_dict().items())
 
 
 def test_align_trains_exactly_the_perceiver_connector(perceiver):

@@ -176,7 +176,7 @@ def seed_perceiver_regions(vlm, vision_path: str, connector_path: str, *, gap: f
     for random encoders). Costs one encoder forward of `pictures` pictures (about a minute on a 2-core CPU for
     SigLIP-so400m). Returns, per block, the mean attention share of a query on its own patches (of all its keys:
     patches and latents) on the flat pictures; an empty list, with the resampler left as it was, when the encoder's
-    output carries no position. Keeping locality in a resampler: Honeybee (Cha et al. 2024, arXiv:2312.06742);
+    output carries no position or a block cannot be seeded (none is then). Keeping locality in a resampler: Honeybee (Cha et al. 2024, arXiv:2312.06742);
     Qwen-VL adds 2D position encodings to its resampler's queries and keys for the same reason (Bai et al. 2023,
     arXiv:2308.12966)."""
     import torch
@@ -198,15 +198,17 @@ def seed_perceiver_regions(vlm, vision_path: str, connector_path: str, *, gap: f
         mask = torch.ones(pictures, context.shape[1], dtype=torch.long, device=param.device)
         hidden = context.shape[-1]
         own = region_cells(param.shape[0], side).to(param.device)                # [queries, P]
+        if any(layer.self_attn.q_proj.weight.shape != (hidden, hidden) or layer.self_attn.k_proj.weight.shape != (hidden, hidden)
+               for layer in resampler.layers):
+            return shares
+        start = {k: v.clone() for k, v in resampler.state_dict().items()}  # put back if a block cannot be seeded
         for index, layer in enumerate(resampler.layers):
             attn = layer.self_attn
-            if attn.q_proj.weight.shape != (hidden, hidden) or attn.k_proj.weight.shape != (hidden, hidden):
-                return shares
             ctx = layer.input_context_norm(context.to(param.dtype)).float()      # [n, P, hidden]
             if index == 0:
                 found = _position_basis(ctx, gen)
                 if found is None:
-                    return shares
+                    return _restore(resampler, start)
                 position, u, a = found
                 cells = own.float() / own.sum(1, keepdim=True)
                 codes = (cells @ position) @ u @ a.T                            # [queries, hidden], in span(a)
@@ -222,7 +224,7 @@ def seed_perceiver_regions(vlm, vision_path: str, connector_path: str, *, gap: f
                                   keys.view(n, -1, heads, dim)) * attn.scaling       # [n, heads, queries, P] at s = 1
             spread = logits[..., own].mean() - logits[..., ~own].mean() if (~own).any() else logits[..., own].mean()
             if spread <= 0:
-                return shares
+                return _restore(resampler, start)
             scale = gap / spread.item()
             attn.k_proj.weight.copy_((u @ u.T).to(param.dtype))
             attn.q_proj.weight.copy_((scale * u @ a.T).to(param.dtype))
@@ -230,6 +232,12 @@ def seed_perceiver_regions(vlm, vision_path: str, connector_path: str, *, gap: f
             weights = torch.cat([logits * scale, logits.new_zeros(*logits.shape[:-1], q_len)], -1).softmax(-1)
             shares.append((weights[..., :own.shape[1]] * own).sum(-1).mean().item())
     return shares
+
+
+def _restore(resampler, state) -> list[float]:
+    """Put the resampler's parameters back to `state` (a block could not be seeded: none is) and return []."""
+    resampler.load_state_dict(state)
+    return []
 
 
 def _position_basis(ctx, gen):
