@@ -132,6 +132,50 @@ def test_tiled_mlp_runs_each_mlp_over_slices_with_exact_gradients():
     assert apply_tiled_mlp(layers, "off") == 0 and all("forward" not in layer.mlp.__dict__ for layer in layers)
 
 
+def _bind_stand_in_forward(mlp, calls: list):
+    """What liger-kernel does to each decoder MLP (`_patch_swiglu_module`): an instance `forward` bound in the
+    module's __dict__. The stand-in computes the same SwiGLU and counts its calls."""
+    import torch.nn.functional as F
+
+    def forward(self, x):
+        calls.append(x.shape[-2])
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    mlp.__dict__["forward"] = forward.__get__(mlp, type(mlp))
+
+
+def test_tiled_mlp_and_checkpointing_keep_a_forward_another_library_installed():
+    # liger binds its SwiGLU as each MLP's instance forward; tiling (or switching tiling off, as every run does)
+    # must run and then restore that forward, not the class's
+    from vlmctl.train.checkpointing import apply_tiled_mlp
+
+    model = tiny_lm()
+    layers = list(model.model.layers)
+    calls: list[int] = []
+    for layer in layers:
+        _bind_stand_in_forward(layer.mlp, calls)
+    stand_ins = [layer.mlp.__dict__["forward"] for layer in layers]
+    assert apply_tiled_mlp(layers, "off") == 0
+    assert [layer.mlp.__dict__.get("forward") for layer in layers] == stand_ins
+    grads_and_calls(model, "full")
+    assert calls and set(calls) == {24}  # the stand-in ran, over the whole row
+    calls.clear()
+    assert apply_tiled_mlp(layers, 3) == 4
+    grads_and_calls(model, "off")
+    assert calls and set(calls) == {8}  # each slice went through the stand-in
+    apply_activation_checkpointing([layers], "full")
+    apply_activation_checkpointing([layers], "off")
+    assert apply_tiled_mlp(layers, "off") == 0
+    assert [layer.mlp.__dict__.get("forward") for layer in layers] == stand_ins
+    # a decoder layer's own instance forward survives checkpointing being switched on and off again
+    marker = layers[0].forward
+    layers[0].__dict__["forward"] = marker
+    apply_activation_checkpointing([layers], 2)
+    assert layers[0].forward is not marker
+    apply_activation_checkpointing([layers], "off")
+    assert layers[0].__dict__.get("forward") is marker
+
+
 def test_offload_keeps_the_layer_inputs_on_the_host_and_gradients_exact(monkeypatch):
     # CPU stands in for the GPU: the copy goes to a plain host tensor and the layer sees a tensor it moved back
     from vlmctl.train import checkpointing

@@ -139,12 +139,14 @@ def apply_tiled_mlp(layers: list[Any], slices) -> int:
     """Run the MLP (`layer.mlp`) of each decoder layer over `slices` parts of the sequence with DeepSpeed's TiledMLP
     (`deepspeed.runtime.sequence_parallel.ulysses_sp.TiledMLP`); `slices` "off" (or 1) restores one pass. Layers
     without a dense `mlp` (mixture-of-experts blocks, whose forward also returns router logits) are left as they are.
+    Each slice runs the MLP's own forward as it was (liger-kernel's SwiGLU where liger patched it), and "off" puts
+    that forward back: only the wrapper installed here is ever removed (`_wrap_forward`).
     Returns the number of MLPs tiled. Raises ConfigError without DeepSpeed installed."""
     tiles = 0 if slices in ("off", None) else int(slices)
     mlps = [getattr(layer, "mlp", None) for layer in layers]
     mlps = [m for m in mlps if m is not None and not hasattr(m, "experts") and not hasattr(m, "gate")]
     for mlp in mlps:
-        mlp.__dict__.pop("forward", None)
+        _unwrap_forward(mlp)
     if tiles <= 1:
         return 0
     try:
@@ -155,13 +157,38 @@ def apply_tiled_mlp(layers: list[Any], slices) -> int:
         raise ConfigError("train.tiled_mlp uses DeepSpeed's TiledMLP, which is not installed",
                           hint="pip install 'vlmctl[deepspeed]', or set train.tiled_mlp=off") from None
     for mlp in mlps:
-        mlp.forward = functools.partial(_tiled, TiledMLP, type(mlp).forward, mlp, tiles)
+        _wrap_forward(mlp, lambda base, mlp=mlp: functools.partial(_tiled, TiledMLP, base, mlp, tiles))
     return len(mlps)
 
 
 def _tiled(tiled_mlp, forward, mlp, tiles: int, x):
     # each slice needs at least one token; ZeRO-3 reads the parameters to hold their gradients until the last slice
-    return tiled_mlp.apply(forward, mlp, x, max(1, min(tiles, x.shape[-2])), list(mlp.parameters()))
+    return tiled_mlp.apply(lambda _mlp, part: forward(part), mlp, x, max(1, min(tiles, x.shape[-2])), list(mlp.parameters()))
+
+
+# The forward a module had before this file wrapped it: an instance forward installed by someone else (liger-kernel
+# binds its SwiGLU / RMSNorm kernels so), or None for the class's own.
+_BASE_FORWARD = "_vlmctl_base_forward"
+
+
+def _wrap_forward(module, make) -> None:
+    """Give `module` the forward `make(base)`, where `base` is its current forward (bound); `_unwrap_forward` puts
+    `base` back. Wrapping again first unwraps, so wrappers never stack."""
+    _unwrap_forward(module)
+    own = module.__dict__.get("forward")
+    module.__dict__[_BASE_FORWARD] = own
+    module.forward = make(own if own is not None else type(module).forward.__get__(module))
+
+
+def _unwrap_forward(module) -> None:
+    """Undo `_wrap_forward` on `module` (nothing when it is not wrapped): another library's forward stays."""
+    if _BASE_FORWARD not in module.__dict__:
+        return
+    own = module.__dict__.pop(_BASE_FORWARD)
+    if own is None:
+        module.__dict__.pop("forward", None)
+    else:
+        module.forward = own
 
 
 def apply_activation_checkpointing(layer_groups: list[list[Any]], mode, offload: bool = False) -> int:
@@ -172,7 +199,8 @@ def apply_activation_checkpointing(layer_groups: list[list[Any]], mode, offload:
     backward in pinned host memory (`train.activation_offload`; not with `op`, which keeps more than the input).
     Returns the number of layers checkpointed. Raises ValueError for an unknown mode.
 
-    A checkpointed layer gets an instance `forward` that runs its class's forward through `checkpoint_function`:
+    A checkpointed layer gets an instance `forward` that runs its own forward (an instance forward another library
+    installed, else the class's) through `checkpoint_function`:
     module hooks stay outside the checkpoint, so FSDP2's pre-forward cast of the inputs to the compute dtype is not
     skipped when backward recomputes the layer (transformers' own layer checkpointing wraps `__call__` in some
     versions, and a recompute then saw fp32 rotary tensors where the forward had bf16 ones).
@@ -185,10 +213,10 @@ def apply_activation_checkpointing(layer_groups: list[list[Any]], mode, offload:
     count = 0
     for g, layers in enumerate(layer_groups):
         for i, layer in enumerate(layers):
-            layer.__dict__.pop("forward", None)  # back to the class's forward
+            _unwrap_forward(layer)  # back to the forward the layer had
             if getattr(layer, "gradient_checkpointing", False):
                 layer.gradient_checkpointing = False  # one mechanism only: ours
             if stride and i % stride == 0 and not (mode == "vision" and g == 0):
-                layer.forward = functools.partial(wrapper, function, type(layer).forward.__get__(layer))
+                _wrap_forward(layer, lambda base: functools.partial(wrapper, function, base))
                 count += 1
     return count
