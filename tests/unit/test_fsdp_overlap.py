@@ -19,7 +19,8 @@ GIB = 2**30
 
 
 @pytest.mark.parametrize("ranks, gathered, memory, reshard", [
-    (1, 8 * GIB, 80 * GIB, False),     # one GPU: the gathered copy fits
+    (1, 8 * GIB, 80 * GIB, True),      # one GPU: no all-gather to save, only a second copy of the weights
+    (2, 8 * GIB, 80 * GIB, False),     # two GPUs: the gathered copy fits
     (4, 15 * GIB, 141 * GIB, False),   # a 7B model on 4 H200s
     (8, 20 * GIB, 80 * GIB, False),    # a full node, exactly a quarter
     (8, 21 * GIB, 80 * GIB, True),     # over a quarter of the memory

@@ -21,7 +21,8 @@ Overlap (`plan_fsdp`, applied by `apply_fsdp`):
   weights after its forward and gathers them again for backward; the last decoder layer is kept either way (its
   backward comes right after the forward; the FSDP2 `fully_shard` documentation's advice). false keeps every layer
   gathered from its forward to its backward: one all-gather per layer and micro-batch less (a third of FSDP's
-  traffic), for the memory of the whole gathered model. auto: false when the shard group is at most 8 ranks and the
+  traffic), for the memory of the whole gathered model. auto: true on one rank (nothing to save, a copy to pay),
+  false when the shard group is 2 to 8 ranks and the
   gathered layers take at most a quarter of a rank's memory, else true (the reasons are in `resolve_reshard`).
 - Prefetch (`train.fsdp_prefetch`, `FSDPModule.set_modules_to_forward_prefetch` /
   `set_modules_to_backward_prefetch`, as torchtitan sets them for its MoE models): each unit issues the all-gathers
@@ -115,6 +116,10 @@ def resolve_reshard(setting: bool | str, *, shard_ranks: int, gathered_bytes: fl
         raise ConfigError(f"train.fsdp_reshard_after_forward = {setting!r} is not auto, true or false",
                           hint="set train.fsdp_reshard_after_forward to auto, true or false")
     gib = 2**30
+    if shard_ranks <= 1:
+        # one rank saves no collective by keeping layers gathered, but FSDP2 still gathers into a second buffer:
+        # keeping it costs a whole unsharded copy of the model (12.9 GiB for the 7B preset, docs/benchmarks.md)
+        return True, "auto: 1 shard rank (no all-gather to save; a kept copy would double the weights)"
     if shard_ranks > AUTO_MAX_SHARD_RANKS:
         return True, f"auto: {shard_ranks} shard ranks > {AUTO_MAX_SHARD_RANKS}"
     if gathered_bytes > AUTO_GATHERED_SHARE * memory_bytes:
