@@ -99,8 +99,9 @@ def resolve_prefetch(setting: int | str) -> int:
 
 
 def resolve_reshard(setting: bool | str, *, shard_ranks: int, gathered_bytes: float, memory_bytes: float) -> tuple[bool, str]:
-    """`train.fsdp_reshard_after_forward` as (reshard, reason). true and false as given; auto = false when the
-    shard group has at most `AUTO_MAX_SHARD_RANKS` (8) ranks and the gathered layers (`gathered_bytes`, in the
+    """`train.fsdp_reshard_after_forward` as (reshard, reason). true and false as given; auto = true on a one-rank
+    shard group (one GPU: FSDP2 still gathers into a second buffer, and keeping it saves no collective); false when
+    the shard group has 2 to `AUTO_MAX_SHARD_RANKS` (8) ranks and the gathered layers (`gathered_bytes`, in the
     compute dtype) take at most `AUTO_GATHERED_SHARE` (a quarter) of a rank's `memory_bytes`, else true.
 
     Why: keeping the layers gathered saves one all-gather per layer and micro-batch; on one node of 4 H200s it
