@@ -208,11 +208,12 @@ def test_packed_rows_give_the_per_sample_losses_and_gradients(tiny):
     assert row["input_ids"].shape[0] == 1 and row["num_dummy_audios"] == 0 and tuple(row["input_features"].shape[:2]) == (5, 32)
     assert "attention_mask" not in row and row["position_ids"][0, row["seq_lens"][0]] == 0  # positions restart per sample
     seen = []
-    hook = model.lm_head.register_forward_hook(lambda m, i, o: seen.append(tuple(o.shape)))
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: seen.append(tuple(i[0].shape)))
     losses, index = token_losses(model, {**model_inputs(row), "labels": row["labels"]})
     hook.remove()
     sums, counts = per_sample_sums(losses, index, row["seq_lens"])
-    assert seen == [(1, row["num_label_tokens"], model.config.text_config.vocab_size)]
+    # the head saw the hidden states of the labelled positions only (and computed their loss in chunks)
+    assert seen == [(1, row["num_label_tokens"], model.config.text_config.hidden_size)]
     assert counts.tolist() == [int((single([s])["labels"][0, 1:] != -100).sum()) for s in samples]
     torch.testing.assert_close(sums.detach(), ref.detach(), rtol=1e-5, atol=1e-5)
     loss_sum(model, row).backward()  # the trainer's loss of a packed row: the same token losses

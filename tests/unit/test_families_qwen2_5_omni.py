@@ -221,11 +221,12 @@ def test_packed_rows_give_the_per_sample_losses_and_gradients(tiny):
     assert tuple(row["position_ids"].shape) == (4, 1, row["input_ids"].shape[1])
     assert not torch.equal(row["position_ids"][0], row["position_ids"][1])  # images: 3-D positions differ from text's
     seen = []
-    handle = model.lm_head.register_forward_hook(lambda m, i, o: seen.append(tuple(o.shape)))
+    handle = model.lm_head.register_forward_hook(lambda m, i, o: seen.append(tuple(i[0].shape)))
     losses, index = token_losses(model, {**model_inputs(row), "labels": row["labels"]})
     handle.remove()
     sums, _ = per_sample_sums(losses, index, row["seq_lens"])
-    assert seen == [(1, row["num_label_tokens"], model.config.text_config.vocab_size)]
+    # the head saw the hidden states of the labelled positions only (and computed their loss in chunks)
+    assert seen == [(1, row["num_label_tokens"], model.config.text_config.hidden_size)]
     torch.testing.assert_close(sums.detach(), ref.detach(), rtol=1e-5, atol=1e-5)
     loss_sum(model, row).backward()
     for name, p in model.named_parameters():

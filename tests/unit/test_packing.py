@@ -143,12 +143,12 @@ def test_token_losses_need_no_full_logits():
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=1000))
     seen = {}
-    model.lm_head.register_forward_hook(lambda m, i, o: seen.update(shape=tuple(o.shape)))
+    model.lm_head.register_forward_hook(lambda m, i, o: seen.update(shape=tuple(i[0].shape)))
     ids = torch.randint(0, 1000, (1, 50))
     labels = torch.full_like(ids, -100)
     labels[0, 40:45] = ids[0, 40:45]
     losses, index = token_losses(model, {"input_ids": ids, "labels": labels})
-    assert seen["shape"] == (1, 5, 1000)
+    assert seen["shape"] == (1, 5, 32)  # the head sees the 5 labelled positions' hidden states only
     assert index.tolist() == [40, 41, 42, 43, 44]
     full = model(input_ids=ids).logits[0]
     ref = torch.nn.functional.cross_entropy(full[39:44], ids[0, 40:45], reduction="none")

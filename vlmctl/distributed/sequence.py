@@ -14,8 +14,9 @@ only its 1/N of the sequence:
   attention and back after it, so each rank attends over the whole row for its heads. The core is the run's
   varlen kernel on CUDA (`kernels.varlen_attention_forward`), else sdpa with the block-diagonal causal mask of the
   row's segments (`segment_attention`): both exact, so the loss equals the unsplit row's.
-- Loss: each rank computes the cross-entropy of the labelled tokens its slice predicts (`local_targets`, the logits
-  of those positions only); the sum over the group's ranks is the row's loss, and the gradients are reduced over
+- Loss: each rank computes the cross-entropy of the labelled tokens its slice predicts: liger-kernel's fused loss
+  given the slice's next-token labels (`local_shift_labels`) where liger is on, else the LM head's chunked loss of
+  those positions (`local_targets`, `train.kernels.token_losses`); neither materialises the slice's logits. The sum over the group's ranks is the row's loss, and the gradients are reduced over
   every rank of the data-parallel and sequence-parallel dimensions (`ParallelDims.grad_mesh`).
 - The vision tower (Qwen2-VL / Qwen2.5-VL: the family's `sequence_parallel_plan` calls `split_vision`): the images of a row are spread over the group's ranks
   (contiguous runs balanced by patches), each rank encodes its own and the visual tokens are all-gathered
@@ -210,6 +211,19 @@ def local_targets(target_pos, total: int, shard: SequenceShard | None):
     start, end = shard.bounds(total)
     mine = target_pos[(target_pos - 1 >= start) & (target_pos - 1 < end)]
     return mine, mine - 1 - start
+
+
+def local_shift_labels(labels, shard: SequenceShard):
+    """The next-token labels of this rank's slice of a packed row: (1, n) for `labels` (1, T) (-100: ignored), where
+    entry j is the label of token start + j + 1, the one position start + j predicts; -100 past the row's end and
+    over the split's padding. What liger-kernel's fused loss takes as `shift_labels` for a slice whose hidden states
+    are local (it would otherwise shift the labels within the slice and lose the target across the boundary)."""
+    import torch.nn.functional as F
+
+    total = labels.shape[-1]
+    start, end = shard.bounds(total)
+    shifted = F.pad(labels[..., 1:], (0, shard.padded(total) - total + 1), value=-100)
+    return shifted[..., start:end].contiguous()
 
 
 def split_vision(visual, shard: SequenceShard) -> None:

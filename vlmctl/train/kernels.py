@@ -9,15 +9,18 @@ Attention (`train.attn_implementation`):
 - `sdpa` / `flex` / `eager`: transformers' own; with packing, transformers builds the block-diagonal causal mask
   from the per-sample position ids, so these are the correct CPU fallback.
 
-Loss: only assistant tokens carry labels, usually a small fraction of a VLM batch. `token_losses` asks the model
-for logits at exactly those positions (`logits_to_keep` given as an index tensor, which the HF VLM classes pass to
-`slice_logits_to_keep` before the LM head), so the (tokens x vocabulary) logits of the whole batch are never
-materialized and the call goes through the root module's forward (so FSDP2's root hooks run). On CUDA with
-liger-kernel installed, its fused linear cross-entropy patches replace this (see `apply_liger`).
+Loss: only assistant tokens carry labels. `token_losses` asks the model for the hidden states of exactly those
+positions (`logits_to_keep` given as an index tensor, which the HF VLM classes pass to `slice_logits_to_keep`
+before the LM head), and the LM head computes their cross-entropy in chunks (`chunked_loss_head`), so the
+(tokens x vocabulary) logits are never materialized, even where most tokens carry labels (long answers), and the
+call goes through the root module's forward (so FSDP2's root hooks run). On CUDA with liger-kernel installed, its
+fused linear cross-entropy patches replace this (see `apply_liger`; under sequence parallelism with the labels of
+the rank's slice, `train.loop.loss_sum`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 from typing import Any
@@ -148,12 +151,14 @@ def _varlen_params() -> frozenset[str]:
 
 
 def token_losses(model, batch: dict[str, Any], shard=None):
-    """Per-token cross-entropy (nats) of the labelled tokens of `batch`, without full logits.
+    """Per-token cross-entropy (nats) of the labelled tokens of `batch`, without the (tokens x vocabulary) logits.
 
     `batch` holds model inputs of one packed row plus `labels` (1, T) with -100 on unlabelled tokens. Returns
     `(losses, index)`: `losses` (n,) float32, one per labelled target token, and `index` (n,) the positions t of
     those target tokens, so callers can sum losses per packed sample. The model is called with
-    `logits_to_keep` = the positions that predict a labelled token (t - 1), and no `labels`. With a
+    `logits_to_keep` = the positions that predict a labelled token (t - 1), and no `labels`; its LM head computes
+    the cross-entropy of those positions `LOSS_CHUNK_BYTES` of fp32 logits at a time (`chunked_loss_head`), so
+    memory holds one chunk's logits however many tokens carry labels (long answers label most of a row). With a
     sequence-parallel `shard` (`distributed.sequence.SequenceShard`) the model's output covers this rank's slice of
     the row only: the targets are those predicted from it (`sequence.local_targets`), and the group's ranks'
     losses add up to the row's. Raises ValueError for more than one row.
@@ -161,7 +166,6 @@ def token_losses(model, batch: dict[str, Any], shard=None):
     from vlmctl.distributed.sequence import local_targets
 
     import torch
-    import torch.nn.functional as F
 
     labels = batch["labels"]
     inputs = {k: v for k, v in batch.items() if k not in ("labels", "seq_lens")}
@@ -179,10 +183,95 @@ def token_losses(model, batch: dict[str, Any], shard=None):
         last = T - 1 if shard is None else 0
         out = model(**inputs, logits_to_keep=torch.tensor([last], device=labels.device))
         return out.logits.float().sum()[None] * 0.0, torch.zeros(0, dtype=torch.long, device=labels.device)
-    out = model(**inputs, logits_to_keep=keep)
-    logits = out.logits[0].float()  # (n, V)
-    losses = F.cross_entropy(logits, labels[0, target_pos], reduction="none")
-    return losses, target_pos
+    targets = labels[0, target_pos]
+    with chunked_loss_head(model, targets) as head:
+        out = model(**inputs, logits_to_keep=keep)
+    return head.losses(out.logits), target_pos
+
+
+# fp32 logits of one chunk of the chunked loss: 1 GiB (1,765 tokens of a 152k vocabulary)
+LOSS_CHUNK_BYTES = 2**30
+
+
+def chunked_cross_entropy(hidden, weight, bias, targets, chunk_tokens: int | None = None):
+    """Cross-entropy (nats, fp32) of `hidden` (n, H) through the LM head `weight` (V, H) (+ `bias` (V,)) against
+    `targets` (n,) (-100: ignored, loss 0), `chunk_tokens` rows at a time (default: `LOSS_CHUNK_BYTES` of fp32
+    logits). Each chunk runs under non-reentrant `torch.utils.checkpoint`, so backward recomputes its logits
+    instead of keeping them: at most one chunk's (chunk x V) logits exist at a time, for one more LM-head matmul.
+    Returns (n,) float32."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    n = hidden.shape[0]
+    chunk = chunk_tokens or max(256, LOSS_CHUNK_BYTES // (4 * weight.shape[0]))
+    if n <= chunk:
+        return _cross_entropy_chunk(hidden, weight, bias, targets)
+    return torch.cat([checkpoint(_cross_entropy_chunk, hidden[i:i + chunk], weight, bias, targets[i:i + chunk], use_reentrant=False)
+                      for i in range(0, n, chunk)])
+
+
+def _cross_entropy_chunk(hidden, weight, bias, targets):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(F.linear(hidden, weight, bias).float(), targets, reduction="none")
+
+
+class _LossHead:
+    """The state of `chunked_loss_head`: what the head computed, read back through the model's output."""
+
+    def __init__(self, targets) -> None:
+        self.targets = targets
+        self.calls = 0
+        self.chunked = False
+
+    def losses(self, logits):
+        """The (n,) losses from the model's returned `logits`: the head's own output (the tensor FSDP2 and ZeRO-3
+        hook for backward), or, where the head was left alone, the cross-entropy of the kept logits (n, V)."""
+        import torch.nn.functional as F
+
+        if not self.chunked:
+            return F.cross_entropy(logits[0].float(), self.targets, reduction="none")
+        if self.calls != 1 or logits.shape[:2] != (1, self.targets.numel()):
+            raise RuntimeError(f"the chunked loss head ran {self.calls} times and returned {tuple(logits.shape)} for "
+                               f"{self.targets.numel()} targets; this model's forward post-processes its logits")
+        return logits.reshape(-1)
+
+
+@contextlib.contextmanager
+def chunked_loss_head(model, targets):
+    """While open, the LM head of `model` (any wrapper: DDP, FSDP2, DeepSpeed, peft) returns, for the hidden states
+    (1, n, H) the model hands it, the cross-entropy against `targets` (n,) as (1, n, 1) instead of logits
+    (`chunked_cross_entropy`). The head runs inside the model's forward, as liger-kernel's fused loss does, so its
+    weight is the gathered one under FSDP2 and ZeRO-3 and the wrappers' hooks see its output. Models whose forward
+    transforms the logits after the head (final logit soft-capping) keep their head: the loss is then computed from
+    the kept logits. Yields a `_LossHead` whose `losses(out.logits)` gives the (n,) losses."""
+    import torch
+
+    state = _LossHead(targets)
+    inner = model
+    while isinstance(getattr(inner, "module", None), torch.nn.Module):  # DDP, DeepSpeed's engine
+        inner = inner.module
+    head = inner.get_output_embeddings()
+    text_config = inner.config.get_text_config() if hasattr(inner.config, "get_text_config") else inner.config
+    if head is None or not isinstance(head, torch.nn.Linear) or getattr(text_config, "final_logit_softcapping", None):
+        yield state
+        return
+
+    def forward(hidden):
+        state.calls += 1
+        losses = chunked_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head.weight, head.bias, targets)
+        return losses.view(1, -1, 1)
+
+    had = head.__dict__.get("forward")
+    head.forward = forward
+    state.chunked = True
+    try:
+        yield state
+    finally:
+        if had is None:
+            del head.forward
+        else:
+            head.forward = had
 
 
 def per_sample_sums(losses, index, seq_lens: list[int]):

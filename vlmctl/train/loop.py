@@ -6,8 +6,8 @@ A strategy only changes how a loss is computed, back-propagated and stepped (`To
 Loss: mean cross-entropy over the assistant tokens of the whole global batch (all micro-batches of the
 accumulation window on all data-parallel ranks). A micro-batch is a padded batch [B, T] or one packed row [1, T]
 of several samples (`train.packing`); its summed token loss comes from `loss_sum`: liger-kernel's fused linear
-cross-entropy when enabled (no logits at all), else for packed rows `kernels.token_losses` (logits of the labelled
-positions only), else the padded batch's full logits. Each micro-batch's summed token loss is scaled by
+cross-entropy when enabled (no logits at all), else for packed rows `kernels.token_losses` (the labelled
+positions' loss, in chunks of logits), else the padded batch's full logits. Each micro-batch's summed token loss is scaled by
 `dp_size / global_label_tokens` before backward, because data-parallel gradient reduction averages over the
 data-parallel ranks. So the loss and gradients of a step do not depend on how the global batch is split over ranks
 and micro-batches (1 rank x 8 samples == 2 ranks x 4 samples), unlike a mean of per-rank means. Label tokens,
@@ -61,12 +61,21 @@ def loss_sum(model, batch: dict[str, Any], *, liger: bool = False, inputs: dict[
     model inputs taken from `batch` (e.g. cast pixel values). With `liger` the model was patched by
     `kernels.apply_liger`: given labels, its forward returns the fused linear cross-entropy, summed because
     `num_items_in_batch=1` (transformers' and liger's convention: sum / num_items_in_batch). With a
-    sequence-parallel `shard` the loss is this rank's part of the row's (`kernels.token_losses`; liger's loss,
-    which shifts the labels of the local slice, is not used).
+    sequence-parallel `shard` the loss is this rank's part of the row's: liger's fused loss given the next-token
+    labels of the rank's slice (`sequence.local_shift_labels`), else `kernels.token_losses` over the slice.
+    Raises VlmctlError where the patched forward returns no loss (a liger version without `shift_labels`).
     """
     from vlmctl.train.kernels import token_losses
 
     inputs = model_inputs(batch) if inputs is None else inputs
+    if shard is not None and liger:
+        from vlmctl.distributed.sequence import local_shift_labels
+
+        out = model(**inputs, shift_labels=local_shift_labels(batch["labels"], shard), num_items_in_batch=1, use_cache=False)
+        if out.loss is None:
+            raise VlmctlError("liger-kernel's forward for this family takes no shift_labels, which sequence parallelism needs",
+                              hint="upgrade liger-kernel (pip install -U liger-kernel), or set train.liger=off")
+        return out.loss.float()
     if shard is not None:
         losses, _ = token_losses(model, {**inputs, "labels": batch["labels"], "use_cache": False}, shard=shard)
         return losses.sum()
