@@ -3,6 +3,7 @@
 #   benchmarks/bench_ab.sh TREE_A TREE_B CONFIG [ROUNDS] [BENCH ARGS...]
 # TREE_A / TREE_B: folders that hold a `vlmctl/` package (e.g. `git archive <commit> vlmctl | tar -x -C DIR`, and
 # `.` for the working tree). Each run prints one JSON line prefixed with the tree's label; a table follows.
+# ARGS_A / ARGS_B (environment, optional): arguments for one tree only, e.g. a key the other tree's schema lacks.
 set -euo pipefail
 a=$1 b=$2 config=$3 rounds=${4:-2}
 shift $(( $# < 4 ? $# : 4 ))
@@ -11,8 +12,10 @@ out=${OUT:-/tmp}/bench_ab.jsonl
 for i in $(seq "$rounds"); do
   for tree in "$a" "$b"; do
     label=$([ "$tree" = "$a" ] && echo A || echo B)
+    extra=$([ "$label" = A ] && echo "${ARGS_A:-}" || echo "${ARGS_B:-}")
+    # shellcheck disable=SC2086
     line=$(cd "$(dirname "$config")" && PYTHONPATH="$(cd "$OLDPWD" && realpath "$tree")${PYTHONPATH:+:$PYTHONPATH}" \
-           python3 -m vlmctl --quiet bench -c "$(basename "$config")" --json "$@" |
+           python3 -m vlmctl --quiet bench -c "$(basename "$config")" --json "$@" $extra |
            python3 -c 'import json, sys; t = sys.stdin.read(); print(json.dumps(json.loads(t[t.index("{"):])))')
     echo "{\"tree\": \"$label\", \"round\": $i, \"result\": $line}" | tee -a "$out"
   done

@@ -1,0 +1,117 @@
+"""GPU-only units, in-process on one GPU: varlen attention against sdpa with the segment mask (text, GQA, the
+vision tower's windows), the CUDA RNG in checkpoints, CUDA-event step timing, GPU memory and FLOP figures, and the
+device choices `auto` makes on a GPU.
+
+Tolerances: bf16 attention outputs against sdpa in bf16: atol 2e-2 (the kernels accumulate in fp32 but round
+their outputs to bf16, 8 bits of mantissa)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def _segments_qkv(lengths, heads=4, kv_heads=2, dim=64, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    total = sum(lengths)
+    q = torch.randn(1, heads, total, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, kv_heads, total, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(1, kv_heads, total, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    return q, k, v, cu
+
+
+class _Causal(torch.nn.Module):
+    is_causal = True
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (8, 1)])
+def test_varlen_text_attention_equals_sdpa_with_the_segment_mask(heads, kv_heads):
+    from vlmctl.distributed.sequence import segment_attention
+    from vlmctl.train.kernels import varlen_attention_forward
+
+    q, k, v, cu = _segments_qkv([37, 5, 200, 64], heads, kv_heads)
+    got, _ = varlen_attention_forward(_Causal(), q, k, v, None, scaling=0.125, packed_cu_seqlens=cu, packed_max_seqlen=200)
+    want, _ = segment_attention(_Causal(), q, k, v, None, scaling=0.125, packed_cu_seqlens=cu)
+    assert got.shape == want.shape == (1, q.shape[2], heads, 64)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
+
+
+def test_varlen_attention_under_autocast_takes_fp32_inputs():
+    # fp32 master weights without FSDP: rotary embeddings arrive in fp32 inside a bf16 autocast region
+    from vlmctl.distributed.sequence import segment_attention
+    from vlmctl.train.kernels import varlen_attention_forward
+
+    q, k, v, cu = _segments_qkv([30, 70])
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got, _ = varlen_attention_forward(_Causal(), q.float(), k.float(), v.float(), None, scaling=0.125, packed_cu_seqlens=cu)
+    want, _ = segment_attention(_Causal(), q, k, v, None, scaling=0.125, packed_cu_seqlens=cu)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
+
+
+def test_qwen_vision_windows_through_varlen_equal_sdpa(built):
+    from vlmctl.models import load_model
+    from vlmctl.train.kernels import register_varlen_attention, set_attention, VARLEN_NAME
+
+    model, processor, family = load_model(built / "tiny-qwen2.5-vl", dtype=torch.bfloat16)
+    model = model.cuda().eval()
+    grid = torch.tensor([[1, 8, 8], [1, 4, 12]], device="cuda")
+    patch = model.config.vision_config
+    width = patch.in_channels * patch.temporal_patch_size * patch.patch_size ** 2
+    pixels = torch.randn(int(grid.prod(-1).sum()), width, device="cuda", dtype=torch.bfloat16)
+    visual = model.model.visual
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        want = visual(pixels, grid_thw=grid).pooler_output.float()
+        register_varlen_attention()
+        set_attention(model, VARLEN_NAME, vision_varlen=family.vision_varlen)
+        assert family.vision_varlen
+        got = visual(pixels, grid_thw=grid).pooler_output.float()
+    torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
+
+
+def test_a_restored_cuda_rng_state_draws_the_same_numbers():
+    from vlmctl.train.checkpoint import rng_state, set_rng_state
+
+    torch.cuda.manual_seed(3)
+    state = rng_state()
+    assert "cuda" in state
+    first = torch.rand(1000, device="cuda")
+    dropped = torch.nn.functional.dropout(torch.ones(1000, device="cuda"), 0.5)
+    set_rng_state(state)
+    assert torch.equal(torch.rand(1000, device="cuda"), first)
+    assert torch.equal(torch.nn.functional.dropout(torch.ones(1000, device="cuda"), 0.5), dropped)
+
+
+def test_cuda_event_step_timing_measures_the_device_work():
+    import time
+
+    from vlmctl.train.loop import StepTimer
+
+    timer = StepTimer(torch.device("cuda"))
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    host = time.perf_counter()
+    start = timer.mark()
+    for _ in range(50):
+        a = (a @ a).clamp_(-1, 1)
+    timer.span(start)
+    measured = timer.compute_s()
+    host = time.perf_counter() - host
+    assert 0 < measured <= host * 1.05 and measured >= 0.5 * host
+
+
+def test_gpu_figures_and_auto_choices():
+    from vlmctl.config.train import TrainSection
+    from vlmctl.distributed.fsdp import rank_memory_bytes
+    from vlmctl.train.launch import resolve_nproc
+    from vlmctl.train.metrics import peak_flops
+    from vlmctl.train.setup import resolve_attention, resolve_dtype
+
+    device = torch.device("cuda", 0)
+    assert peak_flops(device) and peak_flops(device) > 1e14, torch.cuda.get_device_name(device)
+    assert rank_memory_bytes("cuda") == torch.cuda.get_device_properties(device).total_memory
+    assert resolve_dtype("auto", device) == torch.bfloat16
+    assert resolve_attention(TrainSection(packing=True), device) == "vlmctl_varlen"
+    assert resolve_attention(TrainSection(packing=True, precision="fp32"), device) == "sdpa"  # the flash kernels need bf16
+    assert resolve_nproc("auto") == torch.cuda.device_count()
