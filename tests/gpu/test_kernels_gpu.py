@@ -115,3 +115,15 @@ def test_gpu_figures_and_auto_choices():
     assert resolve_attention(TrainSection(packing=True), device) == "vlmctl_varlen"
     assert resolve_attention(TrainSection(packing=True, precision="fp32"), device) == "sdpa"  # the flash kernels need bf16
     assert resolve_nproc("auto") == torch.cuda.device_count()
+
+
+def test_the_allocator_gets_expandable_segments_even_after_cuda_started(monkeypatch):
+    # a GPU query before the process group exists starts CUDA, after which the variable is no longer read
+    from vlmctl.distributed.env import configure_cuda_allocator
+
+    torch.zeros(1, device="cuda")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    configure_cuda_allocator()
+    x = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
+    assert any(seg.get("is_expandable") for seg in torch.cuda.memory_snapshot())
+    del x

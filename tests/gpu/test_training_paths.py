@@ -70,6 +70,7 @@ def test_fp32_on_the_gpu_equals_the_cpu_path(results):
     assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4)
     assert_grads_close(got["grads"], ref["grads"], what="fp32")
     assert got["vision_kernels"], "the vision tower's kernels are applied on a GPU"
+    assert got["expandable_segments"] is True
 
 
 @pytest.mark.parametrize("name", ["fp32_liger", "fp32_liger_tiled"])
@@ -142,17 +143,27 @@ def test_fused_adamw_steps_like_the_reference(results):
         torch.testing.assert_close(got["after"][name], want, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def _ulp_bf16(x):
+    return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(2**-100))) - 7)
+
+
 def test_bf16_master_weights_round_each_update_stochastically_on_fsdp2_shards(results):
     got = case(results, "sr_step")
-    errors = []
+    bound, changed, signed = [], [], []
     for name, g in got["step_grads"].items():
-        want = _adam_first_step(got["before"][name], g)
-        ulp = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(2**-100))) - 7)
-        errors.append(((got["after"][name] - want) / ulp).flatten())
-    err = torch.cat(errors)
-    # every value is one of the two bf16 neighbours of the fp32 update, chosen without bias; round-to-nearest would
-    # keep every error within half a unit in the last place
-    assert float(err.abs().max()) <= 1.0 + 1e-3
-    assert abs(float(err.mean())) < 0.05
-    assert float((err.abs() > 0.5).float().mean()) > 0.05
+        before, after = got["before"][name].flatten(), got["after"][name].flatten()
+        want = _adam_first_step(before, g.flatten())
+        ulp = _ulp_bf16(torch.maximum(before.abs(), want.abs()))
+        # one bf16 step of the larger of the old and new value, plus the moments' own bf16 rounding (torchao keeps
+        # them in the parameters' dtype: under 2^-7 of the update)
+        bound.append((after - want).abs() / (ulp + 2**-7 * (want - before).abs()))
+        changed.append((after != want.to(torch.bfloat16).float()).float())
+        keep = want.abs() > before.abs() / 2  # no cancellation: the error is the rounding's alone
+        signed.append(((after - want) / ulp)[keep])
+    bound, changed, signed = torch.cat(bound), torch.cat(changed), torch.cat(signed)
+    assert float(bound.max()) <= 1.0 + 1e-3
+    # stochastic rounding: unbiased, and it often picks the neighbour that round-to-nearest would not (about a
+    # quarter of the values on the CPU reference run); round-to-nearest would differ only by the moments' rounding
+    assert abs(float(signed.mean())) < 0.02
+    assert float(changed.mean()) > 0.15
     assert not math.isnan(got["loss"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from typing import Annotated, Optional
@@ -69,6 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     """Console entry point: run the app; VlmctlError -> red panel + its exit code; other errors -> exit 1."""
     from vlmctl.errors import VlmctlError
 
+    # before anything starts CUDA (it reads the variable then): see vlmctl.distributed.env.configure_cuda_allocator
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     try:
         app(args=argv, prog_name="vlmctl", standalone_mode=True)
     except SystemExit:

@@ -30,8 +30,7 @@ def init_distributed(deepspeed: bool = False) -> DistEnv:
     import torch
     import torch.distributed as dist
 
-    # fewer out-of-memory errors from fragmentation: packed rows change shape every step (torchtitan sets it too)
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    configure_cuda_allocator()
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
@@ -55,6 +54,22 @@ def init_distributed(deepspeed: bool = False) -> DistEnv:
         else:
             dist.init_process_group(backend=backend, device_id=device if cuda else None)
     return DistEnv(rank=rank, world_size=world, local_rank=local, device=device)
+
+
+CUDA_ALLOC_CONF = "expandable_segments:True"
+
+
+def configure_cuda_allocator() -> None:
+    """Expandable segments for PyTorch's CUDA caching allocator (`PYTORCH_CUDA_ALLOC_CONF`, unless the user set it):
+    packed rows change shape every step, and without them the cached blocks fragment until an allocation near the
+    card's limit fails with gigabytes reserved but unallocated (torchtitan sets it too). The variable is read when
+    CUDA starts, so where something already started it (a GPU query before the process group exists) the setting
+    is applied to the running allocator as well (`torch.cuda.memory._set_allocator_settings`)."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.memory._set_allocator_settings(os.environ["PYTORCH_CUDA_ALLOC_CONF"])
 
 
 def free_port() -> int:
