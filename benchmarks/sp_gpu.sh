@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Sequence parallelism on 2 GPUs of one host (docs/benchmarks.md, "Sequence parallelism on 2 GPUs"): long samples
+# (8-16 images of 448 px + 16,000-30,000 answer tokens, the chat workload), random-init presets, pure bf16, full
+# activation checkpointing, liger on (the GPU default), compile off (its recompiles for new row shapes would land in
+# the two measured steps). One JSON line per run under $OUT (or /tmp), then a table.
+#   benchmarks/sp_gpu.sh [RUN ...]    RUN = PRESET:SP:TOKENS_PER_GPU[:TEXT_MIN,TEXT_MAX], e.g. qwen2.5-vl-3b:2:16384:8000,14000
+#   (a 32,768-token row of samples with 8,000-14,000 answer tokens; default 16,000-30,000)
+set -uo pipefail
+out=${OUT:-/tmp}/sp_gpu.jsonl
+: > "$out"
+common=(--steps 2 --warmup 2 --nproc-per-node 2 --workload chat --images-per-sample 8,16
+        --image-sizes 448 model.init=random train.stage=full train.precision=bf16 train.master_weights=bf16
+        train.packing=true train.warmup_ratio=0.0 train.lr_scheduler=constant train.activation_checkpointing=full
+        train.liger=auto train.compile=off)
+for run in "$@"; do
+  IFS=: read -r preset sp tokens text <<< "$run"
+  line=$(python3 -m vlmctl --quiet bench -c "$(dirname "$0")/ab/sp.yaml" --json "${common[@]}" --text-tokens "${text:-16000,30000}" model.preset="$preset" train.sequence_parallel="$sp" \
+         train.tokens_per_batch="$tokens" 2>"${OUT:-/tmp}/sp_${preset}_${sp}_${tokens}.err.txt" |
+         python3 -c 'import json, sys; t = sys.stdin.read(); print(json.dumps(json.loads(t[t.index("{"):])))' 2>/dev/null) ||
+    line='{"error": "failed: see the .err file"}'
+  echo "{\"run\": \"$run\", \"result\": $line}" | tee -a "$out"
+done
+python3 - "$out" <<'PY'
+import json, sys
+print(f"{'preset':15} {'SP':>2} {'row tokens':>10} {'tokens/s/GPU':>12} {'MFU':>6} {'step s':>7} {'peak GiB':>8}")
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    preset, sp, tokens = r["run"].split(":")[:3]
+    x = r["result"]
+    if "error" in x:
+        print(f"{preset:15} {sp:>2} {int(sp) * int(tokens):>10,} {'failed':>12}")
+        continue
+    print(f"{preset:15} {sp:>2} {int(sp) * int(tokens):>10,} {x['tokens_per_s_per_gpu']:>12,.0f} {x['mfu'] * 100:>5.1f}% "
+          f"{x['step_time_s']:>7.2f} {x.get('peak_memory_gib', 0):>8.1f}")
+PY
