@@ -58,3 +58,13 @@ def test_aligned_mlp_leaves_aligned_or_adapted_mlps_alone():
     blocks[0].mlp.gate_proj = torch.nn.Sequential(blocks[0].mlp.gate_proj)  # stands for a LoRA wrapper
     assert align_vision_mlp(blocks) == 1
     assert align_vision_mlp(blocks, multiple=4) == 0  # 36 is a multiple of 4: nothing to pad
+
+
+def test_liger_kernels_stay_off_where_compile_runs_over_the_modules_they_replace():
+    # liger patches the decoder layers' and the vision blocks' norms; dynamo cannot trace its autograd functions
+    from vlmctl.config.train import TrainSection
+    from vlmctl.train.setup import liger_kernels
+
+    assert liger_kernels(TrainSection(compile="off", compile_vision="kernels"))
+    assert not liger_kernels(TrainSection(compile="on", compile_vision="kernels"))
+    assert not liger_kernels(TrainSection(compile="off", compile_vision="blocks"))

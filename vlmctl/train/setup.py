@@ -536,6 +536,15 @@ def resolve_liger(train, family, device) -> bool:
     return False
 
 
+def liger_kernels(train) -> bool:
+    """Whether liger-kernel's RMSNorm / SwiGLU / RoPE patches go with its fused loss: not where torch.compile runs
+    over the modules they replace (its decoder layers, `train.compile: on`, or the vision blocks,
+    `train.compile_vision: blocks`: liger patches the vision blocks' norms too). They are autograd functions dynamo
+    cannot trace (seen on an H200: an AssertionError from dynamo in a vision block's LigerRMSNorm), and compile
+    fuses that work itself."""
+    return train.compile != "on" and train.compile_vision != "blocks"
+
+
 def apply_kernels(model, family, train, device) -> tuple[str, bool, list[str]]:
     """Attention backend, liger-kernel patches and the vision tower's kernels (CUDA), applied to the HF model in
     place (before peft wraps it). Returns (attention implementation name, whether liger's fused loss is on, the
@@ -549,8 +558,7 @@ def apply_kernels(model, family, train, device) -> tuple[str, bool, list[str]]:
     kernels.set_attention(model, attn, vision_varlen=device.type == "cuda" and family.vision_varlen)
     liger = resolve_liger(train, family, device)
     if liger:
-        # liger's norm/SwiGLU/RoPE kernels are autograd functions torch.compile cannot trace: compile fuses those
-        kernels.apply_liger(model, family, kernels=train.compile != "on")
+        kernels.apply_liger(model, family, kernels=liger_kernels(train))
     vision = []
     if device.type == "cuda":  # `train.compile_vision` resolved by `resolve_storage` (auto: kernels where Triton is)
         has_triton = importlib.util.find_spec("triton") is not None
