@@ -68,6 +68,7 @@ def serve_cmd(
 
     info(f"[dim]loading {escape(str(model_dir))} ({escape(served_name(model_dir))})[/dim]")
     serve(model_dir, settings, on_ready=ready)
+    info("[dim]stopped: the requests in flight were answered[/dim]")
 
 
 def _check(model_dir: Path, device: str, dtype: str, as_json: bool) -> None:

@@ -69,7 +69,7 @@ def create_app(state: ServerState):
 
     async def health(request: Request) -> JSONResponse:
         return JSONResponse({"status": "ok", "model": state.model_name, "queued": state.engine.queued,
-                             "running": state.engine.running})
+                             "running": state.engine.running, "batches": state.engine.batches})
 
     async def page(request: Request) -> HTMLResponse:
         return HTMLResponse(PAGE.read_text(encoding="utf-8"))

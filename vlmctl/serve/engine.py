@@ -154,6 +154,7 @@ class Engine:
         self._cond = threading.Condition()
         self._closing = False
         self.running = 0  # rows being generated now
+        self.batches = 0  # `generate` calls so far
         self._worker = threading.Thread(target=self._loop, name="vlmctl-serve-engine", daemon=True)
         self._worker.start()
 
@@ -290,6 +291,7 @@ class Engine:
             torch.manual_seed(first.seed)
         logprobs = any(j.top_logprobs is not None for j in jobs)
         self.running = len(rows)
+        self.batches += 1
         try:
             with torch.inference_mode():
                 return self.model.generate(**inputs, max_new_tokens=max(j.max_tokens for j in jobs),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import signal
 import socket
 import threading
 import time
@@ -106,10 +107,15 @@ def serve(model_dir: Path, settings: ServeSettings, *, on_ready=None) -> None:
     server = _uvicorn_server(create_app(state), settings)
     if on_ready:
         on_ready(f"http://{settings.host}:{settings.port}", state)
+    # uvicorn drains, then raises the signal again under the handler it found: this one makes SIGTERM a normal end
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None) if main else None
     try:
         server.run()
     finally:
         state.engine.close(timeout=settings.drain_seconds)
+        if main:
+            signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager
