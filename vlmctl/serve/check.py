@@ -170,9 +170,15 @@ def _compare_with_trainer(result: ProbeResult, model, processor, trainer_process
     from vlmctl.inference.generation import _model_inputs
     from vlmctl.inference.prompt import render_request
 
+    from vlmctl.errors import DataError
+
     answer = [{"role": "assistant", "content": [{"type": "text", "text": result.served or "."}]}]
-    batch = Collator(trainer_processor, family, dummy_image=False)([Sample(id=result.name, messages=[*request.messages, *answer],
-                                                                           images=request.images)])
+    try:
+        batch = Collator(trainer_processor, family, dummy_image=False)([Sample(id=result.name, messages=[*request.messages, *answer],
+                                                                               images=request.images)])
+    except DataError as exc:  # e.g. a generation prompt that is not how the template writes an assistant turn
+        result.failures.append(f"prompt: the trainer's collator cannot encode this conversation: {exc.message}")
+        return
     labels = batch["labels"][0].tolist()
     start = max(i for i in range(len(labels)) if labels[i] != IGNORE_INDEX and (i == 0 or labels[i - 1] == IGNORE_INDEX))
     trainer_prompt = batch["input_ids"][0, :start].tolist()
