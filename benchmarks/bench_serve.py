@@ -2,14 +2,15 @@
 
 Usage:
     python benchmarks/bench_serve.py --workdir /tmp/servebench [--model DIR] [--concurrency 1,4,8] [--requests 32]
-                                     [--max-tokens 32] [--device cpu] [--max-batch-size 8]
+                                     [--max-tokens 32] [--device cpu] [--max-batch-size 8] [--rounds 1]
 
 Builds the tiny random preset under --workdir (unless --model is given), starts `vlmctl serve` on a free local
 port in its own process, sends 2 warm-up requests, then for each concurrency C runs --requests image questions
 (a 64 px PNG as a data: URL, greedy, --max-tokens each) from C client threads with the official `openai` client,
 each thread sending its next request when the previous is answered. Output tokens are the servers' `usage`
-counts. Prints one `RESULT {json}` line per concurrency: requests, seconds, requests/s, output tokens/s, mean
-latency.
+counts. Prints one `RESULT {json}` line per concurrency and round: requests, seconds, requests/s, output tokens/s,
+mean latency. With --rounds N the concurrencies are interleaved N times (1, 4, 8, 1, 4, 8, ...), so load from other
+processes on a shared machine falls on all of them, and a `MEDIAN {json}` line per concurrency follows.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import io
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -49,6 +51,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--max-batch-size", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=1)
     args = ap.parse_args()
 
     import openai
@@ -86,18 +89,28 @@ def main() -> None:
 
         for i in range(2):
             one(i)
-        for concurrency in (int(c) for c in args.concurrency.split(",")):
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(concurrency) as pool:
-                results = list(pool.map(one, range(args.requests)))
-            seconds = time.perf_counter() - t0
-            tokens = sum(r[0] for r in results)
-            print("RESULT " + json.dumps({
-                "concurrency": concurrency, "requests": args.requests, "seconds": round(seconds, 2),
-                "requests_per_s": round(args.requests / seconds, 2), "output_tokens": tokens,
-                "output_tokens_per_s": round(tokens / seconds, 1),
-                "mean_latency_s": round(sum(r[1] for r in results) / len(results), 3), "device": args.device,
-                "max_batch_size": args.max_batch_size}), flush=True)
+        rows: dict[int, list[dict]] = {}
+        for _ in range(args.rounds):
+            for concurrency in (int(c) for c in args.concurrency.split(",")):
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(concurrency) as pool:
+                    results = list(pool.map(one, range(args.requests)))
+                seconds = time.perf_counter() - t0
+                tokens = sum(r[0] for r in results)
+                row = {"concurrency": concurrency, "requests": args.requests, "seconds": round(seconds, 2),
+                       "requests_per_s": round(args.requests / seconds, 2), "output_tokens": tokens,
+                       "output_tokens_per_s": round(tokens / seconds, 1),
+                       "mean_latency_s": round(sum(r[1] for r in results) / len(results), 3), "device": args.device,
+                       "max_batch_size": args.max_batch_size}
+                rows.setdefault(concurrency, []).append(row)
+                print("RESULT " + json.dumps(row), flush=True)
+        if args.rounds > 1:
+            for concurrency, runs in rows.items():
+                median = lambda key: statistics.median(r[key] for r in runs)  # noqa: E731
+                print("MEDIAN " + json.dumps({"concurrency": concurrency, "rounds": len(runs),
+                                              "requests_per_s": median("requests_per_s"),
+                                              "output_tokens_per_s": median("output_tokens_per_s"),
+                                              "mean_latency_s": median("mean_latency_s")}), flush=True)
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=120)
