@@ -155,9 +155,13 @@ def _job(state: ServerState, req: ChatCompletionRequest) -> Job:
     if req.stream and req.logprobs:
         raise OpenAIError(400, "logprobs are given only without streaming", param="logprobs")
     roots = MediaRoots.of(Path.cwd(), limits.media_roots)
-    request = to_generation_request(req, roots, limits.max_image_pixels)
+    from vlmctl.inference.chat import audio_window
+
+    engine = state.engine
+    request = to_generation_request(req, roots, limits.max_image_pixels, audio_seconds=audio_window(engine.processor),
+                                    video=engine.video)
     try:
-        rendered = state.engine.render(request)
+        rendered = engine.render(request)
     except VlmctlError as exc:
         raise OpenAIError(400, exc.message, param="messages") from None
     except Exception as exc:  # noqa: BLE001 - the chat template's own refusals (jinja2 TemplateError and others)

@@ -3,14 +3,18 @@
 
 Source of the format: OpenAI's API reference, "Create chat completion" (https://platform.openai.com/docs/api-reference/chat)
 and its streaming chunk object. Supported request fields: `model`, `messages` (roles `system`/`developer`, `user`,
-`assistant`; content a string or a list of `text` and `image_url` parts), `max_tokens` (or
+`assistant`; content a string or a list of `text`, `image_url`, `input_audio` and `video_url` parts), `max_tokens` (or
 `max_completion_tokens`), `temperature`, `top_p`, `stop`, `seed`, `n`, `stream`, `stream_options.include_usage`,
 `logprobs` and `top_logprobs` (non-streaming only). Other fields are ignored, as OpenAI-compatible servers do.
 
 An `image_url` part's `url` is a base64 `data:` URL (RFC 2397), or a local path / `file://` URL inside one of the
 allowed media roots (`MediaRoots`); remote http(s) URLs are refused (the server downloads nothing). Images are
 decoded fully and converted to 8-bit RGB as the data pipeline does (`vlmctl.data.images.normalize_image`), and
-refused over `max_image_pixels` (the project's `data.max_image_pixels`) before decoding.
+refused over `max_image_pixels` (the project's `data.max_image_pixels`) before decoding. An `input_audio` part
+(OpenAI's: base64 `data` and its `format`) is decoded as `vlmctl chat` decodes a clip (`read_audio`: 16 kHz mono,
+at most the model's window of seconds); a `video_url` part (vLLM's name for it; a data: URL or a local path as for
+images) is sampled as training samples videos (`read_video` with the `data.video` settings). A modality the model's
+family does not take is refused (400).
 """
 
 from __future__ import annotations
@@ -54,9 +58,24 @@ class ImagePart(_Part):
     image_url: Union[ImageURL, str]
 
 
+class InputAudio(_Part):
+    data: str
+    format: Optional[str] = None
+
+
+class AudioPart(_Part):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class VideoPart(_Part):
+    type: Literal["video_url"]
+    video_url: Union[ImageURL, str]
+
+
 class Message(_Part):
     role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[Union[TextPart, ImagePart]], None] = None
+    content: Union[str, list[Union[TextPart, ImagePart, AudioPart, VideoPart]], None] = None
 
 
 class StreamOptions(_Part):
@@ -98,17 +117,19 @@ def parse_request(body: Any) -> ChatCompletionRequest:
         raise OpenAIError(400, f"{where}: {err['msg']}", param=where) from None
 
 
-def to_generation_request(req: ChatCompletionRequest, roots, max_image_pixels: int) -> GenerationRequest:
+def to_generation_request(req: ChatCompletionRequest, roots, max_image_pixels: int, *, audio_seconds: float | None = None,
+                          video: Any = None) -> GenerationRequest:
     """The `GenerationRequest` of an OpenAI request: messages in the canonical shape (`vlmctl.data.sample`; a
-    `developer` message is a system message, an image part becomes an image part indexing the request's images, in
-    order), images read as the module docstring says. `roots`: the `MediaRoots` local paths must lie in.
+    `developer` message is a system message, an image, audio or video part becomes a part indexing the request's
+    images, clips or videos, in order), media read as the module docstring says. `roots`: the `MediaRoots` local
+    paths must lie in; `audio_seconds`: the longest clip (the model's window; None: any); `video`: the `data.video`
+    settings (`DataVideo`; None: the defaults).
 
-    Raises OpenAIError(400) for an assistant message with images, an empty conversation, the last message not a
-    user's, or an image that is remote, outside the roots, unreadable, or over `max_image_pixels`
-    (code `image_too_large`).
+    Raises OpenAIError(400) for an assistant message with media, the last message not a user's, or media that is
+    remote, outside the roots, unreadable, or over the limits (code `image_too_large` for pixels).
     """
     messages: list[dict[str, Any]] = []
-    images: list[bytes] = []
+    media: dict[str, list] = {"image": [], "audio": [], "video": []}
     for i, message in enumerate(req.messages):
         role = "system" if message.role == "developer" else message.role
         parts = [TextPart(type="text", text=message.content)] if isinstance(message.content, str) else (message.content or [])
@@ -117,15 +138,64 @@ def to_generation_request(req: ChatCompletionRequest, roots, max_image_pixels: i
             if isinstance(part, TextPart):
                 content.append({"type": "text", "text": part.text})
                 continue
+            param = f"messages.{i}.content.{j}"
             if role != "user":
-                raise OpenAIError(400, f"messages.{i}: only user messages may hold images", param=f"messages.{i}.content.{j}")
-            url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
-            images.append(read_image_url(url, roots, max_image_pixels, f"messages.{i}.content.{j}"))
-            content.append({"type": "image", "index": len(images) - 1})
+                raise OpenAIError(400, f"messages.{i}: only user messages may hold images, audio or video", param=param)
+            if isinstance(part, ImagePart):
+                kind, item = "image", read_image_url(_url(part.image_url), roots, max_image_pixels, param)
+            elif isinstance(part, AudioPart):
+                kind, item = "audio", _read_audio(part.input_audio.data, audio_seconds, param)
+            else:
+                kind, item = "video", _read_video(_url(part.video_url), roots, video, param)
+            media[kind].append(item)
+            content.append({"type": kind, "index": len(media[kind]) - 1})
         messages.append({"role": role, "content": content})
     if messages[-1]["role"] != "user":
         raise OpenAIError(400, "the last message must be the user's (the model answers it)", param="messages")
-    return GenerationRequest(messages=messages, images=images)
+    return GenerationRequest(messages=messages, images=media["image"], audios=media["audio"], videos=media["video"])
+
+
+def _url(value: "ImageURL | str") -> str:
+    return value if isinstance(value, str) else value.url
+
+
+def _read_audio(data: str, max_seconds: float | None, param: str) -> bytes:
+    """An `input_audio` part's base64 clip as a stored clip (`read_audio`). Raises OpenAIError(400)."""
+    import base64
+    import binascii
+
+    from vlmctl.errors import DataError
+    from vlmctl.inference.chat import read_audio
+
+    try:
+        clip = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise OpenAIError(400, f"{param}: input_audio.data is not base64", param=param, code="invalid_audio") from None
+    try:
+        return read_audio(clip, max_seconds)
+    except DataError as exc:
+        raise OpenAIError(400, f"{param}: {exc.message}", param=param, code="invalid_audio") from None
+
+
+def _read_video(url: str, roots, settings: Any, param: str) -> bytes:
+    """A `video_url` as a stored clip (`read_video`, sampled by `settings`). Raises OpenAIError(400)."""
+    from vlmctl.data.images import MissingRef, resolve_ref
+    from vlmctl.data.modalities.video import MAX_VIDEO_FILE_BYTES
+    from vlmctl.errors import DataError
+    from vlmctl.inference.generation import read_video
+
+    if url.startswith(("http://", "https://")):
+        raise OpenAIError(400, f"{param}: remote video URLs are not downloaded by this server", param=param, code="invalid_video_url")
+    ref = resolve_ref(url, roots)
+    if isinstance(ref, MissingRef):
+        raise OpenAIError(400, f"{param}: {url} is outside the folders this server reads media from; send the video as a "
+                          "data: URL, or start the server with --media-root FOLDER", param=param, code="invalid_video_url")
+    if isinstance(ref, bytes) and len(ref) > MAX_VIDEO_FILE_BYTES:
+        raise OpenAIError(400, f"{param}: the video is over {MAX_VIDEO_FILE_BYTES >> 30} GiB", param=param, code="invalid_video")
+    try:
+        return read_video(ref, settings)
+    except DataError as exc:
+        raise OpenAIError(400, f"{param}: {exc.message}", param=param, code="invalid_video") from None
 
 
 def read_image_url(url: str, roots, max_pixels: int, param: str) -> bytes:
