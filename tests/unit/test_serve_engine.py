@@ -120,3 +120,13 @@ def test_stop_strings_cut_the_answer_and_context_is_limited(loaded):
     finally:
         engine.close(timeout=60)
     assert not engine.submit(Job(engine.render(request(TEXTS[1]))))  # closed: nothing is queued
+
+
+def test_a_job_whose_client_left_is_not_generated(engine, loaded):
+    kept, left = Events(), Events()
+    gone = Job(engine.render(request(TEXTS[0])), max_tokens=8, sink=left)
+    gone.cancelled.set()
+    submit_together(engine, [gone, Job(engine.render(request(TEXTS[1])), max_tokens=8, sink=kept)])
+    assert kept.finished.wait(120) and left.finished.wait(120)
+    assert left.events == [("error", 499, "the client closed the connection", "client_closed")]
+    assert kept.text() == generate(*loaded, [request(TEXTS[1])], max_new_tokens=8)[0].text

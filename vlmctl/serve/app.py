@@ -107,7 +107,7 @@ def create_app(state: ServerState):
             return StreamingResponse(_stream(job, events, meta, include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
-            return JSONResponse(await _collect(job, events, meta, state.engine.processor.tokenizer))
+            return JSONResponse(await _collect(job, events, meta, state.engine.processor.tokenizer, request))
         except OpenAIError as exc:
             return error(exc)
         finally:
@@ -171,8 +171,22 @@ def _job(state: ServerState, req: ChatCompletionRequest) -> Job:
                stop=req.stops(), top_logprobs=(req.top_logprobs or 0) if req.logprobs else None)
 
 
-async def _collect(job: Job, events: asyncio.Queue, meta: dict, tokenizer) -> dict[str, Any]:
-    """The whole chat.completion object of a non-streaming job."""
+async def _collect(job: Job, events: asyncio.Queue, meta: dict, tokenizer, request) -> dict[str, Any]:
+    """The whole chat.completion object of a non-streaming job. A client that leaves cancels the job (checked each
+    second while waiting), so nobody's answer is generated for nothing."""
+    async def watch() -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(1.0)
+        job.cancelled.set()  # the engine then ends the job with an error or an early end
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await _gather(job, events, meta, tokenizer)
+    finally:
+        watcher.cancel()
+
+
+async def _gather(job: Job, events: asyncio.Queue, meta: dict, tokenizer) -> dict[str, Any]:
     texts, finish, tokens, logprobs = [""] * job.n, [None] * job.n, [0] * job.n, [None] * job.n
     while True:
         event = await events.get()

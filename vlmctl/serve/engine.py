@@ -205,6 +205,9 @@ class Engine:
 
     def _loop(self) -> None:
         while (batch := self._take()) is not None:
+            for job in batch:
+                if job.cancelled.is_set():  # its client left while it waited
+                    job.fail(499, "the client closed the connection", "client_closed")
             try:
                 self._run([job for job in batch if not job.cancelled.is_set()])
             except BaseException as exc:  # noqa: BLE001 - the worker must outlive any one batch
