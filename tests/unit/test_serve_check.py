@@ -67,3 +67,13 @@ def test_check_fails_when_the_generation_prompt_is_not_the_trained_one(tiny, tmp
     report = check_serving(folder, device="cpu", dtype="fp32")
     assert training_reference(folder) == folder.resolve()
     assert not report.ok and all(any(f.startswith("prompt:") for f in p.failures) for p in report.probes)
+
+
+def test_the_presets_checked_cover_every_family_that_takes_images():
+    from vlmctl.config import ModelSection
+    from vlmctl.data.modalities import get_unit
+    from vlmctl.families.registry import FAMILIES
+    from vlmctl.models.build import plan_build
+
+    checked = {plan_build(ModelSection(preset=p, init="random")).family.name for p in PRESETS}
+    assert checked == {name for name, spec in FAMILIES.items() if get_unit("image").accepted_by(spec)}
