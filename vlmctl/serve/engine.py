@@ -25,7 +25,7 @@ Events, called from the worker thread (`sink(event)`), as tuples:
 - `("logprobs", choice, entries)`: per generated token `(token id, logprob, [(token id, logprob), ...] top)`, from
   the model's raw logits (log-softmax), when the job asked for them;
 - `("end", prompt_tokens)`: the job is complete (always the last event of a job that did not fail);
-- `("error", status, message, code)`: the job failed (the last event).
+- `("error", status, message, code)`: the job failed, or was cancelled before it started (499; the last event).
 """
 
 from __future__ import annotations
@@ -205,11 +205,14 @@ class Engine:
 
     def _loop(self) -> None:
         while (batch := self._take()) is not None:
+            live = []
             for job in batch:
                 if job.cancelled.is_set():  # its client left while it waited
                     job.fail(499, "the client closed the connection", "client_closed")
+                else:
+                    live.append(job)
             try:
-                self._run([job for job in batch if not job.cancelled.is_set()])
+                self._run(live)
             except BaseException as exc:  # noqa: BLE001 - the worker must outlive any one batch
                 for job in batch:
                     job.fail(500, f"generation failed: {type(exc).__name__}: {exc}", "server_error")

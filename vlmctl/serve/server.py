@@ -95,8 +95,8 @@ def make_state(model, processor, settings: ServeSettings, name: str) -> ServerSt
 
 
 def serve(model_dir: Path, settings: ServeSettings, *, on_ready=None) -> None:
-    """Load the model in `model_dir` and serve it until SIGTERM or Ctrl-C (module docstring). `on_ready(url)` is
-    called once the model is loaded, before the server listens. Raises UsageError for bad settings (before
+    """Load the model in `model_dir` and serve it until SIGTERM or Ctrl-C (module docstring). `on_ready(url, state)` is
+    called once the model is loaded, before the server listens (`state`: the `ServerState`, its `model_name`). Raises UsageError for bad settings (before
     loading), ModelError for a folder that cannot be loaded."""
     from vlmctl.inference import check_model_dir, load_for_generation
 
