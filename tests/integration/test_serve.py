@@ -215,6 +215,23 @@ def post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]
         return exc.code, json.loads(exc.read())
 
 
+def declared_body(url: str, length: int) -> tuple[int, dict]:
+    """POST headers that announce a `length`-byte body, send none of it, and read the answer."""
+    import http.client
+    from urllib.parse import urlparse
+
+    conn = http.client.HTTPConnection(urlparse(url).netloc, timeout=60)
+    conn.putrequest("POST", "/v1/chat/completions")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(length))
+    conn.endheaders()
+    resp = conn.getresponse()
+    try:
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
 def test_bad_requests_get_4xx_openai_errors_and_the_server_answers_the_next(client, server):
     url, media, project = server
     outside = project / "outside.png"
@@ -224,7 +241,6 @@ def test_bad_requests_get_4xx_openai_errors_and_the_server_answers_the_next(clie
         "not json": (b"{not json", 400),
         "no messages": (json.dumps({"model": "tiny"}).encode(), 400),
         "unknown model": (json.dumps({**good, "model": "gpt-4o"}).encode(), 404),
-        "body too large": (json.dumps({**good, "pad": "x" * (1 << 20)}).encode(), 413),
         "image over data.max_image_pixels": (json.dumps({**good, "messages": [ask("color?", png(COLORS[0], size=64))]}).encode(), 400),
         "not an image": (json.dumps({**good, "messages": [ask("color?", b"not a picture")]}).encode(), 400),
         "remote image": (json.dumps({**good, "messages": [{"role": "user", "content": [
@@ -244,6 +260,10 @@ def test_bad_requests_get_4xx_openai_errors_and_the_server_answers_the_next(clie
         ok, reply = post(url, json.dumps(good).encode())
         assert ok == 200 and reply["choices"][0]["finish_reason"] in ("stop", "length"), name
     assert post(url, json.dumps({**good, "max_tokens": MAX_LENGTH - 2}).encode())[1]["error"]["code"] == "context_length_exceeded"
+    # a body over --max-body-mb (1 MiB) is refused from its Content-Length, before it is read
+    status, answer = declared_body(url, 2 << 20)
+    assert status == 413 and answer["error"]["code"] == "request_too_large"
+    assert post(url, json.dumps(good).encode())[0] == 200
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=[ask("hi")])
     with pytest.raises(openai.BadRequestError):
