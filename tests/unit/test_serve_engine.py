@@ -130,3 +130,15 @@ def test_a_job_whose_client_left_is_not_generated(engine, loaded):
     assert kept.finished.wait(120) and left.finished.wait(120)
     assert left.events == [("error", 499, "the client closed the connection", "client_closed")]
     assert kept.text() == generate(*loaded, [request(TEXTS[1])], max_new_tokens=8)[0].text
+
+
+def test_a_seed_decides_the_sampled_answer(engine):
+    def sampled(seed: int) -> str:
+        sink = Events()
+        engine.submit(Job(engine.render(request(TEXTS[1])), max_tokens=12, temperature=1.5, seed=seed, sink=sink))
+        assert sink.finished.wait(120)
+        return sink.text()
+
+    first = sampled(1)
+    assert sampled(1) == first
+    assert any(sampled(seed) != first for seed in range(2, 8))  # other seeds, other samples
