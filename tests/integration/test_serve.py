@@ -259,7 +259,9 @@ def test_bad_requests_get_4xx_openai_errors_and_the_server_answers_the_next(clie
         assert set(answer["error"]) == {"message", "type", "param", "code"} and answer["error"]["message"], name
         ok, reply = post(url, json.dumps(good).encode())
         assert ok == 200 and reply["choices"][0]["finish_reason"] in ("stop", "length"), name
-    assert post(url, json.dumps({**good, "max_tokens": MAX_LENGTH - 2}).encode())[1]["error"]["code"] == "context_length_exceeded"
+    for stream in (False, True):  # a stream refused by the engine is a 400 too, not an error inside a 200 stream
+        code, answer = post(url, json.dumps({**good, "max_tokens": MAX_LENGTH - 2, "stream": stream}).encode())
+        assert code == 400 and answer["error"]["code"] == "context_length_exceeded"
     # a body over --max-body-mb (1 MiB) is refused from its Content-Length, before it is read
     status, answer = declared_body(url, 2 << 20)
     assert status == 413 and answer["error"]["code"] == "request_too_large"

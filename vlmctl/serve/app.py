@@ -103,8 +103,13 @@ def create_app(state: ServerState):
             return error(OpenAIError(503, "the server is shutting down", type="server_error", code="unavailable"))
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_name}
         if req.stream:
+            # the first event decides the status: a job refused by the engine (context too long, inputs the
+            # processor cannot read) is a 4xx like any other, not an error inside a 200 stream
+            first = await _watching(request, job, events.get())
+            if first[0] == "error":
+                return error(_event_error(first))
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_stream(job, events, meta, include_usage), media_type="text/event-stream",
+            return StreamingResponse(_stream(job, events, meta, include_usage, first), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
             return JSONResponse(await _collect(job, events, meta, state.engine.processor.tokenizer, request))
@@ -171,19 +176,29 @@ def _job(state: ServerState, req: ChatCompletionRequest) -> Job:
                stop=req.stops(), top_logprobs=(req.top_logprobs or 0) if req.logprobs else None)
 
 
-async def _collect(job: Job, events: asyncio.Queue, meta: dict, tokenizer, request) -> dict[str, Any]:
-    """The whole chat.completion object of a non-streaming job. A client that leaves cancels the job (checked each
-    second while waiting), so nobody's answer is generated for nothing."""
+async def _watching(request, job: Job, awaitable):
+    """The result of `awaitable`, while a client that leaves cancels `job` (checked each second), so nobody's
+    answer is generated for nothing; the engine then ends the job early."""
     async def watch() -> None:
         while not await request.is_disconnected():
             await asyncio.sleep(1.0)
-        job.cancelled.set()  # the engine then ends the job with an error or an early end
+        job.cancelled.set()
 
     watcher = asyncio.create_task(watch())
     try:
-        return await _gather(job, events, meta, tokenizer)
+        return await awaitable
     finally:
         watcher.cancel()
+
+
+def _event_error(event: tuple) -> OpenAIError:
+    """The OpenAIError of an engine's `("error", status, message, code)` event."""
+    return OpenAIError(event[1], event[2], code=event[3], type="invalid_request_error" if event[1] < 500 else "server_error")
+
+
+async def _collect(job: Job, events: asyncio.Queue, meta: dict, tokenizer, request) -> dict[str, Any]:
+    """The whole chat.completion object of a non-streaming job (`_watching` the client)."""
+    return await _watching(request, job, _gather(job, events, meta, tokenizer))
 
 
 async def _gather(job: Job, events: asyncio.Queue, meta: dict, tokenizer) -> dict[str, Any]:
@@ -198,7 +213,7 @@ async def _gather(job: Job, events: asyncio.Queue, meta: dict, tokenizer) -> dic
         elif kind == "logprobs":
             logprobs[event[1]] = {"content": [_logprob_entry(tokenizer, t, lp, top) for t, lp, top in event[2]]}
         elif kind == "error":
-            raise OpenAIError(event[1], event[2], code=event[3], type="invalid_request_error" if event[1] < 500 else "server_error")
+            raise _event_error(event)
         elif kind == "end":
             prompt = event[1]
             break
@@ -216,10 +231,11 @@ def _logprob_entry(tokenizer, token: int, logprob: float, top: list[tuple[int, f
     return {**one(token, logprob), "top_logprobs": [one(t, lp) for t, lp in top]}
 
 
-async def _stream(job: Job, events: asyncio.Queue, meta: dict, include_usage: bool):
-    """The server-sent events of a streaming job: a first chunk with the role per choice, content deltas, a chunk
-    with each choice's finish_reason, the usage chunk when asked (`stream_options.include_usage`), then `[DONE]`.
-    A failure after the stream started is sent as an `error` event. The job is cancelled when the client leaves."""
+async def _stream(job: Job, events: asyncio.Queue, meta: dict, include_usage: bool, first: tuple):
+    """The server-sent events of a streaming job whose `first` event has come: a first chunk with the role per
+    choice, content deltas, a chunk with each choice's finish_reason, the usage chunk when asked
+    (`stream_options.include_usage`), then `[DONE]`. A failure after the stream started is sent as an `error` event.
+    The job is cancelled when the client leaves."""
 
     def chunk(choices: list[dict], **extra) -> str:
         return f"data: {json.dumps({**meta, 'object': 'chat.completion.chunk', 'choices': choices, **extra})}\n\n"
@@ -227,8 +243,9 @@ async def _stream(job: Job, events: asyncio.Queue, meta: dict, include_usage: bo
     tokens = [0] * job.n
     try:
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None} for i in range(job.n)])
+        pending = [first]
         while True:
-            event = await events.get()
+            event = pending.pop() if pending else await events.get()
             kind = event[0]
             if kind == "delta":
                 yield chunk([{"index": event[1], "delta": {"content": event[2]}, "finish_reason": None}])
