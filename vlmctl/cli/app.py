@@ -46,7 +46,7 @@ def root(
 
 def _register() -> None:
     # Command modules import only typer/rich at module level; heavy work is imported inside the commands.
-    from vlmctl.cli import bench, chat, config, convert, data, demo, evaluate, generate, init, model, push, train
+    from vlmctl.cli import bench, chat, config, convert, data, demo, evaluate, generate, init, model, push, serve, train
 
     app.command("init", epilog=init.EXAMPLE)(init.init)
     app.add_typer(data.app, name="data")
@@ -57,6 +57,7 @@ def _register() -> None:
     app.command("eval", epilog=evaluate.EXAMPLE)(evaluate.eval_cmd)
     app.command("chat", epilog=chat.EXAMPLE)(chat.chat)
     app.command("generate", epilog=generate.EXAMPLE)(generate.generate_cmd)
+    app.command("serve", epilog=serve.EXAMPLE)(serve.serve_cmd)
     app.command("bench", epilog=bench.EXAMPLE)(bench.bench)
     app.command("demo", epilog=demo.EXAMPLE)(demo.demo)
     app.add_typer(config.app, name="config")

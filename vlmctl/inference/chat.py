@@ -174,26 +174,33 @@ def audio_window(processor: Any) -> float | None:
     return samples / rate if isinstance(samples, int) and isinstance(rate, int) and samples > 0 and rate > 0 else None
 
 
-def read_audio(path: Path, max_seconds: float | None = None) -> bytes:
-    """The audio file at `path` as the data pipeline stores a clip (`vlmctl.data.modalities.audio.normalize_audio`:
-    every sample decoded with soundfile, down-mixed to mono, resampled with soxr to 16 kHz, written as 16-bit FLAC);
-    generation resamples it to the feature extractor's rate as training does. `max_seconds`: the longest clip taken
-    (the model's window, `audio_window`; None: any length).
+def read_audio(path: Path | bytes, max_seconds: float | None = None) -> bytes:
+    """The audio file at `path` (or encoded bytes) as the data pipeline stores a clip
+    (`vlmctl.data.modalities.audio.normalize_audio`: every sample decoded with soundfile, down-mixed to mono,
+    resampled with soxr to 16 kHz, written as 16-bit FLAC); generation resamples it to the feature extractor's rate
+    as training does. `max_seconds`: the longest clip taken (the model's window, `audio_window`; None: any length).
 
-    Raises DataError naming the file when it is missing, not an audio file libsndfile decodes (MP4/M4A, WebM, WMA
-    and AMR are not), truncated or empty, or longer than `max_seconds` (the feature extractor would cut the rest).
+    Raises DataError naming the file (or "an audio clip" for bytes) when it is missing, not audio libsndfile decodes
+    (MP4/M4A, WebM, WMA and AMR are not), truncated or empty, or longer than `max_seconds` (the feature extractor
+    would cut the rest).
     """
     from vlmctl.config.data import DataAudio
     from vlmctl.data.modalities.audio import MAX_AUDIO_FILE_BYTES, AudioError, normalize_audio, probe
 
-    path = Path(path)
     hint = "attach a WAV, FLAC, MP3 or OGG file (pip install 'vlmctl[audio]' for the decoders)"
-    if not path.is_file():
-        raise DataError(f"{path}: no such audio file", hint="check the path (relative to the folder vlmctl chat started in)")
-    if path.stat().st_size > MAX_AUDIO_FILE_BYTES:
-        raise DataError(f"{path}: {path.stat().st_size / 2**20:,.0f} MiB, over the limit of {MAX_AUDIO_FILE_BYTES >> 20} MiB per audio file",
-                        hint="cut the recording into shorter clips")
-    data = path.read_bytes()
+    if isinstance(path, (bytes, bytearray)):
+        data, path = bytes(path), "an audio clip"
+        if len(data) > MAX_AUDIO_FILE_BYTES:
+            raise DataError(f"{path}: {len(data) / 2**20:,.0f} MiB, over the limit of {MAX_AUDIO_FILE_BYTES >> 20} MiB per audio file",
+                            hint="cut the recording into shorter clips")
+    else:
+        path = Path(path)
+        if not path.is_file():
+            raise DataError(f"{path}: no such audio file", hint="check the path (relative to the folder vlmctl chat started in)")
+        if path.stat().st_size > MAX_AUDIO_FILE_BYTES:
+            raise DataError(f"{path}: {path.stat().st_size / 2**20:,.0f} MiB, over the limit of {MAX_AUDIO_FILE_BYTES >> 20} MiB per audio file",
+                            hint="cut the recording into shorter clips")
+        data = path.read_bytes()
     try:
         seconds = probe(data).seconds
         if max_seconds is not None and seconds > max_seconds:

@@ -1,0 +1,124 @@
+"""Throughput of `vlmctl serve`: requests/s and output tokens/s at several client concurrencies.
+
+Usage:
+    python benchmarks/bench_serve.py --workdir /tmp/servebench [--model DIR] [--concurrency 1,4,8] [--requests 32]
+                                     [--max-tokens 32] [--device cpu] [--max-batch-size 8] [--rounds 1]
+
+Builds the tiny random preset under --workdir (unless --model is given), starts `vlmctl serve` on a free local
+port in its own process, sends 2 warm-up requests, then for each concurrency C runs --requests image questions
+(a 64 px PNG as a data: URL, greedy, --max-tokens each) from C client threads with the official `openai` client,
+each thread sending its next request when the previous is answered. Output tokens are the servers' `usage`
+counts. Prints one `RESULT {json}` line per concurrency and round: requests, seconds, requests/s, output tokens/s,
+mean latency. With --rounds N the concurrencies are interleaved N times (1, 4, 8, 1, 4, 8, ...), so load from other
+processes on a shared machine falls on all of them, and a `MEDIAN {json}` and a `BEST {json}` line (the fastest
+round, the one least slowed by other processes) per concurrency follow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+QUESTIONS = ["What color is the square?", "What shape is in the picture?", "How many shapes are there?", "Describe the picture."]
+
+
+def picture(i: int) -> str:
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (64, 64), (255, 255, 255))
+    ImageDraw.Draw(img).rectangle([8 + i % 8, 8, 48, 48 - i % 8], fill=((37 * i) % 256, (91 * i) % 256, (53 * i) % 256))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workdir", type=Path, required=True)
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--concurrency", default="1,4,8")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--max-batch-size", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=1)
+    args = ap.parse_args()
+
+    import openai
+
+    from vlmctl.serve import free_port
+
+    model = args.model
+    if model is None:
+        from vlmctl.config import ModelSection
+        from vlmctl.models.build import build_model
+
+        model = args.workdir / "tiny"
+        if not (model / "config.json").is_file():
+            build_model(ModelSection(preset="tiny", init="random", output_dir=model, dtype="fp32"),
+                        tokenizer_texts=QUESTIONS * 5 + ["red green blue square circle one two three"] * 5)
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "vlmctl", "serve", str(model), "--device", args.device, "--port", str(port),
+                               "--max-batch-size", str(args.max_batch_size), "--model-name", "bench"], env=os.environ.copy())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=600)
+
+        def one(i: int) -> tuple[int, float]:
+            t0 = time.perf_counter()
+            answer = client.chat.completions.create(model="bench", max_tokens=args.max_tokens, temperature=0, messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": picture(i)}},
+                                             {"type": "text", "text": QUESTIONS[i % len(QUESTIONS)]}]}])
+            return answer.usage.completion_tokens, time.perf_counter() - t0
+
+        for i in range(2):
+            one(i)
+        rows: dict[int, list[dict]] = {}
+        for _ in range(args.rounds):
+            for concurrency in (int(c) for c in args.concurrency.split(",")):
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(concurrency) as pool:
+                    results = list(pool.map(one, range(args.requests)))
+                seconds = time.perf_counter() - t0
+                tokens = sum(r[0] for r in results)
+                row = {"concurrency": concurrency, "requests": args.requests, "seconds": round(seconds, 2),
+                       "requests_per_s": round(args.requests / seconds, 2), "output_tokens": tokens,
+                       "output_tokens_per_s": round(tokens / seconds, 1),
+                       "mean_latency_s": round(sum(r[1] for r in results) / len(results), 3), "device": args.device,
+                       "max_batch_size": args.max_batch_size}
+                rows.setdefault(concurrency, []).append(row)
+                print("RESULT " + json.dumps(row), flush=True)
+        if args.rounds > 1:
+            for concurrency, runs in rows.items():
+                median = lambda key: statistics.median(r[key] for r in runs)  # noqa: E731
+                print("MEDIAN " + json.dumps({"concurrency": concurrency, "rounds": len(runs),
+                                              "requests_per_s": median("requests_per_s"),
+                                              "output_tokens_per_s": median("output_tokens_per_s"),
+                                              "mean_latency_s": median("mean_latency_s")}), flush=True)
+                best = max(runs, key=lambda r: r["requests_per_s"])  # the round least slowed by other processes
+                print("BEST " + json.dumps({"concurrency": concurrency, "rounds": len(runs), **{k: best[k] for k in (
+                    "requests_per_s", "output_tokens_per_s", "mean_latency_s")}}), flush=True)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=120)
+
+
+if __name__ == "__main__":
+    main()

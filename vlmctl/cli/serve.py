@@ -1,0 +1,96 @@
+"""`vlmctl serve`: an OpenAI-compatible server and a chat page for a model folder; `--check` compares it with the
+trainer and `vlmctl generate`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.markup import escape
+
+from vlmctl.cli._common import ConfigOpt, JsonOpt, console, info, load_project, print_json, split_args, state
+from vlmctl.cli.chat import DeviceOpt, DtypeOpt, ModelArgs, TemperatureOpt, _video_settings, resolve_model_dir
+
+EXAMPLE = "Example: vlmctl serve outputs/runs/run1/final --port 8000   (then: OpenAI(base_url='http://127.0.0.1:8000/v1', api_key='-'))"
+
+
+def serve_cmd(
+    args: ModelArgs = None,
+    config: ConfigOpt = None,
+    host: Annotated[str, typer.Option("--host", help="Address to bind; another than 127.0.0.1/localhost needs --api-key.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="TCP port.")] = 8000,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="VLMCTL_API_KEY", help="Clients must send "
+                                                   "Authorization: Bearer KEY (also VLMCTL_API_KEY).", show_default=False)] = None,
+    model_name: Annotated[Optional[str], typer.Option("--model-name", help="The model's name in the API (default: the folder's, "
+                                                      "or the run's for RUN/final).", show_default=False)] = None,
+    media_root: Annotated[Optional[list[Path]], typer.Option("--media-root", help="Folder that image_url paths may point into "
+                                                             "(repeatable; default: the project's data.media_roots, else none: "
+                                                             "data: URLs only).", show_default=False)] = None,
+    max_batch_size: Annotated[int, typer.Option("--max-batch-size", help="Requests' choices generated together.")] = 8,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens per answer when a request gives no max_tokens.")] = 256,
+    max_body_mb: Annotated[float, typer.Option("--max-body-mb", help="Largest request body, in MiB.")] = 32.0,
+    temperature: TemperatureOpt = 0.0,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    check: Annotated[bool, typer.Option("--check", help="Do not serve: ask fixed probes over HTTP and compare the answers with "
+                                        "`vlmctl generate` and the first token's log-probabilities with the trainer's forward.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Serve a model over an OpenAI-compatible API (POST /v1/chat/completions, GET /v1/models, GET /health) with a chat
+    page at /. Ctrl-C or SIGTERM lets the requests in flight finish, then stops.
+
+    Limits come from the project (data.max_image_pixels per image, data.max_length for prompt + answer).
+    """
+    from vlmctl.config import find_config
+    from vlmctl.inference import check_model_dir, folder_family
+    from vlmctl.serve import ServeSettings, check_settings, serve, served_name
+    from vlmctl.serve.app import Limits
+
+    model_dir = resolve_model_dir(args, config, "serve")
+    check_model_dir(model_dir)
+    if check:
+        return _check(model_dir, device, dtype, as_json)
+    in_project = config is not None or state.config is not None or find_config() is not None
+    data = load_project(config, split_args(args)[1]).data if in_project else None
+    limits = Limits(max_body_bytes=int(max_body_mb * 2**20), default_max_tokens=max_tokens, temperature=temperature,
+                    media_roots=tuple(media_root or (data.media_roots if data else ())))
+    if data is not None:
+        limits.max_image_pixels, limits.max_tokens = data.max_image_pixels, data.max_length
+    settings = ServeSettings(host=host, port=port, api_key=api_key, model_name=model_name, limits=limits,
+                             max_batch_size=max_batch_size, max_length=limits.max_tokens, device=device, dtype=dtype)
+    check_settings(settings)
+    settings.video = _video_settings(model_dir, folder_family(model_dir), config, args)
+
+    def ready(url: str, server) -> None:
+        info(f"Serving [bold]{escape(str(model_dir))}[/bold] as [bold]{escape(server.model_name)}[/bold] at {escape(url)}/v1 "
+             f"(chat page: {escape(url)}/){' [dim](API key required)[/dim]' if api_key else ''}. Ctrl-C stops.")
+
+    info(f"[dim]loading {escape(str(model_dir))} ({escape(served_name(model_dir))})[/dim]")
+    serve(model_dir, settings, on_ready=ready)
+    info("[dim]stopped: the requests in flight were answered[/dim]")
+
+
+def _check(model_dir: Path, device: str, dtype: str, as_json: bool) -> None:
+    from rich.table import Table
+
+    from vlmctl.serve.check import check_serving
+
+    report = check_serving(model_dir, device=device, dtype=dtype)
+    if as_json:
+        print_json({"ok": report.ok, "model": str(report.model_dir), "reference": str(report.reference),
+                    "probes": [{"name": p.name, "ok": p.ok, "served": p.served, "generated": p.generated,
+                                "max_logprob_error": p.max_logprob_error, "failures": p.failures} for p in report.probes]})
+    else:
+        table = Table("probe", "result", "served answer", title=f"serve --check {escape(str(model_dir))}")
+        for p in report.probes:
+            table.add_row(p.name, "[green]ok[/green]" if p.ok else "[red]FAIL[/red]", escape(p.served[:60]))
+        console.print(table)
+        console.print(f"[dim]trainer's processor: {escape(str(report.reference))}[/dim]")
+        for p in report.probes:
+            for failure in p.failures:
+                console.print(f"[red]{escape(p.name)}[/red]: {escape(failure)}", highlight=False)
+        console.print("[green]served answers match the trainer and `vlmctl generate`[/green]" if report.ok
+                      else "[red]the served model does not answer as it was trained[/red]")
+    if not report.ok:
+        raise typer.Exit(1)
