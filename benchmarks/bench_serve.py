@@ -1,10 +1,10 @@
 """Throughput of `vlmctl serve`: requests/s and output tokens/s at several client concurrencies.
 
 Usage:
-    python benchmarks/bench_serve.py --workdir /tmp/servebench [--model DIR] [--concurrency 1,4,8] [--requests 32]
+    python benchmarks/bench_serve.py --workdir /tmp/servebench [--model DIR | --preset P] [--concurrency 1,4,8] [--requests 32]
                                      [--max-tokens 32] [--device cpu] [--max-batch-size 8] [--rounds 1]
 
-Builds the tiny random preset under --workdir (unless --model is given), starts `vlmctl serve` on a free local
+Builds the --preset (default tiny) with random weights under --workdir (unless --model is given), starts `vlmctl serve` on a free local
 port in its own process, sends 2 warm-up requests, then for each concurrency C runs --requests image questions
 (a 64 px PNG as a data: URL, greedy, --max-tokens each) from C client threads with the official `openai` client,
 each thread sending its next request when the previous is answered. Output tokens are the servers' `usage`
@@ -47,6 +47,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workdir", type=Path, required=True)
     ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--preset", default="tiny", help="the preset built with random weights when --model is not given")
     ap.add_argument("--concurrency", default="1,4,8")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -64,9 +65,10 @@ def main() -> None:
         from vlmctl.config import ModelSection
         from vlmctl.models.build import build_model
 
-        model = args.workdir / "tiny"
-        if not (model / "config.json").is_file():
-            build_model(ModelSection(preset="tiny", init="random", output_dir=model, dtype="fp32"),
+        model = args.workdir / args.preset
+        if not (model / "config.json").is_file():  # tiny in fp32 for the CPU; larger presets in bf16
+            build_model(ModelSection(preset=args.preset, init="random", output_dir=model,
+                                     dtype="fp32" if args.preset == "tiny" else "bf16"),
                         tokenizer_texts=QUESTIONS * 5 + ["red green blue square circle one two three"] * 5)
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "vlmctl", "serve", str(model), "--device", args.device, "--port", str(port),
