@@ -49,6 +49,7 @@ from vlmctl.data.pipeline import (DEFAULT_TOKENS_PER_GPU, RowBudget, SourceTally
                                    with_token_counts)
 from vlmctl.data.sample import SCHEMA_VERSION, Sample
 from vlmctl.errors import DataError, UsageError
+from vlmctl.outputs import check_replaceable, install
 
 ROWS_PER_GROUP = 256
 GROUP_BYTES = 64 << 20
@@ -411,19 +412,22 @@ def write_histogram(path: Path, stats: Stats, max_length: int | None, row_budget
     fig.savefig(path, format="png", metadata={"Software": None})
 
 
-def _check_outputs(data: DataSection, out: Path) -> None:
-    out_r = out.resolve()
+def _inputs(data: DataSection, processor_dir: Path | None) -> list[Path]:
+    """Every local path a prepare reads: the sources (a glob by its fixed prefix), their image roots, the media
+    roots and the model folder whose processor counts tokens."""
+    paths: list[Path] = []
     for src in data.sources:
         if src.format == "hf":
             continue
-        p = Path(src.path).expanduser()
-        probe = p if not set("*?[") & set(str(p)) else Path(str(p).split("*")[0].split("?")[0].split("[")[0])
-        probe = probe.resolve()
-        if probe == out_r or out_r in probe.parents:
-            raise UsageError(
-                f"data source {src.path} is inside data.prepared_dir {out}: preparing would replace its own input",
-                hint="set data.prepared_dir to another folder",
-            )
+        p = str(Path(src.path).expanduser())
+        cut = min((p.index(ch) for ch in "*?[" if ch in p), default=None)
+        paths.append(Path(p if cut is None else p[:cut]) if cut != 0 else Path("."))
+        if src.image_root is not None:
+            paths.append(Path(src.image_root))
+    paths.extend(Path(m) for m in data.media_roots)
+    if processor_dir is not None:
+        paths.append(Path(processor_dir))
+    return paths
 
 
 def prepare_data(
@@ -450,7 +454,8 @@ def prepare_data(
     and `gpus_needed`, the GPUs of `tokens_per_batch` tokens (8192 without a budget) the longest kept sample needs.
     `export="energon"` also writes a Megatron-Energon dataset to `export_dir` (default `prepared_dir/energon`) in
     the shape of `data.export.energon_format` (`vlmctl.data.energon`).
-    Raises UsageError (no sources, unknown export, output inside an input) and DataError (a missing or unreadable
+    Raises UsageError (no sources, unknown export, an output folder that holds an input or is not one vlmctl may
+    replace: `vlmctl.outputs.check_replaceable`) and DataError (a missing or unreadable
     source, a source below `data.min_kept_fraction`, an empty train split, a full disk, a sample that does not fit
     an explicit `data.export.energon_format` of vqa or captioning).
     """
@@ -462,14 +467,21 @@ def prepare_data(
     if export is not None and export not in EXPORTS:
         raise UsageError(f"unknown export format {export!r}", hint=f"use one of: {', '.join(EXPORTS)}")
     out = Path(data.prepared_dir)
-    _check_outputs(data, out)
-    sources = unique_sources(data.sources)  # a missing source fails here, before any processor is loaded
     pdir = Path(processor_dir) if has_processor(processor_dir) else None
-
+    inputs = _inputs(data, pdir)
     edir_final = Path(export_dir) if export_dir else out / "energon"
     if export is not None and edir_final.resolve() == out.resolve():
         raise UsageError("the export folder cannot be data.prepared_dir itself", hint="pass --export-dir OTHER_DIR, or leave it unset (prepared_dir/energon)")
     inside = export is not None and out.resolve() in edir_final.resolve().parents
+
+    def check_outputs() -> None:
+        check_replaceable(out, "prepared", inputs=inputs, what="data.prepared_dir", fix="set data.prepared_dir to another folder")
+        if export is not None and not inside:
+            check_replaceable(edir_final, "energon", inputs=[*inputs, out], what="the export folder",
+                              fix="pass --export-dir with a new folder")
+
+    check_outputs()  # before anything is read or written
+    sources = unique_sources(data.sources)  # a missing source fails here, before any processor is loaded
 
     out.parent.mkdir(parents=True, exist_ok=True)
     sweep_stale(out)
@@ -501,10 +513,17 @@ def prepare_data(
         if isinstance(exc, OSError) and is_disk_full(exc):
             raise disk_full_error(exc, tmp) from None
         raise
-    _swap(tmp, out)
+    try:
+        check_outputs()  # again: the folders may have changed during the run
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if etmp is not None:
+            shutil.rmtree(etmp, ignore_errors=True)
+        raise
+    install(tmp, out, "prepared")
     if etmp is not None and not inside:
         edir_final.parent.mkdir(parents=True, exist_ok=True)
-        _swap(etmp, edir_final)
+        install(etmp, edir_final, "energon")
     return PrepareResult(out, manifest, edir_final if export else None, token_note=counts.note)
 
 
@@ -667,18 +686,6 @@ def check_train_split(train_samples: int, kept: int, rejected: Counter, val_rati
         hint="run `vlmctl data validate` to see where and why; a wrong data.sources[].image_root makes every image "
         "missing_image",
     )
-
-
-def _swap(tmp: Path, final: Path) -> None:
-    """Move `tmp` to `final`; an existing `final` is moved aside first and deleted only after the rename."""
-    old = None
-    if final.exists():
-        old = final.parent / f".{final.name}.old-{os.getpid()}"
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
-    tmp.rename(final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _run(data: DataSection, results: Results, sources, tmp: Path, etmp: Path | None, *, num_proc, counts: TokenSource,
