@@ -421,6 +421,8 @@ def _check_clips(sample: Sample, info: SampleInfo, settings: Any, name: str) -> 
             clip = normalize(data, settings)
         except ClipError as exc:
             return Rejection(exc.reason, sample.source, location, f"{label}: {exc.detail}", sample.id)
+        except Exception as exc:  # noqa: BLE001 - any other decoder or encoder failure costs this sample only
+            return Rejection(f"corrupt_{name}", sample.source, location, f"{label}: cannot decode: {type(exc).__name__}: {exc}", sample.id)
         clips.append(clip.data)
         recorded.append(facts(clip))
     sample.media[name] = clips

@@ -42,6 +42,11 @@ from pathlib import Path
 from typing import Iterable
 
 KEEP_FORMATS = ("JPEG", "PNG", "WEBP")
+IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
+"""The Pillow formats vlmctl decodes (`Image.open(..., formats=IMAGE_FORMATS)`): the formats of `IMAGE_EXTENSIONS`
+(Pillow's JPEG opener also reads MPO, the JPEG variant phones write). No other plugin is ever tried, so a file of another format under an image
+name (e.g. PostScript as `.jpg`, which Pillow's EPS plugin hands to Ghostscript) is refused as corrupt_image
+without running anything."""
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
 MAX_IMAGE_FILE_BYTES = 512 << 20
 """Largest image file read (bytes): larger files are refused as image_too_large before reading. A 64-megapixel
@@ -201,6 +206,14 @@ def read_ref(ref: bytes | Path | MissingRef, *, max_bytes: int = MAX_IMAGE_FILE_
     return data
 
 
+def open_image(data: bytes):
+    """`PIL.Image.open` on the bytes `data`, trying only the formats of `IMAGE_FORMATS`. Raises
+    PIL.UnidentifiedImageError for anything else."""
+    from PIL import Image
+
+    return Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+
+
 def normalize_image(data: bytes, *, max_pixels: int | None = None) -> NormalizedImage:
     """Fully decode `data` and return 8-bit RGB encoded bytes with the picture's size.
 
@@ -216,7 +229,7 @@ def normalize_image(data: bytes, *, max_pixels: int | None = None) -> Normalized
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         try:
-            im = Image.open(io.BytesIO(data))
+            im = open_image(data)
             fmt = im.format
             width, height = im.size
             if max_pixels is not None and width * height > max_pixels:
@@ -229,12 +242,14 @@ def normalize_image(data: bytes, *, max_pixels: int | None = None) -> Normalized
             args = im.tile[0].args if im.tile else None
             rawmode = str(args[0] if isinstance(args, tuple) and args else args or "")
             im.load()
+        except ImageError:
+            raise
         except UnidentifiedImageError:
-            raise ImageError("corrupt_image", "not an image (unknown file format)") from None
+            raise ImageError("corrupt_image", f"not an image in a format vlmctl reads ({', '.join(IMAGE_FORMATS)})") from None
         except Image.DecompressionBombError as exc:
             raise ImageError("image_too_large", f"too many pixels: {exc}") from None
-        except (OSError, SyntaxError, ValueError, EOFError) as exc:
-            raise ImageError("corrupt_image", f"cannot decode: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - any decoder failure (OSError, struct.error, IndexError, ...) costs one sample
+            raise ImageError("corrupt_image", f"cannot decode: {type(exc).__name__}: {exc}") from None
 
     orientation = _orientation(im)
     sixteen = ";16" in rawmode or rawmode.endswith("16")
@@ -250,7 +265,7 @@ def normalize_image(data: bytes, *, max_pixels: int | None = None) -> Normalized
             im = ImageOps.exif_transpose(im)
             conversion += f", EXIF orientation {orientation}"
         rgb = to_rgb(im)
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - one sample, never the run
         raise ImageError("corrupt_image", f"cannot convert mode {mode} to RGB: {exc}") from None
     out = io.BytesIO()
     if fmt == "JPEG":

@@ -26,7 +26,6 @@ audio clip as its audio prompt (Qwen2-Audio's `<|audio_bos|><|AUDIO|><|audio_eos
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
@@ -174,9 +173,9 @@ def model_family(model: Any):
 
 def _to_rgb(image: Any):
     """A PIL RGB image from encoded bytes or a PIL image."""
-    from PIL import Image
+    from vlmctl.data.images import open_image
 
-    img = Image.open(io.BytesIO(image)) if isinstance(image, (bytes, bytearray)) else image
+    img = open_image(image) if isinstance(image, (bytes, bytearray)) else image
     return img if img.mode == "RGB" else img.convert("RGB")
 
 
