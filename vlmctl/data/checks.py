@@ -11,6 +11,9 @@ Every rejected sample gets exactly one reason code. The codes are public output 
 | `bad_roles` | roles must be an optional system turn, then user/assistant alternating, ending with assistant | `build_sample` |
 | `empty_turn` | a turn with blank text and no image or video | `build_sample` |
 | `placeholder_mismatch` | number of `<image>` placeholders != number of images, of `<video>` placeholders != number of videos, or of `<audio>` placeholders != number of audio clips | `build_sample` |
+| `invalid_text` | the id, a turn's text or a meta value holds a lone surrogate (`\\ud800` in JSON), which is not Unicode text | `build_sample` |
+| `link_member` | a WebDataset tar member of the sample is a symbolic or hard link (GNU tar stores the second path of a hard-linked file so), a device or a FIFO: links are not followed | reader |
+| `duplicate_key` | two WebDataset tar members in a row with the same key and extension (the second would replace the first) | reader |
 | `outside_root` | an image path resolves (symlinks included) outside the source's folder, its `image_root` and `data.media_roots` | reader |
 | `missing_image` | the image file does not exist, is a folder, or is a remote URL | `check_images` |
 | `not_a_file` | the image path is a device, FIFO or socket (refused before reading) | `check_images` |
@@ -54,6 +57,9 @@ REASONS = (
     "bad_roles",
     "empty_turn",
     "placeholder_mismatch",
+    "invalid_text",
+    "link_member",
+    "duplicate_key",
     "outside_root",
     "missing_image",
     "not_a_file",
@@ -215,6 +221,9 @@ def build_sample(
         if all(p["type"] == "text" for p in parts) and not "".join(p["text"] for p in parts).strip():
             return reject("empty_turn", f"turn {i} ({role}) has no text")
         messages.append({"role": role, "content": parts})
+    bad_text = _invalid_text(id, messages, meta)
+    if bad_text:
+        return reject("invalid_text", bad_text)
     if image_placeholder_for_video and record["video"] and not record["image"] and not explicit["image"]:
         _retype_placeholders(messages, "image", "video")
 
@@ -247,6 +256,36 @@ def build_sample(
                     audios=refs["audio"] or None, source=source, meta=dict(meta or {}))
     sample.location = location
     return sample
+
+
+def _bad_char(text: str) -> str | None:
+    """Why `text` cannot be stored as UTF-8 (a lone surrogate such as `\\ud800`, which JSON's `\\uXXXX` escapes
+    can produce), or None. ASCII text is accepted without encoding it."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"a lone surrogate {ascii(text[exc.start])} at character {exc.start}, which is not Unicode text"
+    return None
+
+
+def _invalid_text(id: Any, messages: list[dict[str, Any]], meta: dict[str, Any] | None) -> str | None:
+    """The first string of the sample (its id, the text of its turns, its meta values) that is not valid Unicode."""
+    problem = _bad_char(str(id))
+    if problem:
+        return f"the id holds {problem}"
+    for i, m in enumerate(messages):
+        for p in m["content"]:
+            problem = _bad_char(p["text"]) if p["type"] == "text" else None
+            if problem:
+                return f"turn {i} holds {problem}"
+    for key, value in (meta or {}).items():
+        for text in (value if isinstance(value, (list, tuple)) else [value]):
+            problem = _bad_char(text) if isinstance(text, str) else None
+            if problem or not isinstance(key, str) or _bad_char(key):
+                return f"meta {ascii(key)} holds {problem or 'an invalid key'}"
+    return None
 
 
 def _retype_placeholders(messages: list[dict[str, Any]], old: str, new: str) -> None:

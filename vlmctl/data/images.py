@@ -138,6 +138,9 @@ def resolve_ref(value: str, base: Path | MediaRoots) -> bytes | Path | MissingRe
             return b""
     roots = base if isinstance(base, MediaRoots) else None
     folder = roots.base if roots is not None else Path(base)
+    problem = _unusable_path(value)
+    if problem:
+        return MissingRef(ascii(value), f"the path {ascii(value)} {problem}")
     if value.startswith("file://"):
         from urllib.parse import unquote, urlparse
 
@@ -147,7 +150,21 @@ def resolve_ref(value: str, base: Path | MediaRoots) -> bytes | Path | MissingRe
     else:
         path = Path(value).expanduser()
         path = path if path.is_absolute() else folder / path
+    problem = _unusable_path(str(path))
+    if problem:
+        return MissingRef(ascii(value), f"the path {ascii(str(path))} {problem}")
     return roots.confine(path, value) if roots is not None else path
+
+
+def _unusable_path(text: str) -> str | None:
+    """Why `text` cannot name a file (a NUL byte, a character the file system encoding cannot hold), or None."""
+    if "\0" in text:
+        return "holds a NUL byte, which no file name can"
+    try:
+        os.fsencode(text)
+    except UnicodeError:
+        return "holds a character no file name can (a lone surrogate)"
+    return None
 
 
 def _kind(mode: int) -> str:

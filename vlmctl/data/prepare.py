@@ -700,7 +700,8 @@ def _run(data: DataSection, results: Results, sources, tmp: Path, etmp: Path | N
     tallies = [SourceTally(s.name, s.path, s.format) for s in sources]
     stats = Stats()
     rejected_total: Counter = Counter()
-    with open(tmp / "rejected.jsonl", "w", encoding="utf-8") as rej, progress_bar(progress, "Preparing") as advance:
+    # backslashreplace: a lone surrogate in a rejected record's id or location is written escaped, never a crash
+    with open(tmp / "rejected.jsonl", "w", encoding="utf-8", errors="backslashreplace") as rej, progress_bar(progress, "Preparing") as advance:
         for src, item, info in results:
             advance()
             tallies[src].add(item, info)

@@ -19,10 +19,14 @@ Limits per record: `MAX_RECORD_BYTES` (reason `too_large`) and `MAX_DEPTH` level
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
+
+from vlmctl.errors import DataError
 
 CHUNK_CHARS = 1 << 20  # bytes read per refill of the array buffer
 MAX_RECORD_BYTES = 64 << 20  # a record larger than this is rejected as too_large (never buffered further)
@@ -77,16 +81,38 @@ def iter_json_records(path: Path) -> Iterator[tuple[int, Any] | JsonParseError]:
         yield item if isinstance(item, JsonParseError) else (item.line, item.value)
 
 
+def open_regular(path: Path) -> BinaryIO:
+    """`open(path, "rb")` for a regular file only: opened without blocking and checked on the open file, so a FIFO,
+    device or socket is refused before a byte is read (a FIFO would block forever). Raises DataError naming the file,
+    OSError when it cannot be opened."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise DataError(f"{path} is not a regular file (a FIFO, device, socket or folder): it is not read",
+                            hint="point data.sources[].path at data files")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def check_regular(path: Path) -> None:
+    """Raise DataError unless `path` is a regular file (symlinks followed); see `open_regular`."""
+    open_regular(path).close()
+
+
 def read_json(path: Path) -> Iterator[JsonRecord | JsonParseError]:
     """Every record of a JSON array, a JSONL file or a single JSON object, in file order.
 
     A record that cannot be used yields a JsonParseError and reading goes on with the next one, except after a
     syntax error inside an array element (the message says that the rest of the file was not read).
-    Raises OSError when the file cannot be read.
+    Raises OSError when the file cannot be read, DataError when it is not a regular file.
     """
     path = Path(path)
     jsonl = path.suffix.lower() in (".jsonl", ".ndjson")
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         head = f.read(HEAD_BYTES)
         stripped = head.removeprefix(_BOM).lstrip()
         if not stripped and len(head) < HEAD_BYTES:
@@ -322,7 +348,7 @@ class _Scan:
 
 def _iter_array(path: Path) -> Iterator[tuple[int, int, JsonRecord | JsonParseError]]:
     """(start line, element index, item) per element, in order; reading ends after an error that stops it."""
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         w = _Window(f)
         pos, _ = _skip_ws(w, 0)
         pos += 1  # the "[" read_json saw
