@@ -255,3 +255,48 @@ def test_flac_with_no_samples_is_audio_too_short():
     with pytest.raises(AudioError) as err:
         normalize_audio(empty)
     assert err.value.reason == "audio_too_short"
+
+
+# ------------------------------------------------------------------------------------------------ chat templates
+
+
+def counter_with_template(template: str):
+    from vlmctl.data.tokens import TokenCounter, _template_renderer
+
+    counter = TokenCounter.__new__(TokenCounter)  # the parts `render` uses: a folder-less counter with a template
+    counter.folder, counter.image_token = None, "<image>"
+    counter._apply_template = _template_renderer(template, {})
+    return counter
+
+
+def chat() -> "Sample":
+    from vlmctl.data.sample import Sample
+
+    return Sample(id="s", messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                                    {"role": "assistant", "content": [{"type": "text", "text": "yo"}]}], images=[])
+
+
+def test_a_chat_template_that_loops_for_ever_is_stopped(monkeypatch):
+    from vlmctl.data import tokens
+
+    monkeypatch.setattr(tokens, "RENDER_SECONDS", 0.5)
+    hang = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{{ messages[0]['content'] }}"
+    outer = signal.getitimer(signal.ITIMER_REAL)[0]  # e.g. pytest-timeout's
+    with pytest.raises(DataError, match="did not finish rendering one conversation"):
+        counter_with_template(hang).render(chat())
+    after = signal.getitimer(signal.ITIMER_REAL)[0]
+    assert (after == 0) if outer == 0 else (outer - 5 < after <= outer)  # an outer timer is running again
+
+
+def test_a_chat_template_that_writes_without_end_is_stopped(monkeypatch):
+    from vlmctl.data import tokens
+
+    monkeypatch.setattr(tokens, "RENDER_CHARS", 100_000)
+    flood = "{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxx{% endfor %}{% endfor %}"
+    with pytest.raises(DataError, match="rendered"):
+        counter_with_template(flood).render(chat())
+
+
+def test_a_normal_chat_template_renders():
+    text = counter_with_template("{% for m in messages %}{{ m['role'] }}: {{ m['content'][0]['text'] }}\n{% endfor %}").render(chat())
+    assert text == "user: hi\nassistant: yo\n"

@@ -98,11 +98,13 @@ def render_request(request: GenerationRequest, processor, family: Any = None) ->
     """
     from vlmctl.data.collate import template_media
     from vlmctl.data.sample import Sample
+    from vlmctl.data.tokens import check_rendered, render_limits
 
     sample = Sample(id=request.id, messages=request.messages, images=request.images,
                     audios=request.audios or None, videos=request.videos or None)
     messages, media = template_media(sample, processor, family)
-    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    with render_limits("the model"):
+        text = check_rendered(processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), "the model")
     return RenderedRequest(text, [_to_rgb(img) for img in media.get("image", [])], list(media.get("audio", [])),
                            list(media.get("video", [])))
 
