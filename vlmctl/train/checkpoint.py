@@ -62,6 +62,34 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
     return read_json(Path(checkpoint) / STATE_FILE)
 
 
+def check_batching(checkpoint: Path, train) -> None:
+    """Raise ConfigError when `train` batches differently from the run that wrote `checkpoint` (train.packing, or
+    an explicit train.tokens_per_batch / train.micro_batch_size): the checkpoint's data position is a count of
+    micro-batches of its own batching, so another one would resume at other samples (skipping or repeating some).
+    `auto` sizes are not compared: a resumed run reuses the sizes its first run chose."""
+    from vlmctl.errors import ConfigError
+
+    saved = read_state(checkpoint)
+    changes = []
+    if isinstance(saved.get("packing"), bool) and saved["packing"] != train.packing:
+        changes.append(("packing", saved["packing"], train.packing))
+    else:
+        key = "tokens_per_batch" if train.packing else "micro_batch_size"
+        old, new = saved.get(key), getattr(train, key)
+        if isinstance(old, int) and isinstance(new, int) and old != new:
+            changes.append((key, old, new))
+    if not changes:
+        return
+    key, old, new = changes[0]
+    shown = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731
+    raise ConfigError(
+        f"{checkpoint} was written with train.{key}={shown(old)}, the project now sets {shown(new)}: its data position "
+        f"({saved.get('consumed_micro_batches')} micro-batches per rank) counts batches of the old size, so resuming "
+        "would skip or repeat samples",
+        hint=f"resume with train.{key}={shown(old)} (an override on the command line), or start a new run without --resume",
+    )
+
+
 def rng_state() -> dict[str, Any]:
     """This process's RNG states as tensors and plain values (what `torch.load(weights_only=True)` reads back):
     python's Mersenne Twister, numpy's legacy global generator, torch CPU (and CUDA)."""
