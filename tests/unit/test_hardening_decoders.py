@@ -108,3 +108,19 @@ def test_an_unexpected_clip_decoder_error_is_that_samples_rejection(monkeypatch,
                     images=[], **{f"{kind}s": [b"\0" * 64]})
     out = checks.check_images(sample)
     assert isinstance(out, checks.Rejection) and out.reason == f"corrupt_{kind}" and "AssertionError" in out.detail
+
+
+def test_an_animated_image_is_flagged_as_reduced_to_its_first_frame(tmp_path):
+    frames = [Image.new("RGB", (40, 32), (i * 60, 0, 0)) for i in range(3)]
+    buf = io.BytesIO()
+    frames[0].save(buf, "GIF", save_all=True, append_images=frames[1:], duration=100)
+    out = normalize_image(buf.getvalue())
+    assert out.conversion.startswith("animated ") and "first of 3 frames" in out.conversion
+    assert Image.open(io.BytesIO(out.data)).getpixel((0, 0)) == (0, 0, 0)  # frame 0
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "a.gif").write_bytes(buf.getvalue())
+    (raw / "d.json").write_text(json.dumps([{"id": "a", "image": "a.gif", "conversations": [{"from": "human", "value": "<image>\nq"}, {"from": "gpt", "value": "a"}]}]))
+    data = DataSection(sources=[DataSource(path=str(raw / "d.json"), format="llava")], prepared_dir=tmp_path / "prepared", val_ratio=0.0)
+    converted = prepare_data(data, num_proc=1, progress=False).manifest["images"]["converted"]
+    assert converted == {"animated P->RGB": 1}

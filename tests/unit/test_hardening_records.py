@@ -300,3 +300,45 @@ def test_a_chat_template_that_writes_without_end_is_stopped(monkeypatch):
 def test_a_normal_chat_template_renders():
     text = counter_with_template("{% for m in messages %}{{ m['role'] }}: {{ m['content'][0]['text'] }}\n{% endfor %}").render(chat())
     assert text == "user: hi\nassistant: yo\n"
+
+
+# ------------------------------------------------------------------------------------------------ pool workers
+
+
+def test_prepare_workers_die_with_a_killed_prepare(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "pool.py"
+    script.write_text(
+        "import multiprocessing as mp, os, sys, time\n"
+        "from concurrent.futures import ProcessPoolExecutor\n"
+        "from vlmctl.data.pipeline import _init_worker\n"
+        "with ProcessPoolExecutor(1, mp_context=mp.get_context('fork'), initializer=_init_worker, initargs=(None, {}, None, True)) as pool:\n"
+        "    print(pool.submit(os.getpid).result(), flush=True)\n"
+        "    pool.submit(time.sleep, 60)\n"
+        "    time.sleep(60)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        worker = int(parent.stdout.readline())
+        parent.kill()  # kill -9: no cleanup runs in the parent
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(worker, 0)
+            except ProcessLookupError:
+                break
+            with open(f"/proc/{worker}/stat") as f:  # a zombie waiting for its reaper is gone too
+                if f.read().split()[2] == "Z":
+                    break
+            time.sleep(0.1)
+        else:
+            os.kill(worker, signal.SIGKILL)
+            pytest.fail("the pool worker outlived its killed parent")
+    finally:
+        if parent.poll() is None:
+            parent.kill()

@@ -275,6 +275,9 @@ def normalize_image(data: bytes, *, max_pixels: int | None = None) -> Normalized
 
     mode = im.mode
     conversion = f"{mode}{' 16-bit' if sixteen else ''}->RGB"
+    frames = getattr(im, "n_frames", 1)
+    if getattr(im, "is_animated", False) and frames > 1:  # reported in the manifest's `converted` counts
+        conversion = f"animated {conversion}, the first of {frames} frames kept"
     try:
         if orientation not in (0, 1):
             from PIL import ImageOps
