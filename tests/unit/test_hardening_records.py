@@ -342,3 +342,15 @@ def test_prepare_workers_die_with_a_killed_prepare(tmp_path):
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+@pytest.mark.parametrize("turns", [
+    [("system", "<image>You see"), ("user", "q"), ("assistant", "a")],
+    [("user", "q"), ("assistant", "Here: <image>")],
+    [("user", "q"), ("assistant", [{"type": "image"}, {"type": "text", "text": "a"}])],
+])
+def test_media_outside_user_turns_is_placeholder_mismatch(turns):
+    from vlmctl.data.checks import Rejection, build_sample
+
+    out = build_sample(turns, images=[b"img"], id="s", source="src", location="f:1")
+    assert isinstance(out, Rejection) and out.reason == "placeholder_mismatch" and "user turns" in out.detail

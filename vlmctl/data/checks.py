@@ -10,7 +10,7 @@ Every rejected sample gets exactly one reason code. The codes are public output 
 | `too_large` | a record over 64 MiB (`formats._json.MAX_RECORD_BYTES`), or a tar member over the image file limit | reader |
 | `bad_roles` | roles must be an optional system turn, then user/assistant alternating, ending with assistant | `build_sample` |
 | `empty_turn` | a turn with blank text and no image or video | `build_sample` |
-| `placeholder_mismatch` | number of `<image>` placeholders != number of images, of `<video>` placeholders != number of videos, or of `<audio>` placeholders != number of audio clips | `build_sample` |
+| `placeholder_mismatch` | number of `<image>` placeholders != number of images, of `<video>` placeholders != number of videos, or of `<audio>` placeholders != number of audio clips; a placeholder or media part in a system or assistant turn | `build_sample` |
 | `invalid_text` | the id, a turn's text or a meta value holds a lone surrogate (`\\ud800` in JSON), which is not Unicode text | `build_sample` |
 | `link_member` | a WebDataset tar member of the sample is a symbolic or hard link (GNU tar stores the second path of a hard-linked file so), a device or a FIFO: links are not followed | reader |
 | `duplicate_key` | two WebDataset tar members in a row with the same key and extension (the second would replace the first) | reader |
@@ -220,6 +220,9 @@ def build_sample(
             return Rejection("parse_error", source, location, f"turn {i}: {exc}", id)
         if all(p["type"] == "text" for p in parts) and not "".join(p["text"] for p in parts).strip():
             return reject("empty_turn", f"turn {i} ({role}) has no text")
+        media = next((p["type"] for p in parts if p["type"] != "text"), None)
+        if media is not None and role != "user":  # a chat template shows media only in user turns
+            return reject("placeholder_mismatch", f"turn {i} ({role}) holds {PLACEHOLDERS[media]}: images, videos and audio go in user turns")
         messages.append({"role": role, "content": parts})
     bad_text = _invalid_text(id, messages, meta)
     if bad_text:
