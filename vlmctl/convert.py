@@ -628,6 +628,8 @@ def convert(
         raise UsageError(f"--adapter-only needs a LoRA source; {source.path} has no adapter", hint="drop --adapter-only")
     out = Path(out) if out is not None else default_output(source, adapter_only)
     inputs = [Path(src), source.path, *local_paths(source.model_path, base)]
+    if Path(source.path).resolve() in out.resolve().parents:
+        raise UsageError(f"the output {out} lies inside the source {source.path}", hint="choose an output folder outside the source")
     _check_output(out, force, inputs)
 
     model, processor = load_source(source, progress=say)

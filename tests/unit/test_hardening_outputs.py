@@ -252,3 +252,15 @@ def test_install_and_fresh_folder_keep_the_old_folder_until_success(tmp_path):
     install(tmp, final, "eval")
     assert sorted(p.name for p in final.iterdir()) == [MARKER, "new.txt"]
     assert not list(tmp_path.glob(".out.*"))
+
+
+def test_convert_output_inside_the_source_is_refused(tmp_path):
+    from vlmctl.convert import convert
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    (src / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(UsageError, match="inside the source"):
+        convert(src, src / "hf", verify=False)
+    assert sorted(p.name for p in src.iterdir()) == ["config.json", "model.safetensors"]
