@@ -354,3 +354,32 @@ def test_media_outside_user_turns_is_placeholder_mismatch(turns):
 
     out = build_sample(turns, images=[b"img"], id="s", source="src", location="f:1")
     assert isinstance(out, Rejection) and out.reason == "placeholder_mismatch" and "user turns" in out.detail
+
+
+# ------------------------------------------------------------------------------------------------ duplicate JSON keys
+
+
+def dup_record(i: int) -> str:
+    # the same key twice in one object: json would keep the second image silently
+    return ('{"id": "d%d", "image": "a.png", "image": "b.png", "conversations": [{"from": "human", "value": "<image>\\nq"},'
+            ' {"from": "gpt", "value": "a"}]}' % i)
+
+
+@pytest.mark.parametrize("layout", ["jsonl", "array", "array-one-line"])
+def test_a_duplicate_json_key_rejects_its_record_only(tmp_path, layout):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "a.png").write_bytes(png())
+    (raw / "b.png").write_bytes(png(color=(0, 0, 200)))
+    good = [json.dumps({"id": f"g{i}", "image": "a.png", "conversations": [{"from": "human", "value": f"<image>\nq{i}"}, {"from": "gpt", "value": "a"}]}) for i in range(4)]
+    records = good[:2] + [dup_record(0)] + good[2:]
+    if layout == "jsonl":
+        path = raw / "d.jsonl"
+        path.write_text("\n".join(records) + "\n")
+    else:
+        path = raw / "d.json"
+        path.write_text("[" + (",\n" if layout == "array" else ", ").join(records) + "]")
+    result = prepare(tmp_path, DataSource(path=str(path), format="llava"), dedup=False)
+    assert result.kept == 4 and result.rejected == {"parse_error": 1}
+    (row,) = rejected(tmp_path)
+    assert "'image' appears twice" in row["detail"]

@@ -5,7 +5,7 @@ Every rejected sample gets exactly one reason code. The codes are public output 
 
 | code | meaning | where it is found |
 |---|---|---|
-| `parse_error` | malformed JSON line or record, invalid UTF-8 (location = file:line, or file:line[#index] for an element of a one-line array) | reader |
+| `parse_error` | malformed JSON line or record, a key repeated in one JSON object, invalid UTF-8 (location = file:line, or file:line[#index] for an element of a one-line array) | reader |
 | `too_deep` | a record nested deeper than 100 levels (`formats._json.MAX_DEPTH`) | reader |
 | `too_large` | a record over 64 MiB (`formats._json.MAX_RECORD_BYTES`), or a tar member over the image file limit | reader |
 | `bad_roles` | roles must be an optional system turn, then user/assistant alternating, ending with assistant | `build_sample` |
