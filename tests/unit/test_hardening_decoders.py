@@ -124,3 +124,27 @@ def test_an_animated_image_is_flagged_as_reduced_to_its_first_frame(tmp_path):
     data = DataSection(sources=[DataSource(path=str(raw / "d.json"), format="llava")], prepared_dir=tmp_path / "prepared", val_ratio=0.0)
     converted = prepare_data(data, num_proc=1, progress=False).manifest["images"]["converted"]
     assert converted == {"animated P->RGB": 1}
+
+
+def test_a_video_whose_header_lies_about_its_duration_is_timed_by_its_frames():
+    import struct
+
+    pytest.importorskip("av")
+    from video_data import moving_square
+
+    from vlmctl.data import checks
+    from vlmctl.data.modalities.video import normalize_video, probe
+    from vlmctl.data.sample import Sample
+
+    data = bytearray(moving_square(16, fps=8, container="matroska", codec="mpeg4"))  # 2 s
+    at = data.find(b"\x44\x89")  # Matroska's Duration element (8-byte float, in TimestampScale units: ms)
+    assert at > 0 and data[at + 2] == 0x88
+    data[at + 3:at + 11] = struct.pack(">d", 600_000.0)  # the header now says 600 s
+    info = probe(bytes(data))
+    assert info.seconds == pytest.approx(2.0) and info.declared == pytest.approx(600.0)
+    clip = normalize_video(bytes(data))
+    assert clip.seconds == pytest.approx(2.0) and "the header says 600.00 s" in clip.conversion
+    sample = Sample(id="v", messages=[{"role": "user", "content": [{"type": "video", "index": 0}, {"type": "text", "text": "q"}]},
+                                      {"role": "assistant", "content": [{"type": "text", "text": "a"}]}], images=[], videos=[bytes(data)])
+    _, info = checks.check_images(sample)
+    assert info.videos[0].retimed and info.videos[0].seconds == pytest.approx(2.0)

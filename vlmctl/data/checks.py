@@ -137,6 +137,7 @@ class VideoFacts:
     height: int
     seconds: float
     converted: bool = True
+    retimed: bool = False  # the header's duration contradicted the frames' timestamps, which were used
 
 
 @dataclass(frozen=True)
@@ -440,7 +441,8 @@ def _check_clips(sample: Sample, info: SampleInfo, settings: Any, name: str) -> 
         from vlmctl.data.modalities.video import normalize_video as normalize
 
         def facts(clip):
-            return VideoFacts(clip.frames, clip.width, clip.height, clip.seconds, clip.conversion is not None)
+            return VideoFacts(clip.frames, clip.width, clip.height, clip.seconds, clip.conversion is not None,
+                              "from the frames' timestamps" in (clip.conversion or ""))
         recorded = info.videos
     else:
         from vlmctl.data.modalities.audio import MAX_AUDIO_FILE_BYTES as max_bytes

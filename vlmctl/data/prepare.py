@@ -261,6 +261,7 @@ class VideoStats:
         self.heights: Counter = Counter()
         self.tokens: Counter = Counter()
         self.kept_as_is = 0
+        self.retimed = 0
 
     def add(self, sample: Sample, info) -> None:
         videos = getattr(info, "videos", [])
@@ -271,6 +272,7 @@ class VideoStats:
             self.widths[v.width] += 1
             self.heights[v.height] += 1
             self.kept_as_is += not v.converted
+            self.retimed += getattr(v, "retimed", False)
         self.tokens.update(sample.media_tokens.get("video", []))
 
     def section(self, video) -> dict[str, Any] | None:
@@ -288,6 +290,8 @@ class VideoStats:
             "tokens_per_clip": summarize(self.tokens),
             "stored": "sampled frames as Motion JPEG in Matroska (docs/formats.md, Video)",
             "kept_as_is": self.kept_as_is,
+            # clips whose header gave a duration their frames' timestamps contradict (timed by the frames)
+            "duration_from_frames": self.retimed,
             "settings": video.model_dump(),
         }
 
