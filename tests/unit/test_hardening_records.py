@@ -383,3 +383,16 @@ def test_a_duplicate_json_key_rejects_its_record_only(tmp_path, layout):
     assert result.kept == 4 and result.rejected == {"parse_error": 1}
     (row,) = rejected(tmp_path)
     assert "'image' appears twice" in row["detail"]
+
+
+def test_hf_dataset_null_image_is_missing_image(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "hub-copy"  # a local dataset folder, loaded by `datasets.load_dataset` as a Hub id would be
+    folder.mkdir()
+    rows = [{"question": f"Q{i}?", "answer": "a", "image": {"bytes": png(color=(i * 40, 9, 9)), "path": None}} for i in range(3)]
+    rows.append({"question": "What is shown?", "answer": "a", "image": None})
+    pq.write_table(pa.Table.from_pylist(rows), folder / "train.parquet")
+    result = prepare(tmp_path, DataSource(path=str(folder), format="hf", columns={"images": "image", "question": "question", "answer": "answer"}))
+    assert result.kept == 3 and result.rejected == {"missing_image": 1}
