@@ -396,3 +396,16 @@ def test_hf_dataset_null_image_is_missing_image(tmp_path):
     pq.write_table(pa.Table.from_pylist(rows), folder / "train.parquet")
     result = prepare(tmp_path, DataSource(path=str(folder), format="hf", columns={"images": "image", "question": "question", "answer": "answer"}))
     assert result.kept == 3 and result.rejected == {"missing_image": 1}
+
+
+def test_a_data_file_whose_name_is_not_utf8_is_prepared(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    path = raw / os.fsdecode(b"caf\xe9-latin1.jsonl")  # a Latin-1 file name: Python holds the byte as a surrogate escape
+    path.write_text("".join(json.dumps({"id": f"x{i}", "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "a"}]}) + "\n"
+                            for i in range(3)) + "{broken\n")
+    result = prepare(tmp_path, DataSource(path=str(path), format="llava"))
+    assert result.kept == 3 and result.rejected == {"parse_error": 1}
+    manifest = json.loads((tmp_path / "prepared" / "manifest.json").read_text())
+    assert manifest["splits"]["train"]["samples"] == 3
+    assert "latin1.jsonl" in rejected(tmp_path)[0]["location"]

@@ -508,7 +508,9 @@ def prepare_data(
         if manifest["export"] is not None:
             manifest["export"]["path"] = str(edir_final)  # the writer only knows the temporary folder
         manifest["vlmctl_version"] = __version__
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
+        # backslashreplace: a source path that is not UTF-8 (a surrogate escape) is written escaped, never a crash
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n", encoding="utf-8",
+                                           errors="backslashreplace")
         shutil.rmtree(work)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
