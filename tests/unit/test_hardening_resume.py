@@ -40,3 +40,13 @@ def test_a_batching_change_is_refused_with_the_setting_to_restore(tmp_path, save
 ])
 def test_the_same_batching_resumes(tmp_path, saved, now):
     check_batching(checkpoint(tmp_path, **saved), TrainSection(**now))
+
+
+def test_the_launcher_lets_a_padded_checkpoint_pass_a_packing_config_the_ranks_decide(tmp_path):
+    # a family that cannot take packed rows trains padded whatever train.packing says: only the ranks know the family
+    folder = checkpoint(tmp_path, packing=False, micro_batch_size=4)
+    check_batching(folder, TrainSection(packing=True), before_launch=True)
+    with pytest.raises(ConfigError, match="train.packing=false"):
+        check_batching(folder, TrainSection(packing=True))  # on a rank, after the model kept packing on
+    with pytest.raises(ConfigError, match="train.packing=true"):  # packed before, padded now: a change in any case
+        check_batching(checkpoint(tmp_path / "b", packing=True, tokens_per_batch=4096), TrainSection(packing=False), before_launch=True)

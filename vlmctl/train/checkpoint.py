@@ -62,17 +62,20 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
     return read_json(Path(checkpoint) / STATE_FILE)
 
 
-def check_batching(checkpoint: Path, train) -> None:
+def check_batching(checkpoint: Path, train, *, before_launch: bool = False) -> None:
     """Raise ConfigError when `train` batches differently from the run that wrote `checkpoint` (train.packing, or
     an explicit train.tokens_per_batch / train.micro_batch_size): the checkpoint's data position is a count of
     micro-batches of its own batching, so another one would resume at other samples (skipping or repeating some).
-    `auto` sizes are not compared: a resumed run reuses the sizes its first run chose."""
+    `auto` sizes are not compared: a resumed run reuses the sizes its first run chose. `before_launch` (the
+    launcher's check, before the model is known) lets a checkpoint without packing pass a config with it: a family
+    that cannot take packed rows trains padded whatever the config says; the ranks check again once it is known."""
     from vlmctl.errors import ConfigError
 
     saved = read_state(checkpoint)
     changes = []
     if isinstance(saved.get("packing"), bool) and saved["packing"] != train.packing:
-        changes.append(("packing", saved["packing"], train.packing))
+        if not (before_launch and train.packing):  # padded before: perhaps the family's fallback (see above)
+            changes.append(("packing", saved["packing"], train.packing))
     else:
         key = "tokens_per_batch" if train.packing else "micro_batch_size"
         old, new = saved.get(key), getattr(train, key)

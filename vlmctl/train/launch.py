@@ -253,7 +253,7 @@ def preflight(cfg, run_dir: Path | None = None) -> None:
         from vlmctl.checkpoints import check_checkpoint
 
         check_checkpoint(checkpoint)
-        check_batching(checkpoint, cfg.train)
+        check_batching(checkpoint, cfg.train, before_launch=True)
 
 
 @dataclass
