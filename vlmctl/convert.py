@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from vlmctl.checkpoints import read_json
 from vlmctl.errors import ModelError, UsageError
+from vlmctl.outputs import check_inputs_outside, check_replaceable, install, local_paths
 
 if TYPE_CHECKING:
     import torch
@@ -556,17 +557,13 @@ def _copy_extras(source: Source, tmp: Path) -> None:
         shutil.copy2(record, tmp / MODEL_INFO)
 
 
-def _install(tmp: Path, out: Path, force: bool) -> None:
-    """Move the finished temp folder to `out`; with `force` an existing `out` is replaced (old one removed last)."""
-    old = None
-    if out.exists():
-        if not force:  # checked before the work too; the folder may have appeared meanwhile
-            raise UsageError(f"{out} already exists", hint="pass --force to overwrite it, or choose another -o")
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        out.rename(old)
-    tmp.rename(out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+def _check_output(out: Path, force: bool, inputs: list) -> None:
+    """Refuse an `out` that exists without `force`, and (with it) one that is not an earlier conversion's folder or
+    that holds an input (`outputs.check_replaceable`)."""
+    check_inputs_outside(out, inputs, what="the output", fix="choose an output folder outside the source (-o)")
+    if out.exists() and not force:
+        raise UsageError(f"{out} already exists", hint="pass --force to overwrite it, or choose another -o")
+    check_replaceable(out, "export", inputs=inputs, what="the output", fix="choose another -o")
 
 
 def _saved_dtype(model_path: str | None) -> str | None:
@@ -630,10 +627,10 @@ def convert(
     if adapter_only and not is_lora:
         raise UsageError(f"--adapter-only needs a LoRA source; {source.path} has no adapter", hint="drop --adapter-only")
     out = Path(out) if out is not None else default_output(source, adapter_only)
-    if out.exists() and not force:
-        raise UsageError(f"{out} already exists", hint="pass --force to overwrite it, or choose another -o")
-    if out.resolve() == Path(source.path).resolve() or Path(source.path).resolve() in out.resolve().parents:
-        raise UsageError(f"the output {out} would overwrite the source", hint="choose an output folder outside the source")
+    inputs = [Path(src), source.path, *local_paths(source.model_path, base)]
+    if Path(source.path).resolve() in out.resolve().parents:
+        raise UsageError(f"the output {out} lies inside the source {source.path}", hint="choose an output folder outside the source")
+    _check_output(out, force, inputs)
 
     model, processor = load_source(source, progress=say)
     trained = source.model_path if source.kind in ("dcp", "deepspeed", "lora") else str(source.path)
@@ -706,7 +703,8 @@ def convert(
                     f"{result_verify.tolerance:.3g} ({tolerance_dtype(dtype, ref_dtype)})",
                     hint="the exported weights do not reproduce the source model; run with --debug and report it (or --no-verify to keep the output anyway)",
                 )
-        _install(tmp, out, force)
+        _check_output(out, force, inputs)  # checked before the work too; the folder may have appeared meanwhile
+        install(tmp, out, "export")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from vlmctl.errors import UsageError, VlmctlError
+from vlmctl.outputs import check_inputs_outside, check_replaceable, install
 
 STAGES = ("init", "prepare", "build", "train", "eval")
 MODALITIES = ("image", "video", "audio")
@@ -195,6 +196,7 @@ def init_generated(folder: Path, demo: Demo, *, force: bool = False, num_samples
     clashes = [p for p in (config, raw) if p.exists()]
     if clashes and not force:
         raise UsageError(f"{clashes[0]} already exists", hint="choose another folder, or pass --force to overwrite")
+    check_replaceable(raw, "generated", what="the data folder", fix="choose another demo folder")  # never data of your own
     (folder / "data").mkdir(parents=True, exist_ok=True)
     name = folder.resolve().name or "vlmctl-demo"
     tmp_config = config.with_name(f".{config.name}.tmp")
@@ -211,9 +213,7 @@ def init_generated(folder: Path, demo: Demo, *, force: bool = False, num_samples
             from vlmctl.data.synthetic_audio import generate_tones
 
             path = generate_tones(tmp, num_samples=num_samples or demo.num_samples)
-        if raw.exists():
-            shutil.rmtree(raw)
-        tmp.rename(raw)
+        install(tmp, raw, "generated")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return raw / path.name
@@ -414,9 +414,12 @@ def _clear_outputs(folder: Path, overrides: list[str]) -> None:
         cfg = load_config(config, overrides)
     except VlmctlError:
         return
-    for path in (cfg.data.prepared_dir, cfg.model.output_dir, cfg.train.output_dir, cfg.eval.output_dir):
+    inputs = [config, *(Path(src.path) for src in cfg.data.sources if src.format != "hf")]
+    for key, path in (("data.prepared_dir", cfg.data.prepared_dir), ("model.output_dir", cfg.model.output_dir),
+                      ("train.output_dir", cfg.train.output_dir), ("eval.output_dir", cfg.eval.output_dir)):
         path = Path(path).resolve()
         if path.is_dir() and folder.resolve() in path.parents:  # only inside the demo folder
+            check_inputs_outside(path, inputs, what=key, fix=f"set {key} to a folder of its own")
             shutil.rmtree(path)
 
 

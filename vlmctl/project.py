@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vlmctl.errors import UsageError
+from vlmctl.outputs import check_replaceable, install
 
 NEXT_COMMANDS = {
     "tiny": ["vlmctl data prepare", "vlmctl model build", "vlmctl train", "vlmctl eval"],
@@ -78,6 +79,8 @@ def init_project(folder: Path, template: str = "tiny", force: bool = False, num_
             f"{clashes[0]} already exists" + (f" (and {len(clashes) - 1} more)" if len(clashes) > 1 else ""),
             hint="choose another folder, or pass --force to overwrite",
         )
+    if generated:  # --force replaces generated sample data only, never data of your own in data/raw
+        check_replaceable(folder / "data" / "raw", "generated", what="the data folder", fix="choose another project folder")
     folder.mkdir(parents=True, exist_ok=True)
     written = []
     for rel in files:
@@ -93,9 +96,7 @@ def init_project(folder: Path, template: str = "tiny", force: bool = False, num_
         tmp = Path(tempfile.mkdtemp(prefix=".raw-", dir=folder / "data"))
         try:
             generate_shapes_vqa(tmp, num_samples=num_samples or GENERATED_DATA[template])
-            if raw.exists():
-                shutil.rmtree(raw)
-            tmp.rename(raw)
+            install(tmp, raw, "generated")
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         written.append(raw / "shapes_vqa.json")

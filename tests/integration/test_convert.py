@@ -114,10 +114,16 @@ def test_refuses_to_overwrite_without_force(tiny, tmp_path, capsys):
     code, _, err = run_cli(["convert", str(tiny), "-o", str(out), "--no-verify"], capsys)
     assert code == 2 and "already exists" in err and "--force" in err
     assert (out / "keep.txt").read_text() == "mine"
+    # --force replaces only a folder an earlier conversion wrote, never one of files of your own
+    code, _, err = run_cli(["convert", str(tiny), "-o", str(out), "--force", "--no-verify"], capsys)
+    assert code == 2 and "files vlmctl did not write" in err and (out / "keep.txt").read_text() == "mine"
+    out = tmp_path / "export"
+    assert run_cli(["convert", str(tiny), "-o", str(out), "--no-verify"], capsys)[0] == 0
+    (out / "extra.txt").write_text("left by the earlier conversion")
     code, stdout, err = run_cli(["convert", str(tiny), "-o", str(out), "--force", "--no-verify"], capsys)
     assert code == 0, err
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file() and "Not verified" in stdout
-    assert not list(tmp_path.glob(".out.*"))  # no temp or backup folders left
+    assert not (out / "extra.txt").exists() and (out / "model.safetensors").is_file() and "Not verified" in stdout
+    assert not list(tmp_path.glob(".export.*"))  # no temp or backup folders left
 
 
 def test_unknown_source_is_named(tmp_path, capsys):

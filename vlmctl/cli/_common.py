@@ -157,6 +157,9 @@ def print_json(data: Any) -> None:
 
 
 def render_error(title: str, message: str, hint: str | None) -> None:
+    """Print an error panel; a value shaped like an access token is shown as `<hidden: N characters>` (a token typed
+    into `--repo-id` or `model.base` must not reach a terminal log)."""
+    from vlmctl.config import mask_secrets
     from vlmctl.errors import panel
 
-    err_console.print(panel(title, message, hint))
+    err_console.print(panel(title, mask_secrets(message), mask_secrets(hint) if hint else hint))

@@ -22,7 +22,7 @@ def convert(
     adapter_only: Annotated[bool, typer.Option("--adapter-only", help="Export only the peft adapter.")] = False,
     base: Annotated[Optional[str], typer.Option("--base", help="Base model of a LoRA adapter folder.")] = None,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Reload and compare logits with the source.")] = True,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite OUT.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace OUT when an earlier conversion wrote it (never a folder of other files or one holding the source).")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Turn a checkpoint into a complete Hugging Face model folder and verify its logits."""

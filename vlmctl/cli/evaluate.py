@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Annotated, Optional
@@ -26,12 +27,14 @@ def eval_cmd(
     backend: Annotated[Optional[str], typer.Option("--backend", help="hf, or vllm when installed.")] = None,
     lmms_eval: Annotated[Optional[str], typer.Option("--lmms-eval", help="Comma-separated lmms-eval tasks to run on MODEL (when lmms-eval is installed).")] = None,
     lmms_include: Annotated[Optional[Path], typer.Option("--lmms-eval-include", help="Folder of custom lmms-eval task YAMLs (lmms-eval's --include_path).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing -o folder of an earlier evaluation.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Generate answers on a validation set or benchmark file and compute VQA/ANLS/relaxed/MCQ/caption metrics."""
     from vlmctl import evaluation
     from vlmctl.errors import UsageError
     from vlmctl.inference import check_model_dir
+    from vlmctl.outputs import check_fresh, fresh_folder, local_paths
 
     positionals, overrides = split_args(args)
     if len(positionals) > 1:
@@ -41,8 +44,12 @@ def eval_cmd(
 
     rank0 = int(os.environ.get("RANK", 0)) == 0
     if predictions is not None:
-        out_dir = out or _predictions_out_dir(predictions, config, overrides)
-        result = evaluation.score_predictions_file(predictions, task=task or "auto", out_dir=out_dir, limit=limit)
+        if out is None:
+            result = evaluation.score_predictions_file(predictions, task=task or "auto",
+                                                       out_dir=_predictions_out_dir(predictions, config, overrides), limit=limit)
+        else:
+            with fresh_folder(out, "eval", inputs=[predictions], force=force) as out_dir:
+                result = evaluation.score_predictions_file(predictions, task=task or "auto", out_dir=out_dir, limit=limit)
         _render(result, as_json)
         return
 
@@ -64,6 +71,8 @@ def eval_cmd(
         if lmms_include is not None and not lmms_include.is_dir():
             raise UsageError(f"--lmms-eval-include {lmms_include}: no such folder", hint="pass the folder that holds the task YAML files")
         out_dir = out or ev.output_dir / f"{label}-lmms-eval"
+        if out is not None:  # scores are merged into an earlier lmms-eval folder: refuse only a folder that holds an input
+            check_fresh(out, "eval", inputs=[model_dir], force=True)
         notes: list[str] = []
         # lmms-eval's own default batch of 1, not eval.batch_size: most of its adapters refuse more (e.g. llava_hf).
         scores = run_lmms_eval(model_dir, lmms_eval, out_dir, batch_size=batch_size or 1, dtype=ev.dtype,
@@ -77,6 +86,9 @@ def eval_cmd(
 
     check_model_dir(model_dir)  # fail before reading data
     data_name = data or ev.data
+    inputs = [model_dir, *(local_paths(cfg.data.prepared_dir) if data_name == "val" else local_paths(data_name))]
+    if out is not None and rank0:
+        check_fresh(out, "eval", inputs=inputs, force=force)
     samples = evaluation.load_samples(data_name, cfg.data.prepared_dir, limit or ev.limit, media_roots=cfg.data.media_roots,
                                       video=cfg.data.video, audio=cfg.data.audio)
     task_name = evaluation.resolve_task(task or ev.task, samples)
@@ -87,8 +99,9 @@ def eval_cmd(
         if samples.skipped:
             info(f"[yellow]{_skipped_line(samples)}[/yellow]")
         info(f"Evaluating [bold]{model_dir}[/bold] on {len(samples)} samples ({data_name}, task {task_name})")
+    claim = fresh_folder(out, "eval", inputs=inputs, force=force) if out is not None and rank0 else contextlib.nullcontext()
     try:
-        with _progress(len(samples), enabled=not as_json) as progress:
+        with claim, _progress(len(samples), enabled=not as_json) as progress:
             result = evaluation.run_eval(
                 model_dir, samples, task=task_name, data_name=data_name, out_dir=out_dir,
                 batch_size=batch_size or ev.batch_size, max_new_tokens=max_new_tokens or ev.max_new_tokens,

@@ -76,7 +76,8 @@ def push(
     table.add_column("file")
     table.add_column("size", justify="right")
     for f in result.files:
-        table.add_row(f.path + (" (generated)" if f.path == "README.md" and result.card_generated else ""), _human(f.size))
+        note = " (generated)" if f.path == "README.md" and result.card_generated else (f" (link to {f.link_to})" if f.link_to else "")
+        table.add_row(f.path + note, _human(f.size))
     table.add_row("[bold]total[/bold]", f"[bold]{_human(result.total_bytes)}[/bold]")
     console.print(table)
     if dry_run:

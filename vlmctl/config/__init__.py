@@ -238,9 +238,14 @@ def mask_secrets(text: str) -> str:
     """`text` with every word that `looks_like_secret` replaced by `<hidden: N characters>`, so validation
     messages never echo a token typed into the wrong key."""
 
+    def hide_word(word: str) -> str:
+        return f"<hidden: {len(word)} characters>" if looks_like_secret(word) else word
+
     def hide(m: re.Match) -> str:
         word = m.group(0)
-        return f"<hidden: {len(word)} characters>" if looks_like_secret(word) else word
+        if looks_like_secret(word) or "/" not in word:
+            return hide_word(word)
+        return "/".join(hide_word(part) for part in word.split("/"))  # a token used as a file name in a path
 
     return re.sub(r"[A-Za-z0-9+/=_\-]{8,}", hide, text)
 

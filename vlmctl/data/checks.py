@@ -5,12 +5,15 @@ Every rejected sample gets exactly one reason code. The codes are public output 
 
 | code | meaning | where it is found |
 |---|---|---|
-| `parse_error` | malformed JSON line or record, invalid UTF-8 (location = file:line, or file:line[#index] for an element of a one-line array) | reader |
+| `parse_error` | malformed JSON line or record, a key repeated in one JSON object, invalid UTF-8 (location = file:line, or file:line[#index] for an element of a one-line array) | reader |
 | `too_deep` | a record nested deeper than 100 levels (`formats._json.MAX_DEPTH`) | reader |
 | `too_large` | a record over 64 MiB (`formats._json.MAX_RECORD_BYTES`), or a tar member over the image file limit | reader |
 | `bad_roles` | roles must be an optional system turn, then user/assistant alternating, ending with assistant | `build_sample` |
 | `empty_turn` | a turn with blank text and no image or video | `build_sample` |
-| `placeholder_mismatch` | number of `<image>` placeholders != number of images, of `<video>` placeholders != number of videos, or of `<audio>` placeholders != number of audio clips | `build_sample` |
+| `placeholder_mismatch` | number of `<image>` placeholders != number of images, of `<video>` placeholders != number of videos, or of `<audio>` placeholders != number of audio clips; a placeholder or media part in a system or assistant turn | `build_sample` |
+| `invalid_text` | the id, a turn's text or a meta value holds a lone surrogate (`\\ud800` in JSON), which is not Unicode text | `build_sample` |
+| `link_member` | a WebDataset tar member of the sample is a symbolic or hard link (GNU tar stores the second path of a hard-linked file so), a device or a FIFO: links are not followed | reader |
+| `duplicate_key` | two WebDataset tar members in a row with the same key and extension (the second would replace the first) | reader |
 | `outside_root` | an image path resolves (symlinks included) outside the source's folder, its `image_root` and `data.media_roots` | reader |
 | `missing_image` | the image file does not exist, is a folder, or is a remote URL | `check_images` |
 | `not_a_file` | the image path is a device, FIFO or socket (refused before reading) | `check_images` |
@@ -54,6 +57,9 @@ REASONS = (
     "bad_roles",
     "empty_turn",
     "placeholder_mismatch",
+    "invalid_text",
+    "link_member",
+    "duplicate_key",
     "outside_root",
     "missing_image",
     "not_a_file",
@@ -131,6 +137,7 @@ class VideoFacts:
     height: int
     seconds: float
     converted: bool = True
+    retimed: bool = False  # the header's duration contradicted the frames' timestamps, which were used
 
 
 @dataclass(frozen=True)
@@ -214,7 +221,13 @@ def build_sample(
             return Rejection("parse_error", source, location, f"turn {i}: {exc}", id)
         if all(p["type"] == "text" for p in parts) and not "".join(p["text"] for p in parts).strip():
             return reject("empty_turn", f"turn {i} ({role}) has no text")
+        media = next((p["type"] for p in parts if p["type"] != "text"), None)
+        if media is not None and role != "user":  # a chat template shows media only in user turns
+            return reject("placeholder_mismatch", f"turn {i} ({role}) holds {PLACEHOLDERS[media]}: images, videos and audio go in user turns")
         messages.append({"role": role, "content": parts})
+    bad_text = _invalid_text(id, messages, meta)
+    if bad_text:
+        return reject("invalid_text", bad_text)
     if image_placeholder_for_video and record["video"] and not record["image"] and not explicit["image"]:
         _retype_placeholders(messages, "image", "video")
 
@@ -247,6 +260,36 @@ def build_sample(
                     audios=refs["audio"] or None, source=source, meta=dict(meta or {}))
     sample.location = location
     return sample
+
+
+def _bad_char(text: str) -> str | None:
+    """Why `text` cannot be stored as UTF-8 (a lone surrogate such as `\\ud800`, which JSON's `\\uXXXX` escapes
+    can produce), or None. ASCII text is accepted without encoding it."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"a lone surrogate {ascii(text[exc.start])} at character {exc.start}, which is not Unicode text"
+    return None
+
+
+def _invalid_text(id: Any, messages: list[dict[str, Any]], meta: dict[str, Any] | None) -> str | None:
+    """The first string of the sample (its id, the text of its turns, its meta values) that is not valid Unicode."""
+    problem = _bad_char(str(id))
+    if problem:
+        return f"the id holds {problem}"
+    for i, m in enumerate(messages):
+        for p in m["content"]:
+            problem = _bad_char(p["text"]) if p["type"] == "text" else None
+            if problem:
+                return f"turn {i} holds {problem}"
+    for key, value in (meta or {}).items():
+        for text in (value if isinstance(value, (list, tuple)) else [value]):
+            problem = _bad_char(text) if isinstance(text, str) else None
+            if problem or not isinstance(key, str) or _bad_char(key):
+                return f"meta {ascii(key)} holds {problem or 'an invalid key'}"
+    return None
 
 
 def _retype_placeholders(messages: list[dict[str, Any]], old: str, new: str) -> None:
@@ -398,7 +441,8 @@ def _check_clips(sample: Sample, info: SampleInfo, settings: Any, name: str) -> 
         from vlmctl.data.modalities.video import normalize_video as normalize
 
         def facts(clip):
-            return VideoFacts(clip.frames, clip.width, clip.height, clip.seconds, clip.conversion is not None)
+            return VideoFacts(clip.frames, clip.width, clip.height, clip.seconds, clip.conversion is not None,
+                              "from the frames' timestamps" in (clip.conversion or ""))
         recorded = info.videos
     else:
         from vlmctl.data.modalities.audio import MAX_AUDIO_FILE_BYTES as max_bytes
@@ -421,6 +465,8 @@ def _check_clips(sample: Sample, info: SampleInfo, settings: Any, name: str) -> 
             clip = normalize(data, settings)
         except ClipError as exc:
             return Rejection(exc.reason, sample.source, location, f"{label}: {exc.detail}", sample.id)
+        except Exception as exc:  # noqa: BLE001 - any other decoder or encoder failure costs this sample only
+            return Rejection(f"corrupt_{name}", sample.source, location, f"{label}: cannot decode: {type(exc).__name__}: {exc}", sample.id)
         clips.append(clip.data)
         recorded.append(facts(clip))
     sample.media[name] = clips

@@ -217,9 +217,9 @@ def _extension(data: bytes) -> str:
         return "png"
     if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
         return "webp"
-    from PIL import Image
+    from vlmctl.data.images import open_image
 
-    with Image.open(io.BytesIO(data)) as im:
+    with open_image(data) as im:
         return (im.format or "png").lower()
 
 

@@ -42,6 +42,11 @@ from pathlib import Path
 from typing import Iterable
 
 KEEP_FORMATS = ("JPEG", "PNG", "WEBP")
+IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
+"""The Pillow formats vlmctl decodes (`Image.open(..., formats=IMAGE_FORMATS)`): the formats of `IMAGE_EXTENSIONS`
+(Pillow's JPEG opener also reads MPO, the JPEG variant phones write). No other plugin is ever tried, so a file of another format under an image
+name (e.g. PostScript as `.jpg`, which Pillow's EPS plugin hands to Ghostscript) is refused as corrupt_image
+without running anything."""
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
 MAX_IMAGE_FILE_BYTES = 512 << 20
 """Largest image file read (bytes): larger files are refused as image_too_large before reading. A 64-megapixel
@@ -133,6 +138,9 @@ def resolve_ref(value: str, base: Path | MediaRoots) -> bytes | Path | MissingRe
             return b""
     roots = base if isinstance(base, MediaRoots) else None
     folder = roots.base if roots is not None else Path(base)
+    problem = _unusable_path(value)
+    if problem:
+        return MissingRef(ascii(value), f"the path {ascii(value)} {problem}")
     if value.startswith("file://"):
         from urllib.parse import unquote, urlparse
 
@@ -142,7 +150,21 @@ def resolve_ref(value: str, base: Path | MediaRoots) -> bytes | Path | MissingRe
     else:
         path = Path(value).expanduser()
         path = path if path.is_absolute() else folder / path
+    problem = _unusable_path(str(path))
+    if problem:
+        return MissingRef(ascii(value), f"the path {ascii(str(path))} {problem}")
     return roots.confine(path, value) if roots is not None else path
+
+
+def _unusable_path(text: str) -> str | None:
+    """Why `text` cannot name a file (a NUL byte, a character the file system encoding cannot hold), or None."""
+    if "\0" in text:
+        return "holds a NUL byte, which no file name can"
+    try:
+        os.fsencode(text)
+    except UnicodeError:
+        return "holds a character no file name can (a lone surrogate)"
+    return None
 
 
 def _kind(mode: int) -> str:
@@ -201,6 +223,14 @@ def read_ref(ref: bytes | Path | MissingRef, *, max_bytes: int = MAX_IMAGE_FILE_
     return data
 
 
+def open_image(data: bytes):
+    """`PIL.Image.open` on the bytes `data`, trying only the formats of `IMAGE_FORMATS`. Raises
+    PIL.UnidentifiedImageError for anything else."""
+    from PIL import Image
+
+    return Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+
+
 def normalize_image(data: bytes, *, max_pixels: int | None = None) -> NormalizedImage:
     """Fully decode `data` and return 8-bit RGB encoded bytes with the picture's size.
 
@@ -216,7 +246,7 @@ def normalize_image(data: bytes, *, max_pixels: int | None = None) -> Normalized
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         try:
-            im = Image.open(io.BytesIO(data))
+            im = open_image(data)
             fmt = im.format
             width, height = im.size
             if max_pixels is not None and width * height > max_pixels:
@@ -229,12 +259,14 @@ def normalize_image(data: bytes, *, max_pixels: int | None = None) -> Normalized
             args = im.tile[0].args if im.tile else None
             rawmode = str(args[0] if isinstance(args, tuple) and args else args or "")
             im.load()
+        except ImageError:
+            raise
         except UnidentifiedImageError:
-            raise ImageError("corrupt_image", "not an image (unknown file format)") from None
+            raise ImageError("corrupt_image", f"not an image in a format vlmctl reads ({', '.join(IMAGE_FORMATS)})") from None
         except Image.DecompressionBombError as exc:
             raise ImageError("image_too_large", f"too many pixels: {exc}") from None
-        except (OSError, SyntaxError, ValueError, EOFError) as exc:
-            raise ImageError("corrupt_image", f"cannot decode: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - any decoder failure (OSError, struct.error, IndexError, ...) costs one sample
+            raise ImageError("corrupt_image", f"cannot decode: {type(exc).__name__}: {exc}") from None
 
     orientation = _orientation(im)
     sixteen = ";16" in rawmode or rawmode.endswith("16")
@@ -243,6 +275,9 @@ def normalize_image(data: bytes, *, max_pixels: int | None = None) -> Normalized
 
     mode = im.mode
     conversion = f"{mode}{' 16-bit' if sixteen else ''}->RGB"
+    frames = getattr(im, "n_frames", 1)
+    if getattr(im, "is_animated", False) and frames > 1:  # reported in the manifest's `converted` counts
+        conversion = f"animated {conversion}, the first of {frames} frames kept"
     try:
         if orientation not in (0, 1):
             from PIL import ImageOps
@@ -250,7 +285,7 @@ def normalize_image(data: bytes, *, max_pixels: int | None = None) -> Normalized
             im = ImageOps.exif_transpose(im)
             conversion += f", EXIF orientation {orientation}"
         rgb = to_rgb(im)
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - one sample, never the run
         raise ImageError("corrupt_image", f"cannot convert mode {mode} to RGB: {exc}") from None
     out = io.BytesIO()
     if fmt == "JPEG":

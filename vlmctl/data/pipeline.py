@@ -74,8 +74,12 @@ def token_limit(max_length: int, row_budget: RowBudget | None) -> int:
     return min(max_length, row_budget.tokens) if row_budget is not None else max_length
 
 
-def _init_worker(processor_dir: str | None, limits: dict[str, Any], counter: Any = None) -> None:
+def _init_worker(processor_dir: str | None, limits: dict[str, Any], counter: Any = None, pool_worker: bool = False) -> None:
     # `counter`: the parent's, inherited by forked workers (loaded once); spawned workers load their own.
+    if pool_worker:  # a worker of a killed prepare (kill -9) must not live on, holding memory and CPU
+        from vlmctl.distributed.process import die_with_parent
+
+        die_with_parent()
     _STATE["limits"] = limits  # keyword arguments of check_images
     if counter is None and processor_dir:
         from vlmctl.data.tokens import TokenCounter
@@ -211,7 +215,7 @@ def _checked(sources: list[DataSource], *, num_proc: int, processor_dir: Path | 
         max_workers=num_proc,
         mp_context=mp.get_context(method),
         initializer=_init_worker,
-        initargs=(str(processor_dir) if processor_dir else None, limits, counter if method == "fork" else None),
+        initargs=(str(processor_dir) if processor_dir else None, limits, counter if method == "fork" else None, True),
     ) as pool:
         window: deque = deque()
         try:

@@ -49,6 +49,7 @@ from vlmctl.data.pipeline import (DEFAULT_TOKENS_PER_GPU, RowBudget, SourceTally
                                    with_token_counts)
 from vlmctl.data.sample import SCHEMA_VERSION, Sample
 from vlmctl.errors import DataError, UsageError
+from vlmctl.outputs import check_replaceable, install
 
 ROWS_PER_GROUP = 256
 GROUP_BYTES = 64 << 20
@@ -260,6 +261,7 @@ class VideoStats:
         self.heights: Counter = Counter()
         self.tokens: Counter = Counter()
         self.kept_as_is = 0
+        self.retimed = 0
 
     def add(self, sample: Sample, info) -> None:
         videos = getattr(info, "videos", [])
@@ -270,6 +272,7 @@ class VideoStats:
             self.widths[v.width] += 1
             self.heights[v.height] += 1
             self.kept_as_is += not v.converted
+            self.retimed += getattr(v, "retimed", False)
         self.tokens.update(sample.media_tokens.get("video", []))
 
     def section(self, video) -> dict[str, Any] | None:
@@ -287,6 +290,8 @@ class VideoStats:
             "tokens_per_clip": summarize(self.tokens),
             "stored": "sampled frames as Motion JPEG in Matroska (docs/formats.md, Video)",
             "kept_as_is": self.kept_as_is,
+            # clips whose header gave a duration their frames' timestamps contradict (timed by the frames)
+            "duration_from_frames": self.retimed,
             "settings": video.model_dump(),
         }
 
@@ -411,19 +416,22 @@ def write_histogram(path: Path, stats: Stats, max_length: int | None, row_budget
     fig.savefig(path, format="png", metadata={"Software": None})
 
 
-def _check_outputs(data: DataSection, out: Path) -> None:
-    out_r = out.resolve()
+def _inputs(data: DataSection, processor_dir: Path | None) -> list[Path]:
+    """Every local path a prepare reads: the sources (a glob by its fixed prefix), their image roots, the media
+    roots and the model folder whose processor counts tokens."""
+    paths: list[Path] = []
     for src in data.sources:
         if src.format == "hf":
             continue
-        p = Path(src.path).expanduser()
-        probe = p if not set("*?[") & set(str(p)) else Path(str(p).split("*")[0].split("?")[0].split("[")[0])
-        probe = probe.resolve()
-        if probe == out_r or out_r in probe.parents:
-            raise UsageError(
-                f"data source {src.path} is inside data.prepared_dir {out}: preparing would replace its own input",
-                hint="set data.prepared_dir to another folder",
-            )
+        p = str(Path(src.path).expanduser())
+        cut = min((p.index(ch) for ch in "*?[" if ch in p), default=None)
+        paths.append(Path(p if cut is None else p[:cut]) if cut != 0 else Path("."))
+        if src.image_root is not None:
+            paths.append(Path(src.image_root))
+    paths.extend(Path(m) for m in data.media_roots)
+    if processor_dir is not None:
+        paths.append(Path(processor_dir))
+    return paths
 
 
 def prepare_data(
@@ -450,7 +458,8 @@ def prepare_data(
     and `gpus_needed`, the GPUs of `tokens_per_batch` tokens (8192 without a budget) the longest kept sample needs.
     `export="energon"` also writes a Megatron-Energon dataset to `export_dir` (default `prepared_dir/energon`) in
     the shape of `data.export.energon_format` (`vlmctl.data.energon`).
-    Raises UsageError (no sources, unknown export, output inside an input) and DataError (a missing or unreadable
+    Raises UsageError (no sources, unknown export, an output folder that holds an input or is not one vlmctl may
+    replace: `vlmctl.outputs.check_replaceable`) and DataError (a missing or unreadable
     source, a source below `data.min_kept_fraction`, an empty train split, a full disk, a sample that does not fit
     an explicit `data.export.energon_format` of vqa or captioning).
     """
@@ -462,14 +471,21 @@ def prepare_data(
     if export is not None and export not in EXPORTS:
         raise UsageError(f"unknown export format {export!r}", hint=f"use one of: {', '.join(EXPORTS)}")
     out = Path(data.prepared_dir)
-    _check_outputs(data, out)
-    sources = unique_sources(data.sources)  # a missing source fails here, before any processor is loaded
     pdir = Path(processor_dir) if has_processor(processor_dir) else None
-
+    inputs = _inputs(data, pdir)
     edir_final = Path(export_dir) if export_dir else out / "energon"
     if export is not None and edir_final.resolve() == out.resolve():
         raise UsageError("the export folder cannot be data.prepared_dir itself", hint="pass --export-dir OTHER_DIR, or leave it unset (prepared_dir/energon)")
     inside = export is not None and out.resolve() in edir_final.resolve().parents
+
+    def check_outputs() -> None:
+        check_replaceable(out, "prepared", inputs=inputs, what="data.prepared_dir", fix="set data.prepared_dir to another folder")
+        if export is not None and not inside:
+            check_replaceable(edir_final, "energon", inputs=[*inputs, out], what="the export folder",
+                              fix="pass --export-dir with a new folder")
+
+    check_outputs()  # before anything is read or written
+    sources = unique_sources(data.sources)  # a missing source fails here, before any processor is loaded
 
     out.parent.mkdir(parents=True, exist_ok=True)
     sweep_stale(out)
@@ -492,7 +508,9 @@ def prepare_data(
         if manifest["export"] is not None:
             manifest["export"]["path"] = str(edir_final)  # the writer only knows the temporary folder
         manifest["vlmctl_version"] = __version__
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
+        # backslashreplace: a source path that is not UTF-8 (a surrogate escape) is written escaped, never a crash
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n", encoding="utf-8",
+                                           errors="backslashreplace")
         shutil.rmtree(work)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -501,10 +519,17 @@ def prepare_data(
         if isinstance(exc, OSError) and is_disk_full(exc):
             raise disk_full_error(exc, tmp) from None
         raise
-    _swap(tmp, out)
+    try:
+        check_outputs()  # again: the folders may have changed during the run
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if etmp is not None:
+            shutil.rmtree(etmp, ignore_errors=True)
+        raise
+    install(tmp, out, "prepared")
     if etmp is not None and not inside:
         edir_final.parent.mkdir(parents=True, exist_ok=True)
-        _swap(etmp, edir_final)
+        install(etmp, edir_final, "energon")
     return PrepareResult(out, manifest, edir_final if export else None, token_note=counts.note)
 
 
@@ -669,18 +694,6 @@ def check_train_split(train_samples: int, kept: int, rejected: Counter, val_rati
     )
 
 
-def _swap(tmp: Path, final: Path) -> None:
-    """Move `tmp` to `final`; an existing `final` is moved aside first and deleted only after the rename."""
-    old = None
-    if final.exists():
-        old = final.parent / f".{final.name}.old-{os.getpid()}"
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
-    tmp.rename(final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def _run(data: DataSection, results: Results, sources, tmp: Path, etmp: Path | None, *, num_proc, counts: TokenSource,
          progress, row_budget: RowBudget | None = None) -> dict[str, Any]:
     shard_bytes = data.shard_size_mb << 20
@@ -693,7 +706,8 @@ def _run(data: DataSection, results: Results, sources, tmp: Path, etmp: Path | N
     tallies = [SourceTally(s.name, s.path, s.format) for s in sources]
     stats = Stats()
     rejected_total: Counter = Counter()
-    with open(tmp / "rejected.jsonl", "w", encoding="utf-8") as rej, progress_bar(progress, "Preparing") as advance:
+    # backslashreplace: a lone surrogate in a rejected record's id or location is written escaped, never a crash
+    with open(tmp / "rejected.jsonl", "w", encoding="utf-8", errors="backslashreplace") as rej, progress_bar(progress, "Preparing") as advance:
         for src, item, info in results:
             advance()
             tallies[src].add(item, info)

@@ -28,16 +28,61 @@ checkpoint, a base-mode pointer, a slow tokenizer) loads its processor with tran
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
 
 from vlmctl.data.sample import Sample
 
+RENDER_SECONDS = 10.0
+"""Longest a chat template may take to render one conversation (real time)."""
+RENDER_CHARS = 16 << 20
+"""Most characters a chat template may render for one conversation."""
 MODEL_INFO = "vlmctl_model.json"
 _PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "tokenizer.json", "tokenizer_config.json")
 _TEMPLATE_FILE = "chat_template.jinja"
+
+
+@contextlib.contextmanager
+def render_limits(what: str) -> Iterator[None]:
+    """Stop a chat-template rendering after `RENDER_SECONDS` with DataError naming `what` (the template's model);
+    a template with nested loops of 100,000 steps each would otherwise hang validate, prepare and eval. Uses
+    SIGALRM, so it applies in a process's main thread (prepare's workers and eval render there) and is skipped
+    elsewhere; an interval timer set by the caller is restarted afterwards."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expire(signum, frame):
+        from vlmctl.errors import DataError
+
+        raise DataError(f"the chat template of {what} did not finish rendering one conversation in {RENDER_SECONDS:g} s",
+                        hint="fix the template's loops (model.chat_template, or chat_template.jinja in the model folder)")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    outer = signal.setitimer(signal.ITIMER_REAL, RENDER_SECONDS)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer[0] > 0:
+            signal.setitimer(signal.ITIMER_REAL, *outer)
+
+
+def check_rendered(text: str, what: str) -> str:
+    """`text`, or DataError when a chat template rendered more than `RENDER_CHARS` characters."""
+    if len(text) > RENDER_CHARS:
+        from vlmctl.errors import DataError
+
+        raise DataError(f"the chat template of {what} rendered {len(text):,} characters for one conversation (limit "
+                        f"{RENDER_CHARS:,})", hint="fix the template (model.chat_template, or chat_template.jinja in the model folder)")
+    return text
 
 
 def has_processor(folder: Path | str | None) -> bool:
@@ -230,7 +275,9 @@ class TokenCounter:
         """The conversation as the model sees it (chat template applied), with one image token per image."""
         messages = [{"role": m["role"], "content": [self._part(p) for p in m["content"]]} for m in sample.messages]
         if self._apply_template is not None:
-            return self._apply_template(messages)
+            what = str(self.folder or "the model")
+            with render_limits(what):
+                return check_rendered(self._apply_template(messages), what)
         return "\n".join(
             "".join(self.image_token if p["type"] == "image" else self._part(p)["text"] for p in m["content"]) for m in sample.messages
         )
@@ -314,7 +361,17 @@ def _template_renderer(template: str, specials: dict[str, str]) -> Callable[[lis
     (`transformers.utils.chat_template_utils._cached_compile_jinja_template`, 5.23: trim_blocks, lstrip_blocks,
     loop controls, the `{% generation %}` tag, `tojson`, `raise_exception`, `strftime_now`, guarded namespaces)."""
     compiled = compile_chat_template(template)
-    return lambda messages: compiled.render(messages=messages, tools=None, documents=None, add_generation_prompt=False, **specials)
+
+    def render(messages: list[dict]) -> str:
+        out, size = [], 0
+        for chunk in compiled.generate(messages=messages, tools=None, documents=None, add_generation_prompt=False, **specials):
+            size += len(chunk)
+            if size > RENDER_CHARS:  # stop before the text fills the memory
+                return check_rendered("".join(out) + chunk, "the model")
+            out.append(chunk)
+        return "".join(out)
+
+    return render
 
 
 def compile_chat_template(template: str):

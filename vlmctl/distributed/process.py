@@ -181,15 +181,16 @@ def run_agent(call: Callable[[], object]) -> None:
 
 
 def _failed_ranks_code(failures: dict) -> int:
-    """The exit code of the lowest rank that exited with an error code; a rank killed by a signal is named."""
+    """The exit code of the lowest rank that exited with an error code; every rank killed by a signal is named
+    (also when the others then failed on their own: their errors do not say which peer died)."""
     codes = {rank: int(f.exitcode) for rank, f in failures.items()}
+    for rank in sorted(codes):
+        signum = -codes[rank]
+        if signum > 0 and signum not in QUIET_SIGNALS:
+            name = signal.Signals(signum).name if signum in signal.valid_signals() else str(signum)
+            print(f"rank {rank} (pid {failures[rank].pid}) was killed by {name}"
+                  + (" (out of memory?)" if signum == signal.SIGKILL else ""), file=sys.stderr)
     for rank in sorted(codes):
         if codes[rank] > 0:
             return codes[rank]
-    rank = min(codes)
-    signum = -codes[rank]
-    if signum not in QUIET_SIGNALS:
-        name = signal.Signals(signum).name if signum in signal.valid_signals() else str(signum)
-        print(f"rank {rank} (pid {failures[rank].pid}) was killed by {name}"
-              + (" (out of memory?)" if signum == signal.SIGKILL else ""), file=sys.stderr)
-    return 128 + signum
+    return 128 - codes[min(codes)]

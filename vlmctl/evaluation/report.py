@@ -32,8 +32,10 @@ def thumbnail_data_uri(image: bytes, max_px: int = THUMBNAIL_PX) -> str | None:
     None when the bytes do not decode."""
     from PIL import Image
 
+    from vlmctl.data.images import open_image
+
     try:
-        img = Image.open(io.BytesIO(image)).convert("RGB")
+        img = open_image(image).convert("RGB")
     except Exception:  # noqa: BLE001 - a broken image must not break the report
         return None
     scale = max_px / max(img.size)

@@ -43,6 +43,7 @@ from vlmctl.evaluation.loss import teacher_forced_loss
 from vlmctl.evaluation.metrics import TASKS, ScoredRecord, infer_task, score_records
 from vlmctl.evaluation.report import write_report
 from vlmctl.evaluation.results import SKIPPED_FILE, EvalResult, SampleList, atomic_write, skipped_reasons
+from vlmctl.outputs import write_marker
 from vlmctl.inference import (
     ProgressFn,
     check_backend,
@@ -448,6 +449,7 @@ def write_outputs(result: EvalResult, out_dir: Path, rows: Iterable[dict], sampl
     atomic_write(out_dir / "metrics.json", json.dumps(result.summary(), indent=2) + "\n")
     images = {s.id: s.images[0] for s in samples or [] if s.images}
     write_report(out_dir / "report.html", result, images)
+    write_marker(out_dir, "eval")
     result.out_dir = out_dir
 
 

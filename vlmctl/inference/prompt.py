@@ -26,7 +26,6 @@ audio clip as its audio prompt (Qwen2-Audio's `<|audio_bos|><|AUDIO|><|audio_eos
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
@@ -99,11 +98,13 @@ def render_request(request: GenerationRequest, processor, family: Any = None) ->
     """
     from vlmctl.data.collate import template_media
     from vlmctl.data.sample import Sample
+    from vlmctl.data.tokens import check_rendered, render_limits
 
     sample = Sample(id=request.id, messages=request.messages, images=request.images,
                     audios=request.audios or None, videos=request.videos or None)
     messages, media = template_media(sample, processor, family)
-    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    with render_limits("the model"):
+        text = check_rendered(processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), "the model")
     return RenderedRequest(text, [_to_rgb(img) for img in media.get("image", [])], list(media.get("audio", [])),
                            list(media.get("video", [])))
 
@@ -174,9 +175,9 @@ def model_family(model: Any):
 
 def _to_rgb(image: Any):
     """A PIL RGB image from encoded bytes or a PIL image."""
-    from PIL import Image
+    from vlmctl.data.images import open_image
 
-    img = Image.open(io.BytesIO(image)) if isinstance(image, (bytes, bytearray)) else image
+    img = open_image(image) if isinstance(image, (bytes, bytearray)) else image
     return img if img.mode == "RGB" else img.convert("RGB")
 
 

@@ -41,6 +41,7 @@ from vlmctl.families import CLS_VISION_TYPES, FamilySpec, compose_family, count_
 from vlmctl.models.connectors import PROJECTORS, ProjectorSpec, check_connector, projector_spec  # noqa: F401  (re-exported)
 from vlmctl.models.load import DTYPES, INFO_FILE, image_processor_class, load_or_explain, quiet_transformers, transformers_class
 from vlmctl.models.tokenizer import chatml_template, texts_from_prepared, train_tokenizer
+from vlmctl.outputs import check_replaceable, install, local_paths
 
 PRESET_DIR = Path(__file__).parent / "presets"
 INFO_VERSION = 1
@@ -464,6 +465,8 @@ def build_model(
     out = Path(model.output_dir)
     if out.exists() and not force:
         raise ModelError(f"{out} already exists", hint="pass --force to rebuild it (the old folder is replaced), or set model.output_dir")
+    inputs = local_paths(prepared_dir, model.base, model.vision, model.llm, model.audio, model.tokenizer, model.chat_template)
+    check_replaceable(out, "model", inputs=inputs, what="model.output_dir", fix="set model.output_dir to another folder")
     with quiet_transformers():
         plan = plan_build(model)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -481,7 +484,8 @@ def build_model(
                 save_model(vlm, tmp)
                 processor.save_pretrained(tmp)
             (tmp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
-            _swap_into_place(tmp, out)
+            check_replaceable(out, "model", inputs=inputs, what="model.output_dir", fix="set model.output_dir to another folder")
+            install(tmp, out, "model")
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -515,16 +519,6 @@ def save_model(model, folder: Path) -> None:
             model.save_pretrained(folder)
         finally:
             unwrap.is_deepspeed_available = probe
-
-
-def _swap_into_place(tmp: Path, out: Path) -> None:
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        out.rename(old)
-    tmp.rename(out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _torch_dtype(name: str):

@@ -20,6 +20,7 @@ get_state_dict` strips DDP/FSDP wrappers), so the checkpoint's keys read `model.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -59,6 +60,37 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
     from vlmctl.checkpoints import read_json
 
     return read_json(Path(checkpoint) / STATE_FILE)
+
+
+def check_batching(checkpoint: Path, train, *, before_launch: bool = False) -> None:
+    """Raise ConfigError when `train` batches differently from the run that wrote `checkpoint` (train.packing, or
+    an explicit train.tokens_per_batch / train.micro_batch_size): the checkpoint's data position is a count of
+    micro-batches of its own batching, so another one would resume at other samples (skipping or repeating some).
+    `auto` sizes are not compared: a resumed run reuses the sizes its first run chose. `before_launch` (the
+    launcher's check, before the model is known) lets a checkpoint without packing pass a config with it: a family
+    that cannot take packed rows trains padded whatever the config says; the ranks check again once it is known."""
+    from vlmctl.errors import ConfigError
+
+    saved = read_state(checkpoint)
+    changes = []
+    if isinstance(saved.get("packing"), bool) and saved["packing"] != train.packing:
+        if not (before_launch and train.packing):  # padded before: perhaps the family's fallback (see above)
+            changes.append(("packing", saved["packing"], train.packing))
+    else:
+        key = "tokens_per_batch" if train.packing else "micro_batch_size"
+        old, new = saved.get(key), getattr(train, key)
+        if isinstance(old, int) and isinstance(new, int) and old != new:
+            changes.append((key, old, new))
+    if not changes:
+        return
+    key, old, new = changes[0]
+    shown = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731
+    raise ConfigError(
+        f"{checkpoint} was written with train.{key}={shown(old)}, the project now sets {shown(new)}: its data position "
+        f"({saved.get('consumed_micro_batches')} micro-batches per rank) counts batches of the old size, so resuming "
+        "would skip or repeat samples",
+        hint=f"resume with train.{key}={shown(old)} (an override on the command line), or start a new run without --resume",
+    )
 
 
 def rng_state() -> dict[str, Any]:
@@ -135,7 +167,8 @@ def _write_state(tmp: Path, step: int, rank: int, model, optimizer, scheduler, e
 
         model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer))
         dcp.save({"model": model_sd, "optim": optim_sd, "scheduler": _plain(scheduler.state_dict())}, checkpoint_id=str(tmp))
-    torch.save(rng_state(), tmp / f"rng-{rank}.pt")
+    with open(tmp / f"rng-{rank}.pt", "wb") as f:  # through a Python file: a full disk raises OSError(ENOSPC), not a bare RuntimeError
+        torch.save(rng_state(), f)
 
 
 def _install(run_dir: Path, tmp: Path, final: Path, trainer_state: dict[str, Any], total_limit: int | None) -> None:
@@ -165,6 +198,12 @@ def _attempt(action, where: Path):
         if cause is None:
             raise
         return write_error(cause, where)
+    except RuntimeError as exc:
+        # torch.save to a path (DeepSpeed's files) reports a full disk as a RuntimeError of its zip writer
+        # ("file write failed", "unexpected pos"): taken for a full disk when the filesystem has (almost) no space left.
+        if free_space(where) >= LOW_SPACE or not any(m in str(exc) for m in ("file write failed", "unexpected pos", "No space left")):
+            raise
+        return write_error(OSError(errno.ENOSPC, "No space left on device"), where)
     return None
 
 
@@ -180,16 +219,32 @@ def _os_error_in(exc: BaseException) -> OSError | None:
 
 
 def write_error(exc: OSError, where: Path) -> tuple[str, str]:
-    """(message, hint) for a failed write: a full disk names the file and the free space left."""
-    import errno
-
+    """(message, hint) for a failed write: a full disk names the file, the free space left and, when the run has
+    an earlier checkpoint, the space one checkpoint takes; the earlier checkpoints are untouched."""
     path = Path(exc.filename) if exc.filename else Path(where)
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         free = free_space(path)
-        return (f"disk full while writing {path} ({human_bytes(free)} free on that filesystem)",
+        size = _last_checkpoint_bytes(Path(where))
+        needed = f"; a checkpoint of this run takes {human_bytes(size)}" if size else ""
+        kept = "; the previous checkpoint is intact" if size else ""
+        return (f"disk full while writing {path} ({human_bytes(free)} free on that filesystem{needed}{kept})",
                 "free some space (or lower train.save_total_limit, or move train.output_dir), then continue with "
                 "`vlmctl train --resume`")
     return (f"cannot write {path}: {exc.strerror or exc}", "check that train.output_dir is writable")
+
+
+LOW_SPACE = 64 << 20
+"""Free bytes under which a write failure without an errno is taken for a full disk."""
+
+
+def _last_checkpoint_bytes(where: Path) -> int:
+    """Bytes of the newest complete checkpoint next to `where` (a checkpoint being written), 0 when there is none."""
+    folder = where if where.name == "checkpoints" else where.parent
+    done = sorted((p for p in folder.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()),
+                  key=lambda p: int(p.name.split("-")[-1]))
+    if not done:
+        return 0
+    return sum(f.stat().st_size for f in done[-1].rglob("*") if f.is_file())
 
 
 def free_space(path: Path) -> int:

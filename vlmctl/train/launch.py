@@ -238,9 +238,9 @@ def preflight(cfg, run_dir: Path | None = None) -> None:
     """Fail before spawning processes when an optional package the config needs is missing (ConfigError,
     `check_packages`), the prepared data or the model is missing (DataError / ModelError), or when the checkpoint
     a resumed run (`run_dir`) would load is damaged or refused (`checkpoints.check_checkpoint`, CheckpointError
-    naming the file)."""
+    naming the file) or was written with another batching (`checkpoint.check_batching`, ConfigError)."""
     from vlmctl.errors import DataError
-    from vlmctl.train.checkpoint import resolve_resume
+    from vlmctl.train.checkpoint import check_batching, resolve_resume
     from vlmctl.train.setup import model_source
 
     check_packages(cfg.train)
@@ -253,6 +253,7 @@ def preflight(cfg, run_dir: Path | None = None) -> None:
         from vlmctl.checkpoints import check_checkpoint
 
         check_checkpoint(checkpoint)
+        check_batching(checkpoint, cfg.train, before_launch=True)
 
 
 @dataclass

@@ -107,13 +107,14 @@ def reschedule(wrapped: Wrapped, train, total_steps: int) -> Wrapped:
     return wrapped
 
 
-def resume_state(resume_from: Path | None, ctx: RunContext, wrapped: Wrapped):
-    """The loop's starting TrainState: fresh, or restored with model/optimizer/schedule from `resume_from`."""
+def resume_state(resume_from: Path | None, ctx: RunContext, wrapped: Wrapped, train):
+    """The loop's starting TrainState: fresh, or restored from `resume_from` if `train` batches as its run did."""
     from vlmctl.train import checkpoint as ckpt
     from vlmctl.train.loop import TrainState
 
     if resume_from is None:
         return TrainState()
+    ckpt.check_batching(resume_from, train)
     saved = ckpt.resume(resume_from, rank=ctx.env.rank, world_size=ctx.env.world_size, engine=wrapped.engine,
                         model=None if wrapped.engine else wrapped.model, optimizer=wrapped.optimizer,
                         scheduler=wrapped.scheduler)
@@ -170,7 +171,7 @@ def train_run(cfg, run_dir: Path, ctx: RunContext) -> str:
     sampler = build_sampler(cfg, ctx, dataset, lengths)
     total_steps = train.max_steps or max(1, math.ceil(train.num_epochs * sampler.batches_per_epoch / train.gradient_accumulation_steps))
     wrapped = wrap_model(tm, train, ctx, total_steps) if wrapped is None else reschedule(wrapped, train, total_steps)
-    state = resume_state(resume_from, ctx, wrapped)
+    state = resume_state(resume_from, ctx, wrapped, train)
     sampler.set_position(state.consumed)
     loader = build_loader(dataset, sampler, build_collator(cfg, ctx, tm), num_workers=train.num_workers, seed=train.seed)
     logger = None

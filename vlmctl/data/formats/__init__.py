@@ -62,7 +62,7 @@ def detect_format(path: str) -> str:
                 return "parquet"
             if name.endswith((".tar", ".tgz", ".tar.gz")):
                 return "webdataset"
-        jsons = [f for f in sorted(p.rglob("*")) if f.name.lower().endswith((".json", ".jsonl"))]
+        jsons = [f for f in sorted(p.rglob("*")) if f.name.lower().endswith((".json", ".jsonl")) and f.is_file()]
         if jsons:
             return _detect_json(jsons[0], path)
         raise DataError(f"cannot tell the format of folder {path}: no .parquet, .arrow, .tar or .json files", hint="set data.sources[].format")

@@ -21,15 +21,21 @@ META_KEYS = ("answers", "options", "choices", "question_type", "answer_type", "q
 GLOB_CHARS = set("*?[")
 
 
+def printable(text: str) -> str:
+    """`text` as valid Unicode: a byte of a file name that is not UTF-8 (Python's surrogate escape, e.g. `\\udcff`)
+    is written as that escape, so names and locations can be stored in shards and reports."""
+    return text if text.isascii() else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def source_name(source: DataSource) -> str:
     """The name reports use for a source: `name`, else the file or folder name (the dataset id for hf)."""
     if source.name:
-        return source.name
+        return printable(source.name)
     if source.format == "hf":
-        return source.path
+        return printable(source.path)
     p = Path(source.path.rstrip("/"))
     # A glob's own name ("*.jsonl") says little: keep its folder in front.
-    return f"{p.parent.name}/{p.name}" if GLOB_CHARS & set(p.name) else p.name
+    return printable(f"{p.parent.name}/{p.name}" if GLOB_CHARS & set(p.name) else p.name)
 
 
 def expand_paths(path: str, suffixes: tuple[str, ...]) -> list[Path]:
@@ -86,9 +92,9 @@ def _hidden(f: Path, root: Path) -> bool:
 def display(path: Path) -> str:
     """A path for locations: relative to the working directory when below it, else absolute."""
     try:
-        return os.path.relpath(path) if not os.path.relpath(path).startswith("..") else str(path)
+        return printable(os.path.relpath(path) if not os.path.relpath(path).startswith("..") else str(path))
     except ValueError:
-        return str(path)
+        return printable(str(path))
 
 
 def extract_meta(record: dict[str, Any]) -> dict[str, Any]:

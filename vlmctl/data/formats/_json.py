@@ -19,10 +19,14 @@ Limits per record: `MAX_RECORD_BYTES` (reason `too_large`) and `MAX_DEPTH` level
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
+
+from vlmctl.errors import DataError
 
 CHUNK_CHARS = 1 << 20  # bytes read per refill of the array buffer
 MAX_RECORD_BYTES = 64 << 20  # a record larger than this is rejected as too_large (never buffered further)
@@ -77,16 +81,65 @@ def iter_json_records(path: Path) -> Iterator[tuple[int, Any] | JsonParseError]:
         yield item if isinstance(item, JsonParseError) else (item.line, item.value)
 
 
+class DuplicateKeyError(ValueError):
+    """An object of a record names the same key twice (json keeps the last value silently)."""
+
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise DuplicateKeyError(key)
+            seen.add(key)
+    return out
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys)
+"""Decodes records; an object with a repeated key raises DuplicateKeyError (the record is a parse_error)."""
+
+
+def _duplicate(line: int, exc: DuplicateKeyError, index: int | None = None) -> JsonParseError:
+    return JsonParseError(line, f"the key {ascii(exc.key)} appears twice in one object (which value is meant is unclear)", index=index)
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """`open(path, "rb")` for a regular file only: opened without blocking and checked on the open file, so a FIFO,
+    device or socket is refused before a byte is read (a FIFO would block forever). Raises DataError naming the file,
+    OSError when it cannot be opened."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise DataError(f"{path} is not a regular file (a FIFO, device, socket or folder): it is not read",
+                            hint="point data.sources[].path at data files")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def check_regular(path: Path) -> None:
+    """Raise DataError unless `path` is a regular file (symlinks followed); see `open_regular`."""
+    open_regular(path).close()
+
+
 def read_json(path: Path) -> Iterator[JsonRecord | JsonParseError]:
     """Every record of a JSON array, a JSONL file or a single JSON object, in file order.
 
     A record that cannot be used yields a JsonParseError and reading goes on with the next one, except after a
     syntax error inside an array element (the message says that the rest of the file was not read).
-    Raises OSError when the file cannot be read.
+    Raises OSError when the file cannot be read, DataError when it is not a regular file.
     """
     path = Path(path)
     jsonl = path.suffix.lower() in (".jsonl", ".ndjson")
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         head = f.read(HEAD_BYTES)
         stripped = head.removeprefix(_BOM).lstrip()
         if not stripped and len(head) < HEAD_BYTES:
@@ -156,9 +209,11 @@ def decode_record(data: bytes, line: int = 1) -> JsonRecord | JsonParseError:
     if error is not None:
         return error
     try:
-        return JsonRecord(line, json.loads(text))
+        return JsonRecord(line, _DECODER.decode(text))
     except json.JSONDecodeError as exc:
         return JsonParseError(line + exc.lineno - 1, f"{exc.msg} (column {exc.colno})")
+    except DuplicateKeyError as exc:
+        return _duplicate(line, exc)
     except RecursionError:
         return JsonParseError(line, f"record is nested too deep (over the limit of {MAX_DEPTH} levels)", "too_deep")
 
@@ -322,11 +377,11 @@ class _Scan:
 
 def _iter_array(path: Path) -> Iterator[tuple[int, int, JsonRecord | JsonParseError]]:
     """(start line, element index, item) per element, in order; reading ends after an error that stops it."""
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         w = _Window(f)
         pos, _ = _skip_ws(w, 0)
         pos += 1  # the "[" read_json saw
-        decoder = json.JSONDecoder()
+        decoder = _DECODER
         k = 0
         while True:
             pos, ok = _skip_ws(w, pos)
@@ -371,6 +426,8 @@ def _read_element(w: _Window, decoder: json.JSONDecoder, start: int, line: int, 
             value, end = decoder.raw_decode(w.buf, start)
         except (json.JSONDecodeError, RecursionError):
             break
+        except DuplicateKeyError:
+            return _scan_element(w, decoder, start, line, k)  # finds where the element ends, then reports it
         # A number or literal cut at the buffer's end decodes "successfully": make sure it is whole.
         if end == len(w.buf) and not w.eof:
             shift = w.refill(start)
@@ -434,9 +491,11 @@ def _scan_element(w: _Window, decoder: json.JSONDecoder, start: int, line: int, 
     if bad is not None:
         return _utf8_error(w, bad.start(), k), end, False
     try:
-        value = json.loads(w.buf[start:end])
+        value = _DECODER.decode(w.buf[start:end])
     except json.JSONDecodeError as exc:
         return _syntax_error(w, decoder, start, k, exc), end, True
+    except DuplicateKeyError as exc:
+        return _duplicate(line, exc, k), end, False
     except RecursionError:
         return JsonParseError(line, f"record is nested too deep (over the limit of {MAX_DEPTH} levels)", "too_deep", k), end, False
     return JsonRecord(line, value, k), end, False
@@ -450,7 +509,7 @@ def _utf8_error(w: _Window, p: int, k: int) -> JsonParseError:
 def _syntax_error(w: _Window, decoder: json.JSONDecoder, start: int, k: int, exc: json.JSONDecodeError | None = None) -> JsonParseError:
     if exc is None:
         try:
-            decoder.raw_decode(w.buf, start)
+            json.JSONDecoder().raw_decode(w.buf, start)  # without the duplicate-key check: only the syntax error is wanted
         except json.JSONDecodeError as e:
             exc = e
     if exc is None:

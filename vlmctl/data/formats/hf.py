@@ -46,7 +46,11 @@ def read_hf(source: DataSource, *, media_roots: Iterable[Path | str] = ()) -> It
         ds = ds.decode(False)
     cols = None
     base = source_media_roots(source, None, media_roots)
+    # columns of one medium per row (an Image feature, a struct): a null there is a missing medium, not none
+    lists = tuple(t for t in (getattr(datasets, n, None) for n in ("List", "LargeList", "Sequence")) if isinstance(t, type))
+    scalar = frozenset(k for k, f in (getattr(ds, "features", None) or {}).items() if not isinstance(f, (list, *lists)))
     for index, row in enumerate(ds):
         if cols is None:
             cols = resolve_columns(list(row), source.columns, f"Hub dataset {source.path}")
-        yield row_to_sample(row, cols, name=name, location=f"{source.path}[{source.split}]#{index}", index=index, base=base)
+        yield row_to_sample(row, cols, name=name, location=f"{source.path}[{source.split}]#{index}", index=index, base=base,
+                            scalar=scalar)

@@ -30,9 +30,10 @@ from typing import Any, Iterable, Iterator
 
 from vlmctl.config.data import DataSource
 from vlmctl.data.checks import Rejection, RecordError, build_sample
+from vlmctl.data.formats._json import check_regular, open_regular
 from vlmctl.data.formats._common import as_list, display, expand_paths, image_ref, source_name, turns_of
 from vlmctl.data.formats._common import media_roots as source_media_roots
-from vlmctl.data.images import MediaRoots
+from vlmctl.data.images import MediaRoots, MissingRef
 from vlmctl.data.sample import Sample
 from vlmctl.errors import DataError
 
@@ -74,16 +75,16 @@ def resolve_columns(available: list[str], mapping: dict[str, str] | None, where:
     return cols
 
 
-def row_to_sample(row: dict[str, Any], cols: dict[str, str], *, name: str, location: str, index: int, base: Path | MediaRoots) -> Sample | Rejection:
+def row_to_sample(row: dict[str, Any], cols: dict[str, str], *, name: str, location: str, index: int, base: Path | MediaRoots,
+                  scalar: frozenset[str] = frozenset()) -> Sample | Rejection:
     """One table row -> an unchecked Sample (or a parse_error Rejection). Image paths resolve against `base` (and
-    are confined to its folders when it is a MediaRoots)."""
+    are confined to its folders when it is a MediaRoots). `scalar`: the table columns that hold one medium per row
+    (not a list), where a null is a missing medium."""
     rid = row.get(cols["id"]) if "id" in cols else None
     sid = str(rid) if rid not in (None, "") else f"{name}-{index:06d}"
     meta: dict[str, Any] = {}
     try:
-        images = [image_ref(v, base) for v in as_list(row.get(cols["images"])) if v is not None] if "images" in cols else []
-        videos = [image_ref(v, base) for v in as_list(row.get(cols["videos"])) if v is not None] if "videos" in cols else []
-        audios = [image_ref(v, base) for v in as_list(row.get(cols["audios"])) if v is not None] if "audios" in cols else []
+        images, videos, audios = (_media(row, cols, key, base, scalar) for key in ("images", "videos", "audios"))
         for key in ("answers", "options", "question_type"):
             if key in cols and row.get(cols[key]) is not None:
                 meta[key] = row[cols[key]]
@@ -125,25 +126,67 @@ def row_to_sample(row: dict[str, Any], cols: dict[str, str], *, name: str, locat
     return build_sample(turns, images=images, videos=videos, audios=audios, id=sid, source=name, location=location, meta=meta)
 
 
+def _media(row: dict[str, Any], cols: dict[str, str], key: str, base: Path | MediaRoots, scalar: frozenset[str]) -> list[Any]:
+    """The media references of column `key` ("images", "videos", "audios"). A null in a column of one medium per row
+    (`scalar`), or a null element of a list, is a MissingRef (rejected as missing_<kind>), never dropped; a null
+    list is no media (a text-only row)."""
+    if key not in cols:
+        return []
+    value = row.get(cols[key])
+    what = f"the {cols[key]} column is null in this row"
+    if value is None:
+        return [MissingRef("null", what)] if cols[key] in scalar else []
+    return [MissingRef("null", what) if v is None else image_ref(v, base) for v in as_list(value)]
+
+
+def _json_object(path: Path, hint: str) -> dict[str, Any]:
+    """The JSON object in `path`; DataError naming the file when it is missing, unreadable or not an object."""
+    try:
+        with open_regular(path) as f:
+            value = json.loads(f.read().decode("utf-8"))
+    except FileNotFoundError:
+        raise DataError(f"{path} is missing: the save_to_disk folder is incomplete", hint=hint) from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise DataError(f"{path} is not valid JSON ({exc})", hint=hint) from None
+    if not isinstance(value, dict):
+        raise DataError(f"{path} must hold a JSON object, not {type(value).__name__}", hint=hint)
+    return value
+
+
 def _arrow_files(path: Path, split: str) -> list[Path]:
-    """The data files of a `save_to_disk` folder (a Dataset, or the `split` of a DatasetDict), in order."""
+    """The data files of a `save_to_disk` folder (a Dataset, or the `split` of a DatasetDict), in order. Raises
+    DataError naming the file for a missing split, a malformed `dataset_dict.json` / `state.json`, or a data file
+    that leaves the folder."""
+    hint = "save the dataset again with `Dataset.save_to_disk` / `DatasetDict.save_to_disk`, or set data.sources[].split"
     if (path / "dataset_dict.json").is_file():
-        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        splits = _json_object(path / "dataset_dict.json", hint).get("splits")
+        if not isinstance(splits, list) or not all(isinstance(s, str) for s in splits):
+            raise DataError(f"{path / 'dataset_dict.json'}: `splits` must be a list of split names", hint=hint)
         if split not in splits:
             raise DataError(f"{path} is a DatasetDict without split {split!r} (splits: {', '.join(splits)})", hint="set data.sources[].split")
         path = path / split
-    state = json.loads((path / "state.json").read_text())
-    return [path / f["filename"] for f in state.get("_data_files", [])]
+    state = _json_object(path / "state.json", hint)
+    files = state.get("_data_files", [])
+    if not isinstance(files, list) or not all(isinstance(f, dict) and isinstance(f.get("filename"), str) for f in files):
+        raise DataError(f"{path / 'state.json'}: `_data_files` must be a list of {{filename}} objects", hint=hint)
+    out = []
+    for f in files:
+        name = f["filename"]
+        if "/" in name or "\\" in name or name in ("", ".", "..") or "\0" in name:
+            raise DataError(f"{path / 'state.json'} names the data file {name!r}, which is not a file name inside {path}", hint=hint)
+        out.append(path / name)
+    return out
 
 
 def _batches(file: Path) -> Iterator[list[dict[str, Any]]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    check_regular(file)  # a FIFO would block the reader
     if file.suffix == ".parquet":
         pf = pq.ParquetFile(file)
         for batch in pf.iter_batches(batch_size=BATCH_ROWS):
-            yield batch.to_pylist()
+            yield batch.schema, batch.to_pylist()
         return
     source = pa.memory_map(str(file))
     try:
@@ -157,9 +200,9 @@ def _batches(file: Path) -> Iterator[list[dict[str, Any]]]:
         yield from _slices(batch)
 
 
-def _slices(batch) -> Iterator[list[dict[str, Any]]]:
+def _slices(batch) -> Iterator[tuple[Any, list[dict[str, Any]]]]:
     for start in range(0, batch.num_rows, BATCH_ROWS):
-        yield batch.slice(start, BATCH_ROWS).to_pylist()
+        yield batch.schema, batch.slice(start, BATCH_ROWS).to_pylist()
 
 
 def read_parquet(source: DataSource, *, media_roots: Iterable[Path | str] = ()) -> Iterator[Sample | Rejection]:
@@ -179,11 +222,12 @@ def read_parquet(source: DataSource, *, media_roots: Iterable[Path | str] = ()) 
         try:
             cols = None
             row_no = 0
-            for rows in _batches(file):
+            for schema, rows in _batches(file):
                 if cols is None and rows:
                     cols = resolve_columns(list(rows[0]), source.columns, display(file))
+                    scalar = frozenset(f.name for f in schema if not pa.types.is_list(f.type) and not pa.types.is_large_list(f.type))
                 for row in rows:
-                    yield row_to_sample(row, cols, name=name, location=f"{display(file)}#{row_no}", index=index, base=base)
+                    yield row_to_sample(row, cols, name=name, location=f"{display(file)}#{row_no}", index=index, base=base, scalar=scalar)
                     row_no += 1
                     index += 1
         except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:

@@ -28,7 +28,7 @@ from typing import Any, Iterable, Iterator
 from vlmctl.config.data import DataSource
 from vlmctl.data.checks import Rejection, RecordError, build_sample
 from vlmctl.data.formats._common import display, expand_paths, extract_meta, source_name, turns_of
-from vlmctl.data.formats._json import JsonParseError, decode_record
+from vlmctl.data.formats._json import JsonParseError, decode_record, open_regular
 from vlmctl.data.images import IMAGE_EXTENSIONS, MAX_IMAGE_FILE_BYTES
 from vlmctl.data.modalities.audio import AUDIO_EXTENSIONS
 from vlmctl.data.modalities.video import VIDEO_EXTENSIONS
@@ -43,6 +43,18 @@ class Oversized(int):
     """The size in bytes of a tar member that was not read (over MAX_MEMBER_BYTES)."""
 
 
+class Unread(str):
+    """A tar member of a sample that was not read, with why: a symbolic or hard link (`link_member`: GNU tar stores
+    the second path of a hard-linked file so), a device or FIFO entry, or a second member with the same key and
+    extension (`duplicate_key`). `reason` is the rejection's reason code."""
+
+    reason = "link_member"
+
+
+class Duplicate(Unread):
+    reason = "duplicate_key"
+
+
 def _natural(text: str) -> list[Any]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", text)]
 
@@ -52,9 +64,9 @@ def iter_tar_groups(file: Path) -> Iterator[tuple[str, dict[str, bytes]] | str]:
     A member over MAX_MEMBER_BYTES is not read: its value is `Oversized(size)`."""
     key, parts = None, {}
     try:
-        with tarfile.open(file, mode="r|*") as tar:
+        with open_regular(file) as raw, tarfile.open(fileobj=raw, mode="r|*") as tar:
             for member in tar:
-                if not member.isfile():
+                if member.isdir():
                     continue
                 folder, _, base = member.name.rpartition("/")
                 if base.startswith(".") or "." not in base:
@@ -65,11 +77,22 @@ def iter_tar_groups(file: Path) -> Iterator[tuple[str, dict[str, bytes]] | str]:
                     if key is not None:
                         yield key, parts
                     key, parts = k, {}
+                ext = ext.lower()
+                if ext in parts:  # the same key and extension again: keep neither silently
+                    parts[ext] = Duplicate(f"{member.name} appears twice in a row (the second member would replace the first)")
+                    continue
+                if member.issym() or member.islnk():
+                    kind = "symbolic" if member.issym() else "hard"
+                    parts[ext] = Unread(f"{member.name} is a {kind} link to {member.linkname} (links are not followed)")
+                    continue
+                if not member.isfile():
+                    parts[ext] = Unread(f"{member.name} is not a regular file (a device or FIFO entry)")
+                    continue
                 if member.size > MAX_MEMBER_BYTES:
-                    parts[ext.lower()] = Oversized(member.size)
+                    parts[ext] = Oversized(member.size)
                     continue
                 data = tar.extractfile(member)
-                parts[ext.lower()] = data.read() if data is not None else b""
+                parts[ext] = data.read() if data is not None else b""
     except (tarfile.TarError, OSError, EOFError) as exc:
         # The sample being read when the tar broke may be incomplete: report it instead of yielding it.
         yield f"broken tar at sample {key!r}: {exc}"
@@ -80,7 +103,10 @@ def iter_tar_groups(file: Path) -> Iterator[tuple[str, dict[str, bytes]] | str]:
 
 def group_to_sample(key: str, parts: dict[str, bytes], *, name: str, location: str) -> Sample | Rejection:
     """One webdataset sample (its parts by extension) -> an unchecked Sample or a Rejection (parse_error, too_deep,
-    too_large)."""
+    too_large, link_member, duplicate_key)."""
+    unread = [v for v in parts.values() if isinstance(v, Unread)]
+    if unread:
+        return Rejection(unread[0].reason, name, location, "; ".join(unread), key)
     big = [f"{key}.{ext} ({size:,} bytes)" for ext, size in parts.items() if isinstance(size, Oversized)]
     if big:
         return Rejection("too_large", name, location, f"{', '.join(big)} over the limit of {MAX_MEMBER_BYTES >> 20} MiB per member", key)

@@ -44,6 +44,9 @@ AUDIO_KEYS = ("input_features", "feature_attention_mask")
 and their frame mask [N, frames])."""
 EXACT_LENGTH_FORMATS = ("WAV", "WAVEX", "RF64", "W64", "FLAC", "AIFF", "CAF")
 """Containers whose header gives the exact sample count: decoding fewer samples means a truncated file."""
+UNKNOWN_LENGTH = 1 << 36
+"""A header length at or above this is "unknown": FLAC's STREAMINFO holds the length in 36 bits, 0 meaning unknown,
+which libsndfile reports as 2**63 - 1 frames. Such a clip is measured by decoding it (`decode_samples`)."""
 DUMMY_SECONDS = 0.1
 """Length of the silent dummy clip of ranks without audio (two encoder tokens under Whisper-style feature
 extractors)."""
@@ -72,7 +75,12 @@ class AudioInfo:
 
     @property
     def seconds(self) -> float:
-        return self.frames / self.sampling_rate if self.sampling_rate else 0.0
+        """Seconds from the header; 0.0 when the header does not give the length (`known_length`)."""
+        return self.frames / self.sampling_rate if self.sampling_rate and self.known_length else 0.0
+
+    @property
+    def known_length(self) -> bool:
+        return self.frames < UNKNOWN_LENGTH
 
 
 @dataclass
@@ -156,20 +164,95 @@ def _riff_shortfall(data: bytes) -> str | None:
     return None
 
 
-def decode_samples(data: bytes, info: AudioInfo | None = None):
+def decode_samples(data: bytes, info: AudioInfo | None = None, max_frames: int | None = None):
     """All samples of an encoded clip as float32 [frames, channels] in [-1, 1], with `info` (`probe` when None).
 
-    Raises AudioError(corrupt_audio) when a block does not decode or, for containers with exact lengths
-    (`EXACT_LENGTH_FORMATS`), fewer samples decode than the header lists; and the reasons of `probe`.
+    A clip whose header does not give its length (`AudioInfo.known_length`) is decoded in blocks, stopping after
+    `max_frames` + 1 frames when `max_frames` is given (the caller then sees it is too long).
+    Raises AudioError(corrupt_audio) when a block does not decode, a sample is NaN or infinite (float WAV), or, for
+    containers with exact lengths (`EXACT_LENGTH_FORMATS`), fewer samples decode than the header lists; and the
+    reasons of `probe`.
     """
+    import numpy as np
+
     sf = _sf()
     info = probe(data) if info is None else info
     try:
-        samples, _ = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
-    except (RuntimeError, sf.LibsndfileError, TypeError, ValueError) as exc:
+        if info.known_length:
+            samples, _ = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
+        else:
+            samples = _decode_unknown_length(data, info, max_frames)
+    except AudioError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - libsndfile, numpy or a decoder library: this clip only
         raise AudioError("corrupt_audio", f"does not decode ({_message(exc)})") from None
-    if info.format in EXACT_LENGTH_FORMATS and len(samples) < info.frames:
+    if info.known_length and info.format in EXACT_LENGTH_FORMATS and len(samples) < info.frames:
         raise AudioError("corrupt_audio", f"truncated: {len(samples):,} of the {info.frames:,} samples its header lists decode")
+    if info.subtype in ("FLOAT", "DOUBLE") or info.format not in EXACT_LENGTH_FORMATS:
+        bad = int(np.count_nonzero(~np.isfinite(samples)))
+        if bad:
+            raise AudioError("corrupt_audio", f"{bad:,} sample(s) are NaN or infinite")
+    return samples
+
+
+def _flac_with_length(data: bytes, frames: int) -> bytes:
+    """`data` (a FLAC stream) with STREAMINFO's total-samples field set to `frames`. STREAMINFO is the first
+    metadata block; the field is the 36 bits after sample rate, channels and bits per sample, bytes 21.5-26 of
+    the file (https://xiph.org/flac/format.html#metadata_block_streaminfo)."""
+    out = bytearray(data)
+    out[21] = (out[21] & 0xF0) | ((frames >> 32) & 0x0F)
+    out[22:26] = (frames & 0xFFFFFFFF).to_bytes(4, "big")
+    return bytes(out)
+
+
+def _flac_audio_offset(data: bytes) -> int:
+    """Where the audio frames of a FLAC stream start: after the last metadata block (each has a 4-byte header: a
+    last-block flag, 7 bits of type, 24 bits of length)."""
+    at = 4
+    while at + 4 <= len(data):
+        last, size = data[at] & 0x80, int.from_bytes(data[at + 1:at + 4], "big")
+        at += 4 + size
+        if last:
+            break
+    return at
+
+
+def _decode_unknown_length(data: bytes, info: AudioInfo, max_frames: int | None):
+    """The samples of a FLAC whose STREAMINFO gives the length as unknown (0). libsndfile stops with an error when
+    asked for more samples than a FLAC holds, and it asks for the header's count, so the length is found by
+    decoding with trial lengths written into the header: doubling from 65,536 samples (up to `max_frames` + 1, the
+    first length that is too long), then bisecting. A stream that ends after its metadata has no samples."""
+    import numpy as np
+
+    sf = _sf()
+    if info.format != "FLAC" or len(data) < 42 or data[:4] != b"fLaC":
+        raise AudioError("corrupt_audio", f"the {info.format} header does not give the length, which libsndfile cannot decode")
+    if _flac_audio_offset(data) >= len(data):
+        return np.zeros((0, info.channels), np.float32)
+
+    def decode(frames: int):
+        try:
+            return sf.read(io.BytesIO(_flac_with_length(data, frames)), dtype="float32", always_2d=True)[0]
+        except Exception:  # noqa: BLE001 - more samples asked for than the stream holds
+            return None
+
+    limit = min(max_frames + 1 if max_frames is not None else UNKNOWN_LENGTH - 1, UNKNOWN_LENGTH - 1)
+    good, bad = 0, None
+    trial = min(1 << 16, limit)
+    while True:
+        if decode(trial) is None:
+            bad = trial
+            break
+        good = trial
+        if trial == limit:
+            break
+        trial = min(trial * 2, limit)
+    while bad is not None and bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if decode(mid) is not None else (good, mid)
+    samples = decode(good) if good else None
+    if samples is None:
+        raise AudioError("corrupt_audio", "the FLAC header does not give the length and no sample decodes")
     return samples
 
 
@@ -220,13 +303,15 @@ def normalize_audio(data: bytes, settings: DataAudio | None = None) -> Normalize
     info = probe(data)
     if info.seconds > settings.max_seconds:
         raise AudioError("audio_too_long", f"{info.seconds:,.2f} s, over data.audio.max_seconds={settings.max_seconds:g}")
-    samples = decode_samples(data, info)
+    samples = decode_samples(data, info, max_frames=int(settings.max_seconds * info.sampling_rate))
     seconds = len(samples) / info.sampling_rate
     if len(samples) == 0:
         raise AudioError("audio_too_short", "no samples (an empty clip)")
+    if seconds > settings.max_seconds:  # a header without the length: measured while decoding
+        raise AudioError("audio_too_long", f"over {settings.max_seconds:g} s (data.audio.max_seconds; the header does not give the length)")
     if seconds < settings.min_seconds:
         raise AudioError("audio_too_short", f"{seconds:.3f} s, under data.audio.min_seconds={settings.min_seconds:g}")
-    if (info.format, info.subtype, info.channels, info.sampling_rate) == (STORED_FORMAT, STORED_SUBTYPE, 1, settings.sampling_rate):
+    if info.known_length and (info.format, info.subtype, info.channels, info.sampling_rate) == (STORED_FORMAT, STORED_SUBTYPE, 1, settings.sampling_rate):
         return NormalizedAudio(data, seconds, info.sampling_rate, 1, None)
     wave = resample(to_mono(samples), info.sampling_rate, settings.sampling_rate)
     layout = "mono" if info.channels == 1 else f"{info.channels} channels"

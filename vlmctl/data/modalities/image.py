@@ -3,7 +3,6 @@ spec, the blank dummy image, and how the processor's image tensors are batched."
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 from vlmctl.data.modalities.base import ModalityUnit, placeholder_token_ids
@@ -15,20 +14,20 @@ processors accept (their `size` is in pixels of area, not a side)."""
 
 def decode_images(images: list[bytes]) -> list:
     """Encoded images -> RGB PIL images, in order."""
-    from PIL import Image
+    from vlmctl.data.images import open_image
 
     out = []
     for data in images:
-        img = Image.open(io.BytesIO(data))
+        img = open_image(data)
         out.append(img.convert("RGB") if img.mode != "RGB" else img)
     return out
 
 
 def image_size(data: bytes) -> tuple[int, int]:
     """(width, height) in pixels of an encoded image, from its header."""
-    from PIL import Image
+    from vlmctl.data.images import open_image
 
-    return Image.open(io.BytesIO(data)).size
+    return open_image(data).size
 
 
 def image_token_ids(processor: Any) -> set[int]:

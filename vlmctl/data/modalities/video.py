@@ -76,6 +76,7 @@ class VideoInfo:
     container: str
     tagged: bool = False  # a clip written by `encode_clip`
     fps: float = 1.0
+    declared: float | None = None  # the header's duration when the packets' timestamps contradict it (then `seconds` is theirs)
 
 
 @dataclass
@@ -161,11 +162,15 @@ def probe(data: bytes) -> VideoInfo:
     container, stream = _open(data)
     try:
         seconds = _seconds(container, stream)
-        frames = 0
+        frames, first, last = 0, None, None  # packet timestamps (stream time base): the clip's real span
         try:
             for packet in container.demux(stream):
                 if packet.size:
                     frames += 1
+                    if packet.pts is not None:
+                        end = packet.pts + (packet.duration or 0)
+                        first = packet.pts if first is None else min(first, packet.pts)
+                        last = end if last is None else max(last, end)
         except av.error.FFmpegError as exc:
             raise VideoError("corrupt_video", f"unreadable after {frames} frames ({_ffmpeg_message(exc)})") from None
         if frames == 0:
@@ -175,9 +180,14 @@ def probe(data: bytes) -> VideoInfo:
         if seconds is None:
             rate = stream.average_rate or stream.guessed_rate
             seconds = frames / float(rate) if rate else 0.0
+        declared = None
+        if first is not None and stream.time_base is not None and last > first:
+            span = float((last - first) * stream.time_base)
+            if abs(span - seconds) > max(1.0, 0.25 * span):  # a header that contradicts the frames: trust the frames
+                declared, seconds = float(seconds), span
         return VideoInfo(codec=stream.codec_context.name, width=int(stream.width), height=int(stream.height), frames=frames,
                          seconds=float(seconds), container=container.format.name,
-                         tagged=container.metadata.get(CLIP_TAG) == CLIP_VERSION, fps=_rate(stream))
+                         tagged=container.metadata.get(CLIP_TAG) == CLIP_VERSION, fps=_rate(stream), declared=declared)
     finally:
         container.close()
 
@@ -338,6 +348,8 @@ def normalize_video(data: bytes, settings: DataVideo | None = None) -> Normalize
     clip = sample_clip(data, settings, info)
     t, h, w = (int(x) for x in clip.frames.shape[:3])
     conversion = f"{info.codec} {info.width}x{info.height} {info.frames} frames -> {t} frames {w}x{h}"
+    if info.declared is not None:  # reported: the header's duration was wrong
+        conversion += f", duration {info.seconds:.2f} s from the frames' timestamps (the header says {info.declared:.2f} s)"
     return NormalizedVideo(encode_clip(clip), t, w, h, info.seconds, conversion)
 
 
