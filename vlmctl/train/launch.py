@@ -236,7 +236,8 @@ def check_packages(train) -> None:
 
 def preflight(cfg, run_dir: Path | None = None) -> None:
     """Fail before spawning processes when an optional package the config needs is missing (ConfigError,
-    `check_packages`), the prepared data or the model is missing (DataError / ModelError), or when the checkpoint
+    `check_packages`), the prepared data (the val split too with `train.eval_steps`) or the model is missing
+    (DataError / ModelError), or when the checkpoint
     a resumed run (`run_dir`) would load is damaged or refused (`checkpoints.check_checkpoint`, CheckpointError
     naming the file)."""
     from vlmctl.errors import DataError
@@ -247,6 +248,10 @@ def preflight(cfg, run_dir: Path | None = None) -> None:
     train_dir = Path(cfg.data.prepared_dir) / "train"
     if not any(train_dir.glob("*.parquet")):
         raise DataError(f"no prepared training shards in {train_dir}", hint="run `vlmctl data prepare` first")
+    val_dir = Path(cfg.data.prepared_dir) / "val"
+    if cfg.train.eval_steps and not any(val_dir.glob("*.parquet")):
+        raise DataError(f"train.eval_steps validates on the val split, but {val_dir} holds no prepared shards",
+                        hint="set data.val_ratio (e.g. 0.05) and re-run `vlmctl data prepare`, or unset train.eval_steps")
     model_source(cfg)  # raises ModelError without a built model or model.base
     checkpoint = resolve_resume(run_dir, cfg.train.resume) if run_dir is not None else None
     if checkpoint is not None:
