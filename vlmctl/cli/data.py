@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
-from vlmctl.cli._common import ConfigOpt, JsonOpt, OverridesArg, console, info, load_project, print_json, split_args, state
+from vlmctl.cli._common import (ConfigOpt, JsonOpt, OverridesArg, console, esc, info, load_project, print_json, split_args,
+                                state)
 
 if TYPE_CHECKING:
     from vlmctl.config import VlmctlConfig
@@ -77,12 +78,12 @@ def _render_prepare(m: dict[str, Any], out: Path, export_dir: Path | None, token
     table.add_column("rejected (reason: count)")
     for s in m["sources"]:
         rejected = ", ".join(f"{r}: {n}" for r, n in s["rejected"].items()) or "-"
-        table.add_row(s["name"], s["format"], f"{s['kept']:,}", rejected)
+        table.add_row(esc(s["name"]), esc(s["format"]), f"{s['kept']:,}", rejected)
     console.print(table)
     tr, va = m["splits"]["train"], m["splits"]["val"]
-    info(f"[green]Prepared[/green] {out}: train {tr['samples']:,} samples ({len(tr['shards'])} shard(s)), val {va['samples']:,} samples")
+    info(f"[green]Prepared[/green] {esc(out)}: train {tr['samples']:,} samples ({len(tr['shards'])} shard(s)), val {va['samples']:,} samples")
     if m["totals"]["rejected_total"]:
-        info(f"Rejected {m['totals']['rejected_total']:,} samples: see {out / 'rejected.jsonl'}")
+        info(f"Rejected {m['totals']['rejected_total']:,} samples: see {esc(out / 'rejected.jsonl')}")
     for reason, n in (m["totals"].get("flagged") or {}).items():
         info(f"[yellow]Kept {n:,} samples flagged {reason}[/yellow] (data.duplicate_ids: keep)")
     tokens = m.get("tokens")
@@ -93,12 +94,10 @@ def _render_prepare(m: dict[str, Any], out: Path, export_dir: Path | None, token
         )
         info(_longest_line(tokens))
     else:
-        from rich.markup import escape
-
-        info(f"[dim]No token counts ({escape(token_note or 'no processor')}): too_long was not checked.[/dim]")
-    info(f"Length histogram: {out / 'length_histogram.png'}")
+        info(f"[dim]No token counts ({esc(token_note or 'no processor')}): too_long was not checked.[/dim]")
+    info(f"Length histogram: {esc(out / 'length_histogram.png')}")
     if export_dir:
-        info(f"Energon export: {export_dir}")
+        info(f"Energon export: {esc(export_dir)}")
 
 
 def _longest_line(tokens: dict[str, Any]) -> str:
@@ -171,7 +170,7 @@ def _render_validate(report, cfg: "VlmctlConfig") -> None:
     table.add_column("count", justify="right")
     table.add_column("first locations", overflow="fold")
     for reason, count in report.to_dict()["counts"].items():
-        where = "\n".join(f"{e['location']}: {e['detail']}" for e in report.examples.get(reason, [])[:3])
+        where = "\n".join(f"{esc(e['location'])}: {esc(e['detail'])}" for e in report.examples.get(reason, [])[:3])
         table.add_row(reason, f"{count:,}", where)
     console.print(table)
     info(f"Kept: {report.kept:,}. Fix the records above, or run `vlmctl data prepare` to drop them with these reasons.")

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from vlmctl.cli._common import JsonOpt, OverridesArg, console, is_override, print_json, state
+from vlmctl.cli._common import JsonOpt, OverridesArg, console, esc, is_override, print_json, state
 
 if TYPE_CHECKING:
     from vlmctl.demo import DemoResult
@@ -45,7 +45,7 @@ def demo(
     if not quiet:
         how = f"torchrun, {nproc} processes, FSDP2" if launcher == "torchrun" else "one process"
         model = "tiny VLM" if modality == "image" else demo_spec.model
-        console.print(f"[bold]vlmctl demo[/bold] in {folder}: generated {demo_spec.data} -> {model} from scratch ({how}, CPU, no downloads)")
+        console.print(f"[bold]vlmctl demo[/bold] in {esc(folder)}: generated {esc(demo_spec.data)} -> {esc(model)} from scratch ({how}, CPU, no downloads)")
     with Progress(SpinnerColumn(), TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=quiet) as bar:
         tasks = {s: bar.add_task(labels[s], total=None, start=False, visible=False) for s in STAGES}
@@ -127,11 +127,11 @@ def _render(result: "DemoResult") -> None:
     verdict = _verdict(result, ratio)
     rel = lambda p: p.relative_to(result.folder) if p is not None and result.folder in p.parents else p  # noqa: E731
     where = Table(box=None, show_header=False, pad_edge=False)
-    where.add_row("prepared data", str(rel(result.prepared_dir)))
-    where.add_row("built model", str(rel(result.model_dir)))
+    where.add_row("prepared data", esc(rel(result.prepared_dir)))
+    where.add_row("built model", esc(rel(result.model_dir)))
     if result.run_dir is not None:
-        where.add_row("training run", f"{rel(result.run_dir)} (final/, metrics.jsonl, loss.png, train.log)")
-    where.add_row("evaluation", f"{rel(result.eval_dir)} (report.html, predictions.jsonl)")
+        where.add_row("training run", f"{esc(rel(result.run_dir))} (final/, metrics.jsonl, loss.png, train.log)")
+    where.add_row("evaluation", f"{esc(rel(result.eval_dir))} (report.html, predictions.jsonl)")
     steps = f"{result.steps} steps" + (f", final loss {result.final_loss:.3f}" if result.final_loss is not None else "")
     train_line = f"train: {result.launcher} x{result.nproc} ({result.strategy}), {result.train_samples} samples, {steps}"
     if result.frozen:

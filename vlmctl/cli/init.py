@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from vlmctl.cli._common import JsonOpt, console, info, print_json
+from vlmctl.cli._common import JsonOpt, console, esc, info, print_json
 
 EXAMPLE = "Example: vlmctl init my-vlm --template llava"
 
@@ -26,10 +26,10 @@ def init(
     if as_json:
         print_json({"folder": str(result.folder), "template": template, "files": [str(f) for f in result.files]})
         return
-    info(f"[green]Created[/green] {result.folder} from template [bold]{template}[/bold]:")
+    info(f"[green]Created[/green] {esc(result.folder)} from template [bold]{esc(template)}[/bold]:")
     for f in result.files:
-        info(f"  {f}")
+        info(f"  {esc(f)}")
     info("\nNext:")
     prefix = "" if result.folder.resolve() == Path.cwd().resolve() else f"cd {result.folder} && "
     for i, cmd in enumerate(result.next_commands):
-        info(f"  {prefix if i == 0 and not cmd.startswith('#') else ''}{cmd}")
+        info(f"  {prefix if i == 0 and not cmd.startswith('#') else ''}{esc(cmd)}")

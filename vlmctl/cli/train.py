@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from vlmctl.cli._common import ConfigOpt, OverridesArg, console, info, load_project
+from vlmctl.cli._common import ConfigOpt, OverridesArg, console, esc, info, load_project
 
 EXAMPLE = "Example: vlmctl train --launcher torchrun --nproc-per-node 2 train.strategy=fsdp train.max_steps=50"
 
@@ -59,7 +59,7 @@ def _run(train_cfg, run_dir) -> None:
     when the ranks reported their own failure (exit 1 or 2), a panel otherwise."""
     from vlmctl.train import launch as L
 
-    info(f"run folder: {run_dir}")
+    info(f"run folder: {esc(run_dir)}")
     if train_cfg.launcher == "none":
         import signal
 
@@ -72,9 +72,9 @@ def _run(train_cfg, run_dir) -> None:
     launch = L.launch_command(train_cfg, run_dir)
     if train_cfg.launcher == "slurm":
         submitted, text = L.submit_slurm(launch)
-        info(text if submitted else f"sbatch is not available here; submit the script with: sbatch {text}")
+        info(text if submitted else f"sbatch is not available here; submit the script with: sbatch {esc(text)}")
         return
-    info(f"[dim]{launch.render()}[/dim]")
+    info(f"[dim]{esc(launch.render())}[/dim]")
     code, signum = L.spawn(launch.command, env=L.launch_env(train_cfg), log_path=run_dir / L.log_name(train_cfg))
     if signum is not None:
         _stopped(run_dir, signum)
@@ -85,7 +85,7 @@ def _run(train_cfg, run_dir) -> None:
         from vlmctl.errors import VlmctlError
 
         raise VlmctlError(f"training failed (exit code {code})", hint=f"see the output above; the run folder is {run_dir}")
-    info(f"done: {run_dir / 'final'}")
+    info(f"done: {esc(run_dir / 'final')}")
 
 
 def _stopped(run_dir, signum: int) -> None:
@@ -95,6 +95,6 @@ def _stopped(run_dir, signum: int) -> None:
     from vlmctl.train.checkpoint import latest_checkpoint
 
     last = latest_checkpoint(run_dir)
-    where = f"last checkpoint: {last}" if last is not None else "no checkpoint was written"
+    where = f"last checkpoint: {esc(last)}" if last is not None else "no checkpoint was written"
     console.print(f"[yellow]stopped by signal {signum} ({signal.Signals(signum).name}); {where}. "
-                  f"Continue with `vlmctl train --resume train.run_name={run_dir.name}`[/yellow]", soft_wrap=True)
+                  f"Continue with `vlmctl train --resume train.run_name={esc(run_dir.name)}`[/yellow]", soft_wrap=True)

@@ -369,5 +369,7 @@ class Saver:
         path = save(self.run_dir, step, info, rank=self.rank, model=self.model, optimizer=self.optimizer,
                     scheduler=self.scheduler, engine=self.engine, total_limit=self.total_limit, keep=keep)
         if self.notify is not None and reason != "signal":  # the stop message names the checkpoint
-            self.notify(f"saved {path}")
+            from rich.markup import escape
+
+            self.notify(f"saved {escape(str(path))}")  # printed by rich: a folder name may hold [...]
         return path

@@ -170,9 +170,10 @@ class Progress:
             eta = (time.monotonic() - self.start_time) / max(done, 1) * (self.total - step)
             self.console.print(f"step {step}/{self.total} {info} eta {eta:.0f}s")
 
-    def print(self, text: str) -> None:
+    def print(self, text: str, markup: bool = True) -> None:
+        """Print `text` on rank 0 (rich markup read unless `markup` is off: for text holding paths)."""
         if self.enabled:
-            (self.bar.console if self.bar is not None else self.console).print(text)
+            (self.bar.console if self.bar is not None else self.console).print(text, markup=markup)
 
     def close(self) -> None:
         if self.bar is not None:

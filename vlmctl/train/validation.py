@@ -202,8 +202,10 @@ def name_best(run_dir: Path, validator, notify) -> None:
         tmp = final / ".best_checkpoint.json.tmp"
         tmp.write_text(json.dumps(record, indent=2) + "\n")
         os.replace(tmp, final / "best_checkpoint.json")
-    notify(f"best checkpoint: {checkpoint} ({best.metric} {best.value:.4f} at step {best.step}); "
-           f"`vlmctl convert {checkpoint}` exports it")
+    from rich.markup import escape
+
+    notify(escape(f"best checkpoint: {checkpoint} ({best.metric} {best.value:.4f} at step {best.step}); "
+                  f"`vlmctl convert {checkpoint}` exports it"))
 
 
 __all__ = ["METRICS", "Best", "Validator", "build_validator", "name_best", "val_batches"]

@@ -196,7 +196,7 @@ def train_run(cfg, run_dir: Path, ctx: RunContext) -> str:
         return outcome
     export_final(run_dir, cfg, model=None if wrapped.engine else wrapped.model, engine=wrapped.engine, source=tm.source,
                  dtype=ctx.dtype, rank=env.rank, lora=train.lora, parts_trainable=tm.trainable)
-    trainer.progress.print(f"final model exported to {run_dir / 'final'}")
+    trainer.progress.print(f"final model exported to {run_dir / 'final'}", markup=False)
     name_best(run_dir, trainer.validator, trainer.progress.print)  # train.save_best
     return outcome
 
