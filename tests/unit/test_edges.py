@@ -39,3 +39,68 @@ def test_validate_prints_paths_and_text_with_brackets_as_they_are(tmp_path, caps
     text = out + err
     assert code == 1, text  # samples rejected, not a crash
     assert "MarkupError" not in text and "[red]2.jpg" in text and "[/x]3.jpg" in text
+
+
+# --------------------------------------------------------------------- 2: train after model.* changed since build
+
+TOKENIZER_TEXTS = ["What color is the triangle? Answer with one word. red green blue yes no 0 1 2 3"] * 20
+
+
+@pytest.fixture
+def built_project(tmp_path, monkeypatch):
+    """A tiny model built (default model.dtype bf16) and prepared training shards."""
+    from shapes_shards import write_shapes_shards
+    from vlmctl.config import ModelSection
+    from vlmctl.models import build_model
+
+    write_shapes_shards(tmp_path / "data", 4)
+    build_model(ModelSection(preset="tiny", init="random", output_dir=tmp_path / "model"), tokenizer_texts=TOKENIZER_TEXTS)
+    (tmp_path / "vlmctl.yaml").write_text("project: {name: p}\ndata: {prepared_dir: data/prepared}\n"
+                                          "model: {preset: tiny, init: random, output_dir: model}\n"
+                                          "train: {launcher: none, output_dir: runs}\n")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_train_refuses_a_model_changed_since_the_build(built_project, capsys, monkeypatch):
+    import vlmctl.train.launch as L
+    from vlmctl.config import load_config
+
+    def fail(*args, **kwargs):
+        raise AssertionError("training started")
+
+    monkeypatch.setattr(L, "run_in_process", fail)
+    code, out, err = run_cli(["train", "model.dtype=fp32"], capsys)
+    text = _flat(out + err)
+    assert code == 2, text
+    assert "model.dtype: built with 'bf16', now 'fp32'" in text and "vlmctl model build --force" in text
+    assert not (built_project / "runs").exists() or not any((built_project / "runs").iterdir())
+    cfg = load_config(built_project / "vlmctl.yaml")
+    L.check_built_settings(cfg, str(cfg.model.output_dir))  # unchanged: no complaint
+
+
+# ---------------------------------------------------- 3: deepspeed_config without DeepSpeed, zero2 not installed
+
+
+def test_deepspeed_config_with_another_strategy_is_refused(tmp_path, capsys, monkeypatch):
+    (tmp_path / "ds.json").write_text("{}")
+    (tmp_path / "vlmctl.yaml").write_text("project: {name: p}\ntrain: {strategy: ddp, deepspeed_config: ds.json}\n")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(["train", "--dry-run"], capsys)
+    text = _flat(out + err)
+    assert code == 2 and "train.deepspeed_config" in text and "zero2" in text, text
+    code, out, err = run_cli(["train", "--dry-run", "train.strategy=zero3"], capsys)
+    assert code == 0, out + err
+
+
+def test_dry_run_of_zero2_without_deepspeed_says_so(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, package=None: None if name.split(".")[0] == "deepspeed" else real(name, package))
+    (tmp_path / "vlmctl.yaml").write_text("project: {name: p}\n")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(["train", "--dry-run", "train.strategy=zero2"], capsys)
+    text = _flat(out + err)
+    assert code == 2 and "deepspeed" in text and "vlmctl[deepspeed]" in text, text

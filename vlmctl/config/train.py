@@ -199,6 +199,14 @@ class TrainSection(Section):
         return value
 
     @model_validator(mode="after")
+    def _deepspeed_config_needs_deepspeed(self):
+        """A DeepSpeed JSON is read only by the DeepSpeed strategies: set with another, it would be ignored."""
+        if self.deepspeed_config is not None and self.strategy not in ("zero2", "zero3"):
+            raise ValueError(f"train.deepspeed_config is read only by train.strategy zero2 or zero3, not {self.strategy}: "
+                             "set train.strategy=zero2 (or zero3), or remove train.deepspeed_config")
+        return self
+
+    @model_validator(mode="after")
     def _validation_keys(self):
         """save_best and early stopping judge validations: they need eval_steps."""
         for key in ("save_best", "early_stopping_patience"):

@@ -234,6 +234,20 @@ def check_packages(train) -> None:
         require_package(module, setting, package=package, extra=extra)
 
 
+def check_built_settings(cfg, source: str) -> None:
+    """Raise ConfigError when `source` is the folder `vlmctl model build` wrote and a model.* key differs from
+    what it was built with: training would load the old model while the run's config.yaml records the new keys."""
+    from vlmctl.models.build import changed_settings
+    from vlmctl.models.load import read_build_info
+
+    info = read_build_info(source) if Path(source) == Path(cfg.model.output_dir) else None
+    changed = changed_settings(cfg.model, info) if info else {}
+    if changed:
+        what = "; ".join(f"model.{k}: built with {old!r}, now {new!r}" for k, (old, new) in changed.items())
+        raise ConfigError(f"the model in {source} was built with other settings ({what}); training would use the old "
+                          "model", hint="rebuild it with `vlmctl model build --force`, or set the keys back")
+
+
 def preflight(cfg, run_dir: Path | None = None) -> None:
     """Fail before spawning processes when an optional package the config needs is missing (ConfigError,
     `check_packages`), the prepared data (the val split too with `train.eval_steps`) or the model is missing
@@ -252,7 +266,7 @@ def preflight(cfg, run_dir: Path | None = None) -> None:
     if cfg.train.eval_steps and not any(val_dir.glob("*.parquet")):
         raise DataError(f"train.eval_steps validates on the val split, but {val_dir} holds no prepared shards",
                         hint="set data.val_ratio (e.g. 0.05) and re-run `vlmctl data prepare`, or unset train.eval_steps")
-    model_source(cfg)  # raises ModelError without a built model or model.base
+    check_built_settings(cfg, model_source(cfg))  # raises ModelError without a built model or model.base
     checkpoint = resolve_resume(run_dir, cfg.train.resume) if run_dir is not None else None
     if checkpoint is not None:
         from vlmctl.checkpoints import check_checkpoint
@@ -336,6 +350,7 @@ def dry_run_text(train, run_dir: Path) -> str:
     and the script. Nothing is written or started (a claimed port is released). Raises what `launch_command`
     raises."""
     check_nodes(train)  # this node's settings, before every node's are printed
+    check_packages(train)  # a dry run says what the real one would refuse
     nodes = range(train.nnodes) if train.launcher in AGENTS and train.nnodes > 1 else [None]
     lines = []
     for rank in nodes:
