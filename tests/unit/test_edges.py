@@ -104,3 +104,45 @@ def test_dry_run_of_zero2_without_deepspeed_says_so(tmp_path, capsys, monkeypatc
     code, out, err = run_cli(["train", "--dry-run", "train.strategy=zero2"], capsys)
     text = _flat(out + err)
     assert code == 2 and "deepspeed" in text and "vlmctl[deepspeed]" in text, text
+
+
+# ------------------------------------------------ 4: eval --task caption checks its packages first, keeps answers
+
+
+def _hide_modules(monkeypatch, *names: str) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, package=None: None if name.split(".")[0] in names else real(name, package))
+
+
+def test_caption_eval_without_pycocoevalcap_fails_before_loading_the_model(tmp_path, monkeypatch):
+    import vlmctl.evaluation.runner as runner
+    from vlmctl.data.sample import Sample
+    from vlmctl.errors import UsageError
+
+    _hide_modules(monkeypatch, "pycocoevalcap")
+    monkeypatch.setattr(runner, "load_for_generation", lambda *a, **k: pytest.fail("the model was loaded"))
+    sample = Sample(id="c", messages=[{"role": "user", "content": [{"type": "text", "text": "Describe."}]},
+                                      {"role": "assistant", "content": [{"type": "text", "text": "a red square"}]}])
+    with pytest.raises(UsageError, match="pycocoevalcap") as info:
+        runner.run_eval(tmp_path / "model", [sample], task="caption", out_dir=tmp_path / "out")
+    assert "vlmctl[eval]" in info.value.hint
+
+
+def test_the_generated_answers_are_written_when_scoring_fails(built_project, monkeypatch):
+    import vlmctl.evaluation.runner as runner
+    from vlmctl.data.loader import ShardDataset
+    from vlmctl.errors import VlmctlError
+
+    def broken(task, records):
+        raise VlmctlError("scoring broke")
+
+    monkeypatch.setattr(runner, "score_records", broken)
+    data = ShardDataset.from_dir(built_project / "data" / "prepared" / "train")
+    out = built_project / "eval-out"
+    with pytest.raises(VlmctlError, match="scoring broke"):
+        runner.run_eval(built_project / "model", [data[0], data[1]], task="vqa", out_dir=out, max_new_tokens=2)
+    rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == [data[0].id, data[1].id] and all("prediction" in r for r in rows)
