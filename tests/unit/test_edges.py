@@ -146,3 +146,32 @@ def test_the_generated_answers_are_written_when_scoring_fails(built_project, mon
         runner.run_eval(built_project / "model", [data[0], data[1]], task="vqa", out_dir=out, max_new_tokens=2)
     rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rows] == [data[0].id, data[1].id] and all("prediction" in r for r in rows)
+
+
+# -------------------------------------------------------------------------- 7: did-you-mean, readable messages
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("train.lora_rank=8", "unknown key train.lora_rank: did you mean train.lora.r?"),
+    ("train.epochs=2", "did you mean train.num_epochs?"),
+    ("train.lr=1e-4", "did you mean train.learning_rate?"),
+    ("train.micro_batch_size=1.5", "train.micro_batch_size = 1.5: should be an integer or 'auto'"),
+    ("train.report_to=tensorboard", "train.report_to=[tensorboard]"),
+])
+def test_config_errors_suggest_the_key_and_say_what_it_takes(tmp_path, capsys, monkeypatch, override, expected):
+    (tmp_path / "vlmctl.yaml").write_text("project: {name: p}\n")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(["config", "show", override], capsys)
+    text = _flat(out + err)
+    assert code == 2 and expected in text, text
+    assert "Input should be" not in text and ".int " not in text and "literal[" not in text
+
+
+@pytest.mark.parametrize("args,expected", [(["--epochs", "2"], "train.num_epochs=2"),
+                                           (["--lora-rank=8"], "train.lora.r=8")])
+def test_an_option_that_is_a_config_key_points_at_the_override(tmp_path, capsys, monkeypatch, args, expected):
+    (tmp_path / "vlmctl.yaml").write_text("project: {name: p}\n")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(["train", *args], capsys)
+    text = _flat(out + err)
+    assert code == 2 and "no such option" in text and expected in text, text

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import traceback
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -69,6 +69,10 @@ def main(argv: list[str] | None = None) -> None:
     """Console entry point: run the app; VlmctlError -> red panel + its exit code; other errors -> exit 1."""
     from vlmctl.errors import VlmctlError
 
+    config_key = _option_as_config_key(sys.argv[1:] if argv is None else list(argv))
+    if config_key is not None:  # `--epochs 2`: not an option, but a config key would do it
+        render_error("Usage error", *config_key)
+        sys.exit(2)
     try:
         app(args=argv, prog_name="vlmctl", standalone_mode=True)
     except SystemExit:
@@ -90,6 +94,30 @@ def main(argv: list[str] | None = None) -> None:
             "run again with --debug (or VLMCTL_DEBUG=1) for the full traceback",
         )
         sys.exit(1)
+
+
+def _option_as_config_key(argv: list[str]) -> tuple[str, str] | None:
+    """(message, hint) for the first `--name` in `argv` that the command does not take but that names a config key
+    (`suggest_key`: `--epochs 2` -> `train.num_epochs=2`), else None (click reports other unknown options)."""
+    import click
+
+    from vlmctl.config import suggest_key
+
+    command: Any = typer.main.get_command(app)
+    known: set[str] = set()
+    for i, arg in enumerate(argv):
+        if isinstance(command, click.Group) and arg in command.commands:
+            command = command.commands[arg]
+        known |= {o for p in command.params for o in (*p.opts, *p.secondary_opts)}
+        name, eq, value = arg.partition("=")
+        if not name.startswith("--") or name in known or name == "--":
+            continue
+        key = suggest_key(name[2:])
+        if key is None or "." not in key:
+            return None
+        value = value if eq else (argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("-") else "VALUE")
+        return f"no such option: {name}", f"set the config key as an override instead: {key}={value}"
+    return None
 
 
 __all__ = ["app", "main", "_common"]
