@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from vlmctl.checkpoints import read_json
 from vlmctl.errors import ModelError, UsageError
+from vlmctl.files import honour_umask
 
 if TYPE_CHECKING:
     import torch
@@ -564,7 +565,7 @@ def _install(tmp: Path, out: Path, force: bool) -> None:
             raise UsageError(f"{out} already exists", hint="pass --force to overwrite it, or choose another -o")
         old = out.with_name(f".{out.name}.old-{os.getpid()}")
         out.rename(old)
-    tmp.rename(out)
+    honour_umask(tmp).rename(out)  # safetensors writes its files 0600
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

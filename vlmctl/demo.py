@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from vlmctl.errors import UsageError, VlmctlError
+from vlmctl.files import honour_umask
 
 STAGES = ("init", "prepare", "build", "train", "eval")
 MODALITIES = ("image", "video", "audio")
@@ -213,7 +214,7 @@ def init_generated(folder: Path, demo: Demo, *, force: bool = False, num_samples
             path = generate_tones(tmp, num_samples=num_samples or demo.num_samples)
         if raw.exists():
             shutil.rmtree(raw)
-        tmp.rename(raw)
+        honour_umask(tmp).rename(raw)  # mkdtemp made it 0700
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return raw / path.name

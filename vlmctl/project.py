@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vlmctl.errors import UsageError
+from vlmctl.files import honour_umask
 
 NEXT_COMMANDS = {
     "tiny": ["vlmctl data prepare", "vlmctl model build", "vlmctl train", "vlmctl eval"],
@@ -95,7 +96,7 @@ def init_project(folder: Path, template: str = "tiny", force: bool = False, num_
             generate_shapes_vqa(tmp, num_samples=num_samples or GENERATED_DATA[template])
             if raw.exists():
                 shutil.rmtree(raw)
-            tmp.rename(raw)
+            honour_umask(tmp).rename(raw)  # mkdtemp made it 0700
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         written.append(raw / "shapes_vqa.json")
@@ -106,4 +107,4 @@ def _atomic_write(dest: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", dir=dest.parent)
     with os.fdopen(fd, "w") as fh:
         fh.write(text)
-    os.replace(tmp, dest)
+    os.replace(honour_umask(Path(tmp)), dest)  # mkstemp made it 0600

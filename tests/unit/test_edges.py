@@ -175,3 +175,30 @@ def test_an_option_that_is_a_config_key_points_at_the_override(tmp_path, capsys,
     code, out, err = run_cli(["train", *args], capsys)
     text = _flat(out + err)
     assert code == 2 and "no such option" in text and expected in text, text
+
+
+# ------------------------------------------------------------------------- 10: files follow the process's umask
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027])
+def test_init_and_model_build_honour_the_umask(tmp_path, capsys, mask):
+    import os
+    import stat
+
+    from vlmctl.config import ModelSection
+    from vlmctl.models import build_model
+
+    def mode(p: Path) -> int:
+        return stat.S_IMODE(p.stat().st_mode)
+
+    old = os.umask(mask)
+    try:
+        code, out, err = run_cli(["init", str(tmp_path / "p"), "--template", "tiny"], capsys)
+        assert code == 0, out + err
+        build_model(ModelSection(preset="tiny", init="random", output_dir=tmp_path / "model"), tokenizer_texts=TOKENIZER_TEXTS)
+    finally:
+        os.umask(old)
+    for f in (tmp_path / "p" / "vlmctl.yaml", tmp_path / "p" / "data" / "README.md", tmp_path / "model" / "model.safetensors"):
+        assert mode(f) == 0o666 & ~mask, f
+    for d in (tmp_path / "p" / "data" / "raw", tmp_path / "model"):
+        assert mode(d) == 0o777 & ~mask, d

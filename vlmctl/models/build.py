@@ -38,6 +38,7 @@ from typing import Any
 from vlmctl.config.model import ModelSection
 from vlmctl.errors import ConfigError, ModelError
 from vlmctl.families import CLS_VISION_TYPES, FamilySpec, compose_family, count_parameters, get_family, has_cls_token
+from vlmctl.files import honour_umask
 from vlmctl.models.connectors import PROJECTORS, ProjectorSpec, check_connector, projector_spec  # noqa: F401  (re-exported)
 from vlmctl.models.load import DTYPES, INFO_FILE, image_processor_class, load_or_explain, quiet_transformers, transformers_class
 from vlmctl.models.tokenizer import chatml_template, texts_from_prepared, train_tokenizer
@@ -523,7 +524,7 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
     if out.exists():
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         out.rename(old)
-    tmp.rename(out)
+    honour_umask(tmp).rename(out)  # safetensors writes its files 0600
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
