@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from vlmctl.checkpoints import read_json
-from vlmctl.errors import ModelError, UsageError
+from vlmctl.errors import MissingModelError, ModelError, UsageError
 from vlmctl.files import honour_umask
 
 if TYPE_CHECKING:
@@ -179,7 +179,7 @@ def detect_source(src: Path | str, *, base: str | None = None) -> Source:
     """Tell what `src` is. Raises UsageError when it is none of the supported kinds (saying what was found)."""
     src = Path(src).expanduser()
     if not src.exists():
-        raise UsageError(f"{src} does not exist", hint="pass a run folder, a checkpoint folder, a LoRA adapter folder or an HF model folder")
+        raise MissingModelError(f"no model folder at {src}", hint="pass a run folder, a checkpoint folder, a LoRA adapter folder or an HF model folder")
     if src.is_file():
         raise UsageError(f"{src} is a file; convert takes a folder", hint="pass the folder that holds the checkpoint")
     run_dir = _find_run_dir(src)

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vlmctl.errors import UsageError, VlmctlError
+from vlmctl.errors import MissingModelError, UsageError, VlmctlError
 
 if TYPE_CHECKING:
     from huggingface_hub import ModelCard
@@ -831,7 +831,7 @@ def push_folder(
     if not _HUB_ID.match(repo_id):
         raise UsageError(f"{repo_id!r} is not a Hub repo id", hint="repo ids look like ORG/NAME")
     if not folder.is_dir():
-        raise UsageError(f"model folder {folder} does not exist", hint="pass the folder to upload, e.g. outputs/runs/<run>/final, or run `vlmctl convert` first")
+        raise MissingModelError(f"no model folder at {folder}", hint="pass the folder to upload, e.g. outputs/runs/<run>/final, or run `vlmctl convert` first")
     private = hub.private if private is None else private
     revision = revision or hub.revision
     commit_message = commit_message or hub.commit_message or f"Upload {repo_id.split('/')[-1]} with vlmctl"

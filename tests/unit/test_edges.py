@@ -202,3 +202,47 @@ def test_init_and_model_build_honour_the_umask(tmp_path, capsys, mask):
         assert mode(f) == 0o666 & ~mask, f
     for d in (tmp_path / "p" / "data" / "raw", tmp_path / "model"):
         assert mode(d) == 0o777 & ~mask, d
+
+
+def test_a_real_option_is_not_taken_for_a_config_key():
+    from vlmctl.cli.app import _option_as_config_key
+
+    assert _option_as_config_key(["push", "x", "--repo-id", "a/b"]) is None
+    assert _option_as_config_key(["data", "validate", "--max-length", "3"])[1].endswith("data.max_length=3")
+
+
+# ------------------------------------------------------------------------------- 12 and 13: exit codes, -q / -v
+
+
+@pytest.mark.parametrize("args", [["chat", "nothere"], ["eval", "nothere"], ["generate", "nothere", "--input", "x.jsonl"],
+                                  ["convert", "nothere", "-o", "out"], ["push", "nothere", "--repo-id", "a/b", "--dry-run"]])
+def test_a_missing_model_folder_is_the_same_usage_error_everywhere(tmp_path, capsys, monkeypatch, args):
+    (tmp_path / "vlmctl.yaml").write_text("project: {name: p}\n")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(args, capsys)
+    assert code == 2 and "no model folder at" in _flat(out + err), out + err
+
+
+def test_ctrl_c_at_the_chat_prompt_exits_130(monkeypatch):
+    import typer
+
+    from vlmctl.cli import chat
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(chat.console, "input", interrupt)
+    with pytest.raises(typer.Exit) as info:
+        chat._loop(None, interactive=True)
+    assert info.value.exit_code == 130
+
+
+def test_quiet_prints_the_result_line_and_verbose_adds_detail(tmp_path, capsys, monkeypatch):
+    _llava_project(tmp_path, [{"id": f"s{i}", "image": f"gone{i}.png", "conversations": _turns()} for i in range(5)])
+    monkeypatch.chdir(tmp_path)
+    code, quiet, _ = run_cli(["data", "validate", "-q"], capsys)
+    assert code == 1 and quiet.strip() == "5 of 5 samples would be rejected (missing_image 5)"
+    code, plain, _ = run_cli(["data", "validate"], capsys)
+    code, loud, _ = run_cli(["data", "validate", "-v"], capsys)
+    assert plain.count("does not exist") == 3 and loud.count("does not exist") == 5
+    assert "checked 5 samples" in loud and "checked 5 samples" not in plain

@@ -152,6 +152,11 @@ def info(message: str) -> None:
         console.print(message)
 
 
+def result_line(message: str) -> None:
+    """Print a command's result line: also with --quiet, which keeps only results and errors."""
+    console.print(message)
+
+
 def debug(message: str) -> None:
     """Print only with --verbose."""
     if state.verbose:

@@ -99,14 +99,12 @@ def main(argv: list[str] | None = None) -> None:
 def _option_as_config_key(argv: list[str]) -> tuple[str, str] | None:
     """(message, hint) for the first `--name` in `argv` that the command does not take but that names a config key
     (`suggest_key`: `--epochs 2` -> `train.num_epochs=2`), else None (click reports other unknown options)."""
-    import click
-
     from vlmctl.config import suggest_key
 
     command: Any = typer.main.get_command(app)
     known: set[str] = set()
     for i, arg in enumerate(argv):
-        if isinstance(command, click.Group) and arg in command.commands:
+        if arg in getattr(command, "commands", {}):  # a group (typer's own, not always click's class)
             command = command.commands[arg]
         known |= {o for p in command.params for o in (*p.opts, *p.secondary_opts)}
         name, eq, value = arg.partition("=")

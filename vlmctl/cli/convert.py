@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from vlmctl.cli._common import JsonOpt, console, esc, info, print_json, state
+from vlmctl.cli._common import JsonOpt, console, esc, info, print_json, result_line, state
 
 EXAMPLE = "Example: vlmctl convert outputs/runs/my-run/checkpoint-500 -o exports/my-model --dtype bf16"
 
@@ -59,7 +59,7 @@ def convert(
     if not state.quiet:
         console.print(table)
     what = "LoRA adapter" if result.adapter_only else ("merged LoRA model" if result.merged_lora else "model")
-    info(f"[green]Converted[/green] {result.kind} {esc(result.source)} -> {esc(what)} at {esc(result.out)} ({result.dtype})")
+    result_line(f"[green]Converted[/green] {result.kind} {esc(result.source)} -> {esc(what)} at {esc(result.out)} ({result.dtype})")
     v = result.verify
     if v is not None:
         info(f"[green]Verified[/green]: max |logit difference| {v.max_abs_diff:.3g} over {v.num_logits:,} logits (tolerance {v.tolerance:.3g})")

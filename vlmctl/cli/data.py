@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
-from vlmctl.cli._common import (ConfigOpt, JsonOpt, OverridesArg, console, esc, info, load_project, print_json, split_args,
-                                state)
+from vlmctl.cli._common import (ConfigOpt, JsonOpt, OverridesArg, console, debug, esc, info, load_project, print_json,
+                                result_line, split_args, state)
 
 if TYPE_CHECKING:
     from vlmctl.config import VlmctlConfig
@@ -81,7 +81,7 @@ def _render_prepare(m: dict[str, Any], out: Path, export_dir: Path | None, token
         table.add_row(esc(s["name"]), esc(s["format"]), f"{s['kept']:,}", rejected)
     console.print(table)
     tr, va = m["splits"]["train"], m["splits"]["val"]
-    info(f"[green]Prepared[/green] {esc(out)}: train {tr['samples']:,} samples ({len(tr['shards'])} shard(s)), val {va['samples']:,} samples")
+    result_line(f"[green]Prepared[/green] {esc(out)}: train {tr['samples']:,} samples ({len(tr['shards'])} shard(s)), val {va['samples']:,} samples")
     if m["totals"]["rejected_total"]:
         info(f"Rejected {m['totals']['rejected_total']:,} samples: see {esc(out / 'rejected.jsonl')}")
     for reason, n in (m["totals"].get("flagged") or {}).items():
@@ -98,6 +98,7 @@ def _render_prepare(m: dict[str, Any], out: Path, export_dir: Path | None, token
     info(f"Length histogram: {esc(out / 'length_histogram.png')}")
     if export_dir:
         info(f"Energon export: {esc(export_dir)}")
+    debug(f"manifest: {esc(out / 'manifest.json')}; shards: " + esc(", ".join(tr["shards"] + va["shards"])))
 
 
 def _longest_line(tokens: dict[str, Any]) -> str:
@@ -159,18 +160,25 @@ def _render_validate(report, cfg: "VlmctlConfig") -> None:
 
     for reason, n in report.flagged.items():
         info(f"[yellow]{n:,} kept samples flagged {reason}[/yellow] (data.duplicate_ids: keep)")
+    debug(f"checked {report.total:,} samples; token counts {'checked' if report.tokens_checked else 'not checked'}")
     if report.ok:
-        info(f"[green]OK[/green]: {report.total:,} samples checked, none would be rejected.")
+        result_line(f"[green]OK[/green]: {report.total:,} samples checked, none would be rejected.")
         if not report.tokens_checked:
             later = "; `vlmctl data prepare` checks it with the configured model" if model_configured(cfg.model) else ""
             info(f"[dim]too_long was not checked (no built model in model.output_dir{later}).[/dim]")
         return
-    table = Table(title=f"{report.rejected:,} of {report.total:,} samples would be rejected", title_justify="left")
+    counts = report.to_dict()["counts"]
+    summary = f"{report.rejected:,} of {report.total:,} samples would be rejected"
+    if state.quiet:  # the result line alone
+        result_line(f"{summary} ({', '.join(f'{reason} {n:,}' for reason, n in counts.items())})")
+        return
+    table = Table(title=summary, title_justify="left")
     table.add_column("reason")
     table.add_column("count", justify="right")
     table.add_column("first locations", overflow="fold")
-    for reason, count in report.to_dict()["counts"].items():
-        where = "\n".join(f"{esc(e['location'])}: {esc(e['detail'])}" for e in report.examples.get(reason, [])[:3])
+    shown = 10 if state.verbose else 3  # -v: every location kept (up to 10 per reason)
+    for reason, count in counts.items():
+        where = "\n".join(f"{esc(e['location'])}: {esc(e['detail'])}" for e in report.examples.get(reason, [])[:shown])
         table.add_row(reason, f"{count:,}", where)
     console.print(table)
     info(f"Kept: {report.kept:,}. Fix the records above, or run `vlmctl data prepare` to drop them with these reasons.")

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from vlmctl.cli._common import ConfigOpt, JsonOpt, console, esc, info, load_project, print_json, split_args, state
+from vlmctl.cli._common import ConfigOpt, JsonOpt, console, esc, info, load_project, print_json, result_line, split_args, state
 
 EXAMPLE = "Example: vlmctl eval --data val --task vqa --limit 200"
 
@@ -167,4 +167,4 @@ def _render(result, as_json: bool) -> None:
         folder = Path(result.out_dir)
         names = ["metrics.json", *(n for n in ("predictions.jsonl", "report.html") if (folder / n).is_file()),
                  *(["skipped.jsonl"] if skipped else []), *(["lmms_eval/"] if (folder / "lmms_eval").is_dir() else [])]
-        info(f"Wrote {esc(result.out_dir)}/ ({esc(', '.join(names))})")
+        result_line(f"Wrote {esc(result.out_dir)}/ ({esc(', '.join(names))})")

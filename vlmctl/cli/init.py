@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from vlmctl.cli._common import JsonOpt, console, esc, info, print_json
+from vlmctl.cli._common import JsonOpt, console, esc, info, print_json, result_line
 
 EXAMPLE = "Example: vlmctl init my-vlm --template llava"
 
@@ -26,7 +26,7 @@ def init(
     if as_json:
         print_json({"folder": str(result.folder), "template": template, "files": [str(f) for f in result.files]})
         return
-    info(f"[green]Created[/green] {esc(result.folder)} from template [bold]{esc(template)}[/bold]:")
+    result_line(f"[green]Created[/green] {esc(result.folder)} from template [bold]{esc(template)}[/bold]:")
     for f in result.files:
         info(f"  {esc(f)}")
     info("\nNext:")

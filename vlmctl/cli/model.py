@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 import typer
 
-from vlmctl.cli._common import ConfigOpt, JsonOpt, OverridesArg, console, esc, info, load_project, print_json, state
+from vlmctl.cli._common import ConfigOpt, JsonOpt, OverridesArg, console, esc, info, load_project, print_json, result_line, state
 
 app = typer.Typer(help="Build or inspect the model.", no_args_is_help=True)
 
@@ -119,7 +119,7 @@ def _render(result: Any, s: dict[str, Any]) -> None:
         f"Training memory {where[0]} ({s['strategy']}, {where[1]}, {s['storage']}, without activations): "
         f"~{_gib(mem['total'])} (weights {_gib(mem['weights'])}, gradients {_gib(mem['gradients'])}, optimizer {_gib(mem['optimizer'])})"
     )
-    info(f"[green]Built[/green] {esc(result.output_dir)} in {result.seconds:.1f} s")
+    result_line(f"[green]Built[/green] {esc(result.output_dir)} in {result.seconds:.1f} s")
 
 
 def _count(n: int) -> str:

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from vlmctl.cli._common import ConfigOpt, JsonOpt, console, esc, info, load_project, print_json, split_args, state
+from vlmctl.cli._common import ConfigOpt, JsonOpt, console, esc, info, load_project, print_json, result_line, split_args, state
 
 EXAMPLE = "Example: vlmctl push outputs/runs/my-run/final --repo-id my-org/my-vlm --dry-run hub.license=mit"
 
@@ -85,4 +85,4 @@ def push(
         console.rule()
         info("[dim]dry run: nothing was uploaded[/dim]")
     else:
-        info(f"[green]Pushed[/green] {len(result.files)} files ({_human(result.total_bytes)}) to {esc(result.url)}" + (f" @ {result.commit[:10]}" if result.commit else ""))
+        result_line(f"[green]Pushed[/green] {len(result.files)} files ({_human(result.total_bytes)}) to {esc(result.url)}" + (f" @ {result.commit[:10]}" if result.commit else ""))

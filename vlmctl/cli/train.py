@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from vlmctl.cli._common import ConfigOpt, OverridesArg, console, esc, info, load_project
+from vlmctl.cli._common import ConfigOpt, OverridesArg, console, esc, info, load_project, result_line
 
 EXAMPLE = "Example: vlmctl train --launcher torchrun --nproc-per-node 2 train.strategy=fsdp train.max_steps=50"
 
@@ -85,7 +85,7 @@ def _run(train_cfg, run_dir) -> None:
         from vlmctl.errors import VlmctlError
 
         raise VlmctlError(f"training failed (exit code {code})", hint=f"see the output above; the run folder is {run_dir}")
-    info(f"done: {esc(run_dir / 'final')}")
+    result_line(f"done: {esc(run_dir / 'final')}")
 
 
 def _stopped(run_dir, signum: int) -> None:

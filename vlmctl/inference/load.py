@@ -14,7 +14,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from vlmctl.errors import ModelError, UsageError
+from vlmctl.errors import MissingModelError, ModelError, UsageError
 
 BACKENDS = ("hf", "vllm")
 """Generation backends: `hf` (transformers' `model.generate`, any device) and `vllm` (vLLM's offline engine)."""
@@ -43,7 +43,7 @@ def check_model_dir(path: Path) -> None:
     is not checked). The error names the folder and says how to fix it."""
     path = Path(path)
     if not path.is_dir():
-        raise ModelError(f"no model folder at {path}", hint="train or build one first (`vlmctl train`, `vlmctl model build`), or pass MODEL")
+        raise MissingModelError(f"no model folder at {path}", hint="train or build one first (`vlmctl train`, `vlmctl model build`), or pass MODEL")
     info = _build_info(path)
     if info.get("mode") == "base" and not (path / "config.json").is_file():
         # `model build` in base mode only records which checkpoint it describes; check that one when it is local.
