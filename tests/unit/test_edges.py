@@ -246,3 +246,22 @@ def test_quiet_prints_the_result_line_and_verbose_adds_detail(tmp_path, capsys, 
     code, loud, _ = run_cli(["data", "validate", "-v"], capsys)
     assert plain.count("does not exist") == 3 and loud.count("does not exist") == 5
     assert "checked 5 samples" in loud and "checked 5 samples" not in plain
+
+
+# ------------------------------------------------------------------ 14: data validate FILE --image-root --format
+
+
+def test_validate_a_file_with_its_image_root_and_format(tmp_path, capsys, monkeypatch):
+    from PIL import Image
+
+    (tmp_path / "imgs").mkdir()
+    Image.new("RGB", (64, 64), "red").save(tmp_path / "imgs" / "a.png")
+    (tmp_path / "sub.json").write_text(json.dumps([{"id": "a", "image": "a.png", "conversations": _turns()}]))
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(["data", "validate", "sub.json"], capsys)
+    text = _flat(out + err)
+    assert code == 1 and "Every image is missing" in text and "--image-root" in text, text
+    code, out, err = run_cli(["data", "validate", "sub.json", "--image-root", "imgs", "--format", "llava"], capsys)
+    assert code == 0 and "none would be rejected" in out, out + err
+    code, out, err = run_cli(["data", "validate", "sub.json", "--image-root", "imgs", "--format", "messages"], capsys)
+    assert code != 0  # the format given is the format read

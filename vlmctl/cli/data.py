@@ -120,10 +120,18 @@ def _longest_line(tokens: dict[str, Any]) -> str:
 def validate(
     args: Annotated[Optional[list[str]], typer.Argument(help="Source files/folders or a prepared dir (default: data.sources), then overrides.", show_default=False)] = None,
     config: ConfigOpt = None,
+    image_root: Annotated[Optional[Path], typer.Option("--image-root", help="Folder that the files' relative image paths are relative to (default: each file's folder).")] = None,
+    format: Annotated[str, typer.Option("--format", help="Format of the files given: auto, llava, sharegpt, messages, parquet, webdataset.")] = "auto",
     as_json: JsonOpt = False,
 ) -> None:
     """Check sources without writing anything; exit 1 when any sample would be rejected."""
     paths, overrides = split_args(args)
+    if (image_root is not None or format != "auto") and not paths:
+        from vlmctl.errors import UsageError
+
+        raise UsageError("--image-root and --format apply to files given on the command line",
+                         hint="pass the files (`vlmctl data validate data/raw/train.json --image-root data/raw`), or set "
+                         "data.sources[].image_root / format in vlmctl.yaml")
     cfg = _load_for_validate(config, overrides, standalone=bool(paths))
     from vlmctl.data.validate import validate_data
 
@@ -133,11 +141,14 @@ def validate(
         processor_dir=_processor_dir(cfg),
         progress=not (as_json or state.quiet),
         row_budget=_row_budget(cfg),
+        image_root=image_root,
+        format=format,
+        max_examples=10 if state.verbose else 5,
     )
     if as_json:
         print_json(report.to_dict())
     else:
-        _render_validate(report, cfg)
+        _render_validate(report, cfg, given=bool(paths))
     if not report.ok:
         raise typer.Exit(1)
 
@@ -153,7 +164,7 @@ def _load_for_validate(config: Path | None, overrides: list[str], standalone: bo
     return load_project(config, overrides)
 
 
-def _render_validate(report, cfg: "VlmctlConfig") -> None:
+def _render_validate(report, cfg: "VlmctlConfig", given: bool = False) -> None:
     from rich.table import Table
 
     from vlmctl.data.counting import model_configured
@@ -182,3 +193,7 @@ def _render_validate(report, cfg: "VlmctlConfig") -> None:
         table.add_row(reason, f"{count:,}", where)
     console.print(table)
     info(f"Kept: {report.kept:,}. Fix the records above, or run `vlmctl data prepare` to drop them with these reasons.")
+    if report.kept == 0 and counts.get("missing_image") == report.total:  # a wrong root, not missing files
+        where = "--image-root FOLDER" if given else "data.sources[].image_root in vlmctl.yaml"
+        info(f"[yellow]Every image is missing[/yellow]: the image paths are probably relative to another folder; "
+             f"pass {where} (the folder they are relative to).")
