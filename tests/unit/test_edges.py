@@ -265,3 +265,24 @@ def test_validate_a_file_with_its_image_root_and_format(tmp_path, capsys, monkey
     assert code == 0 and "none would be rejected" in out, out + err
     code, out, err = run_cli(["data", "validate", "sub.json", "--image-root", "imgs", "--format", "messages"], capsys)
     assert code != 0  # the format given is the format read
+
+
+# -------------------------------------------------------------- 15: an empty val split is flagged, eval says why
+
+
+def test_an_empty_val_split_is_flagged_at_prepare_and_eval_names_the_fix(tmp_path, capsys, monkeypatch):
+    from PIL import Image
+
+    from vlmctl.errors import DataError
+    from vlmctl.evaluation.runner import load_samples
+
+    Image.new("RGB", (64, 64), "red").save(tmp_path / "red.png")
+    _llava_project(tmp_path, [{"id": f"s{i}", "image": "red.png", "conversations": _turns(f"<image>\nColor {i}?")}
+                              for i in range(4)])
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(["data", "prepare", "data.val_ratio=0"], capsys)
+    text = _flat(out + err)
+    assert code == 0 and "The val split is empty" in text and "data.val_ratio" in text, text
+    with pytest.raises(DataError, match="val split .* is empty") as info:
+        load_samples("val", tmp_path / "data" / "prepared")
+    assert "data.val_ratio" in info.value.hint

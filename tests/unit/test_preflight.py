@@ -115,5 +115,5 @@ def test_validation_without_a_val_split_is_refused_before_spawning(project, no_s
     (project / "data" / "prepared" / "train" / "train-00000.parquet").write_bytes(b"")
     code, out, err = run_cli(["train", "train.eval_steps=10"], capsys)
     text = " ".join((out + err).replace("│", " ").split())
-    assert code != 0 and "train.eval_steps" in text and "holds no prepared shards" in text and "data.val_ratio" in text
+    assert code != 0 and "train.eval_steps" in text and "holds no prepared samples" in text and "data.val_ratio" in text
     assert "Traceback" not in text

@@ -82,6 +82,9 @@ def _render_prepare(m: dict[str, Any], out: Path, export_dir: Path | None, token
     console.print(table)
     tr, va = m["splits"]["train"], m["splits"]["val"]
     result_line(f"[green]Prepared[/green] {esc(out)}: train {tr['samples']:,} samples ({len(tr['shards'])} shard(s)), val {va['samples']:,} samples")
+    if not va["samples"]:
+        info("[yellow]The val split is empty[/yellow]: `vlmctl eval` and train.eval_steps have nothing to evaluate; "
+             "set data.val_ratio above 0 (e.g. 0.05) and prepare again if you want them.")
     if m["totals"]["rejected_total"]:
         info(f"Rejected {m['totals']['rejected_total']:,} samples: see {esc(out / 'rejected.jsonl')}")
     for reason, n in (m["totals"].get("flagged") or {}).items():

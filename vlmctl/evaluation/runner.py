@@ -105,6 +105,10 @@ def load_samples(data: str, prepared_dir: Path, limit: int | None = None, *, med
         if not files:
             raise DataError(f"no prepared val split in {folder}", hint="run `vlmctl data prepare` first, or pass --data PATH")
         samples = SampleList(_read_parquet(files, limit))
+        if not samples:
+            raise DataError(f"the prepared val split in {folder} is empty: data prepare held no samples out",
+                            hint="set data.val_ratio above 0 (e.g. 0.05) and re-run `vlmctl data prepare`, or pass "
+                            "--data PATH (a file to evaluate on)")
     else:
         path = Path(data).expanduser()
         if not path.exists() and not any(ch in data for ch in "*?["):

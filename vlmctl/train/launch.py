@@ -234,6 +234,13 @@ def check_packages(train) -> None:
         require_package(module, setting, package=package, extra=extra)
 
 
+def _split_rows(folder: Path) -> int:
+    """Samples in a prepared split folder (from the Parquet footers; 0 without shards)."""
+    import pyarrow.parquet as pq
+
+    return sum(pq.ParquetFile(f).metadata.num_rows for f in sorted(folder.glob("*.parquet")))
+
+
 def check_built_settings(cfg, source: str) -> None:
     """Raise ConfigError when `source` is the folder `vlmctl model build` wrote and a model.* key differs from
     what it was built with: training would load the old model while the run's config.yaml records the new keys."""
@@ -263,9 +270,10 @@ def preflight(cfg, run_dir: Path | None = None) -> None:
     if not any(train_dir.glob("*.parquet")):
         raise DataError(f"no prepared training shards in {train_dir}", hint="run `vlmctl data prepare` first")
     val_dir = Path(cfg.data.prepared_dir) / "val"
-    if cfg.train.eval_steps and not any(val_dir.glob("*.parquet")):
-        raise DataError(f"train.eval_steps validates on the val split, but {val_dir} holds no prepared shards",
-                        hint="set data.val_ratio (e.g. 0.05) and re-run `vlmctl data prepare`, or unset train.eval_steps")
+    if cfg.train.eval_steps and not _split_rows(val_dir):
+        raise DataError(f"train.eval_steps validates on the val split, but {val_dir} holds no prepared samples",
+                        hint="set data.val_ratio above 0 (e.g. 0.05) and re-run `vlmctl data prepare`, or unset "
+                        "train.eval_steps")
     check_built_settings(cfg, model_source(cfg))  # raises ModelError without a built model or model.base
     checkpoint = resolve_resume(run_dir, cfg.train.resume) if run_dir is not None else None
     if checkpoint is not None:
