@@ -286,3 +286,45 @@ def test_an_empty_val_split_is_flagged_at_prepare_and_eval_names_the_fix(tmp_pat
     with pytest.raises(DataError, match="val split .* is empty") as info:
         load_samples("val", tmp_path / "data" / "prepared")
     assert "data.val_ratio" in info.value.hint
+
+
+# ------------------------------------------ 16: no folder left by a run that never started; a finished run says so
+
+
+def test_a_run_that_fails_before_training_leaves_no_folder(built_project, capsys, monkeypatch):
+    import vlmctl.train.launch as L
+    from vlmctl.errors import ModelError
+
+    def fails(run_dir):
+        assert (run_dir / "config.yaml").is_file()
+        raise ModelError("the model does not load")
+
+    monkeypatch.setattr(L, "run_in_process", fails)
+    code, out, err = run_cli(["train", "train.run_name=first"], capsys)
+    assert code == 1 and "the model does not load" in out + err
+    assert not (built_project / "runs" / "first").exists()
+    code, out, err = run_cli(["train", "train.run_name=first"], capsys)  # the same name again: not "already holds a run"
+    assert "already holds a run" not in out + err and "the model does not load" in out + err
+
+
+def test_resuming_a_finished_run_says_it_is_finished(built_project, capsys):
+    import vlmctl.train.launch as L
+    from vlmctl.config import load_config
+
+    run = built_project / "runs" / "done"
+    (run / "checkpoints" / "checkpoint-3").mkdir(parents=True)
+    (run / "checkpoints" / "checkpoint-3" / "trainer_state.json").write_text(
+        json.dumps({"step": 3, "epoch": 1.5, "consumed_micro_batches": 6}))
+    (run / "final").mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 3}\n')
+    code, out, err = run_cli(["train", "--resume", "train.run_name=done", "train.max_steps=3"], capsys)
+    text = _flat(out + err)
+    assert code == 2 and "is finished" in text and "train.max_steps" in text, text
+    train = load_config(built_project / "vlmctl.yaml").train
+    for max_steps, epochs, finished in [(5, 1.0, False), (None, 1.0, True), (None, 2.0, False)]:
+        train.max_steps, train.num_epochs = max_steps, epochs
+        if finished:
+            with pytest.raises(Exception, match="is finished"):
+                L.check_unfinished(run, train)
+        else:
+            L.check_unfinished(run, train)

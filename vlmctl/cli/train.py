@@ -47,11 +47,16 @@ def train(
         return
     from vlmctl.train.rundir import release_run
 
+    fresh = not resume and train_cfg.resume is None
     run_dir = L.prepare_run(cfg, resume=resume)
+    started = False
     try:
         _run(train_cfg, run_dir)
+        started = True
     finally:
         release_run(run_dir)
+        if fresh and not started:
+            L.discard_unstarted(run_dir)
 
 
 def _run(train_cfg, run_dir) -> None:

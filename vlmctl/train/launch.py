@@ -109,6 +109,8 @@ def prepare_run(cfg, resume: bool = False) -> Path:
         train.resume = "auto"
     fresh_slurm = train.launcher == "slurm" and train.resume is None
     root, name, explicit = _run_location(cfg)
+    if train.resume is not None and not fresh_slurm:
+        check_unfinished(root / name, train)
     if train.launcher != "slurm":  # an sbatch script runs elsewhere, later: its nodes check for themselves
         preflight(cfg, root / name if train.resume is not None and not joins_run(train) else None)
     if joins_run(train):
@@ -123,6 +125,37 @@ def prepare_run(cfg, resume: bool = False) -> Path:
     tmp.write_text(dump_config(cfg))
     os.replace(tmp, run_dir / "config.yaml")
     return run_dir
+
+
+def discard_unstarted(run_dir: Path) -> bool:
+    """Remove the folder of a new run that failed before it held anything of a run (`rundir.holds_a_run`: no
+    metrics, checkpoint or export), so the same command can run again under the same name; returns whether it
+    was removed."""
+    from vlmctl.train.rundir import holds_a_run
+
+    if not run_dir.is_dir() or holds_a_run(run_dir):
+        return False
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return True
+
+
+def check_unfinished(run_dir: Path, train) -> None:
+    """Raise UsageError when the run to resume already finished: its final export is there and its latest
+    checkpoint reached `train.max_steps` (or, without it, `train.num_epochs`), so resuming would only export it
+    again."""
+    from vlmctl.train.checkpoint import latest_checkpoint, read_state
+
+    last = latest_checkpoint(run_dir)
+    if last is None or not (run_dir / "final").is_dir():
+        return
+    state = read_state(last)
+    step = int(state.get("step", 0))
+    done = step >= train.max_steps if train.max_steps else float(state.get("epoch", 0)) >= train.num_epochs
+    if done:
+        raise UsageError(f"the run {run_dir.name} is finished: step {step}, exported to {run_dir / 'final'}; there "
+                         "is nothing to resume",
+                         hint="raise train.max_steps (or train.num_epochs) to train it further, or start a new run "
+                         "without --resume")
 
 
 def _run_location(cfg) -> tuple[Path, str, bool]:

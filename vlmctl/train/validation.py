@@ -159,7 +159,7 @@ class Validator:
 def build_validator(cfg, ctx, tm, stepper, saved_best: dict[str, Any] | None):
     """The run's `Validator` (None without `train.eval_steps`): the val split's shards and token counts, this
     rank's `val_batches`, the training collator and batch hook, and the best so far from `saved_best` (a resumed
-    checkpoint's `best`). Raises DataError when the val split has no shards."""
+    checkpoint's `best`). Raises DataError when the val split has no shards or no sample that fits a row."""
     from vlmctl.data.loader import ShardDataset
     from vlmctl.train.data import build_collator
 
@@ -174,6 +174,11 @@ def build_validator(cfg, ctx, tm, stepper, saved_best: dict[str, Any] | None):
         lengths = lengths.clip(max=cfg.data.max_length)  # encode_sample truncates text beyond max_length
     batches = val_batches(lengths, packing=train.packing, budget=train.tokens_per_batch * ctx.dims.sp,
                           micro_batch_size=train.micro_batch_size, dp_size=ctx.dims.dp_size, dp_rank=ctx.dims.dp_rank)
+    if not batches:
+        from vlmctl.errors import DataError
+
+        raise DataError(f"train.eval_steps: no val sample fits a packed row of {train.tokens_per_batch * ctx.dims.sp} tokens",
+                        hint="raise train.tokens_per_batch, or re-run `vlmctl data prepare` with data.max_length at most that")
     collate = build_collator(cfg, ctx, tm)
 
     def load(indices):
