@@ -328,3 +328,24 @@ def test_resuming_a_finished_run_says_it_is_finished(built_project, capsys):
                 L.check_unfinished(run, train)
         else:
             L.check_unfinished(run, train)
+
+
+# -------------------------------------------------------------- 17: the same parameter counts in build and train
+
+
+def test_train_reports_the_parameter_counts_of_the_build_with_lora(built_project):
+    from vlmctl.config import LoraSection
+    from vlmctl.models import load_model
+    from vlmctl.train import setup
+    from vlmctl.train.report import built_parameters
+
+    info = json.loads((built_project / "model" / "vlmctl_model.json").read_text())
+    model, _, family = load_model(built_project / "model", dtype="fp32")
+    parts = setup.model_parts(model, family)
+    model = setup.apply_lora(model, LoraSection(r=4, alpha=8), parts, {"projector"})
+    counted = setup.part_parameters(model, setup.model_parts(model, family))
+    assert counted != {k: info["parameters"][k] for k in counted}  # adapters and the projector's copy included
+    built, adapters = built_parameters(model, setup.model_parts(model, family), counted)
+    assert built == {k: info["parameters"][k] for k in counted}
+    lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    assert adapters == lora > 0

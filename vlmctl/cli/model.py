@@ -97,14 +97,14 @@ def _render(result: Any, s: dict[str, Any]) -> None:
     from rich.table import Table
 
     names = s.get("part_labels") or {"vision": "vision tower", "projector": "projector", "llm": "language model"}
-    table = Table(title=f"{result.output_dir} ({s['family']}, {result.mode})", title_justify="left")
+    table = Table(title=f"{esc(result.output_dir)} ({s['family']}, {result.mode})", title_justify="left")
     table.add_column("part")
     table.add_column("parameters", justify="right")
     table.add_column(f"trained at stage {s['stage']}")
     for part, label in names.items():
         trained = "[green]yes[/green]" if s["trained"][part] else ("LoRA" if part == "llm" and s["lora_on_llm"] else "[dim]frozen[/dim]")
         table.add_row(label, _count(s["parameters"][part]), trained)
-    table.add_row("[bold]total[/bold]", f"[bold]{_count(s['parameters']['total'])}[/bold]", f"{_count(s['trainable_parameters'])} trainable")
+    table.add_row("[bold]total[/bold]", f"[bold]{_count(s['parameters']['total'])}[/bold]", f"{_count(s['trainable_parameters'])} trainable" + (" + LoRA adapters" if s["lora_on_llm"] else ""))
     console.print(table)
     if s["visual_tokens_per_image"] is not None:
         info(f"Visual tokens per image: {s['visual_tokens_per_image']:,} at {s['image_size']}x{s['image_size']} px")
