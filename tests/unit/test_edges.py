@@ -349,3 +349,18 @@ def test_train_reports_the_parameter_counts_of_the_build_with_lora(built_project
     assert built == {k: info["parameters"][k] for k in counted}
     lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
     assert adapters == lora > 0
+
+
+# ------------------------------------------------------------------------------------------ 18: presets listed
+
+
+def test_presets_are_listed_by_their_command_and_in_build_help(capsys):
+    from vlmctl.models.build import PRESET_DIR
+
+    names = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+    code, out, err = run_cli(["model", "presets", "--json"], capsys)
+    assert code == 0 and sorted(json.loads(out)) == names and "tiny SigLIP" in json.loads(out)["tiny"]
+    code, out, err = run_cli(["model", "build", "--help"], capsys)
+    assert code == 0 and all(name in _flat(out).replace(" ", "") for name in names)
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text()
+    assert "`vlmctl model presets` lists them" in doc

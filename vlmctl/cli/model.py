@@ -10,7 +10,21 @@ from vlmctl.cli._common import ConfigOpt, JsonOpt, OverridesArg, console, esc, i
 
 app = typer.Typer(help="Build or inspect the model.", no_args_is_help=True)
 
-EXAMPLE = "Example: vlmctl model build model.projector=linear --force  (vlmctl model build --list: the supported families)"
+
+
+def _preset_names() -> list[str]:
+    """The shipped presets' names, from their folder, without importing the model code (--help stays light)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("vlmctl.models")
+    folder = Path(next(iter(spec.submodule_search_locations))) / "presets"
+    return sorted(p.stem for p in folder.glob("*.yaml"))
+
+
+EXAMPLE = ("Example: vlmctl model build model.projector=linear --force  (vlmctl model build --list: the supported families)"
+           "\n\nPresets (model.preset, model.vision, model.llm with init: random): " + ", ".join(_preset_names())
+           + " (vlmctl model presets describes them)")
 
 
 @app.command("build", epilog=EXAMPLE)
@@ -39,6 +53,25 @@ def build(
         print_json({**result.to_dict(), "summary": summary})
         return
     _render(result, summary)
+
+
+@app.command("presets")
+def presets(as_json: JsonOpt = False) -> None:
+    """List the shipped size presets (model.preset, or model.vision / model.llm with init: random)."""
+    from rich.table import Table
+
+    from vlmctl.models.build import list_presets
+
+    rows = list_presets()
+    if as_json:
+        print_json(rows)
+        return
+    table = Table(title="Presets", title_justify="left")
+    table.add_column("name")
+    table.add_column("what it is")
+    for name, description in rows.items():
+        table.add_row(esc(name), esc(description))
+    console.print(table)
 
 
 def _list_families(as_json: bool) -> None:
