@@ -364,3 +364,17 @@ def test_presets_are_listed_by_their_command_and_in_build_help(capsys):
     assert code == 0 and all(name in _flat(out).replace(" ", "") for name in names)
     doc = (Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text()
     assert "`vlmctl model presets` lists them" in doc
+
+
+# ------------------------------------------------------------------- 19: `vlmctl init llava` says what it made
+
+
+def test_init_with_a_template_name_as_folder_warns(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(["init", "llava"], capsys)
+    assert code == 0 and "warning" in err and "--template llava" in _flat(err), err
+    assert "tiny" in (tmp_path / "llava" / "vlmctl.yaml").read_text()
+    code, out, err = run_cli(["init", "qwen", "--template", "llava"], capsys)
+    assert code == 0 and "warning" not in err
+    code, out, err = run_cli(["init", "tiny"], capsys)
+    assert code == 0 and "warning" not in err
