@@ -378,3 +378,37 @@ def test_init_with_a_template_name_as_folder_warns(tmp_path, capsys, monkeypatch
     assert code == 0 and "warning" not in err
     code, out, err = run_cli(["init", "tiny"], capsys)
     assert code == 0 and "warning" not in err
+
+
+# -------------------------------------------------- 5: an interrupted run is named; --resume --dry-run names it too
+
+
+def _interrupted(root: Path, name: str, step: int) -> Path:
+    run = root / "runs" / name
+    (run / "checkpoints" / f"checkpoint-{step}").mkdir(parents=True)
+    (run / "checkpoints" / f"checkpoint-{step}" / "trainer_state.json").write_text(
+        json.dumps({"step": step, "epoch": 0.5, "consumed_micro_batches": step}))
+    (run / "metrics.jsonl").write_text(json.dumps({"step": step}) + "\n")
+    return run
+
+
+def test_a_new_run_names_the_interrupted_one_and_dry_run_resumes_the_same(built_project, capsys, monkeypatch):
+    import vlmctl.train.launch as L
+
+    older = _interrupted(built_project, "p-finetune-20260101-000000", 2)
+    newest = _interrupted(built_project, "p-finetune-20260102-000000", 4)
+    code, out, err = run_cli(["train", "--resume", "--dry-run"], capsys)
+    assert code == 0 and str(newest) in out and str(older) not in out, out + err
+    code, out, err = run_cli(["train", "--dry-run"], capsys)
+    assert code == 0 and str(newest) not in out
+    import vlmctl.checkpoints
+
+    seen = []
+    monkeypatch.setattr(L, "run_in_process", lambda run_dir: seen.append(run_dir) or "done")
+    monkeypatch.setattr(vlmctl.checkpoints, "check_checkpoint", lambda path: {})  # the folders hold no weights
+    code, out, err = run_cli(["train", "--resume"], capsys)
+    assert code == 0 and seen == [newest]
+    code, out, err = run_cli(["train"], capsys)
+    text = _flat(out + err)
+    assert code == 0 and "p-finetune-20260102-000000 stopped at step 4" in text and "vlmctl train --resume" in text
+    assert seen[-1] != newest

@@ -39,15 +39,16 @@ def train(
     if extra:
         cfg = load_project(config, [*(overrides or []), *extra])
     train_cfg = cfg.train
-    if dry_run:
-        from pathlib import Path
-
-        run_dir = Path(train_cfg.output_dir) / (train_cfg.run_name or L.default_run_name(cfg))
-        console.print(L.dry_run_text(train_cfg, run_dir), soft_wrap=True, markup=False, highlight=False)
+    if dry_run:  # the run folder the real command would use (the one --resume continues)
+        console.print(L.dry_run_text(train_cfg, L.planned_run_dir(cfg, resume)), soft_wrap=True, markup=False,
+                      highlight=False)
         return
     from vlmctl.train.rundir import release_run
 
     fresh = not resume and train_cfg.resume is None
+    if fresh and not train_cfg.run_name and (left := L.interrupted_run(cfg)) is not None:
+        info(f"[yellow]note[/yellow]: the run {esc(left[0].name)} stopped at step {left[1]} without finishing; this "
+             f"starts a new run. Continue that one instead with `vlmctl train --resume` (or set train.resume: auto).")
     run_dir = L.prepare_run(cfg, resume=resume)
     started = False
     try:

@@ -72,6 +72,26 @@ def find_resumable_run(cfg) -> Path | None:
     return max(runs, key=_run_order) if runs else None
 
 
+def interrupted_run(cfg) -> tuple[Path, int] | None:
+    """(folder, step of its last checkpoint) of the run a new `vlmctl train` of this project and stage would
+    leave behind: the newest with a checkpoint and no final export (stopped by Ctrl-C, a signal or a crash);
+    None when there is none."""
+    from vlmctl.train.checkpoint import latest_checkpoint, read_state
+
+    found = find_resumable_run(cfg)
+    if found is None or (found / "final").is_dir():
+        return None
+    return found, int(read_state(latest_checkpoint(found)).get("step", 0))
+
+
+def planned_run_dir(cfg, resume: bool = False) -> Path:
+    """The run folder `prepare_run(cfg, resume)` would prepare (what `vlmctl train --dry-run` names), without
+    creating anything. Raises UsageError when `resume` finds nothing to resume."""
+    train = cfg.train.model_copy(update={"resume": "auto"} if resume and cfg.train.resume is None else {})
+    root, name, _ = _run_location(cfg.model_copy(update={"train": train}))
+    return root / name
+
+
 def _run_order(path: Path) -> tuple[str, int]:
     """Newest last: the timestamp in the name, then the collision suffix (`-2` after the plain name)."""
     import re
