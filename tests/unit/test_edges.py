@@ -412,3 +412,33 @@ def test_a_new_run_names_the_interrupted_one_and_dry_run_resumes_the_same(built_
     text = _flat(out + err)
     assert code == 0 and "p-finetune-20260102-000000 stopped at step 4" in text and "vlmctl train --resume" in text
     assert seen[-1] != newest
+
+
+# ------------------------------------------------------- 6: bench uses the project's shapes, n/a where none exists
+
+
+def test_bench_defaults_to_the_projects_shapes(built_project):
+    from vlmctl.cli.bench import project_shapes
+    from vlmctl.config import load_config
+    from vlmctl.models.load import read_build_info
+
+    cfg = load_config(built_project / "vlmctl.yaml", ["data.max_length=256"])
+    info = read_build_info(cfg.model.output_dir)
+    sizes, text = project_shapes(cfg, None, None, 1)
+    assert sizes == str(info["image_size"])
+    low, high = (int(x) for x in text.split(","))
+    assert low == 64 and high + info["visual_tokens_per_image"] + 32 == 256
+    assert project_shapes(cfg, "448", "10,20", 1) == ("448", "10,20")  # flags win
+
+
+def test_bench_says_n_a_for_figures_a_cpu_run_does_not_have(built_project, capsys, monkeypatch):
+    import vlmctl.bench as bench
+
+    result = bench.BenchResult(name="tiny", steps=2, world_size=1, strategy="ddp", tokens_per_s=100.0,
+                               text_tokens_per_s=50.0, visual_tokens_per_s=50.0, samples_per_s=1.0, step_time_s=0.5,
+                               mfu=0.0, peak_memory_gib=0.0, tokens_per_step=50.0, workload="chat", on_gpu=False)
+    monkeypatch.setattr(bench, "benchmark", lambda *a, **k: result)
+    code, out, err = run_cli(["bench", "--steps", "1"], capsys)
+    text = _flat(out)
+    assert code == 0 and "MFU (ViT included) n/a (CPU)" in text and "peak memory n/a (CPU)" in text, out + err
+    assert "0.0%" not in text.split("MFU")[1][:20]
