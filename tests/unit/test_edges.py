@@ -442,3 +442,27 @@ def test_bench_says_n_a_for_figures_a_cpu_run_does_not_have(built_project, capsy
     text = _flat(out)
     assert code == 0 and "MFU (ViT included) n/a (CPU)" in text and "peak memory n/a (CPU)" in text, out + err
     assert "0.0%" not in text.split("MFU")[1][:20]
+
+
+# ---------------------------------------------------------------- 8: a Hub id where a model folder is expected
+
+
+def test_a_hub_id_is_named_as_such_with_the_cache_and_the_fetch(tmp_path, capsys, monkeypatch):
+    import huggingface_hub
+
+    (tmp_path / "vlmctl.yaml").write_text("project: {name: p}\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, name: None)
+    for args in (["chat", "Qwen/Qwen2-VL-2B-Instruct"], ["eval", "Qwen/Qwen2-VL-2B-Instruct"]):
+        code, out, err = run_cli(args, capsys)
+        text = _flat(out + err)
+        assert code == 2 and "is a Hugging Face Hub id" in text and "not in the local Hugging Face cache" in text, text
+        assert "hf download Qwen/Qwen2-VL-2B-Instruct" in text and "pass MODEL" not in text
+    snapshot = tmp_path / "cache" / "snapshots" / "abc"
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, name: str(snapshot / name))
+    code, out, err = run_cli(["chat", "Qwen/Qwen2-VL-2B-Instruct"], capsys)
+    text = _flat(out + err)
+    assert code == 2 and "in the local Hugging Face cache at" in text and "pass that folder" in text, text
+    assert str(snapshot) in text.replace(" ", "")  # (a long path wraps over lines)
+    code, out, err = run_cli(["chat", "nothere"], capsys)
+    assert "Hub id" not in out + err  # a plain missing folder stays one
