@@ -466,3 +466,30 @@ def test_a_hub_id_is_named_as_such_with_the_cache_and_the_fetch(tmp_path, capsys
     assert str(snapshot) in text.replace(" ", "")  # (a long path wraps over lines)
     code, out, err = run_cli(["chat", "nothere"], capsys)
     assert "Hub id" not in out + err  # a plain missing folder stays one
+
+
+# ------------------------------------ 9: the demo's "train longer" keeps folder and overrides; convert --adapter-only
+
+
+def test_the_demo_train_longer_hint_repeats_the_folder_and_overrides():
+    from types import SimpleNamespace
+
+    from vlmctl.cli.demo import _verdict
+
+    result = SimpleNamespace(learned=False, projector="mlp2x_gelu", frozen=[], modality="video", steps=300)
+    line = _verdict(result, 1.2, (Path("my demo"), ["train.learning_rate=1e-3", "train.max_steps=300"], 800))
+    assert ("vlmctl demo 'my demo' --modality video --num-samples 800 --force train.learning_rate=1e-3 "
+            "train.max_steps=600") in line
+
+
+def test_convert_adapter_only_of_a_lora_run_takes_the_checkpoint_adapter(built_project, capsys):
+    code, out, err = run_cli(["train", "train.run_name=lora", "train.stage=finetune", "train.lora.r=4", "train.lora.alpha=8",
+                              "train.max_steps=2", "train.save_steps=2", "train.num_workers=0", "train.precision=fp32",
+                              "train.strategy=ddp", "train.nproc_per_node=1", "data.max_length=512",
+                              "train.tokens_per_batch=256"], capsys)
+    assert code == 0, out + err
+    run = built_project / "runs" / "lora"
+    assert not (run / "final" / "adapter_config.json").exists()  # the final export is merged
+    code, out, err = run_cli(["convert", str(run), "--adapter-only", "-o", str(built_project / "adapter"), "--no-verify"], capsys)
+    assert code == 0, out + err
+    assert (built_project / "adapter" / "adapter_config.json").is_file()

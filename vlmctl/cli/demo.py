@@ -79,12 +79,13 @@ def demo(
     if as_json:
         print_json(result.to_dict())
         return
-    _render(result)
+    _render(result, again=(folder, overrides or [], num_samples))
 
 
-def _verdict(result: "DemoResult", ratio: float) -> str:
+def _verdict(result: "DemoResult", ratio: float, again: tuple = (None, (), None)) -> str:
     """The line under the accuracy table: learned, or what to change. A perceiver whose seeded connector trained with
-    the rest gave up where things are on this set, and more steps did not bring it back (docs/benchmarks.md)."""
+    the rest gave up where things are on this set, and more steps did not bring it back (docs/benchmarks.md).
+    `again`: (folder, overrides, --num-samples) as given, repeated in the command that trains longer."""
     if result.learned:
         return (f"[green]The model {VERDICTS.get(result.modality, VERDICTS['image'])}: above the blind baseline on every "
                 f"question type, {ratio:.1f}x overall.[/green]")
@@ -92,13 +93,23 @@ def _verdict(result: "DemoResult", ratio: float) -> str:
         return ("[yellow]Not above the blind baseline everywhere. A perceiver trained with the encoder gives up where "
                 "things are on this set (docs/benchmarks.md): with model.perceiver_init=region (the default) and "
                 "train.freeze unset, the demo keeps the vision tower and the seeded connector fixed.[/yellow]")
-    more = "" if result.modality == "image" else f" --modality {result.modality}"
     longer = 2000 if result.modality == "image" else 2 * max(result.steps, 100)
-    return (f"[yellow]Not above the blind baseline everywhere: train longer, e.g. `vlmctl demo{more} --force "
-            f"train.max_steps={longer}`.[/yellow]")
+    return (f"[yellow]Not above the blind baseline everywhere: train longer, e.g. "
+            f"`{esc(retry_command(result.modality, longer, *again))}`.[/yellow]")
 
 
-def _render(result: "DemoResult") -> None:
+def retry_command(modality: str, steps: int, folder=None, overrides=(), num_samples: int | None = None) -> str:
+    """The `vlmctl demo` command that runs the same demo again (its folder, modality, sample count and overrides)
+    with train.max_steps=`steps`."""
+    import shlex
+
+    words = ["vlmctl", "demo"] + ([str(folder)] if folder is not None else [])
+    words += ([] if modality == "image" else ["--modality", modality]) + (["--num-samples", str(num_samples)] if num_samples else [])
+    words += ["--force", *(o for o in overrides if not o.startswith("train.max_steps=")), f"train.max_steps={steps}"]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def _render(result: "DemoResult", again: tuple = (None, (), None)) -> None:
     from rich.console import Group
     from rich.panel import Panel
     from rich.table import Table
@@ -124,7 +135,7 @@ def _render(result: "DemoResult") -> None:
     acc.add_row("[bold]overall[/bold]", str(sum(s.n for s in result.scores)), f"[bold]{result.overall:.1%}[/bold]",
                 f"{result.baseline_overall:.1%}  ({ratio:.1f}x)")
 
-    verdict = _verdict(result, ratio)
+    verdict = _verdict(result, ratio, again)
     rel = lambda p: p.relative_to(result.folder) if p is not None and result.folder in p.parents else p  # noqa: E731
     where = Table(box=None, show_header=False, pad_edge=False)
     where.add_row("prepared data", esc(rel(result.prepared_dir)))
