@@ -851,6 +851,9 @@ def run_bench(model_section, train_section, *, steps: int = 20, warmup: int = 3,
         world = _world_size()
         plan = prepare(model_section, train_section, spec, steps=steps, warmup=warmup, check_device=False,
                        dp_size=world // train_section.sequence_parallel, log=log if world == 1 else None)
+    from vlmctl.train.report import filter_known_warnings
+
+    filter_known_warnings()  # as a training rank
     try:
         ctx = setup_run(train_section)
         autotune.settle_without_probe(train_section, ctx.env.device)  # CPU, DeepSpeed: training's fixed values

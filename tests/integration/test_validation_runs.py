@@ -142,6 +142,7 @@ def test_fsdp_two_ranks_validate_every_sample_once_and_keep_the_best_past_the_li
     run = project / "runs" / "fsdp"
     val = [r for r in rows(run) if "val_loss" in r]
     assert [r["step"] for r in val] == [2, 4, 6] and "val loss" in out
+    assert "returned a view tensor" not in out  # FSDP2's warning, benign for this loop, is filtered
     # 12 val samples in an odd number of packed rows over 2 ranks: a filler row is run but not counted, and the
     # figure is the one computed apart on the exported weights
     assert val[-1]["val_loss"] == pytest.approx(_reference_val_loss(run / "final", project), rel=1e-4)

@@ -493,3 +493,20 @@ def test_convert_adapter_only_of_a_lora_run_takes_the_checkpoint_adapter(built_p
     code, out, err = run_cli(["convert", str(run), "--adapter-only", "-o", str(built_project / "adapter"), "--no-verify"], capsys)
     assert code == 0, out + err
     assert (built_project / "adapter" / "adapter_config.json").is_file()
+
+
+# ---------------------------------------------------------------------- 11: known benign warnings are filtered
+
+
+def test_known_benign_warnings_are_filtered_and_others_kept():
+    import warnings
+
+    from vlmctl.train.report import filter_known_warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        filter_known_warnings()
+        warnings.warn("FSDP2-wrapped module (FSDPLlavaForConditionalGeneration) returned a view tensor. An in-place "
+                      "op on this view ...", UserWarning)
+        warnings.warn("something else", UserWarning)
+    assert [str(w.message) for w in seen] == ["something else"]

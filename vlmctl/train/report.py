@@ -85,6 +85,23 @@ def built_parameters(model, parts, parameters: dict[str, int]) -> tuple[dict[str
     return {part: n - added[part] for part, n in parameters.items()}, adapters
 
 
+KNOWN_BENIGN_WARNINGS = (
+    # DeepSpeed and FSDP call collectives torch marks as renamed; the warning repeats every step
+    {"category": FutureWarning, "module": "torch.distributed"},
+    # FSDP2 on the root module's output: the loop computes the loss out of place, so no pre-backward hook is lost
+    {"category": UserWarning, "message": r"FSDP2-wrapped module .* returned a view tensor"},
+)
+"""Warnings a training rank would print without cause (once per rank and run, alarming on every run)."""
+
+
+def filter_known_warnings() -> None:
+    """Silence `KNOWN_BENIGN_WARNINGS` in this process (every rank of `vlmctl train` and `vlmctl bench`)."""
+    import warnings
+
+    for rule in KNOWN_BENIGN_WARNINGS:
+        warnings.filterwarnings("ignore", **rule)
+
+
 def print_startup(rows: dict[str, Any]) -> None:
     """Print the start-up table (rank 0)."""
     from rich.console import Console

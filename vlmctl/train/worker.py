@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -207,10 +206,10 @@ def run(run_dir: Path) -> str:
     import torch.distributed as dist
 
     from vlmctl.config import load_config
+    from vlmctl.train.report import filter_known_warnings
     from vlmctl.train.rundir import guard_run
 
-    # DeepSpeed and FSDP call collectives torch marks as renamed; the warning repeats every step.
-    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    filter_known_warnings()  # benign warnings that would alarm on every run
     run_dir = Path(run_dir).resolve()
     cfg = load_config(run_dir / "config.yaml")
     try:
