@@ -510,3 +510,64 @@ def test_known_benign_warnings_are_filtered_and_others_kept():
                       "op on this view ...", UserWarning)
         warnings.warn("something else", UserWarning)
     assert [str(w.message) for w in seen] == ["something else"]
+
+
+# -------------------------------------------------------- 22: a LLaMA-Factory dataset_info.json and a data set name
+
+REAL = Path(__file__).resolve().parents[3] / "shared" / "data" / "real" / "llamafactory_mllm_demo"
+
+
+def _llamafactory_folder(tmp_path: Path) -> Path:
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(REAL if REAL.is_dir() else Path("/work/shared/data/real/llamafactory_mllm_demo"), data)
+    (data / "alpaca_demo.json").write_text(json.dumps([
+        {"instruction": "Describe the picture.", "input": "Be brief.", "output": "Two players.", "image": ["mllm_demo_data/1.jpg"],
+         "history": [["Hi", "Hello"]]}]))
+    (data / "renamed.json").write_text(json.dumps([
+        {"dialog": [{"speaker": "me", "text": "<image>Who?"}, {"speaker": "bot", "text": "A player."}], "pics": ["mllm_demo_data/2.jpg"]}]))
+    (data / "dataset_info.json").write_text(json.dumps({
+        "mllm_demo": {"file_name": "mllm_demo.json", "formatting": "sharegpt",
+                      "columns": {"messages": "messages", "images": "images"},
+                      "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}},
+        "alpaca_demo": {"file_name": "alpaca_demo.json", "formatting": "alpaca", "columns": {"images": "image", "history": "history"}},
+        "renamed": {"file_name": "renamed.json", "columns": {"messages": "dialog", "images": "pics"},
+                    "tags": {"role_tag": "speaker", "content_tag": "text", "user_tag": "me", "assistant_tag": "bot"}},
+        "on_the_hub": {"hf_hub_url": "someone/data"}}))
+    return data
+
+
+def test_a_llamafactory_dataset_info_entry_is_read_with_its_mapping(tmp_path):
+    from vlmctl.config.data import DataSource
+    from vlmctl.data.formats import detect_format, read_source
+    from vlmctl.data.sample import Sample
+
+    data = _llamafactory_folder(tmp_path)
+    info = str(data / "dataset_info.json")
+    assert detect_format(info) == "llamafactory"
+    demo = list(read_source(DataSource(path=info, dataset="mllm_demo", format="llamafactory")))
+    raw = json.loads((data / "mllm_demo.json").read_text())
+    assert all(isinstance(s, Sample) for s in demo) and len(demo) == len(raw)
+    assert demo[0].source == "mllm_demo" and len(demo[0].images) == len(raw[0]["images"])
+    assert [m["role"] for m in demo[0].messages] == [m["role"] for m in raw[0]["messages"]]
+    (alpaca,) = read_source(DataSource(path=info, dataset="alpaca_demo", format="llamafactory"))
+    assert [m["role"] for m in alpaca.messages] == ["user", "assistant", "user", "assistant"] and len(alpaca.images) == 1
+    assert {"type": "text", "text": "Describe the picture.\nBe brief."} in alpaca.messages[2]["content"]
+    (renamed,) = read_source(DataSource(path=info, dataset="renamed", format="llamafactory"))
+    assert [m["role"] for m in renamed.messages] == ["user", "assistant"] and len(renamed.images) == 1
+
+
+def test_a_llamafactory_source_in_the_project_validates_and_names_the_data_sets(tmp_path, capsys, monkeypatch):
+    data = _llamafactory_folder(tmp_path)
+    (tmp_path / "vlmctl.yaml").write_text("project: {name: p}\ndata:\n  sources:\n"
+                                          "    - {path: data/dataset_info.json, dataset: mllm_demo}\n  num_proc: 1\n")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(["data", "validate"], capsys)
+    assert code == 0 and "none would be rejected" in out, out + err
+    for dataset, expected in (("nothing", "alpaca_demo, mllm_demo, on_the_hub, renamed"), ("on_the_hub", "hf_hub_url")):
+        (tmp_path / "vlmctl.yaml").write_text("project: {name: p}\ndata:\n  sources:\n"
+                                              f"    - {{path: data/dataset_info.json, dataset: {dataset}}}\n  num_proc: 1\n")
+        code, out, err = run_cli(["data", "validate"], capsys)
+        assert code != 0 and expected in _flat(out + err), out + err
+    assert data.is_dir()
