@@ -587,3 +587,87 @@ def test_the_same_frames_always_encode_to_the_same_clip():
     for seed in range(10):  # x264's SIMD code gave one of two encodings of 56 px frames, by the process's state
         frames = np.random.default_rng(seed).integers(0, 255, (4, 56, 56, 3), dtype=np.uint8)
         assert len({hashlib.md5(encode_mp4(frames, 4)).hexdigest() for _ in range(40)}) == 1, seed
+
+
+# ------------------------------------------------- 21: the README's captured demo panel is what the demo prints
+
+
+def _readme_demo_panel() -> list[str]:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(readme) if line.startswith("╭─ vlmctl demo"))
+    end = next(i for i in range(start, len(readme)) if readme[i].startswith("╰"))
+    return readme[start:end + 1]
+
+
+def test_the_readme_demo_panel_is_what_the_demo_prints_for_its_figures():
+    """The README's captured panel, rendered again from the figures it shows (times, counts, scores, folders):
+    every other character of it (labels, layout, the verdict, the next commands) must be today's output."""
+    import re
+
+    from rich.console import Console
+
+    from vlmctl.cli import demo as cli_demo
+    from vlmctl.demo import DemoResult, TypeScore
+
+    panel = _readme_demo_panel()
+    text = "\n".join(line.strip("│ ") for line in panel)
+    seconds = {m[0]: float(m[1]) for m in re.findall(r"^(init|prepare|build|train|eval)\s+([\d.]+)$", text, re.M)}
+    scores = [TypeScore(q, int(n), float(a) / 100, float(b) / 100, ans)
+              for q, n, a, b, ans in re.findall(r"^(\w+)\s+│\s+(\d+) │\s+([\d.]+)% │\s+([\d.]+)% \('(\w+)'\)", text, re.M)]
+    overall = re.search(r"^overall\s+│\s+(\d+) │\s+([\d.]+)% │\s+([\d.]+)%", text, re.M)
+    train = re.search(r"train: (\w+) x(\d+) \((\w+)\), (\d+) samples, (\d+) steps, final loss ([\d.]+)", text)
+    folder = Path(re.search(r"outputs in (\S+)", text)[1])
+    run = re.search(r"training run\s+(\S+)", text)[1]
+    result = DemoResult(folder=folder, launcher=train[1], nproc=int(train[2]), strategy=train[3], stage_seconds=seconds,
+                        scores=scores, overall=float(overall[2]) / 100, baseline_overall=float(overall[3]) / 100,
+                        train_samples=int(train[4]), val_samples=int(overall[1]), steps=int(train[5]),
+                        final_loss=float(train[6]), prepared_dir=folder / "data" / "prepared",
+                        model_dir=folder / "outputs" / "model", run_dir=folder / run,
+                        eval_dir=folder / "outputs" / "eval" / f"{Path(run).name}-vqa")
+    console = Console(width=len(panel[0]), record=True, highlight=False, color_system=None, force_terminal=False)
+    original = cli_demo.console
+    cli_demo.console = console
+    try:
+        cli_demo._render(result)
+    finally:
+        cli_demo.console = original
+    assert console.export_text().rstrip("\n").splitlines() == panel
+
+
+def test_the_readme_demo_counts_are_those_of_todays_data(tmp_path, capsys, monkeypatch):
+    """The captured run's sample counts (generated, kept, train and val) are what init and data prepare give now."""
+    monkeypatch.chdir(tmp_path)
+    assert run_cli(["init", "demo", "--template", "tiny"], capsys)[0] == 0
+    code, out, err = run_cli(["-c", "demo/vlmctl.yaml", "data", "prepare", "--json"], capsys)
+    assert code == 0, err
+    manifest = json.loads((tmp_path / "demo" / "data" / "prepared" / "manifest.json").read_text())
+    train, val = manifest["splits"]["train"]["samples"], manifest["splits"]["val"]["samples"]
+    kept = train + val
+    text = "\n".join(_readme_demo_panel()) + "\n".join((Path(__file__).resolve().parents[2] / "README.md").read_text().splitlines())
+    assert f"{kept}/{kept}" in text and f"{train} samples, 600 steps" in text and f"exact match on {val} val samples" in text
+
+
+def test_the_readme_chat_transcript_is_what_chat_prints(built_project, capsys, monkeypatch):
+    """Every line of the README's chat transcript but the model's answers (a trained model's) is what `vlmctl chat`
+    prints today for the same input."""
+    import io
+    import sys
+
+    from PIL import Image
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(readme) if line.startswith("$ cd my-demo && vlmctl chat"))
+    transcript = readme[start + 1:readme.index("```", start)]
+    for name in ("color-00000.png", "count-00002.png"):
+        (built_project / "data" / "raw" / "images").mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (64, 64), "red").save(built_project / "data" / "raw" / "images" / name)
+    said = [line.removeprefix("you › ") for line in transcript if line.startswith("you › ")]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(said) + "\n"))
+    monkeypatch.setenv("COLUMNS", "300")  # the header on one line, as in the README
+    code, out, err = run_cli(["chat", str(built_project / "model"), "--max-new-tokens", "2"], capsys)
+    assert code == 0, out + err
+    printed = [line for line in out.splitlines() if line.strip()]
+    assert printed[0].split(" (cpu, float32). ")[1] == transcript[0].split(" (cpu, float32). ")[1]
+    assert [line for line in printed[1:] if not line.startswith("model ›")] == \
+        [line for line in transcript[1:] if not line.startswith("model ›")]
+    assert sum(line.startswith("model ›") for line in printed) == sum(line.startswith("model ›") for line in transcript)
