@@ -107,7 +107,6 @@ class Validator:
     patience: int | None = None
     dp_group: Any = None
     sp_group: Any = None
-    samples: int = 0
     stopping: bool = False  # the last evaluation ran out of patience
     checkpoint_reason: str | None = None  # the last evaluation asks for a checkpoint ("best", "early_stop")
 
@@ -188,8 +187,7 @@ def build_validator(cfg, ctx, tm, stepper, saved_best: dict[str, Any] | None):
     metric = train.save_best or "val_loss"
     return Validator(stepper=stepper, batches=batches, load=load, device=ctx.env.device, eval_steps=train.eval_steps,
                      best=Best.from_state(saved_best, metric, train.save_best is not None), save_best=train.save_best is not None,
-                     patience=train.early_stopping_patience, dp_group=ctx.dims.dp_group, sp_group=ctx.dims.sp_group,
-                     samples=sum(len(b) for b, counted in batches if counted))
+                     patience=train.early_stopping_patience, dp_group=ctx.dims.dp_group, sp_group=ctx.dims.sp_group)
 
 
 def name_best(run_dir: Path, validator, notify) -> None:
