@@ -77,6 +77,11 @@ def test_train_refuses_a_model_changed_since_the_build(built_project, capsys, mo
     assert not (built_project / "runs").exists() or not any((built_project / "runs").iterdir())
     cfg = load_config(built_project / "vlmctl.yaml")
     L.check_built_settings(cfg, str(cfg.model.output_dir))  # unchanged: no complaint
+    # asked to, train rebuilds the model with the new settings first
+    monkeypatch.setattr(L, "run_in_process", lambda run_dir: "done")
+    code, out, err = run_cli(["train", "--rebuild-model", "model.dtype=fp32", "train.run_name=rebuilt"], capsys)
+    assert code == 0 and "rebuilt" in out, out + err
+    assert json.loads((built_project / "model" / "vlmctl_model.json").read_text())["settings"]["dtype"] == "fp32"
 
 
 # ---------------------------------------------------- 3: deepspeed_config without DeepSpeed, zero2 not installed

@@ -23,6 +23,7 @@ def train(
     master_port: Annotated[Optional[int], typer.Option("--master-port", help="Rendezvous port.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the last complete checkpoint.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the exact launch commands (every node's, or the sbatch script) and exit.")] = False,
+    rebuild_model: Annotated[bool, typer.Option("--rebuild-model", help="Build model.output_dir again first when a model.* key changed since `vlmctl model build`.")] = False,
 ) -> None:
     """Train the model: spawn torchrun/accelerate/sbatch (or run in-process) for DDP, FSDP2 or ZeRO-2/3.
 
@@ -45,6 +46,12 @@ def train(
         return
     from vlmctl.train.rundir import release_run
 
+    if rebuild_model:
+        from vlmctl.models.build import rebuild_if_changed
+
+        prepared = cfg.data.prepared_dir if (cfg.data.prepared_dir / "train").is_dir() else None
+        if rebuild_if_changed(cfg.model, prepared_dir=prepared, seed=cfg.project.seed) is not None:
+            info(f"rebuilt {esc(cfg.model.output_dir)} with the changed model settings")
     fresh = not resume and train_cfg.resume is None
     if fresh and not train_cfg.run_name and (left := L.interrupted_run(cfg)) is not None:
         info(f"[yellow]note[/yellow]: the run {esc(left[0].name)} stopped at step {left[1]} without finishing; this "

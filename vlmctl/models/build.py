@@ -839,6 +839,17 @@ def changed_settings(model: ModelSection, info: dict[str, Any]) -> dict[str, tup
     return {key: (built.get(key), value) for key, value in now.items() if key in built and built[key] != value}
 
 
+def rebuild_if_changed(model: ModelSection, *, prepared_dir: Path | None = None, seed: int = 0) -> BuildResult | None:
+    """Build `model` again into model.output_dir (replacing it) when a model.* key changed since it was built
+    (`changed_settings`); returns the build, or None when nothing changed or nothing was built there."""
+    from vlmctl.models.load import read_build_info
+
+    info = read_build_info(model.output_dir)
+    if not info or not changed_settings(model, info):
+        return None
+    return build_model(model, prepared_dir=prepared_dir, force=True, seed=seed)
+
+
 def _info(plan: BuildPlan, vlm, processor) -> dict[str, Any]:
     s = plan.section
     size = (plan.image_size or _default_image_size(plan.family, processor)) if _takes_images(plan.family) else None

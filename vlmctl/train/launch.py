@@ -305,7 +305,8 @@ def check_built_settings(cfg, source: str) -> None:
     if changed:
         what = "; ".join(f"model.{k}: built with {old!r}, now {new!r}" for k, (old, new) in changed.items())
         raise ConfigError(f"the model in {source} was built with other settings ({what}); training would use the old "
-                          "model", hint="rebuild it with `vlmctl model build --force`, or set the keys back")
+                          "model", hint="rebuild it with `vlmctl model build --force` (or train with --rebuild-model), "
+                          "or set the keys back")
 
 
 def preflight(cfg, run_dir: Path | None = None) -> None:
