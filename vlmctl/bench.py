@@ -219,6 +219,7 @@ class BenchResult:
     balance_flops: float | None = None  # the same ratio of the ranks' training FLOPs
     data_wait: float | None = None  # the largest rank's share of the time spent waiting for batches
     auto: dict | None = None  # the start-up probe's trials and per-mode rates when `auto` was settled by it
+    on_gpu: bool = True  # measured on GPUs; on CPUs MFU (against DEFAULT_PEAK) and peak memory are not figures of the run
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -850,6 +851,9 @@ def run_bench(model_section, train_section, *, steps: int = 20, warmup: int = 3,
         world = _world_size()
         plan = prepare(model_section, train_section, spec, steps=steps, warmup=warmup, check_device=False,
                        dp_size=world // train_section.sequence_parallel, log=log if world == 1 else None)
+    from vlmctl.train.report import filter_known_warnings
+
+    filter_known_warnings()  # as a training rank
     try:
         ctx = setup_run(train_section)
         autotune.settle_without_probe(train_section, ctx.env.device)  # CPU, DeepSpeed: training's fixed values
@@ -1026,7 +1030,7 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
         name=labels["name"], steps=steps, world_size=world, strategy=train.strategy,
         tokens_per_s=toks / total, text_tokens_per_s=text / total, visual_tokens_per_s=visual / total,
         samples_per_s=n_samples / total, step_time_s=total / steps, mfu=mfu or 0.0,
-        peak_memory_gib=float(peak.cpu()[0]), tokens_per_step=toks / steps, flops_per_token=flops / max(toks, 1.0),
+        peak_memory_gib=float(peak.cpu()[0]), tokens_per_step=toks / steps, flops_per_token=flops / max(toks, 1.0), on_gpu=cuda,
         workload=labels["workload"], media=labels["media"], packing=labels["packing"], adapter=labels["adapter"],
         stage=labels["stage"],
         balance=stragglers.get("balance"), balance_flops=stragglers.get("balance_flops"),

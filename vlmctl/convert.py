@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from vlmctl.checkpoints import read_json
-from vlmctl.errors import ModelError, UsageError
+from vlmctl.errors import MissingModelError, ModelError, UsageError
 from vlmctl.outputs import check_inputs_outside, check_replaceable, install, local_paths
 
 if TYPE_CHECKING:
@@ -179,7 +179,7 @@ def detect_source(src: Path | str, *, base: str | None = None) -> Source:
     """Tell what `src` is. Raises UsageError when it is none of the supported kinds (saying what was found)."""
     src = Path(src).expanduser()
     if not src.exists():
-        raise UsageError(f"{src} does not exist", hint="pass a run folder, a checkpoint folder, a LoRA adapter folder or an HF model folder")
+        raise MissingModelError(f"no model folder at {src}", hint="pass a run folder, a checkpoint folder, a LoRA adapter folder or an HF model folder")
     if src.is_file():
         raise UsageError(f"{src} is a file; convert takes a folder", hint="pass the folder that holds the checkpoint")
     run_dir = _find_run_dir(src)
@@ -575,6 +575,18 @@ def _saved_dtype(model_path: str | None) -> str | None:
     return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(str(value))
 
 
+def _adapter_checkpoint(source: Source, base: str | None, say) -> tuple[Source, bool]:
+    """For `--adapter-only` on a run folder whose final/ export holds no adapter (merged): the run's latest
+    checkpoint when it holds LoRA adapters, else `source` itself. Returns (source, whether it is LoRA)."""
+    ckpts = _complete_checkpoints(source.run_dir)
+    if ckpts:
+        candidate = detect_source(ckpts[-1], base=base)
+        if candidate.kind == "lora" or candidate.lora:
+            say(f"source: {candidate.describe()} (final/ holds the merged model; the adapter comes from the checkpoint)")
+            return candidate, True
+    return source, False
+
+
 def default_output(source: Source, adapter_only: bool) -> Path:
     """`<run>/export-<step>` for checkpoints, `<src>-hf` (or `-adapter`) otherwise."""
     suffix = "adapter" if adapter_only else "hf"
@@ -623,6 +635,8 @@ def convert(
     source = detect_source(src, base=base)
     say(f"source: {source.describe()}")
     is_lora = source.kind == "lora" or bool(source.lora)
+    if adapter_only and not is_lora and source.run_dir is not None and Path(src).resolve() == source.run_dir.resolve():
+        source, is_lora = _adapter_checkpoint(source, base, say)  # a LoRA run's final/ may be merged; its checkpoint is not
     adapter_only = adapter_only or (is_lora and not merge_lora)
     if adapter_only and not is_lora:
         raise UsageError(f"--adapter-only needs a LoRA source; {source.path} has no adapter", hint="drop --adapter-only")

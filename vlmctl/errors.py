@@ -53,6 +53,13 @@ class ModelError(VlmctlError):
     title = "Model error"
 
 
+class MissingModelError(ModelError):
+    """The model folder a command was given (or defaults to) does not exist: a wrong path, so exit code 2 as for
+    usage errors, the same in chat, eval, generate, convert and push (still a ModelError to code that catches those)."""
+
+    exit_code = 2
+
+
 def panel(title: str, message: str, hint: str | None):
     """The rich panel of an error: `message`, then the hint after "Fix:"."""
     from rich.markup import escape

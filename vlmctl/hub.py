@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vlmctl.errors import UsageError, VlmctlError
+from vlmctl.errors import MissingModelError, UsageError, VlmctlError
 
 if TYPE_CHECKING:
     from huggingface_hub import ModelCard
@@ -868,7 +868,7 @@ def push_folder(
     if not _HUB_ID.match(repo_id):
         raise UsageError(f"{repo_id!r} is not a Hub repo id", hint="repo ids look like ORG/NAME")
     if not folder.is_dir():
-        raise UsageError(f"model folder {folder} does not exist", hint="pass the folder to upload, e.g. outputs/runs/<run>/final, or run `vlmctl convert` first")
+        raise MissingModelError(f"no model folder at {folder}", hint="pass the folder to upload, e.g. outputs/runs/<run>/final, or run `vlmctl convert` first")
     listed = {f.path: f for f in list_upload_files(folder)}  # first: a link out of the folder is never read
     if not listed:
         raise UsageError(f"{folder} is empty", hint="convert a checkpoint into it first: vlmctl convert RUN -o FOLDER")

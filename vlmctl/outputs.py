@@ -171,8 +171,12 @@ def check_replaceable(target: Path | str, kind: str, *, inputs: Iterable = (), w
 def install(tmp: Path, final: Path, kind: str) -> None:
     """Mark the finished folder `tmp` as a result of `kind` and rename it to `final`. An existing `final` (which the
     caller proved replaceable with `check_replaceable`) is moved aside first and removed only after the rename, so
-    an interruption leaves either the old or the new folder in place."""
+    an interruption leaves either the old or the new folder in place. The folder's files get the modes the umask
+    gives new files (temporary folders are 0700 and safetensors writes 0600: `files.honour_umask`)."""
+    from vlmctl.files import honour_umask
+
     write_marker(tmp, kind)
+    honour_umask(tmp)
     old = None
     if final.exists() or final.is_symlink():
         old = final.parent / f".{final.name}.old-{os.getpid()}"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from vlmctl.errors import UsageError
 from vlmctl.outputs import check_replaceable, install
+from vlmctl.files import honour_umask
 
 NEXT_COMMANDS = {
     "tiny": ["vlmctl data prepare", "vlmctl model build", "vlmctl train", "vlmctl eval"],
@@ -107,4 +108,4 @@ def _atomic_write(dest: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", dir=dest.parent)
     with os.fdopen(fd, "w") as fh:
         fh.write(text)
-    os.replace(tmp, dest)
+    os.replace(honour_umask(Path(tmp)), dest)  # mkstemp made it 0600

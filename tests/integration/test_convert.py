@@ -135,7 +135,7 @@ def test_unknown_source_is_named(tmp_path, capsys):
     assert "is not a checkpoint vlmctl can convert (found: weights.npz)" in err
     assert "DCP" in err and "DeepSpeed" in err and "adapter_config.json" in err
     code, _, err = run_cli(["convert", str(tmp_path / "missing")], capsys)
-    assert code == 2 and "does not exist" in err
+    assert code == 2 and "no model folder at" in err
 
 
 def test_truncated_safetensors_gives_clear_error(tiny, tmp_path, capsys):

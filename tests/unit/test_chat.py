@@ -274,7 +274,7 @@ def test_cli_chat_errors(tmp_path, capsys, monkeypatch):
     code, _, err = run(["chat"], capsys)
     assert code == 2 and "no MODEL given" in err and "vlmctl chat PATH" in err
     code, _, err = run(["chat", str(tmp_path / "missing")], capsys)
-    assert code == 1 and "no model folder" in err
+    assert code == 2 and "no model folder" in err  # a wrong path: a usage error, as in eval, convert, push
     code, _, err = run(["chat", str(tmp_path), "--device", "cuda:7"], capsys)
     assert code == 1 and "config.json" in err  # the folder is checked first
 

@@ -75,15 +75,15 @@ def test_flags_do_not_leak_into_the_next_invocation(project, seen, capsys):
 
 
 @pytest.mark.parametrize("position", ["before", "after"])
-def test_quiet_silences_progress_lines(position, tmp_path, capsys):
+def test_quiet_keeps_only_the_result_line(position, tmp_path, capsys):
     folder = tmp_path / "p"
     args = ["-q", "init", str(folder), "--template", "llava"] if position == "before" else ["init", str(folder), "--template", "llava", "-q"]
     code, out, err = run(args, capsys)
     assert code == 0, err
     assert (folder / "vlmctl.yaml").is_file()
-    assert "Created" not in out and "Next:" not in out
+    assert out.count("\n") == 1 and "Created" in out and "Next:" not in out
     code, out, _ = run(["init", str(tmp_path / "q"), "--template", "llava"], capsys)
-    assert code == 0 and "Created" in out
+    assert code == 0 and "Created" in out and "Next:" in out
 
 
 @pytest.mark.parametrize("position", ["before", "after"])

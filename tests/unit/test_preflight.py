@@ -108,3 +108,12 @@ def test_installed_packages_pass_and_the_data_check_follows(project, hide, no_sp
     code, out, err = run_cli(["train", "train.report_to=[tensorboard]"], capsys)
     text = " ".join((out + err).split())
     assert code != 0 and "no prepared training shards" in text and "Traceback" not in text
+
+
+def test_validation_without_a_val_split_is_refused_before_spawning(project, no_spawn, capsys):
+    (project / "data" / "prepared" / "train").mkdir(parents=True)
+    (project / "data" / "prepared" / "train" / "train-00000.parquet").write_bytes(b"")
+    code, out, err = run_cli(["train", "train.eval_steps=10"], capsys)
+    text = " ".join((out + err).replace("│", " ").split())
+    assert code != 0 and "train.eval_steps" in text and "holds no prepared samples" in text and "data.val_ratio" in text
+    assert "Traceback" not in text

@@ -138,10 +138,23 @@ def load_project(config: Path | None, overrides: list[str] | None) -> "VlmctlCon
     return load_config(config or state.config, overrides or [])
 
 
+def esc(value: Any) -> str:
+    """`value` as text that rich prints as it is: a user's path, file name, id or sample text may hold `[...]`,
+    which rich would read as markup (`[red]2.jpg` styled, `[/x]` a MarkupError)."""
+    from rich.markup import escape
+
+    return escape(str(value))
+
+
 def info(message: str) -> None:
     """Print unless --quiet."""
     if not state.quiet:
         console.print(message)
+
+
+def result_line(message: str) -> None:
+    """Print a command's result line: also with --quiet, which keeps only results and errors."""
+    console.print(message)
 
 
 def debug(message: str) -> None:

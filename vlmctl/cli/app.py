@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -73,6 +73,10 @@ def main(argv: list[str] | None = None) -> None:
 
     # before anything starts CUDA (it reads the variable then): see vlmctl.distributed.env.configure_cuda_allocator
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    config_key = _option_as_config_key(sys.argv[1:] if argv is None else list(argv))
+    if config_key is not None:  # `--epochs 2`: not an option, but a config key would do it
+        render_error("Usage error", *config_key)
+        sys.exit(2)
     try:
         app(args=argv, prog_name="vlmctl", standalone_mode=True)
     except SystemExit:
@@ -94,6 +98,28 @@ def main(argv: list[str] | None = None) -> None:
             "run again with --debug (or VLMCTL_DEBUG=1) for the full traceback",
         )
         sys.exit(1)
+
+
+def _option_as_config_key(argv: list[str]) -> tuple[str, str] | None:
+    """(message, hint) for the first `--name` in `argv` that the command does not take but that names a config key
+    (`suggest_key`: `--epochs 2` -> `train.num_epochs=2`), else None (click reports other unknown options)."""
+    from vlmctl.config import suggest_key
+
+    command: Any = typer.main.get_command(app)
+    known: set[str] = set()
+    for i, arg in enumerate(argv):
+        if arg in getattr(command, "commands", {}):  # a group (typer's own, not always click's class)
+            command = command.commands[arg]
+        known |= {o for p in command.params for o in (*p.opts, *p.secondary_opts)}
+        name, eq, value = arg.partition("=")
+        if not name.startswith("--") or name in known or name == "--":
+            continue
+        key = suggest_key(name[2:])
+        if key is None or "." not in key:
+            return None
+        value = value if eq else (argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("-") else "VALUE")
+        return f"no such option: {name}", f"set the config key as an override instead: {key}={value}"
+    return None
 
 
 __all__ = ["app", "main", "_common"]

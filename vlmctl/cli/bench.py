@@ -18,11 +18,11 @@ def bench(
     overrides: OverridesArg = None,
     steps: Annotated[int, typer.Option("--steps", help="Measured training steps.")] = 20,
     warmup: Annotated[int, typer.Option("--warmup", help="Unmeasured steps first (compilation, allocator warm-up).")] = 3,
-    image_sizes: Annotated[str, typer.Option("--image-sizes", help="Square image sides in px, one drawn per image.")] = "224,336,448,560",
+    image_sizes: Annotated[Optional[str], typer.Option("--image-sizes", help="Square image sides in px, one drawn per image (default: the built model's image size, else 224,336,448,560).", show_default=False)] = None,
     images_per_sample: Annotated[str, typer.Option("--images-per-sample", help="Range of images per sample, MIN,MAX.")] = "1,1",
     video_frames: Annotated[Optional[str], typer.Option("--video-frames", help="Video samples instead of images: one clip per sample of MIN,MAX frames (even counts; families that take video: Qwen2-VL, Qwen2.5-VL, Qwen3-VL), through the chat workload.")] = None,
     video_sizes: Annotated[str, typer.Option("--video-sizes", help="Square video frame sides in px, one drawn per clip (with --video-frames).")] = "224,336,448",
-    text_tokens: Annotated[str, typer.Option("--text-tokens", help="Range of text tokens per sample (the answer's in the chat workload), MIN,MAX.")] = "64,1536",
+    text_tokens: Annotated[Optional[str], typer.Option("--text-tokens", help="Range of text tokens per sample (the answer's in the chat workload), MIN,MAX (default: 64 up to what data.max_length leaves beside the images, at most 1536).", show_default=False)] = None,
     workload: Annotated[str, typer.Option("--workload", help="chat (processor + chat template + the trainer's collator), baseline (the Qwen-VL baseline's packed samples) or auto (baseline for Qwen-VL with packing and image samples, else chat).")] = "auto",
     nproc_per_node: Annotated[Optional[str], typer.Option("--nproc-per-node", help="Processes (GPUs), or auto; more than one runs through torchrun.")] = None,
     scaling: Annotated[Optional[str], typer.Option("--scaling", help="Process counts, e.g. 1,2,4: run the bench at each (one process per GPU; CPU processes where no GPU is visible) and report tokens/s per GPU and the efficiency against the fewest processes.")] = None,
@@ -43,6 +43,8 @@ def bench(
     from vlmctl.bench import WorkloadSpec, benchmark
     from vlmctl.bench import scaling as bench_scaling
 
+    most = images_per_sample.split(",")[-1].strip()
+    image_sizes, text_tokens = project_shapes(cfg, image_sizes, text_tokens, int(most) if most.isdigit() else 1)
     spec = WorkloadSpec.from_flags(image_sizes, text_tokens, workload, images_per_sample=images_per_sample,
                                    video_frames=video_frames, video_sizes=video_sizes)
     # with --json the progress (start-up probe trials, compile, steps) goes to stderr, so stdout stays one JSON object
@@ -77,8 +79,8 @@ def bench(
         ("samples/s", f"{result.samples_per_s:,.2f}"),
         ("step time", f"{result.step_time_s * 1000:,.0f} ms"),
         ("training FLOPs per token", f"{result.flops_per_token:,.4g}"),
-        ("MFU (ViT included)", f"{result.mfu * 100:.1f}%"),
-        ("peak memory", f"{result.peak_memory_gib:.1f} GiB"),
+        ("MFU (ViT included)", f"{result.mfu * 100:.1f}%" if result.on_gpu else "n/a (CPU)"),
+        ("peak memory", f"{result.peak_memory_gib:.1f} GiB" if result.on_gpu else "n/a (CPU)"),
     ]:
         table.add_row(label, value)
     if result.balance is not None:
@@ -87,6 +89,23 @@ def bench(
         table.add_row("data wait", _percent(result.data_wait))
     table.add_row("settings", result.settings)
     console.print(table)
+
+
+def project_shapes(cfg, image_sizes: str | None, text_tokens: str | None, images: int) -> tuple[str, str]:
+    """The --image-sizes and --text-tokens flags, defaulted to the project's shapes: the built model's image size
+    (model.image_size before a build), and text of 64 up to what data.max_length leaves beside `images` images'
+    visual tokens (at most 1536), so the samples are ones `data prepare` would keep."""
+    from vlmctl.models.load import read_build_info
+
+    info = read_build_info(cfg.model.output_dir) or {}
+    size = info.get("image_size") or cfg.model.image_size
+    if image_sizes is None:
+        image_sizes = str(size) if size else "224,336,448,560"
+    if text_tokens is None:
+        visual = (info.get("visual_tokens_per_image") or 0) * images if size and str(size) == image_sizes else 0
+        room = cfg.data.max_length - visual - 32 if cfg.data.max_length else 1536  # 32: the chat template's tokens
+        text_tokens = f"{min(64, max(room, 8))},{max(8, min(1536, room))}"
+    return image_sizes, text_tokens
 
 
 def _media(result) -> str:
@@ -114,8 +133,8 @@ def _render_scaling(scaling) -> None:
         table.add_column(name, justify="right", no_wrap=True)
     for r in scaling.results:
         table.add_row(str(r.world_size), f"{r.tokens_per_s:,.0f}", f"{r.tokens_per_s_per_gpu:,.0f}",
-                      _percent(scaling.efficiency(r)), _percent(r.mfu), f"{r.step_time_s * 1000:,.0f}",
-                      f"{r.peak_memory_gib:.1f}", _percent(r.balance), _percent(r.data_wait))
+                      _percent(scaling.efficiency(r)), _percent(r.mfu) if r.on_gpu else "n/a", f"{r.step_time_s * 1000:,.0f}",
+                      f"{r.peak_memory_gib:.1f}" if r.on_gpu else "n/a", _percent(r.balance), _percent(r.data_wait))
     console.print(table)
     settings = {r.settings for r in scaling.results}
     for r in scaling.results if len(settings) > 1 else scaling.results[:1]:

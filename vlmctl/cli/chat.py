@@ -134,9 +134,12 @@ def _loop(session: "ChatSession", interactive: bool) -> None:
     while True:
         try:
             line = console.input("[bold cyan]you[/bold cyan] › ") if interactive else sys.stdin.readline()
-        except (EOFError, KeyboardInterrupt):
+        except EOFError:  # end of input: the chat is over
             console.print()
             return
+        except KeyboardInterrupt:  # Ctrl-C at the prompt: interrupted, exit 130 as every command
+            console.print()
+            raise typer.Exit(130) from None
         if not interactive:
             if not line:
                 return

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from vlmctl.cli._common import ConfigOpt, JsonOpt, OverridesArg, console, load_project, print_json
+from vlmctl.cli._common import ConfigOpt, JsonOpt, OverridesArg, console, esc, load_project, print_json
 
 app = typer.Typer(help="Inspect the project file.", no_args_is_help=True)
 
@@ -22,5 +22,5 @@ def show(config: ConfigOpt = None, overrides: OverridesArg = None, as_json: Json
         return
     from rich.syntax import Syntax
 
-    console.print(f"[dim]# {cfg.path}[/dim]")
+    console.print(f"[dim]# {esc(cfg.path)}[/dim]")
     console.print(Syntax(dump_config(cfg), "yaml", theme="ansi_dark", background_color="default"))

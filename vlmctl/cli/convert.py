@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from vlmctl.cli._common import JsonOpt, console, info, print_json, state
+from vlmctl.cli._common import JsonOpt, console, esc, info, print_json, result_line, state
 
 EXAMPLE = "Example: vlmctl convert outputs/runs/my-run/checkpoint-500 -o exports/my-model --dtype bf16"
 
@@ -42,7 +42,7 @@ def convert(
         def progress(message: str) -> None:
             bar.update(task, description=message)
             if state.verbose:
-                console.print(f"[dim]{message}[/dim]")
+                console.print(f"[dim]{esc(message)}[/dim]")
 
         result = run_convert(
             src, out, to=to, dtype=dtype, max_shard_size=max_shard_size, merge_lora=merge_lora, adapter_only=adapter_only,
@@ -55,11 +55,11 @@ def convert(
     table.add_column("file")
     table.add_column("bytes", justify="right")
     for name, size in result.files:
-        table.add_row(name, f"{size:,}")
+        table.add_row(esc(name), f"{size:,}")
     if not state.quiet:
         console.print(table)
     what = "LoRA adapter" if result.adapter_only else ("merged LoRA model" if result.merged_lora else "model")
-    info(f"[green]Converted[/green] {result.kind} {result.source} -> {what} at {result.out} ({result.dtype})")
+    result_line(f"[green]Converted[/green] {result.kind} {esc(result.source)} -> {esc(what)} at {esc(result.out)} ({result.dtype})")
     v = result.verify
     if v is not None:
         info(f"[green]Verified[/green]: max |logit difference| {v.max_abs_diff:.3g} over {v.num_logits:,} logits (tolerance {v.tolerance:.3g})")

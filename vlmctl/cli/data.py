@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
-from vlmctl.cli._common import ConfigOpt, JsonOpt, OverridesArg, console, info, load_project, print_json, split_args, state
+from vlmctl.cli._common import (ConfigOpt, JsonOpt, OverridesArg, console, debug, esc, info, load_project, print_json,
+                                result_line, split_args, state)
 
 if TYPE_CHECKING:
     from vlmctl.config import VlmctlConfig
@@ -77,12 +78,15 @@ def _render_prepare(m: dict[str, Any], out: Path, export_dir: Path | None, token
     table.add_column("rejected (reason: count)")
     for s in m["sources"]:
         rejected = ", ".join(f"{r}: {n}" for r, n in s["rejected"].items()) or "-"
-        table.add_row(s["name"], s["format"], f"{s['kept']:,}", rejected)
+        table.add_row(esc(s["name"]), esc(s["format"]), f"{s['kept']:,}", rejected)
     console.print(table)
     tr, va = m["splits"]["train"], m["splits"]["val"]
-    info(f"[green]Prepared[/green] {out}: train {tr['samples']:,} samples ({len(tr['shards'])} shard(s)), val {va['samples']:,} samples")
+    result_line(f"[green]Prepared[/green] {esc(out)}: train {tr['samples']:,} samples ({len(tr['shards'])} shard(s)), val {va['samples']:,} samples")
+    if not va["samples"]:
+        info("[yellow]The val split is empty[/yellow]: `vlmctl eval` and train.eval_steps have nothing to evaluate; "
+             "set data.val_ratio above 0 (e.g. 0.05) and prepare again if you want them.")
     if m["totals"]["rejected_total"]:
-        info(f"Rejected {m['totals']['rejected_total']:,} samples: see {out / 'rejected.jsonl'}")
+        info(f"Rejected {m['totals']['rejected_total']:,} samples: see {esc(out / 'rejected.jsonl')}")
     for reason, n in (m["totals"].get("flagged") or {}).items():
         info(f"[yellow]Kept {n:,} samples flagged {reason}[/yellow] (data.duplicate_ids: keep)")
     tokens = m.get("tokens")
@@ -93,12 +97,11 @@ def _render_prepare(m: dict[str, Any], out: Path, export_dir: Path | None, token
         )
         info(_longest_line(tokens))
     else:
-        from rich.markup import escape
-
-        info(f"[dim]No token counts ({escape(token_note or 'no processor')}): too_long was not checked.[/dim]")
-    info(f"Length histogram: {out / 'length_histogram.png'}")
+        info(f"[dim]No token counts ({esc(token_note or 'no processor')}): too_long was not checked.[/dim]")
+    info(f"Length histogram: {esc(out / 'length_histogram.png')}")
     if export_dir:
-        info(f"Energon export: {export_dir}")
+        info(f"Energon export: {esc(export_dir)}")
+    debug(f"manifest: {esc(out / 'manifest.json')}; shards: " + esc(", ".join(tr["shards"] + va["shards"])))
 
 
 def _longest_line(tokens: dict[str, Any]) -> str:
@@ -120,10 +123,18 @@ def _longest_line(tokens: dict[str, Any]) -> str:
 def validate(
     args: Annotated[Optional[list[str]], typer.Argument(help="Source files/folders or a prepared dir (default: data.sources), then overrides.", show_default=False)] = None,
     config: ConfigOpt = None,
+    image_root: Annotated[Optional[Path], typer.Option("--image-root", help="Folder that the files' relative image paths are relative to (default: each file's folder).")] = None,
+    format: Annotated[str, typer.Option("--format", help="Format of the files given: auto, llava, sharegpt, messages, parquet, webdataset.")] = "auto",
     as_json: JsonOpt = False,
 ) -> None:
     """Check sources without writing anything; exit 1 when any sample would be rejected."""
     paths, overrides = split_args(args)
+    if (image_root is not None or format != "auto") and not paths:
+        from vlmctl.errors import UsageError
+
+        raise UsageError("--image-root and --format apply to files given on the command line",
+                         hint="pass the files (`vlmctl data validate data/raw/train.json --image-root data/raw`), or set "
+                         "data.sources[].image_root / format in vlmctl.yaml")
     cfg = _load_for_validate(config, overrides, standalone=bool(paths))
     from vlmctl.data.validate import validate_data
 
@@ -133,11 +144,14 @@ def validate(
         processor_dir=_processor_dir(cfg),
         progress=not (as_json or state.quiet),
         row_budget=_row_budget(cfg),
+        image_root=image_root,
+        format=format,
+        max_examples=10 if state.verbose else 5,
     )
     if as_json:
         print_json(report.to_dict())
     else:
-        _render_validate(report, cfg)
+        _render_validate(report, cfg, given=bool(paths))
     if not report.ok:
         raise typer.Exit(1)
 
@@ -153,25 +167,36 @@ def _load_for_validate(config: Path | None, overrides: list[str], standalone: bo
     return load_project(config, overrides)
 
 
-def _render_validate(report, cfg: "VlmctlConfig") -> None:
+def _render_validate(report, cfg: "VlmctlConfig", given: bool = False) -> None:
     from rich.table import Table
 
     from vlmctl.data.counting import model_configured
 
     for reason, n in report.flagged.items():
         info(f"[yellow]{n:,} kept samples flagged {reason}[/yellow] (data.duplicate_ids: keep)")
+    debug(f"checked {report.total:,} samples; token counts {'checked' if report.tokens_checked else 'not checked'}")
     if report.ok:
-        info(f"[green]OK[/green]: {report.total:,} samples checked, none would be rejected.")
+        result_line(f"[green]OK[/green]: {report.total:,} samples checked, none would be rejected.")
         if not report.tokens_checked:
             later = "; `vlmctl data prepare` checks it with the configured model" if model_configured(cfg.model) else ""
             info(f"[dim]too_long was not checked (no built model in model.output_dir{later}).[/dim]")
         return
-    table = Table(title=f"{report.rejected:,} of {report.total:,} samples would be rejected", title_justify="left")
+    counts = report.to_dict()["counts"]
+    summary = f"{report.rejected:,} of {report.total:,} samples would be rejected"
+    if state.quiet:  # the result line alone
+        result_line(f"{summary} ({', '.join(f'{reason} {n:,}' for reason, n in counts.items())})")
+        return
+    table = Table(title=summary, title_justify="left")
     table.add_column("reason")
     table.add_column("count", justify="right")
     table.add_column("first locations", overflow="fold")
-    for reason, count in report.to_dict()["counts"].items():
-        where = "\n".join(f"{e['location']}: {e['detail']}" for e in report.examples.get(reason, [])[:3])
+    shown = 10 if state.verbose else 3  # -v: every location kept (up to 10 per reason)
+    for reason, count in counts.items():
+        where = "\n".join(f"{esc(e['location'])}: {esc(e['detail'])}" for e in report.examples.get(reason, [])[:shown])
         table.add_row(reason, f"{count:,}", where)
     console.print(table)
     info(f"Kept: {report.kept:,}. Fix the records above, or run `vlmctl data prepare` to drop them with these reasons.")
+    if report.kept == 0 and counts.get("missing_image") == report.total:  # a wrong root, not missing files
+        where = "--image-root FOLDER" if given else "data.sources[].image_root in vlmctl.yaml"
+        info(f"[yellow]Every image is missing[/yellow]: the image paths are probably relative to another folder; "
+             f"pass {where} (the folder they are relative to).")

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from vlmctl.cli._common import JsonOpt, OverridesArg, console, is_override, print_json, state
+from vlmctl.cli._common import JsonOpt, OverridesArg, console, esc, is_override, print_json, state
 
 if TYPE_CHECKING:
     from vlmctl.demo import DemoResult
@@ -45,7 +45,7 @@ def demo(
     if not quiet:
         how = f"torchrun, {nproc} processes, FSDP2" if launcher == "torchrun" else "one process"
         model = "tiny VLM" if modality == "image" else demo_spec.model
-        console.print(f"[bold]vlmctl demo[/bold] in {folder}: generated {demo_spec.data} -> {model} from scratch ({how}, CPU, no downloads)")
+        console.print(f"[bold]vlmctl demo[/bold] in {esc(folder)}: generated {esc(demo_spec.data)} -> {esc(model)} from scratch ({how}, CPU, no downloads)")
     with Progress(SpinnerColumn(), TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=quiet) as bar:
         tasks = {s: bar.add_task(labels[s], total=None, start=False, visible=False) for s in STAGES}
@@ -79,12 +79,13 @@ def demo(
     if as_json:
         print_json(result.to_dict())
         return
-    _render(result)
+    _render(result, again=(folder, overrides or [], num_samples))
 
 
-def _verdict(result: "DemoResult", ratio: float) -> str:
+def _verdict(result: "DemoResult", ratio: float, again: tuple = (None, (), None)) -> str:
     """The line under the accuracy table: learned, or what to change. A perceiver whose seeded connector trained with
-    the rest gave up where things are on this set, and more steps did not bring it back (docs/benchmarks.md)."""
+    the rest gave up where things are on this set, and more steps did not bring it back (docs/benchmarks.md).
+    `again`: (folder, overrides, --num-samples) as given, repeated in the command that trains longer."""
     if result.learned:
         return (f"[green]The model {VERDICTS.get(result.modality, VERDICTS['image'])}: above the blind baseline on every "
                 f"question type, {ratio:.1f}x overall.[/green]")
@@ -92,13 +93,23 @@ def _verdict(result: "DemoResult", ratio: float) -> str:
         return ("[yellow]Not above the blind baseline everywhere. A perceiver trained with the encoder gives up where "
                 "things are on this set (docs/benchmarks.md): with model.perceiver_init=region (the default) and "
                 "train.freeze unset, the demo keeps the vision tower and the seeded connector fixed.[/yellow]")
-    more = "" if result.modality == "image" else f" --modality {result.modality}"
     longer = 2000 if result.modality == "image" else 2 * max(result.steps, 100)
-    return (f"[yellow]Not above the blind baseline everywhere: train longer, e.g. `vlmctl demo{more} --force "
-            f"train.max_steps={longer}`.[/yellow]")
+    return (f"[yellow]Not above the blind baseline everywhere: train longer, e.g. "
+            f"`{esc(retry_command(result.modality, longer, *again))}`.[/yellow]")
 
 
-def _render(result: "DemoResult") -> None:
+def retry_command(modality: str, steps: int, folder=None, overrides=(), num_samples: int | None = None) -> str:
+    """The `vlmctl demo` command that runs the same demo again (its folder, modality, sample count and overrides)
+    with train.max_steps=`steps`."""
+    import shlex
+
+    words = ["vlmctl", "demo"] + ([str(folder)] if folder is not None else [])
+    words += ([] if modality == "image" else ["--modality", modality]) + (["--num-samples", str(num_samples)] if num_samples else [])
+    words += ["--force", *(o for o in overrides if not o.startswith("train.max_steps=")), f"train.max_steps={steps}"]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def _render(result: "DemoResult", again: tuple = (None, (), None)) -> None:
     from rich.console import Group
     from rich.panel import Panel
     from rich.table import Table
@@ -124,14 +135,14 @@ def _render(result: "DemoResult") -> None:
     acc.add_row("[bold]overall[/bold]", str(sum(s.n for s in result.scores)), f"[bold]{result.overall:.1%}[/bold]",
                 f"{result.baseline_overall:.1%}  ({ratio:.1f}x)")
 
-    verdict = _verdict(result, ratio)
+    verdict = _verdict(result, ratio, again)
     rel = lambda p: p.relative_to(result.folder) if p is not None and result.folder in p.parents else p  # noqa: E731
     where = Table(box=None, show_header=False, pad_edge=False)
-    where.add_row("prepared data", str(rel(result.prepared_dir)))
-    where.add_row("built model", str(rel(result.model_dir)))
+    where.add_row("prepared data", esc(rel(result.prepared_dir)))
+    where.add_row("built model", esc(rel(result.model_dir)))
     if result.run_dir is not None:
-        where.add_row("training run", f"{rel(result.run_dir)} (final/, metrics.jsonl, loss.png, train.log)")
-    where.add_row("evaluation", f"{rel(result.eval_dir)} (report.html, predictions.jsonl)")
+        where.add_row("training run", f"{esc(rel(result.run_dir))} (final/, metrics.jsonl, loss.png, train.log)")
+    where.add_row("evaluation", f"{esc(rel(result.eval_dir))} (report.html, predictions.jsonl)")
     steps = f"{result.steps} steps" + (f", final loss {result.final_loss:.3f}" if result.final_loss is not None else "")
     train_line = f"train: {result.launcher} x{result.nproc} ({result.strategy}), {result.train_samples} samples, {steps}"
     if result.frozen:

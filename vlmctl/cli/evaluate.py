@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from vlmctl.cli._common import ConfigOpt, JsonOpt, console, info, load_project, print_json, split_args, state
+from vlmctl.cli._common import ConfigOpt, JsonOpt, console, esc, info, load_project, print_json, result_line, split_args, state
 
 EXAMPLE = "Example: vlmctl eval --data val --task vqa --limit 200"
 
@@ -79,7 +79,7 @@ def eval_cmd(
                                include_path=lmms_include.resolve() if lmms_include else None, limit=limit,
                                echo=not state.quiet, notes=notes)
         for note in notes if not as_json else ():
-            info(f"[yellow]{note}[/yellow]")
+            info(f"[yellow]{esc(note)}[/yellow]")
         result = evaluation.fold_into_metrics(out_dir, scores, model=str(model_dir), data=f"lmms-eval:{lmms_eval}")
         _render(result, as_json)
         return
@@ -98,7 +98,7 @@ def eval_cmd(
     if not as_json and rank0:
         if samples.skipped:
             info(f"[yellow]{_skipped_line(samples)}[/yellow]")
-        info(f"Evaluating [bold]{model_dir}[/bold] on {len(samples)} samples ({data_name}, task {task_name})")
+        info(f"Evaluating [bold]{esc(model_dir)}[/bold] on {len(samples)} samples ({esc(data_name)}, task {task_name})")
     claim = fresh_folder(out, "eval", inputs=inputs, force=force) if out is not None and rank0 else contextlib.nullcontext()
     try:
         with claim, _progress(len(samples), enabled=not as_json) as progress:
@@ -169,7 +169,7 @@ def _render(result, as_json: bool) -> None:
     table.add_column("metric")
     table.add_column("value", justify="right")
     for name, value in summary["metrics"].items():
-        table.add_row(name, f"{value:.4f}")
+        table.add_row(esc(name), f"{value:.4f}")
     console.print(table)
     skipped = summary.get("skipped")
     if skipped:
@@ -180,4 +180,4 @@ def _render(result, as_json: bool) -> None:
         folder = Path(result.out_dir)
         names = ["metrics.json", *(n for n in ("predictions.jsonl", "report.html") if (folder / n).is_file()),
                  *(["skipped.jsonl"] if skipped else []), *(["lmms_eval/"] if (folder / "lmms_eval").is_dir() else [])]
-        info(f"Wrote {result.out_dir}/ ({', '.join(names)})")
+        result_line(f"Wrote {esc(result.out_dir)}/ ({esc(', '.join(names))})")

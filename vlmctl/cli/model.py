@@ -6,11 +6,25 @@ from typing import Annotated, Any
 
 import typer
 
-from vlmctl.cli._common import ConfigOpt, JsonOpt, OverridesArg, console, info, load_project, print_json, state
+from vlmctl.cli._common import ConfigOpt, JsonOpt, OverridesArg, console, esc, info, load_project, print_json, result_line, state
 
 app = typer.Typer(help="Build or inspect the model.", no_args_is_help=True)
 
-EXAMPLE = "Example: vlmctl model build model.projector=linear --force  (vlmctl model build --list: the supported families)"
+
+
+def _preset_names() -> list[str]:
+    """The shipped presets' names, from their folder, without importing the model code (--help stays light)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("vlmctl.models")
+    folder = Path(next(iter(spec.submodule_search_locations))) / "presets"
+    return sorted(p.stem for p in folder.glob("*.yaml"))
+
+
+EXAMPLE = ("Example: vlmctl model build model.projector=linear --force  (vlmctl model build --list: the supported families)"
+           "\n\nPresets (model.preset, model.vision, model.llm with init: random): " + ", ".join(_preset_names())
+           + " (vlmctl model presets describes them)")
 
 
 @app.command("build", epilog=EXAMPLE)
@@ -39,6 +53,25 @@ def build(
         print_json({**result.to_dict(), "summary": summary})
         return
     _render(result, summary)
+
+
+@app.command("presets")
+def presets(as_json: JsonOpt = False) -> None:
+    """List the shipped size presets (model.preset, or model.vision / model.llm with init: random)."""
+    from rich.table import Table
+
+    from vlmctl.models.build import list_presets
+
+    rows = list_presets()
+    if as_json:
+        print_json(rows)
+        return
+    table = Table(title="Presets", title_justify="left")
+    table.add_column("name")
+    table.add_column("what it is")
+    for name, description in rows.items():
+        table.add_row(esc(name), esc(description))
+    console.print(table)
 
 
 def _list_families(as_json: bool) -> None:
@@ -97,14 +130,14 @@ def _render(result: Any, s: dict[str, Any]) -> None:
     from rich.table import Table
 
     names = s.get("part_labels") or {"vision": "vision tower", "projector": "projector", "llm": "language model"}
-    table = Table(title=f"{result.output_dir} ({s['family']}, {result.mode})", title_justify="left")
+    table = Table(title=f"{esc(result.output_dir)} ({s['family']}, {result.mode})", title_justify="left")
     table.add_column("part")
     table.add_column("parameters", justify="right")
     table.add_column(f"trained at stage {s['stage']}")
     for part, label in names.items():
         trained = "[green]yes[/green]" if s["trained"][part] else ("LoRA" if part == "llm" and s["lora_on_llm"] else "[dim]frozen[/dim]")
         table.add_row(label, _count(s["parameters"][part]), trained)
-    table.add_row("[bold]total[/bold]", f"[bold]{_count(s['parameters']['total'])}[/bold]", f"{_count(s['trainable_parameters'])} trainable")
+    table.add_row("[bold]total[/bold]", f"[bold]{_count(s['parameters']['total'])}[/bold]", f"{_count(s['trainable_parameters'])} trainable" + (" + LoRA adapters" if s["lora_on_llm"] else ""))
     console.print(table)
     if s["visual_tokens_per_image"] is not None:
         info(f"Visual tokens per image: {s['visual_tokens_per_image']:,} at {s['image_size']}x{s['image_size']} px")
@@ -119,7 +152,7 @@ def _render(result: Any, s: dict[str, Any]) -> None:
         f"Training memory {where[0]} ({s['strategy']}, {where[1]}, {s['storage']}, without activations): "
         f"~{_gib(mem['total'])} (weights {_gib(mem['weights'])}, gradients {_gib(mem['gradients'])}, optimizer {_gib(mem['optimizer'])})"
     )
-    info(f"[green]Built[/green] {result.output_dir} in {result.seconds:.1f} s")
+    result_line(f"[green]Built[/green] {esc(result.output_dir)} in {result.seconds:.1f} s")
 
 
 def _count(n: int) -> str:

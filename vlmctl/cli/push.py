@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from vlmctl.cli._common import ConfigOpt, JsonOpt, console, info, load_project, print_json, split_args, state
+from vlmctl.cli._common import ConfigOpt, JsonOpt, console, esc, info, load_project, print_json, result_line, split_args, state
 
 EXAMPLE = "Example: vlmctl push outputs/runs/my-run/final --repo-id my-org/my-vlm --dry-run hub.license=mit"
 
@@ -76,8 +76,8 @@ def push(
     table.add_column("file")
     table.add_column("size", justify="right")
     for f in result.files:
-        note = " (generated)" if f.path == "README.md" and result.card_generated else (f" (link to {f.link_to})" if f.link_to else "")
-        table.add_row(f.path + note, _human(f.size))
+        note = " (generated)" if f.path == "README.md" and result.card_generated else (f" (link to {esc(f.link_to)})" if f.link_to else "")
+        table.add_row(esc(f.path) + note, _human(f.size))
     table.add_row("[bold]total[/bold]", f"[bold]{_human(result.total_bytes)}[/bold]")
     console.print(table)
     if dry_run:
@@ -86,4 +86,4 @@ def push(
         console.rule()
         info("[dim]dry run: nothing was uploaded[/dim]")
     else:
-        info(f"[green]Pushed[/green] {len(result.files)} files ({_human(result.total_bytes)}) to {result.url}" + (f" @ {result.commit[:10]}" if result.commit else ""))
+        result_line(f"[green]Pushed[/green] {len(result.files)} files ({_human(result.total_bytes)}) to {esc(result.url)}" + (f" @ {result.commit[:10]}" if result.commit else ""))

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from vlmctl.cli._common import ConfigOpt, OverridesArg, console, info, load_project
+from vlmctl.cli._common import ConfigOpt, OverridesArg, console, esc, info, load_project, result_line
 
 EXAMPLE = "Example: vlmctl train --launcher torchrun --nproc-per-node 2 train.strategy=fsdp train.max_steps=50"
 
@@ -23,6 +23,7 @@ def train(
     master_port: Annotated[Optional[int], typer.Option("--master-port", help="Rendezvous port.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the last complete checkpoint.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the exact launch commands (every node's, or the sbatch script) and exit.")] = False,
+    rebuild_model: Annotated[bool, typer.Option("--rebuild-model", help="Build model.output_dir again first when a model.* key changed since `vlmctl model build`.")] = False,
 ) -> None:
     """Train the model: spawn torchrun/accelerate/sbatch (or run in-process) for DDP, FSDP2 or ZeRO-2/3.
 
@@ -39,19 +40,31 @@ def train(
     if extra:
         cfg = load_project(config, [*(overrides or []), *extra])
     train_cfg = cfg.train
-    if dry_run:
-        from pathlib import Path
-
-        run_dir = Path(train_cfg.output_dir) / (train_cfg.run_name or L.default_run_name(cfg))
-        console.print(L.dry_run_text(train_cfg, run_dir), soft_wrap=True, markup=False, highlight=False)
+    if dry_run:  # the run folder the real command would use (the one --resume continues)
+        console.print(L.dry_run_text(train_cfg, L.planned_run_dir(cfg, resume)), soft_wrap=True, markup=False,
+                      highlight=False)
         return
     from vlmctl.train.rundir import release_run
 
+    if rebuild_model:
+        from vlmctl.models.build import rebuild_if_changed
+
+        prepared = cfg.data.prepared_dir if (cfg.data.prepared_dir / "train").is_dir() else None
+        if rebuild_if_changed(cfg.model, prepared_dir=prepared, seed=cfg.project.seed) is not None:
+            info(f"rebuilt {esc(cfg.model.output_dir)} with the changed model settings")
+    fresh = not resume and train_cfg.resume is None
+    if fresh and not train_cfg.run_name and (left := L.interrupted_run(cfg)) is not None:
+        info(f"[yellow]note[/yellow]: the run {esc(left[0].name)} stopped at step {left[1]} without finishing; this "
+             f"starts a new run. Continue that one instead with `vlmctl train --resume` (or set train.resume: auto).")
     run_dir = L.prepare_run(cfg, resume=resume)
+    started = False
     try:
         _run(train_cfg, run_dir)
+        started = True
     finally:
         release_run(run_dir)
+        if fresh and not started:
+            L.discard_unstarted(run_dir)
 
 
 def _run(train_cfg, run_dir) -> None:
@@ -59,7 +72,7 @@ def _run(train_cfg, run_dir) -> None:
     when the ranks reported their own failure (exit 1 or 2), a panel otherwise."""
     from vlmctl.train import launch as L
 
-    info(f"run folder: {run_dir}")
+    info(f"run folder: {esc(run_dir)}")
     if train_cfg.launcher == "none":
         import signal
 
@@ -72,9 +85,9 @@ def _run(train_cfg, run_dir) -> None:
     launch = L.launch_command(train_cfg, run_dir)
     if train_cfg.launcher == "slurm":
         submitted, text = L.submit_slurm(launch)
-        info(text if submitted else f"sbatch is not available here; submit the script with: sbatch {text}")
+        info(text if submitted else f"sbatch is not available here; submit the script with: sbatch {esc(text)}")
         return
-    info(f"[dim]{launch.render()}[/dim]")
+    info(f"[dim]{esc(launch.render())}[/dim]")
     code, signum = L.spawn(launch.command, env=L.launch_env(train_cfg), log_path=run_dir / L.log_name(train_cfg))
     if signum is not None:
         _stopped(run_dir, signum)
@@ -85,7 +98,7 @@ def _run(train_cfg, run_dir) -> None:
         from vlmctl.errors import VlmctlError
 
         raise VlmctlError(f"training failed (exit code {code})", hint=f"see the output above; the run folder is {run_dir}")
-    info(f"done: {run_dir / 'final'}")
+    result_line(f"done: {esc(run_dir / 'final')}")
 
 
 def _stopped(run_dir, signum: int) -> None:
@@ -95,6 +108,6 @@ def _stopped(run_dir, signum: int) -> None:
     from vlmctl.train.checkpoint import latest_checkpoint
 
     last = latest_checkpoint(run_dir)
-    where = f"last checkpoint: {last}" if last is not None else "no checkpoint was written"
+    where = f"last checkpoint: {esc(last)}" if last is not None else "no checkpoint was written"
     console.print(f"[yellow]stopped by signal {signum} ({signal.Signals(signum).name}); {where}. "
-                  f"Continue with `vlmctl train --resume train.run_name={run_dir.name}`[/yellow]", soft_wrap=True)
+                  f"Continue with `vlmctl train --resume train.run_name={esc(run_dir.name)}`[/yellow]", soft_wrap=True)

@@ -177,7 +177,7 @@ def validate_config(raw: dict[str, Any], base_dir: Path | None = None, source: s
     except ValidationError as exc:
         by_key = _override_keys(overrides or [])
         lines, from_file = [], False
-        for err in exc.errors():
+        for err in _merged(exc.errors()):
             line = _describe(err, raw)
             text = _override_of(_dotted(_plain_loc(err["loc"])), by_key)
             from_file |= text is None
@@ -188,6 +188,28 @@ def validate_config(raw: dict[str, Any], base_dir: Path | None = None, source: s
             f"{where}:\n" + "\n".join(f"  - {line}" for line in lines),
             hint=f"{fix} (see `vlmctl config show` for all keys and docs/config.md for their meaning)",
         ) from None
+
+
+def _merged(errors: list[dict]) -> list[dict]:
+    """pydantic's errors with those of one key merged: a union (`int | "auto"`) fails once per member; the
+    user gets one line saying what the key takes (`should be an integer or 'auto'`)."""
+    by_key: dict[tuple, list[dict]] = {}
+    for err in errors:
+        by_key.setdefault(_plain_loc(err["loc"]), []).append(err)
+    out = []
+    for loc, errs in by_key.items():
+        if len(errs) == 1 or any(e["type"] in ("extra_forbidden", "missing", "value_error") for e in errs):
+            out += errs
+            continue
+        takes = [_TAKES.get(e["type"]) or e.get("ctx", {}).get("expected") or e["msg"] for e in errs]
+        out.append({**errs[0], "loc": loc, "msg": "should be " + " or ".join(dict.fromkeys(takes))})
+    return out
+
+
+_TAKES = {"int_parsing": "an integer", "int_from_float": "an integer", "int_type": "an integer",
+          "float_parsing": "a number", "float_type": "a number", "bool_parsing": "true or false",
+          "bool_type": "true or false", "string_type": "text", "list_type": "a list", "dict_type": "a mapping",
+          "model_type": "a mapping of keys", "none_required": "null"}
 
 
 def _override_keys(overrides: list[str]) -> dict[str, str]:
@@ -207,8 +229,72 @@ def _override_of(key: str, by_key: dict[str, str]) -> str | None:
     return None
 
 
+# pydantic names the member of a union (or the validator) it tried in the error's location: not a key
+_LOC_TAGS = ("function-", "literal[", "list[", "tuple[", "dict[", "union[", "nullable[", "json-or-python[", "lax-or-strict[")
+_LOC_TYPES = {"int", "str", "float", "bool", "none", "list", "dict", "tuple", "is-instance", "path"}
+
+
 def _plain_loc(loc: tuple) -> tuple:
-    return tuple(p for p in loc if not (isinstance(p, str) and p.startswith(("function-after", "literal["))))
+    return tuple(p for p in loc if not (isinstance(p, str) and (p.startswith(_LOC_TAGS) or p in _LOC_TYPES)))
+
+
+KEY_ALIASES = {
+    "lr": "train.learning_rate", "epochs": "train.num_epochs", "num_train_epochs": "train.num_epochs",
+    "lora_rank": "train.lora.r", "lora_r": "train.lora.r", "lora_alpha": "train.lora.alpha",
+    "lora_dropout": "train.lora.dropout", "lora_target": "train.lora.target_modules",
+    "per_device_train_batch_size": "train.micro_batch_size", "batch_size": "train.micro_batch_size",
+    "gradient_accumulation": "train.gradient_accumulation_steps", "cutoff_len": "data.max_length",
+    "max_seq_length": "data.max_length", "model_max_length": "data.max_length", "val_size": "data.val_ratio",
+    "deepspeed": "train.deepspeed_config", "resume_from_checkpoint": "train.resume", "warmup_steps": "train.warmup_ratio",
+    "load_best_model_at_end": "train.save_best", "metric_for_best_model": "train.save_best",
+    "eval_strategy": "train.eval_steps", "evaluation_strategy": "train.eval_steps", "bf16": "train.precision",
+    "report_to": "train.report_to", "seed": "train.seed", "max_steps": "train.max_steps",
+}
+"""Names users bring from transformers' TrainingArguments, LLaMA-Factory and ms-swift, and the key that does the
+same here (`suggest_key`)."""
+
+
+def leaf_keys(loc: tuple = ()) -> list[str]:
+    """The dotted keys below the section reached by `loc` (nested sections' keys as `lora.r`; lists of sections,
+    such as data.sources, not entered)."""
+    out = []
+    for name in _fields_at(loc):
+        below = leaf_keys((*loc, name)) if _is_section(loc, name) else []
+        out += [f"{name}.{k}" for k in below] or [name]
+    return out
+
+
+def _is_section(loc: tuple, name: str) -> bool:
+    import typing
+
+    model: Any = VlmctlConfig
+    for part in loc:
+        model = _section_model(model.model_fields[part].annotation)
+    ann = model.model_fields[name].annotation
+    return _section_model(ann) is not None and typing.get_origin(ann) is not list
+
+
+def _section_model(ann) -> Any:
+    import typing
+
+    for candidate in (ann, *typing.get_args(ann)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def suggest_key(name: str, loc: tuple = ()) -> str | None:
+    """The key below section `loc` a user most likely meant by the unknown `name` (a key there, or a name from
+    another trainer, `KEY_ALIASES`), relative to `loc`; None when nothing is close. Nested keys are matched on their
+    underscore-joined names: `lora_rank` -> `lora.r`."""
+    prefix = "".join(f"{p}." for p in loc)
+    alias = KEY_ALIASES.get(str(name).replace("-", "_"))
+    if alias and alias.startswith(prefix):
+        return alias[len(prefix):]
+    keys = [*_fields_at(loc), *leaf_keys(loc)]  # a section's own name too (`trian` -> `train`)
+    flat = {k.replace(".", "_"): k for k in keys}
+    close = difflib.get_close_matches(str(name).replace("-", "_"), list(flat), n=1, cutoff=0.6)
+    return flat[close[0]] if close else None
 
 
 # Access tokens by their documented prefixes: Hugging Face (hf_, api_org_), GitHub (ghp_, gho_, ghu_, ghs_, ghr_,
@@ -262,17 +348,19 @@ def _describe(err: dict, raw: dict) -> str:
     key = _dotted(loc)
     if err["type"] == "extra_forbidden":
         valid = _fields_at(loc[:-1])
-        close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.6)
+        close = suggest_key(str(loc[-1]), tuple(p for p in loc[:-1] if not isinstance(p, int))) if valid else None
         parent = _dotted(loc[:-1])
         prefix = f"{parent}." if parent else ""
         msg = f"unknown key {key}"
         if close:
-            return msg + f": did you mean {prefix}{close[0]}?"
+            return msg + f": did you mean {prefix}{close}?"
         return msg + (f" (valid keys: {', '.join(valid)})" if valid else "")
     if err["type"] == "missing":
         return f"{key}: required key is missing"
     value = err.get("input")
-    msg = err["msg"].removeprefix("Value error, ")
+    msg = err["msg"].removeprefix("Value error, ").replace("Input should be", "should be")
+    if err["type"] == "list_type" and isinstance(value, str):
+        msg += f" (on the command line: {key}=[{value}]; in YAML: [{value}])"
     if isinstance(value, (dict, list)) or not key:
         return f"{key}: {msg}" if key else msg
     return f"{key} = {value!r}: {msg}"

@@ -9,7 +9,7 @@ from pydantic import Field, ValidationInfo, model_validator
 
 from vlmctl.config.base import ProjectPath, Section
 
-DataFormat = Literal["auto", "llava", "sharegpt", "messages", "parquet", "webdataset", "hf"]
+DataFormat = Literal["auto", "llava", "sharegpt", "messages", "parquet", "webdataset", "hf", "llamafactory"]
 
 EnergonFormat = Literal["auto", "vqa", "captioning", "crude"]
 
@@ -19,7 +19,8 @@ DEFAULT_MAX_IMAGE_PIXELS = 64_000_000
 
 class DataSource(Section):
     path: str = Field(..., description="File, folder or glob of the source (relative to the project file); a dataset id for format `hf`.")
-    format: DataFormat = Field("auto", description="Input format: auto|llava|sharegpt|messages|parquet|webdataset|hf.")
+    format: DataFormat = Field("auto", description="Input format: auto|llava|sharegpt|messages|parquet|webdataset|hf|llamafactory (auto picks llamafactory for a file named dataset_info.json).")
+    dataset: str | None = Field(None, description="format llamafactory: the data set's name in LLaMA-Factory's dataset_info.json (the source's path); its file_name, formatting (sharegpt or alpaca), columns and tags are honoured (docs/formats.md).")
     name: str | None = Field(None, description="Short name for reports; defaults to the file name.")
     image_root: ProjectPath | None = Field(None, description="Folder that relative image paths are resolved against (default: the source file's folder). Image paths must resolve inside it, the source's folder or data.media_roots.")
     weight: float = Field(1.0, gt=0, description="Relative sampling weight of this source during training.")

@@ -151,6 +151,9 @@ class TrainSection(Section):
     save_steps: int = Field(500, gt=0, description="Save a checkpoint every this many optimizer steps.")
     save_total_limit: int | None = Field(3, gt=0, description="Keep at most this many checkpoints (oldest pruned).")
     logging_steps: int = Field(10, gt=0, description="Log metrics every this many steps.")
+    eval_steps: int | None = Field(None, gt=0, description="Validate every this many optimizer steps and at the last step: the loss on the prepared val split (data.prepared_dir/val; data.val_ratio sets its size), batched as training batches (packed or padded) on every rank and normalised as the training loss (summed token loss / label tokens over the data-parallel ranks). Shown in the step line as val loss, recorded as val_loss in metrics.jsonl, TensorBoard and W&B (eval/loss), and drawn on loss.png. Unset = no validation.")
+    save_best: Literal["val_loss"] | None = Field(None, description="Keep the checkpoint of the best value of this validation metric (needs eval_steps): the best step is checkpointed when it is not a save step, kept past save_total_limit, recorded in trainer_state.json (a resumed run continues from it) and named in final/best_checkpoint.json. val_loss: lower is better.")
+    early_stopping_patience: int | None = Field(None, gt=0, description="Stop (checkpoint and export) after this many validations in a row without a better value of save_best's metric (val_loss when save_best is unset); needs eval_steps. Unset = never stop early.")
     report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list, description="Experiment trackers to log to.")
     resume: str | None = Field(None, description="auto = continue from the last complete checkpoint; or a checkpoint path.")
     run_name: str | None = Field(None, description="Run folder name under output_dir: letters, digits and . _ - only (default: <project>-<stage>-<timestamp>, with -2, -3, ... when taken). A fresh run refuses a name that already holds a run; --resume continues it.")
@@ -194,6 +197,22 @@ class TrainSection(Section):
         if isinstance(value, int) and value <= 0:
             raise ValueError("must be a positive integer or auto")
         return value
+
+    @model_validator(mode="after")
+    def _deepspeed_config_needs_deepspeed(self):
+        """A DeepSpeed JSON is read only by the DeepSpeed strategies: set with another, it would be ignored."""
+        if self.deepspeed_config is not None and self.strategy not in ("zero2", "zero3"):
+            raise ValueError(f"train.deepspeed_config is read only by train.strategy zero2 or zero3, not {self.strategy}: "
+                             "set train.strategy=zero2 (or zero3), or remove train.deepspeed_config")
+        return self
+
+    @model_validator(mode="after")
+    def _validation_keys(self):
+        """save_best and early stopping judge validations: they need eval_steps."""
+        for key in ("save_best", "early_stopping_patience"):
+            if getattr(self, key) is not None and self.eval_steps is None:
+                raise ValueError(f"train.{key} needs validation: set train.eval_steps too (e.g. train.eval_steps={self.save_steps})")
+        return self
 
     @model_validator(mode="after")
     def _older_checkpointing_key(self):

@@ -121,9 +121,10 @@ def _render(rng: random.Random, objects: list[dict], size: int, frames: int):
 
 def encode_mp4(frames, fps: int) -> bytes:
     """Frames [T, H, W, 3] uint8 RGB (H and W even) -> an H.264 MP4 clip at `fps` frames per second (yuv420p,
-    constant quality 18: colors stay close to the drawn ones). Returns the file's bytes, the same for the same frames
-    (one encoder thread: x264's threads can change a few bytes from run to run, and with them the val split, which
-    hashes the bytes)."""
+    constant quality 18: colors stay close to the drawn ones). Returns the file's bytes, the same for the same frames:
+    one encoder thread (x264's threads can change a few bytes from run to run, and with them the val split, which
+    hashes the bytes) and x264's plain C code (`asm=0`: with its SIMD code a side that is not a multiple of 16, as the
+    demo's 56 px, still gave one of two encodings of the same frames, by the state of the process)."""
     import io
 
     import av
@@ -132,7 +133,7 @@ def encode_mp4(frames, fps: int) -> bytes:
     with av.open(out, mode="w", format="mp4") as container:
         stream = container.add_stream("libx264", rate=fps)
         stream.width, stream.height, stream.pix_fmt = int(frames.shape[2]), int(frames.shape[1]), "yuv420p"
-        stream.options = {"crf": "18", "threads": "1"}
+        stream.options = {"crf": "18", "threads": "1", "x264-params": "asm=0"}
         for frame in frames:
             for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                 container.mux(packet)

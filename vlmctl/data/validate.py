@@ -53,9 +53,12 @@ class ValidationReport:
         }
 
 
-def sources_for_paths(paths: list[str | Path]) -> list[DataSource]:
-    """DataSources for paths given on the command line: format auto; a prepared folder (with manifest.json) is
-    read back as parquet."""
+def sources_for_paths(paths: list[str | Path], *, image_root: str | Path | None = None,
+                      format: str = "auto") -> list[DataSource]:
+    """DataSources for paths given on the command line, in `format` (auto: detected) with relative image paths
+    resolved against `image_root` (default: each file's folder); a prepared folder (with manifest.json) is read
+    back as parquet."""
+    root = str(Path(image_root).expanduser().resolve()) if image_root is not None else None
     out = []
     for p in paths:
         path = Path(p).expanduser()
@@ -63,7 +66,7 @@ def sources_for_paths(paths: list[str | Path]) -> list[DataSource]:
         if path.is_dir() and (path / "manifest.json").is_file():
             out.append(DataSource(path=resolved, format="parquet", name=path.name))
         else:
-            out.append(DataSource(path=resolved, format="auto"))
+            out.append(DataSource(path=resolved, format=format, image_root=root))
     return out
 
 
@@ -76,18 +79,21 @@ def validate_data(
     progress: bool = True,
     max_examples: int = 5,
     row_budget: RowBudget | None = None,
+    image_root: str | Path | None = None,
+    format: str = "auto",
 ) -> ValidationReport:
     """Run every check over `data.sources` (or `paths`) and count rejections per reason (a duplicate's detail names
     the earlier sample it repeats). Writes nothing. too_long is checked when `processor_dir` holds a processor:
     over `data.max_length` tokens (text + visual), or over `row_budget.tokens` (one packed training row,
-    `train.tokens_per_batch x train.sequence_parallel`) when that is smaller.
+    `train.tokens_per_batch x train.sequence_parallel`) when that is smaller. `image_root` and `format` apply to
+    `paths` (`sources_for_paths`).
 
     Raises UsageError when there is nothing to check, MissingSourceError (a DataError, exit code 2) for a source
     that does not exist and DataError when a source cannot be opened.
     """
     from vlmctl.data.tokens import has_processor
 
-    raw = sources_for_paths(paths) if paths else list(data.sources)
+    raw = sources_for_paths(paths, image_root=image_root, format=format) if paths else list(data.sources)
     if not raw:
         raise UsageError("no data to validate", hint="pass files/folders (`vlmctl data validate data/raw/train.json`) or list data.sources in vlmctl.yaml")
     sources = unique_sources(raw)

@@ -341,6 +341,23 @@ def caption_tokenize(text: str) -> str:
     return " ".join(t for t in tokens if t not in _PTB_PUNCT and t not in "()[]{}")
 
 
+TASK_PACKAGES = {"caption": (("sacrebleu", "sacrebleu", "caption metrics", "eval"),
+                             ("pycocoevalcap", "pycocoevalcap", "caption metrics", "eval")),
+                 "asr": (("jiwer", "jiwer", "speech-recognition metrics", "audio"),)}
+"""The packages a task's metrics import: (module, pip package, what needs it, vlmctl extra)."""
+
+
+def check_task_packages(task: str) -> None:
+    """Raise UsageError when a package the metrics of `task` need is not installed (looked up with
+    `importlib.util.find_spec`, nothing imported): checked before a model is loaded or a sample generated."""
+    import importlib.util
+
+    for module, package, what, extra in TASK_PACKAGES.get(task, ()):
+        if importlib.util.find_spec(module) is None:
+            raise UsageError(f"--task {task}: {what} need the `{package}` package, which is not installed",
+                             hint=f"pip install {package}   (or: pip install 'vlmctl[{extra}]')")
+
+
 def _require(module: str, package: str, *, what: str = "caption metrics", extra: str = "eval"):
     import importlib
 

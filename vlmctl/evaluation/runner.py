@@ -40,7 +40,7 @@ from typing import Any, Iterable, Sequence
 from vlmctl.data.sample import Sample
 from vlmctl.errors import DataError, UsageError
 from vlmctl.evaluation.loss import teacher_forced_loss
-from vlmctl.evaluation.metrics import TASKS, ScoredRecord, infer_task, score_records
+from vlmctl.evaluation.metrics import TASKS, ScoredRecord, check_task_packages, infer_task, score_records
 from vlmctl.evaluation.report import write_report
 from vlmctl.evaluation.results import SKIPPED_FILE, EvalResult, SampleList, atomic_write, skipped_reasons
 from vlmctl.outputs import write_marker
@@ -106,6 +106,10 @@ def load_samples(data: str, prepared_dir: Path, limit: int | None = None, *, med
         if not files:
             raise DataError(f"no prepared val split in {folder}", hint="run `vlmctl data prepare` first, or pass --data PATH")
         samples = SampleList(_read_parquet(files, limit))
+        if not samples:
+            raise DataError(f"the prepared val split in {folder} is empty: data prepare held no samples out",
+                            hint="set data.val_ratio above 0 (e.g. 0.05) and re-run `vlmctl data prepare`, or pass "
+                            "--data PATH (a file to evaluate on)")
     else:
         path = Path(data).expanduser()
         if not path.exists() and not any(ch in data for ch in "*?["):
@@ -289,6 +293,7 @@ def run_eval(
     samples without references.
     """
     task = resolve_task(task, samples)
+    check_task_packages(task)  # before generating: the metrics must be computable
     check_backend(backend)
     check_model_dir(Path(model_dir))
     records = [_record_of(s) for s in samples]
@@ -326,7 +331,14 @@ def run_eval(
     else:
         for i, (prompt, answer) in results:
             records[i].prompt, records[i].prediction = prompt, answer
-        metrics = score_records(task, records)
+        try:
+            metrics = score_records(task, records)
+        except Exception:
+            if out_dir is not None:  # the generated answers are kept whatever happens to the scoring
+                Path(out_dir).mkdir(parents=True, exist_ok=True)
+                atomic_write(Path(out_dir) / "predictions.jsonl",
+                             "".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in records))
+            raise
         rows = [r.to_json() for r in records]
     if skipped is None:
         skipped = getattr(samples, "skipped", [])

@@ -11,10 +11,11 @@ base-mode `vlmctl model build` folder only points at a checkpoint; that checkpoi
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 from typing import Any
 
-from vlmctl.errors import ModelError, UsageError
+from vlmctl.errors import MissingModelError, ModelError, UsageError
 
 BACKENDS = ("hf", "vllm")
 """Generation backends: `hf` (transformers' `model.generate`, any device) and `vllm` (vLLM's offline engine)."""
@@ -37,13 +38,45 @@ def check_backend(backend: str) -> None:
         raise UsageError(_VLLM_MISSING[0], hint=_VLLM_MISSING[1])
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def _hub_id_of(path: Path) -> str | None:
+    """`ORG/NAME` when the missing `path`, written relative to the current folder, reads as a Hugging Face Hub id
+    (two plain parts); else None."""
+    try:
+        text = str(path.relative_to(Path.cwd())) if path.is_absolute() else str(path)
+    except ValueError:
+        return None
+    return text if _HUB_ID.fullmatch(text) else None
+
+
+def _hub_id_error(hub_id: str) -> MissingModelError:
+    """The error for a Hub id given where a model folder is expected: it says so, whether the id is in the local
+    Hugging Face cache (`huggingface_hub.try_to_load_from_cache`, no network), and how to get a folder of it."""
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(hub_id, "config.json")
+    name = hub_id.split("/")[-1]
+    if isinstance(cached, str):
+        folder = Path(cached).parent
+        return MissingModelError(f"{hub_id} is a Hugging Face Hub id, not a folder here; it is in the local Hugging Face "
+                                 f"cache at {folder}", hint=f"pass that folder: {folder}")
+    return MissingModelError(f"{hub_id} is a Hugging Face Hub id, not a folder here, and it is not in the local Hugging "
+                             "Face cache", hint=f"download it first: `hf download {hub_id} --local-dir models/{name}`, "
+                             f"then pass models/{name}")
+
+
 def check_model_dir(path: Path) -> None:
     """Raise ModelError unless `path` is a Hugging Face model folder (config.json) with a processor and tokenizer;
     a base-mode `model build` folder is checked through the local checkpoint it points at (a Hub id it points at
     is not checked). The error names the folder and says how to fix it."""
     path = Path(path)
     if not path.is_dir():
-        raise ModelError(f"no model folder at {path}", hint="train or build one first (`vlmctl train`, `vlmctl model build`), or pass MODEL")
+        hub_id = _hub_id_of(path)
+        if hub_id is not None:
+            raise _hub_id_error(hub_id)
+        raise MissingModelError(f"no model folder at {path}", hint="train or build one first (`vlmctl train`, `vlmctl model build`), or pass MODEL")
     info = _build_info(path)
     if info.get("mode") == "base" and not (path / "config.json").is_file():
         # `model build` in base mode only records which checkpoint it describes; check that one when it is local.

@@ -483,6 +483,7 @@ def build_model(
                 info = _info(plan, vlm, processor)
                 save_model(vlm, tmp)
                 processor.save_pretrained(tmp)
+            info["settings"] = build_settings(model)  # `vlmctl train` refuses a model.* changed since
             (tmp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
             check_replaceable(out, "model", inputs=inputs, what="model.output_dir", fix="set model.output_dir to another folder")
             install(tmp, out, "model")
@@ -813,6 +814,33 @@ def _set_generation_config(vlm, tok) -> None:
 
 
 # ---- info ----
+
+
+def build_settings(model: ModelSection) -> dict[str, Any]:
+    """The `model` keys a build follows (all but model.output_dir), as JSON values: recorded in vlmctl_model.json
+    (`settings`) so a later `vlmctl train` sees a model.* changed since the build (`changed_settings`)."""
+    return model.model_dump(mode="json", exclude={"output_dir"})
+
+
+def changed_settings(model: ModelSection, info: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """{key: (built with, configured now)} of the model.* keys that differ from a build's recorded `settings`
+    (nothing for a build that recorded none)."""
+    built = info.get("settings")
+    if not isinstance(built, dict):
+        return {}
+    now = build_settings(model)
+    return {key: (built.get(key), value) for key, value in now.items() if key in built and built[key] != value}
+
+
+def rebuild_if_changed(model: ModelSection, *, prepared_dir: Path | None = None, seed: int = 0) -> BuildResult | None:
+    """Build `model` again into model.output_dir (replacing it) when a model.* key changed since it was built
+    (`changed_settings`); returns the build, or None when nothing changed or nothing was built there."""
+    from vlmctl.models.load import read_build_info
+
+    info = read_build_info(model.output_dir)
+    if not info or not changed_settings(model, info):
+        return None
+    return build_model(model, prepared_dir=prepared_dir, force=True, seed=seed)
 
 
 def _info(plan: BuildPlan, vlm, processor) -> dict[str, Any]:

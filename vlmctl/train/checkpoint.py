@@ -128,12 +128,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save(run_dir: Path, step: int, trainer_state: dict[str, Any], *, rank: int, model=None, optimizer=None,
-         scheduler=None, engine=None, total_limit: int | None = None) -> Path:
+         scheduler=None, engine=None, total_limit: int | None = None, keep: int | None = None) -> Path:
     """Save a checkpoint of `step` collectively (every rank calls this) and return its final path.
 
     DCP for a torch model + optimizer, or `engine.save_checkpoint` for a DeepSpeed engine. Written to
     `.tmp-checkpoint-<step>` and renamed by rank 0 once every rank is done; then old checkpoints beyond
-    `total_limit` are removed. A write that fails on any rank (disk full, permissions) fails on every rank with
+    `total_limit` are removed, except the one of step `keep` (the best, `train.save_best`). A write that fails on any rank (disk full, permissions) fails on every rank with
     the same CheckpointError naming the file (and the free space for a full disk); the temporary folder is removed.
     """
     folder = checkpoints_dir(run_dir)
@@ -141,7 +141,7 @@ def save(run_dir: Path, step: int, trainer_state: dict[str, Any], *, rank: int, 
     try:
         _agree(_attempt(lambda: _make_tmp(tmp) if rank == 0 else None, tmp))
         _agree(_attempt(lambda: _write_state(tmp, step, rank, model, optimizer, scheduler, engine), tmp))
-        _agree(_attempt(lambda: _install(run_dir, tmp, final, trainer_state, total_limit) if rank == 0 else None, tmp))
+        _agree(_attempt(lambda: _install(run_dir, tmp, final, trainer_state, total_limit, keep) if rank == 0 else None, tmp))
     except Exception:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -171,13 +171,14 @@ def _write_state(tmp: Path, step: int, rank: int, model, optimizer, scheduler, e
         torch.save(rng_state(), f)
 
 
-def _install(run_dir: Path, tmp: Path, final: Path, trainer_state: dict[str, Any], total_limit: int | None) -> None:
+def _install(run_dir: Path, tmp: Path, final: Path, trainer_state: dict[str, Any], total_limit: int | None,
+             keep: int | None = None) -> None:
     """Rank 0, once every rank wrote its part: trainer_state.json, the rename into place, pruning."""
     (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2, default=str))
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    prune(run_dir, total_limit)
+    prune(run_dir, total_limit, keep=keep)
 
 
 def _attempt(action, where: Path):
@@ -340,8 +341,9 @@ def _load_dcp(checkpoint: Path, model, optimizer, scheduler) -> None:
             group["lr"] = lr
 
 
-def prune(run_dir: Path, total_limit: int | None) -> list[Path]:
+def prune(run_dir: Path, total_limit: int | None, keep: int | None = None) -> list[Path]:
     """Remove stale temporary folders and the oldest complete checkpoints beyond `total_limit`; return removed.
+    The checkpoint of step `keep` (the best one) stays and, unless it is the latest, does not count against the limit.
 
     Called by rank 0 after a save completed, when no other save is in flight."""
     removed = []
@@ -350,6 +352,7 @@ def prune(run_dir: Path, total_limit: int | None) -> list[Path]:
         shutil.rmtree(p, ignore_errors=True)  # left by a run killed while saving; no save is in flight now
         removed.append(p)
     found = complete_checkpoints(run_dir)
+    found = [p for p in found if p == found[-1] or p.name != f"checkpoint-{keep}"]  # the latest counts, best or not
     if total_limit is not None and len(found) > total_limit:
         for p in found[: len(found) - total_limit]:
             shutil.rmtree(p, ignore_errors=True)
@@ -415,8 +418,13 @@ class Saver:
         """`state`: the loop's TrainState (consumed micro-batches per rank, bad steps, tokens seen)."""
         info = {"step": step, "epoch": state.consumed / self.batches_per_epoch, "consumed_micro_batches": state.consumed,
                 "bad_steps": state.bad_steps, "tokens_seen": state.tokens, "reason": reason, **self.info}
+        if state.best is not None:  # validation's best so far (`train.eval_steps`), its checkpoint kept
+            info["best"] = state.best
+        keep = state.best["step"] if state.best and state.best.get("save_best") else None
         path = save(self.run_dir, step, info, rank=self.rank, model=self.model, optimizer=self.optimizer,
-                    scheduler=self.scheduler, engine=self.engine, total_limit=self.total_limit)
+                    scheduler=self.scheduler, engine=self.engine, total_limit=self.total_limit, keep=keep)
         if self.notify is not None and reason != "signal":  # the stop message names the checkpoint
-            self.notify(f"saved {path}")
+            from rich.markup import escape
+
+            self.notify(f"saved {escape(str(path))}")  # printed by rich: a folder name may hold [...]
         return path

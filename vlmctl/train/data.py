@@ -49,7 +49,9 @@ def build_sampler(cfg, ctx, dataset, lengths):
     from vlmctl.data.loader import DistributedBatchSampler, PackedBatchSampler
 
     train = cfg.train
-    weights = {(s.name or Path(s.path).name): s.weight for s in cfg.data.sources}
+    from vlmctl.data.formats._common import source_name
+
+    weights = {source_name(s): s.weight for s in cfg.data.sources}  # the names the shards record
     sample_weights = dataset.sample_weights(weights) if any(w != 1.0 for w in weights.values()) else None
     split = {"world_size": ctx.dims.dp_size, "rank": ctx.dims.dp_rank, "seed": train.seed, "weights": sample_weights,
              "costs": getattr(dataset, "sample_costs", None), "step_batches": train.gradient_accumulation_steps,

@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 from vlmctl.errors import VlmctlError
+from vlmctl.files import honour_umask
 
 
 def gather_state_dict(model, engine, rank: int, dtype=None):
@@ -90,7 +91,7 @@ def _write_final(run_dir: Path, cfg, state: dict, *, source: str, lora, parts_tr
     final = run_dir / "final"
     if final.exists():
         shutil.rmtree(final)
-    os.replace(tmp, final)
+    os.replace(honour_umask(tmp), final)  # safetensors writes its files 0600
 
 
 def _load_trained(cfg, state: dict, *, source: str, lora, parts_trainable: set[str]):

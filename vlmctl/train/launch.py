@@ -72,6 +72,26 @@ def find_resumable_run(cfg) -> Path | None:
     return max(runs, key=_run_order) if runs else None
 
 
+def interrupted_run(cfg) -> tuple[Path, int] | None:
+    """(folder, step of its last checkpoint) of the run a new `vlmctl train` of this project and stage would
+    leave behind: the newest with a checkpoint and no final export (stopped by Ctrl-C, a signal or a crash);
+    None when there is none."""
+    from vlmctl.train.checkpoint import latest_checkpoint, read_state
+
+    found = find_resumable_run(cfg)
+    if found is None or (found / "final").is_dir():
+        return None
+    return found, int(read_state(latest_checkpoint(found)).get("step", 0))
+
+
+def planned_run_dir(cfg, resume: bool = False) -> Path:
+    """The run folder `prepare_run(cfg, resume)` would prepare (what `vlmctl train --dry-run` names), without
+    creating anything. Raises UsageError when `resume` finds nothing to resume."""
+    train = cfg.train.model_copy(update={"resume": "auto"} if resume and cfg.train.resume is None else {})
+    root, name, _ = _run_location(cfg.model_copy(update={"train": train}))
+    return root / name
+
+
 def _run_order(path: Path) -> tuple[str, int]:
     """Newest last: the timestamp in the name, then the collision suffix (`-2` after the plain name)."""
     import re
@@ -109,6 +129,8 @@ def prepare_run(cfg, resume: bool = False) -> Path:
         train.resume = "auto"
     fresh_slurm = train.launcher == "slurm" and train.resume is None
     root, name, explicit = _run_location(cfg)
+    if train.resume is not None and not fresh_slurm:
+        check_unfinished(root / name, train)
     if train.launcher != "slurm":  # an sbatch script runs elsewhere, later: its nodes check for themselves
         preflight(cfg, root / name if train.resume is not None and not joins_run(train) else None)
     if joins_run(train):
@@ -123,6 +145,37 @@ def prepare_run(cfg, resume: bool = False) -> Path:
     tmp.write_text(dump_config(cfg))
     os.replace(tmp, run_dir / "config.yaml")
     return run_dir
+
+
+def discard_unstarted(run_dir: Path) -> bool:
+    """Remove the folder of a new run that failed before it held anything of a run (`rundir.holds_a_run`: no
+    metrics, checkpoint or export), so the same command can run again under the same name; returns whether it
+    was removed."""
+    from vlmctl.train.rundir import holds_a_run
+
+    if not run_dir.is_dir() or holds_a_run(run_dir):
+        return False
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return True
+
+
+def check_unfinished(run_dir: Path, train) -> None:
+    """Raise UsageError when the run to resume already finished: its final export is there and its latest
+    checkpoint reached `train.max_steps` (or, without it, `train.num_epochs`), so resuming would only export it
+    again."""
+    from vlmctl.train.checkpoint import latest_checkpoint, read_state
+
+    last = latest_checkpoint(run_dir)
+    if last is None or not (run_dir / "final").is_dir():
+        return
+    state = read_state(last)
+    step = int(state.get("step", 0))
+    done = step >= train.max_steps if train.max_steps else float(state.get("epoch", 0)) >= train.num_epochs
+    if done:
+        raise UsageError(f"the run {run_dir.name} is finished: step {step}, exported to {run_dir / 'final'}; there "
+                         "is nothing to resume",
+                         hint="raise train.max_steps (or train.num_epochs) to train it further, or start a new run "
+                         "without --resume")
 
 
 def _run_location(cfg) -> tuple[Path, str, bool]:
@@ -234,9 +287,32 @@ def check_packages(train) -> None:
         require_package(module, setting, package=package, extra=extra)
 
 
+def _split_rows(folder: Path) -> int:
+    """Samples in a prepared split folder (from the Parquet footers; 0 without shards)."""
+    import pyarrow.parquet as pq
+
+    return sum(pq.ParquetFile(f).metadata.num_rows for f in sorted(folder.glob("*.parquet")))
+
+
+def check_built_settings(cfg, source: str) -> None:
+    """Raise ConfigError when `source` is the folder `vlmctl model build` wrote and a model.* key differs from
+    what it was built with: training would load the old model while the run's config.yaml records the new keys."""
+    from vlmctl.models.build import changed_settings
+    from vlmctl.models.load import read_build_info
+
+    info = read_build_info(source) if Path(source) == Path(cfg.model.output_dir) else None
+    changed = changed_settings(cfg.model, info) if info else {}
+    if changed:
+        what = "; ".join(f"model.{k}: built with {old!r}, now {new!r}" for k, (old, new) in changed.items())
+        raise ConfigError(f"the model in {source} was built with other settings ({what}); training would use the old "
+                          "model", hint="rebuild it with `vlmctl model build --force` (or train with --rebuild-model), "
+                          "or set the keys back")
+
+
 def preflight(cfg, run_dir: Path | None = None) -> None:
     """Fail before spawning processes when an optional package the config needs is missing (ConfigError,
-    `check_packages`), the prepared data or the model is missing (DataError / ModelError), or when the checkpoint
+    `check_packages`), the prepared data (the val split too with `train.eval_steps`) or the model is missing
+    (DataError / ModelError), or when the checkpoint
     a resumed run (`run_dir`) would load is damaged or refused (`checkpoints.check_checkpoint`, CheckpointError
     naming the file) or was written with another batching (`checkpoint.check_batching`, ConfigError)."""
     from vlmctl.errors import DataError
@@ -247,7 +323,12 @@ def preflight(cfg, run_dir: Path | None = None) -> None:
     train_dir = Path(cfg.data.prepared_dir) / "train"
     if not any(train_dir.glob("*.parquet")):
         raise DataError(f"no prepared training shards in {train_dir}", hint="run `vlmctl data prepare` first")
-    model_source(cfg)  # raises ModelError without a built model or model.base
+    val_dir = Path(cfg.data.prepared_dir) / "val"
+    if cfg.train.eval_steps and not _split_rows(val_dir):
+        raise DataError(f"train.eval_steps validates on the val split, but {val_dir} holds no prepared samples",
+                        hint="set data.val_ratio above 0 (e.g. 0.05) and re-run `vlmctl data prepare`, or unset "
+                        "train.eval_steps")
+    check_built_settings(cfg, model_source(cfg))  # raises ModelError without a built model or model.base
     checkpoint = resolve_resume(run_dir, cfg.train.resume) if run_dir is not None else None
     if checkpoint is not None:
         from vlmctl.checkpoints import check_checkpoint
@@ -332,6 +413,7 @@ def dry_run_text(train, run_dir: Path) -> str:
     and the script. Nothing is written or started (a claimed port is released). Raises what `launch_command`
     raises."""
     check_nodes(train)  # this node's settings, before every node's are printed
+    check_packages(train)  # a dry run says what the real one would refuse
     nodes = range(train.nnodes) if train.launcher in AGENTS and train.nnodes > 1 else [None]
     lines = []
     for rank in nodes:

@@ -292,6 +292,7 @@ class TrainState:
     consumed: int = 0  # micro-batches consumed per rank since the start of training
     bad_steps: int = 0
     tokens: int = 0  # real tokens seen, global
+    best: dict[str, Any] | None = None  # validation.Best of the run so far (`train.eval_steps`), as a dict
 
     @classmethod
     def from_checkpoint(cls, saved: dict[str, Any], dp_size: int | None = None) -> "TrainState":
@@ -303,7 +304,7 @@ class TrainState:
         if dp_size and before and int(before) != dp_size:
             consumed = consumed * int(before) // dp_size
         return cls(step=saved["step"], consumed=consumed, bad_steps=saved.get("bad_steps", 0),
-                   tokens=saved.get("tokens_seen", 0))
+                   tokens=saved.get("tokens_seen", 0), best=saved.get("best"))
 
 
 @dataclass
@@ -353,6 +354,7 @@ class Trainer:
     device_name: str = "cpu"  # recorded in every metrics row
     dp_group: Any = None
     sp_group: Any = None
+    validator: Any = None
     _signal: int | None = field(default=None, init=False)
 
     def install_signal_handlers(self) -> dict:
@@ -388,9 +390,11 @@ class Trainer:
                         f"{self.state.bad_steps} steps had a NaN/inf loss or gradient norm (limit train.max_bad_steps={self.max_bad_steps})",
                         hint="lower train.learning_rate, use bf16 instead of fp16, or check the data at this step")
             step = self.state.step
+            val = self._validate(step)  # the validation fields of the row, when due (`train.eval_steps`)
             row = None
-            if step % self.logging_steps == 0 or step == self.total_steps or result.stop:
-                row = self._row(interval, time.monotonic() - t0 - paused, save_s=paused)
+            if val or step % self.logging_steps == 0 or step == self.total_steps or result.stop:
+                seconds = time.monotonic() - t0 - paused - (val or {}).get("val_s", 0.0)
+                row = {**self._row(interval, seconds, save_s=paused), **(val or {})}
                 self.log(row)
                 interval, t0, paused = [], time.monotonic(), 0.0
             self.progress.update(step, row)
@@ -399,7 +403,22 @@ class Trainer:
                 return "stopped"
             if step % self.save_steps == 0 or step == self.total_steps:
                 paused += self._timed_save(step, "interval")
+            elif val and self.validator.checkpoint_reason:  # a new best, or the last step before stopping
+                paused += self._timed_save(step, self.validator.checkpoint_reason)
+            if val and self.validator.stopping:
+                self.progress.print(self.validator.stop_message())
+                return "done"
         return "done"
+
+    def _validate(self, step: int) -> dict[str, Any] | None:
+        """The validation fields of this step's metrics row (`validation.Validator.evaluate`, and its seconds as
+        `val_s`) when due, else None; the best so far goes into the state (and so into checkpoints)."""
+        if self.validator is None or not self.validator.due(step, self.total_steps):
+            return None
+        start = time.monotonic()
+        val = self.validator.evaluate(step)
+        self.state.best = self.validator.best.as_dict()
+        return {**val, "val_s": round(time.monotonic() - start, 3)}
 
     def _timed_save(self, step: int, reason: str) -> float:
         """`save` a checkpoint; returns its seconds, which the next metrics row leaves out of its throughput."""

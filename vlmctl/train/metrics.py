@@ -119,18 +119,24 @@ class MetricsLogger:
         with self.path.open("a") as fh:
             fh.write(json.dumps(row) + "\n")
         step = row["step"]
-        scalars = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step" and v is not None}
+        scalars = {tracker_tag(k): v for k, v in row.items() if isinstance(v, (int, float)) and k != "step" and v is not None}
         if self._tb is not None:
             for k, v in scalars.items():
-                self._tb.add_scalar(f"train/{k}", v, step)
+                self._tb.add_scalar(k, v, step)
         if self._wandb is not None:
-            self._wandb.log({f"train/{k}": v for k, v in scalars.items()}, step=step)
+            self._wandb.log(scalars, step=step)
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def tracker_tag(key: str) -> str:
+    """The TensorBoard / W&B tag of a metrics row's key: validation's `val_*` under eval/ (`val_loss` ->
+    `eval/loss`), the rest under train/."""
+    return f"eval/{key[4:]}" if key.startswith("val_") else f"train/{key}"
 
 
 class Progress:
@@ -164,9 +170,10 @@ class Progress:
             eta = (time.monotonic() - self.start_time) / max(done, 1) * (self.total - step)
             self.console.print(f"step {step}/{self.total} {info} eta {eta:.0f}s")
 
-    def print(self, text: str) -> None:
+    def print(self, text: str, markup: bool = True) -> None:
+        """Print `text` on rank 0 (rich markup read unless `markup` is off: for text holding paths)."""
         if self.enabled:
-            (self.bar.console if self.bar is not None else self.console).print(text)
+            (self.bar.console if self.bar is not None else self.console).print(text, markup=markup)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -175,7 +182,11 @@ class Progress:
 
 def format_row(row: dict[str, Any]) -> str:
     loss = "skipped (NaN/inf)" if row["loss"] is None else f"{row['loss']:.4f}"
-    parts = [f"loss {loss}", f"lr {row['lr']:.2e}"]
+    parts = [f"loss {loss}"]
+    if row.get("val_loss") is not None:
+        best = f" (best {row['best_val_loss']:.4f} at step {row['best_step']})" if row.get("best_step") != row["step"] else " (best)"
+        parts.append(f"val loss {row['val_loss']:.4f}{best}")
+    parts.append(f"lr {row['lr']:.2e}")
     if row.get("grad_norm") is not None:
         parts.append(f"gnorm {row['grad_norm']:.3f}")
     parts.append(f"tok/s {row['tokens_per_s']:.0f} (text {row['text_tokens_per_s']:.0f}, visual {row['visual_tokens_per_s']:.0f})")
@@ -194,9 +205,11 @@ def format_row(row: dict[str, Any]) -> str:
 
 
 def plot_loss(run_dir: Path) -> Path | None:
-    """Write `run_dir/loss.png` (loss and learning rate per step) from metrics.jsonl; None without rows."""
+    """Write `run_dir/loss.png` (training loss, validation loss when the run validated, and learning rate per
+    step) from metrics.jsonl; None without rows."""
     path = Path(run_dir) / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    val = [r for r in rows if r.get("val_loss") is not None]
     rows = [r for r in rows if r.get("loss") is not None]
     if not rows:
         return None
@@ -207,6 +220,9 @@ def plot_loss(run_dir: Path) -> Path | None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="loss")
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], color="tab:green", marker="o", label="val loss")
+        ax.legend(loc="upper right")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (assistant tokens)")
     lr_ax = ax.twinx()

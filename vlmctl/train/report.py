@@ -51,11 +51,12 @@ def startup_rows(train, *, run_dir: Path, ctx, tm, dataset, sampler, start_step:
     from vlmctl.train.metrics import human
 
     batching = _batching(train, sampler, ctx.dims.dp_size, ctx.dims.sp)
-    params = tm.parameters
+    params, adapters = built_parameters(tm.model, tm.parts, tm.parameters)
+    lora = f"; LoRA adapters {human(adapters)} on the llm" if train.lora else ""
     return {
         "model": f"{tm.source} ({tm.family.name})",
         "parameters": f"{human(sum(params.values()))} (" + ", ".join(f"{k} {human(v)}" for k, v in params.items()) + ")",
-        "trainable": f"{human(tm.num_trainable)} ({', '.join(sorted(tm.trainable))}{'; LoRA on the llm' if train.lora else ''})",
+        "trainable": f"{human(tm.num_trainable)} ({', '.join(sorted(tm.trainable))}{lora})",
         "strategy": f"{train.strategy} ({_dtype_name(ctx.dtype)}, {device_name(ctx.env.device)})",
         "kernels": _kernels(train, tm),
         "world size": ctx.env.world_size if ctx.dims.sp == 1 else
@@ -67,6 +68,38 @@ def startup_rows(train, *, run_dir: Path, ctx, tm, dataset, sampler, start_step:
         "run": str(run_dir),
         **({"resumed from": str(resume_from)} if resume_from else {}),
     }
+
+
+def built_parameters(model, parts, parameters: dict[str, int]) -> tuple[dict[str, int], int]:
+    """(`parameters` per part without what LoRA added: its adapters and peft's trainable copies of fully trained
+    parts (`modules_to_save`), the LoRA adapters' count): the counts `vlmctl model build` reports for the same model.
+    `parameters` were counted before wrapping (`TrainingModel.parameters`); sizes are read as DeepSpeed's ZeRO-3
+    records them (`ds_numel`) where it emptied a parameter."""
+    added = dict.fromkeys(parameters, 0)
+    adapters = 0
+    for name, param in model.named_parameters():
+        if "lora_" in name or ".modules_to_save." in name:
+            n = int(getattr(param, "ds_numel", param.numel()))
+            added[parts.part_of(name)] += n
+            adapters += n if "lora_" in name else 0
+    return {part: n - added[part] for part, n in parameters.items()}, adapters
+
+
+KNOWN_BENIGN_WARNINGS = (
+    # DeepSpeed and FSDP call collectives torch marks as renamed; the warning repeats every step
+    {"category": FutureWarning, "module": "torch.distributed"},
+    # FSDP2 on the root module's output: the loop computes the loss out of place, so no pre-backward hook is lost
+    {"category": UserWarning, "message": r"FSDP2-wrapped module .* returned a view tensor"},
+)
+"""Warnings a training rank would print without cause (once per rank and run, alarming on every run)."""
+
+
+def filter_known_warnings() -> None:
+    """Silence `KNOWN_BENIGN_WARNINGS` in this process (every rank of `vlmctl train` and `vlmctl bench`)."""
+    import warnings
+
+    for rule in KNOWN_BENIGN_WARNINGS:
+        warnings.filterwarnings("ignore", **rule)
 
 
 def print_startup(rows: dict[str, Any]) -> None:

@@ -11,7 +11,7 @@ torchtitan's)::
                                                       # DeepSpeed; AdamW; schedule
     autotune.tune(...)                                # auto batch size and activation checkpointing, probed on a GPU
     sampler = build_sampler(cfg, ctx, dataset, lengths)   # this data-parallel rank's packed or padded micro-batches
-    trainer = build_trainer(...)                      # resume, loader, metrics, checkpoints -> loop.Trainer
+    trainer = build_trainer(...)                      # loader, metrics, checkpoints, validation -> loop.Trainer
     trainer.train(); export_final(...)                # run_dir/final
 
 `setup_run` and `prepare_model` live in `train/setup.py`; `vlmctl bench` runs them and `wrap_model` on its synthetic
@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from vlmctl.train import autotune
 from vlmctl.train.data import build_collator, build_sampler, load_data
 from vlmctl.train.setup import (DEEPSPEED, RunContext, TrainingModel, build_optimizer, build_scheduler, defer_weights,
                                 load_for_rank, model_source, place_weights, prepare_model, setup_run, split_sequences)
+from vlmctl.train.validation import build_validator, name_best
 
 EXIT_STOPPED = 0  # a run stopped by SIGTERM/SIGINT after saving exits cleanly; the launcher reports it
 
@@ -143,10 +143,9 @@ def build_trainer(cfg, run_dir: Path, ctx: RunContext, tm: TrainingModel, wrappe
         stepper=wrapped.stepper, batches=prefetch(iter(loader), tm.prepare), env=env, state=state, total_steps=total_steps,
         grad_accum=train.gradient_accumulation_steps, batches_per_epoch=sampler.batches_per_epoch,
         save_steps=train.save_steps, logging_steps=train.logging_steps, max_bad_steps=train.max_bad_steps, save=save,
-        log=logger.log if logger else (lambda row: None), progress=progress,
-        flops_of=tm.cost_model.batch_flops,
-        peak_flops=peak_flops(env.device), device_name=report.device_name(env.device), dp_group=ctx.dims.dp_group, sp_group=ctx.dims.sp_group,
-    )
+        log=logger.log if logger else (lambda row: None), progress=progress, flops_of=tm.cost_model.batch_flops,
+        peak_flops=peak_flops(env.device), device_name=report.device_name(env.device), dp_group=ctx.dims.dp_group,
+        sp_group=ctx.dims.sp_group, validator=build_validator(cfg, ctx, tm, wrapped.stepper, saved_best=state.best))
 
 
 def train_run(cfg, run_dir: Path, ctx: RunContext) -> str:
@@ -197,7 +196,8 @@ def train_run(cfg, run_dir: Path, ctx: RunContext) -> str:
         return outcome
     export_final(run_dir, cfg, model=None if wrapped.engine else wrapped.model, engine=wrapped.engine, source=tm.source,
                  dtype=ctx.dtype, rank=env.rank, lora=train.lora, parts_trainable=tm.trainable)
-    trainer.progress.print(f"final model exported to {run_dir / 'final'}")
+    trainer.progress.print(f"final model exported to {run_dir / 'final'}", markup=False)
+    name_best(run_dir, trainer.validator, trainer.progress.print)  # train.save_best
     return outcome
 
 
@@ -207,10 +207,10 @@ def run(run_dir: Path) -> str:
     import torch.distributed as dist
 
     from vlmctl.config import load_config
+    from vlmctl.train.report import filter_known_warnings
     from vlmctl.train.rundir import guard_run
 
-    # DeepSpeed and FSDP call collectives torch marks as renamed; the warning repeats every step.
-    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    filter_known_warnings()  # benign warnings that would alarm on every run
     run_dir = Path(run_dir).resolve()
     cfg = load_config(run_dir / "config.yaml")
     try:

@@ -6,7 +6,8 @@
         else:
             use(item)  # a Sample whose images are 8-bit RGB encoded bytes
 
-Formats (see docs/formats.md): llava, sharegpt, messages, parquet, webdataset, hf, and `auto`, which picks one
+Formats (see docs/formats.md): llava, sharegpt, messages, parquet, webdataset, hf, llamafactory (a data set of
+LLaMA-Factory's dataset_info.json), and `auto`, which picks one
 from the file extension and the first record (`detect_format`). Every reader streams: JSONL line by line, JSON
 arrays element by element, Parquet/Arrow by record batch, tars member by member.
 """
@@ -21,7 +22,7 @@ from vlmctl.data.checks import Rejection, check_images
 from vlmctl.data.sample import Sample
 from vlmctl.errors import DataError
 
-FORMATS = ("llava", "sharegpt", "messages", "parquet", "webdataset", "hf")
+FORMATS = ("llava", "sharegpt", "messages", "parquet", "webdataset", "hf", "llamafactory")
 
 
 def get_reader(fmt: str) -> Callable[..., Iterator[Sample | Rejection]]:
@@ -38,6 +39,8 @@ def get_reader(fmt: str) -> Callable[..., Iterator[Sample | Rejection]]:
         from vlmctl.data.formats.webdataset import read_webdataset as reader
     elif fmt == "hf":
         from vlmctl.data.formats.hf import read_hf as reader
+    elif fmt == "llamafactory":
+        from vlmctl.data.formats.llamafactory import read_llamafactory as reader
     else:
         raise DataError(f"unknown data format {fmt!r}", hint=f"use one of: auto, {', '.join(FORMATS)}")
     return reader
@@ -71,6 +74,8 @@ def detect_format(path: str) -> str:
             f"data source {path} does not exist",
             hint="fix the path (relative to vlmctl.yaml); for a Hub dataset id set `format: hf`",
         )
+    if p.name == "dataset_info.json":  # LLaMA-Factory's registry of data sets (data.sources[].dataset names one)
+        return "llamafactory"
     first = expand_paths(path, (".json", ".jsonl", ".ndjson", ".parquet", ".arrow", ".tar", ".tgz", ".tar.gz"))[0]
     name = first.name.lower()
     if name.endswith((".parquet", ".arrow")):

@@ -31,6 +31,8 @@ def source_name(source: DataSource) -> str:
     """The name reports use for a source: `name`, else the file or folder name (the dataset id for hf)."""
     if source.name:
         return printable(source.name)
+    if source.dataset:  # a LLaMA-Factory data set: its name in dataset_info.json
+        return printable(source.dataset)
     if source.format == "hf":
         return printable(source.path)
     p = Path(source.path.rstrip("/"))
@@ -217,12 +219,14 @@ def read_conversation_json(
     system_key: str | None = None,
     extra_roots: Iterable[Path | str] = (),
     image_placeholder_for_video: bool = False,
+    transform: Any = None,
 ) -> Iterator[Sample | Rejection]:
     """Shared reader of the llava / sharegpt / messages layouts (they differ only in key spelling).
     `image_keys` / `video_keys` / `audio_keys`: the record keys listing its images / videos / audio clips (the first
     present one counts);
     `extra_roots`: more folders media paths may resolve into (`data.media_roots`);
-    `image_placeholder_for_video`: see `checks.build_sample`."""
+    `image_placeholder_for_video`: see `checks.build_sample`; `transform(record)` -> the record in these keys
+    (raising RecordError for one that does not fit), e.g. a LLaMA-Factory entry's column and tag mapping."""
     name = source_name(source)
     count = 0
     roots_of: dict[Path, MediaRoots] = {}
@@ -238,6 +242,8 @@ def read_conversation_json(
         sid = str(rid) if rid not in (None, "") else f"{name}-{count:06d}"
         count += 1
         try:
+            if transform is not None:
+                record = transform(record)
             if not isinstance(record, dict):
                 raise RecordError(f"record must be a JSON object, not {type(record).__name__}")
             turns = turns_of(record, turn_keys)
