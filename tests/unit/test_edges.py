@@ -70,18 +70,20 @@ def test_train_refuses_a_model_changed_since_the_build(built_project, capsys, mo
         raise AssertionError("training started")
 
     monkeypatch.setattr(L, "run_in_process", fail)
-    code, out, err = run_cli(["train", "model.dtype=fp32"], capsys)
+    code, out, err = run_cli(["train", "model.projector=pixel_shuffle"], capsys)
     text = _flat(out + err)
     assert code == 2, text
-    assert "model.dtype: built with 'bf16', now 'fp32'" in text and "vlmctl model build --force" in text
+    assert "model.projector: built with 'mlp2x_gelu', now 'pixel_shuffle'" in text and "vlmctl model build --force" in text
     assert not (built_project / "runs").exists() or not any((built_project / "runs").iterdir())
     cfg = load_config(built_project / "vlmctl.yaml")
     L.check_built_settings(cfg, str(cfg.model.output_dir))  # unchanged: no complaint
+    # the storage dtype is not the model trained: training loads the weights in its own dtype
+    L.check_built_settings(cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": "fp32"})}), str(cfg.model.output_dir))
     # asked to, train rebuilds the model with the new settings first
     monkeypatch.setattr(L, "run_in_process", lambda run_dir: "done")
-    code, out, err = run_cli(["train", "--rebuild-model", "model.dtype=fp32", "train.run_name=rebuilt"], capsys)
+    code, out, err = run_cli(["train", "--rebuild-model", "model.projector=pixel_shuffle", "train.run_name=rebuilt"], capsys)
     assert code == 0 and "rebuilt" in out, out + err
-    assert json.loads((built_project / "model" / "vlmctl_model.json").read_text())["settings"]["dtype"] == "fp32"
+    assert json.loads((built_project / "model" / "vlmctl_model.json").read_text())["settings"]["projector"] == "pixel_shuffle"
 
 
 # ---------------------------------------------------- 3: deepspeed_config without DeepSpeed, zero2 not installed

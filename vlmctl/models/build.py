@@ -824,12 +824,18 @@ def build_settings(model: ModelSection) -> dict[str, Any]:
 
 def changed_settings(model: ModelSection, info: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     """{key: (built with, configured now)} of the model.* keys that differ from a build's recorded `settings`
-    (nothing for a build that recorded none)."""
+    (nothing for a build that recorded none), but for the storage dtype (`STORAGE_ONLY`)."""
     built = info.get("settings")
     if not isinstance(built, dict):
         return {}
     now = build_settings(model)
-    return {key: (built.get(key), value) for key, value in now.items() if key in built and built[key] != value}
+    return {key: (built.get(key), value) for key, value in now.items()
+            if key in built and key not in STORAGE_ONLY and built[key] != value}
+
+
+# model.* keys that change how a build's files are stored, not the model trained from them: training loads the
+# weights in its own dtype (train.precision / train.master_weights), whatever model.dtype wrote them in
+STORAGE_ONLY = frozenset({"dtype"})
 
 
 def rebuild_if_changed(model: ModelSection, *, prepared_dir: Path | None = None, seed: int = 0) -> BuildResult | None:
