@@ -130,7 +130,10 @@ def test_base_mode_records_family_and_copies_nothing(hub, tmp_path):
 
     build_model(ModelSection(vision=str(hub / "siglip"), llm=str(hub / "qwen2"), output_dir=tmp_path / "vlm", dtype="fp32"))
     result = build_model(ModelSection(base=str(tmp_path / "vlm"), output_dir=tmp_path / "ft"))
-    assert sorted(p.name for p in (tmp_path / "ft").iterdir()) == ["vlmctl_model.json"]
+    from vlmctl.outputs import MARKER
+
+    # no weights: the record of the base, and the marker every folder vlmctl writes carries
+    assert sorted(p.name for p in (tmp_path / "ft").iterdir()) == sorted([MARKER, "vlmctl_model.json"])
     info = json.loads((tmp_path / "ft" / "vlmctl_model.json").read_text())
     assert info["family"] == result.family == "llava" and info["source"] == str((tmp_path / "vlm").resolve())
     model, processor, fam = load_model(tmp_path / "ft")
