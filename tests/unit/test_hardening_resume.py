@@ -50,3 +50,20 @@ def test_the_launcher_lets_a_padded_checkpoint_pass_a_packing_config_the_ranks_d
         check_batching(folder, TrainSection(packing=True))  # on a rank, after the model kept packing on
     with pytest.raises(ConfigError, match="train.packing=true"):  # packed before, padded now: a change in any case
         check_batching(checkpoint(tmp_path / "b", packing=True, tokens_per_batch=4096), TrainSection(packing=False), before_launch=True)
+
+
+def test_a_row_split_over_another_number_of_ranks_is_the_same_batching(tmp_path):
+    # sequence parallelism splits one packed row of tokens_per_batch x sequence_parallel tokens over its group
+    import json
+
+    from vlmctl.config.train import TrainSection
+    from vlmctl.errors import ConfigError
+    from vlmctl.train.checkpoint import STATE_FILE, check_batching
+
+    (tmp_path / STATE_FILE).write_text(json.dumps({"packing": True, "tokens_per_batch": 300, "sequence_parallel": 2,
+                                                   "consumed_micro_batches": 1}))
+    check_batching(tmp_path, TrainSection(packing=True, tokens_per_batch=600, sequence_parallel=1))
+    check_batching(tmp_path, TrainSection(packing=True, tokens_per_batch=150, sequence_parallel=4))
+    with pytest.raises(ConfigError) as err:
+        check_batching(tmp_path, TrainSection(packing=True, tokens_per_batch=300, sequence_parallel=1))
+    assert "train.tokens_per_batch=600" in err.value.hint  # the value giving the checkpoint's rows without the split

@@ -64,7 +64,8 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
 
 def check_batching(checkpoint: Path, train, *, before_launch: bool = False) -> None:
     """Raise ConfigError when `train` batches differently from the run that wrote `checkpoint` (train.packing, or
-    an explicit train.tokens_per_batch / train.micro_batch_size): the checkpoint's data position is a count of
+    an explicit train.tokens_per_batch / train.micro_batch_size; a packed row is tokens_per_batch x
+    train.sequence_parallel tokens, so a row split over other ranks is the same batching): the checkpoint's data position is a count of
     micro-batches of its own batching, so another one would resume at other samples (skipping or repeating some).
     `auto` sizes are not compared: a resumed run reuses the sizes its first run chose. `before_launch` (the
     launcher's check, before the model is known) lets a checkpoint without packing pass a config with it: a family
@@ -72,24 +73,31 @@ def check_batching(checkpoint: Path, train, *, before_launch: bool = False) -> N
     from vlmctl.errors import ConfigError
 
     saved = read_state(checkpoint)
-    changes = []
+    changes = []  # (key, written with, set now, the value that resumes)
     if isinstance(saved.get("packing"), bool) and saved["packing"] != train.packing:
         if not (before_launch and train.packing):  # padded before: perhaps the family's fallback (see above)
-            changes.append(("packing", saved["packing"], train.packing))
+            changes.append(("packing", saved["packing"], train.packing, saved["packing"]))
     else:
         key = "tokens_per_batch" if train.packing else "micro_batch_size"
         old, new = saved.get(key), getattr(train, key)
-        if isinstance(old, int) and isinstance(new, int) and old != new:
-            changes.append((key, old, new))
+        if key == "tokens_per_batch" and isinstance(old, int) and isinstance(new, int):
+            # a packed row is tokens_per_batch per rank x the ranks of a sequence-parallel group that split it: the
+            # same row may be resumed over another split (sequence.SequenceShard)
+            row = old * int(saved.get("sequence_parallel") or 1)
+            if row != new * train.sequence_parallel:
+                fix = row // train.sequence_parallel if row % train.sequence_parallel == 0 else old
+                changes.append((key, old, new, fix))
+        elif isinstance(old, int) and isinstance(new, int) and old != new:
+            changes.append((key, old, new, old))
     if not changes:
         return
-    key, old, new = changes[0]
+    key, old, new, fix = changes[0]
     shown = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731
     raise ConfigError(
         f"{checkpoint} was written with train.{key}={shown(old)}, the project now sets {shown(new)}: its data position "
         f"({saved.get('consumed_micro_batches')} micro-batches per rank) counts batches of the old size, so resuming "
         "would skip or repeat samples",
-        hint=f"resume with train.{key}={shown(old)} (an override on the command line), or start a new run without --resume",
+        hint=f"resume with train.{key}={shown(fix)} (an override on the command line), or start a new run without --resume",
     )
 
 

@@ -119,6 +119,7 @@ def checkpoint_info(train, *, ctx, tm, lora: dict | None, engine, total_steps: i
         "format": "deepspeed" if engine else "dcp", "micro_batch_size": train.micro_batch_size,
         "gradient_accumulation_steps": train.gradient_accumulation_steps, "total_steps": total_steps,
         "batches_per_epoch": batches_per_epoch, "precision": _dtype_name(ctx.dtype), "packing": train.packing,
-        "tokens_per_batch": train.tokens_per_batch if train.packing else None, "attn_implementation": tm.attn,
+        "tokens_per_batch": train.tokens_per_batch if train.packing else None,
+        "sequence_parallel": train.sequence_parallel, "attn_implementation": tm.attn,
         "liger": tm.liger, "device": device_name(ctx.env.device),
     }
