@@ -303,7 +303,9 @@ def normalize_audio(data: bytes, settings: DataAudio | None = None) -> Normalize
     info = probe(data)
     if info.seconds > settings.max_seconds:
         raise AudioError("audio_too_long", f"{info.seconds:,.2f} s, over data.audio.max_seconds={settings.max_seconds:g}")
-    samples = decode_samples(data, info, max_frames=int(settings.max_seconds * info.sampling_rate))
+    # no limit (chat's clips, cut by the model's window instead): decode the whole clip
+    limit = settings.max_seconds * info.sampling_rate
+    samples = decode_samples(data, info, max_frames=int(limit) if limit != float("inf") else None)
     seconds = len(samples) / info.sampling_rate
     if len(samples) == 0:
         raise AudioError("audio_too_short", "no samples (an empty clip)")
