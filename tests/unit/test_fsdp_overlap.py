@@ -93,7 +93,7 @@ def test_config_takes_the_new_values(tmp_path, override, value):
 @pytest.mark.parametrize("yaml_text, override, words", [
     ("", "train.fsdp_prefetch=0", ["train.fsdp_prefetch", "positive number of layers"]),
     ("", "train.fsdp_prefetch=fast", ["train.fsdp_prefetch", "'auto' or 'off'"]),
-    ("", "train.fsdp_reshard_after_forward=sometimes", ["train.fsdp_reshard_after_forward", "boolean", "'auto'"]),
+    ("", "train.fsdp_reshard_after_forward=sometimes", ["train.fsdp_reshard_after_forward", "true or false", "'auto'"]),
     ("  fsdp_prefetch: -1\n", None, ["train.fsdp_prefetch", "positive number of layers"]),
 ])
 def test_config_refuses_other_values_naming_the_key(tmp_path, yaml_text, override, words):
