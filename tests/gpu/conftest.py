@@ -38,17 +38,9 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def built(tmp_path_factory):
     """Tiny Qwen2.5-VL and LLaVA model folders (fp32) and shapes-VQA shards (every third sample text-only)."""
-    from convert_helpers import TEXTS
-    from shapes_shards import write_shapes_shards
+    from shapes_shards import build_tiny_models
 
-    from vlmctl.config import ModelSection
-    from vlmctl.models import build_model
-
-    root = tmp_path_factory.mktemp("gpu")
-    write_shapes_shards(root / "data", 20)
-    for preset in ("tiny-qwen2.5-vl", "tiny"):
-        build_model(ModelSection(preset=preset, init="random", output_dir=root / preset, dtype="fp32"), tokenizer_texts=TEXTS)
-    return root
+    return build_tiny_models(tmp_path_factory.mktemp("gpu"), 20)
 
 
 def run_ranks(built: Path, preset: str, cases: dict, world: int, tmp_path: Path) -> dict:

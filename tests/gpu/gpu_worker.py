@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from shapes_shards import packed_rows
+
 ROW_TOKENS = 420  # a packed row of several samples (several images)
 
 # the CPU path's settings: every case overrides what it tests
@@ -27,22 +29,6 @@ BASE = dict(stage="full", strategy="fsdp", precision="fp32", master_weights="fp3
             tokens_per_batch=ROW_TOKENS, attn_implementation="sdpa", sequence_parallel=1,
             activation_checkpointing="off", liger="off", compile="off", compile_vision="off", balance="off",
             learning_rate=1e-3, warmup_ratio=0.0, lr_scheduler="constant", weight_decay=0.0, max_grad_norm=0.0)
-
-
-def rows(folder: Path, data: Path, n: int, per_row: int = 5):
-    """`n` packed rows of `per_row` shard samples each (the trainer's collator, the family's batch hook applied)."""
-    import torch
-
-    from vlmctl.data.collate import PackedCollator
-    from vlmctl.data.loader import ShardDataset
-    from vlmctl.models import load_model
-
-    model, processor, family = load_model(folder, dtype=torch.float32)
-    hook = family.position_hook(model, getattr(model.config, "image_token_id", None))
-    dataset = ShardDataset.from_dir(data / "prepared" / "train")
-    collate = PackedCollator(processor, family, tokens_per_batch=10**6)
-    out = [collate([dataset[i] for i in range(k * per_row, (k + 1) * per_row)]) for k in range(n)]
-    return [hook(r) if hook else r for r in out]
 
 
 def labelled(batch) -> int:
@@ -195,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
 
     env = init_distributed(deepspeed=True)
     specs = json.loads(Path(cases).read_text())
-    all_rows = rows(Path(folder), Path(data), int(world))
+    all_rows = packed_rows(Path(folder), Path(data), int(world), per_row=5)
     results: dict[str, Any] = {}
     if int(rank) == 0:  # first: liger's patches replace the transformers module's classes for every later model
         results["reference"] = {str(k): reference(Path(folder), all_rows[:k]) for k in range(1, int(world) + 1)}

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from convert_helpers import TEXTS
-from shapes_shards import write_shapes_shards
+from shapes_shards import build_tiny_models, packed_rows, write_shapes_shards
 
 TIMEOUT = 420
 ROW_TOKENS = 420  # a packed row of several samples (several images for the vision split)
@@ -115,14 +115,7 @@ CASES = [("fsdp", 4), ("fsdp", 2), ("zero3", 4), ("zero3", 2)]  # (strategy, seq
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """Tiny Qwen2.5-VL and LLaVA model folders and shapes-VQA shards (every third sample text-only)."""
-    from vlmctl.config import ModelSection
-    from vlmctl.models import build_model
-
-    root = tmp_path_factory.mktemp("sp")
-    write_shapes_shards(root / "data", 16)
-    for preset in ("tiny-qwen2.5-vl", "tiny"):
-        build_model(ModelSection(preset=preset, init="random", output_dir=root / preset, dtype="fp32"), tokenizer_texts=TEXTS)
-    return root
+    return build_tiny_models(tmp_path_factory.mktemp("sp"), 16)
 
 
 def _train_section(strategy: str, sp: int):
@@ -131,23 +124,6 @@ def _train_section(strategy: str, sp: int):
     return TrainSection(stage="full", strategy=strategy, precision="fp32", packing=True, tokens_per_batch=ROW_TOKENS,
                         attn_implementation="sdpa", sequence_parallel=sp, activation_checkpointing="off",
                         liger="off", compile_vision="off", balance="off", learning_rate=1e-3, warmup_ratio=0.0)
-
-
-def _rows(folder: Path, data: Path, n: int):
-    """`n` packed rows of the shards' samples (the collator the trainer uses, the family's batch hook applied)."""
-    import torch
-
-    from vlmctl.data.collate import PackedCollator
-    from vlmctl.data.loader import ShardDataset
-    from vlmctl.models import load_model
-
-    model, processor, family = load_model(folder, dtype=torch.float32)
-    hook = family.position_hook(model, getattr(model.config, "image_token_id", None))
-    dataset = ShardDataset.from_dir(data / "prepared" / "train")
-    collate = PackedCollator(processor, family, tokens_per_batch=10**6)
-    per_row = len(dataset) // n
-    rows = [collate([dataset[i] for i in range(k * per_row, (k + 1) * per_row)]) for k in range(n)]
-    return [hook(r) if hook else r for r in rows]
 
 
 def _grads_rank(rank: int, port: int, folder: str, data: str, out: str) -> None:
@@ -167,7 +143,7 @@ def _grads_rank(rank: int, port: int, folder: str, data: str, out: str) -> None:
     from vlmctl.train.worker import wrap_model
 
     env = init_distributed(deepspeed=True)
-    rows = _rows(Path(folder), Path(data), 2)
+    rows = packed_rows(Path(folder), Path(data), 2)
     results = {}
     for strategy, sp in CASES:
         train = _train_section(strategy, sp)
@@ -211,7 +187,7 @@ def _reference(folder: Path, data: Path, n_rows: int):
 
     model, _, family = load_model(folder, dtype=torch.float32)
     model.set_attn_implementation("sdpa")
-    rows = _rows(folder, data, 2)[:n_rows]
+    rows = packed_rows(folder, data, 2)[:n_rows]
     labelled = sum(int((r["labels"][0, 1:] != -100).sum()) for r in rows)
     total = sum(token_losses(model, {k: v for k, v in r.items() if k not in ("seq_lens",) and not k.startswith("num_")})[0].sum()
                 for r in rows)
