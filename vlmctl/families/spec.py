@@ -104,6 +104,11 @@ class FamilySpec:
     # under `train.sequence_parallel` (Qwen2-VL / Qwen2.5-VL: the vision tower's images); None: nothing more
     sequence_parallel_plan: Callable[..., Any] | None = None
     tensor_parallel_plan: Callable[..., Any] | None = None  # hook for later: (model, mesh) -> None, applies DTensor plans
+    # (model, spec) -> a cost rule for encoders the generic cost model (`vlmctl.train.flops`) has no rule for: an object
+    # with `owns(parameter_name) -> bool` (the parameters it charges; the generic counts leave them out) and
+    # `batch_terms(batch, cost_model) -> {term: FLOPs}` (terms of `flops.TERMS`, under `cost_model.trained`); None: the
+    # generic rules (one vision or Whisper-style audio tower at `vision_tower`)
+    cost_rule: Callable[..., Any] | None = None
     notes: str = ""
 
     def __post_init__(self) -> None:

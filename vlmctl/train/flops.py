@@ -10,7 +10,12 @@
 Everything is read from the model (parameter shapes, config) and from the batch's shapes; the family spec only gives
 the parts' module paths (`vision_tower`, `projector`, through `vlmctl.families.part_of_parameter`). An audio
 family's tower (Qwen2-Audio: `vision_tower` is `model.audio_tower`) is its `vision` part for freezing and backward
-factors, and gets the `audio` terms below instead of the `vision` ones.
+factors, and gets the `audio` terms below instead of the `vision` ones. A family whose encoders these rules do not
+describe (Qwen3-Omni: a chunked audio encoder next to a vision encoder) gives a `cost_rule` on its spec: it charges
+the parameters it owns (the `vision`, `vision_attention`, `audio`, `audio_attention` and `projector` terms of a
+micro-batch, under this model's trained parts), the generic vision and audio rules are then off, and the rest (the
+language model, its head and attention) is counted here. `sample_flops` / `sample_costs` do not see such a rule's
+encoders (they count the language model only).
 
 Counted FLOPs are those of the matrix multiplications (linear layers, convolutions, attention's two matmuls), as in
 Kaplan et al. 2020 ("Scaling Laws for Neural Language Models", sec. 2.1) and Hoffmann et al. 2022 (Chinchilla,
@@ -315,6 +320,7 @@ class CostModel:
     video_token_id: int | None = None
     audio: AudioShape | None = None  # the tower is an audio encoder (its convolutions are `audio.stem`)
     audio_params: int = 0  # the audio tower's matrices other than the stem (its layers)
+    encoders: Any = None  # the family's `cost_rule` object: charges the encoders and projectors it owns
 
     @classmethod
     def from_model(cls, model, family, trainable_parts: set[str], *, lora: bool = False) -> "CostModel":
@@ -332,7 +338,9 @@ class CostModel:
         unknown = set(trainable_parts) - set(PART_ORDER)
         if unknown:
             raise ModelError(f"unknown model parts {sorted(unknown)}", hint=f"parts are {', '.join(PART_ORDER)}")
-        counts = _param_counts(model, family)
+        rule = getattr(family, "cost_rule", None)
+        encoders = rule(model, family) if rule is not None else None
+        counts = _param_counts(model, family, owned=encoders.owns if encoders is not None else None)
         config = model.config
         text = config.get_text_config()
         heads = int(text.num_attention_heads)
@@ -343,17 +351,18 @@ class CostModel:
         trained = {p for p in trainable_parts if not (lora and p == "llm")}
         first = min((PART_ORDER.index(p) for p in trainable_parts), default=len(PART_ORDER))
         image_id = getattr(config, "image_token_id", None)
-        audio = AudioShape.from_model(model, family) if getattr(config, "audio_config", None) is not None else None
+        generic = encoders is None  # a family's own rule replaces the generic vision / audio ones
+        audio = AudioShape.from_model(model, family) if generic and getattr(config, "audio_config", None) is not None else None
         if audio is not None:  # the tower's convolutions are the stem (`audio.stem`), its other matrices the layers
             counts = {**counts, "audio_params": counts["vision_params"], "vision_params": 0, "vision_input_params": 0}
         return cls(
             **counts,
-            vision=VisionShape.from_config(config) if getattr(config, "vision_config", None) is not None else None,
+            vision=VisionShape.from_config(config) if generic and getattr(config, "vision_config", None) is not None else None,
             llm_width=heads * int(head_dim), llm_full_layers=int(text.num_hidden_layers) - sliding,
             llm_sliding_layers=sliding, sliding_window=int(window) if sliding else None,
             image_token_id=getattr(config, "image_token_index", None) if image_id is None else image_id,
             trained=frozenset(trained), grad_through=frozenset(PART_ORDER[first:]),
-            video_token_id=getattr(config, "video_token_id", None), audio=audio,
+            video_token_id=getattr(config, "video_token_id", None), audio=audio, encoders=encoders,
         )
 
     # ---- backward factors ----
@@ -500,7 +509,11 @@ class CostModel:
         else:
             visual = sum(self.vision.visual_tokens(im) for im in images) if self.vision else 0
         clips = batch_audio_frames(batch) if self.audio is not None else []
-        return self._terms(segments, labelled, images, visual, clips)
+        terms = self._terms(segments, labelled, images, visual, clips)
+        if self.encoders is not None:
+            for key, value in self.encoders.batch_terms(batch, self).items():
+                terms[key] += float(value)
+        return terms
 
     def batch_flops(self, batch: dict[str, Any]) -> float:
         """Training FLOPs of one collated micro-batch (`vlmctl.data.collate` output, CPU tensors): a packed row
@@ -577,8 +590,9 @@ def _images(batch: dict[str, Any], patch_size: int | None) -> list[ImageShape]:
     return [ImageShape(h * w, (1, h, w)) for _ in range(n)]
 
 
-def _param_counts(model, family) -> dict[str, int]:
-    """Weight-matrix / kernel parameters per part (input layers apart) and the LM head's, embeddings excluded."""
+def _param_counts(model, family, owned=None) -> dict[str, int]:
+    """Weight-matrix / kernel parameters per part (input layers apart) and the LM head's, embeddings excluded, and
+    those for which `owned(name)` is true (a family's `cost_rule` charges them)."""
     import torch
 
     from vlmctl.families import part_of_parameter
@@ -594,7 +608,7 @@ def _param_counts(model, family) -> dict[str, int]:
     experts, active = _experts_per_token(getattr(model, "config", None))
     routed = 0  # the language model's expert weights, all experts: a token runs `active` of `experts`
     for name, p in model.named_parameters(remove_duplicate=True):
-        if id(p) in skip or p.ndim < 2:
+        if id(p) in skip or p.ndim < 2 or (owned is not None and owned(name)):
             continue
         part = part_of_parameter(name, family)
         key = f"{part}_input_params" if id(p) in inputs and part != "llm" else f"{part}_params"

@@ -1,0 +1,273 @@
+"""The qwen3_omni family (Qwen3-Omni's thinker) on its tiny preset: module paths and FSDP units on the real
+transformers class, the audio-token and image-token rules against the real `Qwen3OmniMoeProcessor`, counts from the
+saved files against the collated length, packed rows against the samples one by one (losses, gradients, TMRoPE
+positions), the cost model against `torch.utils.flop_counter`, and the built model loaded by vanilla transformers
+with the same logits."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("soundfile")
+pytest.importorskip("soxr")
+
+from audio_data import flac, wav  # noqa: E402
+
+from vlmctl.config.model import ModelSection  # noqa: E402
+from vlmctl.data.modalities.audio import normalize_audio  # noqa: E402
+from vlmctl.data.sample import Sample  # noqa: E402
+from vlmctl.families import get_family  # noqa: E402
+
+TEXTS = ["What is that sound? A tone.", "Transcribe the clip.", "What color is the square?", "Which one is longer? The second."] * 10
+SPEC = get_family("qwen3_omni")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """(plan, processor, model) of the tiny preset: 2 s audio windows of 32 mel bins in 1 s chunks, 16 px patches,
+    4 experts, fp32."""
+    from vlmctl.models.build import make_model, make_processor, plan_build
+
+    plan = plan_build(ModelSection(preset=SPEC.tiny_preset, init="random", dtype="fp32"))
+    processor = make_processor(plan, tokenizer_texts=TEXTS)
+    return plan, processor, make_model(plan, processor)
+
+
+def _png(w: int, h: int, color: tuple[int, int, int] = (200, 40, 40)) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), color).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _sample(sid: str, clips: list[bytes] = (), images: list[bytes] = (), question: str = "What is it?", answer: str = "A tone.") -> Sample:
+    user = ([{"type": "image", "index": i} for i in range(len(images))] + [{"type": "audio", "index": i} for i in range(len(clips))]
+            + [{"type": "text", "text": question}])
+    return Sample(sid, [{"role": "user", "content": user}, {"role": "assistant", "content": [{"type": "text", "text": answer}]}],
+                  images=list(images), audios=list(clips))
+
+
+def _samples() -> list[Sample]:
+    one, two, three = (normalize_audio(d).data for d in (wav(1.0), wav(0.5, 44_100, channels=2), flac(1.9, 8_000)))
+    return [
+        _sample("one", [one]),
+        _sample("image", images=[_png(64, 64)], question="Color?", answer="Red."),
+        _sample("two", [two, three], question="Which one is longer?", answer="The second."),
+        Sample("text", [{"role": "user", "content": [{"type": "text", "text": "Hello?"}]},
+                        {"role": "assistant", "content": [{"type": "text", "text": "Hi."}]}]),
+        _sample("both", [three], [_png(100, 60, (20, 200, 20)), _png(37, 90)], question="Same?", answer="Yes."),
+    ]
+
+
+def test_module_paths_and_layer_classes_on_the_real_class():
+    from vlmctl.families import count_parameters, decoder_layer_classes, decoder_layers, vision_layer_classes, vision_layers
+    from vlmctl.models.build import instantiate, plan_build
+
+    model = instantiate(plan_build(ModelSection(preset=SPEC.tiny_preset, init="random")), device="meta")
+    assert type(model).__name__ == SPEC.model_class
+    assert type(model.get_submodule(SPEC.vision_tower)).__name__ == "Qwen3OmniMoeAudioEncoder"
+    assert type(model.get_submodule("model.visual")).__name__ == "Qwen3OmniMoeVisionEncoder"
+    assert [type(model.get_submodule(p)).__name__ for p in SPEC.projector] == ["Linear", "Linear", "Qwen3OmniMoeVisionPatchMerger", "ModuleList"]
+    assert type(model.get_submodule(SPEC.language_model)).__name__ == "Qwen3OmniMoeThinkerTextModel"
+    assert model.get_submodule(SPEC.lm_head).out_features == model.config.text_config.vocab_size
+    assert {c.__name__ for c in decoder_layer_classes(model, SPEC)} == {"Qwen3OmniMoeThinkerTextDecoderLayer"} and len(decoder_layers(model, SPEC)) == 2
+    assert {c.__name__ for c in vision_layer_classes(model, SPEC)} == {"Qwen3OmniMoeAudioEncoderLayer"} and len(vision_layers(model, SPEC)) == 2
+    counts = count_parameters(model, SPEC)
+    assert min(counts["vision"], counts["projector"], counts["llm"]) > 0
+    assert set(SPEC.modalities) == {"image", "audio"} and SPEC.mrope and SPEC.supports_packing
+
+
+def test_a_preset_whose_encoder_cannot_take_its_features_is_refused(tiny):
+    from vlmctl.errors import ModelError
+
+    plan, processor, _ = tiny
+    config = json.loads(json.dumps(plan.vlm_config))
+    with pytest.raises(ModelError, match="n_window"):
+        SPEC.preset_processor(processor.tokenizer, None, plan.processor_kwargs, {**config, "audio_config": {**config["audio_config"], "n_window": 25}})
+    with pytest.raises(ModelError, match="mel bins"):
+        SPEC.preset_processor(processor.tokenizer, None, {**plan.processor_kwargs, "feature_size": 80}, config)
+
+
+def test_tokens_ids_and_a_forward_backward_through_both_encoders(tiny):
+    import torch
+    from PIL import Image
+
+    _, processor, model = tiny
+    assert type(processor).__name__ == "Qwen3OmniMoeProcessor" and processor.video_processor is None
+    tok = processor.tokenizer
+    cfg = model.config
+    assert cfg.image_token_id == processor.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>")
+    assert cfg.audio_token_id == processor.audio_token_id == tok.convert_tokens_to_ids("<|audio_pad|>")
+    assert (cfg.vision_start_token_id, cfg.audio_start_token_id) == tuple(tok.convert_tokens_to_ids(["<|vision_start|>", "<|audio_start|>"]))
+    text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": SPEC.prompt("audio") + "What?"}]}],
+                                         tokenize=False)
+    assert "<|vision_start|><|image_pad|><|vision_end|><|audio_start|><|audio_pad|><|audio_end|>What?" in text
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (60, 90, 3), np.uint8))
+    batch = processor(text=[text], images=[image], audio=[np.full(16_000, 0.1, np.float32)], sampling_rate=16_000, return_tensors="pt")
+    assert tuple(batch["input_features"].shape) == (1, 32, 200) and int(batch["feature_attention_mask"].sum()) == 100
+    model.train()
+    loss = model(**batch, labels=batch["input_ids"]).loss
+    loss.backward()
+    grads = {n.split(".")[1] for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert torch.isfinite(loss) and {"audio_tower", "visual", "language_model"} <= grads  # both encoders reached the loss
+    model.zero_grad(set_to_none=True)
+    model.eval()
+
+
+def _audio_count(processor, waves) -> list[int]:
+    out = []
+    for wave in waves:
+        batch = processor(text=[f"Hi {SPEC.prompt('audio')} there"], audio=[wave], sampling_rate=16_000, return_tensors="pt")
+        out.append(int((batch["input_ids"] == processor.audio_token_id).sum()))
+    return out
+
+
+def test_the_audio_and_image_token_rules_match_the_real_processor(tiny):
+    from PIL import Image
+    from transformers import WhisperFeatureExtractor
+
+    _, processor, model = tiny
+    lengths = [1, 160, 161, 320, 481, 961, 1600, 4000, 15_999, 16_000, 16_161, 17_600, 31_840, 32_000, 40_000]
+    counted = _audio_count(processor, [np.full(n, 0.1, np.float32) for n in lengths])
+    assert counted == [SPEC.num_audio_tokens(n, 16_000, processor) for n in lengths]
+    assert len(set(counted)) >= 7  # the lengths cover partial chunks, whole chunks and the cut at the window
+    assert SPEC.num_audio_tokens(16_000, 16_000, processor) == 13 and SPEC.num_audio_tokens(40_000, 16_000, processor) == 26
+    assert SPEC.num_audio_tokens(8_000, 8_000, processor) == 13  # counted after resampling to the extractor's rate
+    assert SPEC.num_audio_tokens(10**7, 16_000, model.config) == 30 * 13  # from the config: the published 30 s window
+    assert SPEC.num_audio_tokens(16_000, 16_000, {"feature_extractor": processor.feature_extractor.to_dict()}) == 13
+    published = SPEC.make_processor(processor.tokenizer, processor.image_processor, processor.chat_template,
+                                    feature_extractor=WhisperFeatureExtractor(feature_size=128))
+    lengths = [16_000, 160_000, 479_999, 480_000, 640_000]
+    assert _audio_count(published, [np.full(n, 0.1, np.float32) for n in lengths]) == [
+        SPEC.num_audio_tokens(n, 16_000, published) for n in lengths] == [13, 130, 390, 390, 390]
+    for w, h in [(64, 64), (100, 60), (37, 211), (500, 300), (32, 32)]:
+        batch = processor(text=[f"a {SPEC.image_prompt} b"], images=[Image.new("RGB", (w, h))], return_tensors="pt")
+        n = int((batch["input_ids"] == processor.image_token_id).sum())
+        assert n == SPEC.num_visual_tokens(w, h, processor) == SPEC.num_visual_tokens(w, h, processor.image_processor), (w, h)
+
+
+def test_counts_read_from_the_files_equal_the_collated_length(tiny, tmp_path):
+    from vlmctl.data.collate import Collator
+    from vlmctl.data.tokens import TokenCounter
+
+    _, processor, _ = tiny
+    processor.save_pretrained(str(tmp_path))
+    (tmp_path / "vlmctl_model.json").write_text(json.dumps({"family": SPEC.name}))
+    counter = TokenCounter(processor, SPEC.name, tmp_path)
+    collator = Collator(processor, SPEC, max_length=100_000, dummy_image=False)
+    for sample in _samples():
+        sizes = [(64, 64)] if sample.id == "image" else [(100, 60), (37, 90)] if sample.id == "both" else []
+        assert counter.count(sample, sizes) == collator([sample])["input_ids"].shape[1], sample.id
+
+
+def test_packed_rows_give_the_per_sample_losses_and_gradients(tiny):
+    """A packed row of audio, image, text-only and audio + two-image samples: each sample's summed loss and every
+    gradient equal the samples' own (padded, the class's own forward and positions); image samples get their TMRoPE
+    positions from the hook."""
+    import copy
+
+    import torch
+
+    from vlmctl.data.collate import Collator, PackedCollator, model_inputs
+    from vlmctl.families.qwen2_5_omni import keep_logits_forward
+    from vlmctl.train.kernels import per_sample_sums, token_losses
+    from vlmctl.train.loop import loss_sum
+
+    _, processor, base = tiny
+    model, samples = copy.deepcopy(base).eval(), _samples()
+    single = Collator(processor, SPEC, dummy_image=False)
+    ref = torch.stack([loss_sum(model, single([s])) for s in samples])
+    ref.sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+
+    hook = SPEC.position_hook(model, processor.image_token_id)
+    assert not keep_logits_forward(model)  # installed by the hook
+    row = PackedCollator(processor, SPEC, tokens_per_batch=4096)(samples)
+    assert row["input_ids"].shape[0] == 1 and row["num_dummy_audios"] == 0 and row["num_dummy_images"] == 0
+    row = hook(row)
+    assert tuple(row["position_ids"].shape) == (4, 1, row["input_ids"].shape[1])
+    assert not torch.equal(row["position_ids"][0], row["position_ids"][1])  # images: 3-D positions differ from text's
+    losses, index = token_losses(model, {**model_inputs(row), "labels": row["labels"]})
+    sums, _ = per_sample_sums(losses, index, row["seq_lens"])
+    torch.testing.assert_close(sums.detach(), ref.detach(), rtol=1e-5, atol=1e-5)
+    loss_sum(model, row).backward()
+    for name, p in model.named_parameters():
+        if name in ref_grads:
+            torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-4, atol=1e-5, msg=f"gradient of {name}")
+    padded = Collator(processor, SPEC)(samples)
+    with torch.no_grad():
+        assert float(loss_sum(model, padded)) == pytest.approx(float(ref.sum()), rel=1e-4)
+
+
+@pytest.mark.parametrize("trainable", [{"vision", "projector", "llm"}, {"projector", "llm"}, {"projector"}, {"llm"}],
+                         ids=["full", "finetune", "align", "llm"])
+def test_the_cost_model_matches_the_flop_counter(tiny, trainable):
+    """One packed row holding one sample with two clips (a partial and whole chunks) and two images, forward and
+    backward on the labelled positions with eager attention and eager experts: the cost model's terms equal what
+    `FlopCounterMode` counts, up to the causal half of the language model's attention (the counter counts T^2)."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from vlmctl.data.collate import PackedCollator, model_inputs
+    from vlmctl.families import part_of_parameter
+    from vlmctl.train.flops import CostModel
+
+    _, processor, base = tiny
+    model = copy.deepcopy(base)
+    model.set_attn_implementation("eager")
+    model.set_experts_implementation("eager")  # a matmul per expert, which the counter sees
+    clips = [normalize_audio(d).data for d in (wav(1.5), flac(0.7, 8_000))]
+    sample = _sample("s", clips, [_png(100, 60), _png(64, 130)], question="Describe them all. " * 5, answer="A tone and two pictures. " * 6)
+    row = SPEC.position_hook(model, processor.image_token_id)(PackedCollator(processor, SPEC, tokens_per_batch=4096)([sample]))
+    assert row["feature_attention_mask"].sum(-1).tolist() == [150, 70] and row["image_grid_thw"].shape[0] == 2
+    for name, p in model.named_parameters():
+        p.requires_grad_(part_of_parameter(name, SPEC) in trainable)
+    labels = row["labels"]
+    target = torch.nonzero(labels[0] != -100).squeeze(1)
+    with FlopCounterMode(display=False) as counter:
+        logits = model(**model_inputs(row), logits_to_keep=target - 1, use_cache=False).logits[0]
+        F.cross_entropy(logits.float(), labels[0, target], reduction="sum").backward()
+    cost = CostModel.from_model(model, SPEC, trainable)
+    terms = cost.batch_terms(row)
+    expected = sum(terms.values()) + terms["llm_attention"]  # causal=False, as counted
+    measured = counter.get_total_flops()
+    assert abs(expected - measured) / measured < 0.01, (sorted(trainable), expected, measured, terms)
+    assert min(terms["audio"], terms["audio_attention"], terms["vision"], terms["vision_attention"], terms["projector"]) > 0
+    # on the meta device the same
+    from vlmctl.models.build import instantiate, plan_build
+
+    meta = instantiate(plan_build(ModelSection(preset=SPEC.tiny_preset, init="random")), processor.tokenizer, device="meta")
+    assert CostModel.from_model(meta, SPEC, trainable).batch_terms(row) == terms
+
+
+def test_the_build_loads_with_vlmctl_and_with_vanilla_transformers_with_the_same_logits(tmp_path):
+    import torch
+    from transformers import AutoModelForImageTextToText, Qwen3OmniMoeThinkerForConditionalGeneration
+
+    from vlmctl.data.collate import Collator, model_inputs
+    from vlmctl.models import build_model, load_model
+
+    out = tmp_path / "model"
+    result = build_model(ModelSection(preset=SPEC.tiny_preset, init="random", output_dir=out, dtype="fp32"), tokenizer_texts=TEXTS)
+    assert result.family == "qwen3_omni" and (result.info["audio_window_seconds"], result.info["audio_tokens_per_window"]) == (2.0, 26)
+    model, processor, family = load_model(out, dtype=torch.float32)
+    assert family is SPEC and type(processor).__name__ == "Qwen3OmniMoeProcessor" and processor.feature_extractor.chunk_length == 2
+    assert processor.image_processor.size["longest_edge"] == 262144  # the saved image-processor settings
+    vanilla = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(str(out), dtype=torch.float32).eval()
+    inputs = model_inputs(Collator(processor, SPEC, dummy_image=False)(_samples()))
+    with torch.no_grad():
+        ours = model.eval()(**inputs).logits
+        torch.testing.assert_close(vanilla(**inputs).logits, ours, rtol=0, atol=0)
+    auto = AutoModelForImageTextToText.from_pretrained(str(out), dtype=torch.float32).eval()
+    assert type(auto) is type(vanilla)
+    with torch.no_grad():
+        torch.testing.assert_close(auto(**inputs).logits, ours, rtol=0, atol=0)

@@ -1,0 +1,363 @@
+"""Qwen3-Omni's thinker: an audio encoder (AuT), a Qwen3-VL-style vision encoder with DeepStack mergers and a
+mixture-of-experts Qwen3 LLM with TMRoPE, in `Qwen3OmniMoeThinkerForConditionalGeneration` (Xu et al. 2025,
+https://arxiv.org/abs/2509.17765). The talker and code2wav (speech output) are not part of the family: it trains the
+thinker on audio, images and text.
+
+Module paths (transformers 5.24, checked by tests/unit/test_family_qwen3_omni.py):
+
+| part                            | path                                                                   |
+|---------------------------------|------------------------------------------------------------------------|
+| audio tower (the `vision` part) | model.audio_tower                                                      |
+| vision encoder                  | model.visual                                                           |
+| projector                       | model.audio_tower.proj1, model.audio_tower.proj2, model.visual.merger, |
+|                                 | model.visual.merger_list                                               |
+| language model                  | model.language_model                                                   |
+| lm head                         | lm_head                                                                |
+
+As in Qwen2.5-Omni (`vlmctl.families.qwen2_5_omni`) the spec's one encoder path holds the audio tower: its
+`Qwen3OmniMoeAudioEncoderLayer`s are the encoder's FSDP2 / activation-checkpointing units and `train.freeze: [vision]`
+freezes it. Each encoder's projection into the LLM (the audio tower's `proj1`/`proj2`, the vision encoder's merger
+and its DeepStack mergers) is the projector; the vision encoder's other parameters count as the `llm` part. FSDP2
+and checkpointing wrap each `Qwen3OmniMoeThinkerTextDecoderLayer` (attention, router and all its experts, as in
+`vlmctl.families.qwen3_vl_moe`); the router's load-balancing loss is off (transformers' default).
+
+Audio (transformers 5.24, src/transformers/models/qwen3_omni_moe/processing_qwen3_omni_moe.py, `_process_audio`,
+`_get_feat_extract_output_lengths`; modeling_qwen3_omni_moe.py, `Qwen3OmniMoeAudioEncoder.forward`): the Whisper
+feature extractor gives L log-mel frames (one per `hop_length` samples); the encoder cuts them into chunks of
+2 x `n_window` frames, runs three stride-2 3x3 convolutions on each chunk and its layers on the chunks' remaining
+positions, attending within windows of `n_window_infer` frames. A clip becomes
+    a(L) = (((L mod 2n - 1) // 2 + 1 - 1) // 2 + 1 - 1) // 2 + 1 + (L // 2n) * 13       (n = n_window)
+`<|audio_pad|>` tokens. The 13 is hard-coded there (the three convolutions over one chunk of 100 frames), so the
+encoder works with n_window = 50 only (`preset_processor` refuses another). The published processor pads the
+features of one call to its longest clip; vlmctl's processor (`QwenOmniAudioWindow`) pads every clip to the feature
+extractor's window (`chunk_length` seconds) and cuts longer ones, so that clips of different samples batch along
+dim 0 (`vlmctl.data.modalities.audio.concat_audio`). The encoder reads only the frames of `feature_attention_mask`,
+so padding does not change a clip's features; a clip then has L = ceil(min(s, n_samples) / hop_length) frames
+(the published processor keeps s // hop_length: one frame more where s is not a multiple of the hop).
+
+Images: Qwen2-VL's image processor with Qwen3's 16 px patches (`qwen_vl.qwen_tokens` rule), one `<|image_pad|>` per
+merge x merge block of patches, between `<|vision_start|>` and `<|vision_end|>`.
+
+Videos are not taken: the video processor needs torchvision, and the processor's `video_second_per_grid` is not a key
+vlmctl's video unit batches. The preset's processor has no video processor (`omni_image_audio`).
+
+Positions (TMRoPE, `Qwen3OmniMoePreTrainedModelForConditionalGeneration.get_rope_index`): images get 3-D positions
+(t, h, w); an audio clip's tokens consecutive ones, as text; a sample without images 0..T-1 on all three axes. Packed
+rows: `position_hook` (`qwen3_omni_prepare`) gives a packed row the (4, 1, T) text + per-sample 3-D positions from the
+model's own `get_rope_index` (`qwen2_5_omni.packed_omni_positions`), the forward taking `logits_to_keep`
+(`qwen2_5_omni.keep_logits_forward`) and the audio tower an attention implementation that splits its windows itself.
+The audio tower encodes each clip on its own (`cu_seqlens` per window), so clips of different samples never mix.
+
+FLOPs: `OmniCost` (the spec's `cost_rule`) charges both encoders and the projectors (module docstring of
+`vlmctl.train.flops` for the terms and the backward factors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from functools import lru_cache
+from typing import Any
+
+from vlmctl.errors import ModelError
+from vlmctl.families.qwen2_5_omni import EXTRACTOR_KEYS, Qwen25OmniSpec, keep_logits_forward, omni_image_audio, packed_omni_positions
+from vlmctl.families.qwen2_audio import audio_attention, extractor_settings
+from vlmctl.families.qwen_vl import qwen_rule, rope_index_fn
+from vlmctl.families.registry import register
+from vlmctl.families.spec import _find_prefix, part_of_parameter, setting
+
+IMAGE, VIDEO, AUDIO = "<|image_pad|>", "<|video_pad|>", "<|audio_pad|>"
+"""Placeholder tokens the processor repeats per image block, video block and audio position (Qwen3-Omni's tokenizer)."""
+VISION_BOS, VISION_EOS, AUDIO_BOS, AUDIO_EOS = "<|vision_start|>", "<|vision_end|>", "<|audio_start|>", "<|audio_end|>"
+"""The markers around an image / video and around an audio clip; `get_rope_index` finds media by them."""
+N_WINDOW = 50
+"""The only `n_window` (half a chunk, in mel frames) the encoder's output-length formula holds for (module docstring)."""
+TOKENS_PER_CHUNK = 13
+"""Audio positions per chunk of 2 x N_WINDOW frames after the three stride-2 convolutions."""
+PUBLISHED_EXTRACTOR = {"sampling_rate": 16_000, "hop_length": 160, "n_samples": 30 * 16_000}
+"""The published feature extractor (Whisper's, 128 mel bins), assumed when counting from a model config."""
+
+
+def conv_out(n):
+    """Positions after one of the encoder's 3x3, stride-2, padding-1 convolutions over `n` positions (torch's Conv2d
+    output size; elementwise over tensors and arrays)."""
+    return (n - 1) // 2 + 1
+
+
+def audio_tokens(frames: int, n_window: int = N_WINDOW) -> int:
+    """`<|audio_pad|>` tokens (and encoder output positions) of a clip of `frames` mel frames: a(L) of the module
+    docstring (transformers' `_get_feat_extract_output_lengths`)."""
+    chunk = 2 * int(n_window)
+    frames = int(frames)
+    rest = frames % chunk
+    tail = conv_out(conv_out(conv_out(rest))) if rest else 0
+    return tail + (frames // chunk) * TOKENS_PER_CHUNK
+
+
+def clip_frames(samples: int, *, hop_length: int, n_samples: int) -> int:
+    """Mel frames the frame mask keeps of a clip of `samples` samples padded or cut to `n_samples`:
+    ceil(min(samples, n_samples) / hop_length)."""
+    return min(-(-min(int(samples), int(n_samples)) // int(hop_length)), int(n_samples) // int(hop_length))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The processor
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=None)
+def audio_window_processor(cls):
+    """`omni_image_audio(cls)` (`Qwen3OmniMoeProcessor` without its video processor) whose feature extractor pads
+    every clip to its window and cuts longer ones (module docstring). Saved under the real class's name."""
+    base = omni_image_audio(cls)
+
+    class QwenOmniAudioWindow(base):
+        audio_kwargs = {**cls.audio_kwargs, "padding": "max_length", "truncation": True}
+
+    QwenOmniAudioWindow.__name__ = QwenOmniAudioWindow.__qualname__ = cls.__name__
+    return QwenOmniAudioWindow
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Packed rows
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def qwen3_omni_prepare(model: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """Prepare `model` (unwrapped) for packed rows in place (`keep_logits_forward`; the audio tower on an attention
+    implementation that takes its windows one by one where the whole model's is a varlen kernel) and return the
+    batch hook (run by `loop.prefetch` ahead of the step) that replaces a packed row's (1, T) position ids by the
+    (4, 1, T) int64 positions of `packed_omni_positions`, on CPU before the device copy. Padded batches pass through
+    unchanged (the model computes their positions from the attention mask)."""
+    import torch
+
+    from vlmctl.data.collate import is_packed
+
+    keep_logits_forward(model)
+    audio_attention(model, _find_prefix(model, QWEN3_OMNI.vision_tower))
+    rope_index = rope_index_fn(model)
+    config = model.config
+    image_token_id, audio_bos_id = int(config.image_token_id), int(config.audio_start_token_id)
+
+    def prepare(batch: dict[str, Any]) -> dict[str, Any]:
+        if not is_packed(batch):
+            return batch
+        mask = batch.get("feature_attention_mask")
+        positions = packed_omni_positions(rope_index, batch["input_ids"], batch["seq_lens"], image_token_id=image_token_id,
+                                          audio_bos_id=audio_bos_id, image_grid_thw=batch.get("image_grid_thw"),
+                                          feature_lens=None if mask is None else mask.sum(-1))
+        # get_rope_index gives float positions; images (one frame, t = 0) have integral ones
+        return {**batch, "position_ids": positions.to(torch.long)}
+
+    return prepare
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# FLOPs
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _matrices(module) -> int:
+    """Parameters of the weight matrices and kernels under `module` (biases and norm scales excluded)."""
+    return sum(p.numel() for p in module.parameters() if p.ndim >= 2)
+
+
+class OmniCost:
+    """The cost rule of both encoders and their projectors (`FamilySpec.cost_rule`), read from the model (any device,
+    meta included). Forward FLOPs, matmuls only, as `torch.utils.flop_counter` counts them:
+
+    - audio, per micro-batch (transformers `Qwen3OmniMoeAudioEncoder.forward`): each clip's L frames (the
+      `feature_attention_mask` sums) cut into chunks of 2 x n_window frames, all chunks padded to the longest one
+      (T frames); the three convolutions run on every chunk at its padded size (2 x kernel x output positions each),
+      `conv_out` on T3 positions per chunk; the layers, `proj1` and `proj2` on the real positions (a(L) per clip);
+      attention 4 x d x layers x sum of squared windows (each clip's positions cut into windows of
+      max positions per chunk x n_window_infer / (2 x n_window));
+    - vision, per image (t, h, w) (transformers `Qwen3OmniMoeVisionEncoder.forward`, Qwen3-VL's): the patch
+      embedding and the blocks on t x h x w patches, attention over each frame's h x w patches in every block, the
+      merger and each DeepStack merger on t x h x w / merge^2 tokens.
+
+    Backward factors per module group, in each encoder's forward order: 2 forward, +2 when a group at or before it is
+    trained (its input gradient: none for the groups reading the mel features or the pixels), +2 when its own part is
+    trained; attention x3 when the gradient passes through, else x1.
+    """
+
+    def __init__(self, model: Any, family: Any):
+        audio = model.get_submodule(_find_prefix(model, "model.audio_tower"))
+        visual = model.get_submodule(_find_prefix(model, "model.visual"))
+        a, v = model.config.audio_config, model.config.vision_config
+        self.n_window, self.n_window_infer = int(a.n_window), int(a.n_window_infer)
+        self.audio_width, self.audio_layers = int(a.d_model), int(a.encoder_layers)
+        self.mel_bins = int(a.num_mel_bins)
+        self.vision_width, self.vision_layers, self.merge = int(v.hidden_size), int(v.depth), int(v.spatial_merge_size)
+
+        def group(path: str, module) -> tuple[str, int]:
+            return part_of_parameter(path, family), _matrices(module)
+
+        prefix = "model.audio_tower"
+        self.convs = [group(f"{prefix}.conv2d{i}.weight", getattr(audio, f"conv2d{i}")) for i in (1, 2, 3)]
+        self.audio_groups = {"conv_out": group(f"{prefix}.conv_out.weight", audio.conv_out),
+                             "layers": group(f"{prefix}.layers.0.fc1.weight", audio.layers),
+                             "proj": (part_of_parameter(f"{prefix}.proj1.weight", family), _matrices(audio.proj1) + _matrices(audio.proj2))}
+        prefix = "model.visual"
+        self.vision_groups = {"patch_embed": group(f"{prefix}.patch_embed.proj.weight", visual.patch_embed),
+                              "blocks": group(f"{prefix}.blocks.0.mlp.linear_fc1.weight", visual.blocks),
+                              "mergers": (part_of_parameter(f"{prefix}.merger.linear_fc1.weight", family),
+                                          _matrices(visual.merger) + _matrices(visual.merger_list))}
+
+    @staticmethod
+    def owns(name: str) -> bool:
+        """True for the parameters this rule charges (both encoders, their projectors included)."""
+        return ".audio_tower." in f".{name}" or ".visual." in f".{name}"
+
+    @staticmethod
+    def _factors(groups: list[tuple[str, bool]], cost: Any) -> list[tuple[int, bool]]:
+        """(weight factor, gradient passes) per (part, reads the raw input) group in forward order."""
+        out, flowing = [], False
+        for part, raw in groups:
+            trained = part in cost.trained
+            flowing = flowing or trained
+            out.append((2 + 2 * (flowing and not raw) + 2 * trained, flowing))
+        return out
+
+    def batch_terms(self, batch: Mapping[str, Any], cost: Any) -> dict[str, float]:
+        """FLOPs of the encoders and projectors for one collated micro-batch (`vision`, `vision_attention`, `audio`,
+        `audio_attention`, `projector`), under `cost`'s trained parts (`cost.trained`)."""
+        terms = dict.fromkeys(("vision", "vision_attention", "audio", "audio_attention", "projector"), 0.0)
+        mask = batch.get("feature_attention_mask")
+        if batch.get("input_features") is not None and mask is not None:
+            self._audio(terms, [int(n) for n in mask.sum(-1).tolist()], cost)
+        grids = batch.get("image_grid_thw")
+        if grids is not None:
+            self._vision(terms, [tuple(int(x) for x in g) for g in grids.reshape(-1, 3).tolist()], cost)
+        return terms
+
+    def _audio(self, terms: dict[str, float], clips: list[int], cost: Any) -> None:
+        chunk = 2 * self.n_window
+        chunks: list[int] = []
+        for frames in clips:
+            full, rest = divmod(frames, chunk)
+            chunks += [chunk] * full + ([rest] if rest else [])
+        if not chunks:
+            return
+        longest = max(chunks)
+        h, w, stem = self.mel_bins, longest, []
+        for _ in range(3):
+            h, w = conv_out(h), conv_out(w)
+            stem.append(len(chunks) * h * w)
+        positions = sum(conv_out(conv_out(conv_out(c))) for c in chunks)
+        window = max(conv_out(conv_out(conv_out(c))) for c in chunks) * (self.n_window_infer // chunk)
+        pairs = 0
+        for frames in clips:
+            full, rest = divmod(audio_tokens(frames, self.n_window), window)
+            pairs += full * window * window + rest * rest
+        (c1, c2, c3), g = self.convs, self.audio_groups
+        f = self._factors([(c1[0], True), (c2[0], False), (c3[0], False), (g["conv_out"][0], False), (g["layers"][0], False),
+                           (g["proj"][0], False)], cost)
+        terms["audio"] += (f[0][0] * c1[1] * stem[0] + f[1][0] * c2[1] * stem[1] + f[2][0] * c3[1] * stem[2]
+                           + f[3][0] * g["conv_out"][1] * len(chunks) * w + f[4][0] * g["layers"][1] * positions)
+        terms["audio_attention"] += (3 if f[4][1] else 1) * 4.0 * self.audio_width * self.audio_layers * pairs
+        terms["projector"] += f[5][0] * g["proj"][1] * positions
+
+    def _vision(self, terms: dict[str, float], grids: list[tuple[int, int, int]], cost: Any) -> None:
+        g = self.vision_groups
+        f = self._factors([(g["patch_embed"][0], True), (g["blocks"][0], False), (g["mergers"][0], False)], cost)
+        patches = sum(t * h * w for t, h, w in grids)
+        pairs = sum(t * (h * w) ** 2 for t, h, w in grids)
+        terms["vision"] += (f[0][0] * g["patch_embed"][1] + f[1][0] * g["blocks"][1]) * patches
+        terms["vision_attention"] += (3 if f[1][1] else 1) * 4.0 * self.vision_width * self.vision_layers * pairs
+        terms["projector"] += f[2][0] * g["mergers"][1] * patches // self.merge**2
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The spec
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class Qwen3OmniSpec(Qwen25OmniSpec):
+    """Qwen3-Omni's thinker: images (Qwen3-VL's 16 px patches), audio (chunked AuT encoder), TMRoPE positions."""
+
+    def num_audio_tokens(self, samples: int, sampling_rate: int, processor_or_config: Any) -> int:
+        """`<|audio_pad|>` tokens of one clip of `samples` samples at `sampling_rate` Hz (resampled to the feature
+        extractor's rate first). `processor_or_config`: the processor, its feature extractor, a saved
+        processor_config.json's settings, or the model config (the published extractor: 16 kHz, hop 160, 30 s
+        window). Returns a token count (module docstring). Raises ModelError without feature-extractor settings."""
+        from vlmctl.data.modalities.audio import resampled_length
+
+        if setting(processor_or_config, "audio_config") is not None:
+            fe = PUBLISHED_EXTRACTOR
+        else:
+            fe = extractor_settings(processor_or_config)
+        n = resampled_length(int(samples), int(sampling_rate), fe["sampling_rate"])
+        return audio_tokens(clip_frames(n, hop_length=fe["hop_length"], n_samples=fe["n_samples"]))
+
+    def position_hook(self, model: Any, image_token_id: int | None) -> Callable[[dict], dict] | None:
+        """`qwen3_omni_prepare(model)`: packed rows need per-sample TMRoPE positions and the `logits_to_keep`
+        forward."""
+        return qwen3_omni_prepare(model)
+
+    def make_processor(self, tokenizer: Any, image_processor: Any, chat_template: str | None = None, *,
+                       feature_extractor: Any = None, **kwargs: Any):
+        """`Qwen3OmniMoeProcessor` over `image_processor`, `feature_extractor` (a `WhisperFeatureExtractor`, 16 kHz,
+        128 mel bins: the published one, where None) and `tokenizer`, without a video processor and with every clip
+        padded to the extractor's window (`audio_window_processor`)."""
+        import transformers
+
+        extractor = feature_extractor if feature_extractor is not None else transformers.WhisperFeatureExtractor(feature_size=128)
+        cls = audio_window_processor(getattr(transformers, self.processor_class))
+        return cls(image_processor=image_processor, feature_extractor=extractor, tokenizer=tokenizer, chat_template=chat_template)
+
+    def image_only_processor(self, ref: str, *, trust_remote_code: bool = False):
+        """The saved processor at `ref` as `make_processor` builds it (no video processor, windowed clips)."""
+        import transformers
+
+        cls = audio_window_processor(getattr(transformers, self.processor_class))
+        return cls.from_pretrained(ref, trust_remote_code=trust_remote_code)
+
+    def preset_processor(self, tokenizer: Any, chat_template: str | None, kwargs: Mapping[str, Any], config: Mapping[str, Any]):
+        """The processor of a preset: its `processor:` settings split between the Whisper feature extractor
+        (`EXTRACTOR_KEYS`) and the image processor. Raises ModelError when the extractor's mel bins differ from the
+        encoder's (`num_mel_bins`) or the encoder's `n_window` is not `N_WINDOW`."""
+        import transformers
+
+        audio = dict(config.get("audio_config") or {})
+        extractor = transformers.WhisperFeatureExtractor(**{k: v for k, v in kwargs.items() if k in EXTRACTOR_KEYS})
+        mels, window = int(audio.get("num_mel_bins", 128)), int(audio.get("n_window", N_WINDOW))
+        if extractor.feature_size != mels:
+            raise ModelError(f"the preset's feature extractor gives {extractor.feature_size} mel bins, but its audio encoder takes {mels}",
+                             hint="set processor.feature_size to audio_config.num_mel_bins")
+        if window != N_WINDOW:
+            raise ModelError(f"audio_config.n_window is {window}; Qwen3-Omni's encoder computes its output lengths for "
+                             f"n_window {N_WINDOW} only", hint=f"set audio_config.n_window: {N_WINDOW}")
+        image = self.image_processor(**{k: v for k, v in kwargs.items() if k not in EXTRACTOR_KEYS})
+        return self.make_processor(tokenizer, image, chat_template, feature_extractor=extractor)
+
+
+QWEN3_OMNI = register(Qwen3OmniSpec(
+    name="qwen3_omni",
+    model_types=("qwen3_omni_moe_thinker",),
+    model_class="Qwen3OmniMoeThinkerForConditionalGeneration",
+    config_class="Qwen3OmniMoeThinkerConfig",
+    processor_class="Qwen3OmniMoeProcessor",
+    vision_tower="model.audio_tower",
+    projector=("model.audio_tower.proj1", "model.audio_tower.proj2", "model.visual.merger", "model.visual.merger_list"),
+    language_model="model.language_model",
+    decoder_layer_classes=("Qwen3OmniMoeThinkerTextDecoderLayer",),
+    vision_layer_classes=("Qwen3OmniMoeAudioEncoderLayer",),
+    modalities={"image": IMAGE, "audio": AUDIO},
+    prompts={"image": f"{VISION_BOS}{IMAGE}{VISION_EOS}", "audio": f"{AUDIO_BOS}{AUDIO}{AUDIO_EOS}"},
+    # the published processor: Qwen2-VL's image processor with 16 px patches, 3136 to 12845056 pixels
+    visual_token_rule=qwen_rule(16, 56 * 56, 28 * 28 * 16384),
+    image_grid_args=("image_grid_thw",),
+    mrope=True,
+    supports_packing=True,
+    special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>", VISION_BOS, VISION_EOS, IMAGE, VIDEO,
+                    AUDIO, AUDIO_BOS, AUDIO_EOS),
+    extra_special_tokens={"audio_token": AUDIO, "video_token": VIDEO, "vision_bos_token": VISION_BOS, "vision_eos_token": VISION_EOS,
+                          "audio_bos_token": AUDIO_BOS, "audio_eos_token": AUDIO_EOS},
+    config_token_ids={"image_token_id": IMAGE, "video_token_id": VIDEO, "audio_token_id": AUDIO,
+                      "audio_start_token_id": AUDIO_BOS, "audio_end_token_id": AUDIO_EOS,
+                      "vision_start_token_id": VISION_BOS, "vision_end_token_id": VISION_EOS},
+    image_processor_class="Qwen2VLImageProcessor",
+    tiny_preset="tiny-qwen3-omni",
+    cost_rule=OmniCost,
+    notes="Qwen3-Omni's thinker: audio + images + text (no video, no speech output); MoE decoder; the audio tower is the `vision` part.",
+))
