@@ -151,6 +151,30 @@ def test_the_audio_and_image_token_rules_match_the_real_processor(tiny):
         assert n == SPEC.num_visual_tokens(w, h, processor) == SPEC.num_visual_tokens(w, h, processor.image_processor), (w, h)
 
 
+def test_transformers_own_processor_batches_the_same(tiny):
+    """Transformers' processor (what a machine with torchvision loads) pads a call to its longest clip; the family's
+    `processor_outputs` pads each sample's clips to the window, so the collator batches them and the model gives
+    the same loss as on the family's processor."""
+    import torch
+    import transformers
+
+    from vlmctl.data.collate import Collator
+    from vlmctl.families.qwen2_5_omni import omni_image_audio
+    from vlmctl.train.loop import loss_sum
+
+    _, processor, model = tiny
+    stock = omni_image_audio(transformers.Qwen3OmniMoeProcessor)(
+        image_processor=processor.image_processor, feature_extractor=processor.feature_extractor, tokenizer=processor.tokenizer,
+        chat_template=processor.chat_template)
+    one = stock(text=[f"a {SPEC.prompt('audio')}"], audio=[np.full(12_000, 0.1, np.float32)], sampling_rate=16_000, return_tensors="pt")
+    assert one["input_features"].shape[-1] == 75 and SPEC.processor_outputs(one, stock)["input_features"].shape[-1] == 200
+    samples = [s for s in _samples() if s.id in ("one", "two", "both")]
+    with torch.no_grad():
+        ours = float(loss_sum(model, Collator(processor, SPEC, dummy_image=False)(samples)))
+        theirs = float(loss_sum(model, Collator(stock, SPEC, dummy_image=False)(samples)))
+    assert theirs == pytest.approx(ours, rel=1e-6)
+
+
 def test_counts_read_from_the_files_equal_the_collated_length(tiny, tmp_path):
     from vlmctl.data.collate import Collator
     from vlmctl.data.tokens import TokenCounter

@@ -289,6 +289,21 @@ class Qwen3OmniSpec(Qwen25OmniSpec):
         n = resampled_length(int(samples), int(sampling_rate), fe["sampling_rate"])
         return audio_tokens(clip_frames(n, hop_length=fe["hop_length"], n_samples=fe["n_samples"]))
 
+    def processor_outputs(self, outputs: Mapping[str, Any], processor: Any) -> Mapping[str, Any]:
+        """One sample's outputs with its clips' features [n, mel bins, frames] and frame mask [n, frames] padded to the
+        feature extractor's window (`nb_max_frames`), as `QwenOmniAudioWindow` returns them: transformers' own
+        processor (loaded where torchvision is installed) pads a call to its longest clip only. The encoder reads only
+        the masked frames, so the padding changes nothing but the shapes."""
+        features = outputs.get("input_features")
+        window = getattr(getattr(processor, "feature_extractor", None), "nb_max_frames", None)
+        if features is None or window is None or features.shape[-1] >= int(window):
+            return outputs
+        import torch.nn.functional as F
+
+        extra = int(window) - features.shape[-1]
+        mask = outputs["feature_attention_mask"]
+        return {**outputs, "input_features": F.pad(features, (0, extra)), "feature_attention_mask": F.pad(mask, (0, extra))}
+
     def position_hook(self, model: Any, image_token_id: int | None) -> Callable[[dict], dict] | None:
         """`qwen3_omni_prepare(model)`: packed rows need per-sample TMRoPE positions and the `logits_to_keep`
         forward."""
