@@ -9,7 +9,7 @@ families (module paths, modalities, visual-token rule, build recipe, position id
 - `registry.py`: `FAMILIES`, `register`, `get_family`, `detect_family`, `compose_family`, `family_table`;
 - `llava.py` (the compose family), `qwen_vl.py` (qwen2_vl, qwen2_5_vl, qwen3_vl), `qwen3_vl_moe.py`, `idefics3.py`,
   `smolvlm.py`, `idefics2.py`, `internvl.py`, `gemma3.py`, `llava_next.py`, `llava_onevision.py`, `mistral3.py`,
-  `qwen2_audio.py` (audio), `qwen2_5_omni.py` and `qwen3_omni.py` (audio and images): the families, each with its table of module paths.
+  `qwen2_audio.py` (audio), `qwen2_5_omni.py`, `qwen3_omni.py` and `phi4_multimodal.py` (audio and images): the families, each with its table of module paths.
 
 docs/adding-a-family.md shows how to add a family (one module + one test).
 """
@@ -31,7 +31,7 @@ from vlmctl.families.spec import (
 )
 
 # The built-in families register themselves on import, in this order.
-from vlmctl.families import llava, qwen_vl, idefics3, idefics2, internvl, gemma3, llava_next, llava_onevision, qwen3_vl_moe, mistral3, smolvlm, qwen2_audio, qwen2_5_omni, qwen3_omni  # noqa: E402, F401  isort: skip
+from vlmctl.families import llava, qwen_vl, idefics3, idefics2, internvl, gemma3, llava_next, llava_onevision, qwen3_vl_moe, mistral3, smolvlm, qwen2_audio, qwen2_5_omni, qwen3_omni, phi4_multimodal  # noqa: E402, F401  isort: skip
 
 __all__ = [
     "CLS_VISION_TYPES", "FAMILIES", "PARTS", "Family", "FamilySpec", "compose_family", "count_parameters",

@@ -194,6 +194,13 @@ class FamilySpec:
         """Extra keyword arguments of the processor class derived from the model config dict (default: none)."""
         return {}
 
+    def config_kwargs(self, data: dict[str, Any]) -> dict[str, Any]:
+        """The keyword arguments of the family's config class from a preset's `config:` `data`, once `model build`
+        has filled in `text_config.vocab_size`, the tokenizer's pad / eos ids and `config_token_ids` (top-level keys).
+        Default: unchanged; a family whose config is laid out otherwise (flat text settings, token ids inside the
+        encoders' configs) moves them."""
+        return data
+
     def image_size_kwargs(self, kwargs: Mapping[str, Any], size: int) -> dict[str, Any]:
         """The image-processor settings `kwargs` changed so images are processed at `size` px (`model.image_size`).
 

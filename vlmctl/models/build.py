@@ -614,7 +614,7 @@ def make_config(plan: BuildPlan, tokenizer=None):
     data.update(token_ids)
     if tokenizer is not None:
         text.update(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
-    return getattr(transformers, fam.config_class)(**data)
+    return getattr(transformers, fam.config_class)(**fam.config_kwargs(data))
 
 
 def instantiate(plan: BuildPlan, tokenizer=None, *, device: str | None = None, dtype: str | None = None):

@@ -1,0 +1,178 @@
+"""The phi4_multimodal family (Phi-4-multimodal) on its tiny preset: module paths and FSDP units on the real
+transformers class, the image-token and audio-token rules against the real `Phi4MultimodalProcessor` (with vlmctl's
+port of its image processor), padded batches of audio, image and text samples through the trainer's collator, and
+the built model loaded by vanilla transformers with the same logits."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("soundfile")
+pytest.importorskip("soxr")
+
+from audio_data import flac, wav  # noqa: E402
+
+from vlmctl.config.model import ModelSection  # noqa: E402
+from vlmctl.data.modalities.audio import normalize_audio  # noqa: E402
+from vlmctl.data.sample import Sample  # noqa: E402
+from vlmctl.families import get_family  # noqa: E402
+
+TEXTS = ["What is that sound? A tone.", "Transcribe the clip.", "What color is the square?", "Which one is longer? The second."] * 10
+SPEC = get_family("phi4_multimodal")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """(plan, processor, model) of the tiny preset: 64 px crops of 2 px patches (at most 4), clips padded to 2 s, fp32."""
+    from vlmctl.models.build import make_model, make_processor, plan_build
+
+    plan = plan_build(ModelSection(preset=SPEC.tiny_preset, init="random", dtype="fp32"))
+    processor = make_processor(plan, tokenizer_texts=TEXTS)
+    return plan, processor, make_model(plan, processor).eval()
+
+
+def _png(w: int, h: int, color: tuple[int, int, int] = (200, 40, 40)) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), color).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _sample(sid: str, clips: list[bytes] = (), images: list[bytes] = (), question: str = "What is it?", answer: str = "A tone.") -> Sample:
+    user = ([{"type": "image", "index": i} for i in range(len(images))] + [{"type": "audio", "index": i} for i in range(len(clips))]
+            + [{"type": "text", "text": question}])
+    return Sample(sid, [{"role": "user", "content": user}, {"role": "assistant", "content": [{"type": "text", "text": answer}]}],
+                  images=list(images), audios=list(clips))
+
+
+def _clips() -> list[bytes]:
+    return [normalize_audio(d).data for d in (wav(1.0), flac(1.9, 8_000))]
+
+
+def test_module_paths_and_layer_classes_on_the_real_class():
+    from vlmctl.families import count_parameters, decoder_layer_classes, decoder_layers, vision_layer_classes, vision_layers
+    from vlmctl.models.build import instantiate, plan_build
+
+    model = instantiate(plan_build(ModelSection(preset=SPEC.tiny_preset, init="random")), device="meta")
+    assert type(model).__name__ == SPEC.model_class
+    assert type(model.get_submodule(SPEC.vision_tower)).__name__ == "Phi4MultimodalVisionModel"
+    assert type(model.get_submodule("model.embed_tokens_extend.audio_embed.encoder")).__name__ == "Phi4MultimodalAudioModel"
+    assert {type(model.get_submodule(p)).__name__ for p in SPEC.projector} == {"Linear"} and len(SPEC.projector) == 6
+    assert model.get_submodule(SPEC.lm_head).out_features == model.config.vocab_size
+    assert {c.__name__ for c in decoder_layer_classes(model, SPEC)} == {"Phi4MultimodalDecoderLayer"} and len(decoder_layers(model, SPEC)) == 3
+    assert {c.__name__ for c in vision_layer_classes(model, SPEC)} == {"Phi4MultimodalVisionEncoderLayer"} and len(vision_layers(model, SPEC)) == 2
+    counts = count_parameters(model, SPEC)
+    assert min(counts["vision"], counts["projector"], counts["llm"]) > 0
+    assert set(SPEC.modalities) == {"image", "audio"} and not SPEC.supports_packing
+    # the token ids live in the encoders' configs, the text settings at the top level
+    assert (model.config.vision_config.image_token_id, model.config.audio_config.audio_token_id) != (200010, 200011)
+    assert model.config.vocab_size % 64 == 0 and model.config.vocab_size < 1024
+
+
+def test_a_preset_whose_layout_breaks_the_token_count_is_refused(tiny):
+    from vlmctl.errors import ModelError
+
+    plan, processor, _ = tiny
+    kwargs = json.loads(json.dumps(plan.processor_kwargs))
+    with pytest.raises(ModelError, match="32"):
+        SPEC.preset_processor(processor.tokenizer, None, {**kwargs, "image": {**kwargs["image"], "patch_size": 4}}, plan.vlm_config)
+    with pytest.raises(ModelError, match="reduces time by 8"):
+        SPEC.preset_processor(processor.tokenizer, None, {**kwargs, "audio": {"audio_compression_rate": 4}}, plan.vlm_config)
+
+
+def test_the_image_and_audio_token_rules_match_the_real_processor(tiny):
+    from PIL import Image
+
+    _, processor, model = tiny
+    # one crop, a padded crop, 2 x 1 and 3 x 2 grids, and more crops than dynamic_hd (the closest aspect ratio)
+    for w, h in [(64, 64), (100, 60), (37, 90), (130, 64), (150, 100), (400, 90), (90, 500), (300, 300)]:
+        batch = processor(text=[f"a {SPEC.image_prompt} b"], images=[Image.new("RGB", (w, h))], return_tensors="pt")
+        n = int((batch["input_ids"] == processor.image_token_id).sum())
+        own = processor.image_processor(images=[Image.new("RGB", (w, h))])["num_img_tokens"][0]
+        assert n == own == SPEC.num_visual_tokens(w, h, processor) == SPEC.num_visual_tokens(w, h, processor.image_processor), (w, h)
+        assert batch["image_pixel_values"].shape[1] <= 1 + processor.image_processor.dynamic_hd
+    # the published layout (448 px crops of 14 px patches, up to 36) from the config
+    assert SPEC.num_visual_tokens(448, 448, model.config) == 256 + 1 + 256 + 16 + 16
+    lengths = [400, 1600, 1601, 3_000, 8_000, 16_000, 20_000, 31_000, 32_000, 40_000]
+    counted = []
+    for n in lengths:
+        batch = processor(text=[f"Hi {SPEC.prompt('audio')} there"], audio=[np.full(n, 0.1, np.float32)], sampling_rate=16_000, return_tensors="pt")
+        counted.append(int((batch["input_ids"] == processor.audio_token_id).sum()))
+        assert tuple(batch["audio_input_features"].shape) == (1, 198, 80)  # every clip padded (or cut) to the 2 s window
+        assert int(batch["audio_attention_mask"].sum()) == (min(n, 32_000) - 400) // 160 + 1
+    assert counted == [SPEC.num_audio_tokens(n, 16_000, processor) for n in lengths] and len(set(counted)) >= 7
+    assert SPEC.num_audio_tokens(8_000, 8_000, processor) == SPEC.num_audio_tokens(16_000, 16_000, processor) == 13  # resampled first
+
+
+def test_a_forward_backward_reaches_both_encoders(tiny):
+    import copy
+
+    import torch
+    from PIL import Image
+
+    _, processor, base = tiny
+    model = copy.deepcopy(base).train()
+    text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": SPEC.prompt("audio") + "What?"}]}],
+                                         tokenize=False)
+    batch = processor(text=[text], images=[Image.new("RGB", (100, 60))], audio=[np.full(16_000, 0.1, np.float32)], sampling_rate=16_000,
+                      return_tensors="pt")
+    assert "num_img_tokens" not in batch  # the processor drops it (`unused_input_names`)
+    loss = model(**batch, labels=batch["input_ids"]).loss
+    loss.backward()
+    grads = {".".join(n.split(".")[:3]) for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert torch.isfinite(loss) and {"model.embed_tokens_extend.image_embed", "model.embed_tokens_extend.audio_embed", "model.layers.0"} <= grads
+
+
+def test_padded_batches_give_the_samples_losses_but_audio_projection_depends_on_the_batch(tiny):
+    """Samples whose batch-mates do not change the model's audio projection give their own losses in a padded batch
+    (images of different crop counts, clips of different lengths); an audio-only sample batched with an image is
+    projected with the `_for_vision_speech` layers and its loss changes (why the family refuses packed rows)."""
+    import torch
+
+    from vlmctl.data.collate import Collator
+    from vlmctl.train.loop import loss_sum
+
+    _, processor, model = tiny
+    one, two = _clips()
+    both = [_sample("both", [one], [_png(100, 60)], question="Same?", answer="Yes."),
+            _sample("image", images=[_png(64, 64), _png(37, 90)], question="Color?", answer="Red."),
+            _sample("both2", [two], [_png(150, 100, (20, 200, 20))])]
+    collator = Collator(processor, SPEC, dummy_image=False)
+    batch = collator(both)
+    assert tuple(batch["image_pixel_values"].shape[:2]) == (4, 5) and tuple(batch["audio_input_features"].shape) == (2, 198, 80)
+    with torch.no_grad():
+        assert float(loss_sum(model, batch)) == pytest.approx(sum(float(loss_sum(model, collator([s]))) for s in both), rel=1e-5)
+        audio_only = _sample("one", [one])
+        alone = float(loss_sum(model, collator([audio_only])))
+        pair = collator([audio_only, both[1]])
+        image_alone = float(loss_sum(model, collator([both[1]])))
+        assert abs(float(loss_sum(model, pair)) - image_alone - alone) > 1e-3
+
+
+def test_the_build_loads_with_vlmctl_and_with_vanilla_transformers_with_the_same_logits(tmp_path):
+    import torch
+    from transformers import Phi4MultimodalForCausalLM
+
+    from vlmctl.data.collate import Collator, model_inputs
+    from vlmctl.models import build_model, load_model
+
+    out = tmp_path / "model"
+    result = build_model(ModelSection(preset=SPEC.tiny_preset, init="random", output_dir=out, dtype="fp32"), tokenizer_texts=TEXTS)
+    assert result.family == "phi4_multimodal"
+    model, processor, family = load_model(out, dtype=torch.float32)
+    assert family is SPEC and type(processor).__name__ == "Phi4MultimodalProcessor" and processor.audio_window == 32_000
+    assert processor.image_processor.dynamic_hd == 4 and processor.image_processor.size["height"] == 64  # saved settings
+    saved = json.loads((out / "processor_config.json").read_text())
+    assert saved["image_processor"]["image_processor_type"] == "Phi4MultimodalImageProcessor"  # transformers' own class
+    vanilla = Phi4MultimodalForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    one, two = _clips()
+    samples = [_sample("both", [one], [_png(100, 60)]), _sample("image", images=[_png(64, 64)]), _sample("both2", [two], [_png(37, 90)])]
+    inputs = model_inputs(Collator(processor, SPEC, dummy_image=False)(samples))
+    with torch.no_grad():
+        ours = model.eval()(**inputs).logits
+        torch.testing.assert_close(vanilla(**inputs).logits, ours, rtol=0, atol=0)

@@ -1,0 +1,383 @@
+"""Phi-4-multimodal: a SigLIP-style image encoder over dynamic-HD crops, a conformer audio encoder and a Phi-3-style
+LLM in `Phi4MultimodalForCausalLM` (Microsoft 2025, https://arxiv.org/abs/2503.01743). Images, audio and text.
+
+Module paths (transformers 5.24, checked by tests/unit/test_family_phi4_multimodal.py):
+
+| part                             | path                                                                     |
+|----------------------------------|--------------------------------------------------------------------------|
+| image encoder (the `vision` part)| model.embed_tokens_extend.image_embed.img_processor                      |
+| audio encoder                    | model.embed_tokens_extend.audio_embed.encoder                            |
+| projector                        | model.embed_tokens_extend.image_embed.img_projection_up / _down,         |
+|                                  | model.embed_tokens_extend.audio_embed.up_proj_for_speech / down_..., and |
+|                                  | the `_for_vision_speech` pair                                            |
+| language model                   | model                                                                    |
+| lm head                          | lm_head                                                                  |
+
+The spec's one encoder path holds the image encoder: its `Phi4MultimodalVisionEncoderLayer`s are the encoder's FSDP2 /
+activation-checkpointing units, `train.freeze: [vision]` freezes it. The audio encoder's parameters count as the `llm`
+part (the language model's path is the whole `model`: its decoder layers, embeddings and both encoders live under
+it), as do the image embedding's two learned separators (`global_img_feature_extensor`, `sub_img_feature_extensor`).
+FSDP2 and checkpointing wrap each `Phi4MultimodalDecoderLayer`.
+
+Images (transformers 5.24, src/transformers/models/phi4_multimodal/image_processing_phi4_multimodal.py,
+`Phi4MultimodalImageProcessor.dynamic_preprocess` / `_preprocess`): an image of W x H px is resized to fit a grid of
+(w, h) crops of S px (S = `size.height`), w = ceil(W / S), h = ceil(H / S), or, when w x h exceeds `dynamic_hd`, the
+grid among those of at most `dynamic_hd` crops whose aspect ratio is closest; it keeps its aspect ratio and is padded
+white at the right or bottom; a mask of S / p patches a side per crop marks the padding (p = `patch_size`). The crops
+and a global S x S view go through the encoder; each crop becomes (S / 2p)^2 tokens (2 x 2 average pooling), and the
+image
+    256 + 1 + m + r + 16      `<|image|>` tokens,
+with m the unmasked entries of the mask sampled every second patch and r those of its first column (the row
+separators). The 256 and 16 are the global view's tokens and separators as transformers writes them for S / p = 32
+(the published 448 px crops of 14 px patches), so a preset must keep S / p = 32 (`preset_processor` refuses another).
+That image processor needs torchvision; `Phi4ImageProcessor` is the same computation on PIL / numpy / torch (resizes
+with torch's bilinear antialiased and bicubic kernels, as torchvision's tensor resize runs them), saved under the real
+class's name so a machine with torchvision loads transformers' own.
+
+Audio (feature_extraction_phi4_multimodal.py, `Phi4MultimodalFeatureExtractor`): a clip of s samples at 16 kHz gives
+F = (s - win_length) // hop_length + 1 log-mel frames (400 and 160) and ceil(ceil(F / compression) / downsample)
+`<|audio|>` tokens (8 and 1 in the published extractor, the encoder's `time_reduction`). The encoder adds its padding
+mask to the attention scores as 0 / 1 instead of -inf / 0 (`Phi4MultimodalAudioModel.forward`), so padded frames
+change a clip's features: vlmctl's processor (`phi4_processor_class`) pads every clip to the same window (`max_length`
+samples, the preset's `audio_window_seconds`; longer clips are cut) and always returns `audio_attention_mask`, so a
+clip encodes the same alone and in any batch, and clips of different samples concatenate along dim 0.
+
+Not handled (the family refuses packing and has no cost rule yet): the model picks the audio projection per
+micro-batch (`_for_vision_speech` when the batch holds any image, else `_for_speech`), so a sample's audio is
+projected differently depending on the samples it is batched with; the conformer draws a random streaming-chunk
+offset per forward in training mode.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from functools import lru_cache
+from typing import Any
+
+from vlmctl.errors import ModelError
+from vlmctl.families.registry import register
+from vlmctl.families.spec import FamilySpec, setting
+
+IMAGE, AUDIO = "<|image|>", "<|audio|>"
+"""Placeholder tokens the processor repeats per image token and audio token (transformers' converted Phi-4 tokenizer)."""
+MASK_SIDE = 32
+"""Patches a side of one crop for which transformers' image-token count holds (S / p, module docstring)."""
+PUBLISHED_IMAGE = {"size": 448, "patch_size": 14, "dynamic_hd": 36}
+"""The published image processor's settings, assumed when counting from a model config."""
+PUBLISHED_AUDIO = {"sampling_rate": 16_000, "hop_length": 160, "win_length": 400, "audio_compression_rate": 8,
+                   "audio_downsample_rate": 1, "audio_feat_stride": 1}
+"""The published feature extractor's settings."""
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Token rules
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def crop_grid(width: int, height: int, size: int, max_crops: int) -> tuple[int, int]:
+    """(crops across, crops down) of a `width` x `height` px image under `Phi4MultimodalImageProcessor.dynamic_preprocess`
+    with crops of `size` px and at most `max_crops` crops (module docstring)."""
+    across, down = math.ceil(width / size), math.ceil(height / size)
+    if across * down <= max_crops:
+        return across, down
+    ratios = sorted({(i, j) for n in range(1, max_crops + 1) for i in range(1, n + 1) for j in range(1, n + 1) if i * j <= max_crops},
+                    key=lambda r: r[0] * r[1])
+    aspect, best, best_diff = width / height, (1, 1), float("inf")
+    for ratio in ratios:  # transformers' find_closest_aspect_ratio, ties to the larger grid the image fills half of
+        diff = abs(aspect - ratio[0] / ratio[1])
+        if diff < best_diff:
+            best_diff, best = diff, ratio
+        elif diff == best_diff and width * height > 0.5 * size * size * ratio[0] * ratio[1]:
+            best = ratio
+    return best
+
+
+def crop_layout(width: int, height: int, size: int, patch: int, max_crops: int):
+    """((crops across, down), (resized width, height), patch mask [down x S/p, across x S/p] as a numpy bool array) of
+    one image (module docstring). Raises ValueError for an image too thin to resize (transformers' own check)."""
+    import numpy as np
+
+    across, down = crop_grid(width, height, size, max_crops)
+    target_w, target_h = size * across, size * down
+    if target_w / width < target_h / height:
+        new_w, new_h = target_w, int(height * target_w / width)
+    else:
+        new_w, new_h = int(width * target_h / height), target_h
+    side = size // patch
+    mask = np.ones((side * down, side * across), dtype=bool)
+    pad_w, pad_h = target_w - new_w, target_h - new_h
+    if pad_w >= patch:
+        mask[:, -(pad_w // patch):] = False
+    if pad_h >= patch:
+        mask[-(pad_h // patch):, :] = False
+    if min(new_h, target_h) < 10 or min(new_w, target_w) < 10:
+        raise ValueError(f"the aspect ratio is very extreme {(new_w, new_h)}")
+    return (across, down), (new_w, new_h), mask
+
+
+def image_tokens(width: int, height: int, *, size: int, patch: int, max_crops: int) -> int:
+    """`<|image|>` tokens of one `width` x `height` px image: 256 + 1 + m + r + 16 (module docstring)."""
+    _, _, mask = crop_layout(int(width), int(height), size, patch, max_crops)
+    sampled = mask[0::2, 0::2]
+    return 256 + 1 + int(sampled.sum()) + int(sampled[:, 0].sum()) + 16
+
+
+def image_settings(source: Any) -> dict[str, int]:
+    """{size, patch_size, dynamic_hd} of the image processor behind `source` (a processor, an image processor, a dict
+    of its settings), or the published ones for a model config."""
+    if setting(source, "vision_config") is not None:
+        return dict(PUBLISHED_IMAGE)
+    image = setting(source, "image_processor", default=source)
+    size = setting(image, "size", default={"height": PUBLISHED_IMAGE["size"]})
+    height = size.get("height") if isinstance(size, dict) else getattr(size, "height", None)
+    return {"size": int(height or PUBLISHED_IMAGE["size"]), "patch_size": int(setting(image, "patch_size", default=14)),
+            "dynamic_hd": int(setting(image, "dynamic_hd", default=36))}
+
+
+def phi4_image_rule(width: int, height: int, source: Any) -> int:
+    """The visual-token rule (`FamilySpec.visual_token_rule`): `image_tokens` under `image_settings(source)`."""
+    s = image_settings(source)
+    return image_tokens(width, height, size=s["size"], patch=s["patch_size"], max_crops=s["dynamic_hd"])
+
+
+def audio_tokens(samples: int, *, hop_length: int = 160, win_length: int = 400, audio_compression_rate: int = 8,
+                 audio_downsample_rate: int = 1, audio_feat_stride: int = 1, **_: Any) -> int:
+    """`<|audio|>` tokens of a clip of `samples` samples at the extractor's rate (module docstring)."""
+    frames = ((int(samples) - win_length) // hop_length + 1) * audio_feat_stride
+    return -(-(-(-frames // audio_compression_rate)) // audio_downsample_rate)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The processor
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=None)
+def image_processor_class():
+    """`Phi4ImageProcessor`: transformers' `Phi4MultimodalImageProcessor` on the PIL backend (module docstring).
+    Returns the class (built on first use: it subclasses transformers' `PilBackend`)."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    from transformers.feature_extraction_utils import BatchFeature
+    from transformers.image_processing_backends import PilBackend
+    from transformers.processing_utils import ImagesKwargs
+
+    class Phi4ImageProcessorKwargs(ImagesKwargs, total=False):
+        patch_size: int
+        dynamic_hd: int
+
+    class Phi4ImageProcessor(PilBackend):
+        """Images -> `image_pixel_values` [N, 1 + max crops, 3, S, S] (the global view first, missing crops zero),
+        `image_sizes` [N, 2] (the padded image's height and width, px), `image_attention_mask` [N, 1 + max crops,
+        S/p, S/p] and `num_img_tokens` (a list), as transformers' torchvision processor returns them."""
+
+        resample = 3  # bicubic, for the global view
+        size = {"height": 448, "width": 448}
+        patch_size = 14
+        dynamic_hd = 36
+        image_mean = [0.5, 0.5, 0.5]
+        image_std = [0.5, 0.5, 0.5]
+        do_rescale = True
+        do_normalize = True
+        do_convert_rgb = True
+        valid_kwargs = Phi4ImageProcessorKwargs
+        model_input_names = ["image_pixel_values", "image_sizes", "image_attention_mask"]
+
+        def _preprocess(self, images, size, patch_size, dynamic_hd, rescale_factor=1 / 255, image_mean=None, image_std=None,
+                        return_tensors=None, **kwargs):
+            if size.height != size.width:
+                raise ValueError("Phi4MultimodalImageProcessor only supports square sizes.")
+            side, n = size.height, size.height // patch_size
+            mean = torch.tensor(image_mean if image_mean is not None else self.image_mean).view(3, 1, 1)
+            std = torch.tensor(image_std if image_std is not None else self.image_std).view(3, 1, 1)
+            crops, masks, tokens, sizes = [], [], [], []
+            for image in images:  # numpy [3, H, W] uint8
+                pixels = torch.from_numpy(np.ascontiguousarray(image)).float()
+                height, width = pixels.shape[-2:]
+                (across, down), (new_w, new_h), mask = crop_layout(width, height, side, patch_size, dynamic_hd)
+                resized = F.interpolate(pixels[None], size=(new_h, new_w), mode="bilinear", align_corners=False, antialias=True)[0]
+                resized = resized.round().clamp(0, 255)
+                canvas = torch.full((3, side * down, side * across), 255.0)
+                canvas[:, :new_h, :new_w] = resized
+                normed = (canvas * rescale_factor - mean) / std
+                view = F.interpolate(normed[None], size=(side, side), mode="bicubic", align_corners=False, antialias=False)[0]
+                tiles = normed.reshape(3, down, side, across, side).permute(1, 3, 0, 2, 4).reshape(-1, 3, side, side)
+                mask_t = torch.from_numpy(mask).float()
+                mask_tiles = mask_t.reshape(down, n, across, n).transpose(1, 2).reshape(-1, n, n)
+                crops.append(torch.cat([view[None], tiles]))
+                masks.append(torch.cat([torch.ones(1, n, n), mask_tiles]))
+                tokens.append(image_tokens(width, height, size=side, patch=patch_size, max_crops=dynamic_hd))
+                sizes.append([side * down, side * across])
+            most = max(c.shape[0] for c in crops)
+            pixel_values = torch.stack([torch.cat([c, c.new_zeros(most - c.shape[0], *c.shape[1:])]) for c in crops])
+            attention = torch.stack([torch.cat([m, m.new_ones(most - m.shape[0], n, n)]) for m in masks])
+            data = {"image_pixel_values": pixel_values, "image_sizes": torch.tensor(sizes, dtype=torch.long),
+                    "image_attention_mask": attention, "num_img_tokens": tokens}
+            return BatchFeature(data=data, tensor_type=return_tensors)
+
+    Phi4ImageProcessor.__name__ = Phi4ImageProcessor.__qualname__ = "Phi4MultimodalImageProcessor"
+    return Phi4ImageProcessor
+
+
+@lru_cache(maxsize=None)
+def phi4_processor_class(cls):
+    """`cls` (`Phi4MultimodalProcessor`) whose feature extractor pads every clip to `audio_window` samples (cutting
+    longer ones) and whose outputs always hold `audio_attention_mask` (module docstring). Saved under the real class's
+    name, with `audio_window` in its processor_config.json."""
+
+    class Phi4WindowProcessor(cls):
+        def __init__(self, image_processor=None, audio_processor=None, tokenizer=None, audio_window: int = 16_000 * 30, **kwargs):
+            super().__init__(image_processor, audio_processor, tokenizer, **kwargs)
+            self.audio_window = int(audio_window)
+
+        def __call__(self, *args: Any, audio: Any = None, **kwargs: Any):
+            if audio is None:
+                return super().__call__(*args, **kwargs)
+            # cut here: the extractor counts a clip's tokens from its length before its own truncation
+            clips = [a[: self.audio_window] for a in (audio if isinstance(audio, (list, tuple)) else [audio])]
+            audio_kwargs = {**kwargs.pop("audio_kwargs", {}), "padding": "max_length", "max_length": self.audio_window}
+            out = super().__call__(*args, audio=clips, audio_kwargs=audio_kwargs, **kwargs)
+            if "audio_input_features" in out and out.get("audio_attention_mask") is None:
+                import torch
+
+                frames = out["audio_input_features"].shape[1]
+                lengths = [len(a) for a in clips]
+                fe = self.audio_processor
+                valid = torch.tensor([(n - fe.win_length) // fe.hop_length + 1 for n in lengths]) * fe.audio_feat_stride
+                out["audio_attention_mask"] = torch.arange(frames)[None, :] < valid[:, None]
+            return out
+
+    Phi4WindowProcessor.__name__ = Phi4WindowProcessor.__qualname__ = cls.__name__
+    return Phi4WindowProcessor
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The spec
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class Phi4MultimodalSpec(FamilySpec):
+    """Phi-4-multimodal: images (dynamic-HD crops), audio (conformer), 1-D positions."""
+
+    def num_audio_tokens(self, samples: int, sampling_rate: int, processor_or_config: Any) -> int:
+        """`<|audio|>` tokens of one clip of `samples` samples at `sampling_rate` Hz (resampled to the extractor's rate
+        first), cut at the processor's window (`processor_or_config`: the processor; a model config assumes the
+        published extractor and no window). Returns a token count (module docstring)."""
+        from vlmctl.data.modalities.audio import resampled_length
+
+        extractor = setting(processor_or_config, "audio_processor", default=processor_or_config)
+        fe = {k: int(setting(extractor, k, default=v)) for k, v in PUBLISHED_AUDIO.items()}
+        n = resampled_length(int(samples), int(sampling_rate), fe["sampling_rate"])
+        window = setting(processor_or_config, "audio_window")
+        return audio_tokens(min(n, int(window)) if window else n, **fe)
+
+    def image_processor(self, **kwargs: Any):
+        """`Phi4ImageProcessor` (transformers' computation without torchvision) with preset settings `kwargs`."""
+        return image_processor_class()(**kwargs)
+
+    def make_processor(self, tokenizer: Any, image_processor: Any, chat_template: str | None = None, *,
+                       audio_processor: Any = None, audio_window: int = 16_000 * 30, **kwargs: Any):
+        """`Phi4MultimodalProcessor` over `image_processor`, `audio_processor` (a `Phi4MultimodalFeatureExtractor`; the
+        published one where None) and `tokenizer`, clips padded to `audio_window` samples (`phi4_processor_class`)."""
+        import transformers
+
+        extractor = audio_processor if audio_processor is not None else transformers.Phi4MultimodalFeatureExtractor()
+        cls = phi4_processor_class(getattr(transformers, self.processor_class))
+        return cls(image_processor=image_processor, audio_processor=extractor, tokenizer=tokenizer, chat_template=chat_template,
+                   audio_window=audio_window)
+
+    def image_only_processor(self, ref: str, *, trust_remote_code: bool = False):
+        """The saved processor at `ref` with `Phi4ImageProcessor` and the window processor (module docstring)."""
+        import json
+        from pathlib import Path
+
+        import transformers
+
+        saved = json.loads((Path(ref) / "processor_config.json").read_text())  # a built folder (no Hub id without torchvision)
+        image = image_processor_class()(**{k: v for k, v in saved["image_processor"].items() if k != "image_processor_type"})
+        audio = transformers.Phi4MultimodalFeatureExtractor(**{k: v for k, v in saved["audio_processor"].items() if k != "feature_extractor_type"})
+        tokenizer = transformers.AutoTokenizer.from_pretrained(ref, trust_remote_code=trust_remote_code)
+        template = Path(ref) / "chat_template.jinja"
+        return self.make_processor(tokenizer, image, template.read_text() if template.exists() else None, audio_processor=audio,
+                                   audio_window=int(saved.get("audio_window", 16_000 * 30)))
+
+    def preset_processor(self, tokenizer: Any, chat_template: str | None, kwargs: Mapping[str, Any], config: Mapping[str, Any]):
+        """The processor of a preset: `processor:` settings `image` (image processor), `audio` (feature extractor) and
+        `audio_window_seconds`. Raises ModelError when the crops are not 32 patches a side, or the extractor's
+        compression is not the audio encoder's `time_reduction`."""
+        import transformers
+
+        image_kwargs, audio_kwargs = dict(kwargs.get("image") or {}), dict(kwargs.get("audio") or {})
+        image = self.image_processor(**image_kwargs)
+        audio = transformers.Phi4MultimodalFeatureExtractor(**audio_kwargs)
+        side = int(image.size["height"]) // int(image.patch_size)
+        if side != MASK_SIDE:
+            raise ModelError(f"the preset's crops are {side} patches a side; Phi-4's image-token count holds for {MASK_SIDE}",
+                             hint="set processor.image.size.height = 32 x processor.image.patch_size")
+        reduction = int((config.get("audio_config") or {}).get("time_reduction", 8))
+        if audio.audio_compression_rate != reduction:
+            raise ModelError(f"the preset's audio_compression_rate is {audio.audio_compression_rate}, but its audio encoder "
+                             f"reduces time by {reduction}", hint="set processor.audio.audio_compression_rate to audio_config.time_reduction")
+        window = int(float(kwargs.get("audio_window_seconds", 30)) * audio.sampling_rate)
+        return self.make_processor(tokenizer, image, chat_template, audio_processor=audio, audio_window=window)
+
+    def config_kwargs(self, data: dict[str, Any]) -> dict[str, Any]:
+        """`Phi4MultimodalConfig`'s layout: the text settings (`text_config` of the preset) at the top level, the image
+        and audio token ids in `vision_config` and `audio_config` (where the model reads them)."""
+        data = dict(data)
+        # without a tokenizer (counting on the meta device) no published id may stay: they lie past a tiny vocabulary
+        text = {"pad_token_id": None, "bos_token_id": None, **dict(data.pop("text_config", None) or {})}
+        # kept at the top level as well, where code reading any family's config looks for them
+        image_id, audio_id = data.get("image_token_id"), data.get("audio_token_id")
+        vision, audio = dict(data.get("vision_config") or {}), dict(data.get("audio_config") or {})
+        if image_id is not None:
+            vision["image_token_id"] = image_id
+        if audio_id is not None:
+            audio["audio_token_id"] = audio_id
+        return {**text, **data, "vision_config": vision, "audio_config": audio}
+
+    def processor_outputs(self, outputs: Mapping[str, Any], processor: Any) -> Mapping[str, Any]:
+        """One sample's outputs with every image's crops padded to 1 + `dynamic_hd` (zero crops, masks of ones, as
+        transformers pads within one call), so images of different samples concatenate along dim 0; the model reads
+        only an image's own crops (`image_sizes`)."""
+        pixels = outputs.get("image_pixel_values")
+        if pixels is None:
+            return outputs
+        import torch
+
+        most = 1 + int(processor.image_processor.dynamic_hd)
+        extra = most - pixels.shape[1]
+        if extra <= 0:
+            return outputs
+        mask = outputs["image_attention_mask"]
+        return {**outputs,
+                "image_pixel_values": torch.cat([pixels, pixels.new_zeros(pixels.shape[0], extra, *pixels.shape[2:])], dim=1),
+                "image_attention_mask": torch.cat([mask, mask.new_ones(mask.shape[0], extra, *mask.shape[2:])], dim=1)}
+
+
+PHI4_MULTIMODAL = register(Phi4MultimodalSpec(
+    name="phi4_multimodal",
+    model_types=("phi4_multimodal",),
+    model_class="Phi4MultimodalForCausalLM",
+    config_class="Phi4MultimodalConfig",
+    processor_class="Phi4MultimodalProcessor",
+    vision_tower="model.embed_tokens_extend.image_embed.img_processor",
+    projector=("model.embed_tokens_extend.image_embed.img_projection_up", "model.embed_tokens_extend.image_embed.img_projection_down",
+               "model.embed_tokens_extend.audio_embed.up_proj_for_speech", "model.embed_tokens_extend.audio_embed.down_proj_for_speech",
+               "model.embed_tokens_extend.audio_embed.up_proj_for_vision_speech",
+               "model.embed_tokens_extend.audio_embed.down_proj_for_vision_speech"),
+    language_model="model",
+    decoder_layer_classes=("Phi4MultimodalDecoderLayer",),
+    vision_layer_classes=("Phi4MultimodalVisionEncoderLayer",),
+    modalities={"image": IMAGE, "audio": AUDIO},
+    visual_token_rule=phi4_image_rule,
+    supports_packing=False,
+    special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>", IMAGE, AUDIO),
+    extra_special_tokens={"audio_token": AUDIO},
+    config_token_ids={"image_token_id": IMAGE, "audio_token_id": AUDIO},
+    image_processor_class="Phi4MultimodalImageProcessor",
+    tiny_preset="tiny-phi4-multimodal",
+    notes="Phi-4-multimodal: images (dynamic-HD crops) + audio + text; no packed rows (the audio projection is chosen per batch).",
+))
