@@ -154,6 +154,53 @@ def test_padded_batches_give_the_samples_losses_but_audio_projection_depends_on_
         assert abs(float(loss_sum(model, pair)) - image_alone - alone) > 1e-3
 
 
+def _conv_backward_by_groups(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation, transposed,
+                            _output_padding, _groups, output_mask, out_shape=None, **kwargs) -> int:
+    """FLOPs of a convolution's backward pass: the forward pass's once per gradient asked for (input, weight).
+    torch's own formula (`flop_counter.conv_backward_flop`) ignores `groups` and charges a depthwise convolution's
+    backward as a dense one's (a 3x3 depthwise Conv2d of 32 channels: forward 0.58 MFLOPs, backward 19 MFLOPs)."""
+    from torch.utils.flop_counter import conv_flop_count
+
+    forward = conv_flop_count(x_shape, w_shape, grad_out_shape, transposed)
+    return forward * int(bool(output_mask[0])) + forward * int(bool(output_mask[1]))
+
+
+@pytest.mark.parametrize("trainable", [{"vision", "projector", "llm"}, {"projector"}, {"llm"}], ids=["full", "align", "llm"])
+def test_the_cost_model_matches_the_flop_counter(tiny, trainable):
+    """One sample with two clips and an image (padding crops included), forward and backward on the labelled
+    positions with eager attention: the cost model's terms equal what `FlopCounterMode` counts (with grouped
+    convolutions' backward counted by their groups), up to the causal half of the language model's attention."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from vlmctl.data.collate import Collator, model_inputs
+    from vlmctl.families import part_of_parameter
+    from vlmctl.train.flops import CostModel
+
+    _, processor, base = tiny
+    model = copy.deepcopy(base)
+    model.set_attn_implementation("eager")
+    sample = _sample("s", _clips(), [_png(100, 60)], question="Describe them all.", answer="A tone and a picture. " * 5)
+    batch = Collator(processor, SPEC, dummy_image=False)([sample])
+    assert tuple(batch["image_pixel_values"].shape[:2]) == (1, 5) and batch["audio_input_features"].shape[0] == 2
+    for name, p in model.named_parameters():
+        p.requires_grad_(part_of_parameter(name, SPEC) in trainable)
+    labels = batch["labels"]
+    target = torch.nonzero(labels[0] != -100).squeeze(1)
+    with FlopCounterMode(display=False, custom_mapping={torch.ops.aten.convolution_backward: _conv_backward_by_groups}) as counter:
+        logits = model(**model_inputs(batch), logits_to_keep=target - 1, use_cache=False).logits[0]
+        F.cross_entropy(logits.float(), labels[0, target], reduction="sum").backward()
+    cost = CostModel.from_model(model, SPEC, trainable)
+    terms = cost.batch_terms(batch)
+    expected = sum(terms.values()) + terms["llm_attention"]  # causal=False, as counted
+    measured = counter.get_total_flops()
+    assert abs(expected - measured) / measured < 0.01, (sorted(trainable), expected, measured, terms)
+    assert min(terms["audio"], terms["audio_attention"], terms["vision"], terms["vision_attention"], terms["projector"]) > 0
+
+
 def test_the_build_loads_with_vlmctl_and_with_vanilla_transformers_with_the_same_logits(tmp_path):
     import torch
     from transformers import Phi4MultimodalForCausalLM

@@ -254,6 +254,109 @@ def phi4_processor_class(cls):
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# FLOPs
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _matrices(modules) -> int:
+    """Parameters of the weight matrices and kernels of `modules` (biases, norm scales and embeddings excluded)."""
+    import torch
+
+    return sum(p.numel() for m in modules for p in m.parameters() if p.ndim >= 2 and not isinstance(m, torch.nn.Embedding))
+
+
+class Phi4Cost:
+    """The cost rule of both encoders and their projections (`FamilySpec.cost_rule`), read from the model (any device,
+    meta included). Forward FLOPs, matmuls only, as `torch.utils.flop_counter` counts them (transformers 5.24,
+    modeling_phi4_multimodal.py):
+
+    - images: every crop of `image_pixel_values` [N, crops, 3, S, S] (padding crops included: the encoder runs them)
+      at P = (S / p)^2 positions: the patch embedding and the layers (2 x matrices x P), attention 4 x d x P^2 per
+      layer; the layers after `feature_layer` and the pooling head run forward only (their output is not used); the
+      two projections on the image tokens (the batch's `<|image|>` count);
+    - audio: `audio_input_features` [B, T, mel bins]: the subsampling convolutions at their output positions, its
+      output layer and each conformer block's linear layers and pointwise convolutions at T' = T / time_reduction
+      positions per clip, the depthwise convolution and the pointwise one after it at T' + k - 1 (its causal
+      padding), attention 4 x d x T'^2 per block; the projections (one pair, `_for_vision_speech` when the batch has
+      images) at T' positions.
+
+    Backward factors as in `vlmctl.families.qwen3_omni.OmniCost`.
+    """
+
+    def __init__(self, model: Any, family: Any):
+        from vlmctl.families.spec import _find_prefix, part_of_parameter
+
+        root = _find_prefix(model, "model.embed_tokens_extend")
+        images, audio = model.get_submodule(root + ".image_embed"), model.get_submodule(root + ".audio_embed")
+        v, a = model.config.vision_config, model.config.audio_config
+        self.image_token_id = int(v.image_token_id)
+        self.patches = (int(v.image_size) // int(v.patch_size)) ** 2
+        self.vision_width, layers = int(v.hidden_size), int(v.num_hidden_layers)
+        feature = int(v.feature_layer)
+        self.used_layers = feature if feature >= 0 else layers + 1 + feature
+        tower = images.img_processor
+        self.patch_embed = _matrices([tower.embeddings.patch_embedding])
+        self.layer = _matrices([tower.encoder.layers[0]])
+        self.head_kv = 2 * self.vision_width * self.vision_width  # the pooling head's key and value projections
+        self.head_one = _matrices([tower.head]) - 3 * self.vision_width * self.vision_width + self.vision_width * self.vision_width
+        self.image_proj = _matrices([images.img_projection_up, images.img_projection_down])
+        self.vision_layers = layers
+        enc = audio.encoder
+        self.reduction, self.audio_width = int(a.time_reduction), int(a.hidden_size)
+        self.audio_blocks, self.kernel = int(a.num_blocks), int(a.kernel_size)
+        self.subsampling = [(m.weight.numel(), m.stride[0], m.kernel_size[0], m.padding[0]) for m in enc.embed.conv if hasattr(m, "weight")]
+        self.sub_out = _matrices([enc.embed.out])
+        block = enc.encoders[0]
+        dw = block.conv.dw_sep_conv_1d
+        self.block_causal = _matrices([dw])  # runs at T' + k - 1 positions
+        self.block_rest = _matrices([block]) - self.block_causal
+        self.speech_proj = _matrices([audio.up_proj_for_speech, audio.down_proj_for_speech])
+        self.parts = {"vision": part_of_parameter(root + ".image_embed.img_processor.encoder.layers.0.mlp.fc1.weight", family),
+                      "image_proj": part_of_parameter(root + ".image_embed.img_projection_up.weight", family),
+                      "audio": part_of_parameter(root + ".audio_embed.encoder.encoders.0.self_attn.q_proj.weight", family),
+                      "audio_proj": part_of_parameter(root + ".audio_embed.up_proj_for_speech.weight", family)}
+
+    @staticmethod
+    def owns(name: str) -> bool:
+        """True for the parameters this rule charges (both encoders and their projections)."""
+        return ".embed_tokens_extend." in f".{name}"
+
+    def batch_terms(self, batch: Mapping[str, Any], cost: Any) -> dict[str, float]:
+        """FLOPs of the encoders and projections for one collated micro-batch, under `cost.trained`."""
+        from vlmctl.families.qwen3_omni import OmniCost
+
+        terms = dict.fromkeys(("vision", "vision_attention", "audio", "audio_attention", "projector"), 0.0)
+        pixels = batch.get("image_pixel_values")
+        ids = batch["input_ids"]
+        has_images = pixels is not None and bool((ids == self.image_token_id).any())
+        if has_images:
+            crops = int(pixels.shape[0]) * int(pixels.shape[1])
+            f = OmniCost._factors([(self.parts["vision"], True), (self.parts["vision"], False), (self.parts["image_proj"], False)], cost)
+            P, d = self.patches, self.vision_width
+            unused = self.vision_layers - self.used_layers
+            terms["vision"] += crops * (f[0][0] * self.patch_embed * P + f[1][0] * self.layer * P * self.used_layers
+                                        + 2 * self.layer * P * unused + 2 * (self.head_kv * P + self.head_one))
+            terms["vision_attention"] += crops * 4.0 * d * (P * P * ((3 if f[1][1] else 1) * self.used_layers + unused) + P)
+            terms["projector"] += f[2][0] * self.image_proj * int((ids == self.image_token_id).sum())
+        features = batch.get("audio_input_features")
+        if features is not None:
+            clips, frames, mels = (int(x) for x in features.shape)
+            f = OmniCost._factors([(self.parts["audio"], True), (self.parts["audio"], False), (self.parts["audio_proj"], False)], cost)
+            t, m, flops = frames, mels, 0
+            for i, (numel, stride, kernel, pad) in enumerate(self.subsampling):
+                if stride > 1:
+                    t, m = (t + 2 * pad - kernel) // stride + 1, (m + 2 * pad - kernel) // stride + 1
+                flops += (f[0][0] if i == 0 else f[1][0]) * numel * t * m
+            positions = t
+            flops += f[1][0] * (self.sub_out + self.audio_blocks * self.block_rest) * positions
+            flops += f[1][0] * self.audio_blocks * self.block_causal * (positions + self.kernel - 1)
+            terms["audio"] += clips * flops
+            terms["audio_attention"] += clips * (3 if f[1][1] else 1) * 4.0 * self.audio_width * self.audio_blocks * positions**2
+            terms["projector"] += clips * f[2][0] * self.speech_proj * positions
+        return terms
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # The spec
 # --------------------------------------------------------------------------------------------------------------------
 
@@ -379,5 +482,6 @@ PHI4_MULTIMODAL = register(Phi4MultimodalSpec(
     config_token_ids={"image_token_id": IMAGE, "audio_token_id": AUDIO},
     image_processor_class="Phi4MultimodalImageProcessor",
     tiny_preset="tiny-phi4-multimodal",
+    cost_rule=Phi4Cost,
     notes="Phi-4-multimodal: images (dynamic-HD crops) + audio + text; no packed rows (the audio projection is chosen per batch).",
 ))
