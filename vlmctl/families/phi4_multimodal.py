@@ -42,10 +42,12 @@ change a clip's features: vlmctl's processor (`phi4_processor_class`) pads every
 samples, the preset's `audio_window_seconds`; longer clips are cut) and always returns `audio_attention_mask`, so a
 clip encodes the same alone and in any batch, and clips of different samples concatenate along dim 0.
 
-Not handled (the family refuses packing and has no cost rule yet): the model picks the audio projection per
-micro-batch (`_for_vision_speech` when the batch holds any image, else `_for_speech`), so a sample's audio is
-projected differently depending on the samples it is batched with; the conformer draws a random streaming-chunk
-offset per forward in training mode.
+FLOPs: `Phi4Cost` (the spec's `cost_rule`) charges both encoders and their projections.
+
+Not handled (the family refuses packed rows): the model picks the audio projection per micro-batch
+(`_for_vision_speech` when the batch holds any image, else `_for_speech`), so a sample's audio is projected
+differently depending on the samples it is batched with (padded batches too); the conformer draws a random
+streaming-chunk offset per forward in training mode.
 """
 
 from __future__ import annotations
