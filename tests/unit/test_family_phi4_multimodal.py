@@ -109,6 +109,15 @@ def test_the_image_and_audio_token_rules_match_the_real_processor(tiny):
     assert SPEC.num_audio_tokens(8_000, 8_000, processor) == SPEC.num_audio_tokens(16_000, 16_000, processor) == 13  # resampled first
 
 
+def test_clips_reach_the_extractor_at_its_rate(tiny):
+    from vlmctl.data.modalities.audio import AudioUnit, feature_rate
+
+    _, processor, _ = tiny
+    assert feature_rate(processor) == 16_000
+    inputs = AudioUnit().processor_inputs([normalize_audio(flac(1.0, 8_000)).data], processor)
+    assert inputs["sampling_rate"] == 16_000 and len(inputs["audio"][0]) == 16_000  # resampled from the stored 8 kHz
+
+
 def test_a_forward_backward_reaches_both_encoders(tiny):
     import copy
 
@@ -210,7 +219,7 @@ def test_the_build_loads_with_vlmctl_and_with_vanilla_transformers_with_the_same
 
     out = tmp_path / "model"
     result = build_model(ModelSection(preset=SPEC.tiny_preset, init="random", output_dir=out, dtype="fp32"), tokenizer_texts=TEXTS)
-    assert result.family == "phi4_multimodal"
+    assert result.family == "phi4_multimodal" and (result.info["audio_window_seconds"], result.info["audio_tokens_per_window"]) == (2.0, 25)
     model, processor, family = load_model(out, dtype=torch.float32)
     assert family is SPEC and type(processor).__name__ == "Phi4MultimodalProcessor" and processor.audio_window == 32_000
     assert processor.image_processor.dynamic_hd == 4 and processor.image_processor.size["height"] == 64  # saved settings

@@ -226,13 +226,19 @@ def image_processor_class():
 @lru_cache(maxsize=None)
 def phi4_processor_class(cls):
     """`cls` (`Phi4MultimodalProcessor`) whose feature extractor pads every clip to `audio_window` samples (cutting
-    longer ones) and whose outputs always hold `audio_attention_mask` (module docstring). Saved under the real class's
+    longer ones) and whose outputs always hold `audio_attention_mask` (module docstring); its `audio_processor` is
+    also its `feature_extractor`, where vlmctl's audio unit reads the sampling rate. Saved under the real class's
     name, with `audio_window` in its processor_config.json."""
 
     class Phi4WindowProcessor(cls):
         def __init__(self, image_processor=None, audio_processor=None, tokenizer=None, audio_window: int = 16_000 * 30, **kwargs):
             super().__init__(image_processor, audio_processor, tokenizer, **kwargs)
             self.audio_window = int(audio_window)
+
+        @property
+        def feature_extractor(self):
+            """The audio processor under the name code handling any audio processor reads (its rate, its settings)."""
+            return self.audio_processor
 
         def __call__(self, *args: Any, audio: Any = None, **kwargs: Any):
             if audio is None:
@@ -389,6 +395,7 @@ class Phi4MultimodalSpec(FamilySpec):
         import transformers
 
         extractor = audio_processor if audio_processor is not None else transformers.Phi4MultimodalFeatureExtractor()
+        extractor.n_samples = int(audio_window)  # the window, under the name Whisper-style extractors give it
         cls = phi4_processor_class(getattr(transformers, self.processor_class))
         return cls(image_processor=image_processor, audio_processor=extractor, tokenizer=tokenizer, chat_template=chat_template,
                    audio_window=audio_window)
