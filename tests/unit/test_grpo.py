@@ -174,3 +174,29 @@ def test_user_reward_loader(tmp_path, monkeypatch):
         load_reward("exact-match")
     with pytest.raises(ValueError, match="returned 1 values for 2 completions"):
         score([(lambda c, r, **k: [1.0], 1.0)], ["a", "b"], [[], []])
+
+
+def test_config_sections_build_the_rewards(tmp_path, monkeypatch):
+    from pydantic import ValidationError
+
+    from vlmctl.config.objective import BUILTIN_REWARD_NAMES, DPOSection, GRPOSection
+    from vlmctl.train import grpo
+
+    assert BUILTIN_REWARD_NAMES == grpo.BUILTIN_REWARDS
+    (tmp_path / "proj_rewards.py").write_text("def short(completions, references, **kwargs):\n    return [-len(c) for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    section = GRPOSection(max_new_tokens=10, rewards=[
+        {"name": "exact_match"}, {"name": "format", "pattern": "<a>.*</a>", "weight": 0.5},
+        {"name": "length_penalty", "cache_tokens": 4}, {"name": "proj_rewards:short", "weight": 0.1}])
+    fns = grpo.build_rewards(section.rewards, section.max_new_tokens)
+    total = grpo.score(fns, ["<a>x</a>", "x"], [["<a>x</a>"], ["y"]], completion_tokens=[3, 8])
+    assert total.tolist() == pytest.approx([1 + 0.5 + 0 - 0.8, 0 + 0 - 0.5 - 0.1])
+    with pytest.raises(ConfigError, match=r"train.grpo.rewards\[0\].name: cannot import 'nowhere'"):
+        grpo.build_rewards(GRPOSection(rewards=[{"name": "nowhere:fn"}]).rewards, 10)
+    with pytest.raises(ValidationError, match="format reward needs a pattern"):
+        GRPOSection(rewards=[{"name": "format"}])
+    with pytest.raises(ValidationError, match="neither a built-in reward"):
+        GRPOSection(rewards=[{"name": "exactmatch"}])
+    with pytest.raises(ValidationError, match="label_smoothing applies to loss_type sigmoid"):
+        DPOSection(loss_type="ipo", label_smoothing=0.1)
+    assert DPOSection().beta == 0.1 and GRPOSection().epsilon_high is None

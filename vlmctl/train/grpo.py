@@ -285,3 +285,22 @@ def score(rewards: Sequence[tuple[RewardFn, float]], completions: list[str], ref
         except (TypeError, ValueError):
             raise ValueError(f"reward {name} returned a value that is not a number: {values!r}") from None
     return total
+
+
+def build_rewards(specs: Sequence[Any], max_new_tokens: int) -> list[tuple[RewardFn, float]]:
+    """(function, weight) pairs of `train.grpo.rewards` (`vlmctl.config.objective.RewardSpec`s): built-in rewards by
+    name, user functions loaded now (`load_reward`, errors naming `train.grpo.rewards[i].name`); length_penalty
+    counts from `max_new_tokens`. Raises ConfigError as `load_reward`, `format_reward` and `length_penalty` do."""
+    simple = {"exact_match": exact_match_reward, "vqa_accuracy": vqa_accuracy_reward, "mcq_letter": mcq_letter_reward}
+    out = []
+    for i, spec in enumerate(specs):
+        if spec.name in simple:
+            fn = simple[spec.name]
+        elif spec.name == "format":
+            fn = format_reward(spec.pattern)
+        elif spec.name == "length_penalty":
+            fn = length_penalty(max_new_tokens, spec.cache_tokens)
+        else:
+            fn = load_reward(spec.name, key=f"train.grpo.rewards[{i}].name")
+        out.append((fn, spec.weight))
+    return out
