@@ -3,6 +3,8 @@ log-probabilities from packed rows.
 
     logps = token_logps(logits, batch["labels"])                        # [1, T], aligned with the labels
     sums, counts = segment_logps(logps, batch["labels"], batch["seq_lens"])   # [S], [S]: one per packed segment
+    # or, without the logits: losses, positions = kernels.token_losses(model, batch)
+    #                         sums, counts = segment_logps_at(-losses, positions, batch["seq_lens"])
     chosen, rejected = pair_segments(sums, num_pairs)                   # segments 2k (chosen) and 2k+1 (rejected)
     out = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=0.1, loss_type="sigmoid")
     out.loss.backward(); out.metrics   # rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies
@@ -85,6 +87,17 @@ def segment_logps(logps: torch.Tensor, labels: torch.Tensor, seq_lens: Sequence[
     mask[0] = False  # nothing predicts the row's first token
     sums = torch.zeros(n, dtype=torch.float32, device=logps.device).index_add(0, seg, logps[0].float() * mask)
     counts = torch.zeros(n, dtype=torch.long, device=logps.device).index_add(0, seg, mask.long())
+    return sums, counts
+
+
+def segment_logps_at(logps: torch.Tensor, positions: torch.Tensor, seq_lens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`segment_logps` from the log-probs of the labelled tokens only: `logps` [n] at row positions `positions` [n]
+    (e.g. minus the losses of `vlmctl.train.kernels.token_losses`, which never builds the [T, V] logits, and its
+    positions); `seq_lens`: the packed row's segment lengths. Returns (sums float32 [S], counts int64 [S])."""
+    seg = segment_ids(seq_lens, positions.device)[positions]
+    n = len(list(seq_lens))
+    sums = torch.zeros(n, dtype=torch.float32, device=logps.device).index_add(0, seg, logps.float())
+    counts = torch.zeros(n, dtype=torch.long, device=logps.device).index_add(0, seg, torch.ones_like(seg))
     return sums, counts
 
 
