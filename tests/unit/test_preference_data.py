@@ -182,3 +182,32 @@ def test_kind_auto_refuses_mixed_data_and_sft_or_preference_settle_it(tmp_path):
     table = pq.read_table(tmp_path / "prepared" / "train" / "train-00000.parquet")
     assert "rejected" not in table.column_names  # SFT on the chosen answers: the plain SFT schema
     assert table.schema.equals(arrow_schema(), check_metadata=True)
+
+
+def test_parquet_with_trl_columns_and_prepared_pairs_read_back(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from vlmctl.data.loader import ShardDataset
+
+    # a table as `datasets` writes TRL's vision preference sets: conversational columns, images as {bytes, path}
+    rows = [{"prompt": [{"role": "user", "content": [{"type": "image", "text": None}, {"type": "text", "text": "Color?"}]}],
+             "chosen": [{"role": "assistant", "content": [{"type": "text", "text": "Red."}]}],
+             "rejected": [{"role": "assistant", "content": [{"type": "text", "text": "Blue."}]}],
+             "images": [{"bytes": png(), "path": None}]},
+            {"prompt": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+             "chosen": [{"role": "assistant", "content": [{"type": "text", "text": "Hello"}]}],
+             "rejected": [{"role": "assistant", "content": [{"type": "text", "text": "Hello"}]}], "images": []}]
+    (tmp_path / "trl").mkdir()
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "trl" / "train.parquet")
+    pair, same = read(tmp_path / "trl" / "train.parquet")
+    assert answers(pair) == ("Red.", "Blue.") and len(pair.images) == 1 and pair.messages[0]["content"][0] == {"type": "image", "index": 0}
+    assert isinstance(same, Rejection) and same.reason == "same_response" and same.location.endswith("train.parquet#1")
+
+    # prepared pairs read back (data validate, a second prepare, the trainer's dataset) as the same pairs
+    result = prepare(tmp_path, [DataSource(path=str(tmp_path / "trl" / "train.parquet"))], kind="preference")
+    assert result.kept == 1 and result.manifest["kind"] == "preference"
+    [again] = read(tmp_path / "prepared")
+    assert answers(again) == ("Red.", "Blue.") and again.images == pair.images
+    [loaded] = ShardDataset.from_dir(tmp_path / "prepared" / "train")
+    assert loaded.rejected == again.rejected and loaded.num_tokens is None

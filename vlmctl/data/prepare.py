@@ -740,6 +740,9 @@ def _run(data: DataSection, results: Results, sources, tmp: Path, etmp: Path | N
             split = "val" if is_val(info.digest, data.val_ratio) else "train"
             writers[split].add(item)
             if energon is not None:
+                if item.rejected is not None:  # energon's sample types have no place for a rejected answer
+                    raise UsageError("--export energon writes conversations; preference pairs cannot be exported to energon",
+                                     hint="prepare without --export, or set data.kind: sft to export the chosen conversations")
                 energon.add(split, item)
             stats.add(item, info)
     check_kept(tallies, data.min_kept_fraction)
