@@ -44,3 +44,11 @@ def test_data_prepare_reads_each_preference_layout(tmp_path, capsys, layout, rec
     assert json.loads(line)["reason"] == expected and json.loads(line)["location"].endswith(f"pairs.jsonl:{len(records) + 1}")
     code, out, _ = run(["data", "validate", str(prepared), "--json"], capsys)
     assert code == 0 and json.loads(out)["kept"] == len(records)
+
+
+def test_energon_export_refuses_pairs_and_leaves_nothing(tmp_path, capsys):
+    write(tmp_path / "proj" / "data" / "pairs.jsonl", LLAMAFACTORY, jsonl=True)
+    (tmp_path / "proj" / "vlmctl.yaml").write_text("data:\n  sources:\n    - path: data/pairs.jsonl\n  val_ratio: 0.0\n")
+    code, _, err = run(["-c", str(tmp_path / "proj" / "vlmctl.yaml"), "data", "prepare", "--num-proc", "1", "--export", "energon"], capsys)
+    assert code != 0 and "preference pairs cannot be exported to energon" in err
+    assert not (tmp_path / "proj" / "data" / "prepared").exists()
