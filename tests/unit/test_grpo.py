@@ -200,3 +200,25 @@ def test_config_sections_build_the_rewards(tmp_path, monkeypatch):
     with pytest.raises(ValidationError, match="label_smoothing applies to loss_type sigmoid"):
         DPOSection(loss_type="ipo", label_smoothing=0.1)
     assert DPOSection().beta == 0.1 and GRPOSection().epsilon_high is None
+
+
+def test_unpack_segments_gives_the_padded_layout_of_a_packed_row():
+    from vlmctl.train.grpo import unpack_segments
+
+    logps, old, _, mask, rewards = rollouts(4, prompts=2, group=2)
+    adv, _ = group_advantages(rewards, 2)
+    # pack: each rollout a segment of a 3-token prompt (unlabelled) then its completion tokens
+    lens = [3 + int(m.sum()) for m in mask]
+    positions = torch.cat([torch.arange(3, n) + sum(lens[:i]) for i, n in enumerate(lens)])
+    flat = torch.cat([logps[i, :int(m.sum())] for i, m in enumerate(mask)])
+    shuffled = torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(0))  # order of positions does not matter
+    padded, got_mask = unpack_segments(flat[shuffled], positions[shuffled], lens)
+    width = int(mask.sum(-1).max())
+    assert torch.equal(got_mask, mask[:, :width])
+    torch.testing.assert_close(padded, (logps * mask)[:, :width])
+    out = policy_loss(padded, (old * mask)[:, :width], adv, got_mask, aggregation="token")
+    expected = policy_loss(logps, old, adv, mask, aggregation="token")
+    torch.testing.assert_close(out.loss, expected.loss, **TOL)
+    (g1,) = torch.autograd.grad(out.loss, logps)
+    (g2,) = torch.autograd.grad(expected.loss, logps)
+    torch.testing.assert_close(g1, g2, **TOL)

@@ -93,6 +93,25 @@ def keep_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return varied.repeat_interleave(group_size)
 
 
+def unpack_segments(values: torch.Tensor, positions: torch.Tensor, seq_lens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token values of a packed row's labelled tokens, regrouped per segment: `values` [n] at row positions
+    `positions` [n] (e.g. minus the losses of `vlmctl.train.kernels.token_losses`: the completion tokens' log-probs
+    when prompt + completion rollouts are packed as segments with labels on the completions), `seq_lens` the
+    segments' lengths. Returns (padded [S, L] in row order, right-padded with 0; mask [S, L], 1 on real tokens), L
+    the most labelled tokens of a segment: the layout `policy_loss` takes. Gradients flow to `values`."""
+    lens = torch.as_tensor(list(seq_lens), dtype=torch.long, device=positions.device)
+    seg = torch.repeat_interleave(torch.arange(len(lens), device=positions.device), lens)[positions]
+    order = torch.argsort(positions)
+    seg, values = seg[order], values[order]
+    counts = torch.bincount(seg, minlength=len(lens))
+    starts = torch.cumsum(counts, 0) - counts
+    column = torch.arange(seg.numel(), device=seg.device) - starts[seg]
+    width = int(counts.max()) if counts.numel() else 0
+    padded = values.new_zeros(len(lens), width).index_put((seg, column), values)
+    mask = torch.zeros(len(lens), width, dtype=torch.long, device=seg.device).index_put((seg, column), torch.ones_like(seg))
+    return padded, mask
+
+
 # ---------------------------------------------------------------------------------------------------------- loss
 
 
