@@ -78,7 +78,6 @@ def trl_layout(seqs, key):
     """TRL's padded batch: chosen sequences then rejected, right-padded; log-probs zero outside the answers."""
     order = seqs[0::2] + seqs[1::2]
     width = max(s["prompt"] + s["answer"] for s in order)
-    lp = torch.zeros(len(order), width - 1)
     rows, mask = [], torch.zeros(len(order), width, dtype=torch.long)
     for i, s in enumerate(order):
         n = s["prompt"] + s["answer"]
