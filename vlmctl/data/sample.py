@@ -213,7 +213,8 @@ def arrow_schema(modalities: Iterable[str] = ("image",), preference: bool = Fals
     """The pyarrow schema of prepared shards, with `datasets` feature metadata so images decode as `Image`.
 
     `modalities`: the media columns to hold besides `images` (always present), e.g. `("image", "video")` adds
-    `videos`; `preference`: add the `rejected` column (a message struct) of preference pairs. Video and audio bytes are plain `{bytes, path}` structs (no `datasets` decoding: that would need
+    `videos`; `preference`: add the `rejected` column (a message struct) of preference pairs. Video and audio
+    bytes are plain `{bytes, path}` structs (no `datasets` decoding: that would need
     torchcodec). Raises DataError for an unknown modality.
     """
     import pyarrow as pa
