@@ -4,16 +4,12 @@ column that read back as pairs, reason codes in rejected.jsonl, the manifest's k
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from vlmctl.data.sample import Sample
 from cli_runner import run_cli as run
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
-from test_preference_data import LLAMAFACTORY, SWIFT, TRL, answers, write  # noqa: E402
+from preference_data import LLAMAFACTORY, SWIFT, TRL, answers, write
 
 
 @pytest.mark.parametrize("layout, records, good", [
