@@ -66,6 +66,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from vlmctl.errors import ModelError
+from vlmctl.families.encoders import audio_encoder
 from vlmctl.families.registry import register
 from vlmctl.families.spec import FamilySpec, setting
 
@@ -186,9 +187,8 @@ class Qwen2AudioSpec(FamilySpec):
     """Qwen2-Audio: audio parts only (`modalities` has no image), the audio-token rule, the Whisper feature extractor
     of its presets."""
 
-    def __post_init__(self) -> None:
-        for name in ("modalities", "prompts", "extra_special_tokens", "config_token_ids", "unsupported_vision"):
-            object.__setattr__(self, name, dict(getattr(self, name)))  # a copy: the caller's dict stays theirs
+    def check_modalities(self) -> None:
+        """Refuse a spec without an audio placeholder token. Raises ModelError."""
         if "audio" not in self.modalities:
             raise ModelError(f"family {self.name!r} declares no audio placeholder token", hint="set modalities={'audio': ...}")
 
@@ -208,7 +208,7 @@ class Qwen2AudioSpec(FamilySpec):
         model exactly when rows are packed (`vlmctl.train.setup.prepare_model`: after the attention backend is set,
         before peft and the parallel wrappers), so it also prepares the model for packed rows (`prepare_packed`:
         the `logits_to_keep` forward, the audio tower's attention)."""
-        prepare_packed(model, self.vision_tower)
+        prepare_packed(model, self.encoders["audio"].path)
         return None
 
     def preset_processor(self, tokenizer: Any, chat_template: str | None, kwargs: Mapping[str, Any], config: Mapping[str, Any]):
@@ -284,11 +284,10 @@ QWEN2_AUDIO = register(Qwen2AudioSpec(
     model_class="Qwen2AudioForConditionalGeneration",
     config_class="Qwen2AudioConfig",
     processor_class="Qwen2AudioProcessor",
-    vision_tower="model.audio_tower",
+    encoders={"audio": audio_encoder("model.audio_tower", layer_classes=("Qwen2AudioEncoderLayer",))},
     projector=("model.multi_modal_projector",),
     language_model="model.language_model",
     decoder_layer_classes=("Qwen2DecoderLayer",),
-    vision_layer_classes=("Qwen2AudioEncoderLayer",),
     modalities={"audio": AUDIO_TOKEN},
     prompts={"audio": f"{AUDIO_BOS}{AUDIO_TOKEN}{AUDIO_EOS}"},
     visual_token_rule=_no_images,

@@ -102,6 +102,7 @@ def family_table() -> list[dict[str, Any]]:
             "model_types": list(fam.model_types),
             "modalities": dict(fam.modalities),
             "vision_tower": fam.vision_tower,
+            "encoders": {k: {"path": e.path, "part": e.part, "modalities": list(e.modalities)} for k, e in fam.encoders.items()},
             "projector": list(fam.projector),
             "language_model": fam.language_model,
             "decoder_layer_classes": list(fam.decoder_layer_classes),

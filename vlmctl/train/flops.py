@@ -7,10 +7,12 @@
     cost.sample_costs(tokens, visual_tokens, labelled_tokens, images)  # N samples from counts (arrays [N])
     mfu(flops, seconds, peak_flops(device), world_size)
 
-Everything is read from the model (parameter shapes, config) and from the batch's shapes; the family spec only gives
-the parts' module paths (`vision_tower`, `projector`, through `vlmctl.families.part_of_parameter`). An audio
-family's tower (Qwen2-Audio: `vision_tower` is `model.audio_tower`) is its `vision` part for freezing and backward
-factors, and gets the `audio` terms below instead of the `vision` ones.
+Everything is read from the model (parameter shapes, config) and from the batch's shapes, through the family spec:
+the parts' module paths (`vlmctl.families.part_of_parameter`) and its encoders (`family.encoders`), each with its
+cost rule (`vlmctl.families.encoders`: `vision_cost` for image encoders, with the family's merger, windows, pixel
+shuffle or feature-layer settings, `audio_cost` for Whisper-style audio towers). Every encoder is the `vision` part
+for freezing and backward factors; an audio encoder gets the `audio` terms below, an image encoder the `vision` ones
+(Qwen2.5-Omni has both).
 
 Counted FLOPs are those of the matrix multiplications (linear layers, convolutions, attention's two matmuls), as in
 Kaplan et al. 2020 ("Scaling Laws for Neural Language Models", sec. 2.1) and Hoffmann et al. 2022 (Chinchilla,
@@ -124,160 +126,16 @@ from typing import Any, Sequence
 import numpy as np
 
 from vlmctl.errors import DataError, ModelError
+from vlmctl.families.encoders import AudioShape, ImageShape, VisionShape, submodule as _submodule
+
+__all__ = ["TERMS", "AudioShape", "CostModel", "ImageShape", "VisionShape", "batch_audio_frames", "batch_images",
+           "batch_segments", "mfu"]
 
 TERMS = ("vision", "vision_attention", "audio", "audio_attention", "projector", "llm", "lm_head", "llm_attention")
 """The terms of `CostModel.sample_terms` / `batch_terms`, in forward order."""
 
 PART_ORDER = ("vision", "projector", "llm")
 IGNORE_INDEX = -100  # label of positions without a target (transformers' convention, as in vlmctl.data.collate)
-_WRAPPER_PREFIXES = ("", "base_model.model.", "_orig_mod.", "module.")
-
-
-@dataclass(frozen=True)
-class ImageShape:
-    """One image as the vision tower sees it: `patches` (t * h * w) and, when known, its patch grid (t, h, w)."""
-
-    patches: int
-    grid: tuple[int, int, int] | None = None
-
-
-@dataclass(frozen=True)
-class VisionShape:
-    """What the vision tower's attention costs depend on (read from the vision config, see `from_config`)."""
-
-    width: int  # attention width d_v (heads x head_dim)
-    layers: int
-    full_layers: int  # layers attending over a whole frame; the others use windows
-    patch_size: int
-    merge: int  # patches a side merged into one visual token (1: none)
-    window: int | None  # merged tokens a side of an attention window (Qwen2.5-VL), None: no windows
-    cls: int  # extra positions per image in the tower (CLS token)
-    patches_per_token: int  # patches per visual token (merge^2, or Idefics3 pixel shuffle scale^2)
-    keep_cls: int  # visual tokens added per image by the CLS position (LLaVA `full` strategy)
-    unused_layers: int = 0  # last layers whose output no feature is taken from (LLaVA `vision_feature_layer`)
-
-    @classmethod
-    def from_config(cls, config: Any) -> "VisionShape":
-        """The shape of `config.vision_config`. Raises ModelError when a needed key is missing."""
-        from vlmctl.families import CLS_VISION_TYPES
-
-        v = config.vision_config
-        # Qwen2-VL calls the vision width embed_dim (its hidden_size is the language model's).
-        width = getattr(v, "embed_dim", None) or getattr(v, "hidden_size", None)
-        layers = getattr(v, "depth", None) or getattr(v, "num_hidden_layers", None)
-        patch = getattr(v, "patch_size", None)
-        if isinstance(patch, (list, tuple)):  # stored as [height, width] by some configs; square patches
-            patch = patch[0]
-        if not (width and layers and patch):
-            raise ModelError("the vision config lacks hidden_size/depth/patch_size; cannot count its FLOPs",
-                             hint="use a supported vision encoder config")
-        merge = int(getattr(v, "spatial_merge_size", None) or 1)
-        shuffle = int(getattr(config, "scale_factor", None) or 1)  # Idefics3's pixel shuffle
-        window_px = getattr(v, "window_size", None)
-        window = int(window_px) // merge // int(patch) if window_px else None
-        full = set(getattr(v, "fullatt_block_indexes", None) or ()) if window else set(range(layers))
-        has_cls = int(getattr(v, "model_type", None) in CLS_VISION_TYPES)
-        keep = has_cls if getattr(config, "vision_feature_select_strategy", None) == "full" else 0
-        unused = _unused_layers(getattr(config, "vision_feature_layer", None), int(layers))
-        return cls(width=int(width), layers=int(layers), full_layers=len(full & set(range(layers))),
-                   patch_size=int(patch), merge=merge, window=window or None, cls=has_cls,
-                   patches_per_token=(merge * shuffle) ** 2, keep_cls=keep, unused_layers=unused)
-
-    def attention_pairs(self, image: ImageShape) -> float:
-        """Sum over the tower's layers of sum over attention blocks of s^2 (query-key pairs) for one image."""
-        if image.grid is None:
-            return self.count_pairs(image.patches)
-        t, h, w = image.grid
-        full = t * (image.patches // t + self.cls) ** 2
-        if self.window is None:
-            return self.layers * full
-        # windows tile the merged-token grid; each holds merge^2 patches per token
-        rows, cols = _window_sq(h // self.merge, self.window), _window_sq(w // self.merge, self.window)
-        windowed = t * rows * cols * self.merge**4
-        return self.full_layers * full + (self.layers - self.full_layers) * windowed
-
-    def count_pairs(self, patches):
-        """`attention_pairs` of one-frame images known by their patch count only: every window is taken as full.
-        Elementwise over a numpy array of patch counts."""
-        full = (patches + self.cls) ** 2
-        if self.window is None:
-            return self.layers * full
-        side = self.window * self.merge
-        windowed = patches * np.minimum(patches, side * side)
-        return self.full_layers * full + (self.layers - self.full_layers) * windowed
-
-    def visual_tokens(self, image: ImageShape) -> int:
-        """Visual (placeholder) tokens one image becomes in the language model."""
-        return image.patches // self.patches_per_token + self.keep_cls
-
-
-def _unused_layers(feature_layer: Any, layers: int) -> int:
-    """Vision layers after the last one features are taken from: `vision_feature_layer` indexes the hidden states
-    (0: the embeddings, -1: the last layer's output), an int or a list of ints; None: the last layer."""
-    if feature_layer is None:
-        return 0
-    picks = feature_layer if isinstance(feature_layer, (list, tuple)) else [feature_layer]
-    used = max(int(k) if int(k) >= 0 else layers + 1 + int(k) for k in picks)
-    return max(0, layers - used)
-
-
-def _window_sq(n: int, window: int) -> int:
-    """Sum of squared chunk lengths when `n` merged rows are cut into windows of `window` (the last one partial),
-    as transformers' `get_vision_window_index` cuts them."""
-    full, rest = divmod(n, window)
-    return full * window**2 + rest**2
-
-
-@dataclass(frozen=True)
-class AudioShape:
-    """What a Whisper-style audio tower's costs depend on (module docstring), read by `from_model` from
-    `config.audio_config` and the tower's modules: its convolution stem, its layers, its pooling."""
-
-    width: int  # attention width d_a (d_model = heads x head_dim)
-    layers: int
-    window: int  # mel frames of the encoder's input (the feature extractor's window, 2 x max_source_positions)
-    stem: tuple[tuple[int, int, int, int], ...]  # per convolution, in order: (kernel parameters, span, stride, padding)
-    pool: tuple[int, int] = (1, 1)  # (kernel, stride) of the pooling after the layers; (1, 1): none
-
-    @classmethod
-    def from_model(cls, model, family) -> "AudioShape":
-        """The shape of the audio tower at `family.vision_tower` of `model` (any device, meta included): its
-        `Conv1d`s in registration order (the stem, Whisper's conv1 and conv2), its average or max pooling, and from
-        `config.audio_config` d_model, encoder_layers and max_source_positions (the window is max_source_positions
-        x the stem's strides, the length `Qwen2AudioEncoder.forward` requires). Raises ModelError when a key, the
-        stem or the tower is missing."""
-        import torch
-
-        a = model.config.audio_config
-        width, layers = getattr(a, "d_model", None), getattr(a, "encoder_layers", None)
-        positions = getattr(a, "max_source_positions", None)
-        tower = _submodule(model, family.vision_tower)
-        convs = [m for m in tower.modules() if isinstance(m, torch.nn.Conv1d)]
-        if not (width and layers and positions and convs):
-            raise ModelError("the audio config lacks d_model/encoder_layers/max_source_positions, or its tower has no "
-                             "convolution stem; cannot count its FLOPs", hint="use a Whisper-style audio encoder (qwen2_audio)")
-        stem = tuple((int(c.weight.numel()), int(c.dilation[0]) * (int(c.kernel_size[0]) - 1) + 1, int(c.stride[0]),
-                      int(c.padding[0])) for c in convs)
-        pools = [m for m in tower.modules() if isinstance(m, (torch.nn.AvgPool1d, torch.nn.MaxPool1d))]
-        pool = (1, 1)
-        if pools:
-            kernel, stride = pools[0].kernel_size, pools[0].stride
-            kernel, stride = (k[0] if isinstance(k, tuple) else k for k in (kernel, stride or kernel))
-            pool = (int(kernel), int(stride))
-        return cls(width=int(width), layers=int(layers), window=int(positions) * math.prod(s for _, _, s, _ in stem),
-                   stem=stem, pool=pool)
-
-    def counts(self, frames) -> dict[str, Any]:
-        """What one clip of `frames` mel frames costs (elementwise over a numpy array of frame counts): `stem`,
-        the output positions of each convolution ((n + 2 * padding - span) // stride + 1, torch's Conv1d);
-        `positions`, the last one's (the layers' sequence); `pairs`, positions^2 (bidirectional attention per
-        layer); `rows`, the pooling's output rows (the projector's input)."""
-        stem, n = [], frames
-        for _, span, stride, pad in self.stem:
-            n = (n + 2 * pad - span) // stride + 1
-            stem.append(n)
-        kernel, stride = self.pool
-        return {"stem": stem, "positions": n, "pairs": n * n, "rows": (n - kernel) // stride + 1}
 
 
 def _audio_totals(audio: AudioShape | None, frames: Sequence[int]) -> dict[str, Any] | None:
@@ -323,16 +181,29 @@ class CostModel:
         model is trained through LoRA adapters (its weights get no gradient, its activations do). Count on the model
         before peft wraps it: peft's `modules_to_save` copies would be counted twice.
 
-        An audio model (`config.audio_config`, Qwen2-Audio) gets an `AudioShape` and `audio_params` instead of the
-        vision counts: its tower is the family's `vision` part.
+        The encoders are the family's (`family.encoders`), each counted by its own cost rule
+        (`vlmctl.families.encoders.vision_cost` / `audio_cost`): an image encoder gives `vision` (its matrices
+        `vision_params`, its convolutions `vision_input_params`), an audio encoder `audio` (its convolutions are the
+        stem, its other matrices `audio_params`). Both are the `vision` part for freezing and backward factors.
 
-        Raises ModelError for unknown part names, a vision config without width / depth / patch size, or an audio
-        config without the keys `AudioShape.from_model` reads.
+        Raises ModelError for unknown part names, a family with more than one image or audio encoder, a vision
+        config without width / depth / patch size, or an audio config without the keys `audio_cost` reads.
         """
         unknown = set(trainable_parts) - set(PART_ORDER)
         if unknown:
             raise ModelError(f"unknown model parts {sorted(unknown)}", hint=f"parts are {', '.join(PART_ORDER)}")
-        counts = _param_counts(model, family)
+        shapes: dict[type, tuple[str, Any]] = {}
+        for name, encoder in family.encoders.items():
+            shape = encoder.shape(model)
+            if shape is None:
+                continue
+            if type(shape) in shapes:
+                raise ModelError(f"family {family.name} has two {type(shape).__name__} encoders ({shapes[type(shape)][0]}, {name}); "
+                                 "the cost model counts one of each", hint="count FLOPs without this family's cost model")
+            shapes[type(shape)] = (name, shape)
+        vision = shapes.get(VisionShape, (None, None))[1]
+        audio_name, audio = shapes.get(AudioShape, (None, None))
+        counts = _param_counts(model, family, audio_encoder=audio_name)
         config = model.config
         text = config.get_text_config()
         heads = int(text.num_attention_heads)
@@ -343,12 +214,8 @@ class CostModel:
         trained = {p for p in trainable_parts if not (lora and p == "llm")}
         first = min((PART_ORDER.index(p) for p in trainable_parts), default=len(PART_ORDER))
         image_id = getattr(config, "image_token_id", None)
-        audio = AudioShape.from_model(model, family) if getattr(config, "audio_config", None) is not None else None
-        if audio is not None:  # the tower's convolutions are the stem (`audio.stem`), its other matrices the layers
-            counts = {**counts, "audio_params": counts["vision_params"], "vision_params": 0, "vision_input_params": 0}
         return cls(
-            **counts,
-            vision=VisionShape.from_config(config) if getattr(config, "vision_config", None) is not None else None,
+            **counts, vision=vision,
             llm_width=heads * int(head_dim), llm_full_layers=int(text.num_hidden_layers) - sliding,
             llm_sliding_layers=sliding, sliding_window=int(window) if sliding else None,
             image_token_id=getattr(config, "image_token_index", None) if image_id is None else image_id,
@@ -577,11 +444,14 @@ def _images(batch: dict[str, Any], patch_size: int | None) -> list[ImageShape]:
     return [ImageShape(h * w, (1, h, w)) for _ in range(n)]
 
 
-def _param_counts(model, family) -> dict[str, int]:
-    """Weight-matrix / kernel parameters per part (input layers apart) and the LM head's, embeddings excluded."""
+def _param_counts(model, family, audio_encoder: str | None = None) -> dict[str, int]:
+    """Weight-matrix / kernel parameters per part (input layers apart) and the LM head's, embeddings excluded. The
+    parameters of the encoder named `audio_encoder` (a key of `family.encoders`) are `audio_params`, its
+    convolutions left out (`AudioShape.stem` counts them)."""
     import torch
 
     from vlmctl.families import part_of_parameter
+    from vlmctl.families.spec import encoder_of_parameter
 
     skip = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
     head = model.get_output_embeddings()
@@ -590,7 +460,7 @@ def _param_counts(model, family) -> dict[str, int]:
         skip.add(id(head.weight))
     inputs = {id(p) for m in _input_layers(model, family) for p in m.parameters()}
     counts = {"vision_params": 0, "vision_input_params": 0, "projector_params": 0, "projector_input_params": 0,
-              "llm_params": 0}
+              "llm_params": 0, "audio_params": 0}
     experts, active = _experts_per_token(getattr(model, "config", None))
     routed = 0  # the language model's expert weights, all experts: a token runs `active` of `experts`
     for name, p in model.named_parameters(remove_duplicate=True):
@@ -598,6 +468,10 @@ def _param_counts(model, family) -> dict[str, int]:
             continue
         part = part_of_parameter(name, family)
         key = f"{part}_input_params" if id(p) in inputs and part != "llm" else f"{part}_params"
+        if part == "vision" and audio_encoder is not None and encoder_of_parameter(name, family) == audio_encoder:
+            if id(p) in inputs:
+                continue  # the stem's convolutions: `AudioShape.stem`
+            key = "audio_params"
         quant = getattr(p, "quant_state", None)  # bitsandbytes 4-bit packs two weights per byte: count the matrix
         n = math.prod(quant.shape) if quant is not None else p.numel()
         if experts and part == "llm" and "experts" in name.split("."):
@@ -626,7 +500,8 @@ def _input_layers(model, family) -> list:
     (Qwen's merger) needs the gradient through its first linear layer anyway, to reach the norm's scale."""
     import torch
 
-    out = [m for m in _submodule(model, family.vision_tower).modules() if isinstance(m, torch.nn.modules.conv._ConvNd)]
+    out = [m for enc in family.encoders.values() for m in _submodule(model, enc.path).modules()
+           if isinstance(m, torch.nn.modules.conv._ConvNd)]
     for path in family.projector:
         mod = _submodule(model, path)
         for unit in (list(mod) if isinstance(mod, torch.nn.ModuleList) else [mod]):
@@ -635,17 +510,6 @@ def _input_layers(model, family) -> list:
             if isinstance(first, torch.nn.Linear):
                 out.append(first)
     return out
-
-
-def _submodule(model, path: str):
-    """`model.get_submodule(path)`, also under a wrapper prefix (peft, torch.compile, DDP). Raises ModelError."""
-    for prefix in _WRAPPER_PREFIXES:
-        try:
-            return model.get_submodule(prefix + path)
-        except AttributeError:
-            continue
-    raise ModelError(f"module {path} not found on {type(model).__name__}",
-                     hint="check model.family matches the checkpoint")
 
 
 def mfu(flops: float, seconds: float, peak_flops_per_device: float | None, num_devices: int) -> float | None:
