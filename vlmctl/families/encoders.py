@@ -17,9 +17,10 @@ An encoder spec holds:
   processor outputs that feed it (`pixel_values`, `image_grid_thw`, `input_features`, ...);
 - `cost`: its cost rule, `(model, encoder) -> VisionShape | AudioShape`, what `vlmctl.train.flops.CostModel`
   counts its FLOPs from (`vision_cost`, `audio_cost`);
-- `kernels`: the exact GPU kernels `vlmctl.train.kernels.apply_vision_kernels` may apply to it (`KERNELS`),
-  `varlen`: its attention takes per-image boundaries from flash-named implementations, and `sequence_split`: its
-  images can be spread over sequence-parallel ranks;
+- `kernels`: the exact GPU kernels `vlmctl.train.kernels.apply_encoder_kernels` may apply to it (`KERNELS`),
+  `varlen`: its attention takes per-image boundaries from flash-named implementations, `config_key` / `attention`:
+  its sub-config and the attention it keeps under vlmctl's varlen kernel (`vlmctl.train.kernels.set_attention`),
+  and `sequence_split`: its images can be spread over sequence-parallel ranks;
 - `token_rule`: the family method giving the placeholder tokens of one item (`num_visual_tokens`,
   `num_video_tokens`, `num_audio_tokens`).
 
@@ -63,6 +64,10 @@ class EncoderSpec:
     cost: Callable[..., Any] | None = None
     kernels: tuple[str, ...] = ("aligned_mlp",)
     varlen: bool = False
+    # the model config's sub-config of this encoder, and the attention implementation the encoder keeps when the
+    # language model runs vlmctl's varlen kernel (None: the language model's; `vlmctl.train.kernels.set_attention`)
+    config_key: str = "vision_config"
+    attention: str | None = "sdpa"
     token_rule: str = "num_visual_tokens"
     # under `train.sequence_parallel` the row's images are spread over the group's ranks
     # (`vlmctl.distributed.sequence.split_vision`): the tower takes all images' patches with their `grid_thw` and
@@ -306,8 +311,9 @@ def audio_encoder(path: str, *, layer_classes: tuple[str, ...] = (), cost: Calla
     """A Whisper-style audio encoder at `path`, fed by `AUDIO_KEYS`; `cost` defaults to `audio_cost()`. Its
     blocks have no gated MLP to align: no kernels."""
     kwargs.setdefault("kernels", ())
+    kwargs.setdefault("config_key", "audio_config")
     return EncoderSpec(path=path, modalities=("audio",), layer_classes=layer_classes, data_keys=AUDIO_KEYS,
-                       cost=cost or audio_cost(), token_rule="num_audio_tokens", **kwargs)
+                       cost=cost or audio_cost(config_key=kwargs["config_key"]), token_rule="num_audio_tokens", **kwargs)
 
 
 def encoders_by_modality(encoders: Mapping[str, EncoderSpec]) -> dict[str, str]:

@@ -284,7 +284,8 @@ QWEN2_AUDIO = register(Qwen2AudioSpec(
     model_class="Qwen2AudioForConditionalGeneration",
     config_class="Qwen2AudioConfig",
     processor_class="Qwen2AudioProcessor",
-    encoders={"audio": audio_encoder("model.audio_tower", layer_classes=("Qwen2AudioEncoderLayer",))},
+    # the tower runs the language model's attention (its packed rows: `audio_attention`)
+    encoders={"audio": audio_encoder("model.audio_tower", layer_classes=("Qwen2AudioEncoderLayer",), attention=None)},
     projector=("model.multi_modal_projector",),
     language_model="model.language_model",
     decoder_layer_classes=("Qwen2DecoderLayer",),
