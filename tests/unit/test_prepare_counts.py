@@ -144,13 +144,16 @@ def test_validate_with_a_built_model_imports_neither_torch_nor_transformers(llav
 
 
 def test_a_missing_source_fails_before_any_processor_loads(tmp_path):
+    from vlmctl.models.build import configured_processor
+
     broken = tmp_path / "model"
     broken.mkdir()
     (broken / "tokenizer.json").write_text("{broken")
     (broken / "vlmctl_model.json").write_text(json.dumps({"family": "llava"}))
     data = DataSection(sources=[DataSource(path=str(tmp_path / "gone.json"), format="llava")], prepared_dir=tmp_path / "prepared")
     with pytest.raises(DataError, match="gone.json does not exist"):
-        prepare_data(data, num_proc=1, processor_dir=broken, model=ModelSection(preset="tiny", init="random"), progress=False)
+        prepare_data(data, num_proc=1, processor_dir=broken, model=ModelSection(preset="tiny", init="random"), progress=False,
+                     processors=configured_processor)
 
 
 def _long_record(raw: Path) -> str:

@@ -31,12 +31,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from vlmctl.errors import ModelError
+
+CLS_VISION_TYPES = frozenset({"clip_vision_model", "clip", "vit", "dinov2", "chinese_clip_vision_model", "metaclip_2_vision_model"})
+"""Vision encoder `model_type`s whose output starts with a CLS token (LLaVA's `default` strategy drops it)."""
 
 KERNELS = ("aligned_mlp", "patch_embed_gemm", "compiled_rotary")
 """Encoder kernels `vlmctl.train.kernels` implements: the width-aligned gated MLP of each block, the patch
@@ -162,8 +165,6 @@ class VisionCost:
     cls_types: frozenset[str] | None = None
 
     def __call__(self, model: Any, encoder: EncoderSpec) -> VisionShape:
-        from vlmctl.families.spec import CLS_VISION_TYPES  # spec imports this module
-
         config = model.config
         v = getattr(config, self.config_key)
         # Qwen2-VL calls the vision width embed_dim (its hidden_size is the language model's).
@@ -205,7 +206,7 @@ def vision_cost(*, config_key: str = "vision_config", merge: bool = False, windo
     - `feature_layer`: LLaVA's `vision_feature_layer` (layers after it run forward only) and
       `vision_feature_select_strategy: full` (the CLS position becomes a visual token too);
     - `cls_types`: vision `model_type`s whose output starts with a CLS token (default
-      `vlmctl.families.spec.CLS_VISION_TYPES`).
+      `CLS_VISION_TYPES`).
 
     The rule (a picklable `VisionCost`) raises ModelError when the config lacks width, depth or patch size.
     """

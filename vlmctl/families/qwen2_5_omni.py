@@ -50,11 +50,11 @@ from functools import lru_cache
 from typing import Any
 
 from vlmctl.errors import ModelError
-from vlmctl.families.qwen2_audio import audio_attention, audio_tokens, extractor_settings
-from vlmctl.families.qwen_vl import qwen_rule
+from vlmctl.families.qwen2_audio import audio_attention, audio_tokens, extractor_settings, resampled_length
+from vlmctl.families.qwen_vl import qwen_rule, rope_index_fn
 from vlmctl.families.encoders import KERNELS, audio_encoder, image_encoder, vision_cost
 from vlmctl.families.registry import register
-from vlmctl.families.spec import FamilySpec
+from vlmctl.families.spec import FamilySpec, _find_prefix, is_packed
 
 IMAGE, VIDEO, AUDIO = "<|IMAGE|>", "<|VIDEO|>", "<|AUDIO|>"
 """Placeholder tokens the processor repeats per image block, video block and audio frame (Qwen2.5-Omni's tokenizer)."""
@@ -105,10 +105,6 @@ def omni_prepare(model: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
     return the batch hook (run by `loop.prefetch` ahead of the step) that replaces a packed row's (1, T) position
     ids by `packed_omni_positions`, on CPU before the device copy. Padded batches pass through unchanged (the model
     computes their positions from the attention mask)."""
-    from vlmctl.data.collate import is_packed
-    from vlmctl.families.qwen_vl import rope_index_fn
-    from vlmctl.families.spec import _find_prefix
-
     keep_logits_forward(model)
     audio_attention(model, _find_prefix(model, QWEN2_5_OMNI.encoders["audio"].path))
     rope_index = rope_index_fn(model)
@@ -201,8 +197,6 @@ class Qwen25OmniSpec(FamilySpec):
         processor, its feature extractor, a saved processor_config.json's settings, or the model config (Whisper's
         16 kHz and hop of 160 over the encoder's 2 x max_source_positions frames). Returns a token count (module
         docstring). Raises ModelError without feature-extractor settings."""
-        from vlmctl.data.modalities.audio import resampled_length
-
         fe = extractor_settings(processor_or_config)
         n = resampled_length(int(samples), int(sampling_rate), fe["sampling_rate"])
         return audio_tokens(n, hop_length=fe["hop_length"], n_samples=fe["n_samples"])

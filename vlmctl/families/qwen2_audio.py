@@ -183,6 +183,27 @@ def prepare_packed(model: Any, path: str = "model.audio_tower") -> None:
     audio_attention(model, path)
 
 
+RESAMPLE_QUALITY = "HQ"
+"""soxr quality of every resampling of audio (librosa's default `res_type` is soxr_hq): the data pipeline's
+(`vlmctl.data.modalities.audio.resample`) and the length the token rule computes (`resampled_length`)."""
+
+
+def resampled_length(samples: int, rate: int, target: int) -> int:
+    """Samples of a clip of `samples` at `rate` Hz once resampled to `target` Hz (soxr's output length, round(samples
+    * target / rate), computed by resampling silence of that length when the rates differ, as
+    `vlmctl.data.modalities.audio.resample` does). Raises ModelError without soxr (the audio extra)."""
+    if rate == target or samples == 0:
+        return samples
+    import numpy as np
+
+    try:
+        import soxr  # the optional audio extra
+    except ImportError:
+        raise ModelError(f"counting the tokens of {rate} Hz audio for a {target} Hz feature extractor needs soxr",
+                         hint="pip install 'vlmctl[audio]'") from None
+    return len(soxr.resample(np.zeros(samples, np.float32), rate, target, quality=RESAMPLE_QUALITY))
+
+
 class Qwen2AudioSpec(FamilySpec):
     """Qwen2-Audio: audio parts only (`modalities` has no image), the audio-token rule, the Whisper feature extractor
     of its presets."""
@@ -197,8 +218,6 @@ class Qwen2AudioSpec(FamilySpec):
         extractor's rate first, as `vlmctl.data.modalities.audio.AudioUnit` hands it over). `processor_or_config`: the
         processor, its feature extractor, a saved processor_config.json's settings, or the model config. Returns a
         token count (module docstring). Raises ModelError without feature-extractor settings."""
-        from vlmctl.data.modalities.audio import resampled_length
-
         fe = extractor_settings(processor_or_config)
         n = resampled_length(int(samples), int(sampling_rate), fe["sampling_rate"])
         return audio_tokens(n, hop_length=fe["hop_length"], n_samples=fe["n_samples"])

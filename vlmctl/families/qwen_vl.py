@@ -36,7 +36,7 @@ from typing import Any, Callable
 from vlmctl.errors import ModelError
 from vlmctl.families.encoders import KERNELS, image_encoder, vision_cost
 from vlmctl.families.registry import register
-from vlmctl.families.spec import FamilySpec, VisualTokenRule, setting, split_source
+from vlmctl.families.spec import FamilySpec, VisualTokenRule, is_packed, setting, split_source
 
 QWEN_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 """Special tokens of the Qwen-VL tokenizers that the processors and chat templates use."""
@@ -232,8 +232,6 @@ def mrope_prepare(model, image_token_id: int | None) -> Callable[[dict[str, Any]
     """A batch hook (run by `loop.prefetch` ahead of the step) replacing the packed row's (1, T) position ids by the
     (4, 1, T) text + mRoPE position ids computed per sample (`packed_mrope_positions`: images and videos), on CPU
     before the device copy. Padded batches pass through unchanged (the model computes their positions)."""
-    from vlmctl.data.collate import is_packed
-
     rope_index = rope_index_fn(model)
     vision = getattr(getattr(getattr(rope_index, "__self__", None), "config", None), "vision_config", None)
     merge = int(getattr(vision, "spatial_merge_size", None) or 2)

@@ -37,7 +37,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from vlmctl.errors import ConfigError, ModelError
-from vlmctl.families.encoders import EncoderSpec, image_encoder
+from vlmctl.families.encoders import CLS_VISION_TYPES, EncoderSpec, image_encoder  # noqa: F401  (CLS_VISION_TYPES re-exported)
 
 if TYPE_CHECKING:
     import torch
@@ -45,8 +45,6 @@ if TYPE_CHECKING:
 PARTS = ("vision", "projector", "llm")
 """The three parts of a VLM, in the order used by summaries and freezing (`train.freeze` uses the same names)."""
 
-CLS_VISION_TYPES = frozenset({"clip_vision_model", "clip", "vit", "dinov2", "chinese_clip_vision_model", "metaclip_2_vision_model"})
-"""Vision encoder `model_type`s whose output starts with a CLS token (LLaVA's `default` strategy drops it)."""
 
 VisualTokenRule = Callable[[int, int, Any], int]
 """(width, height, source) -> image placeholder tokens; `source` is a processor, an image processor, a model config
@@ -290,6 +288,15 @@ class FamilySpec:
 
 Family = FamilySpec
 """Former name of `FamilySpec`."""
+
+PACKED_KEY = "packed_cu_seqlens"
+"""The key that marks a packed row of several samples (`vlmctl.data.collate.PackedCollator` writes it)."""
+
+
+def is_packed(batch: Mapping[str, Any]) -> bool:
+    """True for a packed row (one [1, T] row of several samples, `PACKED_KEY` present): what a family's batch hook
+    asks before computing per-sample positions."""
+    return PACKED_KEY in batch
 
 
 @lru_cache(maxsize=None)
