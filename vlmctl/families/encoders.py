@@ -246,12 +246,43 @@ class AudioShape:
     window: int  # mel frames of the encoder's input (the feature extractor's window, 2 x max_source_positions)
     stem: tuple[tuple[int, int, int, int], ...]  # per convolution, in order: (kernel parameters, span, stride, padding)
     pool: tuple[int, int] = (1, 1)  # (kernel, stride) of the pooling after the layers; (1, 1): none
+    # mel frames per chunk of a clip's real frames (Qwen2.5-Omni: 2 x n_window); None: the whole window is computed
+    chunk: int | None = None
+
+    def _stem_out(self, n):
+        for _, span, stride, pad in self.stem:
+            n = (n + 2 * pad - span) // stride + 1
+        return n
+
+    def batch_counts(self, frames: list[int]) -> dict[str, Any]:
+        """`counts` summed over the clips of one batch of `frames` mel frames each. With `chunk` (transformers
+        `Qwen2_5OmniAudioEncoder.forward`, `chunk_and_pad_features`): each clip's real frames are cut into chunks of
+        `chunk` frames (the last one shorter), every chunk of the batch zero-padded to the longest, the stem runs on
+        the padded chunks, the layers on each chunk's real output positions, attention within each chunk, and the
+        pooling on each clip's positions."""
+        if self.chunk is None:
+            per_clip = [self.counts(int(f)) for f in frames]
+            return {"stem": [sum(c["stem"][i] for c in per_clip) for i in range(len(self.stem))],
+                    **{k: sum(c[k] for c in per_clip) for k in ("positions", "pairs", "rows")}}
+        chunks = [min(self.chunk, f - start) for f in map(int, frames) for start in range(0, f, self.chunk)]
+        longest = max(chunks, default=0)
+        stem, n = [], longest
+        for _, span, stride, pad in self.stem:
+            n = (n + 2 * pad - span) // stride + 1
+            stem.append(len(chunks) * n)
+        valid = [self._stem_out(c) for c in chunks]
+        kernel, stride = self.pool
+        rows = sum((self._stem_out(int(f)) - kernel) // stride + 1 for f in frames)
+        return {"stem": stem, "positions": sum(valid), "pairs": sum(v * v for v in valid), "rows": rows}
 
     def counts(self, frames) -> dict[str, Any]:
         """What one clip of `frames` mel frames costs (elementwise over a numpy array of frame counts): `stem`,
         the output positions of each convolution ((n + 2 * padding - span) // stride + 1, torch's Conv1d);
         `positions`, the last one's (the layers' sequence); `pairs`, positions^2 (bidirectional attention per
-        layer); `rows`, the pooling's output rows (the projector's input)."""
+        layer); `rows`, the pooling's output rows (the projector's input). With `chunk`, one clip as
+        `batch_counts` counts it alone (scalars only)."""
+        if self.chunk is not None:
+            return self.batch_counts([int(frames)])
         stem, n = [], frames
         for _, span, stride, pad in self.stem:
             n = (n + 2 * pad - span) // stride + 1
@@ -265,6 +296,7 @@ class AudioCost:
     """The cost rule of a Whisper-style audio tower (see `audio_cost`); called as `rule(model, encoder)`."""
 
     config_key: str = "audio_config"
+    chunk_key: str | None = None
 
     def __call__(self, model: Any, encoder: EncoderSpec) -> AudioShape:
         import torch
@@ -285,18 +317,21 @@ class AudioCost:
             kernel, stride = pools[0].kernel_size, pools[0].stride
             kernel, stride = (k[0] if isinstance(k, tuple) else k for k in (kernel, stride or kernel))
             pool = (int(kernel), int(stride))
+        chunk = 2 * int(getattr(a, self.chunk_key)) if self.chunk_key else None
         return AudioShape(width=int(width), layers=int(layers), window=int(positions) * math.prod(s for _, _, s, _ in stem),
-                          stem=stem, pool=pool)
+                          stem=stem, pool=pool, chunk=chunk)
 
 
-def audio_cost(*, config_key: str = "audio_config") -> AudioCost:
+def audio_cost(*, config_key: str = "audio_config", chunk_key: str | None = None) -> AudioCost:
     """The cost rule of a Whisper-style audio tower (Qwen2-Audio, Qwen2.5-Omni: transformers
     `Qwen2AudioEncoder.forward`, Whisper's encoder plus an average pooling): the tower's `Conv1d`s in registration
     order (the stem, Whisper's conv1 and conv2), its average or max pooling, and from `model.config.<config_key>`
     d_model, encoder_layers and max_source_positions (the window is max_source_positions x the stem's strides, the
-    length the encoder requires). The rule (a picklable `AudioCost`) raises ModelError when a key, the stem or the
-    tower is missing."""
-    return AudioCost(config_key=config_key)
+    length the encoder requires). Every clip is computed over the whole window (Qwen2-Audio), unless `chunk_key`
+    names the audio config's half chunk (Qwen2.5-Omni's `n_window`): then only a clip's real frames, in chunks of
+    2 x that many frames (`AudioShape.chunk`). The rule (a picklable `AudioCost`) raises ModelError when a key, the
+    stem or the tower is missing."""
+    return AudioCost(config_key=config_key, chunk_key=chunk_key)
 
 
 def image_encoder(path: str, *, layer_classes: tuple[str, ...] = (), cost: Callable[..., Any] | None = None,

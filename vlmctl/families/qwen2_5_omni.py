@@ -52,7 +52,7 @@ from typing import Any
 from vlmctl.errors import ModelError
 from vlmctl.families.qwen2_audio import audio_attention, audio_tokens, extractor_settings, resampled_length
 from vlmctl.families.qwen_vl import qwen_rule, rope_index_fn
-from vlmctl.families.encoders import KERNELS, audio_encoder, image_encoder, vision_cost
+from vlmctl.families.encoders import KERNELS, audio_cost, audio_encoder, image_encoder, vision_cost
 from vlmctl.families.registry import register
 from vlmctl.families.spec import FamilySpec, _find_prefix, is_packed
 
@@ -257,7 +257,9 @@ QWEN2_5_OMNI = register(Qwen25OmniSpec(
     config_class="Qwen2_5OmniThinkerConfig",
     processor_class="Qwen2_5OmniProcessor",
     encoders={
-        "audio": audio_encoder("model.audio_tower", layer_classes=("Qwen2_5OmniAudioEncoderLayer",)),
+        # the tower computes a clip's real frames only, attending within chunks of 2 x n_window frames
+        "audio": audio_encoder("model.audio_tower", layer_classes=("Qwen2_5OmniAudioEncoderLayer",),
+                               cost=audio_cost(chunk_key="n_window")),
         "image": image_encoder("model.visual", layer_classes=("Qwen2_5OmniVisionBlock",),
                                cost=vision_cost(merge=True, windows=True), kernels=KERNELS),
     },

@@ -139,12 +139,11 @@ IGNORE_INDEX = -100  # label of positions without a target (transformers' conven
 
 
 def _audio_totals(audio: AudioShape | None, frames: Sequence[int]) -> dict[str, Any] | None:
-    """`AudioShape.counts` summed over clips of `frames` mel frames each; None without clips or an audio tower."""
+    """`AudioShape.counts` summed over the clips of a batch of `frames` mel frames each (`AudioShape.batch_counts`);
+    None without clips or an audio tower."""
     if audio is None or not frames:
         return None
-    per_clip = [audio.counts(int(f)) for f in frames]
-    return {"stem": [sum(c["stem"][i] for c in per_clip) for i in range(len(audio.stem))],
-            **{k: sum(c[k] for c in per_clip) for k in ("positions", "pairs", "rows")}}
+    return audio.batch_counts([int(f) for f in frames])
 
 
 @dataclass(frozen=True)
@@ -173,6 +172,8 @@ class CostModel:
     video_token_id: int | None = None
     audio: AudioShape | None = None  # the tower is an audio encoder (its convolutions are `audio.stem`)
     audio_params: int = 0  # the audio tower's matrices other than the stem (its layers)
+    audio_projector_params: int = 0  # the projector of the audio tower's pooled rows (the others: of visual tokens)
+    audio_projector_input_params: int = 0
 
     @classmethod
     def from_model(cls, model, family, trainable_parts: set[str], *, lora: bool = False) -> "CostModel":
@@ -273,7 +274,9 @@ class CostModel:
             terms["vision"] = ((self.weight_factor("vision") * live + 2 * (1 - live)) * self.vision_params * positions
                                + self.weight_factor("vision", input_layer=True) * self.vision_input_params * patches)
             terms["vision_attention"] = (self.attention_factor("vision") * live + (1 - live)) * 4.0 * v.width * vision_pairs
-        rows = visual
+        per_token = (self.weight_factor("projector") * self.projector_params
+                     + self.weight_factor("projector", input_layer=True) * self.projector_input_params)
+        terms["projector"] = visual * per_token
         if self.audio is not None and audio is not None:
             a = self.audio
             # the first convolution reads the mel features (no input gradient); the tower is the `vision` part
@@ -281,10 +284,9 @@ class CostModel:
             terms["audio"] = (sum(f * conv[0] * n for f, conv, n in zip(factors, a.stem, audio["stem"]))
                               + self.weight_factor("vision") * self.audio_params * audio["positions"])
             terms["audio_attention"] = self.attention_factor("vision") * 4.0 * a.width * a.layers * audio["pairs"]
-            rows = rows + audio["rows"]
-        per_token = (self.weight_factor("projector") * self.projector_params
-                     + self.weight_factor("projector", input_layer=True) * self.projector_input_params)
-        terms["projector"] = rows * per_token
+            per_row = (self.weight_factor("projector") * self.audio_projector_params
+                       + self.weight_factor("projector", input_layer=True) * self.audio_projector_input_params)
+            terms["projector"] = terms["projector"] + audio["rows"] * per_row
         terms["llm"] = self.weight_factor("llm") * self.llm_params * tokens
         terms["lm_head"] = self.weight_factor("llm") * self.head_params * labelled
         terms["llm_attention"] = self.attention_factor("llm") * 4.0 * self.llm_width * llm_pairs
@@ -366,7 +368,7 @@ class CostModel:
             visual = int((hits & (mask != 0)).sum() if mask is not None else hits.sum())
         else:
             visual = sum(self.vision.visual_tokens(im) for im in images) if self.vision else 0
-        clips = batch_audio_frames(batch) if self.audio is not None else []
+        clips = batch_audio_frames(batch, real=self.audio.chunk is not None) if self.audio is not None else []
         return self._terms(segments, labelled, images, visual, clips)
 
     def batch_flops(self, batch: dict[str, Any]) -> float:
@@ -407,14 +409,18 @@ def batch_images(batch: dict[str, Any], patch_size: int | None) -> list[ImageSha
     return _images(batch, patch_size) + _grids(batch.get("video_grid_thw"))
 
 
-def batch_audio_frames(batch: dict[str, Any]) -> list[int]:
+def batch_audio_frames(batch: dict[str, Any], *, real: bool = False) -> list[int]:
     """Mel frames per audio clip the audio tower runs on: `input_features` [N_clips, mel bins, frames] ([mel bins,
     frames]: one clip) gives N_clips clips of `frames` each. Every frame counts, `feature_attention_mask` [N_clips,
-    frames] notwithstanding: the mask marks the clip's real frames, but the encoder computes the whole window
-    (module docstring). [] without `input_features`."""
+    frames] notwithstanding: the mask marks the clip's real frames, but a Whisper-style encoder computes the whole
+    window (module docstring). `real`: the clips' real frames instead (the mask's sums), for encoders that compute
+    only those (Qwen2.5-Omni's, `AudioShape.chunk`). [] without `input_features`."""
     features = batch.get("input_features")
     if features is None:
         return []
+    mask = batch.get("feature_attention_mask")
+    if real and mask is not None:
+        return [int(n) for n in mask.reshape(-1, mask.shape[-1]).sum(-1).tolist()]
     clips = 1 if features.ndim == 2 else int(features.shape[0])
     return [int(features.shape[-1])] * clips
 
@@ -460,7 +466,9 @@ def _param_counts(model, family, audio_encoder: str | None = None) -> dict[str, 
         skip.add(id(head.weight))
     inputs = {id(p) for m in _input_layers(model, family) for p in m.parameters()}
     counts = {"vision_params": 0, "vision_input_params": 0, "projector_params": 0, "projector_input_params": 0,
-              "llm_params": 0, "audio_params": 0}
+              "llm_params": 0, "audio_params": 0, "audio_projector_params": 0, "audio_projector_input_params": 0}
+    # a projector belongs to the encoder it sits in (Qwen's merger, Qwen2.5-Omni's audio `proj`), else to the only one
+    only = next(iter(family.encoders)) if len(family.encoders) == 1 else None
     experts, active = _experts_per_token(getattr(model, "config", None))
     routed = 0  # the language model's expert weights, all experts: a token runs `active` of `experts`
     for name, p in model.named_parameters(remove_duplicate=True):
@@ -472,6 +480,8 @@ def _param_counts(model, family, audio_encoder: str | None = None) -> dict[str, 
             if id(p) in inputs:
                 continue  # the stem's convolutions: `AudioShape.stem`
             key = "audio_params"
+        elif part == "projector" and audio_encoder is not None and (encoder_of_parameter(name, family) or only) == audio_encoder:
+            key = f"audio_{key}"
         quant = getattr(p, "quant_state", None)  # bitsandbytes 4-bit packs two weights per byte: count the matrix
         n = math.prod(quant.shape) if quant is not None else p.numel()
         if experts and part == "llm" and "experts" in name.split("."):
