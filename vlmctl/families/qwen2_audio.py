@@ -316,5 +316,6 @@ QWEN2_AUDIO = register(Qwen2AudioSpec(
     extra_special_tokens={"audio_token": AUDIO_TOKEN, "audio_bos_token": AUDIO_BOS, "audio_eos_token": AUDIO_EOS},
     config_token_ids={"audio_token_index": AUDIO_TOKEN},
     tiny_preset="tiny-qwen2-audio",
+    compose_audio=True,
     notes="Audio + text (no images): Whisper-style encoder, linear projector, Qwen2 LLM; the audio tower is the `vision` part.",
 ))

@@ -99,6 +99,7 @@ class FamilySpec:
     video_processor_class: str | None = None
     tiny_preset: str | None = None  # a whole-model preset under vlmctl/models/presets/ that tests build
     compose: bool = False  # builds from any vision encoder + any causal LM (`model.vision` + `model.llm`)
+    compose_audio: bool = False  # builds from a Whisper-style audio encoder + any causal LM (`model.audio` + `model.llm`)
     compose_projectors: tuple[str, ...] = ()  # compose: the `model.projector` values this family's layout holds
     unsupported_vision: Mapping[str, str] = field(default_factory=dict)  # compose: vision model_type -> why not
     # -- integrations

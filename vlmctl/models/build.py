@@ -178,14 +178,11 @@ def plan_build(model: ModelSection) -> BuildPlan:
 
 
 def _audio_family() -> FamilySpec:
-    """The registered family that composes an audio encoder and an LLM (it takes audio and has
-    `compose_audio_config`). Raises ModelError when none is registered."""
-    from vlmctl.families import FAMILIES
+    """The registered family that composes an audio encoder and an LLM (`FamilySpec.compose_audio`). Raises
+    ModelError when none is registered."""
+    from vlmctl.families.registry import compose_audio_family
 
-    for fam in FAMILIES.values():
-        if "audio" in fam.modalities and callable(getattr(fam, "compose_audio_config", None)):
-            return fam
-    raise ModelError("no registered model family composes an audio encoder and an LLM", hint="use model.preset or model.base")
+    return compose_audio_family()
 
 
 def _plan_audio(model: ModelSection) -> BuildPlan:

@@ -28,6 +28,7 @@ from typing import Any
 
 from vlmctl.config.data import DataAudio
 from vlmctl.data.modalities.base import ModalityUnit
+from vlmctl.families.encoders import AUDIO_KEYS  # the data keys of the encoders that take audio
 from vlmctl.families.qwen2_audio import RESAMPLE_QUALITY  # soxr_hq (librosa's default); token rules count with it too
 
 STORED_FORMAT = "FLAC"
@@ -38,7 +39,6 @@ MAX_AUDIO_FILE_BYTES = 1 << 30
 stereo 96 kHz 32-bit WAV is 23 MiB)."""
 AUDIO_EXTENSIONS = ("wav", "flac", "mp3", "ogg", "oga", "opus", "aiff", "aif", "au", "caf", "w64")
 """File extensions taken as audio members of a WebDataset tar (formats libsndfile decodes)."""
-AUDIO_KEYS = ("input_features", "feature_attention_mask")
 """Processor outputs of the audio unit (transformers' Qwen2-Audio processor: log-mel features [N, mel bins, frames]
 and their frame mask [N, frames])."""
 EXACT_LENGTH_FORMATS = ("WAV", "WAVEX", "RF64", "W64", "FLAC", "AIFF", "CAF")
