@@ -66,7 +66,9 @@ class Sample:
     meta: dict[str, Any]
     num_tokens: int | None  # text + media tokens under the project's processor, when known
     location: str = field(compare=False)  # where it was read (file:line, shard:key); not stored in shards
-    media_tokens: dict[str, list[int]] = field(compare=False)  # placeholder tokens per part, by modality, when counted; not stored
+    # placeholder tokens per part, by modality, when counted; stored as the `media_tokens` column (parts in
+    # `MODALITIES` order) so that training reads them instead of estimating them
+    media_tokens: dict[str, list[int]] = field(compare=False)
 
     def __init__(self, id: str, messages: list[dict[str, Any]], images: list[Any] | None = None, source: str = "",
                  meta: dict[str, Any] | None = None, num_tokens: int | None = None, location: str = "", *,
@@ -126,12 +128,20 @@ class Sample:
             ],
             "images": [{"bytes": b, "path": None} for b in self.images],
             "num_tokens": self.num_tokens,
+            "media_tokens": self._flat_media_tokens(),
             "meta": json.dumps(self.meta, sort_keys=True) if self.meta else None,
         }
         for name, parts in self.media.items():
             if name != "image":
                 row[MEDIA_COLUMNS[name]] = [{"bytes": b, "path": None} for b in parts]
         return row
+
+    def _flat_media_tokens(self) -> list[int] | None:
+        """`media_tokens` as one list, parts in `MODALITIES` order; None unless every part was counted."""
+        counts = [list(self.media_tokens.get(name, [])) for name in MODALITIES]
+        if not self.media_tokens or any(len(c) != len(self.media.get(name, [])) for c, name in zip(counts, MODALITIES)):
+            return None
+        return [int(n) for c in counts for n in c]
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> "Sample":
@@ -149,7 +159,7 @@ class Sample:
         media = {name: [v["bytes"] if isinstance(v, dict) else v for v in row.get(column) or []]
                  for name, column in MEDIA_COLUMNS.items()}
         meta = row.get("meta")
-        return cls(
+        sample = cls(
             id=row["id"],
             messages=messages,
             media=media,
@@ -157,6 +167,15 @@ class Sample:
             meta=json.loads(meta) if meta else {},
             num_tokens=row.get("num_tokens"),
         )
+        flat = row.get("media_tokens")  # absent in shards written before the column existed
+        if flat is not None and len(flat) == sum(len(parts) for parts in sample.media.values()):
+            start = 0
+            for name in MODALITIES:
+                n = len(sample.media.get(name, []))
+                if n or name == "image":
+                    sample.media_tokens[name] = [int(x) for x in flat[start:start + n]]
+                start += n
+        return sample
 
 
 def arrow_schema(modalities: Iterable[str] = ("image",)):
@@ -181,6 +200,7 @@ def arrow_schema(modalities: Iterable[str] = ("image",)):
         ("messages", pa.list_(message)),
         ("images", pa.list_(blob)),
         ("num_tokens", pa.int32()),
+        ("media_tokens", pa.list_(pa.int32())),
         ("meta", pa.string()),
         *((column, pa.list_(blob)) for column in extra),
     ])
@@ -202,6 +222,7 @@ def _hf_features(extra_columns: list[str]) -> dict[str, Any]:
         },
         "images": {"feature": {"_type": "Image"}, "_type": "List"},
         "num_tokens": {"dtype": "int32", "_type": "Value"},
+        "media_tokens": {"feature": {"dtype": "int32", "_type": "Value"}, "_type": "List"},
         "meta": text,
     }
     blob = {"bytes": {"dtype": "binary", "_type": "Value"}, "path": text}
