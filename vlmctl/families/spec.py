@@ -4,9 +4,12 @@ A `FamilySpec` holds everything that differs between VLM families, so no other m
 
 - identity and loading: `name`, the config `model_types` it covers, the transformers model / config / processor
   classes;
-- module paths of its three parts on the loaded `*ForConditionalGeneration` model (dotted attribute paths, as in
-  `model.get_submodule(path)`): `vision_tower`, `projector` (a tuple), `language_model`, `lm_head`;
-- the FSDP / activation-checkpointing units: `decoder_layer_classes`, `vision_layer_classes` (class names; empty:
+- its encoders (`encoders`: name -> `vlmctl.families.encoders.EncoderSpec`, in forward order: module path, part,
+  layer classes, cost rule, kernels, data keys), or the single-encoder form `vision_tower` + `vision_layer_classes`
+  from which one image encoder is derived;
+- module paths of the other parts on the loaded `*ForConditionalGeneration` model (dotted attribute paths, as in
+  `model.get_submodule(path)`): `projector` (a tuple), `language_model`, `lm_head`;
+- the language model's FSDP / activation-checkpointing units: `decoder_layer_classes` (class names; empty:
   discovered from the loaded model);
 - modalities: the placeholder token per accepted modality (`modalities`), what a chat template writes for one
   media part (`prompts`), the visual-token rule (`fixed_image_tokens` when the size does not matter) and the
@@ -22,9 +25,9 @@ Each family lives in its own module (`llava.py`, `qwen_vl.py`, `idefics2.py`, `i
 subclass where a hook differs) and registers it (`vlmctl.families.registry`).
 docs/adding-a-family.md shows how to add one.
 
-Parts: a parameter belongs to the projector when its name starts with a projector path, else to the vision tower
-when it starts with the vision path, else to the language model (embeddings and `lm_head` included). In the Qwen
-families the projector (the patch merger) sits *inside* the vision tower module, hence this order. Use
+Parts: a parameter belongs to the projector when its name starts with a projector path, else to its encoder's part
+(`vision`) when it starts with an encoder's path, else to the language model (embeddings and `lm_head` included). In
+the Qwen families the projector (the patch merger) sits *inside* the vision tower module, hence this order. Use
 `part_of_parameter` / `parts` rather than walking the paths by hand.
 """
 

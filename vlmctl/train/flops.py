@@ -74,6 +74,13 @@ excluded; d_x = attention width = heads x head_dim; L_x = layers), forward FLOPs
   padding of a LLaVA `pad` image is counted; the collator's padding of token rows is not. N_audio: the tower's
   matrices other than the stem's convolutions (the layers); d_a: d_model; the clip's audio tokens (its
   `<|AUDIO|>` placeholders, `config.audio_token_id`) are language-model tokens like visual ones.
+- Audio clips of Qwen2.5-Omni (transformers `Qwen2_5OmniAudioEncoder.forward`, `audio_cost(chunk_key="n_window")`):
+  the tower takes a clip's real frames only (the `feature_attention_mask` sums), cut into chunks of 2 x n_window
+  frames; the stem runs on every chunk of the batch padded to the longest, the layers on each chunk's real output
+  positions, attention within each chunk, the pooling per clip (`AudioShape.batch_counts`).
+- Projector rows: a projector is charged to the encoder it sits in (Qwen's merger, Qwen2.5-Omni's audio `proj`),
+  else to the family's only encoder: visual tokens through the image encoder's, pooled clip rows through the audio
+  encoder's (`audio_projector_params`).
 - Language-model segments: a packed row's `seq_lens` (or `packed_cu_seqlens`), a padded batch's per-row
   `attention_mask` sums. Only real tokens count: padding, and the full T^2 scores an eager or SDPA kernel computes
   over a packed row, are not useful work. Layers listed as `sliding_attention` in the text config's `layer_types`
@@ -105,8 +112,10 @@ forward + backward pass, up to the causal half (tests/unit/test_flops.py).
 Per-sample costs for compute-balanced batching (`sample_costs`) use the same terms on the counts a sampler has
 before collation: the sample's tokens (`num_tokens` of the prepared shards), its visual and labelled tokens and
 its number of images (of an audio model: its audio tokens and clips, each clip a whole window). Prepared shards
-record only the total; `vlmctl.data.loader.ShardDataset.count_estimates` approximates the rest (its docstring says
-how; it counts image parts, not clips), and images are taken as equal-sized, one frame each, with full windows. What a balancer needs is the ranking and the ratios of samples' costs, which the tokens and the quadratic
+record the total and each media item's tokens (`media_tokens`); `vlmctl.data.loader.ShardDataset.count_estimates`
+derives the rest (its docstring says how), and images are taken as equal-sized, one frame each, with full windows;
+a model with both an image and an audio encoder (Qwen2.5-Omni) has its media items all taken as clips there. What a
+balancer needs is the ranking and the ratios of samples' costs, which the tokens and the quadratic
 attention term dominate.
 
 MFU (PaLM, Chowdhery et al. 2022, appendix B) = model FLOPs per second / (peak FLOP/s per device x devices), see
