@@ -87,3 +87,24 @@ def test_liger_kernels_stay_off_where_compile_runs_over_the_modules_they_replace
     assert liger_kernels(TrainSection(compile="off", compile_vision="kernels"))
     assert not liger_kernels(TrainSection(compile="on", compile_vision="kernels"))
     assert not liger_kernels(TrainSection(compile="off", compile_vision="blocks"))
+
+
+def test_under_the_varlen_kernel_each_encoder_keeps_the_attention_its_family_declares():
+    import dataclasses
+
+    from vlmctl.families import get_family
+    from vlmctl.train.kernels import VARLEN_NAME, VISION_VARLEN_NAME, register_varlen_attention, set_attention
+
+    register_varlen_attention()
+    family = get_family("qwen2_5_vl")
+    model = tiny_qwen25_vl()
+    set_attention(model, VARLEN_NAME, vision_varlen=True, encoders=family.encoders.values())
+    assert model.config.text_config._attn_implementation == VARLEN_NAME
+    assert model.config.vision_config._attn_implementation == VISION_VARLEN_NAME  # a `varlen` encoder, on CUDA
+    model = tiny_qwen25_vl()
+    set_attention(model, VARLEN_NAME, vision_varlen=False, encoders=family.encoders.values())
+    assert model.config.vision_config._attn_implementation == "sdpa"  # its own attention, one call per window
+    follows = dataclasses.replace(family.encoders["image"], attention=None, varlen=False)
+    model = tiny_qwen25_vl()
+    set_attention(model, VARLEN_NAME, vision_varlen=True, encoders=[follows])
+    assert model.config.vision_config._attn_implementation == VARLEN_NAME  # the language model's
