@@ -113,7 +113,8 @@ class Sample:
         return [p["text"] for m in self.messages for p in m["content"] if p["type"] == "text"]
 
     def to_row(self) -> dict[str, Any]:
-        """One Parquet row (see `arrow_schema`): `images` always, `videos`/`audios` when the sample has such parts."""
+        """One Parquet row (see `arrow_schema`): `images` always, `videos`/`audios` when the sample has such parts,
+        `media_tokens` when its parts were counted."""
         row = {
             "id": self.id,
             "source": self.source,
@@ -128,9 +129,11 @@ class Sample:
             ],
             "images": [{"bytes": b, "path": None} for b in self.images],
             "num_tokens": self.num_tokens,
-            "media_tokens": self._flat_media_tokens(),
             "meta": json.dumps(self.meta, sort_keys=True) if self.meta else None,
         }
+        flat = self._flat_media_tokens()
+        if flat is not None:  # counted samples only: a row without counts reads as before the column existed
+            row["media_tokens"] = flat
         for name, parts in self.media.items():
             if name != "image":
                 row[MEDIA_COLUMNS[name]] = [{"bytes": b, "path": None} for b in parts]
