@@ -77,7 +77,7 @@ def token_limit(max_length: int, row_budget: RowBudget | None) -> int:
 def _init_worker(processor_dir: str | None, limits: dict[str, Any], counter: Any = None, pool_worker: bool = False) -> None:
     # `counter`: the parent's, inherited by forked workers (loaded once); spawned workers load their own.
     if pool_worker:  # a worker of a killed prepare (kill -9) must not live on, holding memory and CPU
-        from vlmctl.distributed.process import die_with_parent
+        from vlmctl.processes import die_with_parent
 
         die_with_parent()
     _STATE["limits"] = limits  # keyword arguments of check_images

@@ -1,6 +1,7 @@
 """`vlmctl data prepare`: sources -> checks -> dedup -> split -> Parquet shards + manifest (+ energon export).
 
     result = prepare_data(cfg.data, num_proc=8, processor_dir=cfg.model.output_dir, model=cfg.model,
+                          processors=vlmctl.models.build.configured_processor,
                           row_budget=RowBudget(tokens_per_batch=8192, sequence_parallel=2))
     result.manifest["splits"]["train"]["samples"]
 
@@ -40,7 +41,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vlmctl.config.data import DataSection
 from vlmctl.config.model import ModelSection
@@ -50,6 +51,9 @@ from vlmctl.data.pipeline import (DEFAULT_TOKENS_PER_GPU, RowBudget, SourceTally
 from vlmctl.data.sample import SCHEMA_VERSION, Sample
 from vlmctl.errors import DataError, UsageError
 from vlmctl.outputs import check_replaceable, install
+
+if TYPE_CHECKING:
+    from vlmctl.data.counting import ProcessorSource
 
 ROWS_PER_GROUP = 256
 GROUP_BYTES = 64 << 20
@@ -446,13 +450,14 @@ def prepare_data(
     export_dir: Path | str | None = None,
     progress: bool = True,
     row_budget: RowBudget | None = None,
+    processors: "ProcessorSource | None" = None,
 ) -> PrepareResult:
     """Read every source of `data`, check, dedup, split and write Parquet shards + manifest.json + rejected.jsonl.
 
     Token counts (the `num_tokens` column, the manifest's `tokens`) and the too_long check use the processor in
     `processor_dir` (a built model folder) when it holds one, else the processor `model build` would make for
-    `model` (`vlmctl.data.counting`: a random-init preset's tokenizer is trained on the train split as the build
-    trains it). Without either, or when the model's processor cannot be loaded (`PrepareResult.token_note` says
+    `model`, which `processors` gives (`vlmctl.models.build.configured_processor`; `vlmctl.data.counting`: a
+    random-init preset's tokenizer is trained on the train split as the build trains it). Without either, or when the model's processor cannot be loaded (`PrepareResult.token_note` says
     why), samples have `num_tokens` None. A counted sample is dropped as too_long over `data.max_length` tokens
     (text + visual), or over `row_budget.tokens` (one packed training row: `train.tokens_per_batch x
     train.sequence_parallel`, which the caller builds from the train section; None when it is not known before
@@ -505,7 +510,7 @@ def prepare_data(
             shutil.rmtree(etmp, ignore_errors=True)
             etmp.mkdir(parents=True)
         results, counts = _checked_and_counted(data, sources, work, num_proc=num_proc, pdir=pdir, model=model, progress=progress,
-                                               row_budget=row_budget)
+                                               row_budget=row_budget, processors=processors)
         manifest = _run(data, results, sources, tmp, etmp, num_proc=num_proc, counts=counts, progress=progress, row_budget=row_budget)
         if manifest["export"] is not None:
             manifest["export"]["path"] = str(edir_final)  # the writer only knows the temporary folder
@@ -550,7 +555,7 @@ Results = Iterator[tuple[int, "Sample | Rejection", Any]]
 
 
 def _checked_and_counted(data: DataSection, sources, work: Path, *, num_proc, pdir: Path | None, model: ModelSection | None,
-                         progress: bool, row_budget: RowBudget | None) -> tuple[Results, TokenSource]:
+                         progress: bool, row_budget: RowBudget | None, processors=None) -> tuple[Results, TokenSource]:
     """The checked samples in input order, counted with the built model's processor (`pdir`), else with the
     configured model's (`vlmctl.data.counting`), else not counted; too_long at `token_limit(data.max_length,
     row_budget)` tokens when counted."""
@@ -564,13 +569,15 @@ def _checked_and_counted(data: DataSection, sources, work: Path, *, num_proc, pd
             except (ValueError, OSError):
                 family = None
         return iter_checked(data, sources, num_proc=num_proc, processor_dir=pdir, row_budget=row_budget), TokenSource(str(pdir), family)
-    from vlmctl.data.counting import configured_processor, counter_in, model_configured
+    from vlmctl.data.counting import counter_in, model_configured
     from vlmctl.errors import VlmctlError
 
     if not model_configured(model):
         return iter_checked(data, sources, num_proc=num_proc), TokenSource(note="no model in the model section")
+    if processors is None:
+        return iter_checked(data, sources, num_proc=num_proc), TokenSource(note="no source of the configured model's processor was given")
     try:
-        conf = configured_processor(model)
+        conf = processors(model)
     except VlmctlError as exc:  # e.g. a Hub id offline: prepare without counts, and say why
         return iter_checked(data, sources, num_proc=num_proc), TokenSource(note=f"the configured model's processor did not load: {exc.message}")
     if not conf.needs_training:

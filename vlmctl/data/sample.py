@@ -82,7 +82,9 @@ class Sample:
     meta: dict[str, Any]
     num_tokens: int | None  # text + media tokens under the project's processor, when known
     location: str = field(compare=False)  # where it was read (file:line, shard:key); not stored in shards
-    media_tokens: dict[str, list[int]] = field(compare=False)  # placeholder tokens per part, by modality, when counted; not stored
+    # placeholder tokens per part, by modality, when counted; stored as the `media_tokens` column (parts in
+    # `MODALITIES` order) so that training reads them instead of estimating them
+    media_tokens: dict[str, list[int]] = field(compare=False)
     rejected: dict[str, Any] | None  # preference samples: the rejected assistant message (the chosen one is messages[-1])
 
     def __init__(self, id: str, messages: list[dict[str, Any]], images: list[Any] | None = None, source: str = "",
@@ -159,7 +161,8 @@ class Sample:
         return out
 
     def to_row(self) -> dict[str, Any]:
-        """One Parquet row (see `arrow_schema`): `images` always, `videos`/`audios` when the sample has such parts."""
+        """One Parquet row (see `arrow_schema`): `images` always, `videos`/`audios` when the sample has such parts,
+        `media_tokens` when its parts were counted."""
         row = {
             "id": self.id,
             "source": self.source,
@@ -168,12 +171,22 @@ class Sample:
             "num_tokens": self.num_tokens,
             "meta": json.dumps(self.meta, sort_keys=True) if self.meta else None,
         }
+        flat = self._flat_media_tokens()
+        if flat is not None:  # counted samples only: a row without counts reads as before the column existed
+            row["media_tokens"] = flat
         for name, parts in self.media.items():
             if name != "image":
                 row[MEDIA_COLUMNS[name]] = [{"bytes": b, "path": None} for b in parts]
         if self.rejected is not None:
             row[REJECTED_COLUMN] = _message_row(self.rejected)
         return row
+
+    def _flat_media_tokens(self) -> list[int] | None:
+        """`media_tokens` as one list, parts in `MODALITIES` order; None unless every part was counted."""
+        counts = [list(self.media_tokens.get(name, [])) for name in MODALITIES]
+        if not self.media_tokens or any(len(c) != len(self.media.get(name, [])) for c, name in zip(counts, MODALITIES)):
+            return None
+        return [int(n) for c in counts for n in c]
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> "Sample":
@@ -184,7 +197,7 @@ class Sample:
         media = {name: [v["bytes"] if isinstance(v, dict) else v for v in row.get(column) or []]
                  for name, column in MEDIA_COLUMNS.items()}
         meta = row.get("meta")
-        return cls(
+        sample = cls(
             id=row["id"],
             messages=messages,
             media=media,
@@ -193,6 +206,15 @@ class Sample:
             num_tokens=row.get("num_tokens"),
             rejected=_message_of_row(rejected) if rejected else None,
         )
+        flat = row.get("media_tokens")  # absent in shards written before the column existed
+        if flat is not None and len(flat) == sum(len(parts) for parts in sample.media.values()):
+            start = 0
+            for name in MODALITIES:
+                n = len(sample.media.get(name, []))
+                if n or name == "image":
+                    sample.media_tokens[name] = [int(x) for x in flat[start:start + n]]
+                start += n
+        return sample
 
 
 def _message_row(m: dict[str, Any]) -> dict[str, Any]:
@@ -232,6 +254,7 @@ def arrow_schema(modalities: Iterable[str] = ("image",), preference: bool = Fals
         ("messages", pa.list_(message)),
         ("images", pa.list_(blob)),
         ("num_tokens", pa.int32()),
+        ("media_tokens", pa.list_(pa.int32())),
         ("meta", pa.string()),
         *((column, pa.list_(blob)) for column in extra),
         *(((REJECTED_COLUMN, message),) if preference else ()),
@@ -254,6 +277,7 @@ def _hf_features(extra_columns: list[str], preference: bool = False) -> dict[str
         },
         "images": {"feature": {"_type": "Image"}, "_type": "List"},
         "num_tokens": {"dtype": "int32", "_type": "Value"},
+        "media_tokens": {"feature": {"dtype": "int32", "_type": "Value"}, "_type": "List"},
         "meta": text,
     }
     blob = {"bytes": {"dtype": "binary", "_type": "Value"}, "path": text}

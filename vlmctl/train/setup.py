@@ -87,7 +87,7 @@ def load_quantized(source: str, cfg, *, dtype):
     info = read_build_info(source) if Path(source).is_dir() else None
     ref = info["source"] if info and info.get("mode") == "base" and not (Path(source) / "config.json").is_file() else source
     family = get_family(cfg.model.family or detect_family(AutoConfig.from_pretrained(ref, trust_remote_code=cfg.model.trust_remote_code)))
-    skip = [family.vision_tower, *family.projector, family.lm_head]
+    skip = [*(enc.path for enc in family.encoders.values()), *family.projector, family.lm_head]
     if cfg.train.lora.quantize == "4bit":
         bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                  bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype, llm_int8_skip_modules=skip)
@@ -356,8 +356,10 @@ def model_parts(model, family: Any) -> ModelParts:
     """The parts of a VLM per the family spec, and its decoder / vision-encoder layer modules."""
     from vlmctl.families import decoder_layers, vision_layers
 
-    paths = {"vision": [family.vision_tower], "projector": list(family.projector),
-             "llm": [family.language_model, family.lm_head]}
+    paths: dict[str, list[str]] = {p: [] for p in PARTS}
+    for encoder in family.encoders.values():
+        paths.setdefault(encoder.part, []).append(encoder.path)
+    paths["projector"], paths["llm"] = list(family.projector), [family.language_model, family.lm_head]
     return ModelParts(family=family, paths=paths, decoder_layers=list(decoder_layers(model, family)),
                       vision_layers=list(vision_layers(model, family)))
 
@@ -551,11 +553,10 @@ def apply_kernels(model, family, train, device) -> tuple[str, bool, list[str]]:
     vision kernels applied)."""
     import importlib.util
 
-    from vlmctl.families import vision_layers
     from vlmctl.train import kernels
 
     attn = resolve_attention(train, device)
-    kernels.set_attention(model, attn, vision_varlen=device.type == "cuda" and family.vision_varlen)
+    kernels.set_attention(model, attn, vision_varlen=device.type == "cuda", encoders=family.encoders.values())
     liger = resolve_liger(train, family, device)
     if liger:
         kernels.apply_liger(model, family, kernels=liger_kernels(train))
@@ -563,7 +564,7 @@ def apply_kernels(model, family, train, device) -> tuple[str, bool, list[str]]:
     if device.type == "cuda":  # `train.compile_vision` resolved by `resolve_storage` (auto: kernels where Triton is)
         has_triton = importlib.util.find_spec("triton") is not None
         compile_kernels = train.compile_vision == "kernels" or (train.compile_vision == "auto" and has_triton)
-        vision = kernels.apply_vision_kernels(model, vision_layers(model, family), compile=compile_kernels)
+        vision = kernels.apply_encoder_kernels(model, family, compile=compile_kernels)
     if train.compile_vision == "blocks":
         vision.append("compiled blocks")
     return attn, liger, vision
