@@ -68,8 +68,12 @@ class DeviceFacts:
 
         seen = torch.cuda.is_available()
         kind = "cuda" if (seen if cuda is None else cuda) else "cpu"
-        bf16 = torch.cuda.is_bf16_supported() if seen else kind == "cuda"
-        memory = torch.cuda.get_device_properties(0).total_memory if seen and kind == "cuda" else None
+        bf16, memory = kind == "cuda", None
+        if seen and kind == "cuda":
+            try:
+                bf16, memory = torch.cuda.is_bf16_supported(), torch.cuda.get_device_properties(0).total_memory
+            except (AssertionError, RuntimeError):  # a CUDA runtime that cannot answer: the ranks find out
+                pass
         has = lambda name: importlib.util.find_spec(name) is not None  # noqa: E731
         return cls(kind=kind, bf16=bf16, memory_bytes=memory, processes=max(1, int(processes)),
                    torchao=has("torchao"), triton=has("triton"), flash_attn=has("flash_attn"),
