@@ -447,6 +447,23 @@ def summary(choice: Choice, applied: list[str]) -> str:
 # ------------------------------------------------------------------------------------------- in a run
 
 
+def record_plan(run_dir: Path, ctx):
+    """Rank 0 of a run: write the plan this rank trains with (`ctx.plan`, with its GPU memory) to `plan.json`,
+    print it as `vlmctl train --dry-run` printed it, and where no probe runs write the plan's fixed batching values
+    to `autotune.json` (`fixed_record`). Returns `ctx`."""
+    import sys
+
+    from vlmctl.config.plan import plan_text
+
+    if ctx.env.is_main:
+        write_plan(run_dir, ctx.plan)
+        print(plan_text(ctx.plan), file=sys.stderr)
+        fixed = None if wants(ctx.plan) else fixed_record(ctx.plan)  # CPU, DeepSpeed, the batching not in use
+        if fixed is not None:
+            save_record(run_dir, fixed)
+    return ctx
+
+
 def tune(cfg, run_dir: Path, ctx, tm, stepper, dataset, lengths, log=print) -> Choice | None:
     """Settle the auto keys `wants(cfg.train)` on a wrapped model (`stepper`: the loop's TorchStepper): from
     `RUN_DIR/autotune.json` when resuming, else by `probe` on rows of `dataset` (a ShardDataset) collated as

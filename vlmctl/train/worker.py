@@ -3,7 +3,7 @@
 Every rank reads `RUN_DIR/config.yaml` and runs these steps (the order of checkpointing, compile and FSDP is
 torchtitan's)::
 
-    ctx = setup_run(cfg.train)                        # process group, one device mesh, seed, dtypes
+    ctx = setup_run(cfg.train, plan)                  # the run plan (plan.json), process group, mesh, seed, dtypes
     tm = load_model_for_training(cfg, ctx)            # model (fsdp/ddp: rank 0 reads the weights), kernels, cost model,
                                                       # stage/freeze, LoRA, compile, sequence split (Ulysses)
     dataset, lengths = load_data(cfg, ctx, tm)        # the training shards and their token counts (train/data.py)
@@ -56,8 +56,7 @@ def load_model_for_training(cfg, ctx: RunContext, resuming: bool = False) -> Tra
     `resuming`); the others build it on the meta device and get theirs in `wrap_model` (`setup.rank0_loads`)."""
     source = model_source(cfg)
     model, processor, family = load_for_rank(source, cfg, ctx, resuming=resuming)
-    tm = split_sequences(prepare_model(model, family, cfg.train, ctx.env.device, compute_dtype=ctx.dtype, plan=ctx.plan),
-                         cfg.train, ctx.dims)
+    tm = split_sequences(prepare_model(model, family, cfg.train, ctx.env.device, ctx.dtype, ctx.plan), cfg.train, ctx.dims)
     tm.deferred = defer_weights(tm.model, cfg.train, ctx.env, resuming=resuming)
     tm.processor, tm.source = processor, source
     return tm
@@ -158,7 +157,6 @@ def train_run(cfg, run_dir: Path, ctx: RunContext) -> str:
     from vlmctl.train.metrics import MetricsLogger, plot_loss_or_warn
 
     train, env = cfg.train, ctx.env
-    fixed = autotune.fixed_record(ctx.plan)  # CPU, DeepSpeed, the batching not in use: the plan's defaults
     resume_from = resolve_resume(run_dir, train.resume)
     tm = load_model_for_training(cfg, ctx, resuming=resume_from is not None)
     dataset, lengths = load_data(cfg, ctx, tm)
@@ -166,8 +164,6 @@ def train_run(cfg, run_dir: Path, ctx: RunContext) -> str:
     if autotune.wants(ctx.plan):  # the probe measures the wrapped model; the schedule's length follows its choice
         wrapped = wrap_model(tm, train, ctx, total_steps=1)
         autotune.tune(cfg, run_dir, ctx, tm, wrapped.stepper, dataset, lengths, log=lambda m: print(m, file=sys.stderr))
-    elif fixed is not None and env.is_main:
-        autotune.save_record(run_dir, fixed)
     sampler = build_sampler(cfg, ctx, dataset, lengths)
     total_steps = train.max_steps or max(1, math.ceil(train.num_epochs * sampler.batches_per_epoch / train.gradient_accumulation_steps))
     wrapped = wrap_model(tm, train, ctx, total_steps) if wrapped is None else reschedule(wrapped, train, total_steps)
@@ -208,8 +204,8 @@ def run(run_dir: Path) -> str:
     import torch.distributed as dist
 
     from vlmctl.config import load_config
-    from vlmctl.config.plan import plan_text, read_plan, write_plan
     from vlmctl.train.report import filter_known_warnings
+    from vlmctl.config.plan import read_plan
     from vlmctl.train.rundir import guard_run
 
     filter_known_warnings()  # benign warnings that would alarm on every run
@@ -217,11 +213,7 @@ def run(run_dir: Path) -> str:
     cfg = load_config(run_dir / "config.yaml")
     try:
         with guard_run(run_dir, main=int(os.environ.get("RANK", "0")) == 0):
-            ctx = setup_run(cfg.train, read_plan(run_dir))
-            if ctx.env.is_main:  # the plan this rank trains with (its GPU memory), shown as the launcher showed it
-                write_plan(run_dir, ctx.plan)
-                print(plan_text(ctx.plan), file=sys.stderr)
-            # the run reads a resolved copy of the train section; config.yaml keeps the project's own words
+            ctx = autotune.record_plan(run_dir, setup_run(cfg.train, read_plan(run_dir)))  # rank 0: plan.json, printed
             outcome = train_run(cfg.model_copy(update={"train": ctx.plan.train_section(cfg.train)}), run_dir, ctx)
             dist.barrier()
         return outcome
