@@ -27,3 +27,34 @@ def test_dry_run_bench_and_the_run_print_one_plan(project, capsys):  # noqa: F81
     assert recorded.strategy.value == "ddp" and recorded.tokens_per_batch.value == 8192
     for printed in (dry, bench, err):  # the same table, line for line
         assert text.strip() in printed, printed
+
+
+@pytest.mark.timeout(RUN_TIMEOUT)
+def test_dry_run_and_bench_plan_qlora_alike_for_a_gpu(project, capsys, monkeypatch):  # noqa: F811
+    # QLoRA needs a GPU: both commands plan for one described by hand (`DeviceFacts.here` is what they ask)
+    from vlmctl.config import load_config
+    from vlmctl.config.plan import DeviceFacts, build_plan, plan_text
+    from vlmctl.inference.load import folder_family
+
+    def gpu(cls, processes=1, *, cuda=None):
+        return DeviceFacts(kind="cuda", memory_bytes=80 * 2**30, processes=processes, torchao=True, triton=True,
+                           varlen=True)
+
+    monkeypatch.setattr(DeviceFacts, "here", classmethod(gpu))
+    monkeypatch.setattr("vlmctl.train.launch.check_packages", lambda train: None)  # bitsandbytes: GPU machines only
+    cfg = str(project / "vlmctl.yaml")
+    qlora = ["train.strategy=auto", "train.lora.r=4", "train.lora.quantize=4bit", "train.precision=auto"]
+    # two processes: one would store bf16 weights and be ddp whatever the QLoRA flag says
+    code, _, dry = run_cli_inprocess(["-c", cfg, "train", "--dry-run", "--launcher", "torchrun", "--nproc-per-node",
+                                      "2", *qlora], capsys)
+    assert code == 0, dry
+    code, _, bench = run_cli_inprocess(["-c", cfg, "bench", "--plan", "--nproc-per-node", "2", *qlora], capsys)
+    assert code == 0, bench
+    train = load_config(project / "vlmctl.yaml", overrides=qlora).train
+    plan = build_plan(train, gpu(DeviceFacts, 2), family=folder_family(project / "model"))
+    # QLoRA replicates its 4-bit base: ddp, in the dry run and in bench alike (LoRA alone shards: fsdp)
+    assert (plan.strategy.value, plan.compile.value, plan.stored.value) == ("ddp", "off", "bf16")
+    lora = build_plan(load_config(project / "vlmctl.yaml", overrides=qlora[:2]).train, gpu(DeviceFacts, 2))
+    assert lora.strategy.value == "fsdp"
+    for printed in (dry, bench):
+        assert plan_text(plan).strip() in printed, printed
