@@ -204,8 +204,6 @@ def test_stochastic_rounding_without_torchao_is_a_config_error(monkeypatch):
 
 
 def test_compile_auto_is_on_for_torch_strategies_on_a_gpu_except_qlora():
-    import torch
-
     from vlmctl.config.plan import resolve_compile
 
     assert resolve_compile("auto", cuda=True, strategy="ddp", quantized=False) == "on"

@@ -353,8 +353,6 @@ def test_stepper_clips_only_above_the_limit_and_reports_the_norm_before_clipping
 
 
 def test_fp32_on_cuda_picks_sdpa_and_refuses_the_bf16_only_kernels():
-    import torch
-
     from vlmctl.config import TrainSection
     from vlmctl.errors import ConfigError
     from vlmctl.config.plan import DeviceFacts, build_plan, check_plan

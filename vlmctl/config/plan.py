@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any

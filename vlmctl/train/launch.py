@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vlmctl.config.plan import PLAN_FILE, pending, resolve_nproc  # noqa: F401 - resolve_nproc: its callers' import
+from vlmctl.config.plan import pending, resolve_nproc  # noqa: F401 - resolve_nproc: where its callers import it
 from vlmctl.distributed.mesh import SHARDING_ENV
 from vlmctl.errors import ConfigError, UsageError
 
