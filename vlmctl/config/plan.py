@@ -71,7 +71,9 @@ class DeviceFacts:
         bf16, memory = kind == "cuda", None
         if seen and kind == "cuda":
             try:
-                bf16, memory = torch.cuda.is_bf16_supported(), torch.cuda.get_device_properties(0).total_memory
+                # the current device: a rank's own GPU once the process group set it
+                bf16 = torch.cuda.is_bf16_supported()
+                memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
             except (AssertionError, RuntimeError):  # a CUDA runtime that cannot answer: the ranks find out
                 pass
         has = lambda name: importlib.util.find_spec(name) is not None  # noqa: E731

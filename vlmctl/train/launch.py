@@ -1,6 +1,6 @@
 """The launcher side of `vlmctl train`: prepare the run folder, build the launch command, spawn it.
 
-    run_dir = prepare_run(cfg, resume=False)          # <train.output_dir>/<run name>/config.yaml, locked
+    run_dir = prepare_run(cfg, resume=False)          # <train.output_dir>/<run name>/config.yaml + plan.json, locked
     cmd = launch_command(cfg.train, run_dir)          # torchrun / accelerate / sbatch line, a free rendezvous port
     code = spawn(cmd)                                 # streams output, passes SIGTERM/SIGINT to the ranks
 
@@ -117,7 +117,8 @@ def _run_order(path: Path) -> tuple[str, int]:
 
 
 def prepare_run(cfg, resume: bool = False) -> Path:
-    """Create (or reuse, when resuming) the run folder, lock it and write the resolved config into it.
+    """Create (or reuse, when resuming) the run folder, lock it and write the project config (config.yaml, as the
+    project wrote it) and the run plan (plan.json: every `auto` decided, `launch_plan`) into it.
 
     With `resume`, `train.resume` becomes `auto` and the run is `train.run_name`, else the newest run of this
     project and stage with a checkpoint. A fresh run without `train.run_name` gets a folder of its own (a suffix
