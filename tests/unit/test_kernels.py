@@ -81,12 +81,15 @@ def test_aligned_mlp_leaves_aligned_or_adapted_mlps_alone():
 
 def test_liger_kernels_stay_off_where_compile_runs_over_the_modules_they_replace():
     # liger patches the decoder layers' and the vision blocks' norms; dynamo cannot trace its autograd functions
+    from vlmctl.config.plan import DeviceFacts, build_plan
     from vlmctl.config.train import TrainSection
-    from vlmctl.train.setup import liger_kernels
 
-    assert liger_kernels(TrainSection(compile="off", compile_vision="kernels"))
-    assert not liger_kernels(TrainSection(compile="on", compile_vision="kernels"))
-    assert not liger_kernels(TrainSection(compile="off", compile_vision="blocks"))
+    gpu = DeviceFacts(kind="cuda", liger=True, triton=True, varlen=True)
+    kernels = lambda **kw: build_plan(TrainSection(**kw), gpu).liger_kernels.value  # noqa: E731
+    assert kernels(compile="off", compile_vision="kernels")
+    assert not kernels(compile="on", compile_vision="kernels")
+    assert not kernels(compile="off", compile_vision="blocks")
+    assert not kernels(compile="off", compile_vision="kernels", liger="off")  # no fused loss, no patches
 
 
 def test_under_the_varlen_kernel_each_encoder_keeps_the_attention_its_family_declares():

@@ -25,13 +25,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from vlmctl.config.data import DataSection, DataSource
+from vlmctl.config.plan import DEFAULT_TOKENS
 from vlmctl.data.checks import DigestSet, LocationTable, Rejection, SampleInfo, check_images, count_tokens, sample_digest
 from vlmctl.data.sample import Sample
 from vlmctl.errors import MissingSourceError
 
 BATCH_SIZE = 32
-DEFAULT_TOKENS_PER_GPU = 8192
-"""Tokens per GPU when `train.tokens_per_batch` is auto and no probe ran (`vlmctl.train.autotune.DEFAULT_TOKENS`):
+DEFAULT_TOKENS_PER_GPU = DEFAULT_TOKENS
+"""Tokens per GPU when `train.tokens_per_batch` is auto and no probe ran (`vlmctl.config.plan.DEFAULT_TOKENS`):
 what `gpus_needed` is computed at without a row budget."""
 
 # Per-process state of the check workers (set by _init_worker, or directly when num_proc == 1).
