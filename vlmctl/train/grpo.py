@@ -312,14 +312,14 @@ def build_rewards(specs: Sequence[Any], max_new_tokens: int) -> list[tuple[Rewar
     counts from `max_new_tokens`. Raises ConfigError as `load_reward`, `format_reward` and `length_penalty` do."""
     simple = {"exact_match": exact_match_reward, "vqa_accuracy": vqa_accuracy_reward, "mcq_letter": mcq_letter_reward}
     out = []
-    for i, spec in enumerate(specs):
-        if spec.name in simple:
-            fn = simple[spec.name]
-        elif spec.name == "format":
-            fn = format_reward(spec.pattern)
-        elif spec.name == "length_penalty":
-            fn = length_penalty(max_new_tokens, spec.cache_tokens)
+    for i, reward in enumerate(specs):
+        if reward.name in simple:
+            fn = simple[reward.name]
+        elif reward.name == "format":
+            fn = format_reward(reward.pattern)
+        elif reward.name == "length_penalty":
+            fn = length_penalty(max_new_tokens, reward.cache_tokens)
         else:
-            fn = load_reward(spec.name, key=f"train.grpo.rewards[{i}].name")
-        out.append((fn, spec.weight))
+            fn = load_reward(reward.name, key=f"train.grpo.rewards[{i}].name")
+        out.append((fn, reward.weight))
     return out
