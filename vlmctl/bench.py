@@ -63,6 +63,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
+from vlmctl.config.plan import DeviceFacts, build_plan, check_plan, pending, row_tokens, sized
 from vlmctl.train import autotune
 
 DEFAULT_PEAK = 989e12  # H100/H200 SXM dense bf16: the reference for devices without a data-sheet figure (CPUs)
@@ -73,27 +74,18 @@ RARE_FIT = 0.01  # when fewer than this fraction of the drawn chat samples fit a
 
 def token_budget(train) -> int:
     """Tokens of one packed row per device (`train.tokens_per_batch`), as an integer: the one place bench reads the
-    budget. `auto` reads as training's value without a probe (`vlmctl.train.autotune.DEFAULT_TOKENS`): bench runs
-    no probe."""
-    from vlmctl.train.autotune import DEFAULT_TOKENS
-
-    value = train.tokens_per_batch
-    return value if isinstance(value, int) else DEFAULT_TOKENS
+    budget (`config.plan.sized`: training's value without a probe until a probe settled it)."""
+    return sized(train, "tokens_per_batch")
 
 
 def row_budget(train) -> int:
-    """Tokens of one packed row: `token_budget` per device x `train.sequence_parallel` (a sequence-parallel group
-    splits one row over its ranks)."""
-    return token_budget(train) * train.sequence_parallel
+    """Tokens of one packed row: `token_budget` per device x `train.sequence_parallel` (`config.plan.row_tokens`)."""
+    return row_tokens(train, token_budget(train))
 
 
 def micro_batch(train) -> int:
-    """Samples of one padded micro-batch per device (`train.micro_batch_size`), as an integer: the one place bench
-    reads it. `auto` reads as training's value without a probe (`vlmctl.train.autotune.DEFAULT_MICRO_BATCH`)."""
-    from vlmctl.train.autotune import DEFAULT_MICRO_BATCH
-
-    value = train.micro_batch_size
-    return value if isinstance(value, int) else DEFAULT_MICRO_BATCH
+    """Samples of one padded micro-batch per device (`train.micro_batch_size`), as an integer (`config.plan.sized`)."""
+    return sized(train, "micro_batch_size")
 
 
 @dataclass
@@ -697,6 +689,7 @@ class BenchPlan:
     rows: int
     dp_size: int
     adapter: str = "none"
+    run: Any = None  # config.plan.RunPlan: the decisions training would take for these settings here
 
 
 def adapter_name(train) -> str:
@@ -727,13 +720,10 @@ def prepare(model_section, train, spec: WorkloadSpec = WorkloadSpec(), *, steps:
     model = choose_model(model_section)
     if model.note:
         log(model.note)
-    packing = bool(train.packing and model.family.supports_packing)
-    for key, value in (("tokens_per_batch", token_budget(train)) if packing else ("micro_batch_size", micro_batch(train)),
-                       ("activation_checkpointing", "off")):
-        if getattr(train, key, None) == "auto" and not autotune.can_probe(train, _device()):
-            log(f"train.{key}=auto reads as {value} here (no memory probe without a GPU and ddp/fsdp)")
+    run = build_plan(train, DeviceFacts.here(dp_size * train.sequence_parallel), family=model.family)
+    packing = run.packing.value
     if check_device:
-        check_device_settings(train, model.family, packing=packing, nproc=dp_size)
+        check_device_settings(train, run, nproc=dp_size)
     if spec.video_frames is not None:
         check_video(model)
     kind = spec.kind
@@ -753,7 +743,7 @@ def prepare(model_section, train, spec: WorkloadSpec = WorkloadSpec(), *, steps:
                                 min_tokens=int((rows * dp_size + 2) * budget * 1.3) if packing else 0,
                                 budget=budget if packing else None)
     plan = BenchPlan(model=model, packing=packing, spec=replace(spec, kind=kind), workload=workload, rows=rows,
-                     dp_size=dp_size, adapter=adapter_name(train))
+                     dp_size=dp_size, adapter=adapter_name(train), run=run)
     plan_batches(plan, train, dp_rank=0)  # raises UsageError when the samples make too few micro-batches
     return plan
 
@@ -787,36 +777,27 @@ def plan_batches(plan: BenchPlan, train, *, dp_rank: int) -> list[list[int]]:
                         seed=train.seed, group_by_length=train.group_by_length)
 
 
-def check_device_settings(train, family, *, packing: bool, nproc: int) -> None:
+def check_device_settings(train, run, *, nproc: int) -> None:
     """Check on this machine what the ranks would refuse: more processes than visible GPUs (CPU processes are
-    allowed where no GPU is visible), QLoRA without CUDA, and the precision, master-weights, attention, liger and
-    `optimizer_in_backward` settings (`vlmctl.train.setup`'s own checks, with `packing` as training resolves it).
-    Raises UsageError or ConfigError."""
+    allowed where no GPU is visible), QLoRA without CUDA, and what the run plan `run` (`config.plan.check_plan`:
+    precision, master weights, attention, liger) and `optimizer_in_backward` refuse. Raises UsageError or
+    ConfigError."""
     import torch
 
     from vlmctl.errors import UsageError
     from vlmctl.train import setup
 
-    cuda = torch.cuda.is_available()
-    gpus = torch.cuda.device_count() if cuda else 0
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if nproc < 1:
         raise UsageError(f"--nproc-per-node {nproc}: at least one process is needed", hint="e.g. --nproc-per-node 1")
     if gpus and nproc > gpus:
         raise UsageError(f"--nproc-per-node {nproc} (train.nproc_per_node) is more than the {gpus} visible GPU(s)",
                          hint=f"use --nproc-per-node {gpus} (or auto), or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
-    quantized = train.lora is not None and train.lora.quantize != "none"
-    if quantized and not cuda:
+    if setup.quantized(train) and not run.device.cuda:
         raise UsageError(f"train.lora.quantize={train.lora.quantize} (QLoRA) needs a CUDA GPU and bitsandbytes; no GPU is visible here",
                          hint="set train.lora.quantize=none to measure LoRA here, or run on a GPU machine")
-    device = torch.device("cuda" if cuda else "cpu")
-    strategy = setup.resolve_strategy(train.strategy, cuda, single_bf16=setup.single_bf16(train, cuda, nproc))
-    checked = train.model_copy(update={"packing": packing, "strategy": strategy})
-    dtype = setup.resolve_dtype(checked.precision, device)
-    setup.check_precision(checked, dtype, device)
-    if not quantized:
-        setup.master_dtype(checked, dtype)
-    setup.resolve_attention(checked, device)
-    setup.resolve_liger(checked, family, device)
+    check_plan(run, train)
+    checked = run.train_section(train)
     if checked.optimizer_in_backward:
         setup.check_optimizer_in_backward(checked, nproc)
 
@@ -855,20 +836,14 @@ def run_bench(model_section, train_section, *, steps: int = 20, warmup: int = 3,
 
     filter_known_warnings()  # as a training rank
     try:
-        ctx = setup_run(train_section)
-        autotune.settle_without_probe(train_section, ctx.env.device)  # CPU, DeepSpeed: training's fixed values
+        ctx = setup_run(train_section, plan.run)
+        train_section = ctx.plan.train_section(train_section)  # every decision of the plan, as training reads them
         with tempfile.TemporaryDirectory(prefix="vlmctl-bench-model-") as tmp:
             return _run_bench(plan, model_section, train_section, ctx, steps=steps, warmup=warmup, log=log,
                               setup=setup, scratch=Path(scratch or tmp))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _device():
-    import torch
-
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _world_size() -> int:
@@ -913,7 +888,7 @@ def load_model(plan: BenchPlan, model_section, train, ctx, scratch: Path, log) -
             model, processor, family = random_model(choice.plan, choice.processor, device=env.device, dtype=ctx.stored), choice.processor, choice.family
         else:
             model, processor, family = (load_quantized if quantized else load_source)(source, cfg, dtype=ctx.stored)
-    tm = prepare_model(model, family, train, env.device, compute_dtype=ctx.dtype)  # as the worker prepares it
+    tm = prepare_model(model, family, train, env.device, compute_dtype=ctx.dtype, plan=ctx.plan)  # as the worker does
     split_sequences(tm, train, ctx.dims)
     tm.processor, tm.source = processor, source
     return tm
@@ -938,7 +913,7 @@ def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log
         plan = replace(plan, dp_size=dims.dp_size)
     wrapped = wrap_model(tm, train, ctx, total_steps)
     choice = None
-    if autotune.wants(train):  # as `vlmctl train` does on a GPU: probe, then plan the workload at the chosen size
+    if autotune.wants(ctx.plan):  # as `vlmctl train` does on a GPU: probe, then plan the workload at the chosen size
         choice = probe_auto(plan, tm, train, ctx, wrapped.stepper, log)
         plan = prepare(model_section, train, plan.spec, steps=steps, warmup=warmup, check_device=False,
                        dp_size=dims.dp_size)
@@ -982,7 +957,7 @@ def settings_line(train, choice, fsdp=None) -> str:
     overlap = f"; FSDP2 {fsdp.describe()}" if fsdp is not None else ""
     extra = describe_memory_helpers(train)
     rounding = " (stochastic rounding)" if train.master_weights == "bf16" and train.stochastic_rounding == "on" else ""
-    return (f"{train.strategy}, {size}, activation checkpointing {describe(ac if ac != 'auto' else 'off')}{extra}, "
+    return (f"{train.strategy}, {size}, activation checkpointing {describe('off' if pending(ac) else ac)}{extra}, "
             f"{train.master_weights} master weights{rounding}{why}{overlap}")
 
 
@@ -1043,15 +1018,19 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def benchmark(cfg, *, steps: int = 20, warmup: int = 3, spec: WorkloadSpec = WorkloadSpec(), log=print) -> BenchResult:
+def benchmark(cfg, *, steps: int = 20, warmup: int = 3, spec: WorkloadSpec = WorkloadSpec(), log=print,
+              show_plan=None) -> BenchResult:
     """`vlmctl bench` for a project config: checked first (`check_bench`, before any process starts), then run
     (`run_processes`) in this process for one process per node, else one process per GPU through torchrun
-    (`train.nproc_per_node`, auto = the visible GPUs; CPU processes where no GPU is visible). Raises what
-    `check_bench` and `run_processes` raise."""
-    from vlmctl.train.launch import resolve_nproc
+    (`train.nproc_per_node`, auto = the visible GPUs; CPU processes where no GPU is visible). `show_plan(run_plan)`,
+    when given, gets the run plan (`config.plan.RunPlan`) once it is checked. Raises what `check_bench` and
+    `run_processes` raise."""
+    from vlmctl.config.plan import resolve_nproc
 
     nproc = resolve_nproc(cfg.train.nproc_per_node)
     plan = check_bench(cfg, nproc, steps=steps, warmup=warmup, spec=spec, log=log)
+    if show_plan is not None:
+        show_plan(plan.run)
     return run_processes(cfg, plan, nproc, steps=steps, warmup=warmup, spec=spec, log=log)
 
 

@@ -105,23 +105,23 @@ def run_case(name: str, spec: dict[str, Any], env, folder: Path, all_rows) -> di
     from vlmctl.models import load_model
     from vlmctl.train import autotune
     from vlmctl.train.loop import to_device
-    from vlmctl.train.setup import (RunContext, check_precision, master_dtype, prepare_model, resolve_dtype,
-                                    resolve_storage, split_sequences)
+    from vlmctl.config.plan import DeviceFacts, build_plan, check_plan
+    from vlmctl.train.setup import RunContext, prepare_model, split_sequences, torch_dtype
     from vlmctl.train.worker import wrap_model
 
     device = env.device
     train = TrainSection(**{**BASE, **spec.get("train", {})})
-    autotune.settle_without_probe(train, device)
+    plan = build_plan(train, DeviceFacts.here(env.world_size))
+    check_plan(plan, train)
+    train = plan.train_section(train)
     dims = ParallelDims.for_strategy(train.strategy, env.world_size, sharding=train.fsdp_sharding,
                                      sp=train.sequence_parallel, ranks_per_node=spec.get("ranks_per_node"))
     dims.build_mesh(device.type)
-    dtype = resolve_dtype(train.precision, device)
-    check_precision(train, dtype, device)
-    resolve_storage(train, dtype, device)
-    ctx = RunContext(env=env, dims=dims, dtype=dtype, stored=master_dtype(train, dtype))
+    dtype = torch_dtype(plan.precision.value)
+    ctx = RunContext(env=env, dims=dims, dtype=dtype, stored=torch_dtype(plan.stored.value), plan=plan)
     torch.manual_seed(0)
     model, _, family = load_model(folder, dtype=ctx.stored)
-    tm = split_sequences(prepare_model(model, family, train, device, compute_dtype=dtype), train, dims)
+    tm = split_sequences(prepare_model(model, family, train, device, compute_dtype=dtype, plan=plan), train, dims)
     mlp = tm.parts.decoder_layers[0].mlp
     wrapped = wrap_model(tm, train, ctx, total_steps=2)
     batches = all_rows[:dims.dp_size]

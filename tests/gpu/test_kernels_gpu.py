@@ -106,14 +106,16 @@ def test_gpu_figures_and_auto_choices():
     from vlmctl.distributed.fsdp import rank_memory_bytes
     from vlmctl.train.launch import resolve_nproc
     from vlmctl.train.metrics import peak_flops
-    from vlmctl.train.setup import resolve_attention, resolve_dtype
+    from vlmctl.config.plan import DeviceFacts, build_plan
 
     device = torch.device("cuda", 0)
     assert peak_flops(device) and peak_flops(device) > 1e14, torch.cuda.get_device_name(device)
     assert rank_memory_bytes("cuda") == torch.cuda.get_device_properties(device).total_memory
-    assert resolve_dtype("auto", device) == torch.bfloat16
-    assert resolve_attention(TrainSection(packing=True), device) == "vlmctl_varlen"
-    assert resolve_attention(TrainSection(packing=True, precision="fp32"), device) == "sdpa"  # the flash kernels need bf16
+    here = DeviceFacts.here()
+    assert here.memory_bytes == torch.cuda.get_device_properties(device).total_memory
+    assert build_plan(TrainSection(), here).precision.value == "bf16"
+    assert build_plan(TrainSection(packing=True), here).attention.value == "varlen"
+    assert build_plan(TrainSection(packing=True, precision="fp32"), here).attention.value == "sdpa"  # flash kernels: bf16
     assert resolve_nproc("auto") == torch.cuda.device_count()
 
 

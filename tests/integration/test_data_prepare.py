@@ -254,13 +254,15 @@ def test_row_budget_applies_to_the_tokenizer_trained_at_prepare_time(tmp_path):
     """Before the build of a random-init preset, the tokenizer's rounds drop samples over the row budget too."""
     from vlmctl.config.model import ModelSection
     from vlmctl.data.pipeline import RowBudget
+    from vlmctl.models.build import configured_processor
 
     src = DataSource(path=str(REAL / "llava_examples" / "llava_format.json"))
     model = ModelSection(preset="tiny", init="random")
 
     def prepare(budget: RowBudget | None) -> tuple[dict, list[dict]]:
         data = DataSection(sources=[src], prepared_dir=tmp_path / "prepared", val_ratio=0.0, max_length=100_000)
-        tokens = prepare_data(data, num_proc=1, model=model, row_budget=budget, progress=False).manifest["tokens"]
+        tokens = prepare_data(data, num_proc=1, model=model, processors=configured_processor, row_budget=budget,
+                              progress=False).manifest["tokens"]
         return tokens, [json.loads(line) for line in (tmp_path / "prepared" / "rejected.jsonl").read_text().splitlines()]
 
     tokens, rejected = prepare(None)

@@ -137,7 +137,7 @@ def _grads_rank(rank: int, port: int, folder: str, data: str, out: str) -> None:
     from vlmctl.distributed.env import init_distributed
     from vlmctl.distributed.mesh import ParallelDims
     from vlmctl.models import load_model
-    from vlmctl.train import autotune
+    from vlmctl.config.plan import DeviceFacts, build_plan
     from vlmctl.train.loop import to_device
     from vlmctl.train.setup import RunContext, prepare_model, split_sequences
     from vlmctl.train.worker import wrap_model
@@ -147,12 +147,13 @@ def _grads_rank(rank: int, port: int, folder: str, data: str, out: str) -> None:
     results = {}
     for strategy, sp in CASES:
         train = _train_section(strategy, sp)
-        autotune.settle_without_probe(train, env.device)
+        plan = build_plan(train, DeviceFacts.here(4))
+        train = plan.train_section(train)
         dims = ParallelDims.for_strategy(strategy, 4, sharding="full", sp=sp)
         dims.build_mesh("cpu")
-        ctx = RunContext(env=env, dims=dims, dtype=torch.float32, stored=torch.float32)
+        ctx = RunContext(env=env, dims=dims, dtype=torch.float32, stored=torch.float32, plan=plan)
         model, _, family = load_model(folder, dtype=torch.float32)
-        tm = split_sequences(prepare_model(model, family, train, env.device), train, dims)
+        tm = split_sequences(prepare_model(model, family, train, env.device, plan=plan), train, dims)
         wrapped = wrap_model(tm, train, ctx, total_steps=1)
         mine = rows[:dims.dp_size][dims.dp_rank]
         labelled = sum(int((r["labels"][0, 1:] != -100).sum()) for r in rows[:dims.dp_size])

@@ -185,10 +185,13 @@ def test_in_process_run_changes_exactly_the_trained_weights(project, mode, capsy
     if mode == "align":
         assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     if mode == "lora":
-        # train.activation_checkpointing was left auto: on CPU it resolves without a probe, recorded in the run
+        # train.activation_checkpointing was left auto: on CPU it resolves without a probe, recorded in the run's
+        # plan; config.yaml keeps the project's own word
         from vlmctl.config import load_config
+        from vlmctl.config.plan import read_plan
 
-        assert load_config(run / "config.yaml").train.activation_checkpointing == "off"
+        assert load_config(run / "config.yaml").train.activation_checkpointing == "auto"
+        assert read_plan(run).activation_checkpointing.value == "off"
         assert json.loads((run / "autotune.json").read_text())["reason"] == "no probe on CPU"
         state = json.loads((run / "checkpoints" / "checkpoint-3" / "trainer_state.json").read_text())
         assert state["lora"]["r"] == 4

@@ -3,6 +3,8 @@
 - family knowledge lives in vlmctl/families/: no other module compares against or branches on a family name;
 - library code never imports the CLI (vlmctl/cli/ renders errors; the library raises typed ones);
 - no import cycle between vlmctl modules, counting imports inside functions too;
+- layers: families/ imports no other layer (data, models, train, distributed), data/ imports none of models,
+  train, distributed (inside functions too);
 - the worker reads as named steps: train/worker.py stays short.
 """
 
@@ -150,6 +152,37 @@ def test_library_code_never_imports_the_cli():
 def test_no_import_cycle_inside_vlmctl():
     graph = {name: imports_of(name, tree) for name, tree in TREES.items()}
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
+
+
+LOWER_LAYERS = {
+    "vlmctl.families": ("vlmctl.data", "vlmctl.models", "vlmctl.train", "vlmctl.distributed"),
+    "vlmctl.data": ("vlmctl.models", "vlmctl.train", "vlmctl.distributed"),
+}
+"""Package -> the packages its modules must not import: a family knows no pipeline, the data pipeline builds no
+model and starts no training (what they need of those is handed to them)."""
+
+
+def layer_violations(trees: dict[str, ast.AST]) -> dict[str, list[str]]:
+    """Module -> the modules of a forbidden package (`LOWER_LAYERS`) it imports, at module level or in functions."""
+    found = {}
+    for name, tree in trees.items():
+        for package, forbidden in LOWER_LAYERS.items():
+            if name == package or name.startswith(package + "."):
+                bad = sorted(m for m in imports_of(name, tree) if any(m == f or m.startswith(f + ".") for f in forbidden))
+                if bad:
+                    found[name] = bad
+    return found
+
+
+def test_families_and_data_import_no_higher_layer():
+    assert layer_violations(TREES) == {}
+
+
+def test_the_layer_check_catches_an_import_inside_a_function():
+    tree = ast.parse("def f():\n    from vlmctl.models.build import plan_build\n")
+    assert layer_violations({"vlmctl.data.counting": tree}) == {"vlmctl.data.counting": ["vlmctl.models.build"]}
+    assert layer_violations({"vlmctl.families.spec": ast.parse("import vlmctl.data.collate\n")}) == {"vlmctl.families.spec": ["vlmctl.data.collate"]}
+    assert layer_violations({"vlmctl.data.counting": ast.parse("import vlmctl.families.spec\n")}) == {}
 
 
 def test_the_cycle_finder_finds_a_cycle():

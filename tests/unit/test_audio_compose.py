@@ -71,8 +71,9 @@ def test_whisper_encoder_and_an_llm_compose_into_qwen2_audio_that_vanilla_transf
 
 
 def test_random_init_reads_configs_only_and_counts_before_the_build(parts, tmp_path):
-    from vlmctl.data.counting import configured_processor, model_configured
+    from vlmctl.data.counting import model_configured
     from vlmctl.models import build_model
+    from vlmctl.models.build import configured_processor
 
     section = ModelSection(audio=str(parts / "whisper"), llm="tiny", init="random", output_dir=tmp_path / "rnd", dtype="fp32")
     assert model_configured(section)

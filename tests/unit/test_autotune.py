@@ -144,35 +144,40 @@ def test_nothing_fits_at_all_is_an_error():
 
 
 def test_fixed_values_where_no_probe_runs():
-    import torch
-
+    from vlmctl.config.plan import PROBE, DeviceFacts, build_plan
     from vlmctl.config.train import TrainSection
 
-    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    cpu, gpu = DeviceFacts(kind="cpu"), DeviceFacts(kind="cuda", memory_bytes=80 * GIB, processes=2)
     train = TrainSection()
-    assert autotune.settle_without_probe(train, cpu) is not None
-    assert (train.tokens_per_batch, train.micro_batch_size, train.activation_checkpointing) == (8192, 1, "off")
-    train = TrainSection(strategy="zero3")
-    autotune.settle_without_probe(train, gpu)
-    assert (train.tokens_per_batch, train.activation_checkpointing) == (8192, "full")
+    plan = build_plan(train, cpu)
+    assert autotune.fixed_record(plan) is not None and not autotune.wants(plan)
+    resolved = plan.train_section(train)
+    assert (resolved.tokens_per_batch, resolved.micro_batch_size, resolved.activation_checkpointing) == (8192, 1, "off")
+    assert train.tokens_per_batch == "auto"  # the config itself is never changed
+    resolved = build_plan(TrainSection(strategy="zero3"), gpu).train_section(TrainSection(strategy="zero3"))
+    assert (resolved.tokens_per_batch, resolved.activation_checkpointing) == (8192, "full")
     # on a GPU with fsdp the probe settles the batching in use and checkpointing; the other batching gets its default
     train = TrainSection(strategy="fsdp")
-    autotune.settle_without_probe(train, gpu)
-    assert train.tokens_per_batch == "auto" and train.activation_checkpointing == "auto" and train.micro_batch_size == 1
-    assert autotune.wants(train) == {"tokens_per_batch", "activation_checkpointing"}
+    plan = build_plan(train, gpu)
+    resolved = plan.train_section(train)
+    assert resolved.tokens_per_batch == "auto" and resolved.activation_checkpointing == "auto" and resolved.micro_batch_size == 1
+    assert autotune.wants(plan) == {"tokens_per_batch", "activation_checkpointing"}
+    assert plan.tokens_per_batch.value == PROBE and plan.row_tokens is None
     # explicit values are never touched
     train = TrainSection(tokens_per_batch=4096, activation_checkpointing=2, micro_batch_size=3)
-    assert autotune.settle_without_probe(train, cpu) is None
-    assert (train.tokens_per_batch, train.micro_batch_size, train.activation_checkpointing) == (4096, 3, 2)
-    # the returned choice (a run's autotune.json) holds only what auto decided, not the configured values' defaults
-    train = TrainSection(tokens_per_batch=4096)
-    settled = autotune.settle_without_probe(train, cpu)
-    assert settled.tokens_per_batch is None and train.tokens_per_batch == 4096
+    plan = build_plan(train, cpu)
+    assert autotune.fixed_record(plan) is None
+    resolved = plan.train_section(train)
+    assert (resolved.tokens_per_batch, resolved.micro_batch_size, resolved.activation_checkpointing) == (4096, 3, 2)
+    # the record (a run's autotune.json) holds only what auto decided, not the configured values' defaults
+    settled = autotune.fixed_record(build_plan(TrainSection(tokens_per_batch=4096), cpu))
+    assert settled.tokens_per_batch is None and settled.reason == "no probe on CPU"
     assert (settled.micro_batch_size, settled.activation_checkpointing) == (1, "off")
 
 
 def test_the_record_round_trips_and_resolves_only_auto_keys(tmp_path):
-    from vlmctl.config import load_config
+    from vlmctl.config import TrainSection, load_config
+    from vlmctl.config.plan import DeviceFacts, build_plan, read_plan, settle_probe
 
     (tmp_path / "vlmctl.yaml").write_text("project: {name: p}\ntrain: {micro_batch_size: 4}\n")
     cfg = load_config(tmp_path / "vlmctl.yaml")
@@ -181,12 +186,16 @@ def test_the_record_round_trips_and_resolves_only_auto_keys(tmp_path):
     choice.micro_batch_size = 9  # never applied: the config sets 4
     applied = choice.apply(cfg.train)
     assert applied == [f"tokens_per_batch={choice.tokens_per_batch}", "activation_checkpointing=full"]
-    autotune.save_record(tmp_path, choice, cfg)
+    plan = build_plan(TrainSection(micro_batch_size=4), DeviceFacts(kind="cuda", memory_bytes=80 * GIB))
+    plan, applied = settle_probe(plan, TrainSection(micro_batch_size=4), choice)
+    autotune.save_record(tmp_path, choice, plan)
     again = autotune.load_record(tmp_path)
     assert again.tokens_per_batch == choice.tokens_per_batch and len(again.trials) == len(choice.trials)
-    saved = load_config(tmp_path / "config.yaml")
-    assert (saved.train.tokens_per_batch, saved.train.activation_checkpointing, saved.train.micro_batch_size) == (
+    saved = read_plan(tmp_path)  # the plan records the probe's decisions; no config.yaml is written
+    assert not (tmp_path / "config.yaml").exists()
+    assert (saved.tokens_per_batch.value, saved.activation_checkpointing.value, saved.micro_batch_size.value) == (
         choice.tokens_per_batch, "full", 4)
+    assert saved.row_tokens == choice.tokens_per_batch and saved.probe["applied"] == applied
 
 
 def test_probe_rows_take_the_heaviest_samples_per_token_first():

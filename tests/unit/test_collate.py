@@ -165,7 +165,7 @@ def test_other_families_collate_and_run_forward(preset, tmp_path):
     assert collate(samples[2:])["num_dummy_images"] == 1
     # one packed row of the same samples: the same summed loss as the padded batches (mRoPE positions per sample)
     from vlmctl.data.collate import PackedCollator
-    from vlmctl.data.packing import mrope_position_ids
+    from vlmctl.families.qwen_vl import packed_mrope_positions
     from vlmctl.train.kernels import token_losses
 
     padded = [collate(samples[:2]), collate(samples[2:])]
@@ -175,8 +175,8 @@ def test_other_families_collate_and_run_forward(preset, tmp_path):
     assert row["input_ids"].shape[0] == 1 and row["num_samples"] == len(samples)
     assert row["num_label_tokens"] == sum(b["num_label_tokens"] for b in padded)
     if family.mrope:
-        row["position_ids"] = mrope_position_ids(model.model.get_rope_index, row["input_ids"], row["mm_token_type_ids"],
-                                                 row["image_grid_thw"], row["seq_lens"])
+        row["position_ids"] = packed_mrope_positions(model.model.get_rope_index, row["input_ids"], row["mm_token_type_ids"],
+                                                     row["seq_lens"], image_grid_thw=row["image_grid_thw"])
     with torch.no_grad():
         losses, _ = token_losses(model, {**model_inputs(row), "labels": row["labels"]})
     assert float(losses.sum()) == pytest.approx(padded_sum, rel=1e-4)

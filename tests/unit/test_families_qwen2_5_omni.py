@@ -75,9 +75,20 @@ def test_module_paths_and_layer_classes_on_the_real_class():
     assert type(model.get_submodule(SPEC.language_model)).__name__ == "Qwen2_5OmniThinkerTextModel"
     assert model.get_submodule(SPEC.lm_head).out_features == model.config.text_config.vocab_size
     assert {c.__name__ for c in decoder_layer_classes(model, SPEC)} == {"Qwen2_5OmniDecoderLayer"} and len(decoder_layers(model, SPEC)) == 2
-    assert {c.__name__ for c in vision_layer_classes(model, SPEC)} == {"Qwen2_5OmniAudioEncoderLayer"} and len(vision_layers(model, SPEC)) == 2
+    # two encoders, each block of both an FSDP / checkpointing unit, audio first (the thinker's forward order)
+    assert list(SPEC.encoders) == ["audio", "image"] and SPEC.encoders["image"].path == "model.visual"
+    assert {c.__name__ for c in vision_layer_classes(model, SPEC)} == {"Qwen2_5OmniAudioEncoderLayer", "Qwen2_5OmniVisionBlock"}
+    layers = vision_layers(model, SPEC)
+    assert [type(m).__name__ for m in layers] == ["Qwen2_5OmniAudioEncoderLayer"] * 2 + ["Qwen2_5OmniVisionBlock"] * len(model.model.visual.blocks)
     counts = count_parameters(model, SPEC)
     assert min(counts["vision"], counts["projector"], counts["llm"]) > 0
+    # the image encoder is the `vision` part (frozen by align / finetune, trained by full), its merger the projector
+    from vlmctl.families import part_of_parameter
+
+    parts = {part_of_parameter(n, SPEC) for n, _ in model.named_parameters() if n.startswith("model.visual.")}
+    assert parts == {"vision", "projector"}
+    assert counts["vision"] == sum(p.numel() for n, p in model.named_parameters()
+                                   if n.startswith(("model.audio_tower.", "model.visual.")) and not n.startswith(SPEC.projector))
     assert set(SPEC.modalities) == {"image", "audio"} and SPEC.mrope and SPEC.supports_packing
 
 
@@ -235,6 +246,46 @@ def test_packed_rows_give_the_per_sample_losses_and_gradients(tiny):
     with torch.no_grad():  # without logits_to_keep the prepared forward is the class's
         inputs = model_inputs(single([samples[1]]))
         torch.testing.assert_close(model(**inputs).logits, base(**inputs).logits)
+
+
+def test_flops_of_both_encoders_match_the_flop_counter(tiny):
+    """The cost model of a padded batch with a clip and two images (both encoders, each counted by its own rule:
+    the audio tower on the clip's real frames in chunks, the vision encoder's windows, each encoder's projector on
+    its own rows) against torch's FLOP counter over forward + backward, logits at the labelled positions only as
+    the trainer computes them, for every stage; the causal half of the language model's attention put back as in
+    tests/unit/test_flops.py."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from vlmctl.data.collate import Collator, model_inputs
+    from vlmctl.families import part_of_parameter
+    from vlmctl.families.qwen2_5_omni import keep_logits_forward
+    from vlmctl.train.flops import CostModel
+
+    _, processor, base = tiny
+    model = copy.deepcopy(base)
+    model.set_attn_implementation("eager")
+    keep_logits_forward(model)
+    batch = Collator(processor, SPEC, dummy_image=False)([_samples()[4]])
+    inputs, labels = model_inputs(batch), batch["labels"]
+    target = torch.nonzero(labels[0] != -100).squeeze(1)
+    for trainable in ({"vision", "projector", "llm"}, {"projector", "llm"}, {"projector"}):
+        for name, p in model.named_parameters():
+            p.requires_grad_(part_of_parameter(name, SPEC) in trainable)
+        with FlopCounterMode(display=False) as counter:
+            logits = model(**inputs, logits_to_keep=target - 1, use_cache=False).logits[0]
+            F.cross_entropy(logits.float(), labels[0, target], reduction="sum").backward()
+        model.zero_grad(set_to_none=True)
+        cost = CostModel.from_model(model, SPEC, trainable)
+        terms = cost.batch_terms(batch)
+        assert cost.vision is not None and cost.audio is not None and cost.audio.chunk == 2 * model.config.audio_config.n_window
+        assert min(terms["vision"], terms["vision_attention"], terms["audio"], terms["audio_attention"], terms["projector"]) > 0
+        expected = sum(terms.values()) + terms["llm_attention"]  # causal=False, as counted
+        measured = counter.get_total_flops()
+        assert abs(expected - measured) / measured < 0.02, (sorted(trainable), expected, measured, terms)
 
 
 def test_the_build_loads_with_vlmctl_and_with_vanilla_transformers_with_the_same_logits(tmp_path):

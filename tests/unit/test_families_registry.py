@@ -66,8 +66,16 @@ def test_tiny_preset_builds_and_the_spec_resolves_its_paths(name):
     processor = make_processor(plan, tokenizer_texts=TEXTS)
     model = make_model(plan, processor)
     assert type(model).__name__ == spec.model_class and type(processor).__name__ == spec.processor_class
-    for path in (spec.vision_tower, *spec.projector, spec.language_model, spec.lm_head):
+    for path in (*(e.path for e in spec.encoders.values()), *spec.projector, spec.language_model, spec.lm_head):
         model.get_submodule(path)  # raises AttributeError when the path is wrong
+    # every encoder: its own blocks (the classes it names), a cost rule that reads the model, the modalities it
+    # encodes among the family's (an image encoder may also take the family's videos)
+    from vlmctl.families import encoder_layers
+
+    for key, enc in spec.encoders.items():
+        blocks = encoder_layers(model, spec)[key]
+        assert blocks and (not enc.layer_classes or {type(b).__name__ for b in blocks} == set(enc.layer_classes)), key
+        assert enc.shape(model) is not None and set(enc.modalities) & set(spec.modalities), key
     counts = count_parameters(model, spec)
     assert min(counts["vision"], counts["projector"], counts["llm"]) > 0
     assert len(decoder_layers(model, spec)) == model.config.get_text_config().num_hidden_layers
@@ -137,6 +145,20 @@ def test_specs_pickle_and_answer_like_the_original():
         config = {"vision_config": {"image_size": 224, "patch_size": 14}}
         if spec.mrope:
             assert copy.num_visual_tokens(448, 448, config) == spec.num_visual_tokens(448, 448, config)
+
+
+def test_encoders_declare_what_was_read_off_the_model():
+    # only the Qwen-VL towers that return merged tokens for all images split them over sequence-parallel ranks;
+    # only Qwen-VL's take the patch-embedding GEMM and the compiled rotary kernels
+    split = sorted(n for n, f in FAMILIES.items() if any(e.sequence_split for e in f.encoders.values()))
+    assert split == ["qwen2_5_vl", "qwen2_vl"]
+    gemm = {n for n, f in FAMILIES.items() if any("patch_embed_gemm" in e.kernels for e in f.encoders.values())}
+    assert gemm == {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen2_5_omni", "qwen3_omni"}
+    audio = {n: [k for k, e in f.encoders.items() if "audio" in e.modalities] for n, f in FAMILIES.items() if "audio" in f.modalities}
+    assert audio == {"qwen2_audio": ["audio"], "qwen2_5_omni": ["audio"], "qwen3_omni": ["audio"], "phi4_multimodal": ["audio"]}
+    # the audio features are `input_features` (Whisper's extractor), Phi-4-multimodal's `audio_input_features`
+    assert all(any(k.endswith("input_features") for k in e.data_keys) == ("audio" in e.modalities)
+               for f in FAMILIES.values() for e in f.encoders.values())
 
 
 def test_a_spec_refuses_modalities_it_does_not_accept():

@@ -55,17 +55,27 @@ def _clips() -> list[bytes]:
 
 
 def test_module_paths_and_layer_classes_on_the_real_class():
-    from vlmctl.families import count_parameters, decoder_layer_classes, decoder_layers, vision_layer_classes, vision_layers
+    from vlmctl.families import (count_parameters, decoder_layer_classes, decoder_layers, encoder_layers, part_of_parameter,
+                                 vision_layer_classes, vision_layers)
     from vlmctl.models.build import instantiate, plan_build
 
     model = instantiate(plan_build(ModelSection(preset=SPEC.tiny_preset, init="random")), device="meta")
     assert type(model).__name__ == SPEC.model_class
-    assert type(model.get_submodule(SPEC.vision_tower)).__name__ == "Phi4MultimodalVisionModel"
-    assert type(model.get_submodule("model.embed_tokens_extend.audio_embed.encoder")).__name__ == "Phi4MultimodalAudioModel"
+    assert list(SPEC.encoders) == ["image", "audio"]
+    assert type(model.get_submodule(SPEC.encoders["image"].path)).__name__ == "Phi4MultimodalVisionModel"
+    assert type(model.get_submodule(SPEC.encoders["audio"].path)).__name__ == "Phi4MultimodalAudioModel"
+    assert {k: {type(b).__name__ for b in blocks} for k, blocks in encoder_layers(model, SPEC).items()} == {
+        "image": {"Phi4MultimodalVisionEncoderLayer"}, "audio": {"Phi4MultimodalAudioConformerEncoderLayer"}}
+    # both encoders are the `vision` part; the image embedding's separators are the language model's
+    parts = {n: part_of_parameter(n, SPEC) for n, _ in model.named_parameters()}
+    assert {p for n, p in parts.items() if n.startswith(("model.embed_tokens_extend.image_embed.img_processor.",
+                                                         "model.embed_tokens_extend.audio_embed.encoder."))} == {"vision"}
+    assert parts["model.embed_tokens_extend.image_embed.sub_img_feature_extensor"] == "llm"
     assert {type(model.get_submodule(p)).__name__ for p in SPEC.projector} == {"Linear"} and len(SPEC.projector) == 6
     assert model.get_submodule(SPEC.lm_head).out_features == model.config.vocab_size
     assert {c.__name__ for c in decoder_layer_classes(model, SPEC)} == {"Phi4MultimodalDecoderLayer"} and len(decoder_layers(model, SPEC)) == 3
-    assert {c.__name__ for c in vision_layer_classes(model, SPEC)} == {"Phi4MultimodalVisionEncoderLayer"} and len(vision_layers(model, SPEC)) == 2
+    assert {c.__name__ for c in vision_layer_classes(model, SPEC)} == {"Phi4MultimodalVisionEncoderLayer", "Phi4MultimodalAudioConformerEncoderLayer"}
+    assert len(vision_layers(model, SPEC)) == 4
     counts = count_parameters(model, SPEC)
     assert min(counts["vision"], counts["projector"], counts["llm"]) > 0
     assert set(SPEC.modalities) == {"image", "audio"} and not SPEC.supports_packing
@@ -174,7 +184,8 @@ def _conv_backward_by_groups(grad_out_shape, x_shape, w_shape, _bias, _stride, _
     return forward * int(bool(output_mask[0])) + forward * int(bool(output_mask[1]))
 
 
-@pytest.mark.parametrize("trainable", [{"vision", "projector", "llm"}, {"projector"}, {"llm"}], ids=["full", "align", "llm"])
+@pytest.mark.parametrize("trainable", [{"vision", "projector", "llm"}, {"projector", "llm"}, {"projector"}, {"llm"}],
+                         ids=["full", "finetune", "align", "llm"])
 def test_the_cost_model_matches_the_flop_counter(tiny, trainable):
     """One sample with two clips and an image (padding crops included), forward and backward on the labelled
     positions with eager attention: the cost model's terms equal what `FlopCounterMode` counts (with grouped

@@ -65,18 +65,26 @@ def _samples() -> list[Sample]:
 
 
 def test_module_paths_and_layer_classes_on_the_real_class():
-    from vlmctl.families import count_parameters, decoder_layer_classes, decoder_layers, vision_layer_classes, vision_layers
+    from vlmctl.families import (count_parameters, decoder_layer_classes, decoder_layers, encoder_layers, part_of_parameter,
+                                 vision_layer_classes, vision_layers)
     from vlmctl.models.build import instantiate, plan_build
 
     model = instantiate(plan_build(ModelSection(preset=SPEC.tiny_preset, init="random")), device="meta")
     assert type(model).__name__ == SPEC.model_class
-    assert type(model.get_submodule(SPEC.vision_tower)).__name__ == "Qwen3OmniMoeAudioEncoder"
-    assert type(model.get_submodule("model.visual")).__name__ == "Qwen3OmniMoeVisionEncoder"
+    assert list(SPEC.encoders) == ["audio", "image"]  # forward order: the thinker encodes audio before images
+    assert type(model.get_submodule(SPEC.encoders["audio"].path)).__name__ == "Qwen3OmniMoeAudioEncoder"
+    assert type(model.get_submodule(SPEC.encoders["image"].path)).__name__ == "Qwen3OmniMoeVisionEncoder"
+    assert {k: {type(b).__name__ for b in blocks} for k, blocks in encoder_layers(model, SPEC).items()} == {
+        "audio": {"Qwen3OmniMoeAudioEncoderLayer"}, "image": {"Qwen3OmniMoeVisionBlock"}}
+    # both encoders are the `vision` part, their projections the projector
+    assert {part_of_parameter(n, SPEC) for n, _ in model.named_parameters() if n.startswith(("model.audio_tower.layers.", "model.visual.blocks."))} == {"vision"}
+    assert {part_of_parameter(n, SPEC) for n, _ in model.named_parameters() if n.startswith(("model.audio_tower.proj", "model.visual.merger"))} == {"projector"}
     assert [type(model.get_submodule(p)).__name__ for p in SPEC.projector] == ["Linear", "Linear", "Qwen3OmniMoeVisionPatchMerger", "ModuleList"]
     assert type(model.get_submodule(SPEC.language_model)).__name__ == "Qwen3OmniMoeThinkerTextModel"
     assert model.get_submodule(SPEC.lm_head).out_features == model.config.text_config.vocab_size
     assert {c.__name__ for c in decoder_layer_classes(model, SPEC)} == {"Qwen3OmniMoeThinkerTextDecoderLayer"} and len(decoder_layers(model, SPEC)) == 2
-    assert {c.__name__ for c in vision_layer_classes(model, SPEC)} == {"Qwen3OmniMoeAudioEncoderLayer"} and len(vision_layers(model, SPEC)) == 2
+    assert {c.__name__ for c in vision_layer_classes(model, SPEC)} == {"Qwen3OmniMoeAudioEncoderLayer", "Qwen3OmniMoeVisionBlock"}
+    assert len(vision_layers(model, SPEC)) == 4
     counts = count_parameters(model, SPEC)
     assert min(counts["vision"], counts["projector"], counts["llm"]) > 0
     assert set(SPEC.modalities) == {"image", "audio"} and SPEC.mrope and SPEC.supports_packing

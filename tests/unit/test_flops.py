@@ -366,8 +366,10 @@ def test_a_4bit_packed_weight_counts_its_full_matrix():
         def get_output_embeddings(self):
             return None
 
+    from vlmctl.families.encoders import image_encoder
+
     family = types.SimpleNamespace(vision_tower="vision", projector=["proj"], language_model="language_model",
-                                   lm_head="lm_head", name="x")
+                                   lm_head="lm_head", name="x", encoders={"image": image_encoder("vision")})
     model = Tiny()
     full = _param_counts(model, family)["llm_params"]
     packed = torch.nn.Parameter(torch.zeros(64, 1), requires_grad=False)

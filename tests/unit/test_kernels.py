@@ -25,7 +25,8 @@ def tiny_qwen25_vl():
 def test_aligned_mlp_and_linear_patch_embedding_are_exact(compile, monkeypatch):
     from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
 
-    from vlmctl.train.kernels import apply_vision_kernels
+    from vlmctl.families import get_family
+    from vlmctl.train.kernels import apply_encoder_kernels
 
     # the compiled rotary replaces the module's function: put the original back for the other tests
     monkeypatch.setattr(modeling_qwen2_5_vl, "apply_rotary_pos_emb_vision", modeling_qwen2_5_vl.apply_rotary_pos_emb_vision)
@@ -33,7 +34,8 @@ def test_aligned_mlp_and_linear_patch_embedding_are_exact(compile, monkeypatch):
     ref = tiny_qwen25_vl()
     fast = copy.deepcopy(ref)
     shapes = {n: p.shape for n, p in fast.named_parameters()}
-    applied = apply_vision_kernels(fast, list(fast.model.visual.blocks), compile=compile)
+    # the kernels Qwen2.5-VL's image encoder declares (`EncoderSpec.kernels`)
+    applied = apply_encoder_kernels(fast, get_family("qwen2_5_vl"), compile=compile)
     assert any("aligned MLP" in a for a in applied) and "patch embedding as GEMM" in applied
     assert ("compiled rotary" in applied) == compile
     assert {n: p.shape for n, p in fast.named_parameters()} == shapes  # checkpoints are unchanged
@@ -50,6 +52,23 @@ def test_aligned_mlp_and_linear_patch_embedding_are_exact(compile, monkeypatch):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_an_encoder_gets_only_the_kernels_its_family_declares():
+    import dataclasses
+
+    from vlmctl.families import get_family
+    from vlmctl.train.kernels import apply_encoder_kernels
+
+    family = get_family("qwen2_5_vl")
+    model = tiny_qwen25_vl()
+    forwards = [type(m).forward for m in model.modules()]
+    plain = dataclasses.replace(family, encoders={"image": dataclasses.replace(family.encoders["image"], kernels=())})
+    assert apply_encoder_kernels(model, plain, compile=False) == []
+    assert [type(m).forward for m in model.modules()] == forwards and not any("forward" in vars(m) for m in model.modules())
+    mlp_only = dataclasses.replace(family, encoders={"image": dataclasses.replace(family.encoders["image"], kernels=("aligned_mlp",))})
+    assert apply_encoder_kernels(model, mlp_only, compile=False) == ["aligned MLP"]
+    assert "forward" not in vars(model.model.visual.patch_embed)  # the patch embedding was not declared
+
+
 def test_aligned_mlp_leaves_aligned_or_adapted_mlps_alone():
     from vlmctl.train.kernels import align_vision_mlp
 
@@ -62,9 +81,33 @@ def test_aligned_mlp_leaves_aligned_or_adapted_mlps_alone():
 
 def test_liger_kernels_stay_off_where_compile_runs_over_the_modules_they_replace():
     # liger patches the decoder layers' and the vision blocks' norms; dynamo cannot trace its autograd functions
+    from vlmctl.config.plan import DeviceFacts, build_plan
     from vlmctl.config.train import TrainSection
-    from vlmctl.train.setup import liger_kernels
 
-    assert liger_kernels(TrainSection(compile="off", compile_vision="kernels"))
-    assert not liger_kernels(TrainSection(compile="on", compile_vision="kernels"))
-    assert not liger_kernels(TrainSection(compile="off", compile_vision="blocks"))
+    gpu = DeviceFacts(kind="cuda", liger=True, triton=True, varlen=True)
+    kernels = lambda **kw: build_plan(TrainSection(**kw), gpu).liger_kernels.value  # noqa: E731
+    assert kernels(compile="off", compile_vision="kernels")
+    assert not kernels(compile="on", compile_vision="kernels")
+    assert not kernels(compile="off", compile_vision="blocks")
+    assert not kernels(compile="off", compile_vision="kernels", liger="off")  # no fused loss, no patches
+
+
+def test_under_the_varlen_kernel_each_encoder_keeps_the_attention_its_family_declares():
+    import dataclasses
+
+    from vlmctl.families import get_family
+    from vlmctl.train.kernels import VARLEN_NAME, VISION_VARLEN_NAME, register_varlen_attention, set_attention
+
+    register_varlen_attention()
+    family = get_family("qwen2_5_vl")
+    model = tiny_qwen25_vl()
+    set_attention(model, VARLEN_NAME, vision_varlen=True, encoders=family.encoders.values())
+    assert model.config.text_config._attn_implementation == VARLEN_NAME
+    assert model.config.vision_config._attn_implementation == VISION_VARLEN_NAME  # a `varlen` encoder, on CUDA
+    model = tiny_qwen25_vl()
+    set_attention(model, VARLEN_NAME, vision_varlen=False, encoders=family.encoders.values())
+    assert model.config.vision_config._attn_implementation == "sdpa"  # its own attention, one call per window
+    follows = dataclasses.replace(family.encoders["image"], attention=None, varlen=False)
+    model = tiny_qwen25_vl()
+    set_attention(model, VARLEN_NAME, vision_varlen=True, encoders=[follows])
+    assert model.config.vision_config._attn_implementation == VARLEN_NAME  # the language model's

@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from vlmctl.data.packing import first_fit_decreasing, mrope_position_ids, pack_samples
+from vlmctl.data.packing import first_fit_decreasing, pack_samples
+from vlmctl.families.qwen_vl import packed_mrope_positions
 from vlmctl.train.kernels import per_sample_sums, token_losses
 
 
@@ -124,8 +125,8 @@ def test_packed_qwen2_5_vl_matches_one_by_one_with_mrope():
         samples.append(s)
 
     def add_mrope(packed, seq_lens):
-        packed["position_ids"] = mrope_position_ids(
-            model.model.get_rope_index, packed["input_ids"], packed["mm_token_type_ids"], packed["image_grid_thw"], seq_lens)
+        packed["position_ids"] = packed_mrope_positions(
+            model.model.get_rope_index, packed["input_ids"], packed["mm_token_type_ids"], seq_lens, image_grid_thw=packed["image_grid_thw"])
         assert packed["position_ids"].shape == (4, 1, sum(seq_lens))
         # visual positions restart per sample: the third sample's 3-D positions equal its unpacked ones
         start = seq_lens[0] + seq_lens[1]

@@ -144,13 +144,16 @@ def test_validate_with_a_built_model_imports_neither_torch_nor_transformers(llav
 
 
 def test_a_missing_source_fails_before_any_processor_loads(tmp_path):
+    from vlmctl.models.build import configured_processor
+
     broken = tmp_path / "model"
     broken.mkdir()
     (broken / "tokenizer.json").write_text("{broken")
     (broken / "vlmctl_model.json").write_text(json.dumps({"family": "llava"}))
     data = DataSection(sources=[DataSource(path=str(tmp_path / "gone.json"), format="llava")], prepared_dir=tmp_path / "prepared")
     with pytest.raises(DataError, match="gone.json does not exist"):
-        prepare_data(data, num_proc=1, processor_dir=broken, model=ModelSection(preset="tiny", init="random"), progress=False)
+        prepare_data(data, num_proc=1, processor_dir=broken, model=ModelSection(preset="tiny", init="random"), progress=False,
+                     processors=configured_processor)
 
 
 def _long_record(raw: Path) -> str:
@@ -210,3 +213,42 @@ def test_prepare_without_a_model_says_why_there_are_no_counts(tmp_path, capsys, 
     code, out, err = run(["data", "prepare", "--num-proc", "1"], capsys)
     assert code == 0, err
     assert "No token counts (no model in the model section): too_long was not checked." in " ".join((out + err).split())
+
+
+def test_prepared_shards_keep_each_media_items_tokens_and_training_reads_them(tmp_path):
+    """Prepare with a built Qwen2.5-VL processor (tokens follow each image's size) stores every image's
+    placeholder tokens (the `media_tokens` column, read back into `Sample.media_tokens`); the training-side counts
+    (`ShardDataset.count_estimates`) take their sums instead of estimating, and shards without the column still
+    give estimates."""
+    import io
+
+    import numpy as np
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    from vlmctl.data.loader import ShardDataset
+
+    spec = FAMILIES["qwen2_5_vl"]
+    folder = tmp_path / "model"
+    folder.mkdir()
+    processor = saved_processor(spec, folder)
+    data = DataSection(sources=[DataSource(path=str(REAL / "llava_examples" / "llava_format.json"))],
+                       prepared_dir=tmp_path / "prepared", val_ratio=0.0)
+    prepare_data(data, num_proc=1, processor_dir=folder, progress=False)
+    shards = sorted((tmp_path / "prepared" / "train").glob("*.parquet"))
+    dataset = ShardDataset(shards)
+    rows = pq.read_table(shards[0], columns=["images", "media_tokens", "num_tokens"]).to_pylist()
+    with_images = [r for r in rows if r["images"]]
+    assert with_images
+    for row in rows:
+        sizes = [Image.open(io.BytesIO(im["bytes"])).size for im in row["images"]]
+        assert row["media_tokens"] == [spec.num_visual_tokens(w, h, processor) for w, h in sizes]
+    assert all(n > 0 for r in with_images for n in r["media_tokens"])
+    assert dataset[0].media_tokens["image"] == rows[0]["media_tokens"]
+    estimates = dataset.count_estimates(dataset.lengths)
+    assert estimates["visual_tokens"].tolist() == [sum(r["media_tokens"]) for r in rows]
+    # the same shards without the column: estimated, not all equal to the recorded sums
+    old = tmp_path / "old.parquet"
+    pq.write_table(pq.read_table(shards[0]).drop(["media_tokens"]), old)
+    guessed = ShardDataset([old]).count_estimates(dataset.lengths)["visual_tokens"]
+    assert guessed.shape == estimates["visual_tokens"].shape and not np.array_equal(guessed, estimates["visual_tokens"])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vlmctl.config import TrainSection
-from vlmctl.config.train import resolve_master_weights, resolve_stochastic_rounding
+from vlmctl.config.plan import DeviceFacts, build_plan, check_plan, resolve_master_weights, resolve_stochastic_rounding
 
 pytest.importorskip("torchao")
 
@@ -31,21 +31,25 @@ def test_auto_master_weights_are_bf16_only_where_they_apply(kwargs, expected):
 
 
 def test_without_torchao_auto_keeps_fp32_master_weights(monkeypatch):
-    import vlmctl.config.train as train_config
+    import vlmctl.config.plan as plan_module
 
-    monkeypatch.setattr(train_config, "has_torchao", lambda: False)
+    monkeypatch.setattr(plan_module, "has_torchao", lambda: False)
     assert resolve_master_weights("auto", cuda=True, precision="auto", strategy="fsdp", lora=False) == "fp32"
     assert resolve_stochastic_rounding("auto", "bf16") == "off"
 
 
-def test_setup_resolves_auto_on_cpu_to_fp32_and_records_it():
-    from vlmctl.train.setup import master_dtype, resolve_storage
-
+def test_the_plan_resolves_auto_on_cpu_to_fp32_and_leaves_the_config_alone():
     train = TrainSection()
-    assert train.master_weights == "auto" and train.stochastic_rounding == "auto"
-    resolve_storage(train, torch.float32, torch.device("cpu"))
-    assert (train.master_weights, train.stochastic_rounding) == ("fp32", "off")
-    assert master_dtype(train, torch.float32) == torch.float32
+    plan = build_plan(train, DeviceFacts(kind="cpu", torchao=True))
+    assert (plan.master_weights.value, plan.stochastic_rounding.value, plan.stored.value) == ("fp32", "off", "fp32")
+    assert train.master_weights == "auto" and train.stochastic_rounding == "auto"  # the config keeps its words
+    resolved = plan.train_section(train)
+    assert (resolved.master_weights, resolved.stochastic_rounding) == ("fp32", "off")
+    gpu = build_plan(train, DeviceFacts(kind="cuda", torchao=True))  # one GPU, bf16: pure bf16 with ddp
+    assert (gpu.strategy.value, gpu.master_weights.value, gpu.stochastic_rounding.value, gpu.stored.value) == (
+        "ddp", "bf16", "on", "bf16")
+    no_bf16 = build_plan(train, DeviceFacts(kind="cuda", bf16=False, torchao=True))  # precision auto -> fp32
+    assert (no_bf16.precision.value, no_bf16.master_weights.value) == ("fp32", "fp32")
 
 
 def _model():
@@ -175,7 +179,7 @@ def test_the_probes_optimizer_timing_leaves_bf16_weights_bit_for_bit():
 def test_strategy_auto_is_ddp_for_one_process_storing_bf16_weights():
     """FSDP2 on one GPU only pays off as the cast from fp32 master weights to bf16 compute copies; with bf16
     weights it would add a gathered copy of the model, so one process runs ddp (a plain model)."""
-    from vlmctl.config.train import resolve_strategy, single_bf16
+    from vlmctl.config.plan import resolve_strategy, single_bf16
 
     train = TrainSection()
     assert single_bf16(train, cuda=True, processes=1)
@@ -191,21 +195,16 @@ def test_strategy_auto_is_ddp_for_one_process_storing_bf16_weights():
 
 
 def test_stochastic_rounding_without_torchao_is_a_config_error(monkeypatch):
-    import vlmctl.train.setup as setup
     from vlmctl.errors import ConfigError
 
-    monkeypatch.setattr(setup, "has_torchao", lambda: False)
-    train = TrainSection(master_weights="bf16", stochastic_rounding="on")
+    train = TrainSection(master_weights="bf16", stochastic_rounding="on", precision="bf16")
     with pytest.raises(ConfigError, match="torchao") as err:
-        setup.resolve_storage(train, torch.bfloat16, torch.device("cpu"))
+        check_plan(build_plan(train, DeviceFacts(kind="cuda", torchao=False)), train)
     assert "stochastic_rounding=off" in err.value.hint
 
 
 def test_compile_auto_is_on_for_torch_strategies_on_a_gpu_except_qlora():
-    import torch
-
-    from vlmctl.config.train import resolve_compile
-    from vlmctl.train.setup import resolve_storage
+    from vlmctl.config.plan import resolve_compile
 
     assert resolve_compile("auto", cuda=True, strategy="ddp", quantized=False) == "on"
     assert resolve_compile("auto", cuda=True, strategy="fsdp", quantized=False) == "on"
@@ -216,16 +215,18 @@ def test_compile_auto_is_on_for_torch_strategies_on_a_gpu_except_qlora():
     # YAML booleans and the older bool key read as the switch words
     assert TrainSection(compile=True).compile == "on" and TrainSection(compile=False).compile == "off"
     assert TrainSection().compile == "auto"
-    train = TrainSection(strategy="ddp")
-    resolve_storage(train, torch.float32, torch.device("cpu"))
-    assert (train.compile, train.compile_vision) == ("off", "off")  # recorded resolved, as the other auto values
-    train = TrainSection(strategy="ddp", compile="on")
-    resolve_storage(train, torch.float32, torch.device("cpu"))
-    assert train.compile_vision == "blocks"  # the vision blocks follow the compiled decoder layers
+    cpu = DeviceFacts(kind="cpu")
+    plan = build_plan(TrainSection(strategy="ddp"), cpu)
+    assert (plan.compile.value, plan.compile_vision.value) == ("off", "off")  # recorded in the plan, with reasons
+    assert plan.compile.auto and plan.compile.reason
+    plan = build_plan(TrainSection(strategy="ddp", compile="on"), cpu)
+    assert plan.compile_vision.value == "blocks"  # the vision blocks follow the compiled decoder layers
+    qlora = build_plan(TrainSection(lora={"r": 8, "quantize": "4bit"}), DeviceFacts(kind="cuda", triton=True))
+    assert (qlora.strategy.value, qlora.compile.value, qlora.compile_vision.value) == ("ddp", "off", "kernels")
 
 
 def test_compile_vision_auto_follows_the_decoder_layers():
-    from vlmctl.config.train import resolve_compile_vision
+    from vlmctl.config.plan import resolve_compile_vision
 
     assert resolve_compile_vision("auto", cuda=True, compile="on") == "blocks"
     assert resolve_compile_vision("auto", cuda=True, compile="off") == "kernels"  # QLoRA, DeepSpeed on a GPU

@@ -353,16 +353,16 @@ def test_stepper_clips_only_above_the_limit_and_reports_the_norm_before_clipping
 
 
 def test_fp32_on_cuda_picks_sdpa_and_refuses_the_bf16_only_kernels():
-    import torch
-
     from vlmctl.config import TrainSection
     from vlmctl.errors import ConfigError
-    from vlmctl.train.setup import resolve_attention
+    from vlmctl.config.plan import DeviceFacts, build_plan, check_plan
 
-    cuda = torch.device("cuda")  # resolving names needs no GPU
-    assert resolve_attention(TrainSection(precision="fp32"), cuda) == "sdpa"
+    cuda = DeviceFacts(kind="cuda", varlen=True)  # planning needs no GPU
+    assert build_plan(TrainSection(precision="fp32"), cuda).attention.value == "sdpa"
+    assert build_plan(TrainSection(), cuda).attention.value == "varlen"
+    train = TrainSection(precision="fp32", attn_implementation="varlen")
     with pytest.raises(ConfigError, match="bf16"):
-        resolve_attention(TrainSection(precision="fp32", attn_implementation="varlen"), cuda)
+        check_plan(build_plan(train, cuda), train)
 
 
 def test_the_launcher_turns_the_ranks_step_lines_into_one_progress_bar_on_a_terminal():

@@ -27,6 +27,7 @@ def bench(
     nproc_per_node: Annotated[Optional[str], typer.Option("--nproc-per-node", help="Processes (GPUs), or auto; more than one runs through torchrun.")] = None,
     scaling: Annotated[Optional[str], typer.Option("--scaling", help="Process counts, e.g. 1,2,4: run the bench at each (one process per GPU; CPU processes where no GPU is visible) and report tokens/s per GPU and the efficiency against the fewest processes.")] = None,
     auto: Annotated[bool, typer.Option("--auto", help="Batch size and activation checkpointing as `auto` (whatever the config says): shows what training's start-up probe picks here, and why.")] = False,
+    show_plan: Annotated[bool, typer.Option("--plan", help="Print the run plan (every auto decided, with the reason, as `vlmctl train --dry-run` prints it) after the checks, and exit without measuring.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Run N training steps of the configured model, stage, adapters (LoRA/QLoRA), strategy and kernels (the trainer's
@@ -51,6 +52,18 @@ def bench(
     # and a run stopped by a time limit still shows how far it got
     out = err_console if as_json else console
     log = None if state.quiet else (lambda msg: out.print(f"[dim]{msg}[/dim]", markup=True, highlight=False))
+    from vlmctl.config.plan import plan_text
+
+    def print_plan(run_plan) -> None:  # stderr: stdout stays the result (one JSON object with --json)
+        err_console.print(plan_text(run_plan), soft_wrap=True, markup=False, highlight=False)
+
+    if show_plan:
+        from vlmctl.bench import check_bench
+        from vlmctl.config.plan import resolve_nproc
+
+        print_plan(check_bench(cfg, resolve_nproc(cfg.train.nproc_per_node), steps=steps, warmup=warmup, spec=spec,
+                               log=log).run)
+        return
     if scaling is not None:
         rows = bench_scaling(cfg, scaling, steps=steps, warmup=warmup, spec=spec, log=log)
         if as_json:
@@ -58,7 +71,8 @@ def bench(
         else:
             _render_scaling(rows)
         return
-    result = benchmark(cfg, steps=steps, warmup=warmup, spec=spec, log=log)
+    result = benchmark(cfg, steps=steps, warmup=warmup, spec=spec, log=log,
+                       show_plan=None if state.quiet else print_plan)
     if as_json:
         print_json(result.as_dict())
         return

@@ -51,12 +51,14 @@ def prepare(
     """Read data.sources, drop defective samples (with reasons), write Parquet shards + manifest.json."""
     cfg = load_project(config, overrides)
     from vlmctl.data.prepare import prepare_data
+    from vlmctl.models.build import configured_processor
 
     result = prepare_data(
         cfg.data,
         num_proc=num_proc,
         processor_dir=_processor_dir(cfg),
         model=cfg.model,  # before a build: the configured model's tokenizer / processor counts
+        processors=configured_processor,
         row_budget=_row_budget(cfg),
         export=export,
         export_dir=Path(export_dir) if export_dir else None,

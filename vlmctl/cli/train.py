@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from vlmctl.cli._common import ConfigOpt, OverridesArg, console, esc, info, load_project, result_line
+from vlmctl.cli._common import ConfigOpt, OverridesArg, console, err_console, esc, info, load_project, result_line
 
 EXAMPLE = "Example: vlmctl train --launcher torchrun --nproc-per-node 2 train.strategy=fsdp train.max_steps=50"
 
@@ -22,7 +22,7 @@ def train(
     master_addr: Annotated[Optional[str], typer.Option("--master-addr", help="Rendezvous host: node 0's address.")] = None,
     master_port: Annotated[Optional[int], typer.Option("--master-port", help="Rendezvous port.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the last complete checkpoint.")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the exact launch commands (every node's, or the sbatch script) and exit.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the run plan (every auto decided, with the reason) and the exact launch commands (every node's, or the sbatch script), and exit.")] = False,
     rebuild_model: Annotated[bool, typer.Option("--rebuild-model", help="Build model.output_dir again first when a model.* key changed since `vlmctl model build`.")] = False,
 ) -> None:
     """Train the model: spawn torchrun/accelerate/sbatch (or run in-process) for DDP, FSDP2 or ZeRO-2/3.
@@ -41,8 +41,12 @@ def train(
         cfg = load_project(config, [*(overrides or []), *extra])
     train_cfg = cfg.train
     if dry_run:  # the run folder the real command would use (the one --resume continues)
-        console.print(L.dry_run_text(train_cfg, L.planned_run_dir(cfg, resume)), soft_wrap=True, markup=False,
-                      highlight=False)
+        from vlmctl.config.plan import plan_text
+
+        text = L.dry_run_text(train_cfg, L.planned_run_dir(cfg, resume))
+        # the plan on stderr, as the run prints it: stdout stays the commands alone (scripts run them)
+        err_console.print(plan_text(L.launch_plan(cfg)), soft_wrap=True, markup=False, highlight=False)
+        console.print(text, soft_wrap=True, markup=False, highlight=False)
         return
     from vlmctl.train.rundir import release_run
 

@@ -24,6 +24,7 @@ from vlmctl.config.data import DataSection, DataSource
 from vlmctl.config.eval import EvalSection
 from vlmctl.config.hub import HubSection
 from vlmctl.config.model import ModelSection
+from vlmctl.config.plan import Decision, DeviceFacts, RunPlan, build_plan
 from vlmctl.config.project import ProjectSection
 from vlmctl.config.train import LoraSection, TrainSection
 from vlmctl.errors import ConfigError
@@ -34,6 +35,7 @@ __all__ = [
     "CONFIG_NAME", "VlmctlConfig", "ProjectSection", "DataSection", "DataSource", "ModelSection",
     "TrainSection", "LoraSection", "EvalSection", "HubSection", "load_config", "find_config",
     "apply_overrides", "parse_override", "dump_config", "validate_config", "looks_like_secret", "mask_secrets",
+    "RunPlan", "Decision", "DeviceFacts", "build_plan",
 ]
 
 

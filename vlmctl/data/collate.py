@@ -501,4 +501,6 @@ def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
 
 def is_packed(batch: dict[str, Any]) -> bool:
     """True for a `PackedCollator` row (one [1, T] row of several samples)."""
-    return "packed_cu_seqlens" in batch
+    from vlmctl.families.spec import is_packed as packed  # one definition of the marker, with the families
+
+    return packed(batch)

@@ -167,18 +167,35 @@ class ShardDataset:
         b = 0 (about four characters per token, the usual figure for English BPE tokenizers). A sample without
         media is all text; one with images, videos or audio clips has visual tokens = tokens - text tokens (at
         least 0). Labelled tokens
-        = text tokens x the assistant turns' share of the characters. Exact counts would need each image's size
-        (reading the image bytes) and the tokenizer per sample; the estimate only ranks and weighs samples for
-        balancing.
+        = text tokens x the assistant turns' share of the characters. Where prepare recorded each media item's tokens
+        (the `media_tokens` column, `media_token_sums`), a sample's visual tokens are their sum, exactly, and its
+        text tokens the rest; samples without the record (older shards, samples prepared without a processor) are
+        estimated as above. The estimate only ranks and weighs samples for balancing.
         """
         counts = self.text_counts()
         tokens = np.asarray(lengths, dtype=np.float64)
         chars, media = counts["chars"].astype(np.float64), counts["media"].astype(np.float64)
         a, b = _text_fit(tokens, chars, media)
         text = np.where(media > 0, np.clip(a * chars + b, 0, tokens), tokens)
+        known, counted = self.media_token_sums(media)
+        text = np.where(known, np.clip(tokens - counted, 0, None), text)
         share = np.divide(counts["label_chars"], chars, out=np.zeros_like(chars), where=chars > 0)
         return {"visual_tokens": np.rint(tokens - text).astype(np.int64),
                 "labelled_tokens": np.rint(text * share).astype(np.int64), "images": counts["media"]}
+
+    def media_token_sums(self, media: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(known, tokens): per sample, whether prepare recorded the placeholder tokens of every media item it uses
+        (the `media_tokens` column holds one count per stored item and the sample uses each item once: `media`
+        [N], its media parts, equals the record's length) and their sum. bool and float64 arrays [N]; all False
+        for shards without the column."""
+        n = len(self)
+        known, total = np.zeros(n, dtype=bool), np.zeros(n, dtype=np.float64)
+        if "media_tokens" not in self._ds.column_names:
+            return known, total
+        for i, row in enumerate(self._ds.data.column("media_tokens").to_pylist()):
+            if row is not None and len(row) == int(media[i]):
+                known[i], total[i] = True, float(sum(row))
+        return known, total
 
     def sample_weights(self, weight_by_source: dict[str, float]) -> np.ndarray:
         """Per-sample weight from each sample's `source` (unknown sources weigh 1)."""

@@ -21,7 +21,7 @@ rows 1-3 are the mRoPE positions (the layout `Qwen2_5_VLModel.forward` documents
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -259,38 +259,3 @@ def pack_samples(samples: list[dict[str, Any]]) -> dict[str, Any]:
         else:
             out[key] = torch.cat([v for v in present if v is not None], dim=1 if per_sample_stacks else 0)
     return out
-
-
-def mrope_position_ids(
-    get_rope_index: Callable[..., tuple[Any, Any]],
-    input_ids,
-    mm_token_type_ids,
-    image_grid_thw,
-    seq_lens: list[int],
-):
-    """(4, 1, T) position ids for a packed Qwen-VL row: text positions + per-sample 3-D mRoPE positions.
-
-    `get_rope_index` is the model's own (`model.model.get_rope_index`), called once per sample with that sample's
-    tokens and image grids, so visual positions restart with each sample exactly as in unpacked training.
-    `input_ids` / `mm_token_type_ids`: (1, T); `image_grid_thw`: (n_images, 3) for the whole row, in order.
-    """
-    import torch
-
-    rows, start, img = [], 0, 0
-    token_types = mm_token_type_ids[0]
-    for n in seq_lens:
-        ids = input_ids[:, start:start + n]
-        types = token_types[start:start + n]
-        # one image per contiguous run of image tokens
-        n_images = int(((types[1:] == 1) & (types[:-1] != 1)).sum() + (types[0] == 1))
-        grid = image_grid_thw[img:img + n_images] if n_images else None
-        if grid is None:
-            pos = torch.arange(n, device=input_ids.device).view(1, 1, -1).expand(3, 1, -1)
-        else:
-            pos, _ = get_rope_index(input_ids=ids, mm_token_type_ids=types[None], image_grid_thw=grid)
-        rows.append(pos)
-        start += n
-        img += n_images
-    mrope = torch.cat(rows, dim=-1)
-    text = torch.cat([torch.arange(n, device=input_ids.device) for n in seq_lens]).view(1, 1, -1)
-    return torch.cat([text.to(mrope.dtype), mrope], dim=0)

@@ -25,13 +25,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from vlmctl.config.data import DataSection, DataSource
-from vlmctl.data.checks import DigestSet, LocationTable, Rejection, SampleInfo, check_images
+from vlmctl.config.plan import DEFAULT_TOKENS
+from vlmctl.data.checks import DigestSet, LocationTable, Rejection, SampleInfo, check_images, count_tokens, sample_digest
 from vlmctl.data.sample import Sample
 from vlmctl.errors import MissingSourceError
 
 BATCH_SIZE = 32
-DEFAULT_TOKENS_PER_GPU = 8192
-"""Tokens per GPU when `train.tokens_per_batch` is auto and no probe ran (`vlmctl.train.autotune.DEFAULT_TOKENS`):
+DEFAULT_TOKENS_PER_GPU = DEFAULT_TOKENS
+"""Tokens per GPU when `train.tokens_per_batch` is auto and no probe ran (`vlmctl.config.plan.DEFAULT_TOKENS`):
 what `gpus_needed` is computed at without a row budget."""
 
 # Per-process state of the check workers (set by _init_worker, or directly when num_proc == 1).
@@ -77,7 +78,7 @@ def token_limit(max_length: int, row_budget: RowBudget | None) -> int:
 def _init_worker(processor_dir: str | None, limits: dict[str, Any], counter: Any = None, pool_worker: bool = False) -> None:
     # `counter`: the parent's, inherited by forked workers (loaded once); spawned workers load their own.
     if pool_worker:  # a worker of a killed prepare (kill -9) must not live on, holding memory and CPU
-        from vlmctl.distributed.process import die_with_parent
+        from vlmctl.processes import die_with_parent
 
         die_with_parent()
     _STATE["limits"] = limits  # keyword arguments of check_images
@@ -98,7 +99,7 @@ def _check_batch(batch: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
         result = check_images(item, **_STATE["limits"])
         if not isinstance(result, Rejection) and counter is not None:
             sample, info = result
-            sample.num_tokens = counter.count(sample, list(zip(info.widths, info.heights)))
+            sample.num_tokens = count_tokens(counter, sample, list(zip(info.widths, info.heights)))
         out.append((src, result))
     return out
 
@@ -263,6 +264,13 @@ def iter_checked(
             yield src, result, None
             continue
         sample, info = result
+        if data.kind == "preference" and not sample.is_preference:
+            yield src, Rejection("missing_response", sample.source, sample.location,
+                                 "not a preference pair (no rejected answer) and data.kind is preference", sample.id), None
+            continue
+        if data.kind == "sft" and sample.is_preference:  # SFT on the chosen answers
+            sample.rejected = None
+            info.digest = sample_digest(sample)
         handle = where.add(sample.location)
         if data.dedup:
             earlier = seen.setdefault(info.digest, handle)
@@ -288,7 +296,8 @@ def too_long(sample: Sample, max_length: int, row_budget: RowBudget | None = Non
     n = sample.num_tokens
     if n is None or n <= token_limit(max_length, row_budget):
         return None
-    detail = f"{n} tokens (text + visual) > data.max_length={max_length}" if n > max_length else f"{n:,} tokens (text + visual)"
+    what = "text + visual, chosen and rejected each with the prompt" if sample.rejected is not None else "text + visual"
+    detail = f"{n} tokens ({what}) > data.max_length={max_length}" if n > max_length else f"{n:,} tokens ({what})"
     if row_budget is not None and n > row_budget.tokens:
         gpus = row_budget.gpus_for(n)
         row = (f"{row_budget.tokens:,} tokens per packed row (train.tokens_per_batch={row_budget.tokens_per_batch} x "
@@ -305,7 +314,7 @@ def with_token_counts(results: Iterable[tuple[int, Sample | Rejection, SampleInf
     rejections (the last check)."""
     for src, item, info in results:
         if info is not None:
-            item.num_tokens = counter.count(item, list(zip(info.widths, info.heights)))
+            item.num_tokens = count_tokens(counter, item, list(zip(info.widths, info.heights)))
             rejection = too_long(item, max_length, row_budget)
             if rejection is not None:
                 yield src, rejection, None

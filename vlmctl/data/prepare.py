@@ -1,6 +1,7 @@
 """`vlmctl data prepare`: sources -> checks -> dedup -> split -> Parquet shards + manifest (+ energon export).
 
     result = prepare_data(cfg.data, num_proc=8, processor_dir=cfg.model.output_dir, model=cfg.model,
+                          processors=vlmctl.models.build.configured_processor,
                           row_budget=RowBudget(tokens_per_batch=8192, sequence_parallel=2))
     result.manifest["splits"]["train"]["samples"]
 
@@ -8,7 +9,7 @@ Output (`data.prepared_dir`)::
 
     train/train-00000.parquet ...   rows with the schema of `vlmctl.data.sample.arrow_schema()`
     val/val-00000.parquet ...        (`datasets.load_dataset("parquet", data_dir=prepared_dir)` reads both)
-    manifest.json                    sources, totals, splits, image/text/token statistics
+    manifest.json                    kind (sft | preference), sources, totals, splits, image/text/token statistics
     rejected.jsonl                   one line per dropped sample: source, location, reason, detail, id
     length_histogram.png             tokens per sample (or characters when no processor is known), with the limits
     energon/                         with --export energon and no export dir
@@ -40,7 +41,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vlmctl.config.data import DataSection
 from vlmctl.config.model import ModelSection
@@ -50,6 +51,9 @@ from vlmctl.data.pipeline import (DEFAULT_TOKENS_PER_GPU, RowBudget, SourceTally
 from vlmctl.data.sample import SCHEMA_VERSION, Sample
 from vlmctl.errors import DataError, UsageError
 from vlmctl.outputs import check_replaceable, install
+
+if TYPE_CHECKING:
+    from vlmctl.data.counting import ProcessorSource
 
 ROWS_PER_GROUP = 256
 GROUP_BYTES = 64 << 20
@@ -94,6 +98,7 @@ class ShardWriter:
 
         self.folder, self.prefix, self.shard_bytes = folder, prefix, shard_bytes
         self.modalities: set[str] = {"image"}
+        self.preference = False  # a `rejected` column, once a preference pair arrives (same scheme as media columns)
         self.schema = arrow_schema()
         self.rows: list[dict[str, Any]] = []
         self.buffered = 0
@@ -106,7 +111,8 @@ class ShardWriter:
 
     def add(self, sample: Sample) -> None:
         present = {name for name, parts in sample.media.items() if parts}
-        if present - self.modalities:
+        if present - self.modalities or (sample.rejected is not None and not self.preference):
+            self.preference |= sample.rejected is not None
             self._widen(present)
         self.rows.append(sample.to_row())
         self.buffered += sum(len(b) for parts in sample.media.values() for b in parts) + sum(len(t) for t in sample.text_parts()) + 64
@@ -132,7 +138,7 @@ class ShardWriter:
         for name in self.files:
             self.narrower.setdefault(name, self.schema)
         self.modalities |= present
-        self.schema = arrow_schema(tuple(self.modalities))
+        self.schema = arrow_schema(tuple(self.modalities), preference=self.preference)
 
     def _add_media_columns(self) -> None:
         """Rewrite the files written before a media column was added with that column null (temporary file, then
@@ -444,13 +450,14 @@ def prepare_data(
     export_dir: Path | str | None = None,
     progress: bool = True,
     row_budget: RowBudget | None = None,
+    processors: "ProcessorSource | None" = None,
 ) -> PrepareResult:
     """Read every source of `data`, check, dedup, split and write Parquet shards + manifest.json + rejected.jsonl.
 
     Token counts (the `num_tokens` column, the manifest's `tokens`) and the too_long check use the processor in
     `processor_dir` (a built model folder) when it holds one, else the processor `model build` would make for
-    `model` (`vlmctl.data.counting`: a random-init preset's tokenizer is trained on the train split as the build
-    trains it). Without either, or when the model's processor cannot be loaded (`PrepareResult.token_note` says
+    `model`, which `processors` gives (`vlmctl.models.build.configured_processor`; `vlmctl.data.counting`: a
+    random-init preset's tokenizer is trained on the train split as the build trains it). Without either, or when the model's processor cannot be loaded (`PrepareResult.token_note` says
     why), samples have `num_tokens` None. A counted sample is dropped as too_long over `data.max_length` tokens
     (text + visual), or over `row_budget.tokens` (one packed training row: `train.tokens_per_batch x
     train.sequence_parallel`, which the caller builds from the train section; None when it is not known before
@@ -503,7 +510,7 @@ def prepare_data(
             shutil.rmtree(etmp, ignore_errors=True)
             etmp.mkdir(parents=True)
         results, counts = _checked_and_counted(data, sources, work, num_proc=num_proc, pdir=pdir, model=model, progress=progress,
-                                               row_budget=row_budget)
+                                               row_budget=row_budget, processors=processors)
         manifest = _run(data, results, sources, tmp, etmp, num_proc=num_proc, counts=counts, progress=progress, row_budget=row_budget)
         if manifest["export"] is not None:
             manifest["export"]["path"] = str(edir_final)  # the writer only knows the temporary folder
@@ -548,7 +555,7 @@ Results = Iterator[tuple[int, "Sample | Rejection", Any]]
 
 
 def _checked_and_counted(data: DataSection, sources, work: Path, *, num_proc, pdir: Path | None, model: ModelSection | None,
-                         progress: bool, row_budget: RowBudget | None) -> tuple[Results, TokenSource]:
+                         progress: bool, row_budget: RowBudget | None, processors=None) -> tuple[Results, TokenSource]:
     """The checked samples in input order, counted with the built model's processor (`pdir`), else with the
     configured model's (`vlmctl.data.counting`), else not counted; too_long at `token_limit(data.max_length,
     row_budget)` tokens when counted."""
@@ -562,13 +569,15 @@ def _checked_and_counted(data: DataSection, sources, work: Path, *, num_proc, pd
             except (ValueError, OSError):
                 family = None
         return iter_checked(data, sources, num_proc=num_proc, processor_dir=pdir, row_budget=row_budget), TokenSource(str(pdir), family)
-    from vlmctl.data.counting import configured_processor, counter_in, model_configured
+    from vlmctl.data.counting import counter_in, model_configured
     from vlmctl.errors import VlmctlError
 
     if not model_configured(model):
         return iter_checked(data, sources, num_proc=num_proc), TokenSource(note="no model in the model section")
+    if processors is None:
+        return iter_checked(data, sources, num_proc=num_proc), TokenSource(note="no source of the configured model's processor was given")
     try:
-        conf = configured_processor(model)
+        conf = processors(model)
     except VlmctlError as exc:  # e.g. a Hub id offline: prepare without counts, and say why
         return iter_checked(data, sources, num_proc=num_proc), TokenSource(note=f"the configured model's processor did not load: {exc.message}")
     if not conf.needs_training:
@@ -675,6 +684,24 @@ def check_kept(tallies: list[SourceTally], min_fraction: float) -> None:
         )
 
 
+def check_kind(tallies: list[SourceTally], pairs: Counter) -> str:
+    """What the kept data is, for the manifest's `kind`: "preference" when every kept sample is a preference pair,
+    "sft" when none is. Raises DataError naming the sources of each kind when both are kept (with `data.kind:
+    auto`; `sft` and `preference` settle it before)."""
+    n_pairs = sum(pairs.values())
+    kept = sum(t.kept for t in tallies)
+    if n_pairs == 0 or n_pairs == kept:
+        return "preference" if n_pairs else "sft"
+    with_pairs = [t.name for i, t in enumerate(tallies) if pairs[i]]
+    without = [t.name for i, t in enumerate(tallies) if t.kept > pairs[i]]
+    raise DataError(
+        f"the data mixes {n_pairs:,} preference pairs (sources: {', '.join(with_pairs)}) and {kept - n_pairs:,} "
+        f"conversations without a rejected answer (sources: {', '.join(without)})",
+        hint="set data.kind: sft to train on the chosen answers, or data.kind: preference to keep only the pairs "
+             "(docs/formats.md, Preference data)",
+    )
+
+
 def check_train_split(train_samples: int, kept: int, rejected: Counter, val_ratio: float) -> None:
     """Raise DataError when the train split is empty, with the rejection counts."""
     if train_samples:
@@ -705,6 +732,7 @@ def _run(data: DataSection, results: Results, sources, tmp: Path, etmp: Path | N
         energon = EnergonWriter(etmp, shard_bytes, data.export.energon_format)
     tallies = [SourceTally(s.name, s.path, s.format) for s in sources]
     stats = Stats()
+    pairs: Counter = Counter()  # source index -> preference pairs kept
     rejected_total: Counter = Counter()
     # backslashreplace: a lone surrogate in a rejected record's id or location is written escaped, never a crash
     with open(tmp / "rejected.jsonl", "w", encoding="utf-8", errors="backslashreplace") as rej, progress_bar(progress, "Preparing") as advance:
@@ -715,12 +743,17 @@ def _run(data: DataSection, results: Results, sources, tmp: Path, etmp: Path | N
                 rejected_total[item.reason] += 1
                 rej.write(json.dumps(item.to_dict(), ensure_ascii=False) + "\n")
                 continue
+            pairs[src] += item.rejected is not None
             split = "val" if is_val(info.digest, data.val_ratio) else "train"
             writers[split].add(item)
             if energon is not None:
+                if item.rejected is not None:  # energon's sample types have no place for a rejected answer
+                    raise UsageError("--export energon writes conversations; preference pairs cannot be exported to energon",
+                                     hint="prepare without --export, or set data.kind: sft to export the chosen conversations")
                 energon.add(split, item)
             stats.add(item, info)
     check_kept(tallies, data.min_kept_fraction)
+    kind = check_kind(tallies, pairs)
     check_train_split(writers["train"].samples, sum(t.kept for t in tallies), rejected_total, data.val_ratio)
     splits = {}
     for name, w in writers.items():
@@ -737,6 +770,7 @@ def _run(data: DataSection, results: Results, sources, tmp: Path, etmp: Path | N
         flagged.update(t.flagged)
     return {
         "schema_version": SCHEMA_VERSION,
+        "kind": kind,
         "sources": [t.to_dict() for t in tallies],
         "totals": {
             "read": kept + n_rejected,

@@ -90,6 +90,35 @@ def has_processor(folder: Path | str | None) -> bool:
     return folder is not None and Path(folder).is_dir() and any((Path(folder) / f).is_file() for f in (MODEL_INFO, *_PROCESSOR_FILES))
 
 
+def load_saved_processor(folder: Path | str, family: str | None = None):
+    """The processor saved in `folder` (a built model folder, or one `vlmctl.data.counting.counter_in` wrote), read
+    by transformers' `AutoProcessor`; a base-mode build (its `vlmctl_model.json` has mode "base" and the folder no
+    config.json) is followed to its `source`. Where `AutoProcessor` cannot build the processor (one that owns a
+    video processor, without torchvision) the image-only variant of the family's class is returned
+    (`FamilySpec.image_only_processor`; `family`: a family name, default the folder's record's). Raises what
+    transformers raises for a folder it cannot read."""
+    import transformers  # heavy: only where a processor is loaded
+
+    folder = Path(folder)
+    info = _read_json(folder / MODEL_INFO) or {}
+    ref = str(info["source"]) if info.get("mode") == "base" and info.get("source") and not (folder / "config.json").is_file() else str(folder)
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # its load reports repeat what vlmctl prints
+    try:
+        try:
+            return transformers.AutoProcessor.from_pretrained(ref)
+        except (OSError, ImportError, AttributeError, ValueError):
+            import importlib.util
+
+            if importlib.util.find_spec("torchvision") is not None:
+                raise
+            from vlmctl.families import get_family  # the family registry: only for this fallback
+
+            return get_family(family or info.get("family") or "").image_only_processor(ref)  # ModelError: no family
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
 class TokenCounter:
     """Counts tokens of canonical samples for one processor. Build with `TokenCounter.load(folder)`, or from a
     loaded processor: `TokenCounter(processor, family, folder)`.
@@ -133,7 +162,7 @@ class TokenCounter:
         """The counter of the processor (or tokenizer) saved in `folder`; None when there is none.
 
         Reads the files directly when they allow it (`from_files`), else loads the processor with transformers
-        (`vlmctl.models.load.load_processor`, which follows a base-mode build to its checkpoint).
+        (`load_saved_processor`, which follows a base-mode build to its checkpoint).
         Raises DataError when the folder has processor files that transformers cannot load.
         """
         if not has_processor(folder):
@@ -142,13 +171,12 @@ class TokenCounter:
         light = cls.from_files(folder)
         if light is not None:
             return light
-        from vlmctl.errors import DataError, VlmctlError
-        from vlmctl.models.load import load_processor
+        from vlmctl.errors import DataError
 
         family = (_read_json(folder / MODEL_INFO) or {}).get("family")
         try:
-            processor = load_processor(folder)
-        except VlmctlError:  # a text-only folder has a tokenizer but no processor
+            processor = load_saved_processor(folder, family)
+        except Exception:  # noqa: BLE001 - a text-only folder has a tokenizer but no processor
             try:
                 from transformers import AutoTokenizer
 

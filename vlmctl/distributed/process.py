@@ -19,27 +19,10 @@ import threading
 import time
 from typing import Callable
 
+from vlmctl.processes import die_with_parent
+
 LAUNCHER_ENV = "VLMCTL_LAUNCHER_PID"
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 QUIET_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # deaths the sender already reports
-
-
-def die_with_parent(sig: int = signal.SIGKILL) -> bool:
-    """Ask Linux to send `sig` to this process when its parent exits (`prctl(PR_SET_PDEATHSIG)` through ctypes).
-    Returns False where that is not available. When the parent is already gone, `sig` is raised at once."""
-    if not sys.platform.startswith("linux"):
-        return False
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-            return False
-    except (OSError, AttributeError):
-        return False
-    if os.getppid() == 1:  # the parent died before the request: nobody will send the signal
-        os.kill(os.getpid(), sig)
-    return True
 
 
 def pid_alive(pid: int) -> bool:

@@ -18,7 +18,7 @@ only its 1/N of the sequence:
   given the slice's next-token labels (`local_shift_labels`) where liger is on, else the LM head's chunked loss of
   those positions (`local_targets`, `train.kernels.token_losses`); neither materialises the slice's logits. The sum over the group's ranks is the row's loss, and the gradients are reduced over
   every rank of the data-parallel and sequence-parallel dimensions (`ParallelDims.grad_mesh`).
-- The vision tower (Qwen2-VL / Qwen2.5-VL: the family's `sequence_parallel_plan` calls `split_vision`): the images of a row are spread over the group's ranks
+- The vision tower (Qwen2-VL / Qwen2.5-VL: encoders whose spec sets `sequence_split` go through `split_vision`): the images of a row are spread over the group's ranks
   (contiguous runs balanced by patches), each rank encodes its own and the visual tokens are all-gathered
   (autograd-aware: the backward sums the ranks' gradients), so a row's images need 1/N of the vision activations.
   Other families' vision towers encode every image on every rank (same result, no saving).
@@ -102,7 +102,10 @@ def apply_sequence_parallel(model, family, shard: SequenceShard, core_attention=
     _set_text_attention(model, ULYSSES_NAME)
     language_model = model.get_submodule(_find_prefix(model, family.language_model))
     language_model.register_forward_pre_hook(split_sequence(shard), with_kwargs=True)
-    if family.sequence_parallel_plan is not None:  # e.g. Qwen-VL's images over the group (`split_vision`)
+    for encoder in family.encoders.values():  # e.g. Qwen-VL's images over the group
+        if encoder.sequence_split:
+            split_vision(model.get_submodule(_find_prefix(model, encoder.path)), shard)
+    if family.sequence_parallel_plan is not None:
         family.sequence_parallel_plan(model, shard)
     setattr(model, SHARD_ATTR, shard)
 

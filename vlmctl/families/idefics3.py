@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from vlmctl.errors import ModelError
+from vlmctl.families.encoders import image_encoder, vision_cost
 from vlmctl.families.registry import register
 from vlmctl.families.spec import FamilySpec, replace_in_order, setting, split_source
 
@@ -204,11 +205,10 @@ IDEFICS3 = register(Idefics3Spec(
     model_class="Idefics3ForConditionalGeneration",
     config_class="Idefics3Config",
     processor_class="Idefics3Processor",
-    vision_tower="model.vision_model",
+    encoders={"image": image_encoder("model.vision_model", layer_classes=("Idefics3EncoderLayer",), cost=vision_cost(pixel_shuffle="scale_factor"))},
     projector=("model.connector",),
     language_model="model.text_model",
     decoder_layer_classes=(),  # the text model is any LLM (Llama for SmolVLM): discovered
-    vision_layer_classes=("Idefics3EncoderLayer",),
     modalities={"image": "<image>"},
     visual_token_rule=idefics3_tokens,
     image_grid_args=("pixel_attention_mask",),

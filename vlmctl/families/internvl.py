@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from vlmctl.families.encoders import image_encoder, vision_cost
 from vlmctl.families.registry import register
 from vlmctl.families.spec import FamilySpec, replace_in_order, setting, split_source
 
@@ -99,11 +100,10 @@ INTERNVL = register(InternVLSpec(
     model_class="InternVLForConditionalGeneration",
     config_class="InternVLConfig",
     processor_class="InternVLProcessor",
-    vision_tower="model.vision_tower",
+    encoders={"image": image_encoder("model.vision_tower", layer_classes=("InternVLVisionLayer",), cost=vision_cost(feature_layer=True))},
     projector=("model.multi_modal_projector",),
     language_model="model.language_model",
     decoder_layer_classes=(),  # the LLM varies (Qwen2.5, Qwen3, GPT-OSS): discovered
-    vision_layer_classes=("InternVLVisionLayer",),
     modalities={"image": "<IMG_CONTEXT>"},
     visual_token_rule=internvl_tokens,
     special_tokens=("<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>", "<pad>"),

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from vlmctl.families.encoders import image_encoder, vision_cost
 from vlmctl.families.registry import register
 from vlmctl.families.spec import CLS_VISION_TYPES, FamilySpec, has_cls_token, setting, split_source
 
@@ -83,7 +84,7 @@ LLAVA = register(LlavaSpec(
     model_class="LlavaForConditionalGeneration",
     config_class="LlavaConfig",
     processor_class="LlavaProcessor",
-    vision_tower="model.vision_tower",
+    encoders={"image": image_encoder("model.vision_tower", cost=vision_cost(feature_layer=True))},
     projector=("model.multi_modal_projector",),
     language_model="model.language_model",
     modalities={"image": "<image>"},

@@ -27,6 +27,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from vlmctl.families.encoders import image_encoder, vision_cost
 from vlmctl.families.registry import register
 from vlmctl.families.spec import CLS_VISION_TYPES, FamilySpec, setting, split_source
 
@@ -147,7 +148,7 @@ LLAVA_NEXT = register(LlavaNextSpec(
     model_class="LlavaNextForConditionalGeneration",
     config_class="LlavaNextConfig",
     processor_class="LlavaNextProcessor",
-    vision_tower="model.vision_tower",
+    encoders={"image": image_encoder("model.vision_tower", cost=vision_cost(feature_layer=True))},
     projector=("model.multi_modal_projector",),
     language_model="model.language_model",
     modalities={"image": "<image>"},

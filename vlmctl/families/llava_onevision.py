@@ -42,6 +42,7 @@ from typing import Any
 
 from vlmctl.errors import ModelError
 from vlmctl.families.llava_next import LlavaNextSpec, anyres_tokens, drop_padded_tiles
+from vlmctl.families.encoders import image_encoder, vision_cost
 from vlmctl.families.registry import register
 from vlmctl.families.spec import FamilySpec, setting, split_source
 
@@ -336,11 +337,10 @@ LLAVA_ONEVISION = register(LlavaOnevisionSpec(
     model_class="LlavaOnevisionForConditionalGeneration",
     config_class="LlavaOnevisionConfig",
     processor_class="LlavaOnevisionProcessor",
-    vision_tower="model.vision_tower",
+    encoders={"image": image_encoder("model.vision_tower", layer_classes=("SiglipEncoderLayer",), video=True, cost=vision_cost(feature_layer=True))},
     projector=("model.multi_modal_projector",),
     language_model="model.language_model",
     decoder_layer_classes=("Qwen2DecoderLayer",),
-    vision_layer_classes=("SiglipEncoderLayer",),
     modalities={"image": "<image>", "video": "<video>"},
     visual_token_rule=llava_onevision_tokens,
     image_grid_args=("image_sizes", "batch_num_images"),

@@ -37,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
+from vlmctl.families.encoders import image_encoder, vision_cost
 from vlmctl.families.registry import register
 from vlmctl.families.spec import FamilySpec, replace_in_order, setting, split_source
 
@@ -197,15 +198,15 @@ MISTRAL3 = register(Mistral3Spec(
     model_class="Mistral3ForConditionalGeneration",
     config_class="Mistral3Config",
     processor_class="PixtralProcessor",
-    vision_tower="model.vision_tower",
+    # Pixtral: one segment per image, `cu_seq_lens_q/k` for flash-named implementations (varlen)
+    encoders={"image": image_encoder("model.vision_tower", layer_classes=("PixtralAttentionLayer",), varlen=True,
+                                     cost=vision_cost(feature_layer=True))},
     projector=("model.multi_modal_projector",),
     language_model="model.language_model",
     decoder_layer_classes=(),  # Mistral (Mistral Small 3.x) or Ministral 3: discovered
-    vision_layer_classes=("PixtralAttentionLayer",),
     modalities={"image": IMAGE_TOKEN},
     visual_token_rule=mistral3_tokens,
     image_grid_args=("image_sizes",),
-    vision_varlen=True,  # Pixtral: one segment per image, `cu_seq_lens_q/k` for flash-named implementations
     special_tokens=("<|im_start|>", "<|im_end|>", IMAGE_TOKEN, BREAK_TOKEN, END_TOKEN, "<pad>"),
     config_token_ids={"image_token_index": IMAGE_TOKEN},
     image_processor_class="PixtralImageProcessor",

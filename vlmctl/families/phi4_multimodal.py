@@ -3,21 +3,24 @@ LLM in `Phi4MultimodalForCausalLM` (Microsoft 2025, https://arxiv.org/abs/2503.0
 
 Module paths (transformers 5.24, checked by tests/unit/test_family_phi4_multimodal.py):
 
-| part                             | path                                                                     |
-|----------------------------------|--------------------------------------------------------------------------|
-| image encoder (the `vision` part)| model.embed_tokens_extend.image_embed.img_processor                      |
-| audio encoder                    | model.embed_tokens_extend.audio_embed.encoder                            |
-| projector                        | model.embed_tokens_extend.image_embed.img_projection_up / _down,         |
-|                                  | model.embed_tokens_extend.audio_embed.up_proj_for_speech / down_..., and |
-|                                  | the `_for_vision_speech` pair                                            |
-| language model                   | model                                                                    |
-| lm head                          | lm_head                                                                  |
+| part                                       | path                                                         |
+|--------------------------------------------|--------------------------------------------------------------|
+| image encoder (`image`, the `vision` part) | model.embed_tokens_extend.image_embed.img_processor          |
+| audio encoder (`audio`, the `vision` part) | model.embed_tokens_extend.audio_embed.encoder                |
+| projector                                  | model.embed_tokens_extend.image_embed.img_projection_up /    |
+|                                            | _down, model.embed_tokens_extend.audio_embed.up_proj_for_... |
+|                                            | / down_proj_for_... (`speech` and `vision_speech` pairs)      |
+| language model                             | model                                                        |
+| lm head                                    | lm_head                                                      |
 
-The spec's one encoder path holds the image encoder: its `Phi4MultimodalVisionEncoderLayer`s are the encoder's FSDP2 /
-activation-checkpointing units, `train.freeze: [vision]` freezes it. The audio encoder's parameters count as the `llm`
-part (the language model's path is the whole `model`: its decoder layers, embeddings and both encoders live under
-it), as do the image embedding's two learned separators (`global_img_feature_extensor`, `sub_img_feature_extensor`).
-FSDP2 and checkpointing wrap each `Phi4MultimodalDecoderLayer`.
+Two encoders (`encoders`, in forward order: the model embeds images before audio): the image encoder (SigLIP-style,
+its `Phi4MultimodalVisionEncoderLayer`s) and the conformer audio encoder (its
+`Phi4MultimodalAudioConformerEncoderLayer`s). Each is the `vision` part (`train.freeze: [vision]` and the `align` /
+`finetune` stages freeze both; `full` trains both) and each block of both is an FSDP2 / activation-checkpointing
+unit. Each encoder's projections into the LLM are the projector. The language model's path is the whole `model`
+(its decoder layers, embeddings and both encoders live under it): the image embedding's two learned separators
+(`global_img_feature_extensor`, `sub_img_feature_extensor`) count as the `llm` part. FSDP2 and checkpointing wrap
+each `Phi4MultimodalDecoderLayer`.
 
 Images (transformers 5.24, src/transformers/models/phi4_multimodal/image_processing_phi4_multimodal.py,
 `Phi4MultimodalImageProcessor.dynamic_preprocess` / `_preprocess`): an image of W x H px is resized to fit a grid of
@@ -42,7 +45,12 @@ change a clip's features: vlmctl's processor (`phi4_processor_class`) pads every
 samples, the preset's `audio_window_seconds`; longer clips are cut) and always returns `audio_attention_mask`, so a
 clip encodes the same alone and in any batch, and clips of different samples concatenate along dim 0.
 
-FLOPs: `Phi4Cost` (the spec's `cost_rule`) charges both encoders and their projections.
+FLOPs: each encoder by its own cost rule (`phi4_image_cost`: crops, the unused layers and the pooling head
+forward only; `phi4_audio_cost`: the conformer's subsampling, blocks and causal convolutions), which
+`vlmctl.train.flops.CostModel` adds to the language model's terms.
+
+Config: `Phi4MultimodalConfig` takes the text settings at its top level and reads the image / audio token ids from
+`vision_config` / `audio_config`; `config_kwargs` lays a preset's `config:` out so.
 
 Not handled (the family refuses packed rows): the model picks the audio projection per micro-batch
 (`_for_vision_speech` when the batch holds any image, else `_for_speech`), so a sample's audio is projected
@@ -54,10 +62,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 from vlmctl.errors import ModelError
+from vlmctl.families.encoders import EncoderSpec, submodule
+from vlmctl.families.qwen2_audio import resampled_length
 from vlmctl.families.registry import register
 from vlmctl.families.spec import FamilySpec, setting
 
@@ -273,95 +284,138 @@ def _matrices(modules) -> int:
     return sum(p.numel() for m in modules for p in m.parameters() if p.ndim >= 2 and not isinstance(m, torch.nn.Embedding))
 
 
-class Phi4Cost:
-    """The cost rule of both encoders and their projections (`FamilySpec.cost_rule`), read from the model (any device,
-    meta included). Forward FLOPs, matmuls only, as `torch.utils.flop_counter` counts them (transformers 5.24,
-    modeling_phi4_multimodal.py):
+@dataclass(frozen=True)
+class Phi4ImageShape:
+    """What the image encoder and its projection cost (`phi4_image_cost` reads it off the model) and their FLOPs per
+    micro-batch: a cost rule's result that `vlmctl.train.flops.CostModel` adds as it is (`paths`, `batch_terms`).
+    Forward FLOPs, matmuls only, as `torch.utils.flop_counter` counts them (transformers 5.24,
+    `Phi4MultimodalImageEmbedding.forward`): every crop of `image_pixel_values` [N, crops, 3, S, S] (padding crops
+    included: the encoder runs them) at P = (S / p)^2 positions: the patch embedding and the layers (2 x matrices x
+    P), attention 4 x d x P^2 per layer; the layers after `feature_layer` and the pooling head run forward only
+    (their output is not used); the two projections on the image tokens (the batch's `<|image|>` count).
 
-    - images: every crop of `image_pixel_values` [N, crops, 3, S, S] (padding crops included: the encoder runs them)
-      at P = (S / p)^2 positions: the patch embedding and the layers (2 x matrices x P), attention 4 x d x P^2 per
-      layer; the layers after `feature_layer` and the pooling head run forward only (their output is not used); the
-      two projections on the image tokens (the batch's `<|image|>` count);
-    - audio: `audio_input_features` [B, T, mel bins]: the subsampling convolutions at their output positions, its
-      output layer and each conformer block's linear layers and pointwise convolutions at T' = T / time_reduction
-      positions per clip, the depthwise convolution and the pointwise one after it at T' + k - 1 (its causal
-      padding), attention 4 x d x T'^2 per block; the projections (one pair, `_for_vision_speech` when the batch has
-      images) at T' positions.
+    Backward factors are the cost model's (the encoder is the `vision` part, its patch embedding reads the pixels;
+    the projections the projector), except that the first projection's input gradient is also needed when the
+    language model's weights are trained: the two learned separators concatenated to its input
+    (`global_img_feature_extensor`, `sub_img_feature_extensor`) are `llm` parameters."""
 
-    Backward factors as in `vlmctl.families.qwen3_omni.OmniCost`.
-    """
-
-    def __init__(self, model: Any, family: Any):
-        from vlmctl.families.spec import _find_prefix, part_of_parameter
-
-        root = _find_prefix(model, "model.embed_tokens_extend")
-        images, audio = model.get_submodule(root + ".image_embed"), model.get_submodule(root + ".audio_embed")
-        v, a = model.config.vision_config, model.config.audio_config
-        self.image_token_id = int(v.image_token_id)
-        self.patches = (int(v.image_size) // int(v.patch_size)) ** 2
-        self.vision_width, layers = int(v.hidden_size), int(v.num_hidden_layers)
-        feature = int(v.feature_layer)
-        self.used_layers = feature if feature >= 0 else layers + 1 + feature
-        tower = images.img_processor
-        self.patch_embed = _matrices([tower.embeddings.patch_embedding])
-        self.layer = _matrices([tower.encoder.layers[0]])
-        self.head_kv = 2 * self.vision_width * self.vision_width  # the pooling head's key and value projections
-        self.head_one = _matrices([tower.head]) - 3 * self.vision_width * self.vision_width + self.vision_width * self.vision_width
-        self.image_proj = _matrices([images.img_projection_up, images.img_projection_down])
-        self.vision_layers = layers
-        enc = audio.encoder
-        self.reduction, self.audio_width = int(a.time_reduction), int(a.hidden_size)
-        self.audio_blocks, self.kernel = int(a.num_blocks), int(a.kernel_size)
-        self.subsampling = [(m.weight.numel(), m.stride[0], m.kernel_size[0], m.padding[0]) for m in enc.embed.conv if hasattr(m, "weight")]
-        self.sub_out = _matrices([enc.embed.out])
-        block = enc.encoders[0]
-        dw = block.conv.dw_sep_conv_1d
-        self.block_causal = _matrices([dw])  # runs at T' + k - 1 positions
-        self.block_rest = _matrices([block]) - self.block_causal
-        self.speech_proj = _matrices([audio.up_proj_for_speech, audio.down_proj_for_speech])
-        self.parts = {"vision": part_of_parameter(root + ".image_embed.img_processor.encoder.layers.0.mlp.fc1.weight", family),
-                      "image_proj": part_of_parameter(root + ".image_embed.img_projection_up.weight", family),
-                      "audio": part_of_parameter(root + ".audio_embed.encoder.encoders.0.self_attn.q_proj.weight", family),
-                      "audio_proj": part_of_parameter(root + ".audio_embed.up_proj_for_speech.weight", family)}
-
-    @staticmethod
-    def owns(name: str) -> bool:
-        """True for the parameters this rule charges (both encoders and their projections)."""
-        return ".embed_tokens_extend." in f".{name}"
+    paths: tuple[str, ...]  # the image embedding: the encoder, the separators and both projections
+    image_token_id: int
+    patches: int  # P, positions per crop
+    width: int
+    layers: int
+    used_layers: int  # up to `feature_layer`
+    patch_embed: int
+    layer: int  # one layer's matrices
+    head_kv: int  # the pooling head's key and value projections (run at P positions)
+    head_one: int  # its other matrices (run at one position: the probe)
+    proj: tuple[int, int]  # img_projection_up, img_projection_down
 
     def batch_terms(self, batch: Mapping[str, Any], cost: Any) -> dict[str, float]:
-        """FLOPs of the encoders and projections for one collated micro-batch, under `cost.trained`."""
-        from vlmctl.families.qwen3_omni import OmniCost
+        """FLOPs of the images of one collated micro-batch as the `vision`, `vision_attention` and `projector`
+        terms, under `cost`'s backward factors (a `vlmctl.train.flops.CostModel`). No images: no terms."""
+        pixels, ids = batch.get("image_pixel_values"), batch["input_ids"]
+        tokens = int((ids == self.image_token_id).sum())
+        if pixels is None or not tokens:
+            return {}
+        crops = int(pixels.shape[0]) * int(pixels.shape[1])
+        P, d, unused = self.patches, self.width, self.layers - self.used_layers
+        vision = crops * (cost.weight_factor("vision", input_layer=True) * self.patch_embed * P
+                          + cost.weight_factor("vision") * self.layer * P * self.used_layers
+                          + 2 * self.layer * P * unused + 2 * (self.head_kv * P + self.head_one))
+        attention = crops * 4.0 * d * (P * P * (cost.attention_factor("vision") * self.used_layers + unused) + P)
+        into = "vision" in cost.grad_through or "llm" in cost.trained  # the first projection's input gradient
+        up = 2 + 2 * into + 2 * ("projector" in cost.trained)
+        down = 2 + 2 * (into or "projector" in cost.trained) + 2 * ("projector" in cost.trained)
+        return {"vision": vision, "vision_attention": attention, "projector": (up * self.proj[0] + down * self.proj[1]) * tokens}
 
-        terms = dict.fromkeys(("vision", "vision_attention", "audio", "audio_attention", "projector"), 0.0)
-        pixels = batch.get("image_pixel_values")
-        ids = batch["input_ids"]
-        has_images = pixels is not None and bool((ids == self.image_token_id).any())
-        if has_images:
-            crops = int(pixels.shape[0]) * int(pixels.shape[1])
-            f = OmniCost._factors([(self.parts["vision"], True), (self.parts["vision"], False), (self.parts["image_proj"], False)], cost)
-            P, d = self.patches, self.vision_width
-            unused = self.vision_layers - self.used_layers
-            terms["vision"] += crops * (f[0][0] * self.patch_embed * P + f[1][0] * self.layer * P * self.used_layers
-                                        + 2 * self.layer * P * unused + 2 * (self.head_kv * P + self.head_one))
-            terms["vision_attention"] += crops * 4.0 * d * (P * P * ((3 if f[1][1] else 1) * self.used_layers + unused) + P)
-            terms["projector"] += f[2][0] * self.image_proj * int((ids == self.image_token_id).sum())
+
+@dataclass(frozen=True)
+class Phi4ImageCost:
+    """The cost rule of Phi-4-multimodal's image encoder (`phi4_image_cost`); called as `rule(model, encoder)`."""
+
+    def __call__(self, model: Any, encoder: Any) -> Phi4ImageShape:
+        embed_path = encoder.path.rsplit(".", 1)[0]  # the image embedding around the encoder
+        embed, tower = submodule(model, embed_path), submodule(model, encoder.path)
+        v = getattr(model.config, encoder.config_key)
+        width, layers, feature = int(v.hidden_size), int(v.num_hidden_layers), int(v.feature_layer)
+        return Phi4ImageShape(
+            paths=(embed_path,), image_token_id=int(v.image_token_id), patches=(int(v.image_size) // int(v.patch_size)) ** 2,
+            width=width, layers=layers, used_layers=feature if feature >= 0 else layers + 1 + feature,
+            patch_embed=_matrices([tower.embeddings.patch_embedding]), layer=_matrices([tower.encoder.layers[0]]),
+            head_kv=2 * width * width, head_one=_matrices([tower.head]) - 2 * width * width,
+            proj=(_matrices([embed.img_projection_up]), _matrices([embed.img_projection_down])))
+
+
+def phi4_image_cost() -> Phi4ImageCost:
+    """The cost rule of the image encoder (`Phi4ImageShape`), read from the model (any device, meta included) and
+    `model.config.vision_config`. Picklable."""
+    return Phi4ImageCost()
+
+
+@dataclass(frozen=True)
+class Phi4AudioShape:
+    """What the conformer audio encoder and its projection cost (`phi4_audio_cost` reads it off the model) and their
+    FLOPs per micro-batch, added by `vlmctl.train.flops.CostModel` as they are (`paths`, `batch_terms`). Forward FLOPs,
+    matmuls only (transformers 5.24, `Phi4MultimodalAudioModel.forward`, `Phi4MultimodalAudioEmbedding.forward`):
+    `audio_input_features` [B, T, mel bins]: the subsampling convolutions at their output positions, its output
+    layer and each conformer block's linear layers and pointwise convolutions at T' = T / time_reduction positions
+    per clip, the depthwise convolution and the pointwise one after it at T' + k - 1 (its causal padding),
+    attention 4 x d x T'^2 per block; the projections (one pair, `_for_vision_speech` when the batch has images,
+    of the same sizes) at T' positions. Backward factors are the cost model's (the encoder is the `vision` part, its
+    first convolution reads the mel features; the projections the projector)."""
+
+    paths: tuple[str, ...]  # the audio embedding: the encoder and both projection pairs
+    audio_token_id: int
+    width: int
+    blocks: int
+    kernel: int
+    subsampling: tuple[tuple[int, int, int, int], ...]  # per convolution: (kernel parameters, stride, span, padding)
+    sub_out: int
+    block_causal: int  # a block's depthwise-separable convolution (runs at T' + k - 1 positions)
+    block_rest: int
+    proj: tuple[int, int]  # up, down
+
+    def batch_terms(self, batch: Mapping[str, Any], cost: Any) -> dict[str, float]:
+        """FLOPs of the clips of one collated micro-batch as the `audio`, `audio_attention` and `projector` terms,
+        under `cost`'s backward factors. No clips (or no `<|audio|>` token): no terms."""
         features = batch.get("audio_input_features")
-        if features is not None:
-            clips, frames, mels = (int(x) for x in features.shape)
-            f = OmniCost._factors([(self.parts["audio"], True), (self.parts["audio"], False), (self.parts["audio_proj"], False)], cost)
-            t, m, flops = frames, mels, 0
-            for i, (numel, stride, kernel, pad) in enumerate(self.subsampling):
-                if stride > 1:
-                    t, m = (t + 2 * pad - kernel) // stride + 1, (m + 2 * pad - kernel) // stride + 1
-                flops += (f[0][0] if i == 0 else f[1][0]) * numel * t * m
-            positions = t
-            flops += f[1][0] * (self.sub_out + self.audio_blocks * self.block_rest) * positions
-            flops += f[1][0] * self.audio_blocks * self.block_causal * (positions + self.kernel - 1)
-            terms["audio"] += clips * flops
-            terms["audio_attention"] += clips * (3 if f[1][1] else 1) * 4.0 * self.audio_width * self.audio_blocks * positions**2
-            terms["projector"] += clips * f[2][0] * self.speech_proj * positions
-        return terms
+        if features is None or not bool((batch["input_ids"] == self.audio_token_id).any()):
+            return {}  # the model skips its clips without audio tokens
+        clips, t, m = (int(x) for x in features.shape)
+        first, rest = cost.weight_factor("vision", input_layer=True), cost.weight_factor("vision")
+        flops = 0
+        for i, (numel, stride, span, pad) in enumerate(self.subsampling):
+            if stride > 1:
+                t, m = (t + 2 * pad - span) // stride + 1, (m + 2 * pad - span) // stride + 1
+            flops += (first if i == 0 else rest) * numel * t * m
+        flops += rest * ((self.sub_out + self.blocks * self.block_rest) * t + self.blocks * self.block_causal * (t + self.kernel - 1))
+        proj = cost.weight_factor("projector", input_layer=True) * self.proj[0] + cost.weight_factor("projector") * self.proj[1]
+        return {"audio": clips * flops, "audio_attention": clips * cost.attention_factor("vision") * 4.0 * self.width * self.blocks * t * t,
+                "projector": clips * proj * t}
+
+
+@dataclass(frozen=True)
+class Phi4AudioCost:
+    """The cost rule of Phi-4-multimodal's audio encoder (`phi4_audio_cost`); called as `rule(model, encoder)`."""
+
+    def __call__(self, model: Any, encoder: Any) -> Phi4AudioShape:
+        embed_path = encoder.path.rsplit(".", 1)[0]  # the audio embedding around the encoder
+        embed, tower = submodule(model, embed_path), submodule(model, encoder.path)
+        a = getattr(model.config, encoder.config_key)
+        block = tower.encoders[0]
+        causal = _matrices([block.conv.dw_sep_conv_1d])
+        return Phi4AudioShape(
+            paths=(embed_path,), audio_token_id=int(a.audio_token_id), width=int(a.hidden_size), blocks=int(a.num_blocks), kernel=int(a.kernel_size),
+            subsampling=tuple((m.weight.numel(), m.stride[0], m.kernel_size[0], m.padding[0]) for m in tower.embed.conv if hasattr(m, "weight")),
+            sub_out=_matrices([tower.embed.out]), block_causal=causal, block_rest=_matrices([block]) - causal,
+            proj=(_matrices([embed.up_proj_for_speech]), _matrices([embed.down_proj_for_speech])))
+
+
+def phi4_audio_cost() -> Phi4AudioCost:
+    """The cost rule of the conformer audio encoder (`Phi4AudioShape`), read from the model (any device, meta
+    included) and `model.config.audio_config`. Picklable."""
+    return Phi4AudioCost()
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -376,8 +430,6 @@ class Phi4MultimodalSpec(FamilySpec):
         """`<|audio|>` tokens of one clip of `samples` samples at `sampling_rate` Hz (resampled to the extractor's rate
         first), cut at the processor's window (`processor_or_config`: the processor; a model config assumes the
         published extractor and no window). Returns a token count (module docstring)."""
-        from vlmctl.data.modalities.audio import resampled_length
-
         extractor = setting(processor_or_config, "audio_processor", default=processor_or_config)
         fe = {k: int(setting(extractor, k, default=v)) for k, v in PUBLISHED_AUDIO.items()}
         n = resampled_length(int(samples), int(sampling_rate), fe["sampling_rate"])
@@ -475,14 +527,22 @@ PHI4_MULTIMODAL = register(Phi4MultimodalSpec(
     model_class="Phi4MultimodalForCausalLM",
     config_class="Phi4MultimodalConfig",
     processor_class="Phi4MultimodalProcessor",
-    vision_tower="model.embed_tokens_extend.image_embed.img_processor",
+    encoders={
+        # one SigLIP-style tower over each image's crops; its MLP has no gate, its patch embedding is a Conv2d
+        "image": EncoderSpec(path="model.embed_tokens_extend.image_embed.img_processor", modalities=("image",),
+                             layer_classes=("Phi4MultimodalVisionEncoderLayer",), cost=phi4_image_cost(), kernels=(),
+                             data_keys=("image_pixel_values", "image_sizes", "image_attention_mask")),
+        "audio": EncoderSpec(path="model.embed_tokens_extend.audio_embed.encoder", modalities=("audio",),
+                             layer_classes=("Phi4MultimodalAudioConformerEncoderLayer",), cost=phi4_audio_cost(), kernels=(),
+                             data_keys=("audio_input_features", "audio_embed_sizes", "audio_attention_mask"),
+                             config_key="audio_config", token_rule="num_audio_tokens"),
+    },
     projector=("model.embed_tokens_extend.image_embed.img_projection_up", "model.embed_tokens_extend.image_embed.img_projection_down",
                "model.embed_tokens_extend.audio_embed.up_proj_for_speech", "model.embed_tokens_extend.audio_embed.down_proj_for_speech",
                "model.embed_tokens_extend.audio_embed.up_proj_for_vision_speech",
                "model.embed_tokens_extend.audio_embed.down_proj_for_vision_speech"),
     language_model="model",
     decoder_layer_classes=("Phi4MultimodalDecoderLayer",),
-    vision_layer_classes=("Phi4MultimodalVisionEncoderLayer",),
     modalities={"image": IMAGE, "audio": AUDIO},
     visual_token_rule=phi4_image_rule,
     supports_packing=False,
@@ -491,6 +551,5 @@ PHI4_MULTIMODAL = register(Phi4MultimodalSpec(
     config_token_ids={"image_token_id": IMAGE, "audio_token_id": AUDIO},
     image_processor_class="Phi4MultimodalImageProcessor",
     tiny_preset="tiny-phi4-multimodal",
-    cost_rule=Phi4Cost,
     notes="Phi-4-multimodal: images (dynamic-HD crops) + audio + text; no packed rows (the audio projection is chosen per batch).",
 ))

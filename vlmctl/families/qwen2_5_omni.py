@@ -4,20 +4,20 @@ token2wav (speech output) are not part of the family: it trains the thinker on a
 
 Module paths (transformers 5.23, checked by tests/unit/test_families_qwen2_5_omni.py):
 
-| part                            | path                                         |
-|---------------------------------|----------------------------------------------|
-| audio tower (the `vision` part) | model.audio_tower                            |
-| vision encoder                  | model.visual                                 |
-| projector                       | model.audio_tower.proj, model.visual.merger  |
-| language model                  | model.language_model                         |
-| lm head                         | lm_head                                      |
+| part                                     | path                                         |
+|------------------------------------------|----------------------------------------------|
+| audio encoder (`audio`, the `vision` part) | model.audio_tower                          |
+| image encoder (`image`, the `vision` part) | model.visual                               |
+| projector                                | model.audio_tower.proj, model.visual.merger  |
+| language model                           | model.language_model                         |
+| lm head                                  | lm_head                                      |
 
-A spec has one encoder path (`vision_tower`). The audio tower holds it, as in Qwen2-Audio and as the cost model
-expects of a model with an `audio_config` (`vlmctl.train.flops`): its `Qwen2_5OmniAudioEncoderLayer`s are the
-encoder's FSDP2 / activation-checkpointing units, `train.freeze: [vision]` freezes it. Each encoder's projection
-into the LLM (the audio tower's `proj`, the vision encoder's patch merger) is the projector. The vision encoder's
-other parameters count as the `llm` part (frozen and trained with it, in the root FSDP2 unit); its blocks are not
-FSDP units.
+Two encoders (`encoders`, in forward order: the thinker encodes audio before images): the audio tower (Whisper-style,
+its `Qwen2_5OmniAudioEncoderLayer`s) and the vision encoder (Qwen2.5-VL's, its `Qwen2_5OmniVisionBlock`s, window
+attention). Each is the `vision` part (`train.freeze: [vision]` and the `align` / `finetune` stages freeze both; `full`
+trains both) and each block of both is an FSDP2 / activation-checkpointing unit. Each encoder's projection into the
+LLM (the audio tower's `proj`, the vision encoder's patch merger) is the projector. The cost model counts each encoder
+by its own rule (`audio_cost`, `vision_cost` with the merger and windows).
 
 Audio-token rule (transformers 5.23, src/transformers/models/qwen2_5_omni/processing_qwen2_5_omni.py,
 `Qwen2_5OmniProcessor._process_audio` / `_get_feat_extract_output_lengths`): the Whisper feature extractor pads
@@ -50,10 +50,11 @@ from functools import lru_cache
 from typing import Any
 
 from vlmctl.errors import ModelError
-from vlmctl.families.qwen2_audio import audio_attention, audio_tokens, extractor_settings
-from vlmctl.families.qwen_vl import qwen_rule
+from vlmctl.families.qwen2_audio import audio_attention, audio_tokens, extractor_settings, resampled_length
+from vlmctl.families.qwen_vl import qwen_rule, rope_index_fn
+from vlmctl.families.encoders import KERNELS, audio_cost, audio_encoder, image_encoder, vision_cost
 from vlmctl.families.registry import register
-from vlmctl.families.spec import FamilySpec
+from vlmctl.families.spec import FamilySpec, _find_prefix, is_packed
 
 IMAGE, VIDEO, AUDIO = "<|IMAGE|>", "<|VIDEO|>", "<|AUDIO|>"
 """Placeholder tokens the processor repeats per image block, video block and audio frame (Qwen2.5-Omni's tokenizer)."""
@@ -104,12 +105,8 @@ def omni_prepare(model: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
     return the batch hook (run by `loop.prefetch` ahead of the step) that replaces a packed row's (1, T) position
     ids by `packed_omni_positions`, on CPU before the device copy. Padded batches pass through unchanged (the model
     computes their positions from the attention mask)."""
-    from vlmctl.data.collate import is_packed
-    from vlmctl.families.qwen_vl import rope_index_fn
-    from vlmctl.families.spec import _find_prefix
-
     keep_logits_forward(model)
-    audio_attention(model, _find_prefix(model, QWEN2_5_OMNI.vision_tower))
+    audio_attention(model, _find_prefix(model, QWEN2_5_OMNI.encoders["audio"].path))
     rope_index = rope_index_fn(model)
     config = model.config
     image_token_id, audio_bos_id = int(config.image_token_id), int(config.audio_start_token_id)
@@ -200,8 +197,6 @@ class Qwen25OmniSpec(FamilySpec):
         processor, its feature extractor, a saved processor_config.json's settings, or the model config (Whisper's
         16 kHz and hop of 160 over the encoder's 2 x max_source_positions frames). Returns a token count (module
         docstring). Raises ModelError without feature-extractor settings."""
-        from vlmctl.data.modalities.audio import resampled_length
-
         fe = extractor_settings(processor_or_config)
         n = resampled_length(int(samples), int(sampling_rate), fe["sampling_rate"])
         return audio_tokens(n, hop_length=fe["hop_length"], n_samples=fe["n_samples"])
@@ -261,11 +256,16 @@ QWEN2_5_OMNI = register(Qwen25OmniSpec(
     model_class="Qwen2_5OmniThinkerForConditionalGeneration",
     config_class="Qwen2_5OmniThinkerConfig",
     processor_class="Qwen2_5OmniProcessor",
-    vision_tower="model.audio_tower",
+    encoders={
+        # the tower computes a clip's real frames only, attending within chunks of 2 x n_window frames
+        "audio": audio_encoder("model.audio_tower", layer_classes=("Qwen2_5OmniAudioEncoderLayer",),
+                               cost=audio_cost(chunk_key="n_window")),
+        "image": image_encoder("model.visual", layer_classes=("Qwen2_5OmniVisionBlock",),
+                               cost=vision_cost(merge=True, windows=True), kernels=KERNELS),
+    },
     projector=("model.audio_tower.proj", "model.visual.merger"),
     language_model="model.language_model",
     decoder_layer_classes=("Qwen2_5OmniDecoderLayer",),
-    vision_layer_classes=("Qwen2_5OmniAudioEncoderLayer",),
     modalities={"image": IMAGE, "audio": AUDIO},
     prompts={"image": f"{VISION_BOS}{IMAGE}{VISION_EOS}", "audio": f"{AUDIO_BOS}{AUDIO}{AUDIO_EOS}"},
     # the published processor: Qwen2.5-VL's image processor (patch 14, 3136 to 12845056 pixels)
@@ -282,5 +282,5 @@ QWEN2_5_OMNI = register(Qwen25OmniSpec(
                       "vision_start_token_id": VISION_BOS, "vision_end_token_id": VISION_EOS},
     image_processor_class="Qwen2VLImageProcessor",
     tiny_preset="tiny-qwen2.5-omni",
-    notes="Qwen2.5-Omni's thinker: audio + images + text (no video, no speech output); the audio tower is the `vision` part.",
+    notes="Qwen2.5-Omni's thinker: audio + images + text (no video, no speech output); two encoders, both the `vision` part.",
 ))

@@ -66,6 +66,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from vlmctl.errors import ModelError
+from vlmctl.families.encoders import audio_encoder
 from vlmctl.families.registry import register
 from vlmctl.families.spec import FamilySpec, setting
 
@@ -182,13 +183,33 @@ def prepare_packed(model: Any, path: str = "model.audio_tower") -> None:
     audio_attention(model, path)
 
 
+RESAMPLE_QUALITY = "HQ"
+"""soxr quality of every resampling of audio (librosa's default `res_type` is soxr_hq): the data pipeline's
+(`vlmctl.data.modalities.audio.resample`) and the length the token rule computes (`resampled_length`)."""
+
+
+def resampled_length(samples: int, rate: int, target: int) -> int:
+    """Samples of a clip of `samples` at `rate` Hz once resampled to `target` Hz (soxr's output length, round(samples
+    * target / rate), computed by resampling silence of that length when the rates differ, as
+    `vlmctl.data.modalities.audio.resample` does). Raises ModelError without soxr (the audio extra)."""
+    if rate == target or samples == 0:
+        return samples
+    import numpy as np
+
+    try:
+        import soxr  # the optional audio extra
+    except ImportError:
+        raise ModelError(f"counting the tokens of {rate} Hz audio for a {target} Hz feature extractor needs soxr",
+                         hint="pip install 'vlmctl[audio]'") from None
+    return len(soxr.resample(np.zeros(samples, np.float32), rate, target, quality=RESAMPLE_QUALITY))
+
+
 class Qwen2AudioSpec(FamilySpec):
     """Qwen2-Audio: audio parts only (`modalities` has no image), the audio-token rule, the Whisper feature extractor
     of its presets."""
 
-    def __post_init__(self) -> None:
-        for name in ("modalities", "prompts", "extra_special_tokens", "config_token_ids", "unsupported_vision"):
-            object.__setattr__(self, name, dict(getattr(self, name)))  # a copy: the caller's dict stays theirs
+    def check_modalities(self) -> None:
+        """Refuse a spec without an audio placeholder token. Raises ModelError."""
         if "audio" not in self.modalities:
             raise ModelError(f"family {self.name!r} declares no audio placeholder token", hint="set modalities={'audio': ...}")
 
@@ -197,8 +218,6 @@ class Qwen2AudioSpec(FamilySpec):
         extractor's rate first, as `vlmctl.data.modalities.audio.AudioUnit` hands it over). `processor_or_config`: the
         processor, its feature extractor, a saved processor_config.json's settings, or the model config. Returns a
         token count (module docstring). Raises ModelError without feature-extractor settings."""
-        from vlmctl.data.modalities.audio import resampled_length
-
         fe = extractor_settings(processor_or_config)
         n = resampled_length(int(samples), int(sampling_rate), fe["sampling_rate"])
         return audio_tokens(n, hop_length=fe["hop_length"], n_samples=fe["n_samples"])
@@ -208,7 +227,7 @@ class Qwen2AudioSpec(FamilySpec):
         model exactly when rows are packed (`vlmctl.train.setup.prepare_model`: after the attention backend is set,
         before peft and the parallel wrappers), so it also prepares the model for packed rows (`prepare_packed`:
         the `logits_to_keep` forward, the audio tower's attention)."""
-        prepare_packed(model, self.vision_tower)
+        prepare_packed(model, self.encoders["audio"].path)
         return None
 
     def preset_processor(self, tokenizer: Any, chat_template: str | None, kwargs: Mapping[str, Any], config: Mapping[str, Any]):
@@ -284,11 +303,11 @@ QWEN2_AUDIO = register(Qwen2AudioSpec(
     model_class="Qwen2AudioForConditionalGeneration",
     config_class="Qwen2AudioConfig",
     processor_class="Qwen2AudioProcessor",
-    vision_tower="model.audio_tower",
+    # the tower runs the language model's attention (its packed rows: `audio_attention`)
+    encoders={"audio": audio_encoder("model.audio_tower", layer_classes=("Qwen2AudioEncoderLayer",), attention=None)},
     projector=("model.multi_modal_projector",),
     language_model="model.language_model",
     decoder_layer_classes=("Qwen2DecoderLayer",),
-    vision_layer_classes=("Qwen2AudioEncoderLayer",),
     modalities={"audio": AUDIO_TOKEN},
     prompts={"audio": f"{AUDIO_BOS}{AUDIO_TOKEN}{AUDIO_EOS}"},
     visual_token_rule=_no_images,
@@ -297,5 +316,6 @@ QWEN2_AUDIO = register(Qwen2AudioSpec(
     extra_special_tokens={"audio_token": AUDIO_TOKEN, "audio_bos_token": AUDIO_BOS, "audio_eos_token": AUDIO_EOS},
     config_token_ids={"audio_token_index": AUDIO_TOKEN},
     tiny_preset="tiny-qwen2-audio",
+    compose_audio=True,
     notes="Audio + text (no images): Whisper-style encoder, linear projector, Qwen2 LLM; the audio tower is the `vision` part.",
 ))

@@ -5,20 +5,21 @@ thinker on audio, images and text.
 
 Module paths (transformers 5.24, checked by tests/unit/test_family_qwen3_omni.py):
 
-| part                            | path                                                                   |
-|---------------------------------|------------------------------------------------------------------------|
-| audio tower (the `vision` part) | model.audio_tower                                                      |
-| vision encoder                  | model.visual                                                           |
-| projector                       | model.audio_tower.proj1, model.audio_tower.proj2, model.visual.merger, |
-|                                 | model.visual.merger_list                                               |
-| language model                  | model.language_model                                                   |
-| lm head                         | lm_head                                                                |
+| part                                       | path                                                         |
+|--------------------------------------------|--------------------------------------------------------------|
+| audio encoder (`audio`, the `vision` part) | model.audio_tower                                            |
+| image encoder (`image`, the `vision` part) | model.visual                                                 |
+| projector                                  | model.audio_tower.proj1, model.audio_tower.proj2,            |
+|                                            | model.visual.merger, model.visual.merger_list                |
+| language model                             | model.language_model                                         |
+| lm head                                    | lm_head                                                      |
 
-As in Qwen2.5-Omni (`vlmctl.families.qwen2_5_omni`) the spec's one encoder path holds the audio tower: its
-`Qwen3OmniMoeAudioEncoderLayer`s are the encoder's FSDP2 / activation-checkpointing units and `train.freeze: [vision]`
-freezes it. Each encoder's projection into the LLM (the audio tower's `proj1`/`proj2`, the vision encoder's merger
-and its DeepStack mergers) is the projector; the vision encoder's other parameters count as the `llm` part. FSDP2
-and checkpointing wrap each `Qwen3OmniMoeThinkerTextDecoderLayer` (attention, router and all its experts, as in
+Two encoders (`encoders`, in forward order, as in `vlmctl.families.qwen2_5_omni`): the audio tower (AuT, its
+`Qwen3OmniMoeAudioEncoderLayer`s) and the vision encoder (Qwen3-VL's, its `Qwen3OmniMoeVisionBlock`s). Each is the
+`vision` part (`train.freeze: [vision]` and the `align` / `finetune` stages freeze both; `full` trains both) and each
+block of both is an FSDP2 / activation-checkpointing unit. Each encoder's projection into the LLM (the audio tower's
+`proj1`/`proj2`, the vision encoder's merger and its DeepStack mergers) is the projector. FSDP2 and checkpointing wrap
+each `Qwen3OmniMoeThinkerTextDecoderLayer` (attention, router and all its experts, as in
 `vlmctl.families.qwen3_vl_moe`); the router's load-balancing loss is off (transformers' default).
 
 Audio (transformers 5.24, src/transformers/models/qwen3_omni_moe/processing_qwen3_omni_moe.py, `_process_audio`,
@@ -48,22 +49,26 @@ model's own `get_rope_index` (`qwen2_5_omni.packed_omni_positions`), the forward
 (`qwen2_5_omni.keep_logits_forward`) and the audio tower an attention implementation that splits its windows itself.
 The audio tower encodes each clip on its own (`cu_seqlens` per window), so clips of different samples never mix.
 
-FLOPs: `OmniCost` (the spec's `cost_rule`) charges both encoders and the projectors (module docstring of
-`vlmctl.train.flops` for the terms and the backward factors).
+FLOPs: the image encoder by the generic ViT rule with its merger (`vision_cost(merge=True)`: Qwen3-VL's tower, full
+attention per frame, the merger and each DeepStack merger on the visual tokens); the audio encoder by its own rule
+(`aut_cost`, `AuTShape`: chunks, 2-D convolutions, attention windows), which `vlmctl.train.flops.CostModel` adds to
+the rest (its module docstring gives the terms and the backward factors).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 from vlmctl.errors import ModelError
+from vlmctl.families.encoders import audio_encoder, image_encoder, submodule, vision_cost
 from vlmctl.families.qwen2_5_omni import EXTRACTOR_KEYS, Qwen25OmniSpec, keep_logits_forward, omni_image_audio, packed_omni_positions
-from vlmctl.families.qwen2_audio import audio_attention, extractor_settings
+from vlmctl.families.qwen2_audio import audio_attention, extractor_settings, resampled_length
 from vlmctl.families.qwen_vl import qwen_rule, rope_index_fn
 from vlmctl.families.registry import register
-from vlmctl.families.spec import _find_prefix, part_of_parameter, setting
+from vlmctl.families.spec import _find_prefix, is_packed, setting
 
 IMAGE, VIDEO, AUDIO = "<|image_pad|>", "<|video_pad|>", "<|audio_pad|>"
 """Placeholder tokens the processor repeats per image block, video block and audio position (Qwen3-Omni's tokenizer)."""
@@ -130,10 +135,8 @@ def qwen3_omni_prepare(model: Any) -> Callable[[dict[str, Any]], dict[str, Any]]
     unchanged (the model computes their positions from the attention mask)."""
     import torch
 
-    from vlmctl.data.collate import is_packed
-
     keep_logits_forward(model)
-    audio_attention(model, _find_prefix(model, QWEN3_OMNI.vision_tower))
+    audio_attention(model, _find_prefix(model, QWEN3_OMNI.encoders["audio"].path))
     rope_index = rope_index_fn(model)
     config = model.config
     image_token_id, audio_bos_id = int(config.image_token_id), int(config.audio_start_token_id)
@@ -161,85 +164,44 @@ def _matrices(module) -> int:
     return sum(p.numel() for p in module.parameters() if p.ndim >= 2)
 
 
-class OmniCost:
-    """The cost rule of both encoders and their projectors (`FamilySpec.cost_rule`), read from the model (any device,
-    meta included). Forward FLOPs, matmuls only, as `torch.utils.flop_counter` counts them:
+@dataclass(frozen=True)
+class AuTShape:
+    """What the audio encoder costs (`aut_cost` reads it off the model) and its FLOPs per micro-batch: a cost rule's
+    result that `vlmctl.train.flops.CostModel` adds as it is (`paths`, `batch_terms`). Forward FLOPs, matmuls only,
+    as `torch.utils.flop_counter` counts them (transformers 5.24, `Qwen3OmniMoeAudioEncoder.forward`): each clip's L
+    frames (the `feature_attention_mask` sums) cut into chunks of 2 x n_window frames, all chunks padded to the
+    longest one; the three 3x3 stride-2 convolutions run on every chunk at its padded size (2 x kernel x output
+    positions, mel bins x frames, each), `conv_out` on every padded chunk's remaining frames; the layers, `proj1`
+    and `proj2` on the real positions (a(L) per clip, module docstring); attention 4 x d x layers x the sum of
+    squared windows (each clip's positions cut into windows of the longest chunk's positions x n_window_infer /
+    (2 x n_window)). Backward factors are the cost model's: the encoder is the `vision` part (its first convolution
+    reads the mel features: no input gradient), `proj1` / `proj2` the projector (`proj1` reads the encoder's
+    output)."""
 
-    - audio, per micro-batch (transformers `Qwen3OmniMoeAudioEncoder.forward`): each clip's L frames (the
-      `feature_attention_mask` sums) cut into chunks of 2 x n_window frames, all chunks padded to the longest one
-      (T frames); the three convolutions run on every chunk at its padded size (2 x kernel x output positions each),
-      `conv_out` on T3 positions per chunk; the layers, `proj1` and `proj2` on the real positions (a(L) per clip);
-      attention 4 x d x layers x sum of squared windows (each clip's positions cut into windows of
-      max positions per chunk x n_window_infer / (2 x n_window));
-    - vision, per image (t, h, w) (transformers `Qwen3OmniMoeVisionEncoder.forward`, Qwen3-VL's): the patch
-      embedding and the blocks on t x h x w patches, attention over each frame's h x w patches in every block, the
-      merger and each DeepStack merger on t x h x w / merge^2 tokens.
-
-    Backward factors per module group, in each encoder's forward order: 2 forward, +2 when a group at or before it is
-    trained (its input gradient: none for the groups reading the mel features or the pixels), +2 when its own part is
-    trained; attention x3 when the gradient passes through, else x1.
-    """
-
-    def __init__(self, model: Any, family: Any):
-        audio = model.get_submodule(_find_prefix(model, "model.audio_tower"))
-        visual = model.get_submodule(_find_prefix(model, "model.visual"))
-        a, v = model.config.audio_config, model.config.vision_config
-        self.n_window, self.n_window_infer = int(a.n_window), int(a.n_window_infer)
-        self.audio_width, self.audio_layers = int(a.d_model), int(a.encoder_layers)
-        self.mel_bins = int(a.num_mel_bins)
-        self.vision_width, self.vision_layers, self.merge = int(v.hidden_size), int(v.depth), int(v.spatial_merge_size)
-
-        def group(path: str, module) -> tuple[str, int]:
-            return part_of_parameter(path, family), _matrices(module)
-
-        prefix = "model.audio_tower"
-        self.convs = [group(f"{prefix}.conv2d{i}.weight", getattr(audio, f"conv2d{i}")) for i in (1, 2, 3)]
-        self.audio_groups = {"conv_out": group(f"{prefix}.conv_out.weight", audio.conv_out),
-                             "layers": group(f"{prefix}.layers.0.fc1.weight", audio.layers),
-                             "proj": (part_of_parameter(f"{prefix}.proj1.weight", family), _matrices(audio.proj1) + _matrices(audio.proj2))}
-        prefix = "model.visual"
-        self.vision_groups = {"patch_embed": group(f"{prefix}.patch_embed.proj.weight", visual.patch_embed),
-                              "blocks": group(f"{prefix}.blocks.0.mlp.linear_fc1.weight", visual.blocks),
-                              "mergers": (part_of_parameter(f"{prefix}.merger.linear_fc1.weight", family),
-                                          _matrices(visual.merger) + _matrices(visual.merger_list))}
-
-    @staticmethod
-    def owns(name: str) -> bool:
-        """True for the parameters this rule charges (both encoders, their projectors included)."""
-        return ".audio_tower." in f".{name}" or ".visual." in f".{name}"
-
-    @staticmethod
-    def _factors(groups: list[tuple[str, bool]], cost: Any) -> list[tuple[int, bool]]:
-        """(weight factor, gradient passes) per (part, reads the raw input) group in forward order."""
-        out, flowing = [], False
-        for part, raw in groups:
-            trained = part in cost.trained
-            flowing = flowing or trained
-            out.append((2 + 2 * (flowing and not raw) + 2 * trained, flowing))
-        return out
+    paths: tuple[str, ...]  # the module paths whose parameters it charges: the whole tower, `proj1` / `proj2` included
+    mel_bins: int
+    n_window: int
+    n_window_infer: int
+    width: int  # d_model
+    layers: int
+    convs: tuple[int, int, int]  # kernel parameters of conv2d1, conv2d2, conv2d3
+    conv_out: int  # the linear layer over a chunk's flattened convolution channels x mel bins
+    blocks: int  # the layers' matrices
+    proj: tuple[int, int]  # proj1, proj2
 
     def batch_terms(self, batch: Mapping[str, Any], cost: Any) -> dict[str, float]:
-        """FLOPs of the encoders and projectors for one collated micro-batch (`vision`, `vision_attention`, `audio`,
-        `audio_attention`, `projector`), under `cost`'s trained parts (`cost.trained`)."""
-        terms = dict.fromkeys(("vision", "vision_attention", "audio", "audio_attention", "projector"), 0.0)
+        """FLOPs of the clips of one collated micro-batch (`input_features`, `feature_attention_mask` [clips,
+        frames]) as the `audio`, `audio_attention` and `projector` terms, under `cost`'s backward factors (a
+        `vlmctl.train.flops.CostModel`). No clips: no terms."""
         mask = batch.get("feature_attention_mask")
-        if batch.get("input_features") is not None and mask is not None:
-            self._audio(terms, [int(n) for n in mask.sum(-1).tolist()], cost)
-        grids = batch.get("image_grid_thw")
-        if grids is not None:
-            self._vision(terms, [tuple(int(x) for x in g) for g in grids.reshape(-1, 3).tolist()], cost)
-        return terms
-
-    def _audio(self, terms: dict[str, float], clips: list[int], cost: Any) -> None:
+        if batch.get("input_features") is None or mask is None:
+            return {}
+        clips = [int(n) for n in mask.reshape(-1, mask.shape[-1]).sum(-1).tolist()]
         chunk = 2 * self.n_window
-        chunks: list[int] = []
-        for frames in clips:
-            full, rest = divmod(frames, chunk)
-            chunks += [chunk] * full + ([rest] if rest else [])
+        chunks = [min(chunk, f - start) for f in clips for start in range(0, f, chunk)]
         if not chunks:
-            return
-        longest = max(chunks)
-        h, w, stem = self.mel_bins, longest, []
+            return {}
+        h, w, stem = self.mel_bins, max(chunks), []
         for _ in range(3):
             h, w = conv_out(h), conv_out(w)
             stem.append(len(chunks) * h * w)
@@ -249,22 +211,33 @@ class OmniCost:
         for frames in clips:
             full, rest = divmod(audio_tokens(frames, self.n_window), window)
             pairs += full * window * window + rest * rest
-        (c1, c2, c3), g = self.convs, self.audio_groups
-        f = self._factors([(c1[0], True), (c2[0], False), (c3[0], False), (g["conv_out"][0], False), (g["layers"][0], False),
-                           (g["proj"][0], False)], cost)
-        terms["audio"] += (f[0][0] * c1[1] * stem[0] + f[1][0] * c2[1] * stem[1] + f[2][0] * c3[1] * stem[2]
-                           + f[3][0] * g["conv_out"][1] * len(chunks) * w + f[4][0] * g["layers"][1] * positions)
-        terms["audio_attention"] += (3 if f[4][1] else 1) * 4.0 * self.audio_width * self.audio_layers * pairs
-        terms["projector"] += f[5][0] * g["proj"][1] * positions
+        first, rest_ = cost.weight_factor("vision", input_layer=True), cost.weight_factor("vision")
+        audio = (first * self.convs[0] * stem[0] + rest_ * (self.convs[1] * stem[1] + self.convs[2] * stem[2])
+                 + rest_ * self.conv_out * len(chunks) * w + rest_ * self.blocks * positions)
+        projector = (cost.weight_factor("projector", input_layer=True) * self.proj[0]
+                     + cost.weight_factor("projector") * self.proj[1]) * positions
+        return {"audio": audio, "audio_attention": cost.attention_factor("vision") * 4.0 * self.width * self.layers * pairs,
+                "projector": projector}
 
-    def _vision(self, terms: dict[str, float], grids: list[tuple[int, int, int]], cost: Any) -> None:
-        g = self.vision_groups
-        f = self._factors([(g["patch_embed"][0], True), (g["blocks"][0], False), (g["mergers"][0], False)], cost)
-        patches = sum(t * h * w for t, h, w in grids)
-        pairs = sum(t * (h * w) ** 2 for t, h, w in grids)
-        terms["vision"] += (f[0][0] * g["patch_embed"][1] + f[1][0] * g["blocks"][1]) * patches
-        terms["vision_attention"] += (3 if f[1][1] else 1) * 4.0 * self.vision_width * self.vision_layers * pairs
-        terms["projector"] += f[2][0] * g["mergers"][1] * patches // self.merge**2
+
+@dataclass(frozen=True)
+class AuTCost:
+    """The cost rule of Qwen3-Omni's audio encoder (`aut_cost`); called as `rule(model, encoder)`."""
+
+    def __call__(self, model: Any, encoder: Any) -> AuTShape:
+        tower = submodule(model, encoder.path)
+        a = getattr(model.config, encoder.config_key)
+        return AuTShape(paths=(encoder.path,), mel_bins=int(a.num_mel_bins), n_window=int(a.n_window),
+                        n_window_infer=int(a.n_window_infer), width=int(a.d_model), layers=int(a.encoder_layers),
+                        convs=tuple(_matrices(getattr(tower, f"conv2d{i}")) for i in (1, 2, 3)),
+                        conv_out=_matrices(tower.conv_out), blocks=_matrices(tower.layers),
+                        proj=(_matrices(tower.proj1), _matrices(tower.proj2)))
+
+
+def aut_cost() -> AuTCost:
+    """The cost rule of Qwen3-Omni's audio encoder (`AuTShape`), read from the model (any device, meta included) and
+    `model.config.audio_config` (n_window, n_window_infer, d_model, encoder_layers, num_mel_bins). Picklable."""
+    return AuTCost()
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -280,8 +253,6 @@ class Qwen3OmniSpec(Qwen25OmniSpec):
         extractor's rate first). `processor_or_config`: the processor, its feature extractor, a saved
         processor_config.json's settings, or the model config (the published extractor: 16 kHz, hop 160, 30 s
         window). Returns a token count (module docstring). Raises ModelError without feature-extractor settings."""
-        from vlmctl.data.modalities.audio import resampled_length
-
         if setting(processor_or_config, "audio_config") is not None:
             fe = PUBLISHED_EXTRACTOR
         else:
@@ -352,11 +323,16 @@ QWEN3_OMNI = register(Qwen3OmniSpec(
     model_class="Qwen3OmniMoeThinkerForConditionalGeneration",
     config_class="Qwen3OmniMoeThinkerConfig",
     processor_class="Qwen3OmniMoeProcessor",
-    vision_tower="model.audio_tower",
+    encoders={
+        # the tower computes a clip's real frames only, in chunks; attention within windows of chunks
+        "audio": audio_encoder("model.audio_tower", layer_classes=("Qwen3OmniMoeAudioEncoderLayer",), cost=aut_cost()),
+        # Qwen3-VL's tower: a Conv3d patch embedding (kernel = stride) and the vision rotary; its MLP has no gate
+        "image": image_encoder("model.visual", layer_classes=("Qwen3OmniMoeVisionBlock",), cost=vision_cost(merge=True),
+                               kernels=("patch_embed_gemm", "compiled_rotary")),
+    },
     projector=("model.audio_tower.proj1", "model.audio_tower.proj2", "model.visual.merger", "model.visual.merger_list"),
     language_model="model.language_model",
     decoder_layer_classes=("Qwen3OmniMoeThinkerTextDecoderLayer",),
-    vision_layer_classes=("Qwen3OmniMoeAudioEncoderLayer",),
     modalities={"image": IMAGE, "audio": AUDIO},
     prompts={"image": f"{VISION_BOS}{IMAGE}{VISION_EOS}", "audio": f"{AUDIO_BOS}{AUDIO}{AUDIO_EOS}"},
     # the published processor: Qwen2-VL's image processor with 16 px patches, 3136 to 12845056 pixels
@@ -373,6 +349,5 @@ QWEN3_OMNI = register(Qwen3OmniSpec(
                       "vision_start_token_id": VISION_BOS, "vision_end_token_id": VISION_EOS},
     image_processor_class="Qwen2VLImageProcessor",
     tiny_preset="tiny-qwen3-omni",
-    cost_rule=OmniCost,
-    notes="Qwen3-Omni's thinker: audio + images + text (no video, no speech output); MoE decoder; the audio tower is the `vision` part.",
+    notes="Qwen3-Omni's thinker: audio + images + text (no video, no speech output); MoE decoder; two encoders, both the `vision` part.",
 ))

@@ -34,8 +34,9 @@ from functools import lru_cache, partial
 from typing import Any, Callable
 
 from vlmctl.errors import ModelError
+from vlmctl.families.encoders import KERNELS, image_encoder, vision_cost
 from vlmctl.families.registry import register
-from vlmctl.families.spec import FamilySpec, VisualTokenRule, setting, split_source
+from vlmctl.families.spec import FamilySpec, VisualTokenRule, is_packed, setting, split_source
 
 QWEN_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 """Special tokens of the Qwen-VL tokenizers that the processors and chat templates use."""
@@ -231,8 +232,6 @@ def mrope_prepare(model, image_token_id: int | None) -> Callable[[dict[str, Any]
     """A batch hook (run by `loop.prefetch` ahead of the step) replacing the packed row's (1, T) position ids by the
     (4, 1, T) text + mRoPE position ids computed per sample (`packed_mrope_positions`: images and videos), on CPU
     before the device copy. Padded batches pass through unchanged (the model computes their positions)."""
-    from vlmctl.data.collate import is_packed
-
     rope_index = rope_index_fn(model)
     vision = getattr(getattr(getattr(rope_index, "__self__", None), "config", None), "vision_config", None)
     merge = int(getattr(vision, "spatial_merge_size", None) or 2)
@@ -434,26 +433,32 @@ def _saved_video_settings(ref: str) -> dict[str, Any]:
 
 def qwen_vl(name: str, prefix: str, *, patch: int, min_pixels: int, max_pixels: int, decoder_layer: str,
             video_processor: str, projector: tuple[str, ...] = ("model.visual.merger",), tiny_preset: str,
-            notes: str = "", sequence_parallel_plan: Callable[..., Any] | None = None) -> QwenVLSpec:
+            notes: str = "", sequence_split: bool = False) -> QwenVLSpec:
     """The spec of one Qwen-VL version. `prefix` is its transformers class prefix ("Qwen2_5_VL"); `patch`,
-    `min_pixels`, `max_pixels` are its published processor's settings (for counts from a config)."""
+    `min_pixels`, `max_pixels` are its published processor's settings (for counts from a config).
+
+    Its one encoder, `model.visual`, takes images and videos; its cost rule merges `spatial_merge_size`^2 patches
+    per token and has Qwen2.5-VL's window attention where the config sets `window_size`. `sequence_split`: under
+    sequence parallelism the row's images are spread over the ranks (Qwen2-VL / Qwen2.5-VL: the tower takes all
+    patches with their `grid_thw` and returns the merged tokens; Qwen3-VL's also returns DeepStack features per
+    layer and is not split)."""
     return QwenVLSpec(
         name=name,
         model_types=(name,),
         model_class=f"{prefix}ForConditionalGeneration",
         config_class=f"{prefix}Config",
         processor_class=f"{prefix}Processor",
-        vision_tower="model.visual",
+        encoders={"image": image_encoder("model.visual", layer_classes=(f"{prefix}VisionBlock",), video=True, varlen=True,
+                                         cost=vision_cost(merge=True, windows=True), kernels=KERNELS,
+                                         sequence_split=sequence_split)},
         projector=projector,
         language_model="model.language_model",
         decoder_layer_classes=(decoder_layer,),
-        vision_layer_classes=(f"{prefix}VisionBlock",),
         modalities={"image": "<|image_pad|>", "video": "<|video_pad|>"},
         prompts={"image": "<|vision_start|><|image_pad|><|vision_end|>", "video": "<|vision_start|><|video_pad|><|vision_end|>"},
         visual_token_rule=qwen_rule(patch, min_pixels, max_pixels),
         image_grid_args=("image_grid_thw",),
         mrope=True,
-        vision_varlen=True,
         special_tokens=QWEN_TOKENS,
         extra_special_tokens={"vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>", "video_token": "<|video_pad|>"},
         config_token_ids={"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
@@ -463,31 +468,19 @@ def qwen_vl(name: str, prefix: str, *, patch: int, min_pixels: int, max_pixels: 
         tiny_preset=tiny_preset,
         liger_patch=f"apply_liger_kernel_to_{name}",
         lmms_model=name,
-        sequence_parallel_plan=sequence_parallel_plan,
         notes=notes,
     )
-
-
-def split_vision_tower(model, shard) -> None:
-    """Under sequence parallelism, spread a row's images over the group's ranks: Qwen2-VL / Qwen2.5-VL's vision tower
-    takes the patches of all images with their `grid_thw` and returns the merged visual tokens (`pooler_output`), so
-    contiguous runs of images can be encoded apart and gathered (`distributed.sequence.split_vision`). Qwen3-VL's
-    also returns DeepStack features per layer and is not split."""
-    from vlmctl.distributed.sequence import split_vision
-    from vlmctl.families.spec import _find_prefix
-
-    split_vision(model.get_submodule(_find_prefix(model, "model.visual")), shard)
 
 
 QWEN2_VL = register(qwen_vl(
     "qwen2_vl", "Qwen2VL", patch=14, min_pixels=56 * 56, max_pixels=28 * 28 * 1280,
     decoder_layer="Qwen2VLDecoderLayer", video_processor="Qwen2VLVideoProcessor", tiny_preset="tiny-qwen2-vl",
-    sequence_parallel_plan=split_vision_tower,
+    sequence_split=True,
 ))
 QWEN2_5_VL = register(qwen_vl(
     "qwen2_5_vl", "Qwen2_5_VL", patch=14, min_pixels=56 * 56, max_pixels=28 * 28 * 1280,
     decoder_layer="Qwen2_5_VLDecoderLayer", video_processor="Qwen2VLVideoProcessor", tiny_preset="tiny-qwen2.5-vl",
-    sequence_parallel_plan=split_vision_tower,
+    sequence_split=True,
     notes="Window attention in the vision tower except fullatt_block_indexes.",
 ))
 # Qwen3-VL's published processor: patch 16, shortest_edge 65536, longest_edge 16777216 pixels.

@@ -67,6 +67,15 @@ def detect_family(config: Any) -> str:
     )
 
 
+def compose_audio_family() -> FamilySpec:
+    """The first registered family that composes an audio encoder and an LLM (`compose_audio`). Raises ModelError
+    when none is registered."""
+    for fam in FAMILIES.values():
+        if fam.compose_audio:
+            return fam
+    raise ModelError("no registered model family composes an audio encoder and an LLM", hint="use model.preset or model.base")
+
+
 def compose_family(projector: str | None = None, family: str | None = None) -> FamilySpec:
     """The family that joins any vision encoder and any causal LM (`model.vision` + `model.llm`): the first
     registered spec with `compose=True`, or, given `projector` (a `model.projector` value), the first whose
@@ -102,6 +111,7 @@ def family_table() -> list[dict[str, Any]]:
             "model_types": list(fam.model_types),
             "modalities": dict(fam.modalities),
             "vision_tower": fam.vision_tower,
+            "encoders": {k: {"path": e.path, "part": e.part, "modalities": list(e.modalities)} for k, e in fam.encoders.items()},
             "projector": list(fam.projector),
             "language_model": fam.language_model,
             "decoder_layer_classes": list(fam.decoder_layer_classes),

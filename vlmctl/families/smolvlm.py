@@ -27,6 +27,7 @@ from functools import lru_cache
 from typing import Any
 
 from vlmctl.families.idefics3 import ROW_COL_TOKENS, Idefics3Spec, idefics3_tokens
+from vlmctl.families.encoders import image_encoder, vision_cost
 from vlmctl.families.registry import register
 from vlmctl.families.spec import _image_only
 
@@ -75,11 +76,10 @@ SMOLVLM = register(SmolVLMSpec(
     model_class="SmolVLMForConditionalGeneration",
     config_class="SmolVLMConfig",
     processor_class="SmolVLMProcessor",
-    vision_tower="model.vision_model",
+    encoders={"image": image_encoder("model.vision_model", layer_classes=("SmolVLMEncoderLayer",), video=True, cost=vision_cost(pixel_shuffle="scale_factor"))},
     projector=("model.connector",),
     language_model="model.text_model",
     decoder_layer_classes=(),  # the text model is any LLM (SmolLM2 / Llama in the releases): discovered
-    vision_layer_classes=("SmolVLMEncoderLayer",),
     modalities={"image": "<image>"},
     visual_token_rule=idefics3_tokens,  # transformers `SmolVLMProcessor.replace_image_token` = Idefics3's layout
     image_grid_args=("pixel_attention_mask",),

@@ -4,9 +4,12 @@ A `FamilySpec` holds everything that differs between VLM families, so no other m
 
 - identity and loading: `name`, the config `model_types` it covers, the transformers model / config / processor
   classes;
-- module paths of its three parts on the loaded `*ForConditionalGeneration` model (dotted attribute paths, as in
-  `model.get_submodule(path)`): `vision_tower`, `projector` (a tuple), `language_model`, `lm_head`;
-- the FSDP / activation-checkpointing units: `decoder_layer_classes`, `vision_layer_classes` (class names; empty:
+- its encoders (`encoders`: name -> `vlmctl.families.encoders.EncoderSpec`, in forward order: module path, part,
+  layer classes, cost rule, kernels, data keys), or the single-encoder form `vision_tower` + `vision_layer_classes`
+  from which one image encoder is derived;
+- module paths of the other parts on the loaded `*ForConditionalGeneration` model (dotted attribute paths, as in
+  `model.get_submodule(path)`): `projector` (a tuple), `language_model`, `lm_head`;
+- the language model's FSDP / activation-checkpointing units: `decoder_layer_classes` (class names; empty:
   discovered from the loaded model);
 - modalities: the placeholder token per accepted modality (`modalities`), what a chat template writes for one
   media part (`prompts`), the visual-token rule (`fixed_image_tokens` when the size does not matter) and the
@@ -22,9 +25,9 @@ Each family lives in its own module (`llava.py`, `qwen_vl.py`, `idefics2.py`, `i
 subclass where a hook differs) and registers it (`vlmctl.families.registry`).
 docs/adding-a-family.md shows how to add one.
 
-Parts: a parameter belongs to the projector when its name starts with a projector path, else to the vision tower
-when it starts with the vision path, else to the language model (embeddings and `lm_head` included). In the Qwen
-families the projector (the patch merger) sits *inside* the vision tower module, hence this order. Use
+Parts: a parameter belongs to the projector when its name starts with a projector path, else to its encoder's part
+(`vision`) when it starts with an encoder's path, else to the language model (embeddings and `lm_head` included). In
+the Qwen families the projector (the patch merger) sits *inside* the vision tower module, hence this order. Use
 `part_of_parameter` / `parts` rather than walking the paths by hand.
 """
 
@@ -37,6 +40,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from vlmctl.errors import ConfigError, ModelError
+from vlmctl.families.encoders import CLS_VISION_TYPES, EncoderSpec, image_encoder  # noqa: F401  (CLS_VISION_TYPES re-exported)
 
 if TYPE_CHECKING:
     import torch
@@ -44,8 +48,6 @@ if TYPE_CHECKING:
 PARTS = ("vision", "projector", "llm")
 """The three parts of a VLM, in the order used by summaries and freezing (`train.freeze` uses the same names)."""
 
-CLS_VISION_TYPES = frozenset({"clip_vision_model", "clip", "vit", "dinov2", "chinese_clip_vision_model", "metaclip_2_vision_model"})
-"""Vision encoder `model_type`s whose output starts with a CLS token (LLaVA's `default` strategy drops it)."""
 
 VisualTokenRule = Callable[[int, int, Any], int]
 """(width, height, source) -> image placeholder tokens; `source` is a processor, an image processor, a model config
@@ -68,10 +70,15 @@ class FamilySpec:
     config_class: str
     processor_class: str
     # -- module paths
-    vision_tower: str
     projector: tuple[str, ...]
     language_model: str
     lm_head: str = "lm_head"
+    # -- the encoders in front of the language model, in forward order: name -> EncoderSpec (`vlmctl.families.encoders`:
+    # module path, part, layer classes, cost rule, kernels, token rule, data keys). Empty: one image encoder at
+    # `vision_tower` with `vision_layer_classes` and `vision_varlen`, costed by the plain ViT rule.
+    encoders: Mapping[str, EncoderSpec] = field(default_factory=dict)
+    # the first encoder's path (derived from `encoders` when they are given)
+    vision_tower: str = ""
     # -- FSDP / activation-checkpointing units (empty: discovered from the loaded model, e.g. any LLM)
     decoder_layer_classes: tuple[str, ...] = ()
     vision_layer_classes: tuple[str, ...] = ()
@@ -95,6 +102,7 @@ class FamilySpec:
     video_processor_class: str | None = None
     tiny_preset: str | None = None  # a whole-model preset under vlmctl/models/presets/ that tests build
     compose: bool = False  # builds from any vision encoder + any causal LM (`model.vision` + `model.llm`)
+    compose_audio: bool = False  # builds from a Whisper-style audio encoder + any causal LM (`model.audio` + `model.llm`)
     compose_projectors: tuple[str, ...] = ()  # compose: the `model.projector` values this family's layout holds
     unsupported_vision: Mapping[str, str] = field(default_factory=dict)  # compose: vision model_type -> why not
     # -- integrations
@@ -104,16 +112,27 @@ class FamilySpec:
     # under `train.sequence_parallel` (Qwen2-VL / Qwen2.5-VL: the vision tower's images); None: nothing more
     sequence_parallel_plan: Callable[..., Any] | None = None
     tensor_parallel_plan: Callable[..., Any] | None = None  # hook for later: (model, mesh) -> None, applies DTensor plans
-    # (model, spec) -> a cost rule for encoders the generic cost model (`vlmctl.train.flops`) has no rule for: an object
-    # with `owns(parameter_name) -> bool` (the parameters it charges; the generic counts leave them out) and
-    # `batch_terms(batch, cost_model) -> {term: FLOPs}` (terms of `flops.TERMS`, under `cost_model.trained`); None: the
-    # generic rules (one vision or Whisper-style audio tower at `vision_tower`)
-    cost_rule: Callable[..., Any] | None = None
     notes: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("modalities", "prompts", "extra_special_tokens", "config_token_ids", "unsupported_vision"):
+        for name in ("modalities", "prompts", "extra_special_tokens", "config_token_ids", "unsupported_vision", "encoders"):
             object.__setattr__(self, name, dict(getattr(self, name)))  # a copy: the caller's dict stays theirs
+        if not self.encoders:
+            if not self.vision_tower:
+                raise ModelError(f"family {self.name!r} declares no encoder", hint="set encoders={...} or vision_tower=...")
+            self.encoders["image"] = image_encoder(self.vision_tower, layer_classes=tuple(self.vision_layer_classes),
+                                                   video=self.video_processor_class is not None, varlen=self.vision_varlen)
+        # the single-encoder view of older callers: the first encoder's path, every encoder's layer classes
+        encoders = list(self.encoders.values())
+        for name, value in (("vision_tower", encoders[0].path),
+                            ("vision_layer_classes", tuple(dict.fromkeys(c for e in encoders for c in e.layer_classes))),
+                            ("vision_varlen", any(e.varlen for e in encoders))):
+            if not getattr(self, name):
+                object.__setattr__(self, name, value)
+        self.check_modalities()
+
+    def check_modalities(self) -> None:
+        """Refuse a spec without the placeholder token of its main modality (default: images). Raises ModelError."""
         if "image" not in self.modalities:
             raise ModelError(f"family {self.name!r} declares no image placeholder token", hint="set modalities={'image': ...}")
 
@@ -281,6 +300,15 @@ class FamilySpec:
 Family = FamilySpec
 """Former name of `FamilySpec`."""
 
+PACKED_KEY = "packed_cu_seqlens"
+"""The key that marks a packed row of several samples (`vlmctl.data.collate.PackedCollator` writes it)."""
+
+
+def is_packed(batch: Mapping[str, Any]) -> bool:
+    """True for a packed row (one [1, T] row of several samples, `PACKED_KEY` present): what a family's batch hook
+    asks before computing per-sample positions."""
+    return PACKED_KEY in batch
+
 
 @lru_cache(maxsize=None)
 def _image_only(cls):
@@ -352,13 +380,23 @@ def has_cls_token(vision_config: Any) -> bool:
 
 
 def part_of_parameter(name: str, family: FamilySpec) -> str:
-    """"vision", "projector" or "llm" for a parameter name of a model of `family` (see the module docstring)."""
+    """"vision", "projector" or "llm" (an encoder's `part`) for a parameter name of a model of `family` (see the
+    module docstring)."""
     name = _strip_wrappers(name)
     if any(name == p or name.startswith(p + ".") for p in family.projector):
         return "projector"
-    if name.startswith(family.vision_tower + "."):
-        return "vision"
-    return "llm"
+    encoder = encoder_of_parameter(name, family)
+    return family.encoders[encoder].part if encoder is not None else "llm"
+
+
+def encoder_of_parameter(name: str, family: FamilySpec) -> str | None:
+    """The name of the encoder (a key of `family.encoders`) whose module holds parameter `name`, projector
+    modules included (Qwen's merger sits inside its tower); None for the language model's."""
+    name = _strip_wrappers(name)
+    for key, enc in family.encoders.items():
+        if name.startswith(enc.path + "."):
+            return key
+    return None
 
 
 def _strip_wrappers(name: str) -> str:
@@ -388,11 +426,12 @@ def parts(model: "torch.nn.Module", family: FamilySpec) -> dict[str, list["torch
 
     Note that for the Qwen families the projector modules are children of the vision tower module.
     """
-    return {
-        "vision": [model.get_submodule(family.vision_tower)],
-        "projector": [model.get_submodule(p) for p in family.projector],
-        "llm": [model.get_submodule(family.language_model), model.get_submodule(family.lm_head)],
-    }
+    out: dict[str, list] = {part: [] for part in PARTS}
+    for enc in family.encoders.values():
+        out.setdefault(enc.part, []).append(model.get_submodule(enc.path))
+    out["projector"] = [model.get_submodule(p) for p in family.projector]
+    out["llm"] = [model.get_submodule(family.language_model), model.get_submodule(family.lm_head)]
+    return out
 
 
 def _layer_list(module: "torch.nn.Module") -> list["torch.nn.Module"]:
@@ -417,8 +456,12 @@ def decoder_layer_classes(model: "torch.nn.Module", family: FamilySpec) -> tuple
 
 
 def vision_layer_classes(model: "torch.nn.Module", family: FamilySpec) -> tuple[type, ...]:
-    """Classes of the vision tower's encoder layers. Raises ModelError when there are none."""
-    return _classes(model, family.vision_tower, family.vision_layer_classes)
+    """Classes of the encoders' layers (every encoder of `family.encoders`, in order). Raises ModelError when an
+    encoder has none."""
+    found: dict[type, None] = {}
+    for enc in family.encoders.values():
+        found.update(dict.fromkeys(_classes(model, enc.path, enc.layer_classes)))
+    return tuple(found)
 
 
 def _classes(model: "torch.nn.Module", path: str, names: tuple[str, ...]) -> tuple[type, ...]:
@@ -450,5 +493,11 @@ def decoder_layers(model: "torch.nn.Module", family: FamilySpec) -> list["torch.
 
 
 def vision_layers(model: "torch.nn.Module", family: FamilySpec) -> list["torch.nn.Module"]:
-    """The vision tower's encoder layers, in order."""
-    return _layer_list(model.get_submodule(_find_prefix(model, family.vision_tower)))
+    """The encoders' layers (the FSDP2 / activation-checkpointing units in front of the language model): each
+    encoder's in order, the encoders in `family.encoders` (forward) order."""
+    return [layer for layers in encoder_layers(model, family).values() for layer in layers]
+
+
+def encoder_layers(model: "torch.nn.Module", family: FamilySpec) -> dict[str, list["torch.nn.Module"]]:
+    """Encoder name -> its layers in order: the longest list of identical blocks under its path."""
+    return {key: _layer_list(model.get_submodule(_find_prefix(model, enc.path))) for key, enc in family.encoders.items()}

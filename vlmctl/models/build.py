@@ -178,14 +178,11 @@ def plan_build(model: ModelSection) -> BuildPlan:
 
 
 def _audio_family() -> FamilySpec:
-    """The registered family that composes an audio encoder and an LLM (it takes audio and has
-    `compose_audio_config`). Raises ModelError when none is registered."""
-    from vlmctl.families import FAMILIES
+    """The registered family that composes an audio encoder and an LLM (`FamilySpec.compose_audio`). Raises
+    ModelError when none is registered."""
+    from vlmctl.families.registry import compose_audio_family
 
-    for fam in FAMILIES.values():
-        if "audio" in fam.modalities and callable(getattr(fam, "compose_audio_config", None)):
-            return fam
-    raise ModelError("no registered model family composes an audio encoder and an LLM", hint="use model.preset or model.base")
+    return compose_audio_family()
 
 
 def _plan_audio(model: ModelSection) -> BuildPlan:
@@ -568,6 +565,43 @@ def make_processor(plan: BuildPlan, *, prepared_dir: Path | None = None, tokeniz
         return fam.compose_processor(tok, plan.image_processor, plan.vision_config, plan.feature_strategy, template,
                                      projector_config=plan.projector.config)
     return fam.preset_processor(tok, template, plan.processor_kwargs, plan.vlm_config)
+
+
+def configured_processor(model: ModelSection):
+    """The processor of the configured model for token counts before a build (`vlmctl.data.counting`), or the
+    build plan when its tokenizer must be trained (`ConfiguredProcessor.trained_on` then trains it as the build
+    will); None when the section names no model. Loads configs, tokenizers and image-processor settings only (never
+    weights). Pass it to `vlmctl.data.prepare.prepare_data(processors=...)`.
+
+    Raises ConfigError / ModelError as `plan_build` does (an incomplete section, an id that cannot be resolved).
+    """
+    from functools import partial
+
+    from vlmctl.data.counting import ConfiguredProcessor, model_configured
+    from vlmctl.models.load import load_processor
+
+    if not model_configured(model):
+        return None
+    plan = plan_build(model)
+    family = plan.family.name
+    if plan.mode == "base":
+        processor = load_processor(plan.base_ref, trust_remote_code=plan.trust_remote_code)
+        return ConfiguredProcessor(family, f"the processor of model.base {plan.base_ref}", processor=processor)
+    encoder = f"model.audio {plan.audio_ref}" if plan.audio_ref else f"model.vision {plan.vision_ref}"
+    what = f"model.preset {plan.preset}" if plan.preset else f"{encoder} + model.llm {plan.llm_ref}"
+    if plan.tokenizer is None:
+        return ConfiguredProcessor(family, f"{what}, tokenizer trained on the prepared train split as `model build` does",
+                                   plan=plan, trained_on=partial(_processor_trained_on, plan))
+    return ConfiguredProcessor(family, f"{what} (not built yet)", processor=make_processor(plan))
+
+
+def _processor_trained_on(plan: BuildPlan, conversations) -> Any:
+    """`make_processor(plan)` with its tokenizer trained on the text parts of `conversations` (`Sample.messages`),
+    as the build trains it on the prepared shards (`conversation_texts`); None when they hold no text."""
+    from vlmctl.models.tokenizer import conversation_texts
+
+    texts = list(conversation_texts(conversations))
+    return make_processor(plan, tokenizer_texts=texts) if texts else None
 
 
 # ---- model ----

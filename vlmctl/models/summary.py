@@ -88,11 +88,12 @@ def training_device(launcher: str) -> str:
 
 
 def resolve_precision(precision: str, device: str) -> str:
-    """The compute precision a run uses: `auto` is bf16 on a GPU, fp32 on CPU (as `vlmctl.train.setup.resolve_dtype`;
+    """The compute precision a run uses: `auto` is bf16 on a GPU, fp32 on CPU (as `vlmctl.config.plan.resolve_precision`;
     a visible GPU without bf16 support resolves to fp32 there, which this function cannot see without CUDA)."""
-    if precision != "auto":
-        return precision
-    return "bf16" if device == "cuda" else "fp32"
+    from vlmctl.config.plan import DeviceFacts
+    from vlmctl.config.plan import resolve_precision as planned
+
+    return planned(precision, DeviceFacts(kind=device))
 
 
 def param_bytes(strategy: str, precision: str, master_weights: str = "fp32", *,
@@ -161,13 +162,14 @@ def training_summary(info: dict[str, Any], *, stage: str, strategy: str, num_gpu
     Returns a dict with "parameters", "part_labels" (`part_labels`: what to call each part), "trained", "trainable_parameters", "device", "num_processes", "precision",
     "bytes_per_parameter" and "memory_per_gpu_bytes" (bytes per device: per GPU, or per process on CPU), among others.
     """
-    from vlmctl.config.train import resolve_master_weights, resolve_strategy
+    from vlmctl.config.plan import DeviceFacts, build_plan, has_torchao
+    from vlmctl.config.train import TrainSection
 
-    cuda = device == "cuda"
-    master_weights = resolve_master_weights(master_weights, cuda=cuda, precision=precision,
-                                            strategy="fsdp" if strategy == "auto" else strategy, lora=lora)
-    strategy = resolve_strategy(strategy, cuda, lora and quantize not in (None, "none"),
-                                single_bf16=num_gpus == 1 and (master_weights == "bf16" or bool(lora)))
+    # the run plan's strategy and master weights for these settings (`vlmctl.config.plan.build_plan`)
+    adapters = {"r": 8, "quantize": quantize if quantize not in (None, "none") else "none"} if lora else None
+    plan = build_plan(TrainSection(strategy=strategy, precision=precision, master_weights=master_weights, lora=adapters),
+                      DeviceFacts(kind=device, processes=num_gpus, torchao=has_torchao()))
+    strategy, master_weights = plan.strategy.value, plan.master_weights.value
     trained = trained_parts(stage, freeze)
     if lora:
         trained["llm"] = False

@@ -13,9 +13,10 @@ a fixed cost per step that weighs more on short rows). A size is a
 row's token budget with packing, the samples of a padded micro-batch without.
 
 The choice is printed, written to `RUN_DIR/autotune.json` (every trial: mode, size, peak GiB, seconds) and into
-`RUN_DIR/config.yaml`; a resumed run reuses it, so its batches and data order stay those of the first run.
-Elsewhere (CPU, DeepSpeed, whose engine accumulates gradients across backward passes) `auto` means the fixed
-defaults below.
+the run's plan (`RUN_DIR/plan.json`, `vlmctl.config.plan.settle_probe`); a resumed run reuses it, so its batches
+and data order stay those of the first run. Which keys the probe settles, and the fixed values elsewhere (CPU,
+DeepSpeed, whose engine accumulates gradients across backward passes), are the plan's decisions
+(`vlmctl.config.plan.build_plan`).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-DEFAULT_TOKENS = 8192  # tokens_per_batch without a probe
-DEFAULT_MICRO_BATCH = 1
+from vlmctl.config.plan import (DEFAULT_MICRO_BATCH, DEFAULT_TOKENS, PROBED_KEYS, pending, settle_probe,  # noqa: F401
+                                write_plan)
+
 MEMORY_FRACTION = 0.92  # of the GPU's memory a choice may plan for: the rest absorbs fragmentation and the
 #                         optimizer step's temporaries
 MAX_TOKENS = 65536  # beyond this a longer row adds little speed and makes epochs coarse
@@ -67,49 +69,25 @@ class Choice:
     step_seconds: float = 0.0  # the optimizer step's share of a row, counted in the rates
 
     def apply(self, train) -> list[str]:
-        """Write the resolved values into `train` (only where it says auto); returns "key=value" for each."""
-        done = []
-        for key in ("tokens_per_batch", "micro_batch_size", "activation_checkpointing"):
-            value = getattr(self, key)
-            if value is not None and getattr(train, key) == "auto":
-                setattr(train, key, value)
-                done.append(f"{key}={value}")
-        return done
+        """Write the chosen values into `train` (a run's resolved copy) where the probe was to settle them
+        (`vlmctl.config.plan.settle_probe`); returns "key=value" for each."""
+        return settle_probe(None, train, self)[1]
 
 
-def wants(train) -> set[str]:
-    """The keys of `train` left at auto that the probe can settle: the batch size of the batching in use, and
-    activation checkpointing."""
-    size_key = "tokens_per_batch" if train.packing else "micro_batch_size"
-    return {k for k in (size_key, "activation_checkpointing") if getattr(train, k) == "auto"}
+def wants(plan) -> set[str]:
+    """The keys the probe settles on each rank by the run's `plan` (a RunPlan): the batch size of the batching in
+    use, and activation checkpointing, where the config left them to auto on a GPU with ddp/fsdp."""
+    return plan.probing
 
 
-def can_probe(train, device) -> bool:
-    """True on a CUDA device with a torch strategy (ddp/fsdp) without sequence parallelism: DeepSpeed accumulates
-    gradients inside its engine, and a sequence-split row's memory depends on the whole group's row."""
-    return (device.type == "cuda" and train.strategy in ("auto", "ddp", "fsdp")  # auto: fsdp or ddp on a GPU
-            and getattr(train, "sequence_parallel", 1) == 1)
-
-
-def fixed_choice(train, device) -> Choice:
-    """The values of `auto` without a probe: 8192 tokens per row (per rank), 1 sample per micro-batch, and activation
-    checkpointing off on CPU, full on a GPU (where nothing was measured, the mode that fits most)."""
-    why = "no probe on CPU" if device.type != "cuda" else f"no probe with {train.strategy}"
-    if device.type == "cuda" and getattr(train, "sequence_parallel", 1) > 1:
-        why = "no probe with sequence parallelism"
-    return Choice(tokens_per_batch=DEFAULT_TOKENS, micro_batch_size=DEFAULT_MICRO_BATCH,
-                  activation_checkpointing="off" if device.type != "cuda" else "full", reason=why)
-
-
-def settle_without_probe(train, device) -> Choice | None:
-    """Resolve every auto the probe will not touch (the batching not in use; all of them where no probe can run).
-    Returns the Choice of the values applied (keys that were not auto are None in it, so a run's `autotune.json`
-    records only what auto decided), or None when nothing was auto."""
-    fixed = fixed_choice(train, device)
-    probing = wants(train) if can_probe(train, device) else set()
-    keys = {"tokens_per_batch", "micro_batch_size", "activation_checkpointing"} - probing
-    settled = Choice(**{k: getattr(fixed, k) for k in keys if getattr(train, k) == "auto"}, reason=fixed.reason)
-    return settled if settled.apply(train) else None
+def fixed_record(plan) -> Choice | None:
+    """The plan's auto values that no probe measured (the batching not in use; all of them where no probe runs), as
+    the Choice a run's `autotune.json` records; None when the plan has none (nothing was auto)."""
+    fixed = {k: getattr(plan, k) for k in PROBED_KEYS if getattr(plan, k).auto and k not in plan.probing}
+    if not fixed:
+        return None
+    reasons = [d.reason for d in fixed.values() if not d.reason.startswith("not used")]
+    return Choice(**{k: d.value for k, d in fixed.items()}, reason=(reasons or [d.reason for d in fixed.values()])[0])
 
 
 # ------------------------------------------------------------------------------------------------- the search
@@ -381,7 +359,7 @@ def probe(train, *, stepper, layer_groups, rows, device, lengths, dp_size: int, 
 
     from vlmctl.train.checkpointing import apply_activation_checkpointing
 
-    modes = (candidates(train, layer_groups) if train.activation_checkpointing == "auto"
+    modes = (candidates(train, layer_groups) if pending(train.activation_checkpointing)
              else (train.activation_checkpointing,))
     longest = int(max(lengths)) if len(lengths) else 1
     if train.packing:
@@ -390,11 +368,11 @@ def probe(train, *, stepper, layer_groups, rows, device, lengths, dp_size: int, 
         floor, step = longest, TOKEN_STEP
         small = min(cap, max(longest, 2048))
         sizes = (small, min(cap, max(2 * small, small + step)))
-        fixed = None if train.tokens_per_batch == "auto" else int(train.tokens_per_batch)
+        fixed = None if pending(train.tokens_per_batch) else int(train.tokens_per_batch)
     else:
         cap = max(1, min(MAX_MICRO_BATCH, len(lengths) // max(dp_size, 1)))
         floor, step, sizes = 1, 1, (1, min(2, cap))
-        fixed = None if train.micro_batch_size == "auto" else int(train.micro_batch_size)
+        fixed = None if pending(train.micro_batch_size) else int(train.micro_batch_size)
     if fixed is not None:  # only the mode is auto: measure at the configured size
         floor, cap, sizes = fixed, fixed, (fixed, fixed)
     pause = getattr(stepper.optimizer, "paused", None)
@@ -444,16 +422,15 @@ def load_record(run_dir: Path) -> Choice | None:
     return Choice(**data)
 
 
-def save_record(run_dir: Path, choice: Choice, cfg) -> None:
-    """Write `autotune.json` and the resolved project config (`cfg`) as `config.yaml` of `run_dir` (temporary
-    files, renamed)."""
-    from vlmctl.config import dump_config
-
+def save_record(run_dir: Path, choice: Choice, plan=None) -> None:
+    """Write `autotune.json` of `run_dir` and, with `plan` (the RunPlan holding the choice), `plan.json`
+    (temporary files, renamed). The project's config.yaml stays as written."""
     run_dir = Path(run_dir)
-    for name, text in ((RECORD, json.dumps(asdict(choice), indent=2, default=str)), ("config.yaml", dump_config(cfg))):
-        tmp = run_dir / f".{name}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, run_dir / name)
+    tmp = run_dir / f".{RECORD}.tmp"
+    tmp.write_text(json.dumps(asdict(choice), indent=2, default=str))
+    os.replace(tmp, run_dir / RECORD)
+    if plan is not None:
+        write_plan(run_dir, plan)
 
 
 def summary(choice: Choice, applied: list[str]) -> str:
@@ -470,6 +447,23 @@ def summary(choice: Choice, applied: list[str]) -> str:
 # ------------------------------------------------------------------------------------------- in a run
 
 
+def record_plan(run_dir: Path, ctx):
+    """Rank 0 of a run: write the plan this rank trains with (`ctx.plan`, with its GPU memory) to `plan.json`,
+    print it as `vlmctl train --dry-run` printed it, and where no probe runs write the plan's fixed batching values
+    to `autotune.json` (`fixed_record`). Returns `ctx`."""
+    import sys
+
+    from vlmctl.config.plan import plan_text
+
+    if ctx.env.is_main:
+        write_plan(run_dir, ctx.plan)
+        print(plan_text(ctx.plan), file=sys.stderr)
+        fixed = None if wants(ctx.plan) else fixed_record(ctx.plan)  # CPU, DeepSpeed, the batching not in use
+        if fixed is not None:
+            save_record(run_dir, fixed)
+    return ctx
+
+
 def tune(cfg, run_dir: Path, ctx, tm, stepper, dataset, lengths, log=print) -> Choice | None:
     """Settle the auto keys `wants(cfg.train)` on a wrapped model (`stepper`: the loop's TorchStepper): from
     `RUN_DIR/autotune.json` when resuming, else by `probe` on rows of `dataset` (a ShardDataset) collated as
@@ -478,13 +472,14 @@ def tune(cfg, run_dir: Path, ctx, tm, stepper, dataset, lengths, log=print) -> C
     from vlmctl.train.checkpointing import apply_activation_checkpointing
 
     train, groups = cfg.train, [tm.parts.decoder_layers, tm.parts.vision_layers]
-    if not wants(train):
+    if not wants(ctx.plan):
         return None
     record = load_record(run_dir) if train.resume is not None else None
     if record is not None:
-        applied = record.apply(train)
+        ctx.plan, applied = settle_probe(ctx.plan, train, record)
         apply_activation_checkpointing(groups, train.activation_checkpointing, offload=train.activation_offload)
         if ctx.env.is_main:
+            write_plan(run_dir, ctx.plan)
             log(f"auto (recorded when the run started): {', '.join(applied)}")
         return record
 
@@ -498,7 +493,7 @@ def tune(cfg, run_dir: Path, ctx, tm, stepper, dataset, lengths, log=print) -> C
     choice = probe_and_apply(train, ctx, tm, stepper, lengths, lambda indices, collate: collate([dataset[i] for i in indices]),
                              packing=train.packing, max_length=cfg.data.max_length, costs=costs, log=log)
     if ctx.env.is_main:
-        save_record(run_dir, choice, cfg)
+        save_record(run_dir, choice, ctx.plan)
     return choice
 
 
@@ -527,7 +522,7 @@ def probe_and_apply(train, ctx, tm, stepper, lengths, collate_rows, *, packing: 
                    rows=probe_rows(lengths, make_batch, packing=packing, costs=costs), device=ctx.env.device, lengths=lengths,
                    dp_size=ctx.dims.dp_size, stored_bytes=ctx.stored.itemsize, group=ctx.dims.dp_group,
                    log=log if main else (lambda msg: None))
-    applied = choice.apply(train)
+    ctx.plan, applied = settle_probe(ctx.plan, train, choice)  # recorded in the run's plan
     if main:
         log(summary(choice, applied))
     return choice

@@ -173,8 +173,11 @@ def _write_state(tmp: Path, step: int, rank: int, model, optimizer, scheduler, e
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        from vlmctl.checkpoints import dcp_writer
+
         model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer))
-        dcp.save({"model": model_sd, "optim": optim_sd, "scheduler": _plain(scheduler.state_dict())}, checkpoint_id=str(tmp))
+        dcp.save({"model": model_sd, "optim": optim_sd, "scheduler": _plain(scheduler.state_dict())},
+                 storage_writer=dcp_writer(tmp))
     with open(tmp / f"rng-{rank}.pt", "wb") as f:  # through a Python file: a full disk raises OSError(ENOSPC), not a bare RuntimeError
         torch.save(rng_state(), f)
 

@@ -34,6 +34,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from vlmctl.config.plan import pending
+
 MODES = ("off", "full", "op", "vision")  # plus a positive integer k
 
 
@@ -130,7 +132,8 @@ def _to_host():
 def describe_memory_helpers(train) -> str:
     """", inputs offloaded to host" / ", tiled MLP (N slices)" for what `train` turns on (offload only where layers
     are checkpointed whole: not off, op or a still unresolved auto); "" for neither."""
-    offload = train.activation_offload and train.activation_checkpointing not in ("off", "op", "auto")
+    offload = (train.activation_offload and not pending(train.activation_checkpointing)
+               and train.activation_checkpointing not in ("off", "op"))
     return ((", inputs offloaded to host" if offload else "")
             + (f", tiled MLP ({train.tiled_mlp} slices)" if train.tiled_mlp != "off" else ""))
 

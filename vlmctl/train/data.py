@@ -7,6 +7,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from vlmctl.config.plan import row_tokens
+
 
 def load_data(cfg, ctx, tm):
     """The training shards and the token count of each sample (counted with the model's processor when the shards
@@ -22,15 +24,9 @@ def load_data(cfg, ctx, tm):
         lengths = dataset.count_tokens(tm.processor, tm.family.name)
     if cfg.train.packing and cfg.data.max_length:
         lengths = lengths.clip(max=cfg.data.max_length)  # encode_sample truncates text beyond max_length
-    if balancing(cfg.train, ctx.dims.dp_size):
+    if ctx.plan.balance.value:  # compute-balanced batches (`train.balance`, decided by the run's plan)
         dataset.sample_costs = sample_costs(tm.cost_model, dataset, lengths)
     return dataset, lengths
-
-
-def balancing(train, dp_size: int) -> bool:
-    """Whether `train.balance` asks for compute-balanced batches with `dp_size` data-parallel ranks (auto: more
-    than one)."""
-    return train.balance == "on" or (train.balance == "auto" and dp_size > 1)
 
 
 def sample_costs(cost_model, dataset, lengths):
@@ -61,7 +57,7 @@ def build_sampler(cfg, ctx, dataset, lengths):
                                           group_by_length=train.group_by_length, **split)
     else:
         # a row is split over the sequence-parallel group: its budget is the group's
-        budget = train.tokens_per_batch * ctx.dims.sp
+        budget = row_tokens(train)
         sampler = PackedBatchSampler(lengths, tokens_per_batch=budget, **split)
         if sampler.too_long and ctx.env.is_main:
             what = f"train.tokens_per_batch={train.tokens_per_batch}" + (f" x sequence_parallel={ctx.dims.sp}" if ctx.dims.sp > 1 else "")
@@ -95,5 +91,5 @@ def build_collator(cfg, ctx, tm):
     grouped = train.group_by_modality and train.strategy not in DEEPSPEED
     if train.packing:
         return PackedCollator(tm.processor, tm.family, max_length=cfg.data.max_length,
-                              tokens_per_batch=train.tokens_per_batch * ctx.dims.sp, grouped=grouped)
+                              tokens_per_batch=row_tokens(train), grouped=grouped)
     return Collator(tm.processor, tm.family, max_length=cfg.data.max_length, grouped=grouped)

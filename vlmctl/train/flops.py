@@ -7,15 +7,17 @@
     cost.sample_costs(tokens, visual_tokens, labelled_tokens, images)  # N samples from counts (arrays [N])
     mfu(flops, seconds, peak_flops(device), world_size)
 
-Everything is read from the model (parameter shapes, config) and from the batch's shapes; the family spec only gives
-the parts' module paths (`vision_tower`, `projector`, through `vlmctl.families.part_of_parameter`). An audio
-family's tower (Qwen2-Audio: `vision_tower` is `model.audio_tower`) is its `vision` part for freezing and backward
-factors, and gets the `audio` terms below instead of the `vision` ones. A family whose encoders these rules do not
-describe (Qwen3-Omni: a chunked audio encoder next to a vision encoder) gives a `cost_rule` on its spec: it charges
-the parameters it owns (the `vision`, `vision_attention`, `audio`, `audio_attention` and `projector` terms of a
-micro-batch, under this model's trained parts), the generic vision and audio rules are then off, and the rest (the
-language model, its head and attention) is counted here. `sample_flops` / `sample_costs` do not see such a rule's
-encoders (they count the language model only).
+Everything is read from the model (parameter shapes, config) and from the batch's shapes, through the family spec:
+the parts' module paths (`vlmctl.families.part_of_parameter`) and its encoders (`family.encoders`), each with its
+cost rule (`vlmctl.families.encoders`: `vision_cost` for image encoders, with the family's merger, windows, pixel
+shuffle or feature-layer settings, `audio_cost` for Whisper-style audio towers). Every encoder is the `vision` part
+for freezing and backward factors; an audio encoder gets the `audio` terms below, an image encoder the `vision` ones
+(Qwen2.5-Omni has both). An encoder whose cost rule returns neither a `VisionShape` nor an `AudioShape` counts itself
+(Qwen3-Omni's chunked audio encoder, Phi-4-multimodal's crops and conformer): the rule's result has `paths`, the
+module paths whose parameters it charges (its encoder's, its projectors'; the counts here leave them out), and
+`batch_terms(batch, cost_model) -> {term: FLOPs}`, the training FLOPs of a micro-batch in terms of `TERMS` under this
+cost model's backward factors (`weight_factor`, `attention_factor`), which `batch_terms` adds. `sample_flops` and
+`sample_costs` leave such encoders out (they count the rest of the sample).
 
 Counted FLOPs are those of the matrix multiplications (linear layers, convolutions, attention's two matmuls), as in
 Kaplan et al. 2020 ("Scaling Laws for Neural Language Models", sec. 2.1) and Hoffmann et al. 2022 (Chinchilla,
@@ -77,6 +79,13 @@ excluded; d_x = attention width = heads x head_dim; L_x = layers), forward FLOPs
   padding of a LLaVA `pad` image is counted; the collator's padding of token rows is not. N_audio: the tower's
   matrices other than the stem's convolutions (the layers); d_a: d_model; the clip's audio tokens (its
   `<|AUDIO|>` placeholders, `config.audio_token_id`) are language-model tokens like visual ones.
+- Audio clips of Qwen2.5-Omni (transformers `Qwen2_5OmniAudioEncoder.forward`, `audio_cost(chunk_key="n_window")`):
+  the tower takes a clip's real frames only (the `feature_attention_mask` sums), cut into chunks of 2 x n_window
+  frames; the stem runs on every chunk of the batch padded to the longest, the layers on each chunk's real output
+  positions, attention within each chunk, the pooling per clip (`AudioShape.batch_counts`).
+- Projector rows: a projector is charged to the encoder it sits in (Qwen's merger, Qwen2.5-Omni's audio `proj`),
+  else to the family's only encoder: visual tokens through the image encoder's, pooled clip rows through the audio
+  encoder's (`audio_projector_params`).
 - Language-model segments: a packed row's `seq_lens` (or `packed_cu_seqlens`), a padded batch's per-row
   `attention_mask` sums. Only real tokens count: padding, and the full T^2 scores an eager or SDPA kernel computes
   over a packed row, are not useful work. Layers listed as `sliding_attention` in the text config's `layer_types`
@@ -108,8 +117,10 @@ forward + backward pass, up to the causal half (tests/unit/test_flops.py).
 Per-sample costs for compute-balanced batching (`sample_costs`) use the same terms on the counts a sampler has
 before collation: the sample's tokens (`num_tokens` of the prepared shards), its visual and labelled tokens and
 its number of images (of an audio model: its audio tokens and clips, each clip a whole window). Prepared shards
-record only the total; `vlmctl.data.loader.ShardDataset.count_estimates` approximates the rest (its docstring says
-how; it counts image parts, not clips), and images are taken as equal-sized, one frame each, with full windows. What a balancer needs is the ranking and the ratios of samples' costs, which the tokens and the quadratic
+record the total and each media item's tokens (`media_tokens`); `vlmctl.data.loader.ShardDataset.count_estimates`
+derives the rest (its docstring says how), and images are taken as equal-sized, one frame each, with full windows;
+a model with both an image and an audio encoder (Qwen2.5-Omni) has its media items all taken as clips there. What a
+balancer needs is the ranking and the ratios of samples' costs, which the tokens and the quadratic
 attention term dominate.
 
 MFU (PaLM, Chowdhery et al. 2022, appendix B) = model FLOPs per second / (peak FLOP/s per device x devices), see
@@ -129,169 +140,24 @@ from typing import Any, Sequence
 import numpy as np
 
 from vlmctl.errors import DataError, ModelError
+from vlmctl.families.encoders import AudioShape, ImageShape, VisionShape, submodule as _submodule
+
+__all__ = ["TERMS", "AudioShape", "CostModel", "ImageShape", "VisionShape", "batch_audio_frames", "batch_images",
+           "batch_segments", "mfu"]
 
 TERMS = ("vision", "vision_attention", "audio", "audio_attention", "projector", "llm", "lm_head", "llm_attention")
 """The terms of `CostModel.sample_terms` / `batch_terms`, in forward order."""
 
 PART_ORDER = ("vision", "projector", "llm")
 IGNORE_INDEX = -100  # label of positions without a target (transformers' convention, as in vlmctl.data.collate)
-_WRAPPER_PREFIXES = ("", "base_model.model.", "_orig_mod.", "module.")
-
-
-@dataclass(frozen=True)
-class ImageShape:
-    """One image as the vision tower sees it: `patches` (t * h * w) and, when known, its patch grid (t, h, w)."""
-
-    patches: int
-    grid: tuple[int, int, int] | None = None
-
-
-@dataclass(frozen=True)
-class VisionShape:
-    """What the vision tower's attention costs depend on (read from the vision config, see `from_config`)."""
-
-    width: int  # attention width d_v (heads x head_dim)
-    layers: int
-    full_layers: int  # layers attending over a whole frame; the others use windows
-    patch_size: int
-    merge: int  # patches a side merged into one visual token (1: none)
-    window: int | None  # merged tokens a side of an attention window (Qwen2.5-VL), None: no windows
-    cls: int  # extra positions per image in the tower (CLS token)
-    patches_per_token: int  # patches per visual token (merge^2, or Idefics3 pixel shuffle scale^2)
-    keep_cls: int  # visual tokens added per image by the CLS position (LLaVA `full` strategy)
-    unused_layers: int = 0  # last layers whose output no feature is taken from (LLaVA `vision_feature_layer`)
-
-    @classmethod
-    def from_config(cls, config: Any) -> "VisionShape":
-        """The shape of `config.vision_config`. Raises ModelError when a needed key is missing."""
-        from vlmctl.families import CLS_VISION_TYPES
-
-        v = config.vision_config
-        # Qwen2-VL calls the vision width embed_dim (its hidden_size is the language model's).
-        width = getattr(v, "embed_dim", None) or getattr(v, "hidden_size", None)
-        layers = getattr(v, "depth", None) or getattr(v, "num_hidden_layers", None)
-        patch = getattr(v, "patch_size", None)
-        if isinstance(patch, (list, tuple)):  # stored as [height, width] by some configs; square patches
-            patch = patch[0]
-        if not (width and layers and patch):
-            raise ModelError("the vision config lacks hidden_size/depth/patch_size; cannot count its FLOPs",
-                             hint="use a supported vision encoder config")
-        merge = int(getattr(v, "spatial_merge_size", None) or 1)
-        shuffle = int(getattr(config, "scale_factor", None) or 1)  # Idefics3's pixel shuffle
-        window_px = getattr(v, "window_size", None)
-        window = int(window_px) // merge // int(patch) if window_px else None
-        full = set(getattr(v, "fullatt_block_indexes", None) or ()) if window else set(range(layers))
-        has_cls = int(getattr(v, "model_type", None) in CLS_VISION_TYPES)
-        keep = has_cls if getattr(config, "vision_feature_select_strategy", None) == "full" else 0
-        unused = _unused_layers(getattr(config, "vision_feature_layer", None), int(layers))
-        return cls(width=int(width), layers=int(layers), full_layers=len(full & set(range(layers))),
-                   patch_size=int(patch), merge=merge, window=window or None, cls=has_cls,
-                   patches_per_token=(merge * shuffle) ** 2, keep_cls=keep, unused_layers=unused)
-
-    def attention_pairs(self, image: ImageShape) -> float:
-        """Sum over the tower's layers of sum over attention blocks of s^2 (query-key pairs) for one image."""
-        if image.grid is None:
-            return self.count_pairs(image.patches)
-        t, h, w = image.grid
-        full = t * (image.patches // t + self.cls) ** 2
-        if self.window is None:
-            return self.layers * full
-        # windows tile the merged-token grid; each holds merge^2 patches per token
-        rows, cols = _window_sq(h // self.merge, self.window), _window_sq(w // self.merge, self.window)
-        windowed = t * rows * cols * self.merge**4
-        return self.full_layers * full + (self.layers - self.full_layers) * windowed
-
-    def count_pairs(self, patches):
-        """`attention_pairs` of one-frame images known by their patch count only: every window is taken as full.
-        Elementwise over a numpy array of patch counts."""
-        full = (patches + self.cls) ** 2
-        if self.window is None:
-            return self.layers * full
-        side = self.window * self.merge
-        windowed = patches * np.minimum(patches, side * side)
-        return self.full_layers * full + (self.layers - self.full_layers) * windowed
-
-    def visual_tokens(self, image: ImageShape) -> int:
-        """Visual (placeholder) tokens one image becomes in the language model."""
-        return image.patches // self.patches_per_token + self.keep_cls
-
-
-def _unused_layers(feature_layer: Any, layers: int) -> int:
-    """Vision layers after the last one features are taken from: `vision_feature_layer` indexes the hidden states
-    (0: the embeddings, -1: the last layer's output), an int or a list of ints; None: the last layer."""
-    if feature_layer is None:
-        return 0
-    picks = feature_layer if isinstance(feature_layer, (list, tuple)) else [feature_layer]
-    used = max(int(k) if int(k) >= 0 else layers + 1 + int(k) for k in picks)
-    return max(0, layers - used)
-
-
-def _window_sq(n: int, window: int) -> int:
-    """Sum of squared chunk lengths when `n` merged rows are cut into windows of `window` (the last one partial),
-    as transformers' `get_vision_window_index` cuts them."""
-    full, rest = divmod(n, window)
-    return full * window**2 + rest**2
-
-
-@dataclass(frozen=True)
-class AudioShape:
-    """What a Whisper-style audio tower's costs depend on (module docstring), read by `from_model` from
-    `config.audio_config` and the tower's modules: its convolution stem, its layers, its pooling."""
-
-    width: int  # attention width d_a (d_model = heads x head_dim)
-    layers: int
-    window: int  # mel frames of the encoder's input (the feature extractor's window, 2 x max_source_positions)
-    stem: tuple[tuple[int, int, int, int], ...]  # per convolution, in order: (kernel parameters, span, stride, padding)
-    pool: tuple[int, int] = (1, 1)  # (kernel, stride) of the pooling after the layers; (1, 1): none
-
-    @classmethod
-    def from_model(cls, model, family) -> "AudioShape":
-        """The shape of the audio tower at `family.vision_tower` of `model` (any device, meta included): its
-        `Conv1d`s in registration order (the stem, Whisper's conv1 and conv2), its average or max pooling, and from
-        `config.audio_config` d_model, encoder_layers and max_source_positions (the window is max_source_positions
-        x the stem's strides, the length `Qwen2AudioEncoder.forward` requires). Raises ModelError when a key, the
-        stem or the tower is missing."""
-        import torch
-
-        a = model.config.audio_config
-        width, layers = getattr(a, "d_model", None), getattr(a, "encoder_layers", None)
-        positions = getattr(a, "max_source_positions", None)
-        tower = _submodule(model, family.vision_tower)
-        convs = [m for m in tower.modules() if isinstance(m, torch.nn.Conv1d)]
-        if not (width and layers and positions and convs):
-            raise ModelError("the audio config lacks d_model/encoder_layers/max_source_positions, or its tower has no "
-                             "convolution stem; cannot count its FLOPs", hint="use a Whisper-style audio encoder (qwen2_audio)")
-        stem = tuple((int(c.weight.numel()), int(c.dilation[0]) * (int(c.kernel_size[0]) - 1) + 1, int(c.stride[0]),
-                      int(c.padding[0])) for c in convs)
-        pools = [m for m in tower.modules() if isinstance(m, (torch.nn.AvgPool1d, torch.nn.MaxPool1d))]
-        pool = (1, 1)
-        if pools:
-            kernel, stride = pools[0].kernel_size, pools[0].stride
-            kernel, stride = (k[0] if isinstance(k, tuple) else k for k in (kernel, stride or kernel))
-            pool = (int(kernel), int(stride))
-        return cls(width=int(width), layers=int(layers), window=int(positions) * math.prod(s for _, _, s, _ in stem),
-                   stem=stem, pool=pool)
-
-    def counts(self, frames) -> dict[str, Any]:
-        """What one clip of `frames` mel frames costs (elementwise over a numpy array of frame counts): `stem`,
-        the output positions of each convolution ((n + 2 * padding - span) // stride + 1, torch's Conv1d);
-        `positions`, the last one's (the layers' sequence); `pairs`, positions^2 (bidirectional attention per
-        layer); `rows`, the pooling's output rows (the projector's input)."""
-        stem, n = [], frames
-        for _, span, stride, pad in self.stem:
-            n = (n + 2 * pad - span) // stride + 1
-            stem.append(n)
-        kernel, stride = self.pool
-        return {"stem": stem, "positions": n, "pairs": n * n, "rows": (n - kernel) // stride + 1}
 
 
 def _audio_totals(audio: AudioShape | None, frames: Sequence[int]) -> dict[str, Any] | None:
-    """`AudioShape.counts` summed over clips of `frames` mel frames each; None without clips or an audio tower."""
+    """`AudioShape.counts` summed over the clips of a batch of `frames` mel frames each (`AudioShape.batch_counts`);
+    None without clips or an audio tower."""
     if audio is None or not frames:
         return None
-    per_clip = [audio.counts(int(f)) for f in frames]
-    return {"stem": [sum(c["stem"][i] for c in per_clip) for i in range(len(audio.stem))],
-            **{k: sum(c[k] for c in per_clip) for k in ("positions", "pairs", "rows")}}
+    return audio.batch_counts([int(f) for f in frames])
 
 
 @dataclass(frozen=True)
@@ -320,7 +186,9 @@ class CostModel:
     video_token_id: int | None = None
     audio: AudioShape | None = None  # the tower is an audio encoder (its convolutions are `audio.stem`)
     audio_params: int = 0  # the audio tower's matrices other than the stem (its layers)
-    encoders: Any = None  # the family's `cost_rule` object: charges the encoders and projectors it owns
+    audio_projector_params: int = 0  # the projector of the audio tower's pooled rows (the others: of visual tokens)
+    audio_projector_input_params: int = 0
+    own_terms: tuple[Any, ...] = ()  # the encoders whose cost rules count them (module docstring)
 
     @classmethod
     def from_model(cls, model, family, trainable_parts: set[str], *, lora: bool = False) -> "CostModel":
@@ -329,18 +197,34 @@ class CostModel:
         model is trained through LoRA adapters (its weights get no gradient, its activations do). Count on the model
         before peft wraps it: peft's `modules_to_save` copies would be counted twice.
 
-        An audio model (`config.audio_config`, Qwen2-Audio) gets an `AudioShape` and `audio_params` instead of the
-        vision counts: its tower is the family's `vision` part.
+        The encoders are the family's (`family.encoders`), each counted by its own cost rule
+        (`vlmctl.families.encoders.vision_cost` / `audio_cost`): an image encoder gives `vision` (its matrices
+        `vision_params`, its convolutions `vision_input_params`), an audio encoder `audio` (its convolutions are the
+        stem, its other matrices `audio_params`). Both are the `vision` part for freezing and backward factors. A
+        rule returning anything else counts its encoder itself (`own_terms`, module docstring).
 
-        Raises ModelError for unknown part names, a vision config without width / depth / patch size, or an audio
-        config without the keys `AudioShape.from_model` reads.
+        Raises ModelError for unknown part names, a family with more than one image or audio encoder, a vision
+        config without width / depth / patch size, or an audio config without the keys `audio_cost` reads.
         """
         unknown = set(trainable_parts) - set(PART_ORDER)
         if unknown:
             raise ModelError(f"unknown model parts {sorted(unknown)}", hint=f"parts are {', '.join(PART_ORDER)}")
-        rule = getattr(family, "cost_rule", None)
-        encoders = rule(model, family) if rule is not None else None
-        counts = _param_counts(model, family, owned=encoders.owns if encoders is not None else None)
+        shapes: dict[type, tuple[str, Any]] = {}
+        own: list[Any] = []
+        for name, encoder in family.encoders.items():
+            shape = encoder.shape(model)
+            if shape is None:
+                continue
+            if not isinstance(shape, (VisionShape, AudioShape)):  # a rule that counts its encoder itself
+                own.append(shape)
+                continue
+            if type(shape) in shapes:
+                raise ModelError(f"family {family.name} has two {type(shape).__name__} encoders ({shapes[type(shape)][0]}, {name}); "
+                                 "the cost model counts one of each", hint="count FLOPs without this family's cost model")
+            shapes[type(shape)] = (name, shape)
+        vision = shapes.get(VisionShape, (None, None))[1]
+        audio_name, audio = shapes.get(AudioShape, (None, None))
+        counts = _param_counts(model, family, audio_encoder=audio_name, owned=tuple(p for o in own for p in o.paths))
         config = model.config
         text = config.get_text_config()
         heads = int(text.num_attention_heads)
@@ -351,18 +235,13 @@ class CostModel:
         trained = {p for p in trainable_parts if not (lora and p == "llm")}
         first = min((PART_ORDER.index(p) for p in trainable_parts), default=len(PART_ORDER))
         image_id = getattr(config, "image_token_id", None)
-        generic = encoders is None  # a family's own rule replaces the generic vision / audio ones
-        audio = AudioShape.from_model(model, family) if generic and getattr(config, "audio_config", None) is not None else None
-        if audio is not None:  # the tower's convolutions are the stem (`audio.stem`), its other matrices the layers
-            counts = {**counts, "audio_params": counts["vision_params"], "vision_params": 0, "vision_input_params": 0}
         return cls(
-            **counts,
-            vision=VisionShape.from_config(config) if generic and getattr(config, "vision_config", None) is not None else None,
+            **counts, vision=vision,
             llm_width=heads * int(head_dim), llm_full_layers=int(text.num_hidden_layers) - sliding,
             llm_sliding_layers=sliding, sliding_window=int(window) if sliding else None,
             image_token_id=getattr(config, "image_token_index", None) if image_id is None else image_id,
             trained=frozenset(trained), grad_through=frozenset(PART_ORDER[first:]),
-            video_token_id=getattr(config, "video_token_id", None), audio=audio, encoders=encoders,
+            video_token_id=getattr(config, "video_token_id", None), audio=audio, own_terms=tuple(own),
         )
 
     # ---- backward factors ----
@@ -415,7 +294,9 @@ class CostModel:
             terms["vision"] = ((self.weight_factor("vision") * live + 2 * (1 - live)) * self.vision_params * positions
                                + self.weight_factor("vision", input_layer=True) * self.vision_input_params * patches)
             terms["vision_attention"] = (self.attention_factor("vision") * live + (1 - live)) * 4.0 * v.width * vision_pairs
-        rows = visual
+        per_token = (self.weight_factor("projector") * self.projector_params
+                     + self.weight_factor("projector", input_layer=True) * self.projector_input_params)
+        terms["projector"] = visual * per_token
         if self.audio is not None and audio is not None:
             a = self.audio
             # the first convolution reads the mel features (no input gradient); the tower is the `vision` part
@@ -423,10 +304,9 @@ class CostModel:
             terms["audio"] = (sum(f * conv[0] * n for f, conv, n in zip(factors, a.stem, audio["stem"]))
                               + self.weight_factor("vision") * self.audio_params * audio["positions"])
             terms["audio_attention"] = self.attention_factor("vision") * 4.0 * a.width * a.layers * audio["pairs"]
-            rows = rows + audio["rows"]
-        per_token = (self.weight_factor("projector") * self.projector_params
-                     + self.weight_factor("projector", input_layer=True) * self.projector_input_params)
-        terms["projector"] = rows * per_token
+            per_row = (self.weight_factor("projector") * self.audio_projector_params
+                       + self.weight_factor("projector", input_layer=True) * self.audio_projector_input_params)
+            terms["projector"] = terms["projector"] + audio["rows"] * per_row
         terms["llm"] = self.weight_factor("llm") * self.llm_params * tokens
         terms["lm_head"] = self.weight_factor("llm") * self.head_params * labelled
         terms["llm_attention"] = self.attention_factor("llm") * 4.0 * self.llm_width * llm_pairs
@@ -508,10 +388,10 @@ class CostModel:
             visual = int((hits & (mask != 0)).sum() if mask is not None else hits.sum())
         else:
             visual = sum(self.vision.visual_tokens(im) for im in images) if self.vision else 0
-        clips = batch_audio_frames(batch) if self.audio is not None else []
+        clips = batch_audio_frames(batch, real=self.audio.chunk is not None) if self.audio is not None else []
         terms = self._terms(segments, labelled, images, visual, clips)
-        if self.encoders is not None:
-            for key, value in self.encoders.batch_terms(batch, self).items():
+        for encoder in self.own_terms:
+            for key, value in encoder.batch_terms(batch, self).items():
                 terms[key] += float(value)
         return terms
 
@@ -553,14 +433,18 @@ def batch_images(batch: dict[str, Any], patch_size: int | None) -> list[ImageSha
     return _images(batch, patch_size) + _grids(batch.get("video_grid_thw"))
 
 
-def batch_audio_frames(batch: dict[str, Any]) -> list[int]:
+def batch_audio_frames(batch: dict[str, Any], *, real: bool = False) -> list[int]:
     """Mel frames per audio clip the audio tower runs on: `input_features` [N_clips, mel bins, frames] ([mel bins,
     frames]: one clip) gives N_clips clips of `frames` each. Every frame counts, `feature_attention_mask` [N_clips,
-    frames] notwithstanding: the mask marks the clip's real frames, but the encoder computes the whole window
-    (module docstring). [] without `input_features`."""
+    frames] notwithstanding: the mask marks the clip's real frames, but a Whisper-style encoder computes the whole
+    window (module docstring). `real`: the clips' real frames instead (the mask's sums), for encoders that compute
+    only those (Qwen2.5-Omni's, `AudioShape.chunk`). [] without `input_features`."""
     features = batch.get("input_features")
     if features is None:
         return []
+    mask = batch.get("feature_attention_mask")
+    if real and mask is not None:
+        return [int(n) for n in mask.reshape(-1, mask.shape[-1]).sum(-1).tolist()]
     clips = 1 if features.ndim == 2 else int(features.shape[0])
     return [int(features.shape[-1])] * clips
 
@@ -590,28 +474,40 @@ def _images(batch: dict[str, Any], patch_size: int | None) -> list[ImageShape]:
     return [ImageShape(h * w, (1, h, w)) for _ in range(n)]
 
 
-def _param_counts(model, family, owned=None) -> dict[str, int]:
-    """Weight-matrix / kernel parameters per part (input layers apart) and the LM head's, embeddings excluded, and
-    those for which `owned(name)` is true (a family's `cost_rule` charges them)."""
+def _param_counts(model, family, audio_encoder: str | None = None, owned: tuple[str, ...] = ()) -> dict[str, int]:
+    """Weight-matrix / kernel parameters per part (input layers apart) and the LM head's, embeddings excluded. The
+    parameters of the encoder named `audio_encoder` (a key of `family.encoders`) are `audio_params`, its
+    convolutions left out (`AudioShape.stem` counts them); those under the module paths `owned` are left out (a cost
+    rule that counts its encoder itself charges them)."""
     import torch
 
     from vlmctl.families import part_of_parameter
+    from vlmctl.families.spec import encoder_of_parameter
 
     skip = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    skip |= {id(p) for path in owned for p in _submodule(model, path).parameters()}
     head = model.get_output_embeddings()
     head_params = int(head.weight.numel()) if head is not None else 0
     if head is not None:
         skip.add(id(head.weight))
     inputs = {id(p) for m in _input_layers(model, family) for p in m.parameters()}
     counts = {"vision_params": 0, "vision_input_params": 0, "projector_params": 0, "projector_input_params": 0,
-              "llm_params": 0}
+              "llm_params": 0, "audio_params": 0, "audio_projector_params": 0, "audio_projector_input_params": 0}
+    # a projector belongs to the encoder it sits in (Qwen's merger, Qwen2.5-Omni's audio `proj`), else to the only one
+    only = next(iter(family.encoders)) if len(family.encoders) == 1 else None
     experts, active = _experts_per_token(getattr(model, "config", None))
     routed = 0  # the language model's expert weights, all experts: a token runs `active` of `experts`
     for name, p in model.named_parameters(remove_duplicate=True):
-        if id(p) in skip or p.ndim < 2 or (owned is not None and owned(name)):
+        if id(p) in skip or p.ndim < 2:
             continue
         part = part_of_parameter(name, family)
         key = f"{part}_input_params" if id(p) in inputs and part != "llm" else f"{part}_params"
+        if part == "vision" and audio_encoder is not None and encoder_of_parameter(name, family) == audio_encoder:
+            if id(p) in inputs:
+                continue  # the stem's convolutions: `AudioShape.stem`
+            key = "audio_params"
+        elif part == "projector" and audio_encoder is not None and (encoder_of_parameter(name, family) or only) == audio_encoder:
+            key = f"audio_{key}"
         quant = getattr(p, "quant_state", None)  # bitsandbytes 4-bit packs two weights per byte: count the matrix
         n = math.prod(quant.shape) if quant is not None else p.numel()
         if experts and part == "llm" and "experts" in name.split("."):
@@ -640,7 +536,8 @@ def _input_layers(model, family) -> list:
     (Qwen's merger) needs the gradient through its first linear layer anyway, to reach the norm's scale."""
     import torch
 
-    out = [m for m in _submodule(model, family.vision_tower).modules() if isinstance(m, torch.nn.modules.conv._ConvNd)]
+    out = [m for enc in family.encoders.values() for m in _submodule(model, enc.path).modules()
+           if isinstance(m, torch.nn.modules.conv._ConvNd)]
     for path in family.projector:
         mod = _submodule(model, path)
         for unit in (list(mod) if isinstance(mod, torch.nn.ModuleList) else [mod]):
@@ -649,17 +546,6 @@ def _input_layers(model, family) -> list:
             if isinstance(first, torch.nn.Linear):
                 out.append(first)
     return out
-
-
-def _submodule(model, path: str):
-    """`model.get_submodule(path)`, also under a wrapper prefix (peft, torch.compile, DDP). Raises ModelError."""
-    for prefix in _WRAPPER_PREFIXES:
-        try:
-            return model.get_submodule(prefix + path)
-        except AttributeError:
-            continue
-    raise ModelError(f"module {path} not found on {type(model).__name__}",
-                     hint="check model.family matches the checkpoint")
 
 
 def mfu(flops: float, seconds: float, peak_flops_per_device: float | None, num_devices: int) -> float | None:

@@ -51,19 +51,29 @@ def resolve_attn_implementation(requested: str, device_type: str) -> str:
     return {"sdpa": "sdpa", "flex": "flex_attention", "eager": "eager"}[requested]
 
 
-def set_attention(model, implementation: str, vision_varlen: bool = False) -> None:
-    """Select `implementation` for the language model of `model` (and its vision tower, see below).
+def set_attention(model, implementation: str, vision_varlen: bool = False, encoders=None) -> None:
+    """Select `implementation` for the language model of `model` (and its encoders, see below).
 
-    With the varlen kernel, vision towers that attend within per-image windows (Qwen-VL) get the same kernel over
-    all windows of the step in one call when `vision_varlen` is set: transformers hands the window boundaries
-    (`cu_seqlens`) only to implementations whose name contains "flash" (`is_flash_attention_requested`), and its
-    `set_attn_implementation` would look such a name up on the Hub, so the vision config's dispatch name is set
-    directly. Otherwise the vision tower keeps sdpa (one call per window).
+    With the varlen kernel each encoder of `encoders` (a family's `EncoderSpec`s; None: the model's `vision_config`
+    as an image encoder's) whose sub-config (`config_key`) the model has keeps its own `attention` (sdpa for vision
+    towers; None: the language model's). Encoders that attend within per-image windows or segments (`varlen`:
+    Qwen-VL, Pixtral) get the same kernel over all windows of the step in one call when `vision_varlen` is set:
+    transformers hands the window boundaries (`cu_seqlens`) only to implementations whose name contains "flash"
+    (`is_flash_attention_requested`), and its `set_attn_implementation` would look such a name up on the Hub, so
+    the encoder config's dispatch name is set directly. Otherwise the encoder keeps sdpa (one call per window).
     """
-    if implementation == VARLEN_NAME and "vision_config" in getattr(model.config, "sub_configs", {}):
-        model.set_attn_implementation({"text_config": implementation, "vision_config": "sdpa"})
-        if vision_varlen:
-            model.config.vision_config._attn_implementation_internal = VISION_VARLEN_NAME
+    if encoders is None:
+        from vlmctl.families.encoders import EncoderSpec
+
+        encoders = [EncoderSpec(path="", varlen=vision_varlen)]
+    subs = getattr(model.config, "sub_configs", {})
+    present = [enc for enc in encoders if enc.config_key in subs]
+    if implementation == VARLEN_NAME and present:
+        model.set_attn_implementation({"text_config": implementation,
+                                       **{enc.config_key: enc.attention or implementation for enc in present}})
+        for enc in present:
+            if vision_varlen and enc.varlen and enc.attention is not None:
+                getattr(model.config, enc.config_key)._attn_implementation_internal = VISION_VARLEN_NAME
     else:
         model.set_attn_implementation(implementation)
 
@@ -314,12 +324,30 @@ def apply_liger(model, family, kernels: bool = True) -> bool:
 # ------------------------------------------------------------------------------------------ vision-tower kernels
 
 
+def apply_encoder_kernels(model, family, *, compile: bool) -> list[str]:
+    """The GPU kernels each encoder of `family` (`family.encoders`) declares (`EncoderSpec.kernels`), all exact
+    and parameter-preserving: `aligned_mlp` (`align_vision_mlp` on the encoder's blocks), `patch_embed_gemm`
+    (`patch_embed_as_linear` in the encoder) and, with `compile`, `compiled_rotary` (`compile_vision_rotary`) and
+    the aligned MLP through torch.compile (fusing their elementwise work: fp32 casts, rotate_half, the activation
+    times up-projection). Returns the names of what was applied (for the run's start-up table)."""
+    from vlmctl.families.encoders import submodule
+    from vlmctl.families.spec import encoder_layers
+
+    applied: list[str] = []
+    layers = encoder_layers(model, family)
+    for name, enc in family.encoders.items():
+        if "aligned_mlp" in enc.kernels and align_vision_mlp(layers[name], compile=compile):
+            applied.append("aligned MLP" + (" (compiled)" if compile else ""))
+        if "patch_embed_gemm" in enc.kernels and patch_embed_as_linear(submodule(model, enc.path)):
+            applied.append("patch embedding as GEMM")
+        if compile and "compiled_rotary" in enc.kernels and compile_vision_rotary(model):
+            applied.append("compiled rotary")
+    return list(dict.fromkeys(applied))
+
+
 def apply_vision_kernels(model, vision_layers, *, compile: bool) -> list[str]:
-    """The vision tower's GPU kernels, all exact and parameter-preserving: the width-aligned gated MLP
-    (`align_vision_mlp`), the patch embedding as one GEMM (`patch_embed_as_linear`) and, with `compile`, the
-    rotary embedding and the aligned MLP through torch.compile (fusing their elementwise work: fp32 casts,
-    rotate_half, the activation times up-projection). Returns the names of what was applied (for the run's
-    start-up table)."""
+    """Every encoder kernel on `vision_layers` (blocks) and `model` (patch embeddings, rotary function), whatever
+    the family declares (see `apply_encoder_kernels`, which training uses). Returns the names of what was applied."""
     applied = []
     if align_vision_mlp(vision_layers, compile=compile):
         applied.append("aligned MLP" + (" (compiled)" if compile else ""))

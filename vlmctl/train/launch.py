@@ -1,6 +1,6 @@
 """The launcher side of `vlmctl train`: prepare the run folder, build the launch command, spawn it.
 
-    run_dir = prepare_run(cfg, resume=False)          # <train.output_dir>/<run name>/config.yaml, locked
+    run_dir = prepare_run(cfg, resume=False)          # <train.output_dir>/<run name>/config.yaml + plan.json, locked
     cmd = launch_command(cfg.train, run_dir)          # torchrun / accelerate / sbatch line, a free rendezvous port
     code = spawn(cmd)                                 # streams output, passes SIGTERM/SIGINT to the ranks
 
@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vlmctl.config.plan import pending, resolve_nproc  # noqa: F401 - resolve_nproc: where its callers import it
 from vlmctl.distributed.mesh import SHARDING_ENV
 from vlmctl.errors import ConfigError, UsageError
 
@@ -40,16 +41,31 @@ TRAIN_LOG = "train.log"  # the ranks' combined output, in every run folder
 AGENTS = ("torchrun", "accelerate")  # the launchers that start one process agent per node from this command
 
 
-def resolve_nproc(value: int | str) -> int:
-    """`auto` = the visible GPUs (CUDA_VISIBLE_DEVICES honoured by torch), else 1."""
-    if value != "auto":
-        return int(value)
-    try:
-        import torch
+def launch_plan(cfg, *, processes: int | None = None):
+    """The run's plan (`config.plan.build_plan`) as the launcher sees it: this machine's device (SLURM: the
+    nodes' GPUs, assumed), the run's processes in all (`processes`, default `run_processes`) and the model's family
+    where the built model folder names it (else the ranks learn it when they load the model)."""
+    from vlmctl.config.plan import DeviceFacts, build_plan, run_processes
 
-        return torch.cuda.device_count() or 1
-    except Exception:  # noqa: BLE001 - no usable CUDA runtime means one CPU process
-        return 1
+    train = cfg.train
+    processes = run_processes(train) if processes is None else processes
+    facts = DeviceFacts.here(processes, cuda=True if train.launcher == "slurm" else None)
+    return build_plan(train, facts, family=_family(cfg))
+
+
+def _family(cfg):
+    """The FamilySpec of the model the run trains, without loading it; None where the folder does not say."""
+    from vlmctl.errors import VlmctlError
+    from vlmctl.inference.load import folder_family
+    from vlmctl.train.setup import model_source
+
+    if getattr(cfg, "model", None) is None:
+        return None
+    try:
+        source = Path(model_source(cfg))
+        return folder_family(source) if source.is_dir() else None
+    except (VlmctlError, OSError, ValueError):  # no built model yet: preflight says so where it matters
+        return None
 
 
 def default_run_name(cfg) -> str:
@@ -101,7 +117,8 @@ def _run_order(path: Path) -> tuple[str, int]:
 
 
 def prepare_run(cfg, resume: bool = False) -> Path:
-    """Create (or reuse, when resuming) the run folder, lock it and write the resolved config into it.
+    """Create (or reuse, when resuming) the run folder, lock it and write the project config (config.yaml, as the
+    project wrote it) and the run plan (plan.json: every `auto` decided, `launch_plan`) into it.
 
     With `resume`, `train.resume` becomes `auto` and the run is `train.run_name`, else the newest run of this
     project and stage with a checkpoint. A fresh run without `train.run_name` gets a folder of its own (a suffix
@@ -114,17 +131,13 @@ def prepare_run(cfg, resume: bool = False) -> Path:
     data or the model is missing and CheckpointError for a checkpoint that cannot be resumed (see `preflight`).
     """
     from vlmctl.config import dump_config
-    from vlmctl.config.train import resolve_strategy, single_bf16
+    from vlmctl.config.plan import write_plan
     from vlmctl.train.rundir import claim_run_dir, join_run_dir, sweep_temporaries
 
     train = cfg.train
     check_nodes(train)
-    # recorded resolved: the ranks, `vlmctl convert` and a resume read the strategy the run used (SLURM nodes: GPUs)
-    cuda = train.launcher == "slurm" or _has_cuda()
-    processes = 1 if train.launcher == "none" else train.nnodes * resolve_nproc(train.nproc_per_node)
-    train.strategy = resolve_strategy(train.strategy, cuda, train.lora is not None and train.lora.quantize != "none",
-                                      single_bf16=single_bf16(train, cuda, processes))
-    check_sharding(train)
+    plan = launch_plan(cfg)  # every auto decided once, before a process starts; plan.json in the run folder
+    check_sharding(train, plan.strategy.value)
     if resume and train.resume is None:
         train.resume = "auto"
     fresh_slurm = train.launcher == "slurm" and train.resume is None
@@ -144,6 +157,7 @@ def prepare_run(cfg, resume: bool = False) -> Path:
     tmp = run_dir / ".config.yaml.tmp"
     tmp.write_text(dump_config(cfg))
     os.replace(tmp, run_dir / "config.yaml")
+    write_plan(run_dir, plan)
     return run_dir
 
 
@@ -232,15 +246,15 @@ def check_layout(train) -> None:
                           hint="pass --master-addr <node 0 address> (and --node-rank on each node)")
 
 
-def check_sharding(train) -> None:
-    """Raise ConfigError when `train.fsdp_sharding: hybrid` meets a strategy other than fsdp (`train.strategy`
-    resolved as `prepare_run` resolves it)."""
-    from vlmctl.config.train import resolve_strategy
-
+def check_sharding(train, strategy: str | None = None) -> None:
+    """Raise ConfigError when `train.fsdp_sharding: hybrid` meets a strategy other than fsdp (`strategy`: the run
+    plan's, by default planned here as `prepare_run` plans it)."""
     if train.fsdp_sharding == "full":
         return
-    strategy = resolve_strategy(train.strategy, train.launcher == "slurm" or _has_cuda(),
-                                train.lora is not None and train.lora.quantize != "none")
+    if strategy is None:
+        from types import SimpleNamespace
+
+        strategy = launch_plan(SimpleNamespace(train=train, model=None)).strategy.value
     if strategy != "fsdp":
         raise ConfigError(f"train.fsdp_sharding=hybrid needs train.strategy=fsdp, not {strategy}",
                           hint="set train.strategy=fsdp, or train.fsdp_sharding=full")
@@ -383,7 +397,7 @@ def launch_command(train, run_dir: Path, module: str = WORKER_MODULE) -> Launch:
 
         port, claim = claim_port(train.master_port)
     if train.launcher == "slurm":
-        if train.nproc_per_node == "auto":
+        if pending(train.nproc_per_node):
             raise ConfigError("train.launcher=slurm needs train.nproc_per_node: the GPUs of the allocated nodes are not visible here",
                               hint="pass --nproc-per-node <GPUs per node>")
         script = run_dir / "sbatch.sh"

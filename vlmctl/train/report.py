@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from vlmctl.config.plan import pending
+
 
 def device_name(device) -> str:
     """The GPU's name (`torch.cuda.get_device_name`), or the device type ("cpu")."""
@@ -39,7 +41,7 @@ def _kernels(train, tm) -> str:
     loss = "liger fused linear cross-entropy" if tm.liger else "labelled-token logits" if train.packing else "full logits"
     checkpointing = train.activation_checkpointing
     return (f"attention {tm.attn}, loss {loss}"
-            + (f", activation checkpointing {describe(checkpointing)}" if checkpointing not in ("off", "auto") else "")
+            + (f", activation checkpointing {describe(checkpointing)}" if not pending(checkpointing) and checkpointing != "off" else "")
             + describe_memory_helpers(train)
             + (", compiled decoder layers" if train.compile == "on" else "") + "".join(f", vision {k}" for k in tm.vision_kernels))
 

@@ -31,7 +31,7 @@ from vlmctl.errors import ConfigError, UsageError
 
 LOCK_FILE = ".lock"
 # left behind by a process killed while writing: checkpoint folders, the final export, loss.png, config.yaml
-TEMPORARIES = ("checkpoints/.tmp-checkpoint-*", ".tmp-final", "*.tmp.png", ".config.yaml.tmp", "metrics.jsonl.tmp",
+TEMPORARIES = ("checkpoints/.tmp-checkpoint-*", ".tmp-final", "*.tmp.png", ".config.yaml.tmp", ".plan.json.tmp", "metrics.jsonl.tmp",
                ".lock.stale-*")
 _held: set[Path] = set()
 

@@ -4,7 +4,7 @@ dtype and master weights, the model parts, stage/freeze, LoRA, activation checkp
 
 The worker and `vlmctl bench` run the same two steps (torchtitan's order: checkpointing, then compile, then FSDP)::
 
-    ctx = setup_run(train)                            # process group, mesh, seed, resolve_dtype, master_dtype
+    ctx = setup_run(train, plan)                      # process group, mesh, seed, the run plan's dtypes
     tm = prepare_model(model, family, train, device)  # apply_kernels, cost model, apply_training_setup (stage,
                                                       # LoRA, checkpointing, compile)
     optimizer = build_optimizer(tm.model, tm.parts, train, device, ctx.dims.dp_size)   # after wrapping
@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vlmctl.config.train import (has_torchao, resolve_compile, resolve_compile_vision, resolve_master_weights, resolve_stochastic_rounding,
-                                 resolve_strategy, single_bf16)
+from vlmctl.config.plan import pending, quantized
 from vlmctl.errors import ConfigError, ModelError
 from vlmctl.families import PARTS
 
@@ -87,7 +86,7 @@ def load_quantized(source: str, cfg, *, dtype):
     info = read_build_info(source) if Path(source).is_dir() else None
     ref = info["source"] if info and info.get("mode") == "base" and not (Path(source) / "config.json").is_file() else source
     family = get_family(cfg.model.family or detect_family(AutoConfig.from_pretrained(ref, trust_remote_code=cfg.model.trust_remote_code)))
-    skip = [family.vision_tower, *family.projector, family.lm_head]
+    skip = [*(enc.path for enc in family.encoders.values()), *family.projector, family.lm_head]
     if cfg.train.lora.quantize == "4bit":
         bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                  bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype, llm_int8_skip_modules=skip)
@@ -264,72 +263,11 @@ def place_weights(model, deferred: DeferredWeights | None, device) -> None:
 # ------------------------------------------------------------------------------------------------ dtypes
 
 
-def quantized(train) -> bool:
-    """QLoRA: the frozen base is loaded in 4 or 8 bits (`train.lora.quantize`)."""
-    return train.lora is not None and train.lora.quantize != "none"
-
-
-def resolve_dtype(precision: str, device) -> Any:
-    """Compute dtype (`torch.dtype`): auto = bf16 on GPUs that support it, fp32 on CPU."""
+def torch_dtype(name: str) -> Any:
+    """The `torch.dtype` of a resolved precision name (bf16, fp16, fp32: `RunPlan.precision`, `RunPlan.stored`)."""
     import torch
 
-    if precision == "auto":
-        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
-
-
-def check_precision(train, dtype, device) -> None:
-    """Raise ConfigError for fp16 without DeepSpeed's loss scaling, or QLoRA off CUDA."""
-    import torch
-
-    if dtype == torch.float16 and train.strategy in ("ddp", "fsdp"):
-        raise ConfigError("train.precision=fp16 needs loss scaling, which only the DeepSpeed strategies provide here",
-                          hint="use train.precision=bf16, or train.strategy=zero2/zero3")
-    if train.lora is not None and train.lora.quantize != "none" and device.type != "cuda":
-        raise ConfigError("train.lora.quantize (QLoRA) needs bitsandbytes on a CUDA GPU",
-                          hint="set train.lora.quantize=none, or run on a GPU machine with bitsandbytes installed")
-
-
-def resolve_storage(train, dtype, device) -> None:
-    """Resolve `train.master_weights`, `train.stochastic_rounding` and `train.compile` from auto for this device
-    and compute `dtype` (recorded in the run's config like the other auto values): bf16 master weights with
-    stochastic rounding where `resolve_master_weights` allows them and the compute really is bf16, else fp32;
-    compiled decoder layers where `resolve_compile` allows them, and `train.compile_vision` after it."""
-    import importlib.util
-
-    import torch
-
-    if train.master_weights == "auto":
-        train.master_weights = resolve_master_weights("auto", cuda=device.type == "cuda", precision=train.precision,
-                                                      strategy=train.strategy, lora=train.lora is not None)
-        if dtype != torch.bfloat16:  # precision auto on a GPU without bf16
-            train.master_weights = "fp32"
-    train.stochastic_rounding = resolve_stochastic_rounding(train.stochastic_rounding, train.master_weights)
-    train.compile = resolve_compile(train.compile, cuda=device.type == "cuda", strategy=train.strategy,
-                                    quantized=quantized(train))
-    # the compiled kernels need Triton on a GPU; the compiled blocks follow the decoder layers
-    train.compile_vision = resolve_compile_vision(
-        train.compile_vision, compile=train.compile,
-        cuda=device.type == "cuda" and importlib.util.find_spec("triton") is not None)
-    if train.stochastic_rounding == "on" and train.master_weights == "bf16" and not has_torchao():
-        raise ConfigError("train.stochastic_rounding=on needs torchao, which is not installed here",
-                          hint='pip install "vlmctl[gpu]" (or torchao), or set train.stochastic_rounding=off')
-
-
-def master_dtype(train, dtype):
-    """The dtype parameters are stored (and optimized) in: fp32 master weights, or `dtype` itself with
-    `train.master_weights: bf16` (pure bf16). Raises ConfigError where pure bf16 cannot apply."""
-    import torch
-
-    if train.master_weights in ("fp32", "auto"):  # auto: not resolved (`resolve_storage`), the safe choice
-        return torch.float32
-    if dtype != torch.bfloat16:
-        raise ConfigError(f"train.master_weights=bf16 needs bf16 compute, but train.precision resolves to {str(dtype).removeprefix('torch.')}",
-                          hint="set train.precision=bf16 (on a GPU with bf16), or train.master_weights=fp32")
-    if train.strategy in ("zero2", "zero3"):
-        raise ConfigError("train.master_weights=bf16: DeepSpeed keeps its own fp32 master weights for zero2/zero3",
-                          hint="use train.strategy=fsdp or ddp for pure bf16, or train.master_weights=fp32")
-    return torch.bfloat16
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
 # ----------------------------------------------------------------------------------------------- model parts
@@ -356,8 +294,10 @@ def model_parts(model, family: Any) -> ModelParts:
     """The parts of a VLM per the family spec, and its decoder / vision-encoder layer modules."""
     from vlmctl.families import decoder_layers, vision_layers
 
-    paths = {"vision": [family.vision_tower], "projector": list(family.projector),
-             "llm": [family.language_model, family.lm_head]}
+    paths: dict[str, list[str]] = {p: [] for p in PARTS}
+    for encoder in family.encoders.values():
+        paths.setdefault(encoder.part, []).append(encoder.path)
+    paths["projector"], paths["llm"] = list(family.projector), [family.language_model, family.lm_head]
     return ModelParts(family=family, paths=paths, decoder_layers=list(decoder_layers(model, family)),
                       vision_layers=list(vision_layers(model, family)))
 
@@ -462,7 +402,7 @@ def apply_training_setup(model, family, train, compute_dtype=None):
         parts = model_parts(model, family)
     if compute_dtype is not None:
         store_frozen(model, compute_dtype)
-    if train.activation_checkpointing not in ("auto", "off"):  # auto: the start-up probe sets it on the layers
+    if not pending(train.activation_checkpointing) and train.activation_checkpointing != "off":  # the probe sets it
         apply_activation_checkpointing([parts.decoder_layers, parts.vision_layers], train.activation_checkpointing,
                                        offload=train.activation_offload)
     apply_tiled_mlp(parts.decoder_layers, train.tiled_mlp)
@@ -478,92 +418,19 @@ def apply_training_setup(model, family, train, compute_dtype=None):
 # ---------------------------------------------------------------------------------------------------- kernels
 
 
-def resolve_attention(train, device) -> str:
-    """The transformers attention implementation for `train.attn_implementation` on `device`.
-
-    Packed rows: auto = PyTorch's varlen kernel on CUDA in bf16/fp16, sdpa on CPU or in fp32 (block-diagonal mask
-    from the per-sample position ids). Padded batches: auto = flash_attention_2 when flash-attn is installed on
-    CUDA, else sdpa; varlen needs packing. Raises ConfigError for a backend this device or batching cannot run.
-    """
-    import importlib.util
-
-    import torch
-
-    from vlmctl.train.kernels import resolve_attn_implementation
-
-    requested = train.attn_implementation
-    if device.type == "cuda" and resolve_dtype(train.precision, device) == torch.float32:
-        if requested in ("varlen", "flash_attn"):
-            raise ConfigError(f"train.attn_implementation={requested} computes in bf16/fp16, but train.precision resolves to fp32",
-                              hint="set train.precision=bf16, or train.attn_implementation=sdpa")
-        if requested == "auto":
-            requested = "sdpa"  # the flash kernels compute in bf16/fp16 only
-    if not train.packing:
-        if requested == "varlen":
-            raise ConfigError("train.attn_implementation=varlen attends within packed rows; it needs train.packing=true",
-                              hint="set train.packing=true, or use sdpa / flash_attn with padded batches")
-        if requested == "auto":
-            cuda_flash = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
-            requested = "flash_attn" if cuda_flash else "sdpa"
-    try:
-        return resolve_attn_implementation(requested, device.type)
-    except ValueError as exc:
-        raise ConfigError(str(exc), hint="set train.attn_implementation=auto (or sdpa)") from None
-
-
-def resolve_liger(train, family, device) -> bool:
-    """Whether liger-kernel's fused linear cross-entropy is used (`train.liger`: on, off, auto = when it can run).
-
-    It needs CUDA, the package and a liger patch for the family, and the head's weight gathered during the root
-    forward: ZeRO-3 partitions it outside the head's own forward, so zero3 uses the plain loss.
-    Raises ConfigError for `on` where it cannot run.
-    """
-    from vlmctl.train.kernels import liger_available
-
-    if train.liger == "off":
-        return False
-    why = None
-    if not liger_available(device.type):
-        why = "needs a CUDA GPU and the liger-kernel package (pip install 'vlmctl[gpu]')"
-    elif family.liger_patch is None:
-        why = f"has no patch for the {family.name} family"
-    elif train.strategy == "zero3":
-        why = "cannot read the head's weight while ZeRO-3 partitions it"
-    if why is None:
-        return True
-    if train.liger == "on":
-        raise ConfigError(f"train.liger=on, but liger-kernel {why}", hint="set train.liger=auto or off")
-    return False
-
-
-def liger_kernels(train) -> bool:
-    """Whether liger-kernel's RMSNorm / SwiGLU / RoPE patches go with its fused loss: not where torch.compile runs
-    over the modules they replace (its decoder layers, `train.compile: on`, or the vision blocks,
-    `train.compile_vision: blocks`: liger patches the vision blocks' norms too). They are autograd functions dynamo
-    cannot trace (seen on an H200: an AssertionError from dynamo in a vision block's LigerRMSNorm), and compile
-    fuses that work itself."""
-    return train.compile != "on" and train.compile_vision != "blocks"
-
-
-def apply_kernels(model, family, train, device) -> tuple[str, bool, list[str]]:
-    """Attention backend, liger-kernel patches and the vision tower's kernels (CUDA), applied to the HF model in
-    place (before peft wraps it). Returns (attention implementation name, whether liger's fused loss is on, the
-    vision kernels applied)."""
-    import importlib.util
-
-    from vlmctl.families import vision_layers
+def apply_kernels(model, family, train, device, plan) -> tuple[str, bool, list[str]]:
+    """Attention backend, liger-kernel patches and each encoder's kernels (CUDA) that `plan` (a RunPlan) decided,
+    applied to the HF model in place (before peft wraps it). `train`: the resolved train section. Returns (attention
+    implementation name, whether liger's fused loss is on, the encoder kernels applied)."""
     from vlmctl.train import kernels
 
-    attn = resolve_attention(train, device)
-    kernels.set_attention(model, attn, vision_varlen=device.type == "cuda" and family.vision_varlen)
-    liger = resolve_liger(train, family, device)
-    if liger:
-        kernels.apply_liger(model, family, kernels=liger_kernels(train))
+    attn = kernels.resolve_attn_implementation(plan.attention.value, device.type)
+    kernels.set_attention(model, attn, vision_varlen=device.type == "cuda", encoders=family.encoders.values())
+    # False where the family has no liger patch (a plan made before the family was known)
+    liger = plan.liger.value and kernels.apply_liger(model, family, kernels=plan.liger_kernels.value)
     vision = []
-    if device.type == "cuda":  # `train.compile_vision` resolved by `resolve_storage` (auto: kernels where Triton is)
-        has_triton = importlib.util.find_spec("triton") is not None
-        compile_kernels = train.compile_vision == "kernels" or (train.compile_vision == "auto" and has_triton)
-        vision = kernels.apply_vision_kernels(model, vision_layers(model, family), compile=compile_kernels)
+    if device.type == "cuda":
+        vision = kernels.apply_encoder_kernels(model, family, compile=train.compile_vision == "kernels")
     if train.compile_vision == "blocks":
         vision.append("compiled blocks")
     return attn, liger, vision
@@ -657,6 +524,7 @@ class RunContext:
     dims: Any
     dtype: Any
     stored: Any
+    plan: Any = None  # config.plan.RunPlan: every decision of the run, with this rank's probe once settled
 
 
 @dataclass
@@ -680,32 +548,31 @@ class TrainingModel:
     shard: Any = None  # distributed.sequence.SequenceShard with train.sequence_parallel > 1, else None
 
 
-def setup_run(train) -> RunContext:
-    """Process group and the run's one device mesh (`vlmctl.distributed`), seeds, compute and master dtypes.
-    `train.strategy: auto` is resolved here when the launcher did not. Raises ConfigError for a precision or
-    master-weights setting this strategy and device cannot train with."""
-    import torch
-
+def setup_run(train, plan=None) -> RunContext:
+    """Process group and the run's one device mesh (`vlmctl.distributed`), seeds, compute and stored dtypes, from the
+    run's plan: `plan` (the launcher's RunPlan, from plan.json) where it was built for this device, else one built
+    here (`config.plan.plan_for_rank`). `train` is not changed; `ctx.plan.train_section(train)` is the resolved copy
+    the run reads. Raises ConfigError for a precision or master-weights setting this strategy and device cannot
+    train with (`config.plan.check_plan`)."""
+    from vlmctl.config.plan import DeviceFacts, check_plan, plan_for_rank
     from vlmctl.distributed.env import init_distributed
     from vlmctl.distributed.mesh import ParallelDims
 
-    env = init_distributed(deepspeed=train.strategy in DEEPSPEED)  # auto never resolves to DeepSpeed
-    cuda = torch.cuda.is_available()
-    train.strategy = resolve_strategy(train.strategy, cuda, quantized(train),
-                                      single_bf16=single_bf16(train, cuda, env.world_size))
-    dims = ParallelDims.for_strategy(train.strategy, env.world_size, sharding=train.fsdp_sharding, sp=train.sequence_parallel)
+    env = init_distributed(deepspeed=train.strategy in DEEPSPEED)  # the plan never picks DeepSpeed for auto
+    plan = plan_for_rank(plan, train, DeviceFacts.here(env.world_size))
+    check_plan(plan, train)
+    dims = ParallelDims.for_strategy(plan.strategy.value, env.world_size, sharding=train.fsdp_sharding,
+                                     sp=train.sequence_parallel)
     dims.build_mesh(env.device.type)
     seed_everything(train.seed)
-    dtype = resolve_dtype(train.precision, env.device)
-    check_precision(train, dtype, env.device)
-    resolve_storage(train, dtype, env.device)
-    return RunContext(env=env, dims=dims, dtype=dtype, stored=dtype if quantized(train) else master_dtype(train, dtype))
+    return RunContext(env=env, dims=dims, dtype=torch_dtype(plan.precision.value), stored=torch_dtype(plan.stored.value),
+                      plan=plan)
 
 
-def prepare_model(model, family, train, device, compute_dtype=None) -> TrainingModel:
+def prepare_model(model, family, train, device, compute_dtype=None, plan=None) -> TrainingModel:
     """Kernels, the batch hook, the cost model, stage/freeze, LoRA, frozen weights in `compute_dtype` (when given),
     activation checkpointing and compile: what `vlmctl train` and `vlmctl bench` do to a loaded model before
-    wrapping it."""
+    wrapping it. `plan`: the run's RunPlan (its kernels); without one, planned here for this device."""
     import os
     import sys
 
@@ -718,7 +585,11 @@ def prepare_model(model, family, train, device, compute_dtype=None) -> TrainingM
     # counted on the model as built: before the vision kernels pad or reshape its layers, peft wraps it
     # (modules_to_save copies would count twice) and ZeRO-3 / FSDP2 shard it
     cost_model = CostModel.from_model(model, family, trainable_parts(train.stage, train.freeze), lora=train.lora is not None)
-    attn, liger, vision_kernels = apply_kernels(model, family, train, device)
+    if plan is None:
+        from vlmctl.config.plan import DeviceFacts, build_plan
+
+        plan = build_plan(train, DeviceFacts.here(cuda=device.type == "cuda"), family)
+    attn, liger, vision_kernels = apply_kernels(model, family, train, device, plan)
     prepare = family.position_hook(model, getattr(model.config, "image_token_id", None)) if train.packing else None
     model, parts, trainable = apply_training_setup(model, family, train, compute_dtype)
     return TrainingModel(model=model, family=family, parts=parts, trainable=trainable, attn=attn, liger=liger,

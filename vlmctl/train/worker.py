@@ -3,7 +3,7 @@
 Every rank reads `RUN_DIR/config.yaml` and runs these steps (the order of checkpointing, compile and FSDP is
 torchtitan's)::
 
-    ctx = setup_run(cfg.train)                        # process group, one device mesh, seed, dtypes
+    ctx = setup_run(cfg.train, plan)                  # the run plan (plan.json), process group, mesh, seed, dtypes
     tm = load_model_for_training(cfg, ctx)            # model (fsdp/ddp: rank 0 reads the weights), kernels, cost model,
                                                       # stage/freeze, LoRA, compile, sequence split (Ulysses)
     dataset, lengths = load_data(cfg, ctx, tm)        # the training shards and their token counts (train/data.py)
@@ -56,7 +56,7 @@ def load_model_for_training(cfg, ctx: RunContext, resuming: bool = False) -> Tra
     `resuming`); the others build it on the meta device and get theirs in `wrap_model` (`setup.rank0_loads`)."""
     source = model_source(cfg)
     model, processor, family = load_for_rank(source, cfg, ctx, resuming=resuming)
-    tm = split_sequences(prepare_model(model, family, cfg.train, ctx.env.device, compute_dtype=ctx.dtype), cfg.train, ctx.dims)
+    tm = split_sequences(prepare_model(model, family, cfg.train, ctx.env.device, ctx.dtype, ctx.plan), cfg.train, ctx.dims)
     tm.deferred = defer_weights(tm.model, cfg.train, ctx.env, resuming=resuming)
     tm.processor, tm.source = processor, source
     return tm
@@ -157,16 +157,13 @@ def train_run(cfg, run_dir: Path, ctx: RunContext) -> str:
     from vlmctl.train.metrics import MetricsLogger, plot_loss_or_warn
 
     train, env = cfg.train, ctx.env
-    fixed = autotune.settle_without_probe(train, env.device)  # CPU, DeepSpeed, the batching not in use
     resume_from = resolve_resume(run_dir, train.resume)
     tm = load_model_for_training(cfg, ctx, resuming=resume_from is not None)
     dataset, lengths = load_data(cfg, ctx, tm)
     wrapped = None
-    if autotune.wants(train):  # the probe measures the wrapped model; the schedule's length follows its choice
+    if autotune.wants(ctx.plan):  # the probe measures the wrapped model; the schedule's length follows its choice
         wrapped = wrap_model(tm, train, ctx, total_steps=1)
         autotune.tune(cfg, run_dir, ctx, tm, wrapped.stepper, dataset, lengths, log=lambda m: print(m, file=sys.stderr))
-    elif fixed is not None and env.is_main:
-        autotune.save_record(run_dir, fixed, cfg)
     sampler = build_sampler(cfg, ctx, dataset, lengths)
     total_steps = train.max_steps or max(1, math.ceil(train.num_epochs * sampler.batches_per_epoch / train.gradient_accumulation_steps))
     wrapped = wrap_model(tm, train, ctx, total_steps) if wrapped is None else reschedule(wrapped, train, total_steps)
@@ -208,6 +205,7 @@ def run(run_dir: Path) -> str:
 
     from vlmctl.config import load_config
     from vlmctl.train.report import filter_known_warnings
+    from vlmctl.config.plan import read_plan
     from vlmctl.train.rundir import guard_run
 
     filter_known_warnings()  # benign warnings that would alarm on every run
@@ -215,7 +213,8 @@ def run(run_dir: Path) -> str:
     cfg = load_config(run_dir / "config.yaml")
     try:
         with guard_run(run_dir, main=int(os.environ.get("RANK", "0")) == 0):
-            outcome = train_run(cfg, run_dir, setup_run(cfg.train))
+            ctx = autotune.record_plan(run_dir, setup_run(cfg.train, read_plan(run_dir)))  # rank 0: plan.json, printed
+            outcome = train_run(cfg.model_copy(update={"train": ctx.plan.train_section(cfg.train)}), run_dir, ctx)
             dist.barrier()
         return outcome
     finally:

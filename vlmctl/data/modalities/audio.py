@@ -28,18 +28,17 @@ from typing import Any
 
 from vlmctl.config.data import DataAudio
 from vlmctl.data.modalities.base import ModalityUnit
+from vlmctl.families.encoders import AUDIO_KEYS  # the data keys of the encoders that take audio
+from vlmctl.families.qwen2_audio import RESAMPLE_QUALITY  # soxr_hq (librosa's default); token rules count with it too
 
 STORED_FORMAT = "FLAC"
 STORED_SUBTYPE = "PCM_16"
 """Stored clips: FLAC (lossless, about half the size of PCM WAV for speech) with 16-bit samples."""
-RESAMPLE_QUALITY = "HQ"
-"""soxr quality of every resampling (librosa's default `res_type` is soxr_hq)."""
 MAX_AUDIO_FILE_BYTES = 1 << 30
 """Largest audio file read (bytes): larger files are rejected as audio_too_long before they are read (a 30 s
 stereo 96 kHz 32-bit WAV is 23 MiB)."""
 AUDIO_EXTENSIONS = ("wav", "flac", "mp3", "ogg", "oga", "opus", "aiff", "aif", "au", "caf", "w64")
 """File extensions taken as audio members of a WebDataset tar (formats libsndfile decodes)."""
-AUDIO_KEYS = ("input_features", "feature_attention_mask")
 """Processor outputs of the audio unit (transformers' Qwen2-Audio processor: log-mel features [N, mel bins, frames]
 and their frame mask [N, frames])."""
 EXACT_LENGTH_FORMATS = ("WAV", "WAVEX", "RF64", "W64", "FLAC", "AIFF", "CAF")
@@ -333,16 +332,6 @@ def decode_audio(data: bytes, rate: int | None = None):
     info = probe(data)
     wave = to_mono(decode_samples(data, info))
     return resample(wave, info.sampling_rate, rate) if rate else wave
-
-
-def resampled_length(samples: int, rate: int, target: int) -> int:
-    """Samples of a clip of `samples` at `rate` Hz once `resample`d to `target` Hz (soxr's output length,
-    round(samples * target / rate), computed by resampling silence of that length when the rates differ)."""
-    if rate == target or samples == 0:
-        return samples
-    import numpy as np
-
-    return len(resample(np.zeros(samples, np.float32), rate, target))
 
 
 # ------------------------------------------------------------------------------------------------- the unit

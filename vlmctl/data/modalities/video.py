@@ -32,6 +32,7 @@ from typing import Any
 
 from vlmctl.config.data import DataVideo
 from vlmctl.data.modalities.base import ModalityUnit
+from vlmctl.families.encoders import VIDEO_KEYS  # the data keys of the encoders that take videos
 
 CLIP_FORMAT = "matroska"
 CLIP_CODEC = "mjpeg"
@@ -47,7 +48,6 @@ MAX_VIDEO_FILE_BYTES = 2 << 30
 """Largest video file read (bytes): larger files are rejected as video_too_long before they are read."""
 VIDEO_EXTENSIONS = ("mp4", "m4v", "mov", "mkv", "webm", "avi", "mpg", "mpeg", "ogv", "flv", "wmv", "3gp", "ts")
 """File extensions taken as video members of a WebDataset tar."""
-VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 """Processor outputs of the video unit (transformers' Qwen2-VL processor: patches [P, C*t*p*p], grids [N, 3],
 seconds per temporal patch [N])."""
 

@@ -1,0 +1,130 @@
+"""The run plan (`vlmctl.config.plan`): every `auto` of the train section decided in one module, with a reason,
+for a device described by hand (a GPU machine planned on a CPU one), and nowhere else in the source tree."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from vlmctl.config import TrainSection
+from vlmctl.config.plan import PROBE, DeviceFacts, RunPlan, build_plan, check_plan, plan_text, read_plan, write_plan
+from vlmctl.errors import ConfigError
+
+GIB = 2**30
+H100 = DeviceFacts(kind="cuda", memory_bytes=80 * GIB, torchao=True, triton=True, varlen=True)
+SOURCE = Path(__file__).resolve().parents[2] / "vlmctl"
+
+# `train` keys whose `auto` is a run decision: a comparison of one of them with the word decides it
+DECISION_KEYS = ("strategy", "precision", "master_weights", "stochastic_rounding", "compile", "compile_vision",
+                 "attn_implementation", "liger", "balance", "tokens_per_batch", "micro_batch_size",
+                 "activation_checkpointing", "nproc_per_node")
+# modules that take training decisions: any comparison with "auto" there decides something
+TRAINING_MODULES = ("train/", "bench.py", "models/summary.py", "config/train.py", "cli/train.py", "cli/bench.py")
+# a comparison with the word: == / != on either side, or membership in a literal tuple, list or set holding it
+COMPARES_AUTO = re.compile(r"""(==|!=)\s*["']auto["']|["']auto["']\s*(==|!=)|\bin\s*[(\[{][^)\]}]*["']auto["']""")
+KEY = re.compile(r"\b(" + "|".join(DECISION_KEYS) + r")\b")
+ALLOWED = {  # (module, text of the line): why it is not a run decision
+    ("config/train.py", 'self.activation_checkpointing == "auto"'): "the older gradient_checkpointing key, validated",
+    ("train/setup.py", 'lora.target_modules == "auto"'): "LoRA's module pattern, from the model's layer names",
+    ("train/launch.py", 'train.resume not in (None, "auto")'): "resume: auto names the run folder to continue",
+    ("train/launch.py", 'train.resume in (None, "auto")'): "resume: auto names the run folder to continue",
+    ("train/checkpoint.py", 'resume == "auto"'): "resume: auto names the checkpoint to continue from",
+    ("train/kernels.py", 'requested == "auto"'): "the name mapping for direct callers; runs pass the plan's backend",
+    ("bench.py", 'kind == "auto"'): "bench's --workload flag, not a train setting",
+}
+
+
+def auto_decisions() -> list[str]:
+    """`module:line: text` of each comparison with "auto" outside config/plan.py that decides a run setting: in a
+    training module, or on a line naming a decision key; comments and docstrings' prose do not count (a line
+    must compare), validation and other words (`ALLOWED`) do not either."""
+    found = []
+    for path in sorted(SOURCE.rglob("*.py")):
+        module = path.relative_to(SOURCE).as_posix()
+        if module == "config/plan.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if not COMPARES_AUTO.search(code):
+                continue
+            if not (module.startswith(TRAINING_MODULES) or KEY.search(code)):
+                continue
+            if any(module == m and text in code for m, text in ALLOWED):
+                continue
+            found.append(f"{module}:{number}: {line.strip()}")
+    return found
+
+
+def test_no_module_but_the_plan_resolves_auto():
+    found = auto_decisions()
+    assert not found, "decide these in vlmctl/config/plan.py and read the plan instead:\n" + "\n".join(found)
+
+
+def test_the_grep_sees_a_resolution_and_ignores_other_words(tmp_path, monkeypatch):
+    # the rule must catch what it is for, or it passes whatever the tree holds
+    fake = tmp_path / "vlmctl"
+    (fake / "train").mkdir(parents=True)
+    (fake / "config").mkdir()
+    (fake / "train" / "x.py").write_text('if train.compile == "auto":\n    pass\nx = y if ac not in ("off", "auto") else 1\n')
+    (fake / "serve.py").write_text('if device == "auto":\n    pass\nif cfg.strategy != "auto":\n    pass\n')
+    (fake / "config" / "plan.py").write_text('if strategy != "auto":\n    pass\n')
+    monkeypatch.setattr(__import__(__name__), "SOURCE", fake)
+    assert [f.split(": ", 1)[0] for f in auto_decisions()] == ["serve.py:3", "train/x.py:1", "train/x.py:3"]
+
+
+def test_qlora_is_planned_for_a_gpu_on_any_machine():
+    train = TrainSection(lora={"r": 8, "quantize": "4bit"})
+    plan = build_plan(train, H100)
+    # QLoRA replicates its 4-bit base (ddp) and is not compiled; the stored dtype is the compute dtype
+    assert (plan.strategy.value, plan.compile.value, plan.master_weights.value, plan.stored.value) == (
+        "ddp", "off", "fp32", "bf16")
+    assert "QLoRA" in plan.strategy.reason and plan.strategy.auto
+    check_plan(plan, train)  # a GPU takes it
+    with pytest.raises(ConfigError, match="QLoRA"):
+        check_plan(build_plan(train, DeviceFacts(kind="cpu")), train)
+    # LoRA without quantization on two GPUs shards (fsdp): the QLoRA flag is what makes the difference
+    assert build_plan(TrainSection(lora={"r": 8}), DeviceFacts(kind="cuda", processes=2)).strategy.value == "fsdp"
+    assert build_plan(train, DeviceFacts(kind="cuda", processes=2)).strategy.value == "ddp"
+
+
+def test_every_decision_has_a_value_and_a_reason_and_the_config_is_untouched():
+    train = TrainSection()
+    before = train.model_dump()
+    plan = build_plan(train, H100)
+    assert train.model_dump() == before
+    for key, decision in plan.decisions().items():
+        assert decision.value != "auto" and decision.reason, key
+    assert plan.probing == {"tokens_per_batch", "activation_checkpointing"} and plan.row_tokens is None
+    assert (plan.strategy.value, plan.compile.value, plan.compile_vision.value, plan.attention.value) == (
+        "ddp", "on", "blocks", "varlen")  # one GPU storing bf16 weights: ddp (nothing to shard)
+    two = build_plan(TrainSection(sequence_parallel=2, tokens_per_batch=4096), DeviceFacts(kind="cuda", processes=4))
+    assert (two.row_tokens, two.dp_size, two.balance.value) == (8192, 2, True)  # the row is split over 2 ranks
+    assert not two.probing  # no probe with sequence parallelism: the fixed checkpointing
+    assert two.activation_checkpointing.value == "full"
+
+
+def test_the_plan_round_trips_through_plan_json(tmp_path):
+    plan = build_plan(TrainSection(strategy="zero3", liger="auto"), H100)
+    path = write_plan(tmp_path, plan)
+    assert path.name == "plan.json" and not list(tmp_path.glob(".*.tmp"))
+    again = read_plan(tmp_path)
+    assert again == plan and isinstance(again, RunPlan)
+    assert plan_text(again) == plan_text(plan)
+    assert "tokens_per_batch" in plan_text(plan) and PROBE in plan_text(plan)
+    (tmp_path / "plan.json").write_text("{}")
+    with pytest.raises(ConfigError, match="not a run plan"):
+        read_plan(tmp_path)
+
+
+def test_a_family_without_packed_rows_is_planned_padded():
+    class Family:  # the FamilySpec fields the plan reads
+        name, supports_packing, liger_patch = "nopack", False, None
+
+    plan = build_plan(TrainSection(), DeviceFacts(kind="cuda", liger=True, flash_attn=True), family=Family)
+    assert (plan.packing.value, plan.attention.value, plan.liger.value) == (False, "flash_attn", False)
+    assert plan.probing == {"micro_batch_size", "activation_checkpointing"}
+    with pytest.raises(ConfigError, match="liger"):
+        check_plan(build_plan(TrainSection(liger="on"), DeviceFacts(kind="cuda", liger=True), family=Family),
+                   TrainSection(liger="on"))

@@ -1,0 +1,587 @@
+"""The run plan: every `auto` of the `train` section resolved once, with the reason for each decision.
+
+    facts = DeviceFacts.here(processes=2)                  # or DeviceFacts(kind="cuda", memory_bytes=80 * 2**30, ...)
+    plan = build_plan(cfg.train, facts, family=family)     # a frozen RunPlan; nothing in `cfg` changes
+    check_plan(plan, cfg.train)                            # ConfigError for what this device cannot train with
+    train = plan.train_section(cfg.train)                  # a resolved copy for the code that reads `train.*`
+    write_plan(run_dir, plan)                              # RUN_DIR/plan.json (temporary file, renamed)
+
+The launcher builds the plan before any process starts (`vlmctl train`, `--dry-run`, `vlmctl bench` print it with
+`render_plan`); a rank builds it again only where its device differs from what the launcher saw (SLURM: the nodes'
+GPUs are not visible to the launcher, `plan_for_rank`). What only a rank can measure, the start-up probe's batch
+size and activation checkpointing on a GPU (`vlmctl.train.autotune`), is a `probe` decision in the plan until
+`settle_probe` records the rank's choice.
+
+This is the one module that reads the word `auto` of the `train` section as a decision; the others read the plan
+(a test greps the source tree for it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from vlmctl.errors import ConfigError
+
+PLAN_FILE = "plan.json"
+DEFAULT_TOKENS = 8192  # tokens_per_batch per rank without a probe (and the data checks' row budget without a config)
+DEFAULT_MICRO_BATCH = 1
+PROBE = "probe"  # the value of a decision the start-up probe settles on each rank (`settle_probe`)
+PROBED_KEYS = ("tokens_per_batch", "micro_batch_size", "activation_checkpointing")
+DEEPSPEED = ("zero2", "zero3")
+
+
+# ----------------------------------------------------------------------------------------------- the device
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the plan depends on about the machine: the device kind ("cuda" or "cpu"), whether it computes in bf16,
+    its memory in bytes (one GPU's; None on CPU or where unknown), the processes of the run in all (every node), and
+    the optional packages that change a decision (torchao, Triton, flash-attn, liger-kernel, torch's varlen
+    attention). Tests describe a GPU machine by hand: `DeviceFacts(kind="cuda", memory_bytes=80 * 2**30)`."""
+
+    kind: str = "cpu"
+    bf16: bool = True
+    memory_bytes: int | None = None
+    processes: int = 1
+    torchao: bool = False
+    triton: bool = False
+    flash_attn: bool = False
+    liger: bool = False
+    varlen: bool = False
+
+    @property
+    def cuda(self) -> bool:
+        return self.kind == "cuda"
+
+    @classmethod
+    def here(cls, processes: int = 1, *, cuda: bool | None = None) -> "DeviceFacts":
+        """This machine's facts for a run of `processes` processes. `cuda` forces the kind (SLURM: the launcher
+        plans for the nodes' GPUs without seeing them; their bf16 support is assumed, their memory unknown)."""
+        import torch  # noqa: PLC0415 - torch only where the machine is asked
+
+        seen = torch.cuda.is_available()
+        kind = "cuda" if (seen if cuda is None else cuda) else "cpu"
+        bf16, memory = kind == "cuda", None
+        if seen and kind == "cuda":
+            try:
+                # the current device: a rank's own GPU once the process group set it
+                bf16 = torch.cuda.is_bf16_supported()
+                memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+            except (AssertionError, RuntimeError):  # a CUDA runtime that cannot answer: the ranks find out
+                pass
+        has = lambda name: importlib.util.find_spec(name) is not None  # noqa: E731
+        return cls(kind=kind, bf16=bf16, memory_bytes=memory, processes=max(1, int(processes)),
+                   torchao=has("torchao"), triton=has("triton"), flash_attn=has("flash_attn"),
+                   liger=has("liger_kernel"), varlen=_has_varlen())
+
+
+    def same_decisions(self, other: "DeviceFacts") -> bool:
+        """Whether a plan built for `other` decides as one built for these facts (memory aside: it only sizes the
+        probe, which every rank runs on its own GPU)."""
+        return replace(self, memory_bytes=None) == replace(other, memory_bytes=None)
+
+
+def _has_varlen() -> bool:
+    """torch has its varlen attention kernel (torch >= 2.10, `torch.nn.attention.varlen`)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401, PLC0415 - probing the installed torch
+    except ImportError:
+        return False
+    return True
+
+
+def has_torchao() -> bool:
+    """torchao's optimizers can be imported (without importing them)."""
+    return importlib.util.find_spec("torchao") is not None
+
+
+# ------------------------------------------------------------------------------------ the single decisions
+
+
+def resolve_strategy(strategy: str, cuda: bool, quantized: bool = False, *, single_bf16: bool = False) -> str:
+    """`train.strategy: auto` -> fsdp on GPUs (FSDP2 keeps fp32 master weights sharded and computes on bf16 copies
+    gathered per layer, even on one GPU), ddp on CPU, for QLoRA (`quantized`: its 4-bit base is small enough to
+    replicate) and for one process storing its weights in bf16 (`single_bf16`, see `single_bf16`: bf16 master
+    weights or LoRA; nothing to shard and no cast to do, so FSDP2 would only add a gathered copy of the weights).
+    Other values unchanged."""
+    if strategy != "auto":
+        return strategy
+    return "fsdp" if cuda and not quantized and not single_bf16 else "ddp"
+
+
+def single_bf16(train, cuda: bool, processes: int, torchao: bool | None = None) -> bool:
+    """True when a run of `processes` processes in all is one process that stores its large weights in the
+    compute dtype: bf16 master weights (`resolve_master_weights` with `train.strategy: auto` taken as fsdp or ddp,
+    which resolve alike) or LoRA (a frozen base in the compute dtype, small adapters): the case where strategy auto
+    is ddp. (On one H100, LoRA of the 3B preset trained 4% faster under ddp than FSDP2, docs/benchmarks.md.)"""
+    if processes != 1:
+        return False
+    strategy = "fsdp" if train.strategy == "auto" else train.strategy
+    return train.lora is not None or resolve_master_weights(
+        train.master_weights, cuda=cuda, precision=train.precision, strategy=strategy, lora=False,
+        torchao=torchao) == "bf16"
+
+
+def resolve_master_weights(master_weights: str, *, cuda: bool, precision: str, strategy: str, lora: bool,
+                           torchao: bool | None = None) -> str:
+    """`train.master_weights: auto` -> "bf16" (with stochastic rounding, see `resolve_stochastic_rounding`) on a
+    GPU (`cuda`) computing in bf16 (`precision` auto or bf16) with a torch strategy (`strategy` resolved: ddp or
+    fsdp) that trains full weights (not `lora`) when torchao is installed (`torchao`, default: looked up here);
+    "fp32" otherwise. Other values unchanged. A GPU without bf16 resolves `precision: auto` to fp32 compute; the
+    plan then keeps fp32 (`build_plan`)."""
+    if master_weights != "auto":
+        return master_weights
+    torchao = has_torchao() if torchao is None else torchao
+    if cuda and precision in ("auto", "bf16") and strategy in ("ddp", "fsdp") and not lora and torchao:
+        return "bf16"
+    return "fp32"
+
+
+def resolve_compile(value: str, *, cuda: bool, strategy: str, quantized: bool) -> str:
+    """`train.compile: auto` -> "on" on a GPU (`cuda`) with a torch strategy (`strategy` resolved: ddp or fsdp)
+    unless the base is quantized (QLoRA), else "off". Other values unchanged."""
+    if value != "auto":
+        return value
+    return "on" if cuda and strategy in ("ddp", "fsdp") and not quantized else "off"
+
+
+def resolve_compile_vision(value: str, *, cuda: bool, compile: str) -> str:
+    """`train.compile_vision: auto` -> "blocks" where the decoder layers are compiled (`compile` resolved "on"),
+    "kernels" on other CUDA runs (with Triton), "off" on CPU. Other values unchanged."""
+    if value != "auto":
+        return value
+    if compile == "on":
+        return "blocks"
+    return "kernels" if cuda else "off"
+
+
+def resolve_stochastic_rounding(value: str, master_weights: str, torchao: bool | None = None) -> str:
+    """`train.stochastic_rounding: auto` -> "on" with bf16 master weights when torchao is installed, else "off"."""
+    if value != "auto":
+        return value
+    torchao = has_torchao() if torchao is None else torchao
+    return "on" if master_weights == "bf16" and torchao else "off"
+
+
+def resolve_precision(precision: str, facts: DeviceFacts) -> str:
+    """The compute dtype's name: `auto` = bf16 on GPUs that support it, fp32 on CPU. Other values unchanged."""
+    if precision != "auto":
+        return precision
+    return "bf16" if facts.cuda and facts.bf16 else "fp32"
+
+
+def row_tokens(train, tokens: int | None = None) -> int:
+    """Tokens of one packed row: `train.tokens_per_batch` per rank (resolved: an integer; `tokens` instead where
+    given) x the `train.sequence_parallel` ranks that split the row (`vlmctl.distributed.sequence`). The one place
+    it is computed."""
+    size = train.tokens_per_batch if tokens is None else tokens
+    return int(size) * int(getattr(train, "sequence_parallel", 1))
+
+
+def sized(train, key: str) -> int:
+    """`train.tokens_per_batch` or `train.micro_batch_size` as an integer: the decided value, or where it is still
+    left to the start-up probe (a workload planned before the probe ran) the value without a probe
+    (`DEFAULT_TOKENS`, `DEFAULT_MICRO_BATCH`)."""
+    value = getattr(train, key)
+    return {"tokens_per_batch": DEFAULT_TOKENS, "micro_batch_size": DEFAULT_MICRO_BATCH}[key] if pending(value) else int(value)
+
+
+def resolve_nproc(value: int | str) -> int:
+    """Processes per node for `train.nproc_per_node`: `auto` = the visible GPUs (CUDA_VISIBLE_DEVICES honoured by
+    torch), else 1."""
+    if value != "auto":
+        return int(value)
+    try:
+        import torch  # noqa: PLC0415 - torch only where the machine is asked
+
+        return torch.cuda.device_count() or 1
+    except Exception:  # noqa: BLE001 - no usable CUDA runtime means one CPU process
+        return 1
+
+
+def run_processes(train) -> int:
+    """The processes of a run in all: 1 in-process (`launcher: none`), else nodes x processes per node."""
+    return 1 if train.launcher == "none" else train.nnodes * resolve_nproc(train.nproc_per_node)
+
+
+def quantized(train) -> bool:
+    """QLoRA: the frozen base is loaded in 4 or 8 bits (`train.lora.quantize`)."""
+    return train.lora is not None and train.lora.quantize != "none"
+
+
+def balancing(balance: str, dp_size: int) -> bool:
+    """Whether `train.balance` asks for compute-balanced batches with `dp_size` data-parallel ranks (auto: more
+    than one)."""
+    return balance == "on" or (balance == "auto" and dp_size > 1)
+
+
+# --------------------------------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One resolved setting: its `value`, why (`reason`), and whether the config left it to `auto` (`auto`)."""
+
+    value: Any
+    reason: str
+    auto: bool = False
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Every decision a run takes from the `train` section and the device (`device`), each a `Decision`.
+
+    `strategy` (ddp, fsdp, zero2, zero3), `precision` (the compute dtype: bf16, fp16, fp32), `master_weights` (the
+    stored dtype of trained weights, fp32 or bf16), `stored` (the dtype the loaded model is stored in: the master
+    weights, or the compute dtype for QLoRA), `stochastic_rounding`, `compile`, `compile_vision`, `attention` (the
+    backend asked of `vlmctl.train.kernels`: varlen, flash_attn, sdpa, flex or eager), `liger` (its fused loss),
+    `liger_kernels` (its norm/SwiGLU/RoPE patches with it), `packing`, `balance` (compute-balanced batches),
+    `tokens_per_batch` (per rank), `micro_batch_size`, `activation_checkpointing` (`PROBE` where the start-up probe
+    settles them on each rank), `sequence_parallel`, `dp_size` (data-parallel ranks). `row_tokens` is the one
+    packed row budget: tokens_per_batch x sequence_parallel. `probe`: the probe's record once a rank settled it."""
+
+    device: DeviceFacts
+    strategy: Decision
+    precision: Decision
+    master_weights: Decision
+    stored: Decision
+    stochastic_rounding: Decision
+    compile: Decision
+    compile_vision: Decision
+    attention: Decision
+    liger: Decision
+    liger_kernels: Decision
+    packing: Decision
+    balance: Decision
+    tokens_per_batch: Decision
+    micro_batch_size: Decision
+    activation_checkpointing: Decision
+    sequence_parallel: int = 1
+    dp_size: int = 1
+    family: str | None = None
+    probe: dict | None = None
+
+    @property
+    def row_tokens(self) -> int | None:
+        """Tokens of one packed row: tokens_per_batch per rank x the sequence-parallel ranks that split it; None
+        while the probe has not settled tokens_per_batch."""
+        size = self.tokens_per_batch.value
+        return None if size == PROBE else row_tokens(SimpleNamespace(tokens_per_batch=size,
+                                                                      sequence_parallel=self.sequence_parallel))
+
+    @property
+    def probing(self) -> set[str]:
+        """The keys the start-up probe settles on each rank."""
+        return {k for k in PROBED_KEYS if getattr(self, k).value == PROBE}
+
+    def decisions(self) -> dict[str, Decision]:
+        """The decisions by `train` key, in plan order."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), Decision)}
+
+    def train_section(self, train):
+        """A copy of `train` (a TrainSection) holding the decided values where the config said auto (a `PROBE`
+        key keeps `auto` until `settle_probe`), for code that reads settings from the section. `train` itself is
+        not changed."""
+        update = {"strategy": self.strategy.value, "precision": self.precision.value,
+                  "master_weights": self.master_weights.value, "stochastic_rounding": self.stochastic_rounding.value,
+                  "compile": self.compile.value, "compile_vision": self.compile_vision.value,
+                  "attn_implementation": self.attention.value, "liger": "on" if self.liger.value else "off",
+                  "packing": self.packing.value, "balance": "on" if self.balance.value else "off"}
+        for key in PROBED_KEYS:
+            value = getattr(self, key).value
+            if value != PROBE:
+                update[key] = value
+        return train.model_copy(update=update, deep=True)
+
+    def to_json(self) -> dict:
+        """The plan as plain JSON: {"device": {...}, "decisions": {key: {value, reason, auto}}, "row_tokens", ...}."""
+        return {"device": asdict(self.device), "family": self.family, "sequence_parallel": self.sequence_parallel,
+                "dp_size": self.dp_size, "row_tokens": self.row_tokens,
+                "decisions": {k: asdict(d) for k, d in self.decisions().items()}, "probe": self.probe}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "RunPlan":
+        """The plan `to_json` wrote."""
+        decisions = {k: Decision(**v) for k, v in data["decisions"].items()}
+        return cls(device=DeviceFacts(**data["device"]), sequence_parallel=int(data.get("sequence_parallel", 1)),
+                   dp_size=int(data.get("dp_size", 1)), family=data.get("family"), probe=data.get("probe"),
+                   **decisions)
+
+
+def build_plan(train, device: DeviceFacts, family=None) -> RunPlan:
+    """Resolve every `auto` of `train` (a TrainSection, left unchanged) for a run on `device` (`DeviceFacts`: its
+    kind, bf16 support, processes in all, packages). `family` (a FamilySpec, when the model is known) decides
+    packing (families that cannot take packed rows train on padded micro-batches) and whether liger has a patch.
+    Raises nothing for settings the device refuses (`check_plan` does): the plan of a QLoRA config can be built
+    for a GPU on a machine without one."""
+    cuda, processes = device.cuda, device.processes
+    sp = int(getattr(train, "sequence_parallel", 1))
+    qlora = quantized(train)
+
+    def pick(key: str, value, why_auto: str, why_set: str = "set in the config") -> Decision:
+        configured = getattr(train, key)
+        return Decision(value, why_auto if configured == "auto" else why_set, configured == "auto")
+
+    where = f"{device.kind}, {processes} process{'es' if processes != 1 else ''}"
+    single = single_bf16(train, cuda, processes, torchao=device.torchao)
+    strategy = resolve_strategy(train.strategy, cuda, qlora, single_bf16=single)
+    strategy_why = ("ddp on CPU" if not cuda else "ddp for QLoRA (its 4-bit base is replicated)" if qlora
+                    else "ddp: one process storing bf16 weights (nothing to shard or cast)" if single
+                    else "fsdp on GPUs (FSDP2, fp32 master weights sharded)")
+    precision = resolve_precision(train.precision, device)
+    master = resolve_master_weights(train.master_weights, cuda=cuda, precision=train.precision, strategy=strategy,
+                                    lora=train.lora is not None, torchao=device.torchao)
+    master_why = ("bf16 on a GPU computing in bf16 with ddp/fsdp and torchao, full weights trained" if master == "bf16"
+                  else "fp32: " + ("CPU" if not cuda else "LoRA keeps adapters in fp32" if train.lora is not None
+                                   else "DeepSpeed keeps its own fp32 copy" if strategy in DEEPSPEED
+                                   else "torchao is not installed" if not device.torchao else "compute is not bf16"))
+    if train.master_weights == "auto" and master == "bf16" and precision != "bf16":  # a GPU without bf16
+        master, master_why = "fp32", f"fp32: compute in {precision}"
+    rounding = resolve_stochastic_rounding(train.stochastic_rounding, master, torchao=device.torchao)
+    compile_ = resolve_compile(train.compile, cuda=cuda, strategy=strategy, quantized=qlora)
+    compile_why = ("on: ddp/fsdp on a GPU" if compile_ == "on" else
+                   "off: " + ("CPU" if not cuda else "QLoRA's 4/8-bit layers are not compiled" if qlora
+                              else f"{strategy} is not a torch strategy"))
+    # the compiled kernels need Triton on a GPU; the compiled blocks follow the decoder layers
+    vision = resolve_compile_vision(train.compile_vision, cuda=cuda and device.triton, compile=compile_)
+    packing = bool(train.packing) and (family is None or family.supports_packing)
+    packing_why = ("set in the config" if packing or not train.packing
+                   else f"{family.name} models cannot take packed rows: padded micro-batches")
+    attention, attention_why = _attention(train, device, precision, packing)
+    liger, liger_why = _liger(train, device, strategy, family)
+    kernels_on = liger and compile_ != "on" and vision != "blocks"
+    dp_size = max(1, processes // sp)
+    balance = balancing(train.balance, dp_size)
+    sizes = _batch_sizes(train, device, strategy, packing, sp)
+    stored = precision if qlora else ("bf16" if master == "bf16" else "fp32")
+    return RunPlan(
+        device=device, family=None if family is None else family.name, sequence_parallel=sp, dp_size=dp_size,
+        strategy=pick("strategy", strategy, f"{strategy_why} ({where})"),
+        precision=pick("precision", precision, "bf16 on a GPU with bf16" if precision == "bf16" else
+                       "fp32 on CPU" if not cuda else "fp32: this GPU has no bf16"),
+        master_weights=pick("master_weights", master, master_why),
+        stored=Decision(stored, "the compute dtype: QLoRA's other weights" if qlora else "the master weights"),
+        stochastic_rounding=pick("stochastic_rounding", rounding, "on with bf16 master weights" if rounding == "on"
+                                 else "off: fp32 master weights" if master != "bf16" else "off: torchao missing"),
+        compile=pick("compile", compile_, compile_why),
+        compile_vision=pick("compile_vision", vision, "blocks: the decoder layers are compiled" if vision == "blocks"
+                            else "kernels: a GPU with Triton" if vision == "kernels"
+                            else "off: " + ("CPU" if not cuda else "Triton is not installed")),
+        attention=pick("attn_implementation", attention, attention_why),
+        liger=pick("liger", liger, liger_why),
+        liger_kernels=Decision(kernels_on, "liger's norm/SwiGLU/RoPE patches with its loss" if kernels_on
+                               else "off: liger is off" if not liger else "off: torch.compile fuses those modules"),
+        packing=Decision(packing, packing_why),
+        balance=pick("balance", balance, f"{'on' if balance else 'off'}: {dp_size} data-parallel rank"
+                     f"{'s' if dp_size != 1 else ''}"),
+        **sizes)
+
+
+def _attention(train, device: DeviceFacts, precision: str, packing: bool) -> tuple[str, str]:
+    """The attention backend asked for `train.attn_implementation` (varlen, flash_attn, sdpa, flex, eager) and why.
+    Packed rows: auto = PyTorch's varlen kernel on CUDA in bf16/fp16, sdpa on CPU or in fp32 (block-diagonal mask
+    from the per-sample position ids). Padded batches: auto = flash_attn where flash-attn is installed on CUDA, else
+    sdpa. `check_plan` refuses a configured backend that cannot run."""
+    requested = train.attn_implementation
+    if requested != "auto":
+        return requested, "set in the config"
+    if device.cuda and precision == "fp32":
+        return "sdpa", "sdpa: the flash kernels compute in bf16/fp16 only"
+    if not packing:
+        if device.cuda and device.flash_attn:
+            return "flash_attn", "flash_attn: padded batches on CUDA with flash-attn installed"
+        return "sdpa", "sdpa: padded batches"
+    if device.cuda and device.varlen:
+        return "varlen", "varlen: packed rows on CUDA"
+    return "sdpa", "sdpa: packed rows " + ("on CPU" if not device.cuda else "without torch's varlen kernel")
+
+
+def _liger(train, device: DeviceFacts, strategy: str, family) -> tuple[bool, str]:
+    """Whether liger-kernel's fused linear cross-entropy is used, and why: it needs CUDA, the package and a liger
+    patch for the family, and the head's weight gathered during the root forward (ZeRO-3 partitions it outside the
+    head's own forward, so zero3 uses the plain loss)."""
+    if train.liger == "off":
+        return False, "set in the config"
+    why = _liger_blocker(device, strategy, family)
+    if why is None:
+        return True, "set in the config" if train.liger == "on" else "on: CUDA, liger-kernel installed"
+    return False, f"off: liger-kernel {why}"
+
+
+def _liger_blocker(device: DeviceFacts, strategy: str, family) -> str | None:
+    if not (device.cuda and device.liger):
+        return "needs a CUDA GPU and the liger-kernel package (pip install 'vlmctl[gpu]')"
+    if family is not None and family.liger_patch is None:
+        return f"has no patch for the {family.name} family"
+    if strategy == "zero3":
+        return "cannot read the head's weight while ZeRO-3 partitions it"
+    return None
+
+
+def _batch_sizes(train, device: DeviceFacts, strategy: str, packing: bool, sp: int) -> dict[str, Decision]:
+    """tokens_per_batch, micro_batch_size and activation_checkpointing. On a GPU with ddp/fsdp and no sequence
+    parallelism the start-up probe settles the batching in use and checkpointing (`PROBE`); elsewhere auto means
+    `DEFAULT_TOKENS` tokens per row (per rank), `DEFAULT_MICRO_BATCH` samples, and checkpointing off on CPU, full
+    on a GPU (where nothing was measured, the mode that fits most)."""
+    can_probe = device.cuda and strategy in ("ddp", "fsdp") and sp == 1
+    why = ("no probe on CPU" if not device.cuda else "no probe with sequence parallelism" if sp > 1
+           else f"no probe with {strategy}")
+    probed = {"tokens_per_batch" if packing else "micro_batch_size", "activation_checkpointing"} if can_probe else set()
+    fixed = {"tokens_per_batch": DEFAULT_TOKENS, "micro_batch_size": DEFAULT_MICRO_BATCH,
+             "activation_checkpointing": "full" if device.cuda else "off"}
+    out = {}
+    for key in PROBED_KEYS:
+        configured = getattr(train, key)
+        if configured != "auto":
+            out[key] = Decision(configured, "set in the config")
+        elif key in probed:
+            out[key] = Decision(PROBE, "the start-up probe: fastest that fits in GPU memory", True)
+        else:
+            unused = can_probe and key != "activation_checkpointing"  # the batching not in use
+            out[key] = Decision(fixed[key], f"not used: {'padded micro-batches' if packing else 'packed rows'}"
+                                if unused else why, True)
+    return out
+
+
+def check_plan(plan: RunPlan, train) -> None:
+    """Raise ConfigError for a plan this device cannot train with: fp16 without DeepSpeed's loss scaling, QLoRA off
+    CUDA, bf16 master weights without bf16 compute or under DeepSpeed, stochastic rounding without torchao, an
+    attention backend the device or batching cannot run, liger `on` where it cannot run."""
+    strategy, precision, master = plan.strategy.value, plan.precision.value, plan.master_weights.value
+    if precision == "fp16" and strategy in ("ddp", "fsdp"):
+        raise ConfigError("train.precision=fp16 needs loss scaling, which only the DeepSpeed strategies provide here",
+                          hint="use train.precision=bf16, or train.strategy=zero2/zero3")
+    if quantized(train) and not plan.device.cuda:
+        raise ConfigError("train.lora.quantize (QLoRA) needs bitsandbytes on a CUDA GPU",
+                          hint="set train.lora.quantize=none, or run on a GPU machine with bitsandbytes installed")
+    if master == "bf16" and not quantized(train):
+        if precision != "bf16":
+            raise ConfigError(f"train.master_weights=bf16 needs bf16 compute, but train.precision resolves to {precision}",
+                              hint="set train.precision=bf16 (on a GPU with bf16), or train.master_weights=fp32")
+        if strategy in DEEPSPEED:
+            raise ConfigError("train.master_weights=bf16: DeepSpeed keeps its own fp32 master weights for zero2/zero3",
+                              hint="use train.strategy=fsdp or ddp for pure bf16, or train.master_weights=fp32")
+    if plan.stochastic_rounding.value == "on" and master == "bf16" and not plan.device.torchao:
+        raise ConfigError("train.stochastic_rounding=on needs torchao, which is not installed here",
+                          hint='pip install "vlmctl[gpu]" (or torchao), or set train.stochastic_rounding=off')
+    attention = plan.attention.value
+    if plan.device.cuda and precision == "fp32" and attention in ("varlen", "flash_attn"):
+        raise ConfigError(f"train.attn_implementation={attention} computes in bf16/fp16, but train.precision resolves to fp32",
+                          hint="set train.precision=bf16, or train.attn_implementation=sdpa")
+    if not plan.packing.value and attention == "varlen":
+        raise ConfigError("train.attn_implementation=varlen attends within packed rows; it needs train.packing=true",
+                          hint="set train.packing=true, or use sdpa / flash_attn with padded batches")
+    if attention == "varlen" and not (plan.device.cuda and plan.device.varlen):
+        raise ConfigError("train.attn_implementation=varlen needs CUDA and torch >= 2.10; use sdpa or flex on CPU",
+                          hint="set train.attn_implementation=auto (or sdpa)")
+    if attention == "flash_attn" and not plan.device.flash_attn:
+        raise ConfigError("train.attn_implementation=flash_attn needs the flash-attn package (pip install 'vlmctl[flash]'); varlen needs no extra package",
+                          hint="set train.attn_implementation=auto (or sdpa)")
+    if train.liger == "on" and not plan.liger.value:
+        raise ConfigError(f"train.liger=on, but {plan.liger.reason.removeprefix('off: ')}",
+                          hint="set train.liger=auto or off")
+
+
+# ------------------------------------------------------------------------------------------------ per rank
+
+
+def pending(value) -> bool:
+    """Whether a setting still holds the config's `auto`, not yet decided: a probed key of a run's resolved
+    `train` copy (`RunPlan.train_section`) until the start-up probe settles it (`settle_probe`), or a key only a
+    rank can decide (`nproc_per_node` of a SLURM job)."""
+    return value == "auto"
+
+
+def plan_for_rank(plan: RunPlan | None, train, device: DeviceFacts, family=None) -> RunPlan:
+    """The plan a rank trains with: the launcher's `plan` (from plan.json) where it was built for facts that decide
+    alike (`DeviceFacts.same_decisions`), else one built for this rank's `device` (SLURM, an in-process run without
+    plan.json), with this rank's GPU memory recorded either way."""
+    if plan is not None and plan.device.same_decisions(device) and (family is None or plan.family in (None, family.name)):
+        if family is not None and plan.family is None:
+            return build_plan(train, device, family)
+        return replace(plan, device=replace(plan.device, memory_bytes=device.memory_bytes))
+    return build_plan(train, device, family)
+
+
+def settle_probe(plan: RunPlan | None, train, choice) -> tuple[RunPlan | None, list[str]]:
+    """Record the start-up probe's `choice` (an `autotune.Choice`: tokens_per_batch, micro_batch_size,
+    activation_checkpointing, reason) for the keys the plan left to it or left to the fixed defaults, and write
+    those values into `train` (the run's resolved copy, `RunPlan.train_section`, never the project config).
+    Returns (the plan with the choice, "key=value" for each key set)."""
+    done, update = [], {}
+    for key in PROBED_KEYS:
+        value = getattr(choice, key)
+        if value is not None and pending(getattr(train, key)):
+            setattr(train, key, value)
+            update[key] = Decision(value, choice.reason or "the start-up probe", True)
+            done.append(f"{key}={value}")
+    if plan is None:  # a caller without a plan (a script's own probe): `train` alone
+        return None, done
+    record = {"reason": choice.reason, "budget_bytes": getattr(choice, "budget_bytes", None),
+              "state_bytes": getattr(choice, "state_bytes", None), "applied": done}
+    return replace(plan, probe=record, **update), done
+
+
+# ----------------------------------------------------------------------------------------------- the record
+
+
+def write_plan(run_dir: Path, plan: RunPlan) -> Path:
+    """Write `plan` as `RUN_DIR/plan.json` (a temporary file, renamed: a reader never sees half of it)."""
+    path = Path(run_dir) / PLAN_FILE
+    tmp = path.with_name(f".{PLAN_FILE}.tmp")
+    tmp.write_text(json.dumps(plan.to_json(), indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read_plan(run_dir: Path) -> RunPlan | None:
+    """The plan of a run folder, or None without plan.json. Raises ConfigError for one that is not a plan."""
+    path = Path(run_dir) / PLAN_FILE
+    if not path.is_file():
+        return None
+    try:
+        return RunPlan.from_json(json.loads(path.read_text()))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{path} is not a run plan: {exc}", hint="delete it; the launcher writes it again") from None
+
+
+def plan_rows(plan: RunPlan) -> list[tuple[str, str, str]]:
+    """(setting, value, reason) per decision, as `render_plan` shows them; values in words (True -> on)."""
+    shown = lambda v: ("on" if v else "off") if isinstance(v, bool) else str(v)  # noqa: E731
+    rows = [(key, shown(d.value), ("auto: " if d.auto else "") + d.reason) for key, d in plan.decisions().items()]
+    rows.append(("row_tokens", "probe" if plan.row_tokens is None else str(plan.row_tokens),
+                 f"tokens_per_batch x sequence_parallel ({plan.sequence_parallel})"))
+    return rows
+
+
+def render_plan(plan: RunPlan, title: str = "run plan"):
+    """The plan as a rich Table (setting, value, reason), the one view `vlmctl train --dry-run`, `vlmctl bench` and
+    a run's start-up print."""
+    from rich.table import Table  # noqa: PLC0415 - rich only where a plan is shown
+    from rich.text import Text  # noqa: PLC0415
+
+    facts = plan.device
+    memory = f", {facts.memory_bytes / 2**30:.0f} GiB" if facts.memory_bytes else ""
+    table = Table(title=f"{title} ({facts.kind}{memory}, {facts.processes} process{'es' if facts.processes != 1 else ''})",
+                  title_justify="left", show_edge=False)
+    for name in ("setting", "value", "reason"):
+        table.add_column(name)
+    for row in plan_rows(plan):
+        table.add_row(*(Text(cell) for cell in row))  # reasons hold brackets (pip extras), not markup
+    return table
+
+
+def plan_text(plan: RunPlan, title: str = "run plan") -> str:
+    """`render_plan` as plain text (no colour), as the commands print it."""
+    from rich.console import Console  # noqa: PLC0415 - rich only where a plan is shown
+
+    console = Console(width=160, color_system=None, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    console.print(render_plan(plan, title))
+    return console.export_text()
