@@ -130,3 +130,21 @@ def test_commands_name_the_damaged_file(tiny, tmp_path, capsys, command, case):
     text = " ".join((out + err).replace("│", " ").split())
     assert code == 1 and named in text and "Traceback" not in text, text
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", ["garbage tokenizer", "tokenizer of no known model", "broken chat template", "garbage processor config"])
+def test_token_counting_names_the_damaged_file(tiny, tmp_path, case):
+    # data validate / prepare count tokens with the built model's processor files, without loading the model
+    from vlmctl.data.tokens import TokenCounter
+
+    folder, named, words = damaged(tiny, tmp_path, case)
+    with pytest.raises(ModelError) as exc:
+        TokenCounter.load(folder)
+    assert_names(exc.value.message, folder, named, words)
+
+
+def test_token_counting_reads_no_weights(tiny, tmp_path):
+    from vlmctl.data.tokens import TokenCounter
+
+    folder, _, _ = damaged(tiny, tmp_path, "truncated weights")
+    assert TokenCounter.load(folder) is not None

@@ -208,11 +208,15 @@ class TokenCounter:
 
         Reads the files directly when they allow it (`from_files`), else loads the processor with transformers
         (`vlmctl.models.load.load_processor`, which follows a base-mode build to its checkpoint).
-        Raises DataError when the folder has processor files that transformers cannot load.
+        Raises DataError when the folder has processor files that transformers cannot load, and
+        `vlmctl.models.integrity.DamagedFileError` (a ModelError) naming a damaged one.
         """
         if not has_processor(folder):
             return None
+        from vlmctl.models.integrity import DamagedFileError, check_model_files
+
         folder = Path(folder)
+        check_model_files(folder, weights=False)  # a damaged processor file is named (counting reads no weights)
         light = cls.from_files(folder)
         if light is not None:
             return light
@@ -222,6 +226,8 @@ class TokenCounter:
         family = (_read_json(folder / MODEL_INFO) or {}).get("family")
         try:
             processor = load_processor(folder)
+        except DamagedFileError:
+            raise
         except VlmctlError:  # a text-only folder has a tokenizer but no processor
             try:
                 from transformers import AutoTokenizer

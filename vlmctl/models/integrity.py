@@ -54,14 +54,15 @@ def _fix(folder: Path) -> str:
             "so)" + ("; a folder written by `vlmctl model build` is remade with `vlmctl model build --force`" if built else ""))
 
 
-def check_model_files(folder: str | Path) -> None:
-    """Raise ModelError naming the first damaged file of the local model folder `folder` (see the module
-    docstring), with where in it and the fix; nothing for a folder that passes, or that is not a local folder."""
+def check_model_files(folder: str | Path, *, weights: bool = True) -> None:
+    """Raise DamagedFileError (a ModelError) naming the first damaged file of the local model folder `folder` (see
+    the module docstring), with where in it and the fix; nothing for a folder that passes, or that is not a local
+    folder. `weights=False` leaves the weight files and their index out (a command that reads only the processor)."""
     folder = Path(folder).expanduser()
     if not folder.is_dir():
         return
-    names = [n for n in (*JSON_FILES, TEMPLATE_FILE) if (folder / n).is_file()]
-    weights = sorted(p.name for p in folder.glob("*.safetensors") if p.is_file())
+    names = [n for n in (*JSON_FILES, TEMPLATE_FILE) if (folder / n).is_file() and (weights or n != INDEX_FILE)]
+    weights = sorted(p.name for p in folder.glob("*.safetensors") if p.is_file()) if weights else []
     try:
         key = (str(folder.resolve()), *((n, (st := (folder / n).stat()).st_size, st.st_mtime_ns) for n in (*names, *weights)))
     except OSError:
