@@ -151,6 +151,7 @@ def run_prepare(root: Path, num_proc: int | None) -> dict:
 
 
 def git_commit() -> str:
+    """The short commit of this script's checkout (the code measured when vlmctl is imported from it)."""
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
                               text=True, check=True).stdout.strip()
@@ -167,13 +168,13 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/vlmctl_bench_prepare_200k"))
     args = parser.parse_args()
 
+    commit = git_commit()  # before the run: the checkout may move while it runs
     t0 = time.perf_counter()
     generate(args.workdir, args.samples, args.images, args.image_side)
     print(f"generated {args.samples:,} samples ({args.images} images of {args.image_side}x{args.image_side} px) in "
           f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
     fig = run_prepare(args.workdir, args.num_proc)
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
-    commit = git_commit()
     print(f"\nMachine: {machine}; commit {commit}; num_proc={args.num_proc or 'default'}\n")
     print("| samples | kept | wall s | samples/s | CPU ms/sample | peak RSS largest process (MiB) | peak RSS all processes (MiB) | shards (MiB) | load avg before / after |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
