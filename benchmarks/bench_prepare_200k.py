@@ -151,12 +151,17 @@ def run_prepare(root: Path, num_proc: int | None) -> dict:
 
 
 def git_commit() -> str:
-    """The short commit of this script's checkout (the code measured when vlmctl is imported from it)."""
+    """The short commit of the checkout whose `vlmctl` the run imports (PYTHONPATH decides), or "unknown" with
+    its folder when that is not a git checkout."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vlmctl")
+    where = Path(spec.origin).parent if spec and spec.origin else Path(__file__).parent
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=where, capture_output=True,
                               text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return f"unknown ({where})"
 
 
 def main() -> None:
