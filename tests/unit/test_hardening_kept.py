@@ -1,6 +1,6 @@
-"""data.min_kept_fraction counts every rejection: a source that loses most of its records to the project's own
-limits (too_long, the image limits, duplicates) fails the prepare like one that loses them to defects, with its
-counts per reason and the setting behind each limit."""
+"""data.min_kept_fraction counts the rejections by the project's own limits (too_long, the image, video and audio
+limits): a source that loses most of its records to them fails the prepare like one that loses them to defects,
+with its counts per reason and the setting behind each limit. Repeats of kept samples are not counted."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from PIL import Image
 
 from vlmctl.config.data import DataSection, DataSource
 from vlmctl.data.checks import FILTERS
-from vlmctl.data.prepare import LIMIT_KEYS, prepare_data
+from vlmctl.data.prepare import LIMIT_KEYS, REPEATS, prepare_data
 from vlmctl.errors import DataError
 
 
@@ -34,7 +34,7 @@ def prepare(tmp_path: Path, *sources: DataSource, model=None, **settings):
 
 
 def test_every_limit_reason_names_its_setting():
-    assert set(LIMIT_KEYS) == set(FILTERS)
+    assert set(LIMIT_KEYS) | set(REPEATS) == set(FILTERS) and not set(LIMIT_KEYS) & set(REPEATS)
 
 
 def test_a_source_losing_most_records_to_an_image_limit_fails(tmp_path):
@@ -55,12 +55,11 @@ def test_a_source_losing_most_records_to_an_image_limit_fails(tmp_path):
     assert prepare(tmp_path, small, good, min_image_side=8).kept == 11
 
 
-def test_duplicates_count_toward_the_fraction(tmp_path):
-    same = [record(1)] * 6 + [record(2), record(3)]  # 5 of 8 are duplicates of the first
+def test_repeats_of_kept_samples_do_not_count(tmp_path):
+    same = [record(1)] * 6 + [record(2), record(3)]  # 5 of 8 repeat the first: nothing is lost with them
     source = write(tmp_path / "raw", "dups.jsonl", [{**r, "id": f"d{k}"} for k, r in enumerate(same)])
-    with pytest.raises(DataError, match=r"kept 3 of 8 records .*\n\s+duplicate 5 \(limit: data.dedup\)"):
-        prepare(tmp_path, source)
-    assert prepare(tmp_path, source, min_kept_fraction=0.3).kept == 3
+    result = prepare(tmp_path, source)
+    assert result.kept == 3 and result.rejected == {"duplicate": 5}
 
 
 def test_too_long_counts_toward_the_fraction(tmp_path):
