@@ -310,14 +310,21 @@ def auto_model_class(path: str | Path):
 
 
 def _load_hf(path: str, dtype: "torch.dtype | str" = "auto"):
+    from vlmctl.models.integrity import check_model_files, diagnose_load_failure
+
+    check_model_files(path)  # a damaged file is named (vlmctl.models.integrity)
     try:
         model = auto_model_class(path).from_pretrained(path, dtype=dtype)
     except Exception as exc:  # noqa: BLE001 - OSError, ValueError, SafetensorError (truncated shard), ...
+        found = diagnose_load_failure(path, exc)
+        if found is not None:
+            raise found from exc
         raise ModelError(f"cannot load the model {path}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", hint="the folder must be a complete image-text-to-text model (config.json + weights); a truncated shard needs re-export") from exc
     return model.eval()
 
 
 def _load_processor(*paths: str | Path | None):
+    from vlmctl.models.integrity import DamagedFileError
     from vlmctl.models.load import load_processor  # AutoProcessor, or its image-only variant without torchvision
 
     errors = []
@@ -326,6 +333,8 @@ def _load_processor(*paths: str | Path | None):
             continue
         try:
             return load_processor(p)
+        except DamagedFileError:  # a damaged file: the message names it, another folder would hide it
+            raise
         except (OSError, ValueError, TypeError, KeyError, ModelError) as exc:
             errors.append(f"{p}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
     raise ModelError(

@@ -858,6 +858,7 @@ def push_folder(
 
     Raises:
         UsageError: no repo id, or the folder does not exist / is empty.
+        ModelError: a damaged file in the folder (`vlmctl.models.integrity.check_model_files`), named.
         VlmctlError: not logged in, invalid or read-only token, repo owned by someone else, no write permission,
             offline (HF_HUB_OFFLINE or no connection).
     """
@@ -872,6 +873,9 @@ def push_folder(
     listed = {f.path: f for f in list_upload_files(folder)}  # first: a link out of the folder is never read
     if not listed:
         raise UsageError(f"{folder} is empty", hint="convert a checkpoint into it first: vlmctl convert RUN -o FOLDER")
+    from vlmctl.models.integrity import check_model_files
+
+    check_model_files(folder)  # a damaged file (invalid JSON, a truncated shard) is never published
     private = hub.private if private is None else private
     revision = revision or hub.revision
     commit_message = commit_message or hub.commit_message or f"Upload {repo_id.split('/')[-1]} with vlmctl"

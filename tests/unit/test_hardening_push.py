@@ -15,12 +15,22 @@ from vlmctl.errors import UsageError
 from vlmctl.hub import list_upload_files, plan_upload, push_folder, stage_upload
 
 
+def safetensors_bytes(total: int = 512, data: int = 400) -> bytes:
+    """A valid safetensors file of `total` bytes: one uint8 tensor of `data` zeros (push refuses a damaged one)."""
+    head = json.dumps({"w": {"dtype": "U8", "shape": [data], "data_offsets": [0, data]}}).encode()
+    head += b" " * (total - 8 - data - len(head))
+    return len(head).to_bytes(8, "little") + head + b"\0" * data
+
+
+WEIGHTS = safetensors_bytes()
+
+
 @pytest.fixture
 def model(tmp_path) -> Path:
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "llava"}))
-    (folder / "model.safetensors").write_bytes(b"\0" * 512)
+    (folder / "model.safetensors").write_bytes(WEIGHTS)
     return folder
 
 
@@ -71,7 +81,7 @@ def test_a_link_inside_the_folder_is_uploaded_as_its_file_and_listed_as_a_link(m
     stage = tmp_path / "stage"
     stage.mkdir()
     stage_upload(plan_upload(model, None), stage)
-    assert (stage / "weights-alias.safetensors").read_bytes() == b"\0" * 512
+    assert (stage / "weights-alias.safetensors").read_bytes() == WEIGHTS
     code, out, err = run(["push", str(model), "--repo-id", "alice/m", "--dry-run"], capsys)
     assert code == 0, err
     assert "weights-alias.safetensors (link to model.safetensors)" in out

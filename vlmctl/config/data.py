@@ -142,7 +142,7 @@ class DataSection(Section):
     )
     min_kept_fraction: float = Field(
         0.5, ge=0, le=1,
-        description="`data prepare` fails when a source keeps less than this fraction of its records; rejections by your own limits (duplicate, duplicate_id, image_too_small, image_too_large, video_too_short, video_too_long, audio_too_short, audio_too_long, too_long) do not count. 0 turns the check off.",
+        description="`data prepare` fails when a source keeps less than this fraction of its records. Every rejection counts, those by your own limits (too_long, image_too_small, image_too_large, video_too_short, video_too_long, audio_too_short, audio_too_long) too; only repeats of kept samples (duplicate, duplicate_id) do not. The message names the setting behind each limit. 0 turns the check off.",
     )
     export: DataExport = Field(default_factory=DataExport, description="How `data prepare --export` writes its export.")
     video: DataVideo = Field(default_factory=DataVideo, description="How `data prepare` samples and checks video clips (see docs/formats.md, Video).")

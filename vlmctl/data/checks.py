@@ -88,7 +88,8 @@ FILTERS = ("duplicate", "duplicate_id", "image_too_small", "image_too_large", "v
            "audio_too_short", "audio_too_long", "too_long")
 """Reasons that apply a limit the project sets (dedup, duplicate_ids, min_image_side, max_image_pixels,
 data.video.min_frames / max_seconds, data.audio.min_seconds / max_seconds, max_length) rather than a defect of the
-data: they do not count against `data.min_kept_fraction`."""
+data. The limits count toward `data.min_kept_fraction` as every defect does; the repeats (duplicate,
+duplicate_id) do not (`prepare.check_kept`)."""
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
 AUDIO_PLACEHOLDER = "<audio>"

@@ -27,7 +27,8 @@ train.sequence_parallel` tokens) when that is smaller, is dropped as too_long; t
 row budget and the GPUs the longest kept sample needs.
 
 A prepare fails (DataError, nothing replaced) when a source keeps less than `data.min_kept_fraction` of its
-records (not counting the rejections of the project's own limits, `checks.FILTERS`), when the train split ends
+records (every rejection counts, those of the project's own limits too, but not the repeats of kept samples:
+`check_kept`), when the train split ends
 up empty, or when the disk fills up (the message names the path and the free space).
 """
 
@@ -45,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from vlmctl.config.data import DataSection
 from vlmctl.config.model import ModelSection
-from vlmctl.data.checks import FILTERS, REASONS, Rejection, is_val
+from vlmctl.data.checks import REASONS, Rejection, is_val
 from vlmctl.data.pipeline import (DEFAULT_TOKENS_PER_GPU, RowBudget, SourceTally, iter_checked, progress_bar, unique_sources,
                                    with_token_counts)
 from vlmctl.data.sample import SCHEMA_VERSION, Sample
@@ -665,22 +666,37 @@ def disk_full_error(exc: OSError, folder: Path) -> DataError:
     )
 
 
+LIMIT_KEYS = {"image_too_small": "data.min_image_side", "image_too_large": "data.max_image_pixels",
+              "video_too_short": "data.video.min_frames", "video_too_long": "data.video.max_seconds",
+              "audio_too_short": "data.audio.min_seconds", "audio_too_long": "data.audio.max_seconds",
+              "too_long": "data.max_length or train.tokens_per_batch"}
+"""The setting behind each limit of `checks.FILTERS` (what a user changes to keep those samples)."""
+REPEATS = ("duplicate", "duplicate_id")
+"""Rejections of a sample that repeats a kept one (data.dedup, data.duplicate_ids): nothing is lost with them, so
+they are the only ones `data.min_kept_fraction` does not count."""
+
+
 def check_kept(tallies: list[SourceTally], min_fraction: float) -> None:
-    """Raise DataError naming every source that kept less than `min_fraction` of its records, not counting the
-    rejections of the project's own limits (`checks.FILTERS`), with its counts and top reasons."""
-    bad = []
+    """Raise DataError naming every source that kept less than `min_fraction` of its records, counting every
+    rejection but the repeats of kept samples (`REPEATS`): a defect of the data, or a limit the project sets
+    (`LIMIT_KEYS`: too_long, the image, video and audio limits); the message holds each such source's counts per
+    reason, with the setting behind each limit."""
+    bad, limits = [], []
     for t in tallies:
-        defects = {r: n for r, n in t.rejected.items() if r not in FILTERS}
-        judged = t.kept + sum(defects.values())
+        counted = {r: n for r, n in t.rejected.items() if r not in REPEATS}
+        judged = t.kept + sum(counted.values())
         if judged and t.kept / judged < min_fraction:
-            top = ", ".join(f"{r} {n:,}" for r, n in sorted(defects.items(), key=lambda x: -x[1])[:3])
-            bad.append(f"{t.name}: kept {t.kept:,} of {judged:,} records ({t.kept / judged:.1%}); top reasons: {top}")
+            reasons = sorted(counted.items(), key=lambda x: (-x[1], x[0]))
+            table = "\n".join(f"      {r} {n:,}" + (f" (limit: {LIMIT_KEYS[r]})" if r in LIMIT_KEYS else "") for r, n in reasons)
+            bad.append(f"{t.name}: kept {t.kept:,} of {judged:,} records ({t.kept / judged:.1%}); rejected:\n{table}")
+            limits += [LIMIT_KEYS[r] for r, _ in reasons if r in LIMIT_KEYS and LIMIT_KEYS[r] not in limits]
     if bad:
+        raised = f"; for the rejections by a limit, change {', '.join(limits)}" if limits else ""
         raise DataError(
-            f"{len(bad)} source(s) kept less than data.min_kept_fraction={min_fraction:g} of their records:\n"
-            + "\n".join(f"  - {line}" for line in bad),
+            f"{len(bad)} source(s) kept less than data.min_kept_fraction={min_fraction:g} of their records "
+            "(repeats of kept samples not counted):\n" + "\n".join(f"  - {line}" for line in bad),
             hint="run `vlmctl data validate` for the locations of the rejected records and fix the source (format, "
-            "image_root, encoding); to prepare anyway, lower data.min_kept_fraction (0 turns the check off)",
+            f"image_root, encoding){raised}; to prepare anyway, lower data.min_kept_fraction (0 turns the check off)",
         )
 
 

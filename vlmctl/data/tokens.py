@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import signal
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,31 +48,105 @@ _PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "tokeni
 _TEMPLATE_FILE = "chat_template.jinja"
 
 
+class _RenderTimeout(BaseException):
+    """Raised inside a rendering thread by the watchdog (a BaseException: a template's or library's `except
+    Exception` does not swallow it)."""
+
+
+class _Watchdog:
+    """One daemon thread per process that raises `_RenderTimeout` in a thread whose rendering passed its deadline,
+    through CPython's `PyThreadState_SetAsyncExc` (delivered between bytecodes, as a signal handler's exception
+    is, so a jinja loop stops; a single long C call finishes first). Works in any thread, unlike SIGALRM, which
+    only ever interrupts the main thread. Started on first use, and again in a forked child (threads do not
+    survive `fork`)."""
+
+    def __init__(self):
+        self._reset()
+
+    def _reset(self) -> None:
+        # also the fork hook: the parent's lock may have been held at fork time, and its thread is not in the child
+        self.cond = threading.Condition()
+        self.deadlines: dict[int, tuple[float, int]] = {}  # thread id -> (monotonic deadline, entry number)
+        self.fired: set[int] = set()  # entries whose exception was sent
+        self.entries = 0
+        self.wake_at = float("inf")  # when the watchdog thread looks next
+        self.started = False
+
+    def _run(self) -> None:
+        import ctypes
+        import time
+
+        with self.cond:
+            while True:
+                now = time.monotonic()
+                for tid, (deadline, entry) in list(self.deadlines.items()):
+                    if deadline <= now and entry not in self.fired:
+                        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(_RenderTimeout))
+                        self.fired.add(entry)
+                pending = [d for d, e in self.deadlines.values() if e not in self.fired]
+                self.wake_at = min(pending, default=float("inf"))
+                self.cond.wait(None if not pending else max(0.0, self.wake_at - now))
+
+    @contextlib.contextmanager
+    def limit(self, seconds: float) -> Iterator[None]:
+        """Raise `_RenderTimeout` in this thread once the block has run `seconds` (real time). A nested block runs
+        under the outer one's limit."""
+        import ctypes
+        import time
+
+        tid = threading.get_ident()
+        with self.cond:
+            if not self.started:
+                self.started = True
+                threading.Thread(target=self._run, name="vlmctl-render-watchdog", daemon=True).start()
+            nested = tid in self.deadlines
+            if not nested:
+                self.entries += 1
+                entry = self.entries
+                deadline = time.monotonic() + seconds
+                self.deadlines[tid] = (deadline, entry)
+                if deadline < self.wake_at:  # else the watchdog looks before this is due anyway
+                    self.wake_at = deadline
+                    self.cond.notify()
+        if nested:
+            yield
+            return
+        try:
+            yield
+        finally:
+            while True:
+                try:
+                    with self.cond:  # the watchdog sends only while holding this: after it, nothing more comes
+                        self.deadlines.pop(tid, None)
+                        if entry in self.fired:
+                            self.fired.discard(entry)
+                            # sent but maybe not delivered (the block ended first): withdraw it, it must not land
+                            # in the caller's code
+                            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), None)
+                    break
+                except _RenderTimeout:  # delivered during this clean-up: the rendering had ended; finish it
+                    continue
+
+
+_WATCHDOG = _Watchdog()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_WATCHDOG._reset)
+
+
 @contextlib.contextmanager
 def render_limits(what: str) -> Iterator[None]:
-    """Stop a chat-template rendering after `RENDER_SECONDS` with DataError naming `what` (the template's model);
-    a template with nested loops of 100,000 steps each would otherwise hang validate, prepare and eval. Uses
-    SIGALRM, so it applies in a process's main thread (prepare's workers and eval render there) and is skipped
-    elsewhere; an interval timer set by the caller is restarted afterwards."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
-        yield
-        return
-
-    def expire(signum, frame):
+    """Stop a chat-template rendering after `RENDER_SECONDS` (real time) with DataError naming `what` (the
+    template's model); a template with nested loops of 100,000 steps each would otherwise hang validate, prepare,
+    eval and serve. Holds in any thread and process (prepare's workers, serve's request threads): a watchdog
+    thread interrupts the rendering thread (`_Watchdog`); no signal or interval timer is used."""
+    try:
+        with _WATCHDOG.limit(RENDER_SECONDS):
+            yield
+    except _RenderTimeout:
         from vlmctl.errors import DataError
 
         raise DataError(f"the chat template of {what} did not finish rendering one conversation in {RENDER_SECONDS:g} s",
-                        hint="fix the template's loops (model.chat_template, or chat_template.jinja in the model folder)")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    outer = signal.setitimer(signal.ITIMER_REAL, RENDER_SECONDS)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-        if outer[0] > 0:
-            signal.setitimer(signal.ITIMER_REAL, *outer)
+                        hint="fix the template's loops (model.chat_template, or chat_template.jinja in the model folder)") from None
 
 
 def check_rendered(text: str, what: str) -> str:
@@ -163,11 +237,15 @@ class TokenCounter:
 
         Reads the files directly when they allow it (`from_files`), else loads the processor with transformers
         (`load_saved_processor`, which follows a base-mode build to its checkpoint).
-        Raises DataError when the folder has processor files that transformers cannot load.
+        Raises DataError when the folder has processor files that transformers cannot load, and
+        `vlmctl.data.model_files.DamagedFileError` (a ModelError) naming a damaged one.
         """
         if not has_processor(folder):
             return None
+        from vlmctl.data.model_files import check_model_files
+
         folder = Path(folder)
+        check_model_files(folder, weights=False)  # a damaged processor file is named (counting reads no weights)
         light = cls.from_files(folder)
         if light is not None:
             return light

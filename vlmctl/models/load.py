@@ -89,13 +89,22 @@ def image_processor_class(name: str):
 
 def load_or_explain(what: str, ref: str, fn: Callable[[], Any]) -> Any:
     """Run a from_pretrained call `fn` loading `what` from `ref`; turn Hub/offline/missing-folder failures into a
-    ModelError with a hint."""
+    ModelError with a hint. A local folder's files are checked first, and again after a failure, so that the
+    error names the damaged file (`vlmctl.models.integrity`: invalid JSON, a chat template that does not compile,
+    a truncated or missing safetensors shard, a tokenizer that does not load, weights of another shape than
+    config.json gives) rather than transformers' words for it."""
+    from vlmctl.models.integrity import check_model_files, diagnose_load_failure
+
+    local = Path(ref).expanduser().is_dir()
+    if local:
+        check_model_files(ref)
     try:
         return fn()
     except ModelError:
         raise
     except Exception as exc:  # noqa: BLE001 - transformers raises OSError/ValueError/hub errors for the same causes
-        raise _load_error(what, ref, exc) from exc
+        found = diagnose_load_failure(ref, exc) if local else None
+        raise (found or _load_error(what, ref, exc)) from exc
 
 
 def _load_error(what: str, ref: str, exc: Exception) -> ModelError:
