@@ -30,7 +30,9 @@ def write(raw: Path, name: str, records: list[dict]) -> DataSource:
 
 def prepare(tmp_path: Path, *sources: DataSource, model=None, **settings):
     data = DataSection(sources=list(sources), prepared_dir=tmp_path / "prepared", val_ratio=0.0, **settings)
-    return prepare_data(data, num_proc=1, progress=False, model=model)
+    from vlmctl.models.build import configured_processor
+
+    return prepare_data(data, num_proc=1, progress=False, model=model, processors=configured_processor)
 
 
 def test_every_limit_reason_names_its_setting():

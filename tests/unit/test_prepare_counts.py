@@ -21,7 +21,8 @@ from vlmctl.config.data import DataSection, DataSource
 from vlmctl.config.model import ModelSection
 from vlmctl.data.prepare import prepare_data
 from vlmctl.data.sample import Sample
-from vlmctl.data.tokens import TokenCounter, compile_chat_template
+from vlmctl.data.chat_template import compile_chat_template
+from vlmctl.data.tokens import TokenCounter
 from vlmctl.errors import DataError
 from vlmctl.families import FAMILIES
 from cli_runner import run_cli as run

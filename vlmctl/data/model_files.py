@@ -97,7 +97,7 @@ def _check_json(path: Path, folder: Path) -> Any:
 def _check_template(path: Path) -> None:
     import jinja2
 
-    from vlmctl.data.tokens import compile_chat_template
+    from vlmctl.data.chat_template import compile_chat_template
 
     try:
         compile_chat_template(path.read_text(encoding="utf-8", errors="strict"))
@@ -147,3 +147,20 @@ def safetensors_header(path: Path) -> dict[str, Any]:
         state = "truncated" if size < expected else "longer than its header says"
         raise DamagedFileError(f"{path} is {state}: it holds {size:,} bytes, its header describes {expected:,}", hint=fix)
     return header
+
+
+def check_tokenizer(folder: str | Path) -> DamagedFileError | None:
+    """A DamagedFileError naming `folder`'s tokenizer.json when the `tokenizers` library cannot read it (a file that
+    parses as JSON but is no tokenizer), else None."""
+    folder = Path(folder)
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        Tokenizer.from_file(str(path))
+    except Exception as bad:  # noqa: BLE001 - tokenizers raises plain Exception for a malformed file
+        first = str(bad).splitlines()[0] if str(bad) else type(bad).__name__
+        return DamagedFileError(f"{path} is not a tokenizer the `tokenizers` library can read ({first})", hint=_fix(folder))
+    return None

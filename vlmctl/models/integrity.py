@@ -15,7 +15,7 @@ from pathlib import Path
 
 from vlmctl.data.model_files import (  # noqa: F401 - re-exported: callers name one module
     DamagedFileError,
-    _fix,
+    check_tokenizer,
     check_model_files,
     safetensors_header,
 )
@@ -43,17 +43,7 @@ def diagnose_load_failure(folder: str | Path, exc: BaseException) -> ModelError 
 
 
 def _check_tokenizer(folder: Path, exc: BaseException) -> ModelError | None:
-    path = folder / "tokenizer.json"
-    if not path.is_file():
-        return None
-    from tokenizers import Tokenizer
-
-    try:
-        Tokenizer.from_file(str(path))
-    except Exception as bad:  # noqa: BLE001 - tokenizers raises plain Exception for a malformed file
-        first = str(bad).splitlines()[0] if str(bad) else type(bad).__name__
-        return DamagedFileError(f"{path} is not a tokenizer the `tokenizers` library can read ({first})", hint=_fix(folder))
-    return None
+    return check_tokenizer(folder)
 
 
 def _check_shapes(folder: Path, exc: BaseException) -> ModelError | None:
@@ -65,7 +55,7 @@ def _check_shapes(folder: Path, exc: BaseException) -> ModelError | None:
     import transformers
 
     from vlmctl.families import detect_family, get_family
-    from vlmctl.models.load import quiet_transformers
+    from vlmctl.models.quiet import quiet_transformers
 
     cfg = transformers.AutoConfig.from_pretrained(str(folder))
     cls = getattr(transformers, get_family(detect_family(cfg)).model_class)

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from vlmctl.errors import ModelError
 from vlmctl.families import FamilySpec, detect_family, get_family
+from vlmctl.models.quiet import quiet_transformers  # noqa: F401 - its callers import it from here
 
 INFO_FILE = "vlmctl_model.json"
 """What `model build` writes next to the checkpoint: {family, mode, built_from, parameters, ...}."""
@@ -39,37 +39,6 @@ def silence_transformers() -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
-
-
-@contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """Within the block: transformers' logger at error level and no third-party progress bars (transformers'
-    "Loading weights" / "Writing model shards", huggingface_hub's downloads); the previous verbosity and bar
-    settings are restored afterwards. vlmctl shows its own progress; a library that embeds vlmctl keeps its own.
-
-    Also keeps transformers' "`XImageProcessor` requires torchvision ... falling back to `XImageProcessorPil`"
-    notice (a `warning_once`) out of vlmctl's output: that fallback is expected on CPU installs.
-    """
-    import warnings
-
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    with warnings.catch_warnings():
-        # huggingface_hub warns when HF_HUB_DISABLE_PROGRESS_BARS pins the setting; it then keeps its own value
-        warnings.simplefilter("ignore")
-        if bars:
-            hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                hf_logging.enable_progress_bar()
 
 
 def image_processor_class(name: str):
