@@ -13,10 +13,10 @@ from vlmctl.serve.check import PROBES, check_serving, training_reference
 
 TEXTS = ["What color is the square?", "Name a primary color.", "What shape is in the picture?", "A square.",
          "And what color is it?", "red blue green"]
-# the tiny preset of every family that takes images (Qwen2.5-Omni too); about a second each on CPU
+# the tiny preset of every family that takes images (the Omni thinkers and Phi-4-multimodal too); about a second each on CPU
 PRESETS = ["tiny", "tiny-qwen2.5-vl", "tiny-idefics2", "tiny-idefics3", "tiny-smolvlm", "tiny-gemma3", "tiny-internvl",
            "tiny-llava-next", "tiny-llava-onevision", "tiny-mistral3", "tiny-qwen2-vl", "tiny-qwen3-vl", "tiny-qwen3-vl-moe",
-           "tiny-qwen2.5-omni"]
+           "tiny-qwen2.5-omni", "tiny-qwen3-omni", "tiny-phi4-multimodal"]
 
 
 def build(preset: str, folder: Path) -> Path:
