@@ -55,15 +55,17 @@ def _storage_bytes(model) -> int:
 
 
 def _step(wrapped, batch) -> tuple[float, float]:
-    """(loss before, loss after) one optimizer step on `batch`."""
+    """(loss before, loss after) one optimizer step of the engine `wrapped` on `batch`."""
     import torch
 
-    stepper = wrapped.stepper
-    loss = stepper.loss(batch)
-    stepper.backward(loss, 1.0)
-    stepper.step(False)
+    from vlmctl.train.objectives import SFTObjective
+
+    objective = SFTObjective()
+    loss = wrapped.forward(objective, batch).loss
+    wrapped.backward(loss, 1.0)
+    wrapped.step(False)
     with torch.no_grad():
-        return float(loss), float(stepper.loss(batch))
+        return float(loss), float(wrapped.forward(objective, batch).loss)
 
 
 def _old_export(out: Path, cfg, model, *, source: str, trainable: set[str], rank: int) -> None:
@@ -137,7 +139,7 @@ def _run_variant(model_dir: Path, out: Path, variant: str) -> None:
         (out / name).mkdir(exist_ok=True)
         dist.barrier()
         if name == "new":
-            export_final(out / name, cfg, model=wrapped.model, engine=None, source=tm.source, dtype=ctx.dtype, rank=rank,
+            export_final(out / name, cfg, engine=wrapped, source=tm.source, dtype=ctx.dtype, rank=rank,
                          lora=cfg.train.lora, parts_trainable=trained.trainable)
         else:
             _old_export(out / name, cfg, wrapped.model, source=tm.source, trainable=trained.trainable, rank=rank)
