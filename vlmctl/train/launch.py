@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vlmctl.distributed.engine import is_deepspeed, is_fsdp
 from vlmctl.distributed.mesh import SHARDING_ENV
 from vlmctl.errors import ConfigError, UsageError
 
@@ -241,7 +242,7 @@ def check_sharding(train) -> None:
         return
     strategy = resolve_strategy(train.strategy, train.launcher == "slurm" or _has_cuda(),
                                 train.lora is not None and train.lora.quantize != "none")
-    if strategy != "fsdp":
+    if not is_fsdp(strategy):
         raise ConfigError(f"train.fsdp_sharding=hybrid needs train.strategy=fsdp, not {strategy}",
                           hint="set train.strategy=fsdp, or train.fsdp_sharding=full")
 
@@ -267,7 +268,7 @@ def require_package(module: str, setting: str, *, package: str | None = None, ex
 def required_packages(train) -> list[tuple[str, str, str | None, str | None]]:
     """The optional packages `train` (a TrainSection) needs, as (module, setting, pip package, extra)."""
     needs = [(tracker, f"train.report_to={tracker}", None, "tracking") for tracker in train.report_to]
-    if train.strategy in ("zero2", "zero3"):
+    if is_deepspeed(train.strategy):
         needs.append(("deepspeed", f"train.strategy={train.strategy}", None, "deepspeed"))
     if train.liger == "on":
         needs.append(("liger_kernel", "train.liger=on", "liger-kernel", "gpu"))
@@ -492,7 +493,7 @@ def launch_env(train) -> dict[str, str]:
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env[SHARDING_ENV] = train.fsdp_sharding
     env[LAUNCHER_ENV] = str(os.getpid())
-    if train.strategy in ("zero2", "zero3") and not _has_cuda():
+    if is_deepspeed(train.strategy) and not _has_cuda():
         env.setdefault("DS_ACCELERATOR", "cpu")
     return env
 
