@@ -25,6 +25,9 @@ from typing import Any, Protocol, runtime_checkable
 
 from vlmctl.errors import ConfigError
 
+# torch, DeepSpeed and the modules built on them are imported inside the functions that use them: importing
+# vlmctl (the CLI's start-up) must not pay for them.
+
 TORCH_STRATEGIES = ("ddp", "fsdp")
 DEEPSPEED_STAGES = {"zero2": 2, "zero3": 3}
 

@@ -35,6 +35,9 @@ from __future__ import annotations
 
 from vlmctl.distributed.engine import strategy_of
 
+# torch, DeepSpeed and the modules built on them are imported inside the functions that use them: importing
+# vlmctl (the CLI's start-up) must not pay for them.
+
 
 def parallelize(model, *, family, parts, train, dims, device, dtype, attn: str | None = None, deferred=None,
                 trainable: bool = True):

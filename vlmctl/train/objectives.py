@@ -30,6 +30,9 @@ from typing import Any, Protocol, runtime_checkable
 from vlmctl.data.collate import IGNORE_INDEX, is_packed, model_inputs
 from vlmctl.errors import DataError, VlmctlError
 
+# torch, DeepSpeed and the modules built on them are imported inside the functions that use them: importing
+# vlmctl (the CLI's start-up) must not pay for them.
+
 
 @dataclass
 class MicroLoss:
