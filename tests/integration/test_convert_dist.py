@@ -150,7 +150,7 @@ def _worker(kind: str, model_dir: Path, out_root: Path) -> None:
 
 
 def _torchrun(kind: str, model_dir: Path, out_root: Path) -> None:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{HERE.parent}{os.pathsep}{HERE}"}
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), str(HERE.parent), str(HERE)])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", str(Path(__file__)), kind, str(model_dir), str(out_root)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     if proc.returncode != 0:

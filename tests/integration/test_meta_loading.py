@@ -165,7 +165,7 @@ def runs(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("meta")
     model_dir = make_tiny_model(root / "model")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{HERE.parent}{os.pathsep}{HERE}"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), str(HERE.parent), str(HERE)])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", str(Path(__file__)),
            str(model_dir), str(root / "out"), *VARIANTS]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)
