@@ -61,6 +61,7 @@ def _step(wrapped, batch) -> tuple[float, float]:
     from vlmctl.train.objectives import SFTObjective
 
     objective = SFTObjective()
+    batch = {**batch, "num_label_tokens": int((batch["labels"][:, 1:] != -100).sum())}  # as the collators count them
     loss = wrapped.forward(objective, batch).loss
     wrapped.backward(loss, 1.0)
     wrapped.step(False)
