@@ -87,19 +87,19 @@ def reference_tree(commit: str, folder: Path) -> Path:
     return folder
 
 
-def check_imports(code: Path) -> None:
-    """Raise SystemExit unless a process with PYTHONPATH=`code` imports the vlmctl package under `code` (an
-    installed vlmctl must not stand in for the one compared)."""
+def check_imports(code: Path, cwd: Path) -> None:
+    """Raise SystemExit unless a process started in `cwd` (as the runs are) with PYTHONPATH=`code` imports the
+    vlmctl package under `code` (an installed vlmctl must not stand in for the one compared)."""
     env = {**os.environ, "PYTHONPATH": str(code)}
     found = subprocess.run([sys.executable, "-c", "import vlmctl; print(vlmctl.__file__)"], env=env, check=True,
-                           capture_output=True, text=True).stdout.strip()
+                           cwd=cwd, capture_output=True, text=True).stdout.strip()
     if not Path(found).resolve().is_relative_to(code.resolve()):
         raise SystemExit(f"PYTHONPATH={code} imports vlmctl from {found}")
 
 
 def train(project: Path, code: Path, name: str, args: list[str], port: int) -> Path:
     """One `vlmctl train` run of `project` with the vlmctl package under `code`; returns its run folder."""
-    check_imports(code)
+    check_imports(code, project)
     env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "vlmctl", "-c", str(project / "vlmctl.yaml"), "train", "--launcher", "torchrun",
            "--nproc-per-node", "2", "--master-port", str(port), *args, *COMMON, f"train.run_name={name}"]
