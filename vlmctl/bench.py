@@ -865,7 +865,7 @@ def load_model(plan: BenchPlan, model_section, train, ctx, scratch: Path, log) -
 
     from vlmctl.models.build import save_model
     from vlmctl.models.load import quiet_transformers
-    from vlmctl.train.setup import load_quantized, load_source, prepare_model, split_sequences
+    from vlmctl.train.setup import load_quantized, load_source, prepare_model
 
     choice, env = plan.model, ctx.env
     cfg = SimpleNamespace(model=model_section, train=train)  # what the loaders read of a project config
@@ -888,8 +888,7 @@ def load_model(plan: BenchPlan, model_section, train, ctx, scratch: Path, log) -
             model, processor, family = random_model(choice.plan, choice.processor, device=env.device, dtype=ctx.stored), choice.processor, choice.family
         else:
             model, processor, family = (load_quantized if quantized else load_source)(source, cfg, dtype=ctx.stored)
-    tm = prepare_model(model, family, train, env.device, compute_dtype=ctx.dtype, plan=ctx.plan)  # as the worker does
-    split_sequences(tm, train, ctx.dims)
+    tm = prepare_model(model, family, train, env.device, compute_dtype=ctx.dtype, plan=ctx.plan)  # as the worker prepares it
     tm.processor, tm.source = processor, source
     return tm
 
@@ -898,7 +897,7 @@ def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log
     from vlmctl.data.collate import Collator, PackedCollator
     from vlmctl.distributed.fsdp import fsdp_plan_of
     from vlmctl.train.loop import Trainer, TrainState, prefetch
-    from vlmctl.train.worker import wrap_model
+    from vlmctl.train.worker import build_objective, wrap_model
 
     env, dims, total_steps = ctx.env, ctx.dims, steps + warmup
     tm = load_model(plan, model_section, train, ctx, scratch, log)
@@ -911,23 +910,23 @@ def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log
         setup(tm.model)
     if dims.dp_size != plan.dp_size:  # planned for another world size (a caller's own plan): plan again
         plan = replace(plan, dp_size=dims.dp_size)
-    wrapped = wrap_model(tm, train, ctx, total_steps)
+    engine, objective = wrap_model(tm, train, ctx, total_steps), build_objective(tm, train, ctx)  # as the worker does
     choice = None
     if autotune.wants(ctx.plan):  # as `vlmctl train` does on a GPU: probe, then plan the workload at the chosen size
-        choice = probe_auto(plan, tm, train, ctx, wrapped.stepper, log)
+        choice = probe_auto(plan, tm, train, ctx, engine, objective, log)
         plan = prepare(model_section, train, plan.spec, steps=steps, warmup=warmup, check_device=False,
                        dp_size=dims.dp_size)
     collator = (PackedCollator(tm.processor, tm.family, tokens_per_batch=row_budget(train)) if plan.packing
                 else Collator(tm.processor, tm.family))
     batches = [plan.workload.batch(indices, collator) for indices in plan_batches(plan, train, dp_rank=dims.dp_rank)]
-    trainer = Trainer(stepper=wrapped.stepper, batches=prefetch(iter(batches), tm.prepare), env=env, state=TrainState(),
+    trainer = Trainer(engine=engine, objective=objective, batches=prefetch(iter(batches), tm.prepare), env=env, state=TrainState(),
                       total_steps=total_steps, grad_accum=train.gradient_accumulation_steps, batches_per_epoch=len(batches),
                       save_steps=1 << 30, logging_steps=1 << 30, max_bad_steps=total_steps, save=None, log=None,
                       progress=None, flops_of=tm.cost_model.batch_flops, dp_group=dims.dp_group, sp_group=dims.sp_group)
     labels = {"name": plan.model.name, "workload": plan.spec.kind, "media": plan.spec.media(), "packing": plan.packing,
               "adapter": plan.adapter, "stage": train.stage}
     result = _measure(trainer, labels, train, ctx, steps=steps, warmup=warmup, log=log)
-    result.settings = settings_line(train, choice, fsdp_plan_of(wrapped.model))
+    result.settings = settings_line(train, choice, fsdp_plan_of(engine.model))
     if choice is not None and choice.trials:
         result.auto = {"reason": choice.reason, "rates": choice.rates, "step_seconds": round(choice.step_seconds, 4),
                        "trials": [[str(t.mode), t.size, round(t.peak_bytes / 2**30, 1), round(t.seconds, 3), t.oom]
@@ -935,11 +934,11 @@ def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log
     return result
 
 
-def probe_auto(plan: BenchPlan, tm, train, ctx, stepper, log):
+def probe_auto(plan: BenchPlan, tm, train, ctx, engine, objective, log):
     """Settle `auto` batch size and activation checkpointing by training's own probe
     (`vlmctl.train.autotune.probe_and_apply`) on rows of the bench's workload (its heaviest samples per token
     first, as training's). Returns the Choice, applied to `train`."""
-    return autotune.probe_and_apply(train, ctx, tm, stepper, plan.workload.lengths, plan.workload.batch,
+    return autotune.probe_and_apply(train, ctx, tm, engine, objective, plan.workload.lengths, plan.workload.batch,
                                     packing=plan.packing, costs=plan.workload.costs(tm.cost_model), log=log)
 
 

@@ -1,5 +1,5 @@
 """One rank of the GPU suite's training cases (`tests/gpu`): each case prepares and wraps a tiny model exactly as
-`vlmctl train` does (`prepare_model`, `split_sequences`, `wrap_model`: kernels, liger, compile, FSDP2 / DeepSpeed,
+`vlmctl train` does (`prepare_model`, `wrap_model`, `build_objective`: kernels, liger, compile, FSDP2 / DeepSpeed,
 Ulysses), runs one forward + backward of its data-parallel rank's packed row (optionally an optimizer step), and
 rank 0 saves, per case: the loss of the rows (summed over the ranks, divided by their labelled tokens), every
 parameter's full gradient (fp32, CPU), what preparing decided (liger, attention, the decoder MLP's forward, the FSDP2
@@ -40,7 +40,7 @@ def reference(folder: Path, batches) -> dict[str, Any]:
     import torch
 
     from vlmctl.models import load_model
-    from vlmctl.train.loop import loss_sum
+    from vlmctl.train.objectives import loss_sum
 
     model, _, _ = load_model(folder, dtype=torch.float32)
     model.set_attn_implementation("sdpa")
@@ -106,8 +106,8 @@ def run_case(name: str, spec: dict[str, Any], env, folder: Path, all_rows) -> di
     from vlmctl.train import autotune
     from vlmctl.train.loop import to_device
     from vlmctl.config.plan import DeviceFacts, build_plan, check_plan
-    from vlmctl.train.setup import RunContext, prepare_model, split_sequences, torch_dtype
-    from vlmctl.train.worker import wrap_model
+    from vlmctl.train.setup import RunContext, prepare_model, torch_dtype
+    from vlmctl.train.worker import build_objective, wrap_model
 
     device = env.device
     train = TrainSection(**{**BASE, **spec.get("train", {})})
@@ -121,42 +121,43 @@ def run_case(name: str, spec: dict[str, Any], env, folder: Path, all_rows) -> di
     ctx = RunContext(env=env, dims=dims, dtype=dtype, stored=torch_dtype(plan.stored.value), plan=plan)
     torch.manual_seed(0)
     model, _, family = load_model(folder, dtype=ctx.stored)
-    tm = split_sequences(prepare_model(model, family, train, device, compute_dtype=dtype, plan=plan), train, dims)
+    tm = prepare_model(model, family, train, device, compute_dtype=dtype, plan=plan)
     mlp = tm.parts.decoder_layers[0].mlp
-    wrapped = wrap_model(tm, train, ctx, total_steps=2)
+    engine, objective = wrap_model(tm, train, ctx, total_steps=2), build_objective(tm, train, ctx)
+    raw = getattr(engine, "engine", None)  # DeepSpeed's own engine (its gathered parameters and gradients)
     batches = all_rows[:dims.dp_size]
     mine = to_device(batches[dims.dp_rank], device)
     n = sum(labelled(b) for b in batches)
-    before = _params(wrapped.model, wrapped.engine) if spec.get("step") else None
+    before = _params(engine.model, raw) if spec.get("step") else None
     cuda = device.type == "cuda"  # CPU: a smoke run of the harness itself (tests/gpu/run.sh --cpu-smoke)
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     result: dict[str, Any] = {"expandable_segments": _expandable(device), "liger": tm.liger, "attn": tm.attn, "mlp_forward": _forward_name(mlp),
                               "vision_kernels": list(tm.vision_kernels), "dp_size": dims.dp_size, "rows": len(batches)}
-    plan = getattr(wrapped.model, PLAN_ATTR, None)
+    plan = getattr(engine.model, PLAN_ATTR, None)
     if plan is not None:
         result["reshard_after_forward"] = plan.reshard_after_forward
     if spec.get("probe"):  # the start-up probe's trials must give back what they take
         allocated = torch.cuda.memory_allocated(device)
-        peak, seconds = autotune.measure_pass(wrapped.stepper, batches[dims.dp_rank], device)
+        peak, seconds = autotune.measure_pass(engine, objective, batches[dims.dp_rank], device)
         result["probe"] = {"before": allocated, "after": torch.cuda.memory_allocated(device), "peak": peak,
                            "seconds": seconds}
-    loss = wrapped.stepper.loss(mine)
-    wrapped.stepper.backward(loss, dims.grad_size / n)
+    loss = engine.forward(objective, mine).loss
+    engine.backward(loss, dims.grad_size / n)
     total = loss.detach().float().clone()
     dist.all_reduce(total)  # each rank holds its row's (or its slice's) part
     result["loss"] = float(total) / n
-    result["grads"] = _grads(wrapped.model, wrapped.engine)
+    result["grads"] = _grads(engine.model, raw)
     if spec.get("step"):
         grads = result["grads"]
-        wrapped.stepper.step(skip=False)
-        result["before"], result["after"] = before, _params(wrapped.model, wrapped.engine)
+        engine.step(skip=False)
+        result["before"], result["after"] = before, _params(engine.model, raw)
         result["step_grads"] = grads
     result["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
-    if wrapped.engine is not None:
-        wrapped.engine.destroy()
-    del wrapped, tm, model, mine, loss
+    if raw is not None:
+        raw.destroy()
+    del engine, raw, tm, model, mine, loss
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()

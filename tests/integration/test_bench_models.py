@@ -111,7 +111,7 @@ def test_lora_counts_fewer_flops_per_token_than_full_fine_tuning(tiny_project, c
     _consistent(lora, trained)
     # the adapters train; the language model's own weights are frozen but pass the gradient on (forward +
     # activation gradient: 4 FLOPs per weight per token instead of 6)
-    model = trained["trainer"].stepper.model
+    model = trained["trainer"].engine.model
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and any("lora_A" in n for n in trainable) and not any("q_proj.base_layer" in n for n in trainable)
     cost = trained["cost"]

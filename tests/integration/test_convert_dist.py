@@ -52,6 +52,7 @@ def _worker(kind: str, model_dir: Path, out_root: Path) -> None:
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from vlmctl.convert import probe_inputs, probe_logits
+    from vlmctl.distributed.engine import DeepSpeedEngine, TorchEngine
     from vlmctl.train import checkpoint
 
     processor = AutoProcessor.from_pretrained(str(model_dir))
@@ -93,7 +94,7 @@ def _worker(kind: str, model_dir: Path, out_root: Path) -> None:
             losses = _train_steps(step, inputs)
             run_dir = out_root / f"fsdp-{variant}"
             state = {"step": STEPS, "epoch": 0, "lora": lora, "model_source": str(model_dir), "family": "llava", "world_size": world, "strategy": "fsdp", "format": "dcp"}
-            checkpoint.save(run_dir, STEPS, state, rank=rank, model=model, optimizer=optimizer, scheduler=scheduler)
+            checkpoint.save(run_dir, STEPS, state, rank=rank, engine=TorchEngine(model, optimizer, scheduler, max_grad_norm=0.0))
             model.eval()
             logits = probe_logits(model, inputs)
             if rank == 0:
@@ -133,7 +134,7 @@ def _worker(kind: str, model_dir: Path, out_root: Path) -> None:
             losses = _train_steps(step, inputs)
             run_dir = out_root / f"zero{stage}"
             state = {"step": STEPS, "epoch": 0, "lora": None, "model_source": str(model_dir), "family": "llava", "world_size": world, "strategy": f"zero{stage}", "format": "deepspeed"}
-            checkpoint.save(run_dir, STEPS, state, rank=rank, engine=engine)
+            checkpoint.save(run_dir, STEPS, state, rank=rank, engine=DeepSpeedEngine(engine))
             engine.eval()
             with torch.no_grad():
                 logits = engine(**inputs).logits.float()
@@ -149,7 +150,7 @@ def _worker(kind: str, model_dir: Path, out_root: Path) -> None:
 
 
 def _torchrun(kind: str, model_dir: Path, out_root: Path) -> None:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{HERE.parent}{os.pathsep}{HERE}"}
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), str(HERE.parent), str(HERE)])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", str(Path(__file__)), kind, str(model_dir), str(out_root)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     if proc.returncode != 0:

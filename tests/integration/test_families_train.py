@@ -142,7 +142,7 @@ def test_packed_rows_give_the_padded_loss(name):
     from vlmctl.data.sample import Sample
     from vlmctl.families import get_family
     from vlmctl.models.build import make_model, make_processor, plan_build
-    from vlmctl.train.loop import loss_sum
+    from vlmctl.train.objectives import loss_sum
 
     spec = get_family(name)
     assert spec.supports_packing

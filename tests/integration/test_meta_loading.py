@@ -55,15 +55,18 @@ def _storage_bytes(model) -> int:
 
 
 def _step(wrapped, batch) -> tuple[float, float]:
-    """(loss before, loss after) one optimizer step on `batch`."""
+    """(loss before, loss after) one optimizer step of the engine `wrapped` on `batch`."""
     import torch
 
-    stepper = wrapped.stepper
-    loss = stepper.loss(batch)
-    stepper.backward(loss, 1.0)
-    stepper.step(False)
+    from vlmctl.train.objectives import SFTObjective
+
+    objective = SFTObjective()
+    batch = {**batch, "num_label_tokens": int((batch["labels"][:, 1:] != -100).sum())}  # as the collators count them
+    loss = wrapped.forward(objective, batch).loss
+    wrapped.backward(loss, 1.0)
+    wrapped.step(False)
     with torch.no_grad():
-        return float(loss), float(stepper.loss(batch))
+        return float(loss), float(wrapped.forward(objective, batch).loss)
 
 
 def _old_export(out: Path, cfg, model, *, source: str, trainable: set[str], rank: int) -> None:
@@ -137,7 +140,7 @@ def _run_variant(model_dir: Path, out: Path, variant: str) -> None:
         (out / name).mkdir(exist_ok=True)
         dist.barrier()
         if name == "new":
-            export_final(out / name, cfg, model=wrapped.model, engine=None, source=tm.source, dtype=ctx.dtype, rank=rank,
+            export_final(out / name, cfg, engine=wrapped, source=tm.source, dtype=ctx.dtype, rank=rank,
                          lora=cfg.train.lora, parts_trainable=trained.trainable)
         else:
             _old_export(out / name, cfg, wrapped.model, source=tm.source, trainable=trained.trainable, rank=rank)
@@ -163,7 +166,7 @@ def runs(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("meta")
     model_dir = make_tiny_model(root / "model")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{HERE.parent}{os.pathsep}{HERE}"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), str(HERE.parent), str(HERE)])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", str(Path(__file__)),
            str(model_dir), str(root / "out"), *VARIANTS]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)

@@ -2,7 +2,7 @@
 
 - The split's arithmetic alone: slice bounds with padding, image runs, the targets a rank computes, the mesh.
 - Gradients: on 4 ranks, the tiny Qwen2.5-VL and the tiny LLaVA presets, prepared and wrapped as `vlmctl train`
-  does (`prepare_model`, `split_sequences`, `wrap_model`), under FSDP2 and ZeRO-3 with SP=4 (one row over 4 ranks)
+  does (`prepare_model`, `wrap_model`: `parallelize` and the engine), under FSDP2 and ZeRO-3 with SP=4 (one row over 4 ranks)
   and SP=2 (2 data-parallel groups of 2): the loss and every parameter's full gradient equal one process's on the
   same packed rows (SP=1), to fp32 rounding (rtol 1e-4, atol 1e-6).
 - `vlmctl train` itself: SP=2 on 2 ranks gives the losses of 1 rank with the same rows, its DCP checkpoint
@@ -139,8 +139,8 @@ def _grads_rank(rank: int, port: int, folder: str, data: str, out: str) -> None:
     from vlmctl.models import load_model
     from vlmctl.config.plan import DeviceFacts, build_plan
     from vlmctl.train.loop import to_device
-    from vlmctl.train.setup import RunContext, prepare_model, split_sequences
-    from vlmctl.train.worker import wrap_model
+    from vlmctl.train.setup import RunContext, prepare_model
+    from vlmctl.train.worker import build_objective, wrap_model
 
     env = init_distributed(deepspeed=True)
     rows = packed_rows(Path(folder), Path(data), 2)
@@ -153,18 +153,18 @@ def _grads_rank(rank: int, port: int, folder: str, data: str, out: str) -> None:
         dims.build_mesh("cpu")
         ctx = RunContext(env=env, dims=dims, dtype=torch.float32, stored=torch.float32, plan=plan)
         model, _, family = load_model(folder, dtype=torch.float32)
-        tm = split_sequences(prepare_model(model, family, train, env.device, plan=plan), train, dims)
-        wrapped = wrap_model(tm, train, ctx, total_steps=1)
+        tm = prepare_model(model, family, train, env.device, plan=plan)
+        engine, objective = wrap_model(tm, train, ctx, total_steps=1), build_objective(tm, train, ctx)
         mine = rows[:dims.dp_size][dims.dp_rank]
         labelled = sum(int((r["labels"][0, 1:] != -100).sum()) for r in rows[:dims.dp_size])
-        loss = wrapped.stepper.loss(to_device(mine, env.device))
-        wrapped.stepper.backward(loss, dims.grad_size / labelled)
+        loss = engine.forward(objective, to_device(mine, env.device)).loss
+        engine.backward(loss, dims.grad_size / labelled)
         total = loss.detach().clone()
         dist.all_reduce(total)  # each of a group's ranks holds part of its row's loss
-        named = wrapped.engine.module.named_parameters() if wrapped.engine else wrapped.model.named_parameters()
+        deepspeed = engine.checkpoint_format == "deepspeed"  # ZeRO's partitioned gradients are read its way
         grads = {}
-        for name, p in named:
-            if wrapped.engine is not None:
+        for name, p in engine.module.named_parameters():
+            if deepspeed:
                 from deepspeed.utils import safe_get_full_grad
 
                 g = safe_get_full_grad(p)

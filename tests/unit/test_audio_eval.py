@@ -69,7 +69,7 @@ def test_the_loss_of_an_audio_model_writes_its_audio_parts_as_training_does():
     from vlmctl.data.sample import Sample
     from vlmctl.evaluation.loss import family_of, teacher_forced_loss
     from vlmctl.models.build import make_model, make_processor, plan_build
-    from vlmctl.train.loop import loss_sum
+    from vlmctl.train.objectives import loss_sum
 
     plan = plan_build(ModelSection(preset="tiny-qwen2-audio", init="random", dtype="fp32"))
     processor = make_processor(plan, tokenizer_texts=["What is it? A tone."] * 20)

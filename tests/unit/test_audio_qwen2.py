@@ -153,7 +153,7 @@ def test_padded_batches_carry_the_audio_tensors_and_a_dummy_clip_for_text_only_r
     import torch
 
     from vlmctl.data.collate import Collator, model_inputs
-    from vlmctl.train.loop import loss_sum
+    from vlmctl.train.objectives import loss_sum
 
     _, processor, model = tiny
     samples = _samples()
@@ -193,7 +193,7 @@ def test_packed_rows_give_the_per_sample_losses_and_gradients(tiny):
 
     from vlmctl.data.collate import Collator, PackedCollator, model_inputs
     from vlmctl.train.kernels import per_sample_sums, token_losses
-    from vlmctl.train.loop import loss_sum
+    from vlmctl.train.objectives import loss_sum
 
     _, processor, base = tiny
     model, samples = _packed_model(base), _samples()

@@ -95,25 +95,25 @@ def test_measure_step_leaves_weights_and_optimizer_as_they_were():
     import torch
 
     from vlmctl.train.autotune import measure_step
-    from vlmctl.train.loop import TorchStepper
+    from vlmctl.distributed.engine import TorchEngine
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    stepper = TorchStepper(model, optimizer, scheduler, max_grad_norm=1.0, device=torch.device("cpu"))
+    engine = TorchEngine(model, optimizer, scheduler, max_grad_norm=1.0, device=torch.device("cpu"))
     before = [p.detach().clone() for p in model.parameters()]
-    seconds = measure_step(stepper, torch.device("cpu"))
+    seconds = measure_step(engine, torch.device("cpu"))
     assert seconds > 0
     for p, q in zip(model.parameters(), before):
         assert torch.equal(p, q) and p.grad is None
     assert not optimizer.state and optimizer.param_groups[0]["lr"] == 1e-3
     # training's first step is the one it would have been without the measurement
     model(torch.ones(2, 16)).sum().backward()
-    stepper.step(skip=False)
+    engine.step(skip=False)
     assert optimizer.state[next(model.parameters())]["step"] == 1
     # a resumed run's optimizer already holds state: nothing is stepped
-    assert measure_step(stepper, torch.device("cpu")) == 0.0
+    assert measure_step(engine, torch.device("cpu")) == 0.0
 
 
 def test_an_optimistic_prediction_is_checked_and_shrunk():

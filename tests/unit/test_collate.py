@@ -147,7 +147,7 @@ def test_other_families_collate_and_run_forward(preset, tmp_path):
     from vlmctl.config import ModelSection
     from vlmctl.data.collate import Collator, model_inputs
     from vlmctl.models import build_model, load_model
-    from vlmctl.train.loop import token_loss_sum
+    from vlmctl.train.objectives import token_loss_sum
 
     texts = ["What is unusual about this image? A man is ironing clothes. What color is the vehicle? Yellow."] * 20
     build_model(ModelSection(preset=preset, init="random", output_dir=tmp_path / "m"), tokenizer_texts=texts)

@@ -1,6 +1,7 @@
 """`train.compile: on` (the default on GPUs): torch.compile'd decoder layers, and with `train.compile_vision: blocks`
 (auto's choice under compiled layers) the vision blocks, train as the eager ones do, on packed rows with per-layer
-activation checkpointing, as `vlmctl train` and `vlmctl bench` prepare the model."""
+activation checkpointing, as `vlmctl train` and `vlmctl bench` prepare the model (`prepare_model`, then
+`parallelize`'s checkpointing and compile steps)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ def test_compiled_decoder_layers_and_vision_blocks_give_the_eager_loss_and_gradi
     from vlmctl.config.model import ModelSection
     from vlmctl.config.train import TrainSection
     from vlmctl.data.collate import PackedCollator
-    from vlmctl.train.loop import loss_sum
+    from vlmctl.distributed.parallelize import checkpoint_layers, compile_layers
+    from vlmctl.train.objectives import loss_sum
     from vlmctl.train.setup import prepare_model
 
     def train(compile_: str) -> TrainSection:
@@ -30,6 +32,9 @@ def test_compiled_decoder_layers_and_vision_blocks_give_the_eager_loss_and_gradi
     family, cpu = plan.model.family, torch.device("cpu")
     eager = prepare_model(copy.deepcopy(base), family, train("off"), cpu)
     compiled = prepare_model(base, family, train("on"), cpu)
+    for tm, section in ((eager, train("off")), (compiled, train("on"))):  # `parallelize`'s steps 3 and 4, unwrapped
+        checkpoint_layers([tm.parts.decoder_layers, tm.parts.vision_layers], section.activation_checkpointing)
+        compile_layers(tm.parts, section)
     layers = compiled.parts.decoder_layers
     assert layers and all(layer._compiled_call_impl is not None for layer in layers)
     assert all(layer._compiled_call_impl is None for layer in eager.parts.decoder_layers)

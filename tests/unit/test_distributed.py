@@ -43,7 +43,9 @@ def _tiny_trainer(env, dims, label_tokens: int, flops_of=None):
     """A Trainer over a 2-parameter model whose batches carry `label_tokens` labelled tokens."""
     import torch
 
-    from vlmctl.train.loop import TorchStepper, Trainer, TrainState
+    from vlmctl.distributed.engine import TorchEngine
+    from vlmctl.train.loop import Trainer, TrainState
+    from vlmctl.train.objectives import SFTObjective
 
     class Tiny(torch.nn.Module):
         def __init__(self):
@@ -65,7 +67,7 @@ def _tiny_trainer(env, dims, label_tokens: int, flops_of=None):
     model = Tiny()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    return Trainer(stepper=TorchStepper(model, opt, sched, max_grad_norm=0.0, device=env.device),
+    return Trainer(engine=TorchEngine(model, opt, sched, max_grad_norm=0.0, device=env.device), objective=SFTObjective(),
                    batches=(batch() for _ in range(100)), env=env, state=TrainState(), total_steps=2, grad_accum=1,
                    batches_per_epoch=100, save_steps=100, logging_steps=1, max_bad_steps=0, save=lambda *a: None,
                    log=lambda row: None, progress=None, flops_of=flops_of, dp_group=dims.dp_group)

@@ -63,7 +63,7 @@ def test_packed_rows_would_leak_image_attention_across_samples():
     from vlmctl.data.collate import Collator, PackedCollator
     from vlmctl.data.sample import Sample
     from vlmctl.models.build import make_model, make_processor, plan_build
-    from vlmctl.train.loop import loss_sum
+    from vlmctl.train.objectives import loss_sum
 
     spec = get_family("gemma3")
     assert not spec.supports_packing

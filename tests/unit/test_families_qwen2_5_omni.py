@@ -174,7 +174,7 @@ def test_one_training_step_on_padded_batches_of_audio_images_and_text(tiny):
     import torch
 
     from vlmctl.data.collate import Collator, model_inputs
-    from vlmctl.train.loop import loss_sum
+    from vlmctl.train.objectives import loss_sum
 
     _, processor, base = tiny
     model, samples = copy.deepcopy(base), _samples()
@@ -214,7 +214,7 @@ def test_packed_rows_give_the_per_sample_losses_and_gradients(tiny):
     from vlmctl.data.collate import Collator, PackedCollator, model_inputs
     from vlmctl.families.qwen2_5_omni import keep_logits_forward
     from vlmctl.train.kernels import per_sample_sums, token_losses
-    from vlmctl.train.loop import loss_sum
+    from vlmctl.train.objectives import loss_sum
 
     _, processor, base = tiny
     model, samples = copy.deepcopy(base).eval(), _samples()

@@ -154,7 +154,7 @@ def test_padded_batches_give_the_samples_losses_but_audio_projection_depends_on_
     import torch
 
     from vlmctl.data.collate import Collator
-    from vlmctl.train.loop import loss_sum
+    from vlmctl.train.objectives import loss_sum
 
     _, processor, model = tiny
     one, two = _clips()

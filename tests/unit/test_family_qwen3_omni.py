@@ -168,7 +168,7 @@ def test_transformers_own_processor_batches_the_same(tiny):
 
     from vlmctl.data.collate import Collator
     from vlmctl.families.qwen2_5_omni import omni_image_audio
-    from vlmctl.train.loop import loss_sum
+    from vlmctl.train.objectives import loss_sum
 
     _, processor, model = tiny
     stock = omni_image_audio(transformers.Qwen3OmniMoeProcessor)(
@@ -208,7 +208,7 @@ def test_packed_rows_give_the_per_sample_losses_and_gradients(tiny):
     from vlmctl.data.collate import Collator, PackedCollator, model_inputs
     from vlmctl.families.qwen2_5_omni import keep_logits_forward
     from vlmctl.train.kernels import per_sample_sums, token_losses
-    from vlmctl.train.loop import loss_sum
+    from vlmctl.train.objectives import loss_sum
 
     _, processor, base = tiny
     model, samples = copy.deepcopy(base).eval(), _samples()

@@ -76,12 +76,12 @@ def _set_trainable(model, family, trainable: set[str]) -> None:
 
 
 def _measure(model, batch, trainable: bool):
-    """FLOPs counted by torch over the trainer's loss (`loop.loss_sum`: logits only where a label is) and, when
+    """FLOPs counted by torch over the trainer's loss (`objectives.loss_sum`: logits only where a label is) and, when
     something is trained, its backward pass; also the attention matmuls alone (aten.bmm: linear layers use mm)."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from vlmctl.train.loop import loss_sum
+    from vlmctl.train.objectives import loss_sum
 
     with FlopCounterMode(display=False) as counter:
         loss = loss_sum(model, batch)

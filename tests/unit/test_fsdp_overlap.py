@@ -148,7 +148,7 @@ def _variant(model0, family, batches, variant, dims, rank):
 
     from vlmctl.distributed.fsdp import apply_fsdp, fsdp_plan_of
     from vlmctl.train.checkpointing import apply_activation_checkpointing
-    from vlmctl.train.loop import loss_sum
+    from vlmctl.train.objectives import loss_sum
     from vlmctl.train.setup import model_parts
 
     name, reshard, prefetch, checkpointing = variant

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from vlmctl.checkpoints import CheckpointError
+from vlmctl.distributed.engine import TorchEngine
 from vlmctl.train import checkpoint as ckpt
 
 
@@ -27,7 +28,7 @@ def files_of(folder: Path) -> dict[str, bytes]:
 
 def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     model, optimizer, scheduler = parts()
-    first = ckpt.save(tmp_path, 1, {"step": 1, "consumed_micro_batches": 1}, rank=0, model=model, optimizer=optimizer, scheduler=scheduler)
+    first = ckpt.save(tmp_path, 1, {"step": 1, "consumed_micro_batches": 1}, rank=0, engine=TorchEngine(model, optimizer, scheduler, max_grad_norm=0.0))
     before = files_of(first)
     size = sum(len(b) for b in before.values())
 
@@ -40,7 +41,7 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypa
 
     monkeypatch.setattr(builtins, "open", full_disk_open)
     with pytest.raises(CheckpointError) as err:
-        ckpt.save(tmp_path, 2, {"step": 2, "consumed_micro_batches": 2}, rank=0, model=model, optimizer=optimizer, scheduler=scheduler)
+        ckpt.save(tmp_path, 2, {"step": 2, "consumed_micro_batches": 2}, rank=0, engine=TorchEngine(model, optimizer, scheduler, max_grad_norm=0.0))
     monkeypatch.undo()
     message = err.value.message
     assert message.startswith("disk full while writing") and "free on that filesystem" in message
@@ -67,5 +68,5 @@ def test_a_zip_writer_runtime_error_on_a_full_disk_reads_as_disk_full(tmp_path, 
 
 def test_trainer_state_of_a_saved_checkpoint_reads_back(tmp_path):
     model, optimizer, scheduler = parts()
-    saved = ckpt.save(tmp_path, 4, {"step": 4, "consumed_micro_batches": 4}, rank=0, model=model, optimizer=optimizer, scheduler=scheduler)
+    saved = ckpt.save(tmp_path, 4, {"step": 4, "consumed_micro_batches": 4}, rank=0, engine=TorchEngine(model, optimizer, scheduler, max_grad_norm=0.0))
     assert json.loads((saved / ckpt.STATE_FILE).read_text())["step"] == 4 and (saved / "rng-0.pt").stat().st_size > 0

@@ -89,6 +89,7 @@ def test_stochastic_rounding_keeps_updates_that_round_to_nearest_loses():
 
 
 def test_torchao_optimizer_state_and_tensor_lr_resume_from_a_checkpoint(tmp_path):
+    from vlmctl.distributed.engine import TorchEngine
     from vlmctl.train import checkpoint as ckpt
     from vlmctl.train.setup import build_scheduler
 
@@ -107,11 +108,11 @@ def test_torchao_optimizer_state_and_tensor_lr_resume_from_a_checkpoint(tmp_path
         return model, opt, sched
 
     model, opt, sched = trained(3)
-    saved = ckpt.save(tmp_path, 3, {"step": 3, "consumed_micro_batches": 3}, rank=0, model=model, optimizer=opt,
-                      scheduler=sched)
+    saved = ckpt.save(tmp_path, 3, {"step": 3, "consumed_micro_batches": 3}, rank=0,
+                      engine=TorchEngine(model, opt, sched, max_grad_norm=0.0))
     (saved / ckpt.STATE_FILE).write_text(json.dumps({"step": 3, "consumed_micro_batches": 3}))
     model2, opt2, sched2 = trained(0)
-    ckpt.load(saved, rank=0, model=model2, optimizer=opt2, scheduler=sched2)
+    ckpt.load(saved, rank=0, engine=TorchEngine(model2, opt2, sched2, max_grad_norm=0.0))
     for p, q in zip(model.parameters(), model2.parameters()):
         assert torch.equal(p, q)
         assert torch.equal(opt.state[p]["exp_avg"], opt2.state[q]["exp_avg"])
@@ -161,7 +162,7 @@ def test_the_probes_optimizer_timing_leaves_bf16_weights_bit_for_bit():
     """`autotune.measure_step` steps AdamW with stochastic rounding at learning rate 0 (a tensor here): a bf16 weight
     plus an update of 0 rounds to itself, so no weight moves by even one bf16 spacing."""
     from vlmctl.train.autotune import measure_step
-    from vlmctl.train.loop import TorchStepper
+    from vlmctl.distributed.engine import TorchEngine
     from vlmctl.train.optimizer import stochastic_adamw
 
     torch.manual_seed(2)
@@ -169,9 +170,9 @@ def test_the_probes_optimizer_timing_leaves_bf16_weights_bit_for_bit():
     opt = stochastic_adamw([{"params": list(model.parameters()), "lr": 1e-3, "weight_decay": 0.1}], lr=1e-3,
                            betas=(0.9, 0.999), eps=1e-8)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
-    stepper = TorchStepper(model, opt, sched, max_grad_norm=1.0, device=torch.device("cpu"))
+    engine = TorchEngine(model, opt, sched, max_grad_norm=1.0, device=torch.device("cpu"))
     before = [p.detach().clone() for p in model.parameters()]
-    assert measure_step(stepper, torch.device("cpu")) > 0
+    assert measure_step(engine, torch.device("cpu")) > 0
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     assert not opt.state and float(opt.param_groups[0]["lr"]) == pytest.approx(1e-3)
 

@@ -39,7 +39,9 @@ def test_one_process_times_its_data_wait_apart_from_its_compute(monkeypatch):
     import torch.distributed as dist
 
     from vlmctl.distributed.env import init_distributed
-    from vlmctl.train.loop import TorchStepper, Trainer, TrainState
+    from vlmctl.distributed.engine import TorchEngine
+    from vlmctl.train.loop import Trainer, TrainState
+    from vlmctl.train.objectives import SFTObjective
 
     class Tiny(torch.nn.Module):
         def __init__(self):
@@ -65,7 +67,7 @@ def test_one_process_times_its_data_wait_apart_from_its_compute(monkeypatch):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         rows = []
-        trainer = Trainer(stepper=TorchStepper(model, opt, sched, max_grad_norm=0.0, device=env.device),
+        trainer = Trainer(engine=TorchEngine(model, opt, sched, max_grad_norm=0.0, device=env.device), objective=SFTObjective(),
                           batches=slow_batches(0.3), env=env, state=TrainState(), total_steps=2, grad_accum=2,
                           batches_per_epoch=100, save_steps=100, logging_steps=2, max_bad_steps=0, save=lambda *a: None,
                           log=rows.append, progress=type("P", (), {"update": lambda *a: None})(),

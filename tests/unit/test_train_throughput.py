@@ -10,7 +10,9 @@ def test_checkpoint_time_is_left_out_of_tokens_per_s(monkeypatch):
     import torch.distributed as dist
 
     from vlmctl.distributed.env import init_distributed
-    from vlmctl.train.loop import TorchStepper, Trainer, TrainState
+    from vlmctl.distributed.engine import TorchEngine
+    from vlmctl.train.loop import Trainer, TrainState
+    from vlmctl.train.objectives import SFTObjective
 
     class Tiny(torch.nn.Module):
         def __init__(self):
@@ -39,7 +41,7 @@ def test_checkpoint_time_is_left_out_of_tokens_per_s(monkeypatch):
             saves.append(step)
             time.sleep(0.5)
 
-        trainer = Trainer(stepper=TorchStepper(model, opt, sched, max_grad_norm=0.0, device=env.device),
+        trainer = Trainer(engine=TorchEngine(model, opt, sched, max_grad_norm=0.0, device=env.device), objective=SFTObjective(),
                           batches=(batch() for _ in range(100)), env=env, state=TrainState(), total_steps=4, grad_accum=1,
                           batches_per_epoch=100, save_steps=2, logging_steps=2, max_bad_steps=0, save=save,
                           log=rows.append, progress=type("P", (), {"update": lambda *a: None})())

@@ -160,7 +160,9 @@ def test_nan_loss_steps_are_skipped_then_the_run_aborts(monkeypatch):
     import torch.distributed as dist
 
     from vlmctl.errors import VlmctlError
-    from vlmctl.train.loop import TorchStepper, Trainer, TrainState
+    from vlmctl.distributed.engine import TorchEngine
+    from vlmctl.train.loop import Trainer, TrainState
+    from vlmctl.train.objectives import SFTObjective
     from vlmctl.distributed.env import init_distributed
 
     class Tiny(torch.nn.Module):
@@ -190,7 +192,7 @@ def test_nan_loss_steps_are_skipped_then_the_run_aborts(monkeypatch):
         rows = []
 
         def make(max_bad):
-            return Trainer(stepper=TorchStepper(model, opt, sched, max_grad_norm=1.0, device=env.device),
+            return Trainer(engine=TorchEngine(model, opt, sched, max_grad_norm=1.0, device=env.device), objective=SFTObjective(),
                            batches=(batch(next(pattern)) for _ in range(100)), env=env, state=TrainState(), total_steps=5,
                            grad_accum=1, batches_per_epoch=100, save_steps=100, logging_steps=1, max_bad_steps=max_bad,
                            save=lambda *a: None, log=rows.append, progress=type("P", (), {"update": lambda *a: None})())
@@ -329,10 +331,10 @@ def test_optimizer_in_backward_steps_during_backward_and_frees_gradients():
 
 
 @pytest.mark.parametrize("max_norm", [0.5, 100.0, 0.0])
-def test_stepper_clips_only_above_the_limit_and_reports_the_norm_before_clipping(max_norm):
+def test_engine_clips_only_above_the_limit_and_reports_the_norm_before_clipping(max_norm):
     import torch
 
-    from vlmctl.train.loop import TorchStepper
+    from vlmctl.distributed.engine import TorchEngine
 
     model = torch.nn.Linear(4, 3)
     model(torch.ones(2, 4)).pow(2).sum().backward()
@@ -345,9 +347,9 @@ def test_stepper_clips_only_above_the_limit_and_reports_the_norm_before_clipping
             seen.append(float(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()]))))
 
     opt = Spy(model.parameters(), lr=0.1)
-    stepper = TorchStepper(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), max_grad_norm=max_norm,
+    engine = TorchEngine(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), max_grad_norm=max_norm,
                            device=torch.device("cpu"))
-    assert abs(stepper.step(skip=False) - norm) < 1e-5 * norm
+    assert abs(engine.step(skip=False) - norm) < 1e-5 * norm
     expected = min(norm, max_norm) if max_norm > 0 else norm
     assert abs(seen[0] - expected) < 1e-4 * expected
 

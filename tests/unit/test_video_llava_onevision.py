@@ -162,7 +162,7 @@ def test_video_samples_train_padded_and_packed(tiny):
     import torch
 
     from vlmctl.data.collate import Collator, PackedCollator, encode_sample
-    from vlmctl.train.loop import loss_sum
+    from vlmctl.train.objectives import loss_sum
 
     _, processor, family, model = tiny
     samples = _samples()

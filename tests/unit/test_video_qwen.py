@@ -152,7 +152,7 @@ def test_a_packed_row_with_videos_equals_the_padded_batch(tiny):
     import torch
 
     from vlmctl.data.collate import Collator, PackedCollator
-    from vlmctl.train.loop import loss_sum
+    from vlmctl.train.objectives import loss_sum
 
     _, processor, family, model = tiny
     samples = _samples()
@@ -214,7 +214,7 @@ def test_batch_flops_count_video_patches_like_the_flop_counter(tiny):
 
     from vlmctl.data.collate import PackedCollator
     from vlmctl.train.flops import CostModel
-    from vlmctl.train.loop import loss_sum
+    from vlmctl.train.objectives import loss_sum
 
     _, processor, family, model = tiny
     sample = _samples()[0]

@@ -209,7 +209,7 @@ def test_a_packed_row_with_videos_gives_each_sample_its_unpacked_positions_logit
     import torch
 
     from vlmctl.data.collate import Collator, PackedCollator, model_inputs
-    from vlmctl.train.loop import loss_sum
+    from vlmctl.train.objectives import loss_sum
 
     _, processor, family, model = tiny
     samples = _samples()

@@ -24,11 +24,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from vlmctl.distributed.engine import is_deepspeed, is_fsdp
 from vlmctl.errors import ConfigError
 
 DIM_NAMES = ("dp_replicate", "dp_shard", "sp", "tp")
 DP_DIMS = ("dp_replicate", "dp_shard")
-SHARDED_STRATEGIES = ("fsdp", "zero2", "zero3")
 SHARDINGS = ("full", "hybrid")
 # train.fsdp_sharding as the launcher hands it to the ranks (`train.launch.rank_env`)
 SHARDING_ENV = "VLMCTL_FSDP_SHARDING"
@@ -72,7 +72,7 @@ class ParallelDims:
         if sharding not in SHARDINGS:
             raise ConfigError(f"train.fsdp_sharding = {sharding!r} is not one of {', '.join(SHARDINGS)}",
                               hint="set train.fsdp_sharding to full or hybrid")
-        if sharding == "hybrid" and strategy != "fsdp":
+        if sharding == "hybrid" and not is_fsdp(strategy):
             raise ConfigError(f"train.fsdp_sharding=hybrid needs train.strategy=fsdp, not {strategy}",
                               hint="set train.strategy=fsdp, or train.fsdp_sharding=full")
         per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -81,7 +81,7 @@ class ParallelDims:
         if sharding == "hybrid":
             nodes = world_size // per_node
             return cls(dp_replicate=nodes, dp_shard=per_node // sp, sp=sp, world_size=world_size, hsdp=nodes > 1)
-        if strategy in SHARDED_STRATEGIES:
+        if is_fsdp(strategy) or is_deepspeed(strategy):  # the weights or their optimizer state are sharded
             return cls(dp_replicate=1, dp_shard=world_size // sp, sp=sp, world_size=world_size)
         return cls(dp_replicate=world_size // sp, dp_shard=1, sp=sp, world_size=world_size)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from vlmctl.distributed.engine import strategy_of
 from vlmctl.families import PARTS
 
 STAGE_TRAINS = {"align": ("projector",), "finetune": ("projector", "llm"), "full": ("vision", "projector", "llm")}
@@ -30,7 +31,6 @@ STAGE_TRAINS = {"align": ("projector",), "finetune": ("projector", "llm"), "full
 it through `trained_parts` (`vlmctl.train.setup.trainable_parts`)."""
 
 BYTES_WEIGHT, BYTES_GRAD, BYTES_OPTIM = 2, 2, 12
-DEEPSPEED = ("zero2", "zero3")
 QUANTIZED_BYTES = {"4bit": 0.5, "8bit": 1.0}
 PART_LABELS = {"vision": "vision tower", "projector": "projector", "llm": "language model"}
 """What the parameter table calls each part (`vlmctl.families.PARTS`); see `part_labels` for audio models."""
@@ -100,7 +100,7 @@ def param_bytes(strategy: str, precision: str, master_weights: str = "fp32", *,
                 optimizer_in_backward: bool = False) -> ParamBytes:
     """Bytes per parameter for a strategy ("ddp", "fsdp", "zero2", "zero3"), a resolved compute precision ("bf16",
     "fp16", "fp32") and `train.master_weights` ("fp32", "bf16"); see the module docstring for the sources."""
-    if strategy in DEEPSPEED:
+    if strategy_of(strategy).deepspeed:
         out = ZERO_MIXED if precision in ("bf16", "fp16") else ParamBytes(4, 4, 8, 4)
     elif master_weights == "bf16":
         out = ParamBytes(2, 2, 4, 2)
@@ -129,9 +129,10 @@ def memory_per_gpu(parameters: dict[str, int], trained: dict[str, bool], *, stra
     trainable = sum(parameters[p] for p in PARTS if trained[p])
     grads = b.grad * trainable
     optim = b.optim * trainable
-    if strategy == "zero2":
+    sharding = strategy_of(strategy)
+    if sharding.zero_stage == 2:  # gradients and optimizer state partitioned, weights replicated
         grads, optim = grads / n, optim / n
-    elif strategy in ("fsdp", "zero3"):
+    elif sharding.fsdp or sharding.zero_stage == 3:
         weights, grads, optim = weights / n, grads / n, optim / n
     out = {"weights": int(weights), "gradients": int(grads), "optimizer": int(optim)}
     out["total"] = sum(out.values())
@@ -140,7 +141,7 @@ def memory_per_gpu(parameters: dict[str, int], trained: dict[str, bool], *, stra
 
 def precision_label(strategy: str, precision: str, master_weights: str) -> str:
     """How the estimate stores the run, in words: e.g. "bf16 compute, fp32 master weights + AdamW"."""
-    if strategy in DEEPSPEED and precision in ("bf16", "fp16"):
+    if strategy_of(strategy).deepspeed and precision in ("bf16", "fp16"):
         return f"{precision} weights, fp32 master copy + AdamW"
     if precision == "fp32":
         return "fp32 + AdamW"

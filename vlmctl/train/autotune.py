@@ -259,8 +259,9 @@ def probe_rows(lengths, make_batch, *, packing: bool, costs=None):
     return rows
 
 
-def measure_pass(stepper, batch, device, group=None) -> tuple[int, float]:
-    """Peak GPU bytes and seconds of one forward + backward of `batch` (gradients then dropped), max over ranks."""
+def measure_pass(engine, objective, batch, device, group=None) -> tuple[int, float]:
+    """Peak GPU bytes and seconds of one forward + backward of `batch` through `engine` with `objective`'s loss
+    (gradients then dropped), max over ranks."""
     import torch
     import torch.distributed as dist
 
@@ -269,12 +270,12 @@ def measure_pass(stepper, batch, device, group=None) -> tuple[int, float]:
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    loss = stepper.loss(to_device(batch, device))
-    stepper.backward(loss, 1.0 / max(1, int(batch.get("num_label_tokens", 1) or 1)))
+    loss = engine.forward(objective, to_device(batch, device)).loss
+    engine.backward(loss, 1.0 / max(1, int(objective.label_tokens(batch) or 1)))
     torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
     del loss
-    stepper.optimizer.zero_grad(set_to_none=True)
+    engine.optimizer.zero_grad(set_to_none=True)
     out = torch.tensor([float(torch.cuda.max_memory_allocated(device)), seconds], device=device, dtype=torch.float64)
     if dist.is_initialized():
         dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
@@ -282,8 +283,8 @@ def measure_pass(stepper, batch, device, group=None) -> tuple[int, float]:
     return int(out[0].item()), float(out[1].item())
 
 
-def measure_step(stepper, device, group=None) -> float:
-    """Seconds of one optimizer step of `stepper` (gradient norm and AdamW over every trained parameter), max over
+def measure_step(engine, device, group=None) -> float:
+    """Seconds of one optimizer step of `engine` (a torch engine: gradient norm and AdamW over every trained parameter), max over
     ranks: the part of a training step the probe's forward + backward passes leave out, the same for every row
     size (0.13 s for the 3B's AdamW with stochastic rounding on an H100, docs/benchmarks.md). The fastest of the
     second and third of three steps on zero gradients at learning rate 0 (the first allocates the moments and
@@ -294,22 +295,22 @@ def measure_step(stepper, device, group=None) -> float:
     import torch
     import torch.distributed as dist
 
-    from vlmctl.train.loop import total_grad_norm
+    from vlmctl.distributed.engine import total_grad_norm
 
-    optimizer = stepper.optimizer
-    if optimizer.state or hasattr(optimizer, "grad_norm") or not stepper.params:
+    optimizer = engine.optimizer
+    if optimizer.state or hasattr(optimizer, "grad_norm") or not engine.params:
         return 0.0
     lrs = [param_group["lr"] for param_group in optimizer.param_groups]
     try:
         for param_group in optimizer.param_groups:
             param_group["lr"] = torch.zeros_like(param_group["lr"]) if torch.is_tensor(param_group["lr"]) else 0.0
-        for p in stepper.params:
+        for p in engine.params:
             p.grad = torch.zeros_like(p)
         times = []
         for _ in range(3):
             _synchronize(device)
             t0 = time.perf_counter()
-            total_grad_norm(stepper.params)  # as TorchStepper.step
+            total_grad_norm(engine.params)  # as TorchEngine.step
             optimizer.step()
             _synchronize(device)
             times.append(time.perf_counter() - t0)
@@ -349,15 +350,16 @@ def candidates(train, layer_groups=None) -> tuple:
     return modes
 
 
-def probe(train, *, stepper, layer_groups, rows, device, lengths, dp_size: int, stored_bytes: int,
+def probe(train, *, engine, objective, layer_groups, rows, device, lengths, dp_size: int, stored_bytes: int,
           group=None, log=lambda msg: None) -> Choice:
-    """Run `search` on the wrapped model behind `stepper`: `layer_groups` are the decoder layers and vision blocks
-    (checkpointing modes are set on them), `rows(size)` builds a batch (see `probe_rows`). The modes tried are
+    """Run `search` on the wrapped model behind `engine` with `objective`'s loss: `layer_groups` are the decoder
+    layers and vision blocks (checkpointing modes are set on them through `parallelize`'s checkpointing step,
+    `distributed.parallelize.checkpoint_layers`), `rows(size)` builds a batch (see `probe_rows`). The modes tried are
     `candidates(train)` when activation_checkpointing is auto, else the configured one. Leaves the chosen mode set on the
     layers."""
     import torch
 
-    from vlmctl.train.checkpointing import apply_activation_checkpointing
+    from vlmctl.distributed.parallelize import checkpoint_layers
 
     modes = (candidates(train, layer_groups) if pending(train.activation_checkpointing)
              else (train.activation_checkpointing,))
@@ -375,25 +377,25 @@ def probe(train, *, stepper, layer_groups, rows, device, lengths, dp_size: int, 
         fixed = None if pending(train.micro_batch_size) else int(train.micro_batch_size)
     if fixed is not None:  # only the mode is auto: measure at the configured size
         floor, cap, sizes = fixed, fixed, (fixed, fixed)
-    pause = getattr(stepper.optimizer, "paused", None)
+    pause = getattr(engine.optimizer, "paused", None)
     if pause is not None:
-        stepper.optimizer.paused = True
-    state = 0 if stepper.optimizer.state else optimizer_state_bytes(stepper.model, stored_bytes)
-    overhead = measure_step(stepper, device, group) / train.gradient_accumulation_steps
+        engine.optimizer.paused = True
+    state = 0 if engine.optimizer.state else optimizer_state_bytes(engine.model, stored_bytes)
+    overhead = measure_step(engine, device, group) / train.gradient_accumulation_steps
     log(f"  optimizer step: {overhead:.3f} s per row, added to each mode's forward + backward")
 
     def run(mode, size: int, timed: bool = False) -> Trial:
         # memory is planned on the heaviest rows; the mode's speed is timed on a typical row of the chosen size
-        apply_activation_checkpointing(layer_groups, mode, offload=train.activation_offload)
+        checkpoint_layers(layer_groups, mode, offload=train.activation_offload)
         try:
             batch = rows(size, heaviest=not timed)
-            peak, seconds = measure_pass(stepper, batch, device, group)
+            peak, seconds = measure_pass(engine, objective, batch, device, group)
             if timed:  # the first pass after a trial refills the emptied allocator cache: time the second
-                peak2, seconds = measure_pass(stepper, batch, device, group)
+                peak2, seconds = measure_pass(engine, objective, batch, device, group)
                 peak = max(peak, peak2)
             return Trial(mode=mode, size=size, peak_bytes=peak, seconds=seconds)
         except torch.OutOfMemoryError:
-            stepper.optimizer.zero_grad(set_to_none=True)
+            engine.optimizer.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
             return Trial(mode=mode, size=size, peak_bytes=0, seconds=0.0, oom=True)
 
@@ -402,8 +404,8 @@ def probe(train, *, stepper, layer_groups, rows, device, lengths, dp_size: int, 
                         cap=cap, step=step, overhead=overhead, log=log)
     finally:
         if pause is not None:
-            stepper.optimizer.paused = False
-    apply_activation_checkpointing(layer_groups, choice.activation_checkpointing, offload=train.activation_offload)
+            engine.optimizer.paused = False
+    checkpoint_layers(layer_groups, choice.activation_checkpointing, offload=train.activation_offload)
     if not train.packing:
         choice.micro_batch_size, choice.tokens_per_batch = choice.tokens_per_batch, None
     return choice
@@ -464,12 +466,13 @@ def record_plan(run_dir: Path, ctx):
     return ctx
 
 
-def tune(cfg, run_dir: Path, ctx, tm, stepper, dataset, lengths, log=print) -> Choice | None:
-    """Settle the auto keys `wants(cfg.train)` on a wrapped model (`stepper`: the loop's TorchStepper): from
+def tune(cfg, run_dir: Path, ctx, tm, engine, objective, dataset, lengths, log=print) -> Choice | None:
+    """Settle the auto keys `wants(cfg.train)` on a wrapped model (`engine`: the loop's torch engine; `objective`:
+    the run's): from
     `RUN_DIR/autotune.json` when resuming, else by `probe` on rows of `dataset` (a ShardDataset) collated as
     training collates them (`lengths`: their token counts). Rank 0 records and prints the choice. Returns the
     choice, or None when nothing was auto."""
-    from vlmctl.train.checkpointing import apply_activation_checkpointing
+    from vlmctl.distributed.parallelize import checkpoint_layers
 
     train, groups = cfg.train, [tm.parts.decoder_layers, tm.parts.vision_layers]
     if not wants(ctx.plan):
@@ -477,7 +480,7 @@ def tune(cfg, run_dir: Path, ctx, tm, stepper, dataset, lengths, log=print) -> C
     record = load_record(run_dir) if train.resume is not None else None
     if record is not None:
         ctx.plan, applied = settle_probe(ctx.plan, train, record)
-        apply_activation_checkpointing(groups, train.activation_checkpointing, offload=train.activation_offload)
+        checkpoint_layers(groups, train.activation_checkpointing, offload=train.activation_offload)
         if ctx.env.is_main:
             write_plan(run_dir, ctx.plan)
             log(f"auto (recorded when the run started): {', '.join(applied)}")
@@ -490,14 +493,14 @@ def tune(cfg, run_dir: Path, ctx, tm, stepper, dataset, lengths, log=print) -> C
     costs = getattr(dataset, "sample_costs", None)
     if costs is None and train.packing:
         costs = sample_costs(tm.cost_model, dataset, lengths)
-    choice = probe_and_apply(train, ctx, tm, stepper, lengths, lambda indices, collate: collate([dataset[i] for i in indices]),
+    choice = probe_and_apply(train, ctx, tm, engine, objective, lengths, lambda indices, collate: collate([dataset[i] for i in indices]),
                              packing=train.packing, max_length=cfg.data.max_length, costs=costs, log=log)
     if ctx.env.is_main:
         save_record(run_dir, choice, ctx.plan)
     return choice
 
 
-def probe_and_apply(train, ctx, tm, stepper, lengths, collate_rows, *, packing: bool, max_length=None,
+def probe_and_apply(train, ctx, tm, engine, objective, lengths, collate_rows, *, packing: bool, max_length=None,
                     costs=None, log=print) -> Choice:
     """`probe` on rows of the caller's samples, collated as training collates them, then the choice applied to
     `train` and printed by rank 0. `lengths`: the samples' token counts; `collate_rows(indices, collator)` returns
@@ -518,7 +521,7 @@ def probe_and_apply(train, ctx, tm, stepper, lengths, collate_rows, *, packing: 
         return tm.prepare(batch) if tm.prepare is not None else batch
 
     main = ctx.env.is_main
-    choice = probe(train, stepper=stepper, layer_groups=[tm.parts.decoder_layers, tm.parts.vision_layers],
+    choice = probe(train, engine=engine, objective=objective, layer_groups=[tm.parts.decoder_layers, tm.parts.vision_layers],
                    rows=probe_rows(lengths, make_batch, packing=packing, costs=costs), device=ctx.env.device, lengths=lengths,
                    dp_size=ctx.dims.dp_size, stored_bytes=ctx.stored.itemsize, group=ctx.dims.dp_group,
                    log=log if main else (lambda msg: None))

@@ -1,4 +1,5 @@
-"""Checkpoints: torch DCP (ddp/fsdp) or DeepSpeed's own layout (zero2/zero3), atomic rename, pruning, discovery.
+"""Checkpoints: the engine's files (`distributed.engine.Engine.save`: torch DCP for ddp/fsdp, DeepSpeed's own
+layout for zero2/zero3), atomic rename, pruning, discovery.
 
 Layout of a run folder (readers such as `vlmctl convert` depend on it)::
 
@@ -135,11 +136,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(run_dir: Path, step: int, trainer_state: dict[str, Any], *, rank: int, model=None, optimizer=None,
-         scheduler=None, engine=None, total_limit: int | None = None, keep: int | None = None) -> Path:
+def save(run_dir: Path, step: int, trainer_state: dict[str, Any], *, rank: int, engine,
+         total_limit: int | None = None, keep: int | None = None) -> Path:
     """Save a checkpoint of `step` collectively (every rank calls this) and return its final path.
 
-    DCP for a torch model + optimizer, or `engine.save_checkpoint` for a DeepSpeed engine. Written to
+    The engine's model, optimizer and schedule (`Engine.save`: DCP or DeepSpeed's layout). Written to
     `.tmp-checkpoint-<step>` and renamed by rank 0 once every rank is done; then old checkpoints beyond
     `total_limit` are removed, except the one of step `keep` (the best, `train.save_best`). A write that fails on any rank (disk full, permissions) fails on every rank with
     the same CheckpointError naming the file (and the free space for a full disk); the temporary folder is removed.
@@ -148,7 +149,7 @@ def save(run_dir: Path, step: int, trainer_state: dict[str, Any], *, rank: int, 
     final, tmp = folder / f"checkpoint-{step}", folder / f".tmp-checkpoint-{step}"
     try:
         _agree(_attempt(lambda: _make_tmp(tmp) if rank == 0 else None, tmp))
-        _agree(_attempt(lambda: _write_state(tmp, step, rank, model, optimizer, scheduler, engine), tmp))
+        _agree(_attempt(lambda: _write_state(tmp, step, rank, engine), tmp))
         _agree(_attempt(lambda: _install(run_dir, tmp, final, trainer_state, total_limit, keep) if rank == 0 else None, tmp))
     except Exception:
         if rank == 0:
@@ -163,21 +164,11 @@ def _make_tmp(tmp: Path) -> None:
     tmp.mkdir()
 
 
-def _write_state(tmp: Path, step: int, rank: int, model, optimizer, scheduler, engine) -> None:
-    """This rank's part: DCP shards (collective) or DeepSpeed's files, then its RNG states."""
+def _write_state(tmp: Path, step: int, rank: int, engine) -> None:
+    """This rank's part: the engine's files (DCP shards are collective), then its RNG states."""
     import torch
 
-    if engine is not None:
-        engine.save_checkpoint(str(tmp), tag=f"global_step{step}", client_state={"step": step})
-    else:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        from vlmctl.checkpoints import dcp_writer
-
-        model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer))
-        dcp.save({"model": model_sd, "optim": optim_sd, "scheduler": _plain(scheduler.state_dict())},
-                 storage_writer=dcp_writer(tmp))
+    engine.save(tmp, step)
     with open(tmp / f"rng-{rank}.pt", "wb") as f:  # through a Python file: a full disk raises OSError(ENOSPC), not a bare RuntimeError
         torch.save(rng_state(), f)
 
@@ -290,13 +281,9 @@ def _agree(error: tuple[str, str] | None) -> None:
         raise CheckpointError(*first)
 
 
-def _plain(state: dict[str, Any]) -> dict[str, Any]:
-    # LambdaLR keeps `lr_lambdas: [None, ...]`; DCP stores the rest as plain values.
-    return {k: v for k, v in state.items() if k != "lr_lambdas"}
-
-
-def load(checkpoint: Path, *, rank: int, model=None, optimizer=None, scheduler=None, engine=None) -> dict[str, Any]:
-    """Restore model, optimizer, scheduler and this rank's RNG states in place; return trainer_state.json.
+def load(checkpoint: Path, *, rank: int, engine) -> dict[str, Any]:
+    """Restore the engine's model, optimizer, scheduler (`Engine.load`) and this rank's RNG states in place; return
+    trainer_state.json.
 
     Every rank calls this. Every file is read through `vlmctl.checkpoints` (JSON, weights-only tensors, DCP with
     the allow-listed metadata reader and planner, DeepSpeed with weights-only loads) after `check_checkpoint`, so
@@ -309,47 +296,11 @@ def load(checkpoint: Path, *, rank: int, model=None, optimizer=None, scheduler=N
     for key in ("step", "consumed_micro_batches"):  # the loop's position (TrainState.from_checkpoint)
         if not isinstance(state.get(key), int) or state[key] < 0:
             raise safe.corrupt(checkpoint / STATE_FILE, f"{key} is {state.get(key)!r}, not a step count")
-    if engine is not None:
-        _load_deepspeed(checkpoint, engine)
-    else:
-        _load_dcp(checkpoint, model, optimizer, scheduler)
+    engine.load(checkpoint)
     rng_file = checkpoint / f"rng-{rank}.pt"
     if rng_file.is_file():
         set_rng_state(safe.load_tensors(rng_file))
     return state
-
-
-def _load_deepspeed(checkpoint: Path, engine) -> None:
-    from vlmctl.checkpoints import CheckpointError, deepspeed_weights_only
-
-    with deepspeed_weights_only():
-        path, _ = engine.load_checkpoint(str(checkpoint), load_optimizer_states=True, load_lr_scheduler_states=True)
-    if path is None:
-        raise CheckpointError(f"DeepSpeed found no checkpoint in {checkpoint}", hint="pass another checkpoint, or start without --resume")
-
-
-def _load_dcp(checkpoint: Path, model, optimizer, scheduler) -> None:
-    import torch
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    from vlmctl.checkpoints import dcp_load
-
-    model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer))
-    strict = {"model": model_sd, "scheduler": _plain(scheduler.state_dict())}
-    dcp_load(strict, checkpoint)
-    # Parameters that never received a gradient (e.g. a vision layer after the selected feature layer) have
-    # no AdamW state in the checkpoint; the placeholders `get_state_dict` creates for them stay unused.
-    optim = {"optim": optim_sd}
-    dcp_load(optim, checkpoint, allow_partial_load=True)
-    set_state_dict(model, _optimizers(optimizer), model_state_dict=strict["model"], optim_state_dict=optim["optim"])
-    scheduler.load_state_dict({**scheduler.state_dict(), **strict["scheduler"]})
-    # DCP restores the groups' lr for one optimizer but not across several (OptimizerInBackward): the
-    # scheduler's last learning rates are the groups' current ones either way
-    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-        if isinstance(group["lr"], torch.Tensor):  # torchao's AdamW keeps a tensor it reads in its compiled step
-            group["lr"].fill_(float(lr))
-        else:
-            group["lr"] = lr
 
 
 def prune(run_dir: Path, total_limit: int | None, keep: int | None = None) -> list[Path]:
@@ -371,11 +322,6 @@ def prune(run_dir: Path, total_limit: int | None, keep: int | None = None) -> li
     return removed
 
 
-def _optimizers(optimizer):
-    """What DCP saves for `optimizer`: the per-parameter optimizers of an OptimizerInBackward, else itself."""
-    return getattr(optimizer, "checkpoint_optimizers", None) or optimizer
-
-
 def resolve_resume(run_dir: Path, resume: str | None) -> Path | None:
     """The checkpoint to resume from: None, the latest complete one (`auto`), or a given path. Raises ConfigError
     for a path that holds no complete checkpoint."""
@@ -391,23 +337,23 @@ def resolve_resume(run_dir: Path, resume: str | None) -> Path | None:
                           hint="use train.resume=auto, or a checkpoints/checkpoint-<step> folder of a run")
     return path
 
-def resume(checkpoint: Path, *, rank: int, world_size: int, model=None, optimizer=None, scheduler=None, engine=None) -> dict[str, Any]:
+def resume(checkpoint: Path, *, rank: int, world_size: int, engine) -> dict[str, Any]:
     """`load` for resuming a run on `world_size` ranks; returns trainer_state.json.
 
     DCP reshards weights and optimizer state onto another world size (rank 0 says so; the loop rescales its per-rank
     data position, `loop.TrainState.from_checkpoint`, so the run continues at the same global micro-batch; the
-    steps see the same samples when ranks x gradient_accumulation_steps is unchanged); DeepSpeed does not, which
-    raises ConfigError.
+    steps see the same samples when ranks x gradient_accumulation_steps is unchanged); an engine that does not
+    reshard (`Engine.reshards`: DeepSpeed) raises ConfigError.
     """
     import sys
 
     from vlmctl.errors import ConfigError
 
-    saved = load(checkpoint, rank=rank, model=model, optimizer=optimizer, scheduler=scheduler, engine=engine)
+    saved = load(checkpoint, rank=rank, engine=engine)
     written = saved.get("world_size")
     if written != world_size:
-        if engine is not None:
-            raise ConfigError(f"{checkpoint} was written by {written} ranks; DeepSpeed resumes with the same number",
+        if not engine.reshards:
+            raise ConfigError(f"{checkpoint} was written by {written} ranks; {saved.get('strategy') or 'this strategy'} resumes with the same number",
                               hint=f"launch with {written} processes in total")
         if rank == 0:
             print(f"note: {checkpoint} was written by {written} ranks, resuming with {world_size}: weights and "
@@ -416,13 +362,13 @@ def resume(checkpoint: Path, *, rank: int, world_size: int, model=None, optimize
 
 
 class Saver:
-    """The `save(step, state, reason)` callback of the step loop: a collective checkpoint of the model, optimizer,
-    scheduler (or DeepSpeed engine) with trainer_state.json = `info` + the loop's position, then `notify(path)`."""
+    """The `save(step, state, reason)` callback of the step loop: a collective checkpoint of the engine (model,
+    optimizer, scheduler) with trainer_state.json = `info` + the loop's position, then `notify(path)`."""
 
-    def __init__(self, run_dir: Path, *, rank: int, model, optimizer, scheduler, engine, total_limit: int | None,
+    def __init__(self, run_dir: Path, *, rank: int, engine, total_limit: int | None,
                  batches_per_epoch: int, info: dict[str, Any], notify=None):
         self.run_dir, self.rank, self.total_limit = Path(run_dir), rank, total_limit
-        self.model, self.optimizer, self.scheduler, self.engine = model, optimizer, scheduler, engine
+        self.engine = engine
         self.batches_per_epoch, self.info, self.notify = batches_per_epoch, info, notify
 
     def __call__(self, step: int, state, reason: str) -> Path:
@@ -432,8 +378,7 @@ class Saver:
         if state.best is not None:  # validation's best so far (`train.eval_steps`), its checkpoint kept
             info["best"] = state.best
         keep = state.best["step"] if state.best and state.best.get("save_best") else None
-        path = save(self.run_dir, step, info, rank=self.rank, model=self.model, optimizer=self.optimizer,
-                    scheduler=self.scheduler, engine=self.engine, total_limit=self.total_limit, keep=keep)
+        path = save(self.run_dir, step, info, rank=self.rank, engine=self.engine, total_limit=self.total_limit, keep=keep)
         if self.notify is not None and reason != "signal":  # the stop message names the checkpoint
             from rich.markup import escape
 

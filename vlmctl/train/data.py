@@ -85,10 +85,10 @@ def build_collator(cfg, ctx, tm):
     earlier steps, and a step that skips a traced tower leaves them in flight ("still have inflight params",
     DeepSpeed issue 5828, released only by newer versions, PR 6557); ZeRO-2 is not checked without its dummies."""
     from vlmctl.data.collate import Collator, PackedCollator
-    from vlmctl.train.setup import DEEPSPEED
+    from vlmctl.distributed.engine import is_deepspeed
 
     train = cfg.train
-    grouped = train.group_by_modality and train.strategy not in DEEPSPEED
+    grouped = train.group_by_modality and not is_deepspeed(train.strategy)
     if train.packing:
         return PackedCollator(tm.processor, tm.family, max_length=cfg.data.max_length,
                               tokens_per_batch=row_tokens(train), grouped=grouped)

@@ -1,8 +1,9 @@
 """The final export of a run: `run_dir/final/`, an HF folder (LoRA merged) or the peft adapter.
 
-Host memory: the weights are gathered one tensor at a time (every rank takes part in each tensor's all-gather
-and ranks other than 0 drop it at once), rank 0 keeps them in the output dtype and moves them into a model built
-without weights (`setup.load_empty`), so rank 0 holds one copy of the model and the others none. QLoRA re-reads its
+Host memory: the engine gathers the weights one tensor at a time (`distributed.engine.Engine.gather`: every rank
+takes part in each tensor's all-gather and ranks other than 0 drop it at once), rank 0 keeps them in the output
+dtype and moves them into a model built without weights (`setup.load_empty`), so rank 0 holds one copy of the
+model and the others none. QLoRA re-reads its
 full-precision base from the source instead (the quantized base is not what is exported).
 """
 
@@ -18,46 +19,12 @@ EXPORT_SHARD_BYTES = "5GB"
 from vlmctl.files import honour_umask
 
 
-def gather_state_dict(model, engine, rank: int, dtype=None):
-    """The full model state dict on rank 0 (CPU tensors, in `dtype` when given; None on other ranks), gathered
-    collectively from a DDP/FSDP2 model or a DeepSpeed engine. Every rank calls this.
-
-    A torch model's sharded state dict (`torch.distributed.checkpoint.state_dict.get_model_state_dict`: DTensor
-    shards under FSDP2, no copy) is gathered tensor by tensor (`DTensor.full_tensor`), so no rank ever holds more
-    than one full tensor it does not keep. DeepSpeed gives rank 0 its own consolidated copy (ZeRO-3's 16-bit
-    gather) or module state dict (ZeRO-2)."""
-    if engine is not None:
-        return _deepspeed_state(engine, rank, dtype)
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-    from torch.distributed.tensor import DTensor
-
-    gathered = {}
-    for key, value in get_model_state_dict(model).items():
-        sharded = isinstance(value, DTensor)
-        full = value.full_tensor() if sharded else value  # collective for a shard: every rank, in the same order
-        if rank == 0:  # a copy of an unsharded tensor: the export must not share storage with the trained model
-            gathered[key] = full.detach().to("cpu", dtype=dtype or full.dtype, copy=not sharded)
-        del full
-    return gathered if rank == 0 else None
-
-
-def _deepspeed_state(engine, rank: int, dtype):
-    """Rank 0's full state dict of a DeepSpeed engine in `dtype` (None elsewhere): ZeRO-3's consolidated 16-bit
-    copy (collective; converted tensor by tensor as it is emptied), ZeRO-2's module state dict (copied: the
-    export must not share storage with the engine's module)."""
-    own = engine.zero_optimization_stage() == 3
-    state = engine._zero3_consolidated_16bit_state_dict() if own else (engine.module.state_dict() if rank == 0 else None)
-    if rank != 0:
-        return None
-    return {key: (value := state.pop(key)).detach().to("cpu", dtype=dtype or value.dtype, copy=not own) for key in list(state)}
-
-
-def export_final(run_dir: Path, cfg, *, model, engine, source: str, dtype, rank: int, lora, parts_trainable: set[str]) -> Path:
+def export_final(run_dir: Path, cfg, *, engine, source: str, dtype, rank: int, lora, parts_trainable: set[str]) -> Path:
     """Write `run_dir/final/`: an HF folder loadable by AutoModelForImageTextToText + AutoProcessor (LoRA merged),
     or the peft adapter with `train.lora.keep_adapter`. Every rank calls this (gathering weights is collective).
 
     Saved in fp32 when training ran in fp32, else in bf16. LoRA adapters are merged with peft in fp32, then cast
-    once (`vlmctl.convert.merge_lora_model`). The trained state is gathered on rank 0 (`gather_state_dict`) in the
+    once (`vlmctl.convert.merge_lora_model`). The trained state is gathered on rank 0 (`Engine.gather`) in the
     dtype it is merged or saved in and moved into a model built without weights (`_load_trained`); no weight file
     of the source is read, except QLoRA's full-precision base. Raises VlmctlError when the trained weights do not
     fit the model.
@@ -67,7 +34,7 @@ def export_final(run_dir: Path, cfg, *, model, engine, source: str, dtype, rank:
 
     out_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
     merges = lora is not None and not lora.keep_adapter
-    state = gather_state_dict(model, engine, rank, dtype=torch.float32 if merges else out_dtype)
+    state = engine.gather(rank, dtype=torch.float32 if merges else out_dtype)
     final = Path(run_dir) / "final"
     if rank == 0:
         _write_final(Path(run_dir), cfg, state, source=source, lora=lora, parts_trainable=parts_trainable,

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmctl.config.plan import pending, resolve_nproc  # noqa: F401 - resolve_nproc: where its callers import it
+from vlmctl.distributed.engine import is_deepspeed, is_fsdp
 from vlmctl.distributed.mesh import SHARDING_ENV
 from vlmctl.errors import ConfigError, UsageError
 
@@ -255,7 +256,7 @@ def check_sharding(train, strategy: str | None = None) -> None:
         from types import SimpleNamespace
 
         strategy = launch_plan(SimpleNamespace(train=train, model=None)).strategy.value
-    if strategy != "fsdp":
+    if not is_fsdp(strategy):
         raise ConfigError(f"train.fsdp_sharding=hybrid needs train.strategy=fsdp, not {strategy}",
                           hint="set train.strategy=fsdp, or train.fsdp_sharding=full")
 
@@ -281,7 +282,7 @@ def require_package(module: str, setting: str, *, package: str | None = None, ex
 def required_packages(train) -> list[tuple[str, str, str | None, str | None]]:
     """The optional packages `train` (a TrainSection) needs, as (module, setting, pip package, extra)."""
     needs = [(tracker, f"train.report_to={tracker}", None, "tracking") for tracker in train.report_to]
-    if train.strategy in ("zero2", "zero3"):
+    if is_deepspeed(train.strategy):
         needs.append(("deepspeed", f"train.strategy={train.strategy}", None, "deepspeed"))
     if train.liger == "on":
         needs.append(("liger_kernel", "train.liger=on", "liger-kernel", "gpu"))
@@ -506,7 +507,7 @@ def launch_env(train) -> dict[str, str]:
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env[SHARDING_ENV] = train.fsdp_sharding
     env[LAUNCHER_ENV] = str(os.getpid())
-    if train.strategy in ("zero2", "zero3") and not _has_cuda():
+    if is_deepspeed(train.strategy) and not _has_cuda():
         env.setdefault("DS_ACCELERATOR", "cpu")
     return env
 

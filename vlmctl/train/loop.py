@@ -1,20 +1,20 @@
-"""The step loop shared by every strategy: `Trainer.train()` and `Trainer.train_step()`, read top to bottom.
+"""The step loop shared by every strategy and objective: `Trainer.train()` and `Trainer.train_step()`, read top to
+bottom.
 
-A strategy only changes how a loss is computed, back-propagated and stepped (`TorchStepper` for none/ddp/fsdp,
-`DeepSpeedStepper` for zero2/zero3); the loop itself is the same.
+The loop drives two things it knows only by their protocols: an `Engine` (`distributed.engine`: torch for
+ddp/fsdp, DeepSpeed for zero2/zero3) forwards, back-propagates and steps, and an `Objective` (`train.objectives`:
+supervised fine-tuning, or any other) says what a batch holds and computes the loss of one micro-batch.
 
-Loss: mean cross-entropy over the assistant tokens of the whole global batch (all micro-batches of the
-accumulation window on all data-parallel ranks). A micro-batch is a padded batch [B, T] or one packed row [1, T]
-of several samples (`train.packing`); its summed token loss comes from `loss_sum`: liger-kernel's fused linear
-cross-entropy when enabled (no logits at all), else for packed rows `kernels.token_losses` (the labelled
-positions' loss, in chunks of logits), else the padded batch's full logits. Each micro-batch's summed token loss is scaled by
-`dp_size / global_label_tokens` before backward, because data-parallel gradient reduction averages over the
-data-parallel ranks. So the loss and gradients of a step do not depend on how the global batch is split over ranks
-and micro-batches (1 rank x 8 samples == 2 ranks x 4 samples), unlike a mean of per-rank means. Label tokens,
-losses, token counts and FLOPs are summed over the data-parallel group (`ParallelDims.dp_group`), the ranks that
-read different data. With sequence parallelism the ranks of a group read the same row and each computes the loss
-of its slice (`distributed.sequence`): the scale is `dp_size x sp / global_label_tokens`, as gradients are averaged
-over all of them, and a batch's loss is summed over its group before it is reported.
+Loss: the objective's summed loss over the tokens of the whole global batch (all micro-batches of the accumulation
+window on all data-parallel ranks), divided by their count (`Objective.label_tokens`; for fine-tuning the assistant
+tokens, `objectives.loss_sum`). Each micro-batch's summed loss is scaled by `dp_size / global_label_tokens` before
+backward, because data-parallel gradient reduction averages over the data-parallel ranks. So the loss and gradients
+of a step do not depend on how the global batch is split over ranks and micro-batches (1 rank x 8 samples == 2
+ranks x 4 samples), unlike a mean of per-rank means. Label tokens, losses, token counts, FLOPs and the objective's
+extra metrics are summed over the data-parallel group (`ParallelDims.dp_group`), the ranks that read different
+data. With sequence parallelism the ranks of a group read the same row and each computes the loss of its slice
+(`distributed.sequence`): the scale is `dp_size x sp / global_label_tokens`, as gradients are averaged over all of
+them, and a batch's loss is summed over its group before it is reported.
 
 Stragglers: every collective waits for the slowest rank. Each step records, per data-parallel rank, its
 forward + backward time (`StepTimer`: CUDA events on a GPU, read after one synchronize per step; host clocks on a
@@ -27,65 +27,19 @@ step inside the forward and backward passes too, so a fast rank's wait for a slo
 and `balance` reads closer to 1 than the ranks' own work is; `balance_flops` (the estimated FLOPs per rank) does not.
 
 Bad steps: a micro-batch whose loss is NaN/inf on any rank is not back-propagated and the step is skipped
-(torch strategies: no optimizer step, gradients dropped; DeepSpeed: the bad micro-batch is left out of the
+(torch engine: no optimizer step, gradients dropped; DeepSpeed: the bad micro-batch is left out of the
 window, as its engine always steps at the boundary). After `train.max_bad_steps` the run aborts.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
 import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from vlmctl.data.collate import IGNORE_INDEX, is_packed, model_inputs
 from vlmctl.errors import VlmctlError
-
-
-def token_loss_sum(logits, labels):
-    """Summed next-token cross-entropy: logits [B, T, V], labels [B, T] (-100 = ignored) -> scalar (fp32)."""
-    import torch.nn.functional as F
-
-    shift_logits = logits[:, :-1, :].float()
-    shift_labels = labels[:, 1:].to(shift_logits.device)
-    return F.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
-
-
-def loss_sum(model, batch: dict[str, Any], *, liger: bool = False, inputs: dict[str, Any] | None = None, shard=None):
-    """Summed next-token cross-entropy (fp32 scalar, nats) over the labelled tokens of one micro-batch.
-
-    `model` is the root module (DDP/FSDP2/DeepSpeed wrapper included, so its hooks run); `inputs` overrides the
-    model inputs taken from `batch` (e.g. cast pixel values). With `liger` the model was patched by
-    `kernels.apply_liger`: given labels, its forward returns the fused linear cross-entropy, summed because
-    `num_items_in_batch=1` (transformers' and liger's convention: sum / num_items_in_batch). With a
-    sequence-parallel `shard` the loss is this rank's part of the row's: liger's fused loss given the next-token
-    labels of the rank's slice (`sequence.local_shift_labels`), else `kernels.token_losses` over the slice.
-    Raises VlmctlError where the patched forward returns no loss (a liger version without `shift_labels`).
-    """
-    from vlmctl.train.kernels import token_losses
-
-    inputs = model_inputs(batch) if inputs is None else inputs
-    if shard is not None and liger:
-        from vlmctl.distributed.sequence import local_shift_labels
-
-        out = model(**inputs, shift_labels=local_shift_labels(batch["labels"], shard), num_items_in_batch=1, use_cache=False)
-        if out.loss is None:
-            raise VlmctlError("liger-kernel's forward for this family takes no shift_labels, which sequence parallelism needs",
-                              hint="upgrade liger-kernel (pip install -U liger-kernel), or set train.liger=off")
-        return out.loss.float()
-    if shard is not None:
-        losses, _ = token_losses(model, {**inputs, "labels": batch["labels"], "use_cache": False}, shard=shard)
-        return losses.sum()
-    if liger:
-        return model(**inputs, labels=batch["labels"], num_items_in_batch=1, use_cache=False).loss.float()
-    if is_packed(batch):
-        losses, _ = token_losses(model, {**inputs, "labels": batch["labels"], "use_cache": False})
-        return losses.sum()
-    out = model(**inputs, use_cache=False)
-    return token_loss_sum(out.logits, batch["labels"])
+from vlmctl.train.objectives import check_batch
 
 
 def prefetch(batches: Iterator[dict[str, Any]], prepare=None, depth: int = 2) -> Iterator[dict[str, Any]]:
@@ -134,116 +88,6 @@ def prefetch(batches: Iterator[dict[str, Any]], prepare=None, depth: int = 2) ->
 
 def to_device(batch: dict[str, Any], device) -> dict[str, Any]:
     return {k: (v.to(device, non_blocking=True) if hasattr(v, "to") else v) for k, v in batch.items()}
-
-
-def total_grad_norm(params) -> tuple[Any, float]:
-    """The 2-norm over the gradients of `params` (those that have one): the tensor (for clipping) and its value
-    (a host sync; FSDP2's DTensor norm is gathered first)."""
-    import torch
-
-    grads = [p.grad for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-    return total, float(total.full_tensor() if hasattr(total, "full_tensor") else total)
-
-
-class TorchStepper:
-    """Forward/backward/step for an nn.Module wrapped (or not) in DDP or FSDP2, with a torch optimizer."""
-
-    def __init__(self, model, optimizer, scheduler, *, max_grad_norm: float, autocast_dtype=None, device=None, liger: bool = False,
-                 shard=None):
-        import torch
-
-        self.model = model
-        self.liger = liger
-        self.shard = shard
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.max_grad_norm = max_grad_norm
-        self.device = device
-        self.autocast_dtype = autocast_dtype if autocast_dtype not in (None, torch.float32) else None
-        self.params = [p for p in model.parameters() if p.requires_grad]
-
-    def sync(self, last: bool):
-        """Skip the gradient all-reduce/reduce-scatter on all but the last micro-batch of a window."""
-        if hasattr(self.model, "no_sync"):
-            return contextlib.nullcontext() if last else self.model.no_sync()
-        if hasattr(self.model, "set_requires_gradient_sync"):
-            self.model.set_requires_gradient_sync(last)
-        return contextlib.nullcontext()
-
-    def loss(self, batch: dict[str, Any]):
-        import torch
-
-        ctx = torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype else contextlib.nullcontext()
-        with ctx:
-            return loss_sum(self.model, batch, liger=self.liger, shard=self.shard)
-
-    def backward(self, loss, scale: float) -> None:
-        (loss * scale).backward()
-
-    def step(self, skip: bool) -> float | None:
-        """Clip and step unless `skip` or the gradient norm is not finite; returns the norm (None if skipped)."""
-        import torch
-
-        norm = None
-        if hasattr(self.optimizer, "grad_norm"):  # OptimizerInBackward: the parameters were stepped in backward
-            if not skip:
-                norm = self.optimizer.grad_norm()
-                self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            return norm if norm is not None and math.isfinite(norm) else None
-        if not skip:
-            total, norm = total_grad_norm(self.params)
-            # clip_grad_norm_ scales every gradient even when the norm is below the limit: one pass saved here
-            if math.isfinite(norm) and 0 < self.max_grad_norm < norm:
-                torch.nn.utils.clip_grads_with_norm_(self.params, self.max_grad_norm, total)
-            if math.isfinite(norm):
-                self.optimizer.step()
-                self.scheduler.step()
-            else:
-                norm = None
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
-
-    @property
-    def lr(self) -> float:
-        return float(self.scheduler.get_last_lr()[0])  # a tensor with torchao's AdamW
-
-
-class DeepSpeedStepper:
-    """The same interface over a DeepSpeed engine (it accumulates, clips, steps and schedules itself)."""
-
-    def __init__(self, engine, liger: bool = False, shard=None):
-        self.engine = engine
-        self.model = engine
-        self.liger = liger
-        self.shard = shard
-
-    def sync(self, last: bool):
-        return contextlib.nullcontext()
-
-    def loss(self, batch: dict[str, Any]):
-        inputs = model_inputs(batch)
-        dtype = next((p.dtype for p in self.engine.module.parameters()), None)
-        if "pixel_values" in inputs and dtype is not None:
-            inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
-        return loss_sum(self.engine, batch, liger=self.liger, inputs=inputs, shard=self.shard)
-
-    def backward(self, loss, scale: float) -> None:
-        # Our scale already averages over the window, so DeepSpeed must not divide by the accumulation steps again.
-        self.engine.backward(loss * scale, scale_wrt_gas=False)
-
-    def micro_step(self) -> None:
-        self.engine.step()
-
-    def step(self, skip: bool) -> float | None:
-        norm = self.engine.get_global_grad_norm()
-        norm = float(norm) if norm is not None else None
-        return None if skip or norm is None or not math.isfinite(norm) else norm
-
-    @property
-    def lr(self) -> float:
-        return self.engine.get_lr()[0]
 
 
 class StepTimer:
@@ -323,11 +167,14 @@ class StepResult:
     rank_compute_s: list[float] = field(default_factory=list)
     rank_data_wait_s: list[float] = field(default_factory=list)
     rank_flops: list[float] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)  # the objective's own (`Objective.metrics`), logged as they are
 
 
 @dataclass
 class Trainer:
     """The loop. `save(step, state, reason)` and `log(row)` are given by the worker (checkpoint and metrics).
+
+    `engine`: the rank's `distributed.engine.Engine`; `objective`: the `train.objectives.Objective` trained on.
 
     `flops_of(batch)`: training FLOPs of one collated micro-batch (`flops.CostModel.batch_flops`), computed on the
     CPU batch before its device copy; the row's `mfu` comes from their sum. `dp_group`: the data-parallel process
@@ -336,7 +183,8 @@ class Trainer:
     compute part of its loss; None without sequence parallelism.
     """
 
-    stepper: Any
+    engine: Any
+    objective: Any
     batches: Iterator[dict[str, Any]]
     env: Any  # distributed.env.DistEnv
     state: TrainState
@@ -356,6 +204,8 @@ class Trainer:
     sp_group: Any = None
     validator: Any = None
     _signal: int | None = field(default=None, init=False)
+    _checked: bool = field(default=False, init=False)
+    _extra: dict = field(default_factory=dict, init=False)  # the window's summed objective metrics
 
     def install_signal_handlers(self) -> dict:
         """SIGTERM/SIGINT: finish the current step, save a checkpoint, stop (SLURM preemption, Ctrl-C).
@@ -451,14 +301,17 @@ class Trainer:
         flops = float(sum(self.flops_of(b) for b in window)) if self.flops_of is not None else 0.0
         # The loss is a mean over the assistant tokens of the whole global batch: count them first. (This first
         # collective is also where the ranks wait for one whose data came late, before any compute is timed.)
-        label_tokens = torch.tensor([float(sum(b["num_label_tokens"] for b in window))], device=self.env.device)
+        if not self._checked:  # the first window of this process: the batches hold what the objective reads
+            check_batch(self.objective, window[0])
+            self._checked = True
+        label_tokens = torch.tensor([float(sum(self.objective.label_tokens(b) for b in window))], device=self.env.device)
         dist.all_reduce(label_tokens, group=self.dp_group)
         total_tokens = float(label_tokens)
         # gradients are averaged over the data-parallel and sequence-parallel ranks (`ParallelDims.grad_mesh`)
         loss_sum, bad = self._accumulate(window, scale=self.dp_size * self.sp_size / max(total_tokens, 1.0), timer=timer)
-        grad_norm = self.stepper.step(skip=bad)
-        bad = bad or grad_norm is None and not isinstance(self.stepper, DeepSpeedStepper)
-        stats = self._reduce_stats(window, loss_sum, flops)
+        grad_norm = self.engine.step(skip=bad)
+        bad = bad or grad_norm is None and self.engine.none_norm_skips
+        stats, extra = self._reduce_stats(window, loss_sum, flops)
         ranks = self._gather_ranks([timer.compute_s(), timer.data_s, flops])
         text, visual = int(stats[1]), int(stats[2])
         self.state.tokens += text + visual
@@ -467,6 +320,7 @@ class Trainer:
             text_tokens=text, visual_tokens=visual, dummy_images=int(stats[3]), samples=int(stats[4]),
             stop=bool(stats[6] > 0), bad=bad, flops=float(stats[5]),
             rank_compute_s=[r[0] for r in ranks], rank_data_wait_s=[r[1] for r in ranks], rank_flops=[r[2] for r in ranks],
+            metrics={} if bad else self.objective.metrics(extra, total_tokens),
         )
 
     def _gather_ranks(self, values: list[float]) -> list[list[float]]:
@@ -483,43 +337,49 @@ class Trainer:
 
     def _accumulate(self, window: list[dict[str, Any]], scale: float, timer: StepTimer | None = None):
         """Forward and backward of each micro-batch (gradients synchronized on the last), timed by `timer`; returns
-        (summed loss as a float64 tensor, whether a micro-batch was skipped for a non-finite loss)."""
+        (summed loss as a float64 tensor, whether a micro-batch was skipped for a non-finite loss). The objective's
+        extra metrics of the back-propagated micro-batches are summed into `_extra`."""
         import torch
         import torch.distributed as dist
 
         device = self.env.device
         timer = timer or StepTimer(device)
         loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+        self._extra = {}
         bad = False
         for i, batch in enumerate(window):
             batch = to_device(batch, device)
-            with self.stepper.sync(last=i == len(window) - 1):
+            with self.engine.sync(last=i == len(window) - 1):
                 start = timer.mark()
-                loss = self.stepper.loss(batch)
+                out = self.engine.forward(self.objective, batch)
+                loss = out.loss
                 timer.span(start)  # before the finiteness check, where ranks wait for each other
                 # over every rank (not only the data-parallel ones): all of them must skip the same backward
                 finite = torch.tensor([1.0 if bool(torch.isfinite(loss.detach())) else 0.0], device=device)
                 dist.all_reduce(finite, op=dist.ReduceOp.MIN)
                 if float(finite) == 1.0:
                     start = timer.mark()
-                    self.stepper.backward(loss, scale)
+                    self.engine.backward(loss, scale)
                     timer.span(start)
                     loss_sum += loss.detach().double()
+                    for name, value in out.metrics.items():
+                        self._extra[name] = self._extra.get(name, 0.0) + float(value)
                 else:
                     bad = True
-            if isinstance(self.stepper, DeepSpeedStepper):
-                self.stepper.micro_step()
+            self.engine.micro_step()
         return loss_sum, bad
 
     def _reduce_stats(self, window: list[dict[str, Any]], loss_sum, flops: float):
-        """[loss sum, text tokens, visual tokens, dummy images, samples, FLOPs, stop flag] summed over the
-        data-parallel ranks (float64 tensor)."""
+        """([loss sum, text tokens, visual tokens, dummy images, samples, FLOPs, stop flag] summed over the
+        data-parallel ranks (float64 tensor), the objective's extra metric sums of the window over them (name ->
+        float)). One all-reduce carries both."""
         import torch
         import torch.distributed as dist
 
         if self.sp_group is not None:  # each sequence rank holds part of its batch's loss
             loss_sum = loss_sum.clone()
             dist.all_reduce(loss_sum, group=self.sp_group)
+        names = sorted(self._extra)  # every rank holds the same names: the objective's, for every good micro-batch
         stats = torch.tensor([
             float(loss_sum),
             float(sum(b["num_text_tokens"] for b in window)),
@@ -528,13 +388,15 @@ class Trainer:
             float(sum(b["num_samples"] if "num_samples" in b else int(b["input_ids"].shape[0]) - b["num_dummy_images"] for b in window)),
             flops,
             1.0 if self._signal is not None else 0.0,
+            *(self._extra[name] for name in names),
         ], device=self.env.device, dtype=torch.float64)
         dist.all_reduce(stats, group=self.dp_group)
         if self.dp_size != dist.get_world_size():  # other parallel dimensions: a signal stops every rank
-            flag = stats[6:].clone()
+            flag = stats[6:7].clone()
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            stats[6:] = flag
-        return stats
+            stats[6:7] = flag
+        extra = {name: float(stats[7 + i]) for i, name in enumerate(names)}
+        return stats[:7], extra
 
     def _row(self, interval: list[StepResult], seconds: float, save_s: float = 0.0) -> dict[str, Any]:
         """The metrics row of `interval`: `seconds` of training (checkpoint time excluded), `save_s` the seconds
@@ -562,7 +424,7 @@ class Trainer:
             "epoch": round(self.state.consumed / self.batches_per_epoch, 4),
             "loss": last.loss,
             "loss_avg": sum(good) / len(good) if good else None,
-            "lr": self.stepper.lr,
+            "lr": self.engine.lr,
             "grad_norm": last.grad_norm,
             "label_tokens": last.label_tokens,
             "text_tokens": text,
@@ -579,4 +441,5 @@ class Trainer:
             "tokens_seen": self.state.tokens,
             "device": self.device_name,
             **straggler_stats(interval, seconds),
+            **last.metrics,
         }

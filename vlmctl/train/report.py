@@ -118,7 +118,7 @@ def checkpoint_info(train, *, ctx, tm, lora: dict | None, engine, total_steps: i
     return {
         "lora": lora, "model_source": tm.source, "family": tm.family.name, "world_size": ctx.env.world_size, "dp_size": ctx.dims.dp_size,
         "strategy": train.strategy, "stage": train.stage, "trainable_parts": sorted(tm.trainable),
-        "format": "deepspeed" if engine else "dcp", "micro_batch_size": train.micro_batch_size,
+        "format": engine.checkpoint_format, "micro_batch_size": train.micro_batch_size,
         "gradient_accumulation_steps": train.gradient_accumulation_steps, "total_steps": total_steps,
         "batches_per_epoch": batches_per_epoch, "precision": _dtype_name(ctx.dtype), "packing": train.packing,
         "tokens_per_batch": train.tokens_per_batch if train.packing else None,

@@ -1,14 +1,14 @@
-"""What a rank sets up before it trains, apart from the parallel wrapping (vlmctl.distributed): the model source,
-dtype and master weights, the model parts, stage/freeze, LoRA, activation checkpointing and compile, kernels
-(attention backend, liger, vision tower), the AdamW parameter groups, the optimizer and the LR schedule.
+"""What a rank sets up before it trains, apart from the parallel steps (`distributed.parallelize`: sequence split,
+activation checkpointing, compile, wrapping): the model source, dtype and master weights, the model parts,
+stage/freeze, LoRA, kernels (attention backend, liger, vision tower), the AdamW parameter groups, the optimizer and
+the LR schedule.
 
-The worker and `vlmctl bench` run the same two steps (torchtitan's order: checkpointing, then compile, then FSDP)::
+The worker and `vlmctl bench` run the same steps (`train.worker.wrap_model`)::
 
     ctx = setup_run(train, plan)                      # process group, mesh, seed, the run plan's dtypes
-    tm = prepare_model(model, family, train, device)  # apply_kernels, cost model, apply_training_setup (stage,
-                                                      # LoRA, checkpointing, compile)
-    optimizer = build_optimizer(tm.model, tm.parts, train, device, ctx.dims.dp_size)   # after wrapping
-    scheduler = build_scheduler(optimizer, train, total_steps)
+    tm = prepare_model(model, family, train, device)  # apply_kernels, cost model, apply_training_setup (stage, LoRA)
+    model = parallelize(tm.model, ...)                # distributed.parallelize: split, checkpointing, compile, wrap
+    engine = build_engine(model, ...)                 # distributed.engine: build_optimizer, build_scheduler (+ DeepSpeed)
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vlmctl.config.plan import pending, quantized
+from vlmctl.config.plan import quantized
+from vlmctl.distributed.engine import is_ddp, is_deepspeed, is_fsdp, is_torch
 from vlmctl.errors import ConfigError, ModelError
 from vlmctl.families import PARTS
 
 LORA_AUTO_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 BUILT_MODEL_FILES = ("config.json", "vlmctl_model.json")  # what `vlmctl model build` leaves in model.output_dir
-DEEPSPEED = ("zero2", "zero3")  # the strategies DeepSpeed runs
 
 
 def seed_everything(seed: int) -> None:
@@ -95,7 +95,7 @@ def load_quantized(source: str, cfg, *, dtype):
     cls = getattr(transformers, family.model_class)
     with quiet_transformers():  # no third-party progress bar or load report
         model = cls.from_pretrained(ref, quantization_config=bnb, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
-    # activation checkpointing is set per layer by `apply_training_setup` (train.activation_checkpointing)
+    # activation checkpointing is set per layer by `distributed.parallelize` (train.activation_checkpointing)
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     return model, load_processor(source, trust_remote_code=cfg.model.trust_remote_code), family
 
@@ -115,7 +115,7 @@ def rank0_loads(train, world_size: int) -> bool:
     model that holds its weights and partitions them itself, and bitsandbytes quantizes the weights while
     transformers reads them, which a model built empty cannot go through.
     """
-    return world_size > 1 and train.strategy in ("fsdp", "ddp") and not quantized(train)
+    return world_size > 1 and is_torch(train.strategy) and not quantized(train)
 
 
 def load_for_rank(source: str, cfg, ctx, *, resuming: bool = False) -> tuple[Any, Any, Any]:
@@ -205,7 +205,7 @@ def defer_weights(model, train, env, *, resuming: bool = False) -> DeferredWeigh
     box = [torch.get_rng_state() if env.is_main else None]
     dist.broadcast_object_list(box, src=0)
     torch.set_rng_state(box[0])
-    if train.strategy != "fsdp":
+    if not is_fsdp(train.strategy):
         return DeferredWeights("ddp")
     return DeferredWeights("rank0", state=model.state_dict() if env.is_main else None)
 
@@ -389,11 +389,9 @@ def store_frozen(model, dtype) -> int:
 
 
 def apply_training_setup(model, family, train, compute_dtype=None):
-    """Stage/freeze, LoRA, frozen weights in `compute_dtype` (when given), activation checkpointing and
-    torch.compile, in torchtitan's order (checkpointing, then compile, then the wrapping of `vlmctl.distributed`).
+    """Stage/freeze, LoRA and frozen weights in `compute_dtype` (when given): what is trained. Activation
+    checkpointing, compile and the wrapping come after, in `distributed.parallelize.parallelize`.
     Returns (model, parts, trainable part names)."""
-    from vlmctl.train.checkpointing import apply_activation_checkpointing, apply_tiled_mlp
-
     parts = model_parts(model, family)
     trainable = trainable_parts(train.stage, train.freeze)
     apply_stage(model, parts, trainable)
@@ -402,16 +400,6 @@ def apply_training_setup(model, family, train, compute_dtype=None):
         parts = model_parts(model, family)
     if compute_dtype is not None:
         store_frozen(model, compute_dtype)
-    if not pending(train.activation_checkpointing) and train.activation_checkpointing != "off":  # the probe sets it
-        apply_activation_checkpointing([parts.decoder_layers, parts.vision_layers], train.activation_checkpointing,
-                                       offload=train.activation_offload)
-    apply_tiled_mlp(parts.decoder_layers, train.tiled_mlp)
-    if train.compile == "on":
-        for layer in parts.decoder_layers:
-            layer.compile(dynamic=train.packing)  # packed rows change length every step
-    if train.compile_vision == "blocks":
-        for block in parts.vision_layers:
-            block.compile(dynamic=True)  # the patch count changes every step
     return model, parts, trainable
 
 
@@ -494,10 +482,10 @@ def check_optimizer_in_backward(train, dp_size: int) -> None:
     if train.gradient_accumulation_steps != 1:
         raise ConfigError(f"train.optimizer_in_backward steps after every backward; train.gradient_accumulation_steps="
                           f"{train.gradient_accumulation_steps} needs the gradients kept", hint="raise train.tokens_per_batch instead, or " + hint)
-    if train.strategy in ("zero2", "zero3"):
+    if is_deepspeed(train.strategy):
         raise ConfigError(f"train.optimizer_in_backward is not available with DeepSpeed ({train.strategy})",
                           hint="use train.strategy=fsdp, or " + hint)
-    if train.strategy == "ddp" and dp_size > 1:
+    if is_ddp(train.strategy) and dp_size > 1:
         raise ConfigError("train.optimizer_in_backward with ddp on several processes would step before gradients are averaged",
                           hint="use train.strategy=fsdp, or " + hint)
 
@@ -545,7 +533,6 @@ class TrainingModel:
     processor: Any = None
     source: str | None = None
     deferred: DeferredWeights | None = None  # weights placed after wrapping (`defer_weights`), where rank 0 alone read them
-    shard: Any = None  # distributed.sequence.SequenceShard with train.sequence_parallel > 1, else None
 
 
 def setup_run(train, plan=None) -> RunContext:
@@ -558,7 +545,7 @@ def setup_run(train, plan=None) -> RunContext:
     from vlmctl.distributed.env import init_distributed
     from vlmctl.distributed.mesh import ParallelDims
 
-    env = init_distributed(deepspeed=train.strategy in DEEPSPEED)  # the plan never picks DeepSpeed for auto
+    env = init_distributed(deepspeed=is_deepspeed(train.strategy))  # the plan never picks DeepSpeed for auto
     plan = plan_for_rank(plan, train, DeviceFacts.here(env.world_size))
     check_plan(plan, train)
     dims = ParallelDims.for_strategy(plan.strategy.value, env.world_size, sharding=train.fsdp_sharding,
@@ -570,9 +557,11 @@ def setup_run(train, plan=None) -> RunContext:
 
 
 def prepare_model(model, family, train, device, compute_dtype=None, plan=None) -> TrainingModel:
-    """Kernels, the batch hook, the cost model, stage/freeze, LoRA, frozen weights in `compute_dtype` (when given),
-    activation checkpointing and compile: what `vlmctl train` and `vlmctl bench` do to a loaded model before
-    wrapping it. `plan`: the run's RunPlan (its kernels); without one, planned here for this device."""
+    """Kernels, the batch hook, the cost model, stage/freeze, LoRA and frozen weights in `compute_dtype` (when
+    given): what `vlmctl train` and `vlmctl bench` do to a loaded model before `distributed.parallelize.parallelize`
+    (sequence split, activation checkpointing, compile, wrapping). The kernels come first because they patch the
+    bare HF model (liger's forwards, the vision tower's modules) before peft wraps it. `plan`: the run's RunPlan
+    (its kernels); without one, planned here for this device."""
     import os
     import sys
 
@@ -596,20 +585,3 @@ def prepare_model(model, family, train, device, compute_dtype=None, plan=None) -
                          vision_kernels=vision_kernels, prepare=prepare, parameters=part_parameters(model, parts),
                          num_trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
                          cost_model=cost_model)
-
-
-def split_sequences(tm: TrainingModel, train, dims) -> TrainingModel:
-    """With sequence parallelism (`train.sequence_parallel` > 1): split the language model of `tm` over this rank's
-    sequence-parallel group (`distributed.sequence.apply_sequence_parallel`, before wrapping) and keep the shard
-    for the loss (`tm.shard`). Raises ConfigError where the model cannot be split (padded batches: packing off or
-    not supported by the family; attention heads that do not divide; DeepSpeed missing)."""
-    if dims.sp <= 1:
-        return tm
-    from vlmctl.distributed.sequence import SequenceShard, apply_sequence_parallel, check_sequence_parallel
-    from vlmctl.train.kernels import VARLEN_NAME, varlen_attention_forward
-
-    check_sequence_parallel(dims.sp, tm.model.config.get_text_config(), packing=train.packing)
-    tm.shard = SequenceShard(dims.sp_group, dims.sp_rank, dims.sp)
-    # the varlen kernel attends over the whole row on a GPU; elsewhere sdpa with the row's segment mask
-    apply_sequence_parallel(tm.model, tm.family, tm.shard, varlen_attention_forward if tm.attn == VARLEN_NAME else None)
-    return tm

@@ -2,8 +2,8 @@
 (`train.early_stopping_patience`).
 
 The validation loss is the training loss's definition on the prepared val split (`data.prepared_dir/val`): summed
-next-token cross-entropy over the assistant tokens of every val sample (`loop.loss_sum`, the strategy's own
-forward: FSDP2, DeepSpeed, sequence parallelism and LoRA as in training) divided by their label tokens, both
+next-token cross-entropy over the assistant tokens of every val sample (the run's objective through its engine's
+forward, `Engine.forward`: FSDP2, DeepSpeed, sequence parallelism and LoRA as in training) divided by their label tokens, both
 summed over the data-parallel group (a sequence-parallel group's slices summed first), so the figure does not
 depend on the number of ranks. The val samples are batched as training batches them (packed rows of
 `tokens_per_batch x sequence_parallel` tokens, or padded micro-batches of `micro_batch_size`) by the training
@@ -91,13 +91,14 @@ def val_batches(lengths, *, packing: bool, budget: int, micro_batch_size: int, d
 class Validator:
     """Runs the validation of a `loop.Trainer` (`evaluate`) and keeps its `Best`.
 
-    `stepper`: the loop's stepper (its `loss` is the strategy's forward and `loop.loss_sum`); `batches`: this
+    `engine`, `objective`: the loop's (`Engine.forward(objective, batch)` is the training forward and loss); `batches`: this
     rank's `val_batches`; `load(indices)` -> a collated, prepared CPU micro-batch; `dp_group`/`sp_group` as in the
     loop. `save_best`: whether the best step gets a checkpoint; `patience`: evaluations without a new best before
     the run stops (None = never).
     """
 
-    stepper: Any
+    engine: Any
+    objective: Any
     batches: list
     load: Any
     device: Any
@@ -122,16 +123,16 @@ class Validator:
 
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         tokens = 0.0
-        model = self.stepper.model
+        model = self.engine.model
         model.eval()
         try:
             with torch.no_grad():
                 for indices, counted in self.batches:
                     batch = self.load(indices)
-                    loss = self.stepper.loss(to_device(batch, self.device)).detach().double()
+                    loss = self.engine.forward(self.objective, to_device(batch, self.device)).loss.detach().double()
                     if counted:
                         total += loss
-                        tokens += float(batch["num_label_tokens"])
+                        tokens += float(self.objective.label_tokens(batch))
         finally:
             model.train()
         if self.sp_group is not None:  # each sequence rank holds part of its row's loss
@@ -155,7 +156,7 @@ class Validator:
                 f"(train.early_stopping_patience); the best was {best}")
 
 
-def build_validator(cfg, ctx, tm, stepper, saved_best: dict[str, Any] | None):
+def build_validator(cfg, ctx, tm, engine, objective, saved_best: dict[str, Any] | None):
     """The run's `Validator` (None without `train.eval_steps`): the val split's shards and token counts, this
     rank's `val_batches`, the training collator and batch hook, and the best so far from `saved_best` (a resumed
     checkpoint's `best`). Raises DataError when the val split has no shards or no sample that fits a row."""
@@ -185,7 +186,7 @@ def build_validator(cfg, ctx, tm, stepper, saved_best: dict[str, Any] | None):
         return tm.prepare(batch) if tm.prepare is not None else batch
 
     metric = train.save_best or "val_loss"
-    return Validator(stepper=stepper, batches=batches, load=load, device=ctx.env.device, eval_steps=train.eval_steps,
+    return Validator(engine=engine, objective=objective, batches=batches, load=load, device=ctx.env.device, eval_steps=train.eval_steps,
                      best=Best.from_state(saved_best, metric, train.save_best is not None), save_best=train.save_best is not None,
                      patience=train.early_stopping_patience, dp_group=ctx.dims.dp_group, sp_group=ctx.dims.sp_group)
 

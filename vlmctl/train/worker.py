@@ -5,17 +5,18 @@ torchtitan's)::
 
     ctx = setup_run(cfg.train, plan)                  # the run plan (plan.json), process group, mesh, seed, dtypes
     tm = load_model_for_training(cfg, ctx)            # model (fsdp/ddp: rank 0 reads the weights), kernels, cost model,
-                                                      # stage/freeze, LoRA, compile, sequence split (Ulysses)
+                                                      # stage/freeze, LoRA
     dataset, lengths = load_data(cfg, ctx, tm)        # the training shards and their token counts (train/data.py)
-    wrapped = wrap_model(tm, cfg.train, ctx, steps)   # DDP / FSDP2 per layer then root (rank 0's weights placed) /
-                                                      # DeepSpeed; AdamW; schedule
+    engine = wrap_model(tm, cfg.train, ctx, steps)    # parallelize(): sequence split, checkpointing, compile, DDP /
+                                                      # FSDP2 (rank 0's weights placed) / DeepSpeed; AdamW; schedule
+    objective = build_objective(tm, cfg.train, ctx)   # supervised fine-tuning (train/objectives.py)
     autotune.tune(...)                                # auto batch size and activation checkpointing, probed on a GPU
     sampler = build_sampler(cfg, ctx, dataset, lengths)   # this data-parallel rank's packed or padded micro-batches
     trainer = build_trainer(...)                      # loader, metrics, checkpoints, validation -> loop.Trainer
     trainer.train(); export_final(...)                # run_dir/final
 
-`setup_run` and `prepare_model` live in `train/setup.py`; `vlmctl bench` runs them and `wrap_model` on its synthetic
-model and data.
+`setup_run` and `prepare_model` live in `train/setup.py`, `parallelize` and `build_engine` in `distributed/`;
+`vlmctl bench` runs them through `wrap_model` on its synthetic model and data.
 """
 
 from __future__ import annotations
@@ -23,31 +24,21 @@ from __future__ import annotations
 import math
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from vlmctl.distributed import deepspeed as ds
+from vlmctl.distributed.engine import Engine, build_engine, strategy_of
+from vlmctl.distributed.parallelize import parallelize, sequence_shard
 from vlmctl.distributed.process import LAUNCHER_ENV
 from vlmctl.errors import VlmctlError
 from vlmctl.train import autotune
 from vlmctl.train.data import build_collator, build_sampler, load_data
-from vlmctl.train.setup import (DEEPSPEED, RunContext, TrainingModel, build_optimizer, build_scheduler, defer_weights,
-                                load_for_rank, model_source, place_weights, prepare_model, setup_run, split_sequences)
+from vlmctl.train.objectives import Objective, SFTObjective
+from vlmctl.train.setup import (RunContext, TrainingModel, build_optimizer, build_scheduler, defer_weights, load_for_rank,
+                                model_parts, model_source, prepare_model, setup_run)
 from vlmctl.train.validation import build_validator, name_best
 
 EXIT_STOPPED = 0  # a run stopped by SIGTERM/SIGINT after saving exits cleanly; the launcher reports it
-
-
-@dataclass
-class Wrapped:
-    """The model wrapped for `train.strategy` (the HF model itself under DeepSpeed), its optimizer, LR schedule,
-    DeepSpeed engine (or None) and the loop's stepper."""
-
-    model: Any
-    optimizer: Any
-    scheduler: Any
-    engine: Any
-    stepper: Any
 
 
 def load_model_for_training(cfg, ctx: RunContext, resuming: bool = False) -> TrainingModel:
@@ -56,58 +47,46 @@ def load_model_for_training(cfg, ctx: RunContext, resuming: bool = False) -> Tra
     `resuming`); the others build it on the meta device and get theirs in `wrap_model` (`setup.rank0_loads`)."""
     source = model_source(cfg)
     model, processor, family = load_for_rank(source, cfg, ctx, resuming=resuming)
-    tm = split_sequences(prepare_model(model, family, cfg.train, ctx.env.device, ctx.dtype, ctx.plan), cfg.train, ctx.dims)
+    tm = prepare_model(model, family, cfg.train, ctx.env.device, compute_dtype=ctx.dtype, plan=ctx.plan)
     tm.deferred = defer_weights(tm.model, cfg.train, ctx.env, resuming=resuming)
     tm.processor, tm.source = processor, source
     return tm
 
 
-def wrap_model(tm: TrainingModel, train, ctx: RunContext, total_steps: int) -> Wrapped:
-    """Wrap for `train.strategy` over the run's mesh (DDP / FSDP2 per layer then root / DeepSpeed engine), build
-    AdamW and the LR schedule, and the loop's stepper (in train mode)."""
-    from vlmctl.distributed import deepspeed as ds
-    from vlmctl.distributed.ddp import apply_ddp
-    from vlmctl.distributed.fsdp import apply_fsdp
-    from vlmctl.train.loop import DeepSpeedStepper, TorchStepper
-
-    env, dims, model = ctx.env, ctx.dims, tm.model
-    if train.strategy in DEEPSPEED:
-        optimizer = build_optimizer(model, tm.parts, train, env.device)
-        scheduler = build_scheduler(optimizer, train, total_steps)
-        ds_cfg = ds.deepspeed_config(train, dp_size=dims.grad_size, dtype=ctx.dtype, hidden_size=ds.hidden_size(model),
-                                     stage=int(train.strategy[-1]))
-        engine, optimizer, scheduler = ds.deepspeed_engine(model, optimizer, scheduler, ds_cfg)
-        stepper = DeepSpeedStepper(engine, liger=tm.liger, shard=tm.shard)
-    else:
-        engine = None
-        if train.strategy == "fsdp":
-            model = apply_fsdp(model, tm.parts, dims.fsdp_mesh, param_dtype=ctx.dtype,
-                               reshard_after_forward=train.fsdp_reshard_after_forward, prefetch=train.fsdp_prefetch)
-            place_weights(model, tm.deferred, env.device)  # rank 0's weights, into every rank's shards
-        else:
-            place_weights(model, tm.deferred, env.device)  # empty storage; DDP broadcasts rank 0's weights
-            model = model.to(env.device)
-            # one process reduces nothing: DDP would only add a bucket copy of every gradient (the size of the
-            # trained weights), its copies in and out and, with find_unused_parameters, a graph walk per step
-            if train.strategy == "ddp" and dims.grad_size > 1:
-                model = apply_ddp(model, dims.grad_mesh, env.device)
-        tm.deferred = None
-        optimizer = build_optimizer(model, tm.parts, train, env.device, dims.dp_size)
-        scheduler = build_scheduler(optimizer, train, total_steps)
-        stepper = TorchStepper(model, optimizer, scheduler, max_grad_norm=train.max_grad_norm, device=env.device,
-                               autocast_dtype=ctx.dtype if train.strategy != "fsdp" else None, liger=tm.liger, shard=tm.shard)
-    stepper.model.train()
-    return Wrapped(model=model, optimizer=optimizer, scheduler=scheduler, engine=engine, stepper=stepper)
+def wrap_model(tm: TrainingModel, train, ctx: RunContext, total_steps: int) -> Engine:
+    """The trained model's one `parallelize` (sequence split, checkpointing, compile, DDP / FSDP2 / DeepSpeed
+    hand-off over the run's mesh) and its engine: AdamW, the LR schedule of `total_steps` (and DeepSpeed's engine
+    with its config), in train mode."""
+    env, dims, strategy = ctx.env, ctx.dims, strategy_of(train.strategy)
+    model = parallelize(tm.model, family=tm.family, parts=tm.parts, train=train, dims=dims, device=env.device,
+                        dtype=ctx.dtype, attn=tm.attn, deferred=tm.deferred)
+    tm.deferred = None
+    return build_engine(
+        model, strategy, max_grad_norm=train.max_grad_norm, device=env.device, dtype=ctx.dtype,
+        make_optimizer=lambda m: build_optimizer(m, tm.parts, train, env.device, dims.dp_size),
+        make_scheduler=lambda optimizer: build_scheduler(optimizer, train, total_steps),
+        deepspeed_config=lambda m: ds.deepspeed_config(train, dp_size=dims.grad_size, dtype=ctx.dtype,
+                                                       hidden_size=ds.hidden_size(m), stage=strategy.zero_stage))
 
 
-def reschedule(wrapped: Wrapped, train, total_steps: int) -> Wrapped:
-    """A new LR schedule of `total_steps` on a torch strategy's optimizer (built before the probe knew the step
+def build_objective(tm: TrainingModel, train, ctx: RunContext) -> Objective:
+    """The run's objective, supervised fine-tuning (liger's fused loss where `prepare_model` patched it; this
+    rank's slice of the row under sequence parallelism), with the frozen models it holds parallelized."""
+    objective = SFTObjective(liger=tm.liger, shard=sequence_shard(ctx.dims))
+    for name, frozen in objective.models.items():  # forward only: a reference model of a preference objective
+        objective.models[name] = parallelize(frozen, family=tm.family, parts=model_parts(frozen, tm.family), train=train,
+                                             dims=ctx.dims, device=ctx.env.device, dtype=ctx.dtype, attn=tm.attn, trainable=False)
+    return objective
+
+
+def reschedule(engine: Engine, train, total_steps: int) -> Engine:
+    """A new LR schedule of `total_steps` on a torch engine's optimizer (built before the probe knew the step
     count; LambdaLR keeps each group's `initial_lr`)."""
-    wrapped.scheduler = wrapped.stepper.scheduler = build_scheduler(wrapped.optimizer, train, total_steps)
-    return wrapped
+    engine.reschedule(build_scheduler(engine.optimizer, train, total_steps))
+    return engine
 
 
-def resume_state(resume_from: Path | None, ctx: RunContext, wrapped: Wrapped, train):
+def resume_state(resume_from: Path | None, ctx: RunContext, engine: Engine, train):
     """The loop's starting TrainState: fresh, or restored from `resume_from` if `train` batches as its run did."""
     from vlmctl.train import checkpoint as ckpt
     from vlmctl.train.loop import TrainState
@@ -115,14 +94,12 @@ def resume_state(resume_from: Path | None, ctx: RunContext, wrapped: Wrapped, tr
     if resume_from is None:
         return TrainState()
     ckpt.check_batching(resume_from, train)
-    saved = ckpt.resume(resume_from, rank=ctx.env.rank, world_size=ctx.env.world_size, engine=wrapped.engine,
-                        model=None if wrapped.engine else wrapped.model, optimizer=wrapped.optimizer,
-                        scheduler=wrapped.scheduler)
+    saved = ckpt.resume(resume_from, rank=ctx.env.rank, world_size=ctx.env.world_size, engine=engine)
     return TrainState.from_checkpoint(saved, dp_size=ctx.dims.dp_size)
 
 
-def build_trainer(cfg, run_dir: Path, ctx: RunContext, tm: TrainingModel, wrapped: Wrapped, *, loader, sampler,
-                  state, total_steps: int, logger):
+def build_trainer(cfg, run_dir: Path, ctx: RunContext, tm: TrainingModel, engine: Engine, objective: Objective, *,
+                  loader, sampler, state, total_steps: int, logger):
     """The step loop over `loader` (prefetched, with the model's batch hook), with rank 0's progress and metrics
     and a checkpoint callback (`checkpoint.Saver`)."""
     from vlmctl.train import report
@@ -131,21 +108,19 @@ def build_trainer(cfg, run_dir: Path, ctx: RunContext, tm: TrainingModel, wrappe
     from vlmctl.train.metrics import Progress, peak_flops
     from vlmctl.train.setup import lora_config_dict
 
-    train, env, engine = cfg.train, ctx.env, wrapped.engine
+    train, env = cfg.train, ctx.env
     progress = Progress(total_steps, state.step, enabled=env.is_main)
-    lora = lora_config_dict(getattr(wrapped.model, "module", wrapped.model) if engine is None else engine.module)
-    info = report.checkpoint_info(train, ctx=ctx, tm=tm, lora=lora, engine=engine, total_steps=total_steps,
-                                  batches_per_epoch=sampler.batches_per_epoch)
-    save = Saver(run_dir, rank=env.rank, model=None if engine else wrapped.model, optimizer=wrapped.optimizer,
-                 scheduler=wrapped.scheduler, engine=engine, total_limit=train.save_total_limit,
+    info = report.checkpoint_info(train, ctx=ctx, tm=tm, lora=lora_config_dict(engine.module), engine=engine,
+                                  total_steps=total_steps, batches_per_epoch=sampler.batches_per_epoch)
+    save = Saver(run_dir, rank=env.rank, engine=engine, total_limit=train.save_total_limit,
                  batches_per_epoch=sampler.batches_per_epoch, info=info, notify=progress.print)
     return Trainer(
-        stepper=wrapped.stepper, batches=prefetch(iter(loader), tm.prepare), env=env, state=state, total_steps=total_steps,
-        grad_accum=train.gradient_accumulation_steps, batches_per_epoch=sampler.batches_per_epoch,
+        engine=engine, objective=objective, batches=prefetch(iter(loader), tm.prepare), env=env, state=state,
+        total_steps=total_steps, grad_accum=train.gradient_accumulation_steps, batches_per_epoch=sampler.batches_per_epoch,
         save_steps=train.save_steps, logging_steps=train.logging_steps, max_bad_steps=train.max_bad_steps, save=save,
         log=logger.log if logger else (lambda row: None), progress=progress, flops_of=tm.cost_model.batch_flops,
         peak_flops=peak_flops(env.device), device_name=report.device_name(env.device), dp_group=ctx.dims.dp_group,
-        sp_group=ctx.dims.sp_group, validator=build_validator(cfg, ctx, tm, wrapped.stepper, saved_best=state.best))
+        sp_group=ctx.dims.sp_group, validator=build_validator(cfg, ctx, tm, engine, objective, saved_best=state.best))
 
 
 def train_run(cfg, run_dir: Path, ctx: RunContext) -> str:
@@ -160,14 +135,15 @@ def train_run(cfg, run_dir: Path, ctx: RunContext) -> str:
     resume_from = resolve_resume(run_dir, train.resume)
     tm = load_model_for_training(cfg, ctx, resuming=resume_from is not None)
     dataset, lengths = load_data(cfg, ctx, tm)
-    wrapped = None
+    objective = build_objective(tm, train, ctx)
+    engine = None
     if autotune.wants(ctx.plan):  # the probe measures the wrapped model; the schedule's length follows its choice
-        wrapped = wrap_model(tm, train, ctx, total_steps=1)
-        autotune.tune(cfg, run_dir, ctx, tm, wrapped.stepper, dataset, lengths, log=lambda m: print(m, file=sys.stderr))
+        engine = wrap_model(tm, train, ctx, total_steps=1)
+        autotune.tune(cfg, run_dir, ctx, tm, engine, objective, dataset, lengths, log=lambda m: print(m, file=sys.stderr))
     sampler = build_sampler(cfg, ctx, dataset, lengths)
     total_steps = train.max_steps or max(1, math.ceil(train.num_epochs * sampler.batches_per_epoch / train.gradient_accumulation_steps))
-    wrapped = wrap_model(tm, train, ctx, total_steps) if wrapped is None else reschedule(wrapped, train, total_steps)
-    state = resume_state(resume_from, ctx, wrapped, train)
+    engine = wrap_model(tm, train, ctx, total_steps) if engine is None else reschedule(engine, train, total_steps)
+    state = resume_state(resume_from, ctx, engine, train)
     sampler.set_position(state.consumed)
     loader = build_loader(dataset, sampler, build_collator(cfg, ctx, tm), num_workers=train.num_workers, seed=train.seed)
     logger = None
@@ -176,7 +152,7 @@ def train_run(cfg, run_dir: Path, ctx: RunContext) -> str:
                                config=cfg.model_dump(mode="json"), resume_step=state.step)
         report.print_startup(report.startup_rows(train, run_dir=run_dir, ctx=ctx, tm=tm, dataset=dataset, sampler=sampler,
                                                  start_step=state.step, total_steps=total_steps, resume_from=resume_from))
-    trainer = build_trainer(cfg, run_dir, ctx, tm, wrapped, loader=loader, sampler=sampler, state=state,
+    trainer = build_trainer(cfg, run_dir, ctx, tm, engine, objective, loader=loader, sampler=sampler, state=state,
                             total_steps=total_steps, logger=logger)
     try:
         outcome = trainer.train()
@@ -191,8 +167,8 @@ def train_run(cfg, run_dir: Path, ctx: RunContext) -> str:
             trainer.progress.print(f"[yellow]stopped by a signal at step {state.step}; checkpoint saved. "
                                    f"Continue with `vlmctl train --resume`[/yellow]")
         return outcome
-    export_final(run_dir, cfg, model=None if wrapped.engine else wrapped.model, engine=wrapped.engine, source=tm.source,
-                 dtype=ctx.dtype, rank=env.rank, lora=train.lora, parts_trainable=tm.trainable)
+    export_final(run_dir, cfg, engine=engine, source=tm.source, dtype=ctx.dtype, rank=env.rank, lora=train.lora,
+                 parts_trainable=tm.trainable)
     trainer.progress.print(f"final model exported to {run_dir / 'final'}", markup=False)
     name_best(run_dir, trainer.validator, trainer.progress.print)  # train.save_best
     return outcome

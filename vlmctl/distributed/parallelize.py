@@ -1,0 +1,163 @@
+"""`parallelize`: everything a rank does to a prepared model over the run's mesh, in one fixed order (modelled on
+torchtitan's `torchtitan/models/llama3/infra/parallelize.py` `parallelize_llama`).
+
+::
+
+    kernels, stage/freeze, LoRA         train.setup.prepare_model (before; see below)
+      |
+    1. tensor-parallel plan             apply_tensor_parallel   (a slot: `ParallelDims` refuses tp > 1 today)
+    2. sequence split                   split_sequence          (Ulysses, `distributed.sequence`; sp > 1)
+    3. activation checkpointing         checkpoint_layers       (+ tiled MLP; trained models only)
+    4. compile                          compile_layers          (per decoder layer / vision block)
+    5. float8                           apply_float8            (a slot)
+    6. FSDP2 / HSDP | DDP | DeepSpeed   wrap                    (DeepSpeed: handed to `engine.build_engine`)
+
+Why this order: the tensor-parallel plan and the sequence split change what a layer computes and must be in place
+before a layer's forward is checkpointed (a recompute must run the split layer); checkpointing wraps the layer's
+forward that compile then traces (torchtitan: "apply AC before compile"); FSDP2 shards last, over the layers as
+they will run, and each checkpointed or compiled layer becomes one FSDP unit. Neither checkpointing nor compile
+renames a parameter, so weights read before (`setup.defer_weights`) fit the wrapped model.
+
+The kernels (attention backend, liger-kernel, the vision tower's kernels) are applied by `setup.prepare_model` to
+the bare HF model before peft wraps it, not here: liger patches the HF classes' forwards and the vision kernels
+replace HF modules, which must happen before LoRA's adapters and the cost model read the model.
+
+`trainable=False` serves a frozen model a run holds next to the trained one (forward only, no optimizer: a
+reference model of a preference objective): every parameter is frozen and the model is put in eval mode, no layer
+is checkpointed (there is no backward to save memory for), DDP is not applied (nothing to reduce) and under
+DeepSpeed the model is placed on the device whole (DeepSpeed's engine is built for a trained model).
+
+The autotune probe changes the checkpointing mode of a wrapped model through step 3 (`checkpoint_layers`): a mode
+only replaces the layers' instance `forward` (`train.checkpointing`), so it can change after FSDP2 wrapped them.
+"""
+
+from __future__ import annotations
+
+from vlmctl.config.plan import pending
+from vlmctl.distributed.engine import strategy_of
+
+# torch, DeepSpeed and the modules built on them are imported inside the functions that use them: importing
+# vlmctl (the CLI's start-up) must not pay for them.
+
+
+def parallelize(model, *, family, parts, train, dims, device, dtype, attn: str | None = None, deferred=None,
+                trainable: bool = True):
+    """Apply steps 1-6 of the module docstring to `model` (prepared by `setup.prepare_model`; `parts`: its
+    `setup.ModelParts`) on this rank and return the module to train or run: FSDP2-sharded, DDP-wrapped, on
+    `device`, or (DeepSpeed) as it is for `engine.build_engine`.
+
+    Reads `train.strategy` (resolved), `sequence_parallel`, `packing`, `activation_checkpointing`,
+    `activation_offload`, `tiled_mlp`, `compile`, `compile_vision`, `fsdp_reshard_after_forward`, `fsdp_prefetch`;
+    `dims`: the run's `ParallelDims` (mesh built); `dtype`: the compute dtype (FSDP2's `param_dtype`); `attn`: the
+    attention implementation `setup.apply_kernels` set (the varlen kernel is the sequence split's core);
+    `deferred`: the weights rank 0 alone read (`setup.defer_weights`), placed once the model is wrapped;
+    `trainable`: False for a frozen model (see the module docstring). Collective under FSDP2 and DDP.
+    Raises ConfigError where the sequence cannot be split (`sequence.check_sequence_parallel`).
+    """
+    if not trainable:
+        for param in model.parameters():
+            param.requires_grad_(False)
+        model.eval()
+    apply_tensor_parallel(model, family, dims)
+    split_sequence(model, family, train, dims, attn)
+    if trainable:
+        checkpoint_layers([parts.decoder_layers, parts.vision_layers], train.activation_checkpointing,
+                          offload=train.activation_offload)
+        tile_mlps(parts, train.tiled_mlp)
+    compile_layers(parts, train)
+    apply_float8(model, train)
+    return wrap(model, parts, train, dims, device, dtype, deferred=deferred, trainable=trainable)
+
+
+def apply_tensor_parallel(model, family, dims) -> None:
+    """Step 1, a slot: the family's tensor-parallel plan over the mesh's `tp` dimension. Nothing to do while
+    `ParallelDims` refuses tp > 1."""
+
+
+def sequence_shard(dims):
+    """This rank's `sequence.SequenceShard` (None without sequence parallelism): what the loss of a split row needs
+    (`train.objectives.SFTObjective.shard`)."""
+    if dims.sp <= 1:
+        return None
+    from vlmctl.distributed.sequence import SequenceShard
+
+    return SequenceShard(dims.sp_group, dims.sp_rank, dims.sp)
+
+
+def split_sequence(model, family, train, dims, attn: str | None = None) -> None:
+    """Step 2: with sequence parallelism (`dims.sp` > 1) split the language model of `model` over this rank's
+    sequence-parallel group (`sequence.apply_sequence_parallel`). The core attention after Ulysses' all-to-all is
+    the varlen kernel where `attn` is it (CUDA), else sdpa with the row's segment mask. Raises ConfigError where
+    the model cannot be split (padded batches, heads that do not divide, DeepSpeed missing)."""
+    shard = sequence_shard(dims)
+    if shard is None:
+        return
+    from vlmctl.distributed.sequence import apply_sequence_parallel, check_sequence_parallel
+    from vlmctl.train.kernels import VARLEN_NAME, varlen_attention_forward
+
+    check_sequence_parallel(dims.sp, model.config.get_text_config(), packing=train.packing)
+    apply_sequence_parallel(model, family, shard, varlen_attention_forward if attn == VARLEN_NAME else None)
+
+
+def checkpoint_layers(layer_groups, mode, *, offload: bool = False) -> None:
+    """Step 3: activation checkpointing `mode` (`train.activation_checkpointing`: off, full, op, vision or a
+    stride; `train.checkpointing`) on `layer_groups` ([decoder layers, vision blocks]), replacing the mode set
+    before. auto leaves the layers as they are: the start-up probe (`train.autotune.probe`) calls this on the
+    wrapped model with each mode it tries, then with its choice."""
+    from vlmctl.train.checkpointing import apply_activation_checkpointing
+
+    if not pending(mode):
+        apply_activation_checkpointing(layer_groups, mode, offload=offload)
+
+
+def tile_mlps(parts, slices) -> None:
+    """Step 3 too: the decoder layers' MLPs over `slices` parts of the row (`train.tiled_mlp`,
+    `train.checkpointing.apply_tiled_mlp`), a memory helper of the backward like checkpointing."""
+    from vlmctl.train.checkpointing import apply_tiled_mlp
+
+    apply_tiled_mlp(parts.decoder_layers, slices)
+
+
+def compile_layers(parts, train) -> None:
+    """Step 4: torch.compile per decoder layer (`train.compile: on`; dynamic shapes with packing, as packed rows
+    change length every step) and per vision block (`train.compile_vision: blocks`; dynamic, as the patch count
+    changes every step)."""
+    if train.compile == "on":
+        for layer in parts.decoder_layers:
+            layer.compile(dynamic=train.packing)
+    if train.compile_vision == "blocks":
+        for block in parts.vision_layers:
+            block.compile(dynamic=True)
+
+
+def apply_float8(model, train) -> None:
+    """Step 5, a slot: float8 linear layers (torchao), converted after compile is set and before FSDP2 shards so
+    that FSDP2 can all-gather float8 weights. Nothing to do: no setting asks for it yet."""
+
+
+def wrap(model, parts, train, dims, device, dtype, *, deferred=None, trainable: bool = True):
+    """Step 6: FSDP2 per vision block and decoder layer then the root over `dims.fsdp_mesh` (HSDP with a
+    `dp_replicate` dimension; `distributed.fsdp.apply_fsdp`), then rank 0's weights placed (`setup.place_weights`);
+    or DDP over the gradient mesh (`distributed.ddp.apply_ddp`; not in one process, where it would only copy every
+    gradient into its buckets, nor for a frozen model); or, under DeepSpeed, nothing: `engine.build_engine` hands
+    the model to `deepspeed.initialize` (a frozen model is moved to `device` instead)."""
+    from vlmctl.train.setup import place_weights
+
+    strategy = strategy_of(train.strategy)
+    if strategy.deepspeed:
+        return model if trainable else model.to(device)
+    if strategy.fsdp:
+        from vlmctl.distributed.fsdp import apply_fsdp
+
+        model = apply_fsdp(model, parts, dims.fsdp_mesh, param_dtype=dtype,
+                           reshard_after_forward=train.fsdp_reshard_after_forward, prefetch=train.fsdp_prefetch)
+        place_weights(model, deferred, device)  # rank 0's weights, into every rank's shards
+        return model
+    place_weights(model, deferred, device)  # empty storage; DDP broadcasts rank 0's weights
+    model = model.to(device)
+    if trainable and strategy.ddp and dims.grad_size > 1:
+        from vlmctl.distributed.ddp import apply_ddp
+
+        model = apply_ddp(model, dims.grad_mesh, device)
+    return model
+
