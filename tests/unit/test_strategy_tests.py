@@ -20,6 +20,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "vlmctl"
 ALLOWED: dict[str, set[str] | None] = {
     "distributed/engine.py": None,  # the one reader of a strategy's name
     "config/plan.py": None,  # every `auto` resolved, with its reasons
+    # the schema's check that a DeepSpeed JSON goes with a DeepSpeed strategy: config/ sits below distributed/
+    "config/train.py": {"_deepspeed_config_needs_deepspeed"},
 }
 NAMES = {"ddp", "fsdp", "zero", "zero2", "zero3", "deepspeed", "hsdp"}
 WRAPPERS = ("DeepSpeed", "DistributedDataParallel", "FSDPModule", "FullyShardedDataParallel", "Engine", "Stepper")
