@@ -190,7 +190,8 @@ def test_prepare_rejects_every_planted_defect_and_keeps_correct_pixels(tmp_path)
 
     src, reasons, pixels = _write_defect_source(tmp_path / "raw")
     jsonl = DataSource(path=str(tmp_path / "raw" / "extra.jsonl"), format="llava")
-    data = DataSection(sources=[src, jsonl], prepared_dir=tmp_path / "prepared", val_ratio=0.0)
+    data = DataSection(sources=[src, jsonl], prepared_dir=tmp_path / "prepared", val_ratio=0.0,
+                       min_kept_fraction=0.0)  # most records are planted defects
     result = prepare_data(data, num_proc=1, progress=False)
 
     rejected = [json.loads(line) for line in (tmp_path / "prepared" / "rejected.jsonl").read_text().splitlines()]

@@ -150,12 +150,7 @@ def policy_loss(
     "dapo" normalisation over micro-batches and ranks).
     Raises ValueError for an unknown level or aggregation, or beta > 0 without `ref_logps`.
     """
-    if level not in LEVELS:
-        raise ValueError(f"unknown importance-sampling level {level!r}; use one of {', '.join(LEVELS)}")
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"unknown loss aggregation {aggregation!r}; use one of {', '.join(AGGREGATIONS)}")
-    if beta and ref_logps is None:
-        raise ValueError("a KL term (beta > 0) needs the reference's log-probs (ref_logps)")
+    _check_loss_settings(level, aggregation, beta, ref_logps)
     epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
     mask = mask.to(logps.dtype)
     if advantages.dim() == 1:
@@ -167,7 +162,6 @@ def policy_loss(
     ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     per_token = -torch.min(ratio * advantages, clipped * advantages)
-    metrics: dict[str, float] = {}
     kl = None
     if beta:
         delta = ref_logps - logps
@@ -178,6 +172,20 @@ def policy_loss(
     else:
         divisor = mask.sum() if num_tokens is None else torch.as_tensor(num_tokens, dtype=logps.dtype)
         loss = (per_token * mask).sum() / divisor.clamp(min=1.0)
+    return GRPOOutput(loss, per_token, _clip_metrics(ratio, advantages, mask, epsilon_low, epsilon_high, kl))
+
+
+def _check_loss_settings(level: str, aggregation: str, beta: float, ref_logps) -> None:
+    if level not in LEVELS:
+        raise ValueError(f"unknown importance-sampling level {level!r}; use one of {', '.join(LEVELS)}")
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {aggregation!r}; use one of {', '.join(AGGREGATIONS)}")
+    if beta and ref_logps is None:
+        raise ValueError("a KL term (beta > 0) needs the reference's log-probs (ref_logps)")
+
+
+def _clip_metrics(ratio, advantages, mask, epsilon_low: float, epsilon_high: float, kl) -> dict[str, float]:
+    """TRL's clip ratios (the share of tokens clipped below, above, either) and the mean KL, over the mask."""
 
     def masked_mean(x: torch.Tensor) -> float:
         if x.shape[1] == 1:  # one value per rollout (sequence-level ratio)
@@ -187,12 +195,11 @@ def policy_loss(
     with torch.no_grad():
         low = (ratio < 1 - epsilon_low) & (advantages < 0)
         high = (ratio > 1 + epsilon_high) & (advantages > 0)
-        metrics["clip_ratio/low_mean"] = masked_mean(low.float())
-        metrics["clip_ratio/high_mean"] = masked_mean(high.float())
-        metrics["clip_ratio/region_mean"] = masked_mean((low | high).float())
+        metrics = {"clip_ratio/low_mean": masked_mean(low.float()), "clip_ratio/high_mean": masked_mean(high.float()),
+                   "clip_ratio/region_mean": masked_mean((low | high).float())}
         if kl is not None:
             metrics["kl"] = masked_mean(kl)
-    return GRPOOutput(loss, per_token, metrics)
+    return metrics
 
 
 # ------------------------------------------------------------------------------------------------------- rewards
