@@ -43,17 +43,33 @@ def vlmctl(workdir: Path, *args: str, env: dict | None = None) -> None:
         raise SystemExit(f"vlmctl {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
 
-def make_project(workdir: Path, *, hidden: int, layers: int) -> int:
+def make_project(workdir: Path, *, hidden: int, layers: int, preset: str | None = None) -> int:
     """The tiny template's project in `workdir` (kept between runs) with a `layers` x `hidden` Qwen2 language
-    model. Returns the model's parameter count."""
+    model, or (`preset`) the size preset's whole model, random init, built by `vlmctl model build`. Returns the
+    model's parameter count."""
     import torch
     import transformers
+    import yaml
 
     model_dir = workdir / "outputs" / "model"
     if not (workdir / "vlmctl.yaml").is_file():
         workdir.mkdir(parents=True, exist_ok=True)
         vlmctl(workdir, "init", ".")
         vlmctl(workdir, "data", "prepare")
+    if preset is not None:
+        marker = workdir / f".model-{preset}"
+        if not marker.is_file():
+            project = yaml.safe_load((workdir / "vlmctl.yaml").read_text())
+            project["model"] = {"preset": preset, "init": "random", "output_dir": "outputs/model"}
+            (workdir / "vlmctl.yaml").write_text(yaml.safe_dump(project, sort_keys=False))
+            vlmctl(workdir, "model", "build", "--force")
+            for old in workdir.glob(".model-*"):
+                old.unlink()
+            marker.touch()
+        config = transformers.AutoConfig.from_pretrained(model_dir)
+        with torch.device("meta"):
+            model = transformers.AutoModelForImageTextToText.from_config(config)
+        return sum(p.numel() for p in model.parameters())
     marker = workdir / f".model-{layers}x{hidden}"
     if not marker.is_file():
         vlmctl(workdir, "model", "build", "--force")
@@ -95,7 +111,8 @@ def tree_pss(root: int) -> tuple[int, int]:
     return total, len(procs)
 
 
-def measure(workdir: Path, *, label: str, nproc: int, steps: int, code: Path | None, interval: float) -> dict:
+def measure(workdir: Path, *, label: str, nproc: int, steps: int, code: Path | None, interval: float,
+            extra: list[str] = ()) -> dict:
     """Run `vlmctl train` once and sample its processes' PSS until it exits, per phase: `load` (launch to the
     start-up table, printed once the model is loaded, wrapped and its weights placed), `train` (to the last step's
     line) and `end` (the final checkpoint and the export, to the exit)."""
@@ -107,7 +124,7 @@ def measure(workdir: Path, *, label: str, nproc: int, steps: int, code: Path | N
     if code is not None:
         env["PYTHONPATH"] = f"{code}{os.pathsep}{env.get('PYTHONPATH', '')}"
     overrides = [f"train.run_name={label}", f"train.max_steps={steps}", "train.save_steps=100000", "train.logging_steps=1",
-                 "train.micro_batch_size=2", "train.strategy=fsdp", f"train.nproc_per_node={nproc}"]
+                 "train.micro_batch_size=2", "train.strategy=fsdp", f"train.nproc_per_node={nproc}", *extra]
     start = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "vlmctl", "train", "--launcher", "torchrun", *overrides], cwd=workdir,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -153,11 +170,15 @@ def main() -> None:
     parser.add_argument("--nproc-per-node", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--interval", type=float, default=0.1, help="seconds between PSS samples")
+    parser.add_argument("--preset", default=None,
+                        help="build this size preset's whole model (random init) instead of the widened tiny one, "
+                             "e.g. qwen2.5-vl-7b on GPUs")
+    parser.add_argument("overrides", nargs="*", help="extra KEY=VALUE overrides for `vlmctl train`")
     args = parser.parse_args()
 
-    params = make_project(args.workdir, hidden=args.hidden, layers=args.layers)
+    params = make_project(args.workdir, hidden=args.hidden, layers=args.layers, preset=args.preset)
     result = measure(args.workdir, label=args.label, nproc=args.nproc_per_node, steps=args.steps, code=args.code,
-                     interval=args.interval)
+                     interval=args.interval, extra=args.overrides)
     result.update({"parameters": params, "checkpoint_bytes_bf16": 2 * params, "cpu": platform.processor() or platform.machine(),
                    "cpus": os.cpu_count()})
     (args.workdir / f"results-{args.label}.json").write_text(json.dumps(result, indent=2))

@@ -142,3 +142,22 @@ def test_a_seed_decides_the_sampled_answer(engine):
     first = sampled(1)
     assert sampled(1) == first
     assert any(sampled(seed) != first for seed in range(2, 8))  # other seeds, other samples
+
+
+def test_the_worker_waits_for_an_announced_request_and_batches_it(loaded):
+    engine = Engine(*loaded, max_batch_size=8, max_length=4096, batch_window_s=30.0)
+    try:
+        sinks = [Events(), Events()]
+        engine.announce()  # the second request is on its way (rendering) when the first is queued
+        engine.submit(Job(engine.render(request(TEXTS[0])), max_tokens=4, sink=sinks[0]))
+        assert not sinks[0].finished.wait(0.5)  # the worker waits for the announced one
+        engine.submit(Job(engine.render(request(TEXTS[1])), max_tokens=4, sink=sinks[1]), announced=True)
+        assert all(s.finished.wait(120) for s in sinks)
+        assert engine.batches == 1
+        # a withdrawn announcement ends the wait at once: the lone job runs without waiting out the window
+        engine.announce()
+        engine.submit(Job(engine.render(request(TEXTS[2])), max_tokens=4, sink=(alone := Events())))
+        engine.withdraw()
+        assert alone.finished.wait(60) and engine.batches == 2
+    finally:
+        engine.close(timeout=60)

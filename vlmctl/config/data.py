@@ -9,7 +9,7 @@ from pydantic import Field, ValidationInfo, model_validator
 
 from vlmctl.config.base import ProjectPath, Section
 
-DataFormat = Literal["auto", "llava", "sharegpt", "messages", "parquet", "webdataset", "hf", "llamafactory"]
+DataFormat = Literal["auto", "llava", "sharegpt", "messages", "parquet", "webdataset", "hf", "llamafactory", "preference"]
 
 EnergonFormat = Literal["auto", "vqa", "captioning", "crude"]
 
@@ -19,7 +19,7 @@ DEFAULT_MAX_IMAGE_PIXELS = 64_000_000
 
 class DataSource(Section):
     path: str = Field(..., description="File, folder or glob of the source (relative to the project file); a dataset id for format `hf`.")
-    format: DataFormat = Field("auto", description="Input format: auto|llava|sharegpt|messages|parquet|webdataset|hf|llamafactory (auto picks llamafactory for a file named dataset_info.json).")
+    format: DataFormat = Field("auto", description="Input format: auto|llava|sharegpt|messages|parquet|webdataset|hf|llamafactory|preference (auto picks llamafactory for a file named dataset_info.json, preference for records with chosen/rejected or rejected_response).")
     dataset: str | None = Field(None, description="format llamafactory: the data set's name in LLaMA-Factory's dataset_info.json (the source's path); its file_name, formatting (sharegpt or alpaca), columns and tags are honoured (docs/formats.md).")
     name: str | None = Field(None, description="Short name for reports; defaults to the file name.")
     image_root: ProjectPath | None = Field(None, description="Folder that relative image paths are resolved against (default: the source file's folder). Image paths must resolve inside it, the source's folder or data.media_roots.")
@@ -121,6 +121,9 @@ class DataSection(Section):
     sources: list[DataSource] = Field(default_factory=list, description="Raw data sources to read (see docs/formats.md).")
     prepared_dir: ProjectPath = Field(Path("data/prepared"), description="Where `data prepare` writes train/val Parquet shards and manifest.json.")
     val_ratio: float = Field(0.05, ge=0, lt=1, description="Fraction of samples held out for validation (split by a hash of the sample).")
+    kind: Literal["auto", "sft", "preference"] = Field(
+        "auto", description="What the data is: auto (preference pairs when the sources hold pairs, else conversations; mixing both fails), sft (pairs are kept as their chosen conversation), preference (every sample must be a pair: others are rejected as missing_response). See docs/formats.md, Preference data.",
+    )
     max_length: int = Field(4096, gt=0, description="Maximum tokens per sample (text + visual tokens); longer samples are dropped as too_long.")
     min_image_side: int = Field(28, gt=0, description="Images whose shorter side is below this many pixels are rejected as image_too_small.")
     shard_size_mb: int = Field(256, gt=0, description="Target size of one Parquet shard in MB.")

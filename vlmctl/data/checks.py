@@ -12,6 +12,8 @@ Every rejected sample gets exactly one reason code. The codes are public output 
 | `empty_turn` | a turn with blank text and no image or video | `build_sample` |
 | `placeholder_mismatch` | number of `<image>` placeholders != number of images, of `<video>` placeholders != number of videos, or of `<audio>` placeholders != number of audio clips; a placeholder or media part in a system or assistant turn | `build_sample` |
 | `invalid_text` | the id, a turn's text or a meta value holds a lone surrogate (`\\ud800` in JSON), which is not Unicode text | `build_sample` |
+| `missing_response` | a preference pair whose chosen or rejected answer is missing or blank (the detail names which), or, with `data.kind: preference`, a sample that is not a pair | `build_preference_sample` / prepare / validate |
+| `same_response` | a preference pair whose chosen and rejected answers are the same text (after collapsing whitespace): it teaches nothing | `build_preference_sample` |
 | `link_member` | a WebDataset tar member of the sample is a symbolic or hard link (GNU tar stores the second path of a hard-linked file so), a device or a FIFO: links are not followed | reader |
 | `duplicate_key` | two WebDataset tar members in a row with the same key and extension (the second would replace the first) | reader |
 | `outside_root` | an image path resolves (symlinks included) outside the source's folder, its `image_root` and `data.media_roots` | reader |
@@ -58,6 +60,8 @@ REASONS = (
     "empty_turn",
     "placeholder_mismatch",
     "invalid_text",
+    "missing_response",
+    "same_response",
     "link_member",
     "duplicate_key",
     "outside_root",
@@ -260,6 +264,77 @@ def build_sample(
                     audios=refs["audio"] or None, source=source, meta=dict(meta or {}))
     sample.location = location
     return sample
+
+
+def build_preference_sample(
+    prompt: Iterable[tuple[Any, Any]],
+    chosen: Any,
+    rejected: Any,
+    *,
+    keys: tuple[str, str] = ("chosen", "rejected"),
+    **kwargs: Any,
+) -> Sample | Rejection:
+    """Assemble a preference pair: the `prompt` turns ((role, content) pairs ending with a user turn), the
+    `chosen` and the `rejected` assistant answer (each a string, a list of content parts, or None when the record
+    lacks it). `keys` name the two answers in details (the record's own keys, e.g. `rejected_response`); the other
+    keyword arguments are those of `build_sample` (media, id, source, location, meta, resolve_part).
+
+    Checks, in order: missing_response (an answer missing or blank), then `build_sample`'s checks on the prompt
+    and the chosen answer (bad_roles, empty_turn, placeholder_mismatch, invalid_text), then the rejected answer
+    (placeholder_mismatch for a placeholder or media part in it, invalid_text), then same_response. Returns a
+    Sample with `rejected` set (see `vlmctl.data.sample`).
+    """
+    source, location, sid = kwargs["source"], kwargs["location"], kwargs["id"]
+    for key, answer in zip(keys, (chosen, rejected)):
+        if answer is None:
+            return Rejection("missing_response", source, location, f"the {key} answer is missing", sid)
+        if _blank(answer):
+            return Rejection("missing_response", source, location, f"the {key} answer is empty", sid)
+    sample = build_sample([*prompt, ("assistant", chosen)], **kwargs)
+    if isinstance(sample, Rejection):
+        return sample
+    try:
+        parts = _parts(rejected, None, {kind: [] for kind in PLACEHOLDERS})
+    except RecordError as exc:
+        return Rejection("parse_error", source, location, f"{keys[1]}: {exc}", sid)
+    media = next((p["type"] for p in parts if p["type"] != "text"), None)
+    if media is not None:
+        return Rejection("placeholder_mismatch", source, location,
+                         f"the {keys[1]} answer holds {PLACEHOLDERS[media]}: images, videos and audio go in user turns", sid)
+    for p in parts:
+        problem = _bad_char(p["text"])
+        if problem:
+            return Rejection("invalid_text", source, location, f"the {keys[1]} answer holds {problem}", sid)
+    sample.rejected = {"role": "assistant", "content": parts}
+    if _norm_text(sample.messages[-1]) == _norm_text(sample.rejected):
+        return Rejection("same_response", source, location, f"the {keys[0]} and {keys[1]} answers are the same text", sid)
+    return sample
+
+
+def _blank(content: Any) -> bool:
+    """True for an answer without text: a blank string, or parts whose text parts are all blank."""
+    if isinstance(content, str):
+        return not content.strip()
+    if isinstance(content, dict):
+        content = [content]
+    if isinstance(content, list):
+        texts = [p if isinstance(p, str) else p.get("text", p.get("value")) for p in content if isinstance(p, (str, dict))]
+        return not any(isinstance(t, str) and t.strip() for t in texts)
+    return False  # another type: reported as a parse error by build_sample
+
+
+def _norm_text(message: dict[str, Any]) -> str:
+    return " ".join(" ".join(p["text"] for p in message["content"] if p["type"] == "text").split())
+
+
+def count_tokens(counter: Any, sample: Sample, sizes: list[tuple[int, int]]) -> int:
+    """Tokens `sample` takes in a packed training row under `counter` (a `vlmctl.data.tokens.TokenCounter`): its
+    conversation, plus for a preference pair the rejected conversation (prompt and media again), since both are
+    packed into the same row as two segments. `sizes`: its images' (width, height)."""
+    n = counter.count(sample, sizes)
+    if sample.rejected is not None:
+        n += counter.count(sample.rejected_sample(), sizes)
+    return n
 
 
 def _bad_char(text: str) -> str | None:
@@ -483,6 +558,8 @@ def sample_digest(sample: Sample) -> bytes:
         [m["role"], [(" ".join(p["text"].split()) if p["type"] == "text" else [p["type"], p["index"]]) for p in m["content"]]]
         for m in sample.messages
     ]
+    if sample.rejected is not None:  # a pair differs from another by its rejected answer too; SFT digests unchanged
+        norm.append(["rejected", [" ".join(p["text"].split()) for p in sample.rejected["content"] if p["type"] == "text"]])
     h.update(json.dumps(norm, ensure_ascii=False, separators=(",", ":")).encode())
     for img in sample.images:
         h.update(hashlib.blake2b(img, digest_size=16).digest())

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from vlmctl.config.data import DataSection, DataSource
-from vlmctl.data.checks import DigestSet, LocationTable, Rejection, SampleInfo, check_images
+from vlmctl.data.checks import DigestSet, LocationTable, Rejection, SampleInfo, check_images, count_tokens, sample_digest
 from vlmctl.data.sample import Sample
 from vlmctl.errors import MissingSourceError
 
@@ -98,7 +98,7 @@ def _check_batch(batch: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
         result = check_images(item, **_STATE["limits"])
         if not isinstance(result, Rejection) and counter is not None:
             sample, info = result
-            sample.num_tokens = counter.count(sample, list(zip(info.widths, info.heights)))
+            sample.num_tokens = count_tokens(counter, sample, list(zip(info.widths, info.heights)))
         out.append((src, result))
     return out
 
@@ -263,6 +263,13 @@ def iter_checked(
             yield src, result, None
             continue
         sample, info = result
+        if data.kind == "preference" and not sample.is_preference:
+            yield src, Rejection("missing_response", sample.source, sample.location,
+                                 "not a preference pair (no rejected answer) and data.kind is preference", sample.id), None
+            continue
+        if data.kind == "sft" and sample.is_preference:  # SFT on the chosen answers
+            sample.rejected = None
+            info.digest = sample_digest(sample)
         handle = where.add(sample.location)
         if data.dedup:
             earlier = seen.setdefault(info.digest, handle)
@@ -288,7 +295,8 @@ def too_long(sample: Sample, max_length: int, row_budget: RowBudget | None = Non
     n = sample.num_tokens
     if n is None or n <= token_limit(max_length, row_budget):
         return None
-    detail = f"{n} tokens (text + visual) > data.max_length={max_length}" if n > max_length else f"{n:,} tokens (text + visual)"
+    what = "text + visual, chosen and rejected each with the prompt" if sample.rejected is not None else "text + visual"
+    detail = f"{n} tokens ({what}) > data.max_length={max_length}" if n > max_length else f"{n:,} tokens ({what})"
     if row_budget is not None and n > row_budget.tokens:
         gpus = row_budget.gpus_for(n)
         row = (f"{row_budget.tokens:,} tokens per packed row (train.tokens_per_batch={row_budget.tokens_per_batch} x "
@@ -305,7 +313,7 @@ def with_token_counts(results: Iterable[tuple[int, Sample | Rejection, SampleInf
     rejections (the last check)."""
     for src, item, info in results:
         if info is not None:
-            item.num_tokens = counter.count(item, list(zip(info.widths, info.heights)))
+            item.num_tokens = count_tokens(counter, item, list(zip(info.widths, info.heights)))
             rejection = too_long(item, max_length, row_budget)
             if rejection is not None:
                 yield src, rejection, None

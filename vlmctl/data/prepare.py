@@ -8,7 +8,7 @@ Output (`data.prepared_dir`)::
 
     train/train-00000.parquet ...   rows with the schema of `vlmctl.data.sample.arrow_schema()`
     val/val-00000.parquet ...        (`datasets.load_dataset("parquet", data_dir=prepared_dir)` reads both)
-    manifest.json                    sources, totals, splits, image/text/token statistics
+    manifest.json                    kind (sft | preference), sources, totals, splits, image/text/token statistics
     rejected.jsonl                   one line per dropped sample: source, location, reason, detail, id
     length_histogram.png             tokens per sample (or characters when no processor is known), with the limits
     energon/                         with --export energon and no export dir
@@ -94,6 +94,7 @@ class ShardWriter:
 
         self.folder, self.prefix, self.shard_bytes = folder, prefix, shard_bytes
         self.modalities: set[str] = {"image"}
+        self.preference = False  # a `rejected` column, once a preference pair arrives (same scheme as media columns)
         self.schema = arrow_schema()
         self.rows: list[dict[str, Any]] = []
         self.buffered = 0
@@ -106,7 +107,8 @@ class ShardWriter:
 
     def add(self, sample: Sample) -> None:
         present = {name for name, parts in sample.media.items() if parts}
-        if present - self.modalities:
+        if present - self.modalities or (sample.rejected is not None and not self.preference):
+            self.preference |= sample.rejected is not None
             self._widen(present)
         self.rows.append(sample.to_row())
         self.buffered += sum(len(b) for parts in sample.media.values() for b in parts) + sum(len(t) for t in sample.text_parts()) + 64
@@ -132,7 +134,7 @@ class ShardWriter:
         for name in self.files:
             self.narrower.setdefault(name, self.schema)
         self.modalities |= present
-        self.schema = arrow_schema(tuple(self.modalities))
+        self.schema = arrow_schema(tuple(self.modalities), preference=self.preference)
 
     def _add_media_columns(self) -> None:
         """Rewrite the files written before a media column was added with that column null (temporary file, then
@@ -675,6 +677,24 @@ def check_kept(tallies: list[SourceTally], min_fraction: float) -> None:
         )
 
 
+def check_kind(tallies: list[SourceTally], pairs: Counter) -> str:
+    """What the kept data is, for the manifest's `kind`: "preference" when every kept sample is a preference pair,
+    "sft" when none is. Raises DataError naming the sources of each kind when both are kept (with `data.kind:
+    auto`; `sft` and `preference` settle it before)."""
+    n_pairs = sum(pairs.values())
+    kept = sum(t.kept for t in tallies)
+    if n_pairs == 0 or n_pairs == kept:
+        return "preference" if n_pairs else "sft"
+    with_pairs = [t.name for i, t in enumerate(tallies) if pairs[i]]
+    without = [t.name for i, t in enumerate(tallies) if t.kept > pairs[i]]
+    raise DataError(
+        f"the data mixes {n_pairs:,} preference pairs (sources: {', '.join(with_pairs)}) and {kept - n_pairs:,} "
+        f"conversations without a rejected answer (sources: {', '.join(without)})",
+        hint="set data.kind: sft to train on the chosen answers, or data.kind: preference to keep only the pairs "
+             "(docs/formats.md, Preference data)",
+    )
+
+
 def check_train_split(train_samples: int, kept: int, rejected: Counter, val_ratio: float) -> None:
     """Raise DataError when the train split is empty, with the rejection counts."""
     if train_samples:
@@ -705,6 +725,7 @@ def _run(data: DataSection, results: Results, sources, tmp: Path, etmp: Path | N
         energon = EnergonWriter(etmp, shard_bytes, data.export.energon_format)
     tallies = [SourceTally(s.name, s.path, s.format) for s in sources]
     stats = Stats()
+    pairs: Counter = Counter()  # source index -> preference pairs kept
     rejected_total: Counter = Counter()
     # backslashreplace: a lone surrogate in a rejected record's id or location is written escaped, never a crash
     with open(tmp / "rejected.jsonl", "w", encoding="utf-8", errors="backslashreplace") as rej, progress_bar(progress, "Preparing") as advance:
@@ -715,12 +736,17 @@ def _run(data: DataSection, results: Results, sources, tmp: Path, etmp: Path | N
                 rejected_total[item.reason] += 1
                 rej.write(json.dumps(item.to_dict(), ensure_ascii=False) + "\n")
                 continue
+            pairs[src] += item.rejected is not None
             split = "val" if is_val(info.digest, data.val_ratio) else "train"
             writers[split].add(item)
             if energon is not None:
+                if item.rejected is not None:  # energon's sample types have no place for a rejected answer
+                    raise UsageError("--export energon writes conversations; preference pairs cannot be exported to energon",
+                                     hint="prepare without --export, or set data.kind: sft to export the chosen conversations")
                 energon.add(split, item)
             stats.add(item, info)
     check_kept(tallies, data.min_kept_fraction)
+    kind = check_kind(tallies, pairs)
     check_train_split(writers["train"].samples, sum(t.kept for t in tallies), rejected_total, data.val_ratio)
     splits = {}
     for name, w in writers.items():
@@ -737,6 +763,7 @@ def _run(data: DataSection, results: Results, sources, tmp: Path, etmp: Path | N
         flagged.update(t.flagged)
     return {
         "schema_version": SCHEMA_VERSION,
+        "kind": kind,
         "sources": [t.to_dict() for t in tallies],
         "totals": {
             "read": kept + n_rejected,

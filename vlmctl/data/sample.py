@@ -30,6 +30,19 @@ Video parts are stored clips after the checks (`vlmctl.data.modalities.video.nor
 Motion JPEG in Matroska), audio parts 16-bit mono FLAC (`vlmctl.data.modalities.audio.normalize_audio`), references
 before. The `audios` column is plain `{bytes, path}` structs rather than `datasets.Audio` (decoding that needs
 torchcodec); `datasets.Audio(decode=False)` reads the same layout.
+
+A preference sample (DPO pairs) is the same conversation whose last turn is the chosen assistant answer, plus the
+rejected answer to the same prompt in `rejected`, an assistant message of text parts::
+
+    Sample(id="pair-7", messages=[system?, user..., assistant (chosen)], images=[...],
+           rejected={"role": "assistant", "content": [{"type": "text", "text": "A dog."}]})
+    sample.prompt_messages()    # messages[:-1]: shared by both answers (and their media)
+    sample.chosen_messages()    # messages
+    sample.rejected_messages()  # messages[:-1] + [rejected]
+
+Its shards have a `rejected` column (a message struct, null for samples without one), written only when a sample
+has a rejected answer; shards without the column read as having none. Read without it, a preference shard is SFT
+data on the chosen answers.
 """
 
 from __future__ import annotations
@@ -49,6 +62,9 @@ MODALITIES = ("image", "video", "audio")
 MEDIA_COLUMNS = {"image": "images", "video": "videos", "audio": "audios"}
 """Modality -> its column in prepared shards (and its keyword of `Sample`)."""
 
+REJECTED_COLUMN = "rejected"
+"""Column of prepared shards holding a preference sample's rejected assistant message (see the module docstring)."""
+
 
 @dataclass(init=False)
 class Sample:
@@ -67,12 +83,14 @@ class Sample:
     num_tokens: int | None  # text + media tokens under the project's processor, when known
     location: str = field(compare=False)  # where it was read (file:line, shard:key); not stored in shards
     media_tokens: dict[str, list[int]] = field(compare=False)  # placeholder tokens per part, by modality, when counted; not stored
+    rejected: dict[str, Any] | None  # preference samples: the rejected assistant message (the chosen one is messages[-1])
 
     def __init__(self, id: str, messages: list[dict[str, Any]], images: list[Any] | None = None, source: str = "",
                  meta: dict[str, Any] | None = None, num_tokens: int | None = None, location: str = "", *,
                  videos: list[Any] | None = None, audios: list[Any] | None = None,
-                 media: dict[str, list[Any]] | None = None):
+                 media: dict[str, list[Any]] | None = None, rejected: dict[str, Any] | None = None):
         self.id = id
+        self.rejected = rejected
         self.messages = messages
         self.source = source
         self.meta = {} if meta is None else meta
@@ -108,22 +126,44 @@ class Sample:
         return self.media.get("audio", [])
 
     def text_parts(self) -> list[str]:
-        return [p["text"] for m in self.messages for p in m["content"] if p["type"] == "text"]
+        """The text of every part of every turn, in order (a preference sample's rejected answer last)."""
+        rejected = [p["text"] for p in self.rejected["content"] if p["type"] == "text"] if self.rejected else []
+        return [p["text"] for m in self.messages for p in m["content"] if p["type"] == "text"] + rejected
+
+    @property
+    def is_preference(self) -> bool:
+        """True for a preference pair (a sample with a rejected answer)."""
+        return self.rejected is not None
+
+    def prompt_messages(self) -> list[dict[str, Any]]:
+        """The turns both answers of a pair answer: every turn but the last (the chosen answer)."""
+        return self.messages[:-1]
+
+    def chosen_messages(self) -> list[dict[str, Any]]:
+        """The prompt and the chosen answer (for an SFT sample: its conversation)."""
+        return self.messages
+
+    def rejected_messages(self) -> list[dict[str, Any]]:
+        """The prompt and the rejected answer. Raises DataError for a sample that is not a preference pair."""
+        if self.rejected is None:
+            raise DataError(f"sample {self.id!r} has no rejected answer: it is not a preference pair",
+                            hint="prepare preference data (docs/formats.md, Preference data)")
+        return self.messages[:-1] + [self.rejected]
+
+    def rejected_sample(self) -> "Sample":
+        """The rejected conversation as a Sample of its own (same media, id, source and meta), e.g. to count its
+        tokens or render it. Raises DataError for a sample that is not a preference pair."""
+        out = Sample(id=self.id, messages=self.rejected_messages(), media={k: list(v) for k, v in self.media.items()},
+                     source=self.source, meta=self.meta)
+        out.location = self.location
+        return out
 
     def to_row(self) -> dict[str, Any]:
         """One Parquet row (see `arrow_schema`): `images` always, `videos`/`audios` when the sample has such parts."""
         row = {
             "id": self.id,
             "source": self.source,
-            "messages": [
-                {
-                    "role": m["role"],
-                    "content": [
-                        {"type": p["type"], "text": p.get("text"), "index": p.get("index")} for p in m["content"]
-                    ],
-                }
-                for m in self.messages
-            ],
+            "messages": [_message_row(m) for m in self.messages],
             "images": [{"bytes": b, "path": None} for b in self.images],
             "num_tokens": self.num_tokens,
             "meta": json.dumps(self.meta, sort_keys=True) if self.meta else None,
@@ -131,21 +171,16 @@ class Sample:
         for name, parts in self.media.items():
             if name != "image":
                 row[MEDIA_COLUMNS[name]] = [{"bytes": b, "path": None} for b in parts]
+        if self.rejected is not None:
+            row[REJECTED_COLUMN] = _message_row(self.rejected)
         return row
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> "Sample":
         """Inverse of `to_row`; accepts rows read by pyarrow or by datasets with `decode=False` media, and rows
         of shards written before the `videos`/`audios` columns existed."""
-        messages = []
-        for m in row["messages"]:
-            parts = []
-            for p in m["content"]:
-                if p["type"] in MODALITIES:
-                    parts.append({"type": p["type"], "index": int(p["index"])})
-                else:
-                    parts.append({"type": "text", "text": p["text"] or ""})
-            messages.append({"role": m["role"], "content": parts})
+        messages = [_message_of_row(m) for m in row["messages"]]
+        rejected = row.get(REJECTED_COLUMN)
         media = {name: [v["bytes"] if isinstance(v, dict) else v for v in row.get(column) or []]
                  for name, column in MEDIA_COLUMNS.items()}
         meta = row.get("meta")
@@ -156,14 +191,30 @@ class Sample:
             source=row.get("source") or "",
             meta=json.loads(meta) if meta else {},
             num_tokens=row.get("num_tokens"),
+            rejected=_message_of_row(rejected) if rejected else None,
         )
 
 
-def arrow_schema(modalities: Iterable[str] = ("image",)):
+def _message_row(m: dict[str, Any]) -> dict[str, Any]:
+    return {"role": m["role"], "content": [{"type": p["type"], "text": p.get("text"), "index": p.get("index")} for p in m["content"]]}
+
+
+def _message_of_row(m: dict[str, Any]) -> dict[str, Any]:
+    parts = []
+    for p in m["content"]:
+        if p["type"] in MODALITIES:
+            parts.append({"type": p["type"], "index": int(p["index"])})
+        else:
+            parts.append({"type": "text", "text": p["text"] or ""})
+    return {"role": m["role"], "content": parts}
+
+
+def arrow_schema(modalities: Iterable[str] = ("image",), preference: bool = False):
     """The pyarrow schema of prepared shards, with `datasets` feature metadata so images decode as `Image`.
 
     `modalities`: the media columns to hold besides `images` (always present), e.g. `("image", "video")` adds
-    `videos`. Video and audio bytes are plain `{bytes, path}` structs (no `datasets` decoding: that would need
+    `videos`; `preference`: add the `rejected` column (a message struct) of preference pairs. Video and audio
+    bytes are plain `{bytes, path}` structs (no `datasets` decoding: that would need
     torchcodec). Raises DataError for an unknown modality.
     """
     import pyarrow as pa
@@ -183,11 +234,12 @@ def arrow_schema(modalities: Iterable[str] = ("image",)):
         ("num_tokens", pa.int32()),
         ("meta", pa.string()),
         *((column, pa.list_(blob)) for column in extra),
+        *(((REJECTED_COLUMN, message),) if preference else ()),
     ])
-    return schema.with_metadata({"huggingface": json.dumps({"info": {"features": _hf_features(extra)}})})
+    return schema.with_metadata({"huggingface": json.dumps({"info": {"features": _hf_features(extra, preference)}})})
 
 
-def _hf_features(extra_columns: list[str]) -> dict[str, Any]:
+def _hf_features(extra_columns: list[str], preference: bool = False) -> dict[str, Any]:
     # The JSON form of datasets.Features for the schema above (datasets.Features.to_dict()).
     text = {"dtype": "string", "_type": "Value"}
     features = {
@@ -207,4 +259,6 @@ def _hf_features(extra_columns: list[str]) -> dict[str, Any]:
     blob = {"bytes": {"dtype": "binary", "_type": "Value"}, "path": text}
     for column in extra_columns:
         features[column] = {"feature": blob, "_type": "List"}
+    if preference:
+        features[REJECTED_COLUMN] = {"role": text, "content": features["messages"]["feature"]["content"]}
     return features

@@ -232,9 +232,12 @@ class TorchEngine:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        from vlmctl.checkpoints import dcp_writer
+
         model_sd, optim_sd = get_state_dict(self.model, _optimizers(self.optimizer))
+        # files of about 1 GiB: DCP stages a whole file's tensors in host memory (`dcp_writer`)
         dcp.save({"model": model_sd, "optim": optim_sd, "scheduler": _plain(self.scheduler.state_dict())},
-                 checkpoint_id=str(folder))
+                 storage_writer=dcp_writer(folder))
 
     def load(self, folder) -> None:
         """Restore model, optimizer and scheduler from the DCP files of `folder` (resharded onto this world size)."""

@@ -83,6 +83,14 @@ def create_app(state: ServerState):
                                                          "owned_by": "vlmctl"}]})
 
     async def completions(request: Request):
+        state.engine.announce()  # the worker may wait for this request while it renders (Engine.batch_window_s)
+        try:
+            return await answer(request)
+        finally:
+            if not getattr(request.state, "submitted", False):
+                state.engine.withdraw()
+
+    async def answer(request: Request):
         try:
             authorize(request)
             body = await _read_body(request, state.limits.max_body_bytes)
@@ -99,7 +107,8 @@ def create_app(state: ServerState):
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         job.sink = lambda event: loop.call_soon_threadsafe(events.put_nowait, event)
-        if not state.engine.submit(job):
+        request.state.submitted = True  # the engine counts the announcement as ended, queued or refused
+        if not state.engine.submit(job, announced=True):
             return error(OpenAIError(503, "the server is shutting down", type="server_error", code="unavailable"))
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_name}
         if req.stream:

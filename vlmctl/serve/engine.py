@@ -7,7 +7,11 @@
 
 The worker takes the oldest queued job and every later one it can share a `model.generate` call with (greedy
 jobs together; sampling jobs with the same temperature and top_p; a seeded job alone, so its seed decides its
-tokens), up to `max_batch_size` rows (a job of `n` choices is `n` rows). Prompts are rendered by the model's chat
+tokens), up to `max_batch_size` rows (a job of `n` choices is `n` rows). Requests the server has received but not yet
+rendered are announced (`announce`); while any is on its way and the batch has room, the worker waits for it, up
+to `batch_window_s` seconds. Without the wait, on a GPU the worker thread's `generate` loop holds the interpreter
+most of the time, the server's event loop receives and renders the next requests slowly, and the worker starts
+each call with the one job that made it into the queue: four clients were answered one at a time. Prompts are rendered by the model's chat
 template (`vlmctl.inference.render_request`, as `vlmctl generate` and `vlmctl chat` render them) and left-padded,
 as `vlmctl.inference.generate` does, so a greedy answer equals `generate`'s for the same request (up to
 floating-point ties between batch shapes). transformers' continuous batching (`generate_batch`) takes token ids
@@ -31,6 +35,7 @@ Events, called from the worker thread (`sink(event)`), as tuples:
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -136,10 +141,12 @@ class Engine:
     `max_batch_size`: rows per `generate` call. `max_length`: the longest prompt plus `max_tokens` a job may ask
     for, in tokens (the project's `data.max_length`); a longer one fails with 400 `context_length_exceeded`.
     `family`: the model's `FamilySpec` (default: from its config). `video`: the `data.video` settings.
+    `batch_window_s`: the longest the worker waits, once it holds a job, for announced requests to join its batch
+    (seconds; it waits only while one is on its way).
     """
 
     def __init__(self, model, processor, *, max_batch_size: int = 8, max_length: int = 4096, family: Any = None,
-                 video: Any = None):
+                 video: Any = None, batch_window_s: float = 0.25):
         from vlmctl.inference.prompt import model_family
 
         self.model, self.processor = model, processor
@@ -153,6 +160,8 @@ class Engine:
         self._pending: deque[Job] = deque()
         self._cond = threading.Condition()
         self._closing = False
+        self._arriving = 0  # requests announced and not yet submitted or withdrawn
+        self.batch_window_s = batch_window_s
         self.running = 0  # rows being generated now
         self.batches = 0  # `generate` calls so far
         self._worker = threading.Thread(target=self._loop, name="vlmctl-serve-engine", daemon=True)
@@ -171,9 +180,23 @@ class Engine:
     def queued(self) -> int:
         return len(self._pending)
 
-    def submit(self, job: Job) -> bool:
-        """Queue `job`; False (nothing queued) once the engine is closing."""
+    def announce(self) -> None:
+        """A request is on its way: the worker may wait for it (`batch_window_s`). Each announcement ends with one
+        `submit(..., announced=True)` or one `withdraw()`."""
         with self._cond:
+            self._arriving += 1
+
+    def withdraw(self) -> None:
+        """An announced request will not come (it failed before it became a job)."""
+        with self._cond:
+            self._arriving = max(0, self._arriving - 1)
+            self._cond.notify()
+
+    def submit(self, job: Job, announced: bool = False) -> bool:
+        """Queue `job` (`announced`: it was announced); False (nothing queued) once the engine is closing."""
+        with self._cond:
+            if announced:
+                self._arriving = max(0, self._arriving - 1)
             if self._closing:
                 return False
             self._pending.append(job)
@@ -196,12 +219,17 @@ class Engine:
                 self._cond.wait()
             first = self._pending.popleft()
             batch, rows = [first], first.n
-            for job in list(self._pending):
-                if job.key() == first.key() and rows + job.n <= self.max_batch_size:
-                    self._pending.remove(job)
-                    batch.append(job)
-                    rows += job.n
-            return batch
+            deadline = time.monotonic() + self.batch_window_s
+            while True:
+                for job in list(self._pending):
+                    if job.key() == first.key() and rows + job.n <= self.max_batch_size:
+                        self._pending.remove(job)
+                        batch.append(job)
+                        rows += job.n
+                left = deadline - time.monotonic()
+                if rows >= self.max_batch_size or not self._arriving or self._closing or left <= 0:
+                    return batch
+                self._cond.wait(left)
 
     def _loop(self) -> None:
         while (batch := self._take()) is not None:

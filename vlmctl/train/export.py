@@ -14,6 +14,8 @@ import shutil
 from pathlib import Path
 
 from vlmctl.errors import VlmctlError
+
+EXPORT_SHARD_BYTES = "5GB"
 from vlmctl.files import honour_umask
 
 
@@ -50,7 +52,8 @@ def _write_final(run_dir: Path, cfg, state: dict, *, source: str, lora, parts_tr
     shutil.rmtree(tmp, ignore_errors=True)
     if lora is not None and not lora.keep_adapter:
         fresh = merge_lora_model(fresh, out_dtype)  # peft's merge_and_unload in fp32, then one rounding
-    fresh.to(out_dtype).save_pretrained(tmp)
+    # 5 GB files (transformers' long-standing default): safetensors copies a file's tensors into one buffer to write it
+    fresh.to(out_dtype).save_pretrained(tmp, max_shard_size=EXPORT_SHARD_BYTES)
     if lora is not None and lora.keep_adapter:
         # peft's placeholder card names the base by its local path; `vlmctl push` writes the model card.
         (tmp / "README.md").unlink(missing_ok=True)

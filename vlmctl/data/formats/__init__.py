@@ -7,7 +7,7 @@
             use(item)  # a Sample whose images are 8-bit RGB encoded bytes
 
 Formats (see docs/formats.md): llava, sharegpt, messages, parquet, webdataset, hf, llamafactory (a data set of
-LLaMA-Factory's dataset_info.json), and `auto`, which picks one
+LLaMA-Factory's dataset_info.json), preference (pairs: LLaMA-Factory's, TRL's or ms-swift's layout), and `auto`, which picks one
 from the file extension and the first record (`detect_format`). Every reader streams: JSONL line by line, JSON
 arrays element by element, Parquet/Arrow by record batch, tars member by member.
 """
@@ -22,7 +22,7 @@ from vlmctl.data.checks import Rejection, check_images
 from vlmctl.data.sample import Sample
 from vlmctl.errors import DataError
 
-FORMATS = ("llava", "sharegpt", "messages", "parquet", "webdataset", "hf", "llamafactory")
+FORMATS = ("llava", "sharegpt", "messages", "parquet", "webdataset", "hf", "llamafactory", "preference")
 
 
 def get_reader(fmt: str) -> Callable[..., Iterator[Sample | Rejection]]:
@@ -41,6 +41,8 @@ def get_reader(fmt: str) -> Callable[..., Iterator[Sample | Rejection]]:
         from vlmctl.data.formats.hf import read_hf as reader
     elif fmt == "llamafactory":
         from vlmctl.data.formats.llamafactory import read_llamafactory as reader
+    elif fmt == "preference":
+        from vlmctl.data.formats.preference import read_preference as reader
     else:
         raise DataError(f"unknown data format {fmt!r}", hint=f"use one of: auto, {', '.join(FORMATS)}")
     return reader
@@ -96,6 +98,10 @@ def _detect_json(file: Path, path: str) -> str:
         record = item[1]
         if not isinstance(record, dict):
             break
+        from vlmctl.data.formats.preference import layout_of
+
+        if layout_of(record) is not None:
+            return "preference"
         if "conversations" in record and not any(k in record for k in ("images", "videos", "audios")):
             return "llava"
         turns = record.get("messages", record.get("conversations"))
@@ -105,7 +111,7 @@ def _detect_json(file: Path, path: str) -> str:
             return "sharegpt"
         raise DataError(
             f"cannot tell the format of {file}: its first record has keys {', '.join(sorted(record))}",
-            hint="expected conversations (llava), messages + images, videos or audios (sharegpt) or messages with content parts (messages); or set data.sources[].format",
+            hint="expected conversations (llava), messages + images, videos or audios (sharegpt), messages with content parts (messages), or chosen/rejected or rejected_response (preference); or set data.sources[].format",
         )
     raise DataError(f"cannot tell the format of {path}: no JSON object records found", hint="set data.sources[].format")
 

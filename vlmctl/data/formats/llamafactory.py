@@ -16,6 +16,11 @@ default, or `alpaca`), the record keys of each field (`columns`) and, for shareg
   a turn's user text is the prompt, then a newline and the query when there is one; `history` holds earlier
   [user, assistant] pairs.
 
+An entry with `"ranking": true` holds preference pairs (LLaMA-Factory's `dpo_en_demo`): its columns also name the
+`chosen` and `rejected` answers (defaults `chosen`, `rejected`); with sharegpt formatting each is a turn
+(`{"from": "gpt", "value": ...}`, spelled by the entry's tags), with alpaca a string. They are read as the
+`preference` format reads pairs (`vlmctl.data.formats.preference`).
+
 Media paths resolve against the folder of dataset_info.json (LLaMA-Factory's `media_dir` default), or
 `image_root`. Tool turns (observation, function_call) are not supported: such a record is a parse_error naming the
 role.
@@ -111,13 +116,48 @@ def _alpaca_turns(record: dict[str, Any], columns: dict[str, Any]) -> list[dict[
     return out + [{"role": "user", "content": user}, {"role": "assistant", "content": record.get(columns["response"])}]
 
 
+def to_preference(record: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
+    """One record of a `ranking` entry's file as a preference record of the LLaMA-Factory layout of
+    `vlmctl.data.formats.preference` ({conversations, chosen, rejected, system, images, videos, audios}): the prompt
+    turns through `to_messages`, the answers through the entry's `chosen` / `rejected` columns and tags. Raises
+    RecordError for a record that does not fit them."""
+    from vlmctl.data.formats._common import RecordError
+
+    if not isinstance(record, dict):
+        raise RecordError(f"record must be a JSON object, not {type(record).__name__}")
+    alpaca = entry.get("formatting", "sharegpt") == "alpaca"
+    columns = {"chosen": "chosen", "rejected": "rejected", **(entry.get("columns") or {})}
+    tags = {**TAGS, **(entry.get("tags") or {})}
+    if alpaca:  # the prompt is instruction + input; to_messages wants a response: give it the chosen one
+        record = {**record, (entry.get("columns") or {}).get("response", "output"): ""}
+    out = to_messages(record, entry)
+    turns = out.pop("messages")
+    if alpaca:
+        turns = turns[:-1]
+    answers = {}
+    for key in ("chosen", "rejected"):
+        value = record.get(columns[key])
+        if isinstance(value, dict) and not alpaca:
+            if value.get(tags["role_tag"]) != tags["assistant_tag"]:
+                raise RecordError(f"{columns[key]} (columns.{key}) has role {value.get(tags['role_tag'])!r} "
+                                  f"({tags['role_tag']}), not the entry's assistant tag {tags['assistant_tag']!r}")
+            value = value.get(tags["content_tag"])
+        answers[key] = value
+    return {**out, "conversations": turns, **answers}
+
+
 def read_llamafactory(source: DataSource, *, media_roots: Iterable[Path | str] = ()) -> Iterator[Sample | Rejection]:
-    """Stream unchecked samples and parse errors of the data set `source.dataset` of a dataset_info.json."""
+    """Stream unchecked samples and parse errors of the data set `source.dataset` of a dataset_info.json
+    (preference pairs for an entry with `"ranking": true`)."""
     from vlmctl.data.formats._common import read_conversation_json, source_name
 
     entry, folder = dataset_entry(source)
     inner = source.model_copy(update={"path": str(folder / entry["file_name"]), "name": source_name(source),
                                       "image_root": source.image_root or folder})
+    if entry.get("ranking"):
+        from vlmctl.data.formats.preference import read_preference
+
+        return read_preference(inner, media_roots=media_roots, transform=lambda record: to_preference(record, entry))
     return read_conversation_json(inner, turn_keys=("messages",), image_keys=("images",), video_keys=("videos",),
                                   audio_keys=("audios",), system_key="system", extra_roots=media_roots,
                                   transform=lambda record: to_messages(record, entry))

@@ -16,8 +16,9 @@ files. Logical columns and their default physical names (override with the sourc
 | `system` | `system` | optional system prompt |
 | `meta` | `meta` | a JSON object (or its JSON text) merged into `meta` |
 | `id` | `id` | sample id (default: `{source}-{row}`) |
+| `prompt`, `chosen`, `rejected`, `rejected_response` | same names | preference pairs: TRL's columns (`prompt` + `chosen` + `rejected`), LLaMA-Factory's or ms-swift's next to `messages`, or vlmctl's prepared pairs (`messages` + a `rejected` message); read as `vlmctl.data.formats.preference` reads them |
 
-One of `messages`, `texts` or `question` must exist. vlmctl's own prepared shards use the `messages` + `images`
+One of `messages`, `texts`, `question` or `chosen` must exist. vlmctl's own prepared shards use the `messages` + `images`
 (+ `videos`, `audios`) layout, so a prepared folder reads back with this reader. A speech-recognition table (an
 `audio` column, and the transcript as `answer` next to a `question` prompt) reads as one audio question each.
 """
@@ -37,7 +38,9 @@ from vlmctl.data.images import MediaRoots, MissingRef
 from vlmctl.data.sample import Sample
 from vlmctl.errors import DataError
 
-LOGICAL = ("id", "images", "videos", "audios", "texts", "messages", "question", "answer", "answers", "options", "question_type", "system", "meta")
+LOGICAL = ("id", "images", "videos", "audios", "texts", "messages", "question", "answer", "answers", "options", "question_type", "system", "meta",
+           "prompt", "chosen", "rejected", "rejected_response")
+PREFERENCE = ("prompt", "chosen", "rejected", "rejected_response")
 ALTERNATIVES = {"images": ("images", "image"), "videos": ("videos", "video"), "audios": ("audios", "audio"), "messages": ("messages", "conversations"), "options": ("options", "choices")}
 BATCH_ROWS = 64
 
@@ -66,7 +69,7 @@ def resolve_columns(available: list[str], mapping: dict[str, str] | None, where:
                 cols[logical] = candidate
                 break
     captions = "answer" in cols and any(k in cols for k in ("images", "videos", "audios"))
-    if not captions and not any(k in cols for k in ("messages", "texts", "question")):
+    if not captions and not any(k in cols for k in ("messages", "texts", "question", "chosen")):
         raise DataError(
             f"{where} has no conversation column (looked for messages, conversations, texts, question; or answer next to a media column)",
             hint=f"map yours with columns:, e.g. columns: {{question: <col>, answer: <col>, images: <col>}} or, for speech "
@@ -93,6 +96,8 @@ def row_to_sample(row: dict[str, Any], cols: dict[str, str], *, name: str, locat
             meta.update(json.loads(value) if isinstance(value, str) else dict(value))
         if isinstance(meta.get("answers"), str):
             meta["answers"] = [meta["answers"]]
+        if any(row.get(cols[k]) is not None for k in PREFERENCE if k in cols):
+            return _preference_row(row, cols, images, videos, audios, sid=sid, name=name, location=location, meta=meta)
         turns: list[tuple[Any, Any]]
         if "messages" in cols and row.get(cols["messages"]) is not None:
             value = row[cols["messages"]]
@@ -124,6 +129,27 @@ def row_to_sample(row: dict[str, Any], cols: dict[str, str], *, name: str, locat
     except (RecordError, json.JSONDecodeError, TypeError, ValueError) as exc:
         return Rejection("parse_error", name, location, str(exc), sid)
     return build_sample(turns, images=images, videos=videos, audios=audios, id=sid, source=name, location=location, meta=meta)
+
+
+def _preference_row(row: dict[str, Any], cols: dict[str, str], images, videos, audios, *, sid: str, name: str, location: str,
+                    meta: dict[str, Any]) -> Sample | Rejection:
+    """A preference pair from a row with preference columns (see the module docstring). Raises RecordError,
+    json.JSONDecodeError or TypeError for a row that does not fit (reported as parse_error by the caller)."""
+    from vlmctl.data.checks import build_preference_sample
+    from vlmctl.data.formats.preference import split_record
+
+    record = {k: row[cols[k]] for k in (*PREFERENCE, "messages") if k in cols and row.get(cols[k]) is not None}
+    if isinstance(record.get("messages"), str):  # a JSON-encoded column
+        record["messages"] = json.loads(record["messages"])
+    rejected = record.get("rejected")
+    if isinstance(rejected, dict) and "role" in rejected and "chosen" not in record and "messages" in record:
+        # vlmctl's prepared pairs: the chosen answer ends `messages`, the rejected one is a message of its own
+        record = {"messages": record["messages"], "rejected_response": rejected.get("content")}
+    prompt, chosen, rejected, keys = split_record(record)
+    if "system" in cols and isinstance(row.get(cols["system"]), str) and row[cols["system"]].strip():
+        prompt.insert(0, ("system", row[cols["system"]]))
+    return build_preference_sample(prompt, chosen, rejected, keys=keys, images=images, videos=videos, audios=audios, id=sid,
+                                   source=name, location=location, meta=meta)
 
 
 def _media(row: dict[str, Any], cols: dict[str, str], key: str, base: Path | MediaRoots, scalar: frozenset[str]) -> list[Any]:

@@ -1,0 +1,77 @@
+"""`vlmctl.train.rollouts.generate_rollouts`: G answers per prompt in one batch, split back into prompt and
+completion token ids."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+import torch
+
+from vlmctl.errors import UsageError
+from vlmctl.inference import GenerationRequest, generate, load_for_generation
+from vlmctl.train.rollouts import generate_rollouts
+
+TEXTS = ["What color is the square?", "Name a primary color.", "How many sides?", "red blue green"]
+
+
+def request(text: str, rgb=None) -> GenerationRequest:
+    from PIL import Image
+
+    parts, images = [], []
+    if rgb:
+        buf = io.BytesIO()
+        Image.new("RGB", (16, 16), rgb).save(buf, format="PNG")
+        parts, images = [{"type": "image", "index": 0}], [buf.getvalue()]
+    return GenerationRequest(messages=[{"role": "user", "content": [*parts, {"type": "text", "text": text}]}], images=images)
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    from vlmctl.config import ModelSection
+    from vlmctl.models.build import build_model
+
+    folder: Path = tmp_path_factory.mktemp("rollouts") / "tiny"
+    build_model(ModelSection(preset="tiny", init="random", output_dir=folder, dtype="fp32"), tokenizer_texts=TEXTS * 5)
+    return load_for_generation(folder, device="cpu", dtype="fp32")
+
+
+def test_greedy_rollouts_are_the_generate_answers_repeated_per_group(loaded):
+    model, processor = loaded
+    requests = [request(TEXTS[0], (200, 30, 30)), request(TEXTS[2])]
+    expected = [g.text for g in generate(model, processor, requests, batch_size=1, max_new_tokens=6)]
+    model.train()
+    out = generate_rollouts(model, processor, requests, group_size=3, max_new_tokens=6, temperature=0.0)
+    assert model.training  # its mode is given back
+    assert out.prompt_index == [0, 0, 0, 1, 1, 1]
+    assert out.texts == [expected[0]] * 3 + [expected[1]] * 3
+    tok = processor.tokenizer
+    for i, (prompt, completion) in enumerate(zip(out.prompt_ids, out.completion_ids)):
+        assert 1 <= len(completion) <= 6
+        assert out.finished[i] == (completion[-1] in {tok.eos_token_id, *([model.generation_config.eos_token_id] if
+                                                                            isinstance(model.generation_config.eos_token_id, int) else [])})
+    from vlmctl.inference.prompt import render_request
+
+    text_only = render_request(requests[1], processor).text  # no left padding kept, nothing added
+    assert out.prompt_ids[3] == tok(text_only, add_special_tokens=False)["input_ids"]
+    image_token = tok.convert_tokens_to_ids(processor.image_token)
+    assert out.prompt_ids[0].count(image_token) > 1 and image_token not in out.prompt_ids[3]  # visual tokens kept
+    assert out.completion_tokens == sum(len(c) for c in out.completion_ids)
+
+
+def test_sampled_rollouts_of_a_group_differ_and_follow_the_seed(loaded):
+    model, processor = loaded
+    torch.manual_seed(0)
+    first = generate_rollouts(model, processor, [request(TEXTS[1])], group_size=4, max_new_tokens=8, temperature=1.5)
+    torch.manual_seed(0)
+    again = generate_rollouts(model, processor, [request(TEXTS[1])], group_size=4, max_new_tokens=8, temperature=1.5)
+    assert first.completion_ids == again.completion_ids
+    assert len({tuple(c) for c in first.completion_ids}) > 1  # a random tiny model at temperature 1.5 varies
+
+
+def test_bad_settings_are_refused_with_the_key_to_fix(loaded):
+    with pytest.raises(UsageError, match="group_size"):
+        generate_rollouts(*loaded, [request(TEXTS[0])], group_size=0, max_new_tokens=4)
+    with pytest.raises(UsageError, match="top_p"):
+        generate_rollouts(*loaded, [request(TEXTS[0])], group_size=2, max_new_tokens=4, top_p=0.0)

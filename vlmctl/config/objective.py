@@ -1,0 +1,86 @@
+"""Sections of the post-training objectives: `train.dpo` (preference pairs) and `train.grpo` (rollouts and rewards).
+
+    train:
+      objective: dpo
+      dpo: {beta: 0.1, loss_type: sigmoid, reference: frozen}
+    train:
+      objective: grpo
+      grpo:
+        group_size: 8
+        rewards: [{name: exact_match}, {name: format, pattern: "<answer>.*</answer>", weight: 0.2}]
+
+The formulas are in `vlmctl.train.dpo` and `vlmctl.train.grpo`; each field below names its source.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from vlmctl.config.base import Section
+
+BUILTIN_REWARD_NAMES = ("exact_match", "vqa_accuracy", "mcq_letter", "format", "length_penalty")
+
+
+class DPOSection(Section):
+    """Direct preference optimisation on prepared preference pairs (`data.kind: preference`)."""
+
+    beta: float = Field(0.1, gt=0, description="beta: how far the policy may move from the reference. sigmoid: the loss is -log sigma(beta h), h = the chosen minus the rejected log-ratio to the reference (DPO, arXiv 2305.18290, Eq. 7); ipo: the target margin is 1/(2 beta) (tau of IPO, arXiv 2310.12036, Eq. 17); hinge: max(0, 1 - beta h) (SLiC, arXiv 2305.10425).")
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = Field("sigmoid", description="sigmoid (DPO), ipo (IPO, with each log-ratio divided by its answer's tokens, TRL's form) or hinge (SLiC); see vlmctl/train/dpo.py.")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="sigmoid only: the assumed probability that a pair's preference is flipped; the loss becomes -(1 - eps) log sigma(beta h) - eps log sigma(-beta h) (conservative DPO, Mitchell 2023). 0 = plain DPO.")
+    reference: Literal["frozen", "adapter_disabled", "precomputed"] = Field("frozen", description="Where the reference log-probs come from: frozen (a frozen copy of the starting model, forward only, sharded like the policy), adapter_disabled (under LoRA: the base model with the adapter switched off, no second copy), precomputed (computed once over the data before training, no reference model in memory while training).")
+
+    @model_validator(mode="after")
+    def _smoothing_for_sigmoid(self) -> "DPOSection":
+        if self.label_smoothing and self.loss_type != "sigmoid":
+            raise ValueError(f"train.dpo.label_smoothing applies to loss_type sigmoid, not {self.loss_type}: set it to 0")
+        return self
+
+
+class RewardSpec(Section):
+    """One reward: a built-in one or the user's function, with its weight in the sum."""
+
+    name: str = Field(..., description="A built-in reward (exact_match, vqa_accuracy: VQAv2's normalised accuracy, mcq_letter: the option letter, format: `pattern` matches the whole completion, length_penalty: DAPO's soft overlong punishment, arXiv 2503.14476 Eq. 13) or your function as module:function, fn(completions, references, **kwargs) -> list[float] (imported only when named).")
+    weight: float = Field(1.0, description="Weight of this reward in the sum that is normalised per group (TRL's reward_weights).")
+    pattern: str | None = Field(None, description="format: the regular expression (Python re, DOTALL) a completion must match whole to score 1.")
+    cache_tokens: int | None = Field(None, gt=0, description="length_penalty: the soft zone before grpo.max_new_tokens in which the penalty falls linearly from 0 to -1 (DAPO's L_cache).")
+
+    @model_validator(mode="after")
+    def _fits_its_name(self) -> "RewardSpec":
+        if self.name not in BUILTIN_REWARD_NAMES and ":" not in self.name:
+            raise ValueError(f"reward {self.name!r} is neither a built-in reward ({', '.join(BUILTIN_REWARD_NAMES)}) nor module:function")
+        if self.name == "format" and not self.pattern:
+            raise ValueError("the format reward needs a pattern (the regular expression a completion must match)")
+        if self.name == "length_penalty" and self.cache_tokens is None:
+            raise ValueError("the length_penalty reward needs cache_tokens (the soft zone before grpo.max_new_tokens)")
+        return self
+
+
+class GRPOSection(Section):
+    """Group relative policy optimisation on prompts with reference answers (any SFT data: the assistant turn is the
+    reference)."""
+
+    group_size: int = Field(8, ge=2, description="G: rollouts generated per prompt; advantages are normalised within each group (GRPO, arXiv 2402.03300, Sec. 4.1.2).")
+    max_new_tokens: int = Field(256, gt=0, description="Tokens generated per rollout at most.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollouts (and of the log-probs they are scored with).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling of the rollouts.")
+    rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="exact_match")], description="The rewards, summed with their weights.")
+    scale_rewards: Literal["group", "batch", "none"] = Field("group", description="A_i = (r_i - mean(group)) / (std + 1e-4) with the group's std (GRPO), the batch's std, or none (mean-centred only: Dr. GRPO, arXiv 2503.20783).")
+    epsilon_low: float = Field(0.2, gt=0, lt=1, description="Lower clip: the ratio is clipped at 1 - epsilon_low (PPO/GRPO).")
+    epsilon_high: float | None = Field(None, gt=0, description="Upper clip, 1 + epsilon_high; None = epsilon_low. DAPO's clip-higher uses 0.28 with epsilon_low 0.2 (arXiv 2503.14476, Eq. 10).")
+    importance_sampling_level: Literal["token", "sequence"] = Field("token", description="token: one ratio per token (GRPO); sequence: exp(mean over the rollout's tokens of the log-ratio), one per rollout (GSPO, arXiv 2507.18071, Eq. 7; use clip ranges near 3e-4 / 4e-4).")
+    aggregation: Literal["sequence", "token"] = Field("sequence", description="sequence: mean over each rollout's tokens, then over rollouts (GRPO Eq. 3); token: sum over all tokens of the batch / their number (DAPO's token-level policy gradient loss, Eq. 12).")
+    drop_zero_variance_groups: bool = Field(False, description="Leave out groups whose rollouts all got the same reward (zero advantage, no gradient): DAPO's dynamic sampling, arXiv 2503.14476 Sec. 3.2.")
+    beta: float = Field(0.0, ge=0, description="Weight of the KL term to the reference model, k3 estimator exp(ref - logp) - (ref - logp) - 1 per token (GRPO Eq. 4; TRL). 0 = no reference model.")
+    num_iterations: int = Field(1, ge=1, description="Updates per generation batch (GRPO's mu); with 1 the old policy is the current one and the ratio is 1.")
+
+    @model_validator(mode="after")
+    def _dapo_defaults(self) -> "GRPOSection":
+        if self.epsilon_high is not None and self.epsilon_high < self.epsilon_low and self.importance_sampling_level == "token":
+            raise ValueError(f"train.grpo.epsilon_high ({self.epsilon_high}) is below epsilon_low ({self.epsilon_low}): "
+                             "clip-higher raises the upper bound; leave it unset for the symmetric clip")
+        return self
+
+
+__all__ = ["BUILTIN_REWARD_NAMES", "DPOSection", "GRPOSection", "RewardSpec"]
