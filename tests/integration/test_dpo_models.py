@@ -148,3 +148,80 @@ def test_packed_dpo_loss_and_gradients_equal_trl_dpo_trainer(built, preset):
         for name in ours:
             torch.testing.assert_close(ours[name], theirs[name], **TOL, msg=lambda m, name=name: f"{settings} {name}: {m}")
         assert sum(float(g.abs().sum()) for g in ours.values()) > 0
+
+
+def objective_loss(objective, model, processor, family, samples):
+    """The DPO objective's loss of `samples` packed by the pair collator, through an engine that feeds `model`."""
+    from vlmctl.data.collate import PairCollator, model_inputs
+
+    row = PairCollator(processor, family, tokens_per_batch=10**6, dummy_image=False)(samples)
+    hook = family.position_hook(model, getattr(model.config, "image_token_id", None))
+    row = hook(row) if hook else row
+    engine = SimpleNamespace(model=model, module=model, inputs=model_inputs)
+    return objective.loss(engine, row), row
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen2.5-vl", "tiny"])
+def test_the_dpo_objective_on_pair_rows_equals_trl_dpo_trainer(built, preset):
+    from vlmctl.config.objective import DPOSection
+    from vlmctl.train.objectives import DPOObjective
+
+    policy, processor, family = load(built / preset, seed=0)
+    ref, _, _ = load(built / preset)
+    ref.requires_grad_(False)
+    policy.train()
+    samples = pairs()
+    settings = {"loss_type": "sigmoid", "beta": 0.1}
+    objective = DPOObjective(DPOSection(**settings), reference=ref)
+    assert objective.models == {"reference": ref}
+    micro, row = objective_loss(objective, policy, processor, family, samples)
+    assert row["num_pairs"] == len(samples) and micro.tokens == len(samples)
+    mean = micro.loss / micro.tokens  # the loop divides by the global batch's pairs
+    mean.backward()
+    ours = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+    policy.zero_grad()
+    for model in (policy, ref):
+        add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
+    expected, metrics = trl_dpo(policy, ref, processor, family, samples, settings)
+    expected.backward()
+    torch.testing.assert_close(mean.detach(), expected.detach(), **TOL)
+    logged = objective.metrics({k: float(v) for k, v in micro.metrics.items()}, micro.tokens)
+    assert logged["rewards/margins"] == pytest.approx(metrics["rewards/margins"], abs=2e-5)
+    assert logged["rewards/accuracies"] == pytest.approx(metrics["rewards/accuracies"])
+    for name, grad in ours.items():
+        torch.testing.assert_close(grad, policy.get_parameter(name).grad, **TOL)
+
+
+def test_the_adapter_disabled_reference_is_the_lora_base(built):
+    """Under LoRA the reference is the trained model with its adapter off: the same loss as a frozen copy of the
+    base, with no second model."""
+    from peft import LoraConfig, get_peft_model
+
+    from vlmctl.config.objective import DPOSection
+    from vlmctl.train.objectives import DPOObjective
+
+    base, processor, family = load(built / "tiny")
+    frozen, _, _ = load(built / "tiny")
+    frozen.requires_grad_(False)
+    policy = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    settings = DPOSection(loss_type="sigmoid", beta=0.5, reference="adapter_disabled")
+    with_adapter_off, _ = objective_loss(DPOObjective(settings), policy, processor, family, pairs())
+    with_copy, _ = objective_loss(DPOObjective(settings, reference=frozen), policy, processor, family, pairs())
+    torch.testing.assert_close(with_adapter_off.loss, with_copy.loss, rtol=1e-6, atol=1e-7)
+    assert float(with_adapter_off.metrics["rewards/margins"]) != 0.0  # the adapter moved the policy off its base
+
+
+def test_the_pair_collator_keeps_pairs_whole_and_refuses_plain_samples(built):
+    from vlmctl.data.collate import PairCollator
+    from vlmctl.errors import DataError
+
+    _, processor, family = load(built / "tiny")
+    samples = pairs()
+    one = PairCollator(processor, family, tokens_per_batch=10**6, dummy_image=False)([samples[0]])
+    budget = sum(one["seq_lens"]) + 1  # room for the first pair, not for a second
+    with pytest.warns(UserWarning, match="does not fit"):
+        row = PairCollator(processor, family, tokens_per_batch=budget, dummy_image=False)(samples)
+    assert row["num_pairs"] == 1 and row["seq_lens"] == one["seq_lens"]
+    plain = Sample(id="sft", messages=samples[0].messages, images=samples[0].images)
+    with pytest.raises(DataError, match="no rejected answer"):
+        PairCollator(processor, family, tokens_per_batch=10**6)([plain])

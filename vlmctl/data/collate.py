@@ -479,6 +479,36 @@ class PackedCollator(Collator):
         return batch
 
 
+class PairCollator(PackedCollator):
+    """Preference pairs (samples with a `rejected` answer, `Sample.is_preference`) -> one packed row in which each
+    pair is two consecutive segments, chosen then rejected (`Sample.chosen_messages`, `Sample.rejected_sample`),
+    each the prompt with its media followed by one answer, as `vlmctl.train.dpo.pair_segments` reads them.
+
+    Returns `PackedCollator`'s row plus `num_pairs` (pairs in the row; their segments come first, the dummy rows
+    after). A pair whose two sequences no longer fit the row's `tokens_per_batch` is left out whole (counted in
+    `self.dropped`). Raises DataError for a sample without a rejected answer."""
+
+    def __call__(self, samples: list[Sample]) -> dict[str, Any]:
+        rows, used, pairs = [], 0, 0
+        for s in samples:
+            if not s.is_preference:
+                raise DataError(f"sample {s.id!r} has no rejected answer: a preference objective trains on pairs",
+                                hint="prepare preference data (data.kind: preference), or set train.objective: sft")
+            chosen, rejected = self.encode(s), self.encode(s.rejected_sample())  # a pair encodes as its chosen answer
+            if used + chosen.length + rejected.length > self.tokens_per_batch:
+                self.dropped += 1
+                warnings.warn(f"preference pair {s.id!r} ({chosen.length} + {rejected.length} tokens) does not fit its "
+                              f"packed micro-batch of train.tokens_per_batch={self.tokens_per_batch} tokens: left out "
+                              f"({self.dropped} so far); re-run `vlmctl data prepare` with this model", stacklevel=2)
+                continue
+            rows += [chosen, rejected]
+            used += chosen.length + rejected.length
+            pairs += 1
+        batch = self.pack(rows, group=batch_modality(samples))
+        batch["num_pairs"] = pairs
+        return batch
+
+
 def batch_modality(samples: list[Sample]) -> str:
     """The strongest modality group of `samples` (`modality_of` over the part types of all their messages): the
     step's group when the sampler groups by modality."""
@@ -491,7 +521,7 @@ def batch_modality(samples: list[Sample]) -> str:
 
 
 COUNTER_KEYS = ("num_label_tokens", "num_visual_tokens", "num_text_tokens", *(u.dummy_counter for u in UNITS.values()),
-                "num_samples", "seq_lens")
+                "num_samples", "seq_lens", "num_pairs")
 
 
 def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:

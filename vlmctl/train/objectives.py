@@ -136,3 +136,85 @@ class SFTObjective:
     def metrics(self, sums: dict[str, float], label_tokens: float) -> dict[str, float]:
         """None beyond the loop's own loss."""
         return {}
+
+
+@dataclass
+class DPOObjective:
+    """Direct preference optimisation over packed rows of pairs (`data.collate.PairCollator`: each pair's chosen
+    and rejected sequences are two consecutive varlen segments of one row); the formulas, loss types and their
+    sources are in `vlmctl.train.dpo`.
+
+    Each sequence's log-probability is the sum of its answer tokens' log-probs, from the labelled positions only
+    (`kernels.token_losses`: the LM head's chunked cross-entropy, no [T, V] logits). The reference's are computed
+    the same way without gradients, from `reference` (a frozen model wrapped by `parallelize(..., trainable=False)`)
+    or, with `reference` None, from the trained model with its peft adapters switched off (`disable_adapter`, the
+    LoRA base: no second copy of the weights). The loss over a micro-batch is the sum of its pairs' losses and the
+    loop divides by the global batch's pairs (`label_tokens` counts pairs), so a step's loss is the mean over pairs,
+    as TRL's `DPOTrainer` takes it. Metrics (TRL's names): rewards/chosen, rewards/rejected, rewards/margins (means of
+    beta x log-ratio) and rewards/accuracies (share of pairs whose chosen reward is higher).
+
+    `settings`: the `train.dpo` section (`config.objective.DPOSection`: beta, loss_type, label_smoothing).
+    Sequence parallelism is not supported (a pair's segments would be summed over ranks: not yet done)."""
+
+    settings: Any
+    reference: Any = None
+    name: str = "dpo"
+    batch_keys: tuple[str, ...] = ("input_ids", "labels", "seq_lens", "num_pairs")
+    models: dict[str, Any] = field(default_factory=dict)
+
+    METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
+
+    def __post_init__(self):
+        if self.reference is not None:
+            self.models = {"reference": self.reference}
+
+    def label_tokens(self, batch: dict[str, Any]) -> int:
+        return batch["num_pairs"]
+
+    def sequence_logps(self, model, inputs: dict[str, Any], batch: dict[str, Any]):
+        """(sums float32 [S], counts int64 [S]): each packed segment's summed answer log-probs under `model`."""
+        from vlmctl.train.dpo import segment_logps_at
+        from vlmctl.train.kernels import token_losses
+
+        losses, positions = token_losses(model, {**inputs, "labels": batch["labels"]})
+        return segment_logps_at(-losses, positions, batch["seq_lens"])
+
+    def reference_logps(self, engine, inputs: dict[str, Any], batch: dict[str, Any]):
+        """`sequence_logps` under the reference, without gradients."""
+        import torch
+
+        with torch.no_grad():
+            if self.reference is not None:
+                return self.sequence_logps(self.reference, inputs, batch)
+            module = engine.module
+            if not hasattr(module, "disable_adapter"):
+                raise VlmctlError("the DPO reference is the model with its adapter switched off, but the trained model "
+                                  "has no peft adapter", hint="set train.dpo.reference: frozen, or train with train.lora")
+            with module.disable_adapter():
+                return self.sequence_logps(engine.model, inputs, batch)
+
+    def loss(self, engine, batch: dict[str, Any]) -> MicroLoss:
+        import torch
+
+        from vlmctl.train.dpo import dpo_loss, pair_segments
+
+        pairs = batch["num_pairs"]
+        inputs = engine.inputs(batch)
+        sums, counts = self.sequence_logps(engine.model, inputs, batch)
+        ref_sums, _ = self.reference_logps(engine, inputs, batch)
+        if pairs == 0:  # a row of dummies only: keep every parameter in the graph, add nothing
+            return MicroLoss(loss=sums.sum() * 0.0, tokens=0, metrics={k: 0.0 for k in self.METRICS})
+        chosen, rejected = pair_segments(sums, pairs)
+        ref_chosen, ref_rejected = pair_segments(ref_sums, pairs)
+        n_chosen, n_rejected = pair_segments(counts, pairs)
+        out = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=self.settings.beta,
+                       loss_type=self.settings.loss_type, label_smoothing=self.settings.label_smoothing,
+                       chosen_tokens=n_chosen, rejected_tokens=n_rejected)
+        margins = out.chosen_rewards - out.rejected_rewards
+        metrics = {"rewards/chosen": out.chosen_rewards.sum(), "rewards/rejected": out.rejected_rewards.sum(),
+                   "rewards/margins": margins.sum(), "rewards/accuracies": (margins > 0).to(torch.float32).sum()}
+        return MicroLoss(loss=out.losses.sum(), tokens=pairs, metrics=metrics)
+
+    def metrics(self, sums: dict[str, float], label_tokens: float) -> dict[str, float]:
+        """Means over the step's pairs of the summed rewards, margins and accuracies."""
+        return {key: sums[key] / label_tokens for key in self.METRICS if key in sums and label_tokens}
