@@ -33,6 +33,9 @@ train:
   strategy: fsdp
   nproc_per_node: 1
   precision: fp32
+  # compiled fp32 LoRA layers fail in inductor's partitioner on torch 2.11 ("Node add_550 was invalid, but is
+  # output"); this test is about resuming, the compiled paths are test_training_paths.py's
+  compile: off
   learning_rate: 1.0e-3
   warmup_ratio: 0.0
   tokens_per_batch: 420
