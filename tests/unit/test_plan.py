@@ -31,7 +31,6 @@ ALLOWED = {  # (module, text of the line): why it is not a run decision
     ("train/launch.py", 'train.resume not in (None, "auto")'): "resume: auto names the run folder to continue",
     ("train/launch.py", 'train.resume in (None, "auto")'): "resume: auto names the run folder to continue",
     ("train/checkpoint.py", 'resume == "auto"'): "resume: auto names the checkpoint to continue from",
-    ("train/kernels.py", 'requested == "auto"'): "the name mapping for direct callers; runs pass the plan's backend",
     ("bench.py", 'kind == "auto"'): "bench's --workload flag, not a train setting",
 }
 

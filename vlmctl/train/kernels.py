@@ -15,7 +15,7 @@ before the LM head), and the LM head computes their cross-entropy in chunks (`ch
 (tokens x vocabulary) logits are never materialized, even where most tokens carry labels (long answers), and the
 call goes through the root module's forward (so FSDP2's root hooks run). On CUDA with liger-kernel installed, its
 fused linear cross-entropy patches replace this (see `apply_liger`; under sequence parallelism with the labels of
-the rank's slice, `train.loop.loss_sum`).
+the rank's slice, `train.objectives.loss_sum`).
 """
 
 from __future__ import annotations
@@ -32,13 +32,9 @@ VISION_VARLEN_NAME = "vlmctl_flash_varlen"
 
 
 def resolve_attn_implementation(requested: str, device_type: str) -> str:
-    """Map `train.attn_implementation` to a transformers attention implementation name for this device.
-
-    auto -> `vlmctl_varlen` on CUDA (PyTorch varlen), `sdpa` elsewhere. Raises ValueError when the request cannot
-    run here (varlen off CUDA, flash_attn without the package).
-    """
-    if requested == "auto":
-        requested = "varlen" if device_type == "cuda" and _has_varlen() else "sdpa"
+    """Map the run plan's attention backend (`RunPlan.attention`: varlen, flash_attn, sdpa, flex or eager; `auto` is
+    decided in `vlmctl.config.plan`) to a transformers attention implementation name for this device. Raises
+    ValueError when the backend cannot run here (varlen off CUDA, flash_attn without the package)."""
     if requested == "varlen":
         if device_type != "cuda" or not _has_varlen():
             raise ValueError("train.attn_implementation=varlen needs CUDA and torch >= 2.10; use sdpa or flex on CPU")
@@ -184,7 +180,7 @@ def token_losses(model, batch: dict[str, Any], shard=None):
     B, T = labels.shape
     if B != 1:
         # logits_to_keep indexes the sequence dim of every row alike, so it cannot pick per-row positions
-        raise ValueError(f"token_losses takes one packed row (batch size 1), got {B} rows; padded batches use train.loop.token_loss_sum")
+        raise ValueError(f"token_losses takes one packed row (batch size 1), got {B} rows; padded batches use train.objectives.token_loss_sum")
     target_pos = torch.nonzero(labels[0] != -100, as_tuple=False).squeeze(1)
     target_pos = target_pos[target_pos > 0]
     target_pos, keep = local_targets(target_pos, T, shard)
