@@ -112,8 +112,9 @@ def test_train_one_fsdp_step_then_convert_matches_the_trained_model(name, tmp_pa
     state = json.loads((run / "checkpoints" / "checkpoint-1" / "trainer_state.json").read_text())
     assert (state["family"], state["world_size"], state["strategy"]) == (name, 2, "fsdp")
     assert state["packing"] is spec.supports_packing  # a family that cannot pack falls back to padded batches
-    if not spec.supports_packing:
-        assert f"train.packing: {name} models cannot take packed rows" in out
+    if not spec.supports_packing:  # the run plan says why
+        packing = json.loads((run / "plan.json").read_text())["decisions"]["packing"]
+        assert packing["value"] is False and f"{name} models cannot take packed rows" in packing["reason"]
     assert _changed_weights(project / "model", run / "final") > 0  # the step trained
 
     converted = tmp_path / "converted"
