@@ -105,7 +105,7 @@ def test_train_one_fsdp_step_then_convert_matches_the_trained_model(name, tmp_pa
 
     spec = get_family(name)
     project = _project(tmp_path, spec.tiny_preset)
-    out = _train(project)
+    _train(project)
     run = project / "runs" / "one"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in rows] == [1] and rows[0]["loss"] == rows[0]["loss"] > 0  # finite, not NaN
