@@ -946,7 +946,7 @@ def settings_line(train, choice, fsdp=None) -> str:
     """What was measured, in one line: strategy, batch size, activation checkpointing, master weights (and why,
     when `auto` chose them), and with `fsdp` (the `vlmctl.distributed.fsdp.FsdpPlan` of the wrapped model) FSDP2's
     reshard-after-forward and prefetch."""
-    from vlmctl.train.checkpointing import describe, describe_memory_helpers
+    from vlmctl.distributed.checkpointing import describe, describe_memory_helpers
 
     size = f"{token_budget(train)} tokens per row" if train.packing else f"micro-batch {micro_batch(train)}"
     if train.packing and train.sequence_parallel > 1:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlmctl.train.checkpointing import apply_activation_checkpointing, describe
+from vlmctl.distributed.checkpointing import apply_activation_checkpointing, describe
 
 
 def tiny_lm(layers: int = 4):
@@ -114,7 +114,7 @@ def test_the_older_gradient_checkpointing_key_keeps_its_meaning():
 
 
 def test_tiled_mlp_runs_each_mlp_over_slices_with_exact_gradients():
-    from vlmctl.train.checkpointing import apply_tiled_mlp
+    from vlmctl.distributed.checkpointing import apply_tiled_mlp
 
     model = tiny_lm()
     reference, _ = grads_and_calls(model, "off")
@@ -147,7 +147,7 @@ def _bind_stand_in_forward(mlp, calls: list):
 def test_tiled_mlp_and_checkpointing_keep_a_forward_another_library_installed():
     # liger binds its SwiGLU as each MLP's instance forward; tiling (or switching tiling off, as every run does)
     # must run and then restore that forward, not the class's
-    from vlmctl.train.checkpointing import apply_tiled_mlp
+    from vlmctl.distributed.checkpointing import apply_tiled_mlp
 
     model = tiny_lm()
     layers = list(model.model.layers)
@@ -178,7 +178,7 @@ def test_tiled_mlp_and_checkpointing_keep_a_forward_another_library_installed():
 
 def test_offload_keeps_the_layer_inputs_on_the_host_and_gradients_exact(monkeypatch):
     # CPU stands in for the GPU: the copy goes to a plain host tensor and the layer sees a tensor it moved back
-    from vlmctl.train import checkpointing
+    from vlmctl.distributed import checkpointing
 
     class ToHost(torch.autograd.Function):
         @staticmethod

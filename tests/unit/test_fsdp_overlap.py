@@ -147,7 +147,7 @@ def _variant(model0, family, batches, variant, dims, rank):
     from torch.distributed.tensor import DTensor
 
     from vlmctl.distributed.fsdp import apply_fsdp, fsdp_plan_of
-    from vlmctl.train.checkpointing import apply_activation_checkpointing
+    from vlmctl.distributed.checkpointing import apply_activation_checkpointing
     from vlmctl.train.objectives import loss_sum
     from vlmctl.train.setup import model_parts
 

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 
-BASE_FORWARD = "_vlmctl_base_forward"  # where `train.checkpointing` keeps a wrapped layer's own forward
+BASE_FORWARD = "_vlmctl_base_forward"  # where `distributed.checkpointing` keeps a wrapped layer's own forward
 
 
 @pytest.mark.timeout(180)

@@ -28,7 +28,7 @@ is checkpointed (there is no backward to save memory for), DDP is not applied (n
 DeepSpeed the model is placed on the device whole (DeepSpeed's engine is built for a trained model).
 
 The autotune probe changes the checkpointing mode of a wrapped model through step 3 (`checkpoint_layers`): a mode
-only replaces the layers' instance `forward` (`train.checkpointing`), so it can change after FSDP2 wrapped them.
+only replaces the layers' instance `forward` (`distributed.checkpointing`), so it can change after FSDP2 wrapped them.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from vlmctl.distributed.engine import strategy_of
 # vlmctl (the CLI's start-up) must not pay for them.
 
 
-def parallelize(model, *, family, parts, train, dims, device, dtype, attn: str | None = None, deferred=None,
+def parallelize(model, *, family, parts, train, dims, device, dtype, core_attention=None, deferred=None,
                 trainable: bool = True):
     """Apply steps 1-6 of the module docstring to `model` (prepared by `setup.prepare_model`; `parts`: its
     `setup.ModelParts`) on this rank and return the module to train or run: FSDP2-sharded, DDP-wrapped, on
@@ -48,8 +48,9 @@ def parallelize(model, *, family, parts, train, dims, device, dtype, attn: str |
 
     Reads `train.strategy` (resolved), `sequence_parallel`, `packing`, `activation_checkpointing`,
     `activation_offload`, `tiled_mlp`, `compile`, `compile_vision`, `fsdp_reshard_after_forward`, `fsdp_prefetch`;
-    `dims`: the run's `ParallelDims` (mesh built); `dtype`: the compute dtype (FSDP2's `param_dtype`); `attn`: the
-    attention implementation `setup.apply_kernels` set (the varlen kernel is the sequence split's core);
+    `dims`: the run's `ParallelDims` (mesh built); `dtype`: the compute dtype (FSDP2's `param_dtype`); `core_attention`:
+    the attention the sequence split runs after Ulysses' all-to-all (`train.kernels.sequence_core_attention`: the
+    varlen kernel where the run attends with it; None: sdpa with the row's segment mask);
     `deferred`: the weights rank 0 alone read (`setup.defer_weights`), placed once the model is wrapped;
     `trainable`: False for a frozen model (see the module docstring). Collective under FSDP2 and DDP.
     Raises ConfigError where the sequence cannot be split (`sequence.check_sequence_parallel`).
@@ -59,7 +60,7 @@ def parallelize(model, *, family, parts, train, dims, device, dtype, attn: str |
             param.requires_grad_(False)
         model.eval()
     apply_tensor_parallel(model, family, dims)
-    split_sequence(model, family, train, dims, attn)
+    split_sequence(model, family, train, dims, core_attention)
     if trainable:
         checkpoint_layers([parts.decoder_layers, parts.vision_layers], train.activation_checkpointing,
                           offload=train.activation_offload)
@@ -84,27 +85,26 @@ def sequence_shard(dims):
     return SequenceShard(dims.sp_group, dims.sp_rank, dims.sp)
 
 
-def split_sequence(model, family, train, dims, attn: str | None = None) -> None:
+def split_sequence(model, family, train, dims, core_attention=None) -> None:
     """Step 2: with sequence parallelism (`dims.sp` > 1) split the language model of `model` over this rank's
     sequence-parallel group (`sequence.apply_sequence_parallel`). The core attention after Ulysses' all-to-all is
-    the varlen kernel where `attn` is it (CUDA), else sdpa with the row's segment mask. Raises ConfigError where
+    `core_attention` (the varlen kernel on CUDA), else sdpa with the row's segment mask. Raises ConfigError where
     the model cannot be split (padded batches, heads that do not divide, DeepSpeed missing)."""
     shard = sequence_shard(dims)
     if shard is None:
         return
     from vlmctl.distributed.sequence import apply_sequence_parallel, check_sequence_parallel
-    from vlmctl.train.kernels import VARLEN_NAME, varlen_attention_forward
 
     check_sequence_parallel(dims.sp, model.config.get_text_config(), packing=train.packing)
-    apply_sequence_parallel(model, family, shard, varlen_attention_forward if attn == VARLEN_NAME else None)
+    apply_sequence_parallel(model, family, shard, core_attention)
 
 
 def checkpoint_layers(layer_groups, mode, *, offload: bool = False) -> None:
     """Step 3: activation checkpointing `mode` (`train.activation_checkpointing`: off, full, op, vision or a
-    stride; `train.checkpointing`) on `layer_groups` ([decoder layers, vision blocks]), replacing the mode set
+    stride; `distributed.checkpointing`) on `layer_groups` ([decoder layers, vision blocks]), replacing the mode set
     before. auto leaves the layers as they are: the start-up probe (`train.autotune.probe`) calls this on the
     wrapped model with each mode it tries, then with its choice."""
-    from vlmctl.train.checkpointing import apply_activation_checkpointing
+    from vlmctl.distributed.checkpointing import apply_activation_checkpointing
 
     if not pending(mode):
         apply_activation_checkpointing(layer_groups, mode, offload=offload)
@@ -112,8 +112,8 @@ def checkpoint_layers(layer_groups, mode, *, offload: bool = False) -> None:
 
 def tile_mlps(parts, slices) -> None:
     """Step 3 too: the decoder layers' MLPs over `slices` parts of the row (`train.tiled_mlp`,
-    `train.checkpointing.apply_tiled_mlp`), a memory helper of the backward like checkpointing."""
-    from vlmctl.train.checkpointing import apply_tiled_mlp
+    `distributed.checkpointing.apply_tiled_mlp`), a memory helper of the backward like checkpointing."""
+    from vlmctl.distributed.checkpointing import apply_tiled_mlp
 
     apply_tiled_mlp(parts.decoder_layers, slices)
 
@@ -137,11 +137,11 @@ def apply_float8(model, train) -> None:
 
 def wrap(model, parts, train, dims, device, dtype, *, deferred=None, trainable: bool = True):
     """Step 6: FSDP2 per vision block and decoder layer then the root over `dims.fsdp_mesh` (HSDP with a
-    `dp_replicate` dimension; `distributed.fsdp.apply_fsdp`), then rank 0's weights placed (`setup.place_weights`);
+    `dp_replicate` dimension; `distributed.fsdp.apply_fsdp`), then rank 0's weights placed (`distributed.weights.place_weights`);
     or DDP over the gradient mesh (`distributed.ddp.apply_ddp`; not in one process, where it would only copy every
     gradient into its buckets, nor for a frozen model); or, under DeepSpeed, nothing: `engine.build_engine` hands
     the model to `deepspeed.initialize` (a frozen model is moved to `device` instead)."""
-    from vlmctl.train.setup import place_weights
+    from vlmctl.distributed.weights import place_weights
 
     strategy = strategy_of(train.strategy)
     if strategy.deepspeed:

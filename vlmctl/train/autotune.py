@@ -437,7 +437,7 @@ def save_record(run_dir: Path, choice: Choice, plan=None) -> None:
 
 def summary(choice: Choice, applied: list[str]) -> str:
     """One line for the console: what auto chose (checkpointing modes named in words) and why."""
-    from vlmctl.train.checkpointing import describe
+    from vlmctl.distributed.checkpointing import describe
 
     named = [f"{item} ({describe(choice.activation_checkpointing)})" if item.startswith("activation_checkpointing=")
              else item for item in applied]

@@ -47,6 +47,13 @@ def resolve_attn_implementation(requested: str, device_type: str) -> str:
     return {"sdpa": "sdpa", "flex": "flex_attention", "eager": "eager"}[requested]
 
 
+def sequence_core_attention(implementation: str | None):
+    """The core attention sequence parallelism runs after Ulysses' all-to-all (`distributed.parallelize`): the varlen
+    kernel where the run attends with it (`implementation`, the name `set_attention` set), else None (sdpa with the
+    row's segment mask, `distributed.sequence.segment_attention`)."""
+    return varlen_attention_forward if implementation == VARLEN_NAME else None
+
+
 def set_attention(model, implementation: str, vision_varlen: bool = False, encoders=None) -> None:
     """Select `implementation` for the language model of `model` (and its encoders, see below).
 

@@ -36,7 +36,7 @@ def _batching(train, sampler, dp_size: int, sp: int = 1) -> dict[str, str]:
 
 
 def _kernels(train, tm) -> str:
-    from vlmctl.train.checkpointing import describe, describe_memory_helpers
+    from vlmctl.distributed.checkpointing import describe, describe_memory_helpers
 
     loss = "liger fused linear cross-entropy" if tm.liger else "labelled-token logits" if train.packing else "full logits"
     checkpointing = train.activation_checkpointing

@@ -33,6 +33,7 @@ from vlmctl.distributed.process import LAUNCHER_ENV
 from vlmctl.errors import VlmctlError
 from vlmctl.train import autotune
 from vlmctl.train.data import build_collator, build_sampler, load_data
+from vlmctl.train.kernels import sequence_core_attention
 from vlmctl.train.objectives import Objective, SFTObjective
 from vlmctl.train.setup import (RunContext, TrainingModel, build_optimizer, build_scheduler, defer_weights, load_for_rank,
                                 model_parts, model_source, prepare_model, setup_run)
@@ -59,7 +60,7 @@ def wrap_model(tm: TrainingModel, train, ctx: RunContext, total_steps: int) -> E
     with its config), in train mode."""
     env, dims, strategy = ctx.env, ctx.dims, strategy_of(train.strategy)
     model = parallelize(tm.model, family=tm.family, parts=tm.parts, train=train, dims=dims, device=env.device,
-                        dtype=ctx.dtype, attn=tm.attn, deferred=tm.deferred)
+                        dtype=ctx.dtype, core_attention=sequence_core_attention(tm.attn), deferred=tm.deferred)
     tm.deferred = None
     return build_engine(
         model, strategy, max_grad_norm=train.max_grad_norm, device=env.device, dtype=ctx.dtype,
@@ -75,7 +76,8 @@ def build_objective(tm: TrainingModel, train, ctx: RunContext) -> Objective:
     objective = SFTObjective(liger=tm.liger, shard=sequence_shard(ctx.dims))
     for name, frozen in objective.models.items():  # forward only: a reference model of a preference objective
         objective.models[name] = parallelize(frozen, family=tm.family, parts=model_parts(frozen, tm.family), train=train,
-                                             dims=ctx.dims, device=ctx.env.device, dtype=ctx.dtype, attn=tm.attn, trainable=False)
+                                             dims=ctx.dims, device=ctx.env.device, dtype=ctx.dtype,
+                                             core_attention=sequence_core_attention(tm.attn), trainable=False)
     return objective
 
 
