@@ -7,12 +7,7 @@ giving the run's `final/` logits."""
 
 from __future__ import annotations
 
-import io
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,41 +15,15 @@ import pytest
 pytest.importorskip("soundfile")
 pytest.importorskip("soxr")
 
-from audio_data import flac, tone, wav  # noqa: E402
+from omni_data import train_two_ranks, vanilla_logits, write_audio_image_data  # noqa: E402
 from cli_runner import run_cli as run  # noqa: E402
 
 TIMEOUT = 240
 RUN_TIMEOUT = 150
 
 
-def _png(w: int, h: int, color: tuple[int, int, int]) -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new("RGB", (w, h), color).save(buf, "PNG")
-    return buf.getvalue()
-
-
 def _project(root: Path) -> Path:
-    raw = root / "data" / "raw"
-    raw.mkdir(parents=True)
-    (raw / "low.wav").write_bytes(wav(1.0, 16_000, freq=220))
-    (raw / "high.flac").write_bytes(flac(0.6, 16_000, freq=880))
-    (raw / "red.png").write_bytes(_png(64, 64, (220, 30, 30)))
-    (raw / "blue.png").write_bytes(_png(90, 50, (30, 30, 220)))
-    records = []
-    for i in range(10):
-        clip, image = ["low.wav", "high.flac"][i % 2], ["red.png", "blue.png"][i % 2]
-        if i % 3 == 0:
-            records.append({"messages": [{"role": "user", "content": f"<image>What color is picture {i}?"},
-                                         {"role": "assistant", "content": "Red." if i % 2 == 0 else "Blue."}], "images": [image]})
-        elif i % 3 == 1:
-            records.append({"messages": [{"role": "user", "content": f"<audio>Is tone {i} high or low?"},
-                                         {"role": "assistant", "content": "Low." if i % 2 == 0 else "High."}], "audios": [clip]})
-        else:
-            records.append({"messages": [{"role": "user", "content": f"<image><audio>Picture and tone {i}?"},
-                                         {"role": "assistant", "content": "Both."}], "images": [image], "audios": [clip]})
-    (raw / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    write_audio_image_data(root)
     (root / "vlmctl.yaml").write_text("""
 project: {name: omni3}
 data:
@@ -82,44 +51,6 @@ train:
   run_name: one
 """)
     return root / "vlmctl.yaml"
-
-
-def _train(config: Path) -> str:
-    """`vlmctl train` under torchrun (2 ranks, gloo) in its own process group, killed with its ranks on a timeout."""
-    from vlmctl.distributed.env import free_port
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "vlmctl", "-c", str(config), "train", "--launcher", "torchrun", "--nproc-per-node", "2",
-           "--master-port", str(free_port())]
-    proc = subprocess.Popen(cmd, cwd=config.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"training did not finish within {RUN_TIMEOUT}s (hang?):\n{out[-4000:]}")
-    assert proc.returncode == 0, out[-6000:]
-    return out
-
-
-def _vanilla_logits(folder: Path):
-    """Logits of `folder` loaded with vanilla transformers' thinker class on a fixed image, clip and question (the
-    processor through vlmctl: transformers' own needs torchvision for its video processor)."""
-    import torch
-    from PIL import Image
-    from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
-
-    from vlmctl.models import load_processor
-
-    model = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(str(folder), dtype=torch.float32).eval()
-    processor = load_processor(folder)
-    content = [{"type": "image"}, {"type": "text", "text": "<|audio_start|><|audio_pad|><|audio_end|>High or low?"}]
-    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
-    inputs = processor(text=[text], images=[Image.new("RGB", (64, 64), (10, 200, 10))], audio=[tone(0.8, 16_000, freq=660)],
-                       sampling_rate=16_000, return_tensors="pt")
-    with torch.no_grad():
-        return model(**inputs).logits
 
 
 @pytest.mark.slow
@@ -151,7 +82,7 @@ def test_qwen3_omni_audio_and_image_data_prepare_build_train_fsdp_packed_convert
     for s in samples:  # the counts the batches are planned with are the lengths the collator produces
         assert s.num_tokens == encode_sample(s, processor, family).length, s.id
 
-    out = _train(config)
+    out = train_two_ranks(config, RUN_TIMEOUT)
     assert "cannot take packed rows" not in out
     run_dir = tmp_path / "runs" / "one"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -162,5 +93,5 @@ def test_qwen3_omni_audio_and_image_data_prepare_build_train_fsdp_packed_convert
     converted = tmp_path / "converted"
     code, stdout, err = run(["convert", str(run_dir / "checkpoints" / "checkpoint-1"), "-o", str(converted), "--dtype", "fp32"], capsys)
     assert code == 0, stdout + err
-    trained, exported, built = (_vanilla_logits(p) for p in (run_dir / "final", converted, tmp_path / "model"))
+    trained, exported, built = (vanilla_logits(p, 'Qwen3OmniMoeThinkerForConditionalGeneration', '<|audio_start|><|audio_pad|><|audio_end|>') for p in (run_dir / "final", converted, tmp_path / "model"))
     assert torch.allclose(trained, exported, atol=1e-5) and not torch.allclose(trained, built, atol=1e-3)  # the step trained

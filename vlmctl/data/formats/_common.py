@@ -209,24 +209,12 @@ def iter_json_source(source: DataSource, suffixes: tuple[str, ...] = (".json", "
             raise DataError(f"cannot read {file}: {exc.strerror or exc}", hint="check the file's permissions") from None
 
 
-def read_conversation_json(
-    source: DataSource,
-    *,
-    turn_keys: tuple[str, ...],
-    image_keys: tuple[str, ...],
-    video_keys: tuple[str, ...] = ("videos", "video"),
-    audio_keys: tuple[str, ...] = ("audios", "audio"),
-    system_key: str | None = None,
-    extra_roots: Iterable[Path | str] = (),
-    image_placeholder_for_video: bool = False,
-    transform: Any = None,
-) -> Iterator[Sample | Rejection]:
-    """Shared reader of the llava / sharegpt / messages layouts (they differ only in key spelling).
-    `image_keys` / `video_keys` / `audio_keys`: the record keys listing its images / videos / audio clips (the first
-    present one counts);
-    `extra_roots`: more folders media paths may resolve into (`data.media_roots`);
-    `image_placeholder_for_video`: see `checks.build_sample`; `transform(record)` -> the record in these keys
-    (raising RecordError for one that does not fit), e.g. a LLaMA-Factory entry's column and tag mapping."""
+def json_records(source: DataSource, extra_roots: Iterable[Path | str] = (),
+                 transform: Any = None) -> Iterator[tuple[str, dict[str, Any], MediaRoots, str] | Rejection]:
+    """The records of a JSON/JSONL source as (location, record, media roots of its file, sample id), each record
+    passed through `transform` (-> the reader's keys, raising RecordError when it does not fit) and checked to be
+    a JSON object; a record that is not, or that `transform` refuses, comes as a `parse_error` Rejection, as do the
+    file's own parse errors. The sample id is the record's `id`, else `<source>-<n>` (n counts every record)."""
     name = source_name(source)
     count = 0
     roots_of: dict[Path, MediaRoots] = {}
@@ -246,6 +234,37 @@ def read_conversation_json(
                 record = transform(record)
             if not isinstance(record, dict):
                 raise RecordError(f"record must be a JSON object, not {type(record).__name__}")
+        except RecordError as exc:
+            yield Rejection("parse_error", name, location, str(exc), sid)
+            continue
+        yield location, record, roots, sid
+
+
+def read_conversation_json(
+    source: DataSource,
+    *,
+    turn_keys: tuple[str, ...],
+    image_keys: tuple[str, ...],
+    video_keys: tuple[str, ...] = ("videos", "video"),
+    audio_keys: tuple[str, ...] = ("audios", "audio"),
+    system_key: str | None = None,
+    extra_roots: Iterable[Path | str] = (),
+    image_placeholder_for_video: bool = False,
+    transform: Any = None,
+) -> Iterator[Sample | Rejection]:
+    """Shared reader of the llava / sharegpt / messages layouts (they differ only in key spelling).
+    `image_keys` / `video_keys` / `audio_keys`: the record keys listing its images / videos / audio clips (the first
+    present one counts);
+    `extra_roots`: more folders media paths may resolve into (`data.media_roots`);
+    `image_placeholder_for_video`: see `checks.build_sample`; `transform(record)` -> the record in these keys
+    (raising RecordError for one that does not fit), e.g. a LLaMA-Factory entry's column and tag mapping."""
+    name = source_name(source)
+    for item in json_records(source, extra_roots, transform):
+        if isinstance(item, Rejection):
+            yield item
+            continue
+        location, record, roots, sid = item
+        try:
             turns = turns_of(record, turn_keys)
             if system_key and isinstance(record.get(system_key), str) and record[system_key].strip():
                 turns.insert(0, ("system", record[system_key]))

@@ -140,28 +140,15 @@ def read_preference(source: DataSource, *, media_roots: Iterable[Path | str] = (
     bad_roles, empty_turn, placeholder_mismatch, invalid_text) of a JSON/JSONL source. `transform(record)` -> the
     record in one of `LAYOUTS` (e.g. a LLaMA-Factory entry's column mapping), raising RecordError when it does not
     fit."""
-    from vlmctl.data.formats._common import (_listed, extract_meta, iter_json_source, media_roots as roots_for,
-                                             part_ref, source_name)
+    from vlmctl.data.formats._common import _listed, extract_meta, json_records, part_ref, source_name
 
     name = source_name(source)
-    count = 0
-    roots_of: dict[Path, Any] = {}
-    for item in iter_json_source(source):
+    for item in json_records(source, media_roots, transform):
         if isinstance(item, Rejection):
             yield item
             continue
-        file, location, record = item
-        roots = roots_of.get(file)
-        if roots is None:
-            roots = roots_of[file] = roots_for(source, file, media_roots)
-        rid = record.get("id") if isinstance(record, dict) else None
-        sid = str(rid) if rid not in (None, "") else f"{name}-{count:06d}"
-        count += 1
+        location, record, roots, sid = item
         try:
-            if transform is not None:
-                record = transform(record)
-            if not isinstance(record, dict):
-                raise RecordError(f"record must be a JSON object, not {type(record).__name__}")
             prompt, chosen, rejected, keys = split_record(record)
             if isinstance(record.get("system"), str) and record["system"].strip():
                 prompt.insert(0, ("system", record["system"]))
