@@ -485,11 +485,11 @@ class PairCollator(PackedCollator):
     each the prompt with its media followed by one answer, as `vlmctl.train.dpo.pair_segments` reads them.
 
     Returns `PackedCollator`'s row plus `num_pairs` (pairs in the row; their segments come first, the dummy rows
-    after). A pair whose two sequences no longer fit the row's `tokens_per_batch` is left out whole (counted in
+    after) and `pair_ids` (the pairs' sample ids, in row order). A pair whose two sequences no longer fit the row's `tokens_per_batch` is left out whole (counted in
     `self.dropped`). Raises DataError for a sample without a rejected answer."""
 
     def __call__(self, samples: list[Sample]) -> dict[str, Any]:
-        rows, used, pairs = [], 0, 0
+        rows, used, pairs, ids = [], 0, 0, []
         for s in samples:
             if not s.is_preference:
                 raise DataError(f"sample {s.id!r} has no rejected answer: a preference objective trains on pairs",
@@ -504,8 +504,10 @@ class PairCollator(PackedCollator):
             rows += [chosen, rejected]
             used += chosen.length + rejected.length
             pairs += 1
+            ids.append(s.id)
         batch = self.pack(rows, group=batch_modality(samples))
         batch["num_pairs"] = pairs
+        batch["pair_ids"] = ids
         return batch
 
 
@@ -521,7 +523,7 @@ def batch_modality(samples: list[Sample]) -> str:
 
 
 COUNTER_KEYS = ("num_label_tokens", "num_visual_tokens", "num_text_tokens", *(u.dummy_counter for u in UNITS.values()),
-                "num_samples", "seq_lens", "num_pairs")
+                "num_samples", "seq_lens", "num_pairs", "pair_ids")
 
 
 def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:

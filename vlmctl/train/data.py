@@ -76,7 +76,9 @@ def build_sampler(cfg, ctx, dataset, lengths):
 
 def build_collator(cfg, ctx, tm):
     """This rank's collator: packed rows of `tokens_per_batch x sequence_parallel` tokens (`train.packing`) or padded
-    micro-batches, with a dummy input for each encoder a rank's micro-batch does not use (`Collator`).
+    micro-batches, with a dummy input for each encoder a rank's micro-batch does not use (`Collator`); for
+    `train.objective` dpo packed rows of preference pairs (`PairCollator`), for grpo the prompts
+    (`train.grpo.build_prompt_collator`).
 
     With `train.group_by_modality` under fsdp or ddp the dummies follow the step's modality group
     (`Collator(grouped=True)`): every rank of a step skips the same encoders, so FSDP2 issues the same collectives
@@ -84,11 +86,18 @@ def build_collator(cfg, ctx, tm):
     every dummy stays (the sampler still groups): ZeRO-3 prefetches parameters along the module order it traced in
     earlier steps, and a step that skips a traced tower leaves them in flight ("still have inflight params",
     DeepSpeed issue 5828, released only by newer versions, PR 6557); ZeRO-2 is not checked without its dummies."""
-    from vlmctl.data.collate import Collator, PackedCollator
+    from vlmctl.data.collate import Collator, PackedCollator, PairCollator
     from vlmctl.distributed.engine import is_deepspeed
 
     train = cfg.train
     grouped = train.group_by_modality and not is_deepspeed(train.strategy)
+    if train.objective == "grpo":  # prompts: the objective generates and packs the rollouts
+        from vlmctl.train.grpo import build_prompt_collator
+
+        return build_prompt_collator(cfg, ctx, tm)
+    if train.objective == "dpo":  # the config refuses dpo without packing
+        return PairCollator(tm.processor, tm.family, max_length=cfg.data.max_length,
+                            tokens_per_batch=row_tokens(train), grouped=grouped)
     if train.packing:
         return PackedCollator(tm.processor, tm.family, max_length=cfg.data.max_length,
                               tokens_per_batch=row_tokens(train), grouped=grouped)

@@ -9,7 +9,7 @@ torchtitan's)::
     dataset, lengths = load_data(cfg, ctx, tm)        # the training shards and their token counts (train/data.py)
     engine = wrap_model(tm, cfg.train, ctx, steps)    # parallelize(): sequence split, checkpointing, compile, DDP /
                                                       # FSDP2 (rank 0's weights placed) / DeepSpeed; AdamW; schedule
-    objective = build_objective(tm, cfg.train, ctx)   # supervised fine-tuning (train/objectives.py)
+    objective = build_objective(tm, cfg.train, ctx, cfg, run_dir)   # sft, dpo or grpo (train/objectives.py, train/grpo.py)
     autotune.tune(...)                                # auto batch size and activation checkpointing, probed on a GPU
     sampler = build_sampler(cfg, ctx, dataset, lengths)   # this data-parallel rank's packed or padded micro-batches
     trainer = build_trainer(...)                      # loader, metrics, checkpoints, validation -> loop.Trainer
@@ -34,7 +34,7 @@ from vlmctl.errors import VlmctlError
 from vlmctl.train import autotune
 from vlmctl.train.data import build_collator, build_sampler, load_data
 from vlmctl.train.kernels import sequence_core_attention
-from vlmctl.train.objectives import Objective, SFTObjective
+from vlmctl.train.objectives import DPOObjective, Objective, SFTObjective
 from vlmctl.train.setup import (RunContext, TrainingModel, build_optimizer, build_scheduler, defer_weights, load_for_rank,
                                 model_parts, model_source, prepare_model, setup_run)
 from vlmctl.train.validation import build_validator, name_best
@@ -70,15 +70,50 @@ def wrap_model(tm: TrainingModel, train, ctx: RunContext, total_steps: int) -> E
                                                        hidden_size=ds.hidden_size(m), stage=strategy.zero_stage))
 
 
-def build_objective(tm: TrainingModel, train, ctx: RunContext) -> Objective:
-    """The run's objective, supervised fine-tuning (liger's fused loss where `prepare_model` patched it; this
-    rank's slice of the row under sequence parallelism), with the frozen models it holds parallelized."""
-    objective = SFTObjective(liger=tm.liger, shard=sequence_shard(ctx.dims))
+def build_objective(tm: TrainingModel, train, ctx: RunContext, cfg=None, run_dir: Path | None = None) -> Objective:
+    """The run's objective (`train.objective` of the resolved `train` section), with the frozen models it holds
+    parallelized (`cfg`, the whole project config, is read where the objective loads a reference model):
+
+    - sft: next-token cross-entropy (liger's fused loss where `prepare_model` patched it; this rank's slice of the
+      row under sequence parallelism);
+    - dpo: preference pairs against a reference (`train.dpo.reference`): a frozen copy of the starting model
+      (`load_reference`), the trained model with its LoRA adapter switched off, or log-probs computed once before
+      training (`precompute_reference`, after the engine exists; stored in `run_dir`);
+    - grpo: rollouts scored by rewards (`train.grpo.build_grpo_objective`)."""
+    if train.objective != "sft" and cfg is None:
+        raise VlmctlError(f"the {train.objective} objective needs the project config (its model source)")
+    if train.objective == "grpo":
+        from vlmctl.train.grpo import build_grpo_objective
+
+        objective = build_grpo_objective(tm, cfg, ctx)
+    elif train.objective == "dpo":
+        reference = load_reference(cfg.model_copy(update={"train": train}), ctx) if train.dpo.reference == "frozen" else None
+        objective = DPOObjective(settings=train.dpo, reference=reference)
+    else:
+        objective = SFTObjective(liger=tm.liger, shard=sequence_shard(ctx.dims))
     for name, frozen in objective.models.items():  # forward only: a reference model of a preference objective
         objective.models[name] = parallelize(frozen, family=tm.family, parts=model_parts(frozen, tm.family), train=train,
                                              dims=ctx.dims, device=ctx.env.device, dtype=ctx.dtype,
-                                             core_attention=sequence_core_attention(tm.attn), trainable=False)
+                                             core_attention=sequence_core_attention(tm.attn), trainable=False,
+                                             deferred=getattr(frozen, "_vlmctl_deferred", None))
+    if isinstance(objective, DPOObjective):
+        objective.reference = objective.models.get("reference")
     return objective
+
+
+def load_reference(cfg, ctx: RunContext):
+    """A frozen copy of the starting model (the run's source weights, also when resuming: the reference never
+    moves): loaded as the trained model is (rank 0 alone under fsdp/ddp on several ranks), with the run's attention
+    kernels, every parameter frozen in the compute dtype, and no LoRA. The weights rank 0 read ride on the model
+    (`_vlmctl_deferred`) until `parallelize` places them."""
+    from vlmctl.train.setup import apply_kernels, store_frozen
+
+    model, _, family = load_for_rank(model_source(cfg), cfg, ctx, resuming=False)
+    apply_kernels(model, family, cfg.train, ctx.env.device, ctx.plan)
+    model.requires_grad_(False)
+    store_frozen(model, ctx.dtype)
+    model._vlmctl_deferred = defer_weights(model, cfg.train, ctx.env)
+    return model
 
 
 def reschedule(engine: Engine, train, total_steps: int) -> Engine:
@@ -137,7 +172,7 @@ def train_run(cfg, run_dir: Path, ctx: RunContext) -> str:
     resume_from = resolve_resume(run_dir, train.resume)
     tm = load_model_for_training(cfg, ctx, resuming=resume_from is not None)
     dataset, lengths = load_data(cfg, ctx, tm)
-    objective = build_objective(tm, train, ctx)
+    objective = build_objective(tm, train, ctx, cfg, run_dir)
     engine = None
     if autotune.wants(ctx.plan):  # the probe measures the wrapped model; the schedule's length follows its choice
         engine = wrap_model(tm, train, ctx, total_steps=1)
