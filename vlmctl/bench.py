@@ -496,12 +496,13 @@ class ChatWorkload(Workload):
     kind = "chat"
 
     def __init__(self, processor, family, spec: WorkloadSpec, *, seed: int, min_samples: int, min_tokens: int = 0,
-                 budget: int | None = None):
+                 budget: int | None = None, pairs: bool = False):
         from vlmctl.data.synthetic import single_token_words, word_texts
         from vlmctl.data.tokens import TokenCounter
         from vlmctl.errors import UsageError
 
-        self.spec, self.seed, self.family = spec, seed, family
+        self.spec, self.seed, self.family, self.pairs = spec, seed, family, pairs
+        self.rejected: list[str] = []  # pairs: each sample's rejected answer, as long as its chosen one
         self.counter = TokenCounter(processor, family.name, None)
         tokenizer = getattr(processor, "tokenizer", processor)
         # where the vocabulary has no single-token words, pseudo-words keep the text random (its length in tokens
@@ -531,6 +532,9 @@ class ChatWorkload(Workload):
             media, n_text = draw_media(spec, rng), rng.randint(*spec.text_tokens)
             answer = self._answer(rng, n_text)
             n = self._count(answer, media)
+            if pairs:  # a preference pair packs its prompt and media twice (`data.checks.count_tokens`)
+                self.rejected.append(self._answer(rng, n_text))
+                n += self._count(self.rejected[-1], media)
             self.media.append(media)
             self.answers.append(answer)
             self.lengths.append(n)
@@ -575,8 +579,9 @@ class ChatWorkload(Workload):
         import numpy as np
 
         tokens = np.asarray(self.lengths)
-        visual = np.asarray([self.visual_tokens(m) for m in self.media])
-        frames = np.asarray([self.vision_frames(m) for m in self.media])
+        copies = 2 if self.pairs else 1  # a pair's media are encoded once per answer
+        visual = copies * np.asarray([self.visual_tokens(m) for m in self.media])
+        frames = copies * np.asarray([self.vision_frames(m) for m in self.media])
         return cost_model.sample_costs(tokens, visual, np.maximum(tokens - visual, 0), frames)
 
     def sample(self, i: int):
@@ -585,9 +590,13 @@ class ChatWorkload(Workload):
 
         media = self.media[i]
         if media.video is not None:
-            return chat_sample(f"synthetic-{i}", self.answers[i], video=random_clip(*media.video, (self.seed, i)))
-        images = [random_image(side, (self.seed, i, k)) for k, side in enumerate(media.images)]
-        return chat_sample(f"synthetic-{i}", self.answers[i], images=images)
+            sample = chat_sample(f"synthetic-{i}", self.answers[i], video=random_clip(*media.video, (self.seed, i)))
+        else:
+            images = [random_image(side, (self.seed, i, k)) for k, side in enumerate(media.images)]
+            sample = chat_sample(f"synthetic-{i}", self.answers[i], images=images)
+        if self.pairs:
+            sample.rejected = {"role": "assistant", "content": [{"type": "text", "text": self.rejected[i]}]}
+        return sample
 
     def batch(self, indices: list[int], collator) -> dict[str, Any]:
         """The trainer's collator over samples `indices`: encode (processor, chat template, labels) then pack (one
@@ -727,8 +736,14 @@ def prepare(model_section, train, spec: WorkloadSpec = WorkloadSpec(), *, steps:
     if spec.video_frames is not None:
         check_video(model)
     kind = spec.kind
+    pairs = train.objective == "dpo"
     if kind == "auto":
-        kind = "baseline" if model.family.mrope and packing and spec.video_frames is None else "chat"
+        kind = "baseline" if model.family.mrope and packing and spec.video_frames is None and not pairs else "chat"
+    if pairs and kind != "chat":
+        raise UsageError("train.objective dpo benches preference pairs of the chat workload", hint="use --workload chat (or auto)")
+    if train.objective == "grpo":
+        raise UsageError("vlmctl bench measures sft and dpo steps; a grpo run reports its rollout and train seconds in its "
+                         "step lines", hint="set train.objective=sft or dpo")
     if kind == "baseline" and not (model.family.mrope and packing):
         why = "packed rows" if model.family.mrope else "Qwen-VL families"
         raise UsageError(f"--workload baseline is the Qwen-VL baseline's packed workload; this bench has no {why}",
@@ -741,7 +756,7 @@ def prepare(model_section, train, spec: WorkloadSpec = WorkloadSpec(), *, steps:
         min_samples = 0 if packing else rows * dp_size * micro_batch(train)
         workload = ChatWorkload(model.processor, model.family, spec, seed=train.seed, min_samples=min_samples,
                                 min_tokens=int((rows * dp_size + 2) * budget * 1.3) if packing else 0,
-                                budget=budget if packing else None)
+                                budget=budget if packing else None, pairs=pairs)
     plan = BenchPlan(model=model, packing=packing, spec=replace(spec, kind=kind), workload=workload, rows=rows,
                      dp_size=dp_size, adapter=adapter_name(train), run=run)
     plan_batches(plan, train, dp_rank=0)  # raises UsageError when the samples make too few micro-batches
@@ -894,10 +909,10 @@ def load_model(plan: BenchPlan, model_section, train, ctx, scratch: Path, log) -
 
 
 def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log, setup, scratch) -> BenchResult:
-    from vlmctl.data.collate import Collator, PackedCollator
+    from vlmctl.data.collate import Collator, PackedCollator, PairCollator
     from vlmctl.distributed.fsdp import fsdp_plan_of
     from vlmctl.train.loop import Trainer, TrainState, prefetch
-    from vlmctl.train.worker import build_objective, wrap_model
+    from vlmctl.train.worker import wrap_model
 
     env, dims, total_steps = ctx.env, ctx.dims, steps + warmup
     tm = load_model(plan, model_section, train, ctx, scratch, log)
@@ -910,7 +925,9 @@ def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log
         setup(tm.model)
     if dims.dp_size != plan.dp_size:  # planned for another world size (a caller's own plan): plan again
         plan = replace(plan, dp_size=dims.dp_size)
-    engine, objective = wrap_model(tm, train, ctx, total_steps), build_objective(tm, train, ctx)  # as the worker does
+    reference = frozen_copy(tm.model) if train.objective == "dpo" and train.dpo.reference == "frozen" else None
+    engine = wrap_model(tm, train, ctx, total_steps)
+    objective = bench_objective(tm, train, ctx, reference)  # as the worker builds it
     choice = None
     if autotune.wants(ctx.plan):  # as `vlmctl train` does on a GPU: probe, then plan the workload at the chosen size
         choice = probe_auto(plan, tm, train, ctx, engine, objective, log)
@@ -918,6 +935,8 @@ def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log
                        dp_size=dims.dp_size)
     collator = (PackedCollator(tm.processor, tm.family, tokens_per_batch=row_budget(train)) if plan.packing
                 else Collator(tm.processor, tm.family))
+    if train.objective == "dpo":
+        collator = PairCollator(tm.processor, tm.family, tokens_per_batch=row_budget(train))
     batches = [plan.workload.batch(indices, collator) for indices in plan_batches(plan, train, dp_rank=dims.dp_rank)]
     trainer = Trainer(engine=engine, objective=objective, batches=prefetch(iter(batches), tm.prepare), env=env, state=TrainState(),
                       total_steps=total_steps, grad_accum=train.gradient_accumulation_steps, batches_per_epoch=len(batches),
@@ -932,6 +951,41 @@ def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log
                        "trials": [[str(t.mode), t.size, round(t.peak_bytes / 2**30, 1), round(t.seconds, 3), t.oom]
                                   for t in choice.trials]}
     return result
+
+
+def frozen_copy(model):
+    """A frozen copy of the prepared model (the bench's stand-in for a DPO run's reference: the same weights)."""
+    import copy
+
+    reference = copy.deepcopy(model)
+    reference.requires_grad_(False)
+    return reference
+
+
+def bench_objective(tm, train, ctx, reference=None):
+    """The objective a run of `train` builds (`train.worker.build_objective`), over the bench's synthetic model: for
+    dpo the frozen `reference` copy parallelized as the worker does, the LoRA base, or precomputed reference
+    log-probs (placeholders: the step does not depend on their values)."""
+    from vlmctl.train.objectives import DPOObjective
+    from vlmctl.train.worker import build_objective
+
+    if train.objective != "dpo":
+        return build_objective(tm, train, ctx)
+    objective = DPOObjective(settings=train.dpo, reference=reference)
+    if reference is not None:
+        from vlmctl.distributed.parallelize import parallelize
+        from vlmctl.train.kernels import sequence_core_attention
+        from vlmctl.train.setup import model_parts, store_frozen
+
+        store_frozen(reference, ctx.dtype)
+        objective.reference = objective.models["reference"] = parallelize(
+            reference, family=tm.family, parts=model_parts(reference, tm.family), train=train, dims=ctx.dims,
+            device=ctx.env.device, dtype=ctx.dtype, core_attention=sequence_core_attention(tm.attn), trainable=False)
+    if train.dpo.reference == "precomputed":
+        from collections import defaultdict
+
+        objective.precomputed = defaultdict(lambda: (-1.0, -1.0))
+    return objective
 
 
 def probe_auto(plan: BenchPlan, tm, train, ctx, engine, objective, log):

@@ -105,12 +105,27 @@ Trained with [vlmctl](https://github.com/vlmctl/vlmctl).
 """
 
 
+def objective_text(train: dict[str, Any]) -> str:
+    """The model card's words for a run's `train.objective` and its settings (sft when unset: older runs)."""
+    objective = train.get("objective") or "sft"
+    if objective == "dpo":
+        dpo = train.get("dpo") or {}
+        return (f"dpo ({dpo.get('loss_type', 'sigmoid')}, beta {dpo.get('beta', 0.1)}, "
+                f"reference {dpo.get('reference', 'frozen')}; arXiv 2305.18290)")
+    if objective == "grpo":
+        grpo = train.get("grpo") or {}
+        rewards = ", ".join(str(r.get("name")) for r in grpo.get("rewards") or [] if isinstance(r, dict)) or "exact_match"
+        return f"grpo ({grpo.get('group_size', 8)} rollouts per prompt, rewards: {rewards}; arXiv 2402.03300)"
+    return "sft (next-token cross-entropy on the assistant turns)"
+
+
 @dataclass
 class TrainingSummary:
     """What a run folder says about training (None where the run did not record it)."""
 
     run_dir: str
     stage: str | None = None
+    objective: str | None = None  # train.objective with its settings, e.g. "dpo (sigmoid, beta 0.1, reference frozen)"
     strategy: str | None = None
     steps: int | None = None
     tokens_seen: int | None = None
@@ -129,6 +144,7 @@ class TrainingSummary:
         """(label, value) rows of the model card's training table, skipping unknown values."""
         pairs = [
             ("stage", self.stage),
+            ("objective", self.objective),
             ("strategy", self.strategy),
             ("optimizer steps", self.steps),
             ("tokens seen", f"{self.tokens_seen:,}" if self.tokens_seen is not None else None),
@@ -283,6 +299,7 @@ def training_summary(run_dir: Path) -> TrainingSummary:
     return TrainingSummary(
         run_dir=str(run_dir),
         stage=train.get("stage"),
+        objective=objective_text(train),
         strategy=state.get("strategy") or train.get("strategy"),
         steps=steps,
         tokens_seen=tokens,

@@ -93,6 +93,22 @@ def test_tiny_template_llava_packed(tiny_project, capsys, trained):
     assert batch["input_ids"].shape[0] == 1 and len(batch["seq_lens"]) == batch["num_samples"] > 1
 
 
+@pytest.mark.parametrize("reference", ["frozen", "precomputed"])
+def test_dpo_benches_packed_pairs_with_its_reference(tiny_project, capsys, trained, reference):
+    out = _bench(capsys, tiny_project, "model.preset=tiny-qwen2.5-vl", "train.packing=true", "train.tokens_per_batch=600",
+                 "train.objective=dpo", f"train.dpo.reference={reference}")
+    _consistent(out, trained)
+    trainer = trained["trainer"]
+    assert (trainer.objective.name, "reference" in trainer.objective.models) == ("dpo", reference == "frozen")
+    for batch in trained["batches"]:  # each pair: chosen then rejected, the same prompt and image twice
+        pairs = batch["num_pairs"]
+        assert pairs >= 1 and len(batch["pair_ids"]) == pairs and len(batch["seq_lens"]) >= 2 * pairs
+    if reference == "frozen":  # the policy is its copy before the first update: margins 0, loss log 2
+        first = trained["steps"][0]
+        assert first.metrics["rewards/margins"] == pytest.approx(0.0, abs=1e-5)
+        assert first.loss == pytest.approx(0.6931472, abs=1e-5)
+
+
 def test_qwen_preset_on_padded_batches(tiny_project, capsys, trained):
     # the template trains padded micro-batches: a Qwen-VL preset in it gets the chat workload, not the baseline's
     out = _bench(capsys, tiny_project, "model.preset=tiny-qwen2.5-vl", "train.micro_batch_size=4")

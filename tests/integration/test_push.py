@@ -262,6 +262,7 @@ def test_model_card_metadata_and_body(run_folder):
     body = ModelCard(card.content).text
     assert "Composed by `vlmctl model build` from the vision encoder" in body and "Qwen/Qwen2.5-0.5B" in body
     assert "| stage | finetune |" in body and "| strategy | fsdp |" in body
+    assert "| objective | sft (next-token cross-entropy on the assistant turns) |" in body  # a run without the key
     assert "| optimizer steps | 40 |" in body
     assert "| tokens seen | 20,480 |" in body  # last cumulative `tokens` of metrics.jsonl
     assert "| final training loss | 1.0000 |" in body

@@ -105,3 +105,21 @@ def test_batches_without_the_objectives_keys_stop_the_run_naming_them(monkeypatc
 
     with pytest.raises(DataError, match="needs batches with labels"):
         _train(SFTObjective(), [_batch(i, drop="labels") for i in range(6)], monkeypatch)
+
+
+@pytest.mark.parametrize("train, words", [
+    ({"objective": "dpo", "dpo": {"beta": 0.2, "loss_type": "ipo", "reference": "precomputed"}},
+     "dpo (ipo, beta 0.2, reference precomputed; arXiv 2305.18290)"),
+    ({"objective": "grpo", "grpo": {"group_size": 4, "rewards": [{"name": "exact_match"}, {"name": "format"}]}},
+     "grpo (4 rollouts per prompt, rewards: exact_match, format; arXiv 2402.03300)"),
+    ({"stage": "full"}, "sft (next-token cross-entropy on the assistant turns)"),
+])
+def test_the_model_card_names_the_objective_and_its_settings(tmp_path, train, words):
+    import yaml
+
+    from vlmctl.hub import training_summary
+
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump({"train": train}))
+    assert ("objective", words) in training_summary(run).rows()

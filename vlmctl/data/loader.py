@@ -102,8 +102,10 @@ class ShardDataset:
 
     def count_tokens(self, processor, family_name: str | None) -> np.ndarray:
         """Exact tokens per sample (text + visual, what `encode_sample` produces) with `vlmctl.data.tokens.
-        TokenCounter`, for shards prepared without a built model (no `num_tokens` column). Reads image headers only.
+        TokenCounter`, for shards prepared without a built model (no `num_tokens` column); a preference pair counts
+        both its conversations, as they are packed (`checks.count_tokens`). Reads image headers only.
         """
+        from vlmctl.data.checks import count_tokens
         from vlmctl.data.modalities.image import image_size
         from vlmctl.data.tokens import TokenCounter
 
@@ -112,7 +114,7 @@ class ShardDataset:
         for i in range(len(self)):
             sample = self[i]
             sizes = [image_size(b) for b in sample.images]
-            out[i] = counter.count(sample, sizes)
+            out[i] = count_tokens(counter, sample, sizes)
         return out
 
     def text_counts(self) -> dict[str, np.ndarray]:

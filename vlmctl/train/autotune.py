@@ -509,13 +509,14 @@ def probe_and_apply(train, ctx, tm, engine, objective, lengths, collate_rows, *,
     `vlmctl train` (`tune`) and `vlmctl bench` call it on their own data."""
     import numpy as np
 
-    from vlmctl.data.collate import Collator, PackedCollator
+    from vlmctl.data.collate import Collator, PackedCollator, PairCollator
 
     lengths = np.asarray(lengths)
+    packed = PairCollator if getattr(objective, "name", None) == "dpo" else PackedCollator  # DPO trains rows of pairs
 
     def make_batch(indices):
         size = int(lengths[indices].sum())
-        collator = (PackedCollator(tm.processor, tm.family, max_length=max_length, tokens_per_batch=max(size, 1))
+        collator = (packed(tm.processor, tm.family, max_length=max_length, tokens_per_batch=max(size, 1))
                     if packing else Collator(tm.processor, tm.family, max_length=max_length))
         batch = collate_rows(indices, collator)
         return tm.prepare(batch) if tm.prepare is not None else batch

@@ -116,6 +116,34 @@ def load_reference(cfg, ctx: RunContext):
     return model
 
 
+REFERENCE_LOGPS = "reference_logps.json"
+"""The run folder's precomputed DPO reference log-probs (`train.dpo.reference: precomputed`)."""
+
+
+def reference_pass(cfg, ctx: RunContext, tm: TrainingModel, engine: Engine, objective: DPOObjective, dataset,
+                   run_dir: Path, *, resuming: bool) -> None:
+    """`train.dpo.reference: precomputed`: score every training pair (and val pair when the run validates) with the
+    starting model once, before the first step (`objectives.precompute_reference`); a resumed run reads the file
+    its first start wrote (`objectives.read_reference`)."""
+    from vlmctl.train.objectives import precompute_reference, read_reference
+
+    path = run_dir / REFERENCE_LOGPS
+    if resuming:
+        read_reference(objective, path)
+        return
+    datasets = [dataset]
+    if cfg.train.eval_steps:
+        from vlmctl.data.loader import ShardDataset
+
+        datasets.append(ShardDataset.from_dir(Path(cfg.data.prepared_dir) / "val"))
+    if ctx.env.is_main:
+        print(f"scoring {sum(len(d) for d in datasets)} pairs with the reference model (train.dpo.reference: precomputed)",
+              file=sys.stderr)
+    precompute_reference(objective, engine, datasets, build_collator(cfg, ctx, tm), prepare=tm.prepare,
+                         device=ctx.env.device, dp_rank=ctx.dims.dp_rank, dp_size=ctx.dims.dp_size,
+                         dp_group=ctx.dims.dp_group, path=path)
+
+
 def reschedule(engine: Engine, train, total_steps: int) -> Engine:
     """A new LR schedule of `total_steps` on a torch engine's optimizer (built before the probe knew the step
     count; LambdaLR keeps each group's `initial_lr`)."""
@@ -174,12 +202,18 @@ def train_run(cfg, run_dir: Path, ctx: RunContext) -> str:
     dataset, lengths = load_data(cfg, ctx, tm)
     objective = build_objective(tm, train, ctx, cfg, run_dir)
     engine = None
+    if isinstance(objective, DPOObjective) and train.dpo.reference == "precomputed":
+        from collections import defaultdict
+
+        objective.precomputed = defaultdict(lambda: (0.0, 0.0))  # the probe's stand-ins: it measures memory, not loss
     if autotune.wants(ctx.plan):  # the probe measures the wrapped model; the schedule's length follows its choice
         engine = wrap_model(tm, train, ctx, total_steps=1)
         autotune.tune(cfg, run_dir, ctx, tm, engine, objective, dataset, lengths, log=lambda m: print(m, file=sys.stderr))
     sampler = build_sampler(cfg, ctx, dataset, lengths)
     total_steps = train.max_steps or max(1, math.ceil(train.num_epochs * sampler.batches_per_epoch / train.gradient_accumulation_steps))
     engine = wrap_model(tm, train, ctx, total_steps) if engine is None else reschedule(engine, train, total_steps)
+    if isinstance(objective, DPOObjective) and train.dpo.reference == "precomputed":  # the weights have not trained yet
+        reference_pass(cfg, ctx, tm, engine, objective, dataset, run_dir, resuming=resume_from is not None)
     state = resume_state(resume_from, ctx, engine, train)
     sampler.set_position(state.consumed)
     loader = build_loader(dataset, sampler, build_collator(cfg, ctx, tm), num_workers=train.num_workers, seed=train.seed)

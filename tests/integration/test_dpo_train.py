@@ -1,0 +1,174 @@
+"""`vlmctl train` with `train.objective: dpo` on CPU: a tiny LLaVA on shapes-VQA preference pairs (the correct
+answer chosen, another answer of the same question type rejected), with each reference (a frozen copy, the LoRA
+base with the adapter off, log-probs precomputed before the first step), in one process, on 2 ranks under FSDP2
+and under ZeRO-3, and resumed from a checkpoint.
+
+At the first step the policy is the reference, so every pair's margin is 0 and the sigmoid loss is exactly
+log 2 (DPO, arXiv 2305.18290, Eq. 7): each run is checked against that, then for learning."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+RUN_TIMEOUT = 240
+TOKENIZER_TEXTS = ["What color is the triangle? How many circles are there? Is the square left of the circle? "
+                   "What shape is the red object? Answer with one word. red green blue yellow purple yes no 0 1 2 3"] * 20
+
+
+def write_pair_shards(folder: Path, n: int) -> None:
+    """`n` shapes-VQA samples as preference shards (`folder/prepared/train`): chosen = the generated answer, rejected
+    = the next different answer of the same question type in generation order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from vlmctl.data.sample import Sample, arrow_schema
+    from vlmctl.data.synthetic import generate_shapes_vqa
+
+    records = json.loads(generate_shapes_vqa(folder / "raw", num_samples=n, image_size=64).read_text())
+    by_type: dict[str, list[str]] = defaultdict(list)
+    for rec in records:
+        answer = rec["conversations"][1]["value"]
+        if answer not in by_type[rec["id"].split("-")[0]]:
+            by_type[rec["id"].split("-")[0]].append(answer)
+    samples = []
+    for rec in records:
+        answer = rec["conversations"][1]["value"]
+        options = by_type[rec["id"].split("-")[0]]
+        wrong = options[(options.index(answer) + 1) % len(options)]
+        if wrong == answer:
+            continue
+        text = lambda t: {"role": "assistant", "content": [{"type": "text", "text": t}]}  # noqa: E731
+        user = {"role": "user", "content": [{"type": "image", "index": 0},
+                                            {"type": "text", "text": rec["conversations"][0]["value"].replace("<image>\n", "")}]}
+        samples.append(Sample(id=rec["id"], messages=[user, text(answer)], images=[(folder / "raw" / rec["image"]).read_bytes()],
+                              source="pairs", rejected=text(wrong)))
+    out = folder / "prepared" / "train"
+    out.mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist([s.to_row() for s in samples], schema=arrow_schema(preference=True)),
+                   out / "shard-00000.parquet")
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    from vlmctl.config import ModelSection
+    from vlmctl.models import build_model
+
+    root = tmp_path_factory.mktemp("dpo")
+    write_pair_shards(root / "data", 12)
+    build_model(ModelSection(preset="tiny", init="random", output_dir=root / "model", dtype="fp32"), tokenizer_texts=TOKENIZER_TEXTS)
+    (root / "vlmctl.yaml").write_text("""
+project: {name: d}
+data: {prepared_dir: data/prepared, max_length: 512}
+model: {preset: tiny, init: random, output_dir: model}
+train:
+  objective: dpo
+  dpo: {beta: 0.5}
+  stage: full
+  strategy: ddp
+  nproc_per_node: 1
+  precision: fp32
+  learning_rate: 1.0e-3
+  warmup_ratio: 0.0
+  tokens_per_batch: 4000
+  max_steps: 6
+  save_steps: 3
+  logging_steps: 1
+  num_workers: 0
+  output_dir: runs
+""")
+    return root
+
+
+def _run(project: Path, *args: str, timeout: int = RUN_TIMEOUT) -> str:
+    from vlmctl.distributed.env import free_port
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "vlmctl", "-c", str(project / "vlmctl.yaml"), "train", "--master-port", str(free_port()), *args]
+    proc = subprocess.Popen(cmd, cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+    assert proc.returncode == 0, out[-6000:]
+    return out
+
+
+def rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _check_learns(run: Path) -> list[dict]:
+    got = rows(run)
+    assert [r["step"] for r in got] == list(range(1, 7))
+    first = got[0]
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-5)  # the policy is the reference at step 1
+    assert first["rewards/margins"] == pytest.approx(0.0, abs=1e-5)
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies"):
+        assert key in first
+    assert got[-1]["loss"] < math.log(2) - 0.1  # the same pairs every step (one row holds them all)
+    assert got[-1]["rewards/margins"] > 0
+    assert (run / "final" / "model.safetensors").is_file() or (run / "final" / "adapter_model.safetensors").is_file()
+    return got
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * RUN_TIMEOUT)
+def test_one_process_frozen_and_precomputed_references_agree(project):
+    _run(project, "--launcher", "none", "train.run_name=frozen")
+    frozen = _check_learns(project / "runs" / "frozen")
+    _run(project, "--launcher", "none", "train.run_name=pre", "train.dpo.reference=precomputed")
+    pre = _check_learns(project / "runs" / "pre")
+    stored = json.loads((project / "runs" / "pre" / "reference_logps.json").read_text())
+    assert len(stored) >= 8 and all(c < 0 and r < 0 for c, r in stored.values())
+    for a, b in zip(frozen, pre):  # one pair per forward vs packed rows: the same sums up to rounding
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-4)
+        assert a["rewards/margins"] == pytest.approx(b["rewards/margins"], abs=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT)
+def test_lora_reference_is_the_base_with_the_adapter_off(project):
+    _run(project, "--launcher", "none", "train.run_name=lora", "train.stage=finetune", "train.lora.r=8",
+         "train.lora.alpha=16", "train.dpo.reference=adapter_disabled", "train.learning_rate=1.0e-2")
+    _check_learns(project / "runs" / "lora")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+def test_fsdp_two_ranks_precomputed_resume_reproduces_the_run(project):
+    args = ["--launcher", "torchrun", "--nproc-per-node", "2", "train.nproc_per_node=2", "train.tokens_per_batch=2000", "train.strategy=fsdp",
+            "train.run_name=fsdp", "train.dpo.reference=precomputed"]
+    _run(project, *args)
+    run = project / "runs" / "fsdp"
+    before = _check_learns(run)
+    shutil.rmtree(run / "checkpoints" / "checkpoint-6")
+    shutil.rmtree(run / "final")
+    _run(project, *args, "--resume")
+    assert [r["loss"] for r in rows(run)] == [r["loss"] for r in before]  # bitwise on CPU
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(4 * RUN_TIMEOUT)
+def test_zero3_two_ranks_frozen_reference_trains_and_resumes(project):
+    # The first DeepSpeed run on a machine compiles its CPU communication op (1-2 min, cached afterwards).
+    args = ["--launcher", "torchrun", "--nproc-per-node", "2", "train.nproc_per_node=2", "train.tokens_per_batch=2000", "train.strategy=zero3",
+            "train.run_name=zero3"]
+    _run(project, *args, timeout=2 * RUN_TIMEOUT)
+    run = project / "runs" / "zero3"
+    before = _check_learns(run)
+    shutil.rmtree(run / "checkpoints" / "checkpoint-6")
+    shutil.rmtree(run / "final")
+    _run(project, *args, "--resume")
+    assert [r["loss"] for r in rows(run)] == [r["loss"] for r in before]
