@@ -172,3 +172,15 @@ def test_zero3_two_ranks_frozen_reference_trains_and_resumes(project):
     shutil.rmtree(run / "final")
     _run(project, *args, "--resume")
     assert [r["loss"] for r in rows(run)] == [r["loss"] for r in before]
+
+
+def test_dpo_on_conversation_shards_stops_before_loading_the_model(tmp_path, capsys):
+    from cli_runner import run_cli
+    from shapes_shards import write_shapes_shards
+
+    write_shapes_shards(tmp_path / "data", 4)
+    (tmp_path / "vlmctl.yaml").write_text("project: {name: c}\ndata: {prepared_dir: data/prepared}\n"
+                                          "model: {preset: tiny, init: random, output_dir: model}\n"
+                                          "train: {objective: dpo, strategy: ddp, nproc_per_node: 1, output_dir: runs}\n")
+    code, _, err = run_cli(["-c", str(tmp_path / "vlmctl.yaml"), "train", "--launcher", "none"], capsys)
+    assert code != 0 and "train.objective dpo trains on preference pairs" in err and "data.kind=preference" in err

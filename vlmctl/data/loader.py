@@ -93,6 +93,11 @@ class ShardDataset:
             out[i] = chars // 4 + 64 * parts
         return out
 
+    @property
+    def column_names(self) -> list[str]:
+        """The shards' columns (`id`, `messages`, `images`, and `rejected` for preference pairs, `num_tokens`, ...)."""
+        return list(self._ds.column_names)
+
     def __len__(self) -> int:
         return self._ds.num_rows
 

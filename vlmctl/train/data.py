@@ -16,6 +16,7 @@ def load_data(cfg, ctx, tm):
     from vlmctl.data.loader import ShardDataset
 
     dataset = ShardDataset.from_dir(Path(cfg.data.prepared_dir) / "train")
+    check_objective_data(dataset.column_names, cfg.train.objective, Path(cfg.data.prepared_dir) / "train")
     lengths = dataset.lengths
     if cfg.train.packing and not dataset.exact_lengths:
         if ctx.env.is_main:
@@ -27,6 +28,18 @@ def load_data(cfg, ctx, tm):
     if ctx.plan.balance.value:  # compute-balanced batches (`train.balance`, decided by the run's plan)
         dataset.sample_costs = sample_costs(tm.cost_model, dataset, lengths)
     return dataset, lengths
+
+
+def check_objective_data(columns, objective: str, folder: Path) -> None:
+    """Raise DataError when `train.objective` dpo meets shards (in `folder`, with these `columns`) without
+    preference pairs (no `rejected` column: data prepared as conversations)."""
+    from vlmctl.data.sample import REJECTED_COLUMN
+    from vlmctl.errors import DataError
+
+    if objective == "dpo" and REJECTED_COLUMN not in columns:
+        raise DataError(f"{folder}: train.objective dpo trains on preference pairs, and these shards hold conversations "
+                        "(no rejected answers)", hint="prepare preference data (`vlmctl data prepare data.kind=preference`, "
+                        "docs/formats.md, Preference data) into its own data.prepared_dir, or set train.objective: sft")
 
 
 def sample_costs(cost_model, dataset, lengths):

@@ -326,7 +326,8 @@ def check_built_settings(cfg, source: str) -> None:
 
 def preflight(cfg, run_dir: Path | None = None) -> None:
     """Fail before spawning processes when an optional package the config needs is missing (ConfigError,
-    `check_packages`), the prepared data (the val split too with `train.eval_steps`) or the model is missing
+    `check_packages`), the prepared data (the val split too with `train.eval_steps`) or the model is missing, the
+    training shards hold no preference pairs for `train.objective: dpo`
     (DataError / ModelError), or when the checkpoint
     a resumed run (`run_dir`) would load is damaged or refused (`checkpoints.check_checkpoint`, CheckpointError
     naming the file) or was written with another batching (`checkpoint.check_batching`, ConfigError)."""
@@ -338,6 +339,11 @@ def preflight(cfg, run_dir: Path | None = None) -> None:
     train_dir = Path(cfg.data.prepared_dir) / "train"
     if not any(train_dir.glob("*.parquet")):
         raise DataError(f"no prepared training shards in {train_dir}", hint="run `vlmctl data prepare` first")
+    import pyarrow.parquet as pq
+
+    from vlmctl.train.data import check_objective_data
+
+    check_objective_data(pq.read_schema(min(train_dir.glob("*.parquet"))).names, cfg.train.objective, train_dir)
     val_dir = Path(cfg.data.prepared_dir) / "val"
     if cfg.train.eval_steps and not _split_rows(val_dir):
         raise DataError(f"train.eval_steps validates on the val split, but {val_dir} holds no prepared samples",
