@@ -339,11 +339,18 @@ def preflight(cfg, run_dir: Path | None = None) -> None:
     train_dir = Path(cfg.data.prepared_dir) / "train"
     if not any(train_dir.glob("*.parquet")):
         raise DataError(f"no prepared training shards in {train_dir}", hint="run `vlmctl data prepare` first")
-    import pyarrow.parquet as pq
+    if cfg.train.objective == "dpo":  # pairs, not conversations: read from the first shard's schema
+        import pyarrow as pa
+        import pyarrow.parquet as pq
 
-    from vlmctl.train.data import check_objective_data
+        from vlmctl.train.data import check_objective_data
 
-    check_objective_data(pq.read_schema(min(train_dir.glob("*.parquet"))).names, cfg.train.objective, train_dir)
+        shard = min(train_dir.glob("*.parquet"))
+        try:
+            columns = pq.read_schema(shard).names
+        except (OSError, pa.ArrowException) as exc:
+            raise DataError(f"{shard}: not a readable Parquet shard ({exc})", hint="re-run `vlmctl data prepare`") from None
+        check_objective_data(columns, cfg.train.objective, train_dir)
     val_dir = Path(cfg.data.prepared_dir) / "val"
     if cfg.train.eval_steps and not _split_rows(val_dir):
         raise DataError(f"train.eval_steps validates on the val split, but {val_dir} holds no prepared samples",
