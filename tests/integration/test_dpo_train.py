@@ -128,10 +128,18 @@ def _check_learns(run: Path) -> list[dict]:
 def test_one_process_frozen_and_precomputed_references_agree(project):
     _run(project, "--launcher", "none", "train.run_name=frozen")
     frozen = _check_learns(project / "runs" / "frozen")
-    _run(project, "--launcher", "none", "train.run_name=pre", "train.dpo.reference=precomputed")
+    # the val split: the training pairs again, so the val loss at a step reads the pairs the step trained on
+    val = project / "data" / "prepared" / "val"
+    shutil.copytree(project / "data" / "prepared" / "train", val, dirs_exist_ok=True)
+    try:
+        _run(project, "--launcher", "none", "train.run_name=pre", "train.dpo.reference=precomputed", "train.eval_steps=3")
+    finally:
+        shutil.rmtree(val)
     pre = _check_learns(project / "runs" / "pre")
     stored = json.loads((project / "runs" / "pre" / "reference_logps.json").read_text())
     assert len(stored) >= 8 and all(c < 0 and r < 0 for c, r in stored.values())
+    val_losses = [r["val_loss"] for r in pre if "val_loss" in r]
+    assert len(val_losses) == 2 and val_losses[1] < val_losses[0] < math.log(2)
     for a, b in zip(frozen, pre):  # one pair per forward vs packed rows: the same sums up to rounding
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-4)
         assert a["rewards/margins"] == pytest.approx(b["rewards/margins"], abs=1e-4)
