@@ -35,9 +35,11 @@ otherwise).
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from vlmctl.errors import ModelError
@@ -213,8 +215,6 @@ def _with_stand_in(cls):
 def _saved_video_settings(ref: str) -> dict[str, Any]:
     """`VIDEO_SETTINGS` of the video processor saved in `ref` (a folder: processor_config.json's `video_processor`,
     else video_preprocessor_config.json); {} when there are none."""
-    import json
-    from pathlib import Path
 
     folder = Path(ref).expanduser()
     for name, key in (("processor_config.json", "video_processor"), ("video_preprocessor_config.json", None)):

@@ -29,8 +29,10 @@ them with the library's own code).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from functools import lru_cache, partial
+from pathlib import Path
 from typing import Any, Callable
 
 from vlmctl.errors import ModelError
@@ -418,8 +420,6 @@ def _frames_variant(cls):
 def _saved_video_settings(ref: str) -> dict[str, Any]:
     """The `video_processor` settings saved in `ref`'s processor_config.json (a folder; {} when there are none):
     its pixel bounds and sizes, without the class name."""
-    import json
-    from pathlib import Path
 
     path = Path(ref).expanduser() / "processor_config.json"
     try:

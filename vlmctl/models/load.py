@@ -11,6 +11,7 @@ reads no weights. Both run inside `quiet_transformers()`: no third-party progres
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from collections.abc import Callable
@@ -44,7 +45,6 @@ def silence_transformers() -> None:
 def image_processor_class(name: str):
     """`transformers.<name>`, or its PIL variant `<name>Pil` when torchvision is not installed: the class
     transformers itself falls back to there, picked without its fallback warning."""
-    import importlib.util
 
     import transformers
 
@@ -126,7 +126,6 @@ def load_processor(path: str | Path, *, trust_remote_code: bool = False):
 
 
 def _auto_processor(ref: str, trust_remote_code: bool):
-    import importlib.util
 
     from transformers import AutoProcessor
 

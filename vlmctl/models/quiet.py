@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -15,7 +16,6 @@ def quiet_transformers() -> Iterator[None]:
     Also keeps transformers' "`XImageProcessor` requires torchvision ... falling back to `XImageProcessorPil`"
     notice (a `warning_once`) out of vlmctl's output: that fallback is expected on CPU installs.
     """
-    import warnings
 
     from transformers.utils import logging as hf_logging
 
