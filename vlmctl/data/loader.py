@@ -27,6 +27,11 @@ from vlmctl.data.samplers import (
 )
 from vlmctl.errors import DataError
 
+# datasets, pyarrow and torch are imported inside the functions that use them: importing vlmctl (the CLI's start-up)
+# must not pay for them.
+# So are the vlmctl modules that load numpy when imported.
+# Light vlmctl modules and modules the CLI's start-up loads anyway are imported next to their use as well.
+
 TEST_DATA_DELAY = "VLMCTL_TEST_DATA_DELAY"
 
 __all__ = [

@@ -39,6 +39,8 @@ import numpy as np
 
 from vlmctl.errors import ModelError
 
+# torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+
 CLS_VISION_TYPES = frozenset({"clip_vision_model", "clip", "vit", "dinov2", "chinese_clip_vision_model", "metaclip_2_vision_model"})
 """Vision encoder `model_type`s whose output starts with a CLS token (LLaVA's `default` strategy drops it)."""
 

@@ -48,6 +48,9 @@ from vlmctl.families.encoders import image_encoder, vision_cost
 from vlmctl.families.registry import register
 from vlmctl.families.spec import FamilySpec, setting, split_source
 
+# numpy, PIL and transformers are imported inside the functions that use them: importing vlmctl (the CLI's start-up)
+# must not pay for them.
+
 PUBLISHED_PINPOINTS = [[384 * r, 384 * c] for r in range(1, 7) for c in range(1, 7)]
 """`LlavaOnevisionConfig`'s default `image_grid_pinpoints` (1 to 6 tiles of 384 px a side)."""
 

@@ -74,6 +74,9 @@ from vlmctl.families.qwen2_audio import resampled_length
 from vlmctl.families.registry import register
 from vlmctl.families.spec import FamilySpec, setting
 
+# numpy, torch and transformers are imported inside the functions that use them: importing vlmctl (the CLI's
+# start-up) must not pay for them.
+
 IMAGE, AUDIO = "<|image|>", "<|audio|>"
 """Placeholder tokens the processor repeats per image token and audio token (transformers' converted Phi-4 tokenizer)."""
 MASK_SIDE = 32

@@ -70,6 +70,9 @@ from vlmctl.families.qwen_vl import qwen_rule, rope_index_fn
 from vlmctl.families.registry import register
 from vlmctl.families.spec import _find_prefix, is_packed, setting
 
+# numpy, torch and transformers are imported inside the functions that use them: importing vlmctl (the CLI's
+# start-up) must not pay for them.
+
 IMAGE, VIDEO, AUDIO = "<|image_pad|>", "<|video_pad|>", "<|audio_pad|>"
 """Placeholder tokens the processor repeats per image block, video block and audio position (Qwen3-Omni's tokenizer)."""
 VISION_BOS, VISION_EOS, AUDIO_BOS, AUDIO_EOS = "<|vision_start|>", "<|vision_end|>", "<|audio_start|>", "<|audio_end|>"

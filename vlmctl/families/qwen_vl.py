@@ -40,6 +40,10 @@ from vlmctl.families.encoders import KERNELS, image_encoder, vision_cost
 from vlmctl.families.registry import register
 from vlmctl.families.spec import FamilySpec, VisualTokenRule, is_packed, setting, split_source
 
+# torch and transformers are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must
+# not pay for them.
+# So are the vlmctl modules that load numpy and transformers when imported.
+
 QWEN_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 """Special tokens of the Qwen-VL tokenizers that the processors and chat templates use."""
 

@@ -44,6 +44,9 @@ from vlmctl.families.encoders import CLS_VISION_TYPES, EncoderSpec, image_encode
 if TYPE_CHECKING:
     import torch
 
+# torch and transformers are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must
+# not pay for them.
+
 PARTS = ("vision", "projector", "llm")
 """The three parts of a VLM, in the order used by summaries and freezing (`train.freeze` uses the same names)."""
 

@@ -45,6 +45,11 @@ from vlmctl.models.load import DTYPES, INFO_FILE, image_processor_class, load_or
 from vlmctl.models.tokenizer import chatml_template, texts_from_prepared, train_tokenizer
 from vlmctl.outputs import check_replaceable, install, local_paths
 
+# accelerate, torch, transformers and yaml are imported inside the functions that use them: importing vlmctl (the
+# CLI's start-up) must not pay for them.
+# So are the vlmctl modules that load numpy when imported.
+# Light vlmctl modules are imported next to their use as well.
+
 PRESET_DIR = Path(__file__).parent / "presets"
 INFO_VERSION = 1
 

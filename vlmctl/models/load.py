@@ -22,6 +22,10 @@ from vlmctl.errors import ModelError
 from vlmctl.families import FamilySpec, detect_family, get_family
 from vlmctl.models.quiet import quiet_transformers  # noqa: F401 - its callers import it from here
 
+# accelerate, torch and transformers are imported inside the functions that use them: importing vlmctl (the CLI's
+# start-up) must not pay for them.
+# So are the vlmctl modules that load numpy when imported.
+
 INFO_FILE = "vlmctl_model.json"
 """What `model build` writes next to the checkpoint: {family, mode, built_from, parameters, ...}."""
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}

@@ -6,6 +6,9 @@ import warnings
 from contextlib import contextmanager
 from typing import Iterator
 
+# transformers is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for
+# it.
+
 
 @contextmanager
 def quiet_transformers() -> Iterator[None]:

@@ -145,6 +145,9 @@ import numpy as np
 from vlmctl.errors import DataError, ModelError
 from vlmctl.families.encoders import AudioShape, CountsItself, ImageShape, VisionShape, submodule as _submodule
 
+# torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+# So are the vlmctl modules that load numpy when imported.
+
 __all__ = ["TERMS", "AudioShape", "CostModel", "ImageShape", "VisionShape", "batch_audio_frames", "batch_images",
            "batch_segments", "mfu"]
 
