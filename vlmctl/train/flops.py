@@ -122,8 +122,8 @@ record the total and each media item's tokens (`media_tokens`); `vlmctl.data.loa
 derives the rest (its docstring says how), per modality too, so that each encoder is charged its own modalities'
 items and tokens (an encoder that counts itself by its `sample_terms`); images are taken as equal-sized, one frame
 each, with full windows. Without the per-modality counts a model with both an image and an audio encoder
-(Qwen2.5-Omni) has its media items all taken as clips, and encoders that count themselves are left out. What a
-balancer needs is the ranking and the ratios of samples' costs, which the tokens and the quadratic
+(Qwen2.5-Omni) has each media item taken as an image and as a clip, and encoders that count themselves are left
+out. What a balancer needs is the ranking and the ratios of samples' costs, which the tokens and the quadratic
 attention term dominate.
 
 MFU (PaLM, Chowdhery et al. 2022, appendix B) = model FLOPs per second / (peak FLOP/s per device x devices), see
@@ -381,7 +381,7 @@ class CostModel:
         (`vlmctl.data.loader.ShardDataset.count_estimates`' `media`): each encoder is then charged the items and
         placeholder tokens of its own modalities (`vision_media`, `audio_media`, `own_media`), and an encoder that
         counts itself adds its `CountsItself.sample_terms`. Without it every item is taken as one of the image
-        encoder's (an audio model's: as a clip) and encoders that count themselves are left out.
+        encoder's and as one of the audio encoder's (a clip), and encoders that count themselves are left out.
         """
         tokens, visual, labelled, images = (np.asarray(x, dtype=np.float64) for x in (tokens, visual_tokens, labelled_tokens, images))
         zero = np.zeros_like(tokens)
