@@ -44,6 +44,10 @@ from typing import Any, Callable
 
 from vlmctl.inference.prompt import GenerationRequest, RenderedRequest
 
+# torch and transformers are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must
+# not pay for them.
+# So are the vlmctl modules that load numpy when imported.
+
 Event = tuple
 Sink = Callable[[Event], None]
 

@@ -44,9 +44,11 @@ def check_objective_data(columns, objective: str, folder: Path) -> None:
 
 def sample_costs(cost_model, dataset, lengths):
     """Estimated training FLOPs per sample (float64 [N]): `CostModel.sample_costs` on `lengths` and the visual and
-    labelled tokens `ShardDataset.count_estimates` derives from the shards (an approximation, documented there)."""
+    labelled tokens `ShardDataset.count_estimates` derives from the shards (an approximation, documented there), per
+    modality, so each encoder, one that counts itself included, is charged its own media."""
     counts = dataset.count_estimates(lengths)
-    return cost_model.sample_costs(lengths, counts["visual_tokens"], counts["labelled_tokens"], counts["images"])
+    return cost_model.sample_costs(lengths, counts["visual_tokens"], counts["labelled_tokens"], counts["images"],
+                                   media=counts["media"])
 
 
 def build_sampler(cfg, ctx, dataset, lengths):

@@ -25,6 +25,12 @@ import functools
 import importlib.util
 from typing import Any
 
+# torch and transformers are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must
+# not pay for them.
+# So are the vlmctl modules that load numpy when imported.
+# liger_kernel (an optional dependency) is imported only where used, so the rest works without it.
+# Light vlmctl modules and modules the CLI's start-up loads anyway are imported next to their use as well.
+
 # No "flash" in the name: transformers' set_attn_implementation would look for a Hub kernel of that name.
 VARLEN_NAME = "vlmctl_varlen"
 # The same kernel, named so that Qwen-VL vision towers pass it their window boundaries (see `set_attention`).

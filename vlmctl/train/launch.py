@@ -37,6 +37,12 @@ from vlmctl.distributed.engine import is_deepspeed, is_fsdp
 from vlmctl.distributed.mesh import SHARDING_ENV
 from vlmctl.errors import ConfigError, UsageError
 
+# pyarrow and torch are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must not
+# pay for them.
+# So are the vlmctl modules that load numpy when imported.
+# rich is imported inside the functions that print: using vlmctl as a library does not load it.
+# Light vlmctl modules and modules the CLI's start-up loads anyway are imported next to their use as well.
+
 WORKER_MODULE = "vlmctl.train.worker"
 TRAIN_LOG = "train.log"  # the ranks' combined output, in every run folder
 AGENTS = ("torchrun", "accelerate")  # the launchers that start one process agent per node from this command

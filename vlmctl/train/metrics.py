@@ -29,6 +29,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+# matplotlib and torch are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must
+# not pay for them.
+# wandb (an optional dependency) is imported only where used, so the rest works without it.
+# rich is imported inside the functions that print: using vlmctl as a library does not load it.
+# Light vlmctl modules and modules the CLI's start-up loads anyway are imported next to their use as well.
+
 # Dense bf16 peak FLOP/s per device (vendor data sheets, without sparsity).
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
               "L40": 181e12, "A10": 125e12, "4090": 165e12, "B200": 2250e12, "GH200": 989e12}
