@@ -9,6 +9,9 @@ from pathlib import Path
 
 from vlmctl.config.plan import row_tokens
 
+# The vlmctl modules that load numpy and torch when imported are imported inside the functions that use them:
+# importing vlmctl (the CLI's start-up) must not pay for them. Light vlmctl modules sit next to their use too.
+
 
 def load_data(cfg, ctx, tm):
     """The training shards and the token count of each sample (counted with the model's processor when the shards
