@@ -51,7 +51,7 @@ def _synced(group) -> bool:
 
 def generate_rollouts(model, processor, requests: Sequence[Any], *, group_size: int, max_new_tokens: int,
                       temperature: float = 1.0, top_p: float = 1.0, family: Any = None, video: Any = None,
-                      group=None) -> Rollouts:
+                      group=None, extra_requests: Sequence[Any] = ()) -> Rollouts:
     """`group_size` sampled answers to each of `requests` (`GenerationRequest`s) from `model` in one batch of
     len(requests) x group_size rows: `input_ids` [R, longest prompt in tokens], at most `max_new_tokens` new tokens
     per row. Sampling with `temperature` and `top_p` (temperature 0: greedy, every row of a group equal). The model is
@@ -60,7 +60,11 @@ def generate_rollouts(model, processor, requests: Sequence[Any], *, group_size: 
     `model` may be wrapped by FSDP2 (its forward gathers the shards); with a process group of more than one rank
     (`group`, default the world) every rank must call this with the same `max_new_tokens` (collective).
     Raises UsageError for `group_size` or `max_new_tokens` below 1, a negative `temperature` or `top_p` outside
-    (0, 1]; DataError for a request whose media parts point past its media (`render_request`)."""
+    (0, 1]; DataError for a request whose media parts point past its media (`render_request`).
+
+    `extra_requests` are generated once each in the same batch and left out of the result: under FSDP2 or ZeRO-3 a
+    rank whose prompts have no image adds a blank-image request, so its vision tower runs (gathers its parameters)
+    whenever another rank's does."""
     import torch
 
     from vlmctl.inference.generation import _model_inputs, _sampling
@@ -74,12 +78,12 @@ def generate_rollouts(model, processor, requests: Sequence[Any], *, group_size: 
                          hint="set train.grpo.temperature and train.grpo.top_p")
     start = time.perf_counter()
     family = family if family is not None else model_family(model)
-    check_requests(requests, family)
+    check_requests([*requests, *extra_requests], family)
     tok = processor.tokenizer
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     rendered = [render_request(r, processor, family) for r in requests]
-    rows = [r for r in rendered for _ in range(group_size)]
+    rows = [r for r in rendered for _ in range(group_size)] + [render_request(r, processor, family) for r in extra_requests]
     side, tok.padding_side = tok.padding_side, "left"  # every row continues from its last position
     try:
         inputs = _model_inputs(model, processor, [r.text for r in rows], [img for r in rows for img in r.images],
@@ -96,11 +100,11 @@ def generate_rollouts(model, processor, requests: Sequence[Any], *, group_size: 
                                  synced_gpus=_synced(group), **_sampling(temperature, top_p))
     finally:
         model.train(training)
-    width = inputs["input_ids"].shape[1]
-    mask = inputs["attention_mask"].bool().cpu()
-    prompt_ids = [row[m].tolist() for row, m in zip(inputs["input_ids"].cpu(), mask)]
+    width, kept = inputs["input_ids"].shape[1], len(requests) * group_size
+    mask = inputs["attention_mask"][:kept].bool().cpu()
+    prompt_ids = [row[m].tolist() for row, m in zip(inputs["input_ids"][:kept].cpu(), mask)]
     completion_ids, finished = [], []
-    for row in out[:, width:].cpu().tolist():
+    for row in out[:kept, width:].cpu().tolist():
         end = next((i for i, t in enumerate(row) if t in eos), None)
         completion_ids.append(row if end is None else row[: end + 1])
         finished.append(end is not None)

@@ -85,7 +85,7 @@ def build_objective(tm: TrainingModel, train, ctx: RunContext, cfg=None, run_dir
     if train.objective == "grpo":
         from vlmctl.train.grpo import build_grpo_objective
 
-        objective = build_grpo_objective(tm, cfg, ctx)
+        objective = build_grpo_objective(tm, cfg, ctx, run_dir)
     elif train.objective == "dpo":
         reference = load_reference(cfg.model_copy(update={"train": train}), ctx) if train.dpo.reference == "frozen" else None
         objective = DPOObjective(settings=train.dpo, reference=reference)
