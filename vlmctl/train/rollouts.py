@@ -14,6 +14,7 @@ must run the same number of decoding steps: with a process group of more than on
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -47,6 +48,27 @@ def _synced(group) -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+@contextmanager
+def _root_gathered(model):
+    """Under FSDP2, the root's own parameters (those of no inner `fully_shard` unit: embeddings, the vision
+    embeddings, the projector...) gathered for the whole generation: `generate` runs the vision tower through
+    `get_image_features` before the root's forward (whose hook would gather them), and every decoding step reuses
+    them. The inner units gather their own in their hooks. Nothing to do for other models."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    # the root's first forward sets up its units' communication state; generation may reach an inner unit first
+    state = model._get_fsdp_state()
+    state._lazy_init()
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
 
 
 def generate_rollouts(model, processor, requests: Sequence[Any], *, group_size: int, max_new_tokens: int,
@@ -95,7 +117,7 @@ def generate_rollouts(model, processor, requests: Sequence[Any], *, group_size: 
     training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _root_gathered(model):
             out = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
                                  synced_gpus=_synced(group), **_sampling(temperature, top_p))
     finally:
