@@ -149,3 +149,16 @@ def test_sigterm_then_resume_reproduces_the_uninterrupted_run(project, one_run):
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for key in ("loss", "grad_norm", "reward", "completions/mean_length"):  # the same rollouts, the same updates
         assert [r[key] for r in resumed] == [r[key] for r in reference], key
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * RUN_TIMEOUT)
+def test_zero3_two_ranks_generate_through_deepspeeds_hooks_and_train(project):
+    # The first DeepSpeed run on a machine compiles its CPU communication op (1-2 min, cached afterwards).
+    _run_cli(project, "--launcher", "torchrun", "--nproc-per-node", "2", "--strategy", "zero3", "train.run_name=zero3",
+             "train.max_steps=2", timeout=2 * RUN_TIMEOUT)
+    run = project / "runs" / "zero3"
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [1, 2]
+    check_rows(rows, rollouts=2 * 2 * 4)
+    assert (run / "final" / "model.safetensors").is_file()

@@ -51,24 +51,42 @@ def _synced(group) -> bool:
 
 
 @contextmanager
-def _root_gathered(model):
-    """Under FSDP2, the root's own parameters (those of no inner `fully_shard` unit: embeddings, the vision
-    embeddings, the projector...) gathered for the whole generation: `generate` runs the vision tower through
+def _gathered(model):
+    """The sharded parameters `generate` needs, gathered as a training forward gathers them.
+
+    FSDP2: the root's own parameters (those of no inner `fully_shard` unit: embeddings, the vision embeddings, the
+    projector...) stay gathered for the whole generation: `generate` runs the vision tower through
     `get_image_features` before the root's forward (whose hook would gather them), and every decoding step reuses
-    them. The inner units gather their own in their hooks. Nothing to do for other models."""
+    them; the inner units gather theirs in their hooks. ZeRO-3: every module's hooks gather its own parameters, and
+    the parameters a module reads from another one (`nn.MultiheadAttention` reads its `out_proj.weight`) are
+    gathered on access while the modules are marked in a forward, as `DeepSpeedEngine.forward` marks them (its
+    automated discovery of external parameters). Nothing to do for other models."""
     from torch.distributed.fsdp import FSDPModule
 
-    if not isinstance(model, FSDPModule):
+    if isinstance(model, FSDPModule):
+        # the root's first forward sets up its units' communication state; generation may reach an inner unit first
+        model._get_fsdp_state()._lazy_init()
+        model.unshard()
+        try:
+            yield
+        finally:
+            model.reshard()
+        return
+    if not any(hasattr(p, "ds_id") for p in model.parameters()):  # not partitioned by ZeRO-3
         yield
         return
-    # the root's first forward sets up its units' communication state; generation may reach an inner unit first
-    state = model._get_fsdp_state()
-    state._lazy_init()
-    model.unshard()
+    from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict, ensure_zero_ordered_dict
+
+    modules = list(model.modules())
+    for module in modules:
+        ensure_zero_ordered_dict(module)
+        module._parameters._in_forward = True
     try:
         yield
     finally:
-        model.reshard()
+        for module in modules:
+            if isinstance(module._parameters, ZeROOrderedDict):
+                module._parameters._in_forward = False
 
 
 def generate_rollouts(model, processor, requests: Sequence[Any], *, group_size: int, max_new_tokens: int,
@@ -117,7 +135,7 @@ def generate_rollouts(model, processor, requests: Sequence[Any], *, group_size: 
     training = model.training
     model.eval()
     try:
-        with torch.no_grad(), _root_gathered(model):
+        with torch.no_grad(), _gathered(model):
             out = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
                                  synced_gpus=_synced(group), **_sampling(temperature, top_p))
     finally:
