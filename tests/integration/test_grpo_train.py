@@ -92,7 +92,7 @@ def one_run(project) -> Path:
     return project / "runs" / "one"
 
 
-def check_rows(rows: list[dict], rollouts: int) -> None:
+def check_rows(rows: list[dict], rollouts: int, kl: bool = False) -> None:
     for r in rows:
         assert r["rollouts"] == rollouts and r["label_tokens"] == rollouts  # sequence aggregation: a mean over rollouts
         assert r["time/rollout_s"] > 0 and r["time/train_s"] > 0 and r["rollouts_per_s"] > 0
@@ -100,8 +100,11 @@ def check_rows(rows: list[dict], rollouts: int) -> None:
         assert r["reward"] == pytest.approx(r["rewards/exact_match/mean"] + 0.5 * r["rewards/grpo_rewards:longer/mean"])
         assert r["rewards/grpo_rewards:longer/mean"] > 0 and r["reward_std"] > 0
         assert r["clip_ratio/region_mean"] == 0.0  # one update per generation: ratio 1
-        # on-policy, the surrogate's value is minus the mean advantage, about 0; its gradient is not
-        assert abs(r["loss"]) < 1e-5 and r["grad_norm"] > 0
+        assert r["grad_norm"] > 0
+        if not kl:  # on-policy, the surrogate's value is minus the mean advantage, about 0; its gradient is not
+            assert abs(r["loss"]) < 1e-5 and "kl" not in r
+    if kl:  # the frozen reference is the starting model: no divergence before the first update, some after
+        assert rows[0]["kl"] == 0.0 and all(r["kl"] > 0 for r in rows[1:])
 
 
 @pytest.mark.timeout(RUN_TIMEOUT)
@@ -119,12 +122,14 @@ def test_one_process_grpo_run_logs_rewards_and_rollouts_and_exports(one_run):
 
 @pytest.mark.slow
 @pytest.mark.timeout(RUN_TIMEOUT)
-def test_fsdp_two_ranks_generate_for_their_own_prompts_and_train(project):
-    _run_cli(project, "--launcher", "torchrun", "--nproc-per-node", "2", "train.strategy=fsdp", "train.run_name=fsdp")
+def test_fsdp_two_ranks_generate_for_their_own_prompts_and_train_with_a_kl_term(project):
+    # the KL term's frozen reference is sharded like the policy (forward only)
+    _run_cli(project, "--launcher", "torchrun", "--nproc-per-node", "2", "train.strategy=fsdp", "train.run_name=fsdp",
+             "train.grpo.beta=0.04")
     run = project / "runs" / "fsdp"
     rows = metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    check_rows(rows, rollouts=2 * 2 * 4)  # 2 ranks x 2 prompts x 4
+    check_rows(rows, rollouts=2 * 2 * 4, kl=True)  # 2 ranks x 2 prompts x 4
     assert all(len(r["rank_compute_s"]) == 2 for r in rows)
     assert (run / "rollouts.html").is_file() and (run / "final" / "model.safetensors").is_file()
 
@@ -161,4 +166,5 @@ def test_zero3_two_ranks_generate_through_deepspeeds_hooks_and_train(project):
     rows = metrics(run)
     assert [r["step"] for r in rows] == [1, 2]
     check_rows(rows, rollouts=2 * 2 * 4)
+    assert sum(r["dummy_images"] for r in rows) > 0  # text-only prompts: a blank image kept the vision tower in step
     assert (run / "final" / "model.safetensors").is_file()

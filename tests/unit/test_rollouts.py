@@ -75,3 +75,14 @@ def test_bad_settings_are_refused_with_the_key_to_fix(loaded):
         generate_rollouts(*loaded, [request(TEXTS[0])], group_size=0, max_new_tokens=4)
     with pytest.raises(UsageError, match="top_p"):
         generate_rollouts(*loaded, [request(TEXTS[0])], group_size=2, max_new_tokens=4, top_p=0.0)
+
+
+def test_extra_requests_run_in_the_batch_and_are_left_out(loaded):
+    model, processor = loaded
+    requests = [request(TEXTS[2])]
+    plain = generate_rollouts(model, processor, requests, group_size=2, max_new_tokens=5, temperature=0.0)
+    padded = generate_rollouts(model, processor, requests, group_size=2, max_new_tokens=5, temperature=0.0,
+                               extra_requests=[request(".", (0, 0, 0))])
+    assert padded.prompt_index == [0, 0] and len(padded.completion_ids) == 2
+    assert padded.prompt_ids == plain.prompt_ids  # the extra row's left padding is not kept
+    assert padded.texts == plain.texts
