@@ -124,12 +124,14 @@ def test_one_process_grpo_run_logs_rewards_and_rollouts_and_exports(one_run):
 @pytest.mark.timeout(RUN_TIMEOUT)
 def test_fsdp_two_ranks_generate_for_their_own_prompts_and_train_with_a_kl_term(project):
     # the KL term's frozen reference is sharded like the policy (forward only)
+    # unsorted, unbalanced prompts: at step 3 one rank has only text-only prompts while the other has images
     _run_cli(project, "--launcher", "torchrun", "--nproc-per-node", "2", "train.strategy=fsdp", "train.run_name=fsdp",
-             "train.grpo.beta=0.04")
+             "train.grpo.beta=0.04", "train.group_by_length=false", "train.balance=off")
     run = project / "runs" / "fsdp"
     rows = metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     check_rows(rows, rollouts=2 * 2 * 4, kl=True)  # 2 ranks x 2 prompts x 4
+    assert 1 in [r["dummy_images"] for r in rows]  # that rank generated with a blank image and did not hang
     assert all(len(r["rank_compute_s"]) == 2 for r in rows)
     assert (run / "rollouts.html").is_file() and (run / "final" / "model.safetensors").is_file()
 
