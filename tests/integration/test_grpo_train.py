@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -115,6 +116,7 @@ def test_one_process_grpo_run_logs_rewards_and_rollouts_and_exports(one_run):
     html = (one_run / "rollouts.html").read_text()
     assert html.index("step 4") < html.index("step 1") and "reference" in html and "advantage" in html
     assert not list(one_run.glob(".*.tmp"))
+    assert re.search(r"step 4/4 .*reward \d\.\d{3} rollout \d+\.\d\ds train \d+\.\d\ds", (one_run / "train.log").read_text())
     from transformers import AutoModelForImageTextToText
 
     AutoModelForImageTextToText.from_pretrained(one_run / "final")
