@@ -193,3 +193,33 @@ def test_prepare_window_generates_seeded_scored_rollouts_and_logs_them(built, tm
 
     micro = dropping.loss(SimpleNamespace(model=model, module=model, inputs=model_inputs), empty)
     assert micro.tokens == 0 and float(micro.loss.detach()) == 0.0 and dropping.metrics({}, 0.0)["frac_reward_zero_std"] == 1.0
+
+
+def test_a_packed_row_without_rollouts_trains_as_zero_advantage_rollouts(built):
+    """The GPU batch-size probe passes the training's packed SFT rows: they run forward and backward."""
+    from vlmctl.data.collate import PackedCollator, model_inputs
+
+    policy, processor, family = load(built)
+    objective = objective_for(processor, family)
+    row = PackedCollator(processor, family, tokens_per_batch=10**6)(samples())
+    micro = objective.loss(SimpleNamespace(model=policy, module=policy, inputs=model_inputs), row)
+    micro.loss.backward()
+    assert micro.tokens == objective.label_tokens(row) == 2 and float(micro.loss.detach()) == 0.0
+    assert any(p.grad is not None for p in policy.parameters())
+
+
+def test_settings_grpo_cannot_train_are_refused_naming_the_key(tmp_path):
+    from vlmctl.config import load_config
+    from vlmctl.errors import ConfigError
+    from vlmctl.train.grpo import build_grpo_objective
+
+    (tmp_path / "vlmctl.yaml").write_text("project: {name: g}\ndata: {prepared_dir: data}\nmodel: {preset: tiny}\n"
+                                          "train: {objective: grpo}\n")
+    tm = SimpleNamespace(family=SimpleNamespace(name="llava"), prepare=None, processor=None)
+    ctx = SimpleNamespace(dims=SimpleNamespace(dp_rank=0, dp_group=None), env=SimpleNamespace(is_main=True))
+    cases = {"train.packing=false": r"rows are not packed \(train.packing is off\)", "train.grpo.num_iterations=2": "num_iterations",
+             "train.eval_steps=5": "train.eval_steps", "train.grpo.rewards=[{name: 'nowhere_mod:fn'}]": r"rewards\[0\].name"}
+    for override, message in cases.items():
+        cfg = load_config(tmp_path / "vlmctl.yaml", overrides=[override])
+        with pytest.raises(ConfigError, match=message):
+            build_grpo_objective(tm, cfg, ctx)

@@ -498,14 +498,14 @@ class GRPOObjective:
     # ---- the loop's protocol
 
     def label_tokens(self, batch: dict[str, Any]) -> int:
-        return batch["num_rollouts"] if self.settings.aggregation == "sequence" else batch["num_label_tokens"]
+        return _rollouts(batch) if self.settings.aggregation == "sequence" else batch["num_label_tokens"]
 
     def loss(self, engine, batch: dict[str, Any]):
         from vlmctl.train.objectives import MicroLoss
 
         s = self.settings
         inputs = {k: v for k, v in engine.inputs(batch).items() if k not in ROLLOUT_KEYS}
-        n = int(batch["num_rollouts"])
+        n = _rollouts(batch)
         logps, mask = completion_logps(engine.model, inputs, batch, s.temperature)
         ref = None
         if s.beta:
@@ -515,7 +515,8 @@ class GRPOObjective:
         if n == 0:  # every group of this micro-batch was dropped: a forward for the collectives, nothing added
             return MicroLoss(loss=logps.sum() * 0.0, tokens=0, metrics={k: 0.0 for k in names})
         logps, mask = logps[:n], mask[:n]
-        out = policy_loss(logps, None, batch["advantages"].to(logps.device), mask, epsilon_low=s.epsilon_low,
+        advantages = batch["advantages"] if "advantages" in batch else torch.zeros(n)
+        out = policy_loss(logps, None, advantages.to(logps.device), mask, epsilon_low=s.epsilon_low,
                           epsilon_high=s.epsilon_high, level=s.importance_sampling_level, aggregation=s.aggregation,
                           beta=s.beta, ref_logps=None if ref is None else ref[:n].to(logps.dtype),
                           num_tokens=1.0 if s.aggregation == "token" else None)
@@ -679,6 +680,12 @@ class GRPOObjective:
         del self._samples[:-HTML_STEPS]
 
 
+def _rollouts(batch: dict[str, Any]) -> int:
+    """The rollouts of a packed row. A row without them (the GPU batch-size probe's packed SFT rows,
+    `train.autotune`) trains as rollouts with zero advantages: a rollout row's memory and time."""
+    return int(batch["num_rollouts"]) if "num_rollouts" in batch else int(batch["num_samples"])
+
+
 def _request(sample: Any):
     from vlmctl.inference.prompt import request_from_sample
 
@@ -771,8 +778,8 @@ def build_grpo_objective(tm, cfg, ctx, run_dir: Path | None = None) -> GRPOObjec
     train = cfg.train
     s = train.grpo
     if not train.packing:
-        raise ConfigError(f"train.objective grpo packs each prompt's rollouts into one row, but rows are not packed "
-                          f"({tm.family.name} models cannot take packed rows, or train.packing is off)",
+        why = "train.packing is off" if getattr(tm.family, "supports_packing", True) else f"{tm.family.name} models cannot take packed rows"
+        raise ConfigError(f"train.objective grpo packs each prompt's rollouts into one row, but rows are not packed ({why})",
                           hint="set train.packing: true, with a family that packs (e.g. qwen2_5_vl, llava)")
     if train.sequence_parallel > 1:
         raise ConfigError("train.objective grpo reads each rollout's log-probs from one rank's row: set train.sequence_parallel: 1")
