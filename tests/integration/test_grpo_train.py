@@ -35,6 +35,7 @@ def project(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("grpo-train")
     write_shapes_shards(root / "data", 24)
     build_model(ModelSection(preset="tiny", init="random", output_dir=root / "model"), tokenizer_texts=TOKENIZER_TEXTS)
+    build_model(ModelSection(preset="tiny-qwen2.5-vl", init="random", output_dir=root / "qwen"), tokenizer_texts=TOKENIZER_TEXTS)
     (root / "grpo_rewards.py").write_text(REWARDS)
     (root / "vlmctl.yaml").write_text("""
 project: {name: g}
@@ -136,6 +137,19 @@ def test_fsdp_two_ranks_generate_for_their_own_prompts_and_train_with_a_kl_term(
     assert 1 in [r["dummy_images"] for r in rows]  # that rank generated with a blank image and did not hang
     assert all(len(r["rank_compute_s"]) == 2 for r in rows)
     assert (run / "rollouts.html").is_file() and (run / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT)
+def test_qwen2_5_vl_fsdp_two_ranks_train_on_rollouts_with_mrope_positions(project):
+    # packed rollout rows get Qwen's per-segment mRoPE positions; a text-only rank generates with a blank image
+    _run_cli(project, "--launcher", "torchrun", "--nproc-per-node", "2", "train.strategy=fsdp", "train.run_name=qwen",
+             "model.preset=tiny-qwen2.5-vl", "model.output_dir=qwen", "train.group_by_length=false", "train.balance=off",
+             "train.max_steps=3", "train.save_steps=100")
+    rows = metrics(project / "runs" / "qwen")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    check_rows(rows, rollouts=2 * 2 * 4)
+    assert 1 in [r["dummy_images"] for r in rows] and sum(r["visual_tokens"] for r in rows) > 0
 
 
 @pytest.mark.slow

@@ -89,13 +89,24 @@ def _gathered(model):
                 module._parameters._in_forward = False
 
 
+def _no_placeholders(processor) -> dict[str, Any]:
+    """`generate` keywords that never sample a media placeholder token (`<|image_pad|>`, `<image>`...): a rollout is
+    trained on as prompt + completion, and a placeholder in the completion would ask the model for media features
+    it does not have."""
+    from vlmctl.data.modalities import media_token_ids
+
+    ids = sorted(media_token_ids(processor))
+    return {"suppress_tokens": ids} if ids else {}
+
+
 def generate_rollouts(model, processor, requests: Sequence[Any], *, group_size: int, max_new_tokens: int,
                       temperature: float = 1.0, top_p: float = 1.0, family: Any = None, video: Any = None,
                       group=None, extra_requests: Sequence[Any] = ()) -> Rollouts:
     """`group_size` sampled answers to each of `requests` (`GenerationRequest`s) from `model` in one batch of
     len(requests) x group_size rows: `input_ids` [R, longest prompt in tokens], at most `max_new_tokens` new tokens
     per row. Sampling with `temperature` and `top_p` (temperature 0: greedy, every row of a group equal). The model is
-    put in eval mode for generation (no dropout) and back in its former mode after; no gradient is kept.
+    put in eval mode for generation (no dropout) and back in its former mode after; no gradient is kept. Media
+    placeholder tokens are never sampled (`_no_placeholders`).
 
     `model` may be wrapped by FSDP2 (its forward gathers the shards); with a process group of more than one rank
     (`group`, default the world) every rank must call this with the same `max_new_tokens` (collective).
@@ -137,7 +148,7 @@ def generate_rollouts(model, processor, requests: Sequence[Any], *, group_size: 
     try:
         with torch.no_grad(), _gathered(model):
             out = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
-                                 synced_gpus=_synced(group), **_sampling(temperature, top_p))
+                                 synced_gpus=_synced(group), **_sampling(temperature, top_p), **_no_placeholders(processor))
     finally:
         model.train(training)
     width, kept = inputs["input_ids"].shape[1], len(requests) * group_size
