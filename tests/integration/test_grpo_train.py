@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from cli_runner import run_cli as run_cli_inprocess
 from shapes_shards import write_shapes_shards
 
 RUN_TIMEOUT = 240

@@ -223,3 +223,18 @@ def test_settings_grpo_cannot_train_are_refused_naming_the_key(tmp_path):
         cfg = load_config(tmp_path / "vlmctl.yaml", overrides=[override])
         with pytest.raises(ConfigError, match=message):
             build_grpo_objective(tm, cfg, ctx)
+
+
+def test_a_failing_reward_stops_the_run_naming_it(built, tmp_path, monkeypatch):
+    from vlmctl.config.objective import RewardSpec
+    from vlmctl.errors import VlmctlError
+    from vlmctl.train.grpo import PromptCollator
+
+    (tmp_path / "flaky.py").write_text("def score(completions, references, **kwargs):\n    return {}['judge']\n"
+                                       "def short(completions, references, **kwargs):\n    return [1.0]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model, processor, family = load(built)
+    for name, message in (("flaky:score", "flaky:score: it raised KeyError: 'judge'"), ("flaky:short", "flaky:short: .*returned 1 values for 4")):
+        objective = objective_for(processor, family, rewards=[RewardSpec(name=name)], max_new_tokens=2)
+        with pytest.raises(VlmctlError, match=message):
+            objective.prepare_window(_engine(model), [PromptCollator()(samples())], step=0)

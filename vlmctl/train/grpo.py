@@ -639,8 +639,9 @@ class GRPOObjective:
         for (fn, _), name in zip(self.rewards, self.reward_names):
             try:
                 values.append(score([(fn, 1.0)], rollouts.texts, refs, meta=metas, completion_tokens=lengths))
-            except ValueError as exc:
-                raise VlmctlError(f"train.grpo reward {name}: {exc}",
+            except Exception as exc:  # noqa: BLE001 - the user's function may raise anything
+                detail = str(exc) if isinstance(exc, ValueError) else f"it raised {type(exc).__name__}: {exc}"
+                raise VlmctlError(f"train.grpo reward {name}: {detail}",
                                   hint="a reward returns one number per completion: fn(completions, references, **kwargs) -> list[float]") from None
         return refs, values
 
