@@ -70,7 +70,7 @@ def build_sampler(cfg, ctx, dataset, lengths):
     split = {"world_size": ctx.dims.dp_size, "rank": ctx.dims.dp_rank, "seed": train.seed, "weights": sample_weights,
              "costs": getattr(dataset, "sample_costs", None), "step_batches": train.gradient_accumulation_steps,
              "modalities": dataset.modalities() if train.group_by_modality else None}
-    if not train.packing:
+    if not train.packing or train.objective == "grpo":  # grpo: micro_batch_size prompts, their rollouts packed later
         sampler = DistributedBatchSampler(lengths, micro_batch_size=train.micro_batch_size,
                                           group_by_length=train.group_by_length, **split)
     else:

@@ -195,6 +195,8 @@ def format_row(row: dict[str, Any]) -> str:
     parts.append(f"lr {row['lr']:.2e}")
     if row.get("grad_norm") is not None:
         parts.append(f"gnorm {row['grad_norm']:.3f}")
+    if row.get("time/rollout_s") is not None:  # grpo: the step's reward, and its generation vs training seconds
+        parts.append(f"reward {row['reward']:.3f} rollout {row['time/rollout_s']:.2f}s train {row['time/train_s']:.2f}s")
     parts.append(f"tok/s {row['tokens_per_s']:.0f} (text {row['text_tokens_per_s']:.0f}, visual {row['visual_tokens_per_s']:.0f})")
     if row.get("mfu") is not None:
         parts.append(f"MFU {100 * row['mfu']:.1f}%")

@@ -15,6 +15,9 @@ The step loop (`train.loop.Trainer`) knows an objective only through the `Object
 - `metrics(sums, label_tokens)`: the logged form of those sums for one step (the loop adds them to its rows);
 - `models`: frozen models the objective holds (a reference model), which the worker passes through
   `distributed.parallelize.parallelize(..., trainable=False)` like the trained one.
+- optional `prepare_window(engine, window, step)`: called first in each step with the window's collated
+  micro-batches (the loader's, before any token count), it returns the micro-batches the step trains on, as many
+  (GRPO: prompts in, packed rows of scored rollouts out).
 
 Supervised fine-tuning (`SFTObjective`) is the next-token cross-entropy over the labelled (assistant) tokens. A
 preference objective (DPO: the chosen and rejected segments of one packed row scored against a frozen reference

@@ -9,7 +9,7 @@ torchtitan's)::
     dataset, lengths = load_data(cfg, ctx, tm)        # the training shards and their token counts (train/data.py)
     engine = wrap_model(tm, cfg.train, ctx, steps)    # parallelize(): sequence split, checkpointing, compile, DDP /
                                                       # FSDP2 (rank 0's weights placed) / DeepSpeed; AdamW; schedule
-    objective = build_objective(tm, cfg.train, ctx, cfg)   # sft, dpo or grpo (train/objectives.py, train/grpo.py)
+    objective = build_objective(tm, cfg.train, ctx, cfg, run_dir)   # sft, dpo or grpo (train/objectives.py, train/grpo.py)
     autotune.tune(...)                                # auto batch size and activation checkpointing, probed on a GPU
     sampler = build_sampler(cfg, ctx, dataset, lengths)   # this data-parallel rank's packed or padded micro-batches
     trainer = build_trainer(...)                      # loader, metrics, checkpoints, validation -> loop.Trainer
@@ -73,9 +73,9 @@ def wrap_model(tm: TrainingModel, train, ctx: RunContext, total_steps: int) -> E
                                                        hidden_size=ds.hidden_size(m), stage=strategy.zero_stage))
 
 
-def build_objective(tm: TrainingModel, train, ctx: RunContext, cfg=None) -> Objective:
+def build_objective(tm: TrainingModel, train, ctx: RunContext, cfg=None, run_dir: Path | None = None) -> Objective:
     """The run's objective (`train.objective` of the resolved `train` section), its frozen models parallelized
-    (`cfg`, the project config, gives a reference model's source): sft (liger's fused loss where `prepare_model`
+    (`cfg`, the project config, gives a reference model's source; `run_dir`, grpo's rollouts.html): sft (liger's fused loss where `prepare_model`
     patched it; this rank's slice of the row under sequence parallelism); dpo against a frozen copy of the starting
     model, the LoRA base or precomputed log-probs (`train.reference`); grpo (`train.grpo.build_grpo_objective`)."""
     if train.objective != "sft" and cfg is None:
@@ -83,7 +83,7 @@ def build_objective(tm: TrainingModel, train, ctx: RunContext, cfg=None) -> Obje
     if train.objective == "grpo":
         from vlmctl.train.grpo import build_grpo_objective
 
-        objective = build_grpo_objective(tm, cfg, ctx)
+        objective = build_grpo_objective(tm, cfg, ctx, run_dir)
     elif train.objective == "dpo":
         frozen = train.dpo.reference == "frozen"
         objective = DPOObjective(settings=train.dpo, reference=reference.load_reference(cfg, train, ctx) if frozen else None)
@@ -155,7 +155,7 @@ def train_run(cfg, run_dir: Path, ctx: RunContext) -> str:
     resume_from = resolve_resume(run_dir, train.resume)
     tm = load_model_for_training(cfg, ctx, resuming=resume_from is not None)
     dataset, lengths = load_data(cfg, ctx, tm)
-    objective = build_objective(tm, train, ctx, cfg)
+    objective = build_objective(tm, train, ctx, cfg, run_dir)
     engine = None
     precomputed = isinstance(objective, DPOObjective) and train.dpo.reference == "precomputed"
     if precomputed:
