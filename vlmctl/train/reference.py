@@ -41,14 +41,12 @@ REFERENCE_LOGPS = "reference_logps.json"
 """The run folder's precomputed DPO reference log-probs (`train.dpo.reference: precomputed`)."""
 
 
-def reference_pass(cfg, ctx, tm, engine, objective, dataset, run_dir: Path, *, resuming: bool) -> None:
+def reference_pass(cfg, ctx, tm, engine, objective, dataset, collate, run_dir: Path, resume_from: Path | None) -> None:
     """`train.dpo.reference: precomputed`: score every training pair (and val pair when the run validates) with the
-    starting model once, before the first step (`precompute_reference`); a resumed run reads the file
-    its first start wrote (`read_reference`)."""
-    from vlmctl.train.data import build_collator
-
+    starting model once, before the first step (`precompute_reference`, pairs collated by `collate`, the run's
+    `PairCollator`); a run resumed from `resume_from` reads the file its first start wrote (`read_reference`)."""
     path = run_dir / REFERENCE_LOGPS
-    if resuming:
+    if resume_from is not None:
         read_reference(objective, path)
         return
     datasets = [dataset]
@@ -59,7 +57,7 @@ def reference_pass(cfg, ctx, tm, engine, objective, dataset, run_dir: Path, *, r
     if ctx.env.is_main:
         print(f"scoring {sum(len(d) for d in datasets)} pairs with the reference model (train.dpo.reference: precomputed)",
               file=sys.stderr)
-    precompute_reference(objective, engine, datasets, build_collator(cfg, ctx, tm), prepare=tm.prepare,
+    precompute_reference(objective, engine, datasets, collate, prepare=tm.prepare,
                          device=ctx.env.device, dp_rank=ctx.dims.dp_rank, dp_size=ctx.dims.dp_size,
                          dp_group=ctx.dims.dp_group, path=path)
 

@@ -167,7 +167,7 @@ def train_run(cfg, run_dir: Path, ctx: RunContext) -> str:
     total_steps = train.max_steps or max(1, math.ceil(train.num_epochs * sampler.batches_per_epoch / train.gradient_accumulation_steps))
     engine = wrap_model(tm, train, ctx, total_steps) if engine is None else reschedule(engine, train, total_steps)
     if precomputed:  # before resume_state: the weights have not trained yet
-        reference.reference_pass(cfg, ctx, tm, engine, objective, dataset, run_dir, resuming=resume_from is not None)
+        reference.reference_pass(cfg, ctx, tm, engine, objective, dataset, build_collator(cfg, ctx, tm), run_dir, resume_from)
     state = resume_state(resume_from, ctx, engine, train)
     sampler.set_position(state.consumed)
     loader = build_loader(dataset, sampler, build_collator(cfg, ctx, tm), num_workers=train.num_workers, seed=train.seed)
