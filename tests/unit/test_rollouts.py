@@ -105,3 +105,21 @@ def test_media_placeholders_are_never_sampled(loaded):
     finally:
         handle.remove()
     assert all(ids and image_token not in ids for ids in out.completion_ids)
+
+
+def test_a_model_trained_with_the_varlen_kernel_generates_its_padded_rollouts_with_sdpa(loaded):
+    from vlmctl.train import kernels
+
+    model, processor = loaded
+    requests = [request(TEXTS[0], (200, 30, 30)), request(TEXTS[2])]
+    expected = generate_rollouts(model, processor, requests, group_size=2, max_new_tokens=4, temperature=0.0).texts
+    kernels.register_varlen_attention()
+    text_config = model.config.get_text_config()
+    before = model.config._attn_implementation_internal, text_config._attn_implementation_internal
+    text_config._attn_implementation_internal = kernels.VARLEN_NAME  # as a packed GPU run sets it (batch size 1 only)
+    try:
+        got = generate_rollouts(model, processor, requests, group_size=2, max_new_tokens=4, temperature=0.0).texts
+        assert text_config._attn_implementation_internal == kernels.VARLEN_NAME  # given back for training
+    finally:
+        model.config._attn_implementation_internal, text_config._attn_implementation_internal = before
+    assert got == expected

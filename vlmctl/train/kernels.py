@@ -87,6 +87,30 @@ def set_attention(model, implementation: str, vision_varlen: bool = False, encod
         model.set_attn_implementation(implementation)
 
 
+@contextlib.contextmanager
+def padded_attention(model):
+    """While open, the language model of `model` (any wrapper: DDP, FSDP2, DeepSpeed, peft) attends with sdpa where
+    it was set to the varlen kernel (`VARLEN_NAME`), which takes packed rows of batch size 1 only: what generating
+    from left-padded rows (a GRPO step's rollouts) needs. Encoders keep theirs (they run one packed call per step).
+    transformers reads the attention implementation from the config at every forward, so the switch is a config
+    attribute, restored on exit."""
+    import torch
+
+    inner = model
+    while isinstance(getattr(inner, "module", None), torch.nn.Module):
+        inner = inner.module
+    config = inner.config
+    configs = {id(c): c for c in (config, config.get_text_config() if hasattr(config, "get_text_config") else config)}
+    switched = [c for c in configs.values() if getattr(c, "_attn_implementation_internal", None) == VARLEN_NAME]
+    for c in switched:
+        c._attn_implementation_internal = "sdpa"
+    try:
+        yield
+    finally:
+        for c in switched:
+            c._attn_implementation_internal = VARLEN_NAME
+
+
 def _has_varlen() -> bool:
     try:
         from torch.nn.attention.varlen import varlen_attn  # noqa: F401

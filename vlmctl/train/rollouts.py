@@ -122,6 +122,7 @@ def generate_rollouts(model, processor, requests: Sequence[Any], *, group_size: 
     import torch
 
     from vlmctl.inference.generation import _model_inputs, _sampling
+    from vlmctl.train.kernels import padded_attention
     from vlmctl.inference.prompt import check_requests, model_family, render_request
 
     if group_size < 1 or max_new_tokens < 1:
@@ -149,7 +150,7 @@ def generate_rollouts(model, processor, requests: Sequence[Any], *, group_size: 
     training = model.training
     model.eval()
     try:
-        with torch.no_grad(), _gathered(model):
+        with torch.no_grad(), _gathered(model), padded_attention(model):  # left-padded rows: not the varlen kernel
             out = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
                                  synced_gpus=_synced(group), **_sampling(temperature, top_p), **_no_placeholders(processor))
     finally:
