@@ -226,8 +226,8 @@ def test_packed_rows_give_the_per_sample_losses_and_gradients(tiny):
 
 def test_the_class_forward_returns_every_logit_and_the_packed_forward_is_it_otherwise(tiny):
     """Why the family prepares packed models: the class's forward takes no `logits_to_keep` (every position's
-    logits come back, so the packed loss cannot be computed). The prepared forward is the class's own without it,
-    refuses labels with it, and is installed once."""
+    logits come back: the LM head runs over the whole row, which the chunked loss head cuts to the labelled positions
+    afterwards). The prepared forward is the class's own without it, refuses labels with it, and is installed once."""
     import torch
 
     from vlmctl.data.collate import PackedCollator, model_inputs
@@ -240,9 +240,11 @@ def test_the_class_forward_returns_every_logit_and_the_packed_forward_is_it_othe
     keep = torch.tensor([3, 7])
     with torch.no_grad():
         assert base(**inputs, logits_to_keep=keep).logits.shape[1] == row["input_ids"].shape[1]
-        with pytest.raises(ValueError, match="batch_size"):
-            token_losses(base, {**inputs, "labels": row["labels"]})
+        # the chunked loss head takes the labelled positions itself from the whole row the class's forward hands it
+        unprepared, _ = token_losses(base, {**inputs, "labels": row["labels"]})
         model = _packed_model(base)
+        prepared, _ = token_losses(model, {**inputs, "labels": row["labels"]})
+        torch.testing.assert_close(unprepared, prepared)
         assert not keep_logits_forward(model)  # installed by the hook already
         full = model(**inputs).logits
         torch.testing.assert_close(full, base(**inputs).logits)

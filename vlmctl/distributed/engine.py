@@ -392,3 +392,43 @@ def _optimizers(optimizer):
 def _plain(state: dict[str, Any]) -> dict[str, Any]:
     # LambdaLR keeps `lr_lambdas: [None, ...]`; DCP stores the rest as plain values.
     return {k: v for k, v in state.items() if k != "lr_lambdas"}
+
+
+@contextlib.contextmanager
+def generation_parameters(model):
+    """While open, the sharded parameters `generate` on the trained `model` (the engine's root module) needs are
+    gathered as a training forward gathers them (a GRPO step's rollouts, `train.rollouts`).
+
+    FSDP2: the root's own parameters (those of no inner `fully_shard` unit: embeddings, the vision embeddings, the
+    projector...) stay gathered for the whole generation: `generate` runs the vision tower through
+    `get_image_features` before the root's forward (whose hook would gather them), and every decoding step reuses
+    them; the inner units gather theirs in their hooks. ZeRO-3: every module's hooks gather its own parameters, and
+    the parameters a module reads from another one (`nn.MultiheadAttention` reads its `out_proj.weight`) are
+    gathered on access while the modules are marked in a forward, as `DeepSpeedEngine.forward` marks them (its
+    automated discovery of external parameters). Nothing to do for other models."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        # the root's first forward sets up its units' communication state; generation may reach an inner unit first
+        model._get_fsdp_state()._lazy_init()
+        model.unshard()
+        try:
+            yield
+        finally:
+            model.reshard()
+        return
+    if not any(hasattr(p, "ds_id") for p in model.parameters()):  # not partitioned by ZeRO-3
+        yield
+        return
+    from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict, ensure_zero_ordered_dict
+
+    modules = list(model.modules())
+    for module in modules:
+        ensure_zero_ordered_dict(module)
+        module._parameters._in_forward = True
+    try:
+        yield
+    finally:
+        for module in modules:
+            if isinstance(module._parameters, ZeROOrderedDict):
+                module._parameters._in_forward = False

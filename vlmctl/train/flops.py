@@ -222,27 +222,7 @@ class CostModel:
         unknown = set(trainable_parts) - set(PART_ORDER)
         if unknown:
             raise ModelError(f"unknown model parts {sorted(unknown)}", hint=f"parts are {', '.join(PART_ORDER)}")
-        shapes: dict[type, tuple[str, Any]] = {}
-        media: dict[type, tuple[str, ...]] = {}
-        own: list[CountsItself] = []
-        own_media: list[tuple[str, ...]] = []
-        for name, encoder in family.encoders.items():
-            shape = encoder.shape(model)
-            if shape is None:
-                continue
-            if isinstance(shape, CountsItself):
-                own.append(shape)
-                own_media.append(tuple(encoder.modalities))
-                continue
-            if not isinstance(shape, (VisionShape, AudioShape)):
-                raise ModelError(f"family {family.name}: the cost rule of encoder {name} returned a {type(shape).__name__}",
-                                 hint="a cost rule returns a VisionShape, an AudioShape or a CountsItself "
-                                      "(vlmctl.families.encoders)")
-            media[type(shape)] = tuple(encoder.modalities)
-            if type(shape) in shapes:
-                raise ModelError(f"family {family.name} has two {type(shape).__name__} encoders ({shapes[type(shape)][0]}, {name}); "
-                                 "the cost model counts one of each", hint="count FLOPs without this family's cost model")
-            shapes[type(shape)] = (name, shape)
+        shapes, media, own, own_media = _encoder_shapes(model, family)
         vision = shapes.get(VisionShape, (None, None))[1]
         audio_name, audio = shapes.get(AudioShape, (None, None))
         counts = _param_counts(model, family, audio_encoder=audio_name, owned=tuple(p for o in own for p in o.paths))
@@ -517,6 +497,35 @@ def _images(batch: dict[str, Any], patch_size: int | None) -> list[ImageShape]:
     else:
         n = int(pv.shape[0])
     return [ImageShape(h * w, (1, h, w)) for _ in range(n)]
+
+
+
+def _encoder_shapes(model, family):
+    """Each encoder of `family` on `model` by its cost rule: (shapes {VisionShape|AudioShape: (name, shape)}, media
+    {shape type: modalities}, the `CountsItself` rules, their modalities). Raises ModelError for a rule's result of
+    another type and for two encoders of one shape type (`CostModel.from_model`)."""
+    shapes: dict[type, tuple[str, Any]] = {}
+    media: dict[type, tuple[str, ...]] = {}
+    own: list[CountsItself] = []
+    own_media: list[tuple[str, ...]] = []
+    for name, encoder in family.encoders.items():
+        shape = encoder.shape(model)
+        if shape is None:
+            continue
+        if isinstance(shape, CountsItself):
+            own.append(shape)
+            own_media.append(tuple(encoder.modalities))
+            continue
+        if not isinstance(shape, (VisionShape, AudioShape)):
+            raise ModelError(f"family {family.name}: the cost rule of encoder {name} returned a {type(shape).__name__}",
+                             hint="a cost rule returns a VisionShape, an AudioShape or a CountsItself "
+                                  "(vlmctl.families.encoders)")
+        media[type(shape)] = tuple(encoder.modalities)
+        if type(shape) in shapes:
+            raise ModelError(f"family {family.name} has two {type(shape).__name__} encoders ({shapes[type(shape)][0]}, {name}); "
+                             "the cost model counts one of each", hint="count FLOPs without this family's cost model")
+        shapes[type(shape)] = (name, shape)
+    return shapes, media, own, own_media
 
 
 def _param_counts(model, family, audio_encoder: str | None = None, owned: tuple[str, ...] = ()) -> dict[str, int]:

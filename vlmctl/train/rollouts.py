@@ -14,7 +14,6 @@ must run the same number of decoding steps: with a process group of more than on
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -53,43 +52,21 @@ def _synced(group) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-@contextmanager
-def _gathered(model):
-    """The sharded parameters `generate` needs, gathered as a training forward gathers them.
-
-    FSDP2: the root's own parameters (those of no inner `fully_shard` unit: embeddings, the vision embeddings, the
-    projector...) stay gathered for the whole generation: `generate` runs the vision tower through
-    `get_image_features` before the root's forward (whose hook would gather them), and every decoding step reuses
-    them; the inner units gather theirs in their hooks. ZeRO-3: every module's hooks gather its own parameters, and
-    the parameters a module reads from another one (`nn.MultiheadAttention` reads its `out_proj.weight`) are
-    gathered on access while the modules are marked in a forward, as `DeepSpeedEngine.forward` marks them (its
-    automated discovery of external parameters). Nothing to do for other models."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if isinstance(model, FSDPModule):
-        # the root's first forward sets up its units' communication state; generation may reach an inner unit first
-        model._get_fsdp_state()._lazy_init()
-        model.unshard()
-        try:
-            yield
-        finally:
-            model.reshard()
-        return
-    if not any(hasattr(p, "ds_id") for p in model.parameters()):  # not partitioned by ZeRO-3
-        yield
-        return
-    from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict, ensure_zero_ordered_dict
-
-    modules = list(model.modules())
-    for module in modules:
-        ensure_zero_ordered_dict(module)
-        module._parameters._in_forward = True
-    try:
-        yield
-    finally:
-        for module in modules:
-            if isinstance(module._parameters, ZeROOrderedDict):
-                module._parameters._in_forward = False
+def _split_rows(inputs, out, tok, eos: set, requests: int, group_size: int, start: float) -> Rollouts:
+    """The kept rows (the first `requests` x `group_size`) of `generate`'s output `out` [rows, prompt width + new
+    tokens] as a `Rollouts`: each prompt without its left padding, each completion up to and including its first
+    end-of-sequence token (one of `eos`), and their decoded text; `start`: when generation began (perf_counter)."""
+    width, kept = inputs["input_ids"].shape[1], requests * group_size
+    mask = inputs["attention_mask"][:kept].bool().cpu()
+    prompt_ids = [row[m].tolist() for row, m in zip(inputs["input_ids"][:kept].cpu(), mask)]
+    completion_ids, finished = [], []
+    for row in out[:kept, width:].cpu().tolist():
+        end = next((i for i, t in enumerate(row) if t in eos), None)
+        completion_ids.append(row if end is None else row[: end + 1])
+        finished.append(end is not None)
+    texts = [t.strip() for t in tok.batch_decode(completion_ids, skip_special_tokens=True)]
+    return Rollouts(prompt_index=[i for i in range(requests) for _ in range(group_size)], prompt_ids=prompt_ids,
+                    completion_ids=completion_ids, finished=finished, texts=texts, seconds=time.perf_counter() - start)
 
 
 def _no_placeholders(processor) -> dict[str, Any]:
@@ -121,9 +98,10 @@ def generate_rollouts(model, processor, requests: Sequence[Any], *, group_size: 
     whenever another rank's does."""
     import torch
 
+    from vlmctl.distributed.engine import generation_parameters
     from vlmctl.inference.generation import _model_inputs, _sampling
-    from vlmctl.train.kernels import padded_attention
     from vlmctl.inference.prompt import check_requests, model_family, render_request
+    from vlmctl.train.kernels import padded_attention
 
     if group_size < 1 or max_new_tokens < 1:
         raise UsageError(f"group_size ({group_size}) and max_new_tokens ({max_new_tokens}) must be at least 1",
@@ -150,19 +128,9 @@ def generate_rollouts(model, processor, requests: Sequence[Any], *, group_size: 
     training = model.training
     model.eval()
     try:
-        with torch.no_grad(), _gathered(model), padded_attention(model):  # left-padded rows: not the varlen kernel
+        with torch.no_grad(), generation_parameters(model), padded_attention(model):  # left-padded rows: not the varlen kernel
             out = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
                                  synced_gpus=_synced(group), **_sampling(temperature, top_p), **_no_placeholders(processor))
     finally:
         model.train(training)
-    width, kept = inputs["input_ids"].shape[1], len(requests) * group_size
-    mask = inputs["attention_mask"][:kept].bool().cpu()
-    prompt_ids = [row[m].tolist() for row, m in zip(inputs["input_ids"][:kept].cpu(), mask)]
-    completion_ids, finished = [], []
-    for row in out[:kept, width:].cpu().tolist():
-        end = next((i for i, t in enumerate(row) if t in eos), None)
-        completion_ids.append(row if end is None else row[: end + 1])
-        finished.append(end is not None)
-    texts = [t.strip() for t in tok.batch_decode(completion_ids, skip_special_tokens=True)]
-    return Rollouts(prompt_index=[i for i in range(len(requests)) for _ in range(group_size)], prompt_ids=prompt_ids,
-                    completion_ids=completion_ids, finished=finished, texts=texts, seconds=time.perf_counter() - start)
+    return _split_rows(inputs, out, tok, eos, len(requests), group_size, start)
