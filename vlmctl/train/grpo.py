@@ -553,12 +553,12 @@ class GRPOObjective:
         s = self.settings
         G = s.group_size
         sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        device = next(engine.module.parameters()).device
         generated = []
         for j, batch in enumerate(window):
             prompts = batch["prompts"]
             requests = [_request(p) for p in prompts]
             extra = self._blank_requests(requests) if sharded else []
-            device = next(engine.module.parameters()).device
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 torch.manual_seed(_seed(self.seed, step, self.dp_rank, j))
                 rollouts = engine.forward(_Generate(self, requests, extra), None)
@@ -594,7 +594,7 @@ class GRPOObjective:
             if j == 0 and self.run_dir is not None:
                 self._sample(step, batch["prompts"][0], references[j], rollouts, total, advantages, G)
         seconds = time.perf_counter() - start
-        self._stats = stats.reduce(seconds, self.reward_names, self.dp_group)
+        self._stats = stats.reduce(seconds, self.reward_names, self.dp_group, device)
         if self.run_dir is not None and self._samples:
             write_rollouts_html(self.run_dir / "rollouts.html", self._samples)
         self._train_start = time.perf_counter()
@@ -726,10 +726,12 @@ class _Stats:
         for i, r in enumerate(per_reward):
             v[7 + i] += float(r.sum())
 
-    def reduce(self, seconds: float, names: list[str], group) -> dict[str, float]:
+    def reduce(self, seconds: float, names: list[str], group, device=None) -> dict[str, float]:
+        """The window's sums over the data-parallel `group` (one all-reduce, on `device`: NCCL takes CUDA tensors
+        only) as the step's metrics."""
         import torch.distributed as dist
 
-        values = torch.tensor([*self.values, seconds, 1.0], dtype=torch.float64)
+        values = torch.tensor([*self.values, seconds, 1.0], dtype=torch.float64, device=device)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(values, group=group)
         v = values.tolist()

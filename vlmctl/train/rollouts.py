@@ -128,7 +128,9 @@ def generate_rollouts(model, processor, requests: Sequence[Any], *, group_size: 
     training = model.training
     model.eval()
     try:
-        with torch.no_grad(), generation_parameters(model), padded_attention(model):  # left-padded rows: not the varlen kernel
+        # left-padded rows: not the varlen kernel; compiled layers run eagerly (each decoding step's shapes would
+        # recompile them past dynamo's limit)
+        with torch.no_grad(), generation_parameters(model), padded_attention(model), torch.compiler.set_stance("force_eager"):
             out = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
                                  synced_gpus=_synced(group), **_sampling(temperature, top_p), **_no_placeholders(processor))
     finally:

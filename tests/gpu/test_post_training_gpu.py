@@ -1,7 +1,9 @@
-"""`vlmctl train` with `train.objective: dpo` on one GPU with the defaults a GPU run gets (bf16, varlen attention,
-liger-kernel's patched forwards, compiled layers, FSDP2): liger's forward hands the LM head every position when it
-gets no labels, which the answers' log-probs must survive (`kernels.chunked_loss_head`), and the frozen reference
-is compiled and sharded like the policy.
+"""`vlmctl train` with `train.objective: dpo` and `grpo` on one GPU with the defaults a GPU run gets (bf16, varlen
+attention, liger-kernel's patched forwards, compiled layers, FSDP2 over an NCCL process group). DPO: liger's forward
+hands the LM head every position when it gets no labels, which the answers' log-probs must survive
+(`kernels.chunked_loss_head`), and the frozen reference is compiled and sharded like the policy. GRPO: the rollouts
+are generated from left-padded rows (sdpa, not the varlen kernel; compiled layers run eagerly) and the step's
+statistics are all-reduced on the GPU.
 
 At the first step the policy is the reference: margins 0 and the sigmoid loss log 2 (in bf16 both sides run the
 same kernels on the same weights, so the tolerance is rounding: 1e-2)."""
@@ -48,8 +50,8 @@ train:
     return root
 
 
-def _train(project: Path, *overrides: str) -> list[dict]:
-    name = overrides[0].split("=")[-1]
+def _train(project: Path, *overrides: str, name: str | None = None) -> list[dict]:
+    name = name or overrides[0].split("=")[-1]
     proc = subprocess.run([sys.executable, "-m", "vlmctl", "-c", str(project / "vlmctl.yaml"), "train", "--launcher", "none",
                            f"train.run_name={name}", *overrides], cwd=project, capture_output=True, text=True,
                           timeout=TIMEOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -67,3 +69,13 @@ def test_dpo_trains_on_the_gpu_defaults(project, reference):
     assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-2)
     assert rows[0]["rewards/margins"] == pytest.approx(0.0, abs=2e-2)
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.05 and rows[-1]["rewards/margins"] > 0
+
+
+def test_grpo_generates_and_trains_on_the_gpu_defaults(project, built):
+    rows = _train(project, "train.objective=grpo", f"data.prepared_dir={built / 'data' / 'prepared'}",
+                  "train.micro_batch_size=2", "train.grpo.group_size=4", "train.grpo.max_new_tokens=8", "train.max_steps=3",
+                  name="grpo")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["rollouts"] == 8 and r["rollouts_per_s"] > 0 and r["time/rollout_s"] > 0 and r["time/train_s"] > 0
+        assert math.isfinite(r["loss"]) and 0 <= r["reward"] <= 1
