@@ -414,3 +414,21 @@ def test_post_demo_refuses_what_it_cannot_run_before_writing(tmp_path, capsys):
     code, _, err = run(["demo", str(tmp_path / "d"), "--sft-steps", "5"], capsys)
     assert code == 2 and "--sft-steps" in err
     assert not (tmp_path / "d").exists()
+
+
+def test_grpo_demo_reduced_trains_with_the_exact_match_reward(tmp_path, capsys):
+    import vlmctl.train.grpo as grpo
+
+    if not hasattr(grpo, "build_grpo_objective"):
+        pytest.skip("the grpo objective has no training loop in this build")
+    folder = tmp_path / "grpo"
+    args = ["demo", str(folder), "--objective", "grpo", "--num-samples", "80", "--sft-steps", "2", "train.max_steps=2",
+            "train.save_steps=2", "train.logging_steps=1", "train.micro_batch_size=2", "train.grpo.group_size=2"]
+    code, out, err = run(args, capsys)
+    assert code == 0, err + out
+    summary = json.loads((folder / "outputs" / "demo_post_summary.json").read_text())
+    assert list(summary["stage_seconds"]) == ["train", "eval"] and summary["steps"] == 2 and summary["pairs"] == 0
+    rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert all("rewards/exact_match/mean" in r for r in rows)
+    assert summary["gain"] == pytest.approx(summary["overall"] - summary["before"]["overall"])
+    assert "after GRPO" in out and "SFT start" in out

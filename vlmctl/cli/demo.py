@@ -37,7 +37,7 @@ def demo(
                                            "exact-match reward, measured before and after (image only); train.* "
                                            "overrides then set the post-training stage.")] = "sft",
     sft_steps: Annotated[Optional[int], typer.Option("--sft-steps", help="With --objective dpo or grpo: steps of the "
-                                                     "fine-tuning that the post-training starts from (default 100).")] = None,
+                                                     "fine-tuning that the post-training starts from (default 150).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Run the whole pipeline on a generated question-answering set (CPU, no downloads) and show that the model learns."""
