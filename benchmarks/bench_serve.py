@@ -95,6 +95,7 @@ def main() -> None:
         rows: dict[int, list[dict]] = {}
         for _ in range(args.rounds):
             for concurrency in (int(c) for c in args.concurrency.split(",")):
+                batches = health(url)["batches"]
                 t0 = time.perf_counter()
                 with ThreadPoolExecutor(concurrency) as pool:
                     results = list(pool.map(one, range(args.requests)))
@@ -104,7 +105,10 @@ def main() -> None:
                        "requests_per_s": round(args.requests / seconds, 2), "output_tokens": tokens,
                        "output_tokens_per_s": round(tokens / seconds, 1),
                        "mean_latency_s": round(sum(r[1] for r in results) / len(results), 3), "device": args.device,
-                       "max_batch_size": args.max_batch_size}
+                       "max_batch_size": args.max_batch_size,
+                       # the engine's `generate` calls over the round: requests per call is the batching achieved
+                       "generate_calls": health(url)["batches"] - batches}
+                row["requests_per_call"] = round(args.requests / max(row["generate_calls"], 1), 2)
                 rows.setdefault(concurrency, []).append(row)
                 print("RESULT " + json.dumps(row), flush=True)
         if args.rounds > 1:
@@ -120,6 +124,12 @@ def main() -> None:
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=120)
+
+
+def health(url: str) -> dict:
+    """The server's `GET /health` ({status, queued, running, batches: `generate` calls so far})."""
+    with urllib.request.urlopen(f"{url}/health", timeout=10) as response:
+        return json.loads(response.read())
 
 
 if __name__ == "__main__":

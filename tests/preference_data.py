@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+from collections import defaultdict
 from pathlib import Path
 
 from PIL import Image
@@ -55,3 +56,36 @@ SWIFT = [
      "rejected_messages": [{"role": "user", "content": "<image>Color?"}, {"role": "assistant", "content": "Pink."}],
      "rejected_images": ["images/0.png"]},
 ]
+
+
+def write_pair_shards(folder: Path, n: int) -> None:
+    """`n` shapes-VQA samples as preference shards (`folder/prepared/train`): chosen = the generated answer, rejected
+    = the next different answer of the same question type in generation order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from vlmctl.data.sample import Sample, arrow_schema
+    from vlmctl.data.synthetic import generate_shapes_vqa
+
+    records = json.loads(generate_shapes_vqa(folder / "raw", num_samples=n, image_size=64).read_text())
+    by_type: dict[str, list[str]] = defaultdict(list)
+    for rec in records:
+        answer = rec["conversations"][1]["value"]
+        if answer not in by_type[rec["id"].split("-")[0]]:
+            by_type[rec["id"].split("-")[0]].append(answer)
+    samples = []
+    for rec in records:
+        answer = rec["conversations"][1]["value"]
+        options = by_type[rec["id"].split("-")[0]]
+        wrong = options[(options.index(answer) + 1) % len(options)]
+        if wrong == answer:
+            continue
+        text = lambda t: {"role": "assistant", "content": [{"type": "text", "text": t}]}  # noqa: E731
+        user = {"role": "user", "content": [{"type": "image", "index": 0},
+                                            {"type": "text", "text": rec["conversations"][0]["value"].replace("<image>\n", "")}]}
+        samples.append(Sample(id=rec["id"], messages=[user, text(answer)], images=[(folder / "raw" / rec["image"]).read_bytes()],
+                              source="pairs", rejected=text(wrong)))
+    out = folder / "prepared" / "train"
+    out.mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist([s.to_row() for s in samples], schema=arrow_schema(preference=True)),
+                   out / "shard-00000.parquet")

@@ -66,6 +66,12 @@ from typing import Any, Sequence
 from vlmctl.config.plan import DeviceFacts, build_plan, check_plan, pending, row_tokens, sized
 from vlmctl.train import autotune
 
+# numpy and torch are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must not
+# pay for them.
+# So are the vlmctl modules that load numpy when imported.
+# tempfile (standard library, not loaded at the CLI's start-up) is imported inside the functions that use it.
+# Light vlmctl modules and modules the CLI's start-up loads anyway are imported next to their use as well.
+
 DEFAULT_PEAK = 989e12  # H100/H200 SXM dense bf16: the reference for devices without a data-sheet figure (CPUs)
 WORKLOADS = ("auto", "chat", "baseline")
 VIDEO_FPS = 2.0  # frames per second of the synthetic clips: Qwen-VL's sampling rate, 1 s per temporal patch of 2

@@ -31,6 +31,12 @@ from vlmctl.errors import ModelError
 if TYPE_CHECKING:
     import torch
 
+# numpy and torch are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must not
+# pay for them.
+# argparse and queue (standard library, not loaded at the CLI's start-up) are imported inside the functions that use
+# them.
+# Modules the CLI's start-up loads anyway are imported next to their use as well.
+
 STATE_FILE = "trainer_state.json"
 METADATA_FILE = ".metadata"
 EARLIER = "use an earlier checkpoint of the run (<run>/checkpoints/checkpoint-<step>)"

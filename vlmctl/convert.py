@@ -40,6 +40,12 @@ from vlmctl.outputs import check_inputs_outside, check_replaceable, install, loc
 if TYPE_CHECKING:
     import torch
 
+# numpy, peft, PIL, torch, transformers and yaml are imported inside the functions that use them: importing vlmctl
+# (the CLI's start-up) must not pay for them.
+# So are the vlmctl modules that load numpy when imported.
+# deepspeed (an optional dependency) is imported only where used, so the rest works without it.
+# Light vlmctl modules and modules the CLI's start-up loads anyway are imported next to their use as well.
+
 SourceKind = Literal["hf", "lora", "dcp", "deepspeed"]
 DTYPE_NAMES = ("bf16", "fp16", "fp32")
 # Max |logit difference| allowed by `verify`, relative to max(1, max |reference logit|), by the coarser of the two

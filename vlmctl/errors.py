@@ -7,6 +7,8 @@ which run without the CLI.
 
 from __future__ import annotations
 
+# rich is imported inside the functions that print: using vlmctl as a library does not load it.
+
 
 class VlmctlError(Exception):
     """A failure the user can act on. `hint` says how to fix it; `exit_code` is what the CLI returns."""

@@ -36,6 +36,11 @@ if TYPE_CHECKING:
 
     from vlmctl.config.hub import HubSection
 
+# huggingface_hub and yaml are imported inside the functions that use them: importing vlmctl (the CLI's start-up)
+# must not pay for them.
+# So are the vlmctl modules that load numpy when imported.
+# Light vlmctl modules are imported next to their use as well.
+
 CARD_NAME = "README.md"
 EXPORT_INFO = "vlmctl_export.json"  # written by `vlmctl convert`: where the folder came from
 MODEL_INFO = "vlmctl_model.json"  # written by `vlmctl model build`: how the model was composed

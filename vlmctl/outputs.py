@@ -26,6 +26,9 @@ from pathlib import Path
 
 from vlmctl.errors import UsageError
 
+# Light vlmctl modules are imported inside functions, next to their use: at module level they would cost nothing
+# more.
+
 MARKER = ".vlmctl-output.json"
 
 KINDS = {

@@ -7,6 +7,8 @@ import os
 import signal
 import sys
 
+# ctypes (standard library, not loaded at the CLI's start-up) is imported inside the functions that use it.
+
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 

@@ -12,6 +12,9 @@ from vlmctl.errors import UsageError
 from vlmctl.outputs import check_replaceable, install
 from vlmctl.files import honour_umask
 
+# Light vlmctl modules are imported inside functions, next to their use: at module level they would cost nothing
+# more.
+
 NEXT_COMMANDS = {
     "tiny": ["vlmctl data prepare", "vlmctl model build", "vlmctl train", "vlmctl eval"],
     "llava": [

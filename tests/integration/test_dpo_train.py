@@ -15,47 +15,15 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
+from preference_data import write_pair_shards
+
 RUN_TIMEOUT = 240
 TOKENIZER_TEXTS = ["What color is the triangle? How many circles are there? Is the square left of the circle? "
                    "What shape is the red object? Answer with one word. red green blue yellow purple yes no 0 1 2 3"] * 20
-
-
-def write_pair_shards(folder: Path, n: int) -> None:
-    """`n` shapes-VQA samples as preference shards (`folder/prepared/train`): chosen = the generated answer, rejected
-    = the next different answer of the same question type in generation order."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from vlmctl.data.sample import Sample, arrow_schema
-    from vlmctl.data.synthetic import generate_shapes_vqa
-
-    records = json.loads(generate_shapes_vqa(folder / "raw", num_samples=n, image_size=64).read_text())
-    by_type: dict[str, list[str]] = defaultdict(list)
-    for rec in records:
-        answer = rec["conversations"][1]["value"]
-        if answer not in by_type[rec["id"].split("-")[0]]:
-            by_type[rec["id"].split("-")[0]].append(answer)
-    samples = []
-    for rec in records:
-        answer = rec["conversations"][1]["value"]
-        options = by_type[rec["id"].split("-")[0]]
-        wrong = options[(options.index(answer) + 1) % len(options)]
-        if wrong == answer:
-            continue
-        text = lambda t: {"role": "assistant", "content": [{"type": "text", "text": t}]}  # noqa: E731
-        user = {"role": "user", "content": [{"type": "image", "index": 0},
-                                            {"type": "text", "text": rec["conversations"][0]["value"].replace("<image>\n", "")}]}
-        samples.append(Sample(id=rec["id"], messages=[user, text(answer)], images=[(folder / "raw" / rec["image"]).read_bytes()],
-                              source="pairs", rejected=text(wrong)))
-    out = folder / "prepared" / "train"
-    out.mkdir(parents=True)
-    pq.write_table(pa.Table.from_pylist([s.to_row() for s in samples], schema=arrow_schema(preference=True)),
-                   out / "shard-00000.parquet")
 
 
 @pytest.fixture(scope="module")
@@ -128,10 +96,18 @@ def _check_learns(run: Path) -> list[dict]:
 def test_one_process_frozen_and_precomputed_references_agree(project):
     _run(project, "--launcher", "none", "train.run_name=frozen")
     frozen = _check_learns(project / "runs" / "frozen")
-    _run(project, "--launcher", "none", "train.run_name=pre", "train.dpo.reference=precomputed")
+    # the val split: the training pairs again, so the val loss at a step reads the pairs the step trained on
+    val = project / "data" / "prepared" / "val"
+    shutil.copytree(project / "data" / "prepared" / "train", val, dirs_exist_ok=True)
+    try:
+        _run(project, "--launcher", "none", "train.run_name=pre", "train.dpo.reference=precomputed", "train.eval_steps=3")
+    finally:
+        shutil.rmtree(val)
     pre = _check_learns(project / "runs" / "pre")
     stored = json.loads((project / "runs" / "pre" / "reference_logps.json").read_text())
     assert len(stored) >= 8 and all(c < 0 and r < 0 for c, r in stored.values())
+    val_losses = [r["val_loss"] for r in pre if "val_loss" in r]
+    assert len(val_losses) == 2 and val_losses[1] < val_losses[0] < math.log(2)
     for a, b in zip(frozen, pre):  # one pair per forward vs packed rows: the same sums up to rounding
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-4)
         assert a["rewards/margins"] == pytest.approx(b["rewards/margins"], abs=1e-4)
@@ -172,3 +148,15 @@ def test_zero3_two_ranks_frozen_reference_trains_and_resumes(project):
     shutil.rmtree(run / "final")
     _run(project, *args, "--resume")
     assert [r["loss"] for r in rows(run)] == [r["loss"] for r in before]
+
+
+def test_dpo_on_conversation_shards_stops_before_loading_the_model(tmp_path, capsys):
+    from cli_runner import run_cli
+    from shapes_shards import write_shapes_shards
+
+    write_shapes_shards(tmp_path / "data", 4)
+    (tmp_path / "vlmctl.yaml").write_text("project: {name: c}\ndata: {prepared_dir: data/prepared}\n"
+                                          "model: {preset: tiny, init: random, output_dir: model}\n"
+                                          "train: {objective: dpo, strategy: ddp, nproc_per_node: 1, output_dir: runs}\n")
+    code, _, err = run_cli(["-c", str(tmp_path / "vlmctl.yaml"), "train", "--launcher", "none"], capsys)
+    assert code != 0 and "train.objective dpo trains on preference pairs" in err and "data.kind=preference" in err

@@ -5,12 +5,17 @@
 - no import cycle between vlmctl modules, counting imports inside functions too;
 - layers: families/ imports no other layer (data, models, train, distributed), data/ imports none of models,
   train, distributed (inside functions too);
+- an import inside a function says why it is deferred (start-up time, an optional dependency): a top-level comment
+  of its module saying what is "imported" inside functions, or a comment on the import's line or above it;
 - the worker reads as named steps: train/worker.py stays short.
 """
 
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -30,7 +35,8 @@ def _modules() -> dict[str, Path]:
 
 
 MODULES = _modules()
-TREES = {name: ast.parse(path.read_text(), filename=str(path)) for name, path in MODULES.items()}
+SOURCES = {name: path.read_text() for name, path in MODULES.items()}
+TREES = {name: ast.parse(source, filename=str(MODULES[name])) for name, source in SOURCES.items()}
 
 
 def _family_names() -> set[str]:
@@ -193,3 +199,78 @@ def test_the_cycle_finder_finds_a_cycle():
 @pytest.mark.parametrize("limit", [250])
 def test_the_worker_reads_as_named_steps(limit):
     assert len((PACKAGE / "train" / "worker.py").read_text().splitlines()) <= limit
+
+
+MODULE_NOTE = re.compile(r"#.*\bimported\b")
+"""A module-level comment (column 0) explaining the module's imports inside functions."""
+NOT_A_REASON = re.compile(r"#\s*(noqa|type:|pragma|isort|fmt)\b")
+
+
+def deferred_imports(tree: ast.AST) -> list[ast.stmt]:
+    """The import statements inside function bodies (nested functions and methods included)."""
+    found: list[ast.stmt] = []
+
+    def visit(node: ast.AST, inside: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if inside and isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.append(child)
+            visit(child, inside or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(tree, False)
+    return found
+
+
+def unexplained_imports(source: str) -> list[int]:
+    """Lines of imports inside functions that no comment explains: none when a top-level comment (column 0) says
+    what is "imported" inside functions, else those without a comment of their own (on their line, or on the line
+    above them or above the block of imports they open; `noqa` and the like are no reason)."""
+    tree = ast.parse(source)
+    imports = deferred_imports(tree)
+    if not imports:
+        return []
+    comments: dict[int, tuple[int, str]] = {}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = (tok.start[1], tok.string)
+    if any(col == 0 and MODULE_NOTE.match(text) for col, text in comments.values()):
+        return []
+    lines = source.splitlines()
+
+    def reason(line: int) -> bool:
+        return line in comments and not NOT_A_REASON.match(comments[line][1])
+
+    bad = []
+    for node in imports:
+        if any(reason(n) for n in range(node.lineno, node.end_lineno + 1)):
+            continue
+        above = node.lineno - 1
+        while above >= 1 and lines[above - 1].strip().startswith(("import ", "from ")):
+            above -= 1  # an import block: the comment above its first import explains it
+        if not reason(above):
+            bad.append(node.lineno)
+    return bad
+
+
+def test_every_import_inside_a_function_says_why():
+    found = {str(MODULES[name].relative_to(PACKAGE.parent)): lines for name, source in SOURCES.items()
+             if (lines := unexplained_imports(source))}
+    assert found == {}, ("imports inside functions without a comment saying why (a top-level comment of the module "
+                         f"naming what is imported inside functions and why, or one on the import): {found}")
+
+
+def test_the_import_check_catches_an_unexplained_import():
+    assert unexplained_imports("def f():\n    import torch\n") == [2]
+    assert unexplained_imports("def f():\n    import torch  # noqa: F401\n") == [2]
+    assert unexplained_imports("def f():\n    import deepspeed  # optional dependency\n") == []
+    assert unexplained_imports("def f():\n    # optional dependencies\n    import deepspeed\n    import soxr\n") == []
+    assert unexplained_imports("# torch is imported inside functions: start-up time\n\ndef f():\n    import torch\n") == []
+    assert unexplained_imports("def f():\n    # torch is imported here: start-up time\n    x = 1\n    import torch\n") == [4]
+    assert unexplained_imports("import torch\n") == []
+
+
+def test_every_family_module_is_on_the_registration_list():
+    # a family registers when vlmctl/families/__init__.py imports its module (the one list of built-in families, in
+    # the order of FAMILIES); a module that calls register() but is not on the list would silently not exist
+    registering = {name for name, tree in TREES.items() if name.startswith("vlmctl.families.")
+                   and any(isinstance(n, ast.Call) and getattr(n.func, "id", None) == "register" for n in ast.walk(tree))}
+    assert registering and registering <= imports_of("vlmctl.families", TREES["vlmctl.families"])

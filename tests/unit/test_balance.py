@@ -208,3 +208,52 @@ def test_count_estimates_count_video_and_audio_clips_as_encoded_media(tmp_path):
     counts = dataset.count_estimates(dataset.lengths)
     assert counts["images"].tolist() == [0 if i % 4 == 0 else 1 for i in range(120)]
     assert np.abs(counts["visual_tokens"] - np.asarray(visual)).max() <= 2
+
+
+def test_count_estimates_split_the_media_tokens_by_modality_for_encoders_that_count_themselves(tmp_path):
+    # an image + audio family whose encoders count themselves (Phi-4-multimodal): each encoder is charged the tokens
+    # and items of its own modality, exactly where prepare recorded them (`media_tokens`), else split evenly
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from vlmctl.config.model import ModelSection
+    from vlmctl.data.loader import ShardDataset
+    from vlmctl.data.sample import Sample, arrow_schema
+    from vlmctl.families import get_family
+    from vlmctl.models.build import instantiate, plan_build
+    from vlmctl.train.data import sample_costs
+    from vlmctl.train.flops import CostModel
+
+    kinds = [("text", 0, 0), ("image", 721, 0), ("audio", 0, 25), ("both", 721, 13), ("both", 289, 25)]
+    rows = []
+    for i, (kind, image, audio) in enumerate(kinds * 4):
+        user = ([{"type": "image", "index": 0}] if image else []) + ([{"type": "audio", "index": 0}] if audio else [])
+        messages = [{"role": "user", "content": user + [{"type": "text", "text": "q" * 40}]},
+                    {"role": "assistant", "content": [{"type": "text", "text": "a" * 40}]}]
+        sample = Sample(id=str(i), messages=messages, images=[b"x"] * bool(image), audios=[b"y"] * bool(audio),
+                        num_tokens=30 + image + audio)
+        if i < len(kinds) * 3:  # the last ones were prepared without a processor
+            sample.media_tokens = {"image": [image] if image else [], **({"audio": [audio]} if audio else {})}
+        rows.append(sample.to_row())
+    (tmp_path / "train").mkdir()
+    pq.write_table(pa.Table.from_pylist(rows, schema=arrow_schema(("image", "audio"))), tmp_path / "train" / "shard-00000.parquet")
+    dataset = ShardDataset.from_dir(tmp_path / "train")
+    media = dataset.count_estimates(dataset.lengths)["media"]
+    recorded = slice(0, len(kinds) * 3)
+    assert media["image"]["tokens"][recorded].tolist() == [k[1] for k in kinds] * 3
+    assert media["audio"]["tokens"][recorded].tolist() == [k[2] for k in kinds] * 3
+    assert media["image"]["items"].tolist() == [int(k[1] > 0) for k in kinds] * 4
+    assert media["audio"]["items"].tolist() == [int(k[2] > 0) for k in kinds] * 4
+    guessed = media["image"]["tokens"][-2:] + media["audio"]["tokens"][-2:]  # "both" samples: halves of their media tokens
+    assert np.abs(media["image"]["tokens"][-2:] - media["audio"]["tokens"][-2:]).max() <= 1 and (guessed > 0).all()
+
+    spec = get_family("phi4_multimodal")
+    model = instantiate(plan_build(ModelSection(preset=spec.tiny_preset, init="random")), device="meta")
+    cost_model = CostModel.from_model(model, spec, {"vision", "projector", "llm"})
+    costs = sample_costs(cost_model, dataset, dataset.lengths)
+    text_only = cost_model.sample_costs(dataset.lengths, np.zeros(len(rows)), np.zeros(len(rows)), np.zeros(len(rows)))
+    # the encoders are charged: more than the language model's share alone (labelled tokens aside, which are fewer)
+    media_samples = np.asarray([k[0] != "text" for k in kinds] * 4)
+    assert (costs[media_samples] > text_only[media_samples]).all()
+    # a 721-token image costs more than a 25-token clip, and a sample holding both more than the image alone
+    assert costs[1] > costs[2] and costs[3] > costs[1]

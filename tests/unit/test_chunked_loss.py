@@ -83,6 +83,21 @@ def test_token_losses_compute_logits_one_chunk_at_a_time_and_equal_full_logits(m
     assert "forward" not in model.lm_head.__dict__  # the head is itself again
 
 
+def test_a_forward_that_ignores_logits_to_keep_gets_the_labelled_positions(monkeypatch):
+    # liger-kernel's patched forwards hand the head every position when no labels are given
+    model = tiny_lm()
+    ids, labels = row()
+    ref_losses, ref_grads = reference(model, ids, labels)
+    plain = type(model).forward
+    monkeypatch.setattr(type(model), "forward", lambda self, *a, logits_to_keep=0, **kw: plain(self, *a, logits_to_keep=0, **kw))
+    monkeypatch.setattr(kernels, "chunked_cross_entropy", _chunked)  # the 60-position row in chunks of 8
+    losses, _ = kernels.token_losses(model, {"input_ids": ids, "labels": labels})
+    losses.sum().backward()
+    torch.testing.assert_close(losses.detach(), ref_losses, rtol=1e-5, atol=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_a_head_whose_logits_the_model_transforms_is_left_alone():
     # soft-capped logits (Gemma-style) go through the model's own head: the loss comes from the kept logits
     model = tiny_lm(final_logit_softcapping=30.0)

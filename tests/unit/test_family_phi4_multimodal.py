@@ -243,3 +243,37 @@ def test_the_build_loads_with_vlmctl_and_with_vanilla_transformers_with_the_same
     with torch.no_grad():
         ours = model.eval()(**inputs).logits
         torch.testing.assert_close(vanilla(**inputs).logits, ours, rtol=0, atol=0)
+
+
+def test_sample_costs_charge_each_encoder_its_own_media_as_the_batch_does(tiny):
+    """Compute-balanced batching of a family whose encoders both count themselves: from the counts before collation
+    (tokens, labelled tokens, per modality placeholder tokens and items) the estimated FLOPs of a sample equal its
+    collated batch's within 2% once the batch's padding (crops up to `dynamic_hd`, clips up to the window: processor
+    settings the counts do not see) is cut; without the per-modality counts the encoders are not charged."""
+    from vlmctl.data.collate import Collator
+    from vlmctl.train.flops import CostModel
+
+    _, processor, model = tiny
+    cost = CostModel.from_model(model, SPEC, {"vision", "projector", "llm"})
+    assert cost.vision is None and cost.own_media == (("image",), ("audio",))
+    ids = {"image": model.config.vision_config.image_token_id, "audio": model.config.audio_config.audio_token_id}
+    samples = {"text": _sample("t", question="Describe a tone and a square " * 3), "audio": _sample("a", _clips()[1:]),
+               "image": _sample("i", images=[_png(100, 60)]), "both": _sample("b", _clips()[:1], [_png(130, 64)])}
+    for name, sample in samples.items():
+        batch = dict(Collator(processor, SPEC, dummy_image=False)([sample]))
+        if sample.images:  # the image's own crops and the global view: a grid of 2 x 1 crops
+            assert batch["image_pixel_values"].shape[1] == 5
+            batch["image_pixel_values"] = batch["image_pixel_values"][:, :3]
+        if sample.audios:  # the clip's own frames
+            batch["audio_input_features"] = batch["audio_input_features"][:, : int(batch["audio_attention_mask"].sum())]
+        input_ids, labels = batch["input_ids"], batch["labels"]
+        media = {m: {"tokens": [int((input_ids == i).sum())], "items": [len(sample.media.get(m, []))]} for m, i in ids.items()}
+        counts = ([int(batch["attention_mask"].sum())], [sum(c["tokens"][0] for c in media.values())],
+                  [int((labels[..., 1:] != -100).sum())], [len(sample.images) + len(sample.audios)])
+        estimated = cost.sample_costs(*counts, media=media)[0]
+        measured = cost.batch_flops(batch)
+        assert abs(estimated - measured) / measured < 0.02, (name, estimated, measured)
+        encoders = cost.batch_terms(batch)
+        if sample.images or sample.audios:
+            assert cost.sample_costs(*counts)[0] < estimated
+            assert encoders["vision"] + encoders["audio"] > 0

@@ -303,3 +303,40 @@ def test_the_build_loads_with_vlmctl_and_with_vanilla_transformers_with_the_same
     assert type(auto) is type(vanilla)
     with torch.no_grad():
         torch.testing.assert_close(auto(**inputs).logits, ours, rtol=0, atol=0)
+
+
+def _counts(batch, ids: dict[str, int], items: dict[str, int]) -> dict:
+    """The counts a sampler has of one collated sample: its tokens, labelled tokens and, per modality, its
+    placeholder tokens (`ids`: modality -> placeholder id) and media items."""
+    input_ids, labels = batch["input_ids"], batch["labels"]
+    real = batch["attention_mask"].sum() if batch.get("attention_mask") is not None else input_ids.numel()
+    media = {m: {"tokens": [int((input_ids == i).sum())], "items": [items.get(m, 0)]} for m, i in ids.items()}
+    return {"tokens": [int(real)], "labelled": [int((labels[..., 1:] != -100).sum())], "media": media,
+            "visual": [sum(c["tokens"][0] for c in media.values())], "items": [sum(items.values())]}
+
+
+def test_sample_costs_charge_each_encoder_its_own_media_as_the_batch_does(tiny):
+    """Compute-balanced batching of an image + audio family whose audio encoder counts itself: from the counts
+    before collation (tokens, labelled tokens, per modality placeholder tokens and items) the estimated FLOPs of a
+    sample with one clip and one image equal its collated batch's within 2%; without the per-modality counts a clip's
+    tokens are taken as image patches and the estimate is off."""
+    from vlmctl.data.collate import Collator
+    from vlmctl.train.flops import CostModel
+
+    _, processor, model = tiny
+    cost = CostModel.from_model(model, SPEC, {"vision", "projector", "llm"})
+    assert cost.own_media == (("audio",),) and "image" in cost.vision_media
+    ids = {"image": processor.image_token_id, "audio": processor.audio_token_id}
+    clip = normalize_audio(flac(1.9, 8_000)).data
+    samples = {"text": _sample("t", question="Describe a tone and a square " * 3), "audio": _sample("a", [clip]),
+               "image": _sample("i", images=[_png(100, 60)]), "both": _sample("b", [clip], [_png(64, 130)])}
+    estimated = {}
+    for name, sample in samples.items():
+        batch = Collator(processor, SPEC, dummy_image=False)([sample])
+        c = _counts(batch, ids, {"image": len(sample.images), "audio": len(sample.audios)})
+        estimated[name] = cost.sample_costs(c["tokens"], c["visual"], c["labelled"], c["items"], media=c["media"])[0]
+        blind = cost.sample_costs(c["tokens"], c["visual"], c["labelled"], c["items"])[0]
+        measured = cost.batch_flops(batch)
+        assert abs(estimated[name] - measured) / measured < 0.02, (name, estimated[name], measured)
+        if sample.audios:
+            assert abs(blind - measured) / measured > 0.1, (name, blind, measured)

@@ -104,7 +104,7 @@ def test_grouped_collator_adds_no_dummy_for_an_encoder_no_rank_of_the_step_runs(
 
 
 def _cfg(strategy: str, packing: bool, grouped: bool = True):
-    train = SimpleNamespace(strategy=strategy, packing=packing, group_by_modality=grouped, tokens_per_batch=512,
+    train = SimpleNamespace(objective="sft", strategy=strategy, packing=packing, group_by_modality=grouped, tokens_per_batch=512,
                             micro_batch_size=2, group_by_length=True, seed=3, gradient_accumulation_steps=2)
     return SimpleNamespace(train=train, data=SimpleNamespace(max_length=256, sources=[]))
 

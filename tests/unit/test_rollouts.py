@@ -75,3 +75,33 @@ def test_bad_settings_are_refused_with_the_key_to_fix(loaded):
         generate_rollouts(*loaded, [request(TEXTS[0])], group_size=0, max_new_tokens=4)
     with pytest.raises(UsageError, match="top_p"):
         generate_rollouts(*loaded, [request(TEXTS[0])], group_size=2, max_new_tokens=4, top_p=0.0)
+
+
+def test_extra_requests_run_in_the_batch_and_are_left_out(loaded):
+    model, processor = loaded
+    requests = [request(TEXTS[2])]
+    plain = generate_rollouts(model, processor, requests, group_size=2, max_new_tokens=5, temperature=0.0)
+    padded = generate_rollouts(model, processor, requests, group_size=2, max_new_tokens=5, temperature=0.0,
+                               extra_requests=[request(".", (0, 0, 0))])
+    assert padded.prompt_index == [0, 0] and len(padded.completion_ids) == 2
+    assert padded.prompt_ids == plain.prompt_ids  # the extra row's left padding is not kept
+    assert padded.texts == plain.texts
+
+
+def test_media_placeholders_are_never_sampled(loaded):
+    """A completion is trained on after its prompt: an image token in it would ask for image features it lacks."""
+    model, processor = loaded
+    image_token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+
+    def favour_image_token(module, args, out):
+        out[..., image_token] += 100.0
+        return out
+
+    handle = model.lm_head.register_forward_hook(favour_image_token)
+    try:
+        with torch.no_grad():  # the hook makes the image token every position's most likely one
+            assert int(model(input_ids=torch.tensor([[1, 2, 3]])).logits[0, -1].argmax()) == image_token
+        out = generate_rollouts(model, processor, [request(TEXTS[0], (0, 200, 0))], group_size=2, max_new_tokens=4, temperature=0.0)
+    finally:
+        handle.remove()
+    assert all(ids and image_token not in ids for ids in out.completion_ids)

@@ -154,10 +154,22 @@ def test_the_worker_waits_for_an_announced_request_and_batches_it(loaded):
         engine.submit(Job(engine.render(request(TEXTS[1])), max_tokens=4, sink=sinks[1]), announced=True)
         assert all(s.finished.wait(120) for s in sinks)
         assert engine.batches == 1
-        # a withdrawn announcement ends the wait at once: the lone job runs without waiting out the window
+        # the two clients come back: the first one's job waits for as many rows as the previous call had
+        again = [Events(), Events()]
+        engine.submit(Job(engine.render(request(TEXTS[2])), max_tokens=4, sink=again[0]))
+        assert not again[0].finished.wait(0.5)
+        engine.submit(Job(engine.render(request(TEXTS[3])), max_tokens=4, sink=again[1]))
+        assert all(s.finished.wait(120) for s in again) and engine.batches == 2
+    finally:
+        engine.close(timeout=60)
+
+
+def test_a_withdrawn_announcement_ends_the_wait_of_a_lone_client(loaded):
+    engine = Engine(*loaded, max_batch_size=8, max_length=4096, batch_window_s=30.0)
+    try:
         engine.announce()
         engine.submit(Job(engine.render(request(TEXTS[2])), max_tokens=4, sink=(alone := Events())))
         engine.withdraw()
-        assert alone.finished.wait(60) and engine.batches == 2
+        assert alone.finished.wait(20) and engine.batches == 1  # well before the 30 s window
     finally:
         engine.close(timeout=60)

@@ -18,6 +18,10 @@ from rich.console import Console
 if TYPE_CHECKING:
     from vlmctl.config import VlmctlConfig
 
+# The vlmctl modules a command runs are imported inside it: `vlmctl --help` imports every command module and must
+# not import them.
+# Modules the CLI's start-up loads anyway are imported next to their use as well.
+
 
 def _debug_env() -> bool:
     return os.environ.get("VLMCTL_DEBUG", "") not in ("", "0", "false")

@@ -13,6 +13,9 @@ from vlmctl import __version__
 from vlmctl.cli import _common
 from vlmctl.cli._common import render_error, state
 
+# vlmctl.config (its pydantic models) is imported only where a mistyped option is reported and vlmctl.errors where
+# an error is rendered: a command that succeeds does not load them through this module.
+
 app = typer.Typer(
     name="vlmctl",
     help="Build, train and ship vision-language models from one project file (vlmctl.yaml).",

@@ -8,6 +8,12 @@ import typer
 
 from vlmctl.cli._common import ConfigOpt, JsonOpt, OverridesArg, console, err_console, load_project, print_json, state
 
+# The vlmctl modules that load numpy when imported are imported inside the functions that use them: importing vlmctl
+# (the CLI's start-up) must not pay for it.
+# The vlmctl modules a command runs are imported inside it: `vlmctl --help` imports every command module and must
+# not import them.
+# Modules the CLI's start-up loads anyway are imported next to their use as well.
+
 EXAMPLE = ("Example: vlmctl bench --steps 20 --nproc-per-node 2 model.preset=qwen2.5-vl-7b model.init=random "
            "train.strategy=fsdp train.stage=full   (LoRA: train.lora.r=16; padded: train.packing=false; "
            "scale-out: --scaling 1,2,4)")

@@ -16,6 +16,11 @@ from vlmctl.cli._common import ConfigOpt, console, info, load_project, render_er
 if TYPE_CHECKING:
     from vlmctl.inference import ChatSession
 
+# The vlmctl modules that load numpy when imported are imported inside the functions that use them: importing vlmctl
+# (the CLI's start-up) must not pay for it.
+# The vlmctl modules a command runs are imported inside it: `vlmctl --help` imports every command module and must
+# not import them.
+
 EXAMPLE = "Example: vlmctl chat outputs/runs/run1/final --system 'Answer in one word.'"
 
 ModelArgs = Annotated[

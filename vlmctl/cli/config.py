@@ -6,6 +6,10 @@ import typer
 
 from vlmctl.cli._common import ConfigOpt, JsonOpt, OverridesArg, console, esc, load_project, print_json
 
+# The vlmctl modules a command runs are imported inside it: `vlmctl --help` imports every command module and must
+# not import them.
+# Modules the CLI's start-up loads anyway are imported next to their use as well.
+
 app = typer.Typer(help="Inspect the project file.", no_args_is_help=True)
 
 EXAMPLE = "Example: vlmctl config show train.max_steps=50"

@@ -9,6 +9,12 @@ import typer
 
 from vlmctl.cli._common import JsonOpt, console, esc, info, print_json, result_line, state
 
+# transformers is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for
+# it.
+# The vlmctl modules a command runs are imported inside it: `vlmctl --help` imports every command module and must
+# not import them.
+# Modules the CLI's start-up loads anyway are imported next to their use as well.
+
 EXAMPLE = "Example: vlmctl convert outputs/runs/my-run/checkpoint-500 -o exports/my-model --dtype bf16"
 
 

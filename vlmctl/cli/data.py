@@ -14,6 +14,12 @@ if TYPE_CHECKING:
     from vlmctl.config import VlmctlConfig
     from vlmctl.data.pipeline import RowBudget
 
+# The vlmctl modules that load numpy when imported are imported inside the functions that use them: importing vlmctl
+# (the CLI's start-up) must not pay for it.
+# The vlmctl modules a command runs are imported inside it: `vlmctl --help` imports every command module and must
+# not import them.
+# Modules the CLI's start-up loads anyway are imported next to their use as well.
+
 app = typer.Typer(help="Prepare and validate training data.", no_args_is_help=True)
 
 PREPARE_EXAMPLE = "Example: vlmctl data prepare data.val_ratio=0.02 --num-proc 8"

@@ -11,6 +11,12 @@ import typer
 
 from vlmctl.cli._common import ConfigOpt, JsonOpt, console, esc, info, load_project, print_json, result_line, split_args, state
 
+# The vlmctl modules that load numpy when imported are imported inside the functions that use them: importing vlmctl
+# (the CLI's start-up) must not pay for it.
+# The vlmctl modules a command runs are imported inside it: `vlmctl --help` imports every command module and must
+# not import them.
+# Modules the CLI's start-up loads anyway are imported next to their use as well.
+
 EXAMPLE = "Example: vlmctl eval --data val --task vqa --limit 200"
 
 

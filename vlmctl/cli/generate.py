@@ -11,6 +11,12 @@ from rich.markup import escape
 from vlmctl.cli._common import ConfigOpt, JsonOpt, console, info, load_project, print_json, split_args, state
 from vlmctl.cli.chat import DeviceOpt, DtypeOpt, ModelArgs, TemperatureOpt, TopPOpt, resolve_model_dir
 
+# The vlmctl modules that load numpy when imported are imported inside the functions that use them: importing vlmctl
+# (the CLI's start-up) must not pay for it.
+# The vlmctl modules a command runs are imported inside it: `vlmctl --help` imports every command module and must
+# not import them.
+# Modules the CLI's start-up loads anyway are imported next to their use as well.
+
 EXAMPLE = "Example: vlmctl generate outputs/runs/run1/final --input questions.jsonl -o predictions.jsonl"
 
 OutputOpt = Annotated[Path, typer.Option("--output", "-o", help="Output JSONL file, or a folder to write predictions.jsonl into.")]

@@ -9,6 +9,9 @@ import typer
 
 from vlmctl.cli._common import JsonOpt, console, err_console, esc, info, print_json, result_line
 
+# The vlmctl modules a command runs are imported inside it: `vlmctl --help` imports every command module and must
+# not import them.
+
 EXAMPLE = "Example: vlmctl init my-vlm --template llava"
 
 

@@ -8,6 +8,12 @@ import typer
 
 from vlmctl.cli._common import ConfigOpt, OverridesArg, console, err_console, esc, info, load_project, result_line
 
+# The vlmctl modules that load numpy when imported are imported inside the functions that use them: importing vlmctl
+# (the CLI's start-up) must not pay for it.
+# The vlmctl modules a command runs are imported inside it: `vlmctl --help` imports every command module and must
+# not import them.
+# Modules the CLI's start-up loads anyway are imported next to their use as well.
+
 EXAMPLE = "Example: vlmctl train --launcher torchrun --nproc-per-node 2 train.strategy=fsdp train.max_steps=50"
 
 

@@ -29,6 +29,9 @@ from vlmctl.config.project import ProjectSection
 from vlmctl.config.train import LoraSection, TrainSection
 from vlmctl.errors import ConfigError
 
+# yaml is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+# Modules the CLI's start-up loads anyway are imported next to their use as well.
+
 CONFIG_NAME = "vlmctl.yaml"
 
 __all__ = [

@@ -13,6 +13,9 @@ from pydantic_core import PydanticUndefined
 
 from vlmctl.config import VlmctlConfig
 
+# Modules the CLI's start-up loads anyway are imported inside functions, next to their use: at module level they
+# would cost nothing more.
+
 
 def _submodel(annotation) -> type[BaseModel] | None:
     for candidate in (annotation, *typing.get_args(annotation)):

@@ -28,6 +28,9 @@ from typing import Any
 
 from vlmctl.errors import ConfigError
 
+# torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+# rich is imported inside the functions that print: using vlmctl as a library does not load it.
+
 PLAN_FILE = "plan.json"
 DEFAULT_TOKENS = 8192  # tokens_per_batch per rank without a probe (and the data checks' row budget without a config)
 DEFAULT_MICRO_BATCH = 1

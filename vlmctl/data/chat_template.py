@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 
+# jinja2 is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+# Modules the CLI's start-up loads anyway are imported next to their use as well.
+
 
 def compile_chat_template(template: str):
     """A jinja2 Template of `template` in the environment transformers renders chat templates in (see

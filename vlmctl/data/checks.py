@@ -52,6 +52,9 @@ from typing import Any, Callable, Iterable
 from vlmctl.data.images import ImageError, normalize_image, read_ref
 from vlmctl.data.sample import Sample
 
+# numpy is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+# So are the vlmctl modules that load numpy when imported.
+
 REASONS = (
     "parse_error",
     "too_deep",

@@ -40,6 +40,9 @@ from vlmctl.data.sample import MODALITIES, Sample
 from vlmctl.data.samplers import GROUP_MEDIA, modality_of
 from vlmctl.errors import DataError
 
+# torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+# So are the vlmctl modules that load numpy when imported.
+
 IGNORE_INDEX = -100
 TEXT_KEYS = ("input_ids", "attention_mask")
 

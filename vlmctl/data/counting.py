@@ -38,6 +38,9 @@ from vlmctl.data.pipeline import RowBudget, token_limit
 from vlmctl.data.sample import Sample
 from vlmctl.data.tokens import MODEL_INFO, TokenCounter
 
+# transformers is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for
+# it.
+
 MAX_ROUNDS = 6
 """Tokenizer training rounds at most; past them the last tokenizer counts (`FitResult.converged` False)."""
 

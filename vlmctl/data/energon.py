@@ -65,6 +65,10 @@ from megatron.energon import basic_sample_keys, stateless
 from vlmctl.data.sample import Sample
 from vlmctl.errors import DataError, UsageError
 
+# pyarrow is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+# megatron and webdataset (optional dependencies) are imported only where used, so the rest works without them.
+# Light vlmctl modules are imported next to their use as well.
+
 SPLITS = ("train", "val")
 FORMATS = ("auto", "vqa", "captioning", "crude")
 CRUDE_YAML = "__module__: megatron.energon\n__class__: CrudeWebdataset\n"

@@ -41,6 +41,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+# numpy and PIL are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must not pay
+# for them.
+# Modules the CLI's start-up loads anyway are imported next to their use as well.
+
 KEEP_FORMATS = ("JPEG", "PNG", "WEBP")
 IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 """The Pillow formats vlmctl decodes (`Image.open(..., formats=IMAGE_FORMATS)`): the formats of `IMAGE_EXTENSIONS`

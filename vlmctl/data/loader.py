@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from vlmctl.data.sample import MODALITIES, Sample
+from vlmctl.data.sample import MEDIA_COLUMNS, MODALITIES, Sample
 from vlmctl.data.samplers import (
     MEGA_BATCH_MULT,
     PACKING_LOOKAHEAD,
@@ -26,6 +26,11 @@ from vlmctl.data.samplers import (
     modality_groups,
 )
 from vlmctl.errors import DataError
+
+# datasets, pyarrow and torch are imported inside the functions that use them: importing vlmctl (the CLI's start-up)
+# must not pay for them.
+# So are the vlmctl modules that load numpy when imported.
+# Light vlmctl modules and modules the CLI's start-up loads anyway are imported next to their use as well.
 
 TEST_DATA_DELAY = "VLMCTL_TEST_DATA_DELAY"
 
@@ -93,6 +98,11 @@ class ShardDataset:
             out[i] = chars // 4 + 64 * parts
         return out
 
+    @property
+    def column_names(self) -> list[str]:
+        """The shards' columns (`id`, `messages`, `images`, and `rejected` for preference pairs, `num_tokens`, ...)."""
+        return list(self._ds.column_names)
+
     def __len__(self) -> int:
         return self._ds.num_rows
 
@@ -119,8 +129,9 @@ class ShardDataset:
 
     def text_counts(self) -> dict[str, np.ndarray]:
         """Per sample, read from the `messages` column without decoding media (vectorized with pyarrow): `chars`
-        (characters of all text parts), `label_chars` (of the assistant turns' text), `images` (image parts) and
-        `media` (image, video and audio parts: the items a vision or audio tower encodes). int64 arrays [N]."""
+        (characters of all text parts), `label_chars` (of the assistant turns' text), `images` (image parts),
+        `media` (image, video and audio parts: the items a vision or audio tower encodes) and `<modality>_parts`
+        per modality of `MODALITIES`. int64 arrays [N]."""
         import pyarrow as pa
         import pyarrow.compute as pc
 
@@ -134,11 +145,13 @@ class ShardDataset:
         assistant = np.asarray(pc.fill_null(pc.equal(pc.struct_field(turns, "role"), "assistant"), False))
         kinds = pc.struct_field(parts, "type")
         is_image = np.asarray(pc.fill_null(pc.equal(kinds, "image"), False))
-        is_media = np.asarray(pc.fill_null(pc.is_in(kinds, value_set=pa.array(["image", "video", "audio"])), False))
+        is_media = np.asarray(pc.fill_null(pc.is_in(kinds, value_set=pa.array(list(MODALITIES))), False))
         n = len(self)
         count = lambda weights: np.bincount(sample_of_part, weights=weights, minlength=n).astype(np.int64)  # noqa: E731
+        parts = {f"{name}_parts": count(np.asarray(pc.fill_null(pc.equal(kinds, name), False), dtype=np.float64))
+                 for name in MODALITIES}
         return {"chars": count(chars), "label_chars": count(chars * assistant[part_turn]),
-                "images": count(is_image.astype(np.float64)), "media": count(is_media.astype(np.float64))}
+                "images": count(is_image.astype(np.float64)), "media": count(is_media.astype(np.float64)), **parts}
 
     def modalities(self) -> np.ndarray:
         """Each sample's modality group for `train.group_by_modality` (`vlmctl.data.samplers.modality_of`: video,
@@ -160,7 +173,8 @@ class ShardDataset:
         `lengths` (tokens per sample, text + visual: the prepared `num_tokens`) and `text_counts`, since prepared
         shards record only the total. Returns int64 arrays [N]: `visual_tokens` (image, video and audio tokens),
         `labelled_tokens`, `images` (media items: images, videos and audio clips, each one item of
-        `CostModel.sample_costs`).
+        `CostModel.sample_costs`); and `media`, the same per modality, {modality: {"tokens": [N], "items": [N]}} for
+        each of `MODALITIES` (`CostModel.sample_costs(media=...)` charges each encoder its own modalities).
 
         Approximation: text tokens = a * chars + b, with a (tokens per character) and b (chat-template tokens per
         sample) fitted by least squares on this data set: on its samples without media (all their tokens are
@@ -172,7 +186,8 @@ class ShardDataset:
         = text tokens x the assistant turns' share of the characters. Where prepare recorded each media item's tokens
         (the `media_tokens` column, `media_token_sums`), a sample's visual tokens are their sum, exactly, and its
         text tokens the rest; samples without the record (older shards, samples prepared without a processor) are
-        estimated as above. The estimate only ranks and weighs samples for balancing.
+        estimated as above, their visual tokens split evenly over their media items. The estimate only ranks and
+        weighs samples for balancing.
         """
         counts = self.text_counts()
         tokens = np.asarray(lengths, dtype=np.float64)
@@ -182,8 +197,17 @@ class ShardDataset:
         known, counted = self.media_token_sums(media)
         text = np.where(known, np.clip(tokens - counted, 0, None), text)
         share = np.divide(counts["label_chars"], chars, out=np.zeros_like(chars), where=chars > 0)
-        return {"visual_tokens": np.rint(tokens - text).astype(np.int64),
-                "labelled_tokens": np.rint(text * share).astype(np.int64), "images": counts["media"]}
+        visual = tokens - text
+        per_item = np.divide(visual, media, out=np.zeros_like(visual), where=media > 0)
+        split_known, by_modality = self.media_token_split()
+        exact = known & split_known
+        out_media = {}
+        for name in MODALITIES:
+            items = counts[f"{name}_parts"].astype(np.float64)
+            split = np.where(exact, by_modality[name], per_item * items)
+            out_media[name] = {"tokens": np.rint(split).astype(np.int64), "items": counts[f"{name}_parts"]}
+        return {"visual_tokens": np.rint(visual).astype(np.int64),
+                "labelled_tokens": np.rint(text * share).astype(np.int64), "images": counts["media"], "media": out_media}
 
     def media_token_sums(self, media: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(known, tokens): per sample, whether prepare recorded the placeholder tokens of every media item it uses
@@ -198,6 +222,30 @@ class ShardDataset:
             if row is not None and len(row) == int(media[i]):
                 known[i], total[i] = True, float(sum(row))
         return known, total
+
+    def media_token_split(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """(known, tokens): per sample, whether the `media_tokens` column records one count per stored media item
+        (items in `MODALITIES` order, the stored items of each modality: the `images`, `videos`, `audios` columns),
+        and per modality the sum of its items' counts. bool [N] and float64 arrays [N] (zeros where not known)."""
+        n = len(self)
+        known, out = np.zeros(n, dtype=bool), {name: np.zeros(n, dtype=np.float64) for name in MODALITIES}
+        if "media_tokens" not in self._ds.column_names:
+            return known, out
+        import pyarrow.compute as pc
+
+        table = self._ds.data
+        # the item counts only: the media bytes stay unread
+        stored = {name: np.asarray(pc.fill_null(pc.list_value_length(table.column(MEDIA_COLUMNS[name])), 0))
+                  if MEDIA_COLUMNS[name] in self._ds.column_names else np.zeros(n, dtype=np.int64) for name in MODALITIES}
+        for i, row in enumerate(table.column("media_tokens").to_pylist()):
+            sizes = [int(stored[name][i]) for name in MODALITIES]
+            if row is None or len(row) != sum(sizes):
+                continue
+            known[i], start = True, 0
+            for name, size in zip(MODALITIES, sizes):
+                out[name][i] = float(sum(row[start:start + size]))
+                start += size
+        return known, out
 
     def sample_weights(self, weight_by_source: dict[str, float]) -> np.ndarray:
         """Per-sample weight from each sample's `source` (unknown sources weigh 1)."""

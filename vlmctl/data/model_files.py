@@ -28,6 +28,10 @@ from typing import Any
 
 from vlmctl.errors import ModelError
 
+# jinja2 and tokenizers are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must
+# not pay for them.
+# Light vlmctl modules are imported next to their use as well.
+
 JSON_FILES = ("config.json", "generation_config.json", "preprocessor_config.json", "processor_config.json",
               "video_preprocessor_config.json", "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json",
               "added_tokens.json", "chat_template.json", "model.safetensors.index.json", "vlmctl_model.json",

@@ -26,6 +26,9 @@ from typing import Any
 
 import numpy as np
 
+# torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+# Modules the CLI's start-up loads anyway are imported next to their use as well.
+
 
 def first_fit_decreasing(
     items: Iterable[tuple[Hashable, int]], budget: int, lookahead: int = 1024

@@ -30,6 +30,11 @@ from vlmctl.data.checks import DigestSet, LocationTable, Rejection, SampleInfo, 
 from vlmctl.data.sample import Sample
 from vlmctl.errors import MissingSourceError
 
+# rich is imported inside the functions that print: using vlmctl as a library does not load it.
+# concurrent, glob and multiprocessing (standard library, not loaded at the CLI's start-up) are imported inside the
+# functions that use them.
+# Light vlmctl modules and modules the CLI's start-up loads anyway are imported next to their use as well.
+
 BATCH_SIZE = 32
 DEFAULT_TOKENS_PER_GPU = DEFAULT_TOKENS
 """Tokens per GPU when `train.tokens_per_batch` is auto and no probe ran (`vlmctl.config.plan.DEFAULT_TOKENS`):

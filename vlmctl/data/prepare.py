@@ -56,6 +56,10 @@ from vlmctl.outputs import check_replaceable, install
 if TYPE_CHECKING:
     from vlmctl.data.counting import ProcessorSource
 
+# matplotlib and pyarrow are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must
+# not pay for them.
+# Light vlmctl modules and modules the CLI's start-up loads anyway are imported next to their use as well.
+
 ROWS_PER_GROUP = 256
 GROUP_BYTES = 64 << 20
 EXPORTS = ("energon",)

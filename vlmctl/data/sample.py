@@ -54,6 +54,8 @@ from typing import Any
 
 from vlmctl.errors import DataError
 
+# pyarrow is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+
 SCHEMA_VERSION = 1
 
 MODALITIES = ("image", "video", "audio")

@@ -59,6 +59,9 @@ import numpy as np
 
 from vlmctl.errors import DataError
 
+# The vlmctl modules that load numpy when imported are imported inside the functions that use them: importing vlmctl
+# (the CLI's start-up) must not pay for it.
+
 MEGA_BATCH_MULT = 50
 PACKING_LOOKAHEAD = 1024  # samples in the first-fit-decreasing buffer: bounded memory, near-optimal bins
 

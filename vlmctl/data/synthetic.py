@@ -31,6 +31,10 @@ from pathlib import Path
 
 from vlmctl.data.sample import Sample
 
+# numpy and PIL are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must not pay
+# for them.
+# Modules the CLI's start-up loads anyway are imported next to their use as well.
+
 COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 200, 30)}
 SHAPES = ("circle", "square", "triangle")
 QUESTION_TYPES = ("color", "shape", "count", "position")

@@ -33,6 +33,9 @@ from pathlib import Path
 
 from vlmctl.data.synthetic import media_question, write_records
 
+# numpy is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+# soundfile (an optional dependency) is imported only where used, so the rest works without it.
+
 QUESTION_TYPES = ("beeps", "pitch", "glide")
 SAMPLING_RATE = 16_000
 BEEP_COUNTS = ("1", "2", "3", "4")

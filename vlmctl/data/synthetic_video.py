@@ -36,6 +36,11 @@ from pathlib import Path
 
 from vlmctl.data.synthetic import COLORS, SHAPES, _draw_shape, media_question, write_records
 
+# numpy and PIL are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must not pay
+# for them.
+# av (an optional dependency) is imported only where used, so the rest works without it.
+# Modules the CLI's start-up loads anyway are imported next to their use as well.
+
 QUESTION_TYPES = ("direction", "motion", "turn")
 DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 """Answer -> unit step (dx, dy) in image coordinates (y grows downwards)."""

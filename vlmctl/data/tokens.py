@@ -40,6 +40,12 @@ from typing import Any, Callable
 from vlmctl.data.chat_template import compile_chat_template
 from vlmctl.data.sample import Sample
 
+# tokenizers and transformers are imported inside the functions that use them: importing vlmctl (the CLI's start-up)
+# must not pay for them.
+# So are the vlmctl modules that load numpy when imported.
+# ctypes (standard library, not loaded at the CLI's start-up) is imported inside the functions that use it.
+# Light vlmctl modules and modules the CLI's start-up loads anyway are imported next to their use as well.
+
 RENDER_SECONDS = 10.0
 """Longest a chat template may take to render one conversation (real time)."""
 RENDER_CHARS = 16 << 20

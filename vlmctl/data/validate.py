@@ -17,6 +17,9 @@ from vlmctl.data.checks import REASONS, Rejection
 from vlmctl.data.pipeline import RowBudget, SourceTally, iter_checked, progress_bar, unique_sources
 from vlmctl.errors import UsageError
 
+# Light vlmctl modules are imported inside functions, next to their use: at module level they would cost nothing
+# more.
+
 
 @dataclass
 class ValidationReport:

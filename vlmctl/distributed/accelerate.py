@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import sys
 
+# accelerate is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for
+# it.
+# Light vlmctl modules are imported next to their use as well.
+
 
 def main(argv: list[str] | None = None) -> None:
     from accelerate.commands.accelerate_cli import main as accelerate_main

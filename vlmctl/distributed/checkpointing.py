@@ -36,6 +36,10 @@ from typing import Any
 
 from vlmctl.config.plan import pending
 
+# torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+# deepspeed (an optional dependency) is imported only where used, so the rest works without it.
+# Light vlmctl modules are imported next to their use as well.
+
 MODES = ("off", "full", "op", "vision")  # plus a positive integer k
 
 

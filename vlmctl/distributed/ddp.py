@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+# torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+
 
 def apply_ddp(model, dp_mesh, device):
     """Wrap `model` (already on `device`) in DDP over `dp_mesh`'s process group (`ParallelDims.dp_mesh`).

@@ -9,6 +9,9 @@ from pathlib import Path
 
 from vlmctl.errors import ConfigError
 
+# torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+# deepspeed (an optional dependency) is imported only where used, so the rest works without it.
+
 
 def _read_or_default(train, stage: int) -> dict:
     """The user's JSON (`train.deepspeed_config`), or the generated ZeRO section with "auto" values."""

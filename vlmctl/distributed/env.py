@@ -6,6 +6,12 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+# torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+# deepspeed (an optional dependency) is imported only where used, so the rest works without it.
+# socket and tempfile (standard library, not loaded at the CLI's start-up) are imported inside the functions that
+# use them.
+# Modules the CLI's start-up loads anyway are imported next to their use as well.
+
 
 @dataclass
 class DistEnv:

@@ -43,6 +43,8 @@ from typing import Any
 
 from vlmctl.errors import ConfigError
 
+# torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+
 AUTO_MAX_SHARD_RANKS = 8  # one NVLink domain (an HGX node): the measured case of keeping layers gathered
 AUTO_GATHERED_SHARE = 0.25  # at most this share of a rank's memory for the gathered layers
 AUTO_PREFETCH = 1  # layers prefetched by `train.fsdp_prefetch: auto`

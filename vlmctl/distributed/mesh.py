@@ -27,6 +27,9 @@ from typing import Any
 from vlmctl.distributed.engine import is_deepspeed, is_fsdp
 from vlmctl.errors import ConfigError
 
+# torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+# Light vlmctl modules are imported next to their use as well.
+
 DIM_NAMES = ("dp_replicate", "dp_shard", "sp", "tp")
 DP_DIMS = ("dp_replicate", "dp_shard")
 SHARDINGS = ("full", "hybrid")

@@ -21,6 +21,9 @@ from typing import Callable
 
 from vlmctl.processes import die_with_parent
 
+# torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+# Light vlmctl modules and modules the CLI's start-up loads anyway are imported next to their use as well.
+
 LAUNCHER_ENV = "VLMCTL_LAUNCHER_PID"
 QUIET_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # deaths the sender already reports
 

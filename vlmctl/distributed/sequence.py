@@ -43,6 +43,12 @@ from typing import Any
 
 from vlmctl.errors import ConfigError
 
+# torch and transformers are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must
+# not pay for them.
+# So are the vlmctl modules that load numpy when imported.
+# deepspeed (an optional dependency) is imported only where used, so the rest works without it.
+# Modules the CLI's start-up loads anyway are imported next to their use as well.
+
 ULYSSES_NAME = "vlmctl_ulysses"  # the attention implementation name the language model is switched to
 SHARD_ATTR = "vlmctl_sequence_shard"  # where `apply_sequence_parallel` leaves the shard on the model
 

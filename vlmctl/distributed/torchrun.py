@@ -11,6 +11,9 @@ from __future__ import annotations
 import logging
 import sys
 
+# torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+# Light vlmctl modules are imported next to their use as well.
+
 NODE_RANK_NOTE = "node_rank is only used for static rdzv_backend"
 
 

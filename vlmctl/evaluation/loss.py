@@ -7,6 +7,10 @@ from typing import Sequence
 from vlmctl.data.sample import Sample
 from vlmctl.inference import ProgressFn
 
+# torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+# So are the vlmctl modules that load numpy when imported.
+# Light vlmctl modules are imported next to their use as well.
+
 
 def teacher_forced_loss(model, processor, samples: Sequence[Sample], *, batch_size: int,
                         progress: ProgressFn | None = None) -> list[tuple[float, int]]:

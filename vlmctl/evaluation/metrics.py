@@ -30,6 +30,9 @@ from typing import Any, Iterable, Sequence
 
 from vlmctl.errors import UsageError, VlmctlError
 
+# Modules the CLI's start-up loads anyway are imported inside functions, next to their use: at module level they
+# would cost nothing more.
+
 TASKS = ("vqa", "docvqa", "chartqa", "mcq", "caption", "asr")
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -12,6 +12,9 @@ from pathlib import Path
 
 from vlmctl.evaluation.results import SKIPPED_FILE, EvalResult, atomic_write, skipped_reasons
 
+# PIL is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+# Light vlmctl modules are imported next to their use as well.
+
 MAX_EXAMPLES = 48
 MAX_SKIPPED_ROWS = 200
 THUMBNAIL_PX = 192

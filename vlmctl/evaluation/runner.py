@@ -55,6 +55,11 @@ from vlmctl.inference import (
     request_from_sample,
 )
 
+# pyarrow and torch are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must not
+# pay for them.
+# So are the vlmctl modules that load numpy when imported.
+# Light vlmctl modules are imported next to their use as well.
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # Inputs

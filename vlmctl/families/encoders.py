@@ -15,8 +15,9 @@ An encoder spec holds:
   discovered as the longest list of identical blocks);
 - `modalities`: the content parts it encodes (an image encoder may also encode videos) and `data_keys`: the
   processor outputs that feed it (`pixel_values`, `image_grid_thw`, `input_features`, ...);
-- `cost`: its cost rule, `(model, encoder) -> VisionShape | AudioShape`, what `vlmctl.train.flops.CostModel`
-  counts its FLOPs from (`vision_cost`, `audio_cost`);
+- `cost`: its cost rule, `(model, encoder) -> VisionShape | AudioShape | CountsItself`, what
+  `vlmctl.train.flops.CostModel` counts its FLOPs from (`vision_cost`, `audio_cost`; a `CountsItself` result: an
+  encoder the generic terms do not fit, which counts its own FLOPs per batch and per sample);
 - `kernels`: the exact GPU kernels `vlmctl.train.kernels.apply_encoder_kernels` may apply to it (`KERNELS`),
   `varlen`: its attention takes per-image boundaries from flash-named implementations, `config_key` / `attention`:
   its sub-config and the attention it keeps under vlmctl's varlen kernel (`vlmctl.train.kernels.set_attention`),
@@ -32,11 +33,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from vlmctl.errors import ModelError
+
+# torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
 
 CLS_VISION_TYPES = frozenset({"clip_vision_model", "clip", "vit", "dinov2", "chinese_clip_vision_model", "metaclip_2_vision_model"})
 """Vision encoder `model_type`s whose output starts with a CLS token (LLaVA's `default` strategy drops it)."""
@@ -85,6 +88,28 @@ class EncoderSpec:
     def shape(self, model: Any) -> Any:
         """The cost rule's shape of this encoder of `model` (unwrapped, any device), or None without a rule."""
         return None if self.cost is None else self.cost(model, self)
+
+
+@runtime_checkable
+class CountsItself(Protocol):
+    """A cost rule's result for an encoder that counts its own FLOPs (its tower, its projections), where the generic
+    terms of `VisionShape` / `AudioShape` do not fit it (Qwen3-Omni's chunked audio encoder, Phi-4-multimodal's crops
+    and conformer). `vlmctl.train.flops.CostModel` leaves the parameters under `paths` out of its own counts and adds
+    what the two methods return, keyed by `vlmctl.train.flops.TERMS`; `cost` is that cost model, whose backward
+    factors (`weight_factor`, `attention_factor`, `trained`, `grad_through`) the encoder applies itself.
+
+    - `paths`: the module paths whose parameters it charges (its encoder's, its projections');
+    - `batch_terms(batch, cost) -> {term: FLOPs}`: one collated micro-batch (`vlmctl.data.collate` output);
+    - `sample_terms(tokens, items, cost) -> {term: FLOPs}`: N samples from the counts a sampler has before
+      collation (compute-balanced batching): `tokens`, the placeholder tokens of the sample's media of this encoder's
+      modalities, and `items`, how many such media items it holds (float64 arrays [N]); elementwise, an estimate.
+    """
+
+    paths: tuple[str, ...]
+
+    def batch_terms(self, batch: Mapping[str, Any], cost: Any) -> dict[str, float]: ...
+
+    def sample_terms(self, tokens: np.ndarray, items: np.ndarray, cost: Any) -> dict[str, np.ndarray]: ...
 
 
 def submodule(model: Any, path: str) -> Any:

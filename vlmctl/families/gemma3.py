@@ -27,6 +27,8 @@ from typing import Any
 from vlmctl.families.registry import register
 from vlmctl.families.spec import FamilySpec, setting, split_source
 
+# torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+
 
 def gemma3_tokens(width: int, height: int, source: Any) -> int:
     """Every image is resized to a fixed square and pooled to `mm_tokens_per_image` tokens, whatever its size.

@@ -31,6 +31,9 @@ from vlmctl.families.idefics3 import VISION_KEYS, check_siglip_compose
 from vlmctl.families.registry import register
 from vlmctl.families.spec import FamilySpec, setting, split_source
 
+# torch and transformers are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must
+# not pay for them.
+
 BOUNDARY = "<fake_token_around_image>"
 """The marker `Idefics2Processor` writes before and after each view's `<image>` tokens."""
 

@@ -28,6 +28,9 @@ from vlmctl.families.encoders import image_encoder, vision_cost
 from vlmctl.families.registry import register
 from vlmctl.families.spec import FamilySpec, replace_in_order, setting, split_source
 
+# transformers is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for
+# it.
+
 ROW_COL_TOKENS = tuple(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))
 """The tile-position markers the processor writes (up to a 6 x 6 split)."""
 

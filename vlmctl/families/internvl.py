@@ -25,6 +25,9 @@ from vlmctl.families.encoders import image_encoder, vision_cost
 from vlmctl.families.registry import register
 from vlmctl.families.spec import FamilySpec, replace_in_order, setting, split_source
 
+# transformers is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for
+# it.
+
 PUBLISHED_MAX_PATCHES = 12
 """`max_patches` of the published InternVL 3 / 3.5 processors (tiles per image, the thumbnail not counted)."""
 

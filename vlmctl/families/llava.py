@@ -23,6 +23,9 @@ from vlmctl.families.encoders import image_encoder, vision_cost
 from vlmctl.families.registry import register
 from vlmctl.families.spec import CLS_VISION_TYPES, FamilySpec, has_cls_token, setting, split_source
 
+# transformers is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for
+# it.
+
 
 def llava_tokens(width: int, height: int, source: Any) -> int:
     """LLaVA: the image is resized to a fixed square, every patch is one token, `default` drops the CLS token.

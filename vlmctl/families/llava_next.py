@@ -31,6 +31,9 @@ from vlmctl.families.encoders import image_encoder, vision_cost
 from vlmctl.families.registry import register
 from vlmctl.families.spec import CLS_VISION_TYPES, FamilySpec, setting, split_source
 
+# torch and transformers are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must
+# not pay for them.
+
 
 def anyres_tiles(height: int, width: int, pinpoints: list, tile: int) -> int:
     """Tiles (base view included) of one image in anyres: the grid of the best-fitting pinpoint resolution plus one.

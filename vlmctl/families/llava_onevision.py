@@ -35,9 +35,11 @@ otherwise).
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from vlmctl.errors import ModelError
@@ -45,6 +47,9 @@ from vlmctl.families.llava_next import LlavaNextSpec, anyres_tokens, drop_padded
 from vlmctl.families.encoders import image_encoder, vision_cost
 from vlmctl.families.registry import register
 from vlmctl.families.spec import FamilySpec, setting, split_source
+
+# numpy, PIL and transformers are imported inside the functions that use them: importing vlmctl (the CLI's start-up)
+# must not pay for them.
 
 PUBLISHED_PINPOINTS = [[384 * r, 384 * c] for r in range(1, 7) for c in range(1, 7)]
 """`LlavaOnevisionConfig`'s default `image_grid_pinpoints` (1 to 6 tiles of 384 px a side)."""
@@ -213,8 +218,6 @@ def _with_stand_in(cls):
 def _saved_video_settings(ref: str) -> dict[str, Any]:
     """`VIDEO_SETTINGS` of the video processor saved in `ref` (a folder: processor_config.json's `video_processor`,
     else video_preprocessor_config.json); {} when there are none."""
-    import json
-    from pathlib import Path
 
     folder = Path(ref).expanduser()
     for name, key in (("processor_config.json", "video_processor"), ("video_preprocessor_config.json", None)):

@@ -41,6 +41,9 @@ from vlmctl.families.encoders import image_encoder, vision_cost
 from vlmctl.families.registry import register
 from vlmctl.families.spec import FamilySpec, replace_in_order, setting, split_source
 
+# numpy and transformers are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must
+# not pay for them.
+
 IMAGE_TOKEN, BREAK_TOKEN, END_TOKEN = "[IMG]", "[IMG_BREAK]", "[IMG_END]"
 """`PixtralProcessor`'s defaults: one `[IMG]` per visual token, `[IMG_BREAK]` ends a row, `[IMG_END]` the image."""
 

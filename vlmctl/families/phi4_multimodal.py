@@ -60,10 +60,12 @@ streaming-chunk offset per forward in training mode.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from vlmctl.errors import ModelError
@@ -71,6 +73,9 @@ from vlmctl.families.encoders import EncoderSpec, submodule
 from vlmctl.families.qwen2_audio import resampled_length
 from vlmctl.families.registry import register
 from vlmctl.families.spec import FamilySpec, setting
+
+# numpy, torch and transformers are imported inside the functions that use them: importing vlmctl (the CLI's
+# start-up) must not pay for them.
 
 IMAGE, AUDIO = "<|image|>", "<|audio|>"
 """Placeholder tokens the processor repeats per image token and audio token (transformers' converted Phi-4 tokenizer)."""
@@ -287,7 +292,8 @@ def _matrices(modules) -> int:
 @dataclass(frozen=True)
 class Phi4ImageShape:
     """What the image encoder and its projection cost (`phi4_image_cost` reads it off the model) and their FLOPs per
-    micro-batch: a cost rule's result that `vlmctl.train.flops.CostModel` adds as it is (`paths`, `batch_terms`).
+    micro-batch: a cost rule's result that `vlmctl.train.flops.CostModel` adds as it is (a `CountsItself`:
+    `paths`, `batch_terms`, `sample_terms`).
     Forward FLOPs, matmuls only, as `torch.utils.flop_counter` counts them (transformers 5.24,
     `Phi4MultimodalImageEmbedding.forward`): every crop of `image_pixel_values` [N, crops, 3, S, S] (padding crops
     included: the encoder runs them) at P = (S / p)^2 positions: the patch embedding and the layers (2 x matrices x
@@ -318,7 +324,24 @@ class Phi4ImageShape:
         tokens = int((ids == self.image_token_id).sum())
         if pixels is None or not tokens:
             return {}
-        crops = int(pixels.shape[0]) * int(pixels.shape[1])
+        return self._terms(int(pixels.shape[0]) * int(pixels.shape[1]), tokens, cost)
+
+    def sample_terms(self, tokens, items, cost: Any) -> dict[str, Any]:
+        """The `batch_terms` of N samples from their image tokens and images (float64 arrays [N]; `CountsItself`):
+        an image of n tokens is taken as the global view and ceil((n - 273) / 272) crops (a crop holds 256 tokens
+        and its row one 16-token separator, module docstring). The zero crops that pad every image to 1 +
+        `dynamic_hd` in a batch are not counted: that bound is a processor setting the model does not hold."""
+        import numpy as np
+
+        tokens, items = np.asarray(tokens, dtype=np.float64), np.asarray(items, dtype=np.float64)
+        per_image = np.divide(tokens, items, out=np.zeros_like(tokens), where=items > 0)
+        side = MASK_SIDE // 2  # tokens a side of one crop after the 2 x 2 pooling
+        crops = np.maximum(np.ceil((per_image - (side * side + side + 1)) / (side * side + side)), 1)
+        return self._terms(items * (1 + crops), tokens, cost)
+
+    def _terms(self, crops, tokens, cost: Any) -> dict[str, Any]:
+        """The terms of `crops` crops through the encoder and `tokens` image tokens through the projections
+        (scalars, or numpy arrays elementwise)."""
         P, d, unused = self.patches, self.width, self.layers - self.used_layers
         vision = crops * (cost.weight_factor("vision", input_layer=True) * self.patch_embed * P
                           + cost.weight_factor("vision") * self.layer * P * self.used_layers
@@ -363,10 +386,12 @@ class Phi4AudioShape:
     per clip, the depthwise convolution and the pointwise one after it at T' + k - 1 (its causal padding),
     attention 4 x d x T'^2 per block; the projections (one pair, `_for_vision_speech` when the batch has images,
     of the same sizes) at T' positions. Backward factors are the cost model's (the encoder is the `vision` part, its
-    first convolution reads the mel features; the projections the projector)."""
+    first convolution reads the mel features; the projections the projector). A `CountsItself` (`paths`,
+    `batch_terms`, `sample_terms`)."""
 
     paths: tuple[str, ...]  # the audio embedding: the encoder and both projection pairs
     audio_token_id: int
+    mel_bins: int  # the encoder's input features per frame (`input_size`)
     width: int
     blocks: int
     kernel: int
@@ -383,6 +408,23 @@ class Phi4AudioShape:
         if features is None or not bool((batch["input_ids"] == self.audio_token_id).any()):
             return {}  # the model skips its clips without audio tokens
         clips, t, m = (int(x) for x in features.shape)
+        return self._terms(clips, t, m, cost)
+
+    def sample_terms(self, tokens, items, cost: Any) -> dict[str, Any]:
+        """The `batch_terms` of N samples from their audio tokens and clips (float64 arrays [N]; `CountsItself`): a
+        clip of n tokens is taken as n x the subsampling's strides frames (one token per subsampled frame, the
+        extractor's compression being the encoder's time reduction, as `preset_processor` checks). Clips are padded
+        to the processor's window in a batch; that window is a processor setting the model does not hold, so a
+        clip counts its own length."""
+        import numpy as np
+
+        tokens, items = np.asarray(tokens, dtype=np.float64), np.asarray(items, dtype=np.float64)
+        per_clip = np.divide(tokens, items, out=np.zeros_like(tokens), where=items > 0)
+        strides = math.prod(stride for _, stride, _, _ in self.subsampling if stride > 1)
+        return self._terms(items, per_clip * strides, self.mel_bins, cost)
+
+    def _terms(self, clips, t, m, cost: Any) -> dict[str, Any]:
+        """The terms of `clips` clips of `t` frames of `m` mel bins each (scalars, or numpy arrays elementwise)."""
         first, rest = cost.weight_factor("vision", input_layer=True), cost.weight_factor("vision")
         flops = 0
         for i, (numel, stride, span, pad) in enumerate(self.subsampling):
@@ -406,7 +448,7 @@ class Phi4AudioCost:
         block = tower.encoders[0]
         causal = _matrices([block.conv.dw_sep_conv_1d])
         return Phi4AudioShape(
-            paths=(embed_path,), audio_token_id=int(a.audio_token_id), width=int(a.hidden_size), blocks=int(a.num_blocks), kernel=int(a.kernel_size),
+            paths=(embed_path,), audio_token_id=int(a.audio_token_id), mel_bins=int(a.input_size), width=int(a.hidden_size), blocks=int(a.num_blocks), kernel=int(a.kernel_size),
             subsampling=tuple((m.weight.numel(), m.stride[0], m.kernel_size[0], m.padding[0]) for m in tower.embed.conv if hasattr(m, "weight")),
             sub_out=_matrices([tower.embed.out]), block_causal=causal, block_rest=_matrices([block]) - causal,
             proj=(_matrices([embed.up_proj_for_speech]), _matrices([embed.down_proj_for_speech])))
@@ -454,8 +496,6 @@ class Phi4MultimodalSpec(FamilySpec):
 
     def image_only_processor(self, ref: str, *, trust_remote_code: bool = False):
         """The saved processor at `ref` with `Phi4ImageProcessor` and the window processor (module docstring)."""
-        import json
-        from pathlib import Path
 
         import transformers
 

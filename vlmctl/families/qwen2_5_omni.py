@@ -56,6 +56,9 @@ from vlmctl.families.encoders import KERNELS, audio_cost, audio_encoder, image_e
 from vlmctl.families.registry import register
 from vlmctl.families.spec import FamilySpec, _find_prefix, is_packed
 
+# torch and transformers are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must
+# not pay for them.
+
 IMAGE, VIDEO, AUDIO = "<|IMAGE|>", "<|VIDEO|>", "<|AUDIO|>"
 """Placeholder tokens the processor repeats per image block, video block and audio frame (Qwen2.5-Omni's tokenizer)."""
 VISION_BOS, VISION_EOS, AUDIO_BOS, AUDIO_EOS = "<|vision_bos|>", "<|vision_eos|>", "<|audio_bos|>", "<|audio_eos|>"

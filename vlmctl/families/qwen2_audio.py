@@ -70,6 +70,10 @@ from vlmctl.families.encoders import audio_encoder
 from vlmctl.families.registry import register
 from vlmctl.families.spec import FamilySpec, setting
 
+# numpy and transformers are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must
+# not pay for them.
+# soxr (an optional dependency) is imported only where used, so the rest works without it.
+
 AUDIO_TOKEN, AUDIO_BOS, AUDIO_EOS = "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"
 """The placeholder token the processor repeats per encoder frame, and the markers around it (Qwen2AudioProcessor)."""
 WHISPER_DEFAULTS = {"sampling_rate": 16_000, "hop_length": 160}

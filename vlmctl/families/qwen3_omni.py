@@ -70,6 +70,9 @@ from vlmctl.families.qwen_vl import qwen_rule, rope_index_fn
 from vlmctl.families.registry import register
 from vlmctl.families.spec import _find_prefix, is_packed, setting
 
+# numpy, torch and transformers are imported inside the functions that use them: importing vlmctl (the CLI's
+# start-up) must not pay for them.
+
 IMAGE, VIDEO, AUDIO = "<|image_pad|>", "<|video_pad|>", "<|audio_pad|>"
 """Placeholder tokens the processor repeats per image block, video block and audio position (Qwen3-Omni's tokenizer)."""
 VISION_BOS, VISION_EOS, AUDIO_BOS, AUDIO_EOS = "<|vision_start|>", "<|vision_end|>", "<|audio_start|>", "<|audio_end|>"
@@ -167,7 +170,8 @@ def _matrices(module) -> int:
 @dataclass(frozen=True)
 class AuTShape:
     """What the audio encoder costs (`aut_cost` reads it off the model) and its FLOPs per micro-batch: a cost rule's
-    result that `vlmctl.train.flops.CostModel` adds as it is (`paths`, `batch_terms`). Forward FLOPs, matmuls only,
+    result that `vlmctl.train.flops.CostModel` adds as it is (a `CountsItself`: `paths`, `batch_terms`,
+    `sample_terms`). Forward FLOPs, matmuls only,
     as `torch.utils.flop_counter` counts them (transformers 5.24, `Qwen3OmniMoeAudioEncoder.forward`): each clip's L
     frames (the `feature_attention_mask` sums) cut into chunks of 2 x n_window frames, all chunks padded to the
     longest one; the three 3x3 stride-2 convolutions run on every chunk at its padded size (2 x kernel x output
@@ -201,19 +205,39 @@ class AuTShape:
         chunks = [min(chunk, f - start) for f in clips for start in range(0, f, chunk)]
         if not chunks:
             return {}
-        h, w, stem = self.mel_bins, max(chunks), []
-        for _ in range(3):
-            h, w = conv_out(h), conv_out(w)
-            stem.append(len(chunks) * h * w)
         positions = sum(conv_out(conv_out(conv_out(c))) for c in chunks)
         window = max(conv_out(conv_out(conv_out(c))) for c in chunks) * (self.n_window_infer // chunk)
         pairs = 0
         for frames in clips:
             full, rest = divmod(audio_tokens(frames, self.n_window), window)
             pairs += full * window * window + rest * rest
+        return self._terms(len(chunks), max(chunks), positions, pairs, cost)
+
+    def sample_terms(self, tokens, items, cost: Any) -> dict[str, Any]:
+        """The `batch_terms` of N samples from their audio tokens and clips (float64 arrays [N]; `CountsItself`):
+        a clip of a(L) tokens is taken as ceil(a(L) / 13) whole chunks (the chunks of a batch are padded to its
+        longest), each of its positions one layer position, its attention windows as `batch_terms` cuts them."""
+        import numpy as np
+
+        tokens, items = np.asarray(tokens, dtype=np.float64), np.asarray(items, dtype=np.float64)
+        per_clip = np.divide(tokens, items, out=np.zeros_like(tokens), where=items > 0)
+        chunk = 2 * self.n_window
+        per_chunk = conv_out(conv_out(conv_out(chunk)))
+        window = per_chunk * (self.n_window_infer // chunk)
+        full = np.floor(per_clip / window)
+        pairs = items * (full * window * window + (per_clip - full * window) ** 2)
+        return self._terms(items * np.ceil(per_clip / per_chunk), chunk, tokens, pairs, cost)
+
+    def _terms(self, chunks, longest: int, positions, pairs, cost: Any) -> dict[str, Any]:
+        """The terms of `chunks` chunks padded to `longest` frames, `positions` real output positions and `pairs`
+        attention pairs per layer (scalars, or numpy arrays elementwise)."""
+        h, w, stem = self.mel_bins, longest, []
+        for _ in range(3):
+            h, w = conv_out(h), conv_out(w)
+            stem.append(chunks * h * w)
         first, rest_ = cost.weight_factor("vision", input_layer=True), cost.weight_factor("vision")
         audio = (first * self.convs[0] * stem[0] + rest_ * (self.convs[1] * stem[1] + self.convs[2] * stem[2])
-                 + rest_ * self.conv_out * len(chunks) * w + rest_ * self.blocks * positions)
+                 + rest_ * self.conv_out * chunks * w + rest_ * self.blocks * positions)
         projector = (cost.weight_factor("projector", input_layer=True) * self.proj[0]
                      + cost.weight_factor("projector") * self.proj[1]) * positions
         return {"audio": audio, "audio_attention": cost.attention_factor("vision") * 4.0 * self.width * self.layers * pairs,

@@ -17,6 +17,9 @@ from transformers.image_utils import SizeDict
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.video_processing_utils import VideoProcessorMixin
 
+# numpy and transformers are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must
+# not pay for them.
+
 
 def _get(size: Any, key: str) -> Any:
     return size.get(key) if isinstance(size, dict) else getattr(size, key, None)

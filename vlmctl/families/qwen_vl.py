@@ -29,14 +29,20 @@ them with the library's own code).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from functools import lru_cache, partial
+from pathlib import Path
 from typing import Any, Callable
 
 from vlmctl.errors import ModelError
 from vlmctl.families.encoders import KERNELS, image_encoder, vision_cost
 from vlmctl.families.registry import register
 from vlmctl.families.spec import FamilySpec, VisualTokenRule, is_packed, setting, split_source
+
+# torch and transformers are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must
+# not pay for them.
+# So are the vlmctl modules that load numpy and transformers when imported.
 
 QWEN_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 """Special tokens of the Qwen-VL tokenizers that the processors and chat templates use."""
@@ -418,8 +424,6 @@ def _frames_variant(cls):
 def _saved_video_settings(ref: str) -> dict[str, Any]:
     """The `video_processor` settings saved in `ref`'s processor_config.json (a folder; {} when there are none):
     its pixel bounds and sizes, without the class name."""
-    import json
-    from pathlib import Path
 
     path = Path(ref).expanduser() / "processor_config.json"
     try:

@@ -5,9 +5,10 @@
     spec = get_family(detect_family(config))   # by a checkpoint's config
     spec = compose_family()                    # the family `model.vision` + `model.llm` builds into
 
-Importing `vlmctl.families` imports every built-in family module (`llava`, `qwen_vl`, `idefics3`, `idefics2`, `internvl`,
-`gemma3`, `llava_next`, `llava_onevision`, `qwen3_vl_moe`), each of which calls `register(spec)` once. The module paths of each family are documented in its module; `family_table()` lists
-them (`vlmctl model build --list` prints it).
+Importing `vlmctl.families` imports every built-in family module, listed in one place (the import line of
+`vlmctl/families/__init__.py`, in the order of `FAMILIES`), each of which calls `register(spec)` once. The module
+paths of each family are documented in its module; `family_table()` lists them (`vlmctl model build --list` prints
+it).
 """
 
 from __future__ import annotations

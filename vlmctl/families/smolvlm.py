@@ -31,6 +31,9 @@ from vlmctl.families.encoders import image_encoder, vision_cost
 from vlmctl.families.registry import register
 from vlmctl.families.spec import _image_only
 
+# transformers is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for
+# it.
+
 
 class NoVideoSettings:
     """What `SmolVLMProcessor.apply_chat_template` reads of its video processor on every call (`num_frames`, `fps`,

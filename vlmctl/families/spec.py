@@ -20,9 +20,8 @@ A `FamilySpec` holds everything that differs between VLM families, so no other m
   and the hooks below (`init_random` adjusts a random-init model);
 - integrations: liger-kernel patch, lmms-eval model name, sequence / tensor-parallel plans.
 
-Each family lives in its own module (`llava.py`, `qwen_vl.py`, `idefics2.py`, `idefics3.py`, `smolvlm.py`, `internvl.py`,
-`gemma3.py`, `llava_next.py`, `llava_onevision.py`, `qwen3_vl_moe.py`, `mistral3.py`, `qwen2_audio.py`), which documents its module paths, builds one spec (a
-subclass where a hook differs) and registers it (`vlmctl.families.registry`).
+Each family lives in its own module (the list is in `vlmctl/families/__init__.py`), which documents its module
+paths, builds one spec (a subclass where a hook differs) and registers it (`vlmctl.families.registry`).
 docs/adding-a-family.md shows how to add one.
 
 Parts: a parameter belongs to the projector when its name starts with a projector path, else to its encoder's part
@@ -44,6 +43,9 @@ from vlmctl.families.encoders import CLS_VISION_TYPES, EncoderSpec, image_encode
 
 if TYPE_CHECKING:
     import torch
+
+# torch and transformers are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must
+# not pay for them.
 
 PARTS = ("vision", "projector", "llm")
 """The three parts of a VLM, in the order used by summaries and freezing (`train.freeze` uses the same names)."""

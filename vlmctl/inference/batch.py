@@ -35,6 +35,9 @@ if TYPE_CHECKING:
     from vlmctl.data.checks import Rejection
     from vlmctl.data.sample import Sample
 
+# torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+# Light vlmctl modules are imported next to their use as well.
+
 
 @dataclass
 class PredictionsResult:

@@ -39,6 +39,10 @@ from vlmctl.errors import DataError, UsageError
 from vlmctl.inference.generation import _check_sampling, read_video, stream_generate
 from vlmctl.inference.prompt import GenerationRequest, check_modality, model_family
 
+# The vlmctl modules that load numpy when imported are imported inside the functions that use them: importing vlmctl
+# (the CLI's start-up) must not pay for it.
+# Light vlmctl modules are imported next to their use as well.
+
 COMMANDS = {
     "/image PATH [question]": "attach an image to the next question (quote a path with spaces)",
     "/video PATH [question]": "attach a video to the next question (video models, e.g. qwen2_5_vl, llava_onevision)",

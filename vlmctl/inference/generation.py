@@ -31,6 +31,12 @@ from vlmctl.inference.prompt import Generation, GenerationRequest, check_request
 if TYPE_CHECKING:
     from vlmctl.config.data import DataVideo
 
+# torch and transformers are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must
+# not pay for them.
+# So are the vlmctl modules that load numpy when imported.
+# vllm (an optional dependency) is imported only where used, so the rest works without it.
+# Light vlmctl modules and modules the CLI's start-up loads anyway are imported next to their use as well.
+
 ProgressFn = Callable[[int, int], None]
 """Called as progress(done, total) after each batch, in requests."""
 

@@ -17,6 +17,12 @@ from typing import Any
 
 from vlmctl.errors import MissingModelError, ModelError, UsageError
 
+# huggingface_hub, torch and yaml are imported inside the functions that use them: importing vlmctl (the CLI's
+# start-up) must not pay for them.
+# So are the vlmctl modules that load numpy when imported.
+# vllm (an optional dependency) is imported only where used, so the rest works without it.
+# Light vlmctl modules and modules the CLI's start-up loads anyway are imported next to their use as well.
+
 BACKENDS = ("hf", "vllm")
 """Generation backends: `hf` (transformers' `model.generate`, any device) and `vllm` (vLLM's offline engine)."""
 

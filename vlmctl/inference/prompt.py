@@ -35,6 +35,10 @@ from vlmctl.errors import UsageError
 if TYPE_CHECKING:
     from vlmctl.data.sample import Sample
 
+# The vlmctl modules that load numpy when imported are imported inside the functions that use them: importing vlmctl
+# (the CLI's start-up) must not pay for it.
+# Light vlmctl modules are imported next to their use as well.
+
 
 @dataclass
 class GenerationRequest:

@@ -25,13 +25,15 @@ checked before any weights load. Output is written to a temporary sibling folder
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,11 @@ from vlmctl.models.connectors import PROJECTORS, ProjectorSpec, check_connector,
 from vlmctl.models.load import DTYPES, INFO_FILE, image_processor_class, load_or_explain, quiet_transformers, transformers_class
 from vlmctl.models.tokenizer import chatml_template, texts_from_prepared, train_tokenizer
 from vlmctl.outputs import check_replaceable, install, local_paths
+
+# accelerate, torch, transformers and yaml are imported inside the functions that use them: importing vlmctl (the
+# CLI's start-up) must not pay for them.
+# So are the vlmctl modules that load numpy when imported.
+# Light vlmctl modules are imported next to their use as well.
 
 PRESET_DIR = Path(__file__).parent / "presets"
 INFO_VERSION = 1
@@ -500,7 +507,6 @@ def save_model(model, folder: Path) -> None:
     CPU" warning on CPU machines. A model that is not already inside a DeepSpeed engine cannot be one, so the probe
     is skipped unless DeepSpeed is already imported.
     """
-    import sys
 
     with quiet_transformers():
         if "deepspeed" in sys.modules:
@@ -575,7 +581,6 @@ def configured_processor(model: ModelSection):
 
     Raises ConfigError / ModelError as `plan_build` does (an incomplete section, an id that cannot be resolved).
     """
-    from functools import partial
 
     from vlmctl.data.counting import ConfiguredProcessor, model_configured
     from vlmctl.models.load import load_processor
@@ -653,7 +658,6 @@ def make_config(plan: BuildPlan, tokenizer=None):
 
 def instantiate(plan: BuildPlan, tokenizer=None, *, device: str | None = None, dtype: str | None = None):
     """A randomly initialized model of the plan's architecture. `device="meta"` allocates nothing (for counting)."""
-    import contextlib
 
     import torch
     import transformers

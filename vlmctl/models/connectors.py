@@ -20,6 +20,8 @@ from typing import Any
 from vlmctl.config.model import ModelSection
 from vlmctl.errors import ConfigError
 
+# torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+
 
 @dataclass(frozen=True)
 class ProjectorSpec:

@@ -21,6 +21,10 @@ from vlmctl.data.model_files import (  # noqa: F401 - re-exported: callers name 
 )
 from vlmctl.errors import ModelError
 
+# transformers is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for
+# it.
+# So are the vlmctl modules that load numpy when imported.
+
 
 def diagnose_load_failure(folder: str | Path, exc: BaseException) -> ModelError | None:
     """After transformers failed to load from the local folder `folder` (with `exc`): a ModelError naming the file

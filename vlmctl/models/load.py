@@ -11,6 +11,7 @@ reads no weights. Both run inside `quiet_transformers()`: no third-party progres
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from collections.abc import Callable
@@ -20,6 +21,10 @@ from typing import Any
 from vlmctl.errors import ModelError
 from vlmctl.families import FamilySpec, detect_family, get_family
 from vlmctl.models.quiet import quiet_transformers  # noqa: F401 - its callers import it from here
+
+# accelerate, torch and transformers are imported inside the functions that use them: importing vlmctl (the CLI's
+# start-up) must not pay for them.
+# So are the vlmctl modules that load numpy when imported.
 
 INFO_FILE = "vlmctl_model.json"
 """What `model build` writes next to the checkpoint: {family, mode, built_from, parameters, ...}."""
@@ -44,7 +49,6 @@ def silence_transformers() -> None:
 def image_processor_class(name: str):
     """`transformers.<name>`, or its PIL variant `<name>Pil` when torchvision is not installed: the class
     transformers itself falls back to there, picked without its fallback warning."""
-    import importlib.util
 
     import transformers
 
@@ -126,7 +130,6 @@ def load_processor(path: str | Path, *, trust_remote_code: bool = False):
 
 
 def _auto_processor(ref: str, trust_remote_code: bool):
-    import importlib.util
 
     from transformers import AutoProcessor
 

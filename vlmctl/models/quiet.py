@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from typing import Iterator
+
+# transformers is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for
+# it.
 
 
 @contextmanager
@@ -15,7 +19,6 @@ def quiet_transformers() -> Iterator[None]:
     Also keeps transformers' "`XImageProcessor` requires torchvision ... falling back to `XImageProcessorPil`"
     notice (a `warning_once`) out of vlmctl's output: that fallback is expected on CPU installs.
     """
-    import warnings
 
     from transformers.utils import logging as hf_logging
 

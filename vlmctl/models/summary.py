@@ -26,6 +26,10 @@ from typing import Any
 from vlmctl.distributed.engine import strategy_of
 from vlmctl.families import PARTS
 
+# torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+# So are the vlmctl modules that load numpy when imported.
+# Light vlmctl modules are imported next to their use as well.
+
 STAGE_TRAINS = {"align": ("projector",), "finetune": ("projector", "llm"), "full": ("vision", "projector", "llm")}
 """Parts each `train.stage` trains by default (LLaVA-1.5's two stages, plus full training); training itself reads
 it through `trained_parts` (`vlmctl.train.setup.trainable_parts`)."""

@@ -14,6 +14,9 @@ from pathlib import Path
 
 from vlmctl.errors import DataError
 
+# pyarrow, tokenizers and transformers are imported inside the functions that use them: importing vlmctl (the CLI's
+# start-up) must not pay for them.
+
 CHATML_TEMPLATE = (
     "{%- for message in messages -%}"
     "{%- set ns = namespace(text='') -%}"

@@ -21,6 +21,10 @@ from typing import Any
 from vlmctl.serve.engine import Engine, Job
 from vlmctl.serve.protocol import ChatCompletionRequest, OpenAIError, parse_request, to_generation_request
 
+# starlette is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+# So are the vlmctl modules that load numpy when imported.
+# Light vlmctl modules are imported next to their use as well.
+
 PAGE = Path(__file__).with_name("page.html")
 
 

@@ -28,6 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# PIL, torch and yaml are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must
+# not pay for them.
+# So are the vlmctl modules that load numpy when imported.
+# base64 (standard library, not loaded at the CLI's start-up) is imported inside the functions that use it.
+# Light vlmctl modules are imported next to their use as well.
+
 PROBES = ("image question", "text-only question", "multi-turn conversation")
 TOP = 5
 

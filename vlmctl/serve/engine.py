@@ -9,9 +9,11 @@ The worker takes the oldest queued job and every later one it can share a `model
 jobs together; sampling jobs with the same temperature and top_p; a seeded job alone, so its seed decides its
 tokens), up to `max_batch_size` rows (a job of `n` choices is `n` rows). Requests the server has received but not yet
 rendered are announced (`announce`); while any is on its way and the batch has room, the worker waits for it, up
-to `batch_window_s` seconds. Without the wait, on a GPU the worker thread's `generate` loop holds the interpreter
-most of the time, the server's event loop receives and renders the next requests slowly, and the worker starts
-each call with the one job that made it into the queue: four clients were answered one at a time. Prompts are rendered by the model's chat
+to `batch_window_s` seconds. It also waits, as long, until the batch holds as many rows as the previous call had:
+the clients a call answered come back at nearly the same moment, but the first one's request reaches the queue a
+few milliseconds before the others are even received, and a worker that started at once would answer it alone and
+the rest in the next call (four clients measured at 2 requests per call, alternating 1 and 3). A lone client (one
+row per call) never waits. Prompts are rendered by the model's chat
 template (`vlmctl.inference.render_request`, as `vlmctl generate` and `vlmctl chat` render them) and left-padded,
 as `vlmctl.inference.generate` does, so a greedy answer equals `generate`'s for the same request (up to
 floating-point ties between batch shapes). transformers' continuous batching (`generate_batch`) takes token ids
@@ -41,6 +43,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from vlmctl.inference.prompt import GenerationRequest, RenderedRequest
+
+# torch and transformers are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must
+# not pay for them.
+# So are the vlmctl modules that load numpy when imported.
 
 Event = tuple
 Sink = Callable[[Event], None]
@@ -141,8 +147,8 @@ class Engine:
     `max_batch_size`: rows per `generate` call. `max_length`: the longest prompt plus `max_tokens` a job may ask
     for, in tokens (the project's `data.max_length`); a longer one fails with 400 `context_length_exceeded`.
     `family`: the model's `FamilySpec` (default: from its config). `video`: the `data.video` settings.
-    `batch_window_s`: the longest the worker waits, once it holds a job, for announced requests to join its batch
-    (seconds; it waits only while one is on its way).
+    `batch_window_s`: the longest the worker waits, once it holds a job, for announced requests and for the rows
+    of the previous call to join its batch (seconds; see the module docstring).
     """
 
     def __init__(self, model, processor, *, max_batch_size: int = 8, max_length: int = 4096, family: Any = None,
@@ -164,6 +170,7 @@ class Engine:
         self.batch_window_s = batch_window_s
         self.running = 0  # rows being generated now
         self.batches = 0  # `generate` calls so far
+        self._last_rows = 1  # rows of the previous call: the clients likely to come back together
         self._worker = threading.Thread(target=self._loop, name="vlmctl-serve-engine", daemon=True)
         self._worker.start()
 
@@ -220,6 +227,7 @@ class Engine:
             first = self._pending.popleft()
             batch, rows = [first], first.n
             deadline = time.monotonic() + self.batch_window_s
+            target = min(self._last_rows, self.max_batch_size)
             while True:
                 for job in list(self._pending):
                     if job.key() == first.key() and rows + job.n <= self.max_batch_size:
@@ -227,7 +235,9 @@ class Engine:
                         batch.append(job)
                         rows += job.n
                 left = deadline - time.monotonic()
-                if rows >= self.max_batch_size or not self._arriving or self._closing or left <= 0:
+                settled = not self._arriving and rows >= target
+                if rows >= self.max_batch_size or settled or self._closing or left <= 0:
+                    self._last_rows = rows
                     return batch
                 self._cond.wait(left)
 

@@ -25,6 +25,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from vlmctl.inference.prompt import GenerationRequest
 
+# The vlmctl modules that load numpy when imported are imported inside the functions that use them: importing vlmctl
+# (the CLI's start-up) must not pay for it.
+# base64 and binascii (standard library, not loaded at the CLI's start-up) are imported inside the functions that
+# use them.
+# Light vlmctl modules are imported next to their use as well.
+
 
 class OpenAIError(Exception):
     """A request that cannot be answered, sent back as OpenAI's error object with HTTP `status`:

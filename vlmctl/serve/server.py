@@ -25,6 +25,9 @@ from vlmctl.errors import UsageError
 from vlmctl.serve.app import Limits, ServerState, create_app
 from vlmctl.serve.engine import Engine
 
+# uvicorn is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+# So are the vlmctl modules that load numpy when imported.
+
 
 @dataclass
 class ServeSettings:

@@ -31,6 +31,11 @@ from typing import Any, Callable
 from vlmctl.config.plan import (DEFAULT_MICRO_BATCH, DEFAULT_TOKENS, PROBED_KEYS, pending, settle_probe,  # noqa: F401
                                 write_plan)
 
+# numpy and torch are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must not
+# pay for them.
+# So are the vlmctl modules that load numpy when imported.
+# Light vlmctl modules and modules the CLI's start-up loads anyway are imported next to their use as well.
+
 MEMORY_FRACTION = 0.92  # of the GPU's memory a choice may plan for: the rest absorbs fragmentation and the
 #                         optimizer step's temporaries
 MAX_TOKENS = 65536  # beyond this a longer row adds little speed and makes epochs coarse

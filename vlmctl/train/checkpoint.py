@@ -30,6 +30,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+# numpy and torch are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must not
+# pay for them.
+# rich is imported inside the functions that print: using vlmctl as a library does not load it.
+# Light vlmctl modules and modules the CLI's start-up loads anyway are imported next to their use as well.
+
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "trainer_state.json"
 

@@ -9,6 +9,9 @@ from pathlib import Path
 
 from vlmctl.config.plan import row_tokens
 
+# The vlmctl modules that load numpy and torch when imported are imported inside the functions that use them:
+# importing vlmctl (the CLI's start-up) must not pay for them. Light vlmctl modules sit next to their use too.
+
 
 def load_data(cfg, ctx, tm):
     """The training shards and the token count of each sample (counted with the model's processor when the shards
@@ -16,6 +19,7 @@ def load_data(cfg, ctx, tm):
     from vlmctl.data.loader import ShardDataset
 
     dataset = ShardDataset.from_dir(Path(cfg.data.prepared_dir) / "train")
+    check_objective_data(dataset.column_names, cfg.train.objective, Path(cfg.data.prepared_dir) / "train")
     lengths = dataset.lengths
     if cfg.train.packing and not dataset.exact_lengths:
         if ctx.env.is_main:
@@ -29,11 +33,25 @@ def load_data(cfg, ctx, tm):
     return dataset, lengths
 
 
+def check_objective_data(columns, objective: str, folder: Path) -> None:
+    """Raise DataError when `train.objective` dpo meets shards (in `folder`, with these `columns`) without
+    preference pairs (no `rejected` column: data prepared as conversations)."""
+    from vlmctl.data.sample import REJECTED_COLUMN
+    from vlmctl.errors import DataError
+
+    if objective == "dpo" and REJECTED_COLUMN not in columns:
+        raise DataError(f"{folder}: train.objective dpo trains on preference pairs, and these shards hold conversations "
+                        "(no rejected answers)", hint="prepare preference data (`vlmctl data prepare data.kind=preference`, "
+                        "docs/formats.md, Preference data) into its own data.prepared_dir, or set train.objective: sft")
+
+
 def sample_costs(cost_model, dataset, lengths):
     """Estimated training FLOPs per sample (float64 [N]): `CostModel.sample_costs` on `lengths` and the visual and
-    labelled tokens `ShardDataset.count_estimates` derives from the shards (an approximation, documented there)."""
+    labelled tokens `ShardDataset.count_estimates` derives from the shards (an approximation, documented there), per
+    modality, so each encoder, one that counts itself included, is charged its own media."""
     counts = dataset.count_estimates(lengths)
-    return cost_model.sample_costs(lengths, counts["visual_tokens"], counts["labelled_tokens"], counts["images"])
+    return cost_model.sample_costs(lengths, counts["visual_tokens"], counts["labelled_tokens"], counts["images"],
+                                   media=counts["media"])
 
 
 def build_sampler(cfg, ctx, dataset, lengths):
@@ -52,7 +70,7 @@ def build_sampler(cfg, ctx, dataset, lengths):
     split = {"world_size": ctx.dims.dp_size, "rank": ctx.dims.dp_rank, "seed": train.seed, "weights": sample_weights,
              "costs": getattr(dataset, "sample_costs", None), "step_batches": train.gradient_accumulation_steps,
              "modalities": dataset.modalities() if train.group_by_modality else None}
-    if not train.packing:
+    if not train.packing or train.objective == "grpo":  # grpo: micro_batch_size prompts, their rollouts packed later
         sampler = DistributedBatchSampler(lengths, micro_batch_size=train.micro_batch_size,
                                           group_by_length=train.group_by_length, **split)
     else:

@@ -15,6 +15,10 @@ from pathlib import Path
 
 from vlmctl.errors import VlmctlError
 
+# torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+# So are the vlmctl modules that load numpy when imported.
+# Light vlmctl modules are imported next to their use as well.
+
 EXPORT_SHARD_BYTES = "5GB"
 from vlmctl.files import honour_umask
 

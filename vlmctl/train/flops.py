@@ -12,12 +12,13 @@ the parts' module paths (`vlmctl.families.part_of_parameter`) and its encoders (
 cost rule (`vlmctl.families.encoders`: `vision_cost` for image encoders, with the family's merger, windows, pixel
 shuffle or feature-layer settings, `audio_cost` for Whisper-style audio towers). Every encoder is the `vision` part
 for freezing and backward factors; an audio encoder gets the `audio` terms below, an image encoder the `vision` ones
-(Qwen2.5-Omni has both). An encoder whose cost rule returns neither a `VisionShape` nor an `AudioShape` counts itself
-(Qwen3-Omni's chunked audio encoder, Phi-4-multimodal's crops and conformer): the rule's result has `paths`, the
-module paths whose parameters it charges (its encoder's, its projectors'; the counts here leave them out), and
-`batch_terms(batch, cost_model) -> {term: FLOPs}`, the training FLOPs of a micro-batch in terms of `TERMS` under this
-cost model's backward factors (`weight_factor`, `attention_factor`), which `batch_terms` adds. `sample_flops` and
-`sample_costs` leave such encoders out (they count the rest of the sample).
+(Qwen2.5-Omni has both). An encoder whose cost rule returns a `vlmctl.families.encoders.CountsItself` counts itself
+(Qwen3-Omni's chunked audio encoder, Phi-4-multimodal's crops and conformer), so this module names no family: the
+rule's result has `paths`, the module paths whose parameters it charges (its encoder's, its projectors'; the counts
+here leave them out), `batch_terms(batch, cost_model)` and `sample_terms(tokens, items, cost_model)`, its training
+FLOPs in terms of `TERMS` under this cost model's backward factors (`weight_factor`, `attention_factor`) for a
+micro-batch and for samples known by their counts, which `batch_terms` and `sample_costs(media=...)` add.
+`sample_flops` leaves such encoders out (it counts the rest of the sample).
 
 Counted FLOPs are those of the matrix multiplications (linear layers, convolutions, attention's two matmuls), as in
 Kaplan et al. 2020 ("Scaling Laws for Neural Language Models", sec. 2.1) and Hoffmann et al. 2022 (Chinchilla,
@@ -118,9 +119,11 @@ Per-sample costs for compute-balanced batching (`sample_costs`) use the same ter
 before collation: the sample's tokens (`num_tokens` of the prepared shards), its visual and labelled tokens and
 its number of images (of an audio model: its audio tokens and clips, each clip a whole window). Prepared shards
 record the total and each media item's tokens (`media_tokens`); `vlmctl.data.loader.ShardDataset.count_estimates`
-derives the rest (its docstring says how), and images are taken as equal-sized, one frame each, with full windows;
-a model with both an image and an audio encoder (Qwen2.5-Omni) has its media items all taken as clips there. What a
-balancer needs is the ranking and the ratios of samples' costs, which the tokens and the quadratic
+derives the rest (its docstring says how), per modality too, so that each encoder is charged its own modalities'
+items and tokens (an encoder that counts itself by its `sample_terms`); images are taken as equal-sized, one frame
+each, with full windows. Without the per-modality counts a model with both an image and an audio encoder
+(Qwen2.5-Omni) has each media item taken as an image and as a clip, and encoders that count themselves are left
+out. What a balancer needs is the ranking and the ratios of samples' costs, which the tokens and the quadratic
 attention term dominate.
 
 MFU (PaLM, Chowdhery et al. 2022, appendix B) = model FLOPs per second / (peak FLOP/s per device x devices), see
@@ -135,12 +138,15 @@ from __future__ import annotations
 import math
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from vlmctl.errors import DataError, ModelError
-from vlmctl.families.encoders import AudioShape, ImageShape, VisionShape, submodule as _submodule
+from vlmctl.families.encoders import AudioShape, CountsItself, ImageShape, VisionShape, submodule as _submodule
+
+# torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+# So are the vlmctl modules that load numpy when imported.
 
 __all__ = ["TERMS", "AudioShape", "CostModel", "ImageShape", "VisionShape", "batch_audio_frames", "batch_images",
            "batch_segments", "mfu"]
@@ -188,7 +194,12 @@ class CostModel:
     audio_params: int = 0  # the audio tower's matrices other than the stem (its layers)
     audio_projector_params: int = 0  # the projector of the audio tower's pooled rows (the others: of visual tokens)
     audio_projector_input_params: int = 0
-    own_terms: tuple[Any, ...] = ()  # the encoders whose cost rules count them (module docstring)
+    own_terms: tuple[CountsItself, ...] = ()  # the encoders whose cost rules count them (module docstring)
+    # the modalities each encoder encodes (`EncoderSpec.modalities`): the image encoder's, the audio encoder's, and
+    # those of each of `own_terms`, in order; what `sample_costs(media=...)` charges to each
+    vision_media: tuple[str, ...] = ("image", "video")
+    audio_media: tuple[str, ...] = ("audio",)
+    own_media: tuple[tuple[str, ...], ...] = ()
 
     @classmethod
     def from_model(cls, model, family, trainable_parts: set[str], *, lora: bool = False) -> "CostModel":
@@ -201,23 +212,33 @@ class CostModel:
         (`vlmctl.families.encoders.vision_cost` / `audio_cost`): an image encoder gives `vision` (its matrices
         `vision_params`, its convolutions `vision_input_params`), an audio encoder `audio` (its convolutions are the
         stem, its other matrices `audio_params`). Both are the `vision` part for freezing and backward factors. A
-        rule returning anything else counts its encoder itself (`own_terms`, module docstring).
+        rule returning a `vlmctl.families.encoders.CountsItself` counts its encoder itself (`own_terms`, module
+        docstring).
 
         Raises ModelError for unknown part names, a family with more than one image or audio encoder, a vision
-        config without width / depth / patch size, or an audio config without the keys `audio_cost` reads.
+        config without width / depth / patch size, an audio config without the keys `audio_cost` reads, or a cost
+        rule whose result is none of these.
         """
         unknown = set(trainable_parts) - set(PART_ORDER)
         if unknown:
             raise ModelError(f"unknown model parts {sorted(unknown)}", hint=f"parts are {', '.join(PART_ORDER)}")
         shapes: dict[type, tuple[str, Any]] = {}
-        own: list[Any] = []
+        media: dict[type, tuple[str, ...]] = {}
+        own: list[CountsItself] = []
+        own_media: list[tuple[str, ...]] = []
         for name, encoder in family.encoders.items():
             shape = encoder.shape(model)
             if shape is None:
                 continue
-            if not isinstance(shape, (VisionShape, AudioShape)):  # a rule that counts its encoder itself
+            if isinstance(shape, CountsItself):
                 own.append(shape)
+                own_media.append(tuple(encoder.modalities))
                 continue
+            if not isinstance(shape, (VisionShape, AudioShape)):
+                raise ModelError(f"family {family.name}: the cost rule of encoder {name} returned a {type(shape).__name__}",
+                                 hint="a cost rule returns a VisionShape, an AudioShape or a CountsItself "
+                                      "(vlmctl.families.encoders)")
+            media[type(shape)] = tuple(encoder.modalities)
             if type(shape) in shapes:
                 raise ModelError(f"family {family.name} has two {type(shape).__name__} encoders ({shapes[type(shape)][0]}, {name}); "
                                  "the cost model counts one of each", hint="count FLOPs without this family's cost model")
@@ -242,6 +263,7 @@ class CostModel:
             image_token_id=getattr(config, "image_token_index", None) if image_id is None else image_id,
             trained=frozenset(trained), grad_through=frozenset(PART_ORDER[first:]),
             video_token_id=getattr(config, "video_token_id", None), audio=audio, own_terms=tuple(own),
+            vision_media=media.get(VisionShape, ()), audio_media=media.get(AudioShape, ()), own_media=tuple(own_media),
         )
 
     # ---- backward factors ----
@@ -344,32 +366,55 @@ class CostModel:
                                   image_grids=image_grids, visual_tokens=visual_tokens, audio_frames=audio_frames)
         return sum(terms.values())
 
-    def sample_costs(self, tokens, visual_tokens, labelled_tokens, images) -> np.ndarray:
+    def sample_costs(self, tokens, visual_tokens, labelled_tokens, images, *,
+                     media: Mapping[str, Mapping[str, Any]] | None = None) -> np.ndarray:
         """Training FLOPs of each of N samples from the counts a sampler knows before collation (compute-balanced
         batching, `vlmctl.data.packing.balance_bins`): `tokens` (text + visual, the prepared `num_tokens`),
-        `visual_tokens`, `labelled_tokens` and `images` (images per sample), arrays [N]. Returns float64 [N].
+        `visual_tokens`, `labelled_tokens` and `images` (media items per sample), arrays [N]. Returns float64 [N].
 
         The same terms as `sample_flops`, vectorized: a sample is one causal segment of `tokens` tokens; its images'
         patches are (visual_tokens - images x CLS tokens kept) x patches per visual token (`VisionShape`), split
-        evenly among its images, each one frame, windows taken as full (as `sample_flops(image_patches=...)`). For an
-        audio model `visual_tokens` are audio tokens and `images` clips, each a whole window
-        (`sample_flops(audio_frames=[window] * clips, visual_tokens=...)`).
+        evenly among its images, each one frame, windows taken as full (as `sample_flops(image_patches=...)`); an
+        audio encoder's clips are each a whole window (`sample_flops(audio_frames=[window] * clips, ...)`).
+
+        `media`: the same counts per modality, {modality: {"tokens": [N], "items": [N]}}
+        (`vlmctl.data.loader.ShardDataset.count_estimates`' `media`): each encoder is then charged the items and
+        placeholder tokens of its own modalities (`vision_media`, `audio_media`, `own_media`), and an encoder that
+        counts itself adds its `CountsItself.sample_terms`. Without it every item is taken as one of the image
+        encoder's and as one of the audio encoder's (a clip), and encoders that count themselves are left out.
         """
         tokens, visual, labelled, images = (np.asarray(x, dtype=np.float64) for x in (tokens, visual_tokens, labelled_tokens, images))
-        patches = frames = vision_pairs = np.zeros_like(tokens)
-        v, audio, projected = self.vision, None, visual
+        zero = np.zeros_like(tokens)
+
+        def counts(modalities: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+            picked = [media[m] for m in modalities if m in media]
+            return (sum((np.asarray(c["tokens"], dtype=np.float64) for c in picked), zero),
+                    sum((np.asarray(c["items"], dtype=np.float64) for c in picked), zero))
+
+        if media is None:  # every item an image (an audio model's: a clip)
+            (visual_v, frames), clips = (visual, images), images
+        else:
+            (visual_v, frames), (_, clips) = counts(self.vision_media), counts(self.audio_media)
+        patches = vision_pairs = zero
+        v, audio, projected = self.vision, None, visual_v
         if v is not None:
-            frames = images
-            patches = np.where(frames > 0, np.maximum(visual - v.keep_cls * frames, 0) * v.patches_per_token, 0.0)
+            patches = np.where(frames > 0, np.maximum(visual_v - v.keep_cls * frames, 0) * v.patches_per_token, 0.0)
             per_image = np.divide(patches, frames, out=np.zeros_like(patches), where=frames > 0)
             vision_pairs = frames * v.count_pairs(per_image)
         if self.audio is not None:  # every clip costs one window
             clip = self.audio.counts(self.audio.window)
-            audio = {"stem": [images * n for n in clip["stem"]], **{k: images * clip[k] for k in ("positions", "pairs", "rows")}}
-            projected = np.zeros_like(tokens)
+            audio = {"stem": [clips * n for n in clip["stem"]], **{k: clips * clip[k] for k in ("positions", "pairs", "rows")}}
+            if media is None:
+                projected = zero
         terms = self._combine(tokens=tokens, llm_pairs=self.llm_pairs(tokens), labelled=labelled, visual=projected,
                               patches=patches, frames=frames, vision_pairs=vision_pairs, audio=audio)
-        return np.sum([np.broadcast_to(t, tokens.shape) for t in terms.values()], axis=0)
+        total = np.sum([np.broadcast_to(t, tokens.shape) for t in terms.values()], axis=0)
+        if media is not None:
+            for encoder, modalities in zip(self.own_terms, self.own_media):
+                own_tokens, items = counts(modalities)
+                for value in encoder.sample_terms(own_tokens, items, self).values():
+                    total = total + np.broadcast_to(np.asarray(value, dtype=np.float64), tokens.shape)
+        return total
 
     def batch_terms(self, batch: dict[str, Any]) -> dict[str, float]:
         """`batch_flops` per term (FLOPs, keys TERMS)."""

@@ -37,13 +37,20 @@ punishment, Eq. 13). A user reward is a function named `module:function` (`load_
 from __future__ import annotations
 
 import importlib
+import os
 import re
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
-from vlmctl.errors import ConfigError
+from vlmctl.errors import ConfigError, VlmctlError
+
+# The vlmctl modules that load numpy when imported are imported inside the functions that use them: importing vlmctl
+# (the CLI's start-up) must not pay for them.
 
 RewardFn = Callable[..., list[float]]
 """`fn(completions: list[str], references: list[list[str]], **kwargs) -> list[float]`, one reward per completion;
@@ -330,3 +337,474 @@ def build_rewards(specs: Sequence[Any], max_new_tokens: int) -> list[tuple[Rewar
             fn = load_reward(reward.name, key=f"train.grpo.rewards[{i}].name")
         out.append((fn, reward.weight))
     return out
+
+
+# ----------------------------------------------------------------------------------------------------- objective
+
+ROLLOUT_KEYS = ("advantages", "num_rollouts")
+"""Keys a rollout row adds to `PackedCollator`'s packed row (not model inputs)."""
+
+HTML_STEPS = 32
+"""Steps of sampled rollouts kept in run_dir/rollouts.html (the latest ones)."""
+
+
+class PromptCollator:
+    """Samples -> a micro-batch of prompts: {"prompts": [Sample], "num_prompts": n}. The GRPO objective turns it
+    into a packed row of rollouts (`GRPOObjective.prepare_window`) before the loop reads any token count."""
+
+    def __call__(self, samples: list[Any]) -> dict[str, Any]:
+        return {"prompts": list(samples), "num_prompts": len(samples)}
+
+
+def build_prompt_collator(cfg, ctx, tm) -> PromptCollator:
+    """The collator of `train.objective: grpo`: the sampler's micro-batches of `train.micro_batch_size` prompts
+    (any SFT data: the last assistant turn, or meta `answers`, is the reference) go to the objective as samples."""
+    return PromptCollator()
+
+
+def encode_prompt(sample: Any, processor, family: Any = None):
+    """The prompt of `sample` as training encodes it (`vlmctl.data.collate.encode_sample`'s processor call, media
+    tensors and per-token inputs) with the chat template's generation prompt appended: its messages before the last
+    assistant turn (`vlmctl.inference.request_from_sample`), so the ids are those `generate_rollouts` continues.
+    Returns an `Encoded` whose labels are all -100. Raises DataError as `template_media` does."""
+    from vlmctl.data.collate import Encoded, _media_kwargs, split_processor_outputs, template_media
+    from vlmctl.data.modalities import media_token_ids
+    from vlmctl.data.sample import Sample
+    from vlmctl.inference.prompt import request_from_sample
+
+    request = request_from_sample(sample)
+    prompt = Sample(id=sample.id, messages=request.messages, media=sample.media)
+    messages, media = template_media(prompt, processor, family)
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    out = processor(text=[text], **_media_kwargs(media, processor), return_tensors="pt", add_special_tokens=False)
+    if hasattr(family, "processor_outputs"):
+        out = family.processor_outputs(out, processor)
+    ids = out["input_ids"][0].to(torch.long)
+    token_inputs, media_inputs = split_processor_outputs(out)
+    visual = torch.isin(ids, torch.tensor(sorted(media_token_ids(processor)), dtype=torch.long))
+    return Encoded(ids, torch.full_like(ids, -100), media_inputs, {k: len(v) for k, v in media.items()},
+                   num_visual_tokens=int(visual.sum()), token_inputs=token_inputs)
+
+
+def rollout_rows(prompts: Sequence[Any], prompt_index: Sequence[int], completion_ids: Sequence[Sequence[int]]) -> list[Any]:
+    """One `Encoded` per rollout: its prompt's tokens (`encode_prompt`, media and per-token inputs) followed by the
+    generated tokens, labelled on the generated tokens only (the end-of-sequence token included), so a packed row's
+    labelled positions are exactly the completion tokens `policy_loss` sums over. Per-token inputs (Qwen-VL's
+    `mm_token_type_ids`) are 0 (text) on the completion."""
+    from vlmctl.data.collate import Encoded
+
+    rows = []
+    for k, completion in zip(prompt_index, completion_ids):
+        p = prompts[k]
+        c = torch.tensor(list(completion), dtype=torch.long)
+        rows.append(Encoded(torch.cat([p.input_ids, c]), torch.cat([torch.full_like(p.input_ids, -100), c]),
+                            p.media_inputs, p.media_counts, p.num_visual_tokens,
+                            {key: torch.cat([v, v.new_zeros(len(c))]) for key, v in p.token_inputs.items()}))
+    return rows
+
+
+@contextmanager
+def scaled_logits(model, temperature: float):
+    """While open, the LM head of `model` (any wrapper) computes logits / `temperature`: log-probs of the
+    distribution the rollouts were sampled from (TRL divides the logits by the sampling temperature too). The
+    head's input is divided (a forward pre-hook), so the chunked loss head (`kernels.chunked_loss_head`) and the
+    wrappers' hooks see it. Raises ConfigError for an LM head with a bias (logits / T is then not the head of
+    the scaled input)."""
+    if temperature == 1.0:
+        yield
+        return
+    inner = model
+    while isinstance(getattr(inner, "module", None), torch.nn.Module):  # DDP, DeepSpeed's engine
+        inner = inner.module
+    head = inner.get_output_embeddings()
+    if head is None or getattr(head, "bias", None) is not None:
+        raise ConfigError(f"train.grpo.temperature {temperature}: the log-probs are scaled through the LM head's input, "
+                          "but this model's LM head has a bias", hint="set train.grpo.temperature: 1.0")
+    handle = head.register_forward_pre_hook(lambda module, args: (args[0] / temperature, *args[1:]))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def completion_logps(model, inputs: dict[str, Any], batch: dict[str, Any], temperature: float = 1.0):
+    """(log-probs [S, L] float32, mask [S, L]) of every segment's labelled (completion) tokens of a packed row under
+    `model`, at `temperature` (`scaled_logits`), from the chunked LM-head cross-entropy (`kernels.token_losses`)
+    regrouped by `unpack_segments`; S = the row's segments (rollouts, then any dummy rows)."""
+    from vlmctl.train.kernels import token_losses
+
+    with scaled_logits(model, temperature):
+        losses, positions = token_losses(model, {**inputs, "labels": batch["labels"]})
+    if positions.numel() == 0:  # no labelled token: keep the graph (every rank runs the same collectives)
+        return losses.sum().reshape(1, 1).expand(len(batch["seq_lens"]), 1) * 0.0, torch.zeros(len(batch["seq_lens"]), 1, dtype=torch.long)
+    return unpack_segments(-losses, positions, batch["seq_lens"])
+
+
+def _seed(seed: int, step: int, rank: int, micro: int) -> int:
+    """A generation seed from (run seed, step, data-parallel rank, micro-batch): the same rollouts after a resume."""
+    value = seed
+    for part in (step, rank, micro):
+        value = (value * 1_000_003 + part) % (2**63 - 1)
+    return value
+
+
+@dataclass
+class GRPOObjective:
+    """Group relative policy optimisation on vlmctl's loop (formulas and sources: the module docstring).
+
+    Each step, `prepare_window` turns the window's micro-batches of prompts into packed rows of rollouts: the
+    policy (`engine.module`, eval mode, no gradient, in the engine's precision) samples `group_size` answers per
+    prompt (`rollouts.generate_rollouts`, seeded from (train.seed, step, data-parallel rank, micro-batch), so a
+    resumed run draws the same rollouts); the rewards score them; advantages are normalised per group
+    (`group_advantages`; scale "batch" uses the std over every rollout of the step on all data-parallel ranks);
+    DAPO's filter drops zero-variance groups when asked; each micro-batch's rollouts (prompt + completion, labels
+    on the completion) become one packed row (`PackedCollator.pack`, with the dummy rows that keep sharded encoders
+    in step) with `advantages` [rollouts] and `num_rollouts`.
+
+    `loss` computes the completion tokens' log-probs through `engine.model` and `policy_loss`; with one update per
+    generation (GRPO's mu = 1) the old log-probs are the detached current ones (ratio 1). The loop's normalisation
+    gives the aggregation: `label_tokens` counts rollouts (aggregation "sequence": each micro-batch's loss is the sum
+    of its rollouts' token means, the step's the mean over every rollout) or completion tokens ("token": the sum of
+    per-token losses over the tokens of the whole step, DAPO). With `beta` > 0 the reference (`models["reference"]`,
+    frozen, parallelized by the worker) gives the KL term.
+
+    Metrics per step: reward (mean), reward_std (mean of the groups' stds), rewards/<name>/mean, frac_reward_zero_std,
+    completions/mean_length, completions/clipped_ratio (cut at max_new_tokens), clip_ratio/{low,high,region}_mean,
+    kl (beta > 0), rollouts_per_s, time/rollout_s (generation, rewards and packing; mean over data-parallel ranks)
+    and time/train_s (the rest of the step on this rank: forward, backward, optimizer step)."""
+
+    settings: Any  # config.objective.GRPOSection
+    rewards: list  # (function, weight) pairs (`build_rewards`)
+    reward_names: list[str]
+    processor: Any
+    family: Any
+    hook: Any = None  # the family's packed-row hook (Qwen-VL's mRoPE positions), or None
+    seed: int = 0
+    dp_rank: int = 0
+    dp_group: Any = None
+    video: Any = None  # data.video settings (generation samples videos as prepared)
+    run_dir: Path | None = None  # rank 0's run folder: rollouts.html
+    reference: Any = None
+    name: str = "grpo"
+    batch_keys: tuple[str, ...] = ("input_ids", "labels", "seq_lens", *ROLLOUT_KEYS)
+    models: dict[str, Any] = field(default_factory=dict)
+    _stats: dict[str, float] = field(default_factory=dict, init=False)
+    _train_start: float = field(default=0.0, init=False)
+    _samples: list = field(default_factory=list, init=False)
+    _warned: bool = field(default=False, init=False)
+
+    def __post_init__(self):
+        if self.reference is not None:
+            self.models = {"reference": self.reference}
+        self.collator = None
+
+    # ---- the loop's protocol
+
+    def label_tokens(self, batch: dict[str, Any]) -> int:
+        return _rollouts(batch) if self.settings.aggregation == "sequence" else batch["num_label_tokens"]
+
+    def loss(self, engine, batch: dict[str, Any]):
+        from vlmctl.train.objectives import MicroLoss
+
+        s = self.settings
+        inputs = {k: v for k, v in engine.inputs(batch).items() if k not in ROLLOUT_KEYS}
+        n = _rollouts(batch)
+        logps, mask = completion_logps(engine.model, inputs, batch, s.temperature)
+        ref = None
+        if s.beta:
+            with torch.no_grad():
+                ref, _ = completion_logps(self.models["reference"], inputs, batch, s.temperature)
+        names = ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", *(["kl"] if s.beta else []), "completion_tokens"]
+        if n == 0:  # every group of this micro-batch was dropped: a forward for the collectives, nothing added
+            return MicroLoss(loss=logps.sum() * 0.0, tokens=0, metrics={k: 0.0 for k in names})
+        logps, mask = logps[:n], mask[:n]
+        advantages = batch["advantages"] if "advantages" in batch else torch.zeros(n)
+        out = policy_loss(logps, None, advantages.to(logps.device), mask, epsilon_low=s.epsilon_low,
+                          epsilon_high=s.epsilon_high, level=s.importance_sampling_level, aggregation=s.aggregation,
+                          beta=s.beta, ref_logps=None if ref is None else ref[:n].to(logps.dtype),
+                          num_tokens=1.0 if s.aggregation == "token" else None)
+        tokens = float(mask.sum())
+        # a sum over the micro-batch: rollouts' means (sequence) or tokens' losses (token); the loop divides
+        total = out.loss * n if s.aggregation == "sequence" else out.loss
+        metrics = {k: out.metrics[k] * tokens for k in names[:-1]}
+        metrics["completion_tokens"] = tokens
+        return MicroLoss(loss=total, tokens=n if s.aggregation == "sequence" else int(tokens), metrics=metrics)
+
+    def metrics(self, sums: dict[str, float], label_tokens: float) -> dict[str, float]:
+        """The rollout statistics of the step (reduced in `prepare_window`), the token means of the clip ratios
+        and KL, and the step's train seconds on this rank."""
+        out = dict(self._stats)
+        tokens = sums.get("completion_tokens", 0.0)
+        for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "kl"):
+            if key in sums:
+                out[key] = sums[key] / tokens if tokens else 0.0
+        out["time/train_s"] = round(time.perf_counter() - self._train_start, 4)
+        return out
+
+    # ---- rollouts
+
+    def prepare_window(self, engine, window: list[dict[str, Any]], step: int = 0) -> list[dict[str, Any]]:
+        """The window's micro-batches of prompts -> packed rows of scored rollouts (see the class docstring).
+        Collective under several ranks (generation with synced_gpus, one all-reduce of the statistics).
+        Raises VlmctlError naming a reward function that fails or returns a wrong number of values."""
+        import torch.distributed as dist
+
+        start = time.perf_counter()
+        s = self.settings
+        G = s.group_size
+        sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        generated = []
+        for j, batch in enumerate(window):
+            prompts = batch["prompts"]
+            requests = [_request(p) for p in prompts]
+            extra = self._blank_requests(requests) if sharded else []
+            device = next(engine.module.parameters()).device
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                torch.manual_seed(_seed(self.seed, step, self.dp_rank, j))
+                rollouts = engine.forward(_Generate(self, requests, extra), None)
+            generated.append(rollouts)
+        # rewards of every rollout of the window
+        per_reward, totals, references = [], [], []
+        for batch, rollouts in zip(window, generated):
+            refs, values = self._score(batch["prompts"], rollouts)
+            references.append(refs)
+            per_reward.append(values)
+            totals.append(sum(w * v for (_, w), v in zip(self.rewards, values)) if values else torch.zeros(len(rollouts.texts)))
+        everything = torch.cat(totals) if totals else torch.zeros(0)
+        batch_std = self._batch_std(everything) if s.scale_rewards == "batch" else None
+        rows, stats = [], _Stats(len(self.rewards))
+        for j, (batch, rollouts, total) in enumerate(zip(window, generated, totals)):
+            scale = "none" if batch_std is not None else s.scale_rewards
+            advantages, zero_std = group_advantages(total, G, scale=scale)
+            if batch_std is not None:
+                advantages = advantages / (batch_std + 1e-4)
+                zero_std = torch.full_like(zero_std, batch_std == 0)
+            keep = keep_groups(total, G) if s.drop_zero_variance_groups else torch.ones_like(total, dtype=torch.bool)
+            prompts = [encode_prompt(p, self.processor, self.family) for p in batch["prompts"]]
+            self._check_prompts(prompts, rollouts)
+            index = [i for i in range(len(total)) if keep[i]]
+            encoded = rollout_rows(prompts, [rollouts.prompt_index[i] for i in index], [rollouts.completion_ids[i] for i in index])
+            row = self._collator().pack(encoded)
+            if self.hook is not None:
+                row = self.hook(row)
+            row["advantages"] = advantages[keep].to(torch.float32)
+            row["num_rollouts"] = len(index)
+            rows.append(row)
+            stats.add(total, per_reward[j], zero_std, rollouts, G)
+            if j == 0 and self.run_dir is not None:
+                self._sample(step, batch["prompts"][0], references[j], rollouts, total, advantages, G)
+        seconds = time.perf_counter() - start
+        self._stats = stats.reduce(seconds, self.reward_names, self.dp_group)
+        if self.run_dir is not None and self._samples:
+            write_rollouts_html(self.run_dir / "rollouts.html", self._samples)
+        self._train_start = time.perf_counter()
+        return rows
+
+    def _collator(self):
+        from vlmctl.data.collate import PackedCollator
+
+        if self.collator is None:  # the row budget is the rollouts': G x (prompt + completion) per prompt
+            self.collator = PackedCollator(self.processor, self.family, tokens_per_batch=2**62)
+        return self.collator
+
+    def _blank_requests(self, requests) -> list:
+        """A blank-image request when none of `requests` has an image and the family takes images (see
+        `generate_rollouts`' extra_requests)."""
+        from vlmctl.data.modalities import get_unit
+        from vlmctl.inference.prompt import GenerationRequest
+
+        unit = get_unit("image")
+        if any(r.images for r in requests) or not unit.accepted_by(self.family):
+            return []
+        blank = unit.dummy_input(self.processor)
+        if blank is None:
+            return []
+        return [GenerationRequest(messages=[{"role": "user", "content": [{"type": "image", "index": 0}, {"type": "text", "text": "."}]}],
+                                  images=[blank], id="blank")]
+
+    def generate(self, engine, requests, extra):
+        """`generate_rollouts` with the policy (`engine.module`), under the engine's precision context."""
+        from vlmctl.train.rollouts import generate_rollouts
+
+        s = self.settings
+        return generate_rollouts(engine.module, self.processor, requests, group_size=s.group_size, max_new_tokens=s.max_new_tokens,
+                                 temperature=s.temperature, top_p=s.top_p, family=self.family, video=self.video,
+                                 extra_requests=extra)
+
+    def _score(self, prompts, rollouts) -> tuple[list[list[str]], list[torch.Tensor]]:
+        """(references of each rollout, [the rewards of each function, [N] float32])."""
+        from vlmctl.evaluation.runner import references_of
+
+        refs = [references_of(prompts[k]) for k in rollouts.prompt_index]
+        metas = [prompts[k].meta for k in rollouts.prompt_index]
+        lengths = [len(c) for c in rollouts.completion_ids]
+        values = []
+        for (fn, _), name in zip(self.rewards, self.reward_names):
+            try:
+                values.append(score([(fn, 1.0)], rollouts.texts, refs, meta=metas, completion_tokens=lengths))
+            except Exception as exc:  # noqa: BLE001 - the user's function may raise anything
+                detail = str(exc) if isinstance(exc, ValueError) else f"it raised {type(exc).__name__}: {exc}"
+                raise VlmctlError(f"train.grpo reward {name}: {detail}",
+                                  hint="a reward returns one number per completion: fn(completions, references, **kwargs) -> list[float]") from None
+        return refs, values
+
+    def _batch_std(self, rewards: torch.Tensor) -> float:
+        """The std (Bessel) of every rollout's reward of the step over the data-parallel ranks."""
+        import torch.distributed as dist
+
+        every = [rewards.tolist()]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.dp_group) > 1:
+            every = [None] * dist.get_world_size(self.dp_group)
+            dist.all_gather_object(every, rewards.tolist(), group=self.dp_group)
+        values = torch.tensor([v for part in every for v in part], dtype=torch.float32)
+        return float(values.std()) if values.numel() > 1 else 0.0
+
+    def _check_prompts(self, prompts, rollouts) -> None:
+        """Warn once when training's prompt tokens differ from those generation continued (a processor that
+        renders a batch otherwise than one prompt): the rollouts are then scored on other prompt tokens."""
+        if self._warned:
+            return
+        for k, ids in zip(rollouts.prompt_index, rollouts.prompt_ids):
+            if prompts[k].input_ids.tolist() != ids:
+                import warnings
+
+                self._warned = True
+                warnings.warn("train.objective grpo: the prompt tokens of a rollout differ from the ones its answer was "
+                              "generated after (the processor renders a batch otherwise than one prompt)", stacklevel=2)
+                return
+
+    def _sample(self, step, prompt, references, rollouts, total, advantages, G) -> None:
+        """Keep the first prompt's group of this step for rollouts.html (the latest `HTML_STEPS` steps)."""
+        from vlmctl.inference.prompt import request_from_sample
+
+        messages = request_from_sample(prompt).messages
+        question = " ".join(p.get("text", f"<{p['type']}>") for m in messages for p in m["content"])
+        self._samples.append({"step": step + 1, "id": prompt.id, "prompt": question, "references": references[0] if references else [],
+                              "completions": rollouts.texts[:G], "rewards": total[:G].tolist(), "advantages": advantages[:G].tolist()})
+        del self._samples[:-HTML_STEPS]
+
+
+def _rollouts(batch: dict[str, Any]) -> int:
+    """The rollouts of a packed row. A row without them (the GPU batch-size probe's packed SFT rows,
+    `train.autotune`) trains as rollouts with zero advantages: a rollout row's memory and time."""
+    return int(batch["num_rollouts"]) if "num_rollouts" in batch else int(batch["num_samples"])
+
+
+def _request(sample: Any):
+    from vlmctl.inference.prompt import request_from_sample
+
+    return request_from_sample(sample)
+
+
+class _Generate:
+    """An 'objective' whose loss is the rollouts: `engine.forward` runs it under the engine's precision context."""
+
+    def __init__(self, objective: GRPOObjective, requests, extra):
+        self.objective, self.requests, self.extra = objective, requests, extra
+
+    def loss(self, engine, batch):
+        return self.objective.generate(engine, self.requests, self.extra)
+
+
+class _Stats:
+    """Sums of a step's rollout statistics on this rank, all-reduced over the data-parallel ranks by `reduce`."""
+
+    def __init__(self, num_rewards: int):
+        # reward sum, groups' std sum, groups, zero-std groups, rollouts, completion tokens, truncated, per reward sums
+        self.values = [0.0] * (7 + num_rewards)
+
+    def add(self, total: torch.Tensor, per_reward: list[torch.Tensor], zero_std: torch.Tensor, rollouts, G: int) -> None:
+        v = self.values
+        grouped = total.view(-1, G)
+        v[0] += float(total.sum())
+        v[1] += float(grouped.std(dim=1).sum())
+        v[2] += grouped.shape[0]
+        v[3] += float(zero_std.view(-1, G)[:, 0].sum())
+        v[4] += total.numel()
+        v[5] += rollouts.completion_tokens
+        v[6] += sum(1 for f in rollouts.finished if not f)
+        for i, r in enumerate(per_reward):
+            v[7 + i] += float(r.sum())
+
+    def reduce(self, seconds: float, names: list[str], group) -> dict[str, float]:
+        import torch.distributed as dist
+
+        values = torch.tensor([*self.values, seconds, 1.0], dtype=torch.float64)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(values, group=group)
+        v = values.tolist()
+        n, groups, ranks = max(v[4], 1.0), max(v[2], 1.0), v[-1]
+        rollout_s = v[-2] / ranks
+        out = {"reward": v[0] / n, "reward_std": v[1] / groups, "frac_reward_zero_std": v[3] / groups,
+               "completions/mean_length": v[5] / n, "completions/clipped_ratio": v[6] / n}
+        for i, name in enumerate(names):
+            out[f"rewards/{name}/mean"] = v[7 + i] / n
+        out["rollouts"] = v[4]
+        out["rollouts_per_s"] = v[4] / rollout_s if rollout_s > 0 else 0.0
+        out["time/rollout_s"] = round(rollout_s, 4)
+        return out
+
+
+def write_rollouts_html(path: Path, samples: list[dict[str, Any]]) -> None:
+    """A page of sampled rollouts (latest step first): each prompt, its references, and every completion of its group
+    with its reward and advantage. Written to a temporary file and renamed (a reader never sees half a page)."""
+    from html import escape
+
+    parts = ["<!doctype html><meta charset='utf-8'><title>rollouts</title>",
+             "<style>body{font-family:sans-serif;margin:1em}table{border-collapse:collapse;margin-bottom:1.5em}"
+             "td,th{border:1px solid #ccc;padding:3px 6px;text-align:left;vertical-align:top}"
+             "td.c{white-space:pre-wrap;font-family:monospace}</style>",
+             f"<h1>Rollouts of {escape(path.parent.name)}</h1><p>The first prompt's group of each step (rank 0), latest first.</p>"]
+    for rec in reversed(samples):
+        parts.append(f"<h3>step {rec['step']} &middot; {escape(str(rec['id']))}</h3><p><b>prompt</b>: {escape(rec['prompt'])}<br>"
+                     f"<b>reference</b>: {escape(' | '.join(rec['references']))}</p>")
+        parts.append("<table><tr><th>#</th><th>completion</th><th>reward</th><th>advantage</th></tr>")
+        for i, (text, reward, adv) in enumerate(zip(rec["completions"], rec["rewards"], rec["advantages"])):
+            parts.append(f"<tr><td>{i}</td><td class='c'>{escape(text)}</td><td>{reward:.3f}</td><td>{adv:+.3f}</td></tr>")
+        parts.append("</table>")
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text("\n".join(parts) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def build_grpo_objective(tm, cfg, ctx, run_dir: Path | None = None) -> GRPOObjective:
+    """The objective of `train.objective: grpo` (`GRPOObjective`): the rewards of `train.grpo.rewards` (user
+    functions imported now), a frozen reference (`reference.load_reference`) when `train.grpo.beta` > 0, and the
+    family's packed-row hook, which the objective applies to its rows: the loop's prefetch sees prompts, so the
+    hook is taken from `tm` (`tm.prepare` becomes None). `run_dir` (rank 0's): where rollouts.html goes.
+
+    Raises ConfigError for settings not supported: unpacked rows (the family cannot pack, or train.packing off),
+    sequence parallelism, num_iterations > 1, validation (`train.eval_steps`); and as `build_rewards` does."""
+    train = cfg.train
+    s = train.grpo
+    if not train.packing:
+        why = "train.packing is off" if getattr(tm.family, "supports_packing", True) else f"{tm.family.name} models cannot take packed rows"
+        raise ConfigError(f"train.objective grpo packs each prompt's rollouts into one row, but rows are not packed ({why})",
+                          hint="set train.packing: true, with a family that packs (e.g. qwen2_5_vl, llava)")
+    if train.sequence_parallel > 1:
+        raise ConfigError("train.objective grpo reads each rollout's log-probs from one rank's row: set train.sequence_parallel: 1")
+    if s.num_iterations != 1:
+        raise ConfigError(f"train.grpo.num_iterations={s.num_iterations}: only one update per generation batch is supported",
+                          hint="set train.grpo.num_iterations: 1")
+    if train.eval_steps:
+        raise ConfigError("train.eval_steps: a grpo run has no validation loss",
+                          hint="remove train.eval_steps and evaluate the exported model with `vlmctl eval`")
+    import sys
+
+    if os.getcwd() not in sys.path:  # a reward module next to vlmctl.yaml, where `vlmctl train` was started
+        sys.path.insert(0, os.getcwd())
+    rewards = build_rewards(s.rewards, s.max_new_tokens)
+    reference = None
+    if s.beta > 0:
+        from vlmctl.train.reference import load_reference
+
+        reference = load_reference(cfg, cfg.train, ctx)
+    hook, tm.prepare = tm.prepare, None
+    return GRPOObjective(settings=s, rewards=rewards, reward_names=[r.name for r in s.rewards], processor=tm.processor,
+                         family=tm.family, hook=hook, seed=train.seed, dp_rank=ctx.dims.dp_rank, dp_group=ctx.dims.dp_group,
+                         video=getattr(cfg.data, "video", None), run_dir=Path(run_dir) if run_dir is not None and ctx.env.is_main else None,
+                         reference=reference)

@@ -25,6 +25,12 @@ import functools
 import importlib.util
 from typing import Any
 
+# torch and transformers are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must
+# not pay for them.
+# So are the vlmctl modules that load numpy when imported.
+# liger_kernel (an optional dependency) is imported only where used, so the rest works without it.
+# Light vlmctl modules and modules the CLI's start-up loads anyway are imported next to their use as well.
+
 # No "flash" in the name: transformers' set_attn_implementation would look for a Hub kernel of that name.
 VARLEN_NAME = "vlmctl_varlen"
 # The same kernel, named so that Qwen-VL vision towers pass it their window boundaries (see `set_attention`).
@@ -197,7 +203,7 @@ def token_losses(model, batch: dict[str, Any], shard=None):
         out = model(**inputs, logits_to_keep=torch.tensor([last], device=labels.device))
         return out.logits.float().sum()[None] * 0.0, torch.zeros(0, dtype=torch.long, device=labels.device)
     targets = labels[0, target_pos]
-    with chunked_loss_head(model, targets) as head:
+    with chunked_loss_head(model, targets, positions=keep) as head:
         out = model(**inputs, logits_to_keep=keep)
     return head.losses(out.logits), target_pos
 
@@ -251,10 +257,12 @@ class _LossHead:
 
 
 @contextlib.contextmanager
-def chunked_loss_head(model, targets):
+def chunked_loss_head(model, targets, positions=None):
     """While open, the LM head of `model` (any wrapper: DDP, FSDP2, DeepSpeed, peft) returns, for the hidden states
     (1, n, H) the model hands it, the cross-entropy against `targets` (n,) as (1, n, 1) instead of logits
-    (`chunked_cross_entropy`). The head runs inside the model's forward, as liger-kernel's fused loss does, so its
+    (`chunked_cross_entropy`). A forward that hands the head every position of the row instead of the
+    `logits_to_keep` ones (liger-kernel's patched forwards when no labels are given) has its hidden states taken at
+    `positions` (n,) first. The head runs inside the model's forward, as liger-kernel's fused loss does, so its
     weight is the gathered one under FSDP2 and ZeRO-3 and the wrappers' hooks see its output. Models whose forward
     transforms the logits after the head (final logit soft-capping) keep their head: the loss is then computed from
     the kept logits. Yields a `_LossHead` whose `losses(out.logits)` gives the (n,) losses."""
@@ -272,6 +280,8 @@ def chunked_loss_head(model, targets):
 
     def forward(hidden):
         state.calls += 1
+        if positions is not None and hidden.shape[-2] != targets.shape[0]:  # the whole row: keep the predicting positions
+            hidden = hidden[:, positions.to(hidden.device)]
         losses = chunked_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head.weight, head.bias, targets)
         return losses.view(1, -1, 1)
 

@@ -37,6 +37,12 @@ from vlmctl.distributed.engine import is_deepspeed, is_fsdp
 from vlmctl.distributed.mesh import SHARDING_ENV
 from vlmctl.errors import ConfigError, UsageError
 
+# pyarrow and torch are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must not
+# pay for them.
+# So are the vlmctl modules that load numpy when imported.
+# rich is imported inside the functions that print: using vlmctl as a library does not load it.
+# Light vlmctl modules and modules the CLI's start-up loads anyway are imported next to their use as well.
+
 WORKER_MODULE = "vlmctl.train.worker"
 TRAIN_LOG = "train.log"  # the ranks' combined output, in every run folder
 AGENTS = ("torchrun", "accelerate")  # the launchers that start one process agent per node from this command
@@ -326,7 +332,8 @@ def check_built_settings(cfg, source: str) -> None:
 
 def preflight(cfg, run_dir: Path | None = None) -> None:
     """Fail before spawning processes when an optional package the config needs is missing (ConfigError,
-    `check_packages`), the prepared data (the val split too with `train.eval_steps`) or the model is missing
+    `check_packages`), the prepared data (the val split too with `train.eval_steps`) or the model is missing, the
+    training shards hold no preference pairs for `train.objective: dpo`
     (DataError / ModelError), or when the checkpoint
     a resumed run (`run_dir`) would load is damaged or refused (`checkpoints.check_checkpoint`, CheckpointError
     naming the file) or was written with another batching (`checkpoint.check_batching`, ConfigError)."""
@@ -338,6 +345,18 @@ def preflight(cfg, run_dir: Path | None = None) -> None:
     train_dir = Path(cfg.data.prepared_dir) / "train"
     if not any(train_dir.glob("*.parquet")):
         raise DataError(f"no prepared training shards in {train_dir}", hint="run `vlmctl data prepare` first")
+    if cfg.train.objective == "dpo":  # pairs, not conversations: read from the first shard's schema
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        from vlmctl.train.data import check_objective_data
+
+        shard = min(train_dir.glob("*.parquet"))
+        try:
+            columns = pq.read_schema(shard).names
+        except (OSError, pa.ArrowException) as exc:
+            raise DataError(f"{shard}: not a readable Parquet shard ({exc})", hint="re-run `vlmctl data prepare`") from None
+        check_objective_data(columns, cfg.train.objective, train_dir)
     val_dir = Path(cfg.data.prepared_dir) / "val"
     if cfg.train.eval_steps and not _split_rows(val_dir):
         raise DataError(f"train.eval_steps validates on the val split, but {val_dir} holds no prepared samples",

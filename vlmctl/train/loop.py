@@ -41,6 +41,10 @@ from typing import Any, Iterator
 from vlmctl.errors import VlmctlError
 from vlmctl.train.objectives import check_batch
 
+# torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+# So are the vlmctl modules that load numpy when imported; queue (standard library, not loaded at the CLI's start-up)
+# too. Light vlmctl modules and modules the start-up loads anyway sit next to their use as well.
+
 
 def prefetch(batches: Iterator[dict[str, Any]], prepare=None, depth: int = 2) -> Iterator[dict[str, Any]]:
     """Yield `prepare(batch)` (or the batch itself) for each batch of `batches`, computed up to `depth` batches
@@ -298,6 +302,9 @@ class Trainer:
         timer = StepTimer(self.env.device)
         window = [timer.next_batch(self.batches) for _ in range(self.grad_accum)]
         self.state.consumed += len(window)
+        prepare = getattr(self.objective, "prepare_window", None)
+        if prepare is not None:  # e.g. GRPO: rollouts generated and scored, packed into rows (timed by the objective)
+            window = prepare(self.engine, window, step=self.state.step)
         flops = float(sum(self.flops_of(b) for b in window)) if self.flops_of is not None else 0.0
         # The loss is a mean over the assistant tokens of the whole global batch: count them first. (This first
         # collective is also where the ranks wait for one whose data came late, before any compute is timed.)

@@ -29,6 +29,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+# matplotlib and torch are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must
+# not pay for them.
+# wandb (an optional dependency) is imported only where used, so the rest works without it.
+# rich is imported inside the functions that print: using vlmctl as a library does not load it.
+# Light vlmctl modules and modules the CLI's start-up loads anyway are imported next to their use as well.
+
 # Dense bf16 peak FLOP/s per device (vendor data sheets, without sparsity).
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
               "L40": 181e12, "A10": 125e12, "4090": 165e12, "B200": 2250e12, "GH200": 989e12}
@@ -189,6 +195,8 @@ def format_row(row: dict[str, Any]) -> str:
     parts.append(f"lr {row['lr']:.2e}")
     if row.get("grad_norm") is not None:
         parts.append(f"gnorm {row['grad_norm']:.3f}")
+    if row.get("time/rollout_s") is not None:  # grpo: the step's reward, and its generation vs training seconds
+        parts.append(f"reward {row['reward']:.3f} rollout {row['time/rollout_s']:.2f}s train {row['time/train_s']:.2f}s")
     parts.append(f"tok/s {row['tokens_per_s']:.0f} (text {row['text_tokens_per_s']:.0f}, visual {row['visual_tokens_per_s']:.0f})")
     if row.get("mfu") is not None:
         parts.append(f"MFU {100 * row['mfu']:.1f}%")

@@ -15,6 +15,9 @@ The step loop (`train.loop.Trainer`) knows an objective only through the `Object
 - `metrics(sums, label_tokens)`: the logged form of those sums for one step (the loop adds them to its rows);
 - `models`: frozen models the objective holds (a reference model), which the worker passes through
   `distributed.parallelize.parallelize(..., trainable=False)` like the trained one.
+- optional `prepare_window(engine, window, step)`: called first in each step with the window's collated
+  micro-batches (the loader's, before any token count), it returns the micro-batches the step trains on, as many
+  (GRPO: prompts in, packed rows of scored rollouts out).
 
 Supervised fine-tuning (`SFTObjective`) is the next-token cross-entropy over the labelled (assistant) tokens. A
 preference objective (DPO: the chosen and rejected segments of one packed row scored against a frozen reference
@@ -229,81 +232,3 @@ class DPOObjective:
     def metrics(self, sums: dict[str, float], label_tokens: float) -> dict[str, float]:
         """Means over the step's pairs of the summed rewards, margins and accuracies."""
         return {key: sums[key] / label_tokens for key in self.METRICS if key in sums and label_tokens}
-
-
-@dataclass
-class _ReferencePass:
-    """An objective-shaped pass (`Engine.forward` runs it under the engine's precision) returning the reference
-    log-probs of a row of pairs: (sums [S], counts [S]) of `DPOObjective.sequence_logps`."""
-
-    dpo: DPOObjective
-
-    def loss(self, engine, batch: dict[str, Any]):
-        return self.dpo.sequence_logps(engine.model, engine.inputs(batch), batch)
-
-
-def precompute_reference(objective: DPOObjective, engine, datasets, collate, *, prepare=None, device, dp_rank: int,
-                         dp_size: int, dp_group=None, path) -> int:
-    """Reference log-probs of every pair of `datasets` (ShardDatasets of preference samples: the training split and
-    the val split when the run validates) under the model as `engine` holds it before any step (the starting model),
-    into `objective.precomputed` and the JSON file `path` ({sample id: [chosen, rejected]}, summed answer log-probs in
-    nats; written by data-parallel rank 0, temporary file + rename). A resumed run reads `path` instead: its engine
-    holds trained weights.
-
-    Each data-parallel rank scores every `dp_size`-th pair, one pair per forward (so every rank runs the same number
-    of forwards, which FSDP2's collectives need: the last rank's list is padded with its last pair), in eval mode
-    and without gradients; the ranks' results are gathered over `dp_group`. Returns the number of pairs scored.
-    Raises VlmctlError when `path` is missing on resume (`objective.precomputed` must then come from the file)."""
-    import json
-    import os
-
-    import torch
-    import torch.distributed as dist
-
-    from vlmctl.train.loop import to_device
-
-    items = [(ds, i) for ds in datasets for i in range(len(ds))]
-    mine = items[dp_rank::dp_size]
-    per_rank = -(-len(items) // dp_size)
-    mine += mine[-1:] * (per_rank - len(mine)) if mine else []
-    found: dict[str, list[float]] = {}
-    model = engine.model
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            for ds, i in mine:
-                batch = collate([ds[i]])
-                batch = to_device(prepare(batch) if prepare is not None else batch, device)
-                sums, _ = engine.forward(_ReferencePass(objective), batch)
-                if batch["num_pairs"]:
-                    found[batch["pair_ids"][0]] = [float(sums[0]), float(sums[1])]
-    finally:
-        model.train(was_training)
-    every: list[dict[str, list[float]] | None] = [None] * dp_size
-    if dist.is_initialized() and dp_size > 1:
-        dist.all_gather_object(every, found, group=dp_group)
-    else:
-        every = [found]
-    merged = {k: v for part in every for k, v in (part or {}).items()}
-    objective.precomputed = {k: (v[0], v[1]) for k, v in merged.items()}
-    if dp_rank == 0:
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(merged))
-        os.replace(tmp, path)
-    return len(merged)
-
-
-def read_reference(objective: DPOObjective, path) -> int:
-    """Load `precompute_reference`'s file into `objective.precomputed`; returns the number of pairs. Raises
-    VlmctlError when it is missing or unreadable (a resumed run cannot recompute it: its weights have trained)."""
-    import json
-
-    try:
-        merged = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise VlmctlError(f"{path}: the precomputed reference log-probs of this run cannot be read ({exc})",
-                          hint="start a new run (train.dpo.reference: precomputed computes them before its first step), "
-                               "or use train.dpo.reference: frozen") from None
-    objective.precomputed = {k: (v[0], v[1]) for k, v in merged.items()}
-    return len(merged)

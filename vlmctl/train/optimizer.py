@@ -15,6 +15,9 @@ from typing import Any
 
 import torch
 
+# torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+# torchao (an optional dependency) is imported only where used, so the rest works without it.
+
 
 class OptimizerInBackward(torch.optim.Optimizer):
     """Per-parameter AdamW optimizers behind one Optimizer: `param_groups` are the per-parameter optimizers' own

@@ -8,6 +8,10 @@ from typing import Any
 
 from vlmctl.config.plan import pending
 
+# torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+# rich is imported inside the functions that print: using vlmctl as a library does not load it.
+# Light vlmctl modules and modules the CLI's start-up loads anyway are imported next to their use as well.
+
 
 def device_name(device) -> str:
     """The GPU's name (`torch.cuda.get_device_name`), or the device type ("cpu")."""

@@ -29,6 +29,9 @@ from typing import Iterator
 
 from vlmctl.errors import ConfigError, UsageError
 
+# Light vlmctl modules are imported inside functions, next to their use: at module level they would cost nothing
+# more.
+
 LOCK_FILE = ".lock"
 # left behind by a process killed while writing: checkpoint folders, the final export, loss.png, config.yaml
 TEMPORARIES = ("checkpoints/.tmp-checkpoint-*", ".tmp-final", "*.tmp.png", ".config.yaml.tmp", ".plan.json.tmp", "metrics.jsonl.tmp",

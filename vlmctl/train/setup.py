@@ -27,6 +27,11 @@ from vlmctl.distributed.weights import DeferredWeights
 from vlmctl.errors import ConfigError, ModelError
 from vlmctl.families import PARTS
 
+# numpy, peft, torch and transformers are imported inside the functions that use them: importing vlmctl (the CLI's
+# start-up) must not pay for them.
+# So are the vlmctl modules that load numpy and torch when imported.
+# Light vlmctl modules and modules the CLI's start-up loads anyway are imported next to their use as well.
+
 LORA_AUTO_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 BUILT_MODEL_FILES = ("config.json", "vlmctl_model.json")  # what `vlmctl model build` leaves in model.output_dir
 

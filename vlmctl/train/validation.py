@@ -28,6 +28,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+# torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+# So are the vlmctl modules that load numpy when imported.
+# rich is imported inside the functions that print: using vlmctl as a library does not load it.
+# Light vlmctl modules are imported next to their use as well.
+
 METRICS = {"val_loss": "min"}
 """The metrics `train.save_best` can name, with whether lower (min) or higher (max) is better."""
 

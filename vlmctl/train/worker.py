@@ -31,13 +31,16 @@ from vlmctl.distributed.engine import Engine, build_engine, strategy_of
 from vlmctl.distributed.parallelize import parallelize, sequence_shard
 from vlmctl.distributed.process import LAUNCHER_ENV
 from vlmctl.errors import VlmctlError
-from vlmctl.train import autotune
+from vlmctl.train import autotune, reference
 from vlmctl.train.data import build_collator, build_sampler, load_data
 from vlmctl.train.kernels import sequence_core_attention
 from vlmctl.train.objectives import DPOObjective, Objective, SFTObjective
 from vlmctl.train.setup import (RunContext, TrainingModel, build_optimizer, build_scheduler, defer_weights, load_for_rank,
                                 model_parts, model_source, prepare_model, setup_run)
 from vlmctl.train.validation import build_validator, name_best
+
+# torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+# So are the vlmctl modules that load numpy and torch when imported; light vlmctl modules sit next to their use too.
 
 EXIT_STOPPED = 0  # a run stopped by SIGTERM/SIGINT after saving exits cleanly; the launcher reports it
 
@@ -71,24 +74,19 @@ def wrap_model(tm: TrainingModel, train, ctx: RunContext, total_steps: int) -> E
 
 
 def build_objective(tm: TrainingModel, train, ctx: RunContext, cfg=None, run_dir: Path | None = None) -> Objective:
-    """The run's objective (`train.objective` of the resolved `train` section), with the frozen models it holds
-    parallelized (`cfg`, the whole project config, is read where the objective loads a reference model):
-
-    - sft: next-token cross-entropy (liger's fused loss where `prepare_model` patched it; this rank's slice of the
-      row under sequence parallelism);
-    - dpo: preference pairs against a reference (`train.dpo.reference`): a frozen copy of the starting model
-      (`load_reference`), the trained model with its LoRA adapter switched off, or log-probs computed once before
-      training (`precompute_reference`, after the engine exists; stored in `run_dir`);
-    - grpo: rollouts scored by rewards (`train.grpo.build_grpo_objective`)."""
+    """The run's objective (`train.objective` of the resolved `train` section), its frozen models parallelized
+    (`cfg`, the project config, gives a reference model's source; `run_dir`, grpo's rollouts.html): sft (liger's fused loss where `prepare_model`
+    patched it; this rank's slice of the row under sequence parallelism); dpo against a frozen copy of the starting
+    model, the LoRA base or precomputed log-probs (`train.reference`); grpo (`train.grpo.build_grpo_objective`)."""
     if train.objective != "sft" and cfg is None:
         raise VlmctlError(f"the {train.objective} objective needs the project config (its model source)")
     if train.objective == "grpo":
         from vlmctl.train.grpo import build_grpo_objective
 
-        objective = build_grpo_objective(tm, cfg, ctx)
+        objective = build_grpo_objective(tm, cfg, ctx, run_dir)
     elif train.objective == "dpo":
-        reference = load_reference(cfg.model_copy(update={"train": train}), ctx) if train.dpo.reference == "frozen" else None
-        objective = DPOObjective(settings=train.dpo, reference=reference)
+        frozen = train.dpo.reference == "frozen"
+        objective = DPOObjective(settings=train.dpo, reference=reference.load_reference(cfg, train, ctx) if frozen else None)
     else:
         objective = SFTObjective(liger=tm.liger, shard=sequence_shard(ctx.dims))
     for name, frozen in objective.models.items():  # forward only: a reference model of a preference objective
@@ -99,49 +97,6 @@ def build_objective(tm: TrainingModel, train, ctx: RunContext, cfg=None, run_dir
     if isinstance(objective, DPOObjective):
         objective.reference = objective.models.get("reference")
     return objective
-
-
-def load_reference(cfg, ctx: RunContext):
-    """A frozen copy of the starting model (the run's source weights, also when resuming: the reference never
-    moves): loaded as the trained model is (rank 0 alone under fsdp/ddp on several ranks), with the run's attention
-    kernels, every parameter frozen in the compute dtype, and no LoRA. The weights rank 0 read ride on the model
-    (`_vlmctl_deferred`) until `parallelize` places them."""
-    from vlmctl.train.setup import apply_kernels, store_frozen
-
-    model, _, family = load_for_rank(model_source(cfg), cfg, ctx, resuming=False)
-    apply_kernels(model, family, cfg.train, ctx.env.device, ctx.plan)
-    model.requires_grad_(False)
-    store_frozen(model, ctx.dtype)
-    model._vlmctl_deferred = defer_weights(model, cfg.train, ctx.env)
-    return model
-
-
-REFERENCE_LOGPS = "reference_logps.json"
-"""The run folder's precomputed DPO reference log-probs (`train.dpo.reference: precomputed`)."""
-
-
-def reference_pass(cfg, ctx: RunContext, tm: TrainingModel, engine: Engine, objective: DPOObjective, dataset,
-                   run_dir: Path, *, resuming: bool) -> None:
-    """`train.dpo.reference: precomputed`: score every training pair (and val pair when the run validates) with the
-    starting model once, before the first step (`objectives.precompute_reference`); a resumed run reads the file
-    its first start wrote (`objectives.read_reference`)."""
-    from vlmctl.train.objectives import precompute_reference, read_reference
-
-    path = run_dir / REFERENCE_LOGPS
-    if resuming:
-        read_reference(objective, path)
-        return
-    datasets = [dataset]
-    if cfg.train.eval_steps:
-        from vlmctl.data.loader import ShardDataset
-
-        datasets.append(ShardDataset.from_dir(Path(cfg.data.prepared_dir) / "val"))
-    if ctx.env.is_main:
-        print(f"scoring {sum(len(d) for d in datasets)} pairs with the reference model (train.dpo.reference: precomputed)",
-              file=sys.stderr)
-    precompute_reference(objective, engine, datasets, build_collator(cfg, ctx, tm), prepare=tm.prepare,
-                         device=ctx.env.device, dp_rank=ctx.dims.dp_rank, dp_size=ctx.dims.dp_size,
-                         dp_group=ctx.dims.dp_group, path=path)
 
 
 def reschedule(engine: Engine, train, total_steps: int) -> Engine:
@@ -202,18 +157,17 @@ def train_run(cfg, run_dir: Path, ctx: RunContext) -> str:
     dataset, lengths = load_data(cfg, ctx, tm)
     objective = build_objective(tm, train, ctx, cfg, run_dir)
     engine = None
-    if isinstance(objective, DPOObjective) and train.dpo.reference == "precomputed":
-        from collections import defaultdict
-
-        objective.precomputed = defaultdict(lambda: (0.0, 0.0))  # the probe's stand-ins: it measures memory, not loss
+    precomputed = isinstance(objective, DPOObjective) and train.dpo.reference == "precomputed"
+    if precomputed:
+        reference.probe_stand_ins(objective)
     if autotune.wants(ctx.plan):  # the probe measures the wrapped model; the schedule's length follows its choice
         engine = wrap_model(tm, train, ctx, total_steps=1)
         autotune.tune(cfg, run_dir, ctx, tm, engine, objective, dataset, lengths, log=lambda m: print(m, file=sys.stderr))
     sampler = build_sampler(cfg, ctx, dataset, lengths)
     total_steps = train.max_steps or max(1, math.ceil(train.num_epochs * sampler.batches_per_epoch / train.gradient_accumulation_steps))
     engine = wrap_model(tm, train, ctx, total_steps) if engine is None else reschedule(engine, train, total_steps)
-    if isinstance(objective, DPOObjective) and train.dpo.reference == "precomputed":  # the weights have not trained yet
-        reference_pass(cfg, ctx, tm, engine, objective, dataset, run_dir, resuming=resume_from is not None)
+    if precomputed:  # before resume_state: the weights have not trained yet
+        reference.reference_pass(cfg, ctx, tm, engine, objective, dataset, build_collator(cfg, ctx, tm), run_dir, resume_from)
     state = resume_state(resume_from, ctx, engine, train)
     sampler.set_position(state.consumed)
     loader = build_loader(dataset, sampler, build_collator(cfg, ctx, tm), num_workers=train.num_workers, seed=train.seed)

@@ -22,6 +22,10 @@ from vlmctl.data.checks import Rejection, check_images
 from vlmctl.data.sample import Sample
 from vlmctl.errors import DataError
 
+# The vlmctl modules that load numpy when imported are imported inside the functions that use them: importing vlmctl
+# (the CLI's start-up) must not pay for it.
+# Light vlmctl modules are imported next to their use as well.
+
 FORMATS = ("llava", "sharegpt", "messages", "parquet", "webdataset", "hf", "llamafactory", "preference")
 
 

@@ -16,6 +16,10 @@ from vlmctl.data.images import MediaRoots, MissingRef, resolve_ref
 from vlmctl.data.sample import Sample
 from vlmctl.errors import DataError
 
+# base64 and binascii (standard library, not loaded at the CLI's start-up) are imported inside the functions that
+# use them.
+# Modules the CLI's start-up loads anyway are imported next to their use as well.
+
 # Record keys copied into Sample.meta (eval references). `choices` is stored as `options`.
 META_KEYS = ("answers", "options", "choices", "question_type", "answer_type", "question_id", "category")
 GLOB_CHARS = set("*?[")

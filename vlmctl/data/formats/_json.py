@@ -28,6 +28,9 @@ from typing import Any, BinaryIO, Iterator
 
 from vlmctl.errors import DataError
 
+# numpy is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+# Modules the CLI's start-up loads anyway are imported next to their use as well.
+
 CHUNK_CHARS = 1 << 20  # bytes read per refill of the array buffer
 MAX_RECORD_BYTES = 64 << 20  # a record larger than this is rejected as too_large (never buffered further)
 MAX_DEPTH = 100  # a record nested deeper than this is rejected as too_deep (conversation records nest ~6 levels)

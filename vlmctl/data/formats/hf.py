@@ -19,6 +19,9 @@ from vlmctl.data.formats.parquet import resolve_columns, row_to_sample
 from vlmctl.data.sample import Sample
 from vlmctl.errors import DataError
 
+# datasets is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+# Modules the CLI's start-up loads anyway are imported next to their use as well.
+
 
 def read_hf(source: DataSource, *, media_roots: Iterable[Path | str] = ()) -> Iterator[Sample | Rejection]:
     """Stream unchecked samples from a Hub dataset. Image paths in rows resolve against `image_root` (default: the

@@ -37,6 +37,9 @@ from vlmctl.data.checks import Rejection
 from vlmctl.data.sample import Sample
 from vlmctl.errors import DataError
 
+# Light vlmctl modules are imported inside functions, next to their use: at module level they would cost nothing
+# more.
+
 INFO_FILE = "dataset_info.json"
 SHAREGPT_COLUMNS = {"messages": "conversations", "system": None, "images": None, "videos": None, "audios": None}
 ALPACA_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output", "system": None, "history": None,

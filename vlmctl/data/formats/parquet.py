@@ -38,6 +38,9 @@ from vlmctl.data.images import MediaRoots, MissingRef
 from vlmctl.data.sample import Sample
 from vlmctl.errors import DataError
 
+# pyarrow is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+# Light vlmctl modules are imported next to their use as well.
+
 LOGICAL = ("id", "images", "videos", "audios", "texts", "messages", "question", "answer", "answers", "options", "question_type", "system", "meta",
            "prompt", "chosen", "rejected", "rejected_response")
 PREFERENCE = ("prompt", "chosen", "rejected", "rejected_response")

@@ -40,6 +40,9 @@ from vlmctl.config.data import DataSource
 from vlmctl.data.checks import RecordError, Rejection, build_preference_sample
 from vlmctl.data.sample import Sample
 
+# Light vlmctl modules are imported inside functions, next to their use: at module level they would cost nothing
+# more.
+
 LAYOUTS = ("llamafactory", "trl", "swift")
 
 

@@ -31,6 +31,11 @@ from vlmctl.data.modalities.base import ModalityUnit
 from vlmctl.families.encoders import AUDIO_KEYS  # the data keys of the encoders that take audio
 from vlmctl.families.qwen2_audio import RESAMPLE_QUALITY  # soxr_hq (librosa's default); token rules count with it too
 
+# numpy and torch are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must not
+# pay for them.
+# soundfile and soxr (optional dependencies) are imported only where used, so the rest works without them.
+# Light vlmctl modules are imported next to their use as well.
+
 STORED_FORMAT = "FLAC"
 STORED_SUBTYPE = "PCM_16"
 """Stored clips: FLAC (lossless, about half the size of PCM WAV for speech) with 16-bit samples."""

@@ -12,6 +12,9 @@ from typing import Any
 
 from vlmctl.data.sample import MEDIA_COLUMNS
 
+# Light vlmctl modules are imported inside functions, next to their use: at module level they would cost nothing
+# more.
+
 
 def placeholder_token_ids(processor: Any, name: str) -> set[int]:
     """Ids of the processor's placeholder token(s) of modality `name`: `processor.<name>_token_id`, and the id of

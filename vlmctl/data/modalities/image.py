@@ -7,6 +7,10 @@ from typing import Any
 
 from vlmctl.data.modalities.base import ModalityUnit, placeholder_token_ids
 
+# PIL and torch are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must not pay
+# for them.
+# Light vlmctl modules are imported next to their use as well.
+
 DUMMY_SIDE = 56
 """Side in pixels of the dummy image when the processor has no fixed input size: the smallest image Qwen-VL
 processors accept (their `size` is in pixels of area, not a side)."""

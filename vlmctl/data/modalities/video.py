@@ -34,6 +34,11 @@ from vlmctl.config.data import DataVideo
 from vlmctl.data.modalities.base import ModalityUnit
 from vlmctl.families.encoders import VIDEO_KEYS  # the data keys of the encoders that take videos
 
+# numpy and torch are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must not
+# pay for them.
+# av (an optional dependency) is imported only where used, so the rest works without it.
+# Light vlmctl modules are imported next to their use as well.
+
 CLIP_FORMAT = "matroska"
 CLIP_CODEC = "mjpeg"
 CLIP_PIXEL_FORMAT = "yuvj444p"  # full-range, no chroma subsampling (as images are re-encoded: subsampling=0)

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# GRPO on a GPU: rollouts/s and the generation share of the step, from `vlmctl train`'s own metrics.
+#   benchmarks/bench_grpo_gpu.sh WORKDIR [PRESET] [TRAIN OVERRIDES...]
+# Builds a project in WORKDIR: 256 generated shapes-VQA samples (the tiny template's data), prepared, the PRESET
+# (default qwen2.5-vl-3b) built with random weights in bf16, then trains train.objective=grpo for 6 steps and prints
+# each step's rollouts, rollouts/s and rollout / train seconds (metrics.jsonl), and their means over steps 2-6.
+set -euo pipefail
+work=$1 preset=${2:-qwen2.5-vl-3b}
+shift $(( $# < 2 ? $# : 2 ))
+mkdir -p "$work/data/raw"
+python3 -c "from vlmctl.data.synthetic import generate_shapes_vqa; generate_shapes_vqa('$work/data/raw', num_samples=256)" >/dev/null
+cd "$work"
+cat > vlmctl.yaml <<YAML
+project: {name: grpo-bench}
+data: {sources: [{path: data/raw/shapes_vqa.json, format: llava}], prepared_dir: data/prepared, val_ratio: 0.0}
+model: {preset: $preset, init: random, dtype: bf16, output_dir: outputs/model}
+YAML
+python3 -m vlmctl --quiet data prepare --num-proc 4 >/dev/null
+python3 -m vlmctl --quiet model build --force >/dev/null
+python3 -m vlmctl train --launcher none train.objective=grpo train.strategy=fsdp train.stage=full train.max_steps=6 \
+    train.save_steps=1000 train.logging_steps=1 train.micro_batch_size=4 train.gradient_accumulation_steps=1 \
+    train.grpo.group_size=8 train.grpo.max_new_tokens=64 train.run_name=grpo "$@" > train.log 2>&1 || { tail -40 train.log; exit 1; }
+python3 - outputs/runs/grpo/metrics.jsonl <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+print(f"{'step':>4} {'rollouts':>8} {'rollouts/s':>10} {'rollout s':>9} {'train s':>8} {'generation share':>16} {'mean length':>11}")
+for r in rows:
+    g, t = r.get("time/rollout_s", 0.0), r.get("time/train_s", 0.0)
+    print(f"{r['step']:>4} {r.get('rollouts', 0):>8} {r.get('rollouts_per_s', 0):>10.1f} {g:>9.2f} {t:>8.2f} {g / (g + t):>16.1%} "
+          f"{r.get('completions/mean_length', 0):>11.1f}")
+later = rows[1:]
+g = sum(r.get("time/rollout_s", 0.0) for r in later) / len(later)
+t = sum(r.get("time/train_s", 0.0) for r in later) / len(later)
+print(json.dumps({"steps": len(later), "rollouts_per_s": sum(r.get("rollouts_per_s", 0) for r in later) / len(later),
+                  "rollout_s": g, "train_s": t, "generation_share": g / (g + t)}))
+PY

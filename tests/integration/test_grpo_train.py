@@ -1,0 +1,187 @@
+"""`vlmctl train` with `train.objective: grpo` on a tiny LLaVA and generated shapes-VQA prompts: one process through
+the CLI (rollouts generated and scored each step, the loss and reward metrics in metrics.jsonl, rollouts.html, the
+final export), two ranks under FSDP2 (each rank generates for its own prompts with synced_gpus; text-only prompts
+add a blank-image request so the vision tower's gathers line up), and a SIGTERM + resume that reproduces the
+uninterrupted run's losses exactly (rollouts are seeded from (seed, step, rank, micro-batch))."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shapes_shards import write_shapes_shards
+
+RUN_TIMEOUT = 240
+TOKENIZER_TEXTS = ["What color is the triangle? How many circles are there? Is the square left of the circle? "
+                   "What shape is the red object? Answer with one word. red green blue yellow purple yes no 0 1 2 3"] * 20
+# a reward with variance on a random model: longer answers score higher (the user-function path, module:function)
+REWARDS = "def longer(completions, references, **kwargs):\n    return [len(c) / 10 for c in completions]\n"
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    from vlmctl.config import ModelSection
+    from vlmctl.models import build_model
+
+    root = tmp_path_factory.mktemp("grpo-train")
+    write_shapes_shards(root / "data", 24)
+    build_model(ModelSection(preset="tiny", init="random", output_dir=root / "model"), tokenizer_texts=TOKENIZER_TEXTS)
+    build_model(ModelSection(preset="tiny-qwen2.5-vl", init="random", output_dir=root / "qwen"), tokenizer_texts=TOKENIZER_TEXTS)
+    (root / "grpo_rewards.py").write_text(REWARDS)
+    (root / "vlmctl.yaml").write_text("""
+project: {name: g}
+data: {prepared_dir: data/prepared, max_length: 512}
+model: {preset: tiny, init: random, output_dir: model}
+train:
+  objective: grpo
+  stage: full
+  strategy: ddp
+  precision: fp32
+  learning_rate: 1.0e-3
+  warmup_ratio: 0.0
+  micro_batch_size: 2
+  max_steps: 4
+  save_steps: 2
+  logging_steps: 1
+  num_workers: 0
+  output_dir: runs
+  grpo:
+    group_size: 4
+    max_new_tokens: 6
+    rewards: [{name: exact_match}, {name: "grpo_rewards:longer", weight: 0.5}]
+""")
+    return root
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _cli(project: Path, *args: str) -> subprocess.Popen:
+    from vlmctl.distributed.env import free_port
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "vlmctl", "-c", str(project / "vlmctl.yaml"), "train", "--master-port", str(free_port()), *args]
+    return subprocess.Popen(cmd, cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _run_cli(project: Path, *args: str, timeout: int = RUN_TIMEOUT) -> str:
+    proc = _cli(project, *args)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"training did not finish within {timeout}s (hang?):\n{out[-4000:]}")
+    assert proc.returncode == 0, out[-6000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_run(project) -> Path:
+    """The reference run: one process, 4 steps of 2 prompts x 4 rollouts, checkpoints at 2 and 4."""
+    _run_cli(project, "--launcher", "none", "train.run_name=one")
+    return project / "runs" / "one"
+
+
+def check_rows(rows: list[dict], rollouts: int, kl: bool = False) -> None:
+    for r in rows:
+        assert r["rollouts"] == rollouts and r["label_tokens"] == rollouts  # sequence aggregation: a mean over rollouts
+        assert r["time/rollout_s"] > 0 and r["time/train_s"] > 0 and r["rollouts_per_s"] > 0
+        assert 1 <= r["completions/mean_length"] <= 6
+        assert r["reward"] == pytest.approx(r["rewards/exact_match/mean"] + 0.5 * r["rewards/grpo_rewards:longer/mean"])
+        assert r["rewards/grpo_rewards:longer/mean"] > 0 and r["reward_std"] > 0
+        assert r["clip_ratio/region_mean"] == 0.0  # one update per generation: ratio 1
+        assert r["grad_norm"] > 0
+        if not kl:  # on-policy, the surrogate's value is minus the mean advantage, about 0; its gradient is not
+            assert abs(r["loss"]) < 1e-5 and "kl" not in r
+    if kl:  # the frozen reference is the starting model: no divergence before the first update, some after
+        assert rows[0]["kl"] == 0.0 and all(r["kl"] > 0 for r in rows[1:])
+
+
+@pytest.mark.timeout(RUN_TIMEOUT)
+def test_one_process_grpo_run_logs_rewards_and_rollouts_and_exports(one_run):
+    rows = metrics(one_run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    check_rows(rows, rollouts=2 * 4)  # 2 prompts x a group of 4
+    html = (one_run / "rollouts.html").read_text()
+    assert html.index("step 4") < html.index("step 1") and "reference" in html and "advantage" in html
+    assert not list(one_run.glob(".*.tmp"))
+    assert re.search(r"step 4/4 .*reward \d\.\d{3} rollout \d+\.\d\ds train \d+\.\d\ds", (one_run / "train.log").read_text())
+    from transformers import AutoModelForImageTextToText
+
+    AutoModelForImageTextToText.from_pretrained(one_run / "final")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT)
+def test_fsdp_two_ranks_generate_for_their_own_prompts_and_train_with_a_kl_term(project):
+    # the KL term's frozen reference is sharded like the policy (forward only)
+    # unsorted, unbalanced prompts: at step 3 one rank has only text-only prompts while the other has images
+    _run_cli(project, "--launcher", "torchrun", "--nproc-per-node", "2", "train.strategy=fsdp", "train.run_name=fsdp",
+             "train.grpo.beta=0.04", "train.group_by_length=false", "train.balance=off")
+    run = project / "runs" / "fsdp"
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    check_rows(rows, rollouts=2 * 2 * 4, kl=True)  # 2 ranks x 2 prompts x 4
+    assert 1 in [r["dummy_images"] for r in rows]  # that rank generated with a blank image and did not hang
+    assert all(len(r["rank_compute_s"]) == 2 for r in rows)
+    assert (run / "rollouts.html").is_file() and (run / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT)
+def test_qwen2_5_vl_fsdp_two_ranks_train_on_rollouts_with_mrope_positions(project):
+    # packed rollout rows get Qwen's per-segment mRoPE positions; a text-only rank generates with a blank image
+    _run_cli(project, "--launcher", "torchrun", "--nproc-per-node", "2", "train.strategy=fsdp", "train.run_name=qwen",
+             "model.preset=tiny-qwen2.5-vl", "model.output_dir=qwen", "train.group_by_length=false", "train.balance=off",
+             "train.max_steps=3", "train.save_steps=100")
+    rows = metrics(project / "runs" / "qwen")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    check_rows(rows, rollouts=2 * 2 * 4)
+    assert 1 in [r["dummy_images"] for r in rows] and sum(r["visual_tokens"] for r in rows) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * RUN_TIMEOUT)
+def test_sigterm_then_resume_reproduces_the_uninterrupted_run(project, one_run):
+    run = project / "runs" / "term"
+    proc = _cli(project, "--launcher", "none", "train.run_name=term")
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not (run / "metrics.jsonl").is_file() or not metrics(run):
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        assert time.monotonic() < deadline, "no step logged in time"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=RUN_TIMEOUT)
+    assert proc.returncode == 128 + signal.SIGTERM, out[-4000:]
+    stopped = json.loads(next((run / "checkpoints").glob("checkpoint-*/trainer_state.json")).read_text())["step"]
+    assert stopped < 4 and not (run / "final").exists()
+    _run_cli(project, "--launcher", "none", "--resume", "train.run_name=term")
+    resumed, reference = metrics(run), metrics(one_run)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for key in ("loss", "grad_norm", "reward", "completions/mean_length"):  # the same rollouts, the same updates
+        assert [r[key] for r in resumed] == [r[key] for r in reference], key
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * RUN_TIMEOUT)
+def test_zero3_two_ranks_generate_through_deepspeeds_hooks_and_train(project):
+    # The first DeepSpeed run on a machine compiles its CPU communication op (1-2 min, cached afterwards).
+    _run_cli(project, "--launcher", "torchrun", "--nproc-per-node", "2", "--strategy", "zero3", "train.run_name=zero3",
+             "train.max_steps=2", timeout=2 * RUN_TIMEOUT)
+    run = project / "runs" / "zero3"
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [1, 2]
+    check_rows(rows, rollouts=2 * 2 * 4)
+    assert sum(r["dummy_images"] for r in rows) > 0  # text-only prompts: a blank image kept the vision tower in step
+    assert (run / "final" / "model.safetensors").is_file()
