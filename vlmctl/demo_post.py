@@ -71,8 +71,8 @@ POST_OVERRIDES = {
         "train.grpo.temperature=1.0",
         "train.grpo.rewards=[{name: exact_match}]",
         "train.learning_rate=1.0e-3",
-        "train.max_steps=40",
-        "train.save_steps=40",
+        "train.max_steps=70",         # 40 steps learned position but lost colour and count on the way (-2.8 points)
+        "train.save_steps=70",
         "train.logging_steps=10",
     ],
 }
