@@ -313,3 +313,122 @@ def test_demo_verdict_points_a_jointly_trained_perceiver_at_its_frozen_recipe():
     assert "perceiver trained with the encoder" in joint and "train.freeze unset" in joint and "max_steps" not in joint
     assert "train longer" in _verdict(result("perceiver", ["vision", "projector"], 0.4), 2.3)
     assert "train longer" in _verdict(result("mlp2x_gelu", [], 0.4), 2.3)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# `vlmctl demo --objective dpo|grpo`: a briefly fine-tuned start, post-trained, measured before and after
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _shapes_records():
+    return [{"id": f"{q}-{i:05d}", "image": f"images/{q}-{i:05d}.png",
+             "conversations": [{"from": "human", "value": f"<image>\nq {i}"}, {"from": "gpt", "value": a}]}
+            for i, (q, a) in enumerate([("position", "left"), ("position", "right"), ("color", "red"), ("color", "blue"),
+                                        ("color", "green"), ("count", "2"), ("shape", "circle")])]
+
+
+def test_preference_pairs_reject_a_wrong_answer_of_the_same_type():
+    from vlmctl.demo_post import build_pairs
+
+    records = _shapes_records()
+    pairs, predicted = build_pairs(records, exclude={"color-00004"}, seed=1)
+    by_id = {p["id"]: p for p in pairs}
+    # count and shape have one answer left in the records: no wrong answer of their type, no pair; the val id is out
+    assert set(by_id) == {"position-00000", "position-00001", "color-00002", "color-00003"} and predicted == 0
+    assert by_id["position-00000"]["rejected"] == {"from": "gpt", "value": "right"}
+    assert by_id["color-00002"]["rejected"]["value"] == "blue"  # green is in the val split only
+    for p in pairs:
+        r = next(r for r in records if r["id"] == p["id"])
+        assert p["chosen"] == r["conversations"][1] and p["conversations"] == [r["conversations"][0]] and p["images"] == [r["image"]]
+    # the model's own wrong predictions are the rejected answers where given; right or empty ones are not
+    pairs, predicted = build_pairs(records, predictions={"position-00000": "right", "color-00002": "Red ", "color-00003": "",
+                                                         "count-00005": "3"})
+    by_id = {p["id"]: p for p in pairs}
+    assert predicted == 2 and by_id["count-00005"]["rejected"]["value"] == "3"
+    assert by_id["color-00002"]["rejected"]["value"] in {"blue", "green"} and by_id["color-00003"]["rejected"]["value"] != "blue"
+    # the pairs are read back as preference samples (LLaMA-Factory's ranking layout)
+    from vlmctl.data.formats.preference import layout_of
+
+    assert {layout_of(p) for p in pairs} == {"llamafactory"}
+
+
+def test_post_demo_overrides_train_from_the_sft_runs_final_model(tmp_path):
+    from vlmctl.config import load_config
+    from vlmctl.demo_post import POST_OVERRIDES, post_overrides
+    from vlmctl.project import init_project
+    from vlmctl.train.setup import model_source
+
+    init_project(tmp_path / "d", template="tiny", num_samples=20)
+    run = tmp_path / "d" / "outputs" / "runs" / "d-full-1"
+    (run / "final").mkdir(parents=True)
+    (run / "final" / "config.json").write_text("{}")
+    cfg = load_config(tmp_path / "d" / "vlmctl.yaml", post_overrides("dpo", run, "d"))
+    assert model_source(cfg) == str(run / "final") and cfg.train.objective == "dpo" and cfg.train.packing
+    assert cfg.data.kind == "preference" and cfg.data.sources[0].format == "preference" and cfg.data.val_ratio == 0
+    assert cfg.train.run_name == "d-dpo"
+    cfg = load_config(tmp_path / "d" / "vlmctl.yaml", post_overrides("grpo", run, "d"))
+    assert cfg.train.objective == "grpo" and [r.name for r in cfg.train.grpo.rewards] == ["exact_match"]
+    assert cfg.data.prepared_dir == load_config(tmp_path / "d" / "vlmctl.yaml").data.prepared_dir  # the SFT prompts
+    assert set(POST_OVERRIDES) == {"dpo", "grpo"}
+
+
+def test_dpo_demo_reduced_runs_both_stages_and_shows_before_and_after(tmp_path, capsys):
+    folder = tmp_path / "dpo"
+    args = ["demo", str(folder), "--objective", "dpo", "--num-samples", "120", "--sft-steps", "4", "train.max_steps=3",
+            "train.save_steps=3", "train.logging_steps=1"]
+    code, out, err = run(args, capsys)
+    assert code == 0, err + out
+    summary = json.loads((folder / "outputs" / "demo_post_summary.json").read_text())
+    before = summary["before"]
+    assert list(before["stage_seconds"]) == ["init", "prepare", "build", "train", "eval"] and before["steps"] == 4
+    assert list(summary["stage_seconds"]) == ["pairs", "prepare", "train", "eval"] and summary["steps"] == 3
+    assert summary["total_seconds"] == pytest.approx(sum(before["stage_seconds"].values()) + sum(summary["stage_seconds"].values()))
+    # one pair per train sample of a type with two answers or more; the dpo run trained from the SFT run's final model
+    pairs = json.loads((folder / "data" / "pairs" / "shapes_pairs.json").read_text())
+    val_ids = {json.loads(line)["id"] for line in (Path(before["eval_dir"]) / "predictions.jsonl").read_text().splitlines()}
+    assert summary["pairs"] == len(pairs) > 0 and not val_ids & {p["id"] for p in pairs}
+    assert all(p["chosen"]["value"] != p["rejected"]["value"] for p in pairs)
+    run_dir = Path(summary["run_dir"])
+    assert (run_dir / "final" / "model.safetensors").is_file() and run_dir != Path(before["run_dir"])
+    import yaml
+
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["train"]["objective"] == "dpo" and config["model"]["output_dir"].endswith(str(Path(before["run_dir"]).name) + "/final")
+    assert "rewards/margins" in summary["metrics"]
+    # before and after are scored on the same val samples, the after column from the dpo model's predictions
+    rows = [json.loads(line) for line in (Path(summary["eval_dir"]) / "predictions.jsonl").read_text().splitlines()]
+    assert {r["id"] for r in rows} == val_ids
+    assert [(s["qtype"], s["n"]) for s in summary["scores"]] == [(s["qtype"], s["n"]) for s in before["scores"]]
+    hits = sum(r["prediction"].strip().lower() == r["references"][0] for r in rows)
+    assert summary["overall"] == pytest.approx(hits / len(rows))
+    assert summary["gain"] == pytest.approx(summary["overall"] - before["overall"])
+    for text in ("SFT start", "after DPO", "blind baseline", "preference pairs", "points"):
+        assert text in out, text
+
+
+def test_post_demo_refuses_what_it_cannot_run_before_writing(tmp_path, capsys):
+    code, _, err = run(["demo", str(tmp_path / "d"), "--objective", "ppo"], capsys)
+    assert code == 2 and "no demo for objective 'ppo'" in err
+    code, _, err = run(["demo", str(tmp_path / "d"), "--objective", "dpo", "--modality", "audio"], capsys)
+    assert code == 2 and "post-trains the image demo" in err
+    code, _, err = run(["demo", str(tmp_path / "d"), "--sft-steps", "5"], capsys)
+    assert code == 2 and "--sft-steps" in err
+    assert not (tmp_path / "d").exists()
+
+
+def test_grpo_demo_reduced_trains_with_the_exact_match_reward(tmp_path, capsys):
+    import vlmctl.train.grpo as grpo
+
+    if not hasattr(grpo, "build_grpo_objective"):
+        pytest.skip("the grpo objective has no training loop in this build")
+    folder = tmp_path / "grpo"
+    args = ["demo", str(folder), "--objective", "grpo", "--num-samples", "80", "--sft-steps", "2", "train.max_steps=2",
+            "train.save_steps=2", "train.logging_steps=1", "train.micro_batch_size=2", "train.grpo.group_size=2"]
+    code, out, err = run(args, capsys)
+    assert code == 0, err + out
+    summary = json.loads((folder / "outputs" / "demo_post_summary.json").read_text())
+    assert list(summary["stage_seconds"]) == ["train", "eval"] and summary["steps"] == 2 and summary["pairs"] == 0
+    rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert all("rewards/exact_match/mean" in r for r in rows)
+    assert summary["gain"] == pytest.approx(summary["overall"] - summary["before"]["overall"])
+    assert "after GRPO" in out and "SFT start" in out
