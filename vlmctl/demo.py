@@ -38,6 +38,9 @@ from typing import Any, Callable
 from vlmctl.errors import UsageError, VlmctlError
 from vlmctl.outputs import check_inputs_outside, check_replaceable, install
 
+# The vlmctl modules that load numpy when imported are imported inside the functions that use them: importing vlmctl
+# (the CLI's start-up) must not pay for them. Light vlmctl modules sit next to their use as well.
+
 STAGES = ("init", "prepare", "build", "train", "eval")
 MODALITIES = ("image", "video", "audio")
 

@@ -38,6 +38,9 @@ from typing import Any, Callable, Iterable
 from vlmctl.demo import DemoResult, ProgressFn, TypeScore, eval_stage, question_type, run_demo, train_stage, _metrics_rows
 from vlmctl.errors import UsageError
 
+# The vlmctl modules that load numpy, torch or the data pipeline when imported are imported inside the functions that
+# use them: `vlmctl demo` imports this module at start-up. Light vlmctl modules sit next to their use as well.
+
 OBJECTIVES = ("dpo", "grpo")
 POST_STAGES = {"dpo": ("pairs", "prepare", "train", "eval"), "grpo": ("train", "eval")}
 """The stages after the SFT start, per objective (their names in `PostDemoResult.stage_seconds`)."""

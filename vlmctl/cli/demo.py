@@ -10,6 +10,10 @@ import typer
 
 from vlmctl.cli._common import JsonOpt, OverridesArg, console, esc, is_override, print_json, state
 
+# shlex (standard library, not loaded at the CLI's start-up) is imported inside the functions that use it, and so
+# are the vlmctl modules a command runs: `vlmctl --help` imports every command module and must not import them.
+# Modules the CLI's start-up loads anyway sit next to their use as well.
+
 if TYPE_CHECKING:
     from vlmctl.demo import DemoResult
 
