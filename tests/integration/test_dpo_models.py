@@ -225,3 +225,25 @@ def test_the_pair_collator_keeps_pairs_whole_and_refuses_plain_samples(built):
     plain = Sample(id="sft", messages=samples[0].messages, images=samples[0].images)
     with pytest.raises(DataError, match="no rejected answer"):
         PairCollator(processor, family, tokens_per_batch=10**6)([plain])
+
+
+def test_rpo_alpha_adds_each_chosen_answers_mean_token_nll(built):
+    """RPO (arXiv 2404.19733): each pair's loss gains rpo_alpha x the chosen answer's NLL per token, checked against
+    each chosen conversation's own cross-entropy (padded collator, full logits)."""
+    from vlmctl.config.objective import DPOSection
+    from vlmctl.data.collate import Collator, model_inputs
+    from vlmctl.train.objectives import DPOObjective, token_loss_sum
+
+    policy, processor, family = load(built / "tiny", seed=0)
+    ref, _, _ = load(built / "tiny")
+    samples = pairs()
+    plain, _ = objective_loss(DPOObjective(DPOSection(beta=0.1), reference=ref), policy, processor, family, samples)
+    rpo, _ = objective_loss(DPOObjective(DPOSection(beta=0.1, rpo_alpha=0.5), reference=ref), policy, processor, family, samples)
+    nll = []
+    with torch.no_grad():
+        for sample in samples:
+            chosen = Collator(processor, family, dummy_image=False)([sample])  # a pair encodes as its chosen answer
+            summed = token_loss_sum(policy(**model_inputs(chosen)).logits, chosen["labels"])
+            nll.append(float(summed) / chosen["num_label_tokens"])
+    torch.testing.assert_close(rpo.loss - plain.loss, torch.tensor(0.5 * sum(nll)), rtol=1e-4, atol=1e-5)
+    assert float(rpo.metrics["nll_loss"]) == pytest.approx(sum(nll), rel=1e-4)

@@ -169,7 +169,7 @@ class DPOObjective:
     batch_keys: tuple[str, ...] = ("input_ids", "labels", "seq_lens", "num_pairs")
     models: dict[str, Any] = field(default_factory=dict)
 
-    METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
+    METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "nll_loss")
 
     def __post_init__(self):
         if self.reference is not None:
@@ -217,7 +217,8 @@ class DPOObjective:
         sums, counts = self.sequence_logps(engine.model, inputs, batch)
         ref_sums, _ = self.reference_logps(engine, inputs, batch)
         if pairs == 0:  # a row of dummies only: keep every parameter in the graph, add nothing
-            return MicroLoss(loss=sums.sum() * 0.0, tokens=0, metrics={k: 0.0 for k in self.METRICS})
+            names = self.METRICS if getattr(self.settings, "rpo_alpha", 0.0) else self.METRICS[:-1]
+            return MicroLoss(loss=sums.sum() * 0.0, tokens=0, metrics={k: 0.0 for k in names})
         chosen, rejected = pair_segments(sums, pairs)
         ref_chosen, ref_rejected = pair_segments(ref_sums, pairs)
         n_chosen, n_rejected = pair_segments(counts, pairs)
@@ -227,7 +228,13 @@ class DPOObjective:
         margins = out.chosen_rewards - out.rejected_rewards
         metrics = {"rewards/chosen": out.chosen_rewards.sum(), "rewards/rejected": out.rejected_rewards.sum(),
                    "rewards/margins": margins.sum(), "rewards/accuracies": (margins > 0).to(torch.float32).sum()}
-        return MicroLoss(loss=out.losses.sum(), tokens=pairs, metrics=metrics)
+        losses = out.losses
+        alpha = getattr(self.settings, "rpo_alpha", 0.0)
+        if alpha:  # RPO: the chosen answer's mean token NLL, per pair
+            nll = -chosen / n_chosen.clamp(min=1).to(chosen.dtype)
+            losses = losses + alpha * nll
+            metrics["nll_loss"] = nll.detach().sum()
+        return MicroLoss(loss=losses.sum(), tokens=pairs, metrics=metrics)
 
     def metrics(self, sums: dict[str, float], label_tokens: float) -> dict[str, float]:
         """Means over the step's pairs of the summed rewards, margins and accuracies."""
