@@ -20,7 +20,7 @@ its model is still below the accuracy a full run reaches; its eval is the "befor
                    start's and the blind baseline.
 
 The settings of the post-training stage are `POST_OVERRIDES[objective]` (config overrides, tuned so that the whole
-demo runs in under 5 minutes on 2 CPU cores; docs/benchmarks-demo-post-training.md), then the caller's.
+demo runs in under 5 minutes on 2 CPU cores; docs/benchmarks.md, the post-training demos), then the caller's.
 Everything measured goes to `outputs/demo_post_summary.json` in the demo folder.
 """
 
@@ -57,7 +57,7 @@ POST_OVERRIDES = {
         "train.packing=true",        # a pair's chosen and rejected answers are two segments of one packed row
         "train.tokens_per_batch=1280",  # ~16 pairs of 2 x 38 tokens per rank
         # IPO's bounded target margin: the sigmoid loss (beta 0.1 or 1) drove the answers of other question types
-        # up and the accuracy down; 100 steps flipped the position answers (docs/benchmarks-demo-post-training.md)
+        # up and the accuracy down; 100 steps flipped the position answers (docs/benchmarks.md, the post-training demos)
         "train.dpo.loss_type=ipo",
         "train.dpo.beta=0.5",
         "train.learning_rate=3.0e-4",
