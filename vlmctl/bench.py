@@ -931,7 +931,7 @@ def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log
         setup(tm.model)
     if dims.dp_size != plan.dp_size:  # planned for another world size (a caller's own plan): plan again
         plan = replace(plan, dp_size=dims.dp_size)
-    reference = frozen_copy(tm.model) if train.objective == "dpo" and train.dpo.reference == "frozen" else None
+    reference = frozen_copy(tm.model, ctx.dtype) if train.objective == "dpo" and train.dpo.reference == "frozen" else None
     engine = wrap_model(tm, train, ctx, total_steps)
     objective = bench_objective(tm, train, ctx, reference)  # as the worker builds it
     choice = None
@@ -959,38 +959,29 @@ def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log
     return result
 
 
-def frozen_copy(model):
-    """A frozen copy of the prepared model (the bench's stand-in for a DPO run's reference: the same weights)."""
+def frozen_copy(model, dtype):
+    """A frozen copy of the prepared model in the compute `dtype` (the bench's stand-in for a DPO run's reference:
+    the same weights)."""
     import copy
+
+    from vlmctl.train.setup import store_frozen
 
     reference = copy.deepcopy(model)
     reference.requires_grad_(False)
+    store_frozen(reference, dtype)
     return reference
 
 
-def bench_objective(tm, train, ctx, reference=None):
+def bench_objective(tm, train, ctx, reference_model=None):
     """The objective a run of `train` builds (`train.worker.build_objective`), over the bench's synthetic model: for
-    dpo the frozen `reference` copy parallelized as the worker does, the LoRA base, or precomputed reference
-    log-probs (placeholders: the step does not depend on their values)."""
-    from vlmctl.train.objectives import DPOObjective
+    dpo the frozen `reference_model` copy, the LoRA base, or placeholder reference log-probs (`reference.
+    probe_stand_ins`: the step does not depend on their values)."""
+    from vlmctl.train.reference import probe_stand_ins
     from vlmctl.train.worker import build_objective
 
-    if train.objective != "dpo":
-        return build_objective(tm, train, ctx)
-    objective = DPOObjective(settings=train.dpo, reference=reference)
-    if reference is not None:
-        from vlmctl.distributed.parallelize import parallelize
-        from vlmctl.train.kernels import sequence_core_attention
-        from vlmctl.train.setup import model_parts, store_frozen
-
-        store_frozen(reference, ctx.dtype)
-        objective.reference = objective.models["reference"] = parallelize(
-            reference, family=tm.family, parts=model_parts(reference, tm.family), train=train, dims=ctx.dims,
-            device=ctx.env.device, dtype=ctx.dtype, core_attention=sequence_core_attention(tm.attn), trainable=False)
-    if train.dpo.reference == "precomputed":
-        from collections import defaultdict
-
-        objective.precomputed = defaultdict(lambda: (-1.0, -1.0))
+    objective = build_objective(tm, train, ctx, reference_model=reference_model)
+    if train.objective == "dpo" and train.dpo.reference == "precomputed":
+        probe_stand_ins(objective)
     return objective
 
 

@@ -413,10 +413,9 @@ def scaled_logits(model, temperature: float):
     if temperature == 1.0:
         yield
         return
-    inner = model
-    while isinstance(getattr(inner, "module", None), torch.nn.Module):  # DDP, DeepSpeed's engine
-        inner = inner.module
-    head = inner.get_output_embeddings()
+    from vlmctl.train.kernels import unwrapped
+
+    head = unwrapped(model).get_output_embeddings()
     if head is None or getattr(head, "bias", None) is not None:
         raise ConfigError(f"train.grpo.temperature {temperature}: the log-probs are scaled through the LM head's input, "
                           "but this model's LM head has a bias", hint="set train.grpo.temperature: 1.0")

@@ -87,6 +87,16 @@ def set_attention(model, implementation: str, vision_varlen: bool = False, encod
         model.set_attn_implementation(implementation)
 
 
+def unwrapped(model):
+    """The model under DDP's and DeepSpeed's engine wrappers (their `.module`); FSDP2 and peft models are their own
+    modules and come back as they are."""
+    import torch
+
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return model
+
+
 @contextlib.contextmanager
 def padded_attention(model):
     """While open, the language model of `model` (any wrapper: DDP, FSDP2, DeepSpeed, peft) attends with sdpa where
@@ -94,12 +104,7 @@ def padded_attention(model):
     from left-padded rows (a GRPO step's rollouts) needs. Encoders keep theirs (they run one packed call per step).
     transformers reads the attention implementation from the config at every forward, so the switch is a config
     attribute, restored on exit."""
-    import torch
-
-    inner = model
-    while isinstance(getattr(inner, "module", None), torch.nn.Module):
-        inner = inner.module
-    config = inner.config
+    config = unwrapped(model).config
     configs = {id(c): c for c in (config, config.get_text_config() if hasattr(config, "get_text_config") else config)}
     switched = [c for c in configs.values() if getattr(c, "_attn_implementation_internal", None) == VARLEN_NAME]
     for c in switched:
@@ -293,9 +298,7 @@ def chunked_loss_head(model, targets, positions=None):
     import torch
 
     state = _LossHead(targets)
-    inner = model
-    while isinstance(getattr(inner, "module", None), torch.nn.Module):  # DDP, DeepSpeed's engine
-        inner = inner.module
+    inner = unwrapped(model)
     head = inner.get_output_embeddings()
     text_config = inner.config.get_text_config() if hasattr(inner.config, "get_text_config") else inner.config
     if head is None or not isinstance(head, torch.nn.Linear) or getattr(text_config, "final_logit_softcapping", None):

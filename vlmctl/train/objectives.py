@@ -198,8 +198,8 @@ class DPOObjective:
                                   hint="the prepared data changed after they were computed: start a new run") from None
             return torch.tensor(values, dtype=torch.float32, device=batch["input_ids"].device), None
         with torch.no_grad():
-            if self.reference is not None:
-                return self.sequence_logps(self.reference, inputs, batch)
+            if "reference" in self.models:  # the frozen copy as the worker parallelized it
+                return self.sequence_logps(self.models["reference"], inputs, batch)
             module = engine.module
             if not hasattr(module, "disable_adapter"):
                 raise VlmctlError("the DPO reference is the model with its adapter switched off, but the trained model "

@@ -73,20 +73,22 @@ def wrap_model(tm: TrainingModel, train, ctx: RunContext, total_steps: int) -> E
                                                        hidden_size=ds.hidden_size(m), stage=strategy.zero_stage))
 
 
-def build_objective(tm: TrainingModel, train, ctx: RunContext, cfg=None, run_dir: Path | None = None) -> Objective:
-    """The run's objective (`train.objective` of the resolved `train` section), its frozen models parallelized
-    (`cfg`, the project config, gives a reference model's source; `run_dir`, grpo's rollouts.html): sft (liger's fused loss where `prepare_model`
-    patched it; this rank's slice of the row under sequence parallelism); dpo against a frozen copy of the starting
-    model, the LoRA base or precomputed log-probs (`train.reference`); grpo (`train.grpo.build_grpo_objective`)."""
-    if train.objective != "sft" and cfg is None:
+def build_objective(tm: TrainingModel, train, ctx: RunContext, cfg=None, run_dir: Path | None = None,
+                    reference_model=None) -> Objective:
+    """The run's objective (`train.objective` of the resolved `train` section), its frozen models parallelized: sft
+    (liger's fused loss where patched; this rank's slice under sequence parallelism); dpo against a frozen copy
+    (`reference_model`, else loaded from `cfg`, the project config: `train.reference`), the LoRA base or precomputed
+    log-probs; grpo (`train.grpo`, its rollouts.html in `run_dir`)."""
+    copy = train.objective == "dpo" and train.dpo.reference == "frozen"
+    loads = train.objective == "grpo" or (copy and reference_model is None)
+    if loads and cfg is None:
         raise VlmctlError(f"the {train.objective} objective needs the project config (its model source)")
     if train.objective == "grpo":
         from vlmctl.train.grpo import build_grpo_objective
 
         objective = build_grpo_objective(tm, cfg, ctx, run_dir)
     elif train.objective == "dpo":
-        frozen = train.dpo.reference == "frozen"
-        objective = DPOObjective(settings=train.dpo, reference=reference.load_reference(cfg, train, ctx) if frozen else None)
+        objective = DPOObjective(settings=train.dpo, reference=reference.load_reference(cfg, train, ctx) if loads else reference_model)
     else:
         objective = SFTObjective(liger=tm.liger, shard=sequence_shard(ctx.dims))
     for name, frozen in objective.models.items():  # forward only: a reference model of a preference objective
@@ -94,8 +96,6 @@ def build_objective(tm: TrainingModel, train, ctx: RunContext, cfg=None, run_dir
                                              dims=ctx.dims, device=ctx.env.device, dtype=ctx.dtype,
                                              core_attention=sequence_core_attention(tm.attn), trainable=False,
                                              deferred=getattr(frozen, "_vlmctl_deferred", None))
-    if isinstance(objective, DPOObjective):
-        objective.reference = objective.models.get("reference")
     return objective
 
 
