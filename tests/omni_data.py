@@ -6,13 +6,8 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
 
 from audio_data import flac, tone, wav
 
@@ -50,23 +45,11 @@ def write_audio_image_data(root: Path) -> None:
 
 
 def train_two_ranks(config: Path, timeout: float) -> str:
-    """`vlmctl train` under torchrun (2 ranks, gloo) in its own process group, killed with its ranks after `timeout`
-    seconds; returns its output."""
-    from vlmctl.distributed.env import free_port
+    """`vlmctl train` under torchrun (2 ranks, gloo), killed with its ranks after `timeout` seconds; returns its
+    output."""
+    from train_runner import run_train
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "vlmctl", "-c", str(config), "train", "--launcher", "torchrun", "--nproc-per-node", "2",
-           "--master-port", str(free_port())]
-    proc = subprocess.Popen(cmd, cwd=config.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"training did not finish within {timeout}s (hang?):\n{out[-4000:]}")
-    assert proc.returncode == 0, out[-6000:]
-    return out
+    return run_train(config, "--launcher", "torchrun", "--nproc-per-node", "2", timeout=timeout)
 
 
 def vanilla_logits(folder: Path, model_class: str, audio_prompt: str):

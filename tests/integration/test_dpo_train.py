@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from preference_data import write_pair_shards
+from train_runner import run_train
 
 RUN_TIMEOUT = 240
 TOKENIZER_TEXTS = ["What color is the triangle? How many circles are there? Is the square left of the circle? "
@@ -58,19 +55,7 @@ train:
 
 
 def _run(project: Path, *args: str, timeout: int = RUN_TIMEOUT) -> str:
-    from vlmctl.distributed.env import free_port
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "vlmctl", "-c", str(project / "vlmctl.yaml"), "train", "--master-port", str(free_port()), *args]
-    proc = subprocess.Popen(cmd, cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-    assert proc.returncode == 0, out[-6000:]
-    return out
+    return run_train(project / "vlmctl.yaml", *args, timeout=timeout)
 
 
 def rows(run: Path) -> list[dict]:

@@ -7,15 +7,15 @@ uninterrupted run's losses exactly (rollouts are seeded from (seed, step, rank, 
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from train_runner import run_train, start_train
 
 from shapes_shards import write_shapes_shards
 
@@ -66,24 +66,11 @@ def metrics(run: Path) -> list[dict]:
 
 
 def _cli(project: Path, *args: str) -> subprocess.Popen:
-    from vlmctl.distributed.env import free_port
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "vlmctl", "-c", str(project / "vlmctl.yaml"), "train", "--master-port", str(free_port()), *args]
-    return subprocess.Popen(cmd, cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return start_train(project / "vlmctl.yaml", *args)
 
 
 def _run_cli(project: Path, *args: str, timeout: int = RUN_TIMEOUT) -> str:
-    proc = _cli(project, *args)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"training did not finish within {timeout}s (hang?):\n{out[-4000:]}")
-    assert proc.returncode == 0, out[-6000:]
-    return out
+    return run_train(project / "vlmctl.yaml", *args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
