@@ -655,22 +655,27 @@ class BaselineWorkload(Workload):
 
 
 def rank_batches(lengths: list[int], *, packing: bool, budget: int, micro_batch_size: int, rows: int, dp_rank: int,
-                 dp_size: int, seed: int = 0, group_by_length: bool = True) -> list[list[int]]:
+                 dp_size: int, seed: int = 0, group_by_length: bool = True, costs=None,
+                 step_batches: int = 1) -> list[list[int]]:
     """This data-parallel rank's `rows` micro-batches (sample indices) of samples of `lengths` tokens.
 
     Packed: first-fit decreasing bins of at most `budget` tokens (`vlmctl.data.packing.first_fit_decreasing`;
     longer samples are left out, as the trainer's packed sampler leaves them), fullest first, every dp_size-th to
     this rank. Padded: the trainer's `DistributedBatchSampler` (`micro_batch_size` samples, length grouping as
-    `group_by_length`). Raises UsageError when the samples make too few micro-batches.
+    `group_by_length`). With `costs` (per-sample training FLOPs, float [N]; pass them when training would balance,
+    `train.balance`) each optimizer step's `step_batches x dp_size` micro-batches are split again by cost as the
+    trainer's samplers split them (`vlmctl.data.samplers.balance_step`), so every rank gets the work it would get
+    in training. Raises UsageError when the samples make too few micro-batches.
     """
     import itertools
 
     import numpy as np
 
     from vlmctl.data.packing import first_fit_decreasing
-    from vlmctl.data.samplers import DistributedBatchSampler
+    from vlmctl.data.samplers import DistributedBatchSampler, balance_step, integer_costs
     from vlmctl.errors import DataError, UsageError
 
+    balancing = costs is not None and step_batches * dp_size > 1
     if packing:
         fitting = ((i, n) for i, n in enumerate(lengths) if n <= budget)
         bins = list(first_fit_decreasing(fitting, budget, lookahead=512))
@@ -678,10 +683,18 @@ def rank_batches(lengths: list[int], *, packing: bool, budget: int, micro_batch_
         if len(bins) < rows * dp_size:
             raise UsageError(f"{len(lengths)} synthetic samples make only {len(bins)} packed rows; {rows * dp_size} are needed",
                              hint="raise train.tokens_per_batch or lower --steps")
-        return bins[dp_rank:rows * dp_size:dp_size]
+        if not balancing:
+            return bins[dp_rank:rows * dp_size:dp_size]
+        per_step, mine = step_batches * dp_size, []
+        tokens, scaled = np.asarray(lengths, dtype=np.int64), integer_costs(costs, len(lengths))
+        for start in range(0, rows * dp_size, per_step):  # rows is a whole number of optimizer steps
+            step = balance_step(bins[start:start + per_step], tokens, scaled, world_size=dp_size, budget=budget)
+            mine.extend(global_batch[dp_rank] for global_batch in step)
+        return mine
     try:
         sampler = DistributedBatchSampler(np.asarray(lengths), micro_batch_size=micro_batch_size, world_size=dp_size,
-                                          rank=dp_rank, seed=seed, group_by_length=group_by_length)
+                                          rank=dp_rank, seed=seed, group_by_length=group_by_length,
+                                          costs=costs if balancing else None, step_batches=step_batches)
     except DataError as exc:
         raise UsageError(exc.message, hint="lower train.micro_batch_size or --nproc-per-node") from None
     return list(itertools.islice(iter(sampler), rows))
@@ -790,12 +803,15 @@ def check_video(model: ModelChoice) -> None:
     require_package("av", "--video-frames", package="av", extra="video", error=UsageError)
 
 
-def plan_batches(plan: BenchPlan, train, *, dp_rank: int) -> list[list[int]]:
-    """`rank_batches` of `plan` for data-parallel rank `dp_rank` (lists of sample indices). Raises UsageError when
-    the samples make too few micro-batches."""
+def plan_batches(plan: BenchPlan, train, *, dp_rank: int, costs=None) -> list[list[int]]:
+    """`rank_batches` of `plan` for data-parallel rank `dp_rank` (lists of sample indices), split by `costs` (the
+    workload's per-sample FLOPs, `Workload.costs`) when the run's plan balances (`train.balance`). Raises
+    UsageError when the samples make too few micro-batches."""
+    balance = plan.run is not None and plan.run.balance.value
     return rank_batches(plan.workload.lengths, packing=plan.packing, budget=row_budget(train),
                         micro_batch_size=micro_batch(train), rows=plan.rows, dp_rank=dp_rank, dp_size=plan.dp_size,
-                        seed=train.seed, group_by_length=train.group_by_length)
+                        seed=train.seed, group_by_length=train.group_by_length,
+                        costs=costs if balance else None, step_batches=train.gradient_accumulation_steps)
 
 
 def check_device_settings(train, run, *, nproc: int) -> None:
@@ -943,7 +959,9 @@ def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log
                 else Collator(tm.processor, tm.family))
     if train.objective == "dpo":
         collator = PairCollator(tm.processor, tm.family, tokens_per_batch=row_budget(train))
-    batches = [plan.workload.batch(indices, collator) for indices in plan_batches(plan, train, dp_rank=dims.dp_rank)]
+    costs = plan.workload.costs(tm.cost_model)  # None when the workload cannot estimate them
+    batches = [plan.workload.batch(indices, collator)
+               for indices in plan_batches(plan, train, dp_rank=dims.dp_rank, costs=costs)]
     trainer = Trainer(engine=engine, objective=objective, batches=prefetch(iter(batches), tm.prepare), env=env, state=TrainState(),
                       total_steps=total_steps, grad_accum=train.gradient_accumulation_steps, batches_per_epoch=len(batches),
                       save_steps=1 << 30, logging_steps=1 << 30, max_bad_steps=total_steps, save=None, log=None,

@@ -219,6 +219,29 @@ def test_packed_rows_fit_the_budget_fullest_first_and_differ_per_rank():
         rank_batches(lengths, packing=True, budget=100, micro_batch_size=1, rows=20, dp_rank=0, dp_size=1)
 
 
+def test_packed_rows_are_split_by_cost_as_training_splits_them():
+    """With per-sample costs every optimizer step's rows hold the same samples as without, re-split so that the
+    busiest rank's cost drops (here: one row of expensive samples and one of cheap ones become two mixed rows)."""
+    from vlmctl.bench import rank_batches
+
+    lengths = [50, 50, 50, 50, 50, 50, 50, 50]
+    costs = [9.0, 9.0, 1.0, 1.0, 9.0, 9.0, 1.0, 1.0]  # equal tokens, unequal work
+    args = dict(packing=True, budget=100, micro_batch_size=1, rows=2, dp_size=2)
+    plain = {r: rank_batches(lengths, dp_rank=r, **args) for r in (0, 1)}
+    split = {r: rank_batches(lengths, dp_rank=r, costs=costs, **args) for r in (0, 1)}
+
+    def step_cost(rows, s):
+        return max(sum(costs[i] for i in rows[r][s]) for r in (0, 1))
+
+    for s in range(2):
+        assert sorted(i for r in (0, 1) for i in split[r][s]) == sorted(i for r in (0, 1) for i in plain[r][s])
+        assert all(sum(lengths[i] for i in split[r][s]) <= 100 for r in (0, 1))
+        assert step_cost(split, s) <= step_cost(plain, s)
+    assert sum(step_cost(split, s) for s in range(2)) < sum(step_cost(plain, s) for s in range(2))
+    # one rank alone, one row per step: nothing to split
+    assert rank_batches(lengths, dp_rank=0, costs=costs, **{**args, "dp_size": 1}) == rank_batches(lengths, dp_rank=0, **{**args, "dp_size": 1})
+
+
 # --------------------------------------------------------------------------------------------------- usage errors
 
 

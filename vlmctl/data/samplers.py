@@ -122,6 +122,26 @@ def epoch_indices(num_samples: int, weights: np.ndarray | None, seed: int, epoch
     return order[rng.permutation(len(order))]
 
 
+def balance_step(parts: Sequence[Sequence[int]], lengths: np.ndarray, costs: np.ndarray, *, world_size: int,
+                 budget: int | None = None, size: int | None = None) -> list[list[list[int]]]:
+    """One optimizer step's micro-batches `parts` (sample indices, `world_size` per global micro-batch) split again
+    into as many micro-batches of as equal cost as possible (`vlmctl.data.packing.balance_bins`, `parts` as the
+    feasible start), each within `budget` tokens (packed) or of `size` samples (padded). `lengths`, `costs`: int
+    arrays over all samples (tokens; integer costs, `integer_costs`). Returns the global micro-batches, each a
+    list of `world_size` micro-batches (one per rank, in rank order), heaviest first. Raises ValueError when the
+    constraints admit no grouping."""
+    from vlmctl.data.packing import balance_bins
+
+    start, items = [], []
+    for part in parts:
+        start.append(list(range(len(items), len(items) + len(part))))
+        items.extend(part)
+    order = np.asarray(items, dtype=np.int64)
+    groups = balance_bins(np.asarray(lengths)[order], np.asarray(costs)[order], len(start), budget=budget, size=size,
+                          start=start)
+    return [[order[g].tolist() for g in groups[j:j + world_size]] for j in range(0, len(groups), world_size)]
+
+
 class BatchSampler:
     """Yields this rank's micro-batches (lists of sample indices) forever, epoch after epoch, from a position.
 
@@ -154,7 +174,7 @@ class BatchSampler:
         self.seed = seed
         self.weights = weights
         self.step_batches = int(step_batches)
-        self.costs = _integer_costs(costs, len(self.lengths))
+        self.costs = integer_costs(costs, len(self.lengths))
         self.groups = _group_codes(modalities, len(self.lengths))
         self._grouped: dict[int, tuple[list[Any], dict[str, tuple[int, int]]]] = {}
         self.consumed = 0
@@ -251,18 +271,9 @@ class BatchSampler:
     def balance(self, step: list[Any]) -> list[list[list[int]]]:
         """One optimizer step's global micro-batches split again by cost (module docstring): as many global
         micro-batches, each a list of `world_size` micro-batches (sample indices), heaviest first."""
-        from vlmctl.data.packing import balance_bins
-
-        start, items = [], []
-        for global_batch in step:
-            for part in self.ranks_of(global_batch):
-                start.append(list(range(len(items), len(items) + len(part))))
-                items.extend(part)
-        order = np.asarray(items, dtype=np.int64)
-        groups = balance_bins(self.lengths[order], self.costs[order], len(start), budget=self.budget, size=self.size,
-                              start=start)
-        w = self.world_size
-        return [[order[g].tolist() for g in groups[j:j + w]] for j in range(0, len(groups), w)]
+        parts = [part for global_batch in step for part in self.ranks_of(global_batch)]
+        return balance_step(parts, self.lengths, self.costs, world_size=self.world_size, budget=self.budget,
+                            size=self.size)
 
     def __iter__(self) -> Iterator[list[int]]:
         if not self.balancing:
@@ -426,7 +437,7 @@ def _group_codes(modalities: Sequence[str] | np.ndarray | None, n: int) -> np.nd
     return codes
 
 
-def _integer_costs(costs: np.ndarray | None, n: int) -> np.ndarray | None:
+def integer_costs(costs: np.ndarray | None, n: int) -> np.ndarray | None:
     """`costs` [n] scaled to integers (the largest 2^40) so every rank sums and compares them exactly the same
     way; None stays None. Raises DataError for a wrong length or negative or non-finite costs."""
     if costs is None:
