@@ -110,16 +110,20 @@ def test_dpo_benches_packed_pairs_with_its_reference(tiny_project, capsys, train
         assert first.loss == pytest.approx(0.6931472, abs=1e-5)
 
 
-@pytest.mark.parametrize("drop", [False, True])
-def test_grpo_benches_rollouts_and_splits_the_step_into_generation_and_training(tiny_project, capsys, trained, drop):
+@pytest.mark.parametrize("drop, beta", [(False, 0.0), (True, 0.1)])
+def test_grpo_benches_rollouts_and_splits_the_step_into_generation_and_training(tiny_project, capsys, trained, drop, beta):
     prompts, group, new_tokens = 2, 3, 4
     out = _bench(capsys, tiny_project, "model.preset=tiny-qwen2.5-vl", "train.packing=true", "train.objective=grpo",
-                 f"train.micro_batch_size={prompts}", f"train.grpo.group_size={group}",
+                 f"train.micro_batch_size={prompts}", f"train.grpo.group_size={group}", f"train.grpo.beta={beta}",
                  f"train.grpo.max_new_tokens={new_tokens}", f"train.grpo.drop_zero_variance_groups={str(drop).lower()}")
     _consistent(out, trained)
     assert (out["objective"], out["workload"], out["world_size"]) == ("grpo", "chat", 1)
     trainer = trained["trainer"]
     assert trainer.objective.name == "grpo" and trainer.objective.hook is not None  # Qwen-VL's mRoPE positions
+    # beta > 0: the KL term against a frozen copy of the bench's model, which starts equal to the policy
+    assert ("reference" in trainer.objective.models) == bool(beta)
+    if beta:
+        assert trained["steps"][0].metrics["kl"] == pytest.approx(0.0, abs=1e-6)
     # every prompt's group is trained on, also with the filter on (random answers: every group's rewards are equal)
     assert not trainer.objective.settings.drop_zero_variance_groups
     rollouts = prompts * group
