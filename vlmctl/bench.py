@@ -1,4 +1,5 @@
-"""Training-throughput benchmark: tokens/s, MFU (vision tower included), step time, peak memory.
+"""Training-throughput benchmark: tokens/s, MFU (vision tower included), step time, peak memory; for GRPO also
+rollouts/s and the generation share of the step.
 
 The measured step is the trainer's own (`vlmctl.train.loop.Trainer.train_step`) on the model, kernels, stage, LoRA /
 QLoRA adapters, strategy (none/ddp/fsdp/zero2/zero3) and optimizer that `vlmctl train` would use for the same config;
@@ -41,6 +42,26 @@ first (the partial rows at the tail of a finite sample set would understate thro
 rank; padded micro-batches are the trainer's `DistributedBatchSampler`'s (length grouping as
 `train.group_by_length`). All are collated before the timed steps (training collates in DataLoader workers, in the
 background of the steps); pixel values stay as the processor returns them (float32), as in training.
+
+Objectives (`train.objective`): sft trains the samples; dpo trains preference pairs of the chat workload (each
+sample with a rejected answer as long as its chosen one, both packed into one row by `PairCollator`); grpo trains on
+rollouts of the chat workload's samples taken as prompts: the messages before the answer (the images or clip, no
+text) are the prompt and the answer of `--text-tokens` random tokens is the reference the rewards score against.
+The objective is the worker's (`train.worker.build_objective`: the rewards of `train.grpo.rewards`, user functions
+included, the family's packed-row hook; with `train.grpo.beta` > 0 a frozen copy of the model as the reference), and
+each step is the trainer's: micro-batches of `train.micro_batch_size` prompts (training's `DistributedBatchSampler`)
+go through the objective's `prepare_window` (generation of `train.grpo.group_size` answers per prompt of at most
+`train.grpo.max_new_tokens` tokens, rewards, advantages, one packed row of rollouts per micro-batch), then forward,
+backward and the optimizer step. Random answers earn equal rewards in every group (0 on a random-weight model), so
+the advantages are 0; the step trains on every rollout all the same (its loss 0, its cost a real step's), and
+`train.grpo.drop_zero_variance_groups` is switched off in the bench, since it would leave no rollout to train on.
+A grpo result adds (`BenchResult`): `rollouts_per_step`, `rollouts_per_s` (completions per second of generation,
+all ranks; `rollouts_per_s_per_gpu`), `generated_tokens_per_s` (completion tokens per second of generation),
+`rollout_s` (seconds of the step's generation, rewards and packing: the objective's `time/rollout_s`, the mean over
+ranks), `train_s` (the rest of the step: step_time_s - rollout_s), `generation_share` (rollout_s / step_time_s) and
+`train_tokens_per_s` (the rollout rows' tokens per second of train_s). Its `tokens_per_s` and `samples_per_s` count
+the rollout rows' tokens and the rollouts per second of the whole step, and its MFU the training FLOPs only (as the
+step line of a grpo run); generation's FLOPs are not counted.
 
 Scaling (`scaling`, `--scaling 1,2,4`): the same bench at each process count of this node, one after the other,
 every count checked before the first process starts; each process runs the same workload whatever the count (weak
@@ -191,8 +212,9 @@ class BenchResult:
     """The figures of the measured steps, all ranks together: tokens (text + visual) and samples per second, the
     mean step time in seconds, MFU as a fraction of the peak, the largest rank's peak GPU memory in GiB (0 on CPU),
     tokens per step and training FLOPs per token (the cost model's); and what was measured (`name` of the model,
-    `workload` and the `media` of its samples, `packing`, `adapter`, `stage`, `strategy`, `world_size` processes).
-    Visual tokens are the image and video placeholder tokens the collator counted."""
+    `workload` and the `media` of its samples, `packing`, `adapter`, `stage`, `strategy`, `world_size` processes,
+    `objective`). Visual tokens are the image and video placeholder tokens the collator counted. A grpo result's
+    rollout fields (None for the other objectives) are described in the module docstring."""
 
     name: str
     steps: int
