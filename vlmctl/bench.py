@@ -1,4 +1,5 @@
-"""Training-throughput benchmark: tokens/s, MFU (vision tower included), step time, peak memory.
+"""Training-throughput benchmark: tokens/s, MFU (vision tower included), step time, peak memory; for GRPO also
+rollouts/s and the generation share of the step.
 
 The measured step is the trainer's own (`vlmctl.train.loop.Trainer.train_step`) on the model, kernels, stage, LoRA /
 QLoRA adapters, strategy (none/ddp/fsdp/zero2/zero3) and optimizer that `vlmctl train` would use for the same config;
@@ -41,6 +42,26 @@ first (the partial rows at the tail of a finite sample set would understate thro
 rank; padded micro-batches are the trainer's `DistributedBatchSampler`'s (length grouping as
 `train.group_by_length`). All are collated before the timed steps (training collates in DataLoader workers, in the
 background of the steps); pixel values stay as the processor returns them (float32), as in training.
+
+Objectives (`train.objective`): sft trains the samples; dpo trains preference pairs of the chat workload (each
+sample with a rejected answer as long as its chosen one, both packed into one row by `PairCollator`); grpo trains on
+rollouts of the chat workload's samples taken as prompts: the messages before the answer (the images or clip, no
+text) are the prompt and the answer of `--text-tokens` random tokens is the reference the rewards score against.
+The objective is the worker's (`train.worker.build_objective`: the rewards of `train.grpo.rewards`, user functions
+included, the family's packed-row hook; with `train.grpo.beta` > 0 a frozen copy of the model as the reference), and
+each step is the trainer's: micro-batches of `train.micro_batch_size` prompts (training's `DistributedBatchSampler`)
+go through the objective's `prepare_window` (generation of `train.grpo.group_size` answers per prompt of at most
+`train.grpo.max_new_tokens` tokens, rewards, advantages, one packed row of rollouts per micro-batch), then forward,
+backward and the optimizer step. Random answers earn equal rewards in every group (0 on a random-weight model), so
+the advantages are 0; the step trains on every rollout all the same (its loss 0, its cost a real step's), and
+`train.grpo.drop_zero_variance_groups` is switched off in the bench, since it would leave no rollout to train on.
+A grpo result adds (`BenchResult`): `rollouts_per_step`, `rollouts_per_s` (completions per second of generation,
+all ranks; `rollouts_per_s_per_gpu`), `generated_tokens_per_s` (completion tokens per second of generation),
+`rollout_s` (seconds of the step's generation, rewards and packing: the objective's `time/rollout_s`, the mean over
+ranks), `train_s` (the rest of the step: step_time_s - rollout_s), `generation_share` (rollout_s / step_time_s) and
+`train_tokens_per_s` (the rollout rows' tokens per second of train_s). Its `tokens_per_s` and `samples_per_s` count
+the rollout rows' tokens and the rollouts per second of the whole step, and its MFU the training FLOPs only (as the
+step line of a grpo run); generation's FLOPs are not counted.
 
 Scaling (`scaling`, `--scaling 1,2,4`): the same bench at each process count of this node, one after the other,
 every count checked before the first process starts; each process runs the same workload whatever the count (weak
@@ -191,8 +212,9 @@ class BenchResult:
     """The figures of the measured steps, all ranks together: tokens (text + visual) and samples per second, the
     mean step time in seconds, MFU as a fraction of the peak, the largest rank's peak GPU memory in GiB (0 on CPU),
     tokens per step and training FLOPs per token (the cost model's); and what was measured (`name` of the model,
-    `workload` and the `media` of its samples, `packing`, `adapter`, `stage`, `strategy`, `world_size` processes).
-    Visual tokens are the image and video placeholder tokens the collator counted."""
+    `workload` and the `media` of its samples, `packing`, `adapter`, `stage`, `strategy`, `world_size` processes,
+    `objective`). Visual tokens are the image and video placeholder tokens the collator counted. A grpo result's
+    rollout fields (None for the other objectives) are described in the module docstring."""
 
     name: str
     steps: int
@@ -218,13 +240,27 @@ class BenchResult:
     data_wait: float | None = None  # the largest rank's share of the time spent waiting for batches
     auto: dict | None = None  # the start-up probe's trials and per-mode rates when `auto` was settled by it
     on_gpu: bool = True  # measured on GPUs; on CPUs MFU (against DEFAULT_PEAK) and peak memory are not figures of the run
+    objective: str = "sft"  # train.objective: sft | dpo | grpo
+    # grpo only (None otherwise), means over the measured steps, all ranks together:
+    rollouts_per_step: float | None = None  # completions generated per step (prompts x group_size x ranks)
+    rollouts_per_s: float | None = None  # completions per second of generation (the step's `time/rollout_s`)
+    generated_tokens_per_s: float | None = None  # completion tokens per second of generation
+    rollout_s: float | None = None  # seconds per step of generation, rewards and packing (mean over ranks)
+    train_s: float | None = None  # seconds per step of the rest: forward, backward, optimizer step (step_time_s - rollout_s)
+    generation_share: float | None = None  # rollout_s / step_time_s
+    train_tokens_per_s: float | None = None  # tokens of the trained rollout rows per second of train_s
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
         return self.tokens_per_s / self.world_size
 
+    @property
+    def rollouts_per_s_per_gpu(self) -> float | None:
+        return None if self.rollouts_per_s is None else self.rollouts_per_s / self.world_size
+
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu}
+        extra = {} if self.rollouts_per_s is None else {"rollouts_per_s_per_gpu": self.rollouts_per_s_per_gpu}
+        return {**asdict(self), "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, **extra}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -718,6 +754,7 @@ class BenchPlan:
     dp_size: int
     adapter: str = "none"
     run: Any = None  # config.plan.RunPlan: the decisions training would take for these settings here
+    prompts: bool = False  # grpo: micro-batches of `train.micro_batch_size` prompts, whose rollouts are packed later
 
 
 def adapter_name(train) -> str:
@@ -755,14 +792,16 @@ def prepare(model_section, train, spec: WorkloadSpec = WorkloadSpec(), *, steps:
     if spec.video_frames is not None:
         check_video(model)
     kind = spec.kind
-    pairs = train.objective == "dpo"
+    pairs, prompts = train.objective == "dpo", train.objective == "grpo"
     if kind == "auto":
-        kind = "baseline" if model.family.mrope and packing and spec.video_frames is None and not pairs else "chat"
-    if pairs and kind != "chat":
-        raise UsageError("train.objective dpo benches preference pairs of the chat workload", hint="use --workload chat (or auto)")
-    if train.objective == "grpo":
-        raise UsageError("vlmctl bench measures sft and dpo steps; a grpo run reports its rollout and train seconds in its "
-                         "step lines", hint="set train.objective=sft or dpo")
+        kind = "baseline" if model.family.mrope and packing and spec.video_frames is None and not (pairs or prompts) else "chat"
+    if (pairs or prompts) and kind != "chat":
+        what = "preference pairs" if pairs else "prompts (the answers are their references)"
+        raise UsageError(f"train.objective {train.objective} benches {what} of the chat workload", hint="use --workload chat (or auto)")
+    if prompts:
+        from vlmctl.train.grpo import check_grpo_settings
+
+        check_grpo_settings(train, model.family, packing=packing)  # ConfigError, as the run's objective would raise
     if kind == "baseline" and not (model.family.mrope and packing):
         why = "packed rows" if model.family.mrope else "Qwen-VL families"
         raise UsageError(f"--workload baseline is the Qwen-VL baseline's packed workload; this bench has no {why}",
@@ -772,12 +811,13 @@ def prepare(model_section, train, spec: WorkloadSpec = WorkloadSpec(), *, steps:
     if kind == "baseline":
         workload: Workload = BaselineWorkload(model.config, spec, seed=train.seed, rows=rows * dp_size, budget=budget)
     else:
-        min_samples = 0 if packing else rows * dp_size * micro_batch(train)
+        rowed = packing and not prompts  # grpo: micro-batches of prompts, as training's sampler deals them
+        min_samples = 0 if rowed else rows * dp_size * micro_batch(train)
         workload = ChatWorkload(model.processor, model.family, spec, seed=train.seed, min_samples=min_samples,
-                                min_tokens=int((rows * dp_size + 2) * budget * 1.3) if packing else 0,
-                                budget=budget if packing else None, pairs=pairs)
+                                min_tokens=int((rows * dp_size + 2) * budget * 1.3) if rowed else 0,
+                                budget=budget if rowed else None, pairs=pairs)
     plan = BenchPlan(model=model, packing=packing, spec=replace(spec, kind=kind), workload=workload, rows=rows,
-                     dp_size=dp_size, adapter=adapter_name(train), run=run)
+                     dp_size=dp_size, adapter=adapter_name(train), run=run, prompts=prompts)
     plan_batches(plan, train, dp_rank=0)  # raises UsageError when the samples make too few micro-batches
     return plan
 
@@ -804,11 +844,12 @@ def check_video(model: ModelChoice) -> None:
 
 
 def plan_batches(plan: BenchPlan, train, *, dp_rank: int, costs=None) -> list[list[int]]:
-    """`rank_batches` of `plan` for data-parallel rank `dp_rank` (lists of sample indices), split by `costs` (the
-    workload's per-sample FLOPs, `Workload.costs`) when the run's plan balances (`train.balance`). Raises
-    UsageError when the samples make too few micro-batches."""
+    """`rank_batches` of `plan` for data-parallel rank `dp_rank` (lists of sample indices; a grpo plan's are padded
+    micro-batches of prompts, whatever `train.packing`), split by `costs` (the workload's per-sample FLOPs,
+    `Workload.costs`) when the run's plan balances (`train.balance`). Raises UsageError when the samples make too
+    few micro-batches."""
     balance = plan.run is not None and plan.run.balance.value
-    return rank_batches(plan.workload.lengths, packing=plan.packing, budget=row_budget(train),
+    return rank_batches(plan.workload.lengths, packing=plan.packing and not plan.prompts, budget=row_budget(train),
                         micro_batch_size=micro_batch(train), rows=plan.rows, dp_rank=dp_rank, dp_size=plan.dp_size,
                         seed=train.seed, group_by_length=train.group_by_length,
                         costs=costs if balance else None, step_batches=train.gradient_accumulation_steps)
@@ -933,6 +974,7 @@ def load_model(plan: BenchPlan, model_section, train, ctx, scratch: Path, log) -
 def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log, setup, scratch) -> BenchResult:
     from vlmctl.data.collate import Collator, PackedCollator, PairCollator
     from vlmctl.distributed.fsdp import fsdp_plan_of
+    from vlmctl.train.grpo import build_prompt_collator
     from vlmctl.train.loop import Trainer, TrainState, prefetch
     from vlmctl.train.worker import wrap_model
 
@@ -947,9 +989,18 @@ def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log
         setup(tm.model)
     if dims.dp_size != plan.dp_size:  # planned for another world size (a caller's own plan): plan again
         plan = replace(plan, dp_size=dims.dp_size)
-    reference = frozen_copy(tm.model, ctx.dtype) if train.objective == "dpo" and train.dpo.reference == "frozen" else None
+    grpo = train.objective == "grpo"
+    if grpo and train.grpo.drop_zero_variance_groups:
+        # the synthetic answers are random text: every group's rewards are equal (0), and the filter would leave no
+        # rollout to train on; the bench keeps them all (a step whose every group varies)
+        train = train.model_copy(update={"grpo": train.grpo.model_copy(update={"drop_zero_variance_groups": False})})
+        if env.is_main:
+            log("train.grpo.drop_zero_variance_groups: off in the bench (random answers earn equal rewards; every group "
+                "is trained on, as in a step where all of them vary)")
+    frozen = (train.objective == "dpo" and train.dpo.reference == "frozen") or (grpo and train.grpo.beta > 0)
+    reference = frozen_copy(tm.model, ctx.dtype) if frozen else None
     engine = wrap_model(tm, train, ctx, total_steps)
-    objective = bench_objective(tm, train, ctx, reference)  # as the worker builds it
+    objective = bench_objective(tm, train, ctx, reference, model_section=model_section)  # as the worker builds it
     choice = None
     if autotune.wants(ctx.plan):  # as `vlmctl train` does on a GPU: probe, then plan the workload at the chosen size
         choice = probe_auto(plan, tm, train, ctx, engine, objective, log)
@@ -959,7 +1010,9 @@ def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log
                 else Collator(tm.processor, tm.family))
     if train.objective == "dpo":
         collator = PairCollator(tm.processor, tm.family, tokens_per_batch=row_budget(train))
-    costs = plan.workload.costs(tm.cost_model)  # None when the workload cannot estimate them
+    if grpo:  # prompts; the objective's prepare_window generates, scores and packs their rollouts in each step
+        collator = build_prompt_collator(None, ctx, tm)
+    costs = None if grpo else plan.workload.costs(tm.cost_model)  # None when the workload cannot estimate them
     batches = [plan.workload.batch(indices, collator)
                for indices in plan_batches(plan, train, dp_rank=dims.dp_rank, costs=costs)]
     trainer = Trainer(engine=engine, objective=objective, batches=prefetch(iter(batches), tm.prepare), env=env, state=TrainState(),
@@ -967,7 +1020,7 @@ def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log
                       save_steps=1 << 30, logging_steps=1 << 30, max_bad_steps=total_steps, save=None, log=None,
                       progress=None, flops_of=tm.cost_model.batch_flops, dp_group=dims.dp_group, sp_group=dims.sp_group)
     labels = {"name": plan.model.name, "workload": plan.spec.kind, "media": plan.spec.media(), "packing": plan.packing,
-              "adapter": plan.adapter, "stage": train.stage}
+              "adapter": plan.adapter, "stage": train.stage, "objective": train.objective}
     result = _measure(trainer, labels, train, ctx, steps=steps, warmup=warmup, log=log)
     result.settings = settings_line(train, choice, fsdp_plan_of(engine.model))
     if choice is not None and choice.trials:
@@ -990,14 +1043,21 @@ def frozen_copy(model, dtype):
     return reference
 
 
-def bench_objective(tm, train, ctx, reference_model=None):
+def bench_objective(tm, train, ctx, reference_model=None, *, model_section=None):
     """The objective a run of `train` builds (`train.worker.build_objective`), over the bench's synthetic model: for
     dpo the frozen `reference_model` copy, the LoRA base, or placeholder reference log-probs (`reference.
-    probe_stand_ins`: the step does not depend on their values)."""
+    probe_stand_ins`: the step does not depend on their values); for grpo its rewards (user functions imported as
+    a run imports them), the family's packed-row hook (taken from `tm`) and, with beta > 0, the frozen
+    `reference_model` copy; no rollouts.html. `model_section`: the project's, for grpo's project config."""
+    from types import SimpleNamespace
+
     from vlmctl.train.reference import probe_stand_ins
     from vlmctl.train.worker import build_objective
 
-    objective = build_objective(tm, train, ctx, reference_model=reference_model)
+    cfg = None
+    if train.objective == "grpo":  # what the objective reads of a project config: generation samples videos as data.video's defaults
+        cfg = SimpleNamespace(model=model_section, train=train, data=SimpleNamespace(video=None))
+    objective = build_objective(tm, train, ctx, cfg, reference_model=reference_model)
     if train.objective == "dpo" and train.dpo.reference == "precomputed":
         probe_stand_ins(objective)
     return objective
@@ -1017,7 +1077,7 @@ def settings_line(train, choice, fsdp=None) -> str:
     reshard-after-forward and prefetch."""
     from vlmctl.distributed.checkpointing import describe, describe_memory_helpers
 
-    size = f"{token_budget(train)} tokens per row" if train.packing else f"micro-batch {micro_batch(train)}"
+    size = f"{token_budget(train)} tokens per row" if train.packing and train.objective != "grpo" else f"micro-batch {micro_batch(train)}"
     if train.packing and train.sequence_parallel > 1:
         size = f"{row_budget(train)} tokens per row over {train.sequence_parallel} sequence-parallel ranks (Ulysses)"
     why = f" [auto: {choice.reason}]" if choice is not None else ""
@@ -1025,8 +1085,14 @@ def settings_line(train, choice, fsdp=None) -> str:
     overlap = f"; FSDP2 {fsdp.describe()}" if fsdp is not None else ""
     extra = describe_memory_helpers(train)
     rounding = " (stochastic rounding)" if train.master_weights == "bf16" and train.stochastic_rounding == "on" else ""
+    objective = ""
+    if train.objective == "grpo":
+        g = train.grpo
+        objective = (f"; grpo: {micro_batch(train)} prompts per micro-batch x {g.group_size} rollouts of at most "
+                     f"{g.max_new_tokens} tokens (temperature {g.temperature}, top_p {g.top_p})"
+                     + (f", KL beta {g.beta}" if g.beta else ""))
     return (f"{train.strategy}, {size}, activation checkpointing {describe('off' if pending(ac) else ac)}{extra}, "
-            f"{train.master_weights} master weights{rounding}{why}{overlap}")
+            f"{train.master_weights} master weights{rounding}{why}{overlap}{objective}")
 
 
 def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup: int, log) -> BenchResult:
@@ -1047,19 +1113,26 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
     totals = torch.zeros(4, dtype=torch.float64)  # flops, text, visual, samples
     seconds = torch.zeros(1, dtype=torch.float64)
     measured = []  # the measured steps' results: per-rank compute and data-wait figures
+    rollouts = {"rollouts": 0.0, "seconds": 0.0, "tokens": 0.0}  # grpo: the steps' rollout figures (all ranks)
     for i in range(steps + warmup):
         sync()
         t0 = time.perf_counter()
         result = trainer.train_step()  # ends in a collective that waits for the device
         dt = time.perf_counter() - t0
+        generated = _rollout_figures(result)
         if i >= warmup:
             totals += torch.tensor([result.flops, result.text_tokens, result.visual_tokens, result.samples], dtype=torch.float64)
             seconds += dt
             measured.append(result)
+            if generated is not None:
+                for key, value in generated.items():
+                    rollouts[key] += value
         if env.is_main:
             loss = "skipped" if result.loss is None else f"{result.loss:.3f}"
+            part = "" if generated is None else (f", {generated['rollouts']:.0f} rollouts of {generated['tokens']:.0f} "
+                                                 f"generated tokens in {generated['seconds'] * 1000:.0f} ms")
             log(f"step {i}{' (warm-up)' if i < warmup else ''}: loss {loss}, {dt * 1000:.0f} ms, "
-                f"{result.text_tokens + result.visual_tokens} tokens, {result.samples} samples")
+                f"{result.text_tokens + result.visual_tokens} tokens, {result.samples} samples{part}")
     peak = torch.tensor([torch.cuda.max_memory_allocated(env.device) / 2**30 if cuda else 0.0], dtype=torch.float64)
     if dist.get_backend() == "nccl":
         peak, seconds = peak.to(env.device), seconds.to(env.device)
@@ -1069,16 +1142,34 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
     total, world, toks = float(seconds.cpu()[0]), env.world_size, text + visual
     mfu = cost.mfu(flops, total, peak_flops(env.device) or DEFAULT_PEAK, world)
     stragglers = straggler_stats(measured, total)
+    grpo = {}
+    if labels.get("objective") == "grpo":
+        gen = rollouts["seconds"]
+        grpo = {"rollouts_per_step": rollouts["rollouts"] / steps, "rollouts_per_s": rollouts["rollouts"] / gen if gen else 0.0,
+                "generated_tokens_per_s": rollouts["tokens"] / gen if gen else 0.0, "rollout_s": gen / steps,
+                "train_s": (total - gen) / steps, "generation_share": gen / total,
+                "train_tokens_per_s": toks / (total - gen) if total > gen else 0.0}
     return BenchResult(
         name=labels["name"], steps=steps, world_size=world, strategy=train.strategy,
         tokens_per_s=toks / total, text_tokens_per_s=text / total, visual_tokens_per_s=visual / total,
         samples_per_s=n_samples / total, step_time_s=total / steps, mfu=mfu or 0.0,
         peak_memory_gib=float(peak.cpu()[0]), tokens_per_step=toks / steps, flops_per_token=flops / max(toks, 1.0), on_gpu=cuda,
         workload=labels["workload"], media=labels["media"], packing=labels["packing"], adapter=labels["adapter"],
-        stage=labels["stage"],
+        stage=labels["stage"], objective=labels.get("objective", "sft"),
         balance=stragglers.get("balance"), balance_flops=stragglers.get("balance_flops"),
-        data_wait=stragglers.get("data_wait"),
+        data_wait=stragglers.get("data_wait"), **grpo,
     )
+
+
+def _rollout_figures(result) -> dict[str, float] | None:
+    """A grpo step's rollouts, generated tokens and generation seconds from its metrics (`GRPOObjective.metrics`:
+    `rollouts` and `completions/mean_length` summed over the data-parallel ranks, `time/rollout_s` their mean);
+    None for a step without them (another objective, or a skipped step)."""
+    metrics = result.metrics
+    if "time/rollout_s" not in metrics:
+        return None
+    return {"rollouts": metrics["rollouts"], "seconds": metrics["time/rollout_s"],
+            "tokens": metrics["completions/mean_length"] * metrics["rollouts"]}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -1155,6 +1246,7 @@ def run_processes(cfg, plan: BenchPlan, nproc: int, *, steps: int, warmup: int, 
             raise VlmctlError(f"the bench processes failed (exit code {code})", hint="see the rank output above")
         data = json.loads(result.read_text())
     data.pop("tokens_per_s_per_gpu", None)
+    data.pop("rollouts_per_s_per_gpu", None)
     return BenchResult(**data)
 
 

@@ -5,6 +5,7 @@ checked against the trainer's own cost model on the very batches the steps train
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -109,6 +110,41 @@ def test_dpo_benches_packed_pairs_with_its_reference(tiny_project, capsys, train
         assert first.loss == pytest.approx(0.6931472, abs=1e-5)
 
 
+@pytest.mark.parametrize("drop, beta", [(False, 0.0), (True, 0.1)])
+def test_grpo_benches_rollouts_and_splits_the_step_into_generation_and_training(tiny_project, capsys, trained, drop, beta):
+    prompts, group, new_tokens = 2, 3, 4
+    out = _bench(capsys, tiny_project, "model.preset=tiny-qwen2.5-vl", "train.packing=true", "train.objective=grpo",
+                 f"train.micro_batch_size={prompts}", f"train.grpo.group_size={group}", f"train.grpo.beta={beta}",
+                 f"train.grpo.max_new_tokens={new_tokens}", f"train.grpo.drop_zero_variance_groups={str(drop).lower()}")
+    _consistent(out, trained)
+    assert (out["objective"], out["workload"], out["world_size"]) == ("grpo", "chat", 1)
+    trainer = trained["trainer"]
+    assert trainer.objective.name == "grpo" and trainer.objective.hook is not None  # Qwen-VL's mRoPE positions
+    # beta > 0: the KL term against a frozen copy of the bench's model, which starts equal to the policy
+    assert ("reference" in trainer.objective.models) == bool(beta)
+    if beta:
+        assert trained["steps"][0].metrics["kl"] == pytest.approx(0.0, abs=1e-6)
+    # every prompt's group is trained on, also with the filter on (random answers: every group's rewards are equal)
+    assert not trainer.objective.settings.drop_zero_variance_groups
+    rollouts = prompts * group
+    for step, batch in zip(trained["steps"], trained["batches"]):
+        assert batch["num_rollouts"] == batch["num_samples"] == rollouts and len(batch["advantages"]) == rollouts
+        assert step.metrics["rollouts"] == rollouts and 0 < step.metrics["completions/mean_length"] <= new_tokens
+    assert out["rollouts_per_step"] == rollouts
+    for key in ("rollouts_per_s", "rollouts_per_s_per_gpu", "generated_tokens_per_s", "rollout_s", "train_s",
+                "train_tokens_per_s"):
+        assert out[key] > 0, key
+    assert 0 < out["generation_share"] < 1
+    assert out["rollout_s"] + out["train_s"] == pytest.approx(out["step_time_s"])
+    assert out["generation_share"] == pytest.approx(out["rollout_s"] / out["step_time_s"])
+    assert out["rollouts_per_s"] == pytest.approx(STEPS * rollouts / (STEPS * out["rollout_s"]))
+    assert out["rollouts_per_s_per_gpu"] == out["rollouts_per_s"]
+    assert out["samples_per_s"] == pytest.approx(rollouts / out["step_time_s"])  # rollouts per second of the whole step
+    lengths = [s.metrics["completions/mean_length"] for s in trained["steps"][WARMUP:]]
+    assert out["generated_tokens_per_s"] == pytest.approx(rollouts * sum(lengths) / (STEPS * out["rollout_s"]))
+    assert out["train_tokens_per_s"] == pytest.approx(out["tokens_per_step"] / out["train_s"])
+
+
 def test_qwen_preset_on_padded_batches(tiny_project, capsys, trained):
     # the template trains padded micro-batches: a Qwen-VL preset in it gets the chat workload, not the baseline's
     out = _bench(capsys, tiny_project, "model.preset=tiny-qwen2.5-vl", "train.micro_batch_size=4")
@@ -209,3 +245,16 @@ def test_sequence_parallel_that_does_not_divide_the_processes_is_a_usage_error(t
     code, out, err = run_cli(["bench", "-c", str(tiny_project), "--nproc-per-node", "3", *FLAGS,
                               "model.preset=tiny-qwen2.5-vl", "train.sequence_parallel=2"], capsys)
     assert code == 2 and "train.sequence_parallel=2 does not divide the 3 processes" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--workload", "baseline", "train.packing=true"], r"train.objective grpo benches prompts \(the answers are their references\) of the chat workload"),
+    (["train.packing=false"], r"rows are not packed \(train.packing is off\)"),
+    (["train.packing=true", "train.grpo.num_iterations=2"], "only one update per generation batch"),
+])
+def test_grpo_settings_a_run_refuses_stop_the_bench_before_it_starts(tiny_project, capsys, trained, args, message):
+    code, out, err = run_cli(["bench", "-c", str(tiny_project), "--nproc-per-node", "1", *FLAGS,
+                              "model.preset=tiny-qwen2.5-vl", "train.objective=grpo", *args], capsys)
+    text = " ".join(re.sub("[│╭╮╰╯─]", " ", err).split())  # the panel's lines joined
+    assert code == 2 and re.search(message, text) and "Traceback" not in err
+    assert "trainer" not in trained  # no step ran

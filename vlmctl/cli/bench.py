@@ -39,7 +39,9 @@ def bench(
     """Run N training steps of the configured model, stage, adapters (LoRA/QLoRA), strategy and kernels (the trainer's
     own step) on synthetic data, packed or padded as training batches it, and report tokens/s (text and visual, all
     GPUs and per GPU), MFU with ViT FLOPs, step time, peak memory; with --scaling, one row per process count.
-    Samples hold one image, --images-per-sample images, or with --video-frames one video clip, plus the text."""
+    Samples hold one image, --images-per-sample images, or with --video-frames one video clip, plus the text.
+    With train.objective=grpo the samples are prompts (their answers the references): also rollouts/s, generated
+    tokens/s, the generation share of the step and train tokens/s."""
     from vlmctl.errors import UsageError
 
     if scaling is not None and nproc_per_node is not None:
@@ -103,6 +105,17 @@ def bench(
         ("peak memory", f"{result.peak_memory_gib:.1f} GiB" if result.on_gpu else "n/a (CPU)"),
     ]:
         table.add_row(label, value)
+    if result.rollouts_per_s is not None:  # grpo: the step is generation, then training on the rollouts
+        for label, value in [
+            ("rollouts per step", f"{result.rollouts_per_step:,.0f}"),
+            ("rollouts/s (generation)", f"{result.rollouts_per_s:,.2f}"),
+            ("  per GPU", f"{result.rollouts_per_s_per_gpu:,.2f}"),
+            ("generated tokens/s", f"{result.generated_tokens_per_s:,.0f}"),
+            ("generation share of the step", _percent(result.generation_share)),
+            ("rollout / train time", f"{result.rollout_s * 1000:,.0f} / {result.train_s * 1000:,.0f} ms"),
+            ("train tokens/s", f"{result.train_tokens_per_s:,.0f}"),
+        ]:
+            table.add_row(label, value)
     if result.balance is not None:
         table.add_row("balance (compute / FLOPs)", f"{result.balance * 100:.1f}% / {(result.balance_flops or 0) * 100:.1f}%")
     if result.data_wait is not None:

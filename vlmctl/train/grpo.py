@@ -772,18 +772,14 @@ def write_rollouts_html(path: Path, samples: list[dict[str, Any]]) -> None:
         raise
 
 
-def build_grpo_objective(tm, cfg, ctx, run_dir: Path | None = None) -> GRPOObjective:
-    """The objective of `train.objective: grpo` (`GRPOObjective`): the rewards of `train.grpo.rewards` (user
-    functions imported now), a frozen reference (`reference.load_reference`) when `train.grpo.beta` > 0, and the
-    family's packed-row hook, which the objective applies to its rows: the loop's prefetch sees prompts, so the
-    hook is taken from `tm` (`tm.prepare` becomes None). `run_dir` (rank 0's): where rollouts.html goes.
-
-    Raises ConfigError for settings not supported: unpacked rows (the family cannot pack, or train.packing off),
-    sequence parallelism, num_iterations > 1, validation (`train.eval_steps`); and as `build_rewards` does."""
-    train = cfg.train
+def check_grpo_settings(train, family, *, packing: bool | None = None) -> None:
+    """Raise ConfigError for `train` settings a grpo run does not support: unpacked rows (`packing`, default
+    `train.packing`, off; or a `family` that cannot pack), sequence parallelism, num_iterations > 1, validation
+    (`train.eval_steps`). `build_grpo_objective` and `vlmctl bench` (before any process starts) call it."""
     s = train.grpo
-    if not train.packing:
-        why = "train.packing is off" if getattr(tm.family, "supports_packing", True) else f"{tm.family.name} models cannot take packed rows"
+    packing = train.packing if packing is None else packing
+    if not packing:
+        why = "train.packing is off" if getattr(family, "supports_packing", True) else f"{family.name} models cannot take packed rows"
         raise ConfigError(f"train.objective grpo packs each prompt's rollouts into one row, but rows are not packed ({why})",
                           hint="set train.packing: true, with a family that packs (e.g. qwen2_5_vl, llava)")
     if train.sequence_parallel > 1:
@@ -794,6 +790,19 @@ def build_grpo_objective(tm, cfg, ctx, run_dir: Path | None = None) -> GRPOObjec
     if train.eval_steps:
         raise ConfigError("train.eval_steps: a grpo run has no validation loss",
                           hint="remove train.eval_steps and evaluate the exported model with `vlmctl eval`")
+
+
+def build_grpo_objective(tm, cfg, ctx, run_dir: Path | None = None, reference_model=None) -> GRPOObjective:
+    """The objective of `train.objective: grpo` (`GRPOObjective`): the rewards of `train.grpo.rewards` (user
+    functions imported now), a frozen reference when `train.grpo.beta` > 0 (`reference_model` when given, e.g.
+    `vlmctl bench`'s copy of its synthetic model, else `reference.load_reference`), and the family's packed-row
+    hook, which the objective applies to its rows: the loop's prefetch sees prompts, so the hook is taken from `tm`
+    (`tm.prepare` becomes None). `run_dir` (rank 0's): where rollouts.html goes.
+
+    Raises ConfigError as `check_grpo_settings` and `build_rewards` do."""
+    train = cfg.train
+    s = train.grpo
+    check_grpo_settings(train, tm.family)
     import sys
 
     if os.getcwd() not in sys.path:  # a reward module next to vlmctl.yaml, where `vlmctl train` was started
@@ -803,7 +812,7 @@ def build_grpo_objective(tm, cfg, ctx, run_dir: Path | None = None) -> GRPOObjec
     if s.beta > 0:
         from vlmctl.train.reference import load_reference
 
-        reference = load_reference(cfg, cfg.train, ctx)
+        reference = reference_model if reference_model is not None else load_reference(cfg, cfg.train, ctx)
     hook, tm.prepare = tm.prepare, None
     return GRPOObjective(settings=s, rewards=rewards, reward_names=[r.name for r in s.rewards], processor=tm.processor,
                          family=tm.family, hook=hook, seed=train.seed, dp_rank=ctx.dims.dp_rank, dp_group=ctx.dims.dp_group,
