@@ -3,6 +3,8 @@
 # `vlmctl train` on real data. One phase per call (each fits one device command of at most 10 minutes):
 #   benchmarks/bench_4gpu.sh scaling WORKDIR      # 7B preset, `vlmctl bench --scaling 1,2,4`, default and skewed workloads
 #   benchmarks/bench_4gpu.sh sp WORKDIR           # 7B preset, one 131,072-token row: SP=1 on 1 GPU vs SP=4 on 4 GPUs
+#   benchmarks/bench_4gpu.sh hybrid-prepare WORKDIR  # the data and model of `hybrid` only (CPU work: start it in the
+#                                                    # background before `sp`'s single-GPU row ends, then `wait $!`)
 #   benchmarks/bench_4gpu.sh hybrid WORKDIR       # 3B preset built once: full sharding over 4 vs hybrid 2 x 2 (two
 #                                                 # launchers of 2 processes on this host), then `vlmctl train` on the
 #                                                 # real sample data (tests/fixtures/real, each source 100x) on 4 GPUs
@@ -64,7 +66,7 @@ for name in ("sp1", "sp4"):
           f"step {r['step_time_s']:.1f} s, {r['tokens_per_step']:.0f} tokens/step, peak {r['peak_memory_gib']:.1f} GiB")
 PY
     ;;
-hybrid)
+hybrid-prepare|hybrid)
     real=$here/tests/fixtures/real
     mkdir -p "$work/data/raw" "$work/lf"
     ln -sfn "$real/llamafactory_mllm_demo" "$work/lf/data"  # the messages file names images from LLaMA-Factory's root
@@ -88,11 +90,14 @@ model: {preset: ${PRESET:-qwen2.5-vl-3b}, init: random, dtype: bf16, output_dir:
 train: {strategy: fsdp, stage: full, precision: bf16, tokens_per_batch: 8192, max_steps: 12, save_steps: 1000,
         logging_steps: 1}
 YAML
+    if [ "$phase" = hybrid-prepare ] || [ ! -f outputs/model/config.json ]; then
     python3 -m vlmctl --quiet data prepare --num-proc 8 >/dev/null || echo "prepare failed"
     python3 -m vlmctl --quiet -c real.yaml data prepare --num-proc 4 > real-prepare.log 2>&1 || { echo "real prepare failed"; tail -20 real-prepare.log; }
     start=$(date +%s)
     python3 -m vlmctl --quiet model build --force >/dev/null || echo "build failed"
     echo "model build: $(( $(date +%s) - start )) s"
+    fi
+    [ "$phase" = hybrid-prepare ] && exit 0
     timeout 150 python3 -m vlmctl train --nproc-per-node 4 train.run_name=full > full.log 2>&1; echo "full rc=$?"
     port=$(python3 -c "from vlmctl.distributed.env import free_port; print(free_port())")
     for node in 0 1; do

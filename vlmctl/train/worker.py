@@ -78,8 +78,7 @@ def build_objective(tm: TrainingModel, train, ctx: RunContext, cfg=None, run_dir
     """The run's objective (`train.objective` of the resolved `train` section), its frozen models parallelized: sft
     (liger's fused loss where patched; this rank's slice under sequence parallelism); dpo against a frozen copy
     (`reference_model`, else loaded from `cfg`, the project config: `train.reference`), the LoRA base or precomputed
-    log-probs; grpo (`train.grpo`, its rollouts.html in `run_dir`; with beta > 0 `reference_model` or a copy loaded
-    from `cfg`)."""
+    log-probs; grpo (`train.grpo`, rollouts.html in `run_dir`; beta > 0: `reference_model` or one loaded from `cfg`)."""
     copy = train.objective == "dpo" and train.dpo.reference == "frozen"
     loads = train.objective == "grpo" or (copy and reference_model is None)
     if loads and cfg is None:
