@@ -79,6 +79,7 @@ MFU = FLOPs / step time / (peak x GPUs) (PaLM, Chowdhery et al. 2022, appendix B
 from __future__ import annotations
 
 import random
+import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -90,7 +91,6 @@ from vlmctl.train import autotune
 # numpy and torch are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must not
 # pay for them.
 # So are the vlmctl modules that load numpy when imported.
-# tempfile (standard library, not loaded at the CLI's start-up) is imported inside the functions that use it.
 # Light vlmctl modules and modules the CLI's start-up loads anyway are imported next to their use as well.
 
 DEFAULT_PEAK = 989e12  # H100/H200 SXM dense bf16: the reference for devices without a data-sheet figure (CPUs)
@@ -899,8 +899,6 @@ def run_bench(model_section, train_section, *, steps: int = 20, warmup: int = 3,
     Raises UsageError / ConfigError / ModelError as `prepare` does (and ConfigError from `vlmctl.train.setup` for
     settings only the loaded model shows, e.g. LoRA target modules that match no layer).
     """
-    import tempfile
-
     import torch.distributed as dist
 
     from vlmctl.train.setup import setup_run
@@ -1218,7 +1216,6 @@ def run_processes(cfg, plan: BenchPlan, nproc: int, *, steps: int, warmup: int, 
     `master_port`; with the ranks' environment of `vlmctl train`, `train.launch.launch_env`), rank 0 handing the
     figures back through a temporary folder. Raises VlmctlError when the ranks fail."""
     import json
-    import tempfile
 
     from vlmctl.config import dump_config
     from vlmctl.distributed.env import free_port

@@ -24,10 +24,9 @@ import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from vlmctl import __version__
 from vlmctl.errors import UsageError
-
-# Light vlmctl modules are imported inside functions, next to their use: at module level they would cost nothing
-# more.
+from vlmctl.files import honour_umask
 
 MARKER = ".vlmctl-output.json"
 
@@ -76,8 +75,6 @@ def marker_kind(folder: Path) -> str | None:
 
 def write_marker(folder: Path, kind: str) -> None:
     """Record in `folder` that vlmctl wrote it as a result of `kind` (one of `KINDS`)."""
-    from vlmctl import __version__
-
     if kind not in KINDS:
         raise ValueError(f"unknown output kind {kind!r}")
     (Path(folder) / MARKER).write_text(json.dumps({"kind": kind, "vlmctl_version": __version__}) + "\n")
@@ -176,8 +173,6 @@ def install(tmp: Path, final: Path, kind: str) -> None:
     caller proved replaceable with `check_replaceable`) is moved aside first and removed only after the rename, so
     an interruption leaves either the old or the new folder in place. The folder's files get the modes the umask
     gives new files (temporary folders are 0700 and safetensors writes 0600: `files.honour_umask`)."""
-    from vlmctl.files import honour_umask
-
     write_marker(tmp, kind)
     honour_umask(tmp)
     old = None

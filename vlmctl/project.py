@@ -8,12 +8,11 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import vlmctl
+from vlmctl.data.synthetic import generate_shapes_vqa
 from vlmctl.errors import UsageError
-from vlmctl.outputs import check_replaceable, install
 from vlmctl.files import honour_umask
-
-# Light vlmctl modules are imported inside functions, next to their use: at module level they would cost nothing
-# more.
+from vlmctl.outputs import check_replaceable, install
 
 NEXT_COMMANDS = {
     "tiny": ["vlmctl data prepare", "vlmctl model build", "vlmctl train", "vlmctl eval"],
@@ -40,8 +39,6 @@ GENERATED_DATA = {"tiny": 3000}
 
 def templates_dir() -> Path:
     """The folder of shipped templates: inside the installed package, or `templates/` of a source checkout."""
-    import vlmctl
-
     pkg = Path(vlmctl.__file__).resolve().parent
     for candidate in (pkg / "templates", pkg.parent / "templates"):
         if candidate.is_dir():
@@ -94,8 +91,6 @@ def init_project(folder: Path, template: str = "tiny", force: bool = False, num_
         _atomic_write(dest, text)
         written.append(dest)
     if generated:
-        from vlmctl.data.synthetic import generate_shapes_vqa
-
         raw = folder / "data" / "raw"
         tmp = Path(tempfile.mkdtemp(prefix=".raw-", dir=folder / "data"))
         try:

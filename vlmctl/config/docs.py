@@ -5,16 +5,15 @@ The reference is generated, so it cannot drift from the code (a test compares th
 
 from __future__ import annotations
 
+import types
 import typing
 from enum import Enum
+from pathlib import Path
 
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from vlmctl.config import VlmctlConfig
-
-# Modules the CLI's start-up loads anyway are imported inside functions, next to their use: at module level they
-# would cost nothing more.
 
 
 def _submodel(annotation) -> type[BaseModel] | None:
@@ -38,9 +37,6 @@ def _default(field) -> str:
 
 def _type(annotation) -> str:
     """A short, readable type: `int`, `path`, `a | b` for literals, `list[...]`, `... | null`."""
-    import types
-    from pathlib import Path
-
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is typing.Annotated:
         return _type(args[0])

@@ -57,10 +57,8 @@ from typing import Any
 
 import numpy as np
 
+from vlmctl.data.packing import balance_bins, first_fit_decreasing
 from vlmctl.errors import DataError
-
-# The vlmctl modules that load numpy when imported are imported inside the functions that use them: importing vlmctl
-# (the CLI's start-up) must not pay for it.
 
 MEGA_BATCH_MULT = 50
 PACKING_LOOKAHEAD = 1024  # samples in the first-fit-decreasing buffer: bounded memory, near-optimal bins
@@ -130,8 +128,6 @@ def balance_step(parts: Sequence[Sequence[int]], lengths: np.ndarray, costs: np.
     arrays over all samples (tokens; integer costs, `integer_costs`). Returns the global micro-batches, each a
     list of `world_size` micro-batches (one per rank, in rank order), heaviest first. Raises ValueError when the
     constraints admit no grouping."""
-    from vlmctl.data.packing import balance_bins
-
     start, items = [], []
     for part in parts:
         start.append(list(range(len(items), len(items) + len(part))))
@@ -370,8 +366,6 @@ class PackedBatchSampler(BatchSampler):
 
     def pack(self, order: np.ndarray, key: list[int]) -> list[list[int]]:
         """The bins of the samples `order` (sample indices), shuffled with `key`; the same for any world size."""
-        from vlmctl.data.packing import first_fit_decreasing
-
         order = order[self.lengths[order] <= self.tokens_per_batch]
         # keys are positions in the epoch's order: a weighted sample may be drawn twice
         items = ((pos, int(self.lengths[i])) for pos, i in enumerate(order))

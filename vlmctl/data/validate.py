@@ -15,10 +15,8 @@ from typing import Any
 from vlmctl.config.data import DataSection, DataSource
 from vlmctl.data.checks import REASONS, Rejection
 from vlmctl.data.pipeline import RowBudget, SourceTally, iter_checked, progress_bar, unique_sources
+from vlmctl.data.tokens import has_processor
 from vlmctl.errors import UsageError
-
-# Light vlmctl modules are imported inside functions, next to their use: at module level they would cost nothing
-# more.
 
 
 @dataclass
@@ -94,8 +92,6 @@ def validate_data(
     Raises UsageError when there is nothing to check, MissingSourceError (a DataError, exit code 2) for a source
     that does not exist and DataError when a source cannot be opened.
     """
-    from vlmctl.data.tokens import has_processor
-
     raw = sources_for_paths(paths, image_root=image_root, format=format) if paths else list(data.sources)
     if not raw:
         raise UsageError("no data to validate", hint="pass files/folders (`vlmctl data validate data/raw/train.json`) or list data.sources in vlmctl.yaml")

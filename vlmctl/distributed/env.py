@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import os
+import socket
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 # torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
 # deepspeed (an optional dependency) is imported only where used, so the rest works without it.
-# socket and tempfile (standard library, not loaded at the CLI's start-up) are imported inside the functions that
-# use them.
-# Modules the CLI's start-up loads anyway are imported next to their use as well.
 
 
 @dataclass
@@ -80,8 +80,6 @@ def configure_cuda_allocator() -> None:
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free now (for a rendezvous)."""
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -89,8 +87,6 @@ def free_port() -> int:
 
 def port_is_free(port: int, host: str = "") -> bool:
     """Whether a TCP socket can bind `port` now (on every interface by default, as torchrun's store does)."""
-    import socket
-
     with socket.socket() as s:
         try:
             s.bind((host, port))
@@ -116,11 +112,8 @@ def claim_port(preferred: int) -> tuple[int, object | None]:
 def _flock_port(port: int):
     """An open file with an exclusive lock on this port's claim file; False when another process holds it;
     None when locks are not available here."""
-    import tempfile
-    from pathlib import Path
-
     try:
-        import fcntl
+        import fcntl  # POSIX only
     except ImportError:  # pragma: no cover - not POSIX
         return None
     folder = Path(tempfile.gettempdir()) / "vlmctl-ports"

@@ -34,10 +34,12 @@ only replaces the layers' instance `forward` (`distributed.checkpointing`), so i
 from __future__ import annotations
 
 from vlmctl.config.plan import pending
+from vlmctl.distributed.checkpointing import apply_activation_checkpointing, apply_tiled_mlp
+from vlmctl.distributed.ddp import apply_ddp
 from vlmctl.distributed.engine import strategy_of
-
-# torch, DeepSpeed and the modules built on them are imported inside the functions that use them: importing
-# vlmctl (the CLI's start-up) must not pay for them.
+from vlmctl.distributed.fsdp import apply_fsdp
+from vlmctl.distributed.sequence import SequenceShard, apply_sequence_parallel, check_sequence_parallel
+from vlmctl.distributed.weights import place_weights
 
 
 def parallelize(model, *, family, parts, train, dims, device, dtype, core_attention=None, deferred=None,
@@ -80,8 +82,6 @@ def sequence_shard(dims):
     (`train.objectives.SFTObjective.shard`)."""
     if dims.sp <= 1:
         return None
-    from vlmctl.distributed.sequence import SequenceShard
-
     return SequenceShard(dims.sp_group, dims.sp_rank, dims.sp)
 
 
@@ -93,8 +93,6 @@ def split_sequence(model, family, train, dims, core_attention=None) -> None:
     shard = sequence_shard(dims)
     if shard is None:
         return
-    from vlmctl.distributed.sequence import apply_sequence_parallel, check_sequence_parallel
-
     check_sequence_parallel(dims.sp, model.config.get_text_config(), packing=train.packing)
     apply_sequence_parallel(model, family, shard, core_attention)
 
@@ -104,8 +102,6 @@ def checkpoint_layers(layer_groups, mode, *, offload: bool = False) -> None:
     stride; `distributed.checkpointing`) on `layer_groups` ([decoder layers, vision blocks]), replacing the mode set
     before. auto leaves the layers as they are: the start-up probe (`train.autotune.probe`) calls this on the
     wrapped model with each mode it tries, then with its choice."""
-    from vlmctl.distributed.checkpointing import apply_activation_checkpointing
-
     if not pending(mode):
         apply_activation_checkpointing(layer_groups, mode, offload=offload)
 
@@ -113,8 +109,6 @@ def checkpoint_layers(layer_groups, mode, *, offload: bool = False) -> None:
 def tile_mlps(parts, slices) -> None:
     """Step 3 too: the decoder layers' MLPs over `slices` parts of the row (`train.tiled_mlp`,
     `distributed.checkpointing.apply_tiled_mlp`), a memory helper of the backward like checkpointing."""
-    from vlmctl.distributed.checkpointing import apply_tiled_mlp
-
     apply_tiled_mlp(parts.decoder_layers, slices)
 
 
@@ -141,14 +135,10 @@ def wrap(model, parts, train, dims, device, dtype, *, deferred=None, trainable: 
     or DDP over the gradient mesh (`distributed.ddp.apply_ddp`; not in one process, where it would only copy every
     gradient into its buckets, nor for a frozen model); or, under DeepSpeed, nothing: `engine.build_engine` hands
     the model to `deepspeed.initialize` (a frozen model is moved to `device` instead)."""
-    from vlmctl.distributed.weights import place_weights
-
     strategy = strategy_of(train.strategy)
     if strategy.deepspeed:
         return model if trainable else model.to(device)
     if strategy.fsdp:
-        from vlmctl.distributed.fsdp import apply_fsdp
-
         model = apply_fsdp(model, parts, dims.fsdp_mesh, param_dtype=dtype,
                            reshard_after_forward=train.fsdp_reshard_after_forward, prefetch=train.fsdp_prefetch)
         place_weights(model, deferred, device)  # rank 0's weights, into every rank's shards
@@ -156,8 +146,6 @@ def wrap(model, parts, train, dims, device, dtype, *, deferred=None, trainable: 
     place_weights(model, deferred, device)  # empty storage; DDP broadcasts rank 0's weights
     model = model.to(device)
     if trainable and strategy.ddp and dims.grad_size > 1:
-        from vlmctl.distributed.ddp import apply_ddp
-
         model = apply_ddp(model, dims.grad_mesh, device)
     return model
 

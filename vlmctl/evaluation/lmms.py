@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Iterable, TextIO
 
 from vlmctl.errors import ModelError, UsageError, VlmctlError
+from vlmctl.families import compose_family, detect_family, get_family
+from vlmctl.inference.load import resolve_device, resolve_dtype
 
 LOG_FILE = "lmms_eval.log"
 """lmms-eval's whole output (stdout and stderr, in order), written next to its results under `OUT/lmms_eval/`."""
@@ -107,8 +109,6 @@ def choose_adapter(model_dir: Path) -> str:
     """The lmms-eval model name (adapter) that loads `model_dir`: its family's `lmms_model` (from config.json's
     `model_type`), else the compose family's (`llava_hf` reads any LlavaForConditionalGeneration folder).
     Raises ModelError when the folder has no config.json."""
-    from vlmctl.families import compose_family, detect_family, get_family
-
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ModelError(f"{model_dir} has no config.json: lmms-eval loads Hugging Face model folders",
@@ -274,8 +274,6 @@ def machine_device_dtype(device: str = "auto", dtype: str = "auto") -> tuple[str
     """(device, dtype) as lmms-eval's adapters name them: `cpu` or `cuda:0` (the first GPU for `auto`), and
     `float32` / `bfloat16` / `float16` (vlmctl's `auto`: bf16 on GPUs that support it, else fp32; see
     `vlmctl.inference.resolve_dtype`). Raises UsageError for an unknown or absent device or dtype."""
-    from vlmctl.inference.load import resolve_device, resolve_dtype
-
     device = resolve_device(device)
     if device == "cuda":
         device = "cuda:0"  # one process: the whole model on the first visible GPU

@@ -22,6 +22,8 @@ Use `score_records(task, records)` to score a list of `ScoredRecord`s in place a
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import math
 import re
 import unicodedata
@@ -29,9 +31,6 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from vlmctl.errors import UsageError, VlmctlError
-
-# Modules the CLI's start-up loads anyway are imported inside functions, next to their use: at module level they
-# would cost nothing more.
 
 TASKS = ("vqa", "docvqa", "chartqa", "mcq", "caption", "asr")
 
@@ -353,8 +352,6 @@ TASK_PACKAGES = {"caption": (("sacrebleu", "sacrebleu", "caption metrics", "eval
 def check_task_packages(task: str) -> None:
     """Raise UsageError when a package the metrics of `task` need is not installed (looked up with
     `importlib.util.find_spec`, nothing imported): checked before a model is loaded or a sample generated."""
-    import importlib.util
-
     for module, package, what, extra in TASK_PACKAGES.get(task, ()):
         if importlib.util.find_spec(module) is None:
             raise UsageError(f"--task {task}: {what} need the `{package}` package, which is not installed",
@@ -362,8 +359,6 @@ def check_task_packages(task: str) -> None:
 
 
 def _require(module: str, package: str, *, what: str = "caption metrics", extra: str = "eval"):
-    import importlib
-
     try:
         return importlib.import_module(module)
     except ImportError as exc:

@@ -32,16 +32,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Literal, Sequence
 
-from vlmctl.data.images import IMAGE_EXTENSIONS
-from vlmctl.data.modalities.audio import AUDIO_EXTENSIONS
+from vlmctl.config.data import DataAudio
+from vlmctl.data.images import IMAGE_EXTENSIONS, ImageError, normalize_image, read_ref
+from vlmctl.data.modalities.audio import AUDIO_EXTENSIONS, MAX_AUDIO_FILE_BYTES, AudioError, normalize_audio, probe
 from vlmctl.data.modalities.video import VIDEO_EXTENSIONS
 from vlmctl.errors import DataError, UsageError
 from vlmctl.inference.generation import _check_sampling, read_video, stream_generate
 from vlmctl.inference.prompt import GenerationRequest, check_modality, model_family
-
-# The vlmctl modules that load numpy when imported are imported inside the functions that use them: importing vlmctl
-# (the CLI's start-up) must not pay for it.
-# Light vlmctl modules are imported next to their use as well.
 
 COMMANDS = {
     "/image PATH [question]": "attach an image to the next question (quote a path with spaces)",
@@ -161,8 +158,6 @@ def _split_media_paths(text: str, cwd: Path | None) -> tuple[str, dict[MediaKind
 def read_image(path: Path) -> bytes:
     """The image file at `path` as 8-bit RGB encoded bytes (`vlmctl.data.images.normalize_image`). Raises DataError
     naming the file when it is missing or not a decodable image."""
-    from vlmctl.data.images import ImageError, normalize_image, read_ref
-
     try:
         return normalize_image(read_ref(Path(path))).data
     except ImageError as exc:
@@ -188,9 +183,6 @@ def read_audio(path: Path | bytes, max_seconds: float | None = None) -> bytes:
     (MP4/M4A, WebM, WMA and AMR are not), truncated or empty, or longer than `max_seconds` (the feature extractor
     would cut the rest).
     """
-    from vlmctl.config.data import DataAudio
-    from vlmctl.data.modalities.audio import MAX_AUDIO_FILE_BYTES, AudioError, normalize_audio, probe
-
     hint = "attach a WAV, FLAC, MP3 or OGG file (pip install 'vlmctl[audio]' for the decoders)"
     if isinstance(path, (bytes, bytearray)):
         data, path = bytes(path), "an audio clip"

@@ -28,16 +28,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
-from vlmctl.errors import UsageError
-
-if TYPE_CHECKING:
-    from vlmctl.data.sample import Sample
-
-# The vlmctl modules that load numpy when imported are imported inside the functions that use them: importing vlmctl
-# (the CLI's start-up) must not pay for it.
-# Light vlmctl modules are imported next to their use as well.
+from vlmctl.data.collate import template_media
+from vlmctl.data.images import open_image
+from vlmctl.data.modalities import get_unit
+from vlmctl.data.sample import Sample
+from vlmctl.data.tokens import check_rendered, render_limits
+from vlmctl.errors import ModelError, UsageError
+from vlmctl.families import detect_family, get_family
+from vlmctl.families.registry import FAMILIES
 
 
 @dataclass
@@ -100,10 +100,6 @@ def render_request(request: GenerationRequest, processor, family: Any = None) ->
     Raises DataError when a media part points past the request's media (or names a modality `family` does not
     take: check with `check_requests` first for the usage error).
     """
-    from vlmctl.data.collate import template_media
-    from vlmctl.data.sample import Sample
-    from vlmctl.data.tokens import check_rendered, render_limits
-
     sample = Sample(id=request.id, messages=request.messages, images=request.images,
                     audios=request.audios or None, videos=request.videos or None)
     messages, media = template_media(sample, processor, family)
@@ -145,8 +141,6 @@ def check_requests(requests: Sequence[GenerationRequest], family: Any) -> None:
 def check_modality(kind: str, family: Any, where: str = "the attached file") -> None:
     """Raise UsageError when `family` (a `FamilySpec`; None: anything goes) takes no `kind` input (image, video,
     audio: the keys of its `modalities`), naming `where` the input came from and the families that take it."""
-    from vlmctl.data.modalities import get_unit
-
     if family is None or get_unit(kind).accepted_by(family):
         return
     takes = ", ".join(getattr(family, "modalities", None) or ["image"])
@@ -158,18 +152,12 @@ def check_modality(kind: str, family: Any, where: str = "the attached file") -> 
 
 def _takers(kind: str) -> str:
     """Registered families that take modality `kind`."""
-    from vlmctl.data.modalities import get_unit
-    from vlmctl.families.registry import FAMILIES
-
     return ", ".join(name for name, spec in FAMILIES.items() if get_unit(kind).accepted_by(spec)) or "none"
 
 
 def model_family(model: Any):
     """The `FamilySpec` of a loaded model, from its config's model_type; None for a model of no registered family
     (or without a config)."""
-    from vlmctl.errors import ModelError
-    from vlmctl.families import detect_family, get_family
-
     config = getattr(model, "config", None)
     try:
         return get_family(detect_family(config)) if config is not None else None
@@ -179,8 +167,6 @@ def model_family(model: Any):
 
 def _to_rgb(image: Any):
     """A PIL RGB image from encoded bytes or a PIL image."""
-    from vlmctl.data.images import open_image
-
     img = open_image(image) if isinstance(image, (bytes, bytearray)) else image
     return img if img.mode == "RGB" else img.convert("RGB")
 

@@ -21,6 +21,7 @@ HTTP, as a client would: an image question, a text-only question and a multi-tur
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import urllib.request
@@ -31,7 +32,6 @@ from typing import Any
 # PIL, torch and yaml are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must
 # not pay for them.
 # So are the vlmctl modules that load numpy when imported.
-# base64 (standard library, not loaded at the CLI's start-up) is imported inside the functions that use it.
 # Light vlmctl modules are imported next to their use as well.
 
 PROBES = ("image question", "text-only question", "multi-turn conversation")
@@ -92,8 +92,6 @@ def probes(takes_images: bool) -> list[tuple[str, list[dict[str, Any]], list[byt
 
 
 def _openai_messages(messages: list[dict], images: list[bytes]) -> list[dict]:
-    import base64
-
     out = []
     for m in messages:
         parts = [{"type": "text", "text": p["text"]} if p["type"] == "text" else

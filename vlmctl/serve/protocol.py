@@ -19,17 +19,18 @@ family does not take is refused (400).
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from vlmctl.data.images import ImageError, MissingRef, normalize_image, read_ref, resolve_ref
+from vlmctl.data.modalities.video import MAX_VIDEO_FILE_BYTES
+from vlmctl.errors import DataError
+from vlmctl.inference.chat import read_audio
+from vlmctl.inference.generation import read_video
 from vlmctl.inference.prompt import GenerationRequest
-
-# The vlmctl modules that load numpy when imported are imported inside the functions that use them: importing vlmctl
-# (the CLI's start-up) must not pay for it.
-# base64 and binascii (standard library, not loaded at the CLI's start-up) are imported inside the functions that
-# use them.
-# Light vlmctl modules are imported next to their use as well.
 
 
 class OpenAIError(Exception):
@@ -167,12 +168,6 @@ def _url(value: "ImageURL | str") -> str:
 
 def _read_audio(data: str, max_seconds: float | None, param: str) -> bytes:
     """An `input_audio` part's base64 clip as a stored clip (`read_audio`). Raises OpenAIError(400)."""
-    import base64
-    import binascii
-
-    from vlmctl.errors import DataError
-    from vlmctl.inference.chat import read_audio
-
     try:
         clip = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
@@ -185,11 +180,6 @@ def _read_audio(data: str, max_seconds: float | None, param: str) -> bytes:
 
 def _read_video(url: str, roots, settings: Any, param: str) -> bytes:
     """A `video_url` as a stored clip (`read_video`, sampled by `settings`). Raises OpenAIError(400)."""
-    from vlmctl.data.images import MissingRef, resolve_ref
-    from vlmctl.data.modalities.video import MAX_VIDEO_FILE_BYTES
-    from vlmctl.errors import DataError
-    from vlmctl.inference.generation import read_video
-
     if url.startswith(("http://", "https://")):
         raise OpenAIError(400, f"{param}: remote video URLs are not downloaded by this server", param=param, code="invalid_video_url")
     ref = resolve_ref(url, roots)
@@ -206,8 +196,6 @@ def _read_video(url: str, roots, settings: Any, param: str) -> bytes:
 
 def read_image_url(url: str, roots, max_pixels: int, param: str) -> bytes:
     """An `image_url` as 8-bit RGB encoded bytes. Raises OpenAIError(400) as `to_generation_request` says."""
-    from vlmctl.data.images import ImageError, MissingRef, normalize_image, read_ref, resolve_ref
-
     if url.startswith(("http://", "https://")):
         raise OpenAIError(400, f"{param}: remote image URLs are not downloaded by this server",
                           param=param, code="invalid_image_url")

@@ -27,10 +27,10 @@ import socket
 from pathlib import Path
 from typing import Iterator
 
+from vlmctl.checkpoints import CheckpointError
+from vlmctl.distributed.process import pid_alive, start_time
 from vlmctl.errors import ConfigError, UsageError
-
-# Light vlmctl modules are imported inside functions, next to their use: at module level they would cost nothing
-# more.
+from vlmctl.train.checkpoint import write_error
 
 LOCK_FILE = ".lock"
 # left behind by a process killed while writing: checkpoint folders, the final export, loss.png, config.yaml
@@ -89,8 +89,6 @@ def holds_a_run(run_dir: Path) -> bool:
 
 
 def _identity() -> dict:
-    from vlmctl.distributed.process import start_time
-
     return {"pid": os.getpid(), "host": socket.gethostname(), "start": start_time(os.getpid())}
 
 
@@ -107,8 +105,6 @@ def _read_lock(path: Path) -> dict | None:
 def _holder_alive(holder: dict) -> bool:
     """Whether the lock's process still runs: the same pid with the same start time on this host. A lock from
     another host is taken as alive (its pid cannot be checked from here)."""
-    from vlmctl.distributed.process import pid_alive, start_time
-
     pid = holder.get("pid")
     if not isinstance(pid, int):
         return False
@@ -186,9 +182,6 @@ def sweep_temporaries(run_dir: Path) -> list[Path]:
 def guard_run(run_dir: Path, *, main: bool) -> Iterator[None]:
     """Around a rank's run: the main rank sweeps `TEMPORARIES` before and after a failure; an OSError for a full
     disk becomes a CheckpointError naming the file and the free space (`checkpoint.write_error`)."""
-    from vlmctl.checkpoints import CheckpointError
-    from vlmctl.train.checkpoint import write_error
-
     if main:
         sweep_temporaries(run_dir)
     try:

@@ -3,8 +3,11 @@ llava, sharegpt and messages formats spell differently."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
 import glob
+import io
 import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -15,10 +18,6 @@ from vlmctl.data.formats._json import JsonParseError, read_json
 from vlmctl.data.images import MediaRoots, MissingRef, resolve_ref
 from vlmctl.data.sample import Sample
 from vlmctl.errors import DataError
-
-# base64 and binascii (standard library, not loaded at the CLI's start-up) are imported inside the functions that
-# use them.
-# Modules the CLI's start-up loads anyway are imported next to their use as well.
 
 # Record keys copied into Sample.meta (eval references). `choices` is stored as `options`.
 META_KEYS = ("answers", "options", "choices", "question_type", "answer_type", "question_id", "category")
@@ -135,9 +134,6 @@ def image_ref(value: Any, base: Path | MediaRoots) -> Any:
         if value.get("bytes"):
             return bytes(value["bytes"])
         if isinstance(value.get("data"), str):  # OpenAI input_audio: base64 without a data: URL header
-            import base64
-            import binascii
-
             try:
                 return base64.b64decode(value["data"], validate=False)
             except (binascii.Error, ValueError):
@@ -147,8 +143,6 @@ def image_ref(value: Any, base: Path | MediaRoots) -> Any:
                 return image_ref(value[key], base)
         raise RecordError(f"media entry {sorted(value)} has no bytes, path or url")
     if hasattr(value, "save") and hasattr(value, "mode"):  # a PIL image (decoded datasets rows)
-        import io
-
         buf = io.BytesIO()
         value.save(buf, format="PNG")
         return buf.getvalue()

@@ -33,12 +33,11 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from vlmctl.config.data import DataSource
-from vlmctl.data.checks import Rejection
+from vlmctl.data.checks import RecordError, Rejection
+from vlmctl.data.formats._common import read_conversation_json, source_name
+from vlmctl.data.formats.preference import read_preference
 from vlmctl.data.sample import Sample
 from vlmctl.errors import DataError
-
-# Light vlmctl modules are imported inside functions, next to their use: at module level they would cost nothing
-# more.
 
 INFO_FILE = "dataset_info.json"
 SHAREGPT_COLUMNS = {"messages": "conversations", "system": None, "images": None, "videos": None, "audios": None}
@@ -76,8 +75,6 @@ def to_messages(record: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]
     """One record of the entry's file as a canonical ShareGPT record {messages: [{role, content}], system, images,
     videos, audios}, through the entry's `formatting`, `columns` and `tags`. Raises RecordError for a record that
     does not fit them (naming the key)."""
-    from vlmctl.data.formats._common import RecordError
-
     if not isinstance(record, dict):
         raise RecordError(f"record must be a JSON object, not {type(record).__name__}")
     alpaca = entry.get("formatting", "sharegpt") == "alpaca"
@@ -88,8 +85,6 @@ def to_messages(record: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]
 
 
 def _sharegpt_turns(record: dict[str, Any], columns: dict[str, Any], tags: dict[str, str]) -> list[dict[str, Any]]:
-    from vlmctl.data.formats._common import RecordError
-
     turns = record.get(columns["messages"])
     if not isinstance(turns, list):
         raise RecordError(f"{columns['messages']} (columns.messages) must be a list of turns")
@@ -105,8 +100,6 @@ def _sharegpt_turns(record: dict[str, Any], columns: dict[str, Any], tags: dict[
 
 
 def _alpaca_turns(record: dict[str, Any], columns: dict[str, Any]) -> list[dict[str, Any]]:
-    from vlmctl.data.formats._common import RecordError
-
     out = []
     for pair in (record.get(columns["history"]) or []) if columns.get("history") else []:
         if not (isinstance(pair, list) and len(pair) == 2):
@@ -124,8 +117,6 @@ def to_preference(record: dict[str, Any], entry: dict[str, Any]) -> dict[str, An
     `vlmctl.data.formats.preference` ({conversations, chosen, rejected, system, images, videos, audios}): the prompt
     turns through `to_messages`, the answers through the entry's `chosen` / `rejected` columns and tags. Raises
     RecordError for a record that does not fit them."""
-    from vlmctl.data.formats._common import RecordError
-
     if not isinstance(record, dict):
         raise RecordError(f"record must be a JSON object, not {type(record).__name__}")
     alpaca = entry.get("formatting", "sharegpt") == "alpaca"
@@ -152,14 +143,10 @@ def to_preference(record: dict[str, Any], entry: dict[str, Any]) -> dict[str, An
 def read_llamafactory(source: DataSource, *, media_roots: Iterable[Path | str] = ()) -> Iterator[Sample | Rejection]:
     """Stream unchecked samples and parse errors of the data set `source.dataset` of a dataset_info.json
     (preference pairs for an entry with `"ranking": true`)."""
-    from vlmctl.data.formats._common import read_conversation_json, source_name
-
     entry, folder = dataset_entry(source)
     inner = source.model_copy(update={"path": str(folder / entry["file_name"]), "name": source_name(source),
                                       "image_root": source.image_root or folder})
     if entry.get("ranking"):
-        from vlmctl.data.formats.preference import read_preference
-
         return read_preference(inner, media_roots=media_roots, transform=lambda record: to_preference(record, entry))
     return read_conversation_json(inner, turn_keys=("messages",), image_keys=("images",), video_keys=("videos",),
                                   audio_keys=("audios",), system_key="system", extra_roots=media_roots,

@@ -38,10 +38,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 from vlmctl.config.data import DataSource
 from vlmctl.data.checks import RecordError, Rejection, build_preference_sample
+from vlmctl.data.formats._common import _listed, extract_meta, json_records, part_ref, source_name, turns_of
 from vlmctl.data.sample import Sample
-
-# Light vlmctl modules are imported inside functions, next to their use: at module level they would cost nothing
-# more.
 
 LAYOUTS = ("llamafactory", "trl", "swift")
 
@@ -65,8 +63,6 @@ def split_record(record: dict[str, Any]) -> tuple[list[tuple[Any, Any]], Any, An
     """(prompt turns as (role, content) pairs, chosen content, rejected content, the keys of the two answers) of a
     record in one of `LAYOUTS`. An answer the record lacks is None (reported as missing_response). Raises
     RecordError for a record that is in none of them or whose parts do not fit."""
-    from vlmctl.data.formats._common import turns_of
-
     layout = layout_of(record)
     if layout == "swift":
         turns = turns_of(record, ("messages",))
@@ -143,8 +139,6 @@ def read_preference(source: DataSource, *, media_roots: Iterable[Path | str] = (
     bad_roles, empty_turn, placeholder_mismatch, invalid_text) of a JSON/JSONL source. `transform(record)` -> the
     record in one of `LAYOUTS` (e.g. a LLaMA-Factory entry's column mapping), raising RecordError when it does not
     fit."""
-    from vlmctl.data.formats._common import _listed, extract_meta, json_records, part_ref, source_name
-
     name = source_name(source)
     for item in json_records(source, media_roots, transform):
         if isinstance(item, Rejection):

@@ -11,9 +11,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from vlmctl.data.sample import MEDIA_COLUMNS
-
-# Light vlmctl modules are imported inside functions, next to their use: at module level they would cost nothing
-# more.
+from vlmctl.errors import DataError
 
 
 def placeholder_token_ids(processor: Any, name: str) -> set[int]:
@@ -68,8 +66,6 @@ class ModalityUnit(ABC):
         if processor is None:
             return {"type": self.name}
         if family is not None and not self.accepted_by(family):
-            from vlmctl.errors import DataError
-
             article = "an" if self.name[0] in "aeiou" else "a"
             raise DataError(f"family {getattr(family, 'name', family)} takes no {self.name} input, but a sample has {article} {self.name} part",
                             hint=f"drop the {self.name} samples from data.sources, or train a family that takes {self.name} ({takers})")
