@@ -95,7 +95,7 @@ def main() -> None:
         rows: dict[int, list[dict]] = {}
         for _ in range(args.rounds):
             for concurrency in (int(c) for c in args.concurrency.split(",")):
-                batches = health(url)["batches"]
+                before = health(url)
                 t0 = time.perf_counter()
                 with ThreadPoolExecutor(concurrency) as pool:
                     results = list(pool.map(one, range(args.requests)))
@@ -105,10 +105,18 @@ def main() -> None:
                        "requests_per_s": round(args.requests / seconds, 2), "output_tokens": tokens,
                        "output_tokens_per_s": round(tokens / seconds, 1),
                        "mean_latency_s": round(sum(r[1] for r in results) / len(results), 3), "device": args.device,
-                       "max_batch_size": args.max_batch_size,
-                       # the engine's `generate` calls over the round: requests per call is the batching achieved
-                       "generate_calls": health(url)["batches"] - batches}
-                row["requests_per_call"] = round(args.requests / max(row["generate_calls"], 1), 2)
+                       "max_batch_size": args.max_batch_size}
+                after = health(url)
+                # the engine's `generate` calls over the round: requests per call is the batching achieved; seconds
+                # per call (inside `generate`) against rows per call tells whether a call's cost grows with its rows,
+                # and the wait per call how long the worker held a batch open for more requests
+                calls = max(after["batches"] - before["batches"], 1)
+                row.update(generate_calls=after["batches"] - before["batches"],
+                           requests_per_call=round(args.requests / calls, 2),
+                           rows_per_call=round((after.get("rows", 0) - before.get("rows", 0)) / calls, 2),
+                           seconds_per_call=round((after.get("generate_seconds", 0) - before.get("generate_seconds", 0)) / calls, 3),
+                           wait_s_per_call=round((after.get("wait_seconds", 0) - before.get("wait_seconds", 0)) / calls, 3),
+                           generate_share=round((after.get("generate_seconds", 0) - before.get("generate_seconds", 0)) / seconds, 3))
                 rows.setdefault(concurrency, []).append(row)
                 print("RESULT " + json.dumps(row), flush=True)
         if args.rounds > 1:

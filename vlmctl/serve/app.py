@@ -72,8 +72,10 @@ def create_app(state: ServerState):
                               code="invalid_api_key")
 
     async def health(request: Request) -> JSONResponse:
-        return JSONResponse({"status": "ok", "model": state.model_name, "queued": state.engine.queued,
-                             "running": state.engine.running, "batches": state.engine.batches})
+        engine = state.engine
+        return JSONResponse({"status": "ok", "model": state.model_name, "queued": engine.queued, "running": engine.running,
+                             "batches": engine.batches, "rows": engine.rows,
+                             "generate_seconds": round(engine.generate_seconds, 4), "wait_seconds": round(engine.wait_seconds, 4)})
 
     async def page(request: Request) -> HTMLResponse:
         return HTMLResponse(PAGE.read_text(encoding="utf-8"))

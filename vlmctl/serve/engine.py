@@ -170,6 +170,9 @@ class Engine:
         self.batch_window_s = batch_window_s
         self.running = 0  # rows being generated now
         self.batches = 0  # `generate` calls so far
+        self.rows = 0  # rows of those calls, in all
+        self.generate_seconds = 0.0  # wall-clock seconds inside those calls (prefill, decoding, tokens streamed)
+        self.wait_seconds = 0.0  # seconds the worker held a job while waiting for more rows (`batch_window_s`)
         self._last_rows = 1  # rows of the previous call: the clients likely to come back together
         self._worker = threading.Thread(target=self._loop, name="vlmctl-serve-engine", daemon=True)
         self._worker.start()
@@ -226,7 +229,8 @@ class Engine:
                 self._cond.wait()
             first = self._pending.popleft()
             batch, rows = [first], first.n
-            deadline = time.monotonic() + self.batch_window_s
+            start = time.monotonic()
+            deadline = start + self.batch_window_s
             target = min(self._last_rows, self.max_batch_size)
             while True:
                 for job in list(self._pending):
@@ -238,6 +242,7 @@ class Engine:
                 settled = not self._arriving and rows >= target
                 if rows >= self.max_batch_size or settled or self._closing or left <= 0:
                     self._last_rows = rows
+                    self.wait_seconds += time.monotonic() - start
                     return batch
                 self._cond.wait(left)
 
@@ -336,6 +341,8 @@ class Engine:
         logprobs = any(j.top_logprobs is not None for j in jobs)
         self.running = len(rows)
         self.batches += 1
+        self.rows += len(rows)
+        start = time.perf_counter()
         try:
             with torch.inference_mode():
                 return self.model.generate(**inputs, max_new_tokens=max(j.max_tokens for j in jobs),
@@ -345,6 +352,7 @@ class Engine:
                                            **_sampling(first.temperature, first.top_p))
         finally:
             self.running = 0
+            self.generate_seconds += time.perf_counter() - start
 
 
 def _logprobs(out, row: int, steps: int, top: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
