@@ -80,7 +80,13 @@ class Job:
 
 
 class _Row:
-    """One choice of one job while it is generated: its tokens, the text sent so far, whether it is done."""
+    """One choice of one job while it is generated: its tokens, the text sent so far, whether it is done.
+
+    The text streamed is decoded incrementally (`_advance`): each token decodes only the tokens since the last
+    complete character, after the ones before them for context (text-generation-inference's `decode_token`, in
+    `server/text_generation_server/models/model.py`), so a row's cost per token does not grow with its length (a whole
+    decode of 1,024 tokens took 0.8 ms on the CPU, paid per row and token). The final text is one whole decode, as
+    `vlmctl generate`'s."""
 
     def __init__(self, job: Job, choice: int, tokenizer, eos: set[int]):
         self.job, self.choice, self.tok, self.eos = job, choice, tokenizer, eos
@@ -88,6 +94,11 @@ class _Row:
         self.sent = ""
         self.finish: str | None = None
         self.generated = 0  # tokens generated, the one that ended the row included
+        self.decoded = ""  # text of tokens[:self._read] (`_advance`)
+        self._prefix = self._read = 0
+        # decoding pieces is exact where the tokenizer's decoding concatenates (byte-level BPE, SentencePiece given the
+        # context tokens); one that cleans up spaces before punctuation across pieces is decoded whole each step
+        self._pieces = not getattr(tokenizer, "clean_up_tokenization_spaces", False)
 
     @property
     def done(self) -> bool:
@@ -102,12 +113,13 @@ class _Row:
             self._finish("stop", self._text())
             return
         self.tokens.append(token)
-        text = self._text()
-        cut = min((i for i in (text.find(s) for s in self.job.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            self._finish("stop", text[:cut])
+        text = self._advance().lstrip()
+        if any(s in text for s in self.job.stop):
+            whole = self._text()  # the final text, cut at its first stop string
+            cuts = [i for i in (whole.find(s) for s in self.job.stop) if i >= 0]
+            self._finish("stop", whole[:min(cuts)] if cuts else text[:min(i for i in (text.find(s) for s in self.job.stop) if i >= 0)])
         elif len(self.tokens) >= self.job.max_tokens:
-            self._finish("length", text)
+            self._finish("length", self._text())
         else:
             self._send(self._safe(text))
 
@@ -118,6 +130,25 @@ class _Row:
 
     def _text(self) -> str:
         return self.tok.decode(self.tokens, skip_special_tokens=True).lstrip()
+
+    def _advance(self) -> str:
+        """The text of the tokens so far, as a whole decode gives it (a character still partly decoded included, as
+        U+FFFD), decoding only the tokens since the last complete character (class docstring)."""
+        if not self._pieces:
+            return self._text()
+        decode = lambda ids: self.tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+        context = decode(self.tokens[self._prefix:self._read])
+        window = decode(self.tokens[self._prefix:])
+        tail = window[len(context):] if window.startswith(context) else decode(self.tokens[self._read:])
+        if tail and not tail.endswith("\ufffd") and window.startswith(context):
+            self.decoded += tail
+            self._prefix, self._read = self._read, len(self.tokens)
+            return self.decoded
+        if len(self.tokens) - self._read > 16:  # a long run without a complete character: start again from here
+            self.decoded = decode(self.tokens)
+            self._prefix = self._read = len(self.tokens)
+            return self.decoded
+        return self.decoded + tail
 
     def _safe(self, text: str) -> str:
         """The part of `text` that can be sent now: not a partly decoded character, not the start of a stop string,
