@@ -10,8 +10,8 @@
 # The server is stopped (SIGTERM, then SIGKILL after 30 s) however the script ends. Python packages the machine lacks
 # come from the wheel folder $WHEELS (default .wheels: py312/ for pydantic and friends, serve/ for openai, httpx,
 # starlette, uvicorn), installed into /tmp/site, which goes on PYTHONPATH with the repository root.
-# Time limits (seconds, environment): BUILD_TIMEOUT (900), ENGINE_TIMEOUT (600; 0 skips step 1), START_TIMEOUT (600),
-# BENCH_TIMEOUT (1200). DEVICE (cuda) is the device served on (DEVICE=cpu with the tiny preset checks the script).
+# Time limits (seconds, environment): BUILD_TIMEOUT (420), ENGINE_TIMEOUT (240; 0 skips step 1), START_TIMEOUT (240),
+# BENCH_TIMEOUT (420). DEVICE (cuda) is the device served on (DEVICE=cpu with the tiny preset checks the script).
 set -euo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 WORKDIR [PRESET] [BENCH_SERVE OPTIONS...]" >&2; exit 2; }
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -36,16 +36,16 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 git -C "$root" rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /' || true
 
 echo "== building $preset under $work"
-model=$(timeout "${BUILD_TIMEOUT:-900}" python3 -c "
+model=$(timeout "${BUILD_TIMEOUT:-420}" python3 -c "
 import sys; sys.path.insert(0, 'benchmarks')
 from pathlib import Path
 from bench_serve import preset_model
 print(preset_model(Path(sys.argv[1]), sys.argv[2]))" "$work" "$preset" | tail -1)
 [ -f "$model/config.json" ] || { echo "the build left no $model/config.json" >&2; exit 1; }
 
-if [ "${ENGINE_TIMEOUT:-600}" != 0 ]; then
+if [ "${ENGINE_TIMEOUT:-240}" != 0 ]; then
     echo "== one engine call at 1, 4 and 8 rows (no HTTP)"
-    timeout "${ENGINE_TIMEOUT:-600}" python3 benchmarks/bench_serve_engine.py "$model" --device "$device" --rows 1,4,8 \
+    timeout "${ENGINE_TIMEOUT:-240}" python3 benchmarks/bench_serve_engine.py "$model" --device "$device" --rows 1,4,8 \
         --max-tokens 32 --reps 3 --profile 2>&1 | grep -v '^\[W' | tee "$work/engine.log" \
         || echo "bench_serve_engine.py failed or timed out (status ${PIPESTATUS[0]}); the HTTP benchmark follows" >&2
 fi
@@ -66,20 +66,20 @@ stop_server() {
 trap stop_server EXIT
 trap 'exit 130' INT TERM
 
-deadline=$(( SECONDS + ${START_TIMEOUT:-600} ))
+deadline=$(( SECONDS + ${START_TIMEOUT:-240} ))
 until python3 -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + '/health', timeout=2)" "$url" 2>/dev/null; do
     if ! kill -0 "$server" 2>/dev/null; then
         echo "the server exited before answering /health:" >&2; tail -40 "$work/serve.log" >&2; exit 1
     fi
     if [ $SECONDS -ge $deadline ]; then
-        echo "the server did not answer /health within ${START_TIMEOUT:-600} s:" >&2; tail -40 "$work/serve.log" >&2; exit 1
+        echo "the server did not answer /health within ${START_TIMEOUT:-240} s:" >&2; tail -40 "$work/serve.log" >&2; exit 1
     fi
     sleep 1
 done
 python3 -c "import sys, urllib.request; print('health', urllib.request.urlopen(sys.argv[1] + '/health').read().decode())" "$url"
 
 echo "== bench_serve.py at concurrency 1, 4, 8"
-timeout "${BENCH_TIMEOUT:-1200}" python3 benchmarks/bench_serve.py --url "$url" --device "$device" --concurrency 1,4,8 \
+timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/bench_serve.py --url "$url" --device "$device" --concurrency 1,4,8 \
     --requests 16 --max-tokens 32 "$@" | tee "$work/bench.log"
 python3 - "$work/bench.log" <<'PY'
 import json, sys
