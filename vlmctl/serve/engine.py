@@ -116,8 +116,7 @@ class _Row:
         text = self._advance().lstrip()
         if any(s in text for s in self.job.stop):
             whole = self._text()  # the final text, cut at its first stop string
-            cuts = [i for i in (whole.find(s) for s in self.job.stop) if i >= 0]
-            self._finish("stop", whole[:min(cuts)] if cuts else text[:min(i for i in (text.find(s) for s in self.job.stop) if i >= 0)])
+            self._finish("stop", whole[:_first_stop(whole, self.job.stop)])
         elif len(self.tokens) >= self.job.max_tokens:
             self._finish("length", self._text())
         else:
@@ -384,6 +383,11 @@ class Engine:
         finally:
             self.running = 0
             self.generate_seconds += time.perf_counter() - start
+
+
+def _first_stop(text: str, stops: list[str]) -> int:
+    """Where the first of `stops` begins in `text` (its length when none occurs)."""
+    return min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
 
 
 def _logprobs(out, row: int, steps: int, top: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
