@@ -3,13 +3,19 @@
 Usage:
     python benchmarks/bench_serve.py --workdir /tmp/servebench [--model DIR | --preset P] [--concurrency 1,4,8] [--requests 32]
                                      [--max-tokens 32] [--device cpu] [--max-batch-size 8] [--rounds 1]
+    python benchmarks/bench_serve.py --url http://127.0.0.1:PORT [--concurrency 1,4,8] ...   # a server already running
 
 Builds the --preset (default tiny) with random weights under --workdir (unless --model is given), starts `vlmctl serve` on a free local
-port in its own process, sends 2 warm-up requests, then for each concurrency C runs --requests image questions
+port in its own process (or, with --url, uses the server there: benchmarks/bench_serve_gpu.sh starts one), waits for
+its /health (--start-timeout seconds; a server that exits first ends the benchmark), sends 2 warm-up requests, then
+for each concurrency C runs --requests image questions
 (a 64 px PNG as a data: URL, greedy, --max-tokens each) from C client threads with the official `openai` client,
 each thread sending its next request when the previous is answered. Output tokens are the servers' `usage`
-counts. Prints one `RESULT {json}` line per concurrency and round: requests, seconds, requests/s, output tokens/s,
-mean latency. With --rounds N the concurrencies are interleaved N times (1, 4, 8, 1, 4, 8, ...), so load from other
+counts. Prints a `SERVER {json}` line (the served model's name, dtype and attention implementation from /health),
+then one `RESULT {json}` line per concurrency and round: requests, seconds, requests/s, output tokens/s,
+mean latency, and from the server's /health counters over the round: `generate` calls, requests and rows per call,
+seconds per call inside `generate`, seconds per call the worker waited for more requests, and the share of the round
+spent inside `generate`. With --rounds N the concurrencies are interleaved N times (1, 4, 8, 1, 4, 8, ...), so load from other
 processes on a shared machine falls on all of them, and a `MEDIAN {json}` and a `BEST {json}` line (the fastest
 round, the one least slowed by other processes) per concurrency follow.
 """
@@ -45,7 +51,7 @@ def picture(i: int) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--workdir", type=Path, required=True)
+    ap.add_argument("--workdir", type=Path, default=None, help="where --preset is built (needed unless --model or --url)")
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--preset", default="tiny", help="the preset built with random weights when --model is not given")
     ap.add_argument("--concurrency", default="1,4,8")
@@ -54,38 +60,35 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--max-batch-size", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--url", default=None, help="benchmark a running server (http://HOST:PORT) instead of starting one")
+    ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for the server's /health")
     args = ap.parse_args()
 
     import openai
 
     from vlmctl.serve import free_port
 
-    model = args.model
-    if model is None:
-        from vlmctl.config import ModelSection
-        from vlmctl.models.build import build_model
-
-        model = args.workdir / args.preset
-        if not (model / "config.json").is_file():  # tiny in fp32 for the CPU; larger presets in bf16
-            build_model(ModelSection(preset=args.preset, init="random", output_dir=model,
-                                     dtype="fp32" if args.preset == "tiny" else "bf16"),
-                        tokenizer_texts=QUESTIONS * 5 + ["red green blue square circle one two three"] * 5)
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "vlmctl", "serve", str(model), "--device", args.device, "--port", str(port),
-                               "--max-batch-size", str(args.max_batch_size), "--model-name", "bench"], env=os.environ.copy())
-    url = f"http://127.0.0.1:{port}"
+    server = None
+    if args.url:  # a server started by the caller (benchmarks/bench_serve_gpu.sh)
+        url = args.url.rstrip("/")
+        wait_for_health(url, None, args.start_timeout)
+    else:
+        model = args.model if args.model is not None else preset_model(args.workdir, args.preset)
+        port = free_port()
+        server = subprocess.Popen([sys.executable, "-m", "vlmctl", "serve", str(model), "--device", args.device, "--port",
+                                   str(port), "--max-batch-size", str(args.max_batch_size), "--model-name", "bench"],
+                                  env=os.environ.copy())
+        url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(0.5)
+        if server is not None:
+            wait_for_health(url, server, args.start_timeout)
+        served = health(url)
+        print("SERVER " + json.dumps({k: served.get(k) for k in ("model", "dtype", "attn_implementation")}), flush=True)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=600)
 
         def one(i: int) -> tuple[int, float]:
             t0 = time.perf_counter()
-            answer = client.chat.completions.create(model="bench", max_tokens=args.max_tokens, temperature=0, messages=[
+            answer = client.chat.completions.create(model=served["model"], max_tokens=args.max_tokens, temperature=0, messages=[
                 {"role": "user", "content": [{"type": "image_url", "image_url": {"url": picture(i)}},
                                              {"type": "text", "text": QUESTIONS[i % len(QUESTIONS)]}]}])
             return answer.usage.completion_tokens, time.perf_counter() - t0
@@ -95,7 +98,7 @@ def main() -> None:
         rows: dict[int, list[dict]] = {}
         for _ in range(args.rounds):
             for concurrency in (int(c) for c in args.concurrency.split(",")):
-                batches = health(url)["batches"]
+                before = health(url)
                 t0 = time.perf_counter()
                 with ThreadPoolExecutor(concurrency) as pool:
                     results = list(pool.map(one, range(args.requests)))
@@ -105,10 +108,18 @@ def main() -> None:
                        "requests_per_s": round(args.requests / seconds, 2), "output_tokens": tokens,
                        "output_tokens_per_s": round(tokens / seconds, 1),
                        "mean_latency_s": round(sum(r[1] for r in results) / len(results), 3), "device": args.device,
-                       "max_batch_size": args.max_batch_size,
-                       # the engine's `generate` calls over the round: requests per call is the batching achieved
-                       "generate_calls": health(url)["batches"] - batches}
-                row["requests_per_call"] = round(args.requests / max(row["generate_calls"], 1), 2)
+                       "max_batch_size": args.max_batch_size}
+                after = health(url)
+                # the engine's `generate` calls over the round: requests per call is the batching achieved; seconds
+                # per call (inside `generate`) against rows per call tells whether a call's cost grows with its rows,
+                # and the wait per call how long the worker held a batch open for more requests
+                calls = max(after["batches"] - before["batches"], 1)
+                row.update(generate_calls=after["batches"] - before["batches"],
+                           requests_per_call=round(args.requests / calls, 2),
+                           rows_per_call=round((after.get("rows", 0) - before.get("rows", 0)) / calls, 2),
+                           seconds_per_call=round((after.get("generate_seconds", 0) - before.get("generate_seconds", 0)) / calls, 3),
+                           wait_s_per_call=round((after.get("wait_seconds", 0) - before.get("wait_seconds", 0)) / calls, 3),
+                           generate_share=round((after.get("generate_seconds", 0) - before.get("generate_seconds", 0)) / seconds, 3))
                 rows.setdefault(concurrency, []).append(row)
                 print("RESULT " + json.dumps(row), flush=True)
         if args.rounds > 1:
@@ -122,12 +133,45 @@ def main() -> None:
                 print("BEST " + json.dumps({"concurrency": concurrency, "rounds": len(runs), **{k: best[k] for k in (
                     "requests_per_s", "output_tokens_per_s", "mean_latency_s")}}), flush=True)
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(timeout=120)
+        if server is not None:
+            server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                server.kill()
+
+
+def preset_model(workdir: Path, preset: str) -> Path:
+    """The `preset` built with random weights under `workdir/preset` (once: an existing build is reused); tiny in fp32
+    for the CPU, larger presets in bf16. Its tokenizer is trained on the benchmark's questions."""
+    from vlmctl.config import ModelSection
+    from vlmctl.models.build import build_model
+
+    model = workdir / preset
+    if not (model / "config.json").is_file():
+        build_model(ModelSection(preset=preset, init="random", output_dir=model, dtype="fp32" if preset == "tiny" else "bf16"),
+                    tokenizer_texts=QUESTIONS * 5 + ["red green blue square circle one two three"] * 5)
+    return model
+
+
+def wait_for_health(url: str, server: subprocess.Popen | None, timeout: float) -> None:
+    """Return once `GET url/health` answers; raise SystemExit when `server` (the process serving it, if started
+    here) exits first or `timeout` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server is not None and server.poll() is not None:
+            raise SystemExit(f"the server exited with status {server.returncode} before answering {url}/health")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise SystemExit(f"the server at {url} did not answer /health within {timeout:.0f} s")
 
 
 def health(url: str) -> dict:
-    """The server's `GET /health` ({status, queued, running, batches: `generate` calls so far})."""
+    """The server's `GET /health` ({status, model, dtype, attn_implementation, queued, running, batches: `generate` calls
+    so far, rows: their rows, generate_seconds: seconds inside them, wait_seconds: seconds spent filling batches})."""
     with urllib.request.urlopen(f"{url}/health", timeout=10) as response:
         return json.loads(response.read())
 

@@ -135,7 +135,15 @@ def generated(reference, messages: list[dict], max_new_tokens: int) -> str:
 def test_models_health_and_a_plain_answer_equal_to_generate(client, server, reference):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     with urllib.request.urlopen(f"{server[0]}/health") as resp:
-        assert json.loads(resp.read())["status"] == "ok"
+        health = json.loads(resp.read())
+    assert health["status"] == "ok"
+    # served in the dtype and with the attention training's plan picks for the project on this machine (padded rows)
+    from vlmctl.config import load_config
+    from vlmctl.config.plan import DeviceFacts, build_plan
+
+    train = load_config(server[2] / "vlmctl.yaml").train
+    plan = build_plan(train.model_copy(update={"packing": False}), DeviceFacts.here(cuda=False))
+    assert (health["dtype"], health["attn_implementation"]) == (plan.precision.value, plan.attention.value) == ("fp32", "sdpa")
     messages = [ask("Name a primary color.")]
     answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
     choice = answer.choices[0]

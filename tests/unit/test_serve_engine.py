@@ -173,3 +173,17 @@ def test_a_withdrawn_announcement_ends_the_wait_of_a_lone_client(loaded):
         assert alone.finished.wait(20) and engine.batches == 1  # well before the 30 s window
     finally:
         engine.close(timeout=60)
+
+
+def test_a_rows_text_decoded_piece_by_piece_equals_the_whole_decode(loaded):
+    from vlmctl.serve.engine import _Row
+
+    tok = loaded[1].tokenizer
+    text = "What color is the square? Ünïcödé 漢字 🙂 red blue green."
+    sequences = [tok(text * 3, add_special_tokens=False).input_ids,
+                 [(i * 37) % len(tok) for i in range(80)]]  # ids in no particular order: partial characters, specials
+    for ids in sequences:
+        row = _Row(Job(RenderedRequest("", [], [], []), max_tokens=1000), 0, tok, set())
+        for token in ids:
+            row.tokens.append(token)
+            assert row._advance() == tok.decode(row.tokens, skip_special_tokens=True)

@@ -58,18 +58,22 @@ def serve_cmd(
     if check:
         return _check(model_dir, device, dtype, as_json)
     in_project = config is not None or state.config is not None or find_config() is not None
-    data = load_project(config, split_args(args)[1]).data if in_project else None
+    project = load_project(config, split_args(args)[1]) if in_project else None
+    data = project.data if project is not None else None
     limits = Limits(max_body_bytes=int(max_body_mb * 2**20), default_max_tokens=max_tokens, temperature=temperature,
                     media_roots=tuple(media_root or (data.media_roots if data else ())))
     if data is not None:
         limits.max_image_pixels, limits.max_tokens = data.max_image_pixels, data.max_length
     settings = ServeSettings(host=host, port=port, api_key=api_key, model_name=model_name, limits=limits,
-                             max_batch_size=max_batch_size, max_length=limits.max_tokens, device=device, dtype=dtype)
+                             max_batch_size=max_batch_size, max_length=limits.max_tokens, device=device, dtype=dtype,
+                             train=project.train if project is not None else None)
     check_settings(settings)
     settings.video = _video_settings(model_dir, folder_family(model_dir), config, args)
 
     def ready(url: str, server) -> None:
-        info(f"Serving [bold]{escape(str(model_dir))}[/bold] as [bold]{escape(server.model_name)}[/bold] at {escape(url)}/v1 "
+        choice = server.choice
+        info(f"Serving [bold]{escape(str(model_dir))}[/bold] as [bold]{escape(server.model_name)}[/bold] "
+             f"({choice.get('dtype')}, {escape(str(choice.get('attn_implementation')))} attention) at {escape(url)}/v1 "
              f"(chat page: {escape(url)}/){' [dim](API key required)[/dim]' if api_key else ''}. Ctrl-C stops.")
 
     info(f"[dim]loading {escape(str(model_dir))} ({escape(served_name(model_dir))})[/dim]")

@@ -51,6 +51,7 @@ class ServerState:
     limits: Limits = field(default_factory=Limits)
     api_key: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    choice: dict = field(default_factory=dict)  # the model's compute dtype and attention implementation (`model_choice`)
 
 
 def create_app(state: ServerState):
@@ -72,8 +73,10 @@ def create_app(state: ServerState):
                               code="invalid_api_key")
 
     async def health(request: Request) -> JSONResponse:
-        return JSONResponse({"status": "ok", "model": state.model_name, "queued": state.engine.queued,
-                             "running": state.engine.running, "batches": state.engine.batches})
+        engine = state.engine
+        return JSONResponse({"status": "ok", "model": state.model_name, "queued": engine.queued, "running": engine.running,
+                             **state.choice, "batches": engine.batches, "rows": engine.rows,
+                             "generate_seconds": round(engine.generate_seconds, 4), "wait_seconds": round(engine.wait_seconds, 4)})
 
     async def page(request: Request) -> HTMLResponse:
         return HTMLResponse(PAGE.read_text(encoding="utf-8"))

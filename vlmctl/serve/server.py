@@ -32,8 +32,9 @@ from vlmctl.serve.engine import Engine
 @dataclass
 class ServeSettings:
     """How to serve: address, API key, the name clients use for the model (`model_name`; default
-    `served_name(folder)`), limits (`Limits`), rows per batch, device and dtype (`load_for_generation`), the seconds
-    SIGTERM waits for requests in flight, and the longest prompt plus answer (`max_length`, `data.max_length`)."""
+    `served_name(folder)`), limits (`Limits`), rows per batch, device and dtype (`load_for_serving`), the seconds
+    SIGTERM waits for requests in flight, the longest prompt plus answer (`max_length`, `data.max_length`), the
+    `data.video` settings and the project's `train` section (None outside a project: its defaults)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -46,6 +47,7 @@ class ServeSettings:
     dtype: str = "auto"
     drain_seconds: float = 60.0
     video: Any = None
+    train: Any = None  # the project's `train` section, whose precision and attention `auto` resolve as training's plan does
 
 
 def is_loopback(host: str) -> bool:
@@ -91,21 +93,73 @@ def _uvicorn_server(app, settings: ServeSettings):
     return uvicorn.Server(config)
 
 
+def serving_plan(device: str, dtype: str = "auto", train: Any = None) -> tuple[str, str]:
+    """(compute dtype, attention backend) to serve with on `device` (a resolved torch device name): the decisions of
+    training's run plan (`vlmctl.config.plan.build_plan`) for `train` (a TrainSection; None: the defaults) on this
+    machine, for padded batches, since the engine left-pads its rows. `dtype` other than `auto` is kept. The
+    attention backend is one of the plan's (flash_attn, sdpa, flex, eager); a run trained with the packed-row
+    kernel (varlen) is served with sdpa, as its GRPO rollouts are generated (`train.kernels.padded_attention`).
+    On CPU: (fp32, sdpa); on a GPU with bf16: bf16, and flash_attn where flash-attn is installed, else sdpa."""
+    from vlmctl.config.plan import DeviceFacts, build_plan
+    from vlmctl.config.train import TrainSection
+
+    train = train if train is not None else TrainSection()
+    if dtype != "auto":
+        train = train.model_copy(update={"precision": dtype})
+    plan = build_plan(train.model_copy(update={"packing": False}), DeviceFacts.here(cuda=device.startswith("cuda")))
+    attention = plan.attention.value
+    return plan.precision.value, "sdpa" if attention == "varlen" else attention
+
+
+def load_for_serving(model_dir: Path, *, device: str = "auto", dtype: str = "auto", train: Any = None) -> tuple[Any, Any, dict]:
+    """(model, processor, choice) for serving `model_dir`: loaded by `load_for_generation` on `device` in the dtype
+    of `serving_plan`, its attention set to the plan's backend (`train.kernels`, as training sets it). `choice`:
+    {"dtype", "attn_implementation"} as the model holds them (what /health reports). Raises UsageError for an
+    unknown device or dtype, or a backend this machine cannot run (flash_attn without flash-attn), ModelError as
+    `load_for_generation`."""
+    from vlmctl.inference import load_for_generation, resolve_device
+    from vlmctl.train import kernels
+
+    device = resolve_device(device)
+    precision, attention = serving_plan(device, dtype, train)
+    try:
+        implementation = kernels.resolve_attn_implementation(attention, device.split(":")[0])
+    except ValueError as exc:
+        raise UsageError(str(exc).replace("train.attn_implementation", "the attention backend"),
+                         hint="set train.attn_implementation=sdpa (or auto) in the project") from None
+    model, processor = load_for_generation(Path(model_dir), device=device, dtype=precision)
+    if model.config._attn_implementation != implementation:
+        kernels.set_attention(model, implementation)
+    return model, processor, model_choice(model)
+
+
+def model_choice(model) -> dict:
+    """{"dtype", "attn_implementation"} of a loaded model: its parameters' dtype name (bf16, fp16, fp32) and the
+    attention implementation of its language model."""
+    import torch
+
+    dtype = next(model.parameters()).dtype
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return {"dtype": names.get(dtype, str(dtype)), "attn_implementation": text._attn_implementation}
+
+
 def make_state(model, processor, settings: ServeSettings, name: str) -> ServerState:
     engine = Engine(model, processor, max_batch_size=settings.max_batch_size, max_length=settings.max_length,
                     video=settings.video)
-    return ServerState(engine=engine, model_name=settings.model_name or name, limits=settings.limits, api_key=settings.api_key)
+    return ServerState(engine=engine, model_name=settings.model_name or name, limits=settings.limits, api_key=settings.api_key,
+                       choice=model_choice(model))
 
 
 def serve(model_dir: Path, settings: ServeSettings, *, on_ready=None) -> None:
     """Load the model in `model_dir` and serve it until SIGTERM or Ctrl-C (module docstring). `on_ready(url, state)` is
     called once the model is loaded, before the server listens (`state`: the `ServerState`, its `model_name`). Raises UsageError for bad settings (before
     loading), ModelError for a folder that cannot be loaded."""
-    from vlmctl.inference import check_model_dir, load_for_generation
+    from vlmctl.inference import check_model_dir
 
     check_settings(settings)
     check_model_dir(Path(model_dir))
-    model, processor = load_for_generation(Path(model_dir), device=settings.device, dtype=settings.dtype)
+    model, processor, _ = load_for_serving(Path(model_dir), device=settings.device, dtype=settings.dtype, train=settings.train)
     state = make_state(model, processor, settings, served_name(model_dir))
     server = _uvicorn_server(create_app(state), settings)
     if on_ready:
@@ -146,4 +200,5 @@ def running_server(model, processor, settings: ServeSettings, name: str = "model
         state.engine.close(timeout=settings.drain_seconds)
 
 
-__all__ = ["ServeSettings", "check_settings", "free_port", "is_loopback", "running_server", "serve", "served_name"]
+__all__ = ["ServeSettings", "check_settings", "free_port", "is_loopback", "load_for_serving", "model_choice", "running_server",
+           "serve", "served_name", "serving_plan"]
