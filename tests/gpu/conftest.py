@@ -23,7 +23,28 @@ def _cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def shard_of(text: str | None) -> tuple[int, int] | None:
+    """(index, count) of `VLMCTL_GPU_SHARD=i/n` (`tests/gpu/run.sh` on a machine of n GPUs), None when unset.
+    Raises pytest.UsageError for a value that is not i/n with 0 <= i < n."""
+    if not text:
+        return None
+    try:
+        index, count = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"VLMCTL_GPU_SHARD={text!r} is not i/n (e.g. 0/2)") from None
+    if not 0 <= index < count:
+        raise pytest.UsageError(f"VLMCTL_GPU_SHARD={text!r}: i must be in 0..n-1")
+    return index, count
+
+
 def pytest_collection_modifyitems(config, items):
+    # One shard of the one-GPU tests per GPU: the i-th collected test goes to shard i mod n, so the slow
+    # subprocess runs, which sit next to each other, spread over the shards.
+    shard = shard_of(os.environ.get("VLMCTL_GPU_SHARD"))
+    if shard is not None:
+        mine = [item for i, item in enumerate(items) if i % shard[1] == shard[0]]
+        config.hook.pytest_deselected(items=[item for item in items if item not in mine])
+        items[:] = mine
     count = _cuda_count()
     for item in items:
         if HERE not in Path(str(item.fspath)).parents:

@@ -2,7 +2,8 @@
 # The GPU suite (tests/gpu) on a device machine. Installs the packages the machine's image lacks from a wheel
 # folder (VLMCTL_WHEELS, default .wheels: a copy of the shared wheels folder, with its install.sh), puts this
 # source tree first on PYTHONPATH and runs pytest on tests/gpu; extra arguments go to pytest (e.g. -k two_gpus).
-# Prints the suite's wall time and the GPUs it ran on. Without CUDA every test skips.
+# Prints the suite's wall time and the GPUs it ran on. Without CUDA every test skips. VLMCTL_GPU_SHARDS=n (n GPUs):
+# n shards of the one-GPU tests at once, one per GPU, then the two-GPU tests.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 wheels=${VLMCTL_WHEELS:-.wheels}
@@ -12,8 +13,26 @@ if [ -f "$wheels/install.sh" ]; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 start=$(date +%s)
-python3 -m pytest -q -p no:cacheprovider -rs tests/gpu "$@"
-rc=$?
+shards=${VLMCTL_GPU_SHARDS:-1}
+if [ "$shards" -gt 1 ]; then
+  # One pytest per GPU, each on its own shard of the one-GPU tests (tests/gpu/conftest.py), then the two-GPU tests
+  # on all of them: the suite in about 1/n of its time on a machine of n GPUs.
+  pids=()
+  for i in $(seq 0 $(( shards - 1 ))); do
+    CUDA_VISIBLE_DEVICES=$i VLMCTL_GPU_SHARD=$i/$shards python3 -m pytest -q -p no:cacheprovider -rs tests/gpu \
+      -k "not two_gpus" "$@" > "/tmp/gpu-shard-$i.log" 2>&1 &
+    pids+=($!)
+  done
+  rc=0
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}" || rc=1
+    echo "== shard $i/$shards"; tail -25 "/tmp/gpu-shard-$i.log"
+  done
+  python3 -m pytest -q -p no:cacheprovider -rs tests/gpu -k two_gpus "$@" || rc=1
+else
+  python3 -m pytest -q -p no:cacheprovider -rs tests/gpu "$@"
+  rc=$?
+fi
 gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | sort | uniq -c | xargs)
 echo "tests/gpu: exit $rc, $(( $(date +%s) - start )) s, on ${gpus:-no GPU}"
 exit $rc
