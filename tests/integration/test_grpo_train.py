@@ -109,6 +109,20 @@ def test_one_process_grpo_run_logs_rewards_and_rollouts_and_exports(one_run):
     AutoModelForImageTextToText.from_pretrained(one_run / "final")
 
 
+@pytest.mark.timeout(RUN_TIMEOUT)
+def test_lora_grpo_trains_the_adapter_against_the_frozen_start_and_exports_it_merged(project):
+    _run_cli(project, "--launcher", "none", "train.run_name=lora", "train.stage=finetune", "train.lora.r=8",
+             "train.lora.alpha=16", "train.grpo.beta=0.1")
+    run = project / "runs" / "lora"
+    check_rows(metrics(run), rollouts=2 * 4, kl=True)  # the reference is the model before its adapter
+    from safetensors.torch import load_file
+
+    source, final = load_file(project / "model" / "model.safetensors"), load_file(run / "final" / "model.safetensors")
+    assert source.keys() == final.keys()  # merged into the base's own weights: no adapter keys left
+    changed = {k for k in source if not (source[k].float() == final[k].float()).all()}
+    assert changed and all("proj" in k for k in changed)  # the adapted projections only; embeddings and norms kept
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(RUN_TIMEOUT)
 def test_fsdp_two_ranks_generate_for_their_own_prompts_and_train_with_a_kl_term(project):
