@@ -1,8 +1,9 @@
 """`vlmctl train` with `train.objective: grpo` on a tiny LLaVA and generated shapes-VQA prompts: one process through
 the CLI (rollouts generated and scored each step, the loss and reward metrics in metrics.jsonl, rollouts.html, the
 final export), two ranks under FSDP2 (each rank generates for its own prompts with synced_gpus; text-only prompts
-add a blank-image request so the vision tower's gathers line up), and a SIGTERM + resume that reproduces the
-uninterrupted run's losses exactly (rollouts are seeded from (seed, step, rank, micro-batch))."""
+add a blank-image request so the vision tower's gathers line up), and a SIGTERM + resume, on one process and on two
+ranks, that reproduces the uninterrupted run's losses exactly (rollouts are seeded from (seed, step, rank,
+micro-batch))."""
 
 from __future__ import annotations
 
@@ -123,14 +124,23 @@ def test_lora_grpo_trains_the_adapter_against_the_frozen_start_and_exports_it_me
     assert changed and all("proj" in k for k in changed)  # the adapted projections only; embeddings and norms kept
 
 
+FSDP_ARGS = ("--launcher", "torchrun", "--nproc-per-node", "2", "train.strategy=fsdp", "train.grpo.beta=0.04",
+             "train.group_by_length=false", "train.balance=off")
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(project) -> Path:
+    """Two ranks under FSDP2 with a KL term, 4 steps of 2 ranks x 2 prompts x 4 rollouts, checkpoints at 2 and 4."""
+    # unsorted, unbalanced prompts: at step 3 one rank has only text-only prompts while the other has images
+    _run_cli(project, *FSDP_ARGS, "train.run_name=fsdp")
+    return project / "runs" / "fsdp"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(RUN_TIMEOUT)
-def test_fsdp_two_ranks_generate_for_their_own_prompts_and_train_with_a_kl_term(project):
+def test_fsdp_two_ranks_generate_for_their_own_prompts_and_train_with_a_kl_term(fsdp_run):
     # the KL term's frozen reference is sharded like the policy (forward only)
-    # unsorted, unbalanced prompts: at step 3 one rank has only text-only prompts while the other has images
-    _run_cli(project, "--launcher", "torchrun", "--nproc-per-node", "2", "train.strategy=fsdp", "train.run_name=fsdp",
-             "train.grpo.beta=0.04", "train.group_by_length=false", "train.balance=off")
-    run = project / "runs" / "fsdp"
+    run = fsdp_run
     rows = metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     check_rows(rows, rollouts=2 * 2 * 4, kl=True)  # 2 ranks x 2 prompts x 4
@@ -171,6 +181,29 @@ def test_sigterm_then_resume_reproduces_the_uninterrupted_run(project, one_run):
     resumed, reference = metrics(run), metrics(one_run)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for key in ("loss", "grad_norm", "reward", "completions/mean_length"):  # the same rollouts, the same updates
+        assert [r[key] for r in resumed] == [r[key] for r in reference], key
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+def test_two_ranks_sigterm_then_resume_reproduces_the_uninterrupted_run(project, fsdp_run):
+    # each rank draws its rollouts from (seed, step, rank, micro-batch) and resumes its own sampler position
+    run = project / "runs" / "fsdp-term"
+    proc = _cli(project, *FSDP_ARGS, "train.run_name=fsdp-term")
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not (run / "metrics.jsonl").is_file() or not metrics(run):
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        assert time.monotonic() < deadline, "no step logged in time"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=RUN_TIMEOUT)
+    assert proc.returncode == 128 + signal.SIGTERM, out[-4000:]
+    stopped = json.loads(next((run / "checkpoints").glob("checkpoint-*/trainer_state.json")).read_text())["step"]
+    assert stopped < 4 and not (run / "final").exists()
+    _run_cli(project, *FSDP_ARGS, "--resume", "train.run_name=fsdp-term")
+    resumed, reference = metrics(run), metrics(fsdp_run)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for key in ("loss", "grad_norm", "reward", "kl", "completions/mean_length", "dummy_images"):  # the same rollouts and updates
         assert [r[key] for r in resumed] == [r[key] for r in reference], key
 
 
