@@ -7,10 +7,6 @@ the run's `final/` logits."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +16,7 @@ pytest.importorskip("soxr")
 
 from audio_data import encode, flac, tone, wav  # noqa: E402
 from cli_runner import run_cli as run  # noqa: E402
+from train_runner import run_train  # noqa: E402
 
 TIMEOUT = 240
 RUN_TIMEOUT = 150
@@ -74,22 +71,7 @@ train:
 
 
 def _train(config: Path) -> str:
-    """`vlmctl train` under torchrun (2 ranks, gloo) in its own process group, killed with its ranks on a timeout."""
-    from vlmctl.distributed.env import free_port
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "vlmctl", "-c", str(config), "train", "--launcher", "torchrun", "--nproc-per-node", "2",
-           "--master-port", str(free_port())]
-    proc = subprocess.Popen(cmd, cwd=config.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"training did not finish within {RUN_TIMEOUT}s (hang?):\n{out[-4000:]}")
-    assert proc.returncode == 0, out[-6000:]
-    return out
+    return run_train(config, "--launcher", "torchrun", "--nproc-per-node", "2", timeout=RUN_TIMEOUT)
 
 
 def _vanilla_logits(folder: Path):

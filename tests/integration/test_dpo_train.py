@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from preference_data import write_pair_shards
-from train_runner import run_train
+from train_runner import RunsAhead, run_train, start_train
 
 RUN_TIMEOUT = 240
 TOKENIZER_TEXTS = ["What color is the triangle? How many circles are there? Is the square left of the circle? "
@@ -76,10 +76,31 @@ def _check_learns(run: Path) -> list[dict]:
     return got
 
 
+@pytest.fixture(scope="module")
+def one_process_runs(project):
+    """The LoRA run and the frozen-reference run, one process each: the second starts while the first one's test waits
+    (RunsAhead), so the two share the 2 cores. Both end before the precomputed run adds a val split to the data."""
+    runs = RunsAhead({
+        "lora": lambda: start_train(project / "vlmctl.yaml", "--launcher", "none", "train.run_name=lora", "train.stage=finetune",
+                                    "train.lora.r=8", "train.lora.alpha=16", "train.dpo.reference=adapter_disabled",
+                                    "train.learning_rate=1.0e-2"),
+        "frozen": lambda: start_train(project / "vlmctl.yaml", "--launcher", "none", "train.run_name=frozen"),
+    }, timeout=2 * RUN_TIMEOUT)
+    yield runs
+    runs.close()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(2 * RUN_TIMEOUT)
-def test_one_process_frozen_and_precomputed_references_agree(project):
-    _run(project, "--launcher", "none", "train.run_name=frozen")
+def test_lora_reference_is_the_base_with_the_adapter_off(project, one_process_runs):
+    one_process_runs.output("lora")
+    _check_learns(project / "runs" / "lora")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+def test_one_process_frozen_and_precomputed_references_agree(project, one_process_runs):
+    one_process_runs.output("frozen")
     frozen = _check_learns(project / "runs" / "frozen")
     # the val split: the training pairs again, so the val loss at a step reads the pairs the step trained on
     val = project / "data" / "prepared" / "val"
@@ -96,14 +117,6 @@ def test_one_process_frozen_and_precomputed_references_agree(project):
     for a, b in zip(frozen, pre):  # one pair per forward vs packed rows: the same sums up to rounding
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-4)
         assert a["rewards/margins"] == pytest.approx(b["rewards/margins"], abs=1e-4)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(RUN_TIMEOUT)
-def test_lora_reference_is_the_base_with_the_adapter_off(project):
-    _run(project, "--launcher", "none", "train.run_name=lora", "train.stage=finetune", "train.lora.r=8",
-         "train.lora.alpha=16", "train.dpo.reference=adapter_disabled", "train.learning_rate=1.0e-2")
-    _check_learns(project / "runs" / "lora")
 
 
 @pytest.mark.slow

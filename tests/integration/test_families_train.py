@@ -11,10 +11,6 @@ test instead of blocking the suite.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +18,7 @@ import pytest
 from cli_runner import run_cli
 from convert_helpers import TEXTS
 from shapes_shards import write_shapes_shards
+from train_runner import RunsAhead, start_train
 
 FAMILIES = ["internvl", "gemma3", "llava_next", "llava_onevision", "qwen3_vl_moe", "idefics2", "mistral3", "smolvlm", "qwen2_5_omni"]
 RUN_TIMEOUT = 120
@@ -56,23 +53,26 @@ train:
     return root
 
 
-def _train(project: Path) -> str:
-    """`vlmctl train` under torchrun (2 ranks) in its own process group, killed with its ranks on a timeout."""
-    from vlmctl.distributed.env import free_port
+@pytest.fixture(scope="module")
+def families_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("families")
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "vlmctl", "-c", str(project / "vlmctl.yaml"), "train", "--launcher", "torchrun",
-           "--nproc-per-node", "2", "--master-port", str(free_port())]
-    proc = subprocess.Popen(cmd, cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"training did not finish within {RUN_TIMEOUT}s (hang?):\n{out[-4000:]}")
-    assert proc.returncode == 0, out[-6000:]
-    return out
+
+@pytest.fixture(scope="module")
+def family_runs(families_root):
+    """Each family's one-step run in its project `<families_root>/<family>`, started one family ahead of the test that
+    reads it (RunsAhead): the next family's build and start-up overlap this family's step, convert and checks. Two
+    runs share the cores, hence twice the time of one to wait for."""
+    from vlmctl.families import get_family
+
+    def start(name: str):
+        (families_root / name).mkdir()
+        project = _project(families_root / name, get_family(name).tiny_preset)
+        return start_train(project / "vlmctl.yaml", "--launcher", "torchrun", "--nproc-per-node", "2")
+
+    runs = RunsAhead({name: (lambda name=name: start(name)) for name in FAMILIES}, timeout=2 * RUN_TIMEOUT)
+    yield runs
+    runs.close()
 
 
 def _probe_logits(folder: Path):
@@ -97,15 +97,15 @@ def _changed_weights(before: Path, after: Path) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(RUN_TIMEOUT + 60)
+@pytest.mark.timeout(2 * RUN_TIMEOUT + 60)
 @pytest.mark.parametrize("name", FAMILIES)
-def test_train_one_fsdp_step_then_convert_matches_the_trained_model(name, tmp_path, capsys):
+def test_train_one_fsdp_step_then_convert_matches_the_trained_model(name, families_root, family_runs, tmp_path, capsys):
     from vlmctl.convert import compare
     from vlmctl.families import get_family
 
     spec = get_family(name)
-    project = _project(tmp_path, spec.tiny_preset)
-    _train(project)
+    family_runs.output(name)
+    project = families_root / name
     run = project / "runs" / "one"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in rows] == [1] and rows[0]["loss"] == rows[0]["loss"] > 0  # finite, not NaN

@@ -7,50 +7,27 @@ other ran it would hang FSDP2's all-gathers, which the timeout turns into a fail
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from shapes_shards import write_shapes_shards
+from train_runner import RunsAhead, start_train
 
 RUN_TIMEOUT = 150
 TOKENIZER_TEXTS = ["What color is the triangle? How many circles are there? Is the square left of the circle? "
                    "What shape is the red object? Answer with one word. red green blue yellow purple yes no 0 1 2 3"] * 20
 
 
-def _train(project: Path, *overrides: str) -> str:
-    """`vlmctl train` under torchrun (2 ranks) in its own process group, killed with its ranks on a timeout."""
-    from vlmctl.distributed.env import free_port
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "vlmctl", "-c", str(project / "vlmctl.yaml"), "train", "--launcher", "torchrun",
-           "--nproc-per-node", "2", "--master-port", str(free_port()), *overrides]
-    proc = subprocess.Popen(cmd, cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"training did not finish within {RUN_TIMEOUT}s (hang?):\n{out[-4000:]}")
-    assert proc.returncode == 0, out[-6000:]
-    return out
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(RUN_TIMEOUT + 60)
-@pytest.mark.parametrize("packing", [True, False])
-def test_fsdp_two_ranks_train_one_modality_per_step_without_dummies(tmp_path, packing):
+def _start(root: Path, packing: bool):
+    """Build the project in `root` (the tiny model, 48 samples, half text-only) and start its 2-rank run."""
     from vlmctl.config import ModelSection
     from vlmctl.models import build_model
 
-    write_shapes_shards(tmp_path / "data", 48, text_only_every=2)
-    build_model(ModelSection(preset="tiny", init="random", output_dir=tmp_path / "model"), tokenizer_texts=TOKENIZER_TEXTS)
-    (tmp_path / "vlmctl.yaml").write_text(f"""
+    root.mkdir()
+    write_shapes_shards(root / "data", 48, text_only_every=2)
+    build_model(ModelSection(preset="tiny", init="random", output_dir=root / "model"), tokenizer_texts=TOKENIZER_TEXTS)
+    (root / "vlmctl.yaml").write_text(f"""
 project: {{name: g}}
 data: {{prepared_dir: data/prepared, max_length: 512}}
 model: {{preset: tiny, init: random, output_dir: model}}
@@ -73,8 +50,33 @@ train:
   output_dir: runs
   run_name: grouped
 """)
-    _train(tmp_path)
-    run = tmp_path / "runs" / "grouped"
+    return start_train(root / "vlmctl.yaml", "--launcher", "torchrun", "--nproc-per-node", "2")
+
+
+PACKING = [True, False]
+
+
+@pytest.fixture(scope="module")
+def grouped_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("grouped")
+
+
+@pytest.fixture(scope="module")
+def grouped_runs(grouped_root):
+    """The packed and the padded run, each in a project `<grouped_root>/packing=<bool>`; the second starts while the
+    first one's test waits (RunsAhead), so two runs share the cores: twice the time of one to wait for."""
+    runs = RunsAhead({f"packing={p}": (lambda p=p: _start(grouped_root / f"packing={p}", p)) for p in PACKING},
+                     timeout=2 * RUN_TIMEOUT)
+    yield runs
+    runs.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * RUN_TIMEOUT + 60)
+@pytest.mark.parametrize("packing", PACKING)
+def test_fsdp_two_ranks_train_one_modality_per_step_without_dummies(grouped_root, grouped_runs, packing):
+    grouped_runs.output(f"packing={packing}")
+    run = grouped_root / f"packing={packing}" / "runs" / "grouped"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in rows] == list(range(1, 7)) and all(r["loss"] == r["loss"] > 0 for r in rows)
     assert all(r["dummy_images"] == 0 for r in rows)  # no rank ran a dummy image

@@ -21,6 +21,7 @@ import pytest
 
 from convert_helpers import TEXTS
 from shapes_shards import build_tiny_models, packed_rows, write_shapes_shards
+from train_runner import RunsAhead, run_train, start_train
 
 TIMEOUT = 420
 ROW_TOKENS = 420  # a packed row of several samples (several images for the vision split)
@@ -263,15 +264,11 @@ train:
     return root
 
 
-def _train(project: Path, nproc: int, *overrides: str) -> list[dict]:
-    from vlmctl.distributed.env import free_port
+def _launch(nproc: int, *overrides: str) -> tuple[str, ...]:
+    return ("--launcher", "torchrun", "--nproc-per-node", str(nproc), f"train.nproc_per_node={nproc}", *overrides)
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "vlmctl", "-c", str(project / "vlmctl.yaml"), "train", "--launcher", "torchrun",
-           "--nproc-per-node", str(nproc), "--master-port", str(free_port()), f"train.nproc_per_node={nproc}", *overrides]
-    proc = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=TIMEOUT)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    name = next(o.split("=", 1)[1] for o in overrides if o.startswith("train.run_name="))
+
+def _metrics(project: Path, name: str) -> list[dict]:
     return [json.loads(line) for line in (project / "runs" / name / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -280,16 +277,27 @@ def test_vlmctl_train_splits_rows_resumes_without_the_split_and_exports_a_plain_
     from transformers import AutoModelForImageTextToText
 
     project = _project(tmp_path)
-    # the split run also recomputes its layers (full checkpointing) and tiles its MLPs: neither changes the arithmetic
-    split = _train(project, 2, "train.sequence_parallel=2", "train.activation_checkpointing=full", "train.tiled_mlp=2",
-                   "train.run_name=split")
-    # one process with the group's row budget packs the same rows
-    whole = _train(project, 1, "train.tokens_per_batch=600", "train.run_name=whole")
+    config = project / "vlmctl.yaml"
+    # the split run also recomputes its layers (full checkpointing) and tiles its MLPs: neither changes the arithmetic;
+    # one process with the group's row budget packs the same rows. The two runs are independent: started together.
+    runs = RunsAhead({
+        "split": lambda: start_train(config, *_launch(2, "train.sequence_parallel=2", "train.activation_checkpointing=full",
+                                                     "train.tiled_mlp=2", "train.run_name=split")),
+        "whole": lambda: start_train(config, *_launch(1, "train.tokens_per_batch=600", "train.run_name=whole")),
+    }, timeout=TIMEOUT)
+    try:
+        runs.output("split")
+        runs.output("whole")
+    finally:
+        runs.close()
+    split, whole = _metrics(project, "split"), _metrics(project, "whole")
     assert [r["loss"] for r in split] == pytest.approx([r["loss"] for r in whole], rel=1e-5)
     assert [r["grad_norm"] for r in split] == pytest.approx([r["grad_norm"] for r in whole], rel=1e-4)
     assert [r["text_tokens"] + r["visual_tokens"] for r in split] == [r["text_tokens"] + r["visual_tokens"] for r in whole]
     checkpoint = project / "runs" / "split" / "checkpoints" / "checkpoint-1"
-    resumed = _train(project, 1, "train.tokens_per_batch=600", "train.run_name=resumed", f"train.resume={checkpoint}")
+    run_train(config, *_launch(1, "train.tokens_per_batch=600", "train.run_name=resumed", f"train.resume={checkpoint}"),
+              timeout=TIMEOUT)
+    resumed = _metrics(project, "resumed")
     assert [r["step"] for r in resumed] == [2]
     assert resumed[0]["loss"] == pytest.approx(split[1]["loss"], rel=1e-5)
     final = project / "runs" / "split" / "final"

@@ -12,14 +12,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from cli_runner import run_cli as run_cli_inprocess
 from shapes_shards import write_shapes_shards
+from train_runner import RunsAhead, run_train, start_train, wait_until
 
 RUN_TIMEOUT = 150
 # what the tiny models' tokenizer is trained on: the generated questions' words
@@ -61,30 +60,12 @@ train:
     return root
 
 
-def _free_port() -> int:
-    from vlmctl.distributed.env import free_port
-
-    return free_port()
-
-
 def _cli(project: Path, *args: str) -> subprocess.Popen:
-    """Start `vlmctl train` in its own process group (so a hung run can be killed with all its ranks)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "vlmctl", "-c", str(project / "vlmctl.yaml"), "train", "--master-port", str(_free_port()), *args]
-    return subprocess.Popen(cmd, cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return start_train(project / "vlmctl.yaml", *args)
 
 
 def _run_cli(project: Path, *args: str, timeout: int = RUN_TIMEOUT) -> str:
-    proc = _cli(project, *args)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"training did not finish within {timeout}s (hang?):\n{out[-4000:]}")
-    assert proc.returncode == 0, out[-6000:]
-    return out
+    return run_train(project / "vlmctl.yaml", *args, timeout=timeout)
 
 
 def metrics(run: Path) -> list[dict]:
@@ -256,17 +237,6 @@ def test_every_run_folder_has_train_log_with_the_startup_table_and_step_lines(pr
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(RUN_TIMEOUT + 30)
-def test_text_only_rank_runs_a_dummy_image_and_does_not_hang(project):
-    # With every third sample text-only and 2 samples per rank, some steps give one rank only text: that rank
-    # appends a zero-weighted dummy image so FSDP's collective gathers of the vision tower line up. Compute
-    # balancing (on by default with 2 ranks) spreads the image samples over the ranks, so it is off here.
-    _run_cli(project, "--launcher", "torchrun", "--nproc-per-node", "2", "train.run_name=text-only-rank",
-             "train.balance=off", "train.save_steps=100")
-    assert sum(r["dummy_images"] for r in metrics(project / "runs" / "text-only-rank")) > 0
-
-
-@pytest.mark.slow
 @pytest.mark.timeout(RUN_TIMEOUT + 60)
 def test_fsdp_two_ranks_match_single_process_with_the_same_global_batch(project, fsdp_run, capsys):
     # the packed bin list does not depend on the world size: 2 ranks x 1 row == 1 rank x 2 accumulated rows
@@ -285,11 +255,7 @@ def test_fsdp_two_ranks_match_single_process_with_the_same_global_batch(project,
 def test_kill_9_then_resume_reproduces_the_uninterrupted_curve(project, fsdp_run):
     run = project / "runs" / "killed"
     proc = _cli(project, "train.run_name=killed")
-    deadline = time.monotonic() + RUN_TIMEOUT
-    while not (run / "checkpoints" / "checkpoint-4").is_dir():
-        assert proc.poll() is None, proc.stdout.read()[-4000:]
-        assert time.monotonic() < deadline, "no checkpoint-4 in time"
-        time.sleep(0.1)
+    wait_until(proc, lambda: (run / "checkpoints" / "checkpoint-4").is_dir(), RUN_TIMEOUT, "checkpoint-4")
     os.killpg(proc.pid, signal.SIGKILL)  # launcher, torchrun and both ranks at once, like a lost node
     proc.wait()
     # Whatever the ranks wrote after step 4 is gone with a real crash at that point.
@@ -309,11 +275,7 @@ def test_kill_9_then_resume_reproduces_the_uninterrupted_curve(project, fsdp_run
 def test_sigterm_finishes_the_step_saves_and_exits(project):
     run = project / "runs" / "term"
     proc = _cli(project, "train.run_name=term", "train.max_steps=200", "train.save_steps=1000")
-    deadline = time.monotonic() + RUN_TIMEOUT
-    while not (run / "metrics.jsonl").is_file() or len(metrics(run)) < 2:
-        assert proc.poll() is None, proc.stdout.read()[-4000:]
-        assert time.monotonic() < deadline, "no steps logged in time"
-        time.sleep(0.1)
+    wait_until(proc, lambda: (run / "metrics.jsonl").is_file() and len(metrics(run)) >= 2, RUN_TIMEOUT, "2 steps logged")
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=RUN_TIMEOUT)
     assert proc.returncode == 128 + signal.SIGTERM, out[-4000:]
@@ -475,12 +437,36 @@ def test_qwen2_5_vl_packed_run_with_mrope_matches_padded(qwen_project, capsys, m
 
 
 
+# Two 8-step torchrun FSDP2 runs without gradient clipping and without compute balancing: plain AdamW and AdamW
+# stepped in backward. Both tests below read the first; the second starts with it (RunsAhead).
+UNCLIPPED = ("train.max_grad_norm=0", "train.balance=off")
+OIB = (*UNCLIPPED, "train.optimizer_in_backward=true")
+
+
+@pytest.fixture(scope="module")
+def unclipped_runs(project):
+    runs = RunsAhead({"adamw-noclip": lambda: _cli(project, "train.run_name=adamw-noclip", *UNCLIPPED),
+                      "oib": lambda: _cli(project, "train.run_name=oib", *OIB)}, timeout=2 * RUN_TIMEOUT)
+    yield runs
+    runs.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * RUN_TIMEOUT + 30)
+def test_text_only_rank_runs_a_dummy_image_and_does_not_hang(project, unclipped_runs):
+    # With every third sample text-only and 2 samples per rank, some steps give one rank only text: that rank
+    # appends a zero-weighted dummy image so FSDP's collective gathers of the vision tower line up. Compute
+    # balancing (on by default with 2 ranks) spreads the image samples over the ranks, so it is off here.
+    unclipped_runs.output("adamw-noclip")
+    assert sum(r["dummy_images"] for r in metrics(project / "runs" / "adamw-noclip")) > 0
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
-def test_optimizer_in_backward_matches_adamw_and_resumes_bitwise(project):
+def test_optimizer_in_backward_matches_adamw_and_resumes_bitwise(project, unclipped_runs):
     # the per-parameter AdamW stepped in backward is the same update as one AdamW stepped after it (no clipping)
-    _run_cli(project, "train.run_name=adamw-noclip", "train.max_grad_norm=0")
-    _run_cli(project, "train.run_name=oib", "train.max_grad_norm=0", "train.optimizer_in_backward=true")
+    unclipped_runs.output("adamw-noclip")
+    unclipped_runs.output("oib")
     ref, oib = metrics(project / "runs" / "adamw-noclip"), metrics(project / "runs" / "oib")
     assert len(ref) == len(oib) == 8
     for a, b in zip(ref, oib):
@@ -490,7 +476,7 @@ def test_optimizer_in_backward_matches_adamw_and_resumes_bitwise(project):
     run = project / "runs" / "oib"
     subprocess.run(["rm", "-rf", str(run / "checkpoints" / "checkpoint-8"), str(run / "final")], check=True)
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in oib[:4]))
-    _run_cli(project, "--resume", "train.run_name=oib", "train.max_grad_norm=0", "train.optimizer_in_backward=true")
+    _run_cli(project, "--resume", "train.run_name=oib", *OIB)
     assert [r["loss"] for r in metrics(run)] == [r["loss"] for r in oib]
 
 

@@ -6,16 +6,14 @@ checked against the same figure computed apart on the exported weights, sample b
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from cli_runner import run_cli
 from shapes_shards import write_shapes_shards
+from train_runner import RunsAhead, run_train, start_train
 
 TIMEOUT = 300
 TOKENIZER_TEXTS = ["What color is the triangle? How many circles are there? Is the square left of the circle? "
@@ -60,15 +58,15 @@ def rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def _torchrun(project: Path, *overrides: str) -> str:
-    from vlmctl.distributed.env import free_port
+TORCHRUN = ("--launcher", "torchrun", "--nproc-per-node", "2", "train.nproc_per_node=2")
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "vlmctl", "-c", str(project / "vlmctl.yaml"), "train", "--launcher", "torchrun",
-           "--nproc-per-node", "2", "--master-port", str(free_port()), "train.nproc_per_node=2", *overrides]
-    proc = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=TIMEOUT)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    return proc.stdout + proc.stderr
+
+def _torchrun(project: Path, *overrides: str) -> str:
+    return run_train(project / "vlmctl.yaml", *TORCHRUN, *overrides, timeout=TIMEOUT)
+
+
+def _start_torchrun(project: Path, *overrides: str):
+    return start_train(project / "vlmctl.yaml", *TORCHRUN, *overrides)
 
 
 def _reference_val_loss(model_dir: Path, project: Path) -> float:
@@ -135,11 +133,25 @@ def test_resume_keeps_the_best_so_far(project, capsys):
     assert (run / "checkpoints" / "checkpoint-2").is_dir()  # the best stays past save_total_limit's pruning
 
 
+@pytest.fixture(scope="module")
+def gloo_runs(project):
+    """The 2-rank FSDP2 run and the sequence-parallel one, the second started while the first's test waits (they do
+    not share a run folder)."""
+    runs = RunsAhead({
+        "fsdp": lambda: _start_torchrun(project, "train.strategy=fsdp", "train.run_name=fsdp", "train.save_best=val_loss",
+                                        "train.save_total_limit=1", "train.save_steps=3"),
+        # SP=2 on 2 ranks: one data-parallel rank, each row of 96 x 2 tokens split over the pair
+        "sp": lambda: _start_torchrun(project, "train.strategy=fsdp", "train.run_name=sp", "train.sequence_parallel=2",
+                                      "train.tokens_per_batch=96", "train.max_steps=2"),
+    }, timeout=TIMEOUT)
+    yield runs
+    runs.close()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT + 30)
-def test_fsdp_two_ranks_validate_every_sample_once_and_keep_the_best_past_the_limit(project):
-    out = _torchrun(project, "train.strategy=fsdp", "train.run_name=fsdp", "train.save_best=val_loss",
-                    "train.save_total_limit=1", "train.save_steps=3")
+def test_fsdp_two_ranks_validate_every_sample_once_and_keep_the_best_past_the_limit(project, gloo_runs):
+    out = gloo_runs.output("fsdp")
     run = project / "runs" / "fsdp"
     val = [r for r in rows(run) if "val_loss" in r]
     assert [r["step"] for r in val] == [2, 4, 6] and "val loss" in out
@@ -150,6 +162,16 @@ def test_fsdp_two_ranks_validate_every_sample_once_and_keep_the_best_past_the_li
     best = min(val, key=lambda r: r["val_loss"])["step"]
     kept = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert kept == sorted({f"checkpoint-{best}", "checkpoint-6"})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT + 30)
+def test_sequence_parallel_validation_sums_the_slices_of_each_row(project, gloo_runs):
+    gloo_runs.output("sp")
+    run = project / "runs" / "sp"
+    val = [r for r in rows(run) if "val_loss" in r]
+    assert [r["step"] for r in val] == [2]
+    assert val[0]["val_loss"] == pytest.approx(_reference_val_loss(run / "final", project), rel=1e-4)
 
 
 @pytest.mark.slow
@@ -166,18 +188,6 @@ def test_zero3_two_ranks_validate_and_stop_early(project):
     state = json.loads((run / "checkpoints" / f"checkpoint-{val[-1]['step']}" / "trainer_state.json").read_text())
     assert state["reason"] == "early_stop"
     assert (run / "final" / "model.safetensors").is_file()
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(TIMEOUT + 30)
-def test_sequence_parallel_validation_sums_the_slices_of_each_row(project):
-    # SP=2 on 2 ranks: one data-parallel rank, each row of 96 x 2 tokens split over the pair
-    _torchrun(project, "train.strategy=fsdp", "train.run_name=sp", "train.sequence_parallel=2",
-              "train.tokens_per_batch=96", "train.max_steps=2")
-    run = project / "runs" / "sp"
-    val = [r for r in rows(run) if "val_loss" in r]
-    assert [r["step"] for r in val] == [2]
-    assert val[0]["val_loss"] == pytest.approx(_reference_val_loss(run / "final", project), rel=1e-4)
 
 
 @pytest.mark.timeout(TIMEOUT)
