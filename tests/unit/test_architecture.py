@@ -6,7 +6,8 @@
 - layers: families/ imports no other layer (data, models, train, distributed), data/ imports none of models,
   train, distributed (inside functions too);
 - an import inside a function says why it is deferred (start-up time, an optional dependency): a top-level comment
-  of its module saying what is "imported" inside functions, or a comment on the import's line or above it;
+  of its module saying what is "imported inside the functions that use" it (or "imported only where used",
+  "imported next to their use") and why, not a section heading; or a comment on the import's line or above it;
 - the worker reads as named steps: train/worker.py stays short.
 """
 
@@ -201,8 +202,11 @@ def test_the_worker_reads_as_named_steps(limit):
     assert len((PACKAGE / "train" / "worker.py").read_text().splitlines()) <= limit
 
 
-MODULE_NOTE = re.compile(r"#.*\bimported\b")
-"""A module-level comment (column 0) explaining the module's imports inside functions."""
+MODULE_NOTE = re.compile(r"#(?!\s*[-=#*~]{3}).*\bimported (inside|only where|next to)\b")
+"""A module-level comment (column 0, no section heading) that says the module imports things inside its functions:
+"X is imported inside the functions that use it", "... imported only where used", "... imported next to their use"."""
+NOTE_REASON = re.compile(r"start-up|optional|cycle|circular|must not|does not load|without it|loads anyway")
+"""The reason the note's comment block (it and the column-0 comment lines around it) must give for the deferral."""
 NOT_A_REASON = re.compile(r"#\s*(noqa|type:|pragma|isort|fmt)\b")
 
 
@@ -222,7 +226,7 @@ def deferred_imports(tree: ast.AST) -> list[ast.stmt]:
 
 def unexplained_imports(source: str) -> list[int]:
     """Lines of imports inside functions that no comment explains: none when a top-level comment (column 0) says
-    what is "imported" inside functions, else those without a comment of their own (on their line, or on the line
+    that imports sit inside functions and why, else those without a comment of their own (on their line, or on the line
     above them or above the block of imports they open; `noqa` and the like are no reason)."""
     tree = ast.parse(source)
     imports = deferred_imports(tree)
@@ -232,9 +236,20 @@ def unexplained_imports(source: str) -> list[int]:
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type == tokenize.COMMENT:
             comments[tok.start[0]] = (tok.start[1], tok.string)
-    if any(col == 0 and MODULE_NOTE.match(text) for col, text in comments.values()):
-        return []
     lines = source.splitlines()
+
+    def note_block(line: int) -> str:
+        """The column-0 comment lines around `line`, joined."""
+        first = last = line
+        while comments.get(first - 1, (1,))[0] == 0:
+            first -= 1
+        while comments.get(last + 1, (1,))[0] == 0:
+            last += 1
+        return " ".join(comments[n][1].lstrip("#").strip() for n in range(first, last + 1))
+
+    if any(col == 0 and MODULE_NOTE.match(text) and NOTE_REASON.search(note_block(line))
+           for line, (col, text) in comments.items()):
+        return []
 
     def reason(line: int) -> bool:
         return line in comments and not NOT_A_REASON.match(comments[line][1])
@@ -266,6 +281,12 @@ def test_the_import_check_catches_an_unexplained_import():
     assert unexplained_imports("# torch is imported inside functions: start-up time\n\ndef f():\n    import torch\n") == []
     assert unexplained_imports("def f():\n    # torch is imported here: start-up time\n    x = 1\n    import torch\n") == [4]
     assert unexplained_imports("import torch\n") == []
+    # the module note must say that imports sit inside functions, and why; a heading or a passing mention is no note
+    assert unexplained_imports("# torch is imported inside functions\n\ndef f():\n    import torch\n") == [4]
+    assert unexplained_imports("# --- imported helpers: start-up ---\ndef f():\n    import torch\n") == [3]
+    assert unexplained_imports("# modules that load numpy when imported: start-up\ndef f():\n    import torch\n") == [3]
+    assert unexplained_imports("# torch is imported inside the functions that use it:\n# the CLI's start-up must not "
+                               "pay for it.\ndef f():\n    import torch\n") == []
 
 
 def test_every_family_module_is_on_the_registration_list():

@@ -17,23 +17,29 @@ batch is checked in the main process (starting workers would take longer than th
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import hashlib
 import os
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import chain, islice
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from vlmctl.config.data import DataSection, DataSource
 from vlmctl.config.plan import DEFAULT_TOKENS
 from vlmctl.data.checks import DigestSet, LocationTable, Rejection, SampleInfo, check_images, count_tokens, sample_digest
+from vlmctl.data.formats import iter_unchecked, resolve_format
+from vlmctl.data.formats._common import GLOB_CHARS, source_name
 from vlmctl.data.sample import Sample
+from vlmctl.data.tokens import TokenCounter, has_processor
 from vlmctl.errors import MissingSourceError
+from vlmctl.processes import die_with_parent
 
 # rich is imported inside the functions that print: using vlmctl as a library does not load it.
-# concurrent, glob and multiprocessing (standard library, not loaded at the CLI's start-up) are imported inside the
+# concurrent and multiprocessing (standard library, not loaded at the CLI's start-up) are imported inside the
 # functions that use them.
-# Light vlmctl modules and modules the CLI's start-up loads anyway are imported next to their use as well.
 
 BATCH_SIZE = 32
 DEFAULT_TOKENS_PER_GPU = DEFAULT_TOKENS
@@ -83,13 +89,10 @@ def token_limit(max_length: int, row_budget: RowBudget | None) -> int:
 def _init_worker(processor_dir: str | None, limits: dict[str, Any], counter: Any = None, pool_worker: bool = False) -> None:
     # `counter`: the parent's, inherited by forked workers (loaded once); spawned workers load their own.
     if pool_worker:  # a worker of a killed prepare (kill -9) must not live on, holding memory and CPU
-        from vlmctl.processes import die_with_parent
 
         die_with_parent()
     _STATE["limits"] = limits  # keyword arguments of check_images
     if counter is None and processor_dir:
-        from vlmctl.data.tokens import TokenCounter
-
         counter = TokenCounter.load(Path(processor_dir))
     _STATE["counter"] = counter
 
@@ -142,9 +145,6 @@ def unique_sources(sources: list[DataSource]) -> list[DataSource]:
     Raises MissingSourceError (a DataError, exit code 2) for a local source that does not exist (or a glob matching
     nothing), before anything is read.
     """
-    from vlmctl.data.formats import resolve_format
-    from vlmctl.data.formats._common import source_name
-
     for src in sources:
         check_exists(src)
     out, seen = [], set()
@@ -160,10 +160,6 @@ def unique_sources(sources: list[DataSource]) -> list[DataSource]:
 def check_exists(source: DataSource) -> None:
     """Raise MissingSourceError (a DataError, exit code 2) when a local source's path does not exist or its glob
     matches nothing (Hub ids pass)."""
-    import glob
-
-    from vlmctl.data.formats._common import GLOB_CHARS
-
     if source.format == "hf":
         return
     path = Path(source.path).expanduser()
@@ -177,8 +173,6 @@ def check_exists(source: DataSource) -> None:
 
 
 def _read_all(sources: list[DataSource], media_roots: list[Path]) -> Iterator[tuple[int, Any]]:
-    from vlmctl.data.formats import iter_unchecked
-
     for i, src in enumerate(sources):
         for item in iter_unchecked(src, media_roots=media_roots):
             yield i, item
@@ -197,10 +191,6 @@ def _batched(items: Iterator[tuple[int, Any]], size: int) -> Iterator[list[tuple
 
 def _checked(sources: list[DataSource], *, num_proc: int, processor_dir: Path | None, limits: dict[str, Any],
              media_roots: list[Path]) -> Iterator[tuple[int, Any]]:
-    from itertools import chain, islice
-
-    from vlmctl.data.tokens import TokenCounter
-
     counter = TokenCounter.load(processor_dir) if processor_dir else None  # once, and a broken one fails here
     batches = _batched(_read_all(sources, media_roots), BATCH_SIZE)
     head = list(islice(batches, 2))
@@ -254,8 +244,6 @@ def iter_checked(
 
     Raises DataError when a source cannot be opened (as the readers do).
     """
-    from vlmctl.data.tokens import has_processor
-
     procs = num_proc or data.num_proc or os.cpu_count() or 1
     pdir = processor_dir if has_processor(processor_dir) else None
     limits = {"min_image_side": data.min_image_side, "max_image_pixels": data.max_image_pixels, "video": data.video, "audio": data.audio}
@@ -337,8 +325,6 @@ def progress_bar(enabled: bool, description: str):
 
     Returns a context manager whose value is a zero-argument `advance()` callable.
     """
-    import contextlib
-
     if not enabled:
         return contextlib.nullcontext(lambda: None)
     from rich.console import Console

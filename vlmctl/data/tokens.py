@@ -29,22 +29,25 @@ checkpoint, a base-mode pointer, a slow tokenizer) loads its processor with tran
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
 
 from vlmctl.data.chat_template import compile_chat_template
+from vlmctl.data.model_files import check_model_files, check_tokenizer
 from vlmctl.data.sample import Sample
+from vlmctl.errors import DataError, ModelError
 
 # tokenizers and transformers are imported inside the functions that use them: importing vlmctl (the CLI's start-up)
 # must not pay for them.
 # So are the vlmctl modules that load numpy when imported.
 # ctypes (standard library, not loaded at the CLI's start-up) is imported inside the functions that use it.
-# Light vlmctl modules and modules the CLI's start-up loads anyway are imported next to their use as well.
 
 RENDER_SECONDS = 10.0
 """Longest a chat template may take to render one conversation (real time)."""
@@ -81,7 +84,6 @@ class _Watchdog:
 
     def _run(self) -> None:
         import ctypes
-        import time
 
         with self.cond:
             while True:
@@ -99,7 +101,6 @@ class _Watchdog:
         """Raise `_RenderTimeout` in this thread once the block has run `seconds` (real time). A nested block runs
         under the outer one's limit."""
         import ctypes
-        import time
 
         tid = threading.get_ident()
         with self.cond:
@@ -150,8 +151,6 @@ def render_limits(what: str) -> Iterator[None]:
         with _WATCHDOG.limit(RENDER_SECONDS):
             yield
     except _RenderTimeout:
-        from vlmctl.errors import DataError
-
         raise DataError(f"the chat template of {what} did not finish rendering one conversation in {RENDER_SECONDS:g} s",
                         hint="fix the template's loops (model.chat_template, or chat_template.jinja in the model folder)") from None
 
@@ -159,8 +158,6 @@ def render_limits(what: str) -> Iterator[None]:
 def check_rendered(text: str, what: str) -> str:
     """`text`, or DataError when a chat template rendered more than `RENDER_CHARS` characters."""
     if len(text) > RENDER_CHARS:
-        from vlmctl.errors import DataError
-
         raise DataError(f"the chat template of {what} rendered {len(text):,} characters for one conversation (limit "
                         f"{RENDER_CHARS:,})", hint="fix the template (model.chat_template, or chat_template.jinja in the model folder)")
     return text
@@ -189,8 +186,6 @@ def load_saved_processor(folder: Path | str, family: str | None = None):
         try:
             return transformers.AutoProcessor.from_pretrained(ref)
         except (OSError, ImportError, AttributeError, ValueError):
-            import importlib.util
-
             if importlib.util.find_spec("torchvision") is not None:
                 raise
             from vlmctl.families import get_family  # the family registry: only for this fallback
@@ -227,7 +222,6 @@ class TokenCounter:
         self._encode: Callable[[str], list[int]] = lambda text: self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _set_family(self, family: str | None) -> None:
-        from vlmctl.errors import ModelError
         from vlmctl.families import get_family
 
         self.family_name = family
@@ -249,14 +243,11 @@ class TokenCounter:
         """
         if not has_processor(folder):
             return None
-        from vlmctl.data.model_files import check_model_files
-
         folder = Path(folder)
         check_model_files(folder, weights=False)  # a damaged processor file is named (counting reads no weights)
         light = cls.from_files(folder)
         if light is not None:
             return light
-        from vlmctl.errors import DataError
 
         family = (_read_json(folder / MODEL_INFO) or {}).get("family")
         try:
@@ -267,8 +258,6 @@ class TokenCounter:
 
                 processor = AutoTokenizer.from_pretrained(str(folder))
             except Exception as exc:  # noqa: BLE001
-                from vlmctl.data.model_files import check_tokenizer
-
                 damaged = check_tokenizer(folder)  # valid JSON that is no tokenizer: name the file
                 if damaged is not None:
                     raise damaged from None
@@ -347,7 +336,6 @@ class TokenCounter:
         """Placeholder tokens of one stored audio clip (`normalize_audio` bytes) under the family's audio-token rule.
         Raises DataError for a folder without a family, or a family without an audio-token rule."""
         from vlmctl.data.modalities.audio import audio_shape
-        from vlmctl.errors import DataError
 
         rule = getattr(self._family, "num_audio_tokens", None)
         if rule is None:
@@ -361,7 +349,6 @@ class TokenCounter:
         family's video-token rule. Raises ModelError when the family has none, DataError for a folder without a
         family."""
         from vlmctl.data.modalities.video import probe
-        from vlmctl.errors import DataError
 
         if self._family is None:
             raise DataError(f"no family is known for the processor in {self.folder}: its video tokens cannot be counted",
@@ -405,15 +392,11 @@ class TokenCounter:
             return {"type": "image"}
         if part["type"] == "video":
             if self.video_prompt is None:
-                from vlmctl.errors import DataError
-
                 raise DataError(f"the processor in {self.folder} has no video token: this model takes no video",
                                 hint="drop the video samples, or use a model that takes video (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)")
             return {"type": "text", "text": self.video_prompt}
         if part["type"] == "audio":
             if self.audio_prompt is None:
-                from vlmctl.errors import DataError
-
                 raise DataError(f"the processor in {self.folder} has no audio token: this model takes no audio",
                                 hint="drop the audio samples, or use a model that takes audio (qwen2_audio)")
             return {"type": "text", "text": self.audio_prompt}

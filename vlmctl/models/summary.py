@@ -23,12 +23,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from vlmctl.config.plan import DeviceFacts, build_plan, has_torchao
+from vlmctl.config.plan import resolve_precision as planned
+from vlmctl.config.train import TrainSection
 from vlmctl.distributed.engine import strategy_of
-from vlmctl.families import PARTS
+from vlmctl.errors import ModelError
+from vlmctl.families import PARTS, get_family
 
 # torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
-# So are the vlmctl modules that load numpy when imported.
-# Light vlmctl modules are imported next to their use as well.
 
 STAGE_TRAINS = {"align": ("projector",), "finetune": ("projector", "llm"), "full": ("vision", "projector", "llm")}
 """Parts each `train.stage` trains by default (LLaVA-1.5's two stages, plus full training); training itself reads
@@ -44,9 +46,6 @@ def part_labels(family: str) -> dict[str, str]:
     """{part: label} of the parameter table for a family (a `vlmctl.families` name): the encoder in front of the
     projector (the `vision` part) is the "audio tower" of a family whose `modalities` take audio and no images
     (Qwen2-Audio), the "vision tower" otherwise, and of an unknown family."""
-    from vlmctl.errors import ModelError
-    from vlmctl.families import get_family
-
     try:
         modalities = get_family(family).modalities
     except ModelError:
@@ -94,9 +93,6 @@ def training_device(launcher: str) -> str:
 def resolve_precision(precision: str, device: str) -> str:
     """The compute precision a run uses: `auto` is bf16 on a GPU, fp32 on CPU (as `vlmctl.config.plan.resolve_precision`;
     a visible GPU without bf16 support resolves to fp32 there, which this function cannot see without CUDA)."""
-    from vlmctl.config.plan import DeviceFacts
-    from vlmctl.config.plan import resolve_precision as planned
-
     return planned(precision, DeviceFacts(kind=device))
 
 
@@ -167,9 +163,6 @@ def training_summary(info: dict[str, Any], *, stage: str, strategy: str, num_gpu
     Returns a dict with "parameters", "part_labels" (`part_labels`: what to call each part), "trained", "trainable_parameters", "device", "num_processes", "precision",
     "bytes_per_parameter" and "memory_per_gpu_bytes" (bytes per device: per GPU, or per process on CPU), among others.
     """
-    from vlmctl.config.plan import DeviceFacts, build_plan, has_torchao
-    from vlmctl.config.train import TrainSection
-
     # the run plan's strategy and master weights for these settings (`vlmctl.config.plan.build_plan`)
     adapters = {"r": 8, "quantize": quantize if quantize not in (None, "none") else "none"} if lora else None
     plan = build_plan(TrainSection(strategy=strategy, precision=precision, master_weights=master_weights, lora=adapters),

@@ -29,10 +29,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vlmctl.data.collate import IGNORE_INDEX, Collator, model_inputs
+from vlmctl.data.modalities import get_unit
+from vlmctl.data.sample import Sample
+from vlmctl.errors import DataError
+from vlmctl.inference import GenerationRequest, generate, load_for_generation
+from vlmctl.inference.generation import _model_inputs
+from vlmctl.inference.prompt import model_family, render_request
+from vlmctl.models import load_processor
+from vlmctl.serve.server import ServeSettings, running_server
+
 # PIL, torch and yaml are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must
 # not pay for them.
-# So are the vlmctl modules that load numpy when imported.
-# Light vlmctl modules are imported next to their use as well.
 
 PROBES = ("image question", "text-only question", "multi-turn conversation")
 TOP = 5
@@ -134,12 +142,6 @@ def check_serving(model_dir: Path, *, device: str = "auto", dtype: str = "auto",
     that cannot be loaded; a mismatch is a failed probe in the report, not an error."""
     import torch
 
-    from vlmctl.data.modalities import get_unit
-    from vlmctl.inference import GenerationRequest, generate, load_for_generation
-    from vlmctl.inference.prompt import model_family
-    from vlmctl.models import load_processor
-    from vlmctl.serve.server import ServeSettings, running_server
-
     model_dir = Path(model_dir).resolve()
     model, processor = load_for_generation(model_dir, device=device, dtype=dtype)
     family = model_family(model)
@@ -168,13 +170,6 @@ def _compare_with_trainer(result: ProbeResult, model, processor, trainer_process
                           tolerance: float) -> None:
     """Add the `prompt` and `logits` failures of one probe (module docstring) to `result`."""
     import torch
-
-    from vlmctl.data.collate import IGNORE_INDEX, Collator, model_inputs
-    from vlmctl.data.sample import Sample
-    from vlmctl.inference.generation import _model_inputs
-    from vlmctl.inference.prompt import render_request
-
-    from vlmctl.errors import DataError
 
     answer = [{"role": "assistant", "content": [{"type": "text", "text": result.served or "."}]}]
     try:

@@ -19,37 +19,35 @@ from typing import Callable, Iterable, Iterator
 
 from vlmctl.config.data import DEFAULT_MAX_IMAGE_PIXELS, DataAudio, DataSource, DataVideo
 from vlmctl.data.checks import Rejection, check_images
+from vlmctl.data.formats._common import GLOB_CHARS, expand_paths
+from vlmctl.data.formats._json import JsonParseError, iter_json_records
+from vlmctl.data.formats.hf import read_hf
+from vlmctl.data.formats.llamafactory import read_llamafactory
+from vlmctl.data.formats.llava import read_llava
+from vlmctl.data.formats.messages import read_messages
+from vlmctl.data.formats.parquet import read_parquet
+from vlmctl.data.formats.preference import layout_of, read_preference
+from vlmctl.data.formats.sharegpt import read_sharegpt
 from vlmctl.data.sample import Sample
 from vlmctl.errors import DataError
 
-# The vlmctl modules that load numpy when imported are imported inside the functions that use them: importing vlmctl
-# (the CLI's start-up) must not pay for it.
-# Light vlmctl modules are imported next to their use as well.
+# The webdataset reader (it loads numpy) is imported inside the function that uses it: reading other formats must not
+# pay for it.
 
 FORMATS = ("llava", "sharegpt", "messages", "parquet", "webdataset", "hf", "llamafactory", "preference")
 
 
 def get_reader(fmt: str) -> Callable[..., Iterator[Sample | Rejection]]:
     """The reader function of a format name (not `auto`): `reader(source, *, media_roots=())`."""
-    if fmt == "llava":
-        from vlmctl.data.formats.llava import read_llava as reader
-    elif fmt == "sharegpt":
-        from vlmctl.data.formats.sharegpt import read_sharegpt as reader
-    elif fmt == "messages":
-        from vlmctl.data.formats.messages import read_messages as reader
-    elif fmt == "parquet":
-        from vlmctl.data.formats.parquet import read_parquet as reader
-    elif fmt == "webdataset":
-        from vlmctl.data.formats.webdataset import read_webdataset as reader
-    elif fmt == "hf":
-        from vlmctl.data.formats.hf import read_hf as reader
-    elif fmt == "llamafactory":
-        from vlmctl.data.formats.llamafactory import read_llamafactory as reader
-    elif fmt == "preference":
-        from vlmctl.data.formats.preference import read_preference as reader
-    else:
+    if fmt == "webdataset":
+        from vlmctl.data.formats.webdataset import read_webdataset
+
+        return read_webdataset
+    readers = {"llava": read_llava, "sharegpt": read_sharegpt, "messages": read_messages, "parquet": read_parquet,
+               "hf": read_hf, "llamafactory": read_llamafactory, "preference": read_preference}
+    if fmt not in readers:
         raise DataError(f"unknown data format {fmt!r}", hint=f"use one of: auto, {', '.join(FORMATS)}")
-    return reader
+    return readers[fmt]
 
 
 def detect_format(path: str) -> str:
@@ -57,8 +55,6 @@ def detect_format(path: str) -> str:
 
     Raises DataError when the path does not exist or the format cannot be told apart.
     """
-    from vlmctl.data.formats._common import GLOB_CHARS, expand_paths
-
     p = Path(path).expanduser()
     if p.is_dir():
         if any((p / n).is_file() for n in ("state.json", "dataset_dict.json")):
@@ -94,16 +90,12 @@ def detect_format(path: str) -> str:
 
 
 def _detect_json(file: Path, path: str) -> str:
-    from vlmctl.data.formats._json import JsonParseError, iter_json_records
-
     for item in iter_json_records(file):
         if isinstance(item, JsonParseError):
             continue  # a bad first line is reported by the reader; look at the next record
         record = item[1]
         if not isinstance(record, dict):
             break
-        from vlmctl.data.formats.preference import layout_of
-
         if layout_of(record) is not None:
             return "preference"
         if "conversations" in record and not any(k in record for k in ("images", "videos", "audios")):

@@ -26,15 +26,16 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from vlmctl.config.data import DataAudio
 from vlmctl.data.modalities.base import ModalityUnit
+from vlmctl.errors import DataError
 from vlmctl.families.encoders import AUDIO_KEYS  # the data keys of the encoders that take audio
 from vlmctl.families.qwen2_audio import RESAMPLE_QUALITY  # soxr_hq (librosa's default); token rules count with it too
 
-# numpy and torch are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must not
-# pay for them.
+# torch is imported inside the function that uses it: reading and storing audio must not pay for it.
 # soundfile and soxr (optional dependencies) are imported only where used, so the rest works without them.
-# Light vlmctl modules are imported next to their use as well.
 
 STORED_FORMAT = "FLAC"
 STORED_SUBTYPE = "PCM_16"
@@ -177,8 +178,6 @@ def decode_samples(data: bytes, info: AudioInfo | None = None, max_frames: int |
     containers with exact lengths (`EXACT_LENGTH_FORMATS`), fewer samples decode than the header lists; and the
     reasons of `probe`.
     """
-    import numpy as np
-
     sf = _sf()
     info = probe(data) if info is None else info
     try:
@@ -226,8 +225,6 @@ def _decode_unknown_length(data: bytes, info: AudioInfo, max_frames: int | None)
     asked for more samples than a FLAC holds, and it asks for the header's count, so the length is found by
     decoding with trial lengths written into the header: doubling from 65,536 samples (up to `max_frames` + 1, the
     first length that is too long), then bisecting. A stream that ends after its metadata has no samples."""
-    import numpy as np
-
     sf = _sf()
     if info.format != "FLAC" or len(data) < 42 or data[:4] != b"fLaC":
         raise AudioError("corrupt_audio", f"the {info.format} header does not give the length, which libsndfile cannot decode")
@@ -262,8 +259,6 @@ def _decode_unknown_length(data: bytes, info: AudioInfo, max_frames: int | None)
 
 def to_mono(samples):
     """float32 [frames, channels] -> [frames]: the mean of the channels (transformers' and librosa's down-mix)."""
-    import numpy as np
-
     return np.ascontiguousarray(samples.mean(axis=1, dtype=np.float32) if samples.shape[1] > 1 else samples[:, 0])
 
 
@@ -272,7 +267,6 @@ def resample(wave, rate: int, target: int):
     unchanged when the rates are equal."""
     if rate == target:
         return wave
-    import numpy as np
 
     try:
         import soxr
@@ -285,8 +279,6 @@ def resample(wave, rate: int, target: int):
 def encode_flac(wave, rate: int) -> bytes:
     """Mono float32 samples [n] -> FLAC bytes with 16-bit samples at `rate` Hz (values clipped to [-1, 1] first, so
     resampling overshoot cannot wrap around). The same samples always give the same bytes."""
-    import numpy as np
-
     sf = _sf()
     out = io.BytesIO()
     sf.write(out, np.clip(wave, -1.0, 1.0), rate, format=STORED_FORMAT, subtype=STORED_SUBTYPE)
@@ -407,8 +399,6 @@ class AudioUnit(ModalityUnit):
         DataError when the family has no audio-token rule."""
         rule = getattr(family, "num_audio_tokens", None)
         if rule is None:
-            from vlmctl.errors import DataError
-
             raise DataError(f"family {getattr(family, 'name', family)} has no audio-token rule",
                             hint="train audio with a family that takes audio (qwen2_audio)")
         samples, rate = audio_shape(data)
@@ -416,8 +406,6 @@ class AudioUnit(ModalityUnit):
 
     def dummy_input(self, processor: Any):
         """`DUMMY_SECONDS` of silence, float32 [n] at the feature extractor's rate (16 kHz without one)."""
-        import numpy as np
-
         rate = feature_rate(processor, 16_000)
         return np.zeros(int(rate * DUMMY_SECONDS), np.float32)
 
