@@ -341,7 +341,7 @@ def build_rewards(specs: Sequence[Any], max_new_tokens: int) -> list[tuple[Rewar
 
 # ----------------------------------------------------------------------------------------------------- objective
 
-ROLLOUT_KEYS = ("advantages", "num_rollouts")
+ROLLOUT_KEYS = ("advantages", "num_rollouts", "old_logps")
 """Keys a rollout row adds to `PackedCollator`'s packed row (not model inputs)."""
 
 HTML_STEPS = 32
@@ -485,12 +485,13 @@ class GRPOObjective:
     run_dir: Path | None = None  # rank 0's run folder: rollouts.html
     reference: Any = None
     name: str = "grpo"
-    batch_keys: tuple[str, ...] = ("input_ids", "labels", "seq_lens", *ROLLOUT_KEYS)
+    batch_keys: tuple[str, ...] = ("input_ids", "labels", "seq_lens", "advantages", "num_rollouts")
     models: dict[str, Any] = field(default_factory=dict)
     _stats: dict[str, float] = field(default_factory=dict, init=False)
     _train_start: float = field(default=0.0, init=False)
     _samples: list = field(default_factory=list, init=False)
     _warned: bool = field(default=False, init=False)
+    _buffer: list | None = field(default=None, init=False)  # the rows of the latest generation (num_iterations > 1)
 
     def __post_init__(self):
         if self.reference is not None:
@@ -518,7 +519,9 @@ class GRPOObjective:
             return MicroLoss(loss=logps.sum() * 0.0, tokens=0, metrics={k: 0.0 for k in names})
         logps, mask = logps[:n], mask[:n]
         advantages = batch["advantages"] if "advantages" in batch else torch.zeros(n)
-        out = policy_loss(logps, None, advantages.to(logps.device), mask, epsilon_low=s.epsilon_low,
+        old = batch.get("old_logps")
+        old = None if old is None else old[:n].to(device=logps.device, dtype=logps.dtype)
+        out = policy_loss(logps, old, advantages.to(logps.device), mask, epsilon_low=s.epsilon_low,
                           epsilon_high=s.epsilon_high, level=s.importance_sampling_level, aggregation=s.aggregation,
                           beta=s.beta, ref_logps=None if ref is None else ref[:n].to(logps.dtype),
                           num_tokens=1.0 if s.aggregation == "token" else None)
@@ -542,6 +545,14 @@ class GRPOObjective:
 
     # ---- rollouts
 
+    def reuses_window(self, step: int) -> bool:
+        """Whether `step` (0-based) trains again on the latest generation's rows instead of new prompts: with
+        num_iterations = mu, generation happens on steps 0, mu, 2 mu, ... and the mu - 1 steps after each reuse its
+        rows (TRL's `_buffered_inputs`). False when nothing is buffered (a run resumed inside a generation's
+        iterations generates anew at that step)."""
+        mu = self.settings.num_iterations
+        return mu > 1 and step % mu != 0 and self._buffer is not None
+
     def prepare_window(self, engine, window: list[dict[str, Any]], step: int = 0) -> list[dict[str, Any]]:
         """The window's micro-batches of prompts -> packed rows of scored rollouts (see the class docstring).
         Collective under several ranks (generation with synced_gpus, one all-reduce of the statistics).
@@ -550,6 +561,10 @@ class GRPOObjective:
 
         start = time.perf_counter()
         s = self.settings
+        if window is None:  # a reuse step: the buffered rows, with their old log-probs; no rollout time
+            self._stats = {**self._stats, "time/rollout_s": 0.0, "rollouts_per_s": 0.0, "rollouts": 0.0, "generated": 0.0}
+            self._train_start = time.perf_counter()
+            return self._buffer
         G = s.group_size
         sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         device = next(engine.module.parameters()).device
@@ -588,16 +603,28 @@ class GRPOObjective:
                 row = self.hook(row)
             row["advantages"] = advantages[keep].to(torch.float32)
             row["num_rollouts"] = len(index)
+            if s.num_iterations > 1:
+                row["old_logps"] = self._old_logps(engine, row)
             rows.append(row)
             stats.add(total, per_reward[j], zero_std, rollouts, G)
             if j == 0 and self.run_dir is not None:
                 self._sample(step, batch["prompts"][0], references[j], rollouts, total, advantages, G)
         seconds = time.perf_counter() - start
-        self._stats = stats.reduce(seconds, self.reward_names, self.dp_group, device)
+        self._stats = {**stats.reduce(seconds, self.reward_names, self.dp_group, device), "generated": 1.0}
+        self._buffer = rows if s.num_iterations > 1 else None
         if self.run_dir is not None and self._samples:
             write_rollouts_html(self.run_dir / "rollouts.html", self._samples)
         self._train_start = time.perf_counter()
         return rows
+
+    def _old_logps(self, engine, row: dict[str, Any]) -> torch.Tensor:
+        """The completion tokens' log-probs [rollouts, T] under the policy at generation time (no gradient), in the
+        layout `loss` computes the current ones in (the same packed row through `engine.model`), so that the ratio
+        exp(logp - old_logp) lines up token by token (TRL's `old_per_token_logps`, computed when num_iterations > 1)."""
+        inputs = {k: v for k, v in engine.inputs(row).items() if k not in ROLLOUT_KEYS}
+        with torch.no_grad():
+            logps, _ = completion_logps(engine.model, inputs, row, self.settings.temperature)
+        return logps[:_rollouts(row)].detach().float().cpu()
 
     def _collator(self):
         from vlmctl.data.collate import PackedCollator
@@ -784,9 +811,6 @@ def check_grpo_settings(train, family, *, packing: bool | None = None) -> None:
                           hint="set train.packing: true, with a family that packs (e.g. qwen2_5_vl, llava)")
     if train.sequence_parallel > 1:
         raise ConfigError("train.objective grpo reads each rollout's log-probs from one rank's row: set train.sequence_parallel: 1")
-    if s.num_iterations != 1:
-        raise ConfigError(f"train.grpo.num_iterations={s.num_iterations}: only one update per generation batch is supported",
-                          hint="set train.grpo.num_iterations: 1")
     if train.eval_steps:
         raise ConfigError("train.eval_steps: a grpo run has no validation loss",
                           hint="remove train.eval_steps and evaluate the exported model with `vlmctl eval`")
