@@ -461,7 +461,11 @@ class GRPOObjective:
     in step) with `advantages` [rollouts] and `num_rollouts`.
 
     `loss` computes the completion tokens' log-probs through `engine.model` and `policy_loss`; with one update per
-    generation (GRPO's mu = 1) the old log-probs are the detached current ones (ratio 1). The loop's normalisation
+    generation (GRPO's mu = 1) the old log-probs are the detached current ones (ratio 1); with `num_iterations` mu > 1 the
+    generation step stores each row's `old_logps` [rollouts, T] (`_old_logps`, the generating policy, no gradient)
+    and keeps the rows, which the mu - 1 following steps train on again (`reuses_window`: the loop then draws no
+    prompts; `generated` 0, `rollouts` 0 and `time/rollout_s` 0 on those steps). The buffer is not checkpointed: a
+    run resumed inside a generation's iterations generates anew on its first step. The loop's normalisation
     gives the aggregation: `label_tokens` counts rollouts (aggregation "sequence": each micro-batch's loss is the sum
     of its rollouts' token means, the step's the mean over every rollout) or completion tokens ("token": the sum of
     per-token losses over the tokens of the whole step, DAPO). With `beta` > 0 the reference (`models["reference"]`,
@@ -469,8 +473,8 @@ class GRPOObjective:
 
     Metrics per step: reward (mean), reward_std (mean of the groups' stds), rewards/<name>/mean, frac_reward_zero_std,
     completions/mean_length, completions/clipped_ratio (cut at max_new_tokens), clip_ratio/{low,high,region}_mean,
-    kl (beta > 0), rollouts_per_s, time/rollout_s (generation, rewards and packing; mean over data-parallel ranks)
-    and time/train_s (the rest of the step on this rank: forward, backward, optimizer step)."""
+    kl (beta > 0), generated (1 on a generation step, 0 on a reuse step), rollouts_per_s, time/rollout_s
+    (generation, rewards and packing; mean over data-parallel ranks) and time/train_s (the rest of the step on this rank: forward, backward, optimizer step)."""
 
     settings: Any  # config.objective.GRPOSection
     rewards: list  # (function, weight) pairs (`build_rewards`)
@@ -801,7 +805,7 @@ def write_rollouts_html(path: Path, samples: list[dict[str, Any]]) -> None:
 
 def check_grpo_settings(train, family, *, packing: bool | None = None) -> None:
     """Raise ConfigError for `train` settings a grpo run does not support: unpacked rows (`packing`, default
-    `train.packing`, off; or a `family` that cannot pack), sequence parallelism, num_iterations > 1, validation
+    `train.packing`, off; or a `family` that cannot pack), sequence parallelism, validation
     (`train.eval_steps`). `build_grpo_objective` and `vlmctl bench` (before any process starts) call it."""
     s = train.grpo
     packing = train.packing if packing is None else packing
