@@ -555,6 +555,12 @@ class GRPOObjective:
         rows (TRL's `_buffered_inputs`). False when nothing is buffered (a run resumed inside a generation's
         iterations generates anew at that step)."""
         mu = self.settings.num_iterations
+        if mu > 1 and step % mu != 0 and self._buffer is None:
+            import warnings
+
+            warnings.warn(f"train.grpo.num_iterations={mu}: resumed at step {step + 1}, inside a generation's iterations; "
+                          "its rollouts are not in the checkpoint, so this step generates new ones (save_steps a "
+                          f"multiple of {mu} resumes exactly)", stacklevel=2)
         return mu > 1 and step % mu != 0 and self._buffer is not None
 
     def prepare_window(self, engine, window: list[dict[str, Any]], step: int = 0) -> list[dict[str, Any]]:
