@@ -219,3 +219,23 @@ def test_zero3_two_ranks_generate_through_deepspeeds_hooks_and_train(project):
     check_rows(rows, rollouts=2 * 2 * 4)
     assert sum(r["dummy_images"] for r in rows) > 0  # text-only prompts: a blank image kept the vision tower in step
     assert (run / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.timeout(RUN_TIMEOUT)
+def test_num_iterations_two_generates_every_other_step_and_the_clip_acts_on_reuse(project):
+    # mu = 2: generation (and new prompts) on steps 1 and 3; steps 2 and 4 update again on the buffered rollouts,
+    # against their generation-time log-probs, so the ratio leaves 1 and the clip acts after a large update
+    _run_cli(project, "--launcher", "none", "train.run_name=mu2", "train.grpo.num_iterations=2", "train.learning_rate=0.05",
+             "train.grpo.epsilon_low=0.01", "train.save_steps=100")
+    run = project / "runs" / "mu2"
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["generated"] for r in rows] == [1, 0, 1, 0]
+    assert [r["rollouts"] for r in rows] == [8, 0, 8, 0]
+    assert [r["time/rollout_s"] > 0 for r in rows] == [True, False, True, False]
+    assert rows[1]["epoch"] == rows[0]["epoch"] < rows[2]["epoch"] == rows[3]["epoch"]  # no prompts drawn on reuse
+    assert rows[1]["reward"] == rows[0]["reward"] and rows[1]["label_tokens"] == rows[0]["label_tokens"]  # the same rollouts
+    assert rows[0]["clip_ratio/region_mean"] == 0.0 and rows[2]["clip_ratio/region_mean"] == 0.0  # old = current at generation
+    assert max(rows[1]["clip_ratio/region_mean"], rows[3]["clip_ratio/region_mean"]) > 0
+    html = (run / "rollouts.html").read_text()
+    assert "step 3" in html and "step 1" in html and "step 2" not in html and "step 4" not in html

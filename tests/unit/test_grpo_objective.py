@@ -217,7 +217,7 @@ def test_settings_grpo_cannot_train_are_refused_naming_the_key(tmp_path):
                                           "train: {objective: grpo}\n")
     tm = SimpleNamespace(family=SimpleNamespace(name="llava"), prepare=None, processor=None)
     ctx = SimpleNamespace(dims=SimpleNamespace(dp_rank=0, dp_group=None), env=SimpleNamespace(is_main=True))
-    cases = {"train.packing=false": r"rows are not packed \(train.packing is off\)", "train.grpo.num_iterations=2": "num_iterations",
+    cases = {"train.packing=false": r"rows are not packed \(train.packing is off\)",
              "train.eval_steps=5": "train.eval_steps", "train.grpo.rewards=[{name: 'nowhere_mod:fn'}]": r"rewards\[0\].name"}
     for override, message in cases.items():
         cfg = load_config(tmp_path / "vlmctl.yaml", overrides=[override])
@@ -238,3 +238,32 @@ def test_a_failing_reward_stops_the_run_naming_it(built, tmp_path, monkeypatch):
         objective = objective_for(processor, family, rewards=[RewardSpec(name=name)], max_new_tokens=2)
         with pytest.raises(VlmctlError, match=message):
             objective.prepare_window(_engine(model), [PromptCollator()(samples())], step=0)
+
+
+@pytest.mark.parametrize("aggregation,loss_type", [("sequence", "grpo"), ("token", "dapo")])
+def test_reused_rollouts_use_the_generation_time_log_probs_as_trl_does(built, aggregation, loss_type):
+    """num_iterations > 1: the old log-probs are the generating policy's, computed in the packed layout; after an
+    update the ratio differs from 1, and the loss and clip ratios equal TRL's `_compute_loss` with
+    `old_per_token_logps`."""
+    from vlmctl.data.collate import model_inputs
+
+    pytest.importorskip("trl")
+    from test_grpo import trl_loss
+
+    old_policy, processor, family = load(built, seed=2)  # the policy when the rollouts were generated
+    policy = load(built, seed=1)[0]  # the policy after an update
+    objective = objective_for(processor, family, aggregation=aggregation, epsilon_low=0.02, epsilon_high=0.03, num_iterations=2)
+    row, rows = fixed_row(processor, family)
+    row["old_logps"] = objective._old_logps(SimpleNamespace(model=old_policy, module=old_policy, inputs=model_inputs), row)
+    old, mask = alone_logps(old_policy, rows)
+    torch.testing.assert_close(row["old_logps"][:, :old.shape[1]] * mask, old.detach() * mask, **TOL)
+    micro = objective.loss(SimpleNamespace(model=policy, module=policy, inputs=model_inputs), row)
+    got = micro.loss / objective.label_tokens(row)
+    logps, _ = alone_logps(policy, rows)
+    kw = {"eps_low": 0.02, "eps_high": 0.03}
+    expected, metrics = trl_loss(logps, old.detach(), row["advantages"], mask, loss_type=loss_type, **kw)
+    torch.testing.assert_close(got.detach(), expected.detach(), **TOL)
+    tokens = micro.metrics["completion_tokens"]
+    for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+        assert micro.metrics[key] / tokens == pytest.approx(float(metrics[key]), abs=1e-6), key
+    assert micro.metrics["clip_ratio/region_mean"] > 0  # the clip acts once old != current

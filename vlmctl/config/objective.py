@@ -74,7 +74,7 @@ class GRPOSection(Section):
     aggregation: Literal["sequence", "token"] = Field("sequence", description="sequence: mean over each rollout's tokens, then over rollouts (GRPO Eq. 3); token: sum over all tokens of the batch / their number (DAPO's token-level policy gradient loss, Eq. 12).")
     drop_zero_variance_groups: bool = Field(False, description="Leave out groups whose rollouts all got the same reward (zero advantage, no gradient): DAPO's dynamic sampling, arXiv 2503.14476 Sec. 3.2.")
     beta: float = Field(0.0, ge=0, description="Weight of the KL term to the reference model, k3 estimator exp(ref - logp) - (ref - logp) - 1 per token (GRPO Eq. 4; TRL). 0 = no reference model.")
-    num_iterations: int = Field(1, ge=1, description="Updates per generation batch (GRPO's mu); with 1 the old policy is the current one and the ratio is 1.")
+    num_iterations: int = Field(1, ge=1, description="Optimizer steps per generation batch (GRPO's mu, arXiv 2402.03300; TRL's num_iterations): the mu - 1 steps after a generation draw no prompts and retrain on its rollouts against their generation-time log-probs (the clip acts); with 1 the old policy is the current one and the ratio is 1.")
 
     @model_validator(mode="after")
     def _dapo_defaults(self) -> "GRPOSection":

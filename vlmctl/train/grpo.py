@@ -341,7 +341,7 @@ def build_rewards(specs: Sequence[Any], max_new_tokens: int) -> list[tuple[Rewar
 
 # ----------------------------------------------------------------------------------------------------- objective
 
-ROLLOUT_KEYS = ("advantages", "num_rollouts")
+ROLLOUT_KEYS = ("advantages", "num_rollouts", "old_logps")
 """Keys a rollout row adds to `PackedCollator`'s packed row (not model inputs)."""
 
 HTML_STEPS = 32
@@ -461,7 +461,11 @@ class GRPOObjective:
     in step) with `advantages` [rollouts] and `num_rollouts`.
 
     `loss` computes the completion tokens' log-probs through `engine.model` and `policy_loss`; with one update per
-    generation (GRPO's mu = 1) the old log-probs are the detached current ones (ratio 1). The loop's normalisation
+    generation (GRPO's mu = 1) the old log-probs are the detached current ones (ratio 1); with `num_iterations` mu > 1 the
+    generation step stores each row's `old_logps` [rollouts, T] (`_old_logps`, the generating policy, no gradient)
+    and keeps the rows, which the mu - 1 following steps train on again (`reuses_window`: the loop then draws no
+    prompts; `generated` 0, `rollouts` 0 and `time/rollout_s` 0 on those steps). The buffer is not checkpointed: a
+    run resumed inside a generation's iterations generates anew on its first step. The loop's normalisation
     gives the aggregation: `label_tokens` counts rollouts (aggregation "sequence": each micro-batch's loss is the sum
     of its rollouts' token means, the step's the mean over every rollout) or completion tokens ("token": the sum of
     per-token losses over the tokens of the whole step, DAPO). With `beta` > 0 the reference (`models["reference"]`,
@@ -469,8 +473,8 @@ class GRPOObjective:
 
     Metrics per step: reward (mean), reward_std (mean of the groups' stds), rewards/<name>/mean, frac_reward_zero_std,
     completions/mean_length, completions/clipped_ratio (cut at max_new_tokens), clip_ratio/{low,high,region}_mean,
-    kl (beta > 0), rollouts_per_s, time/rollout_s (generation, rewards and packing; mean over data-parallel ranks)
-    and time/train_s (the rest of the step on this rank: forward, backward, optimizer step)."""
+    kl (beta > 0), generated (1 on a generation step, 0 on a reuse step), rollouts_per_s, time/rollout_s
+    (generation, rewards and packing; mean over data-parallel ranks) and time/train_s (the rest of the step on this rank: forward, backward, optimizer step)."""
 
     settings: Any  # config.objective.GRPOSection
     rewards: list  # (function, weight) pairs (`build_rewards`)
@@ -485,12 +489,13 @@ class GRPOObjective:
     run_dir: Path | None = None  # rank 0's run folder: rollouts.html
     reference: Any = None
     name: str = "grpo"
-    batch_keys: tuple[str, ...] = ("input_ids", "labels", "seq_lens", *ROLLOUT_KEYS)
+    batch_keys: tuple[str, ...] = ("input_ids", "labels", "seq_lens", "advantages", "num_rollouts")
     models: dict[str, Any] = field(default_factory=dict)
     _stats: dict[str, float] = field(default_factory=dict, init=False)
     _train_start: float = field(default=0.0, init=False)
     _samples: list = field(default_factory=list, init=False)
     _warned: bool = field(default=False, init=False)
+    _buffer: list | None = field(default=None, init=False)  # the rows of the latest generation (num_iterations > 1)
 
     def __post_init__(self):
         if self.reference is not None:
@@ -518,7 +523,9 @@ class GRPOObjective:
             return MicroLoss(loss=logps.sum() * 0.0, tokens=0, metrics={k: 0.0 for k in names})
         logps, mask = logps[:n], mask[:n]
         advantages = batch["advantages"] if "advantages" in batch else torch.zeros(n)
-        out = policy_loss(logps, None, advantages.to(logps.device), mask, epsilon_low=s.epsilon_low,
+        old = batch.get("old_logps")
+        old = None if old is None else old[:n].to(device=logps.device, dtype=logps.dtype)
+        out = policy_loss(logps, old, advantages.to(logps.device), mask, epsilon_low=s.epsilon_low,
                           epsilon_high=s.epsilon_high, level=s.importance_sampling_level, aggregation=s.aggregation,
                           beta=s.beta, ref_logps=None if ref is None else ref[:n].to(logps.dtype),
                           num_tokens=1.0 if s.aggregation == "token" else None)
@@ -542,6 +549,20 @@ class GRPOObjective:
 
     # ---- rollouts
 
+    def reuses_window(self, step: int) -> bool:
+        """Whether `step` (0-based) trains again on the latest generation's rows instead of new prompts: with
+        num_iterations = mu, generation happens on steps 0, mu, 2 mu, ... and the mu - 1 steps after each reuse its
+        rows (TRL's `_buffered_inputs`). False when nothing is buffered (a run resumed inside a generation's
+        iterations generates anew at that step)."""
+        mu = self.settings.num_iterations
+        if mu > 1 and step % mu != 0 and self._buffer is None:
+            import warnings
+
+            warnings.warn(f"train.grpo.num_iterations={mu}: resumed at step {step + 1}, inside a generation's iterations; "
+                          "its rollouts are not in the checkpoint, so this step generates new ones (save_steps a "
+                          f"multiple of {mu} resumes exactly)", stacklevel=2)
+        return mu > 1 and step % mu != 0 and self._buffer is not None
+
     def prepare_window(self, engine, window: list[dict[str, Any]], step: int = 0) -> list[dict[str, Any]]:
         """The window's micro-batches of prompts -> packed rows of scored rollouts (see the class docstring).
         Collective under several ranks (generation with synced_gpus, one all-reduce of the statistics).
@@ -550,6 +571,10 @@ class GRPOObjective:
 
         start = time.perf_counter()
         s = self.settings
+        if window is None:  # a reuse step: the buffered rows, with their old log-probs; no rollout time
+            self._stats = {**self._stats, "time/rollout_s": 0.0, "rollouts_per_s": 0.0, "rollouts": 0.0, "generated": 0.0}
+            self._train_start = time.perf_counter()
+            return self._buffer
         G = s.group_size
         sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         device = next(engine.module.parameters()).device
@@ -588,16 +613,28 @@ class GRPOObjective:
                 row = self.hook(row)
             row["advantages"] = advantages[keep].to(torch.float32)
             row["num_rollouts"] = len(index)
+            if s.num_iterations > 1:
+                row["old_logps"] = self._old_logps(engine, row)
             rows.append(row)
             stats.add(total, per_reward[j], zero_std, rollouts, G)
             if j == 0 and self.run_dir is not None:
                 self._sample(step, batch["prompts"][0], references[j], rollouts, total, advantages, G)
         seconds = time.perf_counter() - start
-        self._stats = stats.reduce(seconds, self.reward_names, self.dp_group, device)
+        self._stats = {**stats.reduce(seconds, self.reward_names, self.dp_group, device), "generated": 1.0}
+        self._buffer = rows if s.num_iterations > 1 else None
         if self.run_dir is not None and self._samples:
             write_rollouts_html(self.run_dir / "rollouts.html", self._samples)
         self._train_start = time.perf_counter()
         return rows
+
+    def _old_logps(self, engine, row: dict[str, Any]) -> torch.Tensor:
+        """The completion tokens' log-probs [rollouts, T] under the policy at generation time (no gradient), in the
+        layout `loss` computes the current ones in (the same packed row through `engine.model`), so that the ratio
+        exp(logp - old_logp) lines up token by token (TRL's `old_per_token_logps`, computed when num_iterations > 1)."""
+        inputs = {k: v for k, v in engine.inputs(row).items() if k not in ROLLOUT_KEYS}
+        with torch.no_grad():
+            logps, _ = completion_logps(engine.model, inputs, row, self.settings.temperature)
+        return logps[:_rollouts(row)].detach().float().cpu()
 
     def _collator(self):
         from vlmctl.data.collate import PackedCollator
@@ -774,7 +811,7 @@ def write_rollouts_html(path: Path, samples: list[dict[str, Any]]) -> None:
 
 def check_grpo_settings(train, family, *, packing: bool | None = None) -> None:
     """Raise ConfigError for `train` settings a grpo run does not support: unpacked rows (`packing`, default
-    `train.packing`, off; or a `family` that cannot pack), sequence parallelism, num_iterations > 1, validation
+    `train.packing`, off; or a `family` that cannot pack), sequence parallelism, validation
     (`train.eval_steps`). `build_grpo_objective` and `vlmctl bench` (before any process starts) call it."""
     s = train.grpo
     packing = train.packing if packing is None else packing
@@ -784,9 +821,6 @@ def check_grpo_settings(train, family, *, packing: bool | None = None) -> None:
                           hint="set train.packing: true, with a family that packs (e.g. qwen2_5_vl, llava)")
     if train.sequence_parallel > 1:
         raise ConfigError("train.objective grpo reads each rollout's log-probs from one rank's row: set train.sequence_parallel: 1")
-    if s.num_iterations != 1:
-        raise ConfigError(f"train.grpo.num_iterations={s.num_iterations}: only one update per generation batch is supported",
-                          hint="set train.grpo.num_iterations: 1")
     if train.eval_steps:
         raise ConfigError("train.eval_steps: a grpo run has no validation loss",
                           hint="remove train.eval_steps and evaluate the exported model with `vlmctl eval`")

@@ -300,11 +300,15 @@ class Trainer:
         import torch.distributed as dist
 
         timer = StepTimer(self.env.device)
-        window = [timer.next_batch(self.batches) for _ in range(self.grad_accum)]
-        self.state.consumed += len(window)
         prepare = getattr(self.objective, "prepare_window", None)
-        if prepare is not None:  # e.g. GRPO: rollouts generated and scored, packed into rows (timed by the objective)
-            window = prepare(self.engine, window, step=self.state.step)
+        reuses = getattr(self.objective, "reuses_window", None)
+        if reuses is not None and reuses(self.state.step):  # GRPO's num_iterations: no new prompts drawn
+            window = prepare(self.engine, None, step=self.state.step)
+        else:
+            window = [timer.next_batch(self.batches) for _ in range(self.grad_accum)]
+            self.state.consumed += len(window)
+            if prepare is not None:  # e.g. GRPO: rollouts generated and scored, packed into rows (timed by the objective)
+                window = prepare(self.engine, window, step=self.state.step)
         flops = float(sum(self.flops_of(b) for b in window)) if self.flops_of is not None else 0.0
         # The loss is a mean over the assistant tokens of the whole global batch: count them first. (This first
         # collective is also where the ranks wait for one whose data came late, before any compute is timed.)
