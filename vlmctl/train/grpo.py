@@ -567,26 +567,13 @@ class GRPOObjective:
         """The window's micro-batches of prompts -> packed rows of scored rollouts (see the class docstring).
         Collective under several ranks (generation with synced_gpus, one all-reduce of the statistics).
         Raises VlmctlError naming a reward function that fails or returns a wrong number of values."""
-        import torch.distributed as dist
-
         start = time.perf_counter()
         s = self.settings
         if window is None:  # a reuse step: the buffered rows, with their old log-probs; no rollout time
-            self._stats = {**self._stats, "time/rollout_s": 0.0, "rollouts_per_s": 0.0, "rollouts": 0.0, "generated": 0.0}
-            self._train_start = time.perf_counter()
-            return self._buffer
+            return self._reuse()
         G = s.group_size
-        sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         device = next(engine.module.parameters()).device
-        generated = []
-        for j, batch in enumerate(window):
-            prompts = batch["prompts"]
-            requests = [_request(p) for p in prompts]
-            extra = self._blank_requests(requests) if sharded else []
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                torch.manual_seed(_seed(self.seed, step, self.dp_rank, j))
-                rollouts = engine.forward(_Generate(self, requests, extra), None)
-            generated.append(rollouts)
+        generated = self._generate(engine, window, step, device)
         # rewards of every rollout of the window
         per_reward, totals, references = [], [], []
         for batch, rollouts in zip(window, generated):
@@ -626,6 +613,27 @@ class GRPOObjective:
             write_rollouts_html(self.run_dir / "rollouts.html", self._samples)
         self._train_start = time.perf_counter()
         return rows
+
+    def _reuse(self) -> list[dict[str, Any]]:
+        """A reuse step of `num_iterations`: the buffered rows of the last generation, its statistics with no rollouts."""
+        self._stats = {**self._stats, "time/rollout_s": 0.0, "rollouts_per_s": 0.0, "rollouts": 0.0, "generated": 0.0}
+        self._train_start = time.perf_counter()
+        return self._buffer
+
+    def _generate(self, engine, window: list[dict[str, Any]], step: int, device) -> list[Any]:
+        """The rollouts of each micro-batch of prompts, seeded by (seed, step, rank, micro-batch). Collective under
+        several ranks (synced_gpus; a rank with text-only prompts adds blank-image requests)."""
+        import torch.distributed as dist
+
+        sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        generated = []
+        for j, batch in enumerate(window):
+            requests = [_request(p) for p in batch["prompts"]]
+            extra = self._blank_requests(requests) if sharded else []
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                torch.manual_seed(_seed(self.seed, step, self.dp_rank, j))
+                generated.append(engine.forward(_Generate(self, requests, extra), None))
+        return generated
 
     def _old_logps(self, engine, row: dict[str, Any]) -> torch.Tensor:
         """The completion tokens' log-probs [rollouts, T] under the policy at generation time (no gradient), in the
