@@ -14,12 +14,12 @@ from typing import Callable
 import pytest
 
 
-def start_train(config: Path, *args: str) -> subprocess.Popen:
+def start_train(config: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start `vlmctl -c CONFIG train --master-port <free> ARGS` in CONFIG's folder (one thread per rank, unbuffered
-    output, stdout and stderr together)."""
+    output, stdout and stderr together; `env`: more environment variables)."""
     from vlmctl.distributed.env import free_port
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     cmd = [sys.executable, "-m", "vlmctl", "-c", str(config), "train", "--master-port", str(free_port()), *args]
     return subprocess.Popen(cmd, cwd=Path(config).parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)

@@ -5,14 +5,11 @@ that rank in metrics.jsonl, not in the other rank's compute time."""
 from __future__ import annotations
 
 import itertools
-import os
-import signal
-import subprocess
-import sys
 
 import pytest
 
 from cli_runner import run_cli as run_cli_inprocess
+from train_runner import finish_train, start_train
 from test_train_runs import RUN_TIMEOUT, metrics, project  # noqa: F401 - `project` is the shared fixture
 
 DELAY = 2.0  # seconds each micro-batch of the slowed rank waits; a tiny-model step computes in well under half
@@ -58,20 +55,8 @@ def test_balancing_changes_the_split_but_not_the_loss_of_a_step(project, capsys,
 @pytest.mark.slow
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
 def test_a_rank_with_a_slow_data_loader_shows_as_data_wait_on_that_rank(project):  # noqa: F811
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "VLMCTL_TEST_DATA_DELAY": f"1:{DELAY}"}
-    from vlmctl.distributed.env import free_port
-
-    cmd = [sys.executable, "-m", "vlmctl", "-c", str(project / "vlmctl.yaml"), "train", "--master-port", str(free_port()),
-           "train.run_name=slow-rank", "train.max_steps=3", "train.save_steps=100", "train.strategy=ddp"]
-    proc = subprocess.Popen(cmd, cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"training did not finish in time:\n{out[-4000:]}")
-    assert proc.returncode == 0, out[-6000:]
+    finish_train(start_train(project / "vlmctl.yaml", "train.run_name=slow-rank", "train.max_steps=3", "train.save_steps=100",
+                             "train.strategy=ddp", env={"VLMCTL_TEST_DATA_DELAY": f"1:{DELAY}"}), timeout=RUN_TIMEOUT)
     rows = metrics(project / "runs" / "slow-rank")
     assert [r["step"] for r in rows] == [1, 2, 3]
     for row in rows:

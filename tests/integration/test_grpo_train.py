@@ -11,12 +11,11 @@ import json
 import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from train_runner import run_train, start_train
+from train_runner import run_train, start_train, wait_until
 
 from shapes_shards import write_shapes_shards
 
@@ -164,21 +163,23 @@ def test_qwen2_5_vl_fsdp_two_ranks_train_on_rollouts_with_mrope_positions(projec
 
 @pytest.mark.slow
 @pytest.mark.timeout(2 * RUN_TIMEOUT)
-def test_sigterm_then_resume_reproduces_the_uninterrupted_run(project, one_run):
-    run = project / "runs" / "term"
-    proc = _cli(project, "--launcher", "none", "train.run_name=term")
-    deadline = time.monotonic() + RUN_TIMEOUT
-    while not (run / "metrics.jsonl").is_file() or not metrics(run):
-        assert proc.poll() is None, proc.stdout.read()[-4000:]
-        assert time.monotonic() < deadline, "no step logged in time"
-        time.sleep(0.05)
+def _stopped_and_resumed(project: Path, name: str, *args: str) -> list[dict]:
+    """Start run `name` with `args`, SIGTERM it once it logged a step (it checkpoints and exits 128 + SIGTERM before
+    its last step), resume it to the end; returns its metrics rows."""
+    run = project / "runs" / name
+    proc = _cli(project, *args, f"train.run_name={name}")
+    wait_until(proc, lambda: (run / "metrics.jsonl").is_file() and bool(metrics(run)), RUN_TIMEOUT, "step logged")
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=RUN_TIMEOUT)
     assert proc.returncode == 128 + signal.SIGTERM, out[-4000:]
     stopped = json.loads(next((run / "checkpoints").glob("checkpoint-*/trainer_state.json")).read_text())["step"]
     assert stopped < 4 and not (run / "final").exists()
-    _run_cli(project, "--launcher", "none", "--resume", "train.run_name=term")
-    resumed, reference = metrics(run), metrics(one_run)
+    _run_cli(project, *args, "--resume", f"train.run_name={name}")
+    return metrics(run)
+
+
+def test_sigterm_then_resume_reproduces_the_uninterrupted_run(project, one_run):
+    resumed, reference = _stopped_and_resumed(project, "term", "--launcher", "none"), metrics(one_run)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for key in ("loss", "grad_norm", "reward", "completions/mean_length"):  # the same rollouts, the same updates
         assert [r[key] for r in resumed] == [r[key] for r in reference], key
@@ -188,20 +189,7 @@ def test_sigterm_then_resume_reproduces_the_uninterrupted_run(project, one_run):
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
 def test_two_ranks_sigterm_then_resume_reproduces_the_uninterrupted_run(project, fsdp_run):
     # each rank draws its rollouts from (seed, step, rank, micro-batch) and resumes its own sampler position
-    run = project / "runs" / "fsdp-term"
-    proc = _cli(project, *FSDP_ARGS, "train.run_name=fsdp-term")
-    deadline = time.monotonic() + RUN_TIMEOUT
-    while not (run / "metrics.jsonl").is_file() or not metrics(run):
-        assert proc.poll() is None, proc.stdout.read()[-4000:]
-        assert time.monotonic() < deadline, "no step logged in time"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=RUN_TIMEOUT)
-    assert proc.returncode == 128 + signal.SIGTERM, out[-4000:]
-    stopped = json.loads(next((run / "checkpoints").glob("checkpoint-*/trainer_state.json")).read_text())["step"]
-    assert stopped < 4 and not (run / "final").exists()
-    _run_cli(project, *FSDP_ARGS, "--resume", "train.run_name=fsdp-term")
-    resumed, reference = metrics(run), metrics(fsdp_run)
+    resumed, reference = _stopped_and_resumed(project, "fsdp-term", *FSDP_ARGS), metrics(fsdp_run)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for key in ("loss", "grad_norm", "reward", "kl", "completions/mean_length", "dummy_images"):  # the same rollouts and updates
         assert [r[key] for r in resumed] == [r[key] for r in reference], key
