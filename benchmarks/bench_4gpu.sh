@@ -124,7 +124,6 @@ for name in ("full", "hybrid", "real"):
     print(name, json.dumps(summary[name]))
 (out / "hybrid.json").write_text(json.dumps(summary, indent=1))
 PY
-    cp outputs/runs/*/metrics.jsonl "$out/" 2>/dev/null
     for n in full hybrid real; do cp outputs/runs/$n/metrics.jsonl "$out/metrics-$n.jsonl" 2>/dev/null; done
     cd "$here"
     ;;
