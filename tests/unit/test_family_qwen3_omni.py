@@ -462,3 +462,43 @@ def test_a_packed_row_with_videos_gives_each_sample_its_own_logits(tiny, clips):
 
     loss_sum(model, row).backward()
     assert model.model.visual.patch_embed.proj.weight.grad.abs().sum() > 0  # the frames reach the loss
+
+
+def test_video_samples_on_the_built_folder_give_vanilla_transformers_logits_and_counted_flops(tiny, clips, tmp_path):
+    """The built folder loaded by vlmctl (stand-in video processor read back) and by vanilla transformers gives the
+    same logits on video samples (the class computing the positions from `video_second_per_grid`); the cost model's
+    terms of a packed row with two clips and an image equal `FlopCounterMode`'s count (eager attention and experts,
+    the language model's attention causal-halved as in the audio / image test)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
+
+    from vlmctl.data.collate import Collator, PackedCollator, model_inputs
+    from vlmctl.models import build_model, load_model
+    from vlmctl.train.flops import CostModel
+
+    out = tmp_path / "model"
+    build_model(ModelSection(preset=SPEC.tiny_preset, init="random", output_dir=out, dtype="fp32"), tokenizer_texts=TEXTS)
+    model, processor, _ = load_model(out, dtype=torch.float32)
+    assert processor.video_processor.size == {"shortest_edge": 4096, "longest_edge": 16384}
+    vanilla = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(str(out), dtype=torch.float32).eval()
+    samples = [s for s in _video_samples(clips) if s.videos]
+    inputs = model_inputs(Collator(processor, SPEC, dummy_image=False)(samples))
+    assert inputs["video_second_per_grid"].tolist() == pytest.approx([1.0, 0.25, 1.0, 0.25, 1.0])
+    with torch.no_grad():
+        torch.testing.assert_close(vanilla(**inputs).logits, model.eval()(**inputs).logits, rtol=0, atol=0)
+
+    model.set_attn_implementation("eager")
+    model.set_experts_implementation("eager")
+    sample = _video_sample("s", [clips["slow"], clips["fast"]], images=[_png(64, 64)], answer="A red square moves right. " * 4)
+    row = SPEC.position_hook(model, processor.image_token_id)(PackedCollator(processor, SPEC, tokens_per_batch=4096, dummy_image=False)([sample]))
+    labels = row["labels"]
+    target = torch.nonzero(labels[0] != -100).squeeze(1)
+    with FlopCounterMode(display=False) as counter:
+        logits = model.train()(**model_inputs(row), logits_to_keep=target - 1, use_cache=False).logits[0]
+        F.cross_entropy(logits.float(), labels[0, target], reduction="sum").backward()
+    terms = CostModel.from_model(model, SPEC, {"vision", "projector", "llm"}).batch_terms(row)
+    expected = sum(terms.values()) + terms["llm_attention"]  # causal=False, as counted
+    measured = counter.get_total_flops()
+    assert abs(expected - measured) / measured < 0.01, (expected, measured, terms)
