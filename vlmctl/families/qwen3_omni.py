@@ -8,7 +8,7 @@ Module paths (transformers 5.24, checked by tests/unit/test_family_qwen3_omni.py
 | part                                       | path                                                         |
 |--------------------------------------------|--------------------------------------------------------------|
 | audio encoder (`audio`, the `vision` part) | model.audio_tower                                            |
-| image / video encoder (`image`, `vision`) | model.visual                                                 |
+| image encoder (`image`: images, videos)    | model.visual                                                 |
 | projector                                  | model.audio_tower.proj1, model.audio_tower.proj2,            |
 |                                            | model.visual.merger, model.visual.merger_list                |
 | language model                             | model.language_model                                         |
