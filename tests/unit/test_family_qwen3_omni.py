@@ -1,8 +1,9 @@
 """The qwen3_omni family (Qwen3-Omni's thinker) on its tiny preset: module paths and FSDP units on the real
 transformers class, the audio-token and image-token rules against the real `Qwen3OmniMoeProcessor`, counts from the
 saved files against the collated length, packed rows against the samples one by one (losses, gradients, TMRoPE
-positions), the cost model against `torch.utils.flop_counter`, and the built model loaded by vanilla transformers
-with the same logits."""
+positions), video samples (the processor's video tensors and seconds per temporal patch, token counts, packed rows
+giving each sample its own logits), the cost model against `torch.utils.flop_counter`, and the built model loaded by
+vanilla transformers with the same logits."""
 
 from __future__ import annotations
 
@@ -87,7 +88,8 @@ def test_module_paths_and_layer_classes_on_the_real_class():
     assert len(vision_layers(model, SPEC)) == 4
     counts = count_parameters(model, SPEC)
     assert min(counts["vision"], counts["projector"], counts["llm"]) > 0
-    assert set(SPEC.modalities) == {"image", "audio"} and SPEC.mrope and SPEC.supports_packing
+    assert set(SPEC.modalities) == {"image", "video", "audio"} and SPEC.mrope and SPEC.supports_packing
+    assert SPEC.encoders["image"].modalities == ("image", "video")
 
 
 def test_a_preset_whose_encoder_cannot_take_its_features_is_refused(tiny):
@@ -106,7 +108,7 @@ def test_tokens_ids_and_a_forward_backward_through_both_encoders(tiny):
     from PIL import Image
 
     _, processor, model = tiny
-    assert type(processor).__name__ == "Qwen3OmniMoeProcessor" and processor.video_processor is None
+    assert type(processor).__name__ == "Qwen3OmniMoeProcessor" and processor.video_processor.patch_size == 16
     tok = processor.tokenizer
     cfg = model.config
     assert cfg.image_token_id == processor.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>")
@@ -340,3 +342,163 @@ def test_sample_costs_charge_each_encoder_its_own_media_as_the_batch_does(tiny):
         assert abs(estimated[name] - measured) / measured < 0.02, (name, estimated[name], measured)
         if sample.audios:
             assert abs(blind - measured) / measured > 0.1, (name, blind, measured)
+
+
+# ------------------------------------------------------------------------------------------------ videos
+
+
+@pytest.fixture(scope="module")
+def clips() -> dict[str, bytes]:
+    """Stored clips of a square moving right: `slow` 8 frames at 2 fps (1 s per temporal patch: whole temporal
+    positions), `fast` 12 frames of 84 x 56 at 8 fps (0.25 s per patch: 3.25 positions apart)."""
+    pytest.importorskip("av")
+    from video_data import moving_square
+
+    from vlmctl.config.data import DataVideo
+    from vlmctl.data.modalities.video import normalize_video
+
+    def clip(frames: int, w: int, h: int, fps: int) -> bytes:
+        settings = DataVideo(fps=fps, max_frames=64, min_pixels=16, max_pixels=w * h)
+        return normalize_video(moving_square(frames=frames, width=w, height=h, fps=fps), settings).data
+
+    return {"slow": clip(8, 64, 48, 2), "fast": clip(12, 84, 56, 8)}
+
+
+def _video_sample(sid: str, videos: list[bytes], images: list[bytes] = (), audios: list[bytes] = (), answer: str = "A red square.") -> Sample:
+    user = ([{"type": "image", "index": i} for i in range(len(images))] + [{"type": "audio", "index": i} for i in range(len(audios))]
+            + [{"type": "video", "index": i} for i in range(len(videos))] + [{"type": "text", "text": "What moves?"}])
+    return Sample(sid, [{"role": "user", "content": user}, {"role": "assistant", "content": [{"type": "text", "text": answer}]}],
+                  images=list(images), audios=list(audios), videos=list(videos))
+
+
+def _video_samples(clips) -> list[Sample]:
+    tone = normalize_audio(wav(1.0)).data
+    return [
+        _video_sample("slow", [clips["slow"]]),
+        Sample("text", [{"role": "user", "content": [{"type": "text", "text": "Hello?"}]},
+                        {"role": "assistant", "content": [{"type": "text", "text": "Hi."}]}]),
+        _video_sample("image-and-fast", [clips["fast"]], images=[_png(64, 64)], answer="It moves right."),
+        _video_sample("audio-and-slow", [clips["slow"]], audios=[tone], answer="A tone and a square."),
+        _video_sample("two", [clips["fast"], clips["slow"]], answer="The same square."),
+    ]
+
+
+def test_video_samples_give_the_processor_tensors_token_counts_and_seconds_per_temporal_patch(tiny, clips, tmp_path):
+    import torch
+
+    from vlmctl.data.collate import Collator, encode_sample
+    from vlmctl.data.tokens import TokenCounter
+    from vlmctl.families.qwen3_omni import VIDEO_SIZE
+
+    _, processor, model = tiny
+    video = processor.video_processor
+    assert (video.patch_size, video.temporal_patch_size, video.merge_size) == (16, 2, 2)
+    assert video.size == {"shortest_edge": 4096, "longest_edge": 16384}  # the preset's video_min_pixels / video_max_pixels
+    sample = _video_sample("all", [clips["slow"], clips["fast"]], images=[_png(64, 64)], audios=[normalize_audio(wav(1.0)).data])
+    enc = encode_sample(sample, processor, SPEC)
+    media = enc.media_inputs["video"]
+    grids = media["video_grid_thw"].tolist()
+    assert [g[0] for g in grids] == [4, 6]  # frames / temporal patch of 2
+    assert tuple(media["pixel_values_videos"].shape) == (sum(t * h * w for t, h, w in grids), 3 * 2 * 16 * 16)
+    # seconds per temporal patch: 2 frames / the clip's sampled rate (2 fps, 8 fps)
+    assert media["video_second_per_grid"].tolist() == pytest.approx([1.0, 0.25])
+    assert set(enc.media_inputs) == {"image", "video", "audio"}
+    frames = [(8, 64, 48), (12, 84, 56)]
+    per_clip = [SPEC.num_video_tokens(f, w, h, processor) for f, w, h in frames]
+    video_id = processor.tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    assert int((enc.input_ids == video_id).sum()) == sum(per_clip) == sum(t * h * w // 4 for t, h, w in grids)
+    # counted from the saved files (prepare's counter) as the collator writes them
+    processor.save_pretrained(str(tmp_path))
+    (tmp_path / "vlmctl_model.json").write_text(json.dumps({"family": SPEC.name}))
+    counter = TokenCounter(processor, SPEC.name, tmp_path)
+    for s in _video_samples(clips):
+        sizes = [(64, 64)] * len(s.images)
+        assert counter.count(s, sizes) == Collator(processor, SPEC, max_length=100_000, dummy_image=False)([s])["input_ids"].shape[1], s.id
+    # from the model config: the published bounds (128 to 768 blocks of 32 x 32 px a frame), as a processor with them writes
+    published = SPEC.make_processor(processor.tokenizer, processor.image_processor, processor.chat_template)
+    assert published.video_processor.size == VIDEO_SIZE
+    frames = torch.zeros(6, 90, 130, 3, dtype=torch.uint8).numpy()
+    out = published(text=[f"a {SPEC.prompt('video')}"], videos=[frames], video_metadata=[{"fps": 3.0, "total_num_frames": 6}],
+                    do_sample_frames=False, return_tensors="pt")
+    assert int((out["input_ids"] == video_id).sum()) == SPEC.num_video_tokens(6, 130, 90, model.config) == SPEC.num_video_tokens(6, 130, 90, published)
+    assert out["video_second_per_grid"].tolist() == pytest.approx([2 / 3])
+    with pytest.raises(ValueError, match="use_audio_in_video"):
+        processor(text=[f"a {SPEC.prompt('video')}"], videos=[frames], use_audio_in_video=True, return_tensors="pt")
+
+
+def test_a_packed_row_with_videos_gives_each_sample_its_own_logits(tiny, clips):
+    """Video, text, image + video, audio + video and two-video samples in one packed row: each sample's logits equal
+    its own forward (padded, the class's own positions from `video_second_per_grid`); the 8 fps clip's temporal
+    positions are fractional and kept so; without the hook's positions the logits differ."""
+    import copy
+
+    import torch
+
+    from vlmctl.data.collate import Collator, PackedCollator, model_inputs
+
+    _, processor, base = tiny
+    model, samples = copy.deepcopy(base).eval(), _video_samples(clips)
+    single = Collator(processor, SPEC, dummy_image=False)
+    with torch.no_grad():
+        ref = [model(**model_inputs(single([s]))).logits[0] for s in samples]
+    row = PackedCollator(processor, SPEC, tokens_per_batch=8192, dummy_image=False)(samples)
+    assert row["input_ids"].shape[0] == 1 and len(row["seq_lens"]) == len(samples)
+    assert row["video_second_per_grid"].tolist() == pytest.approx([1.0, 0.25, 1.0, 0.25, 1.0])
+    row = SPEC.position_hook(model, processor.image_token_id)(row)
+    positions = row["position_ids"]
+    assert tuple(positions.shape) == (4, 1, row["input_ids"].shape[1]) and positions.dtype == torch.float32
+    assert not torch.equal(positions, positions.round())  # 3.25 positions per temporal patch of the fast clip
+    with torch.no_grad():
+        logits = model(**model_inputs(row), use_cache=False).logits[0]  # a cache turns off transformers' packed mask
+        start = 0
+        for sample, expect, n in zip(samples, ref, row["seq_lens"]):
+            assert n == expect.shape[0], sample.id
+            torch.testing.assert_close(logits[start:start + n], expect, rtol=1e-5, atol=1e-5, msg=f"logits of {sample.id}")
+            start += n
+        flat = model(**{**model_inputs(row), "position_ids": positions[:1].long()}, use_cache=False).logits[0]
+    assert not torch.allclose(flat, logits, atol=1e-3)  # the videos' 3-D positions matter
+    model.train()
+    from vlmctl.train.objectives import loss_sum
+
+    loss_sum(model, row).backward()
+    assert model.model.visual.patch_embed.proj.weight.grad.abs().sum() > 0  # the frames reach the loss
+
+
+def test_video_samples_on_the_built_folder_give_vanilla_transformers_logits_and_counted_flops(tiny, clips, tmp_path):
+    """The built folder loaded by vlmctl (stand-in video processor read back) and by vanilla transformers gives the
+    same logits on video samples (the class computing the positions from `video_second_per_grid`); the cost model's
+    terms of a packed row with two clips and an image equal `FlopCounterMode`'s count (eager attention and experts,
+    the language model's attention causal-halved as in the audio / image test)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
+
+    from vlmctl.data.collate import Collator, PackedCollator, model_inputs
+    from vlmctl.models import build_model, load_model
+    from vlmctl.train.flops import CostModel
+
+    out = tmp_path / "model"
+    build_model(ModelSection(preset=SPEC.tiny_preset, init="random", output_dir=out, dtype="fp32"), tokenizer_texts=TEXTS)
+    model, processor, _ = load_model(out, dtype=torch.float32)
+    assert processor.video_processor.size == {"shortest_edge": 4096, "longest_edge": 16384}
+    vanilla = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(str(out), dtype=torch.float32).eval()
+    samples = [s for s in _video_samples(clips) if s.videos]
+    inputs = model_inputs(Collator(processor, SPEC, dummy_image=False)(samples))
+    assert inputs["video_second_per_grid"].tolist() == pytest.approx([1.0, 0.25, 1.0, 0.25, 1.0])
+    with torch.no_grad():
+        torch.testing.assert_close(vanilla(**inputs).logits, model.eval()(**inputs).logits, rtol=0, atol=0)
+
+    model.set_attn_implementation("eager")
+    model.set_experts_implementation("eager")
+    sample = _video_sample("s", [clips["slow"], clips["fast"]], images=[_png(64, 64)], answer="A red square moves right. " * 4)
+    row = SPEC.position_hook(model, processor.image_token_id)(PackedCollator(processor, SPEC, tokens_per_batch=4096, dummy_image=False)([sample]))
+    labels = row["labels"]
+    target = torch.nonzero(labels[0] != -100).squeeze(1)
+    with FlopCounterMode(display=False) as counter:
+        logits = model.train()(**model_inputs(row), logits_to_keep=target - 1, use_cache=False).logits[0]
+        F.cross_entropy(logits.float(), labels[0, target], reduction="sum").backward()
+    terms = CostModel.from_model(model, SPEC, {"vision", "projector", "llm"}).batch_terms(row)
+    expected = sum(terms.values()) + terms["llm_attention"]  # causal=False, as counted
+    measured = counter.get_total_flops()
+    assert abs(expected - measured) / measured < 0.01, (expected, measured, terms)

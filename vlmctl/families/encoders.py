@@ -50,7 +50,9 @@ embedding as one GEMM (a Conv3d whose kernel equals its stride), the compiled vi
 
 IMAGE_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "image_num_patches",
               "aspect_ratio_ids", "aspect_ratio_mask", "token_type_ids")
-VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts", "video_second_per_grid")
+"""Video tensors: patches, grids and seconds per temporal patch (Qwen2.5-VL's `second_per_grid_ts`, the Qwen-Omni
+processors' `video_second_per_grid`), each [N, ...] per clip."""
 AUDIO_KEYS = ("input_features", "feature_attention_mask")
 
 WRAPPER_PREFIXES = ("", "base_model.model.", "_orig_mod.", "module.")

@@ -1,14 +1,14 @@
 """Qwen3-Omni's thinker: an audio encoder (AuT), a Qwen3-VL-style vision encoder with DeepStack mergers and a
 mixture-of-experts Qwen3 LLM with TMRoPE, in `Qwen3OmniMoeThinkerForConditionalGeneration` (Xu et al. 2025,
 https://arxiv.org/abs/2509.17765). The talker and code2wav (speech output) are not part of the family: it trains the
-thinker on audio, images and text.
+thinker on audio, images, videos and text.
 
 Module paths (transformers 5.24, checked by tests/unit/test_family_qwen3_omni.py):
 
 | part                                       | path                                                         |
 |--------------------------------------------|--------------------------------------------------------------|
 | audio encoder (`audio`, the `vision` part) | model.audio_tower                                            |
-| image encoder (`image`, the `vision` part) | model.visual                                                 |
+| image encoder (`image`: images, videos)    | model.visual                                                 |
 | projector                                  | model.audio_tower.proj1, model.audio_tower.proj2,            |
 |                                            | model.visual.merger, model.visual.merger_list                |
 | language model                             | model.language_model                                         |
@@ -39,13 +39,26 @@ so padding does not change a clip's features; a clip then has L = ceil(min(s, n_
 Images: Qwen2-VL's image processor with Qwen3's 16 px patches (`qwen_vl.qwen_tokens` rule), one `<|image_pad|>` per
 merge x merge block of patches, between `<|vision_start|>` and `<|vision_end|>`.
 
-Videos are not taken: the video processor needs torchvision, and the processor's `video_second_per_grid` is not a key
-vlmctl's video unit batches. The preset's processor has no video processor (`omni_image_audio`).
+Videos: frames sampled by vlmctl (`vlmctl.data.modalities.video`) go to the processor's `videos=` with their metadata.
+The published processor loads transformers' `Qwen2VLVideoProcessor` (which needs torchvision); where torchvision is
+missing the family uses its stand-in (`qwen_video.FramesVideoProcessor`, the same outputs) with 16 px patches,
+frames resized one by one into `VIDEO_SIZE` pixels (128 x 32^2 to 768 x 32^2, the processor's `videos_kwargs`; a
+preset sets `video_min_pixels` / `video_max_pixels`), consecutive frames paired into temporal patches. A clip of T
+frames becomes `pixel_values_videos` [ceil(T/2) * h * w, 3 * 2 * 16 * 16] and `video_grid_thw` (ceil(T/2), h, w), and
+t * h * w / 4 `<|video_pad|>` tokens between `<|vision_start|>` and `<|vision_end|>` (`num_video_tokens`). The
+processor (`omni_processor`) returns the seconds per temporal patch as `video_second_per_grid` [clips], a key the
+video unit batches (`vlmctl.families.encoders.VIDEO_KEYS`): 2 / the clip's sampled rate (`clip_seconds_per_grid`;
+transformers' processor takes 1 frame per second unless the call passes `fps`). The frame bounds are the video
+processor's own `size`, saved with it (transformers' processor would pass its class default at every call). A video's
+audio track is not interleaved with its frames (`use_audio_in_video` / `load_audio_from_video` raise ValueError):
+give the audio as a clip of its own.
 
 Positions (TMRoPE, `Qwen3OmniMoePreTrainedModelForConditionalGeneration.get_rope_index`): images get 3-D positions
-(t, h, w); an audio clip's tokens consecutive ones, as text; a sample without images 0..T-1 on all three axes. Packed
-rows: `position_hook` (`qwen3_omni_prepare`) gives a packed row the (4, 1, T) text + per-sample 3-D positions from the
-model's own `get_rope_index` (`qwen2_5_omni.packed_omni_positions`), the forward taking `logits_to_keep`
+(t, h, w); a video's temporal patch t the temporal position t x `video_second_per_grid` x `position_id_per_seconds`
+(13 per second: fractional for most rates, kept as float32 as the model computes them), its h and w as an image's;
+an audio clip's tokens consecutive ones, as text; a sample without images or videos 0..T-1 on all three axes.
+Packed rows: `position_hook` (`qwen3_omni_prepare`) gives a packed row the (4, 1, T) text + per-sample 3-D positions
+from the model's own `get_rope_index` (`packed_positions`), the forward taking `logits_to_keep`
 (`qwen2_5_omni.keep_logits_forward`) and the audio tower an attention implementation that splits its windows itself.
 The audio tower encodes each clip on its own (`cu_seqlens` per window), so clips of different samples never mix.
 
@@ -64,9 +77,9 @@ from typing import Any
 
 from vlmctl.errors import ModelError
 from vlmctl.families.encoders import audio_encoder, image_encoder, submodule, vision_cost
-from vlmctl.families.qwen2_5_omni import EXTRACTOR_KEYS, Qwen25OmniSpec, keep_logits_forward, omni_image_audio, packed_omni_positions
+from vlmctl.families.qwen2_5_omni import EXTRACTOR_KEYS, Qwen25OmniSpec, keep_logits_forward, omni_image_audio
 from vlmctl.families.qwen2_audio import audio_attention, extractor_settings, resampled_length
-from vlmctl.families.qwen_vl import qwen_rule, rope_index_fn
+from vlmctl.families.qwen_vl import _frames_variant, _saved_video_settings, qwen_rule, qwen_video_tokens, rope_index_fn
 from vlmctl.families.registry import register
 from vlmctl.families.spec import _find_prefix, is_packed, setting
 
@@ -83,6 +96,10 @@ TOKENS_PER_CHUNK = 13
 """Audio positions per chunk of 2 x N_WINDOW frames after the three stride-2 convolutions."""
 PUBLISHED_EXTRACTOR = {"sampling_rate": 16_000, "hop_length": 160, "n_samples": 30 * 16_000}
 """The published feature extractor (Whisper's, 128 mel bins), assumed when counting from a model config."""
+VIDEO_SIZE = {"shortest_edge": 128 * 32 * 32, "longest_edge": 768 * 32 * 32}
+"""Pixels per frame of the video processor (`Qwen3OmniMoeProcessor.videos_kwargs["size"]`, transformers 5.24)."""
+VIDEO_KEYS = ("video_min_pixels", "video_max_pixels")
+"""Preset `processor:` settings of the video processor (its `size` bounds, pixels per frame)."""
 
 
 def conv_out(n):
@@ -115,7 +132,8 @@ def clip_frames(samples: int, *, hop_length: int, n_samples: int) -> int:
 @lru_cache(maxsize=None)
 def audio_window_processor(cls):
     """`omni_image_audio(cls)` (`Qwen3OmniMoeProcessor` without its video processor) whose feature extractor pads
-    every clip to its window and cuts longer ones (module docstring). Saved under the real class's name."""
+    every clip to its window and cuts longer ones (module docstring). Saved under the real class's name; what
+    `image_only_processor` loads a saved processor's image, audio and text parts with."""
     base = omni_image_audio(cls)
 
     class QwenOmniAudioWindow(base):
@@ -125,34 +143,127 @@ def audio_window_processor(cls):
     return QwenOmniAudioWindow
 
 
+@lru_cache(maxsize=None)
+def omni_processor(cls):
+    """`cls` (`Qwen3OmniMoeProcessor`) with the family's changes (module docstring, "Videos"): a `qwen_video` stand-in
+    accepted as its video processor (`qwen_vl._frames_variant`), every clip padded to the feature extractor's
+    window, the frame bounds of its video processor's own `size` (no call-time `size`), each clip's seconds per
+    temporal patch from its rate (`clip_seconds_per_grid`), and audio-in-video refused (ValueError). Saved under
+    the real class's name."""
+    base = _frames_variant(cls)
+
+    class QwenOmniFrames(base):
+        audio_kwargs = {**cls.audio_kwargs, "padding": "max_length", "truncation": True}
+        videos_kwargs: dict = {}  # transformers' default `size` would override the video processor's saved bounds
+
+        def __call__(self, *args: Any, **kwargs: Any):
+            videos_kwargs = kwargs.get("videos_kwargs") or {}
+            if any(kwargs.get(k) or videos_kwargs.get(k) for k in ("use_audio_in_video", "load_audio_from_video")):
+                raise ValueError("vlmctl's Qwen3-Omni processor does not interleave a video's audio track with its frames "
+                                 "(use_audio_in_video / load_audio_from_video): pass the audio as a clip of its own")
+            return super().__call__(*args, **kwargs)
+
+        def _process_videos(self, videos: Any, **kwargs: Any):
+            processed, replacements = super()._process_videos(videos, **kwargs)
+            options = kwargs["videos_kwargs"]
+            temporal = int(self.video_processor.temporal_patch_size)
+            processed["video_second_per_grid"] = clip_seconds_per_grid(
+                options.get("video_metadata"), len(processed["video_grid_thw"]), temporal, fps=options.get("fps"))
+            return processed, replacements
+
+    QwenOmniFrames.__name__ = QwenOmniFrames.__qualname__ = cls.__name__
+    return QwenOmniFrames
+
+
+def clip_seconds_per_grid(metadata: Any, clips: int, temporal_patch_size: int, *, fps: float | None = None) -> list[float]:
+    """Seconds per temporal patch of each of `clips` clips: temporal_patch_size / rate, the rate being `fps` where
+    given (transformers' `Qwen3OmniMoeProcessor._process_videos`, which takes 1 frame per second without it), else
+    each clip's sampled rate from its `metadata` (`VideoMetadata.sampled_fps` of a dict or `VideoMetadata` per clip,
+    as Qwen2.5-VL's processor reads it), else 1 frame per second. Returns a list of `clips` floats."""
+    from transformers.video_utils import VideoMetadata
+
+    if fps is not None:
+        return [temporal_patch_size / float(fps)] * clips
+    metadata = list(metadata) if isinstance(metadata, (list, tuple)) else [metadata] * clips
+    fields = set(VideoMetadata.__dataclass_fields__)
+    out = []
+    for i in range(clips):
+        meta = metadata[i] if i < len(metadata) else None
+        if isinstance(meta, dict):
+            meta = VideoMetadata(**{k: v for k, v in meta.items() if k in fields})
+        rate = meta.sampled_fps if meta is not None and meta.fps else 1.0
+        out.append(temporal_patch_size / float(rate))
+    return out
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Packed rows
 # --------------------------------------------------------------------------------------------------------------------
+
+
+def packed_positions(get_rope_index: Callable[..., tuple[Any, Any]], input_ids, seq_lens: list[int], *, token_ids: Mapping[str, int],
+                     image_grid_thw=None, video_grid_thw=None, video_second_per_grid=None, feature_lens=None):
+    """(4, 1, T) position ids of a packed Qwen3-Omni row: the 1-D text positions restarting per sample (row 0, what
+    transformers reads to build the packed mask) over the per-sample 3-D TMRoPE positions (rows 1-3).
+
+    `input_ids` (1, T); in row order `image_grid_thw` [n_images, 3], `video_grid_thw` [n_videos, 3],
+    `video_second_per_grid` [n_videos] (seconds per temporal patch) and `feature_lens` [n_clips] (mel frames per
+    clip). `token_ids`: the config's `vision_start`, `image`, `video` and `audio_start` token ids. A sample with images
+    or videos gets the model's own `get_rope_index` on its tokens with its slices of these (an image or a video is
+    the token after a `<|vision_start|>`, a clip one `<|audio_start|>`); one without gets 0..n-1, what
+    `get_rope_index` gives text and audio alone. Positions are int64 where all are whole numbers, else float32 as
+    `get_rope_index` gives them (a video's temporal positions are t x seconds per patch x `position_id_per_seconds`).
+    Raises ModelError for a sample with videos and no `video_second_per_grid`.
+    """
+    import torch
+
+    rows, start, used = [], 0, {"image": 0, "video": 0, "audio": 0}
+    for n in seq_lens:
+        ids = input_ids[:, start:start + n]
+        after = ids[0, 1:][ids[0, :-1] == token_ids["vision_start"]]
+        count = {"image": int((after == token_ids["image"]).sum()), "video": int((after == token_ids["video"]).sum()),
+                 "audio": int((ids[0] == token_ids["audio_start"]).sum())}
+        if count["video"] and video_second_per_grid is None:
+            raise ModelError("a packed row has videos but no video_second_per_grid (seconds per temporal patch)",
+                             hint="build the batch with the family's processor (`vlmctl.models.load_processor`)")
+        if count["image"] or count["video"]:
+            part = {key: None if t is None or not count[m] else t[used[m]:used[m] + count[m]]
+                    for key, m, t in (("image_grid_thw", "image", image_grid_thw), ("video_grid_thw", "video", video_grid_thw),
+                                      ("second_per_grids", "video", video_second_per_grid), ("audio_seqlens", "audio", feature_lens))}
+            pos, _ = get_rope_index(ids, attention_mask=torch.ones_like(ids), **part)
+        else:
+            pos = torch.arange(n, device=input_ids.device).view(1, 1, -1).expand(3, 1, -1)
+        rows.append(pos.float())
+        start += n
+        used = {m: used[m] + count[m] for m in used}
+    mrope = torch.cat(rows, dim=-1)
+    text = torch.cat([torch.arange(n, device=input_ids.device) for n in seq_lens]).view(1, 1, -1)
+    positions = torch.cat([text.to(mrope.dtype), mrope], dim=0)
+    return positions.to(torch.long) if torch.equal(positions, positions.round()) else positions
 
 
 def qwen3_omni_prepare(model: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
     """Prepare `model` (unwrapped) for packed rows in place (`keep_logits_forward`; the audio tower on an attention
     implementation that takes its windows one by one where the whole model's is a varlen kernel) and return the
     batch hook (run by `loop.prefetch` ahead of the step) that replaces a packed row's (1, T) position ids by the
-    (4, 1, T) int64 positions of `packed_omni_positions`, on CPU before the device copy. Padded batches pass through
-    unchanged (the model computes their positions from the attention mask)."""
-    import torch
-
+    (4, 1, T) positions of `packed_positions` (images, videos and clips), on CPU before the device copy. Padded
+    batches pass through unchanged (the model computes their positions from the attention mask)."""
     keep_logits_forward(model)
     audio_attention(model, _find_prefix(model, QWEN3_OMNI.encoders["audio"].path))
     rope_index = rope_index_fn(model)
     config = model.config
-    image_token_id, audio_bos_id = int(config.image_token_id), int(config.audio_start_token_id)
+    token_ids = {"vision_start": int(config.vision_start_token_id), "image": int(config.image_token_id),
+                 "video": int(config.video_token_id), "audio_start": int(config.audio_start_token_id)}
 
     def prepare(batch: dict[str, Any]) -> dict[str, Any]:
         if not is_packed(batch):
             return batch
         mask = batch.get("feature_attention_mask")
-        positions = packed_omni_positions(rope_index, batch["input_ids"], batch["seq_lens"], image_token_id=image_token_id,
-                                          audio_bos_id=audio_bos_id, image_grid_thw=batch.get("image_grid_thw"),
-                                          feature_lens=None if mask is None else mask.sum(-1))
-        # get_rope_index gives float positions; images (one frame, t = 0) have integral ones
-        return {**batch, "position_ids": positions.to(torch.long)}
+        positions = packed_positions(rope_index, batch["input_ids"], batch["seq_lens"], token_ids=token_ids,
+                                     image_grid_thw=batch.get("image_grid_thw"), video_grid_thw=batch.get("video_grid_thw"),
+                                     video_second_per_grid=batch.get("video_second_per_grid"),
+                                     feature_lens=None if mask is None else mask.sum(-1))
+        return {**batch, "position_ids": positions}
 
     return prepare
 
@@ -270,7 +381,7 @@ def aut_cost() -> AuTCost:
 
 
 class Qwen3OmniSpec(Qwen25OmniSpec):
-    """Qwen3-Omni's thinker: images (Qwen3-VL's 16 px patches), audio (chunked AuT encoder), TMRoPE positions."""
+    """Qwen3-Omni's thinker: images and videos (16 px patches), audio (chunked AuT encoder), TMRoPE positions."""
 
     def num_audio_tokens(self, samples: int, sampling_rate: int, processor_or_config: Any) -> int:
         """`<|audio_pad|>` tokens of one clip of `samples` samples at `sampling_rate` Hz (resampled to the feature
@@ -299,33 +410,72 @@ class Qwen3OmniSpec(Qwen25OmniSpec):
         mask = outputs["feature_attention_mask"]
         return {**outputs, "input_features": F.pad(features, (0, extra)), "feature_attention_mask": F.pad(mask, (0, extra))}
 
+    def num_video_tokens(self, frames: int, width: int, height: int, processor_or_config: Any, *, fps: float | None = None) -> int:
+        """`<|video_pad|>` tokens of one clip of `frames` frames of `width` x `height` px: Qwen2-VL's video rule
+        (`qwen_vl.qwen_video_tokens`: ceil(frames / 2) temporal patches of (H' / 16) * (W' / 16) / 4 tokens, H' x W'
+        the frame resized into the video processor's pixels per frame). `processor_or_config`: the processor, its
+        settings read from a folder, or the model config (then `VIDEO_SIZE`, the published bounds, with the vision
+        config's patch, merge and temporal patch sizes). `fps` does not matter (no timestamps)."""
+        vision = setting(processor_or_config, "vision_config")
+        if vision is not None and setting(processor_or_config, "video_processor") is None:
+            processor_or_config = {"video_processor": {
+                "size": VIDEO_SIZE, "patch_size": setting(vision, "patch_size", default=16),
+                "merge_size": setting(vision, "spatial_merge_size", default=2),
+                "temporal_patch_size": setting(vision, "temporal_patch_size", default=2)}}
+        return qwen_video_tokens(frames, width, height, processor_or_config, default_patch=16)
+
+    def video_processor(self, image_processor: Any, **settings: Any):
+        """The video processor: transformers' `Qwen2VLVideoProcessor` (what the published Qwen3-Omni processor loads)
+        or, where torchvision is missing, its stand-in `qwen_video.FramesVideoProcessor`, with the image processor's
+        patch / merge / temporal patch sizes and `VIDEO_SIZE` pixels per frame, unless `settings` (a saved video
+        processor's, or `min_pixels` / `max_pixels`) say otherwise."""
+        import transformers
+
+        kwargs = {"patch_size": image_processor.patch_size, "merge_size": image_processor.merge_size,
+                  "temporal_patch_size": image_processor.temporal_patch_size, "size": dict(VIDEO_SIZE), **settings}
+        try:
+            return getattr(transformers, self.video_processor_class)(**kwargs)  # ImportError without torchvision
+        except ImportError:
+            from vlmctl.families.qwen_video import STAND_INS  # imported only when a processor is built
+
+            return STAND_INS[self.video_processor_class](**kwargs)
+
     def position_hook(self, model: Any, image_token_id: int | None) -> Callable[[dict], dict] | None:
         """`qwen3_omni_prepare(model)`: packed rows need per-sample TMRoPE positions and the `logits_to_keep`
         forward."""
         return qwen3_omni_prepare(model)
 
     def make_processor(self, tokenizer: Any, image_processor: Any, chat_template: str | None = None, *,
-                       feature_extractor: Any = None, **kwargs: Any):
-        """`Qwen3OmniMoeProcessor` over `image_processor`, `feature_extractor` (a `WhisperFeatureExtractor`, 16 kHz,
-        128 mel bins: the published one, where None) and `tokenizer`, without a video processor and with every clip
-        padded to the extractor's window (`audio_window_processor`)."""
+                       feature_extractor: Any = None, video_processor: Any = None, **kwargs: Any):
+        """`Qwen3OmniMoeProcessor` over `image_processor`, `video_processor` (`self.video_processor(image_processor)`
+        where None), `feature_extractor` (a `WhisperFeatureExtractor`, 16 kHz, 128 mel bins: the published one, where
+        None) and `tokenizer`, as `omni_processor` changes it (windowed clips, stand-in video processor, seconds per
+        temporal patch from each clip's rate)."""
         import transformers
 
         extractor = feature_extractor if feature_extractor is not None else transformers.WhisperFeatureExtractor(feature_size=128)
-        cls = audio_window_processor(getattr(transformers, self.processor_class))
-        return cls(image_processor=image_processor, feature_extractor=extractor, tokenizer=tokenizer, chat_template=chat_template)
+        video = video_processor if video_processor is not None else self.video_processor(image_processor)
+        cls = omni_processor(getattr(transformers, self.processor_class))
+        return cls(image_processor=image_processor, video_processor=video, feature_extractor=extractor, tokenizer=tokenizer,
+                   chat_template=chat_template)
 
     def image_only_processor(self, ref: str, *, trust_remote_code: bool = False):
-        """The saved processor at `ref` as `make_processor` builds it (no video processor, windowed clips)."""
+        """The saved processor at `ref` as `make_processor` builds it: its image processor, feature extractor,
+        tokenizer and template loaded without the video processor (transformers' needs torchvision), which is built
+        again from its saved settings (`video_processor`; the defaults where the folder has none)."""
         import transformers
 
         cls = audio_window_processor(getattr(transformers, self.processor_class))
-        return cls.from_pretrained(ref, trust_remote_code=trust_remote_code)
+        saved = cls.from_pretrained(ref, trust_remote_code=trust_remote_code)
+        video = self.video_processor(saved.image_processor, **_saved_video_settings(ref))
+        return self.make_processor(saved.tokenizer, saved.image_processor, saved.chat_template,
+                                   feature_extractor=saved.feature_extractor, video_processor=video)
 
     def preset_processor(self, tokenizer: Any, chat_template: str | None, kwargs: Mapping[str, Any], config: Mapping[str, Any]):
         """The processor of a preset: its `processor:` settings split between the Whisper feature extractor
-        (`EXTRACTOR_KEYS`) and the image processor. Raises ModelError when the extractor's mel bins differ from the
-        encoder's (`num_mel_bins`) or the encoder's `n_window` is not `N_WINDOW`."""
+        (`EXTRACTOR_KEYS`), the video processor (`VIDEO_KEYS`: `video_min_pixels` / `video_max_pixels`, pixels per
+        frame) and the image processor. Raises ModelError when the extractor's mel bins differ from the encoder's
+        (`num_mel_bins`) or the encoder's `n_window` is not `N_WINDOW`."""
         import transformers
 
         audio = dict(config.get("audio_config") or {})
@@ -337,8 +487,9 @@ class Qwen3OmniSpec(Qwen25OmniSpec):
         if window != N_WINDOW:
             raise ModelError(f"audio_config.n_window is {window}; Qwen3-Omni's encoder computes its output lengths for "
                              f"n_window {N_WINDOW} only", hint=f"set audio_config.n_window: {N_WINDOW}")
-        image = self.image_processor(**{k: v for k, v in kwargs.items() if k not in EXTRACTOR_KEYS})
-        return self.make_processor(tokenizer, image, chat_template, feature_extractor=extractor)
+        image = self.image_processor(**{k: v for k, v in kwargs.items() if k not in EXTRACTOR_KEYS and k not in VIDEO_KEYS})
+        video = self.video_processor(image, **{k.removeprefix("video_"): v for k, v in kwargs.items() if k in VIDEO_KEYS})
+        return self.make_processor(tokenizer, image, chat_template, feature_extractor=extractor, video_processor=video)
 
 
 QWEN3_OMNI = register(Qwen3OmniSpec(
@@ -352,13 +503,14 @@ QWEN3_OMNI = register(Qwen3OmniSpec(
         "audio": audio_encoder("model.audio_tower", layer_classes=("Qwen3OmniMoeAudioEncoderLayer",), cost=aut_cost()),
         # Qwen3-VL's tower: a Conv3d patch embedding (kernel = stride) and the vision rotary; its MLP has no gate
         "image": image_encoder("model.visual", layer_classes=("Qwen3OmniMoeVisionBlock",), cost=vision_cost(merge=True),
-                               kernels=("patch_embed_gemm", "compiled_rotary")),
+                               kernels=("patch_embed_gemm", "compiled_rotary"), video=True),
     },
     projector=("model.audio_tower.proj1", "model.audio_tower.proj2", "model.visual.merger", "model.visual.merger_list"),
     language_model="model.language_model",
     decoder_layer_classes=("Qwen3OmniMoeThinkerTextDecoderLayer",),
-    modalities={"image": IMAGE, "audio": AUDIO},
-    prompts={"image": f"{VISION_BOS}{IMAGE}{VISION_EOS}", "audio": f"{AUDIO_BOS}{AUDIO}{AUDIO_EOS}"},
+    modalities={"image": IMAGE, "video": VIDEO, "audio": AUDIO},
+    prompts={"image": f"{VISION_BOS}{IMAGE}{VISION_EOS}", "video": f"{VISION_BOS}{VIDEO}{VISION_EOS}",
+             "audio": f"{AUDIO_BOS}{AUDIO}{AUDIO_EOS}"},
     # the published processor: Qwen2-VL's image processor with 16 px patches, 3136 to 12845056 pixels
     visual_token_rule=qwen_rule(16, 56 * 56, 28 * 28 * 16384),
     image_grid_args=("image_grid_thw",),
@@ -372,6 +524,8 @@ QWEN3_OMNI = register(Qwen3OmniSpec(
                       "audio_start_token_id": AUDIO_BOS, "audio_end_token_id": AUDIO_EOS,
                       "vision_start_token_id": VISION_BOS, "vision_end_token_id": VISION_EOS},
     image_processor_class="Qwen2VLImageProcessor",
+    video_processor_class="Qwen2VLVideoProcessor",
     tiny_preset="tiny-qwen3-omni",
-    notes="Qwen3-Omni's thinker: audio + images + text (no video, no speech output); MoE decoder; two encoders, both the `vision` part.",
+    notes="Qwen3-Omni's thinker: audio + images + videos + text (no speech output, no audio-in-video); MoE decoder; two "
+          "encoders, both the `vision` part.",
 ))
