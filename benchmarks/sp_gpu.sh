@@ -5,16 +5,20 @@
 # the two measured steps). One JSON line per run under $OUT (or /tmp), then a table.
 #   benchmarks/sp_gpu.sh [RUN ...]    RUN = PRESET:SP:TOKENS_PER_GPU[:TEXT_MIN,TEXT_MAX], e.g. qwen2.5-vl-3b:2:16384:8000,14000
 #   (a 32,768-token row of samples with 8,000-14,000 answer tokens; default 16,000-30,000)
+#   PROFILE=1: each run's first measured step profiled on every rank (`vlmctl bench --profile`) under
+#   $OUT/profile/PRESET_SP_TOKENS/rank<N>/ (ops.txt, trace.json.gz); STEPS / WARMUP: measured and warm-up steps (2, 2)
 set -uo pipefail
 out=${OUT:-/tmp}/sp_gpu.jsonl
 : > "$out"
-common=(--steps 2 --warmup 2 --nproc-per-node 2 --workload chat --images-per-sample 8,16
+common=(--steps "${STEPS:-2}" --warmup "${WARMUP:-2}" --nproc-per-node 2 --workload chat --images-per-sample 8,16
         --image-sizes 448 model.init=random train.stage=full train.precision=bf16 train.master_weights=bf16
         train.packing=true train.warmup_ratio=0.0 train.lr_scheduler=constant train.activation_checkpointing=full
         train.liger=auto train.compile=off)
 for run in "$@"; do
   IFS=: read -r preset sp tokens text <<< "$run"
-  line=$(python3 -m vlmctl --quiet bench -c "$(dirname "$0")/ab/sp.yaml" --json "${common[@]}" --text-tokens "${text:-16000,30000}" model.preset="$preset" train.sequence_parallel="$sp" \
+  prof=()
+  [[ -n "${PROFILE:-}" ]] && prof=(--profile "${OUT:-/tmp}/profile/${preset}_${sp}_${tokens}")
+  line=$(python3 -m vlmctl --quiet bench -c "$(dirname "$0")/ab/sp.yaml" --json "${common[@]}" "${prof[@]}" --text-tokens "${text:-16000,30000}" model.preset="$preset" train.sequence_parallel="$sp" \
          train.tokens_per_batch="$tokens" 2>"${OUT:-/tmp}/sp_${preset}_${sp}_${tokens}.err.txt" |
          python3 -c 'import json, sys; t = sys.stdin.read(); print(json.dumps(json.loads(t[t.index("{"):])))' 2>/dev/null) ||
     line='{"error": "failed: see the .err file"}'

@@ -78,6 +78,7 @@ MFU = FLOPs / step time / (peak x GPUs) (PaLM, Chowdhery et al. 2022, appendix B
 
 from __future__ import annotations
 
+import os
 import random
 import tempfile
 import time
@@ -886,14 +887,16 @@ def check_device_settings(train, run, *, nproc: int) -> None:
 
 
 def run_bench(model_section, train_section, *, steps: int = 20, warmup: int = 3, spec: WorkloadSpec = WorkloadSpec(),
-              log=print, setup=None, plan: BenchPlan | None = None, scratch: Path | None = None) -> BenchResult:
+              log=print, setup=None, plan: BenchPlan | None = None, scratch: Path | None = None,
+              profile: Path | None = None) -> BenchResult:
     """`vlmctl bench` on this rank: the model of `model_section` (see `choose_model`) trained for `warmup + steps`
     optimizer steps on the synthetic workload `spec` with the settings of `train_section` (strategy, precision,
     master_weights, tokens_per_batch or micro_batch_size, packing, attn_implementation, liger, checkpointing, compile,
     stage, lora, ...). Call it in every process of a torchrun launch, or alone (one process). `setup(model)`, when
     given, is applied to the model before wrapping (benchmark scripts use it to try kernels that have no config key
     yet). `plan`: the `prepare`d bench, when the caller has it (one process); `scratch`: a folder all ranks see,
-    where rank 0 saves a random-init model for QLoRA (default: a temporary folder). Returns the figures of the
+    where rank 0 saves a random-init model for QLoRA (default: a temporary folder); `profile`: a folder all ranks
+    see, where each rank writes the profile of its first measured step (`profile_step`). Returns the figures of the
     last `steps` steps, summed over ranks.
 
     Raises UsageError / ConfigError / ModelError as `prepare` does (and ConfigError from `vlmctl.train.setup` for
@@ -916,7 +919,7 @@ def run_bench(model_section, train_section, *, steps: int = 20, warmup: int = 3,
         train_section = ctx.plan.train_section(train_section)  # every decision of the plan, as training reads them
         with tempfile.TemporaryDirectory(prefix="vlmctl-bench-model-") as tmp:
             return _run_bench(plan, model_section, train_section, ctx, steps=steps, warmup=warmup, log=log,
-                              setup=setup, scratch=Path(scratch or tmp))
+                              setup=setup, scratch=Path(scratch or tmp), profile=profile)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -969,7 +972,7 @@ def load_model(plan: BenchPlan, model_section, train, ctx, scratch: Path, log) -
     return tm
 
 
-def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log, setup, scratch) -> BenchResult:
+def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log, setup, scratch, profile=None) -> BenchResult:
     from vlmctl.data.collate import Collator, PackedCollator, PairCollator
     from vlmctl.distributed.fsdp import fsdp_plan_of
     from vlmctl.train.grpo import build_prompt_collator
@@ -1019,7 +1022,7 @@ def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log
                       progress=None, flops_of=tm.cost_model.batch_flops, dp_group=dims.dp_group, sp_group=dims.sp_group)
     labels = {"name": plan.model.name, "workload": plan.spec.kind, "media": plan.spec.media(), "packing": plan.packing,
               "adapter": plan.adapter, "stage": train.stage, "objective": train.objective}
-    result = _measure(trainer, labels, train, ctx, steps=steps, warmup=warmup, log=log)
+    result = _measure(trainer, labels, train, ctx, steps=steps, warmup=warmup, log=log, profile=profile)
     result.settings = settings_line(train, choice, fsdp_plan_of(engine.model))
     if choice is not None and choice.trials:
         result.auto = {"reason": choice.reason, "rates": choice.rates, "step_seconds": round(choice.step_seconds, 4),
@@ -1093,10 +1096,11 @@ def settings_line(train, choice, fsdp=None) -> str:
             f"{train.master_weights} master weights{rounding}{why}{overlap}{objective}")
 
 
-def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup: int, log) -> BenchResult:
+def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup: int, log, profile: Path | None = None) -> BenchResult:
     """`warmup + steps` trainer steps; the figures of the last `steps`. Tokens, samples and FLOPs are the steps'
     own data-parallel sums; the time is the slowest rank's, the memory the largest. `labels`: the result's name,
-    workload, media, packing, adapter and stage."""
+    workload, media, packing, adapter and stage. `profile`: profile the first measured step on every rank into
+    that folder (`profile_step`; the profiler's own cost lands in that step's time)."""
     import torch
     import torch.distributed as dist
 
@@ -1115,7 +1119,12 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
     for i in range(steps + warmup):
         sync()
         t0 = time.perf_counter()
-        result = trainer.train_step()  # ends in a collective that waits for the device
+        if profile is not None and i == warmup:
+            result, summary = profile_step(trainer.train_step, Path(profile) / f"rank{env.rank}", sync)
+            if env.is_main:
+                log(summary)
+        else:
+            result = trainer.train_step()  # ends in a collective that waits for the device
         dt = time.perf_counter() - t0
         generated = _rollout_figures(result)
         if i >= warmup:
@@ -1159,6 +1168,57 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
     )
 
 
+def kernel_seconds(prof) -> float:
+    """Seconds (wall) during which at least one GPU kernel ran, the union of the profiler's device event intervals
+    (`torch.profiler.profile.events()`, microseconds); 0.0 without device events."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b <= end:
+            continue
+        busy += b - max(a, end)
+        end = b
+    return busy / 1e6
+
+
+def profile_step(step, folder: Path, sync) -> tuple[Any, str]:
+    """Run `step()` once under `torch.profiler.profile` (CPU and, on a GPU, CUDA activities) and write to `folder`
+    (created): `ops.txt`, the step's wall seconds, the seconds the GPU ran kernels (`kernel_seconds`; the rest is the
+    GPU waiting for the host or for a collective) and the top 40 operators by self CPU and by self device time, and
+    `trace.json.gz`, the Chrome trace (https://ui.perfetto.dev opens it). Returns (step's result, the summary line)."""
+    import gzip
+    import shutil
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    folder.mkdir(parents=True, exist_ok=True)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        t0 = time.perf_counter()
+        result = step()
+        sync()
+        wall = time.perf_counter() - t0
+    busy = kernel_seconds(prof)
+    summary = (f"profiled step: {wall:.3f} s wall, GPU kernels {busy:.3f} s ({100 * busy / wall:.0f}%), "
+               f"{result.text_tokens + result.visual_tokens} tokens; tables and trace in {folder}")
+    table = prof.key_averages()
+    text = (summary + "\n\n" + table.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70) + "\n"
+            + table.table(sort_by="self_device_time_total" if cuda else "cpu_time_total", row_limit=40, max_name_column_width=70))
+    tmp = folder / "ops.txt.tmp"
+    tmp.write_text(text)
+    os.replace(tmp, folder / "ops.txt")
+    trace = folder / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    with open(trace, "rb") as src, gzip.open(folder / "trace.json.gz.tmp", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.replace(folder / "trace.json.gz.tmp", folder / "trace.json.gz")
+    trace.unlink()
+    return result, summary
+
+
 def _rollout_figures(result) -> dict[str, float] | None:
     """A grpo step's rollouts, generated tokens and generation seconds from its metrics (`GRPOObjective.metrics`:
     `rollouts` and `completions/mean_length` summed over the data-parallel ranks, `time/rollout_s` their mean);
@@ -1176,19 +1236,20 @@ def _rollout_figures(result) -> dict[str, float] | None:
 
 
 def benchmark(cfg, *, steps: int = 20, warmup: int = 3, spec: WorkloadSpec = WorkloadSpec(), log=print,
-              show_plan=None) -> BenchResult:
+              show_plan=None, profile: Path | None = None) -> BenchResult:
     """`vlmctl bench` for a project config: checked first (`check_bench`, before any process starts), then run
     (`run_processes`) in this process for one process per node, else one process per GPU through torchrun
     (`train.nproc_per_node`, auto = the visible GPUs; CPU processes where no GPU is visible). `show_plan(run_plan)`,
     when given, gets the run plan (`config.plan.RunPlan`) once it is checked. Raises what `check_bench` and
-    `run_processes` raise."""
+    `run_processes` raise. `profile`: each rank's first measured step profiled into `profile/rank<N>/`
+    (`profile_step`)."""
     from vlmctl.config.plan import resolve_nproc
 
     nproc = resolve_nproc(cfg.train.nproc_per_node)
     plan = check_bench(cfg, nproc, steps=steps, warmup=warmup, spec=spec, log=log)
     if show_plan is not None:
         show_plan(plan.run)
-    return run_processes(cfg, plan, nproc, steps=steps, warmup=warmup, spec=spec, log=log)
+    return run_processes(cfg, plan, nproc, steps=steps, warmup=warmup, spec=spec, log=log, profile=profile)
 
 
 def check_bench(cfg, nproc: int, *, steps: int, warmup: int, spec: WorkloadSpec, log=None) -> BenchPlan:
@@ -1210,7 +1271,7 @@ def check_bench(cfg, nproc: int, *, steps: int, warmup: int, spec: WorkloadSpec,
 
 
 def run_processes(cfg, plan: BenchPlan, nproc: int, *, steps: int, warmup: int, spec: WorkloadSpec, log=print,
-                  launch_one: bool = False) -> BenchResult:
+                  launch_one: bool = False, profile: Path | None = None) -> BenchResult:
     """Run a `check_bench`ed bench on `nproc` processes: in this process for one (unless `launch_one`), else
     through torchrun on this node (whatever `train.launcher` says, on a free port: a training run may hold
     `master_port`; with the ranks' environment of `vlmctl train`, `train.launch.launch_env`), rank 0 handing the
@@ -1225,7 +1286,7 @@ def run_processes(cfg, plan: BenchPlan, nproc: int, *, steps: int, warmup: int, 
     train = cfg.train
     if nproc == 1 and not launch_one:
         clear_rank_env()
-        return run_bench(cfg.model, train, steps=steps, warmup=warmup, spec=spec, log=log, plan=plan)
+        return run_bench(cfg.model, train, steps=steps, warmup=warmup, spec=spec, log=log, plan=plan, profile=profile)
     local = train.model_copy(update={"launcher": "torchrun", "master_addr": "127.0.0.1", "master_port": free_port(),
                                      "node_rank": 0, "nproc_per_node": nproc})
     with tempfile.TemporaryDirectory(prefix="vlmctl-bench-") as tmp:
@@ -1235,7 +1296,8 @@ def run_processes(cfg, plan: BenchPlan, nproc: int, *, steps: int, warmup: int, 
                                                     "text_tokens": list(spec.text_tokens), "workload": spec.kind,
                                                     "images_per_sample": list(spec.images_per_sample),
                                                     "video_frames": spec.video_frames and list(spec.video_frames),
-                                                    "video_sizes": list(spec.video_sizes), "verbose": log is not None}))
+                                                    "video_sizes": list(spec.video_sizes), "verbose": log is not None,
+                                                    "profile": str(Path(profile).resolve()) if profile else None}))
         # ranks have nothing to save: a stop signal that they cannot act on (blocked in CUDA) ends them after 10 s
         code, _ = spawn(launch_command(local, work, module="vlmctl.bench").command, env=launch_env(train), grace_s=10.0)
         result = work / "result.json"
@@ -1356,6 +1418,7 @@ def main(argv: list[str] | None = None) -> None:
                             video_frames=tuple(frames) if frames else None,
                             video_sizes=tuple(args.get("video_sizes", WorkloadSpec.video_sizes)))
         result = run_bench(cfg.model, cfg.train, steps=args["steps"], warmup=args["warmup"], spec=spec, scratch=work,
+                           profile=Path(args["profile"]) if args.get("profile") else None,
                            log=(lambda msg: print(msg, file=sys.stderr, flush=True)) if args.get("verbose", True) else (lambda msg: None))
     except VlmctlError as exc:
         sys.exit(report_error(exc))

@@ -4,6 +4,7 @@ padded, Qwen padded, LoRA) are in tests/integration/test_bench_models.py."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 
@@ -49,17 +50,26 @@ def test_synthetic_samples_have_matching_image_tokens_and_flops_grow_with_length
 
 
 def test_bench_two_processes_fsdp_sums_ranks(tmp_path, capsys):
-    # the trainer's FSDP2 step on two CPU processes (torchrun): each rank packs its own rows
+    # the trainer's FSDP2 step on two CPU processes (torchrun): each rank packs its own rows; --profile writes each
+    # rank's profile of its first measured step
     path = tmp_path / "vlmctl.yaml"
     path.write_text("model:\n  preset: tiny-qwen2.5-vl\n  init: random\ntrain:\n  tokens_per_batch: 256\n  strategy: fsdp\n"
                     "  stage: full\n  attn_implementation: sdpa\n")
     try:
         main(["bench", "-c", str(path), "--steps", "2", "--nproc-per-node", "2", "--image-sizes", "28,56",
-              "--text-tokens", "8,40", "--json"])
+              "--text-tokens", "8,40", "--json", "--profile", str(tmp_path / "prof")])
     except SystemExit as exc:
         assert exc.code in (0, None)
-    out = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
     assert out["world_size"] == 2 and out["strategy"] == "fsdp"
+    for rank in (0, 1):
+        ops = (tmp_path / "prof" / f"rank{rank}" / "ops.txt").read_text()
+        assert ops.startswith("profiled step: ") and "aten::mm" in ops  # the step's matmuls, from the profiler's table
+        with gzip.open(tmp_path / "prof" / f"rank{rank}" / "trace.json.gz") as f:
+            events = json.load(f)["traceEvents"]
+        assert any(e.get("name") == "aten::mm" for e in events)
+    assert sorted(p.name for p in (tmp_path / "prof").iterdir()) == ["rank0", "rank1"]
     assert 256 < out["tokens_per_step"] <= 2 * 256  # two packed rows per step, one per rank
     assert abs(out["tokens_per_s_per_gpu"] * 2 - out["tokens_per_s"]) < 1e-6 * out["tokens_per_s"]
     # the ranks' balance, as training reports it: a ratio of mean to max, so in (0, 1]
@@ -332,6 +342,7 @@ def _cuda() -> bool:
     (["--scaling", "0,1"], ["--scaling", "at least 1"]),
     (["--scaling", "1,2,2"], ["--scaling", "lists 2 more than once"]),
     (["--scaling", "1,2", "--nproc-per-node", "2"], ["--scaling and --nproc-per-node", "give one of them"]),
+    (["--scaling", "1,2", "--profile", "prof"], ["--profile profiles one bench run", "--nproc-per-node N"]),
     (["--scaling", "1,2", "--workload", "fast"], ["--workload", "chat"]),
     (["--scaling", "1,2", "train.nnodes=2", "train.master_addr=10.0.0.1"], ["one node", "train.nnodes=1"]),
 ])
