@@ -5,8 +5,9 @@
 # the two measured steps). One JSON line per run under $OUT (or /tmp), then a table.
 #   benchmarks/sp_gpu.sh [RUN ...]    RUN = PRESET:SP:TOKENS_PER_GPU[:TEXT_MIN,TEXT_MAX], e.g. qwen2.5-vl-3b:2:16384:8000,14000
 #   (a 32,768-token row of samples with 8,000-14,000 answer tokens; default 16,000-30,000)
-#   PROFILE=1: each run's first measured step profiled on every rank (`vlmctl bench --profile`) under
-#   $OUT/profile/PRESET_SP_TOKENS/rank<N>/ (ops.txt, trace.json.gz); STEPS / WARMUP: measured and warm-up steps (2, 2)
+#   PROFILE=1: each run's last warm-up step profiled on every rank (`vlmctl bench --profile`) under
+#   $OUT/profile/PRESET_SP_TOKENS/rank<N>/ (trace.json.gz) and $OUT/ops_PRESET_SP_TOKENS_rank<N>.txt (the operator
+#   tables); STEPS / WARMUP: measured and warm-up steps (2, 2)
 set -uo pipefail
 out=${OUT:-/tmp}/sp_gpu.jsonl
 : > "$out"
@@ -23,6 +24,11 @@ for run in "$@"; do
          python3 -c 'import json, sys; t = sys.stdin.read(); print(json.dumps(json.loads(t[t.index("{"):])))' 2>/dev/null) ||
     line='{"error": "failed: see the .err file"}'
   echo "{\"run\": \"$run\", \"result\": $line}" | tee -a "$out"
+  if [[ -n "${PROFILE:-}" ]]; then
+    for f in "${OUT:-/tmp}/profile/${preset}_${sp}_${tokens}"/rank*/ops.txt; do
+      [[ -f "$f" ]] && mv "$f" "${OUT:-/tmp}/ops_${preset}_${sp}_${tokens}_$(basename "$(dirname "$f")").txt"
+    done
+  fi
 done
 python3 - "$out" <<'PY'
 import json, sys

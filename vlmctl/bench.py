@@ -896,7 +896,7 @@ def run_bench(model_section, train_section, *, steps: int = 20, warmup: int = 3,
     given, is applied to the model before wrapping (benchmark scripts use it to try kernels that have no config key
     yet). `plan`: the `prepare`d bench, when the caller has it (one process); `scratch`: a folder all ranks see,
     where rank 0 saves a random-init model for QLoRA (default: a temporary folder); `profile`: a folder all ranks
-    see, where each rank writes the profile of its first measured step (`profile_step`). Returns the figures of the
+    see, where each rank writes the profile of its last warm-up step (`profile_step`). Returns the figures of the
     last `steps` steps, summed over ranks.
 
     Raises UsageError / ConfigError / ModelError as `prepare` does (and ConfigError from `vlmctl.train.setup` for
@@ -1099,8 +1099,8 @@ def settings_line(train, choice, fsdp=None) -> str:
 def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup: int, log, profile: Path | None = None) -> BenchResult:
     """`warmup + steps` trainer steps; the figures of the last `steps`. Tokens, samples and FLOPs are the steps'
     own data-parallel sums; the time is the slowest rank's, the memory the largest. `labels`: the result's name,
-    workload, media, packing, adapter and stage. `profile`: profile the first measured step on every rank into
-    that folder (`profile_step`; the profiler's own cost lands in that step's time)."""
+    workload, media, packing, adapter and stage. `profile`: profile the last warm-up step on every rank into that
+    folder (`profile_step`; a warm-up step, so the profiler's cost stays out of the figures)."""
     import torch
     import torch.distributed as dist
 
@@ -1119,7 +1119,7 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
     for i in range(steps + warmup):
         sync()
         t0 = time.perf_counter()
-        if profile is not None and i == warmup:
+        if profile is not None and i == warmup - 1:  # not measured: the profiler and writing its trace cost time
             result, summary = profile_step(trainer.train_step, Path(profile) / f"rank{env.rank}", sync)
             if env.is_main:
                 log(summary)
@@ -1241,7 +1241,7 @@ def benchmark(cfg, *, steps: int = 20, warmup: int = 3, spec: WorkloadSpec = Wor
     (`run_processes`) in this process for one process per node, else one process per GPU through torchrun
     (`train.nproc_per_node`, auto = the visible GPUs; CPU processes where no GPU is visible). `show_plan(run_plan)`,
     when given, gets the run plan (`config.plan.RunPlan`) once it is checked. Raises what `check_bench` and
-    `run_processes` raise. `profile`: each rank's first measured step profiled into `profile/rank<N>/`
+    `run_processes` raise. `profile`: each rank's last warm-up step profiled into `profile/rank<N>/`
     (`profile_step`)."""
     from vlmctl.config.plan import resolve_nproc
 

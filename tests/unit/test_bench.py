@@ -57,7 +57,7 @@ def test_bench_two_processes_fsdp_sums_ranks(tmp_path, capsys):
                     "  stage: full\n  attn_implementation: sdpa\n")
     try:
         main(["bench", "-c", str(path), "--steps", "2", "--nproc-per-node", "2", "--image-sizes", "28,56",
-              "--text-tokens", "8,40", "--json", "--profile", str(tmp_path / "prof")])
+              "--text-tokens", "8,40", "--json", "--warmup", "1", "--profile", str(tmp_path / "prof")])
     except SystemExit as exc:
         assert exc.code in (0, None)
     captured = capsys.readouterr()
@@ -343,6 +343,7 @@ def _cuda() -> bool:
     (["--scaling", "1,2,2"], ["--scaling", "lists 2 more than once"]),
     (["--scaling", "1,2", "--nproc-per-node", "2"], ["--scaling and --nproc-per-node", "give one of them"]),
     (["--scaling", "1,2", "--profile", "prof"], ["--profile profiles one bench run", "--nproc-per-node N"]),
+    (["--warmup", "0", "--profile", "prof"], ["--profile profiles the last warm-up step", "--warmup 2"]),
     (["--scaling", "1,2", "--workload", "fast"], ["--workload", "chat"]),
     (["--scaling", "1,2", "train.nnodes=2", "train.master_addr=10.0.0.1"], ["one node", "train.nnodes=1"]),
 ])
