@@ -52,10 +52,24 @@ forward only; `phi4_audio_cost`: the conformer's subsampling, blocks and causal 
 Config: `Phi4MultimodalConfig` takes the text settings at its top level and reads the image / audio token ids from
 `vision_config` / `audio_config`; `config_kwargs` lays a preset's `config:` out so.
 
-Not handled (the family refuses packed rows): the model picks the audio projection per micro-batch
-(`_for_vision_speech` when the batch holds any image, else `_for_speech`), so a sample's audio is projected
-differently depending on the samples it is batched with (padded batches too); the conformer draws a random
-streaming-chunk offset per forward in training mode.
+Packed rows (`supports_packing=True`): a packed row [1, T] of several samples, with per-sample position ids and
+`packed_cu_seqlens` and no attention mask (`vlmctl.data.collate.PackedCollator`), goes through
+`Phi4MultimodalForCausalLM` as it is (the language model builds the per-sample causal mask from the position ids, or
+hands `packed_cu_seqlens` to the varlen kernel; the class's forward takes `logits_to_keep` as an index tensor; the
+images' features and the clips' fill their placeholder tokens in row order), except for the audio projection: the
+class picks one pair per forward (`Phi4MultimodalFeatureEmbedding.forward`: `_for_vision_speech` when
+`image_pixel_values` is given, else `_for_speech`), so a sample's clips would be projected by its row-mates' images.
+`position_hook` (which training calls with the model exactly when rows are packed) installs
+`per_sample_audio_projection`: the inner model's forward embeds a packed row holding both `<|image|>` and `<|audio|>`
+tokens with `packed_embeddings`, which encodes all clips in one call, as the class does, and projects each clip by
+the pair its own sample would choose alone (`_for_vision_speech` exactly when that sample holds an `<|image|>`
+token); any other input (a row of one pair, padded batches, generation) runs the class's own code. A packed row thus
+gives each sample the logits it has alone. Padded batches keep transformers' per-batch choice, as vanilla
+transformers runs them. Not per sample, by design: in training mode the conformer draws one random streaming-chunk
+offset per forward (`Phi4MultimodalAudioModel`, training-time randomness of the clips' chunk boundaries; eval mode
+has none), and a LongRoPE model (the published `rope_type: longrope`) switches to its long factors when the row's
+largest position exceeds `original_max_position_embeddings` (transformers' `longrope_frequency_update` reads the
+largest position id): a row whose longest sample exceeds it rotates its shorter samples by the long factors too.
 """
 
 from __future__ import annotations
@@ -385,8 +399,8 @@ class Phi4AudioShape:
     `audio_input_features` [B, T, mel bins]: the subsampling convolutions at their output positions, its output
     layer and each conformer block's linear layers and pointwise convolutions at T' = T / time_reduction positions
     per clip, the depthwise convolution and the pointwise one after it at T' + k - 1 (its causal padding),
-    attention 4 x d x T'^2 per block; the projections (one pair, `_for_vision_speech` when the batch has images,
-    of the same sizes) at T' positions. Backward factors are the cost model's (the encoder is the `vision` part, its
+    attention 4 x d x T'^2 per block; the projections at T' positions (one pair per clip: `_for_vision_speech` when
+    the batch has images, in a packed row when the clip's own sample has one; both pairs have the same sizes). Backward factors are the cost model's (the encoder is the `vision` part, its
     first convolution reads the mel features; the projections the projector). A `CountsItself` (`paths`,
     `batch_terms`, `sample_terms`)."""
 
