@@ -228,6 +228,40 @@ def test_a_packed_row_gives_each_sample_the_logits_it_has_alone(tiny):
     assert audio.up_proj_for_speech.weight.grad.abs().sum() > 0 and audio.up_proj_for_vision_speech.weight.grad.abs().sum() > 0
 
 
+def test_a_packed_row_under_longrope_rotates_each_sample_by_its_own_length(tiny):
+    """The tiny model's weights under LongRoPE whose original length lies between a text sample's and an image
+    sample's: packed together, each sample's logits equal its own alone (the text sample by the short factors, the
+    image sample by the long ones); without the hook the row's longest sample switches both to the long factors."""
+    import copy
+
+    import torch
+    from transformers import Phi4MultimodalForCausalLM
+
+    from vlmctl.data.collate import Collator, PackedCollator, model_inputs
+
+    _, processor, base = tiny
+    config = copy.deepcopy(base.config)
+    config.original_max_position_embeddings = 200
+    config.rope_parameters = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                              "short_factor": [1.0] * 6, "long_factor": [4.0] * 6, "original_max_position_embeddings": 200}
+    vanilla = Phi4MultimodalForCausalLM(config).eval()
+    vanilla.load_state_dict(base.state_dict())
+    samples = [_sample("image", images=[_png(64, 64)]), _sample("text", question="Which one is longer?", answer="The second.")]
+    with torch.no_grad():
+        alone = [vanilla(**model_inputs(Collator(processor, SPEC, dummy_image=False)([s])), use_cache=False).logits[0] for s in samples]
+    row = PackedCollator(processor, SPEC, tokens_per_batch=4096, dummy_image=False)(samples)
+    assert row["seq_lens"][0] > 200 > row["seq_lens"][1]
+    model = copy.deepcopy(vanilla)
+    SPEC.position_hook(model, processor.image_token_id)
+    with torch.no_grad():
+        logits = model(**model_inputs(row), use_cache=False).logits[0]
+        one_choice = vanilla(**model_inputs(row), use_cache=False).logits[0]
+    n = row["seq_lens"][0]
+    torch.testing.assert_close(logits[:n], alone[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits[n:], alone[1], rtol=0, atol=1e-5)
+    assert not torch.allclose(one_choice[n:], alone[1], atol=1e-3)
+
+
 def test_rows_of_one_projection_pair_and_other_inputs_keep_the_class_forward(tiny):
     """A packed row whose clips all take one pair (no image, or images with every clip), a padded batch and a text
     row go through transformers' own code under the hook: same logits as without it."""

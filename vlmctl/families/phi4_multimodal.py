@@ -56,20 +56,22 @@ Packed rows (`supports_packing=True`): a packed row [1, T] of several samples, w
 `packed_cu_seqlens` and no attention mask (`vlmctl.data.collate.PackedCollator`), goes through
 `Phi4MultimodalForCausalLM` as it is (the language model builds the per-sample causal mask from the position ids, or
 hands `packed_cu_seqlens` to the varlen kernel; the class's forward takes `logits_to_keep` as an index tensor; the
-images' features and the clips' fill their placeholder tokens in row order), except for the audio projection: the
+images' and the clips' features fill their placeholder tokens in row order), except for the audio projection: the
 class picks one pair per forward (`Phi4MultimodalFeatureEmbedding.forward`: `_for_vision_speech` when
 `image_pixel_values` is given, else `_for_speech`), so a sample's clips would be projected by its row-mates' images.
 `position_hook` (which training calls with the model exactly when rows are packed) installs
 `per_sample_audio_projection`: the inner model's forward embeds a packed row holding both `<|image|>` and `<|audio|>`
 tokens with `packed_embeddings`, which encodes all clips in one call, as the class does, and projects each clip by
 the pair its own sample would choose alone (`_for_vision_speech` exactly when that sample holds an `<|image|>`
-token); any other input (a row of one pair, padded batches, generation) runs the class's own code. A packed row thus
-gives each sample the logits it has alone. Padded batches keep transformers' per-batch choice, as vanilla
-transformers runs them. Not per sample, by design: in training mode the conformer draws one random streaming-chunk
-offset per forward (`Phi4MultimodalAudioModel`, training-time randomness of the clips' chunk boundaries; eval mode
-has none), and a LongRoPE model (the published `rope_type: longrope`) switches to its long factors when the row's
-largest position exceeds `original_max_position_embeddings` (transformers' `longrope_frequency_update` reads the
-largest position id): a row whose longest sample exceeds it rotates its shorter samples by the long factors too.
+token); any other input (a row of one pair, padded batches, generation) runs the class's own code. The rotary
+embedding makes a second per-forward choice: under LongRoPE (the published `rope_type: longrope`) transformers'
+`longrope_frequency_update` switches to the long factors when the largest position id exceeds
+`original_max_position_embeddings`, which in a packed row is the longest sample's length; the hook's
+`per_sample_rope` computes a packed row's cos / sin sample by sample, so each sample's factors follow its own length.
+A packed row thus gives each sample the logits it has alone. Padded batches keep transformers' per-batch choice of
+the audio pair, as vanilla transformers runs them. Not per sample, by design: in training mode the conformer draws
+one random streaming-chunk offset per forward (`Phi4MultimodalAudioModel`; training-time randomness of the clips'
+chunk boundaries, none in eval mode).
 """
 
 from __future__ import annotations
@@ -492,6 +494,36 @@ def per_sample_audio_projection(model: Any, path: str = "model") -> bool:
     return True
 
 
+def per_sample_rope(model: Any, path: str = "model") -> bool:
+    """Give the rotary embedding of the inner `Phi4MultimodalModel` at `path` of `model` a forward that computes a
+    packed row's cos / sin one sample at a time (`_rope_per_sample`, module docstring), in place (an instance
+    attribute, as `per_sample_audio_projection`). Idempotent; returns False when it was there already."""
+    rotary = submodule(model, path).rotary_emb
+    if getattr(rotary.forward, "__func__", None) is _rope_per_sample:
+        return False
+    rotary.forward = types.MethodType(_rope_per_sample, rotary)
+    return True
+
+
+def _rope_per_sample(self, x: Any, position_ids: Any):
+    """`Phi4MultimodalRotaryEmbedding.forward` (transformers 5.24) of `self`; under LongRoPE (whose factors
+    transformers' `dynamic_rope_update` picks from the largest position id alone) and for a packed row (position ids
+    [1, T] starting at 0 and restarting at 0 per sample), the class's forward on each sample's positions,
+    concatenated: each sample's factors chosen by its own length. Returns (cos, sin), each [1, T, rotary dim] in
+    `x`'s dtype."""
+    import torch
+
+    forward = type(self).forward
+    if self.rope_type != "longrope" or position_ids.dim() != 2 or position_ids.shape[0] != 1:
+        return forward(self, x, position_ids)
+    starts = torch.nonzero(position_ids[0] == 0).squeeze(1).tolist()
+    if len(starts) < 2 or starts[0] != 0:  # one sample, or not a packed row from its start: the class's one choice
+        return forward(self, x, position_ids)
+    bounds = [*starts, position_ids.shape[1]]
+    pieces = [forward(self, x, position_ids[:, a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    return torch.cat([cos for cos, _ in pieces], dim=1), torch.cat([sin for _, sin in pieces], dim=1)
+
+
 def _forward_per_sample_audio(self, input_ids: Any = None, inputs_embeds: Any = None, image_pixel_values: Any = None,
                               image_sizes: Any = None, image_attention_mask: Any = None, audio_input_features: Any = None,
                               audio_embed_sizes: Any = None, audio_attention_mask: Any = None, **kwargs: Any):
@@ -651,8 +683,10 @@ class Phi4MultimodalSpec(FamilySpec):
         """None: the collator's (1, T) per-sample positions are right as they are. Training calls this hook with the
         model exactly when rows are packed (`vlmctl.train.setup.prepare_model`: after the attention backend is set,
         before peft and the parallel wrappers), so it also prepares the model for packed rows
-        (`per_sample_audio_projection`: each sample's clips projected as if it were alone)."""
+        (`per_sample_audio_projection`: each sample's clips projected as if it were alone; `per_sample_rope`: each
+        sample's LongRoPE factors chosen by its own length)."""
         per_sample_audio_projection(model, self.language_model)
+        per_sample_rope(model, self.language_model)
         return None
 
     def processor_outputs(self, outputs: Mapping[str, Any], processor: Any) -> Mapping[str, Any]:
