@@ -1,7 +1,7 @@
 """An audio + image data set through the CLI with the phi4_multimodal family on CPU: `data prepare` (tokens counted with
 the tiny preset's processor, its tokenizer trained at prepare time), `model build`, one FSDP2 training step on 2 ranks
-(torchrun, gloo) on padded micro-batches of audio, image and text samples (the family refuses packed rows), `vlmctl
-convert` of the DCP checkpoint, and the export loaded with vanilla transformers (`Phi4MultimodalForCausalLM`) giving
+(torchrun, gloo) on packed rows of audio, image and image + audio samples (each sample's clips projected by its own
+images), `vlmctl convert` of the DCP checkpoint, and the export loaded with vanilla transformers (`Phi4MultimodalForCausalLM`) giving
 the run's `final/` logits."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ train:
   strategy: fsdp
   nproc_per_node: 2
   precision: fp32
-  packing: false
+  packing: true
   learning_rate: 1.0e-2
   warmup_ratio: 0.0
   micro_batch_size: 2
@@ -82,11 +82,13 @@ def test_phi4_audio_and_image_data_prepare_build_train_fsdp_convert_and_load_in_
         assert s.num_tokens == encode_sample(s, processor, family).length, s.id
 
     out = train_two_ranks(config, RUN_TIMEOUT)
+    assert "cannot take packed rows" not in out
     run_dir = tmp_path / "runs" / "one"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in rows] == [1] and rows[0]["loss"] == rows[0]["loss"] > 0 and rows[0]["visual_tokens"] > 0
+    assert json.loads((run_dir / "plan.json").read_text())["decisions"]["packing"]["value"] is True
     state = json.loads((run_dir / "checkpoints" / "checkpoint-1" / "trainer_state.json").read_text())
-    assert (state["family"], state["world_size"], state["strategy"], state["packing"]) == ("phi4_multimodal", 2, "fsdp", False)
+    assert (state["family"], state["world_size"], state["strategy"], state["packing"]) == ("phi4_multimodal", 2, "fsdp", True)
 
     converted = tmp_path / "converted"
     code, stdout, err = run(["convert", str(run_dir / "checkpoints" / "checkpoint-1"), "-o", str(converted), "--dtype", "fp32"], capsys)

@@ -1,7 +1,7 @@
 """The phi4_multimodal family (Phi-4-multimodal) on its tiny preset: module paths and FSDP units on the real
 transformers class, the image-token and audio-token rules against the real `Phi4MultimodalProcessor` (with vlmctl's
-port of its image processor), padded batches of audio, image and text samples through the trainer's collator, and
-the built model loaded by vanilla transformers with the same logits."""
+port of its image processor), padded batches and packed rows of audio, image and text samples through the trainer's
+collators, and the built model loaded by vanilla transformers with the same logits."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def test_module_paths_and_layer_classes_on_the_real_class():
     assert len(vision_layers(model, SPEC)) == 4
     counts = count_parameters(model, SPEC)
     assert min(counts["vision"], counts["projector"], counts["llm"]) > 0
-    assert set(SPEC.modalities) == {"image", "audio"} and not SPEC.supports_packing
+    assert set(SPEC.modalities) == {"image", "audio"} and SPEC.supports_packing
     # the token ids live in the encoders' configs, the text settings at the top level
     assert (model.config.vision_config.image_token_id, model.config.audio_config.audio_token_id) != (200010, 200011)
     assert model.config.vocab_size % 64 == 0 and model.config.vocab_size < 1024
@@ -150,7 +150,8 @@ def test_a_forward_backward_reaches_both_encoders(tiny):
 def test_padded_batches_give_the_samples_losses_but_audio_projection_depends_on_the_batch(tiny):
     """Samples whose batch-mates do not change the model's audio projection give their own losses in a padded batch
     (images of different crop counts, clips of different lengths); an audio-only sample batched with an image is
-    projected with the `_for_vision_speech` layers and its loss changes (why the family refuses packed rows)."""
+    projected with the `_for_vision_speech` layers and its loss changes (transformers' per-batch choice, which
+    padded batches keep; packed rows project per sample, see the packed-row tests)."""
     import torch
 
     from vlmctl.data.collate import Collator
@@ -173,6 +174,115 @@ def test_padded_batches_give_the_samples_losses_but_audio_projection_depends_on_
         assert abs(float(loss_sum(model, pair)) - image_alone - alone) > 1e-3
 
 
+def _packed_samples() -> list[Sample]:
+    one, two = _clips()
+    return [_sample("image", images=[_png(100, 60)], question="Color?", answer="Red."),
+            _sample("audio", [one], question="What is that sound?", answer="A tone."),
+            _sample("both", [two], [_png(37, 90, (20, 200, 20))], question="Same?", answer="No.")]
+
+
+def test_a_packed_row_gives_each_sample_the_logits_it_has_alone(tiny):
+    """Image-only, audio-only and image + audio samples packed in one row (the trainer's packed collator, the hook
+    training installs): each sample's logits equal its own forward through transformers' class, alone and unpadded;
+    the audio-only sample's clip goes through `_for_speech` although the row holds images, the other through
+    `_for_vision_speech`. Without the hook (the class's per-batch choice) the audio-only sample's logits differ."""
+    import copy
+
+    import torch
+
+    from vlmctl.data.collate import Collator, PackedCollator, model_inputs
+    from vlmctl.families.phi4_multimodal import per_sample_audio_projection
+    from vlmctl.train.kernels import per_sample_sums, token_losses
+    from vlmctl.train.objectives import loss_sum
+
+    _, processor, base = tiny
+    samples = _packed_samples()
+    single = Collator(processor, SPEC, dummy_image=False)
+    with torch.no_grad():
+        alone = [base(**model_inputs(single([s])), use_cache=False).logits[0] for s in samples]
+    row = PackedCollator(processor, SPEC, tokens_per_batch=4096, dummy_image=False)(samples)
+    assert row["input_ids"].shape[0] == 1 and row["seq_lens"] == [int(a.shape[0]) for a in alone]
+    assert row["image_pixel_values"].shape[0] == 2 and row["audio_input_features"].shape[0] == 2
+    with torch.no_grad():
+        per_batch = base(**model_inputs(row), use_cache=False).logits[0]
+    model = copy.deepcopy(base)
+    assert SPEC.position_hook(model, processor.image_token_id) is None
+    assert not per_sample_audio_projection(model)  # installed by the hook
+    with torch.no_grad():
+        logits = model(**model_inputs(row), use_cache=False).logits[0]
+    bounds = np.cumsum([0, *row["seq_lens"]])
+    for sample, expect, start, end in zip(samples, alone, bounds[:-1], bounds[1:]):
+        torch.testing.assert_close(logits[start:end], expect, rtol=0, atol=1e-5, msg=f"logits of {sample.id}")
+    # the per-batch choice: the audio-only sample's clip through `_for_vision_speech`
+    assert not torch.allclose(per_batch[bounds[1]:bounds[2]], alone[1], atol=1e-3)
+    torch.testing.assert_close(per_batch[bounds[0]:bounds[1]], alone[0], rtol=0, atol=1e-5)
+    # the training path: per-sample losses of the labelled positions, and both projection pairs reached
+    with torch.no_grad():
+        losses, index = token_losses(model, {**model_inputs(row), "labels": row["labels"]})
+        sums, _ = per_sample_sums(losses, index, row["seq_lens"])
+        ref = torch.stack([loss_sum(base, single([s])) for s in samples])
+    torch.testing.assert_close(sums, ref, rtol=1e-5, atol=1e-5)
+    model.train()
+    loss_sum(model, row).backward()
+    audio = model.model.embed_tokens_extend.audio_embed
+    assert audio.up_proj_for_speech.weight.grad.abs().sum() > 0 and audio.up_proj_for_vision_speech.weight.grad.abs().sum() > 0
+
+
+def test_a_packed_row_under_longrope_rotates_each_sample_by_its_own_length(tiny):
+    """The tiny model's weights under LongRoPE whose original length lies between a text sample's and an image
+    sample's: packed together, each sample's logits equal its own alone (the text sample by the short factors, the
+    image sample by the long ones); without the hook the row's longest sample switches both to the long factors."""
+    import copy
+
+    import torch
+    from transformers import Phi4MultimodalForCausalLM
+
+    from vlmctl.data.collate import Collator, PackedCollator, model_inputs
+
+    _, processor, base = tiny
+    config = copy.deepcopy(base.config)
+    config.original_max_position_embeddings = 200
+    config.rope_parameters = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                              "short_factor": [1.0] * 6, "long_factor": [4.0] * 6, "original_max_position_embeddings": 200}
+    vanilla = Phi4MultimodalForCausalLM(config).eval()
+    vanilla.load_state_dict(base.state_dict())
+    samples = [_sample("image", images=[_png(64, 64)]), _sample("text", question="Which one is longer?", answer="The second.")]
+    with torch.no_grad():
+        alone = [vanilla(**model_inputs(Collator(processor, SPEC, dummy_image=False)([s])), use_cache=False).logits[0] for s in samples]
+    row = PackedCollator(processor, SPEC, tokens_per_batch=4096, dummy_image=False)(samples)
+    assert row["seq_lens"][0] > 200 > row["seq_lens"][1]
+    model = copy.deepcopy(vanilla)
+    SPEC.position_hook(model, processor.image_token_id)
+    with torch.no_grad():
+        logits = model(**model_inputs(row), use_cache=False).logits[0]
+        one_choice = vanilla(**model_inputs(row), use_cache=False).logits[0]
+    n = row["seq_lens"][0]
+    torch.testing.assert_close(logits[:n], alone[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits[n:], alone[1], rtol=0, atol=1e-5)
+    assert not torch.allclose(one_choice[n:], alone[1], atol=1e-3)
+
+
+def test_rows_of_one_projection_pair_and_other_inputs_keep_the_class_forward(tiny):
+    """A packed row whose clips all take one pair (no image, or images with every clip), a padded batch and a text
+    row go through transformers' own code under the hook: same logits as without it."""
+    import copy
+
+    import torch
+
+    from vlmctl.data.collate import Collator, PackedCollator, model_inputs
+
+    _, processor, base = tiny
+    model = copy.deepcopy(base)
+    SPEC.position_hook(model, processor.image_token_id)
+    image, audio, both = _packed_samples()
+    packed = PackedCollator(processor, SPEC, tokens_per_batch=4096, dummy_image=False)
+    batches = [packed([audio]), packed([both]), packed([image, both]), Collator(processor, SPEC, dummy_image=False)([audio, both])]
+    with torch.no_grad():
+        for batch in batches:
+            inputs = model_inputs(batch)
+            torch.testing.assert_close(model(**inputs, use_cache=False).logits, base(**inputs, use_cache=False).logits, rtol=0, atol=0)
+
+
 def _conv_backward_by_groups(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation, transposed,
                             _output_padding, _groups, output_mask, out_shape=None, **kwargs) -> int:
     """FLOPs of a convolution's backward pass: the forward pass's once per gradient asked for (input, weight).
@@ -184,19 +294,24 @@ def _conv_backward_by_groups(grad_out_shape, x_shape, w_shape, _bias, _stride, _
     return forward * int(bool(output_mask[0])) + forward * int(bool(output_mask[1]))
 
 
-@pytest.mark.parametrize("trainable", [{"vision", "projector", "llm"}, {"projector", "llm"}, {"projector"}, {"llm"}],
-                         ids=["full", "finetune", "align", "llm"])
-def test_the_cost_model_matches_the_flop_counter(tiny, trainable):
-    """One sample with two clips and an image (padding crops included), forward and backward on the labelled
-    positions with eager attention: the cost model's terms equal what `FlopCounterMode` counts (with grouped
-    convolutions' backward counted by their groups), up to the causal half of the language model's attention."""
+FULL, FINETUNE, ALIGN, LLM = {"vision", "projector", "llm"}, {"projector", "llm"}, {"projector"}, {"llm"}
+
+
+@pytest.mark.parametrize("trainable, packed", [(FULL, False), (FINETUNE, False), (ALIGN, False), (LLM, False), (FULL, True), (ALIGN, True)],
+                         ids=["full", "finetune", "align", "llm", "full-packed", "align-packed"])
+def test_the_cost_model_matches_the_flop_counter(tiny, trainable, packed):
+    """One sample with two clips and an image (padding crops included), in a padded batch or a packed row (through
+    the hook's per-sample embedding), forward and backward on the labelled positions with eager attention: the cost
+    model's terms equal what `FlopCounterMode` counts (with grouped convolutions' backward counted by their groups),
+    up to the causal half of the language model's attention. (One sample per row: eager attention computes a packed
+    row's whole T x T scores, which the cost model charges per sample.)"""
     import copy
 
     import torch
     import torch.nn.functional as F
     from torch.utils.flop_counter import FlopCounterMode
 
-    from vlmctl.data.collate import Collator, model_inputs
+    from vlmctl.data.collate import Collator, PackedCollator, model_inputs
     from vlmctl.families import part_of_parameter
     from vlmctl.train.flops import CostModel
 
@@ -204,7 +319,12 @@ def test_the_cost_model_matches_the_flop_counter(tiny, trainable):
     model = copy.deepcopy(base)
     model.set_attn_implementation("eager")
     sample = _sample("s", _clips(), [_png(100, 60)], question="Describe them all.", answer="A tone and a picture. " * 5)
-    batch = Collator(processor, SPEC, dummy_image=False)([sample])
+    if packed:
+        SPEC.position_hook(model, processor.image_token_id)
+        batch = PackedCollator(processor, SPEC, tokens_per_batch=4096, dummy_image=False)([sample])
+        assert "packed_cu_seqlens" in batch and "attention_mask" not in batch
+    else:
+        batch = Collator(processor, SPEC, dummy_image=False)([sample])
     assert tuple(batch["image_pixel_values"].shape[:2]) == (1, 5) and batch["audio_input_features"].shape[0] == 2
     for name, p in model.named_parameters():
         p.requires_grad_(part_of_parameter(name, SPEC) in trainable)

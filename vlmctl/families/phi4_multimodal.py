@@ -52,17 +52,34 @@ forward only; `phi4_audio_cost`: the conformer's subsampling, blocks and causal 
 Config: `Phi4MultimodalConfig` takes the text settings at its top level and reads the image / audio token ids from
 `vision_config` / `audio_config`; `config_kwargs` lays a preset's `config:` out so.
 
-Not handled (the family refuses packed rows): the model picks the audio projection per micro-batch
-(`_for_vision_speech` when the batch holds any image, else `_for_speech`), so a sample's audio is projected
-differently depending on the samples it is batched with (padded batches too); the conformer draws a random
-streaming-chunk offset per forward in training mode.
+Packed rows (`supports_packing=True`): a packed row [1, T] of several samples, with per-sample position ids and
+`packed_cu_seqlens` and no attention mask (`vlmctl.data.collate.PackedCollator`), goes through
+`Phi4MultimodalForCausalLM` as it is (the language model builds the per-sample causal mask from the position ids, or
+hands `packed_cu_seqlens` to the varlen kernel; the class's forward takes `logits_to_keep` as an index tensor; the
+images' and the clips' features fill their placeholder tokens in row order), except for the audio projection: the
+class picks one pair per forward (`Phi4MultimodalFeatureEmbedding.forward`: `_for_vision_speech` when
+`image_pixel_values` is given, else `_for_speech`), so a sample's clips would be projected by its row-mates' images.
+`position_hook` (which training calls with the model exactly when rows are packed) installs
+`per_sample_audio_projection`: the inner model's forward embeds a packed row holding both `<|image|>` and `<|audio|>`
+tokens with `packed_embeddings`, which encodes all clips in one call, as the class does, and projects each clip by
+the pair its own sample would choose alone (`_for_vision_speech` exactly when that sample holds an `<|image|>`
+token); any other input (a row of one pair, padded batches, generation) runs the class's own code. The rotary
+embedding makes a second per-forward choice: under LongRoPE (the published `rope_type: longrope`) transformers'
+`longrope_frequency_update` switches to the long factors when the largest position id exceeds
+`original_max_position_embeddings`, which in a packed row is the longest sample's length; the hook's
+`per_sample_rope` computes a packed row's cos / sin sample by sample, so each sample's factors follow its own length.
+A packed row thus gives each sample the logits it has alone. Padded batches keep transformers' per-batch choice of
+the audio pair, as vanilla transformers runs them. Not per sample, by design: in training mode the conformer draws
+one random streaming-chunk offset per forward (`Phi4MultimodalAudioModel`; training-time randomness of the clips'
+chunk boundaries, none in eval mode).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+import types
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -384,8 +401,8 @@ class Phi4AudioShape:
     `audio_input_features` [B, T, mel bins]: the subsampling convolutions at their output positions, its output
     layer and each conformer block's linear layers and pointwise convolutions at T' = T / time_reduction positions
     per clip, the depthwise convolution and the pointwise one after it at T' + k - 1 (its causal padding),
-    attention 4 x d x T'^2 per block; the projections (one pair, `_for_vision_speech` when the batch has images,
-    of the same sizes) at T' positions. Backward factors are the cost model's (the encoder is the `vision` part, its
+    attention 4 x d x T'^2 per block; the projections at T' positions (one pair per clip: `_for_vision_speech` when
+    the batch has images, in a packed row when the clip's own sample has one; both pairs have the same sizes). Backward factors are the cost model's (the encoder is the `vision` part, its
     first convolution reads the mel features; the projections the projector). A `CountsItself` (`paths`,
     `batch_terms`, `sample_terms`)."""
 
@@ -458,6 +475,126 @@ def phi4_audio_cost() -> Phi4AudioCost:
     """The cost rule of the conformer audio encoder (`Phi4AudioShape`), read from the model (any device, meta
     included) and `model.config.audio_config`. Picklable."""
     return Phi4AudioCost()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Packed rows: each sample's audio projected as it is alone
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def per_sample_audio_projection(model: Any, path: str = "model") -> bool:
+    """Give the inner `Phi4MultimodalModel` at `path` of `model` (a `Phi4MultimodalForCausalLM`, unwrapped) a forward
+    that embeds a packed row's media per sample (`_forward_per_sample_audio`, module docstring), in place: an instance
+    attribute, so wrappers applied later (peft, FSDP2, DDP, DeepSpeed) call it through their own forward and hooks.
+    Idempotent; returns False when it was there already."""
+    inner = submodule(model, path)
+    if getattr(inner.forward, "__func__", None) is _forward_per_sample_audio:
+        return False
+    inner.forward = types.MethodType(_forward_per_sample_audio, inner)
+    return True
+
+
+def per_sample_rope(model: Any, path: str = "model") -> bool:
+    """Give the rotary embedding of the inner `Phi4MultimodalModel` at `path` of `model` a forward that computes a
+    packed row's cos / sin one sample at a time (`_rope_per_sample`, module docstring), in place (an instance
+    attribute, as `per_sample_audio_projection`). Idempotent; returns False when it was there already."""
+    rotary = submodule(model, path).rotary_emb
+    if getattr(rotary.forward, "__func__", None) is _rope_per_sample:
+        return False
+    rotary.forward = types.MethodType(_rope_per_sample, rotary)
+    return True
+
+
+def _rope_per_sample(self, x: Any, position_ids: Any):
+    """`Phi4MultimodalRotaryEmbedding.forward` (transformers 5.24) of `self`; under LongRoPE (whose factors
+    transformers' `dynamic_rope_update` picks from the largest position id alone) and for a packed row (position ids
+    [1, T] starting at 0 and restarting at 0 per sample), the class's forward on each sample's positions,
+    concatenated: each sample's factors chosen by its own length. Returns (cos, sin), each [1, T, rotary dim] in
+    `x`'s dtype."""
+    import torch
+
+    forward = type(self).forward
+    if self.rope_type != "longrope" or position_ids.dim() != 2 or position_ids.shape[0] != 1:
+        return forward(self, x, position_ids)
+    starts = torch.nonzero(position_ids[0] == 0).squeeze(1).tolist()
+    if len(starts) < 2 or starts[0] != 0:  # one sample, or not a packed row from its start: the class's one choice
+        return forward(self, x, position_ids)
+    bounds = [*starts, position_ids.shape[1]]
+    pieces = [forward(self, x, position_ids[:, a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    return torch.cat([cos for cos, _ in pieces], dim=1), torch.cat([sin for _, sin in pieces], dim=1)
+
+
+def _forward_per_sample_audio(self, input_ids: Any = None, inputs_embeds: Any = None, image_pixel_values: Any = None,
+                              image_sizes: Any = None, image_attention_mask: Any = None, audio_input_features: Any = None,
+                              audio_embed_sizes: Any = None, audio_attention_mask: Any = None, **kwargs: Any):
+    """`Phi4MultimodalModel.forward` (transformers 5.24) of `self`, except for a packed row [1, T] (`packed_cu_seqlens`
+    int32 [S + 1] in `kwargs`) holding both `<|image|>` and `<|audio|>` tokens: its input embeddings are then
+    `packed_embeddings` (each clip projected by its own sample's pair) and the class's forward runs on them. Any
+    other input (padded batches, generation, a row without images or without audio) goes to the class's forward as
+    it is. Returns the class's `BaseModelOutputWithPast`."""
+    media = dict(image_pixel_values=image_pixel_values, image_sizes=image_sizes, image_attention_mask=image_attention_mask,
+                 audio_input_features=audio_input_features, audio_embed_sizes=audio_embed_sizes,
+                 audio_attention_mask=audio_attention_mask)
+    cu = kwargs.get("packed_cu_seqlens")
+    if (cu is not None and input_ids is not None and inputs_embeds is None and image_pixel_values is not None
+            and audio_input_features is not None):
+        inputs_embeds = packed_embeddings(self, input_ids, cu, **media)
+        input_ids, media = None, {}
+    return type(self).forward(self, input_ids=input_ids, inputs_embeds=inputs_embeds, **media, **kwargs)
+
+
+def packed_embeddings(inner: Any, input_ids: Any, cu_seqlens: Any, *, image_pixel_values: Any, image_sizes: Any,
+                      image_attention_mask: Any, audio_input_features: Any, audio_embed_sizes: Any,
+                      audio_attention_mask: Any) -> Any:
+    """Input embeddings [1, T, hidden] of one packed row `input_ids` [1, T] of the samples bounded by `cu_seqlens`
+    (int [S + 1], cumulative tokens) for the inner model `inner` (`Phi4MultimodalModel`): what
+    `Phi4MultimodalFeatureEmbedding.forward` (transformers 5.24) computes, except that each clip goes through
+    `_for_vision_speech` when its own sample holds an `<|image|>` token and `_for_speech` otherwise (the class picks
+    one pair for the whole batch). The clips (`audio_input_features` [N, frames, mel bins], in row order, as the
+    collator concatenates them) are encoded together in one call, as the class does; clip i fills the next
+    `audio_embed_sizes[i]` `<|audio|>` positions of the row. Raises ValueError for more than one row."""
+    import torch
+    from torch import nn
+
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"a packed row is one row, got input_ids of shape {tuple(input_ids.shape)}")
+    extend, config = inner.embed_tokens_extend, inner.config
+    image_id, audio_id = config.vision_config.image_token_id, config.audio_config.audio_token_id
+    embeds = inner.embed_tokens(input_ids)
+    ids = input_ids[0]
+    is_image, is_audio = ids == image_id, ids == audio_id
+    if not bool(is_image.any()) or not bool(is_audio.any()):  # one pair for every clip: the class's own code
+        pixels = image_pixel_values if bool(is_image.any()) else None  # no sample holds an image: `_for_speech`
+        return extend(input_ids, embeds, image_pixel_values=pixels, audio_input_features=audio_input_features,
+                      image_sizes=image_sizes, image_attention_mask=image_attention_mask, audio_embed_sizes=audio_embed_sizes,
+                      audio_attention_mask=audio_attention_mask)
+    with torch.no_grad():
+        cu = torch.as_tensor(cu_seqlens, device=ids.device).long()
+        segment = torch.searchsorted(cu[1:], torch.arange(ids.shape[0], device=ids.device), right=True)  # [T]
+        with_image = torch.zeros(cu.numel() - 1, dtype=torch.bool, device=ids.device)
+        with_image[segment[is_image]] = True
+        sizes = torch.as_tensor(audio_embed_sizes, device=ids.device).long().reshape(-1)
+        audio_positions = torch.nonzero(is_audio, as_tuple=True)[0]
+        first_token = torch.cumsum(sizes, 0) - sizes  # each clip's first token among the row's audio tokens
+        clip_vision = with_image[segment[audio_positions[first_token]]]  # [N]
+
+    image_embeds = extend.image_embed(input_ids, embeds, image_pixel_values=image_pixel_values, image_sizes=image_sizes,
+                                      image_attention_mask=image_attention_mask)
+    audio = extend.audio_embed
+    dtype, device = audio.up_proj_for_speech.bias.dtype, audio.up_proj_for_speech.bias.device
+    hidden = audio.encoder(audio_input_features.to(device=device, dtype=dtype), audio_attention_mask)  # [N, T', d]
+    parts, order = [], []
+    for vision, up, down in ((False, audio.up_proj_for_speech, audio.down_proj_for_speech),
+                             (True, audio.up_proj_for_vision_speech, audio.down_proj_for_vision_speech)):
+        index = torch.nonzero(clip_vision == vision, as_tuple=True)[0]
+        if index.numel():  # a pair no clip uses stays out of the graph, as in the class's forward
+            parts.append(down(nn.functional.gelu(up(hidden[index]))))
+            order.append(index)
+    projected = torch.cat(parts)[torch.argsort(torch.cat(order))]  # back to clip order
+    merged = torch.cat([projected[i, : int(n)] for i, n in enumerate(sizes)]).to(dtype=embeds.dtype, device=embeds.device)
+    audio_embeds = audio.drop(embeds.index_put((torch.zeros_like(audio_positions), audio_positions), merged))
+    keep_image = is_image[None, :, None]
+    return image_embeds * keep_image + audio_embeds * ~keep_image  # the class's merge
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -542,6 +679,16 @@ class Phi4MultimodalSpec(FamilySpec):
             audio["audio_token_id"] = audio_id
         return {**text, **data, "vision_config": vision, "audio_config": audio}
 
+    def position_hook(self, model: Any, image_token_id: int | None) -> Callable[[dict], dict] | None:
+        """None: the collator's (1, T) per-sample positions are right as they are. Training calls this hook with the
+        model exactly when rows are packed (`vlmctl.train.setup.prepare_model`: after the attention backend is set,
+        before peft and the parallel wrappers), so it also prepares the model for packed rows
+        (`per_sample_audio_projection`: each sample's clips projected as if it were alone; `per_sample_rope`: each
+        sample's LongRoPE factors chosen by its own length)."""
+        per_sample_audio_projection(model, self.language_model)
+        per_sample_rope(model, self.language_model)
+        return None
+
     def processor_outputs(self, outputs: Mapping[str, Any], processor: Any) -> Mapping[str, Any]:
         """One sample's outputs with every image's crops padded to 1 + `dynamic_hd` (zero crops, masks of ones, as
         transformers pads within one call), so images of different samples concatenate along dim 0; the model reads
@@ -585,11 +732,11 @@ PHI4_MULTIMODAL = register(Phi4MultimodalSpec(
     decoder_layer_classes=("Phi4MultimodalDecoderLayer",),
     modalities={"image": IMAGE, "audio": AUDIO},
     visual_token_rule=phi4_image_rule,
-    supports_packing=False,
+    supports_packing=True,
     special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>", IMAGE, AUDIO),
     extra_special_tokens={"audio_token": AUDIO},
     config_token_ids={"image_token_id": IMAGE, "audio_token_id": AUDIO},
     image_processor_class="Phi4MultimodalImageProcessor",
     tiny_preset="tiny-phi4-multimodal",
-    notes="Phi-4-multimodal: images (dynamic-HD crops) + audio + text; no packed rows (the audio projection is chosen per batch).",
+    notes="Phi-4-multimodal: images (dynamic-HD crops) + audio + text; packed rows project each sample's audio by its own images.",
 ))
