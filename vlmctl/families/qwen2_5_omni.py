@@ -37,7 +37,8 @@ Positions (TMRoPE, `Qwen2_5OmniPreTrainedModelForConditionalGeneration.get_rope_
 (t, h, w) as in Qwen2.5-VL; an audio clip's tokens get consecutive positions, as text does, so a sample without
 images has the 1-D positions 0..T-1 on all three axes. Packed rows (`supports_packing=True`): `position_hook`
 (`omni_prepare`) gives a packed row the (4, 1, T) text + per-sample 3-D positions, calling the model's own
-`get_rope_index` on each sample with images (with its image grids and its clips' frame counts), and prepares the
+`get_rope_index` on each sample with images (with its image grids and its clips' frame counts;
+`packed_omni_positions`, which `vlmctl.families.qwen3_omni` shares, videos included), and prepares the
 model as Qwen2-Audio's packed rows need it (`qwen2_audio.audio_attention`, and a forward taking `logits_to_keep`,
 `keep_logits_forward`: the class's forward has no such argument).
 """
