@@ -230,6 +230,7 @@ def test_packed_rows_give_the_per_sample_losses_and_gradients(tiny):
     assert row["input_ids"].shape[0] == 1 and row["num_dummy_audios"] == 0 and row["num_dummy_images"] == 0
     row = hook(row)
     assert tuple(row["position_ids"].shape) == (4, 1, row["input_ids"].shape[1])
+    assert row["position_ids"].dtype == torch.long  # whole positions: the ids' dtype, as the class computes them
     assert not torch.equal(row["position_ids"][0], row["position_ids"][1])  # images: 3-D positions differ from text's
     seen = []
     handle = model.lm_head.register_forward_hook(lambda m, i, o: seen.append(tuple(i[0].shape)))

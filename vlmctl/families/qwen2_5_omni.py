@@ -37,7 +37,8 @@ Positions (TMRoPE, `Qwen2_5OmniPreTrainedModelForConditionalGeneration.get_rope_
 (t, h, w) as in Qwen2.5-VL; an audio clip's tokens get consecutive positions, as text does, so a sample without
 images has the 1-D positions 0..T-1 on all three axes. Packed rows (`supports_packing=True`): `position_hook`
 (`omni_prepare`) gives a packed row the (4, 1, T) text + per-sample 3-D positions, calling the model's own
-`get_rope_index` on each sample with images (with its image grids and its clips' frame counts), and prepares the
+`get_rope_index` on each sample with images (with its image grids and its clips' frame counts;
+`packed_omni_positions`, which `vlmctl.families.qwen3_omni` shares, videos included), and prepares the
 model as Qwen2-Audio's packed rows need it (`qwen2_audio.audio_attention`, and a forward taking `logits_to_keep`,
 `keep_logits_forward`: the class's forward has no such argument).
 """
@@ -72,54 +73,72 @@ EXTRACTOR_KEYS = frozenset({"feature_size", "sampling_rate", "hop_length", "chun
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def packed_omni_positions(get_rope_index: Callable[..., tuple[Any, Any]], input_ids, seq_lens: list[int], *, image_token_id: int,
-                          audio_bos_id: int, image_grid_thw=None, feature_lens=None):
-    """(4, 1, T) position ids of a packed Qwen2.5-Omni row: the 1-D text positions restarting per sample (row 0,
-    what transformers reads to build the packed mask) over the per-sample 3-D TMRoPE positions (rows 1-3).
+def packed_omni_positions(get_rope_index: Callable[..., tuple[Any, Any]], input_ids, seq_lens: list[int], *,
+                          token_ids: Mapping[str, int], image_grid_thw=None, video_grid_thw=None,
+                          video_second_per_grid=None, feature_lens=None):
+    """(4, 1, T) position ids of a packed Qwen2.5-Omni or Qwen3-Omni row: the 1-D text positions restarting per sample
+    (row 0, what transformers reads to build the packed mask) over the per-sample 3-D TMRoPE positions (rows 1-3).
 
-    `input_ids` (1, T); `image_grid_thw` [n_images, 3] and `feature_lens` [n_clips] (mel frames per clip, the
-    `feature_attention_mask` sums) in row order. A sample with images gets the model's own `get_rope_index` on its
-    tokens with its slices of both (an image run starts after `<|vision_bos|>`, a clip is one `<|audio_bos|>`);
-    one without gets 0..n-1, what `get_rope_index` gives text and audio alone.
+    `input_ids` (1, T); in row order `image_grid_thw` [n_images, 3], `video_grid_thw` [n_videos, 3],
+    `video_second_per_grid` [n_videos] (seconds per temporal patch) and `feature_lens` [n_clips] (mel frames per clip,
+    the `feature_attention_mask` sums). `token_ids`: the config's `vision_start` (`<|vision_bos|>` /
+    `<|vision_start|>`), `image`, `video` and `audio_start` (`<|audio_bos|>` / `<|audio_start|>`) token ids. A sample
+    with images or videos gets the model's own `get_rope_index` on its tokens with its slices of these (an image or a
+    video is the token after a vision start, a clip one audio start: how `get_rope_index` of both classes counts them,
+    transformers 5.24, models/qwen2_5_omni/modeling_qwen2_5_omni.py and models/qwen3_omni_moe/modeling_qwen3_omni_moe.py);
+    one without gets 0..n-1, what `get_rope_index` gives text and audio alone. Positions are int64 where all are whole
+    numbers (always so for images and clips), else float32 as Qwen3-Omni's `get_rope_index` gives them (a video's
+    temporal positions are t x seconds per patch x `position_id_per_seconds`).
+    Raises ModelError for a sample with videos and no `video_second_per_grid`.
     """
     import torch
 
-    rows, start, images, clips = [], 0, 0, 0
+    rows, start, used = [], 0, {"image": 0, "video": 0, "audio": 0}
     for n in seq_lens:
         ids = input_ids[:, start:start + n]
-        is_image = ids[0] == image_token_id
-        n_images = int((is_image[1:] & ~is_image[:-1]).sum() + is_image[0])
-        n_clips = int((ids[0] == audio_bos_id).sum())
-        if n_images:
-            lens = feature_lens[clips:clips + n_clips] if n_clips else None
-            pos, _ = get_rope_index(ids, image_grid_thw=image_grid_thw[images:images + n_images],
-                                    attention_mask=torch.ones_like(ids), audio_seqlens=lens)
+        after = ids[0, 1:][ids[0, :-1] == token_ids["vision_start"]]
+        count = {"image": int((after == token_ids["image"]).sum()), "video": int((after == token_ids["video"]).sum()),
+                 "audio": int((ids[0] == token_ids["audio_start"]).sum())}
+        if count["video"] and video_second_per_grid is None:
+            raise ModelError("a packed row has videos but no video_second_per_grid (seconds per temporal patch)",
+                             hint="build the batch with the family's processor (`vlmctl.models.load_processor`)")
+        if count["image"] or count["video"]:
+            part = {key: None if t is None or not count[m] else t[used[m]:used[m] + count[m]]
+                    for key, m, t in (("image_grid_thw", "image", image_grid_thw), ("video_grid_thw", "video", video_grid_thw),
+                                      ("second_per_grids", "video", video_second_per_grid), ("audio_seqlens", "audio", feature_lens))}
+            pos, _ = get_rope_index(ids, attention_mask=torch.ones_like(ids), **part)
         else:
             pos = torch.arange(n, device=input_ids.device).view(1, 1, -1).expand(3, 1, -1)
-        rows.append(pos)
-        start, images, clips = start + n, images + n_images, clips + n_clips
+        rows.append(pos.float())  # float32 is exact for whole positions below 2**24
+        start += n
+        used = {m: used[m] + count[m] for m in used}
     mrope = torch.cat(rows, dim=-1)
     text = torch.cat([torch.arange(n, device=input_ids.device) for n in seq_lens]).view(1, 1, -1)
-    return torch.cat([text.to(mrope.dtype), mrope], dim=0)
+    positions = torch.cat([text.to(mrope.dtype), mrope], dim=0)
+    return positions.to(torch.long) if torch.equal(positions, positions.round()) else positions
 
 
-def omni_prepare(model: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
-    """Prepare `model` (unwrapped) for packed rows in place (`keep_logits_forward`, the audio tower's attention) and
-    return the batch hook (run by `loop.prefetch` ahead of the step) that replaces a packed row's (1, T) position
-    ids by `packed_omni_positions`, on CPU before the device copy. Padded batches pass through unchanged (the model
-    computes their positions from the attention mask)."""
+def omni_prepare(model: Any, audio_path: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """Prepare `model` (a Qwen2.5-Omni or Qwen3-Omni thinker, unwrapped) for packed rows in place
+    (`keep_logits_forward`; the audio tower at `audio_path`, its encoder's path, on an attention implementation that
+    takes its windows one by one where the whole model's is a varlen kernel: `qwen2_audio.audio_attention`) and return
+    the batch hook (run by `loop.prefetch` ahead of the step) that replaces a packed row's (1, T) position ids by the
+    (4, 1, T) positions of `packed_omni_positions` (images, videos and clips), on CPU before the device copy. Padded
+    batches pass through unchanged (the model computes their positions from the attention mask)."""
     keep_logits_forward(model)
-    audio_attention(model, _find_prefix(model, QWEN2_5_OMNI.encoders["audio"].path))
+    audio_attention(model, _find_prefix(model, audio_path))
     rope_index = rope_index_fn(model)
     config = model.config
-    image_token_id, audio_bos_id = int(config.image_token_id), int(config.audio_start_token_id)
+    token_ids = {"vision_start": int(config.vision_start_token_id), "image": int(config.image_token_id),
+                 "video": int(config.video_token_id), "audio_start": int(config.audio_start_token_id)}
 
     def prepare(batch: dict[str, Any]) -> dict[str, Any]:
         if not is_packed(batch):
             return batch
         mask = batch.get("feature_attention_mask")
-        positions = packed_omni_positions(rope_index, batch["input_ids"], batch["seq_lens"], image_token_id=image_token_id,
-                                          audio_bos_id=audio_bos_id, image_grid_thw=batch.get("image_grid_thw"),
+        positions = packed_omni_positions(rope_index, batch["input_ids"], batch["seq_lens"], token_ids=token_ids,
+                                          image_grid_thw=batch.get("image_grid_thw"), video_grid_thw=batch.get("video_grid_thw"),
+                                          video_second_per_grid=batch.get("video_second_per_grid"),
                                           feature_lens=None if mask is None else mask.sum(-1))
         return {**batch, "position_ids": positions}
 
@@ -205,9 +224,10 @@ class Qwen25OmniSpec(FamilySpec):
         return audio_tokens(n, hop_length=fe["hop_length"], n_samples=fe["n_samples"])
 
     def position_hook(self, model: Any, image_token_id: int | None) -> Callable[[dict], dict] | None:
-        """`omni_prepare(model)`: packed rows need per-sample TMRoPE positions, the `logits_to_keep` forward and
-        the audio tower on a masked attention. Training calls it with the model exactly when rows are packed."""
-        return omni_prepare(model)
+        """`omni_prepare(model, <the audio encoder's path>)`: packed rows need per-sample TMRoPE positions, the
+        `logits_to_keep` forward and the audio tower on a masked attention. Training calls it with the model exactly
+        when rows are packed."""
+        return omni_prepare(model, self.encoders["audio"].path)
 
     def image_size_kwargs(self, kwargs: Mapping[str, Any], size: int) -> dict[str, Any]:
         """`model.image_size` caps the pixels per image at size**2 (`max_pixels`; `min_pixels` no larger)."""

@@ -57,8 +57,9 @@ Positions (TMRoPE, `Qwen3OmniMoePreTrainedModelForConditionalGeneration.get_rope
 (t, h, w); a video's temporal patch t the temporal position t x `video_second_per_grid` x `position_id_per_seconds`
 (13 per second: fractional for most rates, kept as float32 as the model computes them), its h and w as an image's;
 an audio clip's tokens consecutive ones, as text; a sample without images or videos 0..T-1 on all three axes.
-Packed rows: `position_hook` (`qwen3_omni_prepare`) gives a packed row the (4, 1, T) text + per-sample 3-D positions
-from the model's own `get_rope_index` (`packed_positions`), the forward taking `logits_to_keep`
+Packed rows: `position_hook` (`qwen2_5_omni.omni_prepare`, shared with Qwen2.5-Omni) gives a packed row the (4, 1, T)
+text + per-sample 3-D positions from the model's own `get_rope_index` (`qwen2_5_omni.packed_omni_positions`, videos
+included), the forward taking `logits_to_keep`
 (`qwen2_5_omni.keep_logits_forward`) and the audio tower an attention implementation that splits its windows itself.
 The audio tower encodes each clip on its own (`cu_seqlens` per window), so clips of different samples never mix.
 
@@ -70,18 +71,18 @@ the rest (its module docstring gives the terms and the backward factors).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 from vlmctl.errors import ModelError
 from vlmctl.families.encoders import audio_encoder, image_encoder, submodule, vision_cost
-from vlmctl.families.qwen2_5_omni import EXTRACTOR_KEYS, Qwen25OmniSpec, keep_logits_forward, omni_image_audio
-from vlmctl.families.qwen2_audio import audio_attention, extractor_settings, resampled_length
-from vlmctl.families.qwen_vl import _frames_variant, _saved_video_settings, qwen_rule, qwen_video_tokens, rope_index_fn
+from vlmctl.families.qwen2_5_omni import EXTRACTOR_KEYS, Qwen25OmniSpec, omni_image_audio
+from vlmctl.families.qwen2_audio import extractor_settings, resampled_length
+from vlmctl.families.qwen_vl import _frames_variant, _saved_video_settings, qwen_rule, qwen_video_tokens
 from vlmctl.families.registry import register
-from vlmctl.families.spec import _find_prefix, is_packed, setting
+from vlmctl.families.spec import setting
 
 # numpy, torch and transformers are imported inside the functions that use them: importing vlmctl (the CLI's
 # start-up) must not pay for them.
@@ -194,78 +195,6 @@ def clip_seconds_per_grid(metadata: Any, clips: int, temporal_patch_size: int, *
         rate = meta.sampled_fps if meta is not None and meta.fps else 1.0
         out.append(temporal_patch_size / float(rate))
     return out
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Packed rows
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def packed_positions(get_rope_index: Callable[..., tuple[Any, Any]], input_ids, seq_lens: list[int], *, token_ids: Mapping[str, int],
-                     image_grid_thw=None, video_grid_thw=None, video_second_per_grid=None, feature_lens=None):
-    """(4, 1, T) position ids of a packed Qwen3-Omni row: the 1-D text positions restarting per sample (row 0, what
-    transformers reads to build the packed mask) over the per-sample 3-D TMRoPE positions (rows 1-3).
-
-    `input_ids` (1, T); in row order `image_grid_thw` [n_images, 3], `video_grid_thw` [n_videos, 3],
-    `video_second_per_grid` [n_videos] (seconds per temporal patch) and `feature_lens` [n_clips] (mel frames per
-    clip). `token_ids`: the config's `vision_start`, `image`, `video` and `audio_start` token ids. A sample with images
-    or videos gets the model's own `get_rope_index` on its tokens with its slices of these (an image or a video is
-    the token after a `<|vision_start|>`, a clip one `<|audio_start|>`); one without gets 0..n-1, what
-    `get_rope_index` gives text and audio alone. Positions are int64 where all are whole numbers, else float32 as
-    `get_rope_index` gives them (a video's temporal positions are t x seconds per patch x `position_id_per_seconds`).
-    Raises ModelError for a sample with videos and no `video_second_per_grid`.
-    """
-    import torch
-
-    rows, start, used = [], 0, {"image": 0, "video": 0, "audio": 0}
-    for n in seq_lens:
-        ids = input_ids[:, start:start + n]
-        after = ids[0, 1:][ids[0, :-1] == token_ids["vision_start"]]
-        count = {"image": int((after == token_ids["image"]).sum()), "video": int((after == token_ids["video"]).sum()),
-                 "audio": int((ids[0] == token_ids["audio_start"]).sum())}
-        if count["video"] and video_second_per_grid is None:
-            raise ModelError("a packed row has videos but no video_second_per_grid (seconds per temporal patch)",
-                             hint="build the batch with the family's processor (`vlmctl.models.load_processor`)")
-        if count["image"] or count["video"]:
-            part = {key: None if t is None or not count[m] else t[used[m]:used[m] + count[m]]
-                    for key, m, t in (("image_grid_thw", "image", image_grid_thw), ("video_grid_thw", "video", video_grid_thw),
-                                      ("second_per_grids", "video", video_second_per_grid), ("audio_seqlens", "audio", feature_lens))}
-            pos, _ = get_rope_index(ids, attention_mask=torch.ones_like(ids), **part)
-        else:
-            pos = torch.arange(n, device=input_ids.device).view(1, 1, -1).expand(3, 1, -1)
-        rows.append(pos.float())
-        start += n
-        used = {m: used[m] + count[m] for m in used}
-    mrope = torch.cat(rows, dim=-1)
-    text = torch.cat([torch.arange(n, device=input_ids.device) for n in seq_lens]).view(1, 1, -1)
-    positions = torch.cat([text.to(mrope.dtype), mrope], dim=0)
-    return positions.to(torch.long) if torch.equal(positions, positions.round()) else positions
-
-
-def qwen3_omni_prepare(model: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
-    """Prepare `model` (unwrapped) for packed rows in place (`keep_logits_forward`; the audio tower on an attention
-    implementation that takes its windows one by one where the whole model's is a varlen kernel) and return the
-    batch hook (run by `loop.prefetch` ahead of the step) that replaces a packed row's (1, T) position ids by the
-    (4, 1, T) positions of `packed_positions` (images, videos and clips), on CPU before the device copy. Padded
-    batches pass through unchanged (the model computes their positions from the attention mask)."""
-    keep_logits_forward(model)
-    audio_attention(model, _find_prefix(model, QWEN3_OMNI.encoders["audio"].path))
-    rope_index = rope_index_fn(model)
-    config = model.config
-    token_ids = {"vision_start": int(config.vision_start_token_id), "image": int(config.image_token_id),
-                 "video": int(config.video_token_id), "audio_start": int(config.audio_start_token_id)}
-
-    def prepare(batch: dict[str, Any]) -> dict[str, Any]:
-        if not is_packed(batch):
-            return batch
-        mask = batch.get("feature_attention_mask")
-        positions = packed_positions(rope_index, batch["input_ids"], batch["seq_lens"], token_ids=token_ids,
-                                     image_grid_thw=batch.get("image_grid_thw"), video_grid_thw=batch.get("video_grid_thw"),
-                                     video_second_per_grid=batch.get("video_second_per_grid"),
-                                     feature_lens=None if mask is None else mask.sum(-1))
-        return {**batch, "position_ids": positions}
-
-    return prepare
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -439,11 +368,6 @@ class Qwen3OmniSpec(Qwen25OmniSpec):
             from vlmctl.families.qwen_video import STAND_INS  # imported only when a processor is built
 
             return STAND_INS[self.video_processor_class](**kwargs)
-
-    def position_hook(self, model: Any, image_token_id: int | None) -> Callable[[dict], dict] | None:
-        """`qwen3_omni_prepare(model)`: packed rows need per-sample TMRoPE positions and the `logits_to_keep`
-        forward."""
-        return qwen3_omni_prepare(model)
 
     def make_processor(self, tokenizer: Any, image_processor: Any, chat_template: str | None = None, *,
                        feature_extractor: Any = None, video_processor: Any = None, **kwargs: Any):
