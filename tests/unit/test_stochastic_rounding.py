@@ -123,13 +123,19 @@ def test_torchao_optimizer_state_and_tensor_lr_resume_from_a_checkpoint(tmp_path
     assert sched2.last_epoch == 3
 
 
-def test_the_one_compiled_step_matches_torchaos_own_adamw():
-    """`stochastic_adamw` steps every parameter size through one dynamic-shape compiled kernel; torchao's `_AdamW`
+@pytest.mark.parametrize("chunk", [None, 40])
+def test_the_one_compiled_step_matches_torchaos_own_adamw(chunk, monkeypatch):
+    """`stochastic_adamw` steps every parameter size through one dynamic-shape compiled kernel, on flat copies of
+    several parameters at once (with chunk=40 the 7- and 30-element parameters go one by one); torchao's `_AdamW`
     compiles one per shape. Same gradients -> the same moments (rounded to nearest in both) and, after many steps,
     weights within the stochastic rounding's noise of each other."""
     from torchao.optim import _AdamW
 
+    from vlmctl.train import optimizer
     from vlmctl.train.optimizer import stochastic_adamw
+
+    if chunk is not None:
+        monkeypatch.setattr(optimizer, "FLAT_CHUNK", chunk)
 
     torch.manual_seed(1)
     shapes = [(48, 32), (7,), (3, 5, 2)]
