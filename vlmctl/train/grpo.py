@@ -660,7 +660,11 @@ class GRPOObjective:
     def _old_logps(self, engine, row: dict[str, Any]) -> torch.Tensor:
         """The completion tokens' log-probs [rollouts, T] under the policy at generation time (no gradient), in the
         layout `loss` computes the current ones in (the same packed row through `engine.model`), so that the ratio
-        exp(logp - old_logp) lines up token by token (TRL's `old_per_token_logps`, computed when num_iterations > 1)."""
+        exp(logp - old_logp) lines up token by token (TRL's `old_per_token_logps`, computed when num_iterations > 1).
+        The row stays on the CPU (the loop moves it for the loss); a copy on the policy's device is scored."""
+        from vlmctl.train.loop import to_device
+
+        row = to_device(row, next(engine.module.parameters()).device)
         inputs = {k: v for k, v in engine.inputs(row).items() if k not in ROLLOUT_KEYS}
         with torch.no_grad():
             logps, _ = completion_logps(engine.model, inputs, row, self.settings.temperature)
