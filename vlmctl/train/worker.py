@@ -107,8 +107,7 @@ def reschedule(engine: Engine, train, total_steps: int) -> Engine:
 
 
 def resume_state(resume_from: Path | None, ctx: RunContext, engine: Engine, train, objective=None):
-    """The loop's starting TrainState: fresh, or restored from `resume_from` if `train` batches as its run did
-    (with `objective`'s per-rank state, e.g. GRPO's buffered rollouts)."""
+    """The loop's starting TrainState (and `objective`'s state): fresh, or from `resume_from` if `train` batches as its run did."""
     from vlmctl.train import checkpoint as ckpt
     from vlmctl.train.loop import TrainState
 
