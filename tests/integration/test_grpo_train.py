@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -22,8 +21,12 @@ from shapes_shards import write_shapes_shards
 RUN_TIMEOUT = 240
 TOKENIZER_TEXTS = ["What color is the triangle? How many circles are there? Is the square left of the circle? "
                    "What shape is the red object? Answer with one word. red green blue yellow purple yes no 0 1 2 3"] * 20
-# a reward with variance on a random model: longer answers score higher (the user-function path, module:function)
-REWARDS = "def longer(completions, references, **kwargs):\n    return [len(c) / 10 for c in completions]\n"
+STOP_ENV = "GRPO_TEST_SIGTERM_ON_REWARD"
+# a reward with variance on a random model: longer answers score higher (the user-function path, module:function);
+# with STOP_ENV set it signals its own process, so the stop lands on the first generation step
+REWARDS = (f"import os\nimport signal\n\n\ndef longer(completions, references, **kwargs):\n"
+           f"    if os.environ.get('{STOP_ENV}'):\n        os.kill(os.getpid(), signal.SIGTERM)\n"
+           "    return [len(c) / 10 for c in completions]\n")
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +66,6 @@ train:
 
 def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-def _cli(project: Path, *args: str) -> subprocess.Popen:
-    return start_train(project / "vlmctl.yaml", *args)
 
 
 def _run_cli(project: Path, *args: str, timeout: int = RUN_TIMEOUT) -> str:
@@ -163,23 +162,27 @@ def test_qwen2_5_vl_fsdp_two_ranks_train_on_rollouts_with_mrope_positions(projec
 
 @pytest.mark.slow
 @pytest.mark.timeout(2 * RUN_TIMEOUT)
-def _stopped_and_resumed(project: Path, name: str, *args: str) -> list[dict]:
-    """Start run `name` with `args`, SIGTERM it once it logged a step (it checkpoints and exits 128 + SIGTERM before
-    its last step), resume it to the end; returns its metrics rows."""
+def _stopped_and_resumed(project: Path, name: str, *args: str, env: dict | None = None) -> tuple[list[dict], list[str]]:
+    """Start run `name` with `args`, SIGTERM it once it logged a step (with `env` STOP_ENV, its reward signals it on
+    step 1), so that it checkpoints and exits 128 + SIGTERM before its last step; resume it to the end. Returns its
+    metrics rows and the files of the checkpoint it stopped at."""
     run = project / "runs" / name
-    proc = _cli(project, *args, f"train.run_name={name}")
-    wait_until(proc, lambda: (run / "metrics.jsonl").is_file() and bool(metrics(run)), RUN_TIMEOUT, "step logged")
-    proc.send_signal(signal.SIGTERM)
+    proc = start_train(project / "vlmctl.yaml", *args, f"train.run_name={name}", env=env)
+    if env is None:
+        wait_until(proc, lambda: (run / "metrics.jsonl").is_file() and bool(metrics(run)), RUN_TIMEOUT, "step logged")
+        proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=RUN_TIMEOUT)
     assert proc.returncode == 128 + signal.SIGTERM, out[-4000:]
-    stopped = json.loads(next((run / "checkpoints").glob("checkpoint-*/trainer_state.json")).read_text())["step"]
+    checkpoint = next((run / "checkpoints").glob("checkpoint-*"))
+    stopped = json.loads((checkpoint / "trainer_state.json").read_text())["step"]
     assert stopped < 4 and not (run / "final").exists()
+    files = sorted(p.name for p in checkpoint.iterdir())
     _run_cli(project, *args, "--resume", f"train.run_name={name}")
-    return metrics(run)
+    return metrics(run), files
 
 
 def test_sigterm_then_resume_reproduces_the_uninterrupted_run(project, one_run):
-    resumed, reference = _stopped_and_resumed(project, "term", "--launcher", "none"), metrics(one_run)
+    (resumed, _), reference = _stopped_and_resumed(project, "term", "--launcher", "none"), metrics(one_run)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for key in ("loss", "grad_norm", "reward", "completions/mean_length"):  # the same rollouts, the same updates
         assert [r[key] for r in resumed] == [r[key] for r in reference], key
@@ -189,7 +192,7 @@ def test_sigterm_then_resume_reproduces_the_uninterrupted_run(project, one_run):
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
 def test_two_ranks_sigterm_then_resume_reproduces_the_uninterrupted_run(project, fsdp_run):
     # each rank draws its rollouts from (seed, step, rank, micro-batch) and resumes its own sampler position
-    resumed, reference = _stopped_and_resumed(project, "fsdp-term", *FSDP_ARGS), metrics(fsdp_run)
+    (resumed, _), reference = _stopped_and_resumed(project, "fsdp-term", *FSDP_ARGS), metrics(fsdp_run)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for key in ("loss", "grad_norm", "reward", "kl", "completions/mean_length", "dummy_images"):  # the same rollouts and updates
         assert [r[key] for r in resumed] == [r[key] for r in reference], key
@@ -209,13 +212,22 @@ def test_zero3_two_ranks_generate_through_deepspeeds_hooks_and_train(project):
     assert (run / "final" / "model.safetensors").is_file()
 
 
+MU2_ARGS = ("--launcher", "none", "train.grpo.num_iterations=2", "train.learning_rate=0.05", "train.grpo.epsilon_low=0.01",
+            "train.save_steps=100")
+
+
+@pytest.fixture(scope="module")
+def mu2_run(project) -> Path:
+    """One process, num_iterations 2 (generation on steps 1 and 3), a large learning rate and a narrow clip."""
+    _run_cli(project, *MU2_ARGS, "train.run_name=mu2")
+    return project / "runs" / "mu2"
+
+
 @pytest.mark.timeout(RUN_TIMEOUT)
-def test_num_iterations_two_generates_every_other_step_and_the_clip_acts_on_reuse(project):
+def test_num_iterations_two_generates_every_other_step_and_the_clip_acts_on_reuse(mu2_run):
     # mu = 2: generation (and new prompts) on steps 1 and 3; steps 2 and 4 update again on the buffered rollouts,
     # against their generation-time log-probs, so the ratio leaves 1 and the clip acts after a large update
-    _run_cli(project, "--launcher", "none", "train.run_name=mu2", "train.grpo.num_iterations=2", "train.learning_rate=0.05",
-             "train.grpo.epsilon_low=0.01", "train.save_steps=100")
-    run = project / "runs" / "mu2"
+    run = mu2_run
     rows = metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert [r["generated"] for r in rows] == [1, 0, 1, 0]
@@ -227,3 +239,15 @@ def test_num_iterations_two_generates_every_other_step_and_the_clip_acts_on_reus
     assert max(rows[1]["clip_ratio/region_mean"], rows[3]["clip_ratio/region_mean"]) > 0
     html = (run / "rollouts.html").read_text()
     assert "step 3" in html and "step 1" in html and "step 2" not in html and "step 4" not in html
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+def test_num_iterations_two_resumed_inside_a_generations_iterations_reproduces_the_uninterrupted_run(project, mu2_run):
+    # stopped after step 1, a generation step: the checkpoint keeps the buffered rollouts, which step 2 trains on again
+    (resumed, files), reference = _stopped_and_resumed(project, "mu2-term", *MU2_ARGS, env={STOP_ENV: "1"}), metrics(mu2_run)
+    assert "objective-0.pt" in files and "rng-0.pt" in files
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4] and [r["generated"] for r in resumed] == [1, 0, 1, 0]
+    for key in ("loss", "grad_norm", "reward", "reward_std", "rewards/exact_match/mean", "completions/mean_length",
+                "label_tokens", "epoch", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+        assert [r[key] for r in resumed] == [r[key] for r in reference], key
+    assert max(r["clip_ratio/region_mean"] for r in resumed) > 0  # the reuse steps' ratios are compared, not only 1s

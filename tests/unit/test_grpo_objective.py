@@ -267,3 +267,36 @@ def test_reused_rollouts_use_the_generation_time_log_probs_as_trl_does(built, ag
     for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
         assert micro.metrics[key] / tokens == pytest.approx(float(metrics[key]), abs=1e-6), key
     assert micro.metrics["clip_ratio/region_mean"] > 0  # the clip acts once old != current
+
+
+def test_the_buffered_generation_round_trips_through_a_weights_only_file(built, tmp_path):
+    """num_iterations = 3: after the generation step and one reuse, `state_dict` (saved as a checkpoint saves it and
+    read back weights-only) gives a fresh objective the rows, old log-probs, advantages and statistics the next reuse
+    step trains on; once no reuse is left, nothing is kept."""
+    from vlmctl.checkpoints import load_tensors
+    from vlmctl.data.collate import model_inputs
+    from vlmctl.train.grpo import PromptCollator
+
+    model, processor, family = load(built)
+    engine = _engine(model)
+    engine.inputs = model_inputs
+    objective = objective_for(processor, family, num_iterations=3, group_size=3, temperature=1.5)
+    assert objective.state_dict() == {}  # nothing generated yet
+    objective.prepare_window(engine, [PromptCollator()(samples())], step=0)
+    assert objective.reuses_window(1)
+    objective.prepare_window(engine, None, step=1)
+    torch.save(objective.state_dict(), tmp_path / "objective-0.pt")
+    expected = objective.prepare_window(engine, None, step=2)  # the uninterrupted run's last reuse step
+    stats = objective.metrics({}, 0.0)
+    assert objective.state_dict() == {}  # the next step generates: no buffer to keep
+
+    resumed = objective_for(processor, family, num_iterations=3, group_size=3, temperature=1.5)
+    resumed.load_state_dict(load_tensors(tmp_path / "objective-0.pt"))
+    assert resumed.reuses_window(2)
+    (got,), (row,) = resumed.prepare_window(engine, None, step=2), expected
+    assert set(got) == set(row) and row["old_logps"].shape[0] == row["num_rollouts"] == 6
+    for key, value in row.items():
+        assert torch.equal(got[key], value) if isinstance(value, torch.Tensor) else got[key] == value, key
+    timing = ("time/train_s",)
+    assert {k: v for k, v in resumed.metrics({}, 0.0).items() if k not in timing} == {k: v for k, v in stats.items() if k not in timing}
+    assert resumed.state_dict() == {} and not resumed.reuses_window(3)

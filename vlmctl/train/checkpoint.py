@@ -10,6 +10,8 @@ Layout of a run folder (readers such as `vlmctl convert` depend on it)::
         trainer_state.json            {step, epoch, consumed_micro_batches, lora, model_source, family, world_size,
                                        strategy, format, ...}
         rng-<rank>.pt                 per-rank RNG states (python, numpy, torch CPU/CUDA)
+        objective-<rank>.pt           per-rank objective state, when it has one (`state_dict()`: GRPO's rollouts
+                                      buffered for its num_iterations reuse steps)
         ddp/fsdp: DCP files (.metadata, __<rank>_0.distcp) of {"model": <HF or peft state_dict keys>,
                   "optim": <optimizer state dict keyed by parameter names>, "scheduler": {...}}
         zero2/zero3: DeepSpeed's `engine.save_checkpoint` layout (latest, global_step<N>/...)
@@ -142,19 +144,20 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save(run_dir: Path, step: int, trainer_state: dict[str, Any], *, rank: int, engine,
-         total_limit: int | None = None, keep: int | None = None) -> Path:
+         total_limit: int | None = None, keep: int | None = None, objective=None) -> Path:
     """Save a checkpoint of `step` collectively (every rank calls this) and return its final path.
 
     The engine's model, optimizer and schedule (`Engine.save`: DCP or DeepSpeed's layout). Written to
     `.tmp-checkpoint-<step>` and renamed by rank 0 once every rank is done; then old checkpoints beyond
-    `total_limit` are removed, except the one of step `keep` (the best, `train.save_best`). A write that fails on any rank (disk full, permissions) fails on every rank with
+    `total_limit` are removed, except the one of step `keep` (the best, `train.save_best`). An `objective` with a
+    non-empty `state_dict()` is saved per rank (objective-<rank>.pt). A write that fails on any rank (disk full, permissions) fails on every rank with
     the same CheckpointError naming the file (and the free space for a full disk); the temporary folder is removed.
     """
     folder = checkpoints_dir(run_dir)
     final, tmp = folder / f"checkpoint-{step}", folder / f".tmp-checkpoint-{step}"
     try:
         _agree(_attempt(lambda: _make_tmp(tmp) if rank == 0 else None, tmp))
-        _agree(_attempt(lambda: _write_state(tmp, step, rank, engine), tmp))
+        _agree(_attempt(lambda: _write_state(tmp, step, rank, engine, objective), tmp))
         _agree(_attempt(lambda: _install(run_dir, tmp, final, trainer_state, total_limit, keep) if rank == 0 else None, tmp))
     except Exception:
         if rank == 0:
@@ -169,13 +172,17 @@ def _make_tmp(tmp: Path) -> None:
     tmp.mkdir()
 
 
-def _write_state(tmp: Path, step: int, rank: int, engine) -> None:
-    """This rank's part: the engine's files (DCP shards are collective), then its RNG states."""
+def _write_state(tmp: Path, step: int, rank: int, engine, objective=None) -> None:
+    """This rank's part: the engine's files (DCP shards are collective), then its RNG states and objective state."""
     import torch
 
     engine.save(tmp, step)
     with open(tmp / f"rng-{rank}.pt", "wb") as f:  # through a Python file: a full disk raises OSError(ENOSPC), not a bare RuntimeError
         torch.save(rng_state(), f)
+    state = objective.state_dict() if hasattr(objective, "state_dict") else {}
+    if state:
+        with open(tmp / f"objective-{rank}.pt", "wb") as f:
+            torch.save(state, f)
 
 
 def _install(run_dir: Path, tmp: Path, final: Path, trainer_state: dict[str, Any], total_limit: int | None,
@@ -342,16 +349,19 @@ def resolve_resume(run_dir: Path, resume: str | None) -> Path | None:
                           hint="use train.resume=auto, or a checkpoints/checkpoint-<step> folder of a run")
     return path
 
-def resume(checkpoint: Path, *, rank: int, world_size: int, engine) -> dict[str, Any]:
+def resume(checkpoint: Path, *, rank: int, world_size: int, engine, objective=None) -> dict[str, Any]:
     """`load` for resuming a run on `world_size` ranks; returns trainer_state.json.
 
     DCP reshards weights and optimizer state onto another world size (rank 0 says so; the loop rescales its per-rank
     data position, `loop.TrainState.from_checkpoint`, so the run continues at the same global micro-batch; the
     steps see the same samples when ranks x gradient_accumulation_steps is unchanged); an engine that does not
-    reshard (`Engine.reshards`: DeepSpeed) raises ConfigError.
+    reshard (`Engine.reshards`: DeepSpeed) raises ConfigError. `objective.load_state_dict` gets this rank's
+    objective-<rank>.pt (weights-only load) when the checkpoint has one and was written by as many ranks (a per-rank
+    state does not reshard); CheckpointError names a damaged one.
     """
     import sys
 
+    from vlmctl import checkpoints as safe
     from vlmctl.errors import ConfigError
 
     saved = load(checkpoint, rank=rank, engine=engine)
@@ -363,6 +373,9 @@ def resume(checkpoint: Path, *, rank: int, world_size: int, engine) -> dict[str,
         if rank == 0:
             print(f"note: {checkpoint} was written by {written} ranks, resuming with {world_size}: weights and "
                   "optimizer state resharded, data continued at the same global micro-batch", file=sys.stderr)
+    state_file = Path(checkpoint) / f"objective-{rank}.pt"
+    if written == world_size and hasattr(objective, "load_state_dict") and state_file.is_file():
+        objective.load_state_dict(safe.load_tensors(state_file))
     return saved
 
 
@@ -371,9 +384,9 @@ class Saver:
     optimizer, scheduler) with trainer_state.json = `info` + the loop's position, then `notify(path)`."""
 
     def __init__(self, run_dir: Path, *, rank: int, engine, total_limit: int | None,
-                 batches_per_epoch: int, info: dict[str, Any], notify=None):
+                 batches_per_epoch: int, info: dict[str, Any], notify=None, objective=None):
         self.run_dir, self.rank, self.total_limit = Path(run_dir), rank, total_limit
-        self.engine = engine
+        self.engine, self.objective = engine, objective
         self.batches_per_epoch, self.info, self.notify = batches_per_epoch, info, notify
 
     def __call__(self, step: int, state, reason: str) -> Path:
@@ -383,7 +396,8 @@ class Saver:
         if state.best is not None:  # validation's best so far (`train.eval_steps`), its checkpoint kept
             info["best"] = state.best
         keep = state.best["step"] if state.best and state.best.get("save_best") else None
-        path = save(self.run_dir, step, info, rank=self.rank, engine=self.engine, total_limit=self.total_limit, keep=keep)
+        path = save(self.run_dir, step, info, rank=self.rank, engine=self.engine, total_limit=self.total_limit, keep=keep,
+                    objective=self.objective)
         if self.notify is not None and reason != "signal":  # the stop message names the checkpoint
             from rich.markup import escape
 

@@ -464,8 +464,9 @@ class GRPOObjective:
     generation (GRPO's mu = 1) the old log-probs are the detached current ones (ratio 1); with `num_iterations` mu > 1 the
     generation step stores each row's `old_logps` [rollouts, T] (`_old_logps`, the generating policy, no gradient)
     and keeps the rows, which the mu - 1 following steps train on again (`reuses_window`: the loop then draws no
-    prompts; `generated` 0, `rollouts` 0 and `time/rollout_s` 0 on those steps). The buffer is not checkpointed: a
-    run resumed inside a generation's iterations generates anew on its first step. The loop's normalisation
+    prompts; `generated` 0, `rollouts` 0 and `time/rollout_s` 0 on those steps). Each checkpoint keeps this rank's
+    buffer while reuse steps of it remain (`state_dict`, objective-<rank>.pt), so a run resumed inside a
+    generation's iterations trains on the same rows as the uninterrupted run. The loop's normalisation
     gives the aggregation: `label_tokens` counts rollouts (aggregation "sequence": each micro-batch's loss is the sum
     of its rollouts' token means, the step's the mean over every rollout) or completion tokens ("token": the sum of
     per-token losses over the tokens of the whole step, DAPO). With `beta` > 0 the reference (`models["reference"]`,
@@ -496,6 +497,7 @@ class GRPOObjective:
     _samples: list = field(default_factory=list, init=False)
     _warned: bool = field(default=False, init=False)
     _buffer: list | None = field(default=None, init=False)  # the rows of the latest generation (num_iterations > 1)
+    _reuses_left: int = field(default=0, init=False)  # steps still to train on `_buffer`
 
     def __post_init__(self):
         if self.reference is not None:
@@ -552,16 +554,35 @@ class GRPOObjective:
     def reuses_window(self, step: int) -> bool:
         """Whether `step` (0-based) trains again on the latest generation's rows instead of new prompts: with
         num_iterations = mu, generation happens on steps 0, mu, 2 mu, ... and the mu - 1 steps after each reuse its
-        rows (TRL's `_buffered_inputs`). False when nothing is buffered (a run resumed inside a generation's
-        iterations generates anew at that step)."""
+        rows (TRL's `_buffered_inputs`; after a resume, the rows `load_state_dict` restored). False when nothing is
+        buffered: a run resumed inside a generation's iterations from a checkpoint without this rank's rows (written
+        by another number of ranks) generates anew at that step, with a warning."""
         mu = self.settings.num_iterations
         if mu > 1 and step % mu != 0 and self._buffer is None:
             import warnings
 
-            warnings.warn(f"train.grpo.num_iterations={mu}: resumed at step {step + 1}, inside a generation's iterations; "
-                          "its rollouts are not in the checkpoint, so this step generates new ones (save_steps a "
-                          f"multiple of {mu} resumes exactly)", stacklevel=2)
+            warnings.warn(f"train.grpo.num_iterations={mu}: resumed at step {step + 1}, inside a generation's iterations, "
+                          "without that generation's rollouts (the checkpoint holds none for this rank), so this step "
+                          "generates new ones", stacklevel=2)
         return mu > 1 and step % mu != 0 and self._buffer is not None
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's buffered generation while reuse steps of it remain (num_iterations > 1), else {}: what a
+        checkpoint keeps (`train.checkpoint`, objective-<rank>.pt) so that a resumed run reuses it exactly.
+        {"rows": the packed rows as `prepare_window` returned them, CPU tensors (input_ids/labels [1, T], the image
+        inputs, advantages [rollouts] float32, old_logps [rollouts, L] float32) and counts; "stats": the generation
+        step's metrics, which its reuse steps log again; "reuses_left": reuse steps still to come}."""
+        if self._buffer is None or self._reuses_left <= 0:
+            return {}
+        rows = [{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in row.items()} for row in self._buffer]
+        return {"rows": rows, "stats": dict(self._stats), "reuses_left": self._reuses_left}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`'s buffer ({} restores nothing). The rows stay on the CPU, as `prepare_window` keeps
+        them: the loop moves each row to the device (`loop.to_device`) and `loss` moves old_logps."""
+        if state:
+            self._buffer, self._stats = list(state["rows"]), dict(state["stats"])
+            self._reuses_left = int(state["reuses_left"])
 
     def prepare_window(self, engine, window: list[dict[str, Any]], step: int = 0) -> list[dict[str, Any]]:
         """The window's micro-batches of prompts -> packed rows of scored rollouts (see the class docstring).
@@ -608,7 +629,7 @@ class GRPOObjective:
                 self._sample(step, batch["prompts"][0], references[j], rollouts, total, advantages, G)
         seconds = time.perf_counter() - start
         self._stats = {**stats.reduce(seconds, self.reward_names, self.dp_group, device), "generated": 1.0}
-        self._buffer = rows if s.num_iterations > 1 else None
+        self._buffer, self._reuses_left = (rows, s.num_iterations - 1) if s.num_iterations > 1 else (None, 0)
         if self.run_dir is not None and self._samples:
             write_rollouts_html(self.run_dir / "rollouts.html", self._samples)
         self._train_start = time.perf_counter()
@@ -617,6 +638,7 @@ class GRPOObjective:
     def _reuse(self) -> list[dict[str, Any]]:
         """A reuse step of `num_iterations`: the buffered rows of the last generation, its statistics with no rollouts."""
         self._stats = {**self._stats, "time/rollout_s": 0.0, "rollouts_per_s": 0.0, "rollouts": 0.0, "generated": 0.0}
+        self._reuses_left -= 1
         self._train_start = time.perf_counter()
         return self._buffer
 
@@ -638,7 +660,11 @@ class GRPOObjective:
     def _old_logps(self, engine, row: dict[str, Any]) -> torch.Tensor:
         """The completion tokens' log-probs [rollouts, T] under the policy at generation time (no gradient), in the
         layout `loss` computes the current ones in (the same packed row through `engine.model`), so that the ratio
-        exp(logp - old_logp) lines up token by token (TRL's `old_per_token_logps`, computed when num_iterations > 1)."""
+        exp(logp - old_logp) lines up token by token (TRL's `old_per_token_logps`, computed when num_iterations > 1).
+        The row stays on the CPU (the loop moves it for the loss); a copy on the policy's device is scored."""
+        from vlmctl.train.loop import to_device
+
+        row = to_device(row, next(engine.module.parameters()).device)
         inputs = {k: v for k, v in engine.inputs(row).items() if k not in ROLLOUT_KEYS}
         with torch.no_grad():
             logps, _ = completion_logps(engine.model, inputs, row, self.settings.temperature)

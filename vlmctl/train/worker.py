@@ -106,15 +106,15 @@ def reschedule(engine: Engine, train, total_steps: int) -> Engine:
     return engine
 
 
-def resume_state(resume_from: Path | None, ctx: RunContext, engine: Engine, train):
-    """The loop's starting TrainState: fresh, or restored from `resume_from` if `train` batches as its run did."""
+def resume_state(resume_from: Path | None, ctx: RunContext, engine: Engine, train, objective=None):
+    """The loop's starting TrainState (and `objective`'s state): fresh, or from `resume_from` if `train` batches as its run did."""
     from vlmctl.train import checkpoint as ckpt
     from vlmctl.train.loop import TrainState
 
     if resume_from is None:
         return TrainState()
     ckpt.check_batching(resume_from, train)
-    saved = ckpt.resume(resume_from, rank=ctx.env.rank, world_size=ctx.env.world_size, engine=engine)
+    saved = ckpt.resume(resume_from, rank=ctx.env.rank, world_size=ctx.env.world_size, engine=engine, objective=objective)
     return TrainState.from_checkpoint(saved, dp_size=ctx.dims.dp_size)
 
 
@@ -133,7 +133,7 @@ def build_trainer(cfg, run_dir: Path, ctx: RunContext, tm: TrainingModel, engine
     info = report.checkpoint_info(train, ctx=ctx, tm=tm, lora=lora_config_dict(engine.module), engine=engine,
                                   total_steps=total_steps, batches_per_epoch=sampler.batches_per_epoch)
     save = Saver(run_dir, rank=env.rank, engine=engine, total_limit=train.save_total_limit,
-                 batches_per_epoch=sampler.batches_per_epoch, info=info, notify=progress.print)
+                 batches_per_epoch=sampler.batches_per_epoch, info=info, notify=progress.print, objective=objective)
     return Trainer(
         engine=engine, objective=objective, batches=prefetch(iter(loader), tm.prepare), env=env, state=state,
         total_steps=total_steps, grad_accum=train.gradient_accumulation_steps, batches_per_epoch=sampler.batches_per_epoch,
@@ -168,7 +168,7 @@ def train_run(cfg, run_dir: Path, ctx: RunContext) -> str:
     engine = wrap_model(tm, train, ctx, total_steps) if engine is None else reschedule(engine, train, total_steps)
     if precomputed:  # before resume_state: the weights have not trained yet
         reference.reference_pass(cfg, ctx, tm, engine, objective, dataset, build_collator(cfg, ctx, tm), run_dir, resume_from)
-    state = resume_state(resume_from, ctx, engine, train)
+    state = resume_state(resume_from, ctx, engine, train, objective)
     sampler.set_position(state.consumed)
     loader = build_loader(dataset, sampler, build_collator(cfg, ctx, tm), num_workers=train.num_workers, seed=train.seed)
     logger = None
