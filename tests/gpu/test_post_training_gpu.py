@@ -72,10 +72,15 @@ def test_dpo_trains_on_the_gpu_defaults(project, reference):
 
 
 def test_grpo_generates_and_trains_on_the_gpu_defaults(project, built):
+    # num_iterations 2: steps 1 and 3 generate, step 2 trains again on step 1's rollouts against their log-probs
+    # scored at generation time (on the GPU model, from the rows' CPU tensors)
     rows = _train(project, "train.objective=grpo", f"data.prepared_dir={built / 'data' / 'prepared'}",
                   "train.micro_batch_size=2", "train.grpo.group_size=4", "train.grpo.max_new_tokens=8", "train.max_steps=3",
-                  name="grpo")
+                  "train.grpo.num_iterations=2", name="grpo")
     assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["rollouts"] for r in rows] == [8, 0, 8]
+    assert rows[1]["reward"] == rows[0]["reward"] and rows[1]["label_tokens"] == rows[0]["label_tokens"]
+    for r in (rows[0], rows[2]):
+        assert r["rollouts_per_s"] > 0 and r["time/rollout_s"] > 0 and r["time/train_s"] > 0
     for r in rows:
-        assert r["rollouts"] == 8 and r["rollouts_per_s"] > 0 and r["time/rollout_s"] > 0 and r["time/train_s"] > 0
         assert math.isfinite(r["loss"]) and 0 <= r["reward"] <= 1

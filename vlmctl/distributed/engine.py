@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from vlmctl.distributed.fsdp import reshard_rule_of
 from vlmctl.errors import ConfigError
 
 # torch, DeepSpeed and the modules built on them are imported inside the functions that use them: importing
@@ -394,23 +395,64 @@ def _plain(state: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in state.items() if k != "lr_lambdas"}
 
 
+def _whole_model_fits(model) -> bool:
+    """Whether every FSDP2 unit of `model` can stay gathered at once: the full parameters (global sizes, bytes) fit
+    in half of what the GPU has free (the allocator's cached but unused bytes counted as free), leaving the rest for
+    the KV cache and activations of decoding. Always True off CUDA."""
+    import torch
+
+    device = next((p.device for p in model.parameters()), None)
+    if device is None or device.type != "cuda":
+        return True
+    need = sum(p.numel() * p.element_size() for p in model.parameters())  # a DTensor's numel is its global size
+    free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return need <= free / 2
+
+
+@contextlib.contextmanager
+def _fsdp_gathered(units: list, rules: list[bool]):
+    """Every FSDP2 unit of `units` gathered once and kept so until the block ends, then each unit's own
+    reshard-after-forward rule (`rules`) put back and every unit resharded. Public FSDP2 API only
+    (`FSDPModule.set_reshard_after_forward`, `unshard`, `reshard`; torch's `_fully_shard.py`)."""
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        for unit in units:
+            unit.unshard()
+        yield
+    finally:
+        for unit, rule in zip(units, rules):
+            unit.set_reshard_after_forward(rule, recurse=False)
+            unit.reshard()
+
+
 @contextlib.contextmanager
 def generation_parameters(model):
     """While open, the sharded parameters `generate` on the trained `model` (the engine's root module) needs are
-    gathered as a training forward gathers them (a GRPO step's rollouts, `train.rollouts`).
+    gathered (a GRPO step's rollouts, `train.rollouts`).
 
-    FSDP2: the root's own parameters (those of no inner `fully_shard` unit: embeddings, the vision embeddings, the
-    projector...) stay gathered for the whole generation: `generate` runs the vision tower through
-    `get_image_features` before the root's forward (whose hook would gather them), and every decoding step reuses
-    them; the inner units gather theirs in their hooks. ZeRO-3: every module's hooks gather its own parameters, and
-    the parameters a module reads from another one (`nn.MultiheadAttention` reads its `out_proj.weight`) are
-    gathered on access while the modules are marked in a forward, as `DeepSpeedEngine.forward` marks them (its
-    automated discovery of external parameters). Nothing to do for other models."""
+    FSDP2: decoding runs one forward per new token, and per-layer gathers would all-gather the whole model for every
+    token; so every unit is gathered once for the whole generation and resharded after (`_fsdp_gathered`), where
+    the full parameters fit in half the GPU's free memory (`_whole_model_fits`; always off CUDA) and every unit was
+    sharded by `fsdp.shard_unit` (its rule recorded, to be put back). Otherwise the root's own parameters (those of
+    no inner unit: embeddings, the vision embeddings, the projector...) stay gathered for the whole generation, as
+    `generate` runs the vision tower through `get_image_features` before the root's forward (whose hook would gather
+    them), and the inner units gather theirs in their hooks, as a training forward does. ZeRO-3: every module's
+    hooks gather its own parameters, and the parameters a module reads from another one (`nn.MultiheadAttention`
+    reads its `out_proj.weight`) are gathered on access while the modules are marked in a forward, as
+    `DeepSpeedEngine.forward` marks them (its automated discovery of external parameters). Nothing to do for other
+    models."""
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(model, FSDPModule):
         # the root's first forward sets up its units' communication state; generation may reach an inner unit first
         model._get_fsdp_state()._lazy_init()
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        rules = [reshard_rule_of(m) for m in units]
+        if None not in rules and _whole_model_fits(model):
+            with _fsdp_gathered(units, rules):
+                yield
+            return
         model.unshard()
         try:
             yield

@@ -49,6 +49,7 @@ AUTO_MAX_SHARD_RANKS = 8  # one NVLink domain (an HGX node): the measured case o
 AUTO_GATHERED_SHARE = 0.25  # at most this share of a rank's memory for the gathered layers
 AUTO_PREFETCH = 1  # layers prefetched by `train.fsdp_prefetch: auto`
 PLAN_ATTR = "vlmctl_fsdp_plan"  # where `apply_fsdp` leaves its FsdpPlan on the root module (`fsdp_plan_of`)
+RESHARD_ATTR = "vlmctl_reshard_after_forward"  # each unit's own rule (`shard_unit`), which torch has no getter for
 
 
 def shard_mesh(mesh):
@@ -230,7 +231,7 @@ def apply_fsdp(model, parts: Any, mesh, *, param_dtype=None, reshard_after_forwa
     model (sharded in place). Raises ConfigError for a value that is not a setting.
     """
     import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     plan = plan_fsdp(parts, mesh, param_dtype=param_dtype, reshard_after_forward=reshard_after_forward, prefetch=prefetch)
     dp_mesh = shard_mesh(mesh)
@@ -241,11 +242,27 @@ def apply_fsdp(model, parts: Any, mesh, *, param_dtype=None, reshard_after_forwa
     units = [*parts.vision_layers, *parts.decoder_layers]
     for i, layer in enumerate(units):
         keep = i == len(units) - 1  # the last layer's backward follows its forward at once
-        fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=plan.reshard_after_forward and not keep)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+        shard_unit(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=plan.reshard_after_forward and not keep)
+    shard_unit(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
     _set_prefetch(model, units, plan, _unit_names(parts))
     setattr(model, PLAN_ATTR, plan)
     return model
+
+
+def shard_unit(module, *, reshard_after_forward: bool, **kwargs: Any):
+    """`torch.distributed.fsdp.fully_shard(module, reshard_after_forward=..., **kwargs)`, with the rule recorded on
+    the module (`reshard_rule_of`): code that changes it for a while (`FSDPModule.set_reshard_after_forward`, e.g.
+    generation keeping every unit gathered) can put it back. Returns the module."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(module, reshard_after_forward=reshard_after_forward, **kwargs)
+    setattr(module, RESHARD_ATTR, bool(reshard_after_forward))
+    return module
+
+
+def reshard_rule_of(module) -> bool | None:
+    """The reshard-after-forward rule `shard_unit` gave `module`, or None for a module it did not shard."""
+    return getattr(module, RESHARD_ATTR, None)
 
 
 def _set_prefetch(model, units: list[Any], plan: FsdpPlan, names: dict[int, str]) -> None:
