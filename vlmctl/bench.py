@@ -1187,11 +1187,10 @@ def profile_step(step, folder: Path, sync) -> tuple[Any, str]:
     (created): `ops.txt`, the step's wall seconds, the seconds the GPU ran kernels (`kernel_seconds`; the rest is the
     GPU waiting for the host or for a collective) and the top 40 operators by self CPU and by self device time, and
     `trace.json.gz`, the Chrome trace (https://ui.perfetto.dev opens it). Returns (step's result, the summary line)."""
-    import gzip
-    import shutil
-
     import torch
     from torch.profiler import ProfilerActivity, profile
+
+    from vlmctl.evaluation.results import atomic_write
 
     cuda = torch.cuda.is_available()
     folder.mkdir(parents=True, exist_ok=True)
@@ -1207,15 +1206,9 @@ def profile_step(step, folder: Path, sync) -> tuple[Any, str]:
     table = prof.key_averages()
     text = (summary + "\n\n" + table.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70) + "\n"
             + table.table(sort_by="self_device_time_total" if cuda else "cpu_time_total", row_limit=40, max_name_column_width=70))
-    tmp = folder / "ops.txt.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, folder / "ops.txt")
-    trace = folder / "trace.json"
-    prof.export_chrome_trace(str(trace))
-    with open(trace, "rb") as src, gzip.open(folder / "trace.json.gz.tmp", "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    os.replace(folder / "trace.json.gz.tmp", folder / "trace.json.gz")
-    trace.unlink()
+    atomic_write(folder / "ops.txt", text)
+    prof.export_chrome_trace(str(folder / ".trace.tmp.json.gz"))  # torch gzips a path ending in .gz
+    os.replace(folder / ".trace.tmp.json.gz", folder / "trace.json.gz")
     return result, summary
 
 

@@ -22,8 +22,7 @@ def test_bench_cli_reports_consistent_throughput(tmp_path, capsys):
         main(["bench", "-c", str(path), "--steps", "2", "--image-sizes", "28,56", "--text-tokens", "8,40", "--json"])
     except SystemExit as exc:
         assert exc.code in (0, None)
-    captured = capsys.readouterr()
-    out = json.loads(captured.out)  # stdout holds the JSON object only; the progress went to stderr
+    out = json.loads(capsys.readouterr().out)  # stdout holds the JSON object only; the progress went to stderr
     assert out["steps"] == 2 and 0 < out["tokens_per_step"] <= 384
     assert re.search(r"step \d+: loss", captured.err) and "(warm-up)" in captured.err
     assert out["tokens_per_s"] > 0 and out["mfu"] > 0
@@ -51,7 +50,7 @@ def test_synthetic_samples_have_matching_image_tokens_and_flops_grow_with_length
 
 def test_bench_two_processes_fsdp_sums_ranks(tmp_path, capsys):
     # the trainer's FSDP2 step on two CPU processes (torchrun): each rank packs its own rows; --profile writes each
-    # rank's profile of its first measured step
+    # rank's profile of its last warm-up step
     path = tmp_path / "vlmctl.yaml"
     path.write_text("model:\n  preset: tiny-qwen2.5-vl\n  init: random\ntrain:\n  tokens_per_batch: 256\n  strategy: fsdp\n"
                     "  stage: full\n  attn_implementation: sdpa\n")
@@ -60,8 +59,7 @@ def test_bench_two_processes_fsdp_sums_ranks(tmp_path, capsys):
               "--text-tokens", "8,40", "--json", "--warmup", "1", "--profile", str(tmp_path / "prof")])
     except SystemExit as exc:
         assert exc.code in (0, None)
-    captured = capsys.readouterr()
-    out = json.loads(captured.out)
+    out = json.loads(capsys.readouterr().out)
     assert out["world_size"] == 2 and out["strategy"] == "fsdp"
     for rank in (0, 1):
         ops = (tmp_path / "prof" / f"rank{rank}" / "ops.txt").read_text()

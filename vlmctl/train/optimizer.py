@@ -132,10 +132,10 @@ def stochastic_adamw(groups: list[dict[str, Any]], *, lr: float, betas: tuple[fl
     """AdamW for bf16 parameters whose update is computed in fp32 and rounded to bf16 stochastically (torchao's
     `_AdamW(bf16_stochastic_round=True)`, its moments in the parameters' dtype), stepped through one compiled
     kernel for all parameter sizes (`_flat_step`), on flat copies of up to `FLAT_CHUNK` elements of parameters at a
-    time. `groups`: AdamW parameter groups ({"params", "lr",
-    "weight_decay"}); the groups' learning rates become 0-d tensors (read inside the compiled step). Works on plain
-    tensors and FSDP2's DTensor shards (the local shard is stepped; the state is a DTensor like the parameter, so
-    torch.distributed.checkpoint saves it sharded). A parameter that is not bf16 is updated without rounding."""
+    time. `groups`: AdamW parameter groups ({"params", "lr", "weight_decay"}); the groups' learning rates become
+    0-d tensors (read inside the compiled step). Works on plain tensors and FSDP2's DTensor shards (the local shard
+    is stepped; the state is a DTensor like the parameter, so torch.distributed.checkpoint saves it sharded). A
+    parameter that is not bf16 is updated without rounding."""
     return _stochastic_adamw_class()(groups, lr=lr, betas=betas, eps=eps, weight_decay=0.0, bf16_stochastic_round=True)
 
 
