@@ -22,7 +22,8 @@ def test_bench_cli_reports_consistent_throughput(tmp_path, capsys):
         main(["bench", "-c", str(path), "--steps", "2", "--image-sizes", "28,56", "--text-tokens", "8,40", "--json"])
     except SystemExit as exc:
         assert exc.code in (0, None)
-    out = json.loads(capsys.readouterr().out)  # stdout holds the JSON object only; the progress went to stderr
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)  # stdout holds the JSON object only; the progress went to stderr
     assert out["steps"] == 2 and 0 < out["tokens_per_step"] <= 384
     assert re.search(r"step \d+: loss", captured.err) and "(warm-up)" in captured.err
     assert out["tokens_per_s"] > 0 and out["mfu"] > 0
