@@ -78,7 +78,6 @@ MFU = FLOPs / step time / (peak x GPUs) (PaLM, Chowdhery et al. 2022, appendix B
 
 from __future__ import annotations
 
-import os
 import random
 import tempfile
 import time
@@ -1100,10 +1099,11 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
     """`warmup + steps` trainer steps; the figures of the last `steps`. Tokens, samples and FLOPs are the steps'
     own data-parallel sums; the time is the slowest rank's, the memory the largest. `labels`: the result's name,
     workload, media, packing, adapter and stage. `profile`: profile the last warm-up step on every rank into that
-    folder (`profile_step`; a warm-up step, so the profiler's cost stays out of the figures)."""
+    folder (`vlmctl.profiling.profile_step`; a warm-up step, so the profiler's cost stays out of the figures)."""
     import torch
     import torch.distributed as dist
 
+    from vlmctl.profiling import profile_step
     from vlmctl.train import flops as cost
     from vlmctl.train.metrics import peak_flops, straggler_stats
 
@@ -1166,50 +1166,6 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
         balance=stragglers.get("balance"), balance_flops=stragglers.get("balance_flops"),
         data_wait=stragglers.get("data_wait"), **grpo,
     )
-
-
-def kernel_seconds(prof) -> float:
-    """Seconds (wall) during which at least one GPU kernel ran, the union of the profiler's device event intervals
-    (`torch.profiler.profile.events()`, microseconds); 0.0 without device events."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
-    busy, end = 0.0, float("-inf")
-    for a, b in spans:
-        if b <= end:
-            continue
-        busy += b - max(a, end)
-        end = b
-    return busy / 1e6
-
-
-def profile_step(step, folder: Path, sync) -> tuple[Any, str]:
-    """Run `step()` once under `torch.profiler.profile` (CPU and, on a GPU, CUDA activities) and write to `folder`
-    (created): `ops.txt`, the step's wall seconds, the seconds the GPU ran kernels (`kernel_seconds`; the rest is the
-    GPU waiting for the host or for a collective) and the top 40 operators by self CPU and by self device time, and
-    `trace.json.gz`, the Chrome trace (https://ui.perfetto.dev opens it). Returns (step's result, the summary line)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from vlmctl.evaluation.results import atomic_write
-
-    cuda = torch.cuda.is_available()
-    folder.mkdir(parents=True, exist_ok=True)
-    sync()
-    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
-        t0 = time.perf_counter()
-        result = step()
-        sync()
-        wall = time.perf_counter() - t0
-    busy = kernel_seconds(prof)
-    summary = (f"profiled step: {wall:.3f} s wall, GPU kernels {busy:.3f} s ({100 * busy / wall:.0f}%), "
-               f"{result.text_tokens + result.visual_tokens} tokens; tables and trace in {folder}")
-    table = prof.key_averages()
-    text = (summary + "\n\n" + table.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70) + "\n"
-            + table.table(sort_by="self_device_time_total" if cuda else "cpu_time_total", row_limit=40, max_name_column_width=70))
-    atomic_write(folder / "ops.txt", text)
-    prof.export_chrome_trace(str(folder / ".trace.tmp.json.gz"))  # torch gzips a path ending in .gz
-    os.replace(folder / ".trace.tmp.json.gz", folder / "trace.json.gz")
-    return result, summary
 
 
 def _rollout_figures(result) -> dict[str, float] | None:

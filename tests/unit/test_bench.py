@@ -65,6 +65,7 @@ def test_bench_two_processes_fsdp_sums_ranks(tmp_path, capsys):
     for rank in (0, 1):
         ops = (tmp_path / "prof" / f"rank{rank}" / "ops.txt").read_text()
         assert ops.startswith("profiled step: ") and "aten::mm" in ops  # the step's matmuls, from the profiler's table
+        assert "GPU idle time: no GPU kernels in the trace" in ops  # the idle report, which a CPU trace cannot fill
         with gzip.open(tmp_path / "prof" / f"rank{rank}" / "trace.json.gz") as f:
             events = json.load(f)["traceEvents"]
         assert any(e.get("name") == "aten::mm" for e in events)

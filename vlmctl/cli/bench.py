@@ -35,7 +35,7 @@ def bench(
     scaling: Annotated[Optional[str], typer.Option("--scaling", help="Process counts, e.g. 1,2,4: run the bench at each (one process per GPU; CPU processes where no GPU is visible) and report tokens/s per GPU and the efficiency against the fewest processes.")] = None,
     auto: Annotated[bool, typer.Option("--auto", help="Batch size and activation checkpointing as `auto` (whatever the config says): shows what training's start-up probe picks here, and why.")] = False,
     show_plan: Annotated[bool, typer.Option("--plan", help="Print the run plan (every auto decided, with the reason, as `vlmctl train --dry-run` prints it) after the checks, and exit without measuring.")] = False,
-    profile: Annotated[Optional[Path], typer.Option("--profile", help="Profile the last warm-up step (give --warmup 2 or more) with torch.profiler on every rank: DIR/rank<N>/ops.txt (top operators, GPU-busy share) and trace.json.gz (open in ui.perfetto.dev).", show_default=False)] = None,
+    profile: Annotated[Optional[Path], typer.Option("--profile", help="Profile the last warm-up step (give --warmup 2 or more) with torch.profiler on every rank: DIR/rank<N>/ops.txt (GPU-busy share, where the GPU sat idle, top operators) and trace.json.gz (open in ui.perfetto.dev).", show_default=False)] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Run N training steps of the configured model, stage, adapters (LoRA/QLoRA), strategy and kernels (the trainer's

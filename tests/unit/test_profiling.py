@@ -1,0 +1,82 @@
+"""Where a profiled step's GPU sat idle (`vlmctl.profiling.idle_report`), on hand-made Kineto Chrome traces: the
+format torch.profiler's `export_chrome_trace` writes (microseconds; a launch and its kernel share a correlation)."""
+
+import gzip
+import json
+
+import pytest
+
+from vlmctl.profiling import idle_report
+
+
+def _x(cat, name, ts, dur, tid=1, **args):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 7, "tid": tid, "args": args}
+
+
+def _trace():
+    return {"traceEvents": [
+        # host: an optimizer step (a user annotation) holding an aten op that launches kernel 2
+        _x("user_annotation", "Optimizer.step#AdamW.step", 1000, 3040),
+        _x("cpu_op", "aten::mul", 1200, 2810),
+        _x("cpu_op", "aten::add", 0, 500),  # a sibling before it, which must not be charged
+        _x("cuda_runtime", "cudaLaunchKernel", 10, 5, correlation=1),
+        _x("cuda_runtime", "cudaLaunchKernel", 4000, 5, correlation=2),
+        _x("cuda_driver", "cuLaunchKernel", 4100, 5, correlation=3),
+        _x("cpu_op", "LigerRMSNormFunction", 4050, 100),
+        # GPU: kernel 1 [100, 1100), 3 ms idle, kernel 2 [4100, 4200), a 30 us gap (launch latency, not counted),
+        # kernel 3 (a Triton launch through the driver) [4230, 4300), then a kernel without a launch record
+        _x("kernel", "gemm_1", 100, 1000, tid=20, correlation=1),
+        _x("kernel", "mul_kernel", 4100, 100, tid=20, correlation=2),
+        _x("kernel", "rms_norm", 4230, 70, tid=20, correlation=3),
+        _x("gpu_memcpy", "Memcpy HtoD", 6300, 200, tid=20, correlation=99),
+        # a collective on its own stream: reported apart, not compute
+        _x("kernel", "ncclDevKernel_AllGather_RING_LL(ncclDevComm*)", 1100, 2500, tid=21, correlation=50),
+    ]}
+
+
+def test_idle_time_is_charged_to_the_host_code_that_launched_the_next_kernel(tmp_path):
+    report = idle_report(_trace())
+    assert report.gaps == 2 and report.idle_s == pytest.approx((3000 + 2000) / 1e6)
+    assert report.span_s == pytest.approx(6400 / 1e6) and report.compute_s == pytest.approx(1370 / 1e6)
+    by_host = {where: (s, n) for where, s, n in report.by_host}
+    assert by_host == {"Optimizer.step#AdamW.step": (pytest.approx(3e-3), 1),
+                       "(launch not recorded)": (pytest.approx(2e-3), 1)}
+    assert report.longest[0] == (pytest.approx(3e-3), "Optimizer.step#AdamW.step", "mul_kernel")
+    assert report.collectives == [("ncclDevKernel_AllGather_RING_LL", pytest.approx(2.5e-3), 1)]
+    text = report.text()
+    assert "GPU idle time: 0.005 s in 2 gaps" in text and "before mul_kernel  launched in Optimizer.step" in text
+    # the same from a gzipped file, as `vlmctl bench --profile` writes it
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(_trace(), f)
+    assert idle_report(path) == report
+
+
+def test_a_gap_before_a_driver_launch_is_charged_to_its_enclosing_op():
+    trace = _trace()
+    # kernel 3 now starts 1 ms after kernel 2 ends: its Triton launch (cuLaunchKernel) sits in LigerRMSNormFunction
+    next(e for e in trace["traceEvents"] if e["name"] == "rms_norm")["ts"] = 5200
+    by_host = {where: n for where, _, n in idle_report(trace).by_host}
+    assert by_host["LigerRMSNormFunction"] == 1
+
+
+def test_a_trace_without_gpu_kernels_and_a_file_that_is_not_a_trace(tmp_path):
+    cpu_only = {"traceEvents": [_x("cpu_op", "aten::mm", 0, 10)]}
+    report = idle_report(cpu_only)
+    assert report.span_s == 0 and report.text() == "GPU idle time: no GPU kernels in the trace"
+    (tmp_path / "x.json").write_text(json.dumps({"events": []}))
+    with pytest.raises(ValueError, match="not a Chrome trace"):
+        idle_report(tmp_path / "x.json")
+
+
+def test_the_module_prints_the_report_of_each_trace_and_exits_2_on_a_bad_file(tmp_path, capsys):
+    from vlmctl.profiling import main
+
+    good = tmp_path / "trace.json"
+    good.write_text(json.dumps(_trace()))
+    assert main([str(good)]) == 0
+    assert "GPU idle time: 0.005 s in 2 gaps" in capsys.readouterr().out
+    (tmp_path / "bad.json").write_text("{not json")
+    assert main([str(good), str(tmp_path / "bad.json")]) == 2
+    assert "bad.json" in capsys.readouterr().err
+    assert main([]) == 2

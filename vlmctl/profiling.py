@@ -1,0 +1,219 @@
+"""One step under torch.profiler (`vlmctl bench --profile`), and where its GPU sat idle.
+
+`profile_step` writes a rank's `ops.txt` (the step's wall and GPU-kernel seconds, the idle report, the operator
+tables) and its Chrome trace (`trace.json.gz`). `idle_report` reads such a trace: the GPU time between compute
+kernels, charged to the host code that launched the kernel ending each gap. A gap is the GPU waiting for the host
+(Python, kernel launches, a host synchronisation, a Triton compilation), or for another rank (a collective the
+next kernel depends on); the host code named is where the work resumed, which is what to look at to close it.
+
+The trace format is the one `torch.profiler.profile.export_chrome_trace` writes (Kineto's Chrome trace: events with
+`ph: "X"`, `ts` and `dur` in microseconds, `cat` in kernel / gpu_memcpy / gpu_memset on the GPU, cuda_runtime /
+cuda_driver for launches, cpu_op / user_annotation for host code; a launch and its kernel share
+`args.correlation`). Collective kernels (NCCL) are not compute: they are reported apart, by name.
+"""
+
+from __future__ import annotations
+
+import bisect
+import gzip
+import json
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+HOST_CATEGORIES = ("cpu_op", "user_annotation")
+MIN_GAP_US = 50.0  # shorter gaps are launch latency between back-to-back kernels
+
+# torch and vlmctl's atomic writer are imported inside `profile_step`, the one function that uses them: reading a
+# trace (`idle_report`) must not pay for torch's import.
+
+
+def kernel_seconds(prof) -> float:
+    """Seconds (wall) during which at least one GPU kernel ran, the union of the profiler's device event intervals
+    (`torch.profiler.profile.events()`, microseconds); 0.0 without device events."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    return _union_us(spans) / 1e6
+
+
+def _union_us(spans: list[tuple[float, float]]) -> float:
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b <= end:
+            continue
+        busy += b - max(a, end)
+        end = b
+    return busy
+
+
+@dataclass(frozen=True)
+class IdleReport:
+    """The GPU's idle time in one profiled step (seconds). `by_host`: (host code, seconds, gaps), largest first;
+    `longest`: (seconds, host code, next kernel) of the longest single gaps; `collectives`: (kernel name, seconds,
+    calls) of the collective kernels."""
+
+    span_s: float
+    compute_s: float
+    idle_s: float
+    gaps: int
+    by_host: list[tuple[str, float, int]]
+    longest: list[tuple[float, str, str]]
+    collectives: list[tuple[str, float, int]]
+
+    def text(self, rows: int = 15) -> str:
+        if self.span_s <= 0:
+            return "GPU idle time: no GPU kernels in the trace"
+        lines = [f"GPU idle time: {self.idle_s:.3f} s in {self.gaps} gaps over {MIN_GAP_US:.0f} us between compute "
+                 f"kernels, of a {self.span_s:.3f} s span ({self.compute_s:.3f} s of compute kernels); charged to the "
+                 "host code that launched the kernel after each gap:"]
+        lines += [f"  {s * 1e3:9.1f} ms  {n:5d} gaps  {where}" for where, s, n in self.by_host[:rows]]
+        lines.append("Longest gaps:")
+        lines += [f"  {s * 1e3:9.1f} ms  before {kernel}  launched in {where}" for s, where, kernel in self.longest]
+        if self.collectives:
+            lines.append("Collective kernels (they overlap compute or wait for another rank):")
+            lines += [f"  {s * 1e3:9.1f} ms  {n:5d} calls  {name}" for name, s, n in self.collectives]
+        return "\n".join(lines)
+
+
+class _HostStack:
+    """The host ops of one thread, nested by time: `chain(ts)` lists the ops running at `ts`, outermost first."""
+
+    def __init__(self, ops: list[dict[str, Any]]):
+        ops = sorted(ops, key=lambda e: (e["ts"], -e["dur"]))
+        self.starts = [e["ts"] for e in ops]
+        self.ops = ops
+        self.parent: list[int] = []
+        stack: list[int] = []
+        for i, e in enumerate(ops):
+            while stack and ops[stack[-1]]["ts"] + ops[stack[-1]]["dur"] < e["ts"]:
+                stack.pop()
+            self.parent.append(stack[-1] if stack else -1)
+            stack.append(i)
+
+    def chain(self, ts: float) -> list[str]:
+        i = bisect.bisect_right(self.starts, ts) - 1
+        names = []
+        while i >= 0:
+            e = self.ops[i]
+            if e["ts"] <= ts <= e["ts"] + e["dur"]:
+                names.append(e["name"])
+                i = self.parent[i]
+            else:  # an op that ended before ts: an op enclosing ts is one of its ancestors
+                i = self.parent[i]
+        return names[::-1]
+
+
+def _where(chain: list[str]) -> str:
+    """A readable name for a host op chain: the enclosing non-aten ops (module, autograd node, FSDP, optimizer,
+    compiled region), else the outermost two aten ops."""
+    named = [n for n in chain if not n.startswith(("aten::", "cuda"))]
+    picked = named[-3:] if named else chain[:2]
+    return " > ".join(n[:60] for n in picked) or "(no host op)"
+
+
+def idle_report(trace: dict[str, Any] | str | Path, *, longest: int = 8) -> IdleReport:
+    """Where one rank's GPU sat idle in a profiled step, from its Chrome trace (a dict, or a path to a `.json` or
+    `.json.gz` file; format in the module docstring). Gaps shorter than `MIN_GAP_US` are left out. Raises
+    ValueError for a file that is not such a trace."""
+    if not isinstance(trace, dict):
+        path = Path(trace)
+        with (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)) as f:
+            trace = json.load(f)
+    if "traceEvents" not in trace:
+        raise ValueError("not a Chrome trace: no traceEvents (write one with torch.profiler's export_chrome_trace)")
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "ts" in e and "dur" in e]
+    device = [e for e in events if e.get("cat") in GPU_CATEGORIES]
+    collective = [e for e in device if "nccl" in e["name"].lower()]
+    compute = sorted((e for e in device if "nccl" not in e["name"].lower()), key=lambda e: e["ts"])
+    coll = Counter(); calls = Counter()
+    for e in collective:
+        name = e["name"].split("(")[0]
+        coll[name] += e["dur"]; calls[name] += 1
+    collectives = [(name, us / 1e6, calls[name]) for name, us in coll.most_common()]
+    if not compute:
+        return IdleReport(0.0, 0.0, 0.0, 0, [], [], collectives)
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
+    threads: dict[Any, list[dict[str, Any]]] = {}
+    for e in events:
+        if e.get("cat") in HOST_CATEGORIES:
+            threads.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    stacks = {key: _HostStack(ops) for key, ops in threads.items()}
+
+    by_host = Counter(); count = Counter(); gaps: list[tuple[float, str, str]] = []
+    end = compute[0]["ts"] + compute[0]["dur"]
+    for e in compute[1:]:
+        gap = e["ts"] - end
+        if gap > MIN_GAP_US:
+            launch = launches.get(e.get("args", {}).get("correlation"))
+            stack = stacks.get((launch.get("pid"), launch.get("tid"))) if launch else None
+            where = _where(stack.chain(launch["ts"])) if stack else "(launch not recorded)"
+            by_host[where] += gap; count[where] += 1
+            gaps.append((gap / 1e6, where, e["name"][:80]))
+        end = max(end, e["ts"] + e["dur"])
+    span = end - compute[0]["ts"]
+    busy = _union_us(sorted((e["ts"], e["ts"] + e["dur"]) for e in compute))
+    return IdleReport(span / 1e6, busy / 1e6, sum(by_host.values()) / 1e6, len(gaps),
+                      [(w, us / 1e6, count[w]) for w, us in by_host.most_common()],
+                      sorted(gaps, reverse=True)[:longest], collectives)
+
+
+def profile_step(step, folder: Path, sync) -> tuple[Any, str]:
+    """Run `step()` once under `torch.profiler.profile` (CPU and, on a GPU, CUDA activities) and write to `folder`
+    (created): `trace.json.gz`, the Chrome trace (https://ui.perfetto.dev opens it), and `ops.txt`: the step's wall
+    seconds, the seconds the GPU ran kernels (`kernel_seconds`; the rest is the GPU waiting for the host or for a
+    collective), where the GPU sat idle (`idle_report`), and the top 40 operators by self CPU and by self device
+    time. Returns (step's result, the summary line)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from vlmctl.evaluation.results import atomic_write
+
+    cuda = torch.cuda.is_available()
+    folder.mkdir(parents=True, exist_ok=True)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        t0 = time.perf_counter()
+        result = step()
+        sync()
+        wall = time.perf_counter() - t0
+    busy = kernel_seconds(prof)
+    summary = (f"profiled step: {wall:.3f} s wall, GPU kernels {busy:.3f} s ({100 * busy / wall:.0f}%), "
+               f"{result.text_tokens + result.visual_tokens} tokens; tables and trace in {folder}")
+    prof.export_chrome_trace(str(folder / ".trace.tmp.json.gz"))  # torch gzips a path ending in .gz
+    os.replace(folder / ".trace.tmp.json.gz", folder / "trace.json.gz")
+    table = prof.key_averages()
+    text = (summary + "\n\n" + idle_report(folder / "trace.json.gz").text() + "\n\n"
+            + table.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70) + "\n"
+            + table.table(sort_by="self_device_time_total" if cuda else "cpu_time_total", row_limit=40,
+                          max_name_column_width=70))
+    atomic_write(folder / "ops.txt", text)
+    return result, summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m vlmctl.profiling TRACE [TRACE ...]`: print the idle report (`idle_report`) of each Chrome trace.
+    Exit code 2 for a file that cannot be read as one."""
+    import sys
+
+    paths = sys.argv[1:] if argv is None else argv
+    if not paths:
+        print("usage: python -m vlmctl.profiling TRACE.json[.gz] [...]", file=sys.stderr)
+        return 2
+    for path in paths:
+        try:
+            report = idle_report(path)
+        except (OSError, ValueError) as exc:  # json's decode error is a ValueError
+            print(f"{path}: {exc}", file=sys.stderr)
+            return 2
+        print(f"{path}\n{report.text()}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
