@@ -8,11 +8,12 @@
 #   16,000-30,000) or qwen2.5-vl-7b:2:32768::train.activation_checkpointing=2 (config overrides of that run only)
 #   PROFILE=1: each run's last warm-up step profiled on every rank (`vlmctl bench --profile`) under
 #   $OUT/profile/I_PRESET_SP_TOKENS/rank<N>/ (trace.json.gz) and $OUT/ops_I_PRESET_SP_TOKENS_rank<N>.txt (the
-#   operator tables; I: the run's number); STEPS / WARMUP: measured and warm-up steps (2, 2)
+#   operator tables; I: the run's number); STEPS / WARMUP: measured and warm-up steps (2, 3: with 2 warm-up steps a
+#   Triton compilation of liger's cross-entropy for a new labelled-token count could land in a measured step)
 set -uo pipefail
 out=${OUT:-/tmp}/sp_gpu.jsonl
 : > "$out"
-common=(--steps "${STEPS:-2}" --warmup "${WARMUP:-2}" --nproc-per-node 2 --workload chat --images-per-sample 8,16
+common=(--steps "${STEPS:-2}" --warmup "${WARMUP:-3}" --nproc-per-node 2 --workload chat --images-per-sample 8,16
         --image-sizes 448 model.init=random train.stage=full train.precision=bf16 train.master_weights=bf16
         train.packing=true train.warmup_ratio=0.0 train.lr_scheduler=constant train.activation_checkpointing=full
         train.liger=auto train.compile=off)
