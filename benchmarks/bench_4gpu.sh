@@ -8,6 +8,9 @@
 #   benchmarks/bench_4gpu.sh hybrid WORKDIR       # 3B preset built once: full sharding over 4 vs hybrid 2 x 2 (two
 #                                                 # launchers of 2 processes on this host), then `vlmctl train` on the
 #                                                 # real sample data (tests/fixtures/real, each source 100x) on 4 GPUs
+#   benchmarks/bench_4gpu.sh profile12 WORKDIR    # needs only 2 GPUs: the scaling project on 1 and 2 GPUs, default
+#                                                 # and skewed workloads, each with `vlmctl bench --profile`; prints
+#                                                 # the figures and rank 0's idle report (where the 1 -> 2 GPU loss goes)
 # Every figure is printed and written as JSON under WORKDIR (and $OUT when set).
 set -uo pipefail
 phase=$1 work=$2
@@ -127,6 +130,34 @@ PY
     for n in full hybrid real; do cp outputs/runs/$n/metrics.jsonl "$out/metrics-$n.jsonl" 2>/dev/null; done
     cd "$here"
     ;;
+profile12)
+    bench_yaml
+    for workload in default skewed; do
+        args=(); [[ $workload == skewed ]] && args=(--image-sizes 224,448,672,896 --text-tokens 64,3072)
+        for n in 1 2; do
+            name=$workload-$n
+            # EXTRA: more overrides (a smaller preset, say) for trying the phase out
+            timeout 200 python3 -m vlmctl --quiet bench -c "$work/7b.yaml" --steps "${STEPS:-4}" --warmup "${WARMUP:-3}" \
+                --json --nproc-per-node $n --profile "$work/profile-$name" "${args[@]}" ${EXTRA:-} \
+                > "$out/$name.json" 2> "$work/$name.err"  # $OUT keeps 8 files: the JSON and the idle reports
+            echo "$name rc=$?"; tail -c 400 "$work/$name.err"
+            if [[ -f "$work/profile-$name/rank0/trace.json.gz" ]]; then
+                python3 -m vlmctl.profiling "$work/profile-$name/rank0/trace.json.gz" > "$out/idle-$name.txt"
+                head -n 14 "$out/idle-$name.txt"
+            fi
+        done
+    done
+    python3 - "$out" <<'PY'
+import json, sys, pathlib
+for name in ("default-1", "default-2", "skewed-1", "skewed-2"):
+    try:
+        r = json.loads((pathlib.Path(sys.argv[1]) / f"{name}.json").read_text())
+    except Exception as exc:
+        print(name, "no result:", exc); continue
+    print(f"{name:10} {r['tokens_per_s'] / r['world_size']:>8.0f} tok/s/GPU  MFU {r['mfu']:.1%}  step {r['step_time_s']:.3f} s  "
+          f"peak {r['peak_memory_gib']:.1f} GiB  balance {r.get('balance')}")
+PY
+    ;;
 *)
-    echo "unknown phase $phase (scaling, sp, hybrid)"; exit 2 ;;
+    echo "unknown phase $phase (scaling, sp, hybrid-prepare, hybrid, profile12)"; exit 2 ;;
 esac
