@@ -98,13 +98,11 @@ class _HostStack:
     def chain(self, ts: float) -> list[str]:
         i = bisect.bisect_right(self.starts, ts) - 1
         names = []
-        while i >= 0:
+        while i >= 0:  # every op enclosing ts encloses the last op started before it: walk up its ancestors
             e = self.ops[i]
-            if e["ts"] <= ts <= e["ts"] + e["dur"]:
+            if e["ts"] + e["dur"] >= ts:
                 names.append(e["name"])
-                i = self.parent[i]
-            else:  # an op that ended before ts: an op enclosing ts is one of its ancestors
-                i = self.parent[i]
+            i = self.parent[i]
         return names[::-1]
 
 
@@ -119,7 +117,8 @@ def _where(chain: list[str]) -> str:
 def idle_report(trace: dict[str, Any] | str | Path, *, longest: int = 8) -> IdleReport:
     """Where one rank's GPU sat idle in a profiled step, from its Chrome trace (a dict, or a path to a `.json` or
     `.json.gz` file; format in the module docstring). Gaps shorter than `MIN_GAP_US` are left out. Raises
-    ValueError for a file that is not such a trace."""
+    ValueError for a file that is not such a trace (JSON without `traceEvents`, or not JSON), OSError for one that
+    cannot be read or unzipped."""
     if not isinstance(trace, dict):
         path = Path(trace)
         with (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)) as f:
