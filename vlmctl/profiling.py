@@ -33,14 +33,6 @@ MIN_GAP_US = 50.0  # shorter gaps are launch latency between back-to-back kernel
 # trace (`idle_report`) must not pay for torch's import.
 
 
-def kernel_seconds(prof) -> float:
-    """Seconds (wall) during which at least one GPU kernel ran, the union of the profiler's device event intervals
-    (`torch.profiler.profile.events()`, microseconds); 0.0 without device events."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
-    return _union_us(spans) / 1e6
-
-
 def _union_us(spans: list[tuple[float, float]]) -> float:
     busy, end = 0.0, float("-inf")
     for a, b in spans:
@@ -53,11 +45,14 @@ def _union_us(spans: list[tuple[float, float]]) -> float:
 
 @dataclass(frozen=True)
 class IdleReport:
-    """The GPU's idle time in one profiled step (seconds). `by_host`: (host code, seconds, gaps), largest first;
+    """The GPU's idle time in one profiled step (seconds). `busy_s`: wall seconds during which any GPU kernel,
+    copy or collective ran (the union of their intervals); `compute_s` the same without collectives. `by_host`:
+    (host code, seconds, gaps), largest first;
     `longest`: (seconds, host code, next kernel) of the longest single gaps; `collectives`: (kernel name, seconds,
     calls) of the collective kernels."""
 
     span_s: float
+    busy_s: float
     compute_s: float
     idle_s: float
     gaps: int
@@ -134,8 +129,9 @@ def idle_report(trace: dict[str, Any] | str | Path, *, longest: int = 8) -> Idle
         name = e["name"].split("(")[0]
         coll[name] += e["dur"]; calls[name] += 1
     collectives = [(name, us / 1e6, calls[name]) for name, us in coll.most_common()]
+    busy = _union_us(sorted((e["ts"], e["ts"] + e["dur"]) for e in device)) / 1e6
     if not compute:
-        return IdleReport(0.0, 0.0, 0.0, 0, [], [], collectives)
+        return IdleReport(0.0, busy, 0.0, 0.0, 0, [], [], collectives)
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
     threads: dict[Any, list[dict[str, Any]]] = {}
@@ -156,8 +152,8 @@ def idle_report(trace: dict[str, Any] | str | Path, *, longest: int = 8) -> Idle
             gaps.append((gap / 1e6, where, e["name"][:80]))
         end = max(end, e["ts"] + e["dur"])
     span = end - compute[0]["ts"]
-    busy = _union_us(sorted((e["ts"], e["ts"] + e["dur"]) for e in compute))
-    return IdleReport(span / 1e6, busy / 1e6, sum(by_host.values()) / 1e6, len(gaps),
+    compute_busy = _union_us(sorted((e["ts"], e["ts"] + e["dur"]) for e in compute))
+    return IdleReport(span / 1e6, busy, compute_busy / 1e6, sum(by_host.values()) / 1e6, len(gaps),
                       [(w, us / 1e6, count[w]) for w, us in by_host.most_common()],
                       sorted(gaps, reverse=True)[:longest], collectives)
 
@@ -165,9 +161,9 @@ def idle_report(trace: dict[str, Any] | str | Path, *, longest: int = 8) -> Idle
 def profile_step(step, folder: Path, sync) -> tuple[Any, str]:
     """Run `step()` once under `torch.profiler.profile` (CPU and, on a GPU, CUDA activities) and write to `folder`
     (created): `trace.json.gz`, the Chrome trace (https://ui.perfetto.dev opens it), and `ops.txt`: the step's wall
-    seconds, the seconds the GPU ran kernels (`kernel_seconds`; the rest is the GPU waiting for the host or for a
-    collective), where the GPU sat idle (`idle_report`), and the top 40 operators by self CPU and by self device
-    time. Returns (step's result, the summary line)."""
+    seconds, the seconds the GPU ran kernels (`IdleReport.busy_s`: a collective waiting for another rank counts as
+    running; the rest is the GPU waiting for the host), where the GPU sat idle (`idle_report`), and the top 40
+    operators by self CPU and by self device time. Returns (step's result, the summary line)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -181,13 +177,14 @@ def profile_step(step, folder: Path, sync) -> tuple[Any, str]:
         result = step()
         sync()
         wall = time.perf_counter() - t0
-    busy = kernel_seconds(prof)
-    summary = (f"profiled step: {wall:.3f} s wall, GPU kernels {busy:.3f} s ({100 * busy / wall:.0f}%), "
-               f"{result.text_tokens + result.visual_tokens} tokens; tables and trace in {folder}")
     prof.export_chrome_trace(str(folder / ".trace.tmp.json.gz"))  # torch gzips a path ending in .gz
     os.replace(folder / ".trace.tmp.json.gz", folder / "trace.json.gz")
+    report = idle_report(folder / "trace.json.gz")  # every GPU figure from the trace, read once
+    busy = report.busy_s
+    summary = (f"profiled step: {wall:.3f} s wall, GPU kernels {busy:.3f} s ({100 * busy / wall:.0f}%), "
+               f"{result.text_tokens + result.visual_tokens} tokens; tables and trace in {folder}")
     table = prof.key_averages()
-    text = (summary + "\n\n" + idle_report(folder / "trace.json.gz").text() + "\n\n"
+    text = (summary + "\n\n" + report.text() + "\n\n"
             + table.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70) + "\n"
             + table.table(sort_by="self_device_time_total" if cuda else "cpu_time_total", row_limit=40,
                           max_name_column_width=70))

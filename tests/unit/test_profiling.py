@@ -38,6 +38,7 @@ def test_idle_time_is_charged_to_the_host_code_that_launched_the_next_kernel(tmp
     report = idle_report(_trace())
     assert report.gaps == 2 and report.idle_s == pytest.approx((3000 + 2000) / 1e6)
     assert report.span_s == pytest.approx(6400 / 1e6) and report.compute_s == pytest.approx(1370 / 1e6)
+    assert report.busy_s == pytest.approx((1370 + 2500) / 1e6)  # any kernel: the collective's 2.5 ms counted once
     by_host = {where: (s, n) for where, s, n in report.by_host}
     assert by_host == {"Optimizer.step#AdamW.step": (pytest.approx(3e-3), 1),
                        "(launch not recorded)": (pytest.approx(2e-3), 1)}
@@ -63,7 +64,7 @@ def test_a_gap_before_a_driver_launch_is_charged_to_its_enclosing_op():
 def test_a_trace_without_gpu_kernels_and_a_file_that_is_not_a_trace(tmp_path):
     cpu_only = {"traceEvents": [_x("cpu_op", "aten::mm", 0, 10)]}
     report = idle_report(cpu_only)
-    assert report.span_s == 0 and report.text() == "GPU idle time: no GPU kernels in the trace"
+    assert report.span_s == 0 and report.busy_s == 0 and report.text() == "GPU idle time: no GPU kernels in the trace"
     (tmp_path / "x.json").write_text(json.dumps({"events": []}))
     with pytest.raises(ValueError, match="not a Chrome trace"):
         idle_report(tmp_path / "x.json")
