@@ -28,6 +28,20 @@ train: {strategy: fsdp, stage: full, precision: bf16, master_weights: bf16, stoc
 YAML
 }
 
+show_runs() {  # one line per `vlmctl bench --json` result $out/NAME.json of the names given
+    python3 - "$out" "$@" <<'PY'
+import json, sys, pathlib
+for name in sys.argv[2:]:
+    try:
+        r = json.loads((pathlib.Path(sys.argv[1]) / f"{name}.json").read_text())
+    except Exception as exc:
+        print(name, "no result:", exc); continue
+    print(f"{name}: {r['tokens_per_s']:.0f} tok/s ({r['tokens_per_s'] / r['world_size']:.0f} per GPU), MFU {r['mfu']:.1%}, "
+          f"step {r['step_time_s']:.3f} s, {r['tokens_per_step']:.0f} tokens/step, peak {r['peak_memory_gib']:.1f} GiB, "
+          f"balance {r.get('balance')}")
+PY
+}
+
 case $phase in
 scaling)
     bench_yaml
@@ -58,16 +72,7 @@ sp)
         > "$out/sp1.json" 2> "$out/sp1.err"; echo "sp1 rc=$?"; tail -c 400 "$out/sp1.err"
     timeout 200 python3 -m vlmctl --quiet bench $C --nproc-per-node 4 train.sequence_parallel=4 train.tokens_per_batch=32768 \
         > "$out/sp4.json" 2> "$out/sp4.err"; echo "sp4 rc=$?"; tail -c 400 "$out/sp4.err"
-    python3 - "$out" <<'PY'
-import json, sys, pathlib
-for name in ("sp1", "sp4"):
-    try:
-        r = json.loads((pathlib.Path(sys.argv[1]) / f"{name}.json").read_text())
-    except Exception as exc:
-        print(name, "no result:", exc); continue
-    print(f"{name}: {r['tokens_per_s']:.0f} tok/s ({r['tokens_per_s'] / r['world_size']:.0f} per GPU), MFU {r['mfu']:.1%}, "
-          f"step {r['step_time_s']:.1f} s, {r['tokens_per_step']:.0f} tokens/step, peak {r['peak_memory_gib']:.1f} GiB")
-PY
+    show_runs sp1 sp4
     ;;
 hybrid-prepare|hybrid)
     real=$here/tests/fixtures/real
@@ -147,16 +152,7 @@ profile12)
             fi
         done
     done
-    python3 - "$out" <<'PY'
-import json, sys, pathlib
-for name in ("default-1", "default-2", "skewed-1", "skewed-2"):
-    try:
-        r = json.loads((pathlib.Path(sys.argv[1]) / f"{name}.json").read_text())
-    except Exception as exc:
-        print(name, "no result:", exc); continue
-    print(f"{name:10} {r['tokens_per_s'] / r['world_size']:>8.0f} tok/s/GPU  MFU {r['mfu']:.1%}  step {r['step_time_s']:.3f} s  "
-          f"peak {r['peak_memory_gib']:.1f} GiB  balance {r.get('balance')}")
-PY
+    show_runs default-1 default-2 skewed-1 skewed-2
     ;;
 *)
     echo "unknown phase $phase (scaling, sp, hybrid-prepare, hybrid, profile12)"; exit 2 ;;
