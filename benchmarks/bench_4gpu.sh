@@ -2,7 +2,8 @@
 # Four GPUs of one host: weak scaling, long rows over 4 sequence-parallel ranks, hybrid sharding 2 x 2 and
 # `vlmctl train` on real data. One phase per call (each fits one device command of at most 10 minutes):
 #   benchmarks/bench_4gpu.sh scaling WORKDIR      # 7B preset, `vlmctl bench --scaling 1,2,4`, default and skewed workloads
-#   benchmarks/bench_4gpu.sh sp WORKDIR           # 7B preset, one 131,072-token row: SP=1 on 1 GPU vs SP=4 on 4 GPUs
+#   benchmarks/bench_4gpu.sh sp WORKDIR           # 7B preset, one 131,072-token row: SP=1 on GPU 0 beside SP=2 on
+#                                                 # GPUs 2-3, then SP=4 on all four
 #   benchmarks/bench_4gpu.sh hybrid-prepare WORKDIR  # the data and model of `hybrid` only (CPU work: start it in the
 #                                                    # background before `sp`'s single-GPU row ends, then `wait $!`)
 #   benchmarks/bench_4gpu.sh hybrid WORKDIR       # 3B preset built once: full sharding over 4 vs hybrid 2 x 2 (two
@@ -68,11 +69,16 @@ sp)
     bench_yaml
     C="-c $work/7b.yaml --steps 2 --warmup 1 --json --workload chat --text-tokens 121000,122000 --images-per-sample 8,8 \
        --image-sizes 448 train.activation_checkpointing=full"
-    timeout 200 python3 -m vlmctl --quiet bench $C --nproc-per-node 1 train.tokens_per_batch=131072 \
-        > "$out/sp1.json" 2> "$out/sp1.err"; echo "sp1 rc=$?"; tail -c 400 "$out/sp1.err"
-    timeout 200 python3 -m vlmctl --quiet bench $C --nproc-per-node 4 train.sequence_parallel=4 train.tokens_per_batch=32768 \
-        > "$out/sp4.json" 2> "$out/sp4.err"; echo "sp4 rc=$?"; tail -c 400 "$out/sp4.err"
-    show_runs sp1 sp4
+    # SP=1 on GPU 0 and SP=2 on GPUs 2-3 side by side (one host, separate GPUs), then SP=4 on all four
+    CUDA_VISIBLE_DEVICES=0 timeout ${SP_LIMIT:-280} python3 -m vlmctl --quiet bench $C --nproc-per-node 1 \
+        train.tokens_per_batch=131072 > "$out/sp1.json" 2> "$work/sp1.err" &
+    CUDA_VISIBLE_DEVICES=2,3 timeout ${SP_LIMIT:-280} python3 -m vlmctl --quiet bench $C --nproc-per-node 2 \
+        train.sequence_parallel=2 train.tokens_per_batch=65536 > "$out/sp2.json" 2> "$work/sp2.err" &
+    wait
+    timeout ${SP_LIMIT:-280} python3 -m vlmctl --quiet bench $C --nproc-per-node 4 train.sequence_parallel=4 \
+        train.tokens_per_batch=32768 > "$out/sp4.json" 2> "$work/sp4.err"
+    for n in 1 2 4; do echo "sp$n:"; tail -c 400 "$work/sp$n.err"; done
+    show_runs sp1 sp2 sp4
     ;;
 hybrid-prepare|hybrid)
     real=$here/tests/fixtures/real
