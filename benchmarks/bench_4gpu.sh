@@ -7,8 +7,9 @@
 #   benchmarks/bench_4gpu.sh hybrid-prepare WORKDIR  # the data and model of `hybrid` only (CPU work: start it in the
 #                                                    # background before `sp`'s single-GPU row ends, then `wait $!`)
 #   benchmarks/bench_4gpu.sh hybrid WORKDIR       # 3B preset built once: full sharding over 4 vs hybrid 2 x 2 (two
-#                                                 # launchers of 2 processes on this host), then `vlmctl train` on the
-#                                                 # real sample data (tests/fixtures/real, each source 100x) on 4 GPUs
+#                                                 # launchers of 2 processes on this host)
+#   benchmarks/bench_4gpu.sh real WORKDIR         # `vlmctl train` with its defaults on the real sample data
+#                                                 # (tests/fixtures/real, each source 100x) on 4 GPUs
 #   benchmarks/bench_4gpu.sh profile12 WORKDIR    # needs only 2 GPUs: the scaling project on 1 and 2 GPUs, default
 #                                                 # and skewed workloads, each with `vlmctl bench --profile`; prints
 #                                                 # the figures and rank 0's idle report (where the 1 -> 2 GPU loss goes)
@@ -80,7 +81,7 @@ sp)
     for n in 1 2 4; do echo "sp$n:"; tail -c 400 "$work/sp$n.err"; done
     show_runs sp1 sp2 sp4
     ;;
-hybrid-prepare|hybrid)
+hybrid-prepare|hybrid|real)
     real=$here/tests/fixtures/real
     mkdir -p "$work/data/raw" "$work/lf"
     ln -sfn "$real/llamafactory_mllm_demo" "$work/lf/data"  # the messages file names images from LLaMA-Factory's root
@@ -112,21 +113,27 @@ YAML
     echo "model build: $(( $(date +%s) - start )) s"
     fi
     [ "$phase" = hybrid-prepare ] && exit 0
-    timeout 150 python3 -m vlmctl train --nproc-per-node 4 train.run_name=full > full.log 2>&1; echo "full rc=$?"
+    if [ "$phase" = hybrid ]; then
+    runs_here="full hybrid"
+    timeout 150 python3 -m vlmctl train --nproc-per-node 4 train.run_name=full train.max_steps=${HYBRID_STEPS:-30} > full.log 2>&1; echo "full rc=$?"
     port=$(python3 -c "from vlmctl.distributed.env import free_port; print(free_port())")
     for node in 0 1; do
         CUDA_VISIBLE_DEVICES=$(( node * 2 )),$(( node * 2 + 1 )) timeout 150 python3 -m vlmctl train --launcher torchrun \
             --nproc-per-node 2 --nnodes 2 --node-rank $node --master-addr 127.0.0.1 --master-port "$port" \
-            train.fsdp_sharding=hybrid train.run_name=hybrid > hybrid-$node.log 2>&1 &
+            train.fsdp_sharding=hybrid train.run_name=hybrid train.max_steps=${HYBRID_STEPS:-30} > hybrid-$node.log 2>&1 &
     done
     wait; echo "hybrid done"
-    timeout 150 python3 -m vlmctl -c real.yaml train --nproc-per-node 4 train.run_name=real > real.log 2>&1; echo "real rc=$?"
-    for f in full.log hybrid-0.log real.log; do echo "== $f"; grep -v "^\s*$" "$f" | tail -6; done
-    python3 - outputs/runs "$out" <<'PY'
+    else
+    runs_here=real  # the defaults (auto checkpointing and compile, liger): the start-up probe and compile take minutes
+    timeout ${REAL_LIMIT:-300} python3 -m vlmctl -c real.yaml train --nproc-per-node 4 train.run_name=real > real.log 2>&1
+    echo "real rc=$?"
+    fi
+    for n in $runs_here; do f=$n.log; [ $n = hybrid ] && f=hybrid-0.log; echo "== $f"; grep -v "^\s*$" "$f" | tail -6; done
+    python3 - outputs/runs "$out" $runs_here <<'PY'
 import json, sys, pathlib
 runs, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
 summary = {}
-for name in ("full", "hybrid", "real"):
+for name in sys.argv[3:]:
     p = runs / name / "metrics.jsonl"
     if not p.is_file():
         print(name, "no metrics"); continue
@@ -136,9 +143,9 @@ for name in ("full", "hybrid", "real"):
     mean = {k: sum(r.get(k) or 0 for r in later) / len(later) for k in keys if isinstance(rows[0].get(k), (int, float))}
     summary[name] = {"losses": [r.get("loss") for r in rows], "mean_from_step_3": mean}
     print(name, json.dumps(summary[name]))
-(out / "hybrid.json").write_text(json.dumps(summary, indent=1))
+(out / f"{sys.argv[3]}.json").write_text(json.dumps(summary, indent=1))
 PY
-    for n in full hybrid real; do cp outputs/runs/$n/metrics.jsonl "$out/metrics-$n.jsonl" 2>/dev/null; done
+    for n in $runs_here; do cp outputs/runs/$n/metrics.jsonl "$out/metrics-$n.jsonl" 2>/dev/null; done
     cd "$here"
     ;;
 profile12)
