@@ -249,6 +249,9 @@ class BenchResult:
     train_s: float | None = None  # seconds per step of the rest: forward, backward, optimizer step (step_time_s - rollout_s)
     generation_share: float | None = None  # rollout_s / step_time_s
     train_tokens_per_s: float | None = None  # tokens of the trained rollout rows per second of train_s
+    # each measured step's wall seconds on its slowest rank, in order: an outlier (a compilation or autotuning for a
+    # new shape, an allocator retry) shows here while the mean step_time_s only grows
+    step_times_s: list[float] | None = None
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -1115,6 +1118,7 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
     totals = torch.zeros(4, dtype=torch.float64)  # flops, text, visual, samples
     seconds = torch.zeros(1, dtype=torch.float64)
     measured = []  # the measured steps' results: per-rank compute and data-wait figures
+    times = []  # the measured steps' wall seconds on this rank
     rollouts = {"rollouts": 0.0, "seconds": 0.0, "tokens": 0.0}  # grpo: the steps' rollout figures (all ranks)
     for i in range(steps + warmup):
         sync()
@@ -1130,6 +1134,7 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
         if i >= warmup:
             totals += torch.tensor([result.flops, result.text_tokens, result.visual_tokens, result.samples], dtype=torch.float64)
             seconds += dt
+            times.append(dt)
             measured.append(result)
             if generated is not None:
                 for key, value in generated.items():
@@ -1141,10 +1146,12 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
             log(f"step {i}{' (warm-up)' if i < warmup else ''}: loss {loss}, {dt * 1000:.0f} ms, "
                 f"{result.text_tokens + result.visual_tokens} tokens, {result.samples} samples{part}")
     peak = torch.tensor([torch.cuda.max_memory_allocated(env.device) / 2**30 if cuda else 0.0], dtype=torch.float64)
+    per_step = torch.tensor(times, dtype=torch.float64)
     if dist.get_backend() == "nccl":
-        peak, seconds = peak.to(env.device), seconds.to(env.device)
+        peak, seconds, per_step = peak.to(env.device), seconds.to(env.device), per_step.to(env.device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+    dist.all_reduce(per_step, op=dist.ReduceOp.MAX)
     flops, text, visual, n_samples = (float(x) for x in totals)
     total, world, toks = float(seconds.cpu()[0]), env.world_size, text + visual
     mfu = cost.mfu(flops, total, peak_flops(env.device) or DEFAULT_PEAK, world)
@@ -1164,7 +1171,7 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
         workload=labels["workload"], media=labels["media"], packing=labels["packing"], adapter=labels["adapter"],
         stage=labels["stage"], objective=labels.get("objective", "sft"),
         balance=stragglers.get("balance"), balance_flops=stragglers.get("balance_flops"),
-        data_wait=stragglers.get("data_wait"), **grpo,
+        data_wait=stragglers.get("data_wait"), step_times_s=per_step.cpu().tolist(), **grpo,
     )
 
 

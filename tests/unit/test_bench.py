@@ -74,6 +74,9 @@ def test_bench_two_processes_fsdp_sums_ranks(tmp_path, capsys):
     assert abs(out["tokens_per_s_per_gpu"] * 2 - out["tokens_per_s"]) < 1e-6 * out["tokens_per_s"]
     # the ranks' balance, as training reports it: a ratio of mean to max, so in (0, 1]
     assert 0 < out["balance"] <= 1 and 0 < out["balance_flops"] <= 1 and 0 <= out["data_wait"] < 1
+    # each measured step's time is its slowest rank's: their mean is at least the slowest rank's mean step time
+    times = out["step_times_s"]
+    assert len(times) == 2 and min(times) > 0 and sum(times) / 2 >= out["step_time_s"] * (1 - 1e-9)
 
 
 def _cost_model(cfg, trainable: set[str]):
@@ -139,7 +142,7 @@ def test_bench_and_the_training_metrics_give_the_same_mfu_for_the_same_batches(m
                              steps=2, warmup=1, spec=bench.WorkloadSpec(image_sizes=(28, 56), text_tokens=(8, 40)),
                              log=None)
     trainer, steps = seen["trainer"], seen["steps"]
-    assert len(steps) == 3 and result.step_time_s == 1.0
+    assert len(steps) == 3 and result.step_time_s == 1.0 and result.step_times_s == [1.0, 1.0]  # the warm-up step left out
     # each step's FLOPs are the cost model's on the very batch it trained on (one packed row per step here)
     cost = seen["cost"]
     assert isinstance(cost, CostModel) and len(seen["batches"]) == 3

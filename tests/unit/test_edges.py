@@ -451,6 +451,19 @@ def test_bench_says_n_a_for_figures_a_cpu_run_does_not_have(built_project, capsy
     assert "0.0%" not in text.split("MFU")[1][:20]
 
 
+def test_bench_names_its_slowest_measured_step(built_project, capsys, monkeypatch):
+    # an outlier step (a compilation for a new shape) only raises the mean step time; the table names it
+    import vlmctl.bench as bench
+
+    result = bench.BenchResult(name="tiny", steps=4, world_size=2, strategy="fsdp", tokens_per_s=100.0,
+                               text_tokens_per_s=50.0, visual_tokens_per_s=50.0, samples_per_s=1.0, step_time_s=1.2,
+                               mfu=0.0, peak_memory_gib=0.0, tokens_per_step=50.0, workload="chat",
+                               step_times_s=[1.0, 1.04, 1.8, 0.98])
+    monkeypatch.setattr(bench, "benchmark", lambda *a, **k: result)
+    code, out, err = run_cli(["bench", "--steps", "4"], capsys)
+    assert code == 0 and "median / slowest step 1,020 / 1,800 ms (measured step 3 of 4)" in _flat(out), out + err
+
+
 # ---------------------------------------------------------------- 8: a Hub id where a model folder is expected
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -122,6 +123,11 @@ def bench(
             ("train tokens/s", f"{result.train_tokens_per_s:,.0f}"),
         ]:
             table.add_row(label, value)
+    if result.step_times_s and len(result.step_times_s) > 1:
+        times = result.step_times_s
+        slow = max(range(len(times)), key=times.__getitem__)
+        table.add_row("  median / slowest step", f"{statistics.median(times) * 1000:,.0f} / {times[slow] * 1000:,.0f} ms "
+                                                 f"(measured step {slow + 1} of {len(times)})")
     if result.balance is not None:
         table.add_row("balance (compute / FLOPs)", f"{result.balance * 100:.1f}% / {(result.balance_flops or 0) * 100:.1f}%")
     if result.data_wait is not None:
