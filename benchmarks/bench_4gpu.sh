@@ -40,7 +40,8 @@ for name in sys.argv[2:]:
         print(name, "no result:", exc); continue
     print(f"{name}: {r['tokens_per_s']:.0f} tok/s ({r['tokens_per_s'] / r['world_size']:.0f} per GPU), MFU {r['mfu']:.1%}, "
           f"step {r['step_time_s']:.3f} s, {r['tokens_per_step']:.0f} tokens/step, peak {r['peak_memory_gib']:.1f} GiB, "
-          f"balance {r.get('balance')}")
+          f"balance {r.get('balance')}" + (f", slowest step {max(r['step_times_s']):.3f} s (median "
+          f"{sorted(r['step_times_s'])[len(r['step_times_s']) // 2]:.3f})" if r.get("step_times_s") else ""))
 PY
 }
 
@@ -155,7 +156,8 @@ profile12)
         for n in 1 2; do
             name=$workload-$n
             # EXTRA: more overrides (a smaller preset, say) for trying the phase out
-            timeout 200 python3 -m vlmctl --quiet bench -c "$work/7b.yaml" --steps "${STEPS:-4}" --warmup "${WARMUP:-3}" \
+            # TORCH_LOGS: a recompilation for a new shape lands in the .err file (the compiled vision kernels)
+            TORCH_LOGS=recompiles timeout 200 python3 -m vlmctl --quiet bench -c "$work/7b.yaml" --steps "${STEPS:-4}" --warmup "${WARMUP:-3}" \
                 --json --nproc-per-node $n --profile "$work/profile-$name" "${args[@]}" ${EXTRA:-} \
                 > "$out/$name.json" 2> "$work/$name.err"  # $OUT keeps 8 files: the JSON and the idle reports
             echo "$name rc=$?"; tail -c 400 "$work/$name.err"
