@@ -263,3 +263,42 @@ def test_probe_tries_vision_only_where_the_vision_tower_trains():
     vision[0].requires_grad_(False)
     assert candidates(train, [decoder, vision]) == ("off", 2, "full")
     assert candidates(train, [decoder, []]) == ("off", 2, "full")  # no vision tower
+
+
+def attention_runs(model, mode) -> int:
+    """How often an SDPA kernel runs in one forward/backward of `model` under `mode`."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    runs = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "scaled_dot_product" in func.__name__ and "backward" not in func.__name__:
+                runs.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    apply_activation_checkpointing([list(model.model.layers)], mode)
+    ids = torch.arange(1, 25).view(1, 24) % 64
+    with Count():
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    return len(runs)
+
+
+def test_op_mode_keeps_the_attention_kernels_output_where_full_recomputes_it():
+    model = tiny_lm()
+    model.config._attn_implementation = "sdpa"
+    assert attention_runs(model, "off") == 4  # one per layer
+    assert attention_runs(model, "full") == 8  # and again in each layer's recompute
+    assert attention_runs(model, "op") == 4  # kept: the recompute reruns only the cheap work around it
+
+
+def test_op_mode_keeps_the_varlen_kernels_output():
+    # packed rows on CUDA attend through PyTorch's varlen kernel (CUDA only: its membership is what can be checked)
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from vlmctl.distributed.checkpointing import _op_policy
+
+    pytest.importorskip("torch.nn.attention.varlen")
+    policy = _op_policy()
+    assert policy(None, torch.ops.torch_attn._varlen_attn.default) == CheckpointPolicy.MUST_SAVE
+    assert policy(None, torch.ops.aten.silu.default) == CheckpointPolicy.PREFER_RECOMPUTE

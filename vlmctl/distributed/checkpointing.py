@@ -58,17 +58,26 @@ def describe(mode) -> str:
 
 
 def _op_policy():
-    """Save the outputs of matmuls and attention kernels, recompute the rest (torchtitan's `_save_list` policy)."""
+    """Save the outputs of matmuls and attention kernels, recompute the rest (torchtitan's `_save_list` policy),
+    with the attention kernels vlmctl runs besides SDPA's: PyTorch's varlen attention (`torch_attn._varlen_attn`,
+    the packed rows' kernel on CUDA, `train.kernels.varlen_attention_forward`) and SDPA's CPU flash kernel."""
     import torch
     from torch.utils.checkpoint import CheckpointPolicy
 
     aten = torch.ops.aten
     save = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default}
     for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-                 "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward"):
+                 "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
+                 "_scaled_dot_product_flash_attention_for_cpu"):
         op = getattr(aten, name, None)
         if op is not None:
             save.add(op.default)
+    try:  # registered when torch.nn.attention.varlen is imported (torch >= 2.10)
+        import torch.nn.attention.varlen  # noqa: F401
+
+        save.add(torch.ops.torch_attn._varlen_attn.default)
+    except (ImportError, AttributeError):
+        pass
 
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
