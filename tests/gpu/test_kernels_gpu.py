@@ -129,3 +129,41 @@ def test_the_allocator_gets_expandable_segments_even_after_cuda_started(monkeypa
     x = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
     assert any(seg.get("is_expandable") for seg in torch.cuda.memory_snapshot())
     del x
+
+
+def test_op_checkpointing_keeps_the_varlen_attention_output():
+    # `activation_checkpointing: op` recomputes the cheap work of a layer, not its attention kernel: the packed rows'
+    # varlen kernel runs once per layer in forward and backward together (twice under full checkpointing), and the
+    # gradients are the unchecked model's
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from vlmctl.distributed.checkpointing import apply_activation_checkpointing
+    from vlmctl.train.kernels import VARLEN_NAME, register_varlen_attention, set_attention
+
+    class Count(TorchDispatchMode):
+        runs = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.torch_attn._varlen_attn.default:
+                Count.runs += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = Qwen2ForCausalLM(cfg).to("cuda", torch.bfloat16).train()
+    register_varlen_attention()
+    set_attention(model, VARLEN_NAME)
+    ids = (torch.arange(1, 97, device="cuda").view(1, 96) * 7) % 128
+    grads, runs = {}, {}
+    for mode in ("off", "full", "op"):
+        apply_activation_checkpointing([list(model.model.layers)], mode)
+        model.zero_grad(set_to_none=True)
+        Count.runs = 0
+        with Count():
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        runs[mode], grads[mode] = Count.runs, [p.grad.float().clone() for p in model.parameters()]
+    assert runs == {"off": 3, "full": 6, "op": 3}
+    for g_op, g_off in zip(grads["op"], grads["off"]):
+        torch.testing.assert_close(g_op, g_off, atol=1e-2, rtol=1e-2)
