@@ -100,6 +100,12 @@ def bench(
                         f"({result.workload} workload{_media(result)}, {batching})")
     table.add_column("metric")
     table.add_column("value", justify="right")
+    steps = []
+    if result.step_times_s and len(result.step_times_s) > 1:  # an outlier step only raises the mean: name it
+        times = result.step_times_s
+        slow = max(range(len(times)), key=times.__getitem__)
+        steps = [("  median / slowest step", f"{statistics.median(times) * 1000:,.0f} / {times[slow] * 1000:,.0f} ms "
+                                             f"(measured step {slow + 1} of {len(times)})")]
     for label, value in [
         ("tokens/s", f"{result.tokens_per_s:,.0f}"),
         ("  per GPU", f"{result.tokens_per_s_per_gpu:,.0f}"),
@@ -107,6 +113,7 @@ def bench(
         ("  visual tokens/s", f"{result.visual_tokens_per_s:,.0f}"),
         ("samples/s", f"{result.samples_per_s:,.2f}"),
         ("step time", f"{result.step_time_s * 1000:,.0f} ms"),
+        *steps,
         ("training FLOPs per token", f"{result.flops_per_token:,.4g}"),
         ("MFU (ViT included)", f"{result.mfu * 100:.1f}%" if result.on_gpu else "n/a (CPU)"),
         ("peak memory", f"{result.peak_memory_gib:.1f} GiB" if result.on_gpu else "n/a (CPU)"),
@@ -123,11 +130,6 @@ def bench(
             ("train tokens/s", f"{result.train_tokens_per_s:,.0f}"),
         ]:
             table.add_row(label, value)
-    if result.step_times_s and len(result.step_times_s) > 1:
-        times = result.step_times_s
-        slow = max(range(len(times)), key=times.__getitem__)
-        table.add_row("  median / slowest step", f"{statistics.median(times) * 1000:,.0f} / {times[slow] * 1000:,.0f} ms "
-                                                 f"(measured step {slow + 1} of {len(times)})")
     if result.balance is not None:
         table.add_row("balance (compute / FLOPs)", f"{result.balance * 100:.1f}% / {(result.balance_flops or 0) * 100:.1f}%")
     if result.data_wait is not None:
