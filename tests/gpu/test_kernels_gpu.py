@@ -131,10 +131,10 @@ def test_the_allocator_gets_expandable_segments_even_after_cuda_started(monkeypa
     del x
 
 
-def test_op_checkpointing_keeps_the_varlen_attention_output():
-    # `activation_checkpointing: op` recomputes the cheap work of a layer, not its attention kernel: the packed rows'
-    # varlen kernel runs once per layer in forward and backward together (twice under full checkpointing), and the
-    # gradients are the unchecked model's
+def test_selective_checkpointing_keeps_the_varlen_attention_output():
+    # `activation_checkpointing: op` and `keep_attention` recompute a layer's other work, not its attention kernel:
+    # the packed rows' varlen kernel runs once per layer in forward and backward together (twice under full
+    # checkpointing), and the gradients are the unchecked model's
     from torch.utils._python_dispatch import TorchDispatchMode
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -157,13 +157,14 @@ def test_op_checkpointing_keeps_the_varlen_attention_output():
     set_attention(model, VARLEN_NAME)
     ids = (torch.arange(1, 97, device="cuda").view(1, 96) * 7) % 128
     grads, runs = {}, {}
-    for mode in ("off", "full", "op"):
+    for mode in ("off", "full", "op", "keep_attention"):
         apply_activation_checkpointing([list(model.model.layers)], mode)
         model.zero_grad(set_to_none=True)
         Count.runs = 0
         with Count():
             model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
         runs[mode], grads[mode] = Count.runs, [p.grad.float().clone() for p in model.parameters()]
-    assert runs == {"off": 3, "full": 6, "op": 3}
-    for g_op, g_off in zip(grads["op"], grads["off"]):
-        torch.testing.assert_close(g_op, g_off, atol=1e-2, rtol=1e-2)
+    assert runs == {"off": 3, "full": 6, "op": 3, "keep_attention": 3}
+    for mode in ("op", "keep_attention"):
+        for got, want in zip(grads[mode], grads["off"]):
+            torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)

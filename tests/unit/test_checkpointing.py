@@ -36,7 +36,8 @@ def grads_and_calls(model, mode):
 
 
 @pytest.mark.parametrize("mode, recomputed", [("off", [False] * 4), ("full", [True] * 4), (2, [True, False, True, False]),
-                                              (3, [True, False, False, True]), ("op", [True] * 4)])
+                                              (3, [True, False, False, True]), ("op", [True] * 4),
+                                              ("keep_attention", [True] * 4)])
 def test_modes_recompute_the_chosen_layers_and_keep_gradients_exact(mode, recomputed):
     model = tiny_lm()
     reference, calls = grads_and_calls(model, "off")
@@ -98,6 +99,7 @@ def test_hooks_of_a_checkpointed_layer_stay_outside_the_recompute():
 def test_describe_names_the_modes():
     assert describe(2) == "every 2nd layer" and describe(4) == "every 4th layer" and describe(1) == "full"
     assert describe("op") == "op (selective)" and describe("off") == "off"
+    assert describe("keep_attention") == "full, attention kept"
 
 
 def test_the_older_gradient_checkpointing_key_keeps_its_meaning():
@@ -265,40 +267,50 @@ def test_probe_tries_vision_only_where_the_vision_tower_trains():
     assert candidates(train, [decoder, []]) == ("off", 2, "full")  # no vision tower
 
 
-def attention_runs(model, mode) -> int:
-    """How often an SDPA kernel runs in one forward/backward of `model` under `mode`."""
+def op_runs(model, mode) -> tuple[int, int]:
+    """How often an SDPA kernel and a matmul run in the forward work of one forward/backward of `model` under
+    `mode` (the recompute included, the backward kernels not)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    runs = []
+    runs = {"attention": 0, "matmul": 0}
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if "scaled_dot_product" in func.__name__ and "backward" not in func.__name__:
-                runs.append(func.__name__)
+            name = func.__name__
+            if "scaled_dot_product" in name and "backward" not in name:
+                runs["attention"] += 1
+            elif name.split(".")[0] in ("mm", "addmm", "bmm"):
+                runs["matmul"] += 1
             return func(*args, **(kwargs or {}))
 
     apply_activation_checkpointing([list(model.model.layers)], mode)
     ids = torch.arange(1, 25).view(1, 24) % 64
     with Count():
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    return len(runs)
+    return runs["attention"], runs["matmul"]
 
 
-def test_op_mode_keeps_the_attention_kernels_output_where_full_recomputes_it():
+def test_selective_modes_keep_the_attention_kernels_output_where_full_recomputes_it():
     model = tiny_lm()
     model.config._attn_implementation = "sdpa"
-    assert attention_runs(model, "off") == 4  # one per layer
-    assert attention_runs(model, "full") == 8  # and again in each layer's recompute
-    assert attention_runs(model, "op") == 4  # kept: the recompute reruns only the cheap work around it
+    attention, matmuls = op_runs(model, "off")
+    assert attention == 4  # one per layer
+    assert op_runs(model, "full")[0] == 8  # and again in each layer's recompute
+    assert op_runs(model, "op") == (4, matmuls)  # op keeps both: the recompute reruns only the elementwise work
+    kept, recomputed = op_runs(model, "keep_attention")
+    assert kept == 4 and recomputed > matmuls  # the attention is kept, the projections and MLP run again
 
 
-def test_op_mode_keeps_the_varlen_kernels_output():
+@pytest.mark.parametrize("mode", ["op", "keep_attention"])
+def test_selective_modes_keep_the_varlen_kernels_output(mode):
     # packed rows on CUDA attend through PyTorch's varlen kernel (CUDA only: its membership is what can be checked)
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from vlmctl.distributed.checkpointing import _op_policy
+    from vlmctl.distributed.checkpointing import _save_policy
 
     pytest.importorskip("torch.nn.attention.varlen")
-    policy = _op_policy()
+    policy = _save_policy(mode)
     assert policy(None, torch.ops.torch_attn._varlen_attn.default) == CheckpointPolicy.MUST_SAVE
     assert policy(None, torch.ops.aten.silu.default) == CheckpointPolicy.PREFER_RECOMPUTE
+    keeps_matmuls = policy(None, torch.ops.aten.mm.default) == CheckpointPolicy.MUST_SAVE
+    assert keeps_matmuls == (mode == "op")

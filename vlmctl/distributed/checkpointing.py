@@ -14,6 +14,11 @@ Modes (torchtitan's `full` and `selective` modes, `torchtitan/models/llama3/infr
 - `op`: every layer is checkpointed, but the outputs of its matrix multiplications and attention kernels are kept
   (selective per op, `torch.utils.checkpoint.create_selective_checkpoint_contexts`): the backward pass recomputes
   only the cheap elementwise work (norms, activations, rotary).
+- `keep_attention`: every layer is checkpointed and only its attention kernel's output (and log-sum-exp) is kept:
+  the backward pass recomputes the matmuls and elementwise work but not the attention. On long rows attention is
+  most of a layer's FLOPs (it grows with the segment length, the rest does not), so this drops most of full
+  checkpointing's extra compute for (tokens x hidden size) more bytes per layer, where `op` keeps every matmul's
+  output (several times that).
 
 A mode only gives the chosen layers an instance `forward` that runs through `torch.utils.checkpoint` (any
 `nn.Module` works), so parameter names, FSDP2 units and checkpoints stay the same and a mode can be changed on a
@@ -40,13 +45,17 @@ from vlmctl.config.plan import pending
 # deepspeed (an optional dependency) is imported only where used, so the rest works without it.
 # Light vlmctl modules are imported next to their use as well.
 
-MODES = ("off", "full", "op", "vision")  # plus a positive integer k
+MODES = ("off", "full", "op", "keep_attention", "vision")  # plus a positive integer k
+SELECTIVE = ("op", "keep_attention")  # every layer, some ops' outputs kept (`_save_policy`)
 
 
 def describe(mode) -> str:
-    """A short label for a mode: "off", "full", "op (selective)", "vision tower only" or "every 2nd layer"."""
+    """A short label for a mode: "off", "full", "op (selective)", "full, attention kept", "vision tower only" or
+    "every 2nd layer"."""
     if mode == "op":
         return "op (selective)"
+    if mode == "keep_attention":
+        return "full, attention kept"
     if mode == "vision":
         return "vision tower only"
     if isinstance(mode, int) and not isinstance(mode, bool):
@@ -57,27 +66,38 @@ def describe(mode) -> str:
     return str(mode)
 
 
-def _op_policy():
-    """Save the outputs of matmuls and attention kernels, recompute the rest (torchtitan's `_save_list` policy),
-    with the attention kernels vlmctl runs besides SDPA's: PyTorch's varlen attention (`torch_attn._varlen_attn`,
-    the packed rows' kernel on CUDA, `train.kernels.varlen_attention_forward`) and SDPA's CPU flash kernel."""
+def _attention_ops() -> set:
+    """The attention kernels' ops whose outputs the selective modes keep: SDPA's (CUDA and CPU flash, memory
+    efficient, cuDNN) and PyTorch's varlen attention (`torch_attn._varlen_attn`, the packed rows' kernel on CUDA,
+    `train.kernels.varlen_attention_forward`)."""
     import torch
-    from torch.utils.checkpoint import CheckpointPolicy
 
-    aten = torch.ops.aten
-    save = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default}
+    aten, ops = torch.ops.aten, set()
     for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                  "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
                  "_scaled_dot_product_flash_attention_for_cpu"):
         op = getattr(aten, name, None)
         if op is not None:
-            save.add(op.default)
+            ops.add(op.default)
     try:  # registered when torch.nn.attention.varlen is imported (torch >= 2.10)
         import torch.nn.attention.varlen  # noqa: F401
 
-        save.add(torch.ops.torch_attn._varlen_attn.default)
+        ops.add(torch.ops.torch_attn._varlen_attn.default)
     except (ImportError, AttributeError):
         pass
+    return ops
+
+
+def _save_policy(mode):
+    """The per-op policy of a selective mode: `op` saves the outputs of matmuls and attention kernels (torchtitan's
+    `_save_list` policy), `keep_attention` those of the attention kernels only; everything else is recomputed."""
+    import torch
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    save = _attention_ops()
+    if mode == "op":
+        save |= {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default}
 
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
@@ -87,11 +107,11 @@ def _op_policy():
 
 def checkpoint_function(mode):
     """The function a layer runs its forward through when checkpointed: non-reentrant `torch.utils.checkpoint`,
-    with the selective per-op context for `op`."""
+    with the selective per-op context for `op` and `keep_attention`."""
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-    if mode == "op":
-        context = functools.partial(create_selective_checkpoint_contexts, _op_policy())
+    if mode in SELECTIVE:
+        context = functools.partial(create_selective_checkpoint_contexts, _save_policy(mode))
         return functools.partial(checkpoint, use_reentrant=False, context_fn=context)
     return functools.partial(checkpoint, use_reentrant=False)
 
@@ -208,7 +228,7 @@ def _unwrap_forward(module) -> None:
 
 
 def apply_activation_checkpointing(layer_groups: list[list[Any]], mode, offload: bool = False) -> int:
-    """Set `mode` (off, full, op, vision or an integer stride k) on the layers of each group: the first group is the
+    """Set `mode` (off, full, op, keep_attention, vision or an integer stride k) on the layers of each group: the first group is the
     language model's decoder layers, the others the vision tower's blocks (callers pass [decoder layers, vision
     blocks]). With a stride, layers 0, k, 2k, ... of each group are checkpointed; `vision` checkpoints every layer of
     the groups after the first and none of the first. With `offload`, each checkpointed layer's input waits for
@@ -222,8 +242,9 @@ def apply_activation_checkpointing(layer_groups: list[list[Any]], mode, offload:
     versions, and a recompute then saw fp32 rotary tensors where the forward had bf16 ones).
     """
     if not (mode in MODES or (isinstance(mode, int) and not isinstance(mode, bool) and mode > 0)):
-        raise ValueError(f"unknown activation checkpointing mode {mode!r}: use off, full, op, vision or a positive integer")
-    stride = 1 if mode in ("full", "op", "vision") else (mode if isinstance(mode, int) else 0)
+        raise ValueError(f"unknown activation checkpointing mode {mode!r}: use off, full, op, keep_attention, vision or a "
+                         "positive integer")
+    stride = 1 if mode in ("full", *SELECTIVE, "vision") else (mode if isinstance(mode, int) else 0)
     function = checkpoint_function(mode) if stride else None
     wrapper = _offloaded if offload and mode != "op" else _checkpointed
     count = 0
