@@ -111,3 +111,48 @@ def test_under_the_varlen_kernel_each_encoder_keeps_the_attention_its_family_dec
     model = tiny_qwen25_vl()
     set_attention(model, VARLEN_NAME, vision_varlen=True, encoders=[follows])
     assert model.config.vision_config._attn_implementation == VARLEN_NAME  # the language model's
+
+
+def test_a_compiled_layer_calls_the_varlen_kernel_without_tracing_its_signature(monkeypatch):
+    """The varlen forward inside a compiled decoder layer: the kernel's keyword names are read when the attention is
+    registered, not traced by Dynamo in every layer (which warned that it skips an lru_cache). The kernel is CUDA
+    only, so a segment-masked SDPA with its signature stands in for it."""
+    import warnings
+
+    import torch.nn.attention.varlen as varlen
+
+    from vlmctl.train import kernels
+
+    def stand_in(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                 enable_gqa=False):
+        pos = torch.arange(query.shape[0])
+        seg = torch.searchsorted(cu_seq_q[1:].long(), pos, right=True)
+        mask = (seg[:, None] == seg[None, :]) & (pos[:, None] >= pos[None, :])
+        out = torch.nn.functional.scaled_dot_product_attention(query.transpose(0, 1).float(), key.transpose(0, 1).float(),
+                                                               value.transpose(0, 1).float(), attn_mask=mask, scale=scale)
+        return out.transpose(0, 1).to(query.dtype)
+
+    class Causal(torch.nn.Module):
+        is_causal = True
+
+    monkeypatch.setattr(varlen, "varlen_attn", stand_in)
+    monkeypatch.setattr(kernels, "_VARLEN_PARAMS", None, raising=False)
+    kernels.register_varlen_attention()
+    assert {"window_size", "enable_gqa"} <= kernels._varlen_params()
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 12, 8, generator=g, dtype=torch.bfloat16) for _ in range(3))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+
+    def layer(q, k, v):
+        return kernels.varlen_attention_forward(Causal(), q, k, v, None, scaling=0.5, packed_cu_seqlens=cu)[0]
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = torch.compile(layer, backend="eager")(q, k, v)
+    assert not [w for w in caught if "lru_cache" in str(w.message)]
+    torch.testing.assert_close(got, layer(q, k, v))
+    # the first segment's tokens attend within it only: the stand-in's mask reached the kernel
+    alone = kernels.varlen_attention_forward(Causal(), q[:, :, :5], k[:, :, :5], v[:, :, :5], None, scaling=0.5)[0]
+    torch.testing.assert_close(got[:, :5], alone)

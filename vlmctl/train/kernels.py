@@ -130,6 +130,10 @@ def register_varlen_attention() -> None:
 
     AttentionInterface.register(VARLEN_NAME, varlen_attention_forward)
     AttentionInterface.register(VISION_VARLEN_NAME, varlen_attention_forward)
+    try:
+        _varlen_params()
+    except ImportError:  # a torch without varlen attention: the forward raises where it is used
+        pass
     try:  # the mask interface must know the name too; varlen needs no mask
         from transformers import AttentionMaskInterface
 
@@ -172,7 +176,7 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     k = key[0].transpose(0, 1).to(dtype).contiguous()
     v = value[0].transpose(0, 1).to(dtype).contiguous()
     causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
-    params = _varlen_params()
+    params = _VARLEN_PARAMS or _varlen_params()
     extra: dict[str, Any] = {"scale": scaling}
     # The signature grew between torch releases: causality was `is_causal` before `window_size` existed.
     if "window_size" in params:
@@ -189,13 +193,21 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     return out[None], None
 
 
-@functools.lru_cache(maxsize=1)
 def _varlen_params() -> frozenset[str]:
-    import inspect
+    """The keyword names of this torch's `varlen_attn`, read once (`register_varlen_attention` reads them before any
+    layer is compiled: inside a compiled layer, Dynamo would trace `inspect.signature` again and warn that it skips
+    an lru_cache)."""
+    global _VARLEN_PARAMS
+    if _VARLEN_PARAMS is None:
+        import inspect
 
-    from torch.nn.attention.varlen import varlen_attn
+        from torch.nn.attention.varlen import varlen_attn
 
-    return frozenset(inspect.signature(varlen_attn).parameters)
+        _VARLEN_PARAMS = frozenset(inspect.signature(varlen_attn).parameters)
+    return _VARLEN_PARAMS
+
+
+_VARLEN_PARAMS: frozenset[str] | None = None
 
 
 def token_losses(model, batch: dict[str, Any], shard=None):
