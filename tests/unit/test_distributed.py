@@ -137,3 +137,25 @@ def test_two_gloo_ranks_sum_tokens_and_flops_over_the_dp_group(tmp_path):
     assert [r["dp_rank"] for r in ranks] == [0, 1] and {r["dp_size"] for r in ranks} == {2}
     for r in ranks:  # every rank sees the global batch: 2 + 3 labelled tokens, 2 x 5 text tokens, 10 + 20 FLOPs
         assert (r["label_tokens"], r["text_tokens"], r["flops"]) == (5, 10, 30.0)
+
+
+def test_a_started_cuda_allocator_gets_the_setting_through_the_accelerator_call(monkeypatch):
+    # where CUDA already started, the setting goes to the running allocator, through the call torch keeps (its
+    # torch.cuda.memory._set_allocator_settings warns of deprecation on every rank)
+    import torch
+
+    from vlmctl.distributed.env import CUDA_ALLOC_CONF, configure_cuda_allocator
+
+    calls = []
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", lambda conf: calls.append(("accelerator", conf)),
+                        raising=False)
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", lambda conf: calls.append(("cuda", conf)))
+    configure_cuda_allocator()
+    assert calls == [("accelerator", CUDA_ALLOC_CONF)]
+    monkeypatch.delattr(torch._C, "_accelerator_setAllocatorSettings")  # an older torch
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")  # the user's own setting wins
+    configure_cuda_allocator()
+    assert calls[1:] == [("cuda", "expandable_segments:False")]

@@ -70,12 +70,14 @@ def configure_cuda_allocator() -> None:
     packed rows change shape every step, and without them the cached blocks fragment until an allocation near the
     card's limit fails with gigabytes reserved but unallocated (torchtitan sets it too). The variable is read when
     CUDA starts, so where something already started it (a GPU query before the process group exists) the setting
-    is applied to the running allocator as well (`torch.cuda.memory._set_allocator_settings`)."""
+    is applied to the running allocator as well (`torch._C._accelerator_setAllocatorSettings` where this torch has it,
+    else `torch.cuda.memory._set_allocator_settings`, which torch 2.11 flags as deprecated on every rank)."""
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
     import torch
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.memory._set_allocator_settings(os.environ["PYTORCH_CUDA_ALLOC_CONF"])
+        apply = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+        apply(os.environ["PYTORCH_CUDA_ALLOC_CONF"])
 
 
 def free_port() -> int:
