@@ -38,6 +38,33 @@ def test_bounds_pad_the_row_to_a_multiple_of_the_group():
     assert shards[0].padded(10) == 12 and shards[0].padded(12) == 12
 
 
+@pytest.mark.parametrize("total", [12, 10])  # a multiple of the group, and a row the split pads
+def test_a_rank_keeps_its_slice_of_the_row_embeddings_not_the_whole_row(total):
+    # the language model's input is what its first layer keeps for backward: a view of the whole row's embeddings
+    # would keep all T x E of them alive on every rank
+    import weakref
+
+    import torch
+
+    from vlmctl.distributed.sequence import SequenceShard, split_sequence
+
+    shard = SequenceShard(None, 1, 2)
+    row = torch.randn(1, total, 8, requires_grad=True)
+    whole = row * 2  # the embeddings with the visual tokens merged in (a non-leaf, as the model's)
+    alive = weakref.ref(whole)
+    _, kwargs = split_sequence(shard)(None, (), {"inputs_embeds": whole})
+    local = kwargs["inputs_embeds"]
+    start, end = shard.bounds(total)
+    assert torch.equal(local, torch.nn.functional.pad(whole, (0, 0, 0, 12 - total))[:, start:end])
+    del whole
+    assert alive() is None  # nothing of this rank's holds the whole row any more
+    assert local.untyped_storage().nbytes() == local.numel() * local.element_size()
+    local.sum().backward()  # the gradient reaches the row's own positions only
+    want = torch.zeros(1, total, 8)
+    want[:, start:min(end, total)] = 2.0
+    assert torch.equal(row.grad, want)
+
+
 def test_image_runs_are_contiguous_balanced_and_cover_every_image():
     from vlmctl.distributed.sequence import image_runs
 

@@ -173,7 +173,8 @@ def segment_attention(module, query, key, value, attention_mask, scaling=None, d
 
 def split_sequence(shard: SequenceShard):
     """The language model's forward pre-hook: pad the row to a multiple of `shard.size` and keep this rank's slice
-    of `inputs_embeds` (1, T, E) and the position ids (..., 1, T); the padding becomes one more segment of
+    of `inputs_embeds` (1, T, E; a copy of its T/N positions, so the whole row's tensor is freed once the model's
+    forward has handed it over) and the position ids (..., 1, T); the padding becomes one more segment of
     `packed_cu_seqlens`."""
     import torch
     import torch.nn.functional as F
@@ -201,7 +202,9 @@ def split_sequence(shard: SequenceShard):
             cu = torch.cat([cu, cu.new_tensor([total + pad])])
             kwargs["packed_max_seqlen"] = max(int(kwargs.get("packed_max_seqlen") or 0), pad)
         start, end = shard.bounds(total)
-        kwargs["inputs_embeds"] = embeds[:, start:end]
+        # a copy, not a view: a view would keep the whole row's embeddings (T x E) alive for the whole step, since
+        # the first decoder layer keeps its input for backward (7 KiB per row token on the 7B)
+        kwargs["inputs_embeds"] = embeds[:, start:end].clone()
         kwargs["position_ids"] = positions[..., start:end]
         kwargs["packed_cu_seqlens"] = cu
         kwargs["attention_mask"] = None
