@@ -1,5 +1,6 @@
-"""Sequence parallelism for long samples (`train.sequence_parallel: N`): DeepSpeed's Ulysses attention for HF
-models (`deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF`; the ALST paper, arXiv 2506.13996).
+"""Sequence parallelism for long samples (`train.sequence_parallel: N`): Ulysses attention for HF models
+(DeepSpeed-Ulysses, arXiv 2309.14509, in the layout of DeepSpeed's `UlyssesSPAttentionHF` from the ALST paper,
+arXiv 2506.13996; `ulysses_attention`, on PyTorch's functional all-to-alls).
 
 The N ranks of a sequence-parallel group (the mesh's `sp` dimension) read the same packed row. Every rank embeds
 the whole row (text embeddings, the vision tower's visual tokens merged in, Qwen's 3-D mRoPE positions computed on
@@ -32,8 +33,8 @@ divide over N (ring attention does not) and moves 4 activations per layer throug
 `ParallelDims` keeps a group on one node). Their throughput on GPUs has not been compared yet (docs/benchmarks.md
 lists the measurements that need two or more GPUs).
 
-Raises ConfigError (see `check_sequence_parallel`) for heads that do not divide over N, padded batches (packing
-is required) or a missing DeepSpeed.
+Raises ConfigError (see `check_sequence_parallel`) for heads that do not divide over N or padded batches (packing
+is required).
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ from vlmctl.errors import ConfigError
 # torch and transformers are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must
 # not pay for them.
 # So are the vlmctl modules that load numpy when imported.
-# deepspeed (an optional dependency) is imported only where used, so the rest works without it.
 # Modules the CLI's start-up loads anyway are imported next to their use as well.
 
 ULYSSES_NAME = "vlmctl_ulysses"  # the attention implementation name the language model is switched to
@@ -73,10 +73,7 @@ class SequenceShard:
 
 def check_sequence_parallel(size: int, text_config: Any, *, packing: bool) -> None:
     """Raise ConfigError unless a language model with `text_config` can be split over `size` ranks: packed rows,
-    attention heads divisible by `size`, key/value heads dividing or divided by it (Ulysses scatters heads), and
-    DeepSpeed installed (`pip install 'vlmctl[deepspeed]'`)."""
-    import importlib.util
-
+    attention heads divisible by `size`, and key/value heads dividing or divided by it (Ulysses scatters heads)."""
     if size <= 1:
         return
     if not packing:
@@ -88,9 +85,6 @@ def check_sequence_parallel(size: int, text_config: Any, *, packing: bool) -> No
         raise ConfigError(f"train.sequence_parallel={size}: the language model's {heads} attention heads "
                           f"({kv} key/value heads) cannot be spread over {size} ranks",
                           hint=f"use a sequence_parallel that divides {heads} (and divides or is a multiple of {kv})")
-    if importlib.util.find_spec("deepspeed") is None:
-        raise ConfigError(f"train.sequence_parallel={size} uses DeepSpeed's Ulysses attention, which is not installed",
-                          hint="pip install 'vlmctl[deepspeed]'")
 
 
 def apply_sequence_parallel(model, family, shard: SequenceShard, core_attention=None) -> None:
@@ -123,20 +117,11 @@ def _set_text_attention(model, name: str) -> None:
 
 
 def _register_ulysses(shard: SequenceShard, text_config: Any, core) -> None:
-    """Register `vlmctl_ulysses` with transformers: Ulysses' all-to-all around the core attention. Its mask
-    function returns None: the core builds the segment mask of the whole row itself."""
-    import deepspeed.comm as ds_comm
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    """Register `vlmctl_ulysses` with transformers: Ulysses' all-to-all around the core attention
+    (`ulysses_attention`). Its mask function returns None: the core builds the segment mask of the whole row itself."""
     from transformers import AttentionInterface, AttentionMaskInterface
 
-    if not ds_comm.is_initialized():  # the process group exists already; DeepSpeed's comm layer wraps it
-        ds_comm.init_distributed(auto_mpi_discovery=False, verbose=False)
-    heads = int(text_config.num_attention_heads)
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
-    ulysses = UlyssesSPAttentionHF(
-        attn=core, batch_size=1, attn_head_count=heads, attn_head_size=head_dim,
-        kv_head_count=int(getattr(text_config, "num_key_value_heads", None) or heads),
-        num_hidden_layers=int(text_config.num_hidden_layers), process_group=shard.group, seq_length_is_variable=True)
+    ulysses = ulysses_attention(core, shard)
 
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         # transformers' mask (if any) is for the local slice; the core uses the row's segments instead
@@ -144,6 +129,45 @@ def _register_ulysses(shard: SequenceShard, text_config: Any, core) -> None:
 
     AttentionInterface.register(ULYSSES_NAME, attention)
     AttentionMaskInterface.register(ULYSSES_NAME, lambda *args, **kwargs: None)
+
+
+def ulysses_attention(core, shard: SequenceShard):
+    """DeepSpeed-Ulysses attention (arXiv 2309.14509) as a transformers attention function: query (1, H, T/N, D)
+    and key/value (1, H_kv, T/N, D) of this rank's slice go through one all-to-all each to (T, H/N) -- the whole
+    row for 1/N of the heads --, `core` attends over the row, and one all-to-all brings its (1, T, H/N, D) output
+    back to (1, T/N, H, D), the slice for every head. Key/value heads fewer than N are repeated up to N first
+    (each rank needs the ones its query heads read). Rank r holds heads [r H/N, (r + 1) H/N) in between.
+
+    The layout and the head arithmetic are those of DeepSpeed's `UlyssesSPAttentionHF`
+    (`deepspeed/runtime/sequence_parallel/ulysses_sp.py`); the all-to-alls are PyTorch's functional,
+    autograd-aware collectives (`all_to_all_single_autograd`), so a compiled decoder layer traces through them:
+    DeepSpeed's class updates its own attributes in every call when row lengths vary, which Dynamo refuses inside
+    an activation checkpoint (the whole checkpointed layer then ran eagerly), and it all-gathers the position ids
+    in every layer for cores that need them (vlmctl's cores do not)."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    n = shard.size
+
+    def to_heads(x):  # (1, H, t, D) of this rank's t tokens -> (T, H/N, D): the row, for this rank's heads
+        _, heads, t, dim = x.shape
+        if heads < n:  # fewer key/value heads than ranks: repeat each (the query heads of a rank share one)
+            x = x.repeat_interleave(n // heads, dim=1)
+            heads = n
+        # token-major (the projections' own layout), heads split into N groups, group j sent to rank j
+        send = x[0].transpose(0, 1).reshape(t, n, heads // n, dim).transpose(0, 1).contiguous()
+        return all_to_all_single_autograd(send, None, None, shard.group).reshape(n * t, heads // n, dim)
+
+    def to_tokens(out):  # (1, T, H/N, D) -> (1, T/N, H, D): back to this rank's tokens, every head
+        _, total, heads, dim = out.shape
+        got = all_to_all_single_autograd(out[0].reshape(n, total // n, heads, dim).contiguous(), None, None, shard.group)
+        return got.transpose(0, 1).reshape(total // n, n * heads, dim)[None]
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        q, k, v = (to_heads(x).transpose(0, 1)[None] for x in (query, key, value))  # (1, H/N, T, D) views
+        out, weights = core(module, q, k, v, attention_mask, *args, **kwargs)
+        return to_tokens(out), weights
+
+    return attention
 
 
 def segment_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
