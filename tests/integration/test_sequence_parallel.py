@@ -224,6 +224,71 @@ def _reference(folder: Path, data: Path, n_rows: int):
     return float(total.detach()) / labelled, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _ulysses_rank(rank: int, world: int, port: int) -> None:
+    """One gloo rank of `test_ulysses_attention_equals_the_whole_rows_attention` (raises on a mismatch)."""
+    import torch
+    import torch.distributed as dist
+    from torch.utils.checkpoint import checkpoint
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from vlmctl.distributed.sequence import SequenceShard, segment_attention, ulysses_attention
+
+    shard = SequenceShard(dist.group.WORLD, rank, world)
+    ulysses = ulysses_attention(segment_attention, shard)
+    cu = torch.tensor([0, 5, 9, 16], dtype=torch.int32)  # three packed samples, two crossing a split
+    start, end = shard.bounds(16)
+    for heads, kv in [(8, 8), (8, 4), (8, 2), (4, 1)]:  # kv heads fewer than the ranks are repeated
+        g = torch.Generator().manual_seed(heads * 10 + kv)
+        q, k, v = (torch.randn(1, h, 16, 4, generator=g, requires_grad=True) for h in (heads, kv, kv))
+        want, _ = segment_attention(None, q, k, v, None, scaling=0.5, packed_cu_seqlens=cu)
+        (want * torch.arange(16.0)[None, :, None, None]).sum().backward()  # a position-dependent loss
+        mine = [x.detach()[:, :, start:end].clone().requires_grad_() for x in (q, k, v)]
+        got, _ = ulysses(None, *mine, None, scaling=0.5, packed_cu_seqlens=cu)
+        assert got.shape == (1, end - start, heads, 4)
+        torch.testing.assert_close(got, want[:, start:end])
+        # the ranks' losses sum to the whole row's: each slice's gradient is the row's, key/value ones included
+        (got * torch.arange(start, end, dtype=torch.float32)[None, :, None, None]).sum().backward()
+        for local, whole in zip(mine, (q, k, v)):
+            torch.testing.assert_close(local.grad, whole.grad[:, :, start:end])
+    # a compiled decoder layer traces through it inside an activation checkpoint: no graph break
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    q, k, v = (torch.randn(1, 8, end - start, 4, requires_grad=True) for _ in range(3))
+    layer = torch.compile(lambda q, k, v: checkpoint(
+        lambda a, b, c: ulysses(None, a, b, c, None, scaling=0.5, packed_cu_seqlens=cu)[0], q, k, v,
+        use_reentrant=False), backend="aot_eager")
+    eager = ulysses(None, q, k, v, None, scaling=0.5, packed_cu_seqlens=cu)[0]
+    torch.testing.assert_close(layer(q, k, v), eager)
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ulysses_attention_equals_the_whole_rows_attention(world):
+    from vlmctl.distributed.env import free_port
+
+    code = "import sys; from test_sequence_parallel import _ulysses_rank; _ulysses_rank(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))"
+    here = Path(__file__).parent
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(here), str(here.parent), os.environ.get("PYTHONPATH", "")])}
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(world), str(port)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=TIMEOUT)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"ranks did not finish within {TIMEOUT}s")
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+
+
 @pytest.mark.parametrize("preset", ["tiny-qwen2.5-vl", "tiny"])
 def test_loss_and_every_gradient_match_one_process_under_fsdp2_and_zero3(built, tmp_path, preset):
     import torch
