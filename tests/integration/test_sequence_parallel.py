@@ -272,11 +272,16 @@ def test_ulysses_attention_equals_the_whole_rows_attention(world):
     from vlmctl.distributed.env import free_port
 
     code = "import sys; from test_sequence_parallel import _ulysses_rank; _ulysses_rank(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))"
+    _run_ranks(code, world, [world, free_port()])
+
+
+def _run_ranks(code: str, world: int, args: list, **env) -> None:
+    """Run `python -c code` as `world` processes with argv [rank, *args] (this folder and tests/ importable, one
+    thread each, `env` added); fail the test on a timeout or a non-zero exit, with the ranks' logs."""
     here = Path(__file__).parent
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env,
            "PYTHONPATH": os.pathsep.join([str(here), str(here.parent), os.environ.get("PYTHONPATH", "")])}
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(world), str(port)], env=env,
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), *map(str, args)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
     logs = []
     for p in procs:
@@ -298,21 +303,7 @@ def test_loss_and_every_gradient_match_one_process_under_fsdp2_and_zero3(built, 
     out = tmp_path / "grads.pt"
     code = ("import sys; from test_sequence_parallel import _grads_rank; "
             "_grads_rank(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])")
-    here = Path(__file__).parent
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-           "PYTHONPATH": os.pathsep.join([str(here), str(here.parent), os.environ.get("PYTHONPATH", "")])}
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(port), str(built / preset), str(built / "data"), str(out)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(4)]
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=TIMEOUT)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"ranks did not finish within {TIMEOUT}s")
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    _run_ranks(code, 4, [free_port(), built / preset, built / "data", out], DS_ACCELERATOR="cpu")
     results = torch.load(out)
     for n_rows in (1, 2):
         ref_loss, ref_grads = _reference(built / preset, built / "data", n_rows)

@@ -98,7 +98,7 @@ def apply_sequence_parallel(model, family, shard: SequenceShard, core_attention=
 
     text_config = model.config.get_text_config()
     check_sequence_parallel(shard.size, text_config, packing=True)
-    _register_ulysses(shard, text_config, core_attention or segment_attention)
+    _register_ulysses(shard, core_attention or segment_attention)
     _set_text_attention(model, ULYSSES_NAME)
     language_model = model.get_submodule(_find_prefix(model, family.language_model))
     language_model.register_forward_pre_hook(split_sequence(shard), with_kwargs=True)
@@ -116,7 +116,7 @@ def _set_text_attention(model, name: str) -> None:
     model.config.get_text_config()._attn_implementation_internal = name
 
 
-def _register_ulysses(shard: SequenceShard, text_config: Any, core) -> None:
+def _register_ulysses(shard: SequenceShard, core) -> None:
     """Register `vlmctl_ulysses` with transformers: Ulysses' all-to-all around the core attention
     (`ulysses_attention`). Its mask function returns None: the core builds the segment mask of the whole row itself."""
     from transformers import AttentionInterface, AttentionMaskInterface

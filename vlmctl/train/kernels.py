@@ -176,7 +176,7 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     k = key[0].transpose(0, 1).to(dtype).contiguous()
     v = value[0].transpose(0, 1).to(dtype).contiguous()
     causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
-    params = _VARLEN_PARAMS or _varlen_params()
+    params = _varlen_params()
     extra: dict[str, Any] = {"scale": scaling}
     # The signature grew between torch releases: causality was `is_causal` before `window_size` existed.
     if "window_size" in params:
