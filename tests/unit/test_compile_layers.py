@@ -10,8 +10,11 @@ import copy
 import pytest
 
 
-def test_compiled_decoder_layers_and_vision_blocks_give_the_eager_loss_and_gradients():
+def test_compiled_decoder_layers_and_vision_blocks_give_the_eager_loss_and_gradients(monkeypatch):
+    import logging
+
     import torch
+    import torch.fx.experimental._config as fx_config
 
     from vlmctl.bench import WorkloadSpec, prepare, random_model
     from vlmctl.config.model import ModelSection
@@ -32,6 +35,7 @@ def test_compiled_decoder_layers_and_vision_blocks_give_the_eager_loss_and_gradi
     family, cpu = plan.model.family, torch.device("cpu")
     eager = prepare_model(copy.deepcopy(base), family, train("off"), cpu)
     compiled = prepare_model(base, family, train("on"), cpu)
+    monkeypatch.setattr(fx_config, "use_duck_shape", True)  # Dynamo's default: compile_layers must turn it off
     for tm, section in ((eager, train("off")), (compiled, train("on"))):  # `parallelize`'s steps 3 and 4, unwrapped
         checkpoint_layers([tm.parts.decoder_layers, tm.parts.vision_layers], section.activation_checkpointing)
         compile_layers(tm.parts, section)
@@ -42,19 +46,34 @@ def test_compiled_decoder_layers_and_vision_blocks_give_the_eager_loss_and_gradi
     assert blocks and all(block._compiled_call_impl is not None for block in blocks)
     assert all(block._compiled_call_impl is None for block in eager.parts.vision_layers)
 
-    collate = PackedCollator(plan.model.processor, family, tokens_per_batch=1024)
-    batches = [compiled.prepare(plan.workload.batch(list(rows), collate)) for rows in ((0, 1, 2), (3, 4))]
-    assert batches[0]["input_ids"].shape[1] != batches[1]["input_ids"].shape[1]  # two row lengths: dynamic shapes
-    named = dict(compiled.model.named_parameters())
-    names = [next(n for n, p in named.items() if f"{part}.1." in n and p.ndim == 2) for part in (".layers", ".blocks")]
-    references = dict(eager.model.named_parameters())
-    for batch in batches:
-        losses = []
-        for tm in (eager, compiled):
-            tm.model.zero_grad(set_to_none=True)
-            loss = loss_sum(tm.model, batch)
-            loss.backward()
-            losses.append(float(loss.detach()))
-        assert losses[1] == pytest.approx(losses[0], rel=1e-5)
-        for name in names:  # a decoder layer and a vision block, neither checkpointed (stride 2 takes 0, 2, ...)
-            torch.testing.assert_close(named[name].grad, references[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+    torch._dynamo.reset()
+    reasons = []  # the recompilations' reasons, from Dynamo's `recompiles` log
+    keep = logging.Handler()
+    keep.emit = lambda record: reasons.append(record.getMessage())
+    recompiles = logging.getLogger("torch._dynamo.guards.__recompiles")
+    recompiles.addHandler(keep)
+    torch._logging.set_logs(recompiles=True)
+    try:
+        collate = PackedCollator(plan.model.processor, family, tokens_per_batch=1024)
+        batches = [compiled.prepare(plan.workload.batch(list(rows), collate)) for rows in ((0, 1, 2), (3, 4))]
+        assert batches[0]["input_ids"].shape[1] != batches[1]["input_ids"].shape[1]  # two row lengths: dynamic shapes
+        named = dict(compiled.model.named_parameters())
+        names = [next(n for n, p in named.items() if f"{part}.1." in n and p.ndim == 2) for part in (".layers", ".blocks")]
+        references = dict(eager.model.named_parameters())
+        for batch in batches:
+            losses = []
+            for tm in (eager, compiled):
+                tm.model.zero_grad(set_to_none=True)
+                loss = loss_sum(tm.model, batch)
+                loss.backward()
+                losses.append(float(loss.detach()))
+            assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+            for name in names:  # a decoder layer and a vision block, neither checkpointed (stride 2 takes 0, 2, ...)
+                torch.testing.assert_close(named[name].grad, references[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+    finally:
+        recompiles.removeHandler(keep)
+        torch._logging.set_logs()
+    # The second batch has another row length and image count. Nothing may recompile for a size that only happened
+    # to equal another one in the first batch (duck sizing: 4 frames did here before compile_layers turned it off).
+    assert reasons, "no recompilation logged at all: the log capture does not work"
+    assert not [r for r in reasons if "duck sizing" in r], reasons
