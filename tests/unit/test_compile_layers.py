@@ -10,11 +10,22 @@ import copy
 import pytest
 
 
-def test_compiled_decoder_layers_and_vision_blocks_give_the_eager_loss_and_gradients(monkeypatch):
+@pytest.fixture
+def duck_sizing_on():
+    """Dynamo's default duck sizing for the test, so that `compile_layers` must turn it off itself; the value before
+    is put back after (set by hand: pytest's monkeypatch would delete the key from torch's config module)."""
+    import torch.fx.experimental._config as fx_config
+
+    before = fx_config.use_duck_shape
+    fx_config.use_duck_shape = True
+    yield
+    fx_config.use_duck_shape = before
+
+
+def test_compiled_decoder_layers_and_vision_blocks_give_the_eager_loss_and_gradients(duck_sizing_on):
     import logging
 
     import torch
-    import torch.fx.experimental._config as fx_config
 
     from vlmctl.bench import WorkloadSpec, prepare, random_model
     from vlmctl.config.model import ModelSection
@@ -35,7 +46,6 @@ def test_compiled_decoder_layers_and_vision_blocks_give_the_eager_loss_and_gradi
     family, cpu = plan.model.family, torch.device("cpu")
     eager = prepare_model(copy.deepcopy(base), family, train("off"), cpu)
     compiled = prepare_model(base, family, train("on"), cpu)
-    monkeypatch.setattr(fx_config, "use_duck_shape", True)  # Dynamo's default: compile_layers must turn it off
     for tm, section in ((eager, train("off")), (compiled, train("on"))):  # `parallelize`'s steps 3 and 4, unwrapped
         checkpoint_layers([tm.parts.decoder_layers, tm.parts.vision_layers], section.activation_checkpointing)
         compile_layers(tm.parts, section)
