@@ -230,10 +230,10 @@ def _unwrap_forward(module) -> None:
 def apply_activation_checkpointing(layer_groups: list[list[Any]], mode, offload: bool = False) -> int:
     """Set `mode` (off, full, op, keep_attention, vision or an integer stride k) on the layers of each group: the
     first group is the language model's decoder layers, the others the vision tower's blocks (callers pass [decoder
-    layers, vision blocks]). With a stride, layers 0, k, 2k, ... of each group are checkpointed; `vision` checkpoints every layer of
-    the groups after the first and none of the first. With `offload`, each checkpointed layer's input waits for
-    backward in pinned host memory (`train.activation_offload`; not with `op`, which keeps more than the input).
-    Returns the number of layers checkpointed. Raises ValueError for an unknown mode.
+    layers, vision blocks]). With a stride, layers 0, k, 2k, ... of each group are checkpointed; `vision`
+    checkpoints every layer of the groups after the first and none of the first. With `offload`, each checkpointed
+    layer's input waits for backward in pinned host memory (`train.activation_offload`; not with `op`, which keeps
+    more than the input). Returns the number of layers checkpointed. Raises ValueError for an unknown mode.
 
     A checkpointed layer gets an instance `forward` that runs its own forward (an instance forward another library
     installed, else the class's) through `checkpoint_function`:
