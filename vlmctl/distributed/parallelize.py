@@ -123,8 +123,8 @@ def compile_layers(parts, train) -> None:
     layer is traced, so it is set for the process). With duck sizing, sizes that happen to be equal in the traced
     step share one symbol, and that equality becomes a guard. A packed row whose `cu_seqlens` length equals another
     dimension (the vision tower's 4-patch merge unit, for example) then recompiles the layers in the step where the
-    sizes differ: the likely cause of a 16.4 s step against 5.2-5.7 s for the 7B at 65,536 tokens
-    (docs/benchmarks.md)."""
+    sizes differ: a 16.4 s step against 5.2-5.7 s for the 7B at 65,536 tokens; with duck sizing off, no measured
+    step of that row recompiled (docs/benchmarks.md)."""
     if (train.compile == "on" and train.packing) or train.compile_vision == "blocks":
         import torch.fx.experimental._config as fx_config
 
