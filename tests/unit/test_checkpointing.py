@@ -48,6 +48,50 @@ def test_modes_recompute_the_chosen_layers_and_keep_gradients_exact(mode, recomp
         torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("mode, layers, recomputed", [("full", 2, [True, True, False, False]),
+                                                      ("keep_attention", 3, [True, True, True, False]),
+                                                      (2, 3, [True, False, True, False]), ("full", 0, [False] * 4),
+                                                      ("full", 9, [True] * 4)])
+def test_a_layer_limit_checkpoints_only_the_first_decoder_layers(mode, layers, recomputed):
+    """`train.activation_checkpointing_layers`: the mode applies to the first N decoder layers, the last ones run
+    once, and the gradients equal those without checkpointing."""
+    model = tiny_lm()
+    reference, _ = grads_and_calls(model, "off")
+    decoder = list(model.model.layers)
+    assert apply_activation_checkpointing([decoder], mode, layers=layers) == sum(recomputed)
+    calls = [0] * 4
+    hooks = [layer.mlp.register_forward_pre_hook(lambda m, i, k=k: calls.__setitem__(k, calls[k] + 1))
+             for k, layer in enumerate(decoder)]
+    ids = torch.arange(1, 25).view(1, 24) % 64
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    for h in hooks:
+        h.remove()
+    assert calls == [2 if r else 1 for r in recomputed]
+    for name, g in reference.items():
+        torch.testing.assert_close(model.get_parameter(name).grad, g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_layer_limit_leaves_the_vision_blocks_to_the_mode_and_is_named():
+    from types import SimpleNamespace
+
+    from vlmctl.config.train import TrainSection
+    from vlmctl.distributed.checkpointing import describe_memory_helpers
+
+    decoder, vision = tiny_lm(3), tiny_lm(2)
+    groups = [list(decoder.model.layers), list(vision.model.layers)]
+    assert apply_activation_checkpointing(groups, "full", layers=1) == 1 + 2
+    assert apply_activation_checkpointing(groups, "vision", layers=1) == 2
+    train = SimpleNamespace(activation_checkpointing="keep_attention", activation_checkpointing_layers=20,
+                            activation_offload=False, tiled_mlp="off")
+    assert describe_memory_helpers(train) == ", first 20 decoder layers"
+    train.activation_checkpointing = "off"
+    assert describe_memory_helpers(train) == ""
+    assert TrainSection(activation_checkpointing_layers=4).activation_checkpointing_layers == 4
+    with pytest.raises(ValueError):
+        TrainSection(activation_checkpointing_layers=-1)
+
+
 def test_a_mode_can_be_switched_back_off_on_the_same_model():
     model = tiny_lm()
     layers = list(model.model.layers)

@@ -20,6 +20,12 @@ Modes (torchtitan's `full` and `selective` modes, `torchtitan/models/llama3/infr
   checkpointing's extra compute for (tokens x hidden size) more bytes per layer, where `op` keeps every matmul's
   output (several times that).
 
+`train.activation_checkpointing_layers: N` limits a mode to the first N decoder layers (Megatron-LM's
+`recompute_method: block` with `recompute_num_layers`): the last layers keep every activation and are not
+recomputed. Where rows leave memory beside full (or `keep_attention`) checkpointing, as sequence-parallel rows do
+(they are not probed, and their `auto` is full), each layer left out saves its share of the recompute (its
+forward again, a quarter of its step with `full`) for all of its activations instead of its input.
+
 A mode only gives the chosen layers an instance `forward` that runs through `torch.utils.checkpoint` (any
 `nn.Module` works), so parameter names, FSDP2 units and checkpoints stay the same and a mode can be changed on a
 wrapped model (the start-up probe does).
@@ -163,11 +169,14 @@ def _to_host():
 
 
 def describe_memory_helpers(train) -> str:
-    """", inputs offloaded to host" / ", tiled MLP (N slices)" for what `train` turns on (offload only where layers
-    are checkpointed whole: not off, op or a still unresolved auto); "" for neither."""
-    offload = (train.activation_offload and not pending(train.activation_checkpointing)
-               and train.activation_checkpointing not in ("off", "op"))
-    return ((", inputs offloaded to host" if offload else "")
+    """", first N decoder layers" / ", inputs offloaded to host" / ", tiled MLP (N slices)" for what `train` turns on
+    (the layer limit where a mode checkpoints decoder layers; offload only where layers are checkpointed whole: not
+    off, op or a still unresolved auto); "" for none."""
+    mode = train.activation_checkpointing
+    offload = train.activation_offload and not pending(mode) and mode not in ("off", "op")
+    limit = train.activation_checkpointing_layers
+    return ((f", first {limit} decoder layers" if limit is not None and mode not in ("off", "vision") else "")
+            + (", inputs offloaded to host" if offload else "")
             + (f", tiled MLP ({train.tiled_mlp} slices)" if train.tiled_mlp != "off" else ""))
 
 
@@ -227,11 +236,14 @@ def _unwrap_forward(module) -> None:
         module.forward = own
 
 
-def apply_activation_checkpointing(layer_groups: list[list[Any]], mode, offload: bool = False) -> int:
+def apply_activation_checkpointing(layer_groups: list[list[Any]], mode, offload: bool = False,
+                                   layers: int | None = None) -> int:
     """Set `mode` (off, full, op, keep_attention, vision or an integer stride k) on the layers of each group: the
     first group is the language model's decoder layers, the others the vision tower's blocks (callers pass [decoder
     layers, vision blocks]). With a stride, layers 0, k, 2k, ... of each group are checkpointed; `vision`
-    checkpoints every layer of the groups after the first and none of the first. With `offload`, each checkpointed
+    checkpoints every layer of the groups after the first and none of the first. `layers` (N, or None for all)
+    limits the decoder layers the mode checkpoints to the first N (`train.activation_checkpointing_layers`, see the
+    module docstring); the vision blocks follow the mode alone. With `offload`, each checkpointed
     layer's input waits for backward in pinned host memory (`train.activation_offload`; not with `op`, which keeps
     more than the input). Returns the number of layers checkpointed. Raises ValueError for an unknown mode.
 
@@ -248,12 +260,13 @@ def apply_activation_checkpointing(layer_groups: list[list[Any]], mode, offload:
     function = checkpoint_function(mode) if stride else None
     wrapper = _offloaded if offload and mode != "op" else _checkpointed
     count = 0
-    for g, layers in enumerate(layer_groups):
-        for i, layer in enumerate(layers):
+    for g, group in enumerate(layer_groups):
+        for i, layer in enumerate(group):
             _unwrap_forward(layer)  # back to the forward the layer had
             if getattr(layer, "gradient_checkpointing", False):
                 layer.gradient_checkpointing = False  # one mechanism only: ours
-            if stride and i % stride == 0 and not (mode == "vision" and g == 0):
+            limited = g == 0 and layers is not None and i >= layers  # past the first N decoder layers
+            if stride and i % stride == 0 and not (mode == "vision" and g == 0) and not limited:
                 _wrap_forward(layer, lambda base: functools.partial(wrapper, function, base))
                 count += 1
     return count

@@ -67,7 +67,7 @@ def parallelize(model, *, family, parts, train, dims, device, dtype, core_attent
     split_sequence(model, family, train, dims, core_attention)
     if trainable:
         checkpoint_layers([parts.decoder_layers, parts.vision_layers], train.activation_checkpointing,
-                          offload=train.activation_offload)
+                          offload=train.activation_offload, layers=train.activation_checkpointing_layers)
         tile_mlps(parts, train.tiled_mlp)
     compile_layers(parts, train)
     apply_float8(model, train)
@@ -99,13 +99,14 @@ def split_sequence(model, family, train, dims, core_attention=None) -> None:
     apply_sequence_parallel(model, family, shard, core_attention)
 
 
-def checkpoint_layers(layer_groups, mode, *, offload: bool = False) -> None:
-    """Step 3: activation checkpointing `mode` (`train.activation_checkpointing`: off, full, op, vision or a
-    stride; `distributed.checkpointing`) on `layer_groups` ([decoder layers, vision blocks]), replacing the mode set
+def checkpoint_layers(layer_groups, mode, *, offload: bool = False, layers: int | None = None) -> None:
+    """Step 3: activation checkpointing `mode` (`train.activation_checkpointing`: off, full, op, keep_attention,
+    vision or a stride; `distributed.checkpointing`) on `layer_groups` ([decoder layers, vision blocks]), limited to
+    the first `layers` decoder layers (`train.activation_checkpointing_layers`; None: all), replacing the mode set
     before. auto leaves the layers as they are: the start-up probe (`train.autotune.probe`) calls this on the
     wrapped model with each mode it tries, then with its choice."""
     if not pending(mode):
-        apply_activation_checkpointing(layer_groups, mode, offload=offload)
+        apply_activation_checkpointing(layer_groups, mode, offload=offload, layers=layers)
 
 
 def tile_mlps(parts, slices) -> None:

@@ -391,7 +391,8 @@ def probe(train, *, engine, objective, layer_groups, rows, device, lengths, dp_s
 
     def run(mode, size: int, timed: bool = False) -> Trial:
         # memory is planned on the heaviest rows; the mode's speed is timed on a typical row of the chosen size
-        checkpoint_layers(layer_groups, mode, offload=train.activation_offload)
+        checkpoint_layers(layer_groups, mode, offload=train.activation_offload,
+                          layers=train.activation_checkpointing_layers)
         try:
             batch = rows(size, heaviest=not timed)
             peak, seconds = measure_pass(engine, objective, batch, device, group)
@@ -410,7 +411,8 @@ def probe(train, *, engine, objective, layer_groups, rows, device, lengths, dp_s
     finally:
         if pause is not None:
             engine.optimizer.paused = False
-    checkpoint_layers(layer_groups, choice.activation_checkpointing, offload=train.activation_offload)
+    checkpoint_layers(layer_groups, choice.activation_checkpointing, offload=train.activation_offload,
+                      layers=train.activation_checkpointing_layers)
     if not train.packing:
         choice.micro_batch_size, choice.tokens_per_batch = choice.tokens_per_batch, None
     return choice
@@ -485,7 +487,8 @@ def tune(cfg, run_dir: Path, ctx, tm, engine, objective, dataset, lengths, log=p
     record = load_record(run_dir) if train.resume is not None else None
     if record is not None:
         ctx.plan, applied = settle_probe(ctx.plan, train, record)
-        checkpoint_layers(groups, train.activation_checkpointing, offload=train.activation_offload)
+        checkpoint_layers(groups, train.activation_checkpointing, offload=train.activation_offload,
+                          layers=train.activation_checkpointing_layers)
         if ctx.env.is_main:
             write_plan(run_dir, ctx.plan)
             log(f"auto (recorded when the run started): {', '.join(applied)}")
