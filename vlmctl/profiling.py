@@ -43,13 +43,38 @@ def _union_us(spans: list[tuple[float, float]]) -> float:
     return busy
 
 
+def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted intervals merged where they overlap."""
+    out: list[list[float]] = []
+    for a, b in spans:
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _overlap_us(merged: list[tuple[float, float]], a: float, b: float) -> float:
+    """How much of [a, b) the merged intervals cover."""
+    total, i = 0.0, max(bisect.bisect_right(merged, (a, float("inf"))) - 1, 0)
+    while i < len(merged) and merged[i][0] < b:
+        lo, hi = max(merged[i][0], a), min(merged[i][1], b)
+        total += max(hi - lo, 0.0)
+        i += 1
+    return total
+
+
 @dataclass(frozen=True)
 class IdleReport:
     """The GPU's idle time in one profiled step (seconds). `busy_s`: wall seconds during which any GPU kernel,
     copy or collective ran (the union of their intervals); `compute_s` the same without collectives. `by_host`:
     (host code, seconds, gaps), largest first;
     `longest`: (seconds, host code, next kernel) of the longest single gaps; `collectives`: (kernel name, seconds,
-    calls) of the collective kernels."""
+    calls) of the collective kernels. The idle seconds split by cause (`host_s + collective_s + other_s ==
+    idle_s`): `host_s`, the part of each gap before the host launched the kernel that ended it (the GPU waiting for
+    the host: Python, launches, a sync, a compile); `collective_s`, the rest of a gap while a collective kernel ran
+    (the compute stream waiting on communication, or on another rank entering the collective); `other_s`, what is
+    left (a kernel queued before the gap that started late: an event on another stream, a copy)."""
 
     span_s: float
     busy_s: float
@@ -59,6 +84,9 @@ class IdleReport:
     by_host: list[tuple[str, float, int]]
     longest: list[tuple[float, str, str]]
     collectives: list[tuple[str, float, int]]
+    host_s: float = 0.0
+    collective_s: float = 0.0
+    other_s: float = 0.0
 
     def text(self, rows: int = 15) -> str:
         if self.span_s <= 0:
@@ -66,6 +94,9 @@ class IdleReport:
         lines = [f"GPU idle time: {self.idle_s:.3f} s in {self.gaps} gaps over {MIN_GAP_US:.0f} us between compute "
                  f"kernels, of a {self.span_s:.3f} s span ({self.compute_s:.3f} s of compute kernels); charged to the "
                  "host code that launched the kernel after each gap:"]
+        lines.append(f"  by cause: {self.host_s * 1e3:.1f} ms the host behind (the next kernel launched during the gap), "
+                     f"{self.collective_s * 1e3:.1f} ms while a collective ran (waiting on communication or another "
+                     f"rank), {self.other_s * 1e3:.1f} ms other (a kernel queued before the gap started late)")
         lines += [f"  {s * 1e3:9.1f} ms  {n:5d} gaps  {where}" for where, s, n in self.by_host[:rows]]
         lines.append("Longest gaps:")
         lines += [f"  {s * 1e3:9.1f} ms  before {kernel}  launched in {where}" for s, where, kernel in self.longest]
@@ -141,6 +172,8 @@ def idle_report(trace: dict[str, Any] | str | Path, *, longest: int = 8) -> Idle
     stacks = {key: _HostStack(ops) for key, ops in threads.items()}
 
     by_host = Counter(); count = Counter(); gaps: list[tuple[float, str, str]] = []
+    comm = _merged(sorted((c["ts"], c["ts"] + c["dur"]) for c in collective))
+    cause = Counter()
     end = compute[0]["ts"] + compute[0]["dur"]
     for e in compute[1:]:
         gap = e["ts"] - end
@@ -150,12 +183,16 @@ def idle_report(trace: dict[str, Any] | str | Path, *, longest: int = 8) -> Idle
             where = _where(stack.chain(launch["ts"])) if stack else "(launch not recorded)"
             by_host[where] += gap; count[where] += 1
             gaps.append((gap / 1e6, where, e["name"][:80]))
+            late = min(max(launch["ts"] - end, 0.0), gap) if launch else 0.0
+            during = _overlap_us(comm, end + late, e["ts"])
+            cause["host"] += late; cause["collective"] += during; cause["other"] += gap - late - during
         end = max(end, e["ts"] + e["dur"])
     span = end - compute[0]["ts"]
     compute_busy = _union_us(sorted((e["ts"], e["ts"] + e["dur"]) for e in compute))
     return IdleReport(span / 1e6, busy, compute_busy / 1e6, sum(by_host.values()) / 1e6, len(gaps),
                       [(w, us / 1e6, count[w]) for w, us in by_host.most_common()],
-                      sorted(gaps, reverse=True)[:longest], collectives)
+                      sorted(gaps, reverse=True)[:longest], collectives,
+                      cause["host"] / 1e6, cause["collective"] / 1e6, cause["other"] / 1e6)
 
 
 def profile_step(step, folder: Path, sync) -> tuple[Any, str]:

@@ -53,6 +53,24 @@ def test_idle_time_is_charged_to_the_host_code_that_launched_the_next_kernel(tmp
     assert idle_report(path) == report
 
 
+def test_idle_time_is_split_into_host_collective_and_other_waits():
+    """The 3 ms gap before kernel 2 [1100, 4100): its launch came at 4000 (2.9 ms the host behind) and the collective
+    [1100, 3600) ran before it, so none of the rest is the collective's; the 2 ms gap before the unrecorded copy
+    has no launch: all of it `other`. Then the copy's gap, launched at 5000 while a collective runs to 6300."""
+    report = idle_report(_trace())
+    assert report.host_s == pytest.approx(2.9e-3)
+    assert report.collective_s == pytest.approx(0.0) and report.other_s == pytest.approx(2.1e-3)
+    trace = _trace()
+    trace["traceEvents"] += [_x("cuda_runtime", "cudaMemcpyAsync", 5000, 5, correlation=99),
+                             _x("kernel", "ncclDevKernel_SendRecv(ncclDevComm*)", 5500, 900, tid=21, correlation=51)]
+    report = idle_report(trace)
+    # gap [4300, 6300): 0.7 ms before the launch at 5000, then 0.5 ms idle, 0.8 ms while the collective ran
+    assert report.host_s == pytest.approx((2900 + 700) / 1e6)
+    assert report.collective_s == pytest.approx(800 / 1e6) and report.other_s == pytest.approx((100 + 500) / 1e6)
+    assert report.host_s + report.collective_s + report.other_s == pytest.approx(report.idle_s)
+    assert "by cause: 3.6 ms the host behind" in report.text()
+
+
 def test_a_gap_before_a_driver_launch_is_charged_to_its_enclosing_op():
     trace = _trace()
     # kernel 3 now starts 1 ms after kernel 2 ends: its Triton launch (cuLaunchKernel) sits in LigerRMSNormFunction
