@@ -47,7 +47,7 @@ def test_compiled_decoder_layers_and_vision_blocks_give_the_eager_loss_and_gradi
     eager = prepare_model(copy.deepcopy(base), family, train("off"), cpu)
     compiled = prepare_model(base, family, train("on"), cpu)
     for tm, section in ((eager, train("off")), (compiled, train("on"))):  # `parallelize`'s steps 3 and 4, unwrapped
-        checkpoint_layers([tm.parts.decoder_layers, tm.parts.vision_layers], section.activation_checkpointing)
+        checkpoint_layers([tm.parts.decoder_layers, tm.parts.vision_layers], section.activation_checkpointing, section)
         compile_layers(tm.parts, section)
     layers = compiled.parts.decoder_layers
     assert layers and all(layer._compiled_call_impl is not None for layer in layers)

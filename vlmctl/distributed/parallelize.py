@@ -66,8 +66,7 @@ def parallelize(model, *, family, parts, train, dims, device, dtype, core_attent
     apply_tensor_parallel(model, family, dims)
     split_sequence(model, family, train, dims, core_attention)
     if trainable:
-        checkpoint_layers([parts.decoder_layers, parts.vision_layers], train.activation_checkpointing,
-                          offload=train.activation_offload, layers=train.activation_checkpointing_layers)
+        checkpoint_layers([parts.decoder_layers, parts.vision_layers], train.activation_checkpointing, train)
         tile_mlps(parts, train.tiled_mlp)
     compile_layers(parts, train)
     apply_float8(model, train)
@@ -99,14 +98,15 @@ def split_sequence(model, family, train, dims, core_attention=None) -> None:
     apply_sequence_parallel(model, family, shard, core_attention)
 
 
-def checkpoint_layers(layer_groups, mode, *, offload: bool = False, layers: int | None = None) -> None:
+def checkpoint_layers(layer_groups, mode, train) -> None:
     """Step 3: activation checkpointing `mode` (`train.activation_checkpointing`: off, full, op, keep_attention,
-    vision or a stride; `distributed.checkpointing`) on `layer_groups` ([decoder layers, vision blocks]), limited to
-    the first `layers` decoder layers (`train.activation_checkpointing_layers`; None: all), replacing the mode set
+    vision or a stride; `distributed.checkpointing`) on `layer_groups` ([decoder layers, vision blocks]), with
+    `train`'s `activation_offload` and decoder-layer limit (`activation_checkpointing_layers`), replacing the mode set
     before. auto leaves the layers as they are: the start-up probe (`train.autotune.probe`) calls this on the
     wrapped model with each mode it tries, then with its choice."""
     if not pending(mode):
-        apply_activation_checkpointing(layer_groups, mode, offload=offload, layers=layers)
+        apply_activation_checkpointing(layer_groups, mode, offload=train.activation_offload,
+                                       layers=train.activation_checkpointing_layers)
 
 
 def tile_mlps(parts, slices) -> None:

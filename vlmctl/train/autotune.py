@@ -355,14 +355,6 @@ def candidates(train, layer_groups=None) -> tuple:
     return modes
 
 
-def _checkpoint(layer_groups, mode, train) -> None:
-    """Checkpointing `mode` on `layer_groups` ([decoder layers, vision blocks]) with the run's offload and
-    decoder-layer limit (`distributed.parallelize.checkpoint_layers`)."""
-    from vlmctl.distributed.parallelize import checkpoint_layers
-
-    checkpoint_layers(layer_groups, mode, offload=train.activation_offload, layers=train.activation_checkpointing_layers)
-
-
 def probe(train, *, engine, objective, layer_groups, rows, device, lengths, dp_size: int, stored_bytes: int,
           group=None, log=lambda msg: None) -> Choice:
     """Run `search` on the wrapped model behind `engine` with `objective`'s loss: `layer_groups` are the decoder
@@ -372,6 +364,7 @@ def probe(train, *, engine, objective, layer_groups, rows, device, lengths, dp_s
     layers."""
     import torch
 
+    from vlmctl.distributed.parallelize import checkpoint_layers
 
     modes = (candidates(train, layer_groups) if pending(train.activation_checkpointing)
              else (train.activation_checkpointing,))
@@ -398,7 +391,7 @@ def probe(train, *, engine, objective, layer_groups, rows, device, lengths, dp_s
 
     def run(mode, size: int, timed: bool = False) -> Trial:
         # memory is planned on the heaviest rows; the mode's speed is timed on a typical row of the chosen size
-        _checkpoint(layer_groups, mode, train)
+        checkpoint_layers(layer_groups, mode, train)
         try:
             batch = rows(size, heaviest=not timed)
             peak, seconds = measure_pass(engine, objective, batch, device, group)
@@ -417,7 +410,7 @@ def probe(train, *, engine, objective, layer_groups, rows, device, lengths, dp_s
     finally:
         if pause is not None:
             engine.optimizer.paused = False
-    _checkpoint(layer_groups, choice.activation_checkpointing, train)
+    checkpoint_layers(layer_groups, choice.activation_checkpointing, train)
     if not train.packing:
         choice.micro_batch_size, choice.tokens_per_batch = choice.tokens_per_batch, None
     return choice
@@ -484,6 +477,7 @@ def tune(cfg, run_dir: Path, ctx, tm, engine, objective, dataset, lengths, log=p
     `RUN_DIR/autotune.json` when resuming, else by `probe` on rows of `dataset` (a ShardDataset) collated as
     training collates them (`lengths`: their token counts). Rank 0 records and prints the choice. Returns the
     choice, or None when nothing was auto."""
+    from vlmctl.distributed.parallelize import checkpoint_layers
 
     train, groups = cfg.train, [tm.parts.decoder_layers, tm.parts.vision_layers]
     if not wants(ctx.plan):
@@ -491,7 +485,7 @@ def tune(cfg, run_dir: Path, ctx, tm, engine, objective, dataset, lengths, log=p
     record = load_record(run_dir) if train.resume is not None else None
     if record is not None:
         ctx.plan, applied = settle_probe(ctx.plan, train, record)
-        _checkpoint(groups, train.activation_checkpointing, train)
+        checkpoint_layers(groups, train.activation_checkpointing, train)
         if ctx.env.is_main:
             write_plan(run_dir, ctx.plan)
             log(f"auto (recorded when the run started): {', '.join(applied)}")
