@@ -33,16 +33,6 @@ MIN_GAP_US = 50.0  # shorter gaps are launch latency between back-to-back kernel
 # trace (`idle_report`) must not pay for torch's import.
 
 
-def _union_us(spans: list[tuple[float, float]]) -> float:
-    busy, end = 0.0, float("-inf")
-    for a, b in spans:
-        if b <= end:
-            continue
-        busy += b - max(a, end)
-        end = b
-    return busy
-
-
 def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """Sorted intervals merged where they overlap."""
     out: list[list[float]] = []
@@ -52,6 +42,11 @@ def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
         else:
             out.append([a, b])
     return [(a, b) for a, b in out]
+
+
+def _union_us(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of sorted intervals."""
+    return sum(b - a for a, b in _merged(spans))
 
 
 def _overlap_us(merged: list[tuple[float, float]], a: float, b: float) -> float:
