@@ -279,6 +279,8 @@ def phi4_processor_class(cls):
             # cut here: the extractor counts a clip's tokens from its length before its own truncation
             clips = [a[: self.audio_window] for a in (audio if isinstance(audio, (list, tuple)) else [audio])]
             audio_kwargs = {**kwargs.pop("audio_kwargs", {}), "padding": "max_length", "max_length": self.audio_window}
+            if "padding" in kwargs:  # the text's padding (a batch of prompts), not the clips' window
+                kwargs["text_kwargs"] = {**kwargs.pop("text_kwargs", {}), "padding": kwargs.pop("padding")}
             out = super().__call__(*args, audio=clips, audio_kwargs=audio_kwargs, **kwargs)
             if "audio_input_features" in out and out.get("audio_attention_mask") is None:
                 import torch

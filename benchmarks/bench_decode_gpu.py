@@ -1,0 +1,214 @@
+"""Decoding speed of vlmctl's engine (`vlmctl.inference.engine.DecodeEngine`) beside transformers' own `generate`, in
+one process, on the same prompts: output tokens per second at 1, 8 and 32 rows.
+
+Usage (from the repository root; on the GPU machine with PYTHONPATH=.:/tmp/site):
+    python benchmarks/bench_decode_gpu.py --preset qwen2.5-vl-3b --rows 1,8,32 --max-tokens 128 \
+        --variants graphs,eager --hf static --parity 20
+
+The preset is built with random weights in bf16 directly on the device (`vlmctl.bench.random_model`, as `vlmctl bench`
+does; the real vocabulary size, a small trained tokenizer). Every prompt is one 64 px picture and a question
+(`bench_serve.py`'s), rendered by the chat template; answers are `--max-tokens` long (end-of-sequence tokens ignored),
+greedy. For each rows count R:
+- engine variants (`--variants`): `graphs` (decode steps replayed from CUDA graphs), `eager` (no graphs), `compile`
+  (torch.compile'd forward, then graphs): R requests submitted at once and stepped to the end, after one warm-up
+  round of the same shapes (graph capture and compilation stay out of the timing). Prints tokens/s, ms per decode
+  step and the median time to first token (admission to first token, prefill included);
+- `--hf static`: `model.generate(cache_implementation="static")` (transformers compiles its decode step) on the same R
+  prompts left-padded, after one warm-up call; `--hf dynamic`: the default dynamic cache, eager.
+`--parity N`: N different prompts answered greedily by the engine with graphs, without graphs, and by `generate`
+(dynamic cache): how many answers are identical token for token (bf16 ties can split them).
+Each result is one `RESULT {json}` line; a table comes last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_serve import QUESTIONS, picture  # noqa: E402
+
+
+def prompts(n: int):
+    import base64
+
+    from vlmctl.inference import GenerationRequest
+
+    out = []
+    for i in range(n):
+        image = base64.b64decode(picture(i).split(",", 1)[1])  # a data URL
+        out.append(GenerationRequest(messages=[{"role": "user", "content": [{"type": "image", "index": 0},
+                                                                            {"type": "text", "text": QUESTIONS[i % len(QUESTIONS)]}]}],
+                                     images=[image], id=str(i)))
+    return out
+
+
+def load(preset: str, device: str):
+    import torch
+
+    from vlmctl.bench import _random_choice, random_model
+    from vlmctl.config import ModelSection
+
+    choice = _random_choice(ModelSection(preset=preset, init="random"))
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = random_model(choice.plan, choice.processor, device=device, dtype=dtype).eval()
+    model.generation_config.pad_token_id = choice.processor.tokenizer.pad_token_id or 0
+    return model, choice.processor, choice.family
+
+
+def sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_engine(engine, requests, max_tokens: int, device: str) -> dict:
+    from vlmctl.inference.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    first: dict[int, float] = {}
+    submitted: dict[int, float] = {}
+
+    def watch(i):
+        def on_event(event):
+            if event[0] in ("delta", "done") and i not in first:
+                first[i] = time.perf_counter()
+        return on_event
+
+    sync(device)
+    steps0, decode0 = engine.steps, engine.decode_seconds
+    start = time.perf_counter()
+    handles = []
+    for i, r in enumerate(requests):
+        submitted[i] = time.perf_counter()
+        handles.append(engine.submit(r, params, on_event=watch(i), stream=False))
+    while any(not h.finished for h in handles):
+        engine.step()
+    sync(device)
+    wall = time.perf_counter() - start
+    tokens = sum(c.generated for h in handles for c in h.completions)
+    steps = engine.steps - steps0
+    errors = [h.error for h in handles if h.error]
+    return {"tokens": tokens, "seconds": round(wall, 4), "tokens_per_s": round(tokens / wall, 1), "decode_steps": steps,
+            "ms_per_step": round(1000 * (engine.decode_seconds - decode0) / max(steps, 1), 3),
+            "ttft_ms_median": round(1000 * statistics.median(first[i] - submitted[i] for i in first), 1) if first else None,
+            **({"errors": errors[:2]} if errors else {})}
+
+
+def run_hf(model, processor, family, requests, max_tokens: int, cache: str, device: str) -> dict:
+    import torch
+
+    from vlmctl.inference.generation import _model_inputs
+    from vlmctl.inference.prompt import render_request
+
+    tok = processor.tokenizer
+    side, tok.padding_side = tok.padding_side, "left"
+    rendered = [render_request(r, processor, family) for r in requests]
+    inputs = _model_inputs(model, processor, [r.text for r in rendered], [i for r in rendered for i in r.images])
+    tok.padding_side = side
+    kwargs = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
+    with torch.inference_mode():
+        model.generate(**inputs, **kwargs)  # warm-up (compiles the static-cache step)
+        sync(device)
+        start = time.perf_counter()
+        out = model.generate(**inputs, **kwargs)
+        sync(device)
+    wall = time.perf_counter() - start
+    tokens = (out.shape[1] - inputs["input_ids"].shape[1]) * out.shape[0]
+    return {"tokens": int(tokens), "seconds": round(wall, 4), "tokens_per_s": round(tokens / wall, 1)}
+
+
+def parity(model, processor, family, n: int, max_tokens: int, device: str) -> dict:
+    import torch
+
+    from vlmctl.inference.engine import DecodeEngine
+    from vlmctl.inference.generation import _model_inputs
+    from vlmctl.inference.prompt import render_request
+    from vlmctl.inference.sampling import SamplingParams
+
+    reqs = prompts(n)
+    answers = {}
+    for name, graphs in (("graphs", "auto"), ("eager", False)):
+        engine = DecodeEngine(model, processor, family=family, max_slots=8, max_length=1024, graphs=graphs)
+        done = engine.generate(reqs, SamplingParams(max_tokens=max_tokens))
+        answers[name] = [r.completions[0].token_ids for r in done]
+        eos = engine.eos
+    hf = []
+    for r in reqs:
+        rr = render_request(r, processor, family)
+        inputs = _model_inputs(model, processor, [rr.text], rr.images)
+        with torch.inference_mode():
+            out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, pad_token_id=processor.tokenizer.pad_token_id)
+        ids = out[0, inputs["input_ids"].shape[1]:].tolist()
+        hf.append(next((ids[:k] for k, t in enumerate(ids) if t in eos), ids))
+    same = lambda a, b: sum(x == y for x, y in zip(a, b))  # noqa: E731
+    return {"probes": n, "graphs_vs_eager": same(answers["graphs"], answers["eager"]),
+            "graphs_vs_generate": same(answers["graphs"], hf), "eager_vs_generate": same(answers["eager"], hf)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen2.5-vl-3b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--rows", default="1,8,32")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--variants", default="graphs,eager")
+    ap.add_argument("--hf", default="", help="comma list of: static, dynamic")
+    ap.add_argument("--parity", type=int, default=0)
+    ap.add_argument("--max-length", type=int, default=1024)
+    args = ap.parse_args()
+
+    import torch
+
+    from vlmctl.inference.engine import DecodeEngine
+
+    rows = [int(r) for r in args.rows.split(",")]
+    t0 = time.perf_counter()
+    model, processor, family = load(args.preset, args.device)
+    print(f"loaded {args.preset} in {time.perf_counter() - t0:.1f} s; torch {torch.__version__}", flush=True)
+    results = []
+
+    def emit(result):
+        results.append(result)
+        print("RESULT " + json.dumps(result), flush=True)
+
+    if args.parity:
+        emit({"what": "parity", "preset": args.preset, **parity(model, processor, family, args.parity, 32, args.device)})
+    for variant in [v for v in args.variants.split(",") if v]:
+        t0 = time.perf_counter()
+        engine = DecodeEngine(model, processor, family=family, max_slots=max(rows), max_length=args.max_length,
+                              graphs=variant != "eager", compile=variant == "compile")
+        for r in rows:
+            reqs = prompts(r)
+            run_engine(engine, reqs, args.max_tokens, args.device)  # warm-up: captures (and compiles) this shape
+            emit({"what": f"engine-{variant}", "preset": args.preset, "rows": r, **run_engine(engine, reqs, args.max_tokens, args.device),
+                  "mode": engine.mode, "reason": engine.reason, "graphs": engine.runner.graph_count,
+                  "setup_s": round(time.perf_counter() - t0, 1)})
+        del engine
+        torch.cuda.empty_cache() if args.device.startswith("cuda") else None
+    for cache in [c for c in args.hf.split(",") if c]:
+        for r in rows:
+            try:
+                emit({"what": f"generate-{cache}", "preset": args.preset, "rows": r,
+                      **run_hf(model, processor, family, prompts(r), args.max_tokens, cache, args.device)})
+            except Exception as exc:  # noqa: BLE001 - a baseline that fails is reported, the others stand
+                emit({"what": f"generate-{cache}", "preset": args.preset, "rows": r, "error": f"{type(exc).__name__}: {exc}"[:300]})
+    print(f"\n{'what':<18} {'rows':>5} {'tok/s':>10} {'ms/step':>9} {'ttft ms':>8}")
+    for r in results:
+        if r["what"] == "parity":
+            print(f"parity: {r}")
+            continue
+        print(f"{r['what']:<18} {r.get('rows', ''):>5} {r.get('tokens_per_s', r.get('error', '')):>10} "
+              f"{r.get('ms_per_step', ''):>9} {r.get('ttft_ms_median', '') or '':>8}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,616 @@
+"""The decoding engine: one model answering many requests with continuous batching over a static KV cache. `vlmctl
+generate`, `eval`, `chat`, `serve` and GRPO's rollouts all decode through it.
+
+    engine = DecodeEngine(model, processor, max_slots=32, max_length=4096)
+    request = engine.submit(GenerationRequest(...), SamplingParams(max_tokens=64), n=1, on_event=print)
+    while engine.busy:
+        engine.step()           # admits waiting requests (prefill), then decodes one token for every running row
+    request.completions[0].text
+
+Each request is prefilled alone into a free cache slot (`runner.ModelRunner.prefill`: the family's own forward runs
+the vision / audio encoders once and builds the prompt's embeddings and positions; the language model fills the
+slot, in chunks for long prompts); its `n` choices copy that slot and decode side by side. Every `step()` first
+admits waiting requests while slots are free, so a request that arrives while others decode starts at the next
+step (`Request.admitted_step - submitted_step`), and a finished row's slot goes to the next request at once. The
+decode step runs all running rows together with fixed shapes per bucket, captured in CUDA graphs on a GPU
+(`runner` module docstring); each row samples with its own parameters (`sampling.SamplingParams`: temperature,
+top_p, top_k, repetition penalty, seed) and stops on its own: an end-of-sequence token of the model's generation
+config, its `max_tokens`, one of its `stop` strings (the text before it is kept), the cache's length, or
+cancellation (`cancel`).
+
+Events, handed to the request's `on_event` from the thread that calls `step()`, as tuples:
+- `("delta", choice, text)`: more text of choice `choice` (leading whitespace dropped; the pieces joined equal the
+  final text);
+- `("logprobs", choice, entries)`: per generated token `(token id, logprob, [(token id, logprob), ...] top)`, when
+  asked (`SamplingParams.logprobs`), just before the choice's `done`;
+- `("done", choice, finish_reason, completion_tokens)`: `stop` (end of sequence or a stop string) or `length`;
+- `("end", prompt_tokens)`: every choice is done (the last event of a request that did not fail);
+- `("error", status, message, code)`: the request failed (400: the processor cannot read it or it does not fit the
+  context; 499: cancelled before it started; 500: the model failed on it). Other requests are not affected.
+
+Log-probabilities are those of the model's raw distribution (`logprobs="raw"`, what OpenAI's API returns), or of
+the temperature-scaled one the row sampled from (`logprobs="sampled"`, what a GRPO trainer scores its rollouts
+under).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from vlmctl.errors import UsageError
+from vlmctl.inference.prompt import GenerationRequest, RenderedRequest
+from vlmctl.inference.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+# torch and transformers are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must
+# not pay for them.
+
+Event = tuple
+OnEvent = Callable[[Event], None]
+
+
+@dataclass
+class Completion:
+    """One choice of a request: its generated token ids (the end-of-sequence token excluded), its text (decoded
+    without special tokens, stripped, cut before a stop string), why it ended, the tokens generated (the
+    end-of-sequence token counted) and, when asked, one `(token id, logprob, top)` entry per generated token."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    generated: int = 0
+    logprobs: list[tuple[int, float, list]] | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    """A submitted request: what it asks (`prompt`, `params`, `n`), where its events go (`on_event`), and, as the
+    engine works, its prompt length (`prompt_tokens`), choices (`completions`), failure (`error`: (status, message,
+    code)) and the engine steps it was submitted and admitted at."""
+
+    prompt: GenerationRequest | RenderedRequest
+    params: SamplingParams
+    n: int = 1
+    on_event: OnEvent | None = None
+    id: str = ""
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    prompt_tokens: int = 0
+    completions: list[Completion] = field(default_factory=list)
+    error: tuple[int, str, str | None] | None = None
+    stream: bool = True
+    submitted_step: int = 0
+    admitted_step: int | None = None
+    finished: bool = False
+
+    def emit(self, event: Event) -> None:
+        if self.on_event is not None:
+            self.on_event(event)
+
+    def fail(self, status: int, message: str, code: str | None = None) -> None:
+        self.error, self.finished = (status, message, code), True
+        self.emit(("error", status, message, code))
+
+    @property
+    def texts(self) -> list[str]:
+        return [c.text for c in self.completions]
+
+
+class _Choice:
+    """One choice while it is generated: its slot, cache length and text (streamed text decoded incrementally: each
+    token decodes only the tokens since the last complete character, after the ones before them for context,
+    text-generation-inference's `decode_token` in `server/text_generation_server/models/model.py`, so a row's cost
+    per token does not grow with its length; the final text is one whole decode)."""
+
+    def __init__(self, request: Request, index: int, slot: int, tokenizer, eos: set[int]):
+        self.request, self.index, self.slot, self.tok, self.eos = request, index, slot, tokenizer, eos
+        self.out = Completion(logprobs=[] if request.params.logprobs is not None else None)
+        request.completions.append(self.out)
+        self.length = 0  # cache positions used (prompt + generated tokens fed back)
+        self.sent = ""
+        self.decoded = ""  # text of tokens[:self._read] (`_advance`)
+        self._prefix = self._read = 0
+        # decoding pieces is exact where the tokenizer's decoding concatenates (byte-level BPE, SentencePiece given the
+        # context tokens); one that cleans up spaces before punctuation across pieces is decoded whole each step
+        self._pieces = not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+
+    @property
+    def done(self) -> bool:
+        return self.out.finish_reason is not None
+
+    def take(self, token: int, logprob: tuple | None, max_len: int) -> None:
+        """Take the next generated token (and its logprob entry); send the text it completes; finish when it ends."""
+        params, out = self.request.params, self.out
+        out.generated += 1
+        if out.logprobs is not None and logprob is not None:
+            out.logprobs.append(logprob)
+        if (token in self.eos and not params.ignore_eos) or token in params.stop_token_ids:
+            return self._finish("stop", self._text())
+        out.token_ids.append(token)
+        text = self._advance().lstrip() if params.stop or self.request.stream else ""
+        if params.stop and any(s in text for s in params.stop):
+            whole = self._text()  # the final text, cut at its first stop string
+            return self._finish("stop", whole[:_first_stop(whole, params.stop)])
+        if len(out.token_ids) >= params.max_tokens or self.length >= max_len:
+            return self._finish("length", self._text())
+        if self.request.stream:
+            self._send(self._safe(text))
+
+    def _text(self) -> str:
+        return self.tok.decode(self.out.token_ids, skip_special_tokens=True).lstrip()
+
+    def _advance(self) -> str:
+        """The text of the tokens so far, as a whole decode gives it (a character still partly decoded included, as
+        U+FFFD), decoding only the tokens since the last complete character (class docstring)."""
+        tokens = self.out.token_ids
+        if not self._pieces:
+            return self._text()
+        decode = lambda ids: self.tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+        context = decode(tokens[self._prefix:self._read])
+        window = decode(tokens[self._prefix:])
+        tail = window[len(context):] if window.startswith(context) else decode(tokens[self._read:])
+        if tail and not tail.endswith("\ufffd") and window.startswith(context):
+            self.decoded += tail
+            self._prefix, self._read = self._read, len(tokens)
+            return self.decoded
+        if len(tokens) - self._read > 16:  # a long run without a complete character: start again from here
+            self.decoded = decode(tokens)
+            self._prefix = self._read = len(tokens)
+            return self.decoded
+        return self.decoded + tail
+
+    def _safe(self, text: str) -> str:
+        """The part of `text` that can be sent now: not a partly decoded character, not the start of a stop string,
+        no trailing whitespace (the final text is stripped)."""
+        text = text.rstrip("\ufffd")
+        for stop in self.request.params.stop:
+            for k in range(min(len(stop) - 1, len(text)), 0, -1):
+                if text.endswith(stop[:k]):
+                    text = text[:-k]
+                    break
+        return text.rstrip()
+
+    def _send(self, text: str) -> None:
+        if self.request.stream and len(text) > len(self.sent) and text.startswith(self.sent):
+            self.request.emit(("delta", self.index, text[len(self.sent):]))
+            self.sent = text
+
+    def _finish(self, reason: str, text: str) -> None:
+        self.out.text = text.strip()
+        self._send(self.out.text)
+        self.out.finish_reason = reason
+        if self.out.logprobs is not None:
+            self.request.emit(("logprobs", self.index, list(self.out.logprobs)))
+        self.request.emit(("done", self.index, reason, self.out.generated))
+
+
+def _first_stop(text: str, stops: Sequence[str]) -> int:
+    """Where the first of `stops` begins in `text` (its length when none occurs)."""
+    return min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
+
+
+def model_defaults(model) -> dict[str, Any]:
+    """The sampling settings a model's generation config sets on purpose (`repetition_penalty`, `top_k`), which
+    transformers' `generate` applies to every call: {} when it sets none. Values equal to transformers' own defaults
+    are not counted (a top_k of 50 nobody chose does not cut every sampled row)."""
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return {}
+    try:
+        chosen = config.to_diff_dict()
+    except Exception:  # noqa: BLE001 - a config that cannot diff itself sets nothing we can trust
+        return {}
+    out: dict[str, Any] = {}
+    if chosen.get("repetition_penalty") not in (None, 1.0):
+        out["repetition_penalty"] = float(chosen["repetition_penalty"])
+    if chosen.get("top_k"):
+        out["top_k"] = int(chosen["top_k"])
+    return out
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    """The end-of-sequence token ids of the model's generation config (what `generate` stops at); the tokenizer's
+    EOS token when the config names none."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+
+
+class DecodeEngine:
+    """Continuous batching over one loaded model (module docstring).
+
+    `model`, `processor`: as `load_for_generation` returns them (or a policy being trained, see GRPO's rollouts).
+    `family`: its `FamilySpec` (default: from its config). `max_slots`: rows decoded at once (the KV cache's
+    slots; on a GPU at most what half its free memory holds). `max_length`: the longest prompt + answer a row may
+    reach, in tokens (cache positions per slot). `video`: the `data.video` settings videos are sampled by.
+    `graphs`, `kernels`, `prefill_chunk`: see `runner.ModelRunner`. `prefill_batch`: prompts prefilled together in
+    one forward (right-padded to the longest). `suppress_tokens`: ids never sampled (GRPO:
+    media placeholders). `logprobs`: "raw" or "sampled" (module docstring). `strict_context`: refuse (400) a request
+    whose prompt plus `max_tokens` is over `max_length` (else its choices end with "length" there). Raises UsageError for a non-positive
+    `max_slots` or `max_length`, ModelError for a model whose language model cannot be found.
+    """
+
+    def __init__(self, model, processor, *, family: Any = None, max_slots: int = 32, max_length: int = 4096, video: Any = None,
+                 graphs: str | bool = "auto", kernels: str = "auto", prefill_chunk: int = 4096, prefill_batch: int = 16,
+                 suppress_tokens: Sequence[int] = (), logprobs: str = "raw", strict_context: bool = True):
+        from vlmctl.inference.kv_cache import bytes_per_token
+        from vlmctl.inference.prompt import model_family
+        from vlmctl.inference.runner import ModelRunner, kv_budget_slots
+
+        if max_slots < 1 or max_length < 2:
+            raise UsageError(f"the engine needs at least one slot and two positions, got {max_slots} and {max_length}",
+                             hint="e.g. --batch-size 8")
+        if logprobs not in ("raw", "sampled"):
+            raise UsageError(f"logprobs must be 'raw' or 'sampled', got {logprobs!r}")
+        self.model, self.processor, self.video = model, processor, video
+        self.family = family if family is not None else model_family(model)
+        self.tok = processor.tokenizer
+        if self.tok.pad_token_id is None:
+            self.tok.pad_token = self.tok.eos_token
+        self.eos = eos_ids(model, self.tok)
+        self.defaults = model_defaults(model)
+        self.logprobs_mode = logprobs
+        self.strict_context = strict_context
+        device = next(model.parameters()).device
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        dtype_bytes = next(model.parameters()).element_size()
+        slots = max_slots
+        if device.type == "cuda":
+            import torch
+
+            free, _ = torch.cuda.mem_get_info(device)
+            slots = kv_budget_slots(free // 2, bytes_per_token(config, dtype_bytes), max_length, max_slots)
+        self.max_length = int(max_length)
+        self.runner = ModelRunner(model, self.family, slots=slots, max_len=self.max_length, graphs=graphs, kernels=kernels,
+                                  prefill_chunk=prefill_chunk, suppress=tuple(suppress_tokens))
+        self.prefill_batch = max(1, int(prefill_batch))
+        self.slots: list[_Choice | None] = [None] * slots
+        self._incoming: deque[Request] = deque()
+        self._waiting: deque[Request] = deque()
+        self._lock = threading.Lock()
+        self.steps = 0  # decode steps run
+        self.prefills = 0
+        self.tokens_generated = 0
+        self.prefill_seconds = 0.0
+        self.decode_seconds = 0.0
+
+    # ---- what the engine does and holds
+
+    @property
+    def mode(self) -> str:
+        """How decode steps run: "cuda-graphs" or "eager" (`reason` says why not graphs)."""
+        return self.runner.mode
+
+    @property
+    def reason(self) -> str:
+        return self.runner.reason
+
+    @property
+    def max_slots(self) -> int:
+        return len(self.slots)
+
+    @property
+    def running(self) -> int:
+        """Choices being decoded now."""
+        return sum(c is not None for c in self.slots)
+
+    @property
+    def queued(self) -> int:
+        """Requests submitted and not yet admitted."""
+        return len(self._incoming) + len(self._waiting)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.queued)
+
+    def describe(self) -> dict[str, Any]:
+        """What /health and the logs report: mode (and why), slots, cache positions, steps, tokens."""
+        return {"decode": self.mode, **({"decode_reason": self.reason} if self.reason else {}), "kernels": self.runner.kernels,
+                "slots": self.max_slots,
+                "max_length": self.max_length, "cuda_graphs": self.runner.graph_count, "decode_steps": self.steps,
+                "prefills": self.prefills, "tokens_generated": self.tokens_generated}
+
+    # ---- requests
+
+    def submit(self, prompt: GenerationRequest | RenderedRequest, params: SamplingParams | None = None, *, n: int = 1,
+               on_event: OnEvent | None = None, id: str = "", stream: bool = True) -> Request:
+        """Queue a request (thread-safe); it is admitted at a coming `step()`. A `GenerationRequest` is rendered by
+        the chat template at admission (`render_request`). `stream`: send `delta` events as the text grows (else only
+        the final text, in `completions`). Raises UsageError for `n` outside [1, max_slots]."""
+        if not 1 <= n <= self.max_slots:
+            raise UsageError(f"n must be between 1 and the engine's {self.max_slots} slots, got {n}", hint="ask for fewer choices")
+        params = params if params is not None else SamplingParams()
+        request = Request(prompt, params, n=n, on_event=on_event, id=id or getattr(prompt, "id", ""), stream=stream,
+                          submitted_step=self.steps)
+        with self._lock:
+            self._incoming.append(request)
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """Stop generating for `request` (thread-safe): its slots are freed at the next step; no more events."""
+        request.cancelled.set()
+
+    def generate(self, prompts: Sequence[GenerationRequest | RenderedRequest], params: SamplingParams | Sequence[SamplingParams],
+                 *, n: int = 1, progress: Callable[[int, int], None] | None = None) -> list[Request]:
+        """Submit every prompt (with `params`, one for all or one each) and step until all are done; the requests in
+        prompt order. `progress(done, total)` after each finished request."""
+        many = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        done = [0]
+
+        def counter(event: Event) -> None:
+            if event[0] in ("end", "error"):
+                done[0] += 1
+                if progress:
+                    progress(done[0], len(prompts))
+
+        requests = [self.submit(p, q, n=n, on_event=counter, stream=False) for p, q in zip(prompts, many)]
+        while any(not r.finished for r in requests):
+            self.step()
+        return requests
+
+    # ---- the loop
+
+    def step(self) -> None:
+        """Admit what waits while slots are free (prefill), then decode one token for every running choice."""
+        import torch
+
+        with self._lock:
+            self._waiting.extend(self._incoming)
+            self._incoming.clear()
+        with torch.inference_mode():  # every buffer the engine touches is written under it
+            self._drop_cancelled()
+            self._admit()
+            if self.running:
+                self._decode()
+
+    def _drop_cancelled(self) -> None:
+        for slot, choice in enumerate(self.slots):
+            if choice is not None and choice.request.cancelled.is_set():
+                self._free(slot)
+        for request in [r for r in self._waiting if r.cancelled.is_set()]:
+            self._waiting.remove(request)
+            request.fail(499, "the request was cancelled before it started", "client_closed")
+
+    def _free(self, slot: int) -> None:
+        choice = self.slots[slot]
+        self.slots[slot] = None
+        self.runner.release(slot)
+        request = choice.request if choice is not None else None
+        if request is None or request.finished:
+            return
+        if request.cancelled.is_set():
+            request.finished = not any(c is not None and c.request is request for c in self.slots)
+        elif len(request.completions) == request.n and all(c.finish_reason for c in request.completions):
+            self._end(request)
+
+    def _end(self, request: Request) -> None:
+        request.finished = True
+        request.emit(("end", request.prompt_tokens))
+
+    def _admit(self) -> None:
+        """Prefill waiting requests, oldest first, while their choices fit the free slots (`prefill_batch` prompts
+        per forward)."""
+        while self._waiting:
+            free = [i for i, c in enumerate(self.slots) if c is None]
+            batch: list[Request] = []
+            while self._waiting and len(batch) < self.prefill_batch and sum(r.n for r in batch) + self._waiting[0].n <= len(free):
+                batch.append(self._waiting.popleft())
+            if not batch:
+                return
+            self._start(batch, free)
+
+    def _render(self, request: Request) -> RenderedRequest | None:
+        """The request's prompt rendered by the chat template, or None after failing it (400)."""
+        from vlmctl.errors import VlmctlError
+        from vlmctl.inference.prompt import check_requests, render_request
+
+        prompt = request.prompt
+        if isinstance(prompt, RenderedRequest):
+            return prompt
+        try:
+            check_requests([prompt], self.family)
+            return render_request(prompt, self.processor, self.family)
+        except VlmctlError as exc:
+            request.fail(400, exc.message, "invalid_request")
+        except Exception as exc:  # noqa: BLE001 - the chat template's own refusals are the request's
+            request.fail(400, f"the model's chat template refuses this request: {type(exc).__name__}: {exc}", "invalid_request")
+        return None
+
+    def _inputs(self, rendered: list[RenderedRequest]) -> dict[str, Any]:
+        """The processor's tensors for `rendered` prompts, padded on the right (every row's tokens start at 0)."""
+        from vlmctl.inference.generation import _model_inputs
+
+        side, self.tok.padding_side = self.tok.padding_side, "right"
+        try:
+            return _model_inputs(self.model, self.processor, [r.text for r in rendered], [i for r in rendered for i in r.images],
+                                 [a for r in rendered for a in r.audios], [v for r in rendered for v in r.videos], self.video)
+        finally:
+            self.tok.padding_side = side
+
+    def _start(self, batch: list[Request], free: list[int]) -> None:
+        """Prefill `batch` in one forward into slots from `free`, copy each to its other choices' slots, sample every
+        choice's first token. A request the processor cannot read, or that does not fit the context, fails alone;
+        when the batch's forward fails, each request is tried again alone."""
+        from vlmctl.errors import VlmctlError
+
+        pairs = [(r, p) for r in batch if (p := self._render(r)) is not None]
+        if not pairs:
+            return
+        try:
+            inputs = self._inputs([p for _, p in pairs])
+        except Exception as exc:  # noqa: BLE001 - the processor's errors are the request's: find whose
+            if len(pairs) > 1:
+                for request, _ in pairs:
+                    self._start([request], free)
+                return
+            message = exc.message if isinstance(exc, VlmctlError) else f"the processor cannot read this request: {type(exc).__name__}: {exc}"
+            return pairs[0][0].fail(400, message, "invalid_request")
+        lengths = inputs["attention_mask"].sum(dim=1).tolist() if "attention_mask" in inputs else [inputs["input_ids"].shape[1]] * len(pairs)
+        refused = [r for (r, _), n in zip(pairs, lengths) if not self._fits(r, int(n))]
+        if refused:
+            for request in [r for r, _ in pairs if r not in refused]:
+                self._start([request], free)
+            return
+        slots, at = [], 0
+        for request, _ in pairs:
+            slots.append(free[at:at + request.n])
+            at += request.n
+        started = time.perf_counter()
+        try:
+            logits, positions, used = self.runner.prefill(inputs, [s[0] for s in slots])
+            for request, own, n in zip((r for r, _ in pairs), slots, used):
+                for slot in own[1:]:
+                    self.runner.cache.copy_slot(own[0], slot, n)
+            for b, (request, _) in enumerate(pairs):
+                request.prompt_tokens, request.admitted_step = int(used[b]), self.steps
+                self._first_tokens(request, slots[b], logits[b], positions[b], used[b], inputs["input_ids"][b, : used[b]])
+        except Exception as exc:  # noqa: BLE001 - the model's failure on a request is that request's
+            for request, own in zip((r for r, _ in pairs), slots):
+                for slot in own:
+                    if self.slots[slot] is not None and self.slots[slot].request is request:
+                        self.slots[slot] = None
+                        self.runner.release(slot)
+            if len(pairs) > 1:
+                for request, _ in pairs:
+                    request.completions.clear()
+                    self._start([request], free)
+                return
+            request = pairs[0][0]
+            request.completions.clear()
+            return request.fail(500, f"generation failed: {type(exc).__name__}: {exc}", "server_error")
+        finally:
+            self.prefills += 1
+            self.prefill_seconds += time.perf_counter() - started
+        for request, _ in pairs:
+            if not request.finished and all(c.finish_reason for c in request.completions):
+                self._end(request)
+
+    def _fits(self, request: Request, length: int) -> bool:
+        """Whether a prompt of `length` tokens (and, with `strict_context`, its `max_tokens`) fits the context;
+        fails the request (400) otherwise."""
+        if length >= self.max_length:
+            request.fail(400, f"the prompt ({length} tokens) does not fit the model's context of {self.max_length} tokens",
+                         "context_length_exceeded")
+            return False
+        if self.strict_context and length + request.params.max_tokens > self.max_length:
+            request.fail(400, f"the prompt ({length} tokens) plus max_tokens ({request.params.max_tokens}) is over the model's "
+                         f"context of {self.max_length} tokens", "context_length_exceeded")
+            return False
+        return True
+
+    def _first_tokens(self, request: Request, slots: list[int], logits: "torch.Tensor", position: float, used: int,
+                      prompt_ids: "torch.Tensor") -> None:
+        import torch
+
+        from vlmctl.inference.sampling import sample
+
+        params = self._params(request)
+        base = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
+        dev = logits.device
+        n = len(slots)
+        seeds = torch.tensor([(base + c) & 0x7FFFFFFF for c in range(n)], dtype=torch.long, device=dev)
+        rows = logits[None].expand(n, -1).float()
+        seen = torch.zeros(n, rows.shape[1], dtype=torch.bool, device=dev)
+        if params.repetition_penalty != 1:
+            seen[:, prompt_ids.to(dev)] = True
+        full = lambda value, dtype: torch.full((n,), value, dtype=dtype, device=dev)  # noqa: E731
+        first = sample(rows, full(params.temperature, torch.float32), full(params.top_p, torch.float32),
+                       full(params.top_k, torch.long), seeds, full(0, torch.long), penalty=full(params.repetition_penalty, torch.float32),
+                       seen=seen, suppress=self.runner.suppress, greedy_only=params.greedy)
+        entries = self._logprob_entries(rows, first, params, n) if params.logprobs is not None else [None] * n
+        for c, (slot, token, entry) in enumerate(zip(slots, first.tolist(), entries)):
+            choice = _Choice(request, c, slot, self.tok, self.eos)
+            choice.length = used
+            choice.take(int(token), entry, self.max_length)
+            self.tokens_generated += 1
+            if choice.done:
+                continue
+            self.slots[slot] = choice
+            mark = torch.cat([prompt_ids.to(dev), first[c:c + 1]]) if params.repetition_penalty != 1 else None
+            self.runner.admit(slot, int(token), position, used, temperature=params.temperature, top_p=params.top_p,
+                              top_k=params.top_k, penalty=params.repetition_penalty, seed=int(seeds[c]), step=1, seen=mark)
+
+    def _params(self, request: Request) -> SamplingParams:
+        """The request's parameters with the model's generation-config defaults where the request left them unset."""
+        params = request.params
+        updates = {k: v for k, v in self.defaults.items() if getattr(params, k) in (0, 1.0)}
+        if updates:
+            from dataclasses import replace
+
+            params = request.params = replace(params, **updates)
+        return params
+
+    def _logprob_entries(self, logits, tokens, params: SamplingParams, n: int):
+        import torch
+
+        from vlmctl.inference.sampling import logprob_entries
+
+        temperature = None
+        if self.logprobs_mode == "sampled":
+            temperature = torch.full((n,), params.temperature, dtype=torch.float32, device=logits.device)
+        return logprob_entries(logits, tokens, params.logprobs or 0, temperature)
+
+    def _decode(self) -> None:
+        import torch
+
+        started = time.perf_counter()
+        live = [(slot, c) for slot, c in enumerate(self.slots) if c is not None]
+        rows = live[-1][0] + 1
+        kv_len = max(c.length for _, c in live) + 1
+        greedy = all(c.request.params.greedy for _, c in live)
+        tokens = self.runner.step(rows, kv_len, greedy)
+        host = tokens[:rows].tolist()
+        want = [(slot, c) for slot, c in live if c.request.params.logprobs is not None]
+        entries: dict[int, tuple] = {}
+        if want:
+            index = torch.tensor([s for s, _ in want], device=tokens.device)
+            for (slot, c), entry in zip(want, self._logprob_rows(index, tokens, want)):
+                entries[slot] = entry
+        self.steps += 1
+        for slot, choice in live:
+            choice.length += 1
+            choice.take(host[slot], entries.get(slot), self.max_length)
+            self.tokens_generated += 1
+            if choice.done:
+                self._free(slot)
+        self.decode_seconds += time.perf_counter() - started
+
+    def _logprob_rows(self, index, tokens, want):
+        import torch
+
+        from vlmctl.inference.sampling import logprob_entries
+
+        logits = self.runner.logits[index]
+        chosen = tokens[index]
+        temperature = None
+        if self.logprobs_mode == "sampled":
+            temperature = self.runner.temperature[index]
+        top = max(c.request.params.logprobs or 0 for _, c in want)
+        entries = logprob_entries(logits, chosen, top, temperature)
+        return [(t, lp, alts[: c.request.params.logprobs or 0]) for (t, lp, alts), (_, c) in zip(entries, want)]
+
+
+def engine_for(model, processor, *, family: Any = None, max_slots: int = 8, max_length: int = 4096, video: Any = None,
+               **options: Any) -> DecodeEngine:
+    """The `DecodeEngine` of `model`, made once and kept on the model (its CUDA graphs and cache are reused by the
+    next call) while the settings stay the same; a new one otherwise."""
+    key = (id(processor), max_slots, max_length, id(video), tuple(sorted(options.items())))
+    engine = getattr(model, "_vlmctl_decode_engine", None)
+    if engine is not None and getattr(engine, "_key", None) == key and not engine.busy:
+        return engine
+    engine = DecodeEngine(model, processor, family=family, max_slots=max_slots, max_length=max_length, video=video, **options)
+    engine._key = key
+    try:
+        object.__setattr__(model, "_vlmctl_decode_engine", engine)
+    except Exception:  # noqa: BLE001 - a model that takes no attributes gets a new engine each call
+        pass
+    return engine
+
+
+__all__ = ["Completion", "DecodeEngine", "Request", "engine_for", "eos_ids", "model_defaults"]

@@ -1,0 +1,479 @@
+"""The decoding engine's model runner: prefill one prompt into a cache slot, then decode every active slot one token
+per step, with the step's shapes fixed per (batch, length) bucket so that on a GPU it is captured once in a CUDA graph
+and replayed.
+
+    runner = ModelRunner(model, family, slots=32, max_len=4096)
+    first = runner.prefill(inputs, slot=0)      # processor outputs of one prompt -> its logits and next position
+    runner.admit(0, token, position, length, params_row)
+    tokens = runner.step()                      # one token per slot [slots]; only admitted slots are meaningful
+
+**Prefill** runs the model's own forward (`model(**inputs)`), so each family computes its visual / audio features,
+merges them into the prompt's embeddings and derives its position ids (Qwen's multimodal RoPE) exactly as in
+training and `generate`; a forward pre-hook on the language model catches the arguments it is called with
+(`inputs_embeds`, `position_ids`, `attention_mask`, family extras) and stops the call there. The runner then calls
+the language model itself on those arguments with the slot cache (`kv_cache.SlotCache`), in chunks of
+`prefill_chunk` tokens for a long prompt whose arguments are all sequence-aligned, so the encoders run once per
+request and a long prompt never holds more than one chunk's activations. The next position a row decodes at is
+one past the largest prefill position (for multimodal RoPE the largest of the three sections: what transformers'
+`rope_deltas` encode).
+
+**Decode** runs, for B rows (a power-of-two bucket covering every active slot) and L cached positions (a bucket
+covering the longest row): the input embeddings of each row's last token, the language model with per-row
+position ids, an explicit [B, 1, 1, L] mask (each row attends to its own positions; sliding-window layers to the
+last `sliding_window` of them) and the slot cache, the LM head on the last hidden state, then `sampling.sample`
+with each row's own parameters; the new tokens become the next step's inputs and the counters advance, all on the
+device. Every input lives in a preallocated buffer, so the whole step is one CUDA graph per bucket
+(`torch.cuda.CUDAGraph`): one launch instead of hundreds of kernels per token. Families and models whose step
+cannot be captured decode eagerly; `mode` and `reason` say which and why. On the CPU the same code runs eagerly.
+
+Logits are softcapped where the language model's config asks for it (`final_logit_softcapping`, Gemma), as the
+family's own forward does.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING, Any
+
+from vlmctl.errors import ModelError
+from vlmctl.inference.kv_cache import SlotCache
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+
+_CACHE_KEYS = ("past_key_values", "cache", "use_cache", "cache_position", "return_dict", "output_attentions",
+               "output_hidden_states")
+MIN_LENGTH_BUCKET = 128
+
+
+class _Captured(Exception):
+    """Raised by the language model's pre-hook once its arguments are caught (the rest of the forward is skipped)."""
+
+
+def bucket(n: int, cap: int, floor: int = 1) -> int:
+    """The smallest power of two >= max(n, `floor`), at most `cap` (`cap` itself when over)."""
+    size = max(int(floor), 1)
+    while size < n:
+        size *= 2
+    return min(size, int(cap))
+
+
+DECODE_ATTENTION = "vlmctl_decode"
+"""The attention implementation the language model uses during decode steps (`decode_attention`)."""
+
+
+def decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                     softcap: float | None = None, **kwargs):
+    """transformers attention function for one new token per row over its cached keys: query [B, H, 1, D], key and
+    value [B, H_kv, L, D] (grouped-query heads: H = G x H_kv), mask [B, 1, 1, L] (bool: True attends; or additive).
+
+    The G query heads of each key/value head attend as one [G, D] x [D, L] product, so the cache is read once per
+    key/value head rather than copied G times (`repeat_kv`, which transformers' sdpa path does whenever a mask is
+    given); softmax in float32. Returns (output [B, 1, H, D], None). A query of more than one token (a prefill
+    chunk) goes to transformers' sdpa function as it is.
+    """
+    import torch
+
+    batch, heads, q_len, dim = query.shape
+    if q_len != 1:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    kv_heads, length = key.shape[1], key.shape[2]
+    scores = torch.matmul(query.reshape(batch, kv_heads, heads // kv_heads, dim), key.transpose(2, 3)).float()
+    scores = scores * (scaling if scaling is not None else dim ** -0.5)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        mask = attention_mask[:, :, :, :length]
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    out = torch.matmul(scores.softmax(dim=-1).to(value.dtype), value)  # [B, H_kv, G, D]
+    return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2), None
+
+
+def register_decode_attention() -> None:
+    """Register `DECODE_ATTENTION` with transformers' attention and mask interfaces (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(DECODE_ATTENTION, decode_attention)
+    try:
+        from transformers import AttentionMaskInterface
+        from transformers.masking_utils import sdpa_mask
+
+        AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
+    except ImportError:  # the engine passes its own masks; the name only has to be known
+        pass
+
+
+class ModelRunner:
+    """Prefill and decode steps over a `SlotCache` of `slots` rows x `max_len` positions (module docstring).
+
+    `model`: a loaded `*ForConditionalGeneration` (or any wrapper that keeps its modules: peft), in eval mode.
+    `graphs`: capture each decode bucket in a CUDA graph (`"auto"`: on CUDA devices). `kernels`: fewer kernels per
+    decoder layer, which is what a decode step's time is made of: `"liger"` (liger-kernel's fused RMSNorm, RoPE and
+    SwiGLU, patched into the model as training patches them), `"compile"` (each decoder layer through
+    torch.compile, one compiled code for all layers; slower to start), `"none"`, or `"auto"` (liger on CUDA where
+    it is installed and has the family, else none). `prefill_chunk`: the longest piece of a prompt one prefill
+    forward takes (tokens). `suppress`: token ids never sampled. Raises ModelError when the family's language model
+    or LM head is not found on `model`.
+    """
+
+    def __init__(self, model, family, *, slots: int, max_len: int, graphs: str | bool = "auto", kernels: str = "auto",
+                 prefill_chunk: int = 4096, suppress: tuple[int, ...] = ()):
+        import torch
+
+        from vlmctl.families.spec import _find_prefix
+
+        self.model, self.family = model, family
+        self.lm = model.get_submodule(_find_prefix(model, family.language_model))
+        self.head = model.get_submodule(_find_prefix(model, family.lm_head))
+        self.embed = model.get_input_embeddings()
+        config = model.config
+        self.text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.softcap = getattr(self.text_config, "final_logit_softcapping", None)
+        params = inspect.signature(self.lm.forward).parameters
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.device = next(model.parameters()).device
+        self.slots, self.max_len, self.prefill_chunk = int(slots), int(max_len), int(prefill_chunk)
+        self.cache = SlotCache(self.slots, self.max_len)
+        self.windows = self._windows()
+        self.vocab = int(self.head.weight.shape[0])
+        dev, n = self.device, self.slots
+        # the step's buffers: inputs and per-row parameters, written by the host between steps, read by the graph
+        self.tokens = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.write_pos = torch.zeros(n, dtype=torch.long, device=dev)
+        self.active = torch.zeros(n, dtype=torch.bool, device=dev)
+        self.temperature = torch.zeros(n, dtype=torch.float32, device=dev)
+        self.top_p = torch.ones(n, dtype=torch.float32, device=dev)
+        self.top_k = torch.zeros(n, dtype=torch.long, device=dev)
+        self.penalty = torch.ones(n, dtype=torch.float32, device=dev)
+        self.seeds = torch.zeros(n, dtype=torch.long, device=dev)
+        self.steps = torch.zeros(n, dtype=torch.long, device=dev)
+        self.seen = torch.zeros(n, self.vocab, dtype=torch.bool, device=dev)
+        self.next_tokens = torch.zeros(n, dtype=torch.long, device=dev)
+        self.logits = torch.zeros(n, self.vocab, dtype=torch.float32, device=dev)
+        self.key_range = torch.arange(self.max_len, device=dev)
+        self.suppress = None
+        if suppress:
+            self.suppress = torch.zeros(self.vocab, dtype=torch.bool, device=dev)
+            self.suppress[[i for i in suppress if 0 <= i < self.vocab]] = True
+        on_cuda = dev.type == "cuda"
+        self.use_graphs = on_cuda if graphs == "auto" else bool(graphs) and on_cuda
+        self.kernels = self._apply_kernels(kernels)
+        register_decode_attention()
+        self._graphs: dict[tuple, Any] = {}
+        self._pool = None
+        self.mode = "cuda-graphs" if self.use_graphs else "eager"
+        self.reason = "" if self.use_graphs else ("not a CUDA device" if not on_cuda else "CUDA graphs turned off")
+        self.captures = 0
+
+    # ---- masks
+
+    def _windows(self) -> dict[str, int | None] | int | None:
+        """How the language model masks its layers: None (every layer causal), an int (every layer a sliding window
+        of that many positions) or {layer type: window or None} for models with both kinds (`config.layer_types`)."""
+        tc = self.text_config
+        window = getattr(tc, "sliding_window", None)
+        types = getattr(tc, "layer_types", None)
+        if types is not None:
+            kinds = set(types)
+            if window and "sliding_attention" in kinds:
+                return {kind: (window if kind == "sliding_attention" else None) for kind in kinds}
+            return None
+        if window and getattr(tc, "use_sliding_window", True):
+            return int(window)
+        return None
+
+    def _mask(self, allowed_fn):
+        """The attention mask(s) for the language model from `allowed_fn(window) -> bool tensor`: one tensor, or a
+        dict per layer type; bool for sdpa, additive (0 / dtype min) for the eager implementation."""
+        import torch
+
+        impl = getattr(self.text_config, "_attn_implementation", None) or "sdpa"
+
+        def convert(allowed):
+            if impl != "eager":
+                return allowed
+            dtype = self.embed.weight.dtype
+            return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+        if isinstance(self.windows, dict):
+            return {kind: convert(allowed_fn(w)) for kind, w in self.windows.items()}
+        return convert(allowed_fn(self.windows))
+
+    def _prefill_mask(self, captured, start: int, end: int, lengths: "torch.Tensor"):
+        """The mask of prompt chunk [start, end) ([B, 1, end - start, end]): the model's own 4D mask(s) sliced where
+        it built one (bidirectional image tokens, Gemma 3), else causal over each row's `lengths` [B] valid tokens
+        (with each layer's window)."""
+        import torch
+
+        if isinstance(captured, dict):
+            return {k: v[:, :, start:end, :end] for k, v in captured.items()}
+        if captured is not None and hasattr(captured, "ndim") and captured.ndim == 4:
+            return captured[:, :, start:end, :end]
+        q = torch.arange(start, end, device=self.device)[None, :, None]
+        k = torch.arange(end, device=self.device)[None, None, :]
+        valid = k < lengths[:, None, None]
+
+        def allowed(window):
+            m = (k <= q) & valid
+            if window:
+                m = m & (k > q - window)
+            return m[:, None]
+
+        return self._mask(allowed)
+
+    def _decode_mask(self, write_pos: "torch.Tensor", key_range: "torch.Tensor"):
+        k, q = key_range[None, :], write_pos[:, None]
+
+        def allowed(window):
+            m = k <= q
+            if window:
+                m = m & (k > q - window)
+            return m[:, None, None, :]
+
+        return self._mask(allowed)
+
+    # ---- prefill
+
+    def _capture(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The keyword arguments the model's forward calls its language model with for `inputs` (module docstring)."""
+        caught: dict[str, Any] = {}
+        signature = inspect.signature(self.lm.forward)
+
+        def hook(module, args, kwargs):
+            caught.update(signature.bind_partial(*args, **kwargs).arguments)
+            extra = caught.pop("kwargs", None)  # a **kwargs parameter binds as one dict
+            if isinstance(extra, dict):
+                caught.update(extra)
+            raise _Captured
+
+        handle = self.lm.register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            self.model(**inputs, use_cache=False)
+        except _Captured:
+            pass
+        finally:
+            handle.remove()
+        if not caught:
+            raise ModelError(f"{type(self.model).__name__}'s forward never called its language model ({self.family.language_model})",
+                             hint="check model.family matches the checkpoint")
+        return caught
+
+    def prefill(self, inputs: dict[str, Any], slots: list[int]) -> tuple["torch.Tensor", list[float], list[int]]:
+        """Run a batch of prompts (`inputs`: processor outputs padded on the right, on the model's device) into
+        `slots` (one per row, in order).
+
+        Returns (logits of each row's last position [B, V] float32, the position each row's next token takes (an
+        int, or a float for a family with fractional positions), each prompt's length in tokens = cache positions
+        used). Raises ValueError when a prompt does not fit the cache.
+        """
+        import torch
+
+        kw = self._capture(inputs)
+        embeds, ids = kw.pop("inputs_embeds", None), kw.pop("input_ids", None)
+        seq = embeds if embeds is not None else ids
+        rows, width = int(seq.shape[0]), int(seq.shape[1])
+        pad = inputs.get("attention_mask")
+        lengths = pad.sum(dim=1).tolist() if pad is not None and pad.ndim == 2 else [width] * rows
+        if max(lengths) > self.max_len:
+            raise ValueError(f"a prompt of {max(lengths)} tokens does not fit the cache's {self.max_len} positions")
+        positions = kw.pop("position_ids", None)
+        if positions is None:
+            positions = torch.arange(width, device=self.device)[None].expand(rows, -1)
+        mask = kw.pop("attention_mask", None)
+        for key in _CACHE_KEYS:
+            kw.pop(key, None)
+        next_positions = self._next_positions(positions, lengths)
+        valid = torch.tensor(lengths, device=self.device)
+        slot_index = torch.tensor(slots, device=self.device)
+        # a prompt is cut into chunks only when every argument is sequence-aligned (embeddings, positions, mask)
+        step = self.prefill_chunk if (embeds is not None and not kw) else width
+        logits = torch.empty(rows, self.vocab, dtype=torch.float32, device=self.device)
+        for start in range(0, width, max(step, 1)):
+            end = min(start + step, width)
+            self.cache.prefill(slot_index, start)
+            piece = {"inputs_embeds": embeds[:, start:end]} if embeds is not None else {"input_ids": ids}
+            out = self.lm(**piece, position_ids=positions[..., start:end], attention_mask=self._prefill_mask(mask, start, end, valid),
+                          use_cache=True, **{self.cache_arg: self.cache}, **kw)
+            last = [(b, n - 1 - start) for b, n in enumerate(lengths) if start <= n - 1 < end]
+            if last:
+                index = torch.tensor([b for b, _ in last], device=self.device)
+                hidden = out[0][index, torch.tensor([i for _, i in last], device=self.device)]
+                logits[index] = self._head(hidden)
+        return logits, next_positions, [int(n) for n in lengths]
+
+    def _next_positions(self, positions: "torch.Tensor", lengths: list[int]) -> list[float]:
+        """One past each row's largest position among its `lengths` valid tokens (positions [B, T], or [S, B, T] for
+        multimodal RoPE; with four sections the first holds text positions and is left out)."""
+        import torch
+
+        rope = positions[1:] if positions.ndim == 3 and positions.shape[0] == 4 else positions
+        if rope.is_floating_point() and not self.positions.is_floating_point():
+            # fractional positions (Qwen3-Omni's video timestamps): keep them exact; graphs of integer ones are stale
+            self.positions = self.positions.to(rope.dtype)
+            self._graphs.clear()
+        valid = torch.arange(rope.shape[-1], device=rope.device)[None, :] < torch.tensor(lengths, device=rope.device)[:, None]
+        low = torch.finfo(rope.dtype).min if rope.is_floating_point() else torch.iinfo(rope.dtype).min
+        top = rope.masked_fill(~valid, low).amax(dim=-1)
+        top = top.amax(dim=0) if top.ndim == 2 else top
+        return [v + 1 if rope.is_floating_point() else int(v) + 1 for v in top.tolist()]
+
+    def _head(self, hidden: "torch.Tensor") -> "torch.Tensor":
+        import torch
+
+        logits = self.head(hidden).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    # ---- rows
+
+    def admit(self, slot: int, token: int, position: float, length: int, *, temperature: float, top_p: float, top_k: int,
+              penalty: float, seed: int, step: int, seen: "torch.Tensor | None" = None) -> None:
+        """Make `slot` active: its next input `token` at rope `position`, written at cache index `length`, with its
+        sampling parameters; `seen`: the token ids the repetition penalty counts (prompt and first token)."""
+        if length >= self.max_len:
+            raise ValueError(f"slot {slot} is full ({length} of {self.max_len} positions)")
+        self.tokens[slot] = token
+        self.positions[slot] = position
+        self.write_pos[slot] = length
+        self.temperature[slot] = float(temperature)
+        self.top_p[slot] = float(top_p)
+        self.top_k[slot] = int(top_k)
+        self.penalty[slot] = float(penalty)
+        self.seeds[slot] = int(seed)
+        self.steps[slot] = int(step)
+        self.seen[slot] = False
+        if seen is not None:
+            self.seen[slot, seen.to(self.device)] = True
+        self.active[slot] = True
+
+    def release(self, slot: int) -> None:
+        """Free `slot`: it decodes no more (its buffers stay in bounds for the rows beside it)."""
+        self.active[slot] = False
+        self.write_pos[slot] = 0
+        self.positions[slot] = 0
+
+    # ---- decode
+
+    def _forward_logits(self, tokens, positions, write_pos, key_range):
+        """Logits [B, V] float32 of the next token of each row (tokens [B], positions [B], write_pos [B], key_range
+        [L]), the language model attending through `decode_attention`."""
+        self.cache.decode(write_pos, key_range.shape[0])
+        embeds = self.embed(tokens[:, None])
+        mask = self._decode_mask(write_pos, key_range)
+        config, implementation = self.text_config, self.text_config._attn_implementation_internal
+        config._attn_implementation_internal = DECODE_ATTENTION
+        try:
+            out = self.lm(inputs_embeds=embeds, position_ids=positions[:, None], attention_mask=mask, use_cache=True,
+                          **{self.cache_arg: self.cache})
+        finally:
+            config._attn_implementation_internal = implementation
+        return self._head(out[0][:, -1])
+
+    def _apply_kernels(self, kernels: str) -> str:
+        """Apply the decode kernels asked for (class docstring); returns what was applied ("liger", "compile" or
+        "none")."""
+        from vlmctl.families.spec import decoder_layers
+        from vlmctl.train.kernels import liger_available
+
+        if kernels not in ("auto", "liger", "compile", "none"):
+            raise ValueError(f"kernels must be auto, liger, compile or none, got {kernels!r}")
+        if kernels in ("auto", "liger") and liger_available(self.device.type) and self.family.liger_patch:
+            import liger_kernel.transformers as lk
+
+            patch = getattr(lk, self.family.liger_patch, None)
+            if patch is not None:
+                patch(model=self.model, fused_linear_cross_entropy=False, cross_entropy=False, rope=True, rms_norm=True, swiglu=True)
+                return "liger"
+        if kernels == "compile":
+            for layer in decoder_layers(self.model, self.family):
+                layer.compile(dynamic=True)
+            return "compile"
+        return "none"
+
+    def _step(self, rows: int, kv_len: int, greedy_only: bool) -> None:
+        """One decode step of slots [0, rows) attending to [0, kv_len): all device work, no host synchronization."""
+        import torch
+
+        from vlmctl.inference.sampling import sample
+
+        active = self.active[:rows]
+        logits = self._forward_logits(self.tokens[:rows], self.positions[:rows], self.write_pos[:rows], self.key_range[:kv_len])
+        self.logits[:rows].copy_(logits)
+        penalized = None if greedy_only else self.seen[:rows]
+        nxt = sample(logits, self.temperature[:rows], self.top_p[:rows], self.top_k[:rows], self.seeds[:rows], self.steps[:rows],
+                     penalty=None if greedy_only else self.penalty[:rows], seen=penalized, suppress=self.suppress,
+                     greedy_only=greedy_only)
+        self.next_tokens[:rows].copy_(nxt)
+        self.tokens[:rows].copy_(torch.where(active, nxt, self.tokens[:rows]))
+        inc = active.long()
+        self.positions[:rows].add_(inc)
+        self.write_pos[:rows].add_(inc)
+        self.steps[:rows].add_(inc)
+        if penalized is not None:
+            index = torch.arange(rows, device=self.device)
+            penalized[index, nxt] = penalized[index, nxt] | active
+
+    def step(self, rows: int, kv_len: int, greedy_only: bool) -> "torch.Tensor":
+        """Run one decode step over slots [0, `rows`) (bucketed here) with `kv_len` cached positions needed by the
+        longest active row; returns the new tokens of every slot [slots] (on the device; inactive slots' are
+        meaningless)."""
+        b = bucket(rows, self.slots)
+        length = bucket(kv_len, self.max_len, MIN_LENGTH_BUCKET)
+        key = (b, length, bool(greedy_only))
+        if self.use_graphs:
+            graph = self._graphs.get(key) or self._capture_graph(key)
+            if graph is not None:
+                graph.replay()
+                return self.next_tokens
+        self._step(*key)
+        return self.next_tokens
+
+    def _capture_graph(self, key: tuple):
+        """Capture the step of bucket `key` in a CUDA graph (after a warm-up that also compiles, when on); the live
+        rows' buffers are put back as they were. On a failure the runner decodes eagerly from then on and `reason`
+        says why."""
+        import torch
+
+        state = [self.tokens, self.positions, self.write_pos, self.steps, self.seen, self.next_tokens, self.logits]
+        saved = [t.clone() for t in state]
+        try:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._step(*key)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._step(*key)
+        except Exception as exc:  # noqa: BLE001 - any capture failure means: decode eagerly, and say why
+            self.use_graphs = False
+            self.mode, self.reason = "eager", f"CUDA graph capture failed: {type(exc).__name__}: {str(exc)[:200]}"
+            graph = None
+        finally:
+            for t, s in zip(state, saved):
+                t.copy_(s)
+        if graph is not None:
+            self._graphs[key] = graph
+            self.captures += 1
+        return graph
+
+    @property
+    def graph_count(self) -> int:
+        return len(self._graphs)
+
+
+def kv_budget_slots(free_bytes: int, per_token: int, max_len: int, cap: int) -> int:
+    """How many slots of `max_len` tokens fit in `free_bytes` at `per_token` bytes each (at least 1, at most `cap`)."""
+    return max(1, min(int(cap), int(free_bytes // max(per_token * max_len, 1))))
+
+
+__all__ = ["ModelRunner", "bucket", "kv_budget_slots"]
