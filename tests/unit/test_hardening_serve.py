@@ -19,6 +19,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from cli_runner import run_cli  # noqa: E402
+from serve_helpers import reference, tiny_model  # noqa: E402,F401 - fixtures
 from vlmctl.errors import UsageError  # noqa: E402
 from vlmctl.serve import ServeSettings, check_settings, running_server  # noqa: E402
 from vlmctl.serve.app import Limits  # noqa: E402
@@ -43,36 +44,19 @@ def ask(text: str = "Name a primary color.", *parts: dict) -> list[dict]:
     return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    from vlmctl.config import ModelSection
-    from vlmctl.models.build import build_model
-
-    folder = tmp_path_factory.mktemp("hostile") / "tiny"
-    build_model(ModelSection(preset="tiny", init="random", output_dir=folder, dtype="fp32"), tokenizer_texts=TEXTS * 5)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def loaded(model_dir):
-    from vlmctl.inference import load_for_generation
-
-    return load_for_generation(model_dir, device="cpu", dtype="fp32")
-
-
 class Log(list):
     def __call__(self, line: str) -> None:
         self.append(line)
 
 
 @pytest.fixture(scope="module")
-def served(loaded):
+def served(reference):
     """(base URL, the request log) of a server without a key: 2 rows per batch, small media limits, short timeouts."""
     log = Log()
     limits = Limits(max_tokens=MAX_LENGTH, max_media=4, max_total_pixels=3 * 16 * 16, body_seconds=1.0)
     settings = ServeSettings(port=0, limits=limits, max_batch_size=2, max_length=MAX_LENGTH, log=log, head_seconds=1.0,
                              allowed_origins=("http://localhost:3000",))
-    with running_server(*loaded, settings, name="tiny") as url:
+    with running_server(*reference, settings, name="tiny") as url:
         yield url, log
 
 
@@ -159,8 +143,8 @@ def test_the_chat_page_and_a_listed_origin_are_answered(served):
 
 
 @pytest.mark.parametrize("key", ["s3cret", "ключ-🔑-é", "with space inside", "quote\"and\\back", "x" * 4096])
-def test_api_keys_of_any_characters_are_compared_as_utf8_bytes(loaded, key):
-    with running_server(*loaded, ServeSettings(port=0, api_key=key), name="tiny") as url:
+def test_api_keys_of_any_characters_are_compared_as_utf8_bytes(reference, key):
+    with running_server(*reference, ServeSettings(port=0, api_key=key), name="tiny") as url:
         raw = key.encode("utf-8")
         for scheme in (b"Bearer ", b"bearer ", b"BEARER "):
             assert raw_status(url, {b"Authorization": scheme + raw}) == 200
@@ -219,10 +203,10 @@ def test_n_over_the_batch_rows_media_and_pixels_are_bounded_before_decoding(serv
     assert status == 200, body
 
 
-def test_a_prompt_over_the_context_is_refused_before_it_is_tokenized_or_queued(served, loaded):
+def test_a_prompt_over_the_context_is_refused_before_it_is_tokenized_or_queued(served, reference):
     url, _ = served
     before = health(url)["batches"]
-    longest = max(len(t) for t in loaded[1].tokenizer.get_vocab())
+    longest = max(len(t) for t in reference[1].tokenizer.get_vocab())
     huge = "red " * (MAX_LENGTH * longest)  # far over: refused from its length alone
     start = time.monotonic()
     status, body, _ = request(url, body=good(messages=ask(huge)))
@@ -395,7 +379,7 @@ def test_each_request_is_logged_with_its_status_tokens_and_seconds(served):
 # ---------------------------------------------------------------------------------------------- a port in use
 
 
-def test_a_port_in_use_is_one_panel_and_exit_2_before_the_model_loads(model_dir, capsys, monkeypatch, tmp_path):
+def test_a_port_in_use_is_one_panel_and_exit_2_before_the_model_loads(tiny_model, capsys, monkeypatch, tmp_path):
     import vlmctl.serve.server as server
 
     monkeypatch.chdir(tmp_path)  # outside any project
@@ -405,7 +389,7 @@ def test_a_port_in_use_is_one_panel_and_exit_2_before_the_model_loads(model_dir,
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        code, out, err = run_cli(["serve", str(model_dir), "--port", str(port), "--device", "cpu"], capsys)
+        code, out, err = run_cli(["serve", str(tiny_model), "--port", str(port), "--device", "cpu"], capsys)
     assert code == 2 and not loads, out + err
     text = " ".join((out + err).split())
     assert f"port {port} on 127.0.0.1 is already in use" in text and "--port" in text
