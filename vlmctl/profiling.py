@@ -135,18 +135,34 @@ def _where(chain: list[str]) -> str:
     return " > ".join(n[:60] for n in picked) or "(no host op)"
 
 
+def _complete_event(e: Any) -> bool:
+    """Whether `e` is a complete event (`ph: "X"`) with numeric `ts` and `dur`, a text `name` and, when present, an
+    object of `args` whose `correlation` (when present) is a number or text."""
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    args = e.get("args", {}) if isinstance(e, dict) else None
+    return (isinstance(e, dict) and e.get("ph") == "X" and number(e.get("ts")) and number(e.get("dur"))
+            and isinstance(e.get("name"), str) and isinstance(args, dict)
+            and isinstance(args.get("correlation", 0), (int, float, str)))
+
+
 def idle_report(trace: dict[str, Any] | str | Path, *, longest: int = 8) -> IdleReport:
     """Where one rank's GPU sat idle in a profiled step, from its Chrome trace (a dict, or a path to a `.json` or
-    `.json.gz` file; format in the module docstring). Gaps shorter than `MIN_GAP_US` are left out. Raises
-    ValueError for a file that is not such a trace (JSON without `traceEvents`, or not JSON), OSError for one that
-    cannot be read or unzipped."""
+    `.json.gz` file; format in the module docstring). Gaps shorter than `MIN_GAP_US` are left out; events that are
+    not complete events of that format (not an object, `ts` / `dur` not numbers, a name that is not text) are left
+    out too. Raises ValueError for a file that is not such a trace (not JSON, JSON without a `traceEvents` list, a
+    truncated gzip stream), OSError for one that cannot be read or unzipped."""
     if not isinstance(trace, dict):
         path = Path(trace)
-        with (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)) as f:
-            trace = json.load(f)
-    if "traceEvents" not in trace:
-        raise ValueError("not a Chrome trace: no traceEvents (write one with torch.profiler's export_chrome_trace)")
-    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "ts" in e and "dur" in e]
+        try:
+            with (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")) as f:
+                trace = json.load(f)
+        except EOFError:
+            raise ValueError("the gzip stream ends early (a truncated file)") from None
+        except RecursionError:
+            raise ValueError("JSON nested too deeply") from None
+    if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
+        raise ValueError("not a Chrome trace: no traceEvents list (write one with torch.profiler's export_chrome_trace)")
+    events = [e for e in trace["traceEvents"] if _complete_event(e)]
     device = [e for e in events if e.get("cat") in GPU_CATEGORIES]
     collective = [e for e in device if "nccl" in e["name"].lower()]
     compute = sorted((e for e in device if "nccl" not in e["name"].lower()), key=lambda e: e["ts"])

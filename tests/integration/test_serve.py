@@ -23,6 +23,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
+from serve_helpers import reference, tiny_model  # noqa: E402,F401 - fixtures (the model loaded here gives `generate`'s answers)
 from vlmctl.serve import free_port  # noqa: E402
 
 TEXTS = ["What color is the square?", "Name a primary color.", "What shape is in the picture?", "A square.",
@@ -46,24 +47,6 @@ def data_url(image: bytes) -> str:
 def ask(text: str, image: bytes | None = None) -> dict:
     parts = [{"type": "image_url", "image_url": {"url": data_url(image)}}] if image else []
     return {"role": "user", "content": [*parts, {"type": "text", "text": text}]}
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    from vlmctl.config import ModelSection
-    from vlmctl.models.build import build_model
-
-    folder = tmp_path_factory.mktemp("serve") / "tiny"
-    build_model(ModelSection(preset="tiny", init="random", output_dir=folder, dtype="fp32"), tokenizer_texts=TEXTS * 5)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model):
-    """The model loaded in this process, for `generate`'s answers."""
-    from vlmctl.inference import load_for_generation
-
-    return load_for_generation(tiny_model, device="cpu", dtype="fp32")
 
 
 def start_server(model: Path, cwd: Path, *extra: str) -> tuple[subprocess.Popen, str]:

@@ -1,12 +1,18 @@
 """Validation during training (`train.eval_steps`), the best checkpoint (`train.save_best`) and early stopping
 (`train.early_stopping_patience`), run by `vlmctl train` on CPU: one process (full and LoRA), 2-rank FSDP2, 2-rank
 ZeRO-3 and sequence parallelism 2 (torchrun, gloo), on a tiny model with a 12-sample val split. The val loss is
-checked against the same figure computed apart on the exported weights, sample by sample."""
+checked against the same figure computed apart on the exported weights, sample by sample. SIGTERM during a
+validation saves and stops with a resume command that keeps the run's settings, and that command finishes the run
+with its best checkpoint kept past `save_total_limit`."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import shlex
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -200,3 +206,44 @@ def test_lora_run_validates_the_adapted_model(project, capsys):
     assert [r["step"] for r in val] == [2]
     # the adapters are in the validated forward: its figure is the merged export's
     assert val[0]["val_loss"] == pytest.approx(_reference_val_loss(run / "final", project), rel=1e-4)
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_sigterm_during_validation_saves_stops_and_resumes_with_the_runs_settings(project, capsys, monkeypatch):
+    from vlmctl.train import validation
+
+    evaluate = validation.Validator.evaluate
+
+    def signalled(self, step):  # the signal comes while the val batches run, at the second validation
+        if step == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return evaluate(self, step)
+
+    monkeypatch.setattr(validation.Validator, "evaluate", signalled)
+    settings = ["train.save_best=val_loss", "train.save_total_limit=1", "train.learning_rate=5e-3"]
+    code, out, err = run_cli(["-c", str(project / "vlmctl.yaml"), "train", "--launcher", "none", "train.run_name=signalled",
+                              *settings], capsys)
+    assert code == 128 + signal.SIGTERM, out + err
+    run = project / "runs" / "signalled"
+    stops = [line for line in (out + err).splitlines() if "stopped by signal" in line]
+    assert len(stops) == 1 and "Traceback" not in out + err
+    command = shlex.split(re.search(r"Continue with `([^`]+)`", " ".join((out + err).split())).group(1))
+    assert command[:4] == ["vlmctl", "train", "-c", str(project / "vlmctl.yaml")] and command[4:6] == ["--launcher", "none"]
+    assert all(s in command for s in settings) and command[-2:] == ["--resume", "train.run_name=signalled"]
+    # the step after the signal was saved; the best so far is kept past save_total_limit=1
+    state = json.loads((run / "checkpoints" / "checkpoint-5" / "trainer_state.json").read_text())
+    assert state["reason"] == "signal" and state["best"]["step"] in (2, 4)
+    best = state["best"]["step"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == sorted({f"checkpoint-{best}", "checkpoint-5"})
+    monkeypatch.setattr(validation.Validator, "evaluate", evaluate)
+    code, out, err = run_cli(command[1:], capsys)  # as printed
+    assert code == 0, out + err
+    logged = rows(run)
+    assert [r["step"] for r in logged if "val_loss" in r] == [2, 4, 6]
+    from vlmctl.config import load_config
+
+    resumed = load_config(run / "config.yaml").train  # the resumed run's own config: the settings were kept
+    assert (resumed.learning_rate, resumed.save_total_limit, resumed.save_best) == (5e-3, 1, "val_loss")
+    record = json.loads((run / "final" / "best_checkpoint.json").read_text())
+    assert (run / "checkpoints" / f"checkpoint-{record['step']}" / "trainer_state.json").is_file()
+    assert len(list((run / "checkpoints").iterdir())) <= 2 and not list((run / "checkpoints").glob(".*"))

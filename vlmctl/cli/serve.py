@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from vlmctl.cli._common import ConfigOpt, JsonOpt, console, info, load_project, print_json, split_args, state
+from vlmctl.cli._common import ConfigOpt, JsonOpt, console, err_console, info, load_project, print_json, split_args, state
 from vlmctl.cli.chat import DeviceOpt, DtypeOpt, ModelArgs, TemperatureOpt, _video_settings, resolve_model_dir
 
 # The vlmctl modules that load numpy when imported are imported inside the functions that use them: importing vlmctl
@@ -36,6 +36,10 @@ def serve_cmd(
     max_batch_size: Annotated[int, typer.Option("--max-batch-size", help="Requests' choices generated together.")] = 8,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens per answer when a request gives no max_tokens.")] = 256,
     max_body_mb: Annotated[float, typer.Option("--max-body-mb", help="Largest request body, in MiB.")] = 32.0,
+    allow_origin: Annotated[Optional[list[str]], typer.Option("--allow-origin", help="A web page origin (scheme://host[:port]) "
+                                                              "allowed to call the server from a browser (CORS; repeatable; "
+                                                              "'*' needs --api-key). Default: only the chat page.",
+                                                              show_default=False)] = None,
     temperature: TemperatureOpt = 0.0,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -44,14 +48,18 @@ def serve_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Serve a model over an OpenAI-compatible API (POST /v1/chat/completions, GET /v1/models, GET /health) with a chat
-    page at /. Ctrl-C or SIGTERM lets the requests in flight finish, then stops.
+    page at /. Ctrl-C or SIGTERM lets the requests in flight finish, then stops. Each request is logged on stderr
+    (method, path, status, prompt+completion tokens, seconds).
 
-    Limits come from the project (data.max_image_pixels per image, data.max_length for prompt + answer).
+    Limits come from the project (data.max_image_pixels per image, data.max_length for prompt + answer). Without
+    --api-key only requests to localhost/127.0.0.1 are answered, and web pages of other origins only with
+    --allow-origin (docs/security.md).
     """
     from vlmctl.config import find_config
     from vlmctl.inference import check_model_dir, folder_family
     from vlmctl.serve import ServeSettings, check_settings, serve, served_name
     from vlmctl.serve.app import Limits
+    from vlmctl.serve.server import bind_socket
 
     model_dir = resolve_model_dir(args, config, "serve")
     check_model_dir(model_dir)
@@ -66,9 +74,11 @@ def serve_cmd(
         limits.max_image_pixels, limits.max_tokens = data.max_image_pixels, data.max_length
     settings = ServeSettings(host=host, port=port, api_key=api_key, model_name=model_name, limits=limits,
                              max_batch_size=max_batch_size, max_length=limits.max_tokens, device=device, dtype=dtype,
-                             train=project.train if project is not None else None)
+                             train=project.train if project is not None else None, allowed_origins=tuple(allow_origin or ()),
+                             log=None if state.quiet else _log_request)
     check_settings(settings)
     settings.video = _video_settings(model_dir, folder_family(model_dir), config, args)
+    sock = bind_socket(host, port)  # a port in use is one error, before the model loads
 
     def ready(url: str, server) -> None:
         choice = server.choice
@@ -77,8 +87,12 @@ def serve_cmd(
              f"(chat page: {escape(url)}/){' [dim](API key required)[/dim]' if api_key else ''}. Ctrl-C stops.")
 
     info(f"[dim]loading {escape(str(model_dir))} ({escape(served_name(model_dir))})[/dim]")
-    serve(model_dir, settings, on_ready=ready)
+    serve(model_dir, settings, on_ready=ready, sock=sock)
     info("[dim]stopped: the requests in flight were answered[/dim]")
+
+
+def _log_request(line: str) -> None:
+    err_console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def _check(model_dir: Path, device: str, dtype: str, as_json: bool) -> None:

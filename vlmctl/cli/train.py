@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from vlmctl.cli._common import ConfigOpt, OverridesArg, console, err_console, esc, info, load_project, result_line
+from vlmctl.cli._common import ConfigOpt, OverridesArg, console, err_console, esc, info, load_project, result_line, state
 
 # The vlmctl modules that load numpy when imported are imported inside the functions that use them: importing vlmctl
 # (the CLI's start-up) must not pay for it.
@@ -64,9 +64,18 @@ def train(
             info(f"rebuilt {esc(cfg.model.output_dir)} with the changed model settings")
     fresh = not resume and train_cfg.resume is None
     if fresh and not train_cfg.run_name and (left := L.interrupted_run(cfg)) is not None:
+        from vlmctl.train.checkpoint import resume_command
+
         info(f"[yellow]note[/yellow]: the run {esc(left[0].name)} stopped at step {left[1]} without finishing; this "
-             f"starts a new run. Continue that one instead with `vlmctl train --resume` (or set train.resume: auto).")
+             f"starts a new run. Continue that one instead with `{esc(resume_command(left[0]))}`.")
     run_dir = L.prepare_run(cfg, resume=resume)
+    if not L.joins_run(train_cfg):  # what the resume hints repeat
+        from vlmctl.train.checkpoint import record_command
+
+        given = config or state.config
+        record_command(run_dir, [*(["-c", str(given)] if given else []),
+                                 *(a for k, v in flags.items() if v is not None for a in (f"--{k.replace('_', '-')}", str(v))),
+                                 *(["--nproc-per-node", nproc_per_node] if nproc_per_node is not None else []), *(overrides or [])])
     started = False
     try:
         _run(train_cfg, run_dir)
@@ -112,12 +121,13 @@ def _run(train_cfg, run_dir) -> None:
 
 
 def _stopped(run_dir, signum: int) -> None:
-    """The one line of a run stopped by SIGTERM/SIGINT: where its last checkpoint is and how to continue."""
+    """The one line of a run stopped by SIGTERM/SIGINT: where its last checkpoint is and how to continue (the
+    command with the run's own command-line settings, `checkpoint.resume_command`)."""
     import signal
 
-    from vlmctl.train.checkpoint import latest_checkpoint
+    from vlmctl.train.checkpoint import latest_checkpoint, resume_command
 
     last = latest_checkpoint(run_dir)
     where = f"last checkpoint: {esc(last)}" if last is not None else "no checkpoint was written"
     console.print(f"[yellow]stopped by signal {signum} ({signal.Signals(signum).name}); {where}. "
-                  f"Continue with `vlmctl train --resume train.run_name={esc(run_dir.name)}`[/yellow]", soft_wrap=True)
+                  f"Continue with `{esc(resume_command(run_dir))}`[/yellow]", soft_wrap=True)

@@ -79,14 +79,62 @@ def preflight(*, backend: str | None = None, lmms_eval: bool = False) -> None:
         check_installed()
 
 
+def _scalar_text(value: Any) -> str | None:
+    """A reference or option as text: a string as it is, a number in its JSON spelling; None for anything else (a
+    boolean, null, a list or an object: no text of theirs is the answer)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return json.dumps(value)
+    return None
+
+
+def reference_texts(value: Any, where: str) -> list[str]:
+    """Reference answers as a list of strings: one string (one reference, never its characters), a number, an
+    `{"answer": ...}` object (VQAv2's annotations), or a list of those. Raises DataError naming `where` and the
+    shape of anything else (a boolean, null, a nested list, an object without `answer`), rather than scoring its
+    pieces."""
+    items = value if isinstance(value, list) else [value]
+    out = []
+    for i, item in enumerate(items):
+        text = _scalar_text(item["answer"] if isinstance(item, dict) and "answer" in item else item)
+        if text is None:
+            at = f"[{i}]" if isinstance(value, list) else ""
+            raise DataError(f"{where}: reference answer{at} is {_shape(item)}, not text",
+                            hint='give references as text: "cat", ["cat", "a cat"] or [{"answer": "cat"}, ...]')
+        out.append(text)
+    return out
+
+
+def option_texts(value: Any, where: str) -> list[str] | dict[str, str] | None:
+    """A sample's multiple-choice options: None, a list of texts (lettered A, B, ...) or {letter: text}. Raises
+    DataError naming `where` for anything else (a string would be lettered character by character)."""
+    if value is None:
+        return None
+    if isinstance(value, list) and all(_scalar_text(v) is not None for v in value):
+        return [_scalar_text(v) for v in value]  # type: ignore[misc]
+    if isinstance(value, dict) and all(isinstance(k, str) and _scalar_text(v) is not None for k, v in value.items()):
+        return {k: _scalar_text(v) for k, v in value.items()}  # type: ignore[misc]
+    raise DataError(f"{where}: options are {_shape(value)}, not a list of texts or {{letter: text}}",
+                    hint='give options as ["red", "blue"] or {"A": "red", "B": "blue"}')
+
+
+def _shape(value: Any) -> str:
+    if isinstance(value, (list, dict)):
+        return f"{type(value).__name__} {json.dumps(value, default=str)[:60]}"
+    return f"{type(value).__name__} {value!r}"[:80]
+
+
 def references_of(sample: Sample) -> list[str]:
-    """The reference answers of a sample: `meta["answers"]` (a list of strings, or of {"answer": str} as in VQAv2
-    annotations) when present, else `meta["answer"]`, else the text of the last assistant turn."""
+    """The reference answers of a sample (`reference_texts`): `meta["answers"]` (a string, or a list of strings or
+    of {"answer": str} as in VQAv2 annotations) when present, else `meta["answer"]`, else the text of the last
+    assistant turn. Raises DataError naming the sample for answers of another shape."""
+    where = f"sample {sample.id!r}" + (f" ({sample.location})" if sample.location else "")
     answers = sample.meta.get("answers")
-    if answers:
-        return [a["answer"] if isinstance(a, dict) else str(a) for a in answers]
+    if answers is not None and answers != [] and answers != "":
+        return reference_texts(answers, where)
     if sample.meta.get("answer") is not None:
-        return [str(sample.meta["answer"])]
+        return reference_texts(sample.meta["answer"], where)
     for m in reversed(sample.messages):
         if m["role"] == "assistant":
             return [" ".join(p["text"] for p in m["content"] if p["type"] == "text").strip()]
@@ -401,37 +449,50 @@ def fold_into_metrics(out_dir: Path, scores: dict[str, float], *, model: str, da
 
 
 def _record_of(sample: Sample) -> ScoredRecord:
+    where = f"sample {sample.id!r}" + (f" ({sample.location})" if sample.location else "")
     return ScoredRecord(id=sample.id, prediction="", references=references_of(sample),
-                        options=sample.meta.get("options"), meta=sample.meta)
+                        options=option_texts(sample.meta.get("options"), where), meta=sample.meta)
 
 
 def read_predictions(path: Path) -> list[ScoredRecord]:
-    """Records from a predictions JSONL: one object per line with `id`, `prediction`, the references as
-    `references` (list), `answers` (list of strings or {"answer": str}) or `answer` (string), optional `options`
-    and `task`. Raises DataError naming the file and line of a bad row."""
+    """Records from a predictions JSONL: one object per line with `id`, `prediction` (text), the references as
+    `references` (list), `answers` (list of strings or {"answer": str}) or `answer` (string) (`reference_texts`),
+    optional `options` (`option_texts`) and `task`. Raises DataError naming the file and line of a bad row: a value
+    of another type is refused, never turned into text or scored piece by piece."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such predictions file", hint="pass a JSONL file written by `vlmctl eval` or another system")
     records = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            if not raw.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                raise DataError(f"{path}:{lineno}: not UTF-8 text (byte {exc.start})", hint="write the file as UTF-8 JSONL") from None
             except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})", hint="each line must be one JSON object") from exc
+                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})", hint="each line must be one JSON object") from None
+            except RecursionError:
+                raise DataError(f"{path}:{lineno}: nested too deeply", hint="each line must be one flat JSON object") from None
             if not isinstance(row, dict) or "prediction" not in row:
                 raise DataError(f"{path}:{lineno}: missing key 'prediction'",
                                 hint='each line needs {"id", "prediction", "references"|"answers"|"answer"}')
             refs = row.get("references", row.get("answers", row.get("answer")))
             if refs is None:
                 raise DataError(f"{path}:{lineno}: missing references", hint="add `references` (list), `answers` or `answer`")
-            refs = [refs] if isinstance(refs, str) else refs
-            refs = [r["answer"] if isinstance(r, dict) else str(r) for r in refs]
+            where = f"{path}:{lineno}"
+            refs = reference_texts(refs, where)
+            prediction = "" if row["prediction"] is None else _scalar_text(row["prediction"])
+            if prediction is None:
+                raise DataError(f"{where}: prediction is {_shape(row['prediction'])}, not text",
+                                hint="each prediction is the model's answer as a string")
+            for key in ("id", "prompt", "task"):
+                if row.get(key) is not None and _scalar_text(row[key]) is None:
+                    raise DataError(f"{where}: {key} is {_shape(row[key])}, not text", hint=f"give {key} as a string")
             meta = {"task": row["task"]} if "task" in row else {}
-            records.append(ScoredRecord(id=str(row.get("id", lineno)), prediction=str(row["prediction"] or ""),
-                                        references=refs, options=row.get("options"), prompt=str(row.get("prompt") or ""),
+            records.append(ScoredRecord(id=str(row.get("id", lineno)), prediction=prediction, references=refs,
+                                        options=option_texts(row.get("options"), where), prompt=str(row.get("prompt") or ""),
                                         meta=meta))
     if not records:
         raise DataError(f"{path}: no predictions", hint="the file is empty")

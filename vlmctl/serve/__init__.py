@@ -6,7 +6,8 @@ compares what the server answers with `vlmctl generate` and the trainer's forwar
 
 - `protocol`: the request schema (pydantic), its conversion into a `GenerationRequest`, OpenAI's error shape.
 - `engine`: `Engine`, a queue and a worker thread that batches compatible requests through `model.generate`.
-- `app`: the Starlette app (routes, API key, body limit, server-sent events), `Limits`.
+- `app`: the Starlette app (routes, API key, Host/Origin checks and CORS, body limits, request log, server-sent
+  events), `Limits`.
 - `server`: `serve` (uvicorn; SIGTERM drains), `running_server` (a background server), the safety checks.
 - `check`: `check_serving`, the fixed probes of `vlmctl serve --check`.
 

@@ -4,22 +4,28 @@
     serve(Path("outputs/runs/run1/final"), settings)                 # blocks; SIGTERM drains, then returns
     with running_server(model, processor, settings) as url: ...      # in a background thread (checks, tests)
 
-Safe by default: the server binds 127.0.0.1; another address needs an API key (`check_settings`). On SIGTERM or
-Ctrl-C uvicorn stops accepting connections and waits up to `drain_seconds` for the requests in flight (streams
-included) to finish; the engine then answers what is still queued and stops.
+Safe by default: the server binds 127.0.0.1; another address needs an API key (`check_settings`); without a key it
+answers only loopback `Host` names, and pages of other origins only when `allowed_origins` lists them
+(`vlmctl.serve.app.guard`). The port is bound before the model loads (`bind_socket`), so a port in use is one
+UsageError, not a failure after loading. A connection whose request head has not arrived `head_seconds` after it
+opened (or after its previous answer) is closed (`HeadTimeoutH11`). On SIGTERM or Ctrl-C uvicorn stops accepting
+connections and waits up to `drain_seconds` for the requests in flight (streams included) to finish; the engine
+then answers what is still queued and stops.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import ipaddress
+import re
 import signal
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from vlmctl.errors import UsageError
 from vlmctl.serve.app import Limits, ServerState, create_app
@@ -34,7 +40,9 @@ class ServeSettings:
     """How to serve: address, API key, the name clients use for the model (`model_name`; default
     `served_name(folder)`), limits (`Limits`), rows per batch, device and dtype (`load_for_serving`), the seconds
     SIGTERM waits for requests in flight, the longest prompt plus answer (`max_length`, `data.max_length`), the
-    `data.video` settings and the project's `train` section (None outside a project: its defaults)."""
+    `data.video` settings, the project's `train` section (None outside a project: its defaults), the web origins
+    allowed to call the server (`allowed_origins`, CORS; `*` any, with an API key only), where each request's log line
+    goes (`log`) and the seconds a connection may take to send a request's head (`head_seconds`)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -48,6 +56,9 @@ class ServeSettings:
     drain_seconds: float = 60.0
     video: Any = None
     train: Any = None  # the project's `train` section, whose precision and attention `auto` resolve as training's plan does
+    allowed_origins: tuple[str, ...] = ()
+    log: Callable[[str], None] | None = None
+    head_seconds: float = 30.0
 
 
 def is_loopback(host: str) -> bool:
@@ -61,11 +72,24 @@ def is_loopback(host: str) -> bool:
 
 
 def check_settings(settings: ServeSettings) -> None:
-    """Raise UsageError for an address other than loopback without an API key, a port outside 0..65535, or a
-    non-positive batch size."""
-    if not is_loopback(settings.host) and not settings.api_key:
+    """Raise UsageError for an address other than loopback without an API key, an API key that cannot travel in an
+    HTTP header (empty, spaces at its ends, control characters), `*` among the allowed origins without an API key,
+    an allowed origin that is not `scheme://host[:port]`, a port outside 0..65535, or a non-positive batch size."""
+    key = settings.api_key
+    if key is not None and (not key or key != key.strip(" \t") or any(ord(c) < 32 or ord(c) == 127 for c in key)):
+        raise UsageError("--api-key must be non-empty, without spaces at its ends and without control characters "
+                         "(clients send it in an HTTP header, which cannot carry them)", hint="choose another key")
+    if not is_loopback(settings.host) and not key:
         raise UsageError(f"binding {settings.host} exposes the model to other machines, and no API key is set",
                          hint="pass --api-key KEY (clients send Authorization: Bearer KEY), or keep --host 127.0.0.1")
+    for origin in settings.allowed_origins:
+        if origin == "*":
+            if not key:
+                raise UsageError("--allow-origin '*' lets every web page the user opens call the model, and no API key is set",
+                                 hint="name the page's origin (--allow-origin http://localhost:3000), or pass --api-key KEY")
+        elif not re.fullmatch(r"https?://[^/\s?#]+", origin):
+            raise UsageError(f"--allow-origin {origin!r} is not an origin (scheme://host[:port], no path)",
+                             hint="e.g. --allow-origin http://localhost:3000")
     if not 0 <= settings.port <= 65535:
         raise UsageError(f"--port {settings.port} is not a TCP port", hint="use 1..65535, e.g. --port 8000")
     if settings.max_batch_size <= 0:
@@ -85,11 +109,76 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (`host`, `port`) (port 0: a free one), not yet listening: uvicorn listens on it
+    (`Server.run(sockets=...)`), so the address is taken before the model loads. Raises UsageError for a port in use,
+    one that needs privileges, or an address that is not this machine's."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT can be bound again
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise UsageError(f"port {port} on {host} is already in use (another server listens there)",
+                             hint=f"stop that server, or choose another port, e.g. --port {free_port(host)}") from None
+        if exc.errno == errno.EACCES:
+            raise UsageError(f"port {port} needs privileges this user does not have", hint="choose a port above 1023, e.g. --port 8000") from None
+        raise UsageError(f"cannot bind {host}:{port}: {exc.strerror or exc}",
+                         hint="use an address of this machine (--host 127.0.0.1, or 0.0.0.0 with --api-key)") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def head_timeout_protocol(seconds: float):
+    """uvicorn's h11 protocol, closing a connection whose request head (request line and headers) has not arrived
+    `seconds` after the connection opened or its previous response ended: uvicorn itself waits forever for a head
+    sent byte by byte, so idle or slow clients would hold connections without end."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeadTimeoutH11(H11Protocol):
+        _head_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._disarm()  # the head arrived: a request is being answered (its body has its own limit)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._head_timer = self.loop.call_later(seconds, self._expire)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _expire(self) -> None:
+            if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeadTimeoutH11
+
+
 def _uvicorn_server(app, settings: ServeSettings):
     import uvicorn
 
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=settings.drain_seconds, lifespan="off")
+                            timeout_graceful_shutdown=settings.drain_seconds, lifespan="off",
+                            http=head_timeout_protocol(settings.head_seconds))
     return uvicorn.Server(config)
 
 
@@ -148,45 +237,57 @@ def make_state(model, processor, settings: ServeSettings, name: str) -> ServerSt
     engine = Engine(model, processor, max_batch_size=settings.max_batch_size, max_length=settings.max_length,
                     video=settings.video)
     return ServerState(engine=engine, model_name=settings.model_name or name, limits=settings.limits, api_key=settings.api_key,
-                       choice=model_choice(model))
+                       choice=model_choice(model), loopback_only=is_loopback(settings.host) and not settings.api_key,
+                       allowed_origins=tuple(settings.allowed_origins), log=settings.log)
 
 
-def serve(model_dir: Path, settings: ServeSettings, *, on_ready=None) -> None:
+def serve(model_dir: Path, settings: ServeSettings, *, on_ready=None, sock: socket.socket | None = None) -> None:
     """Load the model in `model_dir` and serve it until SIGTERM or Ctrl-C (module docstring). `on_ready(url, state)` is
-    called once the model is loaded, before the server listens (`state`: the `ServerState`, its `model_name`). Raises UsageError for bad settings (before
-    loading), ModelError for a folder that cannot be loaded."""
+    called once the model is loaded, before the server listens (`state`: the `ServerState`, its `model_name`). Raises
+    UsageError for bad settings or an address that cannot be bound (both before loading), ModelError for a folder
+    that cannot be loaded. `sock`: the socket to serve on, bound by the caller (`bind_socket`; default: bound here)."""
     from vlmctl.inference import check_model_dir
 
     check_settings(settings)
     check_model_dir(Path(model_dir))
-    model, processor, _ = load_for_serving(Path(model_dir), device=settings.device, dtype=settings.dtype, train=settings.train)
-    state = make_state(model, processor, settings, served_name(model_dir))
+    sock = sock if sock is not None else bind_socket(settings.host, settings.port)
+    try:
+        model, processor, _ = load_for_serving(Path(model_dir), device=settings.device, dtype=settings.dtype, train=settings.train)
+        state = make_state(model, processor, settings, served_name(model_dir))
+    except BaseException:
+        sock.close()
+        raise
     server = _uvicorn_server(create_app(state), settings)
     if on_ready:
-        on_ready(f"http://{settings.host}:{settings.port}", state)
+        on_ready(_url(settings.host, settings.port), state)
     # uvicorn drains, then raises the signal again under the handler it found: this one makes SIGTERM a normal end
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None) if main else None
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
+        sock.close()
         state.engine.close(timeout=settings.drain_seconds)
         if main:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 @contextlib.contextmanager
 def running_server(model, processor, settings: ServeSettings, name: str = "model") -> Iterator[str]:
     """Serve a loaded model from a background thread of this process (on a free port when `settings.port` is 0);
     yields the base URL once the server answers. Stops the server and the engine on exit."""
-    if settings.port == 0:
-        settings.port = free_port(settings.host)
     check_settings(settings)
+    sock = bind_socket(settings.host, settings.port)
+    settings.port = sock.getsockname()[1]
     state = make_state(model, processor, settings, name)
     server = _uvicorn_server(create_app(state), settings)
-    thread = threading.Thread(target=server.run, name="vlmctl-serve-http", daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="vlmctl-serve-http", daemon=True)
     thread.start()
-    url = f"http://{settings.host}:{settings.port}"
+    url = _url(settings.host, settings.port)
     try:
         deadline = time.monotonic() + 30
         while not server.started:
@@ -197,8 +298,9 @@ def running_server(model, processor, settings: ServeSettings, name: str = "model
     finally:
         server.should_exit = True
         thread.join(settings.drain_seconds)
+        sock.close()
         state.engine.close(timeout=settings.drain_seconds)
 
 
-__all__ = ["ServeSettings", "check_settings", "free_port", "is_loopback", "load_for_serving", "model_choice", "running_server",
+__all__ = ["ServeSettings", "bind_socket", "check_settings", "free_port", "is_loopback", "load_for_serving", "model_choice", "running_server",
            "serve", "served_name", "serving_plan"]

@@ -5,8 +5,11 @@ Layout of a run folder (readers such as `vlmctl convert` depend on it)::
 
     <train.output_dir>/<run name>/
       config.yaml                     the resolved project config
+      command.json                    the `vlmctl train` command-line settings (`record_command`): what the resume
+                                      hints repeat (`resume_command`)
       metrics.jsonl                   one JSON object per logged step
-      checkpoints/checkpoint-<step>/  complete checkpoints only (written as .tmp-checkpoint-<step>, then renamed)
+      checkpoints/checkpoint-<step>/  complete checkpoints only (written as .tmp-checkpoint-<step>, then renamed; one
+                                      written again for its step replaces the old one through .old-checkpoint-<step>)
         trainer_state.json            {step, epoch, consumed_micro_batches, lora, model_source, family, world_size,
                                        strategy, format, ...}
         rng-<rank>.pt                 per-rank RNG states (python, numpy, torch CPU/CUDA)
@@ -187,12 +190,18 @@ def _write_state(tmp: Path, step: int, rank: int, engine, objective=None) -> Non
 
 def _install(run_dir: Path, tmp: Path, final: Path, trainer_state: dict[str, Any], total_limit: int | None,
              keep: int | None = None) -> None:
-    """Rank 0, once every rank wrote its part: trainer_state.json, the rename into place, pruning."""
+    """Rank 0, once every rank wrote its part: trainer_state.json, the rename into place, pruning (the checkpoint
+    just written is the latest, whatever steps other checkpoints hold). A checkpoint of the same step already there
+    (a run resumed from an earlier one) is moved aside first and removed after the rename, so a kill in between
+    leaves it as `.old-checkpoint-<step>`, which `prune` puts back."""
     (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2, default=str))
+    aside = final.with_name(f".old-{final.name}")
     if final.exists():
-        shutil.rmtree(final)
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
     os.replace(tmp, final)
-    prune(run_dir, total_limit, keep=keep)
+    shutil.rmtree(aside, ignore_errors=True)
+    prune(run_dir, total_limit, keep=keep, latest=final)
 
 
 def _attempt(action, where: Path):
@@ -233,9 +242,10 @@ def _os_error_in(exc: BaseException) -> OSError | None:
     return seen if isinstance(seen, OSError) else None
 
 
-def write_error(exc: OSError, where: Path) -> tuple[str, str]:
+def write_error(exc: OSError, where: Path, run_dir: Path | None = None) -> tuple[str, str]:
     """(message, hint) for a failed write: a full disk names the file, the free space left and, when the run has
-    an earlier checkpoint, the space one checkpoint takes; the earlier checkpoints are untouched."""
+    an earlier checkpoint, the space one checkpoint takes; the earlier checkpoints are untouched. The hint's resume
+    command is the one of `run_dir` (default: the run `where` lies in)."""
     path = Path(exc.filename) if exc.filename else Path(where)
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         free = free_space(path)
@@ -244,8 +254,46 @@ def write_error(exc: OSError, where: Path) -> tuple[str, str]:
         kept = "; the previous checkpoint is intact" if size else ""
         return (f"disk full while writing {path} ({human_bytes(free)} free on that filesystem{needed}{kept})",
                 "free some space (or lower train.save_total_limit, or move train.output_dir), then continue with "
-                "`vlmctl train --resume`")
+                f"`{resume_command(run_dir or _run_of(Path(where)))}`")
     return (f"cannot write {path}: {exc.strerror or exc}", "check that train.output_dir is writable")
+
+
+def _run_of(where: Path) -> Path:
+    """The run folder of `where`: the run itself, its checkpoints folder, or a (temporary) checkpoint in it."""
+    for candidate in (where, *where.parents):
+        if candidate.name == "checkpoints":
+            return candidate.parent
+    return where
+
+
+COMMAND_FILE = "command.json"
+
+
+def record_command(run_dir: Path, args: list[str]) -> None:
+    """Write the arguments of the `vlmctl train` command that runs `run_dir` (without --resume, --dry-run,
+    train.run_name and train.resume: the hint adds them) into `run_dir/command.json`, through a temporary file."""
+    kept = [a for a in args if not a.startswith(("train.run_name=", "train.resume="))]
+    tmp = Path(run_dir) / f".{COMMAND_FILE}.tmp"
+    tmp.write_text(json.dumps({"args": kept}) + "\n")
+    os.replace(tmp, Path(run_dir) / COMMAND_FILE)
+
+
+def resume_command(run_dir: Path) -> str:
+    """The command that continues the run in `run_dir` with the command-line settings it was started with
+    (`record_command`; none recorded: the bare command), shell-quoted: `vlmctl train ARGS --resume
+    train.run_name=NAME`. Values shaped like access tokens are masked (`mask_secrets`)."""
+    import shlex
+
+    from vlmctl.config import mask_secrets
+
+    args: list[str] = []
+    try:
+        recorded = json.loads((Path(run_dir) / COMMAND_FILE).read_text())
+        if isinstance(recorded, dict) and isinstance(recorded.get("args"), list):
+            args = [str(a) for a in recorded["args"]]
+    except (OSError, ValueError):
+        pass
+    return mask_secrets(shlex.join(["vlmctl", "train", *args, "--resume", f"train.run_name={Path(run_dir).name}"]))
 
 
 LOW_SPACE = 64 << 20
@@ -315,9 +363,12 @@ def load(checkpoint: Path, *, rank: int, engine) -> dict[str, Any]:
     return state
 
 
-def prune(run_dir: Path, total_limit: int | None, keep: int | None = None) -> list[Path]:
+def prune(run_dir: Path, total_limit: int | None, keep: int | None = None, latest: Path | None = None) -> list[Path]:
     """Remove stale temporary folders and the oldest complete checkpoints beyond `total_limit`; return removed.
-    The checkpoint of step `keep` (the best one) stays and, unless it is the latest, does not count against the limit.
+    `latest`: the checkpoint just saved (default: the highest step), never removed; a run resumed from an earlier
+    checkpoint writes steps below ones of its abandoned continuation, which then go first. The checkpoint of step
+    `keep` (the best one) stays and, unless it is the latest, does not count against the limit. A checkpoint moved
+    aside by a save killed before its replacement was renamed into place (`.old-checkpoint-<step>`) is put back.
 
     Called by rank 0 after a save completed, when no other save is in flight."""
     removed = []
@@ -325,12 +376,34 @@ def prune(run_dir: Path, total_limit: int | None, keep: int | None = None) -> li
     for p in folder.glob(".tmp-checkpoint-*") if folder.is_dir() else []:
         shutil.rmtree(p, ignore_errors=True)  # left by a run killed while saving; no save is in flight now
         removed.append(p)
+    removed += restore_moved(run_dir)
     found = complete_checkpoints(run_dir)
-    found = [p for p in found if p == found[-1] or p.name != f"checkpoint-{keep}"]  # the latest counts, best or not
-    if total_limit is not None and len(found) > total_limit:
-        for p in found[: len(found) - total_limit]:
+    if not found:
+        return removed
+    latest = latest if latest is not None and latest in found else found[-1]
+    others = [p for p in found if p != latest and p.name != f"checkpoint-{keep}"]
+    if total_limit is not None and len(others) + 1 > total_limit:
+        step = lambda p: int(CHECKPOINT_RE.match(p.name).group(1))  # noqa: E731
+        # kept first: the newest ones before the latest; an abandoned continuation's steps (above it) go first
+        order = sorted(others, key=lambda p: (step(p) > step(latest), -step(p)))
+        for p in order[max(total_limit - 1, 0):]:
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
+    return removed
+
+
+def restore_moved(run_dir: Path) -> list[Path]:
+    """Put back a checkpoint that a save killed mid-replacement left as `.old-checkpoint-<step>` (`_install`), or
+    remove it when its replacement is in place; returns what was removed. Call only while no save is in flight."""
+    folder = checkpoints_dir(run_dir)
+    removed = []
+    for p in folder.glob(".old-checkpoint-*") if folder.is_dir() else []:
+        final = folder / p.name.removeprefix(".old-")
+        if final.exists():
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+        else:
+            os.replace(p, final)
     return removed
 
 

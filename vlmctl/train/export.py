@@ -56,16 +56,48 @@ def _write_final(run_dir: Path, cfg, state: dict, *, source: str, lora, parts_tr
     shutil.rmtree(tmp, ignore_errors=True)
     if lora is not None and not lora.keep_adapter:
         fresh = merge_lora_model(fresh, out_dtype)  # peft's merge_and_unload in fp32, then one rounding
-    # 5 GB files (transformers' long-standing default): safetensors copies a file's tensors into one buffer to write it
-    fresh.to(out_dtype).save_pretrained(tmp, max_shard_size=EXPORT_SHARD_BYTES)
-    if lora is not None and lora.keep_adapter:
-        # peft's placeholder card names the base by its local path; `vlmctl push` writes the model card.
-        (tmp / "README.md").unlink(missing_ok=True)
-    processor.save_pretrained(tmp)
+    try:
+        # 5 GB files (transformers' long-standing default): safetensors copies a file's tensors into one buffer to write it
+        fresh.to(out_dtype).save_pretrained(tmp, max_shard_size=EXPORT_SHARD_BYTES)
+        if lora is not None and lora.keep_adapter:
+            # peft's placeholder card names the base by its local path; `vlmctl push` writes the model card.
+            (tmp / "README.md").unlink(missing_ok=True)
+        processor.save_pretrained(tmp)
+    except Exception as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        failure = write_failure(exc, tmp)
+        if failure is None:
+            raise
+        from vlmctl.checkpoints import CheckpointError
+        from vlmctl.train.checkpoint import write_error
+
+        message, hint = write_error(failure, tmp, run_dir)
+        raise CheckpointError(f"{message}; the final export is not written, the run's checkpoints are intact "
+                              "(resuming exports the last one)", hint=hint) from None
     final = run_dir / "final"
     if final.exists():
         shutil.rmtree(final)
     os.replace(honour_umask(tmp), final)  # safetensors writes its files 0600
+
+
+def write_failure(exc: BaseException, where: Path) -> OSError | None:
+    """The OSError behind a failed write of the export: `exc` itself, the `(os error N)` that safetensors'
+    SafetensorError reports (a full disk is "I/O error: No space left on device (os error 28)"), or a full disk for
+    torch's zip writer's RuntimeError when the filesystem has (almost) no space left; None for other failures."""
+    import errno
+    import re
+
+    from vlmctl.train.checkpoint import LOW_SPACE, free_space
+
+    if isinstance(exc, OSError):
+        return exc
+    found = re.search(r"\(os error (\d+)\)", str(exc))
+    if found:
+        code = int(found.group(1))
+        return OSError(code, os.strerror(code), str(where))
+    if isinstance(exc, RuntimeError) and "file write failed" in str(exc) and free_space(where) < LOW_SPACE:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(where))
+    return None
 
 
 def _load_trained(cfg, state: dict, *, source: str, lora, parts_trainable: set[str]):

@@ -127,16 +127,31 @@ def precompute_reference(objective, engine, datasets, collate, *, prepare=None, 
 
 def read_reference(objective, path) -> int:
     """Load `precompute_reference`'s file into `objective.precomputed`; returns the number of pairs. Raises
-    VlmctlError when it is missing or unreadable (a resumed run cannot recompute it: its weights have trained)."""
+    VlmctlError when it is missing or unreadable, or is not {pair id: [chosen, rejected]} with finite numbers (a
+    resumed run cannot recompute it: its weights have trained; a value of another type would train on a wrong
+    reference, silently)."""
     import json
+    import math
 
+    hint = ("start a new run (train.dpo.reference: precomputed computes them before its first step), "
+            "or use train.dpo.reference: frozen")
     try:
-        merged = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise VlmctlError(f"{path}: the precomputed reference log-probs of this run cannot be read ({exc})",
-                          hint="start a new run (train.dpo.reference: precomputed computes them before its first step), "
-                               "or use train.dpo.reference: frozen") from None
-    objective.precomputed = {k: (v[0], v[1]) for k, v in merged.items()}
+        merged = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: not UTF-8 or not JSON
+        detail = "nested too deeply" if isinstance(exc, RecursionError) else exc
+        raise VlmctlError(f"{path}: the precomputed reference log-probs of this run cannot be read ({detail})", hint=hint) from None
+    if not isinstance(merged, dict):
+        raise VlmctlError(f"{path}: the precomputed reference log-probs are a JSON {type(merged).__name__}, not "
+                          "{pair id: [chosen, rejected]}", hint=hint)
+
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    for key, value in merged.items():
+        if not (isinstance(value, list) and len(value) == 2 and all(number(v) for v in value)):
+            raise VlmctlError(f"{path}: pair {key!r} holds {json.dumps(value)[:80]}, not [chosen, rejected] log-probabilities "
+                              "(two finite numbers)", hint=hint)
+    objective.precomputed = {k: (float(v[0]), float(v[1])) for k, v in merged.items()}
     return len(merged)
 
 

@@ -35,7 +35,7 @@ from vlmctl.train.checkpoint import write_error
 LOCK_FILE = ".lock"
 # left behind by a process killed while writing: checkpoint folders, the final export, loss.png, config.yaml
 TEMPORARIES = ("checkpoints/.tmp-checkpoint-*", ".tmp-final", "*.tmp.png", ".config.yaml.tmp", ".plan.json.tmp", "metrics.jsonl.tmp",
-               ".lock.stale-*")
+               ".command.json.tmp", ".lock.stale-*")
 _held: set[Path] = set()
 
 
@@ -165,9 +165,11 @@ def _release_all() -> None:
 
 
 def sweep_temporaries(run_dir: Path) -> list[Path]:
-    """Remove what a killed run left while writing (`TEMPORARIES`); call only while no process writes the run.
-    Returns what was removed."""
-    removed = []
+    """Remove what a killed run left while writing (`TEMPORARIES`) and put back a checkpoint it was replacing
+    (`checkpoint.restore_moved`); call only while no process writes the run. Returns what was removed."""
+    from vlmctl.train.checkpoint import restore_moved
+
+    removed = restore_moved(run_dir)
     for pattern in TEMPORARIES:
         for path in Path(run_dir).glob(pattern):
             if path.is_dir():

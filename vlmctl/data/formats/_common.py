@@ -9,6 +9,7 @@ import functools
 import glob
 import io
 import os
+import re
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -22,6 +23,21 @@ from vlmctl.errors import DataError
 # Record keys copied into Sample.meta (eval references). `choices` is stored as `options`.
 META_KEYS = ("answers", "options", "choices", "question_type", "answer_type", "question_id", "category")
 GLOB_CHARS = set("*?[")
+_ESCAPED = re.compile(r"\[[*?[]\]")  # a glob character as `glob.escape` writes it: [*], [?], [[]
+
+
+def literal_path(path: str | Path) -> Path | None:
+    """The path a pattern names when every glob character in it is escaped (`glob.escape`), else None: such a
+    pattern is a file or folder name holding `*`, `?` or `[`, not a glob."""
+    text = str(path)
+    if GLOB_CHARS & set(_ESCAPED.sub("", text)):
+        return None
+    return Path(_ESCAPED.sub(lambda m: m.group(0)[1], text))
+
+
+def is_glob(path: str | Path) -> bool:
+    """Whether `path` is a glob pattern: a glob character not escaped by `glob.escape`."""
+    return bool(GLOB_CHARS & set(str(path))) and literal_path(path) is None
 
 
 def printable(text: str) -> str:
@@ -47,11 +63,12 @@ def expand_paths(path: str, suffixes: tuple[str, ...]) -> list[Path]:
     """Files of a source: the file itself, every file with one of `suffixes` under a folder (recursive, sorted),
     or the matches of a glob (sorted). Raises DataError when nothing matches."""
     p = Path(path).expanduser()
-    if GLOB_CHARS & set(str(p)):
+    if is_glob(p):
         files = sorted(Path(m) for m in glob.glob(str(p), recursive=True) if Path(m).is_file())
         if not files:
             raise DataError(f"no files match {path}", hint="check data.sources[].path (globs like data/*.jsonl are allowed)")
         return files
+    p = literal_path(p) or p
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file() and f.name.lower().endswith(suffixes) and not _hidden(f, p))
         if not files:
@@ -65,15 +82,17 @@ def expand_paths(path: str, suffixes: tuple[str, ...]) -> list[Path]:
 
 
 def source_folder(source: DataSource) -> Path:
-    """The folder a local source lives in: the folder itself, a glob's fixed leading folders, or a file's folder."""
+    """The folder a local source lives in: the folder itself, a glob's fixed leading folders, or a file's folder
+    (a name whose glob characters are escaped, `literal_path`, is a name, not a glob)."""
     p = Path(source.path).expanduser()
-    if GLOB_CHARS & set(str(p)):
+    if is_glob(p):
         fixed = []
         for part in p.parts:
             if GLOB_CHARS & set(part):
                 break
             fixed.append(part)
         return Path(*fixed) if fixed else Path.cwd()
+    p = literal_path(p) or p
     return p if p.is_dir() else p.parent
 
 
