@@ -73,7 +73,7 @@ class DeviceFacts:
 
     @property
     def float8(self) -> bool:
-        """Whether the GPU has float8 tensor cores (compute capability >= `FLOAT8_CAPABILITY`: Ada, Hopper, Blackwell)."""
+        """Whether the GPU has float8 tensor cores (compute capability >= `FLOAT8_CAPABILITY`)."""
         return self.cuda and self.capability is not None and self.capability >= FLOAT8_CAPABILITY
 
     @classmethod

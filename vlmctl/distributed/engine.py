@@ -287,7 +287,8 @@ class TorchEngine:
             full = value.full_tensor() if sharded else value  # collective for a shard: every rank, in the same order
             plain = high_precision(full)  # a float8 all-gather weight: one rank's full_tensor() is its own shard
             if rank == 0:  # a copy of an unsharded tensor: the export must not share storage with the trained model
-                gathered[key] = plain.detach().to("cpu", dtype=dtype or plain.dtype, copy=not sharded or plain is not full)
+                copy = not sharded or plain is not full
+                gathered[key] = plain.detach().to("cpu", dtype=dtype or plain.dtype, copy=copy)
             del full, plain
         return gathered if rank == 0 else None
 

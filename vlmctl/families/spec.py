@@ -508,8 +508,8 @@ def float8_linears(model: "torch.nn.Module", family: FamilySpec) -> list[tuple[s
     import torch
 
     inside = {id(m) for layer in decoder_layers(model, family) for m in layer.modules()}
-    return [(name, m) for name, m in model.named_modules()
-            if id(m) in inside and isinstance(m, torch.nn.Linear) and name.rpartition(".")[2] not in family.float8_exclude]
+    return [(name, m) for name, m in model.named_modules() if id(m) in inside and isinstance(m, torch.nn.Linear)
+            and name.rpartition(".")[2] not in family.float8_exclude]
 
 
 def vision_layers(model: "torch.nn.Module", family: FamilySpec) -> list["torch.nn.Module"]:

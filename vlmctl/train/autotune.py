@@ -392,7 +392,7 @@ def float8_trial(run: Callable[..., Trial], choice: Choice, model, *, budget: in
 
     mode, size = choice.activation_checkpointing, choice.tokens_per_batch
     if not float8.float8_layers(model):
-        choice.fp8, choice.fp8_reason = "off", "off: no language-model linear is large enough for float8 (torchao's size rule)"
+        choice.fp8, choice.fp8_reason = "off", "off: no language-model linear is large enough for float8 (torchao's rule)"
         log(f"  float8 trial: {choice.fp8_reason}")
         return
     float8.use_float8(model, True)
@@ -402,15 +402,15 @@ def float8_trial(run: Callable[..., Trial], choice: Choice, model, *, budget: in
     choice.trials += [fast, slow]
     rate = lambda t: 0.0 if t.oom or t.seconds <= 0 else size / (t.seconds + overhead)  # noqa: E731
     bf16, fp8 = max(rate(slow), choice.rates.get(str(mode), 0.0)), rate(fast)
-    where = f"{size} per row, activation checkpointing {mode}"
+    measured = (f"{fp8 / bf16 if bf16 else 0:.2f}x bf16 ({fp8:,.0f} vs {bf16:,.0f}/s, {size} per row, activation "
+                f"checkpointing {mode})")
     if fast.oom or fast.peak_bytes + state > budget:
-        choice.fp8, choice.fp8_reason = "off", f"off: float8 did not fit in GPU memory ({where})"
+        choice.fp8, choice.fp8_reason = "off", f"off: float8 did not fit in GPU memory ({size} per row, {mode})"
     elif bf16 > 0 and fp8 > bf16 * (1 + FP8_MARGIN):
         float8.use_float8(model, True)
-        choice.fp8, choice.fp8_reason = "tensorwise", f"probe: tensorwise float8 {fp8 / bf16:.2f}x bf16 ({fp8:,.0f} vs {bf16:,.0f}/s, {where})"
+        choice.fp8, choice.fp8_reason = "tensorwise", f"probe: tensorwise float8 {measured}"
     else:
-        choice.fp8, choice.fp8_reason = "off", (f"off: float8 measured {fp8 / bf16 if bf16 else 0:.2f}x bf16 ({fp8:,.0f} vs "
-                                                f"{bf16:,.0f}/s, {where}), not more than {1 + FP8_MARGIN:.2f}x")
+        choice.fp8, choice.fp8_reason = "off", f"off: float8 measured {measured}, not more than {1 + FP8_MARGIN:.2f}x"
     log(f"  float8 trial: {choice.fp8_reason}")
 
 
