@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# FP8 training on one GPU (docs/benchmarks.md, "FP8 training"): `vlmctl bench` (the trainer's own step, the
+# FP8 training on one GPU, for docs/benchmarks.md: `vlmctl bench` (the trainer's own step, the
 # baseline's packed workload) of random-init presets, full fine-tuning, compiled decoder layers, one process (the
 # one-GPU defaults: ddp, bf16 master weights with stochastic rounding, liger's loss).
 #   benchmarks/bench_fp8_gpu.sh [RUN ...]
@@ -7,30 +7,26 @@
 #   7b-bf16, 7b-tensorwise   the 7B preset at 8,192-token rows, no activation checkpointing, train.fp8 off / tensorwise
 #   3b-auto                  the 3B preset, train.fp8=auto and train.tokens_per_batch=auto (the start-up probe picks
 #                            the rows and runs its float8 trial), no activation checkpointing (what the probe picks
-#                            for the 3B on an H200), so the probe compiles one mode and the float8 layers once
+#                            for the 3B on an H200, docs/benchmarks.md), so the probe compiles one mode and the
+#                            float8 layers once
 #   3b-bf16                  the 3B preset at the rows 3b-auto chose, train.fp8=off
 #   7b-rowwise               as 7b-bf16 with train.fp8=rowwise (last: recorded beside tensorwise)
-# Each run is one process (its compile included in the warm-up steps). BUDGET (seconds, default 470) bounds the
-# whole call: a run that cannot start with MIN_RUN (150) seconds left is reported as not run, and each run is
-# stopped when the budget is spent. STEPS / WARMUP: measured and warm-up steps (4, 2). VLMCTL_WHEELS (default .wheels):
-# a wheel folder whose install.sh provides what the GPU image lacks. One JSON line per run under $OUT (or /tmp), its
-# stderr beside it, then a table (the last lines printed): tokens/s, against bf16 of the same preset, MFU (against
-# the bf16 peak, float8 or not), peak GiB, and what auto chose.
+# Each run is one process (its compile included in the warm-up steps). BUDGET (seconds, default 450) bounds the
+# whole call: a run that cannot start with MIN_RUN (120) seconds left is reported as not run, and each run is
+# stopped when the budget is spent. STEPS / WARMUP: measured and warm-up steps (4, 3). On the GPU image, install what
+# it lacks first (`source .wheels/install.sh`: pydantic, liger-kernel, torchao, ...). One JSON line per run under
+# $OUT (or /tmp), its stderr beside it, then a table (the last lines printed): tokens/s, against bf16 of the same
+# preset, MFU (against the bf16 peak, float8 or not), peak GiB, and what auto chose.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-wheels=${VLMCTL_WHEELS:-.wheels}
-if [ -f "$wheels/install.sh" ]; then
-  # shellcheck disable=SC1091
-  source "$wheels/install.sh" || exit 1
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # this source tree first
 out=${OUT:-/tmp}
 results=$out/fp8_gpu.jsonl
 : > "$results"
-budget=${BUDGET:-470} min_run=${MIN_RUN:-150} start=$(date +%s)
+budget=${BUDGET:-450} min_run=${MIN_RUN:-120} start=$(date +%s)
 runs=("$@")
 [ ${#runs[@]} -eq 0 ] && runs=(7b-bf16 7b-tensorwise 3b-auto 3b-bf16 7b-rowwise)
-common=(--steps "${STEPS:-4}" --warmup "${WARMUP:-2}" --nproc-per-node 1 model.init=random train.stage=full
+common=(--steps "${STEPS:-4}" --warmup "${WARMUP:-3}" --nproc-per-node 1 model.init=random train.stage=full
         train.compile=on train.activation_checkpointing=off train.warmup_ratio=0.0 train.lr_scheduler=constant)
 rows_3b=""
 for run in "${runs[@]}"; do
