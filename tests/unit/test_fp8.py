@@ -248,7 +248,12 @@ def trial_model(llava):
     return model
 
 
-def fake_run(model, bf16_s: float, fp8_s: float, fp8_peak: int = 10 * GIB, oom: bool = False, calls=None):
+MIB = 2**20
+
+
+def fake_run(model, bf16_s: float, fp8_s: float, fp8_per: float = 5 * MIB, oom: bool = False, calls=None):
+    """Trials as the probe's `run` gives them: peak = 10 GiB + bytes per token x tokens (bf16: 5 MiB per token,
+    float8: `fp8_per`), seconds per 8,192 tokens `bf16_s` / `fp8_s`, in whichever precision the layers compute."""
     from vlmctl.distributed import float8
     from vlmctl.train.autotune import Trial
 
@@ -258,29 +263,55 @@ def fake_run(model, bf16_s: float, fp8_s: float, fp8_peak: int = 10 * GIB, oom: 
             calls.append((mode, size, timed, on))
         if on and oom:
             return Trial(mode, size, 0, 0.0, oom=True)
-        return Trial(mode, size, fp8_peak if on else 10 * GIB, fp8_s if on else bf16_s)
+        peak = 10 * GIB + int((fp8_per if on else 5 * MIB) * size)
+        return Trial(mode, size, peak, (fp8_s if on else bf16_s) * size / 8192)
     return run
 
 
-@pytest.mark.parametrize("fp8_s, fp8_peak, oom, chosen, words", [
-    (0.7, 10 * GIB, False, "tensorwise", "probe: tensorwise float8 1.4"),
-    (0.99, 10 * GIB, False, "off", "not more than 1.02x"),  # 1.01x: within the timing's noise
-    (1.2, 10 * GIB, False, "off", "measured 0.83x bf16"),
-    (0.7, 79 * GIB, False, "off", "did not fit in GPU memory"),
-    (0.7, 10 * GIB, True, "off", "did not fit in GPU memory"),
+BF16_TRIALS = [(2048, 10 * GIB + 2048 * 5 * MIB), (4096, 10 * GIB + 4096 * 5 * MIB)]  # the search's, of mode 2
+
+
+@pytest.mark.parametrize("fp8_s, fp8_per, oom, chosen, words", [
+    (0.7, 5 * MIB, False, "tensorwise", "probe: tensorwise float8 1.4"),
+    (0.99, 5 * MIB, False, "off", "not more than 1.02x"),  # 1.01x: within the timing's noise
+    (1.2, 5 * MIB, False, "off", "measured 0.83x bf16"),
+    (0.7, 5 * MIB, True, "off", "did not fit in GPU memory"),
 ])
-def test_the_float8_trial_keeps_float8_only_where_it_measured_faster_and_fits(llava, fp8_s, fp8_peak, oom, chosen, words):
+def test_the_float8_trial_keeps_float8_only_where_it_measured_faster(llava, fp8_s, fp8_per, oom, chosen, words):
     from vlmctl.distributed import float8
-    from vlmctl.train.autotune import Choice, float8_trial
+    from vlmctl.train.autotune import Choice, Trial, float8_trial
 
     model, calls = trial_model(llava), []
-    choice = Choice(tokens_per_batch=8192, activation_checkpointing=2, rates={"2": 8192 / 1.05})
-    float8_trial(fake_run(model, 1.0, fp8_s, fp8_peak, oom, calls), choice, model, budget=70 * GIB, state=5 * GIB,
-                 overhead=0.0)
-    assert choice.fp8 == chosen and words in choice.fp8_reason
+    choice = Choice(tokens_per_batch=8192, activation_checkpointing=2, rates={"2": 8192 / 1.05},
+                    trials=[Trial(2, size, peak, 0.1) for size, peak in BF16_TRIALS])
+    float8_trial(fake_run(model, 1.0, fp8_s, fp8_per, oom, calls), choice, model, budget=60 * GIB, state=5 * GIB,
+                 overhead=0.0, floor=1024, step=512)
+    assert choice.fp8 == chosen and words in choice.fp8_reason, choice.fp8_reason
     assert float8.computes_float8(model) is (chosen == "tensorwise")  # the layers are left as chosen
     assert calls == [(2, 8192, True, True), (2, 8192, True, False)]  # the chosen mode and size, float8 then bf16
-    assert len(choice.trials) == 2
+    assert len(choice.trials) == 4 and choice.tokens_per_batch == 8192
+
+
+def test_float8_that_needs_more_memory_is_measured_at_the_rows_that_fit(llava):
+    from vlmctl.distributed import float8
+    from vlmctl.train.autotune import Choice, Trial, float8_trial
+
+    budget, state = 60 * GIB, 5 * GIB  # bf16: 10 GiB + 5 MiB x 8,192 = 50 GiB, with 5 GiB of state within 60 GiB
+    # float8 at 6 MiB per token: 63 GiB, 3 GiB over: 615 tokens fewer at the bf16 trials' 5 MiB per token -> 7,168
+    # (a multiple of 512), where it fits (57 GiB); at 9 MiB per token the size that fits is below the floor
+    for fp8_per, chosen, size in ((6 * MIB, "tensorwise", 7168), (9 * MIB, "off", None)):
+        model, calls = trial_model(llava), []
+        choice = Choice(tokens_per_batch=8192, activation_checkpointing=2, rates={"2": 8192 / 1.0},
+                        trials=[Trial(2, s, peak, 0.1) for s, peak in BF16_TRIALS])
+        run = fake_run(model, 1.0, 0.7, fp8_per, calls=calls)
+        floor = 6144 if chosen == "off" else 1024
+        float8_trial(run, choice, model, budget=budget, state=state, overhead=0.0, floor=floor, step=512)
+        assert choice.fp8 == chosen, choice.fp8_reason
+        if chosen == "tensorwise":
+            assert calls[1][:2] == (2, size) and choice.tokens_per_batch == size
+            assert 10 * GIB + 6 * MIB * size + state <= budget and f"at {size} vs" in choice.fp8_reason
+        else:
+            assert len(calls) == 2 and "did not fit" in choice.fp8_reason and choice.tokens_per_batch == 8192
 
 
 def test_the_float8_trial_is_off_without_a_layer_large_enough(llava):
@@ -291,7 +322,8 @@ def test_the_float8_trial_is_off_without_a_layer_large_enough(llava):
 
     model, _, _ = load_model(llava[0], dtype=torch.float32)  # nothing converted
     choice = Choice(tokens_per_batch=4096, activation_checkpointing="off")
-    float8_trial(lambda *a, **k: pytest.fail("no trial runs"), choice, model, budget=GIB, state=0, overhead=0.0)
+    float8_trial(lambda *a, **k: pytest.fail("no trial runs"), choice, model, budget=GIB, state=0, overhead=0.0,
+                 floor=1, step=512)
     assert choice.fp8 == "off" and "large enough" in choice.fp8_reason
 
 

@@ -16,7 +16,8 @@ row's token budget with packing, the samples of a padded micro-batch without.
 Where the plan leaves `train.fp8` to the probe (`auto` on a GPU with float8 tensor cores, the language model's full
 weights trained), the layers large enough for tensorwise float8 were converted (`distributed.parallelize` step 0)
 and compute in bf16 while the modes are searched; then `float8_trial` times the chosen mode and size with them in
-float8 and again in bf16, and keeps float8 where it was faster by more than `FP8_MARGIN` and fits in memory.
+float8 (at fewer tokens where float8 needs more memory than the bf16 rows were fitted to) and again in bf16, and
+keeps float8 where it was faster by more than `FP8_MARGIN`.
 
 The choice is printed, written to `RUN_DIR/autotune.json` (every trial: mode, size, peak GiB, seconds) and into
 the run's plan (`RUN_DIR/plan.json`, `vlmctl.config.plan.settle_probe`); a resumed run reuses it, so its batches
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -380,14 +382,16 @@ def paused(optimizer):
 
 
 def float8_trial(run: Callable[..., Trial], choice: Choice, model, *, budget: int, state: int, overhead: float,
-                 log=lambda msg: None) -> None:
+                 floor: int, step: int, log=lambda msg: None) -> None:
     """`train.fp8: auto`'s trial: the converted layers of `model` (`distributed.float8`; none where no language-model
-    linear is large enough) run `choice`'s mode and size once in float8, then once more in bf16, each timed as
-    `search` times a mode (`run(mode, size, timed=True)`: the second of two passes on a typical row; the first
-    compiles the layers for float8) with `overhead` seconds of optimizer step per row. float8 is kept
-    (choice.fp8 = "tensorwise") where its rate beats the better bf16 rate (the search's, the one after) by more
-    than `FP8_MARGIN` and its peak with `state` bytes fits `budget`; else the layers go back to bf16 (choice.fp8 =
-    "off"). Both trials join choice.trials; choice.fp8_reason says what was measured."""
+    linear is large enough) run `choice`'s mode and size in float8, then once more in bf16, each timed as `search`
+    times a mode (`run(mode, size, timed=True)`: the second of two passes on a typical row; the first compiles the
+    layers for float8) with `overhead` seconds of optimizer step per row. The size was fitted to `budget` in bf16:
+    where float8's peak (with `state` bytes) exceeds it, float8 runs once more at the size that fits by the mode's
+    bytes per size unit (`_float8_size`, a multiple of `step`, at least `floor`). float8 is kept (choice.fp8 =
+    "tensorwise", and its size in choice.tokens_per_batch) where its rate beats the better bf16 rate (the search's,
+    the one after) by more than `FP8_MARGIN` and it fits; else the layers go back to bf16 (choice.fp8 = "off"). The
+    trials join choice.trials; choice.fp8_reason says what was measured."""
     from vlmctl.distributed import float8
 
     mode, size = choice.activation_checkpointing, choice.tokens_per_batch
@@ -397,21 +401,38 @@ def float8_trial(run: Callable[..., Trial], choice: Choice, model, *, budget: in
         return
     float8.use_float8(model, True)
     fast = run(mode, size, timed=True)
+    fits = lambda t: not t.oom and t.peak_bytes + state <= budget  # noqa: E731
+    if not fast.oom and not fits(fast) and (smaller := _float8_size(choice.trials, fast, budget - state, floor, step)):
+        choice.trials.append(fast)
+        fast = run(mode, smaller, timed=True)
     float8.use_float8(model, False)
     slow = run(mode, size, timed=True)
     choice.trials += [fast, slow]
-    rate = lambda t: 0.0 if t.oom or t.seconds <= 0 else size / (t.seconds + overhead)  # noqa: E731
+    rate = lambda t: 0.0 if t.oom or t.seconds <= 0 else t.size / (t.seconds + overhead)  # noqa: E731
     bf16, fp8 = max(rate(slow), choice.rates.get(str(mode), 0.0)), rate(fast)
-    measured = (f"{fp8 / bf16 if bf16 else 0:.2f}x bf16 ({fp8:,.0f} vs {bf16:,.0f}/s, {size} per row, activation "
-                f"checkpointing {mode})")
-    if fast.oom or fast.peak_bytes + state > budget:
-        choice.fp8, choice.fp8_reason = "off", f"off: float8 did not fit in GPU memory ({size} per row, {mode})"
+    measured = (f"{fp8 / bf16 if bf16 else 0:.2f}x bf16 ({fp8:,.0f}/s at {fast.size} vs {bf16:,.0f}/s at {size} per "
+                f"row, activation checkpointing {mode})")
+    if not fits(fast):
+        choice.fp8, choice.fp8_reason = "off", f"off: float8 did not fit in GPU memory ({fast.size} per row, {mode})"
     elif bf16 > 0 and fp8 > bf16 * (1 + FP8_MARGIN):
         float8.use_float8(model, True)
         choice.fp8, choice.fp8_reason = "tensorwise", f"probe: tensorwise float8 {measured}"
+        choice.tokens_per_batch = fast.size
     else:
         choice.fp8, choice.fp8_reason = "off", f"off: float8 measured {measured}, not more than {1 + FP8_MARGIN:.2f}x"
     log(f"  float8 trial: {choice.fp8_reason}")
+
+
+def _float8_size(trials: list[Trial], over: Trial, room: int, floor: int, step: int) -> int:
+    """The size at which float8 fits `room` bytes, from `over` (a float8 trial that did not) less its overshoot at
+    the mode's bytes per size unit (the slope between its smallest and largest bf16 trials in `trials`), a multiple
+    of `step`; 0 below `floor`."""
+    done = sorted((t for t in trials if t.mode == over.mode and not t.oom and t.peak_bytes), key=lambda t: t.size)
+    slope = over.peak_bytes / max(over.size, 1)
+    if len(done) >= 2 and done[-1].size > done[0].size:
+        slope = max((done[-1].peak_bytes - done[0].peak_bytes) / (done[-1].size - done[0].size), 1.0)
+    size = _round(over.size - math.ceil((over.peak_bytes - room) / slope), step)
+    return size if floor <= size < over.size else 0
 
 
 def probe(train, *, engine, objective, layer_groups, rows, device, lengths, dp_size: int, stored_bytes: int,
@@ -466,7 +487,8 @@ def probe(train, *, engine, objective, layer_groups, rows, device, lengths, dp_s
         choice = search(run, modes=modes, sizes=sizes, budget=budget, state=state, floor=floor, cap=cap, step=step,
                         overhead=overhead, log=log)
         if pending(train.fp8):
-            float8_trial(run, choice, engine.module, budget=budget, state=state, overhead=overhead, log=log)
+            float8_trial(run, choice, engine.module, budget=budget, state=state, overhead=overhead, floor=floor,
+                         step=step, log=log)
     checkpoint_layers(layer_groups, choice.activation_checkpointing, train)
     if not train.packing:
         choice.micro_batch_size, choice.tokens_per_batch = choice.tokens_per_batch, None
