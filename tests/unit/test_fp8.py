@@ -515,3 +515,28 @@ def test_rank0s_weights_reach_the_float8_shards_of_every_rank(llava, tmp_path):
     mp.spawn(_rank0_weights_rank, args=(free_port(), str(llava[0]), str(tmp_path)), nprocs=2, join=True)
     got = torch.load(tmp_path / "rank0.pt")
     assert got == {"same": True, "all_gather": True, "layers": 28}
+
+
+def test_a_resumed_run_computes_in_the_precision_its_first_start_chose(llava, tmp_path):
+    from types import SimpleNamespace
+
+    from vlmctl.config.plan import read_plan
+    from vlmctl.distributed import float8
+    from vlmctl.train import autotune
+
+    for recorded, want in (("tensorwise", True), ("off", False), (None, False)):
+        plan, section = plan_of(activation_checkpointing="off")
+        train = plan.train_section(section).model_copy(update={"resume": "auto"})
+        model = trial_model(llava)  # converted, in bf16: as parallelize leaves a pending auto
+        run_dir = tmp_path / str(recorded)
+        run_dir.mkdir()
+        autotune.save_record(run_dir, autotune.Choice(tokens_per_batch=4096, reason="probe: fastest", fp8=recorded,
+                                                      fp8_reason=f"probe: {recorded}" if recorded else ""))
+        ctx = SimpleNamespace(plan=plan, env=SimpleNamespace(is_main=True))
+        tm = SimpleNamespace(parts=SimpleNamespace(decoder_layers=[], vision_layers=[]))
+        autotune.tune(SimpleNamespace(train=train), run_dir, ctx, tm, SimpleNamespace(module=model), None, None, [],
+                      log=lambda msg: None)
+        assert train.fp8 == (recorded or "off") and float8.computes_float8(model) is want
+        assert read_plan(run_dir).fp8.value == train.fp8 and train.tokens_per_batch == 4096
+        if recorded is None:  # a record from before the float8 trial: its rows trained in bf16
+            assert "no float8 trial" in read_plan(run_dir).fp8.reason
