@@ -52,7 +52,9 @@ def reference(folder: Path, batches) -> dict[str, Any]:
 
 
 def _full(t):
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float().cpu().clone()
+    from vlmctl.distributed.float8 import high_precision  # a float8 all-gather weight: the tensor it wraps
+
+    return high_precision(t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float().cpu().clone()
 
 
 def _params(model, engine) -> dict[str, Any]:
