@@ -85,7 +85,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from vlmctl.config.plan import DeviceFacts, build_plan, check_plan, pending, row_tokens, sized
+from vlmctl.config.plan import FLOAT8_RECIPES, DeviceFacts, build_plan, check_plan, pending, row_tokens, sized
 from vlmctl.train import autotune
 
 # numpy and torch are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must not
@@ -1028,6 +1028,7 @@ def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log
     result.settings = settings_line(train, choice, fsdp_plan_of(engine.model))
     if choice is not None and choice.trials:
         result.auto = {"reason": choice.reason, "rates": choice.rates, "step_seconds": round(choice.step_seconds, 4),
+                       "fp8": choice.fp8, "fp8_reason": choice.fp8_reason,
                        "trials": [[str(t.mode), t.size, round(t.peak_bytes / 2**30, 1), round(t.seconds, 3), t.oom]
                                   for t in choice.trials]}
     return result
@@ -1075,8 +1076,8 @@ def probe_auto(plan: BenchPlan, tm, train, ctx, engine, objective, log):
 
 
 def settings_line(train, choice, fsdp=None) -> str:
-    """What was measured, in one line: strategy, batch size, activation checkpointing, master weights (and why,
-    when `auto` chose them), and with `fsdp` (the `vlmctl.distributed.fsdp.FsdpPlan` of the wrapped model) FSDP2's
+    """What was measured, in one line: strategy, batch size, activation checkpointing, master weights, float8 (and
+    why, when `auto` chose them), and with `fsdp` (the `vlmctl.distributed.fsdp.FsdpPlan` of the wrapped model) FSDP2's
     reshard-after-forward and prefetch."""
     from vlmctl.distributed.checkpointing import describe, describe_memory_helpers
 
@@ -1084,6 +1085,9 @@ def settings_line(train, choice, fsdp=None) -> str:
     if train.packing and train.sequence_parallel > 1:
         size = f"{row_budget(train)} tokens per row over {train.sequence_parallel} sequence-parallel ranks (Ulysses)"
     why = f" [auto: {choice.reason}]" if choice is not None else ""
+    fp8 = f", float8 {train.fp8} linears" if train.fp8 in FLOAT8_RECIPES else ""
+    if choice is not None and choice.fp8 is not None:
+        why = f" [auto: {choice.reason}; fp8 {choice.fp8_reason}]"
     ac = train.activation_checkpointing
     overlap = f"; FSDP2 {fsdp.describe()}" if fsdp is not None else ""
     extra = describe_memory_helpers(train)
@@ -1095,7 +1099,7 @@ def settings_line(train, choice, fsdp=None) -> str:
                      f"{g.max_new_tokens} tokens (temperature {g.temperature}, top_p {g.top_p})"
                      + (f", KL beta {g.beta}" if g.beta else ""))
     return (f"{train.strategy}, {size}, activation checkpointing {describe('off' if pending(ac) else ac)}{extra}, "
-            f"{train.master_weights} master weights{rounding}{why}{overlap}{objective}")
+            f"{train.master_weights} master weights{rounding}{fp8}{why}{overlap}{objective}")
 
 
 def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup: int, log, profile: Path | None = None) -> BenchResult:

@@ -52,7 +52,9 @@ def reference(folder: Path, batches) -> dict[str, Any]:
 
 
 def _full(t):
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float().cpu().clone()
+    from vlmctl.distributed.float8 import high_precision  # a float8 all-gather weight: the tensor it wraps
+
+    return high_precision(t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float().cpu().clone()
 
 
 def _params(model, engine) -> dict[str, Any]:
@@ -78,6 +80,29 @@ def _grads(model, engine) -> dict[str, Any]:
                 out[n] = g.detach().float().cpu().clone()
         return out
     return {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _float8(model) -> dict[str, Any] | None:
+    """What `train.fp8` converted (`distributed.float8`): recipe, float8 all-gather, layer count, whether they compute
+    in float8, and for the float8 all-gather weights the largest relative error of their precomputed scales against
+    the scale of their current weights (None before any was computed)."""
+    import torch
+
+    from vlmctl.distributed import float8
+
+    state = float8.state_of(model)
+    if state is None:
+        return None
+    errors = []
+    for layer in float8.float8_layers(model):
+        local = getattr(layer.weight, "_local_tensor", None)
+        scale = getattr(local, "_precomputed_scale", None)
+        if scale is not None:
+            amax = _full(layer.weight).abs().max().double().clamp(min=1e-12)
+            want = torch.finfo(torch.float8_e4m3fn).max / amax
+            errors.append(float((scale.double().cpu() - want).abs() / want))
+    return {"recipe": state.recipe, "all_gather": state.all_gather, "layers": len(state.layers),
+            "computes": float8.computes_float8(model), "scale_error": max(errors) if errors else None}
 
 
 def _expandable(device) -> bool | None:
@@ -154,6 +179,7 @@ def run_case(name: str, spec: dict[str, Any], env, folder: Path, all_rows) -> di
         engine.step(skip=False)
         result["before"], result["after"] = before, _params(engine.model, raw)
         result["step_grads"] = grads
+    result["float8"] = _float8(tm.model)
     result["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
     if raw is not None:
         raw.destroy()

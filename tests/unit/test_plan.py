@@ -19,7 +19,7 @@ SOURCE = Path(__file__).resolve().parents[2] / "vlmctl"
 # `train` keys whose `auto` is a run decision: a comparison of one of them with the word decides it
 DECISION_KEYS = ("strategy", "precision", "master_weights", "stochastic_rounding", "compile", "compile_vision",
                  "attn_implementation", "liger", "balance", "tokens_per_batch", "micro_batch_size",
-                 "activation_checkpointing", "nproc_per_node")
+                 "activation_checkpointing", "nproc_per_node", "fp8")
 # modules that take training decisions: any comparison with "auto" there decides something
 TRAINING_MODULES = ("train/", "bench.py", "models/summary.py", "config/train.py", "cli/train.py", "cli/bench.py")
 # a comparison with the word: == / != on either side, or membership in a literal tuple, list or set holding it

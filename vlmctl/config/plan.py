@@ -37,6 +37,8 @@ DEFAULT_MICRO_BATCH = 1
 PROBE = "probe"  # the value of a decision the start-up probe settles on each rank (`settle_probe`)
 PROBED_KEYS = ("tokens_per_batch", "micro_batch_size", "activation_checkpointing")
 DEEPSPEED = ("zero2", "zero3")
+FLOAT8_RECIPES = ("tensorwise", "rowwise")  # torchao's Float8LinearRecipeName values `train.fp8` names
+FLOAT8_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell (10.0)
 
 
 # ----------------------------------------------------------------------------------------------- the device
@@ -45,9 +47,10 @@ DEEPSPEED = ("zero2", "zero3")
 @dataclass(frozen=True)
 class DeviceFacts:
     """What the plan depends on about the machine: the device kind ("cuda" or "cpu"), whether it computes in bf16,
-    its memory in bytes (one GPU's; None on CPU or where unknown), the processes of the run in all (every node), and
-    the optional packages that change a decision (torchao, Triton, flash-attn, liger-kernel, torch's varlen
-    attention). Tests describe a GPU machine by hand: `DeviceFacts(kind="cuda", memory_bytes=80 * 2**30)`."""
+    its memory in bytes (one GPU's; None on CPU or where unknown), its CUDA compute capability (major, minor; None
+    on CPU or where unknown: float8 matmuls need >= `FLOAT8_CAPABILITY`), the processes of the run in all (every
+    node), and the optional packages that change a decision (torchao, Triton, flash-attn, liger-kernel, torch's
+    varlen attention). Tests describe a GPU machine by hand: `DeviceFacts(kind="cuda", memory_bytes=80 * 2**30)`."""
 
     kind: str = "cpu"
     bf16: bool = True
@@ -58,10 +61,20 @@ class DeviceFacts:
     flash_attn: bool = False
     liger: bool = False
     varlen: bool = False
+    capability: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.capability is not None:  # plan.json holds a list
+            object.__setattr__(self, "capability", tuple(int(x) for x in self.capability))
 
     @property
     def cuda(self) -> bool:
         return self.kind == "cuda"
+
+    @property
+    def float8(self) -> bool:
+        """Whether the GPU has float8 tensor cores (compute capability >= `FLOAT8_CAPABILITY`)."""
+        return self.cuda and self.capability is not None and self.capability >= FLOAT8_CAPABILITY
 
     @classmethod
     def here(cls, processes: int = 1, *, cuda: bool | None = None) -> "DeviceFacts":
@@ -71,18 +84,19 @@ class DeviceFacts:
 
         seen = torch.cuda.is_available()
         kind = "cuda" if (seen if cuda is None else cuda) else "cpu"
-        bf16, memory = kind == "cuda", None
+        bf16, memory, capability = kind == "cuda", None, None
         if seen and kind == "cuda":
             try:
                 # the current device: a rank's own GPU once the process group set it
                 bf16 = torch.cuda.is_bf16_supported()
                 memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+                capability = tuple(torch.cuda.get_device_capability(torch.cuda.current_device()))
             except (AssertionError, RuntimeError):  # a CUDA runtime that cannot answer: the ranks find out
                 pass
         has = lambda name: importlib.util.find_spec(name) is not None  # noqa: E731
         return cls(kind=kind, bf16=bf16, memory_bytes=memory, processes=max(1, int(processes)),
                    torchao=has("torchao"), triton=has("triton"), flash_attn=has("flash_attn"),
-                   liger=has("liger_kernel"), varlen=_has_varlen())
+                   liger=has("liger_kernel"), varlen=_has_varlen(), capability=capability)
 
 
     def same_decisions(self, other: "DeviceFacts") -> bool:
@@ -247,8 +261,10 @@ class RunPlan:
     backend asked of `vlmctl.train.kernels`: varlen, flash_attn, sdpa, flex or eager), `liger` (its fused loss),
     `liger_kernels` (its norm/SwiGLU/RoPE patches with it), `packing`, `balance` (compute-balanced batches),
     `tokens_per_batch` (per rank), `micro_batch_size`, `activation_checkpointing` (`PROBE` where the start-up probe
-    settles them on each rank), `sequence_parallel`, `dp_size` (data-parallel ranks). `row_tokens` is the one
-    packed row budget: tokens_per_batch x sequence_parallel. `probe`: the probe's record once a rank settled it."""
+    settles them on each rank), `fp8` (the float8 recipe of the language model's linears: tensorwise, rowwise or
+    off; `PROBE` where the start-up probe's float8 trial settles it), `sequence_parallel`, `dp_size` (data-parallel
+    ranks). `row_tokens` is the one packed row budget: tokens_per_batch x sequence_parallel. `probe`: the probe's
+    record once a rank settled it."""
 
     device: DeviceFacts
     strategy: Decision
@@ -266,6 +282,7 @@ class RunPlan:
     tokens_per_batch: Decision
     micro_batch_size: Decision
     activation_checkpointing: Decision
+    fp8: Decision = Decision("off", "not planned (a plan written before train.fp8 existed)")
     sequence_parallel: int = 1
     dp_size: int = 1
     family: str | None = None
@@ -281,8 +298,8 @@ class RunPlan:
 
     @property
     def probing(self) -> set[str]:
-        """The keys the start-up probe settles on each rank."""
-        return {k for k in PROBED_KEYS if getattr(self, k).value == PROBE}
+        """The keys the start-up probe settles on each rank (its float8 trial: `fp8`)."""
+        return {k for k in (*PROBED_KEYS, "fp8") if getattr(self, k).value == PROBE}
 
     def decisions(self) -> dict[str, Decision]:
         """The decisions by `train` key, in plan order."""
@@ -297,7 +314,7 @@ class RunPlan:
                   "compile": self.compile.value, "compile_vision": self.compile_vision.value,
                   "attn_implementation": self.attention.value, "liger": "on" if self.liger.value else "off",
                   "packing": self.packing.value, "balance": "on" if self.balance.value else "off"}
-        for key in PROBED_KEYS:
+        for key in (*PROBED_KEYS, "fp8"):
             value = getattr(self, key).value
             if value != PROBE:
                 update[key] = value
@@ -352,6 +369,8 @@ def build_plan(train, device: DeviceFacts, family=None) -> RunPlan:
     compile_why = ("on: ddp/fsdp on a GPU" if compile_ == "on" else
                    "off: " + ("CPU" if not cuda else "QLoRA's 4/8-bit layers are not compiled" if qlora
                               else f"{strategy} is not a torch strategy"))
+    # compile auto is on wherever float8 can run (`fp8_blocker`): a recipe needs no other compile decision
+    fp8, fp8_why = _fp8(train, device, strategy=strategy, precision=precision, compile_=compile_, sp=sp)
     # the compiled kernels need Triton on a GPU; the compiled blocks follow the decoder layers
     vision = resolve_compile_vision(train.compile_vision, cuda=cuda and device.triton, compile=compile_)
     packing = bool(train.packing) and (family is None or family.supports_packing)
@@ -384,7 +403,58 @@ def build_plan(train, device: DeviceFacts, family=None) -> RunPlan:
         packing=Decision(packing, packing_why),
         balance=pick("balance", balance, f"{'on' if balance else 'off'}: {dp_size} data-parallel rank"
                      f"{'s' if dp_size != 1 else ''}"),
-        **sizes)
+        fp8=Decision(fp8, fp8_why, train.fp8 == "auto"), **sizes)
+
+
+def _fp8(train, device: DeviceFacts, *, strategy: str, precision: str, compile_: str, sp: int) -> tuple[str, str]:
+    """`train.fp8` and why. A recipe set in the config stays (`check_plan` refuses one this run cannot train with:
+    `fp8_blocker`). auto = `PROBE` where float8 can run and the start-up probe runs (ddp/fsdp on a GPU without
+    sequence parallelism): its float8 trial converts the language model's linears that are large enough for
+    tensorwise float8 and keeps them in float8 only where it measured the run's rows faster than bf16
+    (`vlmctl.train.autotune.float8_trial`); else off, with the first reason it cannot."""
+    if train.fp8 != "auto":
+        return train.fp8, "set in the config"
+    why = fp8_blocker(train, device, strategy=strategy, precision=precision, compile_=compile_)
+    if why is None and sp > 1:
+        why = "no start-up probe to measure it with sequence parallelism"
+    if why is not None:
+        return "off", f"off: {why}"
+    return PROBE, ("the start-up probe: tensorwise float8 where the language model's linears are large enough and "
+                   "it measured faster than bf16 on this run's rows")
+
+
+def fp8_blocker(train, device: DeviceFacts, *, strategy: str, precision: str, compile_: str) -> str | None:
+    """Why float8 training of the language model's linears cannot run (None when it can): a GPU without float8
+    tensor cores (compute capability < `FLOAT8_CAPABILITY`) or no GPU, no torchao, DeepSpeed (its engine owns the
+    weights and their casts; float8 runs under ddp and fsdp), LoRA/QLoRA (adapters train beside a frozen base),
+    a frozen language model, compute other than bf16, or decoder layers not compiled (float8's scaling and casts run
+    unfused, slower than bf16: torchao's and torchtitan's recipes compile). `strategy`, `precision`, `compile_`:
+    resolved."""
+    if not device.cuda:
+        return "float8 matmuls need a CUDA GPU (this run is on CPU)"
+    if not device.float8:
+        have = ".".join(map(str, device.capability)) if device.capability else "unknown"
+        return (f"float8 matmuls need a GPU of compute capability >= {'.'.join(map(str, FLOAT8_CAPABILITY))} "
+                f"(H100, H200, L40S, B200; this GPU: {have})")
+    if not device.torchao:
+        return "torchao is not installed (pip install 'vlmctl[gpu]')"
+    if strategy in DEEPSPEED:
+        return f"DeepSpeed ({strategy}) owns the weights and their casts; float8 runs under ddp and fsdp"
+    if train.lora is not None:
+        return "LoRA/QLoRA trains adapters beside a frozen base; float8 speeds up training the full weights"
+    if not llm_trained(train):
+        return "the language model is frozen (train.stage / train.freeze)"
+    if precision != "bf16":
+        return f"compute is {precision}; float8 training computes around bf16"
+    if compile_ != "on":
+        return "train.compile is off: float8's scaling and casts would run unfused, slower than bf16"
+    return None
+
+
+def llm_trained(train) -> bool:
+    """Whether the language model's weights are trained: `train.freeze` when given, else the stage (align trains
+    the projector only; `vlmctl.models.summary.STAGE_TRAINS`)."""
+    return "llm" not in train.freeze if train.freeze is not None else train.stage != "align"
 
 
 def _attention(train, device: DeviceFacts, precision: str, packing: bool) -> tuple[str, str]:
@@ -456,7 +526,8 @@ def _batch_sizes(train, device: DeviceFacts, strategy: str, packing: bool, sp: i
 def check_plan(plan: RunPlan, train) -> None:
     """Raise ConfigError for a plan this device cannot train with: fp16 without DeepSpeed's loss scaling, QLoRA off
     CUDA, bf16 master weights without bf16 compute or under DeepSpeed, stochastic rounding without torchao, an
-    attention backend the device or batching cannot run, liger `on` where it cannot run."""
+    attention backend the device or batching cannot run, liger `on` where it cannot run, a float8 recipe
+    (`train.fp8`) where float8 training cannot run (`fp8_blocker`)."""
     strategy, precision, master = plan.strategy.value, plan.precision.value, plan.master_weights.value
     if precision == "fp16" and strategy in ("ddp", "fsdp"):
         raise ConfigError("train.precision=fp16 needs loss scaling, which only the DeepSpeed strategies provide here",
@@ -490,6 +561,11 @@ def check_plan(plan: RunPlan, train) -> None:
     if train.liger == "on" and not plan.liger.value:
         raise ConfigError(f"train.liger=on, but {plan.liger.reason.removeprefix('off: ')}",
                           hint="set train.liger=auto or off")
+    if plan.fp8.value in FLOAT8_RECIPES:
+        why = fp8_blocker(train, plan.device, strategy=strategy, precision=precision, compile_=plan.compile.value)
+        if why is not None:
+            raise ConfigError(f"train.fp8={plan.fp8.value} cannot run: {why}",
+                              hint="set train.fp8=auto (float8 where it runs and pays) or off")
 
 
 # ------------------------------------------------------------------------------------------------ per rank
@@ -515,15 +591,17 @@ def plan_for_rank(plan: RunPlan | None, train, device: DeviceFacts, family=None)
 
 def settle_probe(plan: RunPlan | None, train, choice) -> tuple[RunPlan | None, list[str]]:
     """Record the start-up probe's `choice` (an `autotune.Choice`: tokens_per_batch, micro_batch_size,
-    activation_checkpointing, reason) for the keys the plan left to it or left to the fixed defaults, and write
-    those values into `train` (the run's resolved copy, `RunPlan.train_section`, never the project config).
+    activation_checkpointing, reason; fp8 and fp8_reason from its float8 trial) for the keys the plan left to it or
+    left to the fixed defaults, and write those values into `train` (the run's resolved copy,
+    `RunPlan.train_section`, never the project config).
     Returns (the plan with the choice, "key=value" for each key set)."""
     done, update = [], {}
-    for key in PROBED_KEYS:
-        value = getattr(choice, key)
-        if value is not None and pending(getattr(train, key)):
+    reasons = {"fp8": getattr(choice, "fp8_reason", "")}  # the float8 trial's own reason
+    for key in (*PROBED_KEYS, "fp8"):
+        value = getattr(choice, key, None)
+        if value is not None and pending(getattr(train, key, None)):
             setattr(train, key, value)
-            update[key] = Decision(value, choice.reason or "the start-up probe", True)
+            update[key] = Decision(value, reasons.get(key) or choice.reason or "the start-up probe", True)
             done.append(f"{key}={value}")
     if plan is None:  # a caller without a plan (a script's own probe): `train` alone
         return None, done

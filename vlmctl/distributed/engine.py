@@ -10,7 +10,9 @@ DeepSpeed), its optimizer and LR schedule, and does:
 - `sync(last)`, `backward(loss, scale)`, `micro_step()`, `step(skip)`: gradient accumulation over a window, the
   scaled backward, and the optimizer step (gradient clipping, a skipped step) with its gradient norm;
 - `lr`, `save(folder, step)`, `load(folder)`, `gather(rank, dtype)`: the learning rate, checkpoints (torch DCP or
-  DeepSpeed's own layout) and the full state dict for the export.
+  DeepSpeed's own layout) and the full state dict for the export;
+- `step_hooks`: callables run after every optimizer step that changed the weights and after a checkpoint is
+  loaded (what follows the weights: the float8 weights' scales, `distributed.float8.scale_hook`).
 
 This module is also the one place that reads a strategy's name (`strategy_of`): every other module asks the
 `Strategy` it returns (`tests/unit/test_strategy_tests.py` enforces it).
@@ -23,6 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from vlmctl.distributed.float8 import high_precision, scale_hook
 from vlmctl.distributed.fsdp import reshard_rule_of
 from vlmctl.errors import ConfigError
 
@@ -99,12 +102,13 @@ class Engine(Protocol):
     under it (HF or peft); `params`: the trained parameters; `checkpoint_format`: "dcp" or "deepspeed";
     `reshards`: whether a checkpoint can be loaded on another number of ranks; `none_norm_skips`: whether a step
     that returns no gradient norm left the weights as they were (torch: the update is skipped for a non-finite
-    norm; DeepSpeed steps at the window's boundary whatever the norm)."""
+    norm; DeepSpeed steps at the window's boundary whatever the norm); `step_hooks`: see the module docstring."""
 
     model: Any
     optimizer: Any
     scheduler: Any
     params: list
+    step_hooks: list
     checkpoint_format: str
     reshards: bool
     none_norm_skips: bool
@@ -163,6 +167,7 @@ class TorchEngine:
         self.device = device
         self.autocast_dtype = autocast_dtype if autocast_dtype not in (None, torch.float32) else None
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.step_hooks: list = []
 
     @property
     def module(self):
@@ -204,6 +209,7 @@ class TorchEngine:
             if not skip:
                 norm = self.optimizer.grad_norm()
                 self.scheduler.step()
+                run_hooks(self.step_hooks)  # every parameter stepped inside backward, whatever the norm
             self.optimizer.zero_grad(set_to_none=True)
             return norm if norm is not None and math.isfinite(norm) else None
         if not skip:
@@ -214,6 +220,7 @@ class TorchEngine:
             if math.isfinite(norm):
                 self.optimizer.step()
                 self.scheduler.step()
+                run_hooks(self.step_hooks)
             else:
                 norm = None
         self.optimizer.zero_grad(set_to_none=True)
@@ -264,6 +271,7 @@ class TorchEngine:
                 group["lr"].fill_(float(lr))
             else:
                 group["lr"] = lr
+        run_hooks(self.step_hooks)  # the loaded weights' own scales
 
     def gather(self, rank: int, dtype=None) -> dict | None:
         """The full model state dict on rank 0 (CPU tensors, in `dtype` when given; None on other ranks); every
@@ -277,9 +285,11 @@ class TorchEngine:
         for key, value in get_model_state_dict(self.model).items():
             sharded = isinstance(value, DTensor)
             full = value.full_tensor() if sharded else value  # collective for a shard: every rank, in the same order
+            plain = high_precision(full)  # a float8 all-gather weight: one rank's full_tensor() is its own shard
             if rank == 0:  # a copy of an unsharded tensor: the export must not share storage with the trained model
-                gathered[key] = full.detach().to("cpu", dtype=dtype or full.dtype, copy=not sharded)
-            del full
+                copy = not sharded or plain is not full
+                gathered[key] = plain.detach().to("cpu", dtype=dtype or plain.dtype, copy=copy)
+            del full, plain
         return gathered if rank == 0 else None
 
 
@@ -297,6 +307,7 @@ class DeepSpeedEngine:
         self.optimizer = optimizer if optimizer is not None else engine.optimizer
         self.scheduler = scheduler if scheduler is not None else engine.lr_scheduler
         self.params = [p for p in engine.module.parameters() if p.requires_grad]
+        self.step_hooks: list = []
 
     @property
     def module(self):
@@ -329,6 +340,7 @@ class DeepSpeedEngine:
     def step(self, skip: bool) -> float | None:
         norm = self.engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else None
+        run_hooks(self.step_hooks)  # DeepSpeed stepped at the window's boundary (`micro_step`), whatever `skip`
         return None if skip or norm is None or not math.isfinite(norm) else norm
 
     @property
@@ -350,6 +362,7 @@ class DeepSpeedEngine:
             path, _ = self.engine.load_checkpoint(str(folder), load_optimizer_states=True, load_lr_scheduler_states=True)
         if path is None:
             raise CheckpointError(f"DeepSpeed found no checkpoint in {folder}", hint="pass another checkpoint, or start without --resume")
+        run_hooks(self.step_hooks)
 
     def gather(self, rank: int, dtype=None) -> dict | None:
         """Rank 0's full state dict in `dtype` (None elsewhere): ZeRO-3's consolidated 16-bit copy (collective;
@@ -370,7 +383,9 @@ def build_engine(model, strategy: Strategy, *, make_optimizer, make_scheduler, m
     `make_optimizer(model)` -> the optimizer over the model's trained parameters; `make_scheduler(optimizer)` -> its
     LR schedule; `deepspeed_config(model)` -> DeepSpeed's config dict (`distributed.deepspeed.deepspeed_config`),
     read only by DeepSpeed strategies, whose engine wraps the optimizer and schedule (`deepspeed.initialize`).
-    torch strategies autocast to `dtype` except under FSDP2 (its mixed-precision policy casts)."""
+    torch strategies autocast to `dtype` except under FSDP2 (its mixed-precision policy casts). A model whose
+    weights FSDP2 all-gathers in float8 gets the hook that computes their scales after each step
+    (`distributed.float8.scale_hook`)."""
     if strategy.deepspeed:
         from vlmctl.distributed.deepspeed import deepspeed_engine
 
@@ -381,8 +396,17 @@ def build_engine(model, strategy: Strategy, *, make_optimizer, make_scheduler, m
         optimizer = make_optimizer(model)
         engine = TorchEngine(model, optimizer, make_scheduler(optimizer), max_grad_norm=max_grad_norm, device=device,
                              autocast_dtype=None if strategy.fsdp else dtype)
+    hook = scale_hook(engine.module)
+    if hook is not None:
+        engine.step_hooks.append(hook)
     engine.model.train()
     return engine
+
+
+def run_hooks(hooks) -> None:
+    """Call each of `hooks` (an engine's `step_hooks`) in order."""
+    for hook in hooks:
+        hook()
 
 
 def _optimizers(optimizer):

@@ -5,14 +5,17 @@ torchtitan's `torchtitan/models/llama3/infra/parallelize.py` `parallelize_llama`
 
     kernels, stage/freeze, LoRA         train.setup.prepare_model (before; see below)
       |
+    0. float8 linears                   apply_float8            (torchao; train.fp8, `distributed.float8`)
     1. tensor-parallel plan             apply_tensor_parallel   (a slot: `ParallelDims` refuses tp > 1 today)
     2. sequence split                   split_sequence          (Ulysses, `distributed.sequence`; sp > 1)
     3. activation checkpointing         checkpoint_layers       (+ tiled MLP; trained models only)
     4. compile                          compile_layers          (per decoder layer / vision block)
-    5. float8                           apply_float8            (a slot)
-    6. FSDP2 / HSDP | DDP | DeepSpeed   wrap                    (DeepSpeed: handed to `engine.build_engine`)
+    5. FSDP2 / HSDP | DDP | DeepSpeed   wrap                    (DeepSpeed: handed to `engine.build_engine`)
 
-Why this order: the tensor-parallel plan and the sequence split change what a layer computes and must be in place
+Why this order: float8 comes first, as torchtitan converts before `parallelize_llama`: the swapped layers
+(`Float8Linear`) are what the tensor-parallel plan splits, what compile traces and what FSDP2 shards, which
+all-gathers their weights in float8 (tensorwise); a conversion after sharding would leave FSDP2's bf16
+all-gathers in place. The tensor-parallel plan and the sequence split change what a layer computes and must be in place
 before a layer's forward is checkpointed (a recompute must run the split layer); checkpointing wraps the layer's
 forward that compile then traces (torchtitan: "apply AC before compile"); FSDP2 shards last, over the layers as
 they will run, and each checkpointed or compiled layer becomes one FSDP unit. Neither checkpointing nor compile
@@ -24,16 +27,18 @@ replace HF modules, which must happen before LoRA's adapters and the cost model 
 
 `trainable=False` serves a frozen model a run holds next to the trained one (forward only, no optimizer: a
 reference model of a preference objective): every parameter is frozen and the model is put in eval mode, no layer
-is checkpointed (there is no backward to save memory for), DDP is not applied (nothing to reduce) and under
+is converted to float8 or checkpointed (there is no backward to save memory for), DDP is not applied (nothing to reduce) and under
 DeepSpeed the model is placed on the device whole (DeepSpeed's engine is built for a trained model).
 
 The autotune probe changes the checkpointing mode of a wrapped model through step 3 (`checkpoint_layers`): a mode
 only replaces the layers' instance `forward` (`distributed.checkpointing`), so it can change after FSDP2 wrapped them.
+Its float8 trial switches the layers step 0 converted between float8 and bf16 the same way (`float8.use_float8`).
 """
 
 from __future__ import annotations
 
 from vlmctl.config.plan import pending
+from vlmctl.distributed import float8
 from vlmctl.distributed.checkpointing import apply_activation_checkpointing, apply_tiled_mlp
 from vlmctl.distributed.ddp import apply_ddp
 from vlmctl.distributed.engine import strategy_of
@@ -46,11 +51,11 @@ from vlmctl.distributed.weights import place_weights
 
 def parallelize(model, *, family, parts, train, dims, device, dtype, core_attention=None, deferred=None,
                 trainable: bool = True):
-    """Apply steps 1-6 of the module docstring to `model` (prepared by `setup.prepare_model`; `parts`: its
+    """Apply steps 0-5 of the module docstring to `model` (prepared by `setup.prepare_model`; `parts`: its
     `setup.ModelParts`) on this rank and return the module to train or run: FSDP2-sharded, DDP-wrapped, on
     `device`, or (DeepSpeed) as it is for `engine.build_engine`.
 
-    Reads `train.strategy` (resolved), `sequence_parallel`, `packing`, `activation_checkpointing`,
+    Reads `train.strategy` (resolved), `fp8`, `sequence_parallel`, `packing`, `activation_checkpointing`,
     `activation_offload`, `tiled_mlp`, `compile`, `compile_vision`, `fsdp_reshard_after_forward`, `fsdp_prefetch`;
     `dims`: the run's `ParallelDims` (mesh built); `dtype`: the compute dtype (FSDP2's `param_dtype`); `core_attention`:
     the attention the sequence split runs after Ulysses' all-to-all (`train.kernels.sequence_core_attention`: the
@@ -63,14 +68,32 @@ def parallelize(model, *, family, parts, train, dims, device, dtype, core_attent
         for param in model.parameters():
             param.requires_grad_(False)
         model.eval()
+    if trainable:
+        apply_float8(model, family, train, device)
     apply_tensor_parallel(model, family, dims)
     split_sequence(model, family, train, dims, core_attention)
     if trainable:
         checkpoint_layers([parts.decoder_layers, parts.vision_layers], train.activation_checkpointing, train)
         tile_mlps(parts, train.tiled_mlp)
     compile_layers(parts, train)
-    apply_float8(model, train)
     return wrap(model, parts, train, dims, device, dtype, deferred=deferred, trainable=trainable)
+
+
+def apply_float8(model, family, train, device) -> None:
+    """Step 0: the language model's linear layers (the family's `float8_linears` of multiples of 16) swapped for
+    torchao's float8 layers (`distributed.float8.convert`) with `train.fp8`'s recipe; under FSDP2 the tensorwise
+    recipe all-gathers their weights in float8. `train.fp8: auto` still pending (the start-up probe's float8 trial
+    decides it) converts the layers large enough for tensorwise float8 without the float8 all-gather and leaves
+    them computing in bf16 until the trial (`float8.use_float8`). Off CUDA the float8 matmuls are emulated (tests;
+    the plan refuses float8 training there). Nothing for `off`; a frozen model is never converted."""
+    if train.fp8 == "off":
+        return
+    trial = pending(train.fp8)
+    recipe = "tensorwise" if trial else train.fp8
+    float8.convert(model, family, recipe, all_gather=strategy_of(train.strategy).fsdp and not trial,
+                   emulate=device.type != "cuda", sized=trial)
+    if trial:
+        float8.use_float8(model, False)
 
 
 def apply_tensor_parallel(model, family, dims) -> None:
@@ -138,13 +161,8 @@ def compile_layers(parts, train) -> None:
             block.compile(dynamic=True)
 
 
-def apply_float8(model, train) -> None:
-    """Step 5, a slot: float8 linear layers (torchao), converted after compile is set and before FSDP2 shards so
-    that FSDP2 can all-gather float8 weights. Nothing to do: no setting asks for it yet."""
-
-
 def wrap(model, parts, train, dims, device, dtype, *, deferred=None, trainable: bool = True):
-    """Step 6: FSDP2 per vision block and decoder layer then the root over `dims.fsdp_mesh` (HSDP with a
+    """Step 5: FSDP2 per vision block and decoder layer then the root over `dims.fsdp_mesh` (HSDP with a
     `dp_replicate` dimension; `distributed.fsdp.apply_fsdp`), then rank 0's weights placed (`distributed.weights.place_weights`);
     or DDP over the gradient mesh (`distributed.ddp.apply_ddp`; not in one process, where it would only copy every
     gradient into its buckets, nor for a frozen model); or, under DeepSpeed, nothing: `engine.build_engine` hands

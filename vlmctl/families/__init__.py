@@ -28,6 +28,7 @@ from vlmctl.families.spec import (
     decoder_layers,
     encoder_layers,
     encoder_of_parameter,
+    float8_linears,
     has_cls_token,
     part_of_parameter,
     parts,
@@ -41,6 +42,6 @@ from vlmctl.families import llava, qwen_vl, idefics3, idefics2, internvl, gemma3
 __all__ = [
     "CLS_VISION_TYPES", "FAMILIES", "PARTS", "EncoderSpec", "Family", "FamilySpec", "compose_audio_family", "compose_family",
     "count_parameters", "decoder_layer_classes", "decoder_layers", "detect_family", "encoder_layers", "encoder_of_parameter",
-    "family_table", "get_family", "has_cls_token",
+    "family_table", "float8_linears", "get_family", "has_cls_token",
     "part_of_parameter", "parts", "register", "vision_layer_classes", "vision_layers",
 ]

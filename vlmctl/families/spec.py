@@ -18,7 +18,8 @@ A `FamilySpec` holds everything that differs between VLM families, so no other m
   (`processor_outputs`), position ids (`mrope`, `position_hook`), whether packed rows work (`supports_packing`);
 - the build recipe of `model build`: tokenizer special tokens, config token ids, image / video processor classes
   and the hooks below (`init_random` adjusts a random-init model);
-- integrations: liger-kernel patch, lmms-eval model name, sequence / tensor-parallel plans.
+- integrations: liger-kernel patch, lmms-eval model name, sequence / tensor-parallel plans, the linear layers that
+  never compute in float8 (`float8_exclude`; see `float8_linears`).
 
 Each family lives in its own module (the list is in `vlmctl/families/__init__.py`), which documents its module
 paths, builds one spec (a subclass where a hook differs) and registers it (`vlmctl.families.registry`).
@@ -114,6 +115,9 @@ class FamilySpec:
     # under `train.sequence_parallel` (Qwen2-VL / Qwen2.5-VL: the vision tower's images); None: nothing more
     sequence_parallel_plan: Callable[..., Any] | None = None
     tensor_parallel_plan: Callable[..., Any] | None = None  # hook for later: (model, mesh) -> None, applies DTensor plans
+    # names (the last part of a module's path) of decoder-layer linears that never compute in float8 (`train.fp8`):
+    # MoE routers, whose few logits choose the experts and would flip their choice on float8's rounding
+    float8_exclude: tuple[str, ...] = ("gate", "router", "shared_expert_gate")
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -492,6 +496,20 @@ def _find_prefix(model: "torch.nn.Module", path: str) -> str:
 def decoder_layers(model: "torch.nn.Module", family: FamilySpec) -> list["torch.nn.Module"]:
     """The language model's decoder layers, in order."""
     return _layer_list(model.get_submodule(_find_prefix(model, family.language_model)))
+
+
+def float8_linears(model: "torch.nn.Module", family: FamilySpec) -> list[tuple[str, "torch.nn.Module"]]:
+    """(module path, module) of the linear layers of `model` that may compute in float8 (`train.fp8`): the
+    `nn.Linear` modules inside the language model's decoder layers, except those `family.float8_exclude` names (MoE
+    routers). Everything outside the decoder layers stays in high precision: the embeddings, the LM head (its
+    logits feed the loss), the encoders (vision, audio) and the projector. A peft-wrapped model's LoRA layers are not
+    `nn.Linear` (their base layers are, and would be listed). Which of these convert also depends on their shapes
+    (`vlmctl.distributed.float8.convertible`)."""
+    import torch
+
+    inside = {id(m) for layer in decoder_layers(model, family) for m in layer.modules()}
+    return [(name, m) for name, m in model.named_modules() if id(m) in inside and isinstance(m, torch.nn.Linear)
+            and name.rpartition(".")[2] not in family.float8_exclude]
 
 
 def vision_layers(model: "torch.nn.Module", family: FamilySpec) -> list["torch.nn.Module"]:

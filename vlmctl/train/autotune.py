@@ -1,4 +1,5 @@
-"""The `auto` values of `train.tokens_per_batch`, `train.micro_batch_size` and `train.activation_checkpointing`.
+"""The `auto` values of `train.tokens_per_batch`, `train.micro_batch_size`, `train.activation_checkpointing` and
+`train.fp8`.
 
 On a GPU with a torch strategy (ddp, fsdp) every rank runs a short probe on the wrapped model before the data
 loader is built: for each activation checkpointing mode (off, vision tower only, op, every 2nd layer, full) it
@@ -12,6 +13,12 @@ second wins, counting for each row its share of one optimizer step (timed once b
 a fixed cost per step that weighs more on short rows). A size is a
 row's token budget with packing, the samples of a padded micro-batch without.
 
+Where the plan leaves `train.fp8` to the probe (`auto` on a GPU with float8 tensor cores, the language model's full
+weights trained), the layers large enough for tensorwise float8 were converted (`distributed.parallelize` step 0)
+and compute in bf16 while the modes are searched; then `float8_trial` times the chosen mode and size with them in
+float8 (at fewer tokens where float8 needs more memory than the bf16 rows were fitted to) and again in bf16, and
+keeps float8 where it was faster by more than `FP8_MARGIN`.
+
 The choice is printed, written to `RUN_DIR/autotune.json` (every trial: mode, size, peak GiB, seconds) and into
 the run's plan (`RUN_DIR/plan.json`, `vlmctl.config.plan.settle_probe`); a resumed run reuses it, so its batches
 and data order stay those of the first run. Which keys the probe settles, and the fixed values elsewhere (CPU,
@@ -21,7 +28,9 @@ DeepSpeed, whose engine accumulates gradients across backward passes), are the p
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -44,6 +53,7 @@ TOKEN_STEP = 512  # packed budgets are multiples of this
 CANDIDATES = ("off", "vision", "op", 2, "full")
 CHECKS = 3  # trials at a predicted size before settling for the largest size measured to fit
 RECORD = "autotune.json"
+FP8_MARGIN = 0.02  # float8 must beat bf16's rate by more than this share: the timing of one pass varies ~1-2%
 
 
 @dataclass
@@ -72,6 +82,8 @@ class Choice:
     trials: list[Trial] = field(default_factory=list)
     rates: dict[str, float] = field(default_factory=dict)  # mode -> size units per second at its chosen size
     step_seconds: float = 0.0  # the optimizer step's share of a row, counted in the rates
+    fp8: str | None = None  # the float8 trial's choice for train.fp8: auto (tensorwise or off); None: no trial
+    fp8_reason: str = ""
 
     def apply(self, train) -> list[str]:
         """Write the chosen values into `train` (a run's resolved copy) where the probe was to settle them
@@ -355,13 +367,82 @@ def candidates(train, layer_groups=None) -> tuple:
     return modes
 
 
+@contextlib.contextmanager
+def paused(optimizer):
+    """While open, an optimizer that steps inside backward (`train.optimizer_in_backward`: its `paused` flag) leaves
+    the weights alone: the probe's passes run backward without training."""
+    pause = getattr(optimizer, "paused", None)
+    if pause is not None:
+        optimizer.paused = True
+    try:
+        yield
+    finally:
+        if pause is not None:
+            optimizer.paused = False
+
+
+def float8_trial(run: Callable[..., Trial], choice: Choice, model, *, budget: int, state: int, overhead: float,
+                 floor: int, step: int, log=lambda msg: None) -> None:
+    """`train.fp8: auto`'s trial: the converted layers of `model` (`distributed.float8`; none where no language-model
+    linear is large enough) run `choice`'s mode and size in float8, then once more in bf16, each timed as `search`
+    times a mode (`run(mode, size, timed=True)`: the second of two passes on a typical row; the first compiles the
+    layers for float8) with `overhead` seconds of optimizer step per row. The size was fitted to `budget` in bf16:
+    where float8's peak (with `state` bytes) exceeds it, float8 runs once more at the size that fits by the mode's
+    bytes per size unit (`_float8_size`, a multiple of `step`, at least `floor`). float8 is kept (choice.fp8 =
+    "tensorwise", and its size in choice.tokens_per_batch) where its rate beats the better bf16 rate (the search's,
+    the one after) by more than `FP8_MARGIN` and it fits; else the layers go back to bf16 (choice.fp8 = "off"). The
+    trials join choice.trials; choice.fp8_reason says what was measured."""
+    from vlmctl.distributed import float8
+
+    mode, size = choice.activation_checkpointing, choice.tokens_per_batch
+    if not float8.float8_layers(model):
+        choice.fp8, choice.fp8_reason = "off", "off: no language-model linear is large enough for float8 (torchao's rule)"
+        log(f"  float8 trial: {choice.fp8_reason}")
+        return
+    float8.use_float8(model, True)
+    fast = run(mode, size, timed=True)
+    fits = lambda t: not t.oom and t.peak_bytes + state <= budget  # noqa: E731
+    if not fast.oom and not fits(fast) and (smaller := _float8_size(choice.trials, fast, budget - state, floor, step)):
+        choice.trials.append(fast)
+        fast = run(mode, smaller, timed=True)
+    float8.use_float8(model, False)
+    slow = run(mode, size, timed=True)
+    choice.trials += [fast, slow]
+    rate = lambda t: 0.0 if t.oom or t.seconds <= 0 else t.size / (t.seconds + overhead)  # noqa: E731
+    bf16, fp8 = max(rate(slow), choice.rates.get(str(mode), 0.0)), rate(fast)
+    measured = (f"{fp8 / bf16 if bf16 else 0:.2f}x bf16 ({fp8:,.0f}/s at {fast.size} vs {bf16:,.0f}/s at {size} per "
+                f"row, activation checkpointing {mode})")
+    if not fits(fast):
+        choice.fp8, choice.fp8_reason = "off", f"off: float8 did not fit in GPU memory ({fast.size} per row, {mode})"
+    elif bf16 > 0 and fp8 > bf16 * (1 + FP8_MARGIN):
+        float8.use_float8(model, True)
+        choice.fp8, choice.fp8_reason = "tensorwise", f"probe: tensorwise float8 {measured}"
+        choice.tokens_per_batch = fast.size
+    else:
+        choice.fp8, choice.fp8_reason = "off", f"off: float8 measured {measured}, not more than {1 + FP8_MARGIN:.2f}x"
+    log(f"  float8 trial: {choice.fp8_reason}")
+
+
+def _float8_size(trials: list[Trial], over: Trial, room: int, floor: int, step: int) -> int:
+    """The size at which float8 fits `room` bytes, from `over` (a float8 trial that did not) less its overshoot at
+    the mode's bytes per size unit (the slope between its smallest and largest bf16 trials in `trials`), a multiple
+    of `step`; 0 below `floor`."""
+    done = sorted((t for t in trials if t.mode == over.mode and not t.oom and t.peak_bytes), key=lambda t: t.size)
+    slope = over.peak_bytes / max(over.size, 1)
+    if len(done) >= 2 and done[-1].size > done[0].size:
+        slope = max((done[-1].peak_bytes - done[0].peak_bytes) / (done[-1].size - done[0].size), 1.0)
+    size = _round(over.size - math.ceil((over.peak_bytes - room) / slope), step)
+    return size if floor <= size < over.size else 0
+
+
 def probe(train, *, engine, objective, layer_groups, rows, device, lengths, dp_size: int, stored_bytes: int,
           group=None, log=lambda msg: None) -> Choice:
     """Run `search` on the wrapped model behind `engine` with `objective`'s loss: `layer_groups` are the decoder
     layers and vision blocks (checkpointing modes are set on them through `parallelize`'s checkpointing step,
     `distributed.parallelize.checkpoint_layers`), `rows(size)` builds a batch (see `probe_rows`). The modes tried are
-    `candidates(train)` when activation_checkpointing is auto, else the configured one. Leaves the chosen mode set on the
-    layers."""
+    `candidates(train)` when activation_checkpointing is auto, else the configured one; with `train.fp8` still auto,
+    `float8_trial` follows at the chosen mode and size. Leaves the chosen mode set on the layers, and their float8
+    layers computing as chosen."""
     import torch
 
     from vlmctl.distributed.parallelize import checkpoint_layers
@@ -382,12 +463,7 @@ def probe(train, *, engine, objective, layer_groups, rows, device, lengths, dp_s
         fixed = None if pending(train.micro_batch_size) else int(train.micro_batch_size)
     if fixed is not None:  # only the mode is auto: measure at the configured size
         floor, cap, sizes = fixed, fixed, (fixed, fixed)
-    pause = getattr(engine.optimizer, "paused", None)
-    if pause is not None:
-        engine.optimizer.paused = True
     state = 0 if engine.optimizer.state else optimizer_state_bytes(engine.model, stored_bytes)
-    overhead = measure_step(engine, device, group) / train.gradient_accumulation_steps
-    log(f"  optimizer step: {overhead:.3f} s per row, added to each mode's forward + backward")
 
     def run(mode, size: int, timed: bool = False) -> Trial:
         # memory is planned on the heaviest rows; the mode's speed is timed on a typical row of the chosen size
@@ -404,12 +480,15 @@ def probe(train, *, engine, objective, layer_groups, rows, device, lengths, dp_s
             torch.cuda.empty_cache()
             return Trial(mode=mode, size=size, peak_bytes=0, seconds=0.0, oom=True)
 
-    try:
-        choice = search(run, modes=modes, sizes=sizes, budget=memory_budget(device), state=state, floor=floor,
-                        cap=cap, step=step, overhead=overhead, log=log)
-    finally:
-        if pause is not None:
-            engine.optimizer.paused = False
+    with paused(engine.optimizer):
+        overhead = measure_step(engine, device, group) / train.gradient_accumulation_steps
+        log(f"  optimizer step: {overhead:.3f} s per row, added to each mode's forward + backward")
+        budget = memory_budget(device)
+        choice = search(run, modes=modes, sizes=sizes, budget=budget, state=state, floor=floor, cap=cap, step=step,
+                        overhead=overhead, log=log)
+        if pending(train.fp8):
+            float8_trial(run, choice, engine.module, budget=budget, state=state, overhead=overhead, floor=floor,
+                         step=step, log=log)
     checkpoint_layers(layer_groups, choice.activation_checkpointing, train)
     if not train.packing:
         choice.micro_batch_size, choice.tokens_per_batch = choice.tokens_per_batch, None
@@ -476,7 +555,9 @@ def tune(cfg, run_dir: Path, ctx, tm, engine, objective, dataset, lengths, log=p
     the run's): from
     `RUN_DIR/autotune.json` when resuming, else by `probe` on rows of `dataset` (a ShardDataset) collated as
     training collates them (`lengths`: their token counts). Rank 0 records and prints the choice. Returns the
-    choice, or None when nothing was auto."""
+    choice, or None when nothing was auto. A resumed run whose record holds no float8 trial keeps `train.fp8: auto`
+    off (its layers compute in bf16, as they did)."""
+    from vlmctl.distributed import float8
     from vlmctl.distributed.parallelize import checkpoint_layers
 
     train, groups = cfg.train, [tm.parts.decoder_layers, tm.parts.vision_layers]
@@ -484,15 +565,21 @@ def tune(cfg, run_dir: Path, ctx, tm, engine, objective, dataset, lengths, log=p
         return None
     record = load_record(run_dir) if train.resume is not None else None
     if record is not None:
+        trial = pending(train.fp8)
+        if trial and record.fp8 is None:
+            record.fp8, record.fp8_reason = "off", "off: the run's start-up record holds no float8 trial"
         ctx.plan, applied = settle_probe(ctx.plan, train, record)
         checkpoint_layers(groups, train.activation_checkpointing, train)
+        if trial:
+            float8.use_float8(engine.module, train.fp8 != "off")
         if ctx.env.is_main:
             write_plan(run_dir, ctx.plan)
             log(f"auto (recorded when the run started): {', '.join(applied)}")
         return record
 
     if ctx.env.is_main:
-        log("auto: probing activation checkpointing and batch size in GPU memory (forward + backward per trial)")
+        log("auto: probing activation checkpointing and batch size" + (" (then float8)" if pending(train.fp8) else "")
+            + " in GPU memory (forward + backward per trial)")
     from vlmctl.train.data import sample_costs
 
     costs = getattr(dataset, "sample_costs", None)

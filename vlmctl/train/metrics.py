@@ -7,7 +7,9 @@ Throughput and MFU:
   FLOPs of each micro-batch come from the cost model `vlmctl.train.flops.CostModel.batch_flops` (vision tower,
   projector, language model, LM head on labelled tokens, causal attention per packed sample; sources there). Peak
   FLOP/s (`peak_flops`) are the dense bf16 tensor-core figures of the vendor data sheets; unknown devices (and
-  CPUs) get no MFU.
+  CPUs) get no MFU. Runs with float8 linears (`train.fp8`) are counted against the same bf16 peak (the float8
+  peak is twice it on Hopper): MFU stays comparable across runs and shows float8's gain as a higher MFU, which
+  can exceed what bf16 alone could reach.
 
 Stragglers (`straggler_stats`; every step waits for the slowest data-parallel rank):
 - balance = sum over steps of the mean rank forward + backward time / sum over steps of the largest: the share of

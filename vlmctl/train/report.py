@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmctl.config.plan import pending
+from vlmctl.distributed import float8
 
 # torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
 # rich is imported inside the functions that print: using vlmctl as a library does not load it.
@@ -47,7 +48,8 @@ def _kernels(train, tm) -> str:
     return (f"attention {tm.attn}, loss {loss}"
             + (f", activation checkpointing {describe(checkpointing)}" if not pending(checkpointing) and checkpointing != "off" else "")
             + describe_memory_helpers(train)
-            + (", compiled decoder layers" if train.compile == "on" else "") + "".join(f", vision {k}" for k in tm.vision_kernels))
+            + (", compiled decoder layers" if train.compile == "on" else "") + float8.describe(tm.model)
+            + "".join(f", vision {k}" for k in tm.vision_kernels))
 
 
 def startup_rows(train, *, run_dir: Path, ctx, tm, dataset, sampler, start_step: int, total_steps: int,

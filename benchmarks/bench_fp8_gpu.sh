@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# FP8 training on one GPU, for docs/benchmarks.md: `vlmctl bench` (the trainer's own step, the
+# baseline's packed workload) of random-init presets, full fine-tuning, compiled decoder layers, one process (the
+# one-GPU defaults: ddp, bf16 master weights with stochastic rounding, liger's loss).
+#   benchmarks/bench_fp8_gpu.sh [RUN ...]
+# RUN (default: all five, in this order):
+#   7b-bf16, 7b-tensorwise   the 7B preset at 8,192-token rows, no activation checkpointing, train.fp8 off / tensorwise
+#   3b-auto                  the 3B preset, train.fp8=auto and train.tokens_per_batch=auto (the start-up probe picks
+#                            the rows and runs its float8 trial), no activation checkpointing (what the probe picks
+#                            for the 3B on an H200, docs/benchmarks.md), so the probe compiles one mode and the
+#                            float8 layers once
+#   3b-bf16                  the 3B preset at the rows 3b-auto chose, train.fp8=off
+#   7b-rowwise               as 7b-bf16 with train.fp8=rowwise (last: recorded beside tensorwise)
+# Each run is one process (its compile included in the warm-up steps). BUDGET (seconds, default 450) bounds the
+# whole call: a run that cannot start with MIN_RUN (120) seconds left is reported as not run, and each run is
+# stopped when the budget is spent. STEPS / WARMUP: measured and warm-up steps (4, 3). On the GPU image, install what
+# it lacks first (`source .wheels/install.sh`: pydantic, liger-kernel, torchao, ...). One JSON line per run under
+# $OUT (or /tmp), its stderr beside it, then a table (the last lines printed): tokens/s, against bf16 of the same
+# preset, MFU (against the bf16 peak, float8 or not), peak GiB, and what auto chose.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # this source tree first
+out=${OUT:-/tmp}
+results=$out/fp8_gpu.jsonl
+: > "$results"
+budget=${BUDGET:-450} min_run=${MIN_RUN:-120} start=$(date +%s)
+runs=("$@")
+[ ${#runs[@]} -eq 0 ] && runs=(7b-bf16 7b-tensorwise 3b-auto 3b-bf16 7b-rowwise)
+common=(--steps "${STEPS:-4}" --warmup "${WARMUP:-3}" --nproc-per-node 1 model.init=random train.stage=full
+        train.compile=on train.activation_checkpointing=off train.warmup_ratio=0.0 train.lr_scheduler=constant)
+rows_3b=""
+for run in "${runs[@]}"; do
+  preset=qwen2.5-vl-${run%%-*} mode=${run#*-}
+  case $run in
+    7b-*) keys=(train.tokens_per_batch=8192 "train.fp8=${mode/bf16/off}") ;;
+    3b-auto) keys=(train.tokens_per_batch=auto train.fp8=auto) ;;
+    3b-bf16) keys=("train.tokens_per_batch=${rows_3b:-auto}" train.fp8=off) ;;
+    *) echo "unknown run $run (7b-bf16, 7b-tensorwise, 7b-rowwise, 3b-auto, 3b-bf16)" >&2; exit 2 ;;
+  esac
+  left=$(( budget - ($(date +%s) - start) ))
+  if [ "$left" -lt "$min_run" ]; then
+    echo "{\"run\": \"$run\", \"result\": {\"error\": \"not run: ${left} s of the budget left\"}}" | tee -a "$results"
+    continue
+  fi
+  t0=$(date +%s)
+  line=$(timeout "$left" python3 -m vlmctl --quiet bench -c benchmarks/ab/fp8.yaml --json "${common[@]}" \
+         model.preset="$preset" "${keys[@]}" 2>"$out/fp8_$run.err.txt" |
+         python3 -c 'import json, sys; t = sys.stdin.read(); print(json.dumps(json.loads(t[t.index("{"):])))' 2>/dev/null) ||
+    line="{\"error\": \"failed or stopped after $(( $(date +%s) - t0 )) s: see fp8_$run.err.txt\"}"
+  echo "{\"run\": \"$run\", \"wall_s\": $(( $(date +%s) - t0 )), \"result\": $line}" | tee -a "$results"
+  if [ "$run" = 3b-auto ]; then  # the rows the probe chose, for 3b-bf16
+    rows_3b=$(python3 -c 'import json, re, sys; r = json.loads(sys.argv[1])["result"]; m = re.search(r"(\d+) tokens per row", r.get("settings", "")); print(m.group(1) if m else "")' \
+              "$(tail -1 "$results")")
+  fi
+done
+tail -3 "$out"/fp8_*.err.txt 2>/dev/null | grep -iE "error|Traceback" | head -5
+python3 - "$results" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+base = {r["run"].split("-")[0]: r["result"].get("tokens_per_s") for r in rows if r["run"].endswith("bf16")}
+print(f"{'run':14} {'tokens/s':>9} {'x bf16':>7} {'MFU':>6} {'peak GiB':>8} {'wall s':>6}  settings / auto")
+for r in rows:
+    x = r["result"]
+    if "tokens_per_s" not in x:
+        print(f"{r['run']:14} {x.get('error', 'no result')}")
+        continue
+    ref = base.get(r["run"].split("-")[0])
+    ratio = f"{x['tokens_per_s'] / ref:.3f}" if ref else "-"
+    auto = x.get("auto") or {}
+    chose = f" | fp8 {auto['fp8']}: {auto.get('fp8_reason', '')}" if auto.get("fp8") else ""
+    print(f"{r['run']:14} {x['tokens_per_s']:>9,.0f} {ratio:>7} {100 * x['mfu']:>5.1f}% {x['peak_memory_gib']:>8.1f} "
+          f"{r.get('wall_s', 0):>6}  {x.get('settings', '')}{chose}")
+PY
