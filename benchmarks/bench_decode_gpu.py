@@ -10,7 +10,8 @@ does; the real vocabulary size, a small trained tokenizer). Every prompt is one 
 (`bench_serve.py`'s), rendered by the chat template; answers are `--max-tokens` long (end-of-sequence tokens ignored),
 greedy. For each rows count R:
 - engine variants (`--variants`): `graphs` (decode steps replayed from CUDA graphs), `eager` (no graphs), `compile`
-  (torch.compile'd forward, then graphs): R requests submitted at once and stepped to the end, after one warm-up
+  (each decoder layer through torch.compile, then graphs), `none` (graphs, no fused kernels; `graphs` takes liger's where
+  installed): R requests submitted at once and stepped to the end, after one warm-up
   round of the same shapes (graph capture and compilation stay out of the timing). Prints tokens/s, ms per decode
   step and the median time to first token (admission to first token, prefill included);
 - `--hf static`: `model.generate(cache_implementation="static")` (transformers compiles its decode step) on the same R
@@ -48,14 +49,14 @@ def prompts(n: int):
     return out
 
 
-def load(preset: str, device: str):
+def load(preset: str, device: str, dtype_name: str = "bf16"):
     import torch
 
     from vlmctl.bench import _random_choice, random_model
     from vlmctl.config import ModelSection
 
     choice = _random_choice(ModelSection(preset=preset, init="random"))
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    dtype = torch.float32 if device == "cpu" or dtype_name == "fp32" else torch.bfloat16
     model = random_model(choice.plan, choice.processor, device=device, dtype=dtype).eval()
     model.generation_config.pad_token_id = choice.processor.tokenizer.pad_token_id or 0
     return model, choice.processor, choice.family
@@ -72,22 +73,10 @@ def run_engine(engine, requests, max_tokens: int, device: str) -> dict:
     from vlmctl.inference.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    first: dict[int, float] = {}
-    submitted: dict[int, float] = {}
-
-    def watch(i):
-        def on_event(event):
-            if event[0] in ("delta", "done") and i not in first:
-                first[i] = time.perf_counter()
-        return on_event
-
     sync(device)
-    steps0, decode0 = engine.steps, engine.decode_seconds
+    steps0, decode0, prefill0 = engine.steps, engine.decode_seconds, engine.prefill_seconds
     start = time.perf_counter()
-    handles = []
-    for i, r in enumerate(requests):
-        submitted[i] = time.perf_counter()
-        handles.append(engine.submit(r, params, on_event=watch(i), stream=False))
+    handles = [engine.submit(r, params, stream=False) for r in requests]
     while any(not h.finished for h in handles):
         engine.step()
     sync(device)
@@ -95,10 +84,11 @@ def run_engine(engine, requests, max_tokens: int, device: str) -> dict:
     tokens = sum(c.generated for h in handles for c in h.completions)
     steps = engine.steps - steps0
     errors = [h.error for h in handles if h.error]
+    ttft = [h.first_token_at - h.submitted_at for h in handles if h.first_token_at]
     return {"tokens": tokens, "seconds": round(wall, 4), "tokens_per_s": round(tokens / wall, 1), "decode_steps": steps,
             "ms_per_step": round(1000 * (engine.decode_seconds - decode0) / max(steps, 1), 3),
-            "ttft_ms_median": round(1000 * statistics.median(first[i] - submitted[i] for i in first), 1) if first else None,
-            **({"errors": errors[:2]} if errors else {})}
+            "prefill_s": round(engine.prefill_seconds - prefill0, 4),
+            "ttft_ms_median": round(1000 * statistics.median(ttft), 1) if ttft else None, **({"errors": errors[:2]} if errors else {})}
 
 
 def run_hf(model, processor, family, requests, max_tokens: int, cache: str, device: str) -> dict:
@@ -137,7 +127,7 @@ def parity(model, processor, family, n: int, max_tokens: int, device: str) -> di
     reqs = prompts(n)
     answers = {}
     for name, graphs in (("graphs", "auto"), ("eager", False)):
-        engine = DecodeEngine(model, processor, family=family, max_slots=8, max_length=1024, graphs=graphs)
+        engine = DecodeEngine(model, processor, family=family, max_slots=8, max_length=1024, graphs=graphs, kernels="none")
         done = engine.generate(reqs, SamplingParams(max_tokens=max_tokens))
         answers[name] = [r.completions[0].token_ids for r in done]
         eos = engine.eos
@@ -164,6 +154,7 @@ def main() -> None:
     ap.add_argument("--hf", default="", help="comma list of: static, dynamic")
     ap.add_argument("--parity", type=int, default=0)
     ap.add_argument("--max-length", type=int, default=1024)
+    ap.add_argument("--dtype", default="bf16", help="bf16 or fp32 (parity in fp32 leaves bf16 ties out)")
     args = ap.parse_args()
 
     import torch
@@ -172,7 +163,7 @@ def main() -> None:
 
     rows = [int(r) for r in args.rows.split(",")]
     t0 = time.perf_counter()
-    model, processor, family = load(args.preset, args.device)
+    model, processor, family = load(args.preset, args.device, args.dtype)
     print(f"loaded {args.preset} in {time.perf_counter() - t0:.1f} s; torch {torch.__version__}", flush=True)
     results = []
 
@@ -184,13 +175,14 @@ def main() -> None:
         emit({"what": "parity", "preset": args.preset, **parity(model, processor, family, args.parity, 32, args.device)})
     for variant in [v for v in args.variants.split(",") if v]:
         t0 = time.perf_counter()
+        kernels = {"compile": "compile", "none": "none", "eager": "none"}.get(variant, "auto")
         engine = DecodeEngine(model, processor, family=family, max_slots=max(rows), max_length=args.max_length,
-                              graphs=variant != "eager", compile=variant == "compile")
+                              graphs=variant != "eager", kernels=kernels)
         for r in rows:
             reqs = prompts(r)
             run_engine(engine, reqs, args.max_tokens, args.device)  # warm-up: captures (and compiles) this shape
             emit({"what": f"engine-{variant}", "preset": args.preset, "rows": r, **run_engine(engine, reqs, args.max_tokens, args.device),
-                  "mode": engine.mode, "reason": engine.reason, "graphs": engine.runner.graph_count,
+                  "mode": engine.mode, "reason": engine.reason, "kernels": engine.runner.kernels, "graphs": engine.runner.graph_count,
                   "setup_s": round(time.perf_counter() - t0, 1)})
         del engine
         torch.cuda.empty_cache() if args.device.startswith("cuda") else None
@@ -201,13 +193,13 @@ def main() -> None:
                       **run_hf(model, processor, family, prompts(r), args.max_tokens, cache, args.device)})
             except Exception as exc:  # noqa: BLE001 - a baseline that fails is reported, the others stand
                 emit({"what": f"generate-{cache}", "preset": args.preset, "rows": r, "error": f"{type(exc).__name__}: {exc}"[:300]})
-    print(f"\n{'what':<18} {'rows':>5} {'tok/s':>10} {'ms/step':>9} {'ttft ms':>8}")
+    print(f"\n{'what':<18} {'rows':>5} {'tok/s':>10} {'ms/step':>9} {'ttft ms':>8} {'prefill s':>9}")
     for r in results:
         if r["what"] == "parity":
             print(f"parity: {r}")
             continue
         print(f"{r['what']:<18} {r.get('rows', ''):>5} {r.get('tokens_per_s', r.get('error', '')):>10} "
-              f"{r.get('ms_per_step', ''):>9} {r.get('ttft_ms_median', '') or '':>8}")
+              f"{r.get('ms_per_step', ''):>9} {r.get('ttft_ms_median', '') or '':>8} {r.get('prefill_s', ''):>9}")
 
 
 if __name__ == "__main__":

@@ -72,7 +72,8 @@ class Completion:
 class Request:
     """A submitted request: what it asks (`prompt`, `params`, `n`), where its events go (`on_event`), and, as the
     engine works, its prompt length (`prompt_tokens`), choices (`completions`), failure (`error`: (status, message,
-    code)) and the engine steps it was submitted and admitted at."""
+    code)), the engine steps it was submitted and admitted at, and when it was submitted and got its first token
+    (`time.perf_counter` seconds: `first_token_at - submitted_at` is its time to first token)."""
 
     prompt: GenerationRequest | RenderedRequest
     params: SamplingParams
@@ -87,6 +88,8 @@ class Request:
     submitted_step: int = 0
     admitted_step: int | None = None
     finished: bool = False
+    submitted_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None  # perf_counter seconds when its first tokens were sampled
 
     def emit(self, event: Event) -> None:
         if self.on_event is not None:
@@ -524,7 +527,9 @@ class DecodeEngine:
                        full(params.top_k, torch.long), seeds, full(0, torch.long), penalty=full(params.repetition_penalty, torch.float32),
                        seen=seen, suppress=self.runner.suppress, greedy_only=params.greedy)
         entries = self._logprob_entries(rows, first, params, n) if params.logprobs is not None else [None] * n
-        for c, (slot, token, entry) in enumerate(zip(slots, first.tolist(), entries)):
+        first_tokens = first.tolist()
+        request.first_token_at = time.perf_counter()
+        for c, (slot, token, entry) in enumerate(zip(slots, first_tokens, entries)):
             choice = _Choice(request, c, slot, self.tok, self.eos)
             choice.length = used
             choice.take(int(token), entry, self.max_length)

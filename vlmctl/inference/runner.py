@@ -67,12 +67,15 @@ DECODE_ATTENTION = "vlmctl_decode"
 def decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                      softcap: float | None = None, **kwargs):
     """transformers attention function for one new token per row over its cached keys: query [B, H, 1, D], key and
-    value [B, H_kv, L, D] (grouped-query heads: H = G x H_kv), mask [B, 1, 1, L] (bool: True attends; or additive).
+    value [B, H_kv, L, D] (grouped-query heads: H = G x H_kv), and the decode mask `decode_mask` made: additive
+    float32 [B x H_kv, 1, 1, L] (0 attends, -inf not).
 
     The G query heads of each key/value head attend as one [G, D] x [D, L] product, so the cache is read once per
     key/value head rather than copied G times (`repeat_kv`, which transformers' sdpa path does whenever a mask is
-    given); softmax in float32. Returns (output [B, 1, H, D], None). A query of more than one token (a prefill
-    chunk) goes to transformers' sdpa function as it is.
+    given); the scale and the mask ride on the product (`baddbmm`), the softmax runs in float32, and the output
+    comes back already in the [B, 1, H, D] layout the attention module reshapes, so a layer's attention is four
+    kernels. Returns (output [B, 1, H, D], None). A query of more than one token (a prefill chunk) goes to
+    transformers' sdpa function as it is.
     """
     import torch
 
@@ -82,15 +85,19 @@ def decode_attention(module, query, key, value, attention_mask, dropout: float =
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     kv_heads, length = key.shape[1], key.shape[2]
-    scores = torch.matmul(query.reshape(batch, kv_heads, heads // kv_heads, dim), key.transpose(2, 3)).float()
-    scores = scores * (scaling if scaling is not None else dim ** -0.5)
+    groups = batch * kv_heads
+    q = query.reshape(groups, heads // kv_heads, dim)
+    k = key.reshape(groups, length, dim)  # [B, H_kv] merge into one strided batch dimension: a view of the cache
+    scale = scaling if scaling is not None else dim ** -0.5
+    mask = attention_mask.reshape(groups, 1, -1)[..., :length].to(q.dtype)
     if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
-    if attention_mask is not None:
-        mask = attention_mask[:, :, :, :length]
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    out = torch.matmul(scores.softmax(dim=-1).to(value.dtype), value)  # [B, H_kv, G, D]
-    return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2), None
+        scores = torch.bmm(q, k.transpose(1, 2)).float() * scale
+        scores = torch.tanh(scores / softcap) * softcap + mask.float()
+    else:
+        scores = torch.baddbmm(mask, q, k.transpose(1, 2), alpha=scale)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    out = torch.bmm(probs, value.reshape(groups, length, value.shape[-1]))  # [B x H_kv, G, D]
+    return out.view(batch, 1, heads, value.shape[-1]), None
 
 
 def register_decode_attention() -> None:
@@ -139,6 +146,8 @@ class ModelRunner:
         self.slots, self.max_len, self.prefill_chunk = int(slots), int(max_len), int(prefill_chunk)
         self.cache = SlotCache(self.slots, self.max_len)
         self.windows = self._windows()
+        heads = getattr(self.text_config, "num_attention_heads", 1) or 1
+        self.kv_heads = int(getattr(self.text_config, "num_key_value_heads", None) or heads)
         self.vocab = int(self.head.weight.shape[0])
         dev, n = self.device, self.slots
         # the step's buffers: inputs and per-row parameters, written by the host between steps, read by the graph
@@ -227,15 +236,24 @@ class ModelRunner:
         return self._mask(allowed)
 
     def _decode_mask(self, write_pos: "torch.Tensor", key_range: "torch.Tensor"):
+        """The decode step's mask(s) in `decode_attention`'s layout: additive float32 [B x H_kv, 1, 1, L], 0 where row b
+        attends (its positions up to write_pos[b], within the layer's window), -inf elsewhere; one per layer type
+        where the model has several."""
+        import torch
+
         k, q = key_range[None, :], write_pos[:, None]
+        kv_heads = self.kv_heads
 
-        def allowed(window):
-            m = k <= q
+        def additive(window):
+            allowed = k <= q
             if window:
-                m = m & (k > q - window)
-            return m[:, None, None, :]
+                allowed = allowed & (k > q - window)
+            mask = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill(~allowed, float("-inf"))
+            return mask.repeat_interleave(kv_heads, dim=0)[:, None, None, :]  # 4D (transformers passes it as it is)
 
-        return self._mask(allowed)
+        if isinstance(self.windows, dict):
+            return {kind: additive(w) for kind, w in self.windows.items()}
+        return additive(self.windows)
 
     # ---- prefill
 
