@@ -116,6 +116,27 @@ def _with_global_flags(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def command_of(app: typer.Typer, help_options: tuple[str, ...] = ()) -> Any:
+    """The click command typer builds for `app`, its flags (and the help option named `help_options`) listed in
+    --help without a value type: a flag takes no value, and `<bool>` beside it reads as if it did."""
+    command = typer.main.get_command(app)
+    _untyped_flags(command, help_options)
+    return command
+
+
+def _untyped_flags(command: Any, help_options: tuple[str, ...]) -> None:
+    if help_options and hasattr(command, "get_help_option"):  # made on first use; typer keeps it from then on
+        option = command.get_help_option(command.context_class(command, help_option_names=list(help_options)))
+        params = [*command.params, *([option] if option is not None else [])]
+    else:
+        params = list(command.params)
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    for sub in getattr(command, "commands", {}).values():
+        _untyped_flags(sub, help_options)
+
+
 def is_override(arg: str) -> bool:
     """True for `section.key=value` arguments (a dot before the first '=')."""
     key, sep, _ = arg.partition("=")
