@@ -41,3 +41,219 @@ def test_help_shows_no_value_type_beside_a_flag(capsys):
     assert "<bool>" not in out and "<int>" in out  # --nnodes takes a number; --resume, --dry-run, --help take none
     code, out, _ = run_cli(["convert", "--help"], capsys)
     assert "<bool>" not in out and "--no-merge-lora" in out
+
+
+def _turns(question: str = "<image>\nWhat color?", answer: str = "red") -> list[dict]:
+    return [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]
+
+
+def _llava_project(root: Path, rows: list[dict], extra: str = "") -> Path:
+    from PIL import Image
+
+    Image.new("RGB", (64, 64), "red").save(root / "red.png")
+    (root / "d.json").write_text(json.dumps(rows))
+    (root / "vlmctl.yaml").write_text("project: {name: v}\ndata:\n  sources:\n    - {path: d.json, format: llava}\n"
+                                      f"  num_proc: 1\n{extra}")
+    return root
+
+
+# ------------------------------------------------------------------------- data validate FILE: --format, --dataset
+
+
+def test_validate_with_an_unknown_format_is_a_usage_error_listing_every_format(tmp_path, capsys, monkeypatch):
+    from typing import get_args
+
+    from vlmctl.cli.data import FORMATS
+    from vlmctl.config.data import DataFormat
+
+    (tmp_path / "d.json").write_text("[]")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(["data", "validate", "d.json", "--format", "bogus"], capsys)
+    text = _flat(out + err)
+    assert code == 2 and "Runtime error" not in text and "ValidationError" not in text, text
+    assert "'bogus' is not one of" in text and "llamafactory" in text and "preference" in text, text
+    assert FORMATS == get_args(DataFormat)
+    code, out, _ = run_cli(["data", "validate", "--help"], capsys)
+    assert all(name in _flat(out) for name in FORMATS)
+
+
+def test_validate_reads_a_llamafactory_dataset_info_given_on_the_command_line(tmp_path, capsys, monkeypatch):
+    from PIL import Image
+
+    Image.new("RGB", (64, 64), "red").save(tmp_path / "red.png")
+    record = {"messages": [{"from": "human", "value": "<image>What color?"}, {"from": "gpt", "value": "red"}],
+              "images": ["red.png"]}
+    (tmp_path / "one.json").write_text(json.dumps([record]))
+    (tmp_path / "two.json").write_text(json.dumps([record, record | {"messages": _turns("<image>\nShape?", "square")}]))
+    entry = {"formatting": "sharegpt", "columns": {"messages": "messages", "images": "images"}}
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"one": {"file_name": "one.json", **entry},
+                                                            "two": {"file_name": "two.json", **entry}}))
+    monkeypatch.chdir(tmp_path)  # no vlmctl.yaml: the command line alone
+    code, out, err = run_cli(["data", "validate", "dataset_info.json"], capsys)
+    text = _flat(out + err)
+    assert code == 2 and "--dataset" in text and "one, two" in text and "data.sources[]" not in text, text
+    code, out, err = run_cli(["data", "validate", "dataset_info.json", "--dataset", "three"], capsys)
+    assert code == 2 and "has no data set 'three'" in _flat(out + err) and "--dataset NAME" in _flat(out + err)
+    code, out, err = run_cli(["data", "validate", "dataset_info.json", "--dataset", "two"], capsys)
+    assert code == 0 and "2 samples checked, none would be rejected" in _flat(out + err), out + err
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"one": {"file_name": "one.json", **entry}}))
+    code, out, err = run_cli(["data", "validate", "dataset_info.json"], capsys)  # the only data set
+    assert code == 0 and "1 samples checked" in _flat(out + err), out + err
+    code, out, err = run_cli(["data", "validate", "one.json", "--dataset", "one"], capsys)
+    assert code == 2 and "dataset_info.json" in _flat(out + err), out + err
+
+
+# ------------------------------------------------------------------ prepare: pairs expected, conversations given
+
+
+def test_preparing_conversations_as_preference_data_names_the_likely_cause(tmp_path, capsys, monkeypatch):
+    _llava_project(tmp_path, [{"id": f"s{i}", "image": "red.png", "conversations": _turns(f"<image>\nColor {i}?")}
+                              for i in range(6)])
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(["data", "prepare", "data.kind=preference", "data.prepared_dir=data/pairs"], capsys)
+    text = _flat(out + err)
+    assert code != 0 and "missing_response" in text, text
+    assert "conversations" in text and "not preference pairs" in text and "point data.sources at the pairs" in text, text
+    assert "image_root" not in text and "min_kept_fraction (0 turns" not in text, text  # not the generic hint
+
+
+# ------------------------------------------------------------------ prepare: one leakage group goes to train
+
+
+def test_identical_samples_without_dedup_are_prepared_into_train(tmp_path, capsys, monkeypatch):
+    rows = [{"id": f"s{i}", "image": "red.png", "conversations": _turns()} for i in range(8)]
+    _llava_project(tmp_path, rows, extra="  dedup: false\n")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(["data", "prepare", "data.val_ratio=0.999999"], capsys)  # one group: hashed to val
+    text = _flat(out + err)
+    assert code == 0, text
+    manifest = json.loads((tmp_path / "data" / "prepared" / "manifest.json").read_text())
+    assert manifest["splits"]["train"]["samples"] == 8 and manifest["splits"]["val"]["samples"] == 0
+    assert manifest["splits"]["train"]["shards"] == ["train/train-00000.parquet"]
+    assert "identical samples stay together" in text, text
+    from vlmctl.data.loader import ShardDataset
+
+    assert len(ShardDataset.from_dir(tmp_path / "data" / "prepared" / "train")) == 8
+    assert (tmp_path / "data" / "prepared" / "val" / "val-00000.parquet").is_file()  # an empty val shard, as always
+
+
+def test_two_groups_all_in_val_still_fail_with_the_ratio_hint(tmp_path, capsys, monkeypatch):
+    rows = [{"id": f"s{i}", "image": "red.png", "conversations": _turns(f"<image>\nColor {i % 2}?")} for i in range(6)]
+    _llava_project(tmp_path, rows, extra="  dedup: false\n")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(["data", "prepare", "data.val_ratio=0.999999"], capsys)
+    assert code != 0 and "went to val" in _flat(out + err), out + err
+
+
+# ------------------------------------------------------------------------------------ a wrong model.preset
+
+
+def test_a_wrong_preset_is_refused_with_the_config_and_the_closest_name(tmp_path, capsys, monkeypatch):
+    (tmp_path / "vlmctl.yaml").write_text("project: {name: p}\nmodel: {preset: tiny, init: random}\n")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(["config", "show", "model.preset=qwen2.5-vl-3B"], capsys)
+    text = _flat(out + err)
+    assert code == 2 and "model.preset" in text and "did you mean qwen2.5-vl-3b?" in text, text
+    assert "tiny-smolvlm" not in text and "vlmctl model presets" in text, text  # not the whole list
+    from vlmctl.errors import ConfigError
+    from vlmctl.models.build import load_preset
+
+    with pytest.raises(ConfigError, match="did you mean tiny-qwen2.5-vl") as info:
+        load_preset("tiny-qwen2.5vl")
+    assert "model.preset" in info.value.hint
+
+
+# ------------------------------------------------------------ overrides that do not go together: not the file
+
+
+def test_overrides_that_do_not_go_together_are_blamed_not_the_file(tmp_path, capsys, monkeypatch):
+    (tmp_path / "vlmctl.yaml").write_text("project: {name: p}\n")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(["config", "show", "train.save_best=val_loss"], capsys)
+    text = _flat(out + err)
+    assert code == 2 and "the command line's overrides are invalid" in text and "vlmctl.yaml is invalid" not in text, text
+    assert "command-line override 'train.save_best=val_loss'" in text, text
+    code, out, err = run_cli(["config", "show", "model.base=a/b", "model.vision=c/d"], capsys)
+    text = _flat(out + err)
+    assert "overrides are invalid" in text and "'model.base=a/b', 'model.vision=c/d'" in text, text
+    (tmp_path / "vlmctl.yaml").write_text("project: {name: p}\ntrain: {save_best: val_loss}\n")
+    code, out, err = run_cli(["config", "show"], capsys)
+    assert code == 2 and "vlmctl.yaml is invalid" in _flat(out + err)  # the file's own mistake stays the file's
+
+
+# ------------------------------------------------------------------------- output piped or logged (not a TTY)
+
+
+def test_validate_and_prepare_leave_no_progress_frame_when_piped(tmp_path, capsys, monkeypatch):
+    _llava_project(tmp_path, [{"id": f"s{i}", "image": "red.png", "conversations": _turns(f"<image>\nColor {i}?")}
+                              for i in range(4)])
+    monkeypatch.chdir(tmp_path)
+    for args in (["data", "validate"], ["data", "prepare"]):
+        code, out, err = run_cli(args, capsys)
+        assert code == 0, out + err
+        assert "Validating" not in out + err and "Preparing" not in out + err and "samples/s" not in out + err, out + err
+
+
+def test_the_demo_prints_each_stage_once_when_piped(tmp_path, capsys, monkeypatch):
+    import vlmctl.demo as demo_lib
+    from vlmctl.errors import VlmctlError
+
+    def stages_then_stop(folder, *, progress, on_stage, **kwargs):
+        for stage in demo_lib.STAGES:
+            progress(stage, 1, 2)
+            on_stage(stage, 1.0)
+        raise VlmctlError("stopped after the stages")
+
+    monkeypatch.setattr(demo_lib, "run_demo", stages_then_stop)
+    code, out, err = run_cli(["demo", str(tmp_path / "d")], capsys)
+    assert code == 1 and "stopped after the stages" in _flat(err), out + err
+    for label in ("data prepare", "model build", "eval on the val split"):
+        assert out.count(f"✓ {label}") == 1, out
+    assert "━" not in out, out  # no bar drawn at the end
+
+
+def test_a_model_export_prints_no_third_party_progress_bar(tmp_path, capfd, monkeypatch):
+    import torch
+
+    from vlmctl.config import ModelSection
+    from vlmctl.models import build_model, load_model
+    from vlmctl.train import export
+
+    build_model(ModelSection(preset="tiny", init="random", output_dir=tmp_path / "model"),
+                tokenizer_texts=["What color is it? red green blue"] * 20)
+    model, processor, _ = load_model(tmp_path / "model")
+    monkeypatch.setattr(export, "_load_trained", lambda *a, **k: (model, processor))
+    capfd.readouterr()
+    export._write_final(tmp_path / "run", None, {}, source=str(tmp_path / "model"), lora=None, parts_trainable=set(),
+                        out_dtype=torch.float32)
+    out, err = capfd.readouterr()
+    assert (tmp_path / "run" / "final" / "config.json").is_file()
+    assert "Writing model shards" not in out + err and "it/s" not in out + err, out + err
+
+
+def test_reading_a_dcp_checkpoint_in_one_process_warns_nothing(tmp_path):
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from vlmctl.checkpoints import read_dcp_tensors
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": {"w": torch.arange(6.0).reshape(2, 3)}}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        tensors = read_dcp_tensors(tmp_path / "ckpt")
+    assert torch.equal(tensors["w"], torch.arange(6.0).reshape(2, 3))
+    assert [str(w.message) for w in seen] == []
+
+
+def test_the_run_plan_fits_100_columns():
+    from vlmctl.config import TrainSection
+    from vlmctl.config.plan import DeviceFacts, build_plan, plan_text
+
+    plan = build_plan(TrainSection(), DeviceFacts(kind="cpu", memory_bytes=None, processes=2))
+    lines = plan_text(plan).splitlines()
+    assert any("liger-kernel" in line for line in lines)  # the longest reason is there, wrapped
+    assert max(len(line.rstrip()) for line in lines) <= 100
