@@ -42,7 +42,8 @@ def convert(
     if not state.verbose:  # our own progress display replaces the per-file loading/saving bars
         hf_logging.disable_progress_bar()
 
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True, disable=state.quiet or as_json) as bar:
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True,
+                  disable=state.quiet or as_json or not console.is_terminal) as bar:
         task = bar.add_task("converting", total=None)
 
         def progress(message: str) -> None:

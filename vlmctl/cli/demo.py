@@ -75,7 +75,7 @@ def demo(
         then = f", then {OBJECTIVE_NAMES[objective]}" if objective != "sft" else ""
         console.print(f"[bold]vlmctl demo[/bold] in {esc(folder)}: generated {esc(demo_spec.data)} -> {esc(model)} from scratch{then} ({how}, CPU, no downloads)")
     with Progress(SpinnerColumn(), TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, disable=quiet) as bar:
+                  console=console, disable=quiet or not console.is_terminal) as bar:
         tasks = {s: bar.add_task(labels[s], total=None, start=False, visible=False) for s in stages}
         current = {"stage": None}
 
@@ -95,7 +95,7 @@ def demo(
             bar.update(tasks[stage], total=t.total or 1, completed=t.total or 1,
                        description=f"[green]✓[/green] {labels[stage]} ({seconds:.0f} s)")
             bar.stop_task(tasks[stage])
-            if not console.is_terminal and not quiet:  # piped or logged: the bar draws only at the end
+            if not console.is_terminal and not quiet:  # piped or logged: one line per stage, no bar
                 console.print(f"✓ {labels[stage]} ({seconds:.0f} s)")
             following = stages[stages.index(stage) + 1:] if stage in stages else ()
             if following:

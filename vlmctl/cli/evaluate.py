@@ -150,7 +150,7 @@ class _progress:
         self.bar = None
 
     def __enter__(self):
-        if not self.enabled:
+        if not self.enabled or not console.is_terminal:  # piped or logged: a bar would leave its last frame
             return None
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
