@@ -257,3 +257,17 @@ def test_the_run_plan_fits_100_columns():
     lines = plan_text(plan).splitlines()
     assert any("liger-kernel" in line for line in lines)  # the longest reason is there, wrapped
     assert max(len(line.rstrip()) for line in lines) <= 100
+
+
+# --------------------------------------------------------------- train --dry-run refuses what train refuses
+
+
+def test_dry_run_stops_where_the_run_would_with_the_same_exit_code(write_config, capsys, monkeypatch):
+    import vlmctl.train.launch as L
+
+    monkeypatch.setattr(L, "spawn", lambda *a, **k: pytest.fail("a process was started"))
+    cfg = write_config("project: {name: p}\ntrain: {launcher: torchrun}\n")
+    code, out, err = run_cli(["-c", str(cfg), "train", "--dry-run"], capsys)
+    assert code == 2 and "no prepared training shards" in _flat(err) and "torchrun" not in out, out + err
+    code, out, err = run_cli(["-c", str(cfg), "train"], capsys)
+    assert code == 2 and "no prepared training shards" in _flat(err), out + err

@@ -50,6 +50,7 @@ def train(
         from vlmctl.config.plan import plan_text
 
         text = L.dry_run_text(train_cfg, L.planned_run_dir(cfg, resume))
+        L.preflight(cfg)  # what would stop the run before it starts stops the dry run too (data, model, packages)
         # the plan on stderr, as the run prints it: stdout stays the commands alone (scripts run them)
         err_console.print(plan_text(L.launch_plan(cfg)), soft_wrap=True, markup=False, highlight=False)
         console.print(text, soft_wrap=True, markup=False, highlight=False)
