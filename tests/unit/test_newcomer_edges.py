@@ -271,3 +271,28 @@ def test_dry_run_stops_where_the_run_would_with_the_same_exit_code(write_config,
     assert code == 2 and "no prepared training shards" in _flat(err) and "torchrun" not in out, out + err
     code, out, err = run_cli(["-c", str(cfg), "train"], capsys)
     assert code == 2 and "no prepared training shards" in _flat(err), out + err
+
+
+# ------------------------------------------------- the best checkpoint named relative to its run; convert's -o
+
+
+def test_the_best_checkpoint_is_named_relative_to_the_run(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from vlmctl.train.validation import name_best
+
+    run = tmp_path / "runs" / "r"
+    (run / "final").mkdir(parents=True)
+    said = []
+    monkeypatch.setenv("RANK", "0")
+    best = SimpleNamespace(metric="val_loss", value=1.25, step=40)
+    name_best(run, SimpleNamespace(save_best=True, best=best), said.append)
+    record = json.loads((run / "final" / "best_checkpoint.json").read_text())
+    assert record == {"metric": "val_loss", "value": 1.25, "step": 40, "checkpoint": "checkpoints/checkpoint-40"}
+    assert str(tmp_path) not in (run / "final" / "best_checkpoint.json").read_text()
+    assert "checkpoint-40" in said[0]
+
+
+def test_convert_help_says_where_the_output_goes_by_default(capsys):
+    code, out, _ = run_cli(["convert", "--help"], capsys)
+    assert code == 0 and "RUN/export-<step>" in _flat(out) and "SRC-hf" in _flat(out)
