@@ -296,3 +296,96 @@ def test_the_best_checkpoint_is_named_relative_to_the_run(tmp_path, monkeypatch)
 def test_convert_help_says_where_the_output_goes_by_default(capsys):
     code, out, _ = run_cli(["convert", "--help"], capsys)
     assert code == 0 and "RUN/export-<step>" in _flat(out) and "SRC-hf" in _flat(out)
+
+
+# ------------------------------------------------ the default model of chat / generate / eval / serve
+
+
+def _run(root: Path, name: str, *, tokens: int, steps: int, finished: float, model_dir: Path | None = None,
+         best_step: int | None = None) -> Path:
+    import os
+
+    run = root / name
+    (run / "final").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0, "tokens_seen": tokens * s // steps}) + "\n"
+                                               for s in range(1, steps + 1)))
+    (run / "config.yaml").write_text(f"model: {{output_dir: {model_dir or root.parent / 'model'}}}\n")
+    if best_step is not None:
+        (run / "checkpoints" / f"checkpoint-{best_step}").mkdir(parents=True)
+        (run / "final" / "best_checkpoint.json").write_text(json.dumps(
+            {"metric": "val_loss", "value": 0.5, "step": best_step, "checkpoint": f"checkpoints/checkpoint-{best_step}"}))
+    os.utime(run / "final", (finished, finished))
+    return run
+
+
+def test_a_short_run_after_a_long_one_does_not_become_the_default_model(tmp_path):
+    from vlmctl.runs import project_model
+
+    runs = tmp_path / "runs"
+    long = _run(runs, "long", tokens=600_000, steps=600, finished=1000)
+    _run(runs, "smoke", tokens=6_000, steps=6, finished=2000)
+    choice = project_model(runs, tmp_path / "model")
+    assert choice.path == long.resolve() / "final" and choice.export_from is None
+    assert "longest-trained of 2 finished runs (600,000 tokens; the newest, smoke, 6,000)" in choice.reason
+
+
+def test_a_run_started_from_another_runs_export_counts_its_tokens(tmp_path):
+    from vlmctl.runs import project_model
+
+    runs = tmp_path / "runs"
+    sft = _run(runs, "sft", tokens=600_000, steps=600, finished=1000)
+    dpo = _run(runs, "dpo", tokens=50_000, steps=50, finished=2000, model_dir=sft / "final")
+    _run(runs, "smoke", tokens=6_000, steps=6, finished=3000)
+    assert project_model(runs, tmp_path / "model").path == dpo.resolve() / "final"
+
+
+def test_the_best_checkpoint_before_the_last_step_is_the_default(tmp_path):
+    from vlmctl.runs import project_model
+
+    runs = tmp_path / "runs"
+    run = _run(runs, "early", tokens=400_000, steps=400, finished=1000, best_step=300).resolve()
+    choice = project_model(runs, tmp_path / "model")
+    assert choice.path == run / "export-300" and choice.export_from == run / "checkpoints" / "checkpoint-300"
+    assert "best checkpoint of run early (val_loss 0.5000 at step 300; final/ is step 400)" in choice.reason
+    (run / "export-300").mkdir()
+    (run / "export-300" / "config.json").write_text("{}")
+    choice = project_model(runs, tmp_path / "model")
+    assert choice.path == run / "export-300" and choice.export_from is None  # exported once, then reused
+    (run / "final" / "best_checkpoint.json").write_text(json.dumps({"metric": "val_loss", "value": 0.4, "step": 400}))
+    assert project_model(runs, tmp_path / "model").path == run / "final"  # the best was the last step
+
+
+def test_commands_say_which_model_they_chose_and_export_the_best_once(tmp_path, capsys, monkeypatch):
+    import shutil
+
+    import vlmctl.convert as convert_mod
+    from vlmctl.config import ModelSection
+    from vlmctl.models import build_model
+
+    build_model(ModelSection(preset="tiny", init="random", output_dir=tmp_path / "model"),
+                tokenizer_texts=["What color is it? red green blue"] * 20)
+    (tmp_path / "vlmctl.yaml").write_text("project: {name: p}\nmodel: {preset: tiny, init: random, output_dir: model}\n"
+                                          "train: {output_dir: runs}\n")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "q.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "What color?"},
+                                                                {"role": "assistant", "content": "red"}]}) + "\n")
+    args = ["generate", "--input", "q.jsonl", "--max-new-tokens", "1", "-o"]
+    code, out, err = run_cli([*args, "p0.jsonl"], capsys)
+    assert code == 0 and "using model: the project's model" in _flat(err), out + err
+    run = _run(tmp_path / "runs", "early", tokens=400, steps=4, finished=1000, best_step=3).resolve()
+    shutil.rmtree(run / "final")
+    shutil.copytree(tmp_path / "model", run / "final")
+    (run / "final" / "best_checkpoint.json").write_text(json.dumps({"metric": "val_loss", "value": 0.5, "step": 3}))
+    exported = []
+
+    def convert(src, out):  # the checkpoint's weights are the build's here
+        exported.append(Path(src))
+        shutil.copytree(tmp_path / "model", out)
+
+    monkeypatch.setattr(convert_mod, "convert", convert)
+    code, out, err = run_cli([*args, "p1.jsonl"], capsys)
+    assert code == 0, out + err
+    assert "using runs/early/export-3: the best checkpoint of run early" in _flat(err), err
+    assert exported == [run / "checkpoints" / "checkpoint-3"] and (run / "export-3" / "config.json").is_file()
+    code, out, err = run_cli([*args, "p2.jsonl"], capsys)
+    assert code == 0 and len(exported) == 1 and "runs/early/export-3" in _flat(err), out + err
