@@ -389,3 +389,31 @@ def test_commands_say_which_model_they_chose_and_export_the_best_once(tmp_path, 
     assert exported == [run / "checkpoints" / "checkpoint-3"] and (run / "export-3" / "config.json").is_file()
     code, out, err = run_cli([*args, "p2.jsonl"], capsys)
     assert code == 0 and len(exported) == 1 and "runs/early/export-3" in _flat(err), out + err
+
+
+# ------------------------------------------------------------------ push: each evaluation once, no bookkeeping
+
+
+def test_push_card_lists_the_latest_evaluation_once_and_uploads_no_marker(tmp_path, capsys, monkeypatch):
+    import os
+
+    from vlmctl.hub import find_eval_results, list_upload_files
+    from vlmctl.outputs import write_marker
+
+    model = tmp_path / "export"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    write_marker(model, "export")
+    for i, (name, accuracy) in enumerate((("m-vqa", 0.25), ("m-vqa-2", 0.5))):  # two `vlmctl eval` runs
+        out = tmp_path / "eval" / name
+        out.mkdir(parents=True)
+        write_marker(out, "eval")
+        (out / "metrics.json").write_text(json.dumps({"task": "vqa", "model": str(model), "data": "val", "n": 8,
+                                                      "metrics": {"accuracy": accuracy}}))
+        os.utime(out / "metrics.json", (1000 + i, 1000 + i))
+    (tmp_path / "eval" / "m-vqa-other").mkdir()
+    (tmp_path / "eval" / "m-vqa-other" / "metrics.json").write_text(json.dumps(
+        {"task": "vqa", "model": str(model), "data": "other.json", "n": 3, "metrics": {"accuracy": 1.0}}))
+    results = find_eval_results(model, eval_dir=tmp_path / "eval")
+    assert sorted((r["data"], r["metrics"]["accuracy"]) for r in results) == [("other.json", 1.0), ("val", 0.5)]
+    assert [f.path for f in list_upload_files(model)] == ["config.json"]
