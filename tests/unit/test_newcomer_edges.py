@@ -417,3 +417,20 @@ def test_push_card_lists_the_latest_evaluation_once_and_uploads_no_marker(tmp_pa
     results = find_eval_results(model, eval_dir=tmp_path / "eval")
     assert sorted((r["data"], r["metrics"]["accuracy"]) for r in results) == [("other.json", 1.0), ("val", 0.5)]
     assert [f.path for f in list_upload_files(model)] == ["config.json"]
+
+
+# -------------------------------------------------------------------- train --help: the keys to set next
+
+
+def test_train_help_names_the_keys_to_set_and_where_all_are(capsys, monkeypatch):
+    from vlmctl.config import leaf_keys
+
+    monkeypatch.setenv("COLUMNS", "400")  # each paragraph on one line
+    code, out, _ = run_cli(["train", "--help"], capsys)
+    assert code == 0 and "vlmctl config show" in out and "docs/config.md" in out
+    import re
+
+    named = set(re.findall(r"\btrain\.[a-z_.]*[a-z_]", out))
+    assert {"train.max_steps", "train.learning_rate", "train.eval_steps", "train.lora.r"} <= named
+    assert named <= {f"train.{key}" for key in leaf_keys(("train",))}, named  # every key named exists
+    assert any(line.strip().startswith("Several nodes:") and "--launcher slurm." in line for line in out.splitlines())

@@ -78,6 +78,7 @@ def add_global_flags(app: typer.Typer) -> None:
     """
     for info in app.registered_commands:
         if info.callback is not None:
+            info.help = _paragraphs(info.help or info.callback.__doc__)
             info.callback = _with_global_flags(info.callback)
     for group in app.registered_groups:
         sub = group.typer_instance
@@ -86,6 +87,16 @@ def add_global_flags(app: typer.Typer) -> None:
         if sub.registered_callback is None:  # `vlmctl data -q validate`: the flags between group and command too
             sub.callback()(_group_flags)
         add_global_flags(sub)
+
+
+def _paragraphs(doc: str | None) -> str | None:
+    """A command's docstring as --help shows it: paragraphs apart, each one line (the terminal wraps it). Typer
+    joins the lines of the first paragraph only."""
+    import inspect
+
+    if not doc:
+        return doc
+    return "\n\n".join(" ".join(p.split()) for p in inspect.cleandoc(doc).split("\n\n"))
 
 
 def _group_flags(debug: DebugOpt = False, quiet: QuietOpt = False, verbose: VerboseOpt = False) -> None:

@@ -33,8 +33,13 @@ def train(
 ) -> None:
     """Train the model: spawn torchrun/accelerate/sbatch (or run in-process) for DDP, FSDP2 or ZeRO-2/3.
 
-    Several nodes: start it on every node with the same train.run_name and --master-addr and the node's
-    --node-rank (the run folder on a shared filesystem), or once with --launcher slurm."""
+    Settings are config keys, given as overrides after the options: train.max_steps, train.num_epochs,
+    train.learning_rate, train.strategy, train.tokens_per_batch (packed rows) or train.micro_batch_size,
+    train.eval_steps, train.save_steps, train.objective (sft, dpo, grpo), train.lora.r. Every key with its
+    meaning: `vlmctl config show` and docs/config.md.
+
+    Several nodes: start it on every node with the same train.run_name and --master-addr and the node's --node-rank
+    (the run folder on a shared filesystem), or once with --launcher slurm."""
     from vlmctl.train import launch as L
 
     cfg = load_project(config, overrides)
