@@ -434,3 +434,19 @@ def test_train_help_names_the_keys_to_set_and_where_all_are(capsys, monkeypatch)
     assert {"train.max_steps", "train.learning_rate", "train.eval_steps", "train.lora.r"} <= named
     assert named <= {f"train.{key}" for key in leaf_keys(("train",))}, named  # every key named exists
     assert any(line.strip().startswith("Several nodes:") and "--launcher slurm." in line for line in out.splitlines())
+
+
+def test_the_demo_panel_names_its_folder_as_typed_from_here(tmp_path, capsys, monkeypatch):
+    from vlmctl.cli import demo as cli_demo
+    from vlmctl.demo import DemoResult, TypeScore
+
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "my-demo"
+    result = DemoResult(folder=folder, launcher="torchrun", nproc=2, strategy="fsdp", stage_seconds={"train": 1.0},
+                        scores=[TypeScore("color", 4, 1.0, 0.25, "red")], overall=1.0, baseline_overall=0.25,
+                        train_samples=10, val_samples=4, steps=2, final_loss=0.1, prepared_dir=folder / "data" / "prepared",
+                        model_dir=folder / "outputs" / "model", run_dir=folder / "outputs" / "runs" / "r",
+                        eval_dir=folder / "outputs" / "eval" / "r-vqa")
+    cli_demo._render(result)
+    out = capsys.readouterr().out
+    assert "outputs in my-demo" in _flat(out) and str(tmp_path) not in out, out
