@@ -450,3 +450,22 @@ def test_the_demo_panel_names_its_folder_as_typed_from_here(tmp_path, capsys, mo
     cli_demo._render(result)
     out = capsys.readouterr().out
     assert "outputs in my-demo" in _flat(out) and str(tmp_path) not in out, out
+
+
+# ------------------------------------------------------------ bench: the auto workload fits the project's pictures
+
+
+def test_bench_auto_workload_takes_chat_for_sides_the_baseline_cannot_build(monkeypatch):
+    from vlmctl import bench
+    from vlmctl.config import ModelSection, TrainSection
+
+    said = []
+    section = ModelSection(preset="tiny-qwen2.5-vl", init="random")
+    train = TrainSection(packing=True, tokens_per_batch=256)
+    spec = bench.WorkloadSpec(image_sizes=(32,), text_tokens=(8, 64))  # the tiny template's 32 px pictures
+    plan = bench.prepare(section, train, spec, steps=1, warmup=0, check_device=False, log=said.append)
+    assert plan.spec.kind == "chat" and isinstance(plan.workload, bench.ChatWorkload)
+    assert any("not multiples of the 28 px" in line for line in said), said
+    plan = bench.prepare(section, train, bench.WorkloadSpec(image_sizes=(56,), text_tokens=(8, 64)), steps=1, warmup=0,
+                         check_device=False)
+    assert plan.spec.kind == "baseline"  # sides it can build: the baseline, as before
