@@ -14,7 +14,7 @@ from vlmctl.cli import _common
 from vlmctl.cli._common import render_error, state
 
 # vlmctl.config (its pydantic models) is imported only where an unknown option is reported and vlmctl.errors where
-# an error is rendered: `--help` and a command that succeeds do not load them through this module.
+# an error is rendered: `--help`, or a command that succeeds, does not load them through this module.
 
 HELP_OPTIONS = ("-h", "--help")
 

@@ -20,7 +20,7 @@ def preset_names() -> list[str]:
 
 def unknown_preset(name: str) -> str:
     """The message for a preset name that is not shipped: the closest names (case aside), or where they are listed."""
-    import difflib
+    import difflib  # only for a wrong name: loading the config does not load it
 
     names = preset_names()
     lower = {n.lower(): n for n in names}

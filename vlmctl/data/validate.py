@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,8 +87,6 @@ def _dataset_name(info_file: Path, dataset: str | None) -> str | None:
     """The data set of `info_file` to read: `dataset`, or the one it registers when it registers one. Raises
     UsageError for an unknown name, or none given where there are several; a file that cannot be read as JSON is
     left to the reader, which reports it."""
-    import json
-
     try:
         entries = json.loads(info_file.read_text())
     except (OSError, ValueError):
