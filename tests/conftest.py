@@ -33,3 +33,21 @@ def write_config(tmp_path):
         return path
 
     return _write
+
+
+@pytest.fixture
+def ready_config(write_config):
+    """`write_config` for a project that `vlmctl train` would start (what `--dry-run` checks too): a training shard in
+    data/prepared/train and `model.base` set (the text must not have a `model` section)."""
+
+    def _write(text: str, folder: Path | None = None) -> Path:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = write_config(text + "model: {base: org/some-vlm}\n", folder)
+        shard = path.parent / "data" / "prepared" / "train" / "train-00000.parquet"
+        shard.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"id": ["s0"]}), shard)
+        return path
+
+    return _write

@@ -35,7 +35,8 @@ Workloads (`WorkloadSpec.kind`, `--workload`):
   reproduce its token counts (the chat template adds its own tokens, and only the answer is labelled).
   `--images-per-sample` puts that many images, each between its own vision start/end tokens, before the text.
   It has no video samples.
-- auto (the default): baseline for Qwen-VL families (mRoPE) with packed rows, chat otherwise (and for video).
+- auto (the default): baseline for Qwen-VL families (mRoPE) with packed rows and image sides that are multiples of
+  patch x merge (28 px), chat otherwise (and for video).
 
 Micro-batches: every rank draws the same samples. Packed rows are planned by first-fit decreasing and taken fullest
 first (the partial rows at the tail of a finite sample set would understate throughput), every dp_size-th to each
@@ -200,6 +201,10 @@ class WorkloadSpec:
             return f"1 video of {span(self.video_frames)} frames ({span(self.video_sizes)} px)"
         plural = "s" if max(self.images_per_sample) > 1 else ""
         return f"{span(self.images_per_sample)} image{plural} ({span(self.image_sizes)} px)"
+
+    def baseline_sides(self) -> bool:
+        """Whether every image side is a multiple of patch x merge, as the baseline workload's samples need."""
+        return all(side % (self.patch_size * self.merge_size) == 0 for side in self.image_sizes)
 
     def size_flags(self) -> str:
         """The flags that set a sample's length, for hints."""
@@ -798,6 +803,11 @@ def prepare(model_section, train, spec: WorkloadSpec = WorkloadSpec(), *, steps:
     pairs, prompts = train.objective == "dpo", train.objective == "grpo"
     if kind == "auto":
         kind = "baseline" if model.family.mrope and packing and spec.video_frames is None and not (pairs or prompts) else "chat"
+        if kind == "baseline" and not spec.baseline_sides():  # e.g. a tiny project's 32 px pictures
+            unit = spec.patch_size * spec.merge_size
+            log(f"workload chat: the image sides ({', '.join(map(str, spec.image_sizes))} px) are not multiples of the "
+                f"{unit} px the baseline workload builds its samples from; the model's processor resizes them")
+            kind = "chat"
     if (pairs or prompts) and kind != "chat":
         what = "preference pairs" if pairs else "prompts (the answers are their references)"
         raise UsageError(f"train.objective {train.objective} benches {what} of the chat workload", hint="use --workload chat (or auto)")

@@ -302,11 +302,16 @@ def safe_load_planner(allow_partial_load: bool = False):
 def dcp_load(state: dict[str, Any], folder: Path, *, allow_partial_load: bool = False, no_dist: bool = False) -> None:
     """`dcp.load(state, ...)` in place through `dcp_reader` and `safe_load_planner`. With a process group every rank
     calls it and every rank raises the same CheckpointError (DCP gathers the failures of all ranks)."""
+    import warnings
+
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        dcp.load(state, storage_reader=dcp_reader(folder), planner=safe_load_planner(allow_partial_load), no_dist=no_dist)
+        with warnings.catch_warnings():
+            if no_dist:  # torch warns that it "assumes" one process even when told so (`vlmctl convert`'s output)
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            dcp.load(state, storage_reader=dcp_reader(folder), planner=safe_load_planner(allow_partial_load), no_dist=no_dist)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - CheckpointException derives from BaseException

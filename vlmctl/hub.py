@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vlmctl.errors import MissingModelError, UsageError, VlmctlError
+from vlmctl.outputs import MARKER as OUTPUT_MARKER
 
 if TYPE_CHECKING:
     from huggingface_hub import ModelCard
@@ -47,7 +48,8 @@ MODEL_INFO = "vlmctl_model.json"  # written by `vlmctl model build`: how the mod
 LARGE_FOLDER_BYTES = 50 * 1024**3
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # Files of a model folder that never go to the Hub (the export record holds local paths).
-IGNORE_PATTERNS = [".git/*", "*.tmp", ".cache/*", "**/.cache/*", EXPORT_INFO]
+# vlmctl's own bookkeeping stays local: where an export came from, which command wrote a folder (`outputs.MARKER`)
+IGNORE_PATTERNS = [".git/*", "*.tmp", ".cache/*", "**/.cache/*", EXPORT_INFO, OUTPUT_MARKER, f"**/{OUTPUT_MARKER}"]
 # Splits `vlmctl data prepare` writes; `vlmctl eval --data val` records the data as "val".
 _PREPARED_SPLITS = ("train", "val")
 # Text of huggingface_hub's model card template (what peft's `save_pretrained` fills into adapter folders) that a
@@ -330,7 +332,7 @@ def find_eval_results(folder: Path, *, run_dir: Path | None = None, eval_dir: Pa
 
     Looks in the folder itself, `<folder>/eval`, `<run>/eval` and `eval_dir` (the project's `eval.output_dir`, one
     level of subfolders too). A file in the model folder is taken as is; elsewhere its `model` field must name this
-    folder (or the run's `final/`).
+    folder (or the run's `final/`). Of several results of one task on the same data, the newest file's is kept.
     """
     folder = Path(folder).resolve()
     names = {folder}
@@ -341,7 +343,8 @@ def find_eval_results(folder: Path, *, run_dir: Path | None = None, eval_dir: Pa
     for root in [Path(run_dir) / "eval" if run_dir else None, Path(eval_dir) if eval_dir else None]:
         if root is not None and root.is_dir():
             others += [root / "metrics.json", *sorted(root.glob("*/metrics.json"))]
-    results, seen = [], set()
+    seen: set[Path] = set()
+    newest: dict[tuple[str, str], tuple[float, dict[str, Any]]] = {}
     for path in own + others:
         if not path.is_file() or path.resolve() in seen:
             continue
@@ -353,8 +356,12 @@ def find_eval_results(folder: Path, *, run_dir: Path | None = None, eval_dir: Pa
             model = data.get("model")
             if not model or Path(str(model)).expanduser().resolve() not in names:
                 continue
-        results.append({**data, "_path": str(path)})
-    return results
+        # one result per task and data: the latest evaluation (`vlmctl eval` writes each run to a new folder)
+        key = (str(data.get("task")), str(data.get("data")))
+        if key in newest and newest[key][0] >= path.stat().st_mtime:
+            continue
+        newest[key] = (path.stat().st_mtime, {**data, "_path": str(path)})
+    return [result for _, result in newest.values()]
 
 
 def _eval_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -129,16 +129,18 @@ def test_load_samples_from_prepared_val_with_limit_and_references(tmp_path):
         runner.load_samples(str(tmp_path / "nope.json"), prepared)
 
 
-def test_default_model_dir_picks_newest_final(tmp_path):
+def test_the_default_model_is_the_newest_final_among_equal_runs(tmp_path):
     import os
+
+    from vlmctl.runs import project_model
 
     runs = tmp_path / "runs"
     for i, name in enumerate(["old", "new"]):
         (runs / name / "final").mkdir(parents=True)
         os.utime(runs / name / "final", (1000 + i, 1000 + i))
     (runs / "no-final").mkdir()
-    assert runner.default_model_dir(runs, tmp_path / "model") == runs / "new" / "final"
-    assert runner.default_model_dir(tmp_path / "none", tmp_path / "model") == tmp_path / "model"
+    assert project_model(runs, tmp_path / "model").path == (runs / "new" / "final").resolve()
+    assert project_model(tmp_path / "none", tmp_path / "model").path == tmp_path / "model"
 
 
 def test_model_folder_without_processor_is_a_clear_error(tmp_path, capsys, write_config):

@@ -287,7 +287,7 @@ def _one_panel(code: int, err: str) -> str:
     (["--steps", "0"], ["--steps", "at least one"]),
     (["--workload", "baseline"], ["baseline", "llava", "--workload chat"]),
     (["model.init=pretrained"], ["no built model", "model build", "model.init=random"]),
-    (["model.preset=tiny-nothing"], ["unknown model preset", "tiny-nothing"]),
+    (["model.preset=tiny-nothing"], ["model.preset", "unknown preset", "tiny-nothing"]),
     (["train.attn_implementation=varlen"], ["varlen", "train.packing"]),
     (["--images-per-sample", "2"], ["--images-per-sample 2", "MIN,MAX"]),
     (["--images-per-sample", "0,2"], ["--images-per-sample 0,2", "1 <= MIN <= MAX"]),

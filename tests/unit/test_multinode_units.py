@@ -21,8 +21,8 @@ PROJECT = "project: {name: p}\ntrain: {strategy: fsdp, nproc_per_node: 2}\n"
 TWO_NODES = ["--nnodes", "2", "--master-addr", "10.0.0.1", "--master-port", "6000", "train.run_name=r1"]
 
 
-def test_dry_run_prints_the_command_of_every_node(write_config, capsys):
-    cfg = write_config(PROJECT)
+def test_dry_run_prints_the_command_of_every_node(ready_config, capsys):
+    cfg = ready_config(PROJECT)
     run_dir = cfg.parent / "outputs" / "runs" / "r1"
     code, out, err = run_cli_inprocess(["-c", str(cfg), "train", "--dry-run", *TWO_NODES, "train.fsdp_sharding=hybrid"], capsys)
     assert code == 0, err
@@ -43,8 +43,8 @@ def test_dry_run_prints_the_command_of_every_node(write_config, capsys):
                 "--main_process_port 6000") in out
 
 
-def test_dry_run_of_slurm_prints_the_script_and_writes_nothing(write_config, capsys):
-    cfg = write_config(PROJECT)
+def test_dry_run_of_slurm_prints_the_script_and_writes_nothing(ready_config, capsys):
+    cfg = ready_config(PROJECT)
     code, out, err = run_cli_inprocess(["-c", str(cfg), "train", "--dry-run", "--launcher", "slurm", "--nnodes", "2",
                                         "train.run_name=s1", "train.fsdp_sharding=hybrid"], capsys)
     assert code == 0, err

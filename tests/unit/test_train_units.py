@@ -20,8 +20,8 @@ TOKENIZER_TEXTS = ["What color is the triangle? How many circles are there? Is t
 
 
 
-def test_dry_run_prints_each_launcher_command(write_config, capsys):
-    cfg = write_config("project: {name: p}\ntrain: {strategy: fsdp, nproc_per_node: 2}\n")
+def test_dry_run_prints_each_launcher_command(ready_config, capsys):
+    cfg = ready_config("project: {name: p}\ntrain: {strategy: fsdp, nproc_per_node: 2}\n")
     code, out, err = run_cli_inprocess(["-c", str(cfg), "train", "--dry-run", "train.run_name=r1"], capsys)
     assert code == 0, err
     run_dir = cfg.parent / "outputs" / "runs" / "r1"
@@ -71,7 +71,7 @@ def test_resume_without_a_checkpoint_is_a_clear_error(write_config, capsys):
 def test_missing_data_or_model_fails_before_spawning(write_config, capsys, tmp_path):
     cfg = write_config("project: {name: p}\n")
     code, _, err = run_cli_inprocess(["-c", str(cfg), "train", "--launcher", "torchrun"], capsys)
-    assert code == 1 and "vlmctl data prepare" in err
+    assert code == 2 and "vlmctl data prepare" in err  # a data source that does not exist (README: exit codes)
     assert not (tmp_path / "outputs" / "runs").exists()
 
 

@@ -78,6 +78,7 @@ def add_global_flags(app: typer.Typer) -> None:
     """
     for info in app.registered_commands:
         if info.callback is not None:
+            info.help = _paragraphs(info.help or info.callback.__doc__)
             info.callback = _with_global_flags(info.callback)
     for group in app.registered_groups:
         sub = group.typer_instance
@@ -86,6 +87,16 @@ def add_global_flags(app: typer.Typer) -> None:
         if sub.registered_callback is None:  # `vlmctl data -q validate`: the flags between group and command too
             sub.callback()(_group_flags)
         add_global_flags(sub)
+
+
+def _paragraphs(doc: str | None) -> str | None:
+    """A command's docstring as --help shows it: paragraphs apart, each one line (the terminal wraps it). Typer
+    joins the lines of the first paragraph only."""
+    import inspect
+
+    if not doc:
+        return doc
+    return "\n\n".join(" ".join(p.split()) for p in inspect.cleandoc(doc).split("\n\n"))
 
 
 def _group_flags(debug: DebugOpt = False, quiet: QuietOpt = False, verbose: VerboseOpt = False) -> None:
@@ -114,6 +125,27 @@ def _with_global_flags(fn: Callable[..., Any]) -> Callable[..., Any]:
     wrapper.__signature__ = sig.replace(parameters=[*sig.parameters.values(), *extra])  # type: ignore[attr-defined]
     wrapper.__vlmctl_global_flags__ = True  # type: ignore[attr-defined]
     return wrapper
+
+
+def command_of(app: typer.Typer, help_options: tuple[str, ...] = ()) -> Any:
+    """The click command typer builds for `app`, its flags (and the help option named `help_options`) listed in
+    --help without a value type: a flag takes no value, and `<bool>` beside it reads as if it did."""
+    command = typer.main.get_command(app)
+    _untyped_flags(command, help_options)
+    return command
+
+
+def _untyped_flags(command: Any, help_options: tuple[str, ...]) -> None:
+    if help_options and hasattr(command, "get_help_option"):  # made on first use; typer keeps it from then on
+        option = command.get_help_option(command.context_class(command, help_option_names=list(help_options)))
+        params = [*command.params, *([option] if option is not None else [])]
+    else:
+        params = list(command.params)
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    for sub in getattr(command, "commands", {}).values():
+        _untyped_flags(sub, help_options)
 
 
 def is_override(arg: str) -> bool:

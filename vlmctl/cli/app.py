@@ -13,8 +13,10 @@ from vlmctl import __version__
 from vlmctl.cli import _common
 from vlmctl.cli._common import render_error, state
 
-# vlmctl.config (its pydantic models) is imported only where a mistyped option is reported and vlmctl.errors where
-# an error is rendered: a command that succeeds does not load them through this module.
+# vlmctl.config (its pydantic models) is imported only where an unknown option is reported and vlmctl.errors where
+# an error is rendered: `--help`, or a command that succeeds, does not load them through this module.
+
+HELP_OPTIONS = ("-h", "--help")
 
 app = typer.Typer(
     name="vlmctl",
@@ -23,7 +25,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
-    context_settings={"help_option_names": ["-h", "--help"]},
+    context_settings={"help_option_names": list(HELP_OPTIONS)},
 )
 
 
@@ -76,12 +78,14 @@ def main(argv: list[str] | None = None) -> None:
 
     # before anything starts CUDA (it reads the variable then): see vlmctl.distributed.env.configure_cuda_allocator
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    config_key = _option_as_config_key(sys.argv[1:] if argv is None else list(argv))
+    args = sys.argv[1:] if argv is None else list(argv)
+    command = _common.command_of(app, HELP_OPTIONS)  # built once: the option check below and the run share it
+    config_key = _option_as_config_key(args, command)
     if config_key is not None:  # `--epochs 2`: not an option, but a config key would do it
         render_error("Usage error", *config_key)
         sys.exit(2)
     try:
-        app(args=argv, prog_name="vlmctl", standalone_mode=True)
+        command(args=args, prog_name="vlmctl", standalone_mode=True)
     except SystemExit:
         raise
     except VlmctlError as exc:
@@ -103,20 +107,23 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
 
 
-def _option_as_config_key(argv: list[str]) -> tuple[str, str] | None:
+def _option_as_config_key(argv: list[str], command: Any = None) -> tuple[str, str] | None:
     """(message, hint) for the first `--name` in `argv` that the command does not take but that names a config key
-    (`suggest_key`: `--epochs 2` -> `train.num_epochs=2`), else None (click reports other unknown options)."""
-    from vlmctl.config import suggest_key
+    (`suggest_key`: `--epochs 2` -> `train.num_epochs=2`), else None (click reports other unknown options).
 
-    command: Any = typer.main.get_command(app)
+    The config models (pydantic, every section) are imported only when such an unknown `--name` is there: `--help`
+    and every well-formed command line do not pay for them."""
+    command = command if command is not None else _common.command_of(app, HELP_OPTIONS)
     known: set[str] = set()
     for i, arg in enumerate(argv):
         if arg in getattr(command, "commands", {}):  # a group (typer's own, not always click's class)
             command = command.commands[arg]
-        known |= {o for p in command.params for o in (*p.opts, *p.secondary_opts)}
+        known |= {o for p in command.params for o in (*p.opts, *p.secondary_opts)} | set(HELP_OPTIONS)
         name, eq, value = arg.partition("=")
         if not name.startswith("--") or name in known or name == "--":
             continue
+        from vlmctl.config import suggest_key
+
         key = suggest_key(name[2:])
         if key is None or "." not in key:
             return None

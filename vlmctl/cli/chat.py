@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 from rich.markup import escape
 
-from vlmctl.cli._common import ConfigOpt, console, info, load_project, render_error, split_args, state
+from vlmctl.cli._common import ConfigOpt, console, err_console, info, load_project, render_error, split_args, state
 
 if TYPE_CHECKING:
     from vlmctl.inference import ChatSession
@@ -26,7 +26,8 @@ EXAMPLE = "Example: vlmctl chat outputs/runs/run1/final --system 'Answer in one 
 ModelArgs = Annotated[
     Optional[list[str]],
     typer.Argument(help="MODEL folder (a `model build` folder, RUN/final, a `convert` export or a local HF VLM folder; "
-                        "default: the project's newest final export, else its built model), then overrides.", show_default=False),
+                        "default: the best checkpoint of the project's longest-trained run, else that run's final "
+                        "export, else the built model; the choice is printed), then overrides.", show_default=False),
 ]
 TemperatureOpt = Annotated[float, typer.Option("--temperature", help="Sampling temperature; 0 decodes greedily.")]
 TopPOpt = Annotated[float, typer.Option("--top-p", help="Nucleus sampling: keep the smallest set of tokens with this probability.")]
@@ -112,8 +113,8 @@ def _attach_help(family) -> str:
 
 
 def resolve_model_dir(args: list[str] | None, config: Path | None, command: str) -> Path:
-    """MODEL from the arguments, else the project's model as `vlmctl eval` finds it (newest train.output_dir/*/final,
-    else model.output_dir). Raises UsageError for extra positionals, or when there is neither MODEL nor a project."""
+    """MODEL from the arguments, else the project's model (`project_model_dir`). Raises UsageError for extra
+    positionals, or when there is neither MODEL nor a project."""
     from vlmctl.config import find_config
     from vlmctl.errors import UsageError
 
@@ -125,10 +126,35 @@ def resolve_model_dir(args: list[str] | None, config: Path | None, command: str)
     if config is None and state.config is None and find_config() is None:
         raise UsageError("no MODEL given, and no vlmctl.yaml here to find the project's model",
                          hint=f"vlmctl {command} PATH (a `model build` folder, RUN/final or a `vlmctl convert` export)")
-    from vlmctl.evaluation import default_model_dir
-
     cfg = load_project(config, overrides)
-    return default_model_dir(cfg.train.output_dir, cfg.model.output_dir).expanduser().resolve()
+    return project_model_dir(cfg.train.output_dir, cfg.model.output_dir)
+
+
+def project_model_dir(train_output_dir: Path, model_output_dir: Path) -> Path:
+    """The model chat, generate, eval and serve use when none is given (`vlmctl.runs.project_model`: the best
+    checkpoint of the longest-trained run, else its final export, else the built model), said on stderr. A best
+    checkpoint not exported yet is exported first, where `vlmctl convert CHECKPOINT` puts it (RUN/export-<step>).
+    Raises UsageError when that export would run in several processes at once."""
+    import os
+
+    from vlmctl.runs import project_model
+
+    choice = project_model(train_output_dir, model_output_dir)
+    if not state.quiet:
+        err_console.print(f"[dim]using {escape(choice.reason)}; pass MODEL for another[/dim]", soft_wrap=True)
+    if choice.export_from is not None:
+        from vlmctl.errors import UsageError
+
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise UsageError(f"the best checkpoint {choice.export_from} is not exported yet",
+                             hint=f"export it once first: `vlmctl convert {choice.export_from} -o {choice.path}`")
+        from vlmctl.convert import convert
+
+        with err_console.status(f"exporting the best checkpoint to {escape(str(choice.path))}") if not state.quiet else nullcontext():
+            convert(choice.export_from, choice.path)
+        if not state.quiet:
+            err_console.print(f"[dim]exported {escape(str(choice.export_from))} -> {escape(str(choice.path))}[/dim]", soft_wrap=True)
+    return choice.path.expanduser().resolve()
 
 
 def _loop(session: "ChatSession", interactive: bool) -> None:

@@ -20,7 +20,7 @@ EXAMPLE = "Example: vlmctl convert outputs/runs/my-run/checkpoint-500 -o exports
 
 def convert(
     src: Annotated[Path, typer.Argument(help="Run folder, DCP or ZeRO checkpoint, LoRA adapter folder, or HF folder.")],
-    out: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output folder.")] = None,
+    out: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output folder (default: RUN/export-<step> for a run's checkpoint, SRC-hf next to any other source).", show_default=False)] = None,
     to: Annotated[str, typer.Option("--to", help="Target format.")] = "hf",
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="bf16 | fp16 | fp32.")] = None,
     max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Largest safetensors shard.")] = "5GB",
@@ -42,7 +42,8 @@ def convert(
     if not state.verbose:  # our own progress display replaces the per-file loading/saving bars
         hf_logging.disable_progress_bar()
 
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True, disable=state.quiet or as_json) as bar:
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True,
+                  disable=state.quiet or as_json or not console.is_terminal) as bar:
         task = bar.add_task("converting", total=None)
 
         def progress(message: str) -> None:

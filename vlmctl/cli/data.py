@@ -24,6 +24,9 @@ app = typer.Typer(help="Prepare and validate training data.", no_args_is_help=Tr
 
 PREPARE_EXAMPLE = "Example: vlmctl data prepare data.val_ratio=0.02 --num-proc 8"
 VALIDATE_EXAMPLE = "Example: vlmctl data validate data/raw/train.json --json"
+FORMATS = ("auto", "llava", "sharegpt", "messages", "parquet", "webdataset", "hf", "llamafactory", "preference")
+"""`--format` of `data validate`: config.data.DataFormat (not imported here: `--help` does not load the config
+models; a test keeps the two equal)."""
 
 
 def _processor_dir(cfg: "VlmctlConfig") -> Path | None:
@@ -90,9 +93,14 @@ def _render_prepare(m: dict[str, Any], out: Path, export_dir: Path | None, token
     console.print(table)
     tr, va = m["splits"]["train"], m["splits"]["val"]
     result_line(f"[green]Prepared[/green] {esc(out)}: train {tr['samples']:,} samples ({len(tr['shards'])} shard(s)), val {va['samples']:,} samples")
-    if not va["samples"]:
+    ratio = (m.get("settings") or {}).get("val_ratio") or 0
+    if not va["samples"] and not ratio:
         info("[yellow]The val split is empty[/yellow]: `vlmctl eval` and train.eval_steps have nothing to evaluate; "
              "set data.val_ratio above 0 (e.g. 0.05) and prepare again if you want them.")
+    elif not va["samples"]:  # identical samples stay on one side of the split; one such group is train
+        info(f"[yellow]The val split is empty[/yellow]: data.val_ratio={ratio:g} of these samples left none for val "
+             "(identical samples stay together, in train when they are all there is); `vlmctl eval` and "
+             "train.eval_steps have nothing to evaluate until the data holds more distinct samples.")
     if m["totals"]["rejected_total"]:
         info(f"Rejected {m['totals']['rejected_total']:,} samples: see {esc(out / 'rejected.jsonl')}")
     for reason, n in (m["totals"].get("flagged") or {}).items():
@@ -132,17 +140,24 @@ def validate(
     args: Annotated[Optional[list[str]], typer.Argument(help="Source files/folders or a prepared dir (default: data.sources), then overrides.", show_default=False)] = None,
     config: ConfigOpt = None,
     image_root: Annotated[Optional[Path], typer.Option("--image-root", help="Folder that the files' relative image paths are relative to (default: each file's folder).")] = None,
-    format: Annotated[str, typer.Option("--format", help="Format of the files given: auto, llava, sharegpt, messages, parquet, webdataset.")] = "auto",
+    format: Annotated[str, typer.Option("--format", help=f"Format of the files given: {' | '.join(FORMATS)}.")] = "auto",
+    dataset: Annotated[Optional[str], typer.Option("--dataset", help="The data set of a LLaMA-Factory dataset_info.json given (default: its only one).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Check sources without writing anything; exit 1 when any sample would be rejected."""
+    from typing import get_args
+
+    from vlmctl.config.data import DataFormat
+
+    if format not in get_args(DataFormat):
+        raise typer.BadParameter(f"{format!r} is not one of: {', '.join(get_args(DataFormat))}", param_hint="'--format'")
     paths, overrides = split_args(args)
-    if (image_root is not None or format != "auto") and not paths:
+    if (image_root is not None or format != "auto" or dataset is not None) and not paths:
         from vlmctl.errors import UsageError
 
-        raise UsageError("--image-root and --format apply to files given on the command line",
+        raise UsageError("--image-root, --format and --dataset apply to files given on the command line",
                          hint="pass the files (`vlmctl data validate data/raw/train.json --image-root data/raw`), or set "
-                         "data.sources[].image_root / format in vlmctl.yaml")
+                         "data.sources[].image_root / format / dataset in vlmctl.yaml")
     cfg = _load_for_validate(config, overrides, standalone=bool(paths))
     from vlmctl.data.validate import validate_data
 
@@ -154,6 +169,7 @@ def validate(
         row_budget=_row_budget(cfg),
         image_root=image_root,
         format=format,
+        dataset=dataset,
         max_examples=10 if state.verbose else 5,
     )
     if as_json:

@@ -75,7 +75,7 @@ def demo(
         then = f", then {OBJECTIVE_NAMES[objective]}" if objective != "sft" else ""
         console.print(f"[bold]vlmctl demo[/bold] in {esc(folder)}: generated {esc(demo_spec.data)} -> {esc(model)} from scratch{then} ({how}, CPU, no downloads)")
     with Progress(SpinnerColumn(), TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, disable=quiet) as bar:
+                  console=console, disable=quiet or not console.is_terminal) as bar:
         tasks = {s: bar.add_task(labels[s], total=None, start=False, visible=False) for s in stages}
         current = {"stage": None}
 
@@ -95,7 +95,7 @@ def demo(
             bar.update(tasks[stage], total=t.total or 1, completed=t.total or 1,
                        description=f"[green]✓[/green] {labels[stage]} ({seconds:.0f} s)")
             bar.stop_task(tasks[stage])
-            if not console.is_terminal and not quiet:  # piped or logged: the bar draws only at the end
+            if not console.is_terminal and not quiet:  # piped or logged: one line per stage, no bar
                 console.print(f"✓ {labels[stage]} ({seconds:.0f} s)")
             following = stages[stages.index(stage) + 1:] if stage in stages else ()
             if following:
@@ -147,6 +147,14 @@ def retry_command(modality: str, steps: int, folder=None, overrides=(), num_samp
     return " ".join(shlex.quote(w) for w in words)
 
 
+def _here(folder: Path) -> str:
+    """`folder` as the user would type it from here: relative to the current folder when inside it."""
+    try:
+        return str(Path(folder).resolve().relative_to(Path.cwd().resolve())) if Path(folder).is_absolute() else str(folder)
+    except ValueError:
+        return str(folder)
+
+
 def _render(result: "DemoResult", again: tuple = (None, (), None)) -> None:
     from rich.console import Group
     from rich.panel import Panel
@@ -186,8 +194,8 @@ def _render(result: "DemoResult", again: tuple = (None, (), None)) -> None:
     if result.frozen:
         train_line += f"; frozen: {', '.join(result.frozen)}"
     nxt = "\n".join(f"  cd {result.folder.name} && {c}" if i == 0 else f"  {c}" for i, c in enumerate(next_commands(result)))
-    body = Group(times, "", train_line, "", acc, verdict, "", "[bold]outputs[/bold] in " + str(result.folder), where, "",
-                 "[bold]next[/bold]", nxt)
+    body = Group(times, "", train_line, "", acc, verdict, "", "[bold]outputs[/bold] in " + esc(_here(result.folder)), where,
+                 "", "[bold]next[/bold]", nxt)
     console.print(Panel(body, title="[bold]vlmctl demo[/bold]", title_align="left", border_style="green" if result.learned else "yellow"))
 
 
@@ -236,6 +244,6 @@ def _render_post(post, labels: dict[str, str]) -> None:
     metrics = ", ".join(f"{k} {v:.3g}" for k, v in post.metrics.items())
     train_line = (f"{name}: {post.steps} steps from the SFT start's final model"
                   + (f", final loss {post.final_loss:.3f}" if post.final_loss is not None else "") + (f"; {metrics}" if metrics else ""))
-    body = Group(times, "", train_line, "", acc, verdict, "", "[bold]outputs[/bold] in " + str(before.folder), where)
+    body = Group(times, "", train_line, "", acc, verdict, "", "[bold]outputs[/bold] in " + esc(_here(before.folder)), where)
     console.print(Panel(body, title=f"[bold]vlmctl demo --objective {post.objective}[/bold]", title_align="left",
                         border_style="green" if post.improved else "yellow"))

@@ -21,7 +21,7 @@ EXAMPLE = "Example: vlmctl eval --data val --task vqa --limit 200"
 
 
 def eval_cmd(
-    args: Annotated[Optional[list[str]], typer.Argument(help="MODEL folder (default: latest final export), then overrides.", show_default=False)] = None,
+    args: Annotated[Optional[list[str]], typer.Argument(help="MODEL folder (default: the best checkpoint of the project's longest-trained run, else that run's final export, else the built model; the choice is printed), then overrides.", show_default=False)] = None,
     config: ConfigOpt = None,
     data: Annotated[Optional[str], typer.Option("--data", help="val, or a data file in any supported format.")] = None,
     task: Annotated[Optional[str], typer.Option("--task", help="auto|vqa|docvqa|chartqa|mcq|caption|asr|loss.")] = None,
@@ -64,9 +64,16 @@ def eval_cmd(
     from vlmctl.evaluation.runner import preflight
 
     preflight(backend=None if lmms_eval else (backend or ev.backend), lmms_eval=bool(lmms_eval))  # before loading anything
-    model_dir = Path(positionals[0]) if positionals else evaluation.default_model_dir(cfg.train.output_dir, cfg.model.output_dir)
-    model_dir = model_dir.expanduser().resolve()
+    if positionals:
+        model_dir = Path(positionals[0]).expanduser().resolve()
+    else:
+        from vlmctl.cli.chat import project_model_dir
+
+        model_dir = project_model_dir(cfg.train.output_dir, cfg.model.output_dir)
+    # a run's final/ or export-<step> is labelled by its run
     label = model_dir.parent.name if model_dir.name == "final" else model_dir.name
+    if model_dir.name.startswith("export-") and (model_dir.parent / "final").is_dir():
+        label = f"{model_dir.parent.name}-{model_dir.name.removeprefix('export-')}"
 
     if lmms_include is not None and not lmms_eval:
         raise UsageError("--lmms-eval-include needs --lmms-eval", hint="name the tasks to run: --lmms-eval TASK[,TASK...]")
@@ -150,7 +157,7 @@ class _progress:
         self.bar = None
 
     def __enter__(self):
-        if not self.enabled:
+        if not self.enabled or not console.is_terminal:  # piped or logged: a bar would leave its last frame
             return None
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 

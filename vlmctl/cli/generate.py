@@ -106,7 +106,7 @@ class _bar:
         self.total, self.enabled, self.bar = total, enabled, None
 
     def __enter__(self):
-        if not self.enabled:
+        if not self.enabled or not console.is_terminal:  # piped or logged: a bar would leave its last frame
             return None
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 

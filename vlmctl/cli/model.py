@@ -52,7 +52,7 @@ def build(
 
     prepared = cfg.data.prepared_dir if (cfg.data.prepared_dir / "train").is_dir() else None
     with Progress(SpinnerColumn(), TextColumn("building the model"), TimeElapsedColumn(), console=console,
-                  transient=True, disable=state.quiet or as_json):
+                  transient=True, disable=state.quiet or as_json or not console.is_terminal):
         result = build_model(cfg.model, prepared_dir=prepared, force=force, seed=cfg.project.seed)
     summary = _summary(result.info, cfg.train)
     if as_json:

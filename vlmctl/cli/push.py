@@ -25,11 +25,6 @@ def _human(n: int) -> str:
     return f"{n} B"
 
 
-def _latest_final(runs_dir: Path) -> Path | None:
-    finals = [p for p in runs_dir.glob("*/final") if p.is_dir()] if runs_dir.is_dir() else []
-    return max(finals, key=lambda p: p.stat().st_mtime) if finals else None
-
-
 def _load_config(config: Path | None, overrides: list[str]):
     """The project file with overrides; without one anywhere, the defaults of every section plus the overrides
     (a folder can be pushed from outside a project)."""
@@ -41,7 +36,7 @@ def _load_config(config: Path | None, overrides: list[str]):
 
 
 def push(
-    args: Annotated[Optional[list[str]], typer.Argument(help="Model folder (default: the latest run's final export), then overrides such as hub.license=mit.", show_default=False)] = None,
+    args: Annotated[Optional[list[str]], typer.Argument(help="Model folder (default: the trained model chat and eval use, the best checkpoint of the longest-trained run or its final export), then overrides such as hub.license=mit.", show_default=False)] = None,
     config: ConfigOpt = None,
     repo_id: Annotated[Optional[str], typer.Option("--repo-id", help="ORG/NAME (default: hub.repo_id).")] = None,
     private: Annotated[Optional[bool], typer.Option("--private/--public", help="Repository visibility (default: hub.private).")] = None,
@@ -61,10 +56,13 @@ def push(
         raise UsageError(f"unexpected argument {positionals[1]!r}", hint="give at most one model FOLDER, then section.key=value overrides")
     folder = Path(positionals[0]) if positionals else None
     cfg = _load_config(config, overrides)
-    if folder is None:
-        folder = _latest_final(cfg.train.output_dir)
-        if folder is None:
+    if folder is None:  # the model chat, generate, eval and serve default to, when it is a trained one
+        from vlmctl.cli.chat import project_model_dir
+        from vlmctl.runs import finished_runs
+
+        if not finished_runs(cfg.train.output_dir):
             raise UsageError(f"no run with a final export under {cfg.train.output_dir}", hint="pass the model folder: vlmctl push FOLDER --repo-id ORG/NAME")
+        folder = project_model_dir(cfg.train.output_dir, cfg.model.output_dir)
     eval_dir = cfg.eval.output_dir
 
     if dry_run:

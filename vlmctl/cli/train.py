@@ -33,8 +33,13 @@ def train(
 ) -> None:
     """Train the model: spawn torchrun/accelerate/sbatch (or run in-process) for DDP, FSDP2 or ZeRO-2/3.
 
-    Several nodes: start it on every node with the same train.run_name and --master-addr and the node's
-    --node-rank (the run folder on a shared filesystem), or once with --launcher slurm."""
+    Settings are config keys, given as overrides after the options: train.max_steps, train.num_epochs,
+    train.learning_rate, train.strategy, train.tokens_per_batch (packed rows) or train.micro_batch_size,
+    train.eval_steps, train.save_steps, train.objective (sft, dpo, grpo), train.lora.r. Every key with its
+    meaning: `vlmctl config show` and docs/config.md.
+
+    Several nodes: start it on every node with the same train.run_name and --master-addr and the node's --node-rank
+    (the run folder on a shared filesystem), or once with --launcher slurm."""
     from vlmctl.train import launch as L
 
     cfg = load_project(config, overrides)
@@ -50,6 +55,7 @@ def train(
         from vlmctl.config.plan import plan_text
 
         text = L.dry_run_text(train_cfg, L.planned_run_dir(cfg, resume))
+        L.preflight(cfg)  # what would stop the run before it starts stops the dry run too (data, model, packages)
         # the plan on stderr, as the run prints it: stdout stays the commands alone (scripts run them)
         err_console.print(plan_text(L.launch_plan(cfg)), soft_wrap=True, markup=False, highlight=False)
         console.print(text, soft_wrap=True, markup=False, highlight=False)

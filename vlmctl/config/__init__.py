@@ -184,9 +184,10 @@ def validate_config(raw: dict[str, Any], base_dir: Path | None = None, source: s
         lines, from_file = [], False
         for err in _merged(exc.errors()):
             line = _describe(err, raw)
-            text = _override_of(_dotted(_plain_loc(err["loc"])), by_key)
-            from_file |= text is None
-            lines.append(mask_secrets(line if text is None else f"{line} (command-line override {text!r})"))
+            texts = _override_of(_dotted(_plain_loc(err["loc"])), by_key)
+            from_file |= not texts
+            said = f" (command-line override{'s' if len(texts) > 1 else ''} {', '.join(map(repr, texts))})" if texts else ""
+            lines.append(mask_secrets(line + said))
         where = f"{source} is invalid" if from_file else f"the command line's overrides are invalid (over {source})"
         fix = "fix the keys above" if from_file else "fix the overrides on the command line"
         raise ConfigError(
@@ -226,12 +227,13 @@ def _override_keys(overrides: list[str]) -> dict[str, str]:
     return out
 
 
-def _override_of(key: str, by_key: dict[str, str]) -> str | None:
-    """The override that set `key` or one of its parent sections, else None."""
+def _override_of(key: str, by_key: dict[str, str]) -> list[str]:
+    """The override that set `key` or one of its parent sections, else those that set keys inside `key` (an error
+    of a whole section, such as two keys that do not go together, involves them), else none."""
     for path, text in by_key.items():
         if key == path or key.startswith((path + ".", path + "[")):
-            return text
-    return None
+            return [text]
+    return [text for path, text in by_key.items() if key and path.startswith((key + ".", key + "["))]
 
 
 # pydantic names the member of a union (or the validator) it tried in the error's location: not a key

@@ -5,9 +5,29 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from vlmctl.config.base import ModelRef, ProjectPath, Section
+
+PRESET_DIR = Path(__file__).resolve().parents[1] / "models" / "presets"
+"""The shipped size presets, one YAML file each (`vlmctl model presets`)."""
+
+
+def preset_names() -> list[str]:
+    """Names of the shipped size presets (`model.preset`, or `model.vision` / `model.llm` with init: random)."""
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def unknown_preset(name: str) -> str:
+    """The message for a preset name that is not shipped: the closest names (case aside), or where they are listed."""
+    import difflib  # only for a wrong name: loading the config does not load it
+
+    names = preset_names()
+    lower = {n.lower(): n for n in names}
+    key = str(name).lower()
+    close = [lower[key]] if key in lower else [lower[c] for c in difflib.get_close_matches(key, list(lower), n=2, cutoff=0.6)]
+    guess = f"did you mean {' or '.join(close)}? " if close else ""
+    return f"unknown preset {name!r}: {guess}`vlmctl model presets` lists the {len(names)} presets"
 
 
 class ModelSection(Section):
@@ -32,6 +52,14 @@ class ModelSection(Section):
     image_size: int | None = Field(None, gt=0, description="Input resolution of the vision encoder in pixels (default: the encoder's own).")
     dtype: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="Dtype of the saved weights.")
     trust_remote_code: bool = Field(False, description="Allow custom modelling code from the Hub (off unless you trust the repository).")
+
+    @field_validator("preset")
+    @classmethod
+    def _shipped_preset(cls, value: str | None) -> str | None:
+        # checked with the config: a wrong name stops every command at once, not after torch is imported
+        if value is not None and value not in preset_names():
+            raise ValueError(unknown_preset(value))
+        return value
 
     @model_validator(mode="after")
     def _one_mode(self) -> "ModelSection":

@@ -663,6 +663,7 @@ def plan_text(plan: RunPlan, title: str = "run plan") -> str:
     """`render_plan` as plain text (no colour), as the commands print it."""
     from rich.console import Console  # noqa: PLC0415 - rich only where a plan is shown
 
-    console = Console(width=160, color_system=None, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    # 100 columns: the reasons wrap within a terminal or a log viewer's width instead of running past it
+    console = Console(width=100, color_system=None, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
     console.print(render_plan(plan, title))
     return console.export_text()

@@ -384,6 +384,11 @@ class EnergonWriter:
                   "num_tokens": sample.num_tokens, "meta": sample.meta}
         return {media_extension(kind, data): data, "txt": answer.encode(), "json": json.dumps(record, ensure_ascii=False).encode()}
 
+    def move_split(self, source: str, target: str) -> None:
+        """Count the samples added to `source` as `target`'s (empty until then): the prepared split they are in
+        was renamed (`prepare._val_to_train`)."""
+        self._count[target], self._count[source] = self._count[target] + self._count[source], 0
+
     def finish(self, shards: dict[str, list[Path]], workers: int = 1) -> dict[str, Any]:
         """Write the tars from `shards` ({split: prepared Parquet files} holding the added samples, in the same
         order), then `.nv-meta` through energon. Returns {path, format, format_note, samples: {split: n}, shards}."""

@@ -321,13 +321,15 @@ def id_digest(source: str, sample_id: str) -> bytes:
 
 
 def progress_bar(enabled: bool, description: str):
-    """A rich progress bar on stderr with a samples/s column; a no-op context when disabled.
+    """A rich progress bar on stderr with a samples/s column; a no-op context when disabled or when stderr is not a
+    terminal (piped or logged, the bar would leave its last frame, spinner included).
 
     Returns a context manager whose value is a zero-argument `advance()` callable.
     """
-    if not enabled:
-        return contextlib.nullcontext(lambda: None)
     from rich.console import Console
+
+    if not enabled or not Console(stderr=True).is_terminal:
+        return contextlib.nullcontext(lambda: None)
     from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, TextColumn, TimeElapsedColumn
     from rich.text import Text
 

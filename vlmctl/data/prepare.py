@@ -680,12 +680,14 @@ REPEATS = ("duplicate", "duplicate_id")
 they are the only ones `data.min_kept_fraction` does not count."""
 
 
-def check_kept(tallies: list[SourceTally], min_fraction: float) -> None:
+def check_kept(tallies: list[SourceTally], min_fraction: float, kind: str = "auto") -> None:
     """Raise DataError naming every source that kept less than `min_fraction` of its records, counting every
     rejection but the repeats of kept samples (`REPEATS`): a defect of the data, or a limit the project sets
     (`LIMIT_KEYS`: too_long, the image, video and audio limits); the message holds each such source's counts per
-    reason, with the setting behind each limit."""
-    bad, limits = [], []
+    reason, with the setting behind each limit. With `kind` (data.kind) preference, a source rejected mostly as
+    missing_response holds conversations where pairs are expected: the hint says to point data.sources at the
+    pairs."""
+    bad, limits, conversations = [], [], []
     for t in tallies:
         counted = {r: n for r, n in t.rejected.items() if r not in REPEATS}
         judged = t.kept + sum(counted.values())
@@ -694,6 +696,18 @@ def check_kept(tallies: list[SourceTally], min_fraction: float) -> None:
             table = "\n".join(f"      {r} {n:,}" + (f" (limit: {LIMIT_KEYS[r]})" if r in LIMIT_KEYS else "") for r, n in reasons)
             bad.append(f"{t.name}: kept {t.kept:,} of {judged:,} records ({t.kept / judged:.1%}); rejected:\n{table}")
             limits += [LIMIT_KEYS[r] for r, _ in reasons if r in LIMIT_KEYS and LIMIT_KEYS[r] not in limits]
+            if kind == "preference" and reasons[0][0] == "missing_response":
+                conversations.append(t.name)
+    if conversations:
+        raise DataError(
+            f"data.kind is preference, and {', '.join(conversations)} kept less than data.min_kept_fraction="
+            f"{min_fraction:g} of their records: most are rejected as missing_response, so these sources hold "
+            "conversations (one answer each), not preference pairs (a chosen and a rejected answer):\n"
+            + "\n".join(f"  - {line}" for line in bad),
+            hint="point data.sources at the pairs, e.g. `vlmctl data prepare data.kind=preference "
+            "data.prepared_dir=data/pairs data.sources='[{path: data/raw/pairs.jsonl}]'` (layouts: docs/formats.md, "
+            "Preference data)",
+        )
     if bad:
         raised = f"; for the rejections by a limit, change {', '.join(limits)}" if limits else ""
         raise DataError(
@@ -741,11 +755,31 @@ def check_train_split(train_samples: int, kept: int, rejected: Counter, val_rati
     )
 
 
+def _val_to_train(writers: dict[str, "ShardWriter"], tmp: Path, energon) -> None:
+    """Make the val split the train split (val then empty). For data that is one leakage group (every kept sample
+    has the same content digest, so `checks.is_val` sends all of them to the same split): when that split is val,
+    training would have nothing, and val would only repeat train's samples if it had any."""
+    val, train = writers["val"], writers["train"]
+    val.close()
+    (tmp / "train").mkdir(parents=True, exist_ok=True)
+    names = []
+    for name in val.files:
+        new = "train" + name[len("val"):]
+        (tmp / "val" / name).replace(tmp / "train" / new)
+        names.append(new)
+    val.folder, val.prefix, val.files = tmp / "train", "train", names
+    train.folder, train.prefix = tmp / "val", "val"
+    writers["train"], writers["val"] = val, train
+    if energon is not None:
+        energon.move_split("val", "train")
+
+
 def _run(data: DataSection, results: Results, sources, tmp: Path, etmp: Path | None, *, num_proc, counts: TokenSource,
          progress, row_budget: RowBudget | None = None) -> dict[str, Any]:
     shard_bytes = data.shard_size_mb << 20
     writers = {"train": ShardWriter(tmp / "train", "train", shard_bytes), "val": ShardWriter(tmp / "val", "val", shard_bytes)}
     energon = None
+    val_groups: set[bytes] = set()  # content digests of val samples, up to 2: is val one leakage group?
     if etmp is not None:
         from vlmctl.data.energon import EnergonWriter
 
@@ -765,6 +799,8 @@ def _run(data: DataSection, results: Results, sources, tmp: Path, etmp: Path | N
                 continue
             pairs[src] += item.rejected is not None
             split = "val" if is_val(info.digest, data.val_ratio) else "train"
+            if split == "val" and len(val_groups) < 2:
+                val_groups.add(info.digest)
             writers[split].add(item)
             if energon is not None:
                 if item.rejected is not None:  # energon's sample types have no place for a rejected answer
@@ -772,8 +808,10 @@ def _run(data: DataSection, results: Results, sources, tmp: Path, etmp: Path | N
                                      hint="prepare without --export, or set data.kind: sft to export the chosen conversations")
                 energon.add(split, item)
             stats.add(item, info)
-    check_kept(tallies, data.min_kept_fraction)
+    check_kept(tallies, data.min_kept_fraction, kind=data.kind)
     kind = check_kind(tallies, pairs)
+    if not writers["train"].samples and len(val_groups) == 1:
+        _val_to_train(writers, tmp, energon)
     check_train_split(writers["train"].samples, sum(t.kept for t in tallies), rejected_total, data.val_ratio)
     splits = {}
     for name, w in writers.items():

@@ -8,12 +8,14 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from vlmctl.config.data import DataSection, DataSource
 from vlmctl.data.checks import REASONS, Rejection
+from vlmctl.data.formats.llamafactory import INFO_FILE
 from vlmctl.data.pipeline import RowBudget, SourceTally, iter_checked, progress_bar, unique_sources
 from vlmctl.data.tokens import has_processor
 from vlmctl.errors import UsageError
@@ -55,10 +57,14 @@ class ValidationReport:
 
 
 def sources_for_paths(paths: list[str | Path], *, image_root: str | Path | None = None,
-                      format: str = "auto") -> list[DataSource]:
+                      format: str = "auto", dataset: str | None = None) -> list[DataSource]:
     """DataSources for paths given on the command line, in `format` (auto: detected) with relative image paths
     resolved against `image_root` (default: each file's folder); a prepared folder (with manifest.json) is read
-    back as parquet."""
+    back as parquet; `dataset` names the data set of a LLaMA-Factory `dataset_info.json`.
+
+    Raises UsageError (naming `--dataset` and the registered names) for a dataset_info.json given without
+    `dataset` that registers more than one data set, or with a name it does not register, and for `dataset` with
+    no dataset_info.json."""
     root = str(Path(image_root).expanduser().resolve()) if image_root is not None else None
     out = []
     for p in paths:
@@ -67,8 +73,31 @@ def sources_for_paths(paths: list[str | Path], *, image_root: str | Path | None 
         if path.is_dir() and (path / "manifest.json").is_file():
             out.append(DataSource(path=resolved, format="parquet", name=path.name))
         else:
-            out.append(DataSource(path=resolved, format=format, image_root=root))
+            name = dataset
+            if format in ("auto", "llamafactory") and path.name == INFO_FILE and path.is_file():
+                name = _dataset_name(path, dataset)
+            out.append(DataSource(path=resolved, format=format, image_root=root, dataset=name))
+    if dataset is not None and not any(Path(s.path).name == INFO_FILE for s in out):
+        raise UsageError(f"--dataset {dataset} names a data set of LLaMA-Factory's {INFO_FILE}, and none is given",
+                         hint=f"pass the {INFO_FILE} file: `vlmctl data validate data/{INFO_FILE} --dataset {dataset}`")
     return out
+
+
+def _dataset_name(info_file: Path, dataset: str | None) -> str | None:
+    """The data set of `info_file` to read: `dataset`, or the one it registers when it registers one. Raises
+    UsageError for an unknown name, or none given where there are several; a file that cannot be read as JSON is
+    left to the reader, which reports it."""
+    try:
+        entries = json.loads(info_file.read_text())
+    except (OSError, ValueError):
+        return dataset
+    if not isinstance(entries, dict) or dataset in entries:
+        return dataset
+    if dataset is None and len(entries) == 1:
+        return str(next(iter(entries)))
+    names = ", ".join(sorted(map(str, entries))) or "none"
+    what = "names no data set: pass --dataset" if dataset is None else f"has no data set {dataset!r}"
+    raise UsageError(f"{info_file} {what}", hint=f"pass --dataset NAME, one of: {names}")
 
 
 def validate_data(
@@ -82,17 +111,18 @@ def validate_data(
     row_budget: RowBudget | None = None,
     image_root: str | Path | None = None,
     format: str = "auto",
+    dataset: str | None = None,
 ) -> ValidationReport:
     """Run every check over `data.sources` (or `paths`) and count rejections per reason (a duplicate's detail names
     the earlier sample it repeats). Writes nothing. too_long is checked when `processor_dir` holds a processor:
     over `data.max_length` tokens (text + visual), or over `row_budget.tokens` (one packed training row,
-    `train.tokens_per_batch x train.sequence_parallel`) when that is smaller. `image_root` and `format` apply to
-    `paths` (`sources_for_paths`).
+    `train.tokens_per_batch x train.sequence_parallel`) when that is smaller. `image_root`, `format` and `dataset`
+    apply to `paths` (`sources_for_paths`).
 
     Raises UsageError when there is nothing to check, MissingSourceError (a DataError, exit code 2) for a source
     that does not exist and DataError when a source cannot be opened.
     """
-    raw = sources_for_paths(paths, image_root=image_root, format=format) if paths else list(data.sources)
+    raw = sources_for_paths(paths, image_root=image_root, format=format, dataset=dataset) if paths else list(data.sources)
     if not raw:
         raise UsageError("no data to validate", hint="pass files/folders (`vlmctl data validate data/raw/train.json`) or list data.sources in vlmctl.yaml")
     sources = unique_sources(raw)

@@ -22,7 +22,6 @@ from __future__ import annotations
 from vlmctl.evaluation.loss import teacher_forced_loss
 from vlmctl.evaluation.results import EvalResult, SampleList
 from vlmctl.evaluation.runner import (
-    default_model_dir,
     default_output_dir,
     fold_into_metrics,
     load_samples,
@@ -36,7 +35,7 @@ from vlmctl.evaluation.runner import (
 )
 
 __all__ = [
-    "EvalResult", "SampleList", "default_model_dir", "default_output_dir", "fold_into_metrics", "load_samples",
+    "EvalResult", "SampleList", "default_output_dir", "fold_into_metrics", "load_samples",
     "read_predictions", "references_of", "resolve_task", "run_eval", "score_predictions_file", "teacher_forced_loss",
     "unique_output_dir", "write_outputs",
 ]

@@ -271,14 +271,6 @@ def default_output_dir(root: Path, model_label: str, task: str, data: str, *, cr
     return unique_output_dir(Path(root) / name, create=create)
 
 
-def default_model_dir(train_output_dir: Path, model_output_dir: Path) -> Path:
-    """The newest `final/` export under `train_output_dir/*/` (by modification time), else `model_output_dir`."""
-    finals = [p for p in Path(train_output_dir).glob("*/final") if p.is_dir()]
-    if finals:
-        return max(finals, key=lambda p: p.stat().st_mtime)
-    return Path(model_output_dir)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Distributed helpers
 # ---------------------------------------------------------------------------------------------------------------
@@ -533,6 +525,6 @@ def write_outputs(result: EvalResult, out_dir: Path, rows: Iterable[dict], sampl
 
 __all__ = [
     "EvalResult", "SampleList", "run_eval", "score_predictions_file", "read_predictions", "load_samples",
-    "default_model_dir", "default_output_dir", "unique_output_dir", "data_label", "references_of", "write_outputs",
+    "default_output_dir", "unique_output_dir", "data_label", "references_of", "write_outputs",
     "resolve_task", "fold_into_metrics",
 ]

@@ -37,7 +37,7 @@ from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
 
-from vlmctl.config.model import ModelSection
+from vlmctl.config.model import PRESET_DIR, ModelSection  # noqa: F401 - PRESET_DIR: re-exported
 from vlmctl.errors import ConfigError, ModelError
 from vlmctl.families import CLS_VISION_TYPES, FamilySpec, compose_family, count_parameters, get_family, has_cls_token
 from vlmctl.models.connectors import PROJECTORS, ProjectorSpec, check_connector, projector_spec  # noqa: F401  (re-exported)
@@ -50,7 +50,6 @@ from vlmctl.outputs import check_replaceable, install, local_paths
 # So are the vlmctl modules that load numpy when imported.
 # Light vlmctl modules are imported next to their use as well.
 
-PRESET_DIR = Path(__file__).parent / "presets"
 INFO_VERSION = 1
 
 
@@ -75,10 +74,10 @@ def load_preset(name: str) -> dict[str, Any]:
     import yaml
 
     if not (PRESET_DIR / f"{name}.yaml").is_file():
-        raise ConfigError(
-            f"unknown model preset {name!r}",
-            hint=f"presets: {', '.join(p.stem for p in sorted(PRESET_DIR.glob('*.yaml')))}",
-        )
+        from vlmctl.config.model import unknown_preset
+
+        raise ConfigError(unknown_preset(name), hint="set model.preset (or model.vision / model.llm with model.init: "
+                          "random) to one of the names `vlmctl model presets` lists")
     return yaml.safe_load(_read_preset(name))
 
 

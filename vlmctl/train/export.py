@@ -56,13 +56,17 @@ def _write_final(run_dir: Path, cfg, state: dict, *, source: str, lora, parts_tr
     shutil.rmtree(tmp, ignore_errors=True)
     if lora is not None and not lora.keep_adapter:
         fresh = merge_lora_model(fresh, out_dtype)  # peft's merge_and_unload in fp32, then one rounding
+    from vlmctl.models.quiet import quiet_transformers
+
     try:
-        # 5 GB files (transformers' long-standing default): safetensors copies a file's tensors into one buffer to write it
-        fresh.to(out_dtype).save_pretrained(tmp, max_shard_size=EXPORT_SHARD_BYTES)
-        if lora is not None and lora.keep_adapter:
-            # peft's placeholder card names the base by its local path; `vlmctl push` writes the model card.
-            (tmp / "README.md").unlink(missing_ok=True)
-        processor.save_pretrained(tmp)
+        with quiet_transformers():  # no "Writing model shards" bar in the run's output: the run says what it exported
+            # 5 GB files (transformers' long-standing default): safetensors copies a file's tensors into one buffer to
+            # write it
+            fresh.to(out_dtype).save_pretrained(tmp, max_shard_size=EXPORT_SHARD_BYTES)
+            if lora is not None and lora.keep_adapter:
+                # peft's placeholder card names the base by its local path; `vlmctl push` writes the model card.
+                (tmp / "README.md").unlink(missing_ok=True)
+            processor.save_pretrained(tmp)
     except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         failure = write_failure(exc, tmp)

@@ -337,14 +337,14 @@ def preflight(cfg, run_dir: Path | None = None) -> None:
     (DataError / ModelError), or when the checkpoint
     a resumed run (`run_dir`) would load is damaged or refused (`checkpoints.check_checkpoint`, CheckpointError
     naming the file) or was written with another batching (`checkpoint.check_batching`, ConfigError)."""
-    from vlmctl.errors import DataError
+    from vlmctl.errors import DataError, MissingSourceError
     from vlmctl.train.checkpoint import check_batching, resolve_resume
     from vlmctl.train.setup import model_source
 
     check_packages(cfg.train)
     train_dir = Path(cfg.data.prepared_dir) / "train"
     if not any(train_dir.glob("*.parquet")):
-        raise DataError(f"no prepared training shards in {train_dir}", hint="run `vlmctl data prepare` first")
+        raise MissingSourceError(f"no prepared training shards in {train_dir}", hint="run `vlmctl data prepare` first")
     if cfg.train.objective == "dpo":  # pairs, not conversations: read from the first shard's schema
         import pyarrow as pa
         import pyarrow.parquet as pq

@@ -197,8 +197,9 @@ def build_validator(cfg, ctx, tm, engine, objective, saved_best: dict[str, Any] 
 
 
 def name_best(run_dir: Path, validator, notify) -> None:
-    """After the export: write `final/best_checkpoint.json` ({metric, value, step, checkpoint}) and say which
-    checkpoint holds the best step (rank 0; nothing without `train.save_best` or before a first evaluation)."""
+    """After the export: write `final/best_checkpoint.json` ({metric, value, step, checkpoint: the checkpoint's
+    folder relative to the run folder, so the run can be moved or copied}) and say which checkpoint holds the best
+    step (rank 0; nothing without `train.save_best` or before a first evaluation)."""
     if validator is None or not validator.save_best or validator.best.step is None:
         return
     from vlmctl.train.checkpoint import checkpoints_dir
@@ -207,7 +208,8 @@ def name_best(run_dir: Path, validator, notify) -> None:
     checkpoint = checkpoints_dir(run_dir) / f"checkpoint-{best.step}"
     final = Path(run_dir) / "final"
     if final.is_dir() and int(os.environ.get("RANK", "0")) == 0:
-        record = {"metric": best.metric, "value": best.value, "step": best.step, "checkpoint": str(checkpoint)}
+        record = {"metric": best.metric, "value": best.value, "step": best.step,
+                  "checkpoint": checkpoint.relative_to(run_dir).as_posix()}
         tmp = final / ".best_checkpoint.json.tmp"
         tmp.write_text(json.dumps(record, indent=2) + "\n")
         os.replace(tmp, final / "best_checkpoint.json")
