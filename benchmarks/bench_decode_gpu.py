@@ -126,7 +126,7 @@ def parity(model, processor, family, n: int, max_tokens: int, device: str) -> di
 
     reqs = prompts(n)
     answers = {}
-    for name, graphs in (("graphs", "auto"), ("eager", False)):
+    for name, graphs in (("graphs", None), ("eager", False)):
         engine = DecodeEngine(model, processor, family=family, max_slots=8, max_length=1024, graphs=graphs, kernels="none")
         done = engine.generate(reqs, SamplingParams(max_tokens=max_tokens))
         answers[name] = [r.completions[0].token_ids for r in done]
@@ -175,7 +175,7 @@ def main() -> None:
         emit({"what": "parity", "preset": args.preset, **parity(model, processor, family, args.parity, 32, args.device)})
     for variant in [v for v in args.variants.split(",") if v]:
         t0 = time.perf_counter()
-        kernels = {"compile": "compile", "none": "none", "eager": "none"}.get(variant, "auto")
+        kernels = {"compile": "compile", "none": "none", "eager": "none", "liger": "liger"}.get(variant)
         engine = DecodeEngine(model, processor, family=family, max_slots=max(rows), max_length=args.max_length,
                               graphs=variant != "eager", kernels=kernels)
         for r in rows:

@@ -10,12 +10,12 @@ port in its own process (or, with --url, uses the server there: benchmarks/bench
 its /health (--start-timeout seconds; a server that exits first ends the benchmark), sends 2 warm-up requests, then
 for each concurrency C runs --requests image questions
 (a 64 px PNG as a data: URL, greedy, --max-tokens each) from C client threads with the official `openai` client,
-each thread sending its next request when the previous is answered. Output tokens are the servers' `usage`
-counts. Prints a `SERVER {json}` line (the served model's name, dtype and attention implementation from /health),
-then one `RESULT {json}` line per concurrency and round: requests, seconds, requests/s, output tokens/s,
-mean latency, and from the server's /health counters over the round: `generate` calls, requests and rows per call,
-seconds per call inside `generate`, seconds per call the worker waited for more requests, and the share of the round
-spent inside `generate`. With --rounds N the concurrencies are interleaved N times (1, 4, 8, 1, 4, 8, ...), so load from other
+each thread sending its next request when the previous is answered; requests are streamed, so the time to the first
+content chunk is measured. Output tokens are the servers' `usage` counts. Prints a `SERVER {json}` line (the served
+model's name, dtype, attention implementation and decoding mode from /health), then one `RESULT {json}` line per
+concurrency and round: requests, seconds, requests/s, output tokens/s, mean latency, median time to first token, and
+from the server's /health counters over the round: decode steps, rows per step, milliseconds per step (the worker's
+busy time over its steps) and the share of the round the worker was busy. With --rounds N the concurrencies are interleaved N times (1, 4, 8, 1, 4, 8, ...), so load from other
 processes on a shared machine falls on all of them, and a `MEDIAN {json}` and a `BEST {json}` line (the fastest
 round, the one least slowed by other processes) per concurrency follow.
 """
@@ -83,15 +83,26 @@ def main() -> None:
         if server is not None:
             wait_for_health(url, server, args.start_timeout)
         served = health(url)
-        print("SERVER " + json.dumps({k: served.get(k) for k in ("model", "dtype", "attn_implementation")}), flush=True)
+        print("SERVER " + json.dumps({k: served.get(k) for k in ("model", "dtype", "attn_implementation", "decode", "kernels", "slots")}),
+              flush=True)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=600)
 
-        def one(i: int) -> tuple[int, float]:
+        def one(i: int) -> tuple[int, float, float]:
+            """(output tokens, latency s, time to first token s) of one streamed request."""
             t0 = time.perf_counter()
-            answer = client.chat.completions.create(model=served["model"], max_tokens=args.max_tokens, temperature=0, messages=[
-                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": picture(i)}},
-                                             {"type": "text", "text": QUESTIONS[i % len(QUESTIONS)]}]}])
-            return answer.usage.completion_tokens, time.perf_counter() - t0
+            first, tokens = None, 0
+            stream = client.chat.completions.create(
+                model=served["model"], max_tokens=args.max_tokens, temperature=0, stream=True,
+                stream_options={"include_usage": True}, messages=[
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": picture(i)}},
+                                                 {"type": "text", "text": QUESTIONS[i % len(QUESTIONS)]}]}])
+            for chunk in stream:
+                if first is None and chunk.choices and chunk.choices[0].delta.content:
+                    first = time.perf_counter() - t0
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
+            latency = time.perf_counter() - t0
+            return tokens, latency, first if first is not None else latency
 
         for i in range(2):
             one(i)
@@ -107,19 +118,18 @@ def main() -> None:
                 row = {"concurrency": concurrency, "requests": args.requests, "seconds": round(seconds, 2),
                        "requests_per_s": round(args.requests / seconds, 2), "output_tokens": tokens,
                        "output_tokens_per_s": round(tokens / seconds, 1),
-                       "mean_latency_s": round(sum(r[1] for r in results) / len(results), 3), "device": args.device,
+                       "mean_latency_s": round(sum(r[1] for r in results) / len(results), 3),
+                       "ttft_ms_median": round(1000 * statistics.median(r[2] for r in results), 1), "device": args.device,
                        "max_batch_size": args.max_batch_size}
                 after = health(url)
-                # the engine's `generate` calls over the round: requests per call is the batching achieved; seconds
-                # per call (inside `generate`) against rows per call tells whether a call's cost grows with its rows,
-                # and the wait per call how long the worker held a batch open for more requests
-                calls = max(after["batches"] - before["batches"], 1)
-                row.update(generate_calls=after["batches"] - before["batches"],
-                           requests_per_call=round(args.requests / calls, 2),
-                           rows_per_call=round((after.get("rows", 0) - before.get("rows", 0)) / calls, 2),
-                           seconds_per_call=round((after.get("generate_seconds", 0) - before.get("generate_seconds", 0)) / calls, 3),
-                           wait_s_per_call=round((after.get("wait_seconds", 0) - before.get("wait_seconds", 0)) / calls, 3),
-                           generate_share=round((after.get("generate_seconds", 0) - before.get("generate_seconds", 0)) / seconds, 3))
+                # the engine's decode steps over the round: rows per step is the batching achieved, and the busy share
+                # how much of the round the worker spent stepping the engine (prefill, decoding, sending tokens)
+                steps = max(after["batches"] - before["batches"], 1)
+                row.update(decode_steps=after["batches"] - before["batches"],
+                           rows_per_step=round((after.get("rows", 0) - before.get("rows", 0)) / steps, 2),
+                           ms_per_step=round(1000 * (after.get("busy_seconds", 0) - before.get("busy_seconds", 0)) / steps, 3),
+                           busy_share=round((after.get("busy_seconds", 0) - before.get("busy_seconds", 0)) / seconds, 3),
+                           decode=after.get("decode"))
                 rows.setdefault(concurrency, []).append(row)
                 print("RESULT " + json.dumps(row), flush=True)
         if args.rounds > 1:
@@ -128,7 +138,8 @@ def main() -> None:
                 print("MEDIAN " + json.dumps({"concurrency": concurrency, "rounds": len(runs),
                                               "requests_per_s": median("requests_per_s"),
                                               "output_tokens_per_s": median("output_tokens_per_s"),
-                                              "mean_latency_s": median("mean_latency_s")}), flush=True)
+                                              "mean_latency_s": median("mean_latency_s"),
+                                              "ttft_ms_median": median("ttft_ms_median")}), flush=True)
                 best = max(runs, key=lambda r: r["requests_per_s"])  # the round least slowed by other processes
                 print("BEST " + json.dumps({"concurrency": concurrency, "rounds": len(runs), **{k: best[k] for k in (
                     "requests_per_s", "output_tokens_per_s", "mean_latency_s")}}), flush=True)
@@ -170,8 +181,8 @@ def wait_for_health(url: str, server: subprocess.Popen | None, timeout: float) -
 
 
 def health(url: str) -> dict:
-    """The server's `GET /health` ({status, model, dtype, attn_implementation, queued, running, batches: `generate` calls
-    so far, rows: their rows, generate_seconds: seconds inside them, wait_seconds: seconds spent filling batches})."""
+    """The server's `GET /health` ({status, model, dtype, attn_implementation, queued, running, batches: decode steps so
+    far, rows: rows decoded over them, busy_seconds: the worker's time stepping the engine, decode: its mode, ...})."""
     with urllib.request.urlopen(f"{url}/health", timeout=10) as response:
         return json.loads(response.read())
 

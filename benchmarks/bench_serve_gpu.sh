@@ -1,16 +1,15 @@
 #!/usr/bin/env bash
-# `vlmctl serve` on one GPU: one engine call at 1, 4 and 8 rows without HTTP, then requests/s, output tokens/s and
-# requests per `generate` call at 1, 4 and 8 concurrent clients.
+# `vlmctl serve` on one GPU: requests/s, output tokens/s, time to first token and rows per decode step at 1, 8 and 32
+# concurrent clients (the decoding engine alone: benchmarks/bench_decode_gpu.py).
 #   benchmarks/bench_serve_gpu.sh WORKDIR [PRESET] [BENCH_SERVE OPTIONS...]      # from the repository root
 # Builds the PRESET (default qwen2.5-vl-3b) with random weights in bf16 under WORKDIR (reused when already built), then
-#  1. benchmarks/bench_serve_engine.py --profile: seconds per call by phase at 1, 4, 8 rows (ENGINE lines) and the
-#     ops of a 1-row and an 8-row call (PROFILE tables): whether a call's cost grows with its rows, and where;
-#  2. `vlmctl serve` on a free local port (log: WORKDIR/serve.log), waited for on /health, then benchmarks/bench_serve.py
-#     --url against it at concurrency 1,4,8 (default 16 requests of 32 tokens; later options override), and a table.
+# starts `vlmctl serve` on a free local port (log: WORKDIR/serve.log; --max-batch-size $MAX_BATCH, default 32), waits
+# for its /health, runs benchmarks/bench_serve.py --url against it at concurrency 1,8,32 (default 32 requests of 32
+# tokens; later options override), and prints a table.
 # The server is stopped (SIGTERM, then SIGKILL after 30 s) however the script ends. Python packages the machine lacks
 # come from the wheel folder $WHEELS (default .wheels: py312/ for pydantic and friends, serve/ for openai, httpx,
 # starlette, uvicorn), installed into /tmp/site, which goes on PYTHONPATH with the repository root.
-# Time limits (seconds, environment): BUILD_TIMEOUT (420), ENGINE_TIMEOUT (240; 0 skips step 1), START_TIMEOUT (240),
+# Time limits (seconds, environment): BUILD_TIMEOUT (420), START_TIMEOUT (240),
 # BENCH_TIMEOUT (420). DEVICE (cuda) is the device served on (DEVICE=cpu with the tiny preset checks the script).
 set -euo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 WORKDIR [PRESET] [BENCH_SERVE OPTIONS...]" >&2; exit 2; }
@@ -43,17 +42,10 @@ from bench_serve import preset_model
 print(preset_model(Path(sys.argv[1]), sys.argv[2]))" "$work" "$preset" | tail -1)
 [ -f "$model/config.json" ] || { echo "the build left no $model/config.json" >&2; exit 1; }
 
-if [ "${ENGINE_TIMEOUT:-240}" != 0 ]; then
-    echo "== one engine call at 1, 4 and 8 rows (no HTTP)"
-    timeout "${ENGINE_TIMEOUT:-240}" python3 benchmarks/bench_serve_engine.py "$model" --device "$device" --rows 1,4,8 \
-        --max-tokens 32 --reps 3 --profile 2>&1 | grep -v '^\[W' | tee "$work/engine.log" \
-        || echo "bench_serve_engine.py failed or timed out (status ${PIPESTATUS[0]}); the HTTP benchmark follows" >&2
-fi
-
 port=$(python3 -c "from vlmctl.serve import free_port; print(free_port())")
 url=http://127.0.0.1:$port
 echo "== vlmctl serve at $url (log: $work/serve.log)"
-python3 -m vlmctl serve "$model" --device "$device" --port "$port" --max-batch-size 8 --model-name bench > "$work/serve.log" 2>&1 &
+python3 -m vlmctl serve "$model" --device "$device" --port "$port" --max-batch-size "${MAX_BATCH:-32}" --model-name bench > "$work/serve.log" 2>&1 &
 server=$!
 stop_server() {
     if kill -0 "$server" 2>/dev/null; then
@@ -78,14 +70,14 @@ until python3 -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1]
 done
 python3 -c "import sys, urllib.request; print('health', urllib.request.urlopen(sys.argv[1] + '/health').read().decode())" "$url"
 
-echo "== bench_serve.py at concurrency 1, 4, 8"
-timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/bench_serve.py --url "$url" --device "$device" --concurrency 1,4,8 \
-    --requests 16 --max-tokens 32 "$@" | tee "$work/bench.log"
+echo "== bench_serve.py at concurrency 1, 8, 32"
+timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/bench_serve.py --url "$url" --device "$device" --concurrency 1,8,32 \
+    --requests 32 --max-tokens 32 --max-batch-size "${MAX_BATCH:-32}" "$@" | tee "$work/bench.log"
 python3 - "$work/bench.log" <<'PY'
 import json, sys
 rows = [json.loads(line[len("RESULT "):]) for line in open(sys.argv[1]) if line.startswith("RESULT ")]
-keys = ["concurrency", "requests_per_s", "output_tokens_per_s", "mean_latency_s", "requests_per_call", "rows_per_call",
-        "seconds_per_call", "wait_s_per_call", "generate_share"]
+keys = ["concurrency", "requests_per_s", "output_tokens_per_s", "mean_latency_s", "ttft_ms_median", "rows_per_step",
+        "ms_per_step", "busy_share"]
 print(" ".join(f"{k:>19}" for k in keys))
 for r in rows:
     print(" ".join(f"{r.get(k, ''):>19}" for k in keys))

@@ -59,19 +59,22 @@ OnEvent = Callable[[Event], None]
 class Completion:
     """One choice of a request: its generated token ids (the end-of-sequence token excluded), its text (decoded
     without special tokens, stripped, cut before a stop string), why it ended, the tokens generated (the
-    end-of-sequence token counted) and, when asked, one `(token id, logprob, top)` entry per generated token."""
+    end-of-sequence token counted), the token that ended it (`stop_token`, when one did) and, when asked, one
+    `(token id, logprob, top)` entry per generated token."""
 
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
     generated: int = 0
     logprobs: list[tuple[int, float, list]] | None = None
+    stop_token: int | None = None  # the end-of-sequence (or stop) token that ended it, not in `token_ids`
 
 
 @dataclass(eq=False)
 class Request:
     """A submitted request: what it asks (`prompt`, `params`, `n`), where its events go (`on_event`), and, as the
-    engine works, its prompt length (`prompt_tokens`), choices (`completions`), failure (`error`: (status, message,
+    engine works, its prompt length and token ids (`prompt_tokens`, `prompt_ids`, as the processor wrote them),
+    choices (`completions`), failure (`error`: (status, message,
     code)), the engine steps it was submitted and admitted at, and when it was submitted and got its first token
     (`time.perf_counter` seconds: `first_token_at - submitted_at` is its time to first token)."""
 
@@ -82,6 +85,7 @@ class Request:
     id: str = ""
     cancelled: threading.Event = field(default_factory=threading.Event)
     prompt_tokens: int = 0
+    prompt_ids: list[int] = field(default_factory=list)
     completions: list[Completion] = field(default_factory=list)
     error: tuple[int, str, str | None] | None = None
     stream: bool = True
@@ -133,6 +137,7 @@ class _Choice:
         if out.logprobs is not None and logprob is not None:
             out.logprobs.append(logprob)
         if (token in self.eos and not params.ignore_eos) or token in params.stop_token_ids:
+            out.stop_token = token
             return self._finish("stop", self._text())
         out.token_ids.append(token)
         text = self._advance().lstrip() if params.stop or self.request.stream else ""
@@ -235,13 +240,15 @@ class DecodeEngine:
     `graphs`, `kernels`, `prefill_chunk`: see `runner.ModelRunner`. `prefill_batch`: prompts prefilled together in
     one forward (right-padded to the longest). `suppress_tokens`: ids never sampled (GRPO:
     media placeholders). `logprobs`: "raw" or "sampled" (module docstring). `strict_context`: refuse (400) a request
-    whose prompt plus `max_tokens` is over `max_length` (else its choices end with "length" there). Raises UsageError for a non-positive
+    whose prompt plus `max_tokens` is over `max_length` (else its choices end with "length" there). `max_context`:
+    how far `max_length` may grow for a longer request (the cache is enlarged; None: it never grows). Raises UsageError for a non-positive
     `max_slots` or `max_length`, ModelError for a model whose language model cannot be found.
     """
 
     def __init__(self, model, processor, *, family: Any = None, max_slots: int = 32, max_length: int = 4096, video: Any = None,
-                 graphs: str | bool = "auto", kernels: str = "auto", prefill_chunk: int = 4096, prefill_batch: int = 16,
-                 suppress_tokens: Sequence[int] = (), logprobs: str = "raw", strict_context: bool = True):
+                 graphs: bool | None = None, kernels: str | None = None, prefill_chunk: int = 4096, prefill_batch: int = 16,
+                 suppress_tokens: Sequence[int] = (), logprobs: str = "raw", strict_context: bool = True,
+                 max_context: int | None = None):
         from vlmctl.inference.kv_cache import bytes_per_token
         from vlmctl.inference.prompt import model_family
         from vlmctl.inference.runner import ModelRunner, kv_budget_slots
@@ -260,6 +267,7 @@ class DecodeEngine:
         self.defaults = model_defaults(model)
         self.logprobs_mode = logprobs
         self.strict_context = strict_context
+        self.max_context = max_context
         device = next(model.parameters()).device
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         dtype_bytes = next(model.parameters()).element_size()
@@ -322,15 +330,17 @@ class DecodeEngine:
     # ---- requests
 
     def submit(self, prompt: GenerationRequest | RenderedRequest, params: SamplingParams | None = None, *, n: int = 1,
-               on_event: OnEvent | None = None, id: str = "", stream: bool = True) -> Request:
+               on_event: OnEvent | None = None, id: str = "", stream: bool = True,
+               cancelled: threading.Event | None = None) -> Request:
         """Queue a request (thread-safe); it is admitted at a coming `step()`. A `GenerationRequest` is rendered by
         the chat template at admission (`render_request`). `stream`: send `delta` events as the text grows (else only
-        the final text, in `completions`). Raises UsageError for `n` outside [1, max_slots]."""
+        the final text, in `completions`). `cancelled`: an event whose setting cancels the request (default: a new
+        one, set by `cancel`). Raises UsageError for `n` outside [1, max_slots]."""
         if not 1 <= n <= self.max_slots:
             raise UsageError(f"n must be between 1 and the engine's {self.max_slots} slots, got {n}", hint="ask for fewer choices")
         params = params if params is not None else SamplingParams()
         request = Request(prompt, params, n=n, on_event=on_event, id=id or getattr(prompt, "id", ""), stream=stream,
-                          submitted_step=self.steps)
+                          submitted_step=self.steps, **({"cancelled": cancelled} if cancelled is not None else {}))
         with self._lock:
             self._incoming.append(request)
         return request
@@ -338,6 +348,21 @@ class DecodeEngine:
     def cancel(self, request: Request) -> None:
         """Stop generating for `request` (thread-safe): its slots are freed at the next step; no more events."""
         request.cancelled.set()
+
+    def abort(self, status: int, message: str, code: str | None = None) -> None:
+        """Fail every running and waiting request (after a step that failed for all of them) and free every slot."""
+        with self._lock:
+            self._waiting.extend(self._incoming)
+            self._incoming.clear()
+        failed = {id(c.request): c.request for c in self.slots if c is not None}
+        failed.update({id(r): r for r in self._waiting})
+        self._waiting.clear()
+        for slot in range(len(self.slots)):
+            self.slots[slot] = None
+            self.runner.release(slot)
+        for request in failed.values():
+            if not request.finished:
+                request.fail(status, message, code)
 
     def generate(self, prompts: Sequence[GenerationRequest | RenderedRequest], params: SamplingParams | Sequence[SamplingParams],
                  *, n: int = 1, progress: Callable[[int, int], None] | None = None) -> list[Request]:
@@ -454,8 +479,8 @@ class DecodeEngine:
                 return
             message = exc.message if isinstance(exc, VlmctlError) else f"the processor cannot read this request: {type(exc).__name__}: {exc}"
             return pairs[0][0].fail(400, message, "invalid_request")
-        lengths = inputs["attention_mask"].sum(dim=1).tolist() if "attention_mask" in inputs else [inputs["input_ids"].shape[1]] * len(pairs)
-        refused = [r for (r, _), n in zip(pairs, lengths) if not self._fits(r, int(n))]
+        width = int(inputs["input_ids"].shape[1])
+        refused = [r for r, _ in pairs if not self._fits(r, width)]
         if refused:
             for request in [r for r, _ in pairs if r not in refused]:
                 self._start([request], free)
@@ -466,13 +491,15 @@ class DecodeEngine:
             at += request.n
         started = time.perf_counter()
         try:
-            logits, positions, used = self.runner.prefill(inputs, [s[0] for s in slots])
-            for request, own, n in zip((r for r, _ in pairs), slots, used):
+            out = self.runner.prefill(inputs, [s[0] for s in slots])
+            for own, end in zip(slots, out.ends):
                 for slot in own[1:]:
-                    self.runner.cache.copy_slot(own[0], slot, n)
+                    self.runner.cache.copy_slot(own[0], slot, end)
             for b, (request, _) in enumerate(pairs):
-                request.prompt_tokens, request.admitted_step = int(used[b]), self.steps
-                self._first_tokens(request, slots[b], logits[b], positions[b], used[b], inputs["input_ids"][b, : used[b]])
+                request.prompt_tokens, request.admitted_step = int(out.tokens[b]), self.steps
+                ids = inputs["input_ids"][b, out.first[b]:out.ends[b]]
+                request.prompt_ids = ids.tolist()
+                self._first_tokens(request, slots[b], out.logits[b], out.positions[b], out.ends[b], ids, out.first[b])
         except Exception as exc:  # noqa: BLE001 - the model's failure on a request is that request's
             for request, own in zip((r for r, _ in pairs), slots):
                 for slot in own:
@@ -495,20 +522,32 @@ class DecodeEngine:
                 self._end(request)
 
     def _fits(self, request: Request, length: int) -> bool:
-        """Whether a prompt of `length` tokens (and, with `strict_context`, its `max_tokens`) fits the context;
-        fails the request (400) otherwise."""
+        """Whether a prompt taking `length` cache positions (its padded row) and, with `strict_context`, its
+        `max_tokens` fit the context, the cache grown up to `max_context` where allowed; fails the request (400)
+        otherwise."""
+        from vlmctl.inference.runner import bucket
+
+        need = length + request.params.max_tokens
+        if need > self.max_length and self.max_context and self.max_length < self.max_context:
+            try:
+                self.runner.grow(bucket(need, self.max_context, self.max_length))
+                self.max_length = self.runner.max_len
+            except Exception as exc:  # noqa: BLE001 - out of memory: the request fails below, the others go on
+                request.fail(400, f"the cache cannot grow to {need} positions for this request: {type(exc).__name__}: {exc}",
+                             "context_length_exceeded")
+                return False
         if length >= self.max_length:
             request.fail(400, f"the prompt ({length} tokens) does not fit the model's context of {self.max_length} tokens",
                          "context_length_exceeded")
             return False
-        if self.strict_context and length + request.params.max_tokens > self.max_length:
+        if self.strict_context and need > self.max_length:
             request.fail(400, f"the prompt ({length} tokens) plus max_tokens ({request.params.max_tokens}) is over the model's "
                          f"context of {self.max_length} tokens", "context_length_exceeded")
             return False
         return True
 
     def _first_tokens(self, request: Request, slots: list[int], logits: "torch.Tensor", position: float, used: int,
-                      prompt_ids: "torch.Tensor") -> None:
+                      prompt_ids: "torch.Tensor", start: int = 0) -> None:
         import torch
 
         from vlmctl.inference.sampling import sample
@@ -539,7 +578,8 @@ class DecodeEngine:
             self.slots[slot] = choice
             mark = torch.cat([prompt_ids.to(dev), first[c:c + 1]]) if params.repetition_penalty != 1 else None
             self.runner.admit(slot, int(token), position, used, temperature=params.temperature, top_p=params.top_p,
-                              top_k=params.top_k, penalty=params.repetition_penalty, seed=int(seeds[c]), step=1, seen=mark)
+                              top_k=params.top_k, penalty=params.repetition_penalty, seed=int(seeds[c]), step=1, seen=mark,
+                              first=start)
 
     def _params(self, request: Request) -> SamplingParams:
         """The request's parameters with the model's generation-config defaults where the request left them unset."""

@@ -136,6 +136,30 @@ def _model_inputs(model, processor, texts: list[str], images: list, audios: list
     return inputs
 
 
+def context_limit(model) -> int:
+    """The longest row the model's language model takes, in tokens (`max_position_embeddings` of its text config;
+    32,768 when the config names none): how far the engine of `generate` may grow its cache."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(getattr(config, "max_position_embeddings", None) or 32_768)
+
+
+def raise_failed(requests: Sequence[Any]) -> None:
+    """Raise the error of the first failed engine request (`vlmctl.inference.engine.Request`): DataError for an
+    input the processor or the context refuses (400), ModelError for a failure of the model (500)."""
+    from vlmctl.errors import DataError, ModelError
+
+    for request in requests:
+        if request.error is None:
+            continue
+        status, message, code = request.error
+        where = f"request {request.id}: " if request.id else ""
+        if status < 500:
+            hint = ("ask for fewer new tokens or shorten the prompt" if code == "context_length_exceeded"
+                    else "check the request's messages and media")
+            raise DataError(f"{where}{message}", hint=hint)
+        raise ModelError(f"{where}{message}", hint="run again with VLMCTL_DEBUG=1 for the traceback")
+
+
 def generate(
     model,
     processor,
@@ -149,47 +173,40 @@ def generate(
     family: Any = None,
     video: "DataVideo | None" = None,
 ) -> list[Generation]:
-    """Answers for `requests` through `model.generate`, `batch_size` prompts at a time.
-
-    Prompts are rendered by `render_inputs` and left-padded, so every row continues from its last position: with
-    greedy decoding a request's answer does not depend on the batch it is in (up to floating-point ties). Each
-    batch's `input_ids` is [batch_size, longest prompt in tokens]; at most `max_new_tokens` tokens are generated
-    per request, fewer when it reaches an end-of-sequence token. Image, video and audio-feature tensors are cast
-    to the model's dtype; audio clips and videos are read as the module docstring says (videos that are not stored
-    clips sampled by `video`, the `data.video` settings; defaults when None).
+    """Answers for `requests` through the decoding engine (`vlmctl.inference.engine.DecodeEngine`), at most
+    `batch_size` of them decoded at once: a request joins as soon as another one finishes (continuous batching),
+    its prompt prefilled alone in its own cache slot, so with greedy decoding a request's answer does not depend on
+    the requests beside it (up to floating-point ties between batch shapes). At most `max_new_tokens` tokens are
+    generated per request, fewer when it reaches an end-of-sequence token of the model's generation config; the
+    engine's cache grows for a long prompt up to the model's context (`context_limit`). Sampling with a positive
+    `temperature` (and `top_p`) draws each request's tokens from its own seed, taken from torch's generator (seed it
+    with `torch.manual_seed`). Audio clips and videos are read as the module docstring says (videos that are not
+    stored clips sampled by `video`, the `data.video` settings; defaults when None).
 
     `model`, `processor` as returned by `load_for_generation`; `family` its `FamilySpec` (default: from the model's
-    config, `model_family`). The tokenizer's pad token is set to its EOS token when it has none. Raises UsageError
-    for a non-positive `batch_size` / `max_new_tokens`, a negative `temperature`, `top_p` outside (0, 1], or a
-    request with a modality the family does not take (`check_requests`); DataError for a request whose media parts
-    point past its media, or a clip or video that does not decode (`read_video`).
+    config, `model_family`). The engine (its CUDA graphs, its cache) is kept on the model for the next call with the
+    same settings (`engine_for`). Raises UsageError for a non-positive `batch_size` / `max_new_tokens`, a negative
+    `temperature`, `top_p` outside (0, 1], or a request with a modality the family does not take
+    (`check_requests`); DataError for a request whose media parts point past its media, a clip or video that does
+    not decode (`read_video`), or a prompt longer than the model's context; ModelError when the model fails.
     """
-    import torch
+    from vlmctl.inference.engine import engine_for
+    from vlmctl.inference.sampling import SamplingParams
 
     _check_sampling(batch_size, max_new_tokens, temperature, top_p)
     family = family if family is not None else model_family(model)
     check_requests(requests, family)
-    tok = processor.tokenizer
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    side, tok.padding_side = tok.padding_side, "left"  # generation continues from the last position of every row
-    out: list[Generation] = []
-    try:
-        for start in range(0, len(requests), batch_size):
-            rendered = [render_request(r, processor, family) for r in requests[start : start + batch_size]]
-            texts = [r.text for r in rendered]
-            inputs = _model_inputs(model, processor, texts, [img for r in rendered for img in r.images],
-                                   [clip for r in rendered for clip in r.audios], [v for r in rendered for v in r.videos], video)
-            with torch.inference_mode():
-                generated = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
-                                           **_sampling(temperature, top_p))
-            answers = tok.batch_decode(generated[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-            out.extend(Generation(t, a.strip()) for t, a in zip(texts, answers))
-            if progress:
-                progress(len(out), len(requests))
-    finally:
-        tok.padding_side = side
-    return out
+    if not requests:
+        return []
+    rendered = [render_request(r, processor, family) for r in requests]
+    engine = engine_for(model, processor, family=family, max_slots=batch_size, max_length=2048, video=video,
+                        strict_context=False, max_context=context_limit(model))
+    done = engine.generate(rendered, SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p),
+                           progress=progress)
+    for request, asked in zip(done, requests):
+        request.id = request.id or asked.id
+    raise_failed(done)
+    return [Generation(r.text, d.completions[0].text) for r, d in zip(rendered, done)]
 
 
 def generate_vllm(
@@ -245,56 +262,46 @@ def stream_generate(
     family: Any = None,
     video: "DataVideo | None" = None,
 ) -> Iterator[str]:
-    """The answer to one request as pieces of text, yielded while `model.generate` runs in a background thread
-    (transformers' `TextIteratorStreamer`: a piece is yielded once it decodes to whole words).
+    """The answer to one request as pieces of text, yielded while the decoding engine generates it (a piece is
+    sent once it decodes to whole characters; `vlmctl.inference.engine`), in the calling thread.
 
     The pieces joined and stripped equal `generate(...)[0].text` for the same request and settings (greedy: the
     same tokens; both decode without special tokens). Closing the iterator early (a `break`, Ctrl-C in the
-    consumer) stops generation after the current token. An exception raised by the model is raised here after the
-    pieces generated before it. `family`, `video`: as in `generate`. Raises UsageError for bad sampling values or
-    modalities (see `generate`), DataError for a request whose media parts point past its media or a video that
-    does not decode.
+    consumer) stops generation after the current token and frees the request's cache slot. `family`, `video`: as
+    in `generate`. Raises UsageError for bad sampling values or modalities (see `generate`), DataError for a request
+    whose media parts point past its media, a video that does not decode or a prompt over the model's context,
+    ModelError when the model fails (after the pieces generated before).
     """
+    from vlmctl.inference.engine import engine_for
+    from vlmctl.inference.sampling import SamplingParams
+
     _check_sampling(None, max_new_tokens, temperature, top_p)
-    import threading
-
-    import torch
-    from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
-
     family = family if family is not None else model_family(model)
     check_requests([request], family)
-    tok = processor.tokenizer
-    text, images, audios, videos = render_request(request, processor, family)
-    inputs = _model_inputs(model, processor, [text], images, audios, videos, video)
-    streamer = TextIteratorStreamer(tok, skip_prompt=True, skip_special_tokens=True)
-    stop = threading.Event()
-    errors: list[BaseException] = []
+    engine = engine_for(model, processor, family=family, max_slots=1, max_length=2048, video=video, strict_context=False,
+                        max_context=context_limit(model))
+    pieces: list[str] = []
 
-    class _Stop(StoppingCriteria):
-        def __call__(self, input_ids, scores, **kwargs):
-            return torch.full((input_ids.shape[0],), stop.is_set(), dtype=torch.bool, device=input_ids.device)
+    def on_event(event) -> None:
+        if event[0] == "delta":
+            pieces.append(event[2])
 
-    def run() -> None:
-        try:
-            with torch.inference_mode():  # thread-local: entered in the generating thread
-                model.generate(**inputs, max_new_tokens=max_new_tokens, streamer=streamer,
-                               pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
-                               stopping_criteria=StoppingCriteriaList([_Stop()]), **_sampling(temperature, top_p))
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
-            errors.append(exc)
-            streamer.end()  # generate() ends the stream itself only when it returns
-
-    thread = threading.Thread(target=run, name="vlmctl-generate", daemon=True)
-    thread.start()
+    handle = engine.submit(request, SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p),
+                           on_event=on_event, id=request.id)
     try:
-        for piece in streamer:
-            if piece:
-                yield piece
+        while not handle.finished:
+            engine.step()
+            while pieces:
+                yield pieces.pop(0)
+        while pieces:
+            yield pieces.pop(0)
     finally:
-        stop.set()
-        thread.join()
-    if errors:
-        raise errors[0]
+        if not handle.finished:  # the consumer stopped early: free the slot
+            engine.cancel(handle)
+            while engine.busy:
+                engine.step()
+    raise_failed([handle])
 
 
-__all__ = ["ProgressFn", "audio_inputs", "generate", "generate_vllm", "read_video", "stream_generate", "video_inputs"]
+__all__ = ["ProgressFn", "audio_inputs", "context_limit", "generate", "generate_vllm", "raise_failed", "read_video",
+           "stream_generate", "video_inputs"]

@@ -33,7 +33,7 @@ family's own forward does.
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from vlmctl.errors import ModelError
 from vlmctl.inference.kv_cache import SlotCache
@@ -50,6 +50,18 @@ MIN_LENGTH_BUCKET = 128
 
 class _Captured(Exception):
     """Raised by the language model's pre-hook once its arguments are caught (the rest of the forward is skipped)."""
+
+
+class Prefilled(NamedTuple):
+    """What `ModelRunner.prefill` returns per row: `logits` [B, V] float32 of its last token, `positions` (the
+    position its next token takes), `first` (its first cache index: padding before it), `ends` (one past its last
+    token: where decoding writes next) and `tokens` (its prompt length)."""
+
+    logits: "torch.Tensor"
+    positions: list[float]
+    first: list[int]
+    ends: list[int]
+    tokens: list[int]
 
 
 def bucket(n: int, cap: int, floor: int = 1) -> int:
@@ -118,16 +130,16 @@ class ModelRunner:
     """Prefill and decode steps over a `SlotCache` of `slots` rows x `max_len` positions (module docstring).
 
     `model`: a loaded `*ForConditionalGeneration` (or any wrapper that keeps its modules: peft), in eval mode.
-    `graphs`: capture each decode bucket in a CUDA graph (`"auto"`: on CUDA devices). `kernels`: fewer kernels per
+    `graphs`: capture each decode bucket in a CUDA graph (None: on CUDA devices). `kernels`: fewer kernels per
     decoder layer, which is what a decode step's time is made of: `"liger"` (liger-kernel's fused RMSNorm, RoPE and
     SwiGLU, patched into the model as training patches them), `"compile"` (each decoder layer through
-    torch.compile, one compiled code for all layers; slower to start), `"none"`, or `"auto"` (liger on CUDA where
-    it is installed and has the family, else none). `prefill_chunk`: the longest piece of a prompt one prefill
+    torch.compile, one compiled code for all layers; slower to start), `"none"`, or None (liger on CUDA where it is
+    installed and has the family, else none). `prefill_chunk`: the longest piece of a prompt one prefill
     forward takes (tokens). `suppress`: token ids never sampled. Raises ModelError when the family's language model
     or LM head is not found on `model`.
     """
 
-    def __init__(self, model, family, *, slots: int, max_len: int, graphs: str | bool = "auto", kernels: str = "auto",
+    def __init__(self, model, family, *, slots: int, max_len: int, graphs: bool | None = None, kernels: str | None = None,
                  prefill_chunk: int = 4096, suppress: tuple[int, ...] = ()):
         import torch
 
@@ -154,6 +166,7 @@ class ModelRunner:
         self.tokens = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
         self.write_pos = torch.zeros(n, dtype=torch.long, device=dev)
+        self.first = torch.zeros(n, dtype=torch.long, device=dev)  # first cache index of each row (padding before)
         self.active = torch.zeros(n, dtype=torch.bool, device=dev)
         self.temperature = torch.zeros(n, dtype=torch.float32, device=dev)
         self.top_p = torch.ones(n, dtype=torch.float32, device=dev)
@@ -170,7 +183,7 @@ class ModelRunner:
             self.suppress = torch.zeros(self.vocab, dtype=torch.bool, device=dev)
             self.suppress[[i for i in suppress if 0 <= i < self.vocab]] = True
         on_cuda = dev.type == "cuda"
-        self.use_graphs = on_cuda if graphs == "auto" else bool(graphs) and on_cuda
+        self.use_graphs = on_cuda if graphs is None else bool(graphs) and on_cuda
         self.kernels = self._apply_kernels(kernels)
         register_decode_attention()
         self._graphs: dict[tuple, Any] = {}
@@ -213,10 +226,11 @@ class ModelRunner:
             return {kind: convert(allowed_fn(w)) for kind, w in self.windows.items()}
         return convert(allowed_fn(self.windows))
 
-    def _prefill_mask(self, captured, start: int, end: int, lengths: "torch.Tensor"):
+    def _prefill_mask(self, captured, start: int, end: int, valid: "torch.Tensor"):
         """The mask of prompt chunk [start, end) ([B, 1, end - start, end]): the model's own 4D mask(s) sliced where
-        it built one (bidirectional image tokens, Gemma 3), else causal over each row's `lengths` [B] valid tokens
-        (with each layer's window)."""
+        it built one (bidirectional image tokens, Gemma 3), else causal over each row's tokens (`valid` [B, T] bool,
+        False on padding, on either side), with each layer's window. A padding position attends to itself only, so
+        no row of the softmax is empty (its output is never read)."""
         import torch
 
         if isinstance(captured, dict):
@@ -225,10 +239,10 @@ class ModelRunner:
             return captured[:, :, start:end, :end]
         q = torch.arange(start, end, device=self.device)[None, :, None]
         k = torch.arange(end, device=self.device)[None, None, :]
-        valid = k < lengths[:, None, None]
+        keys = valid[:, None, :end] | (k == q)
 
         def allowed(window):
-            m = (k <= q) & valid
+            m = (k <= q) & keys
             if window:
                 m = m & (k > q - window)
             return m[:, None]
@@ -243,9 +257,10 @@ class ModelRunner:
 
         k, q = key_range[None, :], write_pos[:, None]
         kv_heads = self.kv_heads
+        first = self.first[: write_pos.shape[0], None]
 
         def additive(window):
-            allowed = k <= q
+            allowed = (k <= q) & (k >= first)
             if window:
                 allowed = allowed & (k > q - window)
             mask = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill(~allowed, float("-inf"))
@@ -281,13 +296,15 @@ class ModelRunner:
                              hint="check model.family matches the checkpoint")
         return caught
 
-    def prefill(self, inputs: dict[str, Any], slots: list[int]) -> tuple["torch.Tensor", list[float], list[int]]:
-        """Run a batch of prompts (`inputs`: processor outputs padded on the right, on the model's device) into
-        `slots` (one per row, in order).
+    def prefill(self, inputs: dict[str, Any], slots: list[int]) -> "Prefilled":
+        """Run a batch of prompts (`inputs`: processor outputs of B rows, padded on either side as the processor
+        pads, on the model's device) into `slots` (one per row, in order). Each row keeps the cache positions of its
+        padded row: its tokens sit where the processor put them, the padding before them is never attended to
+        (`admit`'s `first`), and decoding writes from just after its last token.
 
-        Returns (logits of each row's last position [B, V] float32, the position each row's next token takes (an
-        int, or a float for a family with fractional positions), each prompt's length in tokens = cache positions
-        used). Raises ValueError when a prompt does not fit the cache.
+        Returns a `Prefilled`: logits of each row's last token [B, V] float32, the position each row's next token
+        takes (an int, or a float for a family with fractional positions), each row's first and next cache index,
+        and its prompt length in tokens. Raises ValueError when a row does not fit the cache.
         """
         import torch
 
@@ -295,46 +312,48 @@ class ModelRunner:
         embeds, ids = kw.pop("inputs_embeds", None), kw.pop("input_ids", None)
         seq = embeds if embeds is not None else ids
         rows, width = int(seq.shape[0]), int(seq.shape[1])
+        if width > self.max_len:
+            raise ValueError(f"a prompt of {width} tokens does not fit the cache's {self.max_len} positions")
         pad = inputs.get("attention_mask")
-        lengths = pad.sum(dim=1).tolist() if pad is not None and pad.ndim == 2 else [width] * rows
-        if max(lengths) > self.max_len:
-            raise ValueError(f"a prompt of {max(lengths)} tokens does not fit the cache's {self.max_len} positions")
+        valid = pad.bool() if pad is not None and pad.ndim == 2 else torch.ones(rows, width, dtype=torch.bool, device=self.device)
+        index = torch.arange(width, device=self.device)
+        first = torch.where(valid, index, width).amin(dim=1)
+        last = torch.where(valid, index, -1).amax(dim=1)
         positions = kw.pop("position_ids", None)
-        if positions is None:
-            positions = torch.arange(width, device=self.device)[None].expand(rows, -1)
+        if positions is None:  # what generate derives for padded rows: each row's tokens count from 0
+            positions = (valid.long().cumsum(dim=1) - 1).clamp_min(0)
         mask = kw.pop("attention_mask", None)
         for key in _CACHE_KEYS:
             kw.pop(key, None)
-        next_positions = self._next_positions(positions, lengths)
-        valid = torch.tensor(lengths, device=self.device)
+        next_positions = self._next_positions(positions, valid)
         slot_index = torch.tensor(slots, device=self.device)
         # a prompt is cut into chunks only when every argument is sequence-aligned (embeddings, positions, mask)
         step = self.prefill_chunk if (embeds is not None and not kw) else width
         logits = torch.empty(rows, self.vocab, dtype=torch.float32, device=self.device)
+        ends = last.tolist()
         for start in range(0, width, max(step, 1)):
             end = min(start + step, width)
             self.cache.prefill(slot_index, start)
             piece = {"inputs_embeds": embeds[:, start:end]} if embeds is not None else {"input_ids": ids}
             out = self.lm(**piece, position_ids=positions[..., start:end], attention_mask=self._prefill_mask(mask, start, end, valid),
                           use_cache=True, **{self.cache_arg: self.cache}, **kw)
-            last = [(b, n - 1 - start) for b, n in enumerate(lengths) if start <= n - 1 < end]
-            if last:
-                index = torch.tensor([b for b, _ in last], device=self.device)
-                hidden = out[0][index, torch.tensor([i for _, i in last], device=self.device)]
-                logits[index] = self._head(hidden)
-        return logits, next_positions, [int(n) for n in lengths]
+            done = [(b, i - start) for b, i in enumerate(ends) if start <= i < end]
+            if done:
+                rows_done = torch.tensor([b for b, _ in done], device=self.device)
+                hidden = out[0][rows_done, torch.tensor([i for _, i in done], device=self.device)]
+                logits[rows_done] = self._head(hidden)
+        return Prefilled(logits, next_positions, first.tolist(), [i + 1 for i in ends], valid.sum(dim=1).tolist())
 
-    def _next_positions(self, positions: "torch.Tensor", lengths: list[int]) -> list[float]:
-        """One past each row's largest position among its `lengths` valid tokens (positions [B, T], or [S, B, T] for
+    def _next_positions(self, positions: "torch.Tensor", valid: "torch.Tensor") -> list[float]:
+        """One past each row's largest position among its valid tokens (positions [B, T], or [S, B, T] for
         multimodal RoPE; with four sections the first holds text positions and is left out)."""
-        import torch
-
         rope = positions[1:] if positions.ndim == 3 and positions.shape[0] == 4 else positions
         if rope.is_floating_point() and not self.positions.is_floating_point():
             # fractional positions (Qwen3-Omni's video timestamps): keep them exact; graphs of integer ones are stale
             self.positions = self.positions.to(rope.dtype)
             self._graphs.clear()
-        valid = torch.arange(rope.shape[-1], device=rope.device)[None, :] < torch.tensor(lengths, device=rope.device)[:, None]
+        import torch
+
         low = torch.finfo(rope.dtype).min if rope.is_floating_point() else torch.iinfo(rope.dtype).min
         top = rope.masked_fill(~valid, low).amax(dim=-1)
         top = top.amax(dim=0) if top.ndim == 2 else top
@@ -348,17 +367,36 @@ class ModelRunner:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
+    def grow(self, max_len: int) -> None:
+        """Make room for `max_len` positions per slot: the cache is copied into larger buffers (rows in flight keep
+        their keys) and the CUDA graphs, bound to the old buffers, are dropped (captured again on use)."""
+        import torch
+
+        if max_len <= self.max_len:
+            return
+        for layer in range(len(self.cache.keys)):
+            for store in (self.cache.keys, self.cache.values):
+                old = store[layer]
+                new = torch.zeros(*old.shape[:2], max_len, old.shape[3], dtype=old.dtype, device=old.device)
+                new[:, :, : self.max_len] = old
+                store[layer] = new
+        self.cache.max_len = self.max_len = int(max_len)
+        self.key_range = torch.arange(self.max_len, device=self.device)
+        self._graphs.clear()
+
     # ---- rows
 
     def admit(self, slot: int, token: int, position: float, length: int, *, temperature: float, top_p: float, top_k: int,
-              penalty: float, seed: int, step: int, seen: "torch.Tensor | None" = None) -> None:
+              penalty: float, seed: int, step: int, seen: "torch.Tensor | None" = None, first: int = 0) -> None:
         """Make `slot` active: its next input `token` at rope `position`, written at cache index `length`, with its
-        sampling parameters; `seen`: the token ids the repetition penalty counts (prompt and first token)."""
+        sampling parameters; `seen`: the token ids the repetition penalty counts (prompt and first token); `first`:
+        its first cache index (the prefill's padding before it is never attended to)."""
         if length >= self.max_len:
             raise ValueError(f"slot {slot} is full ({length} of {self.max_len} positions)")
         self.tokens[slot] = token
         self.positions[slot] = position
         self.write_pos[slot] = length
+        self.first[slot] = int(first)
         self.temperature[slot] = float(temperature)
         self.top_p[slot] = float(top_p)
         self.top_k[slot] = int(top_k)
@@ -374,6 +412,7 @@ class ModelRunner:
         """Free `slot`: it decodes no more (its buffers stay in bounds for the rows beside it)."""
         self.active[slot] = False
         self.write_pos[slot] = 0
+        self.first[slot] = 0
         self.positions[slot] = 0
 
     # ---- decode
@@ -393,15 +432,15 @@ class ModelRunner:
             config._attn_implementation_internal = implementation
         return self._head(out[0][:, -1])
 
-    def _apply_kernels(self, kernels: str) -> str:
+    def _apply_kernels(self, kernels: str | None) -> str:
         """Apply the decode kernels asked for (class docstring); returns what was applied ("liger", "compile" or
         "none")."""
         from vlmctl.families.spec import decoder_layers
         from vlmctl.train.kernels import liger_available
 
-        if kernels not in ("auto", "liger", "compile", "none"):
-            raise ValueError(f"kernels must be auto, liger, compile or none, got {kernels!r}")
-        if kernels in ("auto", "liger") and liger_available(self.device.type) and self.family.liger_patch:
+        if kernels not in (None, "liger", "compile", "none"):
+            raise ValueError(f"kernels must be liger, compile, none or None, got {kernels!r}")
+        if kernels in (None, "liger") and liger_available(self.device.type) and self.family.liger_patch:
             import liger_kernel.transformers as lk
 
             patch = getattr(lk, self.family.liger_patch, None)

@@ -221,7 +221,7 @@ def create_app(state: ServerState):
         engine = state.engine
         return JSONResponse({"status": "ok", "model": state.model_name, "queued": engine.queued, "running": engine.running,
                              **state.choice, "batches": engine.batches, "rows": engine.rows,
-                             "generate_seconds": round(engine.generate_seconds, 4), "wait_seconds": round(engine.wait_seconds, 4)})
+                             "busy_seconds": round(engine.busy_seconds, 4), **engine.describe()})
 
     async def page(request: Request) -> HTMLResponse:
         return HTMLResponse(PAGE.read_text(encoding="utf-8"), headers=PAGE_HEADERS)
@@ -235,7 +235,7 @@ def create_app(state: ServerState):
                                                          "owned_by": "vlmctl"}]})
 
     async def completions(request: Request):
-        state.engine.announce()  # the worker may wait for this request while it renders (Engine.batch_window_s)
+        state.engine.announce()  # counted while it is read and rendered (/health's `arriving`)
         try:
             return await answer(request)
         finally:

@@ -256,9 +256,9 @@ def _read_video(url: str, roots, settings: Any, param: str) -> bytes:
 
 def _header_size(data: bytes) -> tuple[int, int]:
     """(width, height) from an image's header, without decoding it; (0, 0) for bytes `normalize_image` will refuse."""
-    import warnings
+    import warnings  # beside PIL: only a request with images pays for them
 
-    from PIL import Image
+    from PIL import Image  # PIL loads its plugins on first use: only requests with images need it
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)

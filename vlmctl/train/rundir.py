@@ -167,7 +167,7 @@ def _release_all() -> None:
 def sweep_temporaries(run_dir: Path) -> list[Path]:
     """Remove what a killed run left while writing (`TEMPORARIES`) and put back a checkpoint it was replacing
     (`checkpoint.restore_moved`); call only while no process writes the run. Returns what was removed."""
-    from vlmctl.train.checkpoint import restore_moved
+    from vlmctl.train.checkpoint import restore_moved  # train.checkpoint imports this module: a cycle at the top level
 
     removed = restore_moved(run_dir)
     for pattern in TEMPORARIES:
