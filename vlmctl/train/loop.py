@@ -167,6 +167,7 @@ class StepResult:
     stop: bool
     bad: bool
     flops: float = 0.0  # training FLOPs of the step's global batch (0 without a cost model)
+    lr: float | None = None  # the learning rate of the step's update (before the scheduler stepped)
     # per data-parallel rank, in rank order: forward + backward seconds, seconds waiting for the data loader, FLOPs
     rank_compute_s: list[float] = field(default_factory=list)
     rank_data_wait_s: list[float] = field(default_factory=list)
@@ -300,6 +301,7 @@ class Trainer:
         import torch.distributed as dist
 
         timer = StepTimer(self.env.device)
+        lr = self.engine.lr  # the rate of this step's update: the schedule moves on when it steps (DeepSpeed: in micro_step)
         prepare = getattr(self.objective, "prepare_window", None)
         reuses = getattr(self.objective, "reuses_window", None)
         if reuses is not None and reuses(self.state.step):  # GRPO's num_iterations: no new prompts drawn
@@ -329,7 +331,7 @@ class Trainer:
         return StepResult(
             loss=None if bad else float(stats[0]) / max(total_tokens, 1.0), grad_norm=grad_norm, label_tokens=int(total_tokens),
             text_tokens=text, visual_tokens=visual, dummy_images=int(stats[3]), samples=int(stats[4]),
-            stop=bool(stats[6] > 0), bad=bad, flops=float(stats[5]),
+            stop=bool(stats[6] > 0), bad=bad, flops=float(stats[5]), lr=lr,
             rank_compute_s=[r[0] for r in ranks], rank_data_wait_s=[r[1] for r in ranks], rank_flops=[r[2] for r in ranks],
             metrics={} if bad else self.objective.metrics(extra, total_tokens),
         )
@@ -435,7 +437,7 @@ class Trainer:
             "epoch": round(self.state.consumed / self.batches_per_epoch, 4),
             "loss": last.loss,
             "loss_avg": sum(good) / len(good) if good else None,
-            "lr": self.engine.lr,
+            "lr": self.engine.lr if last.lr is None else last.lr,
             "grad_norm": last.grad_norm,
             "label_tokens": last.label_tokens,
             "text_tokens": text,
