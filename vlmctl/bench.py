@@ -799,8 +799,11 @@ def prepare(model_section, train, spec: WorkloadSpec = WorkloadSpec(), *, steps:
         check_device_settings(train, run, nproc=dp_size)
     if spec.video_frames is not None:
         check_video(model)
+    from vlmctl.train.registry import get_objective
+
     kind = spec.kind
-    pairs, prompts = train.objective == "dpo", train.objective == "grpo"
+    objective = get_objective(train.objective)
+    pairs, prompts = objective.workload == "pairs", objective.workload == "prompts"
     if kind == "auto":
         kind = "baseline" if model.family.mrope and packing and spec.video_frames is None and not (pairs or prompts) else "chat"
         if kind == "baseline" and not spec.baseline_sides():  # e.g. a tiny project's 32 px pictures
@@ -811,10 +814,6 @@ def prepare(model_section, train, spec: WorkloadSpec = WorkloadSpec(), *, steps:
     if (pairs or prompts) and kind != "chat":
         what = "preference pairs" if pairs else "prompts (the answers are their references)"
         raise UsageError(f"train.objective {train.objective} benches {what} of the chat workload", hint="use --workload chat (or auto)")
-    if prompts:
-        from vlmctl.train.grpo import check_grpo_settings
-
-        check_grpo_settings(train, model.family, packing=packing)  # ConfigError, as the run's objective would raise
     if kind == "baseline" and not (model.family.mrope and packing):
         why = "packed rows" if model.family.mrope else "Qwen-VL families"
         raise UsageError(f"--workload baseline is the Qwen-VL baseline's packed workload; this bench has no {why}",
@@ -824,7 +823,7 @@ def prepare(model_section, train, spec: WorkloadSpec = WorkloadSpec(), *, steps:
     if kind == "baseline":
         workload: Workload = BaselineWorkload(model.config, spec, seed=train.seed, rows=rows * dp_size, budget=budget)
     else:
-        rowed = packing and not prompts  # grpo: micro-batches of prompts, as training's sampler deals them
+        rowed = packing and objective.packs_samples  # else micro-batches (grpo's prompts), as training's sampler deals them
         min_samples = 0 if rowed else rows * dp_size * micro_batch(train)
         workload = ChatWorkload(model.processor, model.family, spec, seed=train.seed, min_samples=min_samples,
                                 min_tokens=int((rows * dp_size + 2) * budget * 1.3) if rowed else 0,
@@ -985,9 +984,8 @@ def load_model(plan: BenchPlan, model_section, train, ctx, scratch: Path, log) -
 
 
 def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log, setup, scratch, profile=None) -> BenchResult:
-    from vlmctl.data.collate import Collator, PackedCollator, PairCollator
     from vlmctl.distributed.fsdp import fsdp_plan_of
-    from vlmctl.train.grpo import build_prompt_collator
+    from vlmctl.train.registry import get_objective
     from vlmctl.train.loop import Trainer, TrainState, prefetch
     from vlmctl.train.worker import wrap_model
 
@@ -1002,16 +1000,12 @@ def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log
         setup(tm.model)
     if dims.dp_size != plan.dp_size:  # planned for another world size (a caller's own plan): plan again
         plan = replace(plan, dp_size=dims.dp_size)
-    grpo = train.objective == "grpo"
-    if grpo and train.grpo.drop_zero_variance_groups:
-        # the synthetic answers are random text: every group's rewards are equal (0), and the filter would leave no
-        # rollout to train on; the bench keeps them all (a step whose every group varies)
-        train = train.model_copy(update={"grpo": train.grpo.model_copy(update={"drop_zero_variance_groups": False})})
-        if env.is_main:
-            log("train.grpo.drop_zero_variance_groups: off in the bench (random answers earn equal rewards; every group "
-                "is trained on, as in a step where all of them vary)")
-    frozen = (train.objective == "dpo" and train.dpo.reference == "frozen") or (grpo and train.grpo.beta > 0)
-    reference = frozen_copy(tm.model, ctx.dtype) if frozen else None
+    spec = get_objective(train.objective)
+    if spec.bench_settings is not None:  # what the objective changes for the bench's synthetic data
+        train, note = spec.bench_settings(train)
+        if note and env.is_main:
+            log(note)
+    reference = frozen_copy(tm.model, ctx.dtype) if spec.frozen(train) else None
     engine = wrap_model(tm, train, ctx, total_steps)
     objective = bench_objective(tm, train, ctx, reference, model_section=model_section)  # as the worker builds it
     choice = None
@@ -1019,13 +1013,10 @@ def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log
         choice = probe_auto(plan, tm, train, ctx, engine, objective, log)
         plan = prepare(model_section, train, plan.spec, steps=steps, warmup=warmup, check_device=False,
                        dp_size=dims.dp_size)
-    collator = (PackedCollator(tm.processor, tm.family, tokens_per_batch=row_budget(train)) if plan.packing
-                else Collator(tm.processor, tm.family))
-    if train.objective == "dpo":
-        collator = PairCollator(tm.processor, tm.family, tokens_per_batch=row_budget(train))
-    if grpo:  # prompts; the objective's prepare_window generates, scores and packs their rollouts in each step
-        collator = build_prompt_collator(None, ctx, tm)
-    costs = None if grpo else plan.workload.costs(tm.cost_model)  # None when the workload cannot estimate them
+    collator = spec.collate(tm.processor, tm.family, packed=plan.packing,
+                            tokens_per_batch=row_budget(train) if plan.packing else None)
+    # None when the workload cannot estimate them, or its samples are prompts (their rollouts are the rows)
+    costs = plan.workload.costs(tm.cost_model) if not plan.prompts else None
     batches = [plan.workload.batch(indices, collator)
                for indices in plan_batches(plan, train, dp_rank=dims.dp_rank, costs=costs)]
     trainer = Trainer(engine=engine, objective=objective, batches=prefetch(iter(batches), tm.prepare), env=env, state=TrainState(),
@@ -1065,15 +1056,14 @@ def bench_objective(tm, train, ctx, reference_model=None, *, model_section=None)
     `reference_model` copy; no rollouts.html. `model_section`: the project's, for grpo's project config."""
     from types import SimpleNamespace
 
-    from vlmctl.train.reference import probe_stand_ins
+    from vlmctl.train.objectives import has_hook
     from vlmctl.train.worker import build_objective
 
-    cfg = None
-    if train.objective == "grpo":  # what the objective reads of a project config: generation samples videos as data.video's defaults
-        cfg = SimpleNamespace(model=model_section, train=train, data=SimpleNamespace(video=None))
+    # what an objective reads of a project config: generation samples videos as data.video's defaults
+    cfg = SimpleNamespace(model=model_section, train=train, data=SimpleNamespace(video=None))
     objective = build_objective(tm, train, ctx, cfg, reference_model=reference_model)
-    if train.objective == "dpo" and train.dpo.reference == "precomputed":
-        probe_stand_ins(objective)
+    if has_hook(objective, "before_training"):  # e.g. DPO's precomputed reference: placeholders, never computed
+        objective.stand_in_for_probe()
     return objective
 
 
@@ -1090,8 +1080,10 @@ def settings_line(train, choice, fsdp=None) -> str:
     why, when `auto` chose them), and with `fsdp` (the `vlmctl.distributed.fsdp.FsdpPlan` of the wrapped model) FSDP2's
     reshard-after-forward and prefetch."""
     from vlmctl.distributed.checkpointing import describe, describe_memory_helpers
+    from vlmctl.train.registry import get_objective
 
-    size = f"{token_budget(train)} tokens per row" if train.packing and train.objective != "grpo" else f"micro-batch {micro_batch(train)}"
+    spec = get_objective(train.objective)
+    size = f"{token_budget(train)} tokens per row" if train.packing and spec.packs_samples else f"micro-batch {micro_batch(train)}"
     if train.packing and train.sequence_parallel > 1:
         size = f"{row_budget(train)} tokens per row over {train.sequence_parallel} sequence-parallel ranks (Ulysses)"
     why = f" [auto: {choice.reason}]" if choice is not None else ""
@@ -1102,12 +1094,8 @@ def settings_line(train, choice, fsdp=None) -> str:
     overlap = f"; FSDP2 {fsdp.describe()}" if fsdp is not None else ""
     extra = describe_memory_helpers(train)
     rounding = " (stochastic rounding)" if train.master_weights == "bf16" and train.stochastic_rounding == "on" else ""
-    objective = ""
-    if train.objective == "grpo":
-        g = train.grpo
-        objective = (f"; grpo: {micro_batch(train)} prompts per micro-batch x {g.group_size} rollouts of at most "
-                     f"{g.max_new_tokens} tokens (temperature {g.temperature}, top_p {g.top_p})"
-                     + (f", KL beta {g.beta}" if g.beta else ""))
+    words = spec.describe(train)
+    objective = f"; {words}" if words else ""
     return (f"{train.strategy}, {size}, activation checkpointing {describe('off' if pending(ac) else ac)}{extra}, "
             f"{train.master_weights} master weights{rounding}{fp8}{why}{overlap}{objective}")
 
@@ -1134,6 +1122,7 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
     measured = []  # the measured steps' results: per-rank compute and data-wait figures
     times = []  # the measured steps' wall seconds on this rank
     rollouts = {"rollouts": 0.0, "seconds": 0.0, "tokens": 0.0}  # grpo: the steps' rollout figures (all ranks)
+    generations = 0  # measured steps with rollout figures
     for i in range(steps + warmup):
         sync()
         t0 = time.perf_counter()
@@ -1151,6 +1140,7 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
             times.append(dt)
             measured.append(result)
             if generated is not None:
+                generations += 1
                 for key, value in generated.items():
                     rollouts[key] += value
         if env.is_main:
@@ -1171,7 +1161,7 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
     mfu = cost.mfu(flops, total, peak_flops(env.device) or DEFAULT_PEAK, world)
     stragglers = straggler_stats(measured, total)
     grpo = {}
-    if labels.get("objective") == "grpo":
+    if generations:  # the objective generates (grpo): its rollout figures
         gen = rollouts["seconds"]
         grpo = {"rollouts_per_step": rollouts["rollouts"] / steps, "rollouts_per_s": rollouts["rollouts"] / gen if gen else 0.0,
                 "generated_tokens_per_s": rollouts["tokens"] / gen if gen else 0.0, "rollout_s": gen / steps,

@@ -82,7 +82,7 @@ def test_the_step_line_and_the_trackers_show_validation(tmp_path):
         assert plot_loss(tmp_path).is_file()
     finally:
         plt.Axes.plot = real
-    assert drawn == ["loss", "val loss", "lr"]
+    assert drawn == ["loss", "val loss", "best", "lr"]
 
 
 def test_pruning_keeps_the_best_checkpoint_and_the_latest(tmp_path):

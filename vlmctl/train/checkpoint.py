@@ -182,7 +182,9 @@ def _write_state(tmp: Path, step: int, rank: int, engine, objective=None) -> Non
     engine.save(tmp, step)
     with open(tmp / f"rng-{rank}.pt", "wb") as f:  # through a Python file: a full disk raises OSError(ENOSPC), not a bare RuntimeError
         torch.save(rng_state(), f)
-    state = objective.state_dict() if hasattr(objective, "state_dict") else {}
+    from vlmctl.train.objectives import has_hook
+
+    state = objective.state_dict() if has_hook(objective, "state") else {}
     if state:
         with open(tmp / f"objective-{rank}.pt", "wb") as f:
             torch.save(state, f)
@@ -447,7 +449,9 @@ def resume(checkpoint: Path, *, rank: int, world_size: int, engine, objective=No
             print(f"note: {checkpoint} was written by {written} ranks, resuming with {world_size}: weights and "
                   "optimizer state resharded, data continued at the same global micro-batch", file=sys.stderr)
     state_file = Path(checkpoint) / f"objective-{rank}.pt"
-    if written == world_size and hasattr(objective, "load_state_dict") and state_file.is_file():
+    from vlmctl.train.objectives import has_hook
+
+    if written == world_size and has_hook(objective, "state") and state_file.is_file():
         objective.load_state_dict(safe.load_tensors(state_file))
     return saved
 

@@ -75,22 +75,30 @@ def _family(cfg):
         return None
 
 
-def default_run_name(cfg) -> str:
-    """`<project.name>-<stage>-<YYYYmmdd-HHMMSS>`, the project name reduced to safe characters."""
+def run_prefix(cfg) -> str:
+    """`<project.name>-<word>-`: the start of this project's default run names, the word the objective's
+    (`ObjectiveSpec.run_word`: the stage for sft, else the objective, e.g. `demo-dpo-`), the project name reduced
+    to safe characters."""
+    from vlmctl.train.registry import get_objective
     from vlmctl.train.rundir import safe_part
 
-    return f"{safe_part(cfg.project.name)}-{cfg.train.stage}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return f"{safe_part(cfg.project.name)}-{get_objective(cfg.train.objective).run_word(cfg.train)}-"
+
+
+def default_run_name(cfg) -> str:
+    """`<project.name>-<stage or objective>-<YYYYmmdd-HHMMSS>` (`run_prefix`)."""
+    return f"{run_prefix(cfg)}{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def find_resumable_run(cfg) -> Path | None:
-    """The newest run folder of this project and stage (under train.output_dir) that has a complete checkpoint."""
+    """The newest run folder of this project and stage (objective, for post-training: `run_prefix`) under
+    train.output_dir that has a complete checkpoint."""
     from vlmctl.train.checkpoint import latest_checkpoint
-    from vlmctl.train.rundir import safe_part
 
     root = Path(cfg.train.output_dir)
     if not root.is_dir():
         return None
-    prefix = f"{safe_part(cfg.project.name)}-{cfg.train.stage}-"
+    prefix = run_prefix(cfg)
     runs = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(prefix) and latest_checkpoint(p) is not None]
     return max(runs, key=_run_order) if runs else None
 
@@ -133,17 +141,19 @@ def prepare_run(cfg, resume: bool = False) -> Path:
     stays locked until `rundir.release_run` (or the end of this process); stale temporary files are removed.
     A node other than node 0 of a multi-node run (`joins_run`) only makes sure the folder exists
     (`rundir.join_run_dir`): node 0 locks it, writes config.yaml and checks the checkpoint.
-    Raises ConfigError for a multi-node setting that is missing (`check_nodes`), UsageError when there is nothing
+    Raises ConfigError for a multi-node setting that is missing (`check_nodes`) or a plan this device cannot train
+    with (`config.plan.check_plan`), UsageError when there is nothing
     to resume or the folder is in use, ConfigError for a taken run_name, DataError/ModelError when the prepared
     data or the model is missing and CheckpointError for a checkpoint that cannot be resumed (see `preflight`).
     """
     from vlmctl.config import dump_config
-    from vlmctl.config.plan import write_plan
+    from vlmctl.config.plan import check_plan, write_plan
     from vlmctl.train.rundir import claim_run_dir, join_run_dir, sweep_temporaries
 
     train = cfg.train
     check_nodes(train)
     plan = launch_plan(cfg)  # every auto decided once, before a process starts; plan.json in the run folder
+    check_plan(plan, train)  # what this device cannot train with is refused here, not by the ranks
     check_sharding(train, plan.strategy.value)
     if resume and train.resume is None:
         train.resume = "auto"
@@ -333,19 +343,22 @@ def check_built_settings(cfg, source: str) -> None:
 def preflight(cfg, run_dir: Path | None = None) -> None:
     """Fail before spawning processes when an optional package the config needs is missing (ConfigError,
     `check_packages`), the prepared data (the val split too with `train.eval_steps`) or the model is missing, the
-    training shards hold no preference pairs for `train.objective: dpo`
-    (DataError / ModelError), or when the checkpoint
+    training shards hold no preference pairs for an objective that trains on them (`ObjectiveSpec.data`), the
+    objective's own check refuses (`ObjectiveSpec.preflight`: grpo's reward functions) (DataError / ModelError /
+    ConfigError), or when the checkpoint
     a resumed run (`run_dir`) would load is damaged or refused (`checkpoints.check_checkpoint`, CheckpointError
     naming the file) or was written with another batching (`checkpoint.check_batching`, ConfigError)."""
     from vlmctl.errors import DataError, MissingSourceError
     from vlmctl.train.checkpoint import check_batching, resolve_resume
+    from vlmctl.train.registry import get_objective
     from vlmctl.train.setup import model_source
 
     check_packages(cfg.train)
     train_dir = Path(cfg.data.prepared_dir) / "train"
     if not any(train_dir.glob("*.parquet")):
         raise MissingSourceError(f"no prepared training shards in {train_dir}", hint="run `vlmctl data prepare` first")
-    if cfg.train.objective == "dpo":  # pairs, not conversations: read from the first shard's schema
+    spec = get_objective(cfg.train.objective)
+    if spec.data != "conversations":  # e.g. pairs: read from the first shard's schema
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -356,7 +369,9 @@ def preflight(cfg, run_dir: Path | None = None) -> None:
             columns = pq.read_schema(shard).names
         except (OSError, pa.ArrowException) as exc:
             raise DataError(f"{shard}: not a readable Parquet shard ({exc})", hint="re-run `vlmctl data prepare`") from None
-        check_objective_data(columns, cfg.train.objective, train_dir)
+        check_objective_data(columns, spec, train_dir)
+    if spec.preflight is not None:  # e.g. grpo's reward functions, imported here before any process starts
+        spec.preflight(cfg)
     val_dir = Path(cfg.data.prepared_dir) / "val"
     if cfg.train.eval_steps and not _split_rows(val_dir):
         raise DataError(f"train.eval_steps validates on the val split, but {val_dir} holds no prepared samples",

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from vlmctl.errors import VlmctlError
-from vlmctl.train.objectives import check_batch
+from vlmctl.train.objectives import check_batch, has_hook
 
 # torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
 # So are the vlmctl modules that load numpy when imported; queue (standard library, not loaded at the CLI's start-up)
@@ -273,7 +273,8 @@ class Trainer:
         start = time.monotonic()
         val = self.validator.evaluate(step)
         self.state.best = self.validator.best.as_dict()
-        return {**val, "val_s": round(time.monotonic() - start, 3)}
+        stop = {"early_stop": True} if self.validator.stopping else {}  # loss.png marks the step
+        return {**val, **stop, "val_s": round(time.monotonic() - start, 3)}
 
     def _timed_save(self, step: int, reason: str) -> float:
         """`save` a checkpoint; returns its seconds, which the next metrics row leaves out of its throughput."""
@@ -302,15 +303,13 @@ class Trainer:
 
         timer = StepTimer(self.env.device)
         lr = self.engine.lr  # the rate of this step's update: the schedule moves on when it steps (DeepSpeed: in micro_step)
-        prepare = getattr(self.objective, "prepare_window", None)
-        reuses = getattr(self.objective, "reuses_window", None)
-        if reuses is not None and reuses(self.state.step):  # GRPO's num_iterations: no new prompts drawn
-            window = prepare(self.engine, None, step=self.state.step)
+        if has_hook(self.objective, "reuses_window") and self.objective.reuses_window(self.state.step):
+            window = self.objective.prepare_window(self.engine, None, step=self.state.step)  # GRPO's num_iterations
         else:
             window = [timer.next_batch(self.batches) for _ in range(self.grad_accum)]
             self.state.consumed += len(window)
-            if prepare is not None:  # e.g. GRPO: rollouts generated and scored, packed into rows (timed by the objective)
-                window = prepare(self.engine, window, step=self.state.step)
+            if has_hook(self.objective, "prepare_window"):  # e.g. GRPO: rollouts generated, scored, made into rows
+                window = self.objective.prepare_window(self.engine, window, step=self.state.step)
         flops = float(sum(self.flops_of(b) for b in window)) if self.flops_of is not None else 0.0
         # The loss is a mean over the assistant tokens of the whole global batch: count them first. (This first
         # collective is also where the ranks wait for one whose data came late, before any compute is timed.)

@@ -9,7 +9,7 @@ torchtitan's)::
     dataset, lengths = load_data(cfg, ctx, tm)        # the training shards and their token counts (train/data.py)
     engine = wrap_model(tm, cfg.train, ctx, steps)    # parallelize(): sequence split, checkpointing, compile, DDP /
                                                       # FSDP2 (rank 0's weights placed) / DeepSpeed; AdamW; schedule
-    objective = build_objective(tm, cfg.train, ctx, cfg, run_dir)   # sft, dpo or grpo (train/objectives.py, train/grpo.py)
+    objective = build_objective(tm, cfg.train, ctx, cfg, run_dir)   # the objective's spec builds it (train/registry.py)
     autotune.tune(...)                                # auto batch size and activation checkpointing, probed on a GPU
     sampler = build_sampler(cfg, ctx, dataset, lengths)   # this data-parallel rank's packed or padded micro-batches
     trainer = build_trainer(...)                      # loader, metrics, checkpoints, validation -> loop.Trainer
@@ -28,13 +28,13 @@ from pathlib import Path
 
 from vlmctl.distributed import deepspeed as ds
 from vlmctl.distributed.engine import Engine, build_engine, strategy_of
-from vlmctl.distributed.parallelize import parallelize, sequence_shard
+from vlmctl.distributed.parallelize import parallelize
 from vlmctl.distributed.process import LAUNCHER_ENV
 from vlmctl.errors import VlmctlError
-from vlmctl.train import autotune, reference
+from vlmctl.train import autotune
 from vlmctl.train.data import build_collator, build_sampler, load_data
 from vlmctl.train.kernels import sequence_core_attention
-from vlmctl.train.objectives import DPOObjective, Objective, SFTObjective
+from vlmctl.train.objectives import Objective, has_hook
 from vlmctl.train.setup import (RunContext, TrainingModel, build_optimizer, build_scheduler, defer_weights, load_for_rank,
                                 model_parts, model_source, prepare_model, setup_run)
 from vlmctl.train.validation import build_validator, name_best
@@ -75,22 +75,12 @@ def wrap_model(tm: TrainingModel, train, ctx: RunContext, total_steps: int) -> E
 
 def build_objective(tm: TrainingModel, train, ctx: RunContext, cfg=None, run_dir: Path | None = None,
                     reference_model=None) -> Objective:
-    """The run's objective (`train.objective` of the resolved `train` section), its frozen models parallelized: sft
-    (liger's fused loss where patched; this rank's slice under sequence parallelism); dpo against a frozen copy
-    (`reference_model`, else loaded from `cfg`, the project config: `train.reference`), the LoRA base or precomputed
-    log-probs; grpo (`train.grpo`, rollouts.html in `run_dir`; beta > 0: `reference_model` or one loaded from `cfg`)."""
-    copy = train.objective == "dpo" and train.dpo.reference == "frozen"
-    loads = train.objective == "grpo" or (copy and reference_model is None)
-    if loads and cfg is None:
-        raise VlmctlError(f"the {train.objective} objective needs the project config (its model source)")
-    if train.objective == "grpo":
-        from vlmctl.train.grpo import build_grpo_objective
+    """The run's objective (`train.objective` of the resolved `train` section), built by its spec
+    (`registry.get_objective(...).build`: `cfg`, the project config, for a frozen model to load; `run_dir` for its
+    reports; `reference_model` a frozen model to use instead), its frozen models parallelized for forward only."""
+    from vlmctl.train.registry import get_objective
 
-        objective = build_grpo_objective(tm, cfg, ctx, run_dir, reference_model=reference_model)
-    elif train.objective == "dpo":
-        objective = DPOObjective(settings=train.dpo, reference=reference.load_reference(cfg, train, ctx) if loads else reference_model)
-    else:
-        objective = SFTObjective(liger=tm.liger, shard=sequence_shard(ctx.dims))
+    objective = get_objective(train.objective).build(tm, train, ctx, cfg, run_dir, reference_model)
     for name, frozen in objective.models.items():  # forward only: a reference model of a preference objective
         objective.models[name] = parallelize(frozen, family=tm.family, parts=model_parts(frozen, tm.family), train=train,
                                              dims=ctx.dims, device=ctx.env.device, dtype=ctx.dtype,
@@ -129,7 +119,7 @@ def build_trainer(cfg, run_dir: Path, ctx: RunContext, tm: TrainingModel, engine
     from vlmctl.train.setup import lora_config_dict
 
     train, env = cfg.train, ctx.env
-    progress = Progress(total_steps, state.step, enabled=env.is_main)
+    progress = Progress(total_steps, state.step, enabled=env.is_main, fields=objective.spec.step_line)
     info = report.checkpoint_info(train, ctx=ctx, tm=tm, lora=lora_config_dict(engine.module), engine=engine,
                                   total_steps=total_steps, batches_per_epoch=sampler.batches_per_epoch)
     save = Saver(run_dir, rank=env.rank, engine=engine, total_limit=train.save_total_limit,
@@ -157,17 +147,17 @@ def train_run(cfg, run_dir: Path, ctx: RunContext) -> str:
     dataset, lengths = load_data(cfg, ctx, tm)
     objective = build_objective(tm, train, ctx, cfg, run_dir)
     engine = None
-    precomputed = isinstance(objective, DPOObjective) and train.dpo.reference == "precomputed"
-    if precomputed:
-        reference.probe_stand_ins(objective)
+    before = has_hook(objective, "before_training")  # e.g. DPO's precomputed reference log-probs
+    if before:
+        objective.stand_in_for_probe()
     if autotune.wants(ctx.plan):  # the probe measures the wrapped model; the schedule's length follows its choice
         engine = wrap_model(tm, train, ctx, total_steps=1)
         autotune.tune(cfg, run_dir, ctx, tm, engine, objective, dataset, lengths, log=lambda m: print(m, file=sys.stderr))
     sampler = build_sampler(cfg, ctx, dataset, lengths)
     total_steps = train.max_steps or max(1, math.ceil(train.num_epochs * sampler.batches_per_epoch / train.gradient_accumulation_steps))
     engine = wrap_model(tm, train, ctx, total_steps) if engine is None else reschedule(engine, train, total_steps)
-    if precomputed:  # before resume_state: the weights have not trained yet
-        reference.reference_pass(cfg, ctx, tm, engine, objective, dataset, build_collator(cfg, ctx, tm), run_dir, resume_from)
+    if before:  # before resume_state: the weights have not trained yet
+        objective.before_training(cfg, ctx, tm, engine, dataset, build_collator(cfg, ctx, tm), run_dir, resume_from)
     state = resume_state(resume_from, ctx, engine, train, objective)
     sampler.set_position(state.consumed)
     loader = build_loader(dataset, sampler, build_collator(cfg, ctx, tm), num_workers=train.num_workers, seed=train.seed)
@@ -186,7 +176,8 @@ def train_run(cfg, run_dir: Path, ctx: RunContext) -> str:
         trainer.progress.close()
         if logger is not None:
             logger.close()
-            plot_loss_or_warn(run_dir)  # a convenience: a full disk here is a warning, not the run's error
+            # a convenience: a full disk here is a warning, not the run's error
+            plot_loss_or_warn(run_dir, objective.spec.curves, loss=objective.spec.plots_loss)
     if outcome != "done":
         if os.environ.get(LAUNCHER_ENV) is None:  # else the launcher reports the stop, in one line
             trainer.progress.print(f"[yellow]stopped by a signal at step {state.step}; checkpoint saved. "
