@@ -127,3 +127,27 @@ def test_a_family_without_packed_rows_is_planned_padded():
     with pytest.raises(ConfigError, match="liger"):
         check_plan(build_plan(TrainSection(liger="on"), DeviceFacts(kind="cuda", liger=True), family=Family),
                    TrainSection(liger="on"))
+
+
+def test_tokens_per_batch_auto_on_cpu_follows_what_data_prepare_measured(tmp_path):
+    import json
+
+    from vlmctl.config import load_config
+    from vlmctl.config.plan import prepared_row_tokens
+    from vlmctl.train.launch import launch_plan
+
+    prepared = tmp_path / "data" / "prepared"
+    prepared.mkdir(parents=True)
+    assert prepared_row_tokens(prepared) is None  # no manifest: the default
+    (prepared / "manifest.json").write_text(json.dumps({"tokens": {"suggested_packing_length": 1024}}))
+    assert prepared_row_tokens(prepared) == 1024
+    plan = build_plan(TrainSection(), DeviceFacts(kind="cpu"), data_tokens=1024)
+    assert plan.tokens_per_batch.value == 1024 and "data prepare" in plan.tokens_per_batch.reason and plan.row_tokens == 1024
+    assert build_plan(TrainSection(), DeviceFacts(kind="cpu"), data_tokens=32768).tokens_per_batch.value == 8192
+    assert build_plan(TrainSection(tokens_per_batch=2048), DeviceFacts(kind="cpu"), data_tokens=1024).tokens_per_batch.value == 2048
+    assert build_plan(TrainSection(), H100, data_tokens=1024).tokens_per_batch.value == PROBE  # a GPU measures
+    (tmp_path / "vlmctl.yaml").write_text("project: {name: p}\ntrain: {launcher: none}\n")
+    launched = launch_plan(load_config(tmp_path / "vlmctl.yaml"))  # the launcher reads the project's manifest
+    assert (launched.tokens_per_batch.value, launched.data_tokens) == (1024, 1024)
+    path = write_plan(tmp_path, launched)
+    assert read_plan(tmp_path) == launched and path.is_file()

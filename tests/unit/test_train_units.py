@@ -75,6 +75,25 @@ def test_missing_data_or_model_fails_before_spawning(write_config, capsys, tmp_p
     assert not (tmp_path / "outputs" / "runs").exists()
 
 
+def test_a_plan_the_device_cannot_train_with_is_refused_before_anything_starts(write_config, capsys, tmp_path):
+    cfg = write_config("project: {name: p}\n")
+    code, _, err = run_cli_inprocess(["-c", str(cfg), "train", "--launcher", "torchrun", "train.precision=fp16",
+                                      "train.strategy=ddp"], capsys)
+    assert code == 2 and "fp16 needs loss scaling" in err  # before the data and model checks, before torchrun
+    assert not (tmp_path / "outputs" / "runs").exists()
+
+
+def test_post_training_runs_are_named_by_their_objective(write_config):
+    from vlmctl.config import load_config
+    from vlmctl.train.launch import planned_run_dir, run_prefix
+
+    cfg = write_config("project: {name: demo}\ntrain: {stage: full}\n")
+    assert planned_run_dir(load_config(cfg)).name.startswith("demo-full-")
+    for objective in ("dpo", "grpo"):
+        named = load_config(cfg, [f"train.objective={objective}"])
+        assert run_prefix(named) == f"demo-{objective}-" and planned_run_dir(named).name.startswith(f"demo-{objective}-")
+
+
 def test_checkpoint_discovery_ignores_partial_folders_and_prunes_the_oldest(tmp_path):
     from vlmctl.train.checkpoint import latest_checkpoint, prune
 

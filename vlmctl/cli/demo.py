@@ -242,8 +242,10 @@ def _render_post(post, labels: dict[str, str]) -> None:
     where.add_row(f"{name} run", f"{esc(rel(post.run_dir))} (final/, metrics.jsonl, loss.png, train.log)")
     where.add_row("evaluations", f"{esc(rel(before.eval_dir))}, {esc(rel(post.eval_dir))}")
     metrics = ", ".join(f"{k} {v:.3g}" for k, v in post.metrics.items())
-    train_line = (f"{name}: {post.steps} steps from the SFT start's final model"
-                  + (f", final loss {post.final_loss:.3f}" if post.final_loss is not None else "") + (f"; {metrics}" if metrics else ""))
+    loss = f", final loss {post.final_loss:.3f}" if post.final_loss is not None else ""
+    if loss and post.loss_terms:
+        loss += f" ({esc(post.loss_terms)})"
+    train_line = f"{name}: {post.steps} steps from the SFT start's final model{loss}" + (f"; {metrics}" if metrics else "")
     body = Group(times, "", train_line, "", acc, verdict, "", "[bold]outputs[/bold] in " + esc(_here(before.folder)), where)
     console.print(Panel(body, title=f"[bold]vlmctl demo --objective {post.objective}[/bold]", title_align="left",
                         border_style="green" if post.improved else "yellow"))

@@ -39,6 +39,10 @@ class ObjectiveSection(Section):
         when it can."""
         return None
 
+    def loss_terms(self) -> str:
+        """What the logged `loss` of this objective's steps sums, in words ("" for a plain loss)."""
+        return ""
+
     @classmethod
     def card(cls, settings: dict[str, Any]) -> str:
         """The settings (`train.<objective>` of a run's config.yaml, as a dict: read leniently, an older run's
@@ -72,6 +76,13 @@ class DPOSection(ObjectiveSection):
         if self.label_smoothing and self.loss_type != "sigmoid":
             raise ValueError(f"train.dpo.label_smoothing applies to loss_type sigmoid, not {self.loss_type}: set it to 0")
         return self
+
+    def loss_terms(self) -> str:
+        """The pair loss, with RPO's NLL term when `rpo_alpha` adds it: the loss is then not the DPO loss alone."""
+        words = f"the {self.loss_type} DPO loss"
+        if self.rpo_alpha:
+            words += f" + rpo_alpha {self.rpo_alpha:g} x the chosen answers' mean token NLL (nll_loss)"
+        return words
 
     def refuse(self, train: Any) -> str | None:
         """A pair's answers are summed over one rank's row; the adapter-disabled reference needs an adapter."""
@@ -129,6 +140,10 @@ class GRPOSection(ObjectiveSection):
             raise ValueError(f"train.grpo.epsilon_high ({self.epsilon_high}) is below epsilon_low ({self.epsilon_low}): "
                              "clip-higher raises the upper bound; leave it unset for the symmetric clip")
         return self
+
+    def loss_terms(self) -> str:
+        return ("the clipped surrogate: about 0 by construction (advantages are mean-centred per group); the "
+                "reward is the figure of progress")
 
     def refuse(self, train: Any) -> str | None:
         """A rollout's log-probs come from one rank's row; a grpo run has no validation loss."""

@@ -202,6 +202,18 @@ def row_tokens(train, tokens: int | None = None) -> int:
     return int(size) * int(getattr(train, "sequence_parallel", 1))
 
 
+def prepared_row_tokens(prepared_dir) -> int | None:
+    """The packed row length `vlmctl data prepare` suggested for the data in `prepared_dir` (manifest.json's
+    `tokens.suggested_packing_length`: a power of two holding the longest sample and about 8 median ones), or None
+    without a readable manifest that has it."""
+    try:
+        tokens = json.loads((Path(prepared_dir) / "manifest.json").read_text()).get("tokens") or {}
+        value = int(tokens.get("suggested_packing_length") or 0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+    return value if value > 0 else None
+
+
 def sized(train, key: str) -> int:
     """`train.tokens_per_batch` or `train.micro_batch_size` as an integer: the decided value, or where it is still
     left to the start-up probe (a workload planned before the probe ran) the value without a probe
@@ -264,7 +276,8 @@ class RunPlan:
     settles them on each rank), `fp8` (the float8 recipe of the language model's linears: tensorwise, rowwise or
     off; `PROBE` where the start-up probe's float8 trial settles it), `sequence_parallel`, `dp_size` (data-parallel
     ranks). `row_tokens` is the one packed row budget: tokens_per_batch x sequence_parallel. `probe`: the probe's
-    record once a rank settled it."""
+    record once a rank settled it. `data_tokens`: the packed row length `vlmctl data prepare` suggested for the
+    run's data (manifest.json), which `tokens_per_batch: auto` follows where no probe measures it."""
 
     device: DeviceFacts
     strategy: Decision
@@ -287,6 +300,7 @@ class RunPlan:
     dp_size: int = 1
     family: str | None = None
     probe: dict | None = None
+    data_tokens: int | None = None
 
     @property
     def row_tokens(self) -> int | None:
@@ -323,7 +337,7 @@ class RunPlan:
     def to_json(self) -> dict:
         """The plan as plain JSON: {"device": {...}, "decisions": {key: {value, reason, auto}}, "row_tokens", ...}."""
         return {"device": asdict(self.device), "family": self.family, "sequence_parallel": self.sequence_parallel,
-                "dp_size": self.dp_size, "row_tokens": self.row_tokens,
+                "dp_size": self.dp_size, "row_tokens": self.row_tokens, "data_tokens": self.data_tokens,
                 "decisions": {k: asdict(d) for k, d in self.decisions().items()}, "probe": self.probe}
 
     @classmethod
@@ -332,13 +346,15 @@ class RunPlan:
         decisions = {k: Decision(**v) for k, v in data["decisions"].items()}
         return cls(device=DeviceFacts(**data["device"]), sequence_parallel=int(data.get("sequence_parallel", 1)),
                    dp_size=int(data.get("dp_size", 1)), family=data.get("family"), probe=data.get("probe"),
-                   **decisions)
+                   data_tokens=data.get("data_tokens"), **decisions)
 
 
-def build_plan(train, device: DeviceFacts, family=None) -> RunPlan:
+def build_plan(train, device: DeviceFacts, family=None, data_tokens: int | None = None) -> RunPlan:
     """Resolve every `auto` of `train` (a TrainSection, left unchanged) for a run on `device` (`DeviceFacts`: its
     kind, bf16 support, processes in all, packages). `family` (a FamilySpec, when the model is known) decides
     packing (families that cannot take packed rows train on padded micro-batches) and whether liger has a patch.
+    `data_tokens` (`prepared_row_tokens`: the packed row length `vlmctl data prepare` suggested) sizes
+    `tokens_per_batch: auto` where no probe runs on CPU.
     Raises nothing for settings the device refuses (`check_plan` does): the plan of a QLoRA config can be built
     for a GPU on a machine without one."""
     cuda, processes = device.cuda, device.processes
@@ -381,10 +397,11 @@ def build_plan(train, device: DeviceFacts, family=None) -> RunPlan:
     kernels_on = liger and compile_ != "on" and vision != "blocks"
     dp_size = max(1, processes // sp)
     balance = balancing(train.balance, dp_size)
-    sizes = _batch_sizes(train, device, strategy, packing, sp)
+    sizes = _batch_sizes(train, device, strategy, packing, sp, data_tokens)
     stored = precision if qlora else ("bf16" if master == "bf16" else "fp32")
     return RunPlan(
         device=device, family=None if family is None else family.name, sequence_parallel=sp, dp_size=dp_size,
+        data_tokens=data_tokens,
         strategy=pick("strategy", strategy, f"{strategy_why} ({where})"),
         precision=pick("precision", precision, "bf16 on a GPU with bf16" if precision == "bf16" else
                        "fp32 on CPU" if not cuda else "fp32: this GPU has no bf16"),
@@ -498,17 +515,25 @@ def _liger_blocker(device: DeviceFacts, strategy: str, family) -> str | None:
     return None
 
 
-def _batch_sizes(train, device: DeviceFacts, strategy: str, packing: bool, sp: int) -> dict[str, Decision]:
+def _batch_sizes(train, device: DeviceFacts, strategy: str, packing: bool, sp: int,
+                 data_tokens: int | None = None) -> dict[str, Decision]:
     """tokens_per_batch, micro_batch_size and activation_checkpointing. On a GPU with ddp/fsdp and no sequence
     parallelism the start-up probe settles the batching in use and checkpointing (`PROBE`); elsewhere auto means
     `DEFAULT_TOKENS` tokens per row (per rank), `DEFAULT_MICRO_BATCH` samples, and checkpointing off on CPU, full
-    on a GPU (where nothing was measured, the mode that fits most)."""
+    on a GPU (where nothing was measured, the mode that fits most). On CPU a row follows the data: `data_tokens`
+    (what `vlmctl data prepare` suggested) when it is below `DEFAULT_TOKENS`; a CPU step's time grows with the
+    row's length squared under sdpa's block-diagonal mask (8,192 tokens: 37 s per DPO step, 1,024: 1.5 s)."""
     can_probe = device.cuda and strategy in ("ddp", "fsdp") and sp == 1
     why = ("no probe on CPU" if not device.cuda else "no probe with sequence parallelism" if sp > 1
            else f"no probe with {strategy}")
     probed = {"tokens_per_batch" if packing else "micro_batch_size", "activation_checkpointing"} if can_probe else set()
     fixed = {"tokens_per_batch": DEFAULT_TOKENS, "micro_batch_size": DEFAULT_MICRO_BATCH,
              "activation_checkpointing": "full" if device.cuda else "off"}
+    reasons = {}
+    if not device.cuda and data_tokens and 0 < data_tokens < DEFAULT_TOKENS:
+        fixed["tokens_per_batch"] = int(data_tokens)
+        reasons["tokens_per_batch"] = (f"no probe on CPU: the packed row length `vlmctl data prepare` suggested for "
+                                       f"this data (below {DEFAULT_TOKENS})")
     out = {}
     for key in PROBED_KEYS:
         configured = getattr(train, key)
@@ -519,7 +544,7 @@ def _batch_sizes(train, device: DeviceFacts, strategy: str, packing: bool, sp: i
         else:
             unused = can_probe and key != "activation_checkpointing"  # the batching not in use
             out[key] = Decision(fixed[key], f"not used: {'padded micro-batches' if packing else 'packed rows'}"
-                                if unused else why, True)
+                                if unused else reasons.get(key, why), True)
     return out
 
 
@@ -582,11 +607,12 @@ def plan_for_rank(plan: RunPlan | None, train, device: DeviceFacts, family=None)
     """The plan a rank trains with: the launcher's `plan` (from plan.json) where it was built for facts that decide
     alike (`DeviceFacts.same_decisions`), else one built for this rank's `device` (SLURM, an in-process run without
     plan.json), with this rank's GPU memory recorded either way."""
+    data_tokens = None if plan is None else plan.data_tokens
     if plan is not None and plan.device.same_decisions(device) and (family is None or plan.family in (None, family.name)):
         if family is not None and plan.family is None:
-            return build_plan(train, device, family)
+            return build_plan(train, device, family, data_tokens)
         return replace(plan, device=replace(plan.device, memory_bytes=device.memory_bytes))
-    return build_plan(train, device, family)
+    return build_plan(train, device, family, data_tokens)
 
 
 def settle_probe(plan: RunPlan | None, train, choice) -> tuple[RunPlan | None, list[str]]:

@@ -50,14 +50,17 @@ AGENTS = ("torchrun", "accelerate")  # the launchers that start one process agen
 
 def launch_plan(cfg, *, processes: int | None = None):
     """The run's plan (`config.plan.build_plan`) as the launcher sees it: this machine's device (SLURM: the
-    nodes' GPUs, assumed), the run's processes in all (`processes`, default `run_processes`) and the model's family
-    where the built model folder names it (else the ranks learn it when they load the model)."""
-    from vlmctl.config.plan import DeviceFacts, build_plan, run_processes
+    nodes' GPUs, assumed), the run's processes in all (`processes`, default `run_processes`), the model's family
+    where the built model folder names it (else the ranks learn it when they load the model) and the packed row
+    length `vlmctl data prepare` suggested for the prepared data (`config.plan.prepared_row_tokens`)."""
+    from vlmctl.config.plan import DeviceFacts, build_plan, prepared_row_tokens, run_processes
 
     train = cfg.train
     processes = run_processes(train) if processes is None else processes
     facts = DeviceFacts.here(processes, cuda=True if train.launcher == "slurm" else None)
-    return build_plan(train, facts, family=_family(cfg))
+    data = getattr(cfg, "data", None)
+    data_tokens = prepared_row_tokens(data.prepared_dir) if data is not None else None
+    return build_plan(train, facts, family=_family(cfg), data_tokens=data_tokens)
 
 
 def _family(cfg):
