@@ -167,7 +167,7 @@ def post_overrides(objective: str, sft_run: Path, project: str) -> list[str]:
     folder as the model to train (`train.setup.model_source` trains `model.output_dir` when it holds a model), a
     run name of its own, the pairs as the data (dpo), then `POST_OVERRIDES[objective]`."""
     words = [f"model.output_dir={Path(sft_run) / 'final'}", f"train.run_name={project}-{objective}", "train.resume=null"]
-    if objective == "dpo":
+    if "pairs" in POST_STAGES[objective]:  # the demo's own preference pairs are the data
         words += [f"data.sources=[{{path: {PAIRS_FILE}, format: preference, image_root: data/raw}}]", "data.kind=preference",
                   f"data.prepared_dir={PAIRS_PREPARED}", "data.val_ratio=0"]
     return words + POST_OVERRIDES[objective]
@@ -233,7 +233,7 @@ def run_post_demo(
     result.settings = [*POST_OVERRIDES[objective], *post]
     cfg = load_config(config, [*shared, *run_words, *post_overrides(objective, before.run_dir, sft_cfg.project.name), *post])
 
-    if objective == "dpo":
+    if "pairs" in POST_STAGES[objective]:
         def pairs() -> int:
             from vlmctl.evaluation import load_samples
 

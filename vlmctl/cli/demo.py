@@ -237,7 +237,7 @@ def _render_post(post, labels: dict[str, str]) -> None:
     rel = lambda p: p.relative_to(before.folder) if p is not None and before.folder in p.parents else p  # noqa: E731
     where = Table(box=None, show_header=False, pad_edge=False)
     where.add_row("SFT start", f"{esc(rel(before.run_dir))} ({before.steps} steps)")
-    if post.objective == "dpo":
+    if post.pairs:  # the demo wrote preference pairs
         where.add_row("preference pairs", f"{post.pairs} ({esc(rel(post.prepared_dir))})")
     where.add_row(f"{name} run", f"{esc(rel(post.run_dir))} (final/, metrics.jsonl, loss.png, train.log)")
     where.add_row("evaluations", f"{esc(rel(before.eval_dir))}, {esc(rel(post.eval_dir))}")
