@@ -21,6 +21,34 @@ def fixtures_dir() -> Path:
     return FIXTURES
 
 
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """`get(preset="tiny") -> Path`: a tiny model folder built by `vlmctl model build`'s library (random init, fp32,
+    its tokenizer trained on `convert_helpers.TEXTS`), once per test session for every module that asks: read it,
+    copy it before changing it."""
+    from convert_helpers import TEXTS
+
+    built: dict[str, Path] = {}
+    root = tmp_path_factory.mktemp("tiny-models")
+
+    def get(preset: str = "tiny") -> Path:
+        if preset not in built:
+            from vlmctl.config import ModelSection
+            from vlmctl.models.build import build_model
+
+            build_model(ModelSection(preset=preset, init="random", output_dir=root / preset, dtype="fp32"), tokenizer_texts=TEXTS)
+            built[preset] = root / preset
+        return built[preset]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llava(tiny_models) -> Path:
+    """The tiny LLaVA preset's folder (`tiny_models("tiny")`)."""
+    return tiny_models("tiny")
+
+
 @pytest.fixture
 def write_config(tmp_path):
     """Write a vlmctl.yaml with the given text into tmp_path and return its path."""

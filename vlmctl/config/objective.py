@@ -27,7 +27,7 @@ from vlmctl.config.base import Section
 
 BUILTIN_REWARD_NAMES = ("exact_match", "vqa_accuracy", "mcq_letter", "format", "length_penalty")
 
-OBJECTIVE_NAMES = ("sft", "dpo", "grpo")
+OBJECTIVE_NAMES = ("sft", "dpo", "grpo", "orpo")
 """The values of `train.objective` (one `vlmctl.train.registry` entry each)."""
 
 
@@ -169,9 +169,27 @@ def objective_card(train: dict[str, Any]) -> str:
     return f"{name} ({section.card(settings if isinstance(settings, dict) else {})})"
 
 
-SECTIONS: dict[str, type[ObjectiveSection]] = {"dpo": DPOSection, "grpo": GRPOSection}
+class ORPOSection(ObjectiveSection):
+    """Odds ratio preference optimisation on prepared preference pairs (`data.kind: preference`), without a reference
+    model."""
+
+    beta: float = Field(0.1, gt=0, description="lambda of ORPO: the weight of the odds-ratio term -log sigma(log odds(chosen) - log odds(rejected)) added to the chosen answer's mean token NLL (Hong et al. 2024, arXiv 2403.07691, Eq. 6; TRL's ORPOConfig.beta); odds from the answers' length-normalised log-probabilities.")
+
+    def loss_terms(self) -> str:
+        return f"the chosen answers' mean token NLL + beta {self.beta:g} x the odds-ratio loss"
+
+    def refuse(self, train: Any) -> str | None:
+        """A pair's answers are summed over one rank's row."""
+        return whole_rows("orpo", train, "each answer's log-probability")
+
+    @classmethod
+    def card(cls, settings: dict[str, Any]) -> str:
+        return f"beta {cls.setting(settings, 'beta')}, no reference model; arXiv 2403.07691"
+
+
+SECTIONS: dict[str, type[ObjectiveSection]] = {"dpo": DPOSection, "grpo": GRPOSection, "orpo": ORPOSection}
 """The objectives that have a settings section: train.<name>."""
 
 
-__all__ = ["BUILTIN_REWARD_NAMES", "DPOSection", "GRPOSection", "OBJECTIVE_NAMES", "ObjectiveSection", "RewardSpec",
-           "SECTIONS", "objective_card", "whole_rows"]
+__all__ = ["BUILTIN_REWARD_NAMES", "DPOSection", "GRPOSection", "OBJECTIVE_NAMES", "ORPOSection", "ObjectiveSection",
+           "RewardSpec", "SECTIONS", "objective_card", "whole_rows"]

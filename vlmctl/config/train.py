@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from vlmctl.config.base import ProjectPath, Section
-from vlmctl.config.objective import OBJECTIVE_NAMES, DPOSection, GRPOSection, ObjectiveSection
+from vlmctl.config.objective import OBJECTIVE_NAMES, DPOSection, GRPOSection, ObjectiveSection, ORPOSection
 
 SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 
@@ -82,9 +82,10 @@ class TrainSection(Section):
     fsdp_reshard_after_forward: bool | Literal["auto"] = Field("auto", description="FSDP2: true frees each layer's gathered weights after its forward and gathers them again for backward (least memory; the last decoder layer, whose backward follows at once, is kept); false keeps every layer gathered from its forward to its backward: one all-gather per layer and micro-batch less (a third of FSDP's traffic), for the memory of the whole model in the compute dtype on every rank (as ZeRO-2). auto = true on a one-rank shard group (one GPU: keeping the gathered copy saves no collective and doubles the weights), false when the shard group has 2 to 8 ranks and the gathered layers take at most a quarter of a rank's memory (GPU memory; on CPU the machine's memory per process), else true. Why: on one node of 4 H200s false raised per-GPU efficiency from 75.0% to 82.7% (docs/benchmarks.md); the gathered model does not shrink with more ranks while the sharded state does, so a shard group wider than one 8-GPU node (full sharding across nodes, chosen for its memory) keeps resharding (hybrid sharding keeps the shard group inside a node and gets false), and the quarter leaves the rest to the sharded state and the activations, whose batch the start-up probe fits. The embeddings and the LM head are never resharded after forward (they stay in FSDP2's root group, gathered once per step).")
     fsdp_prefetch: Literal["auto", "off"] | int = Field("auto", description="FSDP2: how many layers ahead each layer issues its all-gathers (FSDPModule.set_modules_to_forward_prefetch / set_modules_to_backward_prefetch, as torchtitan sets them): 1 overlaps as FSDP2's implicit prefetch does but issues each all-gather earlier from the CPU, at no extra memory; N >= 2 keeps up to N + 1 layers gathered at once (more memory), for links too slow to hide one layer's all-gather behind one layer's compute; off leaves FSDP2's implicit prefetch. auto = 1. The results are the same whatever the setting.")
     lora: LoraSection | None = Field(None, description="LoRA/QLoRA adapters through peft; unset trains full weights.")
-    objective: Literal[OBJECTIVE_NAMES] = Field("sft", description="What the run optimizes: sft (next-token cross-entropy on the assistant turns), dpo (preference pairs, data.kind: preference; train.dpo) or grpo (rollouts scored by rewards on prompts with reference answers; train.grpo). Names the run folder after the stage for sft, after the objective otherwise. See docs/post-training.md.")
+    objective: Literal[OBJECTIVE_NAMES] = Field("sft", description="What the run optimizes: sft (next-token cross-entropy on the assistant turns), dpo (preference pairs, data.kind: preference; train.dpo) or grpo (rollouts scored by rewards on prompts with reference answers; train.grpo) or orpo (preference pairs without a reference model; train.orpo). Names the run folder after the stage for sft, after the objective otherwise. See docs/post-training.md.")
     dpo: DPOSection = Field(default_factory=DPOSection, description="Settings of train.objective: dpo.")
     grpo: GRPOSection = Field(default_factory=GRPOSection, description="Settings of train.objective: grpo.")
+    orpo: ORPOSection = Field(default_factory=ORPOSection, description="Settings of train.objective: orpo.")
     deepspeed_config: ProjectPath | None = Field(None, description="A DeepSpeed JSON config to use instead of the generated one (\"auto\" values are filled in).")
     num_workers: int = Field(2, ge=0, description="DataLoader worker processes per rank.")
     save_steps: int = Field(500, gt=0, description="Save a checkpoint every this many optimizer steps.")

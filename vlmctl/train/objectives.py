@@ -19,8 +19,8 @@ The step loop (`train.loop.Trainer`) knows an objective only through the `Object
 - `spec`: its `ObjectiveSpec`, whose `hooks` declare the optional methods it has (`HOOKS`): the loop, the worker
   and the checkpoints call a hook only where it is declared (`has_hook`), never by looking the method up.
 
-An objective is one module (this one for SFT; `dpo`, `grpo`, `orpo`) that defines its class and its `SPEC`, and one
-entry in `vlmctl.train.registry`: the registry answers what the data pipeline, the worker, the launcher, `vlmctl
+An objective is one module (this one for SFT; the others are listed in `registry.BUILT_IN`) that defines its class
+and its `SPEC`, and one entry in `vlmctl.train.registry`: the registry answers what the data pipeline, the worker, the launcher, `vlmctl
 bench`, the autotune probe, the step line and loss.png ask of it (`ObjectiveSpec`). Its settings are a section of
 the train config (`vlmctl.config.objective`), which also refuses the settings it cannot train with, when the
 config is read (before any process starts).

@@ -15,10 +15,10 @@ config section (`vlmctl.config.objective`), its tests and docs (docs/architectur
 from __future__ import annotations
 
 from vlmctl.errors import ConfigError
-from vlmctl.train import dpo, grpo, objectives
+from vlmctl.train import dpo, grpo, objectives, orpo
 from vlmctl.train.objectives import HOOKS, ObjectiveSpec
 
-BUILT_IN = (objectives, dpo, grpo)
+BUILT_IN = (objectives, dpo, grpo, orpo)
 """The built-in objective modules, in the order of `OBJECTIVES`: each holds one `SPEC`."""
 
 OBJECTIVES: dict[str, ObjectiveSpec] = {}
