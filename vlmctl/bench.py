@@ -86,7 +86,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from vlmctl.config.plan import FLOAT8_RECIPES, DeviceFacts, build_plan, check_plan, pending, row_tokens, sized
+from vlmctl.config.plan import (FLOAT8_RECIPES, DeviceFacts, build_plan, check_plan, pending, row_tokens, sized,
+                                visible_gpus)
 from vlmctl.train import autotune
 
 # numpy and torch are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must not
@@ -872,12 +873,10 @@ def check_device_settings(train, run, *, nproc: int) -> None:
     allowed where no GPU is visible), QLoRA without CUDA, and what the run plan `run` (`config.plan.check_plan`:
     precision, master weights, attention, liger) and `optimizer_in_backward` refuse. Raises UsageError or
     ConfigError."""
-    import torch
-
     from vlmctl.errors import UsageError
     from vlmctl.train import setup
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = visible_gpus()  # the run plan's count (`config.plan.visible_gpus`)
     if nproc < 1:
         raise UsageError(f"--nproc-per-node {nproc}: at least one process is needed", hint="e.g. --nproc-per-node 1")
     if gpus and nproc > gpus:
@@ -1203,9 +1202,9 @@ def benchmark(cfg, *, steps: int = 20, warmup: int = 3, spec: WorkloadSpec = Wor
     when given, gets the run plan (`config.plan.RunPlan`) once it is checked. Raises what `check_bench` and
     `run_processes` raise. `profile`: each rank's last warm-up step profiled into `profile/rank<N>/`
     (`profile_step`)."""
-    from vlmctl.config.plan import resolve_nproc
+    from vlmctl.config.plan import nproc_per_node
 
-    nproc = resolve_nproc(cfg.train.nproc_per_node)
+    nproc = nproc_per_node(cfg.train)
     plan = check_bench(cfg, nproc, steps=steps, warmup=warmup, spec=spec, log=log)
     if show_plan is not None:
         show_plan(plan.run)
@@ -1216,7 +1215,9 @@ def check_bench(cfg, nproc: int, *, steps: int, warmup: int, spec: WorkloadSpec,
     """Everything a bench on `nproc` processes of this node checks before a process starts: one node, the optional
     packages the config needs, and `prepare` (flags, model, device, workload). Returns the plan. Raises UsageError
     for more than one node and what `prepare` raises, ConfigError for a missing optional package
-    (`train.launch.check_packages`)."""
+    (`train.launch.check_packages`) and a sequence-parallel size that does not divide `nproc`
+    (`distributed.mesh.check_sequence_split`)."""
+    from vlmctl.distributed.mesh import check_sequence_split
     from vlmctl.errors import UsageError
     from vlmctl.train.launch import check_packages
 
@@ -1224,9 +1225,7 @@ def check_bench(cfg, nproc: int, *, steps: int, warmup: int, spec: WorkloadSpec,
         raise UsageError("vlmctl bench runs on one node", hint="set train.nnodes=1 (tokens/s per GPU carry over to more nodes only approximately)")
     check_packages(cfg.train)  # before any process starts (ConfigError)
     sp = cfg.train.sequence_parallel
-    if nproc % sp:
-        raise UsageError(f"train.sequence_parallel={sp} does not divide the {nproc} processes",
-                         hint=f"run a multiple of {sp} processes (--nproc-per-node), or lower train.sequence_parallel")
+    check_sequence_split(nproc, sp, nproc)  # the mesh's own check: one node of `nproc` processes
     return prepare(cfg.model, cfg.train, spec, steps=steps, warmup=warmup, dp_size=nproc // sp, log=log)
 
 
@@ -1318,11 +1317,9 @@ def parse_counts(text: str) -> tuple[int, ...]:
 def check_counts(counts: tuple[int, ...]) -> None:
     """Raise UsageError when a count is more than the visible GPUs (CPU processes are allowed where none is
     visible)."""
-    import torch
-
     from vlmctl.errors import UsageError
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = visible_gpus()  # the run plan's count (`config.plan.visible_gpus`)
     if gpus and max(counts) > gpus:
         raise UsageError(f"--scaling {','.join(map(str, counts))}: {max(counts)} processes is more than the {gpus} visible GPU(s)",
                          hint=f"list counts of at most {gpus}, or make more GPUs visible (CUDA_VISIBLE_DEVICES)")

@@ -19,9 +19,35 @@ SOURCE = Path(__file__).resolve().parents[2] / "vlmctl"
 # `train` keys whose `auto` is a run decision: a comparison of one of them with the word decides it
 DECISION_KEYS = ("strategy", "precision", "master_weights", "stochastic_rounding", "compile", "compile_vision",
                  "attn_implementation", "liger", "balance", "tokens_per_batch", "micro_batch_size",
-                 "activation_checkpointing", "nproc_per_node", "fp8")
+                 "activation_checkpointing", "nproc_per_node", "fp8", "fsdp_reshard_after_forward", "fsdp_prefetch")
 # modules that take training decisions: any comparison with "auto" there decides something
-TRAINING_MODULES = ("train/", "bench.py", "models/summary.py", "config/train.py", "cli/train.py", "cli/bench.py")
+TRAINING_MODULES = ("train/", "distributed/", "bench.py", "models/summary.py", "config/train.py", "cli/train.py",
+                    "cli/bench.py", "cli/model.py")
+# what the plan reads of the train section: set after planning, the run and its plan.json would disagree
+PLAN_INPUTS = (*DECISION_KEYS, "packing", "sequence_parallel", "lora", "fsdp_sharding", "nnodes", "launcher")
+TRAIN_NAMES = ("train", "train_cfg", "cfg.train", "self.train")  # how modules name a train section
+
+
+def mutations(source: str) -> list[int]:
+    """Lines of `source` that assign a plan input of a train section (`train.packing = False`, `setattr(train,
+    "packing", ...)`)."""
+    import ast
+
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            if isinstance(target, ast.Attribute) and target.attr in PLAN_INPUTS and ast.unparse(target.value) in TRAIN_NAMES:
+                lines.append(node.lineno)
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" and len(node.args) >= 2
+                and ast.unparse(node.args[0]) in TRAIN_NAMES and isinstance(node.args[1], ast.Constant)
+                and node.args[1].value in PLAN_INPUTS):
+            lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+# reading the machine to size a run: the plan's `visible_gpus` and `DeviceFacts.here` do it
+COUNTS_DEVICES = re.compile(r"torch\.cuda\.device_count\(\)")
 # a comparison with the word: == / != on either side, or membership in a literal tuple, list or set holding it
 COMPARES_AUTO = re.compile(r"""(==|!=)\s*["']auto["']|["']auto["']\s*(==|!=)|\bin\s*[(\[{][^)\]}]*["']auto["']""")
 KEY = re.compile(r"\b(" + "|".join(DECISION_KEYS) + r")\b")
@@ -32,7 +58,10 @@ ALLOWED = {  # (module, text of the line): why it is not a run decision
     ("train/launch.py", 'train.resume in (None, "auto")'): "resume: auto names the run folder to continue",
     ("train/checkpoint.py", 'resume == "auto"'): "resume: auto names the checkpoint to continue from",
     ("bench.py", 'kind == "auto"'): "bench's --workload flag, not a train setting",
+    ("distributed/deepspeed.py", '"auto") == "auto"'): "DeepSpeed's own JSON word: the generated config fills it",
+    ("distributed/deepspeed.py", 'zero.get(key) == "auto"'): "DeepSpeed's own JSON word: the generated config fills it",
 }
+COUNT_ALLOWED = {"inference/load.py": "checks that an asked-for CUDA device exists (--device cuda:N), decides nothing"}
 
 
 def auto_decisions() -> list[str]:
@@ -56,9 +85,47 @@ def auto_decisions() -> list[str]:
     return found
 
 
+def plan_bypasses() -> list[str]:
+    """`module:line: text` of each line outside config/plan.py that changes a setting the plan reads after it was
+    planned (`mutations`: the run would train with what plan.json does not say) or counts the machine's GPUs itself
+    (`COUNTS_DEVICES`: a second `nproc_per_node` rule)."""
+    found = []
+    for path in sorted(SOURCE.rglob("*.py")):
+        module = path.relative_to(SOURCE).as_posix()
+        if module == "config/plan.py":
+            continue
+        source = path.read_text()
+        changed = set(mutations(source))
+        for number, line in enumerate(source.splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if number in changed or (COUNTS_DEVICES.search(code) and module not in COUNT_ALLOWED):
+                found.append(f"{module}:{number}: {line.strip()}")
+    return found
+
+
 def test_no_module_but_the_plan_resolves_auto():
     found = auto_decisions()
     assert not found, "decide these in vlmctl/config/plan.py and read the plan instead:\n" + "\n".join(found)
+
+
+def test_no_module_changes_what_the_plan_read_or_counts_gpus_itself():
+    found = plan_bypasses()
+    assert not found, "decide these in vlmctl/config/plan.py and read the plan instead:\n" + "\n".join(found)
+
+
+def test_the_guards_catch_fsdp_nproc_and_mutations_decided_outside_the_plan(tmp_path, monkeypatch):
+    fake = tmp_path / "vlmctl"
+    for folder in ("distributed", "train", "cli", "config"):
+        (fake / folder).mkdir(parents=True)
+    # the leftovers this plan replaced: FSDP2's rules at wrap time, GPUs counted for nproc, packing set at set-up
+    (fake / "distributed" / "fsdp.py").write_text('def resolve_prefetch(setting):\n    if setting == "auto":\n        return 1\n')
+    (fake / "cli" / "model.py").write_text('n = 1 if t.nproc_per_node != "auto" else 2\ngpus = torch.cuda.device_count()\n')
+    (fake / "train" / "setup.py").write_text('if not family.supports_packing:\n    train.packing = False\n'
+                                             'setattr(train, "tokens_per_batch", 2)\ntrain.run_name = "x"\n')
+    (fake / "config" / "plan.py").write_text('train.packing = False\nx = torch.cuda.device_count()\n')
+    monkeypatch.setattr(__import__(__name__), "SOURCE", fake)
+    assert [f.split(": ", 1)[0] for f in auto_decisions()] == ["cli/model.py:1", "distributed/fsdp.py:2"]
+    assert [f.split(": ", 1)[0] for f in plan_bypasses()] == ["cli/model.py:2", "train/setup.py:2", "train/setup.py:3"]
 
 
 def test_the_grep_sees_a_resolution_and_ignores_other_words(tmp_path, monkeypatch):

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vlmctl.config.plan import pending, resolve_nproc  # noqa: F401 - resolve_nproc: where its callers import it
 from vlmctl.distributed.engine import is_deepspeed, is_fsdp
 from vlmctl.distributed.mesh import SHARDING_ENV
 from vlmctl.errors import ConfigError, UsageError
@@ -53,29 +52,23 @@ def launch_plan(cfg, *, processes: int | None = None):
     nodes' GPUs, assumed), the run's processes in all (`processes`, default `run_processes`), the model's family
     where the built model folder names it (else the ranks learn it when they load the model) and the packed row
     length `vlmctl data prepare` suggested for the prepared data (`config.plan.prepared_row_tokens`)."""
+    from dataclasses import replace
+
     from vlmctl.config.plan import DeviceFacts, build_plan, prepared_row_tokens, run_processes
 
     train = cfg.train
-    processes = run_processes(train) if processes is None else processes
-    facts = DeviceFacts.here(processes, cuda=True if train.launcher == "slurm" else None)
+    facts = DeviceFacts.here(cuda=True if train.launcher == "slurm" else None)
+    facts = replace(facts, processes=run_processes(train, facts.gpus) if processes is None else processes)
     data = getattr(cfg, "data", None)
     data_tokens = prepared_row_tokens(data.prepared_dir) if data is not None else None
     return build_plan(train, facts, family=_family(cfg), data_tokens=data_tokens)
 
 
 def _family(cfg):
-    """The FamilySpec of the model the run trains, without loading it; None where the folder does not say."""
-    from vlmctl.errors import VlmctlError
-    from vlmctl.inference.load import folder_family
-    from vlmctl.train.setup import model_source
+    """The FamilySpec of the model the run trains, without loading it (`setup.planned_family`)."""
+    from vlmctl.train.setup import planned_family
 
-    if getattr(cfg, "model", None) is None:
-        return None
-    try:
-        source = Path(model_source(cfg))
-        return folder_family(source) if source.is_dir() else None
-    except (VlmctlError, OSError, ValueError):  # no built model yet: preflight says so where it matters
-        return None
+    return planned_family(cfg)
 
 
 def run_prefix(cfg) -> str:
@@ -156,6 +149,7 @@ def prepare_run(cfg, resume: bool = False) -> Path:
     train = cfg.train
     check_nodes(train)
     plan = launch_plan(cfg)  # every auto decided once, before a process starts; plan.json in the run folder
+    check_packages(train)  # a missing package first: its hint installs it
     check_plan(plan, train)  # what this device cannot train with is refused here, not by the ranks
     check_sharding(train, plan.strategy.value)
     if resume and train.resume is None:
@@ -424,7 +418,8 @@ def launch_command(train, run_dir: Path, module: str = WORKER_MODULE) -> Launch:
     vlmctl launch here claimed it, else on a free port (so two runs on one machine never collide); over several
     nodes it is `master_addr:master_port` as given, torchrun's c10d rendezvous with the run folder's name as its
     id. Raises ConfigError when a multi-node setting is missing (`check_layout`), for hybrid sharding without fsdp
-    (`check_sharding`) and for SLURM with `train.nproc_per_node: auto` (the nodes' GPUs are not visible here).
+    (`check_sharding`) and for SLURM with `train.nproc_per_node: auto` (the nodes' GPUs are not visible here). The
+    processes per node are the run plan's (`planned_nproc`).
     """
     check_layout(train)
     check_sharding(train)
@@ -434,13 +429,13 @@ def launch_command(train, run_dir: Path, module: str = WORKER_MODULE) -> Launch:
         from vlmctl.distributed.env import claim_port
 
         port, claim = claim_port(train.master_port)
+    nproc = planned_nproc(train, run_dir)
+    if nproc is None:
+        raise ConfigError("train.launcher=slurm needs train.nproc_per_node: the GPUs of the allocated nodes are not visible here",
+                          hint="pass --nproc-per-node <GPUs per node>")
     if train.launcher == "slurm":
-        if pending(train.nproc_per_node):
-            raise ConfigError("train.launcher=slurm needs train.nproc_per_node: the GPUs of the allocated nodes are not visible here",
-                              hint="pass --nproc-per-node <GPUs per node>")
         script = run_dir / "sbatch.sh"
-        return Launch(["sbatch", str(script)], script=script, script_text=sbatch_script(train, run_dir, int(train.nproc_per_node)))
-    nproc = resolve_nproc(train.nproc_per_node)
+        return Launch(["sbatch", str(script)], script=script, script_text=sbatch_script(train, run_dir, nproc))
     if train.launcher == "torchrun":
         cmd = [*_torchrun(), "--nproc-per-node", str(nproc), "--nnodes", str(train.nnodes), "--node-rank",
                str(train.node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{train.master_addr}:{port}",
@@ -457,6 +452,16 @@ def launch_command(train, run_dir: Path, module: str = WORKER_MODULE) -> Launch:
     if train.launcher == "none":
         return Launch([sys.executable, *worker])
     raise UsageError(f"unknown launcher {train.launcher!r}", hint="use torchrun, accelerate, slurm or none")
+
+
+def planned_nproc(train, run_dir: Path) -> int | None:
+    """Processes per node: the run plan's decision (`config.plan.decide_nproc`), from `run_dir/plan.json` where
+    `prepare_run` wrote it, else decided for this machine as the plan decides it (a dry run, the bench's ranks);
+    None for SLURM with `train.nproc_per_node: auto`."""
+    from vlmctl.config.plan import PLAN_FILE, decide_nproc, read_plan, visible_gpus
+
+    plan = read_plan(run_dir) if (Path(run_dir) / PLAN_FILE).is_file() else None
+    return (plan.nproc_per_node if plan is not None else decide_nproc(train, visible_gpus())).value
 
 
 def dry_run_text(train, run_dir: Path) -> str:

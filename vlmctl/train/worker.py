@@ -27,7 +27,9 @@ import sys
 from pathlib import Path
 
 from vlmctl.distributed import deepspeed as ds
+from vlmctl.config.plan import settle_reshard, write_plan
 from vlmctl.distributed.engine import Engine, build_engine, strategy_of
+from vlmctl.distributed.fsdp import fsdp_plan_of
 from vlmctl.distributed.parallelize import parallelize
 from vlmctl.distributed.process import LAUNCHER_ENV
 from vlmctl.errors import VlmctlError
@@ -36,7 +38,7 @@ from vlmctl.train.data import build_collator, build_sampler, load_data
 from vlmctl.train.kernels import sequence_core_attention
 from vlmctl.train.objectives import Objective, has_hook
 from vlmctl.train.setup import (RunContext, TrainingModel, build_optimizer, build_scheduler, defer_weights, load_for_rank,
-                                model_parts, model_source, prepare_model, setup_run)
+                                model_parts, model_source, planned_family, prepare_model, setup_run)
 from vlmctl.train.validation import build_validator, name_best
 
 # torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
@@ -65,6 +67,8 @@ def wrap_model(tm: TrainingModel, train, ctx: RunContext, total_steps: int) -> E
     model = parallelize(tm.model, family=tm.family, parts=tm.parts, train=train, dims=dims, device=env.device,
                         dtype=ctx.dtype, core_attention=sequence_core_attention(tm.attn), deferred=tm.deferred)
     tm.deferred = None
+    if (fsdp := fsdp_plan_of(model)) is not None:  # a reshard rule the plan left to this rank, recorded in the plan
+        ctx.plan = settle_reshard(ctx.plan, fsdp.reshard_after_forward, fsdp.reason)
     return build_engine(
         model, strategy, max_grad_norm=train.max_grad_norm, device=env.device, dtype=ctx.dtype,
         make_optimizer=lambda m: build_optimizer(m, tm.parts, train, env.device, dims.dp_size),
@@ -163,6 +167,7 @@ def train_run(cfg, run_dir: Path, ctx: RunContext) -> str:
     loader = build_loader(dataset, sampler, build_collator(cfg, ctx, tm), num_workers=train.num_workers, seed=train.seed)
     logger = None
     if env.is_main:
+        write_plan(run_dir, ctx.plan)  # with what this rank settled (the probe, FSDP2's reshard rule)
         logger = MetricsLogger(run_dir, list(train.report_to), run_name=run_dir.name, project=cfg.project.name,
                                config=cfg.model_dump(mode="json"), resume_step=state.step)
         report.print_startup(report.startup_rows(train, run_dir=run_dir, ctx=ctx, tm=tm, dataset=dataset, sampler=sampler,
@@ -205,7 +210,7 @@ def run(run_dir: Path) -> str:
     cfg = load_config(run_dir / "config.yaml")
     try:
         with guard_run(run_dir, main=int(os.environ.get("RANK", "0")) == 0):
-            ctx = autotune.record_plan(run_dir, setup_run(cfg.train, read_plan(run_dir)))  # rank 0: plan.json, printed
+            ctx = autotune.record_plan(run_dir, setup_run(cfg.train, read_plan(run_dir), planned_family(cfg)))  # rank 0: plan.json
             outcome = train_run(cfg.model_copy(update={"train": ctx.plan.train_section(cfg.train)}), run_dir, ctx)
             dist.barrier()
         return outcome
