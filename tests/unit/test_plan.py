@@ -48,6 +48,8 @@ def mutations(source: str) -> list[int]:
 
 # reading the machine to size a run: the plan's `visible_gpus` and `DeviceFacts.here` do it
 COUNTS_DEVICES = re.compile(r"torch\.cuda\.device_count\(\)")
+# the packed row's budget computed again: `config.plan.row_tokens` is the one place
+ROW_BUDGET = re.compile(r"tokens_per_batch\)?\s*\*\s*\w|(?:tokens|budget)\w*\)?\s*\*\s*(?:\w+\.)*(?:sequence_parallel|sp)\b")
 # a comparison with the word: == / != on either side, or membership in a literal tuple, list or set holding it
 COMPARES_AUTO = re.compile(r"""(==|!=)\s*["']auto["']|["']auto["']\s*(==|!=)|\bin\s*[(\[{][^)\]}]*["']auto["']""")
 KEY = re.compile(r"\b(" + "|".join(DECISION_KEYS) + r")\b")
@@ -87,8 +89,9 @@ def auto_decisions() -> list[str]:
 
 def plan_bypasses() -> list[str]:
     """`module:line: text` of each line outside config/plan.py that changes a setting the plan reads after it was
-    planned (`mutations`: the run would train with what plan.json does not say) or counts the machine's GPUs itself
-    (`COUNTS_DEVICES`: a second `nproc_per_node` rule)."""
+    planned (`mutations`: the run would train with what plan.json does not say), counts the machine's GPUs itself
+    (`COUNTS_DEVICES`: a second `nproc_per_node` rule) or multiplies out a packed row's budget (`ROW_BUDGET`: a
+    second `row_tokens`)."""
     found = []
     for path in sorted(SOURCE.rglob("*.py")):
         module = path.relative_to(SOURCE).as_posix()
@@ -98,7 +101,8 @@ def plan_bypasses() -> list[str]:
         changed = set(mutations(source))
         for number, line in enumerate(source.splitlines(), 1):
             code = line.split("#", 1)[0]
-            if number in changed or (COUNTS_DEVICES.search(code) and module not in COUNT_ALLOWED):
+            if (number in changed or (COUNTS_DEVICES.search(code) and module not in COUNT_ALLOWED)
+                    or ROW_BUDGET.search(code)):
                 found.append(f"{module}:{number}: {line.strip()}")
     return found
 
@@ -121,11 +125,13 @@ def test_the_guards_catch_fsdp_nproc_and_mutations_decided_outside_the_plan(tmp_
     (fake / "distributed" / "fsdp.py").write_text('def resolve_prefetch(setting):\n    if setting == "auto":\n        return 1\n')
     (fake / "cli" / "model.py").write_text('n = 1 if t.nproc_per_node != "auto" else 2\ngpus = torch.cuda.device_count()\n')
     (fake / "train" / "setup.py").write_text('if not family.supports_packing:\n    train.packing = False\n'
-                                             'setattr(train, "tokens_per_batch", 2)\ntrain.run_name = "x"\n')
+                                             'setattr(train, "tokens_per_batch", 2)\ntrain.run_name = "x"\n'
+                                             'budget = train.tokens_per_batch * ctx.dims.sp\n')
     (fake / "config" / "plan.py").write_text('train.packing = False\nx = torch.cuda.device_count()\n')
     monkeypatch.setattr(__import__(__name__), "SOURCE", fake)
     assert [f.split(": ", 1)[0] for f in auto_decisions()] == ["cli/model.py:1", "distributed/fsdp.py:2"]
-    assert [f.split(": ", 1)[0] for f in plan_bypasses()] == ["cli/model.py:2", "train/setup.py:2", "train/setup.py:3"]
+    assert [f.split(": ", 1)[0] for f in plan_bypasses()] == ["cli/model.py:2", "train/setup.py:2", "train/setup.py:3",
+                                                             "train/setup.py:5"]
 
 
 def test_the_grep_sees_a_resolution_and_ignores_other_words(tmp_path, monkeypatch):

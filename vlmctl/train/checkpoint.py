@@ -81,6 +81,9 @@ def check_batching(checkpoint: Path, train, *, before_launch: bool = False) -> N
     `auto` sizes are not compared: a resumed run reuses the sizes its first run chose. `before_launch` (the
     launcher's check, before the model is known) lets a checkpoint without packing pass a config with it: a family
     that cannot take packed rows trains padded whatever the config says; the ranks check again once it is known."""
+    from types import SimpleNamespace
+
+    from vlmctl.config.plan import row_tokens
     from vlmctl.errors import ConfigError
 
     saved = read_state(checkpoint)
@@ -94,8 +97,8 @@ def check_batching(checkpoint: Path, train, *, before_launch: bool = False) -> N
         if key == "tokens_per_batch" and isinstance(old, int) and isinstance(new, int):
             # a packed row is tokens_per_batch per rank x the ranks of a sequence-parallel group that split it: the
             # same row may be resumed over another split (sequence.SequenceShard)
-            row = old * int(saved.get("sequence_parallel") or 1)
-            if row != new * train.sequence_parallel:
+            row = row_tokens(SimpleNamespace(sequence_parallel=int(saved.get("sequence_parallel") or 1)), old)
+            if row != row_tokens(train, new):
                 fix = row // train.sequence_parallel if row % train.sequence_parallel == 0 else old
                 changes.append((key, old, new, fix))
         elif isinstance(old, int) and isinstance(new, int) and old != new:
