@@ -180,7 +180,8 @@ def test_a_checkpoint_of_two_nodes_resumes_on_one_node(project, hybrid_run):
     # position is rescaled from 4 ranks to 2 (`TrainState.from_checkpoint`), so steps 3 and 4 see the samples the
     # 4-rank run saw and their losses match it.
     after = metrics(source)
-    for resumed, original in zip(rows[2:], after[2:4]):
+    assert [r["step"] for r in after[2:4]] == [3, 4]  # rows to compare with: an empty zip would pass
+    for resumed, original in zip(rows[2:], after[2:4], strict=True):
         assert resumed["loss"] == pytest.approx(original["loss"], rel=1e-4)
 
 
