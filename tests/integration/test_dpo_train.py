@@ -19,18 +19,14 @@ from preference_data import write_pair_shards
 from train_runner import RunsAhead, run_train, start_train
 
 RUN_TIMEOUT = 240
-TOKENIZER_TEXTS = ["What color is the triangle? How many circles are there? Is the square left of the circle? "
-                   "What shape is the red object? Answer with one word. red green blue yellow purple yes no 0 1 2 3"] * 20
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory) -> Path:
-    from vlmctl.config import ModelSection
-    from vlmctl.models import build_model
+def project(tmp_path_factory, tiny_models) -> Path:
 
     root = tmp_path_factory.mktemp("dpo")
     write_pair_shards(root / "data", 12)
-    build_model(ModelSection(preset="tiny", init="random", output_dir=root / "model", dtype="fp32"), tokenizer_texts=TOKENIZER_TEXTS)
+    shutil.copytree(tiny_models("tiny", shapes=True, dtype="fp32"), root / "model")
     (root / "vlmctl.yaml").write_text("""
 project: {name: d}
 data: {prepared_dir: data/prepared, max_length: 512}

@@ -34,13 +34,8 @@ def samples() -> list[Sample]:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    from vlmctl.config import ModelSection
-    from vlmctl.models.build import build_model
-
-    folder = tmp_path_factory.mktemp("grpo-objective") / "tiny"
-    build_model(ModelSection(preset="tiny", init="random", output_dir=folder, dtype="fp32"), tokenizer_texts=TEXTS * 5)
-    return folder
+def built(tiny_llava):
+    return tiny_llava
 
 
 def load(folder, seed=None):
