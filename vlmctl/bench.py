@@ -794,7 +794,9 @@ def prepare(model_section, train, spec: WorkloadSpec = WorkloadSpec(), *, steps:
     model = choose_model(model_section)
     if model.note:
         log(model.note)
-    run = build_plan(train, DeviceFacts.here(dp_size * train.sequence_parallel), family=model.family)
+    processes = dp_size * train.sequence_parallel  # one runs in this process, as `vlmctl train --launcher none`
+    planned = train.model_copy(update={"launcher": "none"}) if processes == 1 else train
+    run = build_plan(planned, DeviceFacts.here(processes), family=model.family)
     packing = run.packing.value
     if check_device:
         check_device_settings(train, run, nproc=dp_size)

@@ -245,7 +245,7 @@ def decide_nproc(train, gpus: int) -> Decision:
     is None, and `check_plan` refuses it."""
     value = train.nproc_per_node
     if train.launcher == "none":
-        return Decision(1, "one process: train.launcher none runs in this process", value == "auto")
+        return Decision(1, "one process, in this process (launcher none)", value == "auto")
     if value != "auto":
         return Decision(int(value), "set in the config")
     if train.launcher == "slurm":
