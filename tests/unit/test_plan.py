@@ -61,6 +61,8 @@ ALLOWED = {  # (module, text of the line): why it is not a run decision
     ("train/checkpoint.py", 'resume == "auto"'): "resume: auto names the checkpoint to continue from",
     ("bench.py", 'kind == "auto"'): "bench's --workload flag, not a train setting",
     ("distributed/deepspeed.py", '"auto") == "auto"'): "DeepSpeed's own JSON word: the generated config fills it",
+    ("inference/runner.py", 'kernels not in ("auto"'): "the decoding engine's kernels argument, not a train setting",
+    ("inference/runner.py", 'kernels in ("auto", "liger")'): "the decoding engine's kernels argument, not a train setting",
     ("distributed/deepspeed.py", 'zero.get(key) == "auto"'): "DeepSpeed's own JSON word: the generated config fills it",
 }
 COUNT_ALLOWED = {"inference/load.py": "checks that an asked-for CUDA device exists (--device cuda:N), decides nothing"}
