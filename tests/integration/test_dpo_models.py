@@ -194,6 +194,7 @@ def test_padded_pairs_train_as_their_packed_rows(built, preset):
     from vlmctl.config.objective import DPOSection
     from vlmctl.data.collate import PaddedPairCollator, model_inputs
     from vlmctl.train.dpo import DPOObjective
+    from vlmctl.train.objectives import check_batch
 
     policy, processor, family = load(built / preset, seed=0)
     ref, _, _ = load(built / preset)
@@ -205,6 +206,7 @@ def test_padded_pairs_train_as_their_packed_rows(built, preset):
     policy.zero_grad()
     batch = PaddedPairCollator(processor, family, dummy_image=False)(pairs())
     assert batch["input_ids"].shape[0] == 4 and batch["num_pairs"] == 2 and batch["pair_ids"] == ["p0", "p1"]
+    check_batch(objective, batch)  # the keys the loop asks of the first window
     padded = objective.loss(SimpleNamespace(model=policy, module=policy, inputs=model_inputs), batch)
     padded.loss.backward()
     torch.testing.assert_close(padded.loss, packed.loss, **TOL)

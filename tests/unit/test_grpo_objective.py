@@ -197,6 +197,7 @@ def test_without_packing_the_rollouts_train_as_a_padded_micro_batch(built):
     in rollout order, as TRL pads them; the loss trains through it."""
     from vlmctl.data.collate import model_inputs
     from vlmctl.train.grpo import PromptCollator
+    from vlmctl.train.objectives import check_batch
 
     model, processor, family = load(built)
     objective = objective_for(processor, family, group_size=2)
@@ -204,6 +205,7 @@ def test_without_packing_the_rollouts_train_as_a_padded_micro_batch(built):
     (row,) = objective.prepare_window(_engine(model), [PromptCollator()(samples())], step=0)
     assert "seq_lens" not in row and row["input_ids"].shape[0] == row["num_rollouts"] == 4
     assert row["attention_mask"].shape == row["input_ids"].shape and row["advantages"].shape == (4,)
+    check_batch(objective, row)  # the keys the loop asks of the first window
     micro = objective.loss(SimpleNamespace(model=model, module=model, inputs=model_inputs), row)
     micro.loss.backward()
     assert micro.tokens == 4 and any(p.grad is not None for p in model.parameters())

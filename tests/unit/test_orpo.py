@@ -91,6 +91,7 @@ def test_the_objective_trains_padded_pairs_as_their_packed_rows(tiny_llava):
     from vlmctl.config.objective import ORPOSection
     from vlmctl.data.collate import PaddedPairCollator, PairCollator, model_inputs
     from vlmctl.models import load_model
+    from vlmctl.train.objectives import check_batch
     from vlmctl.train.orpo import ORPOObjective
 
     from preference_data import pair_samples
@@ -104,7 +105,9 @@ def test_the_objective_trains_padded_pairs_as_their_packed_rows(tiny_llava):
     packed.loss.backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    padded = objective.loss(engine, PaddedPairCollator(processor, family, dummy_image=False)(samples))
+    batch = PaddedPairCollator(processor, family, dummy_image=False)(samples)
+    check_batch(objective, batch)  # the keys the loop asks of the first window
+    padded = objective.loss(engine, batch)
     padded.loss.backward()
     assert packed.tokens == padded.tokens == 3
     torch.testing.assert_close(padded.loss, packed.loss, rtol=1e-4, atol=1e-6)

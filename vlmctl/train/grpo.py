@@ -489,7 +489,7 @@ class GRPOObjective:
     reference: Any = None
     packed: bool = True  # each micro-batch's rollouts as one packed row (train.packing), else a padded micro-batch
     name: str = "grpo"
-    batch_keys: tuple[str, ...] = ("input_ids", "labels", "seq_lens", "advantages", "num_rollouts")
+    batch_keys: tuple[str, ...] = ("input_ids", "labels", "advantages", "num_rollouts")
     models: dict[str, Any] = field(default_factory=dict)
     _stats: dict[str, float] = field(default_factory=dict, init=False)
     _train_start: float = field(default=0.0, init=False)
