@@ -125,7 +125,7 @@ def test_loss_png_draws_the_objectives_curves_the_best_step_and_the_early_stop(t
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     drawn, lines = _drawn(tmp_path, curves=dpo.curves, loss=dpo.plots_loss)
     assert drawn == ["loss", "val loss", "best", "lr", "rewards/margins", "val rewards/margins", "rewards/accuracies",
-                     "rewards/chosen", "rewards/rejected"]
+                     "rewards/chosen", "rewards/rejected"]  # the last two in one panel
     assert lines == [6]  # the early stop
     # GRPO: its loss is ~0 by construction; the reward is drawn instead
     grpo = get_objective("grpo")

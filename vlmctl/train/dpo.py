@@ -340,4 +340,4 @@ SPEC = DPOObjective.spec = ObjectiveSpec(
     name="dpo", objective=DPOObjective, build=build_dpo, collator=pair_collator, data="preference", workload="pairs",
     frozen=frozen_reference("dpo"), hooks=frozenset({"before_training"}), section=DPOSection,
     step_line=(*PAIR_STEP_LINE, ("nll_loss", "nll {:.3f}")),
-    curves=("rewards/margins", "rewards/accuracies", "rewards/chosen", "rewards/rejected"))
+    curves=("rewards/margins", "rewards/accuracies", ("rewards/chosen", "rewards/rejected")))

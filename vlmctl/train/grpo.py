@@ -928,5 +928,5 @@ SPEC = GRPOObjective.spec = ObjectiveSpec(
     step_line=(("reward", "reward {:.3f}"), ("reward_std", "std {:.3f}"), ("kl", "kl {:.4f}"),
                ("clip_ratio/region_mean", "clipped {:.3f}"), ("completions/mean_length", "length {:.1f}"),
                ("time/rollout_s", "rollout {:.2f}s"), ("time/train_s", "train {:.2f}s")),
-    curves=("reward", "reward_std", "kl", "completions/mean_length"), plots_loss=False, describe=bench_words,
+    curves=(("reward", "reward_std"), "kl", "completions/mean_length"), plots_loss=False, describe=bench_words,
     preflight=check_rewards, bench_settings=bench_settings)

@@ -216,12 +216,13 @@ def format_row(row: dict[str, Any], fields: tuple[tuple[str, str], ...] = ()) ->
     return " | ".join(parts)
 
 
-def plot_loss(run_dir: Path, curves: tuple[str, ...] = (), loss: bool = True) -> Path | None:
+def plot_loss(run_dir: Path, curves: tuple = (), loss: bool = True) -> Path | None:
     """Write `run_dir/loss.png` from metrics.jsonl; None without rows. One panel per figure, sharing the step axis:
     the training loss with the learning rate (`loss`; the panel is drawn without `curves` whatever `loss` says),
     the validation loss when the run validated, its best step (a star) and the step the run stopped early (a
-    dashed line); then each of the objective's `curves` (`ObjectiveSpec.curves`: DPO's margins and accuracies,
-    GRPO's reward, whose loss is ~0 by construction) the rows hold, with its validation values (`val_<curve>`)."""
+    dashed line); then a panel per entry of the objective's `curves` (`ObjectiveSpec.curves`, a metric or a tuple of
+    metrics drawn together: DPO's margins, accuracies, chosen and rejected rewards; GRPO's reward, whose loss is ~0
+    by construction) the rows hold, with their validation values (`val_<metric>`)."""
     path = Path(run_dir) / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
     val = [r for r in rows if r.get("val_loss") is not None]
@@ -233,21 +234,24 @@ def plot_loss(run_dir: Path, curves: tuple[str, ...] = (), loss: bool = True) ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    curves = [c for c in curves if any(r.get(c) is not None for r in rows)]
-    panels = (["loss"] if loss or not curves else []) + curves
+    groups = [tuple(k for k in ((c,) if isinstance(c, str) else c) if any(r.get(k) is not None for r in rows))
+              for c in curves]
+    groups = [g for g in groups if g]
+    panels = ([("loss",)] if loss or not groups else []) + groups
     fig, axes = plt.subplots(len(panels), 1, figsize=(7, 1.2 + 2.8 * len(panels)), sharex=True, squeeze=False)
     for ax, panel in zip(axes[:, 0], panels):
-        if panel == "loss":
+        if panel == ("loss",):
             _loss_panel(ax, rows, val)
-        else:
-            drawn = [r for r in rows if r.get(panel) is not None]
-            ax.plot([r["step"] for r in drawn], [r[panel] for r in drawn], label=panel)
-            checked = [r for r in val if r.get(f"val_{panel}") is not None]
+            continue
+        for key in panel:
+            drawn = [r for r in rows if r.get(key) is not None]
+            ax.plot([r["step"] for r in drawn], [r[key] for r in drawn], label=key)
+            checked = [r for r in val if r.get(f"val_{key}") is not None]
             if checked:
-                ax.plot([r["step"] for r in checked], [r[f"val_{panel}"] for r in checked], color="tab:green", marker="o",
-                        label=f"val {panel}")
-                ax.legend(loc="best")
-            ax.set_ylabel(panel)
+                ax.plot([r["step"] for r in checked], [r[f"val_{key}"] for r in checked], marker="o", label=f"val {key}")
+        if len(panel) > 1 or any(r.get(f"val_{k}") is not None for r in val for k in panel):
+            ax.legend(loc="best")
+        ax.set_ylabel(" / ".join(panel))
     axes[-1, 0].set_xlabel("step")
     axes[0, 0].set_title(Path(run_dir).name)
     fig.tight_layout()
@@ -287,7 +291,7 @@ def _loss_panel(ax, rows: list[dict[str, Any]], val: list[dict[str, Any]]) -> No
     lr_ax.set_ylabel("learning rate")
 
 
-def plot_loss_or_warn(run_dir: Path, curves: tuple[str, ...] = (), loss: bool = True) -> Path | None:
+def plot_loss_or_warn(run_dir: Path, curves: tuple = (), loss: bool = True) -> Path | None:
     """`plot_loss`, with a failure to write it (a full disk) reported as one warning line: loss.png is a
     convenience, never the run's error."""
     import sys

@@ -86,8 +86,8 @@ class ObjectiveSpec:
     `hooks`: the declared capabilities (`HOOKS`); `section`: its config section class (`train.<name>`, whose
     `refuse(train)` is the objective's constraint on the rest of the train section; None without one).
     What the run shows: `step_line` ((metrics key, `str.format` template) of the step line), `curves` (metrics drawn on
-    loss.png beside the loss), `plots_loss` (False where the loss says nothing of progress: GRPO's is ~0 by
-    construction); `named_by_stage`: run folders are named `<project>-<stage>-<time>` (else `<project>-<name>-<time>`);
+    loss.png beside the loss, one panel each; a tuple of metrics shares a panel), `plots_loss` (False where the loss
+    says nothing of progress: GRPO's is ~0 by construction); `named_by_stage`: run folders are named `<project>-<stage>-<time>` (else `<project>-<name>-<time>`);
     `describe(train) -> str`: its settings in words for `vlmctl bench`'s settings line ("" for none);
     `preflight(cfg)`: checks the launcher runs before any process starts (GRPO imports the user's reward
     functions), raising typed errors; `bench_settings(train) -> (train, note)`: the settings `vlmctl bench` trains
@@ -105,7 +105,7 @@ class ObjectiveSpec:
     hooks: frozenset[str] = frozenset()
     section: type | None = None
     step_line: tuple[tuple[str, str], ...] = ()
-    curves: tuple[str, ...] = ()
+    curves: tuple[str | tuple[str, ...], ...] = ()
     plots_loss: bool = True
     named_by_stage: bool = False
     describe: Callable[[Any], str] = lambda train: ""

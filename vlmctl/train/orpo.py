@@ -119,4 +119,4 @@ def build_orpo(tm, train, ctx, cfg=None, run_dir=None, reference_model=None) -> 
 SPEC = ORPOObjective.spec = ObjectiveSpec(
     name="orpo", objective=ORPOObjective, build=build_orpo, collator=pair_collator, data="preference", workload="pairs",
     section=ORPOSection, step_line=(*PAIR_STEP_LINE, ("nll_loss", "nll {:.3f}"), ("log_odds_chosen", "log odds {:.3f}")),
-    curves=("rewards/margins", "rewards/accuracies", "nll_loss", "log_odds_chosen"))
+    curves=("rewards/margins", "rewards/accuracies", ("rewards/chosen", "rewards/rejected"), "nll_loss"))
