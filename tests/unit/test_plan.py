@@ -4,6 +4,7 @@ for a device described by hand (a GPU machine planned on a CPU one), and nowhere
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -226,3 +227,29 @@ def test_tokens_per_batch_auto_on_cpu_follows_what_data_prepare_measured(tmp_pat
     assert (launched.tokens_per_batch.value, launched.data_tokens) == (1024, 1024)
     path = write_plan(tmp_path, launched)
     assert read_plan(tmp_path) == launched and path.is_file()
+
+
+def test_processes_per_node_and_fsdp2s_overlap_are_decided_in_the_plan(tmp_path):
+    from vlmctl.config.plan import RANK, settle_reshard
+
+    four = DeviceFacts(kind="cuda", memory_bytes=80 * GIB, gpus=4, processes=4, torchao=True)
+    plan = build_plan(TrainSection(strategy="fsdp"), four)
+    assert (plan.nproc_per_node.value, plan.nproc_per_node.auto) == (4, True) and "4 visible GPUs" in plan.nproc_per_node.reason
+    assert plan.fsdp_prefetch.value == 1 and plan.fsdp_reshard_after_forward.value == RANK  # the model's size decides
+    settled = settle_reshard(plan, False, "auto: 4 shard ranks <= 8, gathered layers 0.1 GiB <= 1/4 of 80.0 GiB")
+    assert settled.fsdp_reshard_after_forward.value is False and settled.fsdp_reshard_after_forward.reason.startswith("4 shard")
+    one = build_plan(TrainSection(strategy="fsdp", fsdp_prefetch="off"), replace(four, gpus=1, processes=1))
+    assert one.fsdp_reshard_after_forward.value is True and "1 shard rank" in one.fsdp_reshard_after_forward.reason
+    assert one.fsdp_prefetch.value == 0 and one.train_section(TrainSection(fsdp_prefetch="off")).fsdp_prefetch == "off"
+    with pytest.raises(ConfigError, match="the plan decided True"):
+        settle_reshard(one, False, "a rank that disagrees")
+    wide = build_plan(TrainSection(strategy="fsdp", nnodes=2, nproc_per_node=8), replace(four, processes=16))
+    assert wide.fsdp_reshard_after_forward.value is True and "16 shard ranks > 8" in wide.fsdp_reshard_after_forward.reason
+    assert build_plan(TrainSection(launcher="none"), four).nproc_per_node.value == 1
+    assert "not used: ddp" in build_plan(TrainSection(strategy="ddp"), four).fsdp_prefetch.reason
+    slurm = TrainSection(launcher="slurm")
+    assert build_plan(slurm, four).nproc_per_node.value is None
+    with pytest.raises(ConfigError, match="train.launcher=slurm needs train.nproc_per_node"):
+        check_plan(build_plan(slurm, four), slurm)
+    write_plan(tmp_path, plan)
+    assert read_plan(tmp_path) == plan  # the new decisions round-trip through plan.json

@@ -410,8 +410,8 @@ class RunPlan:
                   "fsdp_prefetch": self.fsdp_prefetch.value or "off"}
         if self.nproc_per_node.value is not None:
             update["nproc_per_node"] = self.nproc_per_node.value
-        if self.fsdp_reshard_after_forward.value != RANK:  # else each rank settles it on its model
-            update["fsdp_reshard_after_forward"] = self.fsdp_reshard_after_forward.value
+        # fsdp_reshard_after_forward stays as configured: `distributed.fsdp.plan_fsdp` applies this module's rule
+        # (`resolve_reshard`, the same answer and reason where the plan could decide) and `settle_reshard` records it
         for key in (*PROBED_KEYS, "fp8"):
             value = getattr(self, key).value
             if value != PROBE:
@@ -584,8 +584,14 @@ def _fsdp(train, strategy: str, processes: int) -> dict[str, Decision]:
 
 def settle_reshard(plan: "RunPlan | None", reshard: bool, reason: str) -> "RunPlan | None":
     """The plan with the reshard-after-forward a rank decided on its model (`resolve_reshard` in
-    `distributed.fsdp.plan_fsdp`) where the plan left it to the rank; the plan unchanged otherwise."""
-    if plan is None or plan.fsdp_reshard_after_forward.value != RANK:
+    `distributed.fsdp.plan_fsdp`) where the plan left it to the rank; the plan unchanged otherwise. Raises
+    ConfigError where the rank's rule answered otherwise than the plan (the two would not be one decision)."""
+    if plan is None:
+        return plan
+    if plan.fsdp_reshard_after_forward.value != RANK:
+        if reshard != plan.fsdp_reshard_after_forward.value and plan.strategy.value == "fsdp":
+            raise ConfigError(f"FSDP2's reshard after forward: the plan decided {plan.fsdp_reshard_after_forward.value}, "
+                              f"the wrapped model got {reshard} ({reason})", hint="report this as a bug")
         return plan
     return replace(plan, fsdp_reshard_after_forward=Decision(reshard, reason.removeprefix("auto: "), True))
 
