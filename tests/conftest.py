@@ -21,6 +21,43 @@ def fixtures_dir() -> Path:
     return FIXTURES
 
 
+SHAPES_TEXTS = ["What color is the triangle? How many circles are there? Is the square left of the circle? "
+                "What shape is the red object? Answer with one word. red green blue yellow purple yes no 0 1 2 3"] * 20
+"""The tokenizer texts of the shapes-VQA training projects (their words: one token each)."""
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """`get(preset="tiny", *, shapes=False, dtype="fp32") -> Path`: a tiny model folder built by `vlmctl model
+    build`'s library (random init, weights stored in `dtype`, its tokenizer trained on `convert_helpers.TEXTS`, or on
+    `SHAPES_TEXTS` with `shapes`), built once per test session for every module that asks: read it, or copy it
+    (`shutil.copytree`) into a project that writes next to it."""
+    from convert_helpers import TEXTS
+
+    built: dict[tuple, Path] = {}
+    root = tmp_path_factory.mktemp("tiny-models")
+
+    def get(preset: str = "tiny", *, shapes: bool = False, dtype: str = "fp32") -> Path:
+        key = (preset, shapes, dtype)
+        if key not in built:
+            from vlmctl.config import ModelSection
+            from vlmctl.models.build import build_model
+
+            folder = root / (preset if key == (preset, False, "fp32") else f"{preset}-{'shapes' if shapes else 'convert'}-{dtype}")
+            build_model(ModelSection(preset=preset, init="random", output_dir=folder, dtype=dtype),
+                        tokenizer_texts=SHAPES_TEXTS if shapes else TEXTS)
+            built[key] = folder
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llava(tiny_models) -> Path:
+    """The tiny LLaVA preset's folder (`tiny_models("tiny")`)."""
+    return tiny_models("tiny")
+
+
 @pytest.fixture
 def write_config(tmp_path):
     """Write a vlmctl.yaml with the given text into tmp_path and return its path."""

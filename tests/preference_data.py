@@ -58,6 +58,20 @@ SWIFT = [
 ]
 
 
+def pair_samples(n: int) -> list[Sample]:
+    """`n` preference pairs about a coloured picture: chosen = its colour, rejected = another colour, answers of
+    different lengths."""
+    colors = [("red", (200, 30, 30)), ("green", (30, 200, 30)), ("blue", (30, 30, 200))]
+    out = []
+    for i in range(n):
+        name, rgb = colors[i % 3]
+        wrong = colors[(i + 1) % 3][0] + " or maybe " * (i % 2) + colors[(i + 2) % 3][0] * (i % 2)
+        user = {"role": "user", "content": [{"type": "image", "index": 0}, {"type": "text", "text": "What color is the square?"}]}
+        out.append(Sample(id=f"pair{i}", messages=[user, {"role": "assistant", "content": [{"type": "text", "text": name}]}],
+                          images=[png(rgb)], rejected={"role": "assistant", "content": [{"type": "text", "text": wrong}]}))
+    return out
+
+
 def write_pair_shards(folder: Path, n: int) -> None:
     """`n` shapes-VQA samples as preference shards (`folder/prepared/train`): chosen = the generated answer, rejected
     = the next different answer of the same question type in generation order."""

@@ -86,7 +86,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from vlmctl.config.plan import FLOAT8_RECIPES, DeviceFacts, build_plan, check_plan, pending, row_tokens, sized
+from vlmctl.config.plan import (FLOAT8_RECIPES, DeviceFacts, build_plan, check_plan, pending, row_tokens, sized,
+                                visible_gpus)
 from vlmctl.train import autotune
 
 # numpy and torch are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must not
@@ -793,14 +794,19 @@ def prepare(model_section, train, spec: WorkloadSpec = WorkloadSpec(), *, steps:
     model = choose_model(model_section)
     if model.note:
         log(model.note)
-    run = build_plan(train, DeviceFacts.here(dp_size * train.sequence_parallel), family=model.family)
+    processes = dp_size * train.sequence_parallel  # one runs in this process, as `vlmctl train --launcher none`
+    planned = train.model_copy(update={"launcher": "none"}) if processes == 1 else train
+    run = build_plan(planned, DeviceFacts.here(processes), family=model.family)
     packing = run.packing.value
     if check_device:
         check_device_settings(train, run, nproc=dp_size)
     if spec.video_frames is not None:
         check_video(model)
+    from vlmctl.train.registry import get_objective
+
     kind = spec.kind
-    pairs, prompts = train.objective == "dpo", train.objective == "grpo"
+    objective = get_objective(train.objective)
+    pairs, prompts = objective.workload == "pairs", objective.workload == "prompts"
     if kind == "auto":
         kind = "baseline" if model.family.mrope and packing and spec.video_frames is None and not (pairs or prompts) else "chat"
         if kind == "baseline" and not spec.baseline_sides():  # e.g. a tiny project's 32 px pictures
@@ -811,10 +817,6 @@ def prepare(model_section, train, spec: WorkloadSpec = WorkloadSpec(), *, steps:
     if (pairs or prompts) and kind != "chat":
         what = "preference pairs" if pairs else "prompts (the answers are their references)"
         raise UsageError(f"train.objective {train.objective} benches {what} of the chat workload", hint="use --workload chat (or auto)")
-    if prompts:
-        from vlmctl.train.grpo import check_grpo_settings
-
-        check_grpo_settings(train, model.family, packing=packing)  # ConfigError, as the run's objective would raise
     if kind == "baseline" and not (model.family.mrope and packing):
         why = "packed rows" if model.family.mrope else "Qwen-VL families"
         raise UsageError(f"--workload baseline is the Qwen-VL baseline's packed workload; this bench has no {why}",
@@ -824,7 +826,7 @@ def prepare(model_section, train, spec: WorkloadSpec = WorkloadSpec(), *, steps:
     if kind == "baseline":
         workload: Workload = BaselineWorkload(model.config, spec, seed=train.seed, rows=rows * dp_size, budget=budget)
     else:
-        rowed = packing and not prompts  # grpo: micro-batches of prompts, as training's sampler deals them
+        rowed = packing and objective.packs_samples  # else micro-batches (grpo's prompts), as training's sampler deals them
         min_samples = 0 if rowed else rows * dp_size * micro_batch(train)
         workload = ChatWorkload(model.processor, model.family, spec, seed=train.seed, min_samples=min_samples,
                                 min_tokens=int((rows * dp_size + 2) * budget * 1.3) if rowed else 0,
@@ -873,12 +875,10 @@ def check_device_settings(train, run, *, nproc: int) -> None:
     allowed where no GPU is visible), QLoRA without CUDA, and what the run plan `run` (`config.plan.check_plan`:
     precision, master weights, attention, liger) and `optimizer_in_backward` refuse. Raises UsageError or
     ConfigError."""
-    import torch
-
     from vlmctl.errors import UsageError
     from vlmctl.train import setup
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = visible_gpus()  # the run plan's count (`config.plan.visible_gpus`)
     if nproc < 1:
         raise UsageError(f"--nproc-per-node {nproc}: at least one process is needed", hint="e.g. --nproc-per-node 1")
     if gpus and nproc > gpus:
@@ -985,9 +985,8 @@ def load_model(plan: BenchPlan, model_section, train, ctx, scratch: Path, log) -
 
 
 def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log, setup, scratch, profile=None) -> BenchResult:
-    from vlmctl.data.collate import Collator, PackedCollator, PairCollator
     from vlmctl.distributed.fsdp import fsdp_plan_of
-    from vlmctl.train.grpo import build_prompt_collator
+    from vlmctl.train.registry import get_objective
     from vlmctl.train.loop import Trainer, TrainState, prefetch
     from vlmctl.train.worker import wrap_model
 
@@ -1002,16 +1001,12 @@ def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log
         setup(tm.model)
     if dims.dp_size != plan.dp_size:  # planned for another world size (a caller's own plan): plan again
         plan = replace(plan, dp_size=dims.dp_size)
-    grpo = train.objective == "grpo"
-    if grpo and train.grpo.drop_zero_variance_groups:
-        # the synthetic answers are random text: every group's rewards are equal (0), and the filter would leave no
-        # rollout to train on; the bench keeps them all (a step whose every group varies)
-        train = train.model_copy(update={"grpo": train.grpo.model_copy(update={"drop_zero_variance_groups": False})})
-        if env.is_main:
-            log("train.grpo.drop_zero_variance_groups: off in the bench (random answers earn equal rewards; every group "
-                "is trained on, as in a step where all of them vary)")
-    frozen = (train.objective == "dpo" and train.dpo.reference == "frozen") or (grpo and train.grpo.beta > 0)
-    reference = frozen_copy(tm.model, ctx.dtype) if frozen else None
+    spec = get_objective(train.objective)
+    if spec.bench_settings is not None:  # what the objective changes for the bench's synthetic data
+        train, note = spec.bench_settings(train)
+        if note and env.is_main:
+            log(note)
+    reference = frozen_copy(tm.model, ctx.dtype) if spec.frozen(train) else None
     engine = wrap_model(tm, train, ctx, total_steps)
     objective = bench_objective(tm, train, ctx, reference, model_section=model_section)  # as the worker builds it
     choice = None
@@ -1019,13 +1014,10 @@ def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log
         choice = probe_auto(plan, tm, train, ctx, engine, objective, log)
         plan = prepare(model_section, train, plan.spec, steps=steps, warmup=warmup, check_device=False,
                        dp_size=dims.dp_size)
-    collator = (PackedCollator(tm.processor, tm.family, tokens_per_batch=row_budget(train)) if plan.packing
-                else Collator(tm.processor, tm.family))
-    if train.objective == "dpo":
-        collator = PairCollator(tm.processor, tm.family, tokens_per_batch=row_budget(train))
-    if grpo:  # prompts; the objective's prepare_window generates, scores and packs their rollouts in each step
-        collator = build_prompt_collator(None, ctx, tm)
-    costs = None if grpo else plan.workload.costs(tm.cost_model)  # None when the workload cannot estimate them
+    collator = spec.collate(tm.processor, tm.family, packed=plan.packing,
+                            tokens_per_batch=row_budget(train) if plan.packing else None)
+    # None when the workload cannot estimate them, or its samples are prompts (their rollouts are the rows)
+    costs = plan.workload.costs(tm.cost_model) if not plan.prompts else None
     batches = [plan.workload.batch(indices, collator)
                for indices in plan_batches(plan, train, dp_rank=dims.dp_rank, costs=costs)]
     trainer = Trainer(engine=engine, objective=objective, batches=prefetch(iter(batches), tm.prepare), env=env, state=TrainState(),
@@ -1065,15 +1057,14 @@ def bench_objective(tm, train, ctx, reference_model=None, *, model_section=None)
     `reference_model` copy; no rollouts.html. `model_section`: the project's, for grpo's project config."""
     from types import SimpleNamespace
 
-    from vlmctl.train.reference import probe_stand_ins
+    from vlmctl.train.objectives import has_hook
     from vlmctl.train.worker import build_objective
 
-    cfg = None
-    if train.objective == "grpo":  # what the objective reads of a project config: generation samples videos as data.video's defaults
-        cfg = SimpleNamespace(model=model_section, train=train, data=SimpleNamespace(video=None))
+    # what an objective reads of a project config: generation samples videos as data.video's defaults
+    cfg = SimpleNamespace(model=model_section, train=train, data=SimpleNamespace(video=None))
     objective = build_objective(tm, train, ctx, cfg, reference_model=reference_model)
-    if train.objective == "dpo" and train.dpo.reference == "precomputed":
-        probe_stand_ins(objective)
+    if has_hook(objective, "before_training"):  # e.g. DPO's precomputed reference: placeholders, never computed
+        objective.stand_in_for_probe()
     return objective
 
 
@@ -1090,8 +1081,10 @@ def settings_line(train, choice, fsdp=None) -> str:
     why, when `auto` chose them), and with `fsdp` (the `vlmctl.distributed.fsdp.FsdpPlan` of the wrapped model) FSDP2's
     reshard-after-forward and prefetch."""
     from vlmctl.distributed.checkpointing import describe, describe_memory_helpers
+    from vlmctl.train.registry import get_objective
 
-    size = f"{token_budget(train)} tokens per row" if train.packing and train.objective != "grpo" else f"micro-batch {micro_batch(train)}"
+    spec = get_objective(train.objective)
+    size = f"{token_budget(train)} tokens per row" if train.packing and spec.packs_samples else f"micro-batch {micro_batch(train)}"
     if train.packing and train.sequence_parallel > 1:
         size = f"{row_budget(train)} tokens per row over {train.sequence_parallel} sequence-parallel ranks (Ulysses)"
     why = f" [auto: {choice.reason}]" if choice is not None else ""
@@ -1102,12 +1095,8 @@ def settings_line(train, choice, fsdp=None) -> str:
     overlap = f"; FSDP2 {fsdp.describe()}" if fsdp is not None else ""
     extra = describe_memory_helpers(train)
     rounding = " (stochastic rounding)" if train.master_weights == "bf16" and train.stochastic_rounding == "on" else ""
-    objective = ""
-    if train.objective == "grpo":
-        g = train.grpo
-        objective = (f"; grpo: {micro_batch(train)} prompts per micro-batch x {g.group_size} rollouts of at most "
-                     f"{g.max_new_tokens} tokens (temperature {g.temperature}, top_p {g.top_p})"
-                     + (f", KL beta {g.beta}" if g.beta else ""))
+    words = spec.describe(train)
+    objective = f"; {words}" if words else ""
     return (f"{train.strategy}, {size}, activation checkpointing {describe('off' if pending(ac) else ac)}{extra}, "
             f"{train.master_weights} master weights{rounding}{fp8}{why}{overlap}{objective}")
 
@@ -1134,6 +1123,7 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
     measured = []  # the measured steps' results: per-rank compute and data-wait figures
     times = []  # the measured steps' wall seconds on this rank
     rollouts = {"rollouts": 0.0, "seconds": 0.0, "tokens": 0.0}  # grpo: the steps' rollout figures (all ranks)
+    generations = 0  # measured steps with rollout figures
     for i in range(steps + warmup):
         sync()
         t0 = time.perf_counter()
@@ -1151,6 +1141,7 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
             times.append(dt)
             measured.append(result)
             if generated is not None:
+                generations += 1
                 for key, value in generated.items():
                     rollouts[key] += value
         if env.is_main:
@@ -1171,7 +1162,7 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
     mfu = cost.mfu(flops, total, peak_flops(env.device) or DEFAULT_PEAK, world)
     stragglers = straggler_stats(measured, total)
     grpo = {}
-    if labels.get("objective") == "grpo":
+    if generations:  # the objective generates (grpo): its rollout figures
         gen = rollouts["seconds"]
         grpo = {"rollouts_per_step": rollouts["rollouts"] / steps, "rollouts_per_s": rollouts["rollouts"] / gen if gen else 0.0,
                 "generated_tokens_per_s": rollouts["tokens"] / gen if gen else 0.0, "rollout_s": gen / steps,
@@ -1213,9 +1204,9 @@ def benchmark(cfg, *, steps: int = 20, warmup: int = 3, spec: WorkloadSpec = Wor
     when given, gets the run plan (`config.plan.RunPlan`) once it is checked. Raises what `check_bench` and
     `run_processes` raise. `profile`: each rank's last warm-up step profiled into `profile/rank<N>/`
     (`profile_step`)."""
-    from vlmctl.config.plan import resolve_nproc
+    from vlmctl.config.plan import nproc_per_node
 
-    nproc = resolve_nproc(cfg.train.nproc_per_node)
+    nproc = nproc_per_node(cfg.train)
     plan = check_bench(cfg, nproc, steps=steps, warmup=warmup, spec=spec, log=log)
     if show_plan is not None:
         show_plan(plan.run)
@@ -1226,7 +1217,9 @@ def check_bench(cfg, nproc: int, *, steps: int, warmup: int, spec: WorkloadSpec,
     """Everything a bench on `nproc` processes of this node checks before a process starts: one node, the optional
     packages the config needs, and `prepare` (flags, model, device, workload). Returns the plan. Raises UsageError
     for more than one node and what `prepare` raises, ConfigError for a missing optional package
-    (`train.launch.check_packages`)."""
+    (`train.launch.check_packages`) and a sequence-parallel size that does not divide `nproc`
+    (`distributed.mesh.check_sequence_split`)."""
+    from vlmctl.distributed.mesh import check_sequence_split
     from vlmctl.errors import UsageError
     from vlmctl.train.launch import check_packages
 
@@ -1234,9 +1227,7 @@ def check_bench(cfg, nproc: int, *, steps: int, warmup: int, spec: WorkloadSpec,
         raise UsageError("vlmctl bench runs on one node", hint="set train.nnodes=1 (tokens/s per GPU carry over to more nodes only approximately)")
     check_packages(cfg.train)  # before any process starts (ConfigError)
     sp = cfg.train.sequence_parallel
-    if nproc % sp:
-        raise UsageError(f"train.sequence_parallel={sp} does not divide the {nproc} processes",
-                         hint=f"run a multiple of {sp} processes (--nproc-per-node), or lower train.sequence_parallel")
+    check_sequence_split(nproc, sp, nproc)  # the mesh's own check: one node of `nproc` processes
     return prepare(cfg.model, cfg.train, spec, steps=steps, warmup=warmup, dp_size=nproc // sp, log=log)
 
 
@@ -1328,11 +1319,9 @@ def parse_counts(text: str) -> tuple[int, ...]:
 def check_counts(counts: tuple[int, ...]) -> None:
     """Raise UsageError when a count is more than the visible GPUs (CPU processes are allowed where none is
     visible)."""
-    import torch
-
     from vlmctl.errors import UsageError
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = visible_gpus()  # the run plan's count (`config.plan.visible_gpus`)
     if gpus and max(counts) > gpus:
         raise UsageError(f"--scaling {','.join(map(str, counts))}: {max(counts)} processes is more than the {gpus} visible GPU(s)",
                          hint=f"list counts of at most {gpus}, or make more GPUs visible (CUDA_VISIBLE_DEVICES)")

@@ -98,6 +98,7 @@ class PostDemoResult:
     pairs_from_predictions: int = 0
     steps: int = 0
     final_loss: float | None = None
+    loss_terms: str = ""  # what `final_loss` sums, in words (DPO's: the pair loss + rpo_alpha x the chosen NLL)
     metrics: dict[str, float] = field(default_factory=dict)  # the last logged step's objective metrics (rewards/...)
     settings: list[str] = field(default_factory=list)         # the overrides of the post-training stage
     prepared_dir: Path | None = None
@@ -120,7 +121,7 @@ class PostDemoResult:
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in ("objective", "stage_seconds", "overall", "pairs", "pairs_from_predictions",
-                                           "steps", "final_loss", "metrics", "settings")}
+                                           "steps", "final_loss", "loss_terms", "metrics", "settings")}
         d["scores"] = [vars(s) for s in self.scores]
         for key in ("prepared_dir", "run_dir", "eval_dir"):
             d[key] = str(getattr(self, key)) if getattr(self, key) is not None else None
@@ -166,7 +167,7 @@ def post_overrides(objective: str, sft_run: Path, project: str) -> list[str]:
     folder as the model to train (`train.setup.model_source` trains `model.output_dir` when it holds a model), a
     run name of its own, the pairs as the data (dpo), then `POST_OVERRIDES[objective]`."""
     words = [f"model.output_dir={Path(sft_run) / 'final'}", f"train.run_name={project}-{objective}", "train.resume=null"]
-    if objective == "dpo":
+    if "pairs" in POST_STAGES[objective]:  # the demo's own preference pairs are the data
         words += [f"data.sources=[{{path: {PAIRS_FILE}, format: preference, image_root: data/raw}}]", "data.kind=preference",
                   f"data.prepared_dir={PAIRS_PREPARED}", "data.val_ratio=0"]
     return words + POST_OVERRIDES[objective]
@@ -232,7 +233,7 @@ def run_post_demo(
     result.settings = [*POST_OVERRIDES[objective], *post]
     cfg = load_config(config, [*shared, *run_words, *post_overrides(objective, before.run_dir, sft_cfg.project.name), *post])
 
-    if objective == "dpo":
+    if "pairs" in POST_STAGES[objective]:
         def pairs() -> int:
             from vlmctl.evaluation import load_samples
 
@@ -267,9 +268,13 @@ def run_post_demo(
     run_dir = timed("train", lambda: train_stage(cfg, progress=stage_progress))
     result.run_dir = run_dir
     rows = _metrics_rows(run_dir)
+    result.loss_terms = getattr(cfg.train, objective).loss_terms()  # the objective's section says what its loss sums
     if rows:
+        from vlmctl.train.registry import get_objective
+
         result.steps, result.final_loss = rows[-1]["step"], rows[-1].get("loss")
-        result.metrics = {k: v for k, v in rows[-1].items() if "/" in k and isinstance(v, (int, float))}
+        shown = [key for key, _ in get_objective(objective).step_line if not key.startswith("time/")]
+        result.metrics = {k: rows[-1][k] for k in shown if isinstance(rows[-1].get(k), (int, float))}
 
     # the SFT start's data section: its val split and the train split's blind baseline, as in the "before" column
     scores, eval_dir = timed("eval", lambda: eval_stage(sft_cfg, run_dir / "final", progress=stage_progress))

@@ -112,20 +112,6 @@ Trained with [vlmctl](https://github.com/vlmctl/vlmctl).
 """
 
 
-def objective_text(train: dict[str, Any]) -> str:
-    """The model card's words for a run's `train.objective` and its settings (sft when unset: older runs)."""
-    objective = train.get("objective") or "sft"
-    if objective == "dpo":
-        dpo = train.get("dpo") or {}
-        return (f"dpo ({dpo.get('loss_type', 'sigmoid')}, beta {dpo.get('beta', 0.1)}, "
-                f"reference {dpo.get('reference', 'frozen')}; arXiv 2305.18290)")
-    if objective == "grpo":
-        grpo = train.get("grpo") or {}
-        rewards = ", ".join(str(r.get("name")) for r in grpo.get("rewards") or [] if isinstance(r, dict)) or "exact_match"
-        return f"grpo ({grpo.get('group_size', 8)} rollouts per prompt, rewards: {rewards}; arXiv 2402.03300)"
-    return "sft (next-token cross-entropy on the assistant turns)"
-
-
 @dataclass
 class TrainingSummary:
     """What a run folder says about training (None where the run did not record it)."""
@@ -268,6 +254,8 @@ def training_summary(run_dir: Path) -> TrainingSummary:
     `trainer_state.json` (step, world_size, strategy, hardware) and `metrics.jsonl` (last `loss`; tokens seen from
     the last `tokens_seen`/`total_tokens`/`tokens` value, a cumulative counter).
     """
+    from vlmctl.config.objective import objective_card
+
     run_dir = Path(run_dir)
     cfg = _read_yaml(run_dir / "config.yaml")
     train = cfg.get("train") or {}
@@ -306,7 +294,7 @@ def training_summary(run_dir: Path) -> TrainingSummary:
     return TrainingSummary(
         run_dir=str(run_dir),
         stage=train.get("stage"),
-        objective=objective_text(train),
+        objective=objective_card(train),
         strategy=state.get("strategy") or train.get("strategy"),
         steps=steps,
         tokens_seen=tokens,

@@ -104,7 +104,6 @@ def test_cuda_event_step_timing_measures_the_device_work():
 def test_gpu_figures_and_auto_choices():
     from vlmctl.config.train import TrainSection
     from vlmctl.distributed.fsdp import rank_memory_bytes
-    from vlmctl.train.launch import resolve_nproc
     from vlmctl.train.metrics import peak_flops
     from vlmctl.config.plan import DeviceFacts, build_plan
 
@@ -116,7 +115,8 @@ def test_gpu_figures_and_auto_choices():
     assert build_plan(TrainSection(), here).precision.value == "bf16"
     assert build_plan(TrainSection(packing=True), here).attention.value == "varlen"
     assert build_plan(TrainSection(packing=True, precision="fp32"), here).attention.value == "sdpa"  # flash kernels: bf16
-    assert resolve_nproc("auto") == torch.cuda.device_count()
+    assert here.gpus == torch.cuda.device_count()
+    assert build_plan(TrainSection(), here).nproc_per_node.value == torch.cuda.device_count()
 
 
 def test_the_allocator_gets_expandable_segments_even_after_cuda_started(monkeypatch):

@@ -249,7 +249,7 @@ def test_sequence_parallel_that_does_not_divide_the_processes_is_a_usage_error(t
 
 @pytest.mark.parametrize("args, message", [
     (["--workload", "baseline", "train.packing=true"], r"train.objective grpo benches prompts \(the answers are their references\) of the chat workload"),
-    (["train.packing=false"], r"rows are not packed \(train.packing is off\)"),
+    (["train.eval_steps=5"], r"a grpo run has no validation loss"),
 ])
 def test_grpo_settings_a_run_refuses_stop_the_bench_before_it_starts(tiny_project, capsys, trained, args, message):
     code, out, err = run_cli(["bench", "-c", str(tiny_project), "--nproc-per-node", "1", *FLAGS,

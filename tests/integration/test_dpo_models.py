@@ -43,15 +43,10 @@ def pairs() -> list[Sample]:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    from convert_helpers import TEXTS
-    from vlmctl.config import ModelSection
-    from vlmctl.models import build_model
-
-    root = tmp_path_factory.mktemp("dpo")
-    for preset in ("tiny-qwen2.5-vl", "tiny"):
-        build_model(ModelSection(preset=preset, init="random", output_dir=root / preset, dtype="fp32"), tokenizer_texts=TEXTS)
-    return root
+def built(tiny_models):
+    """The folder holding the session's tiny models by preset name (`tiny_models`)."""
+    tiny_models("tiny-qwen2.5-vl")
+    return tiny_models("tiny").parent
 
 
 def load(folder, seed=None):
@@ -164,7 +159,7 @@ def objective_loss(objective, model, processor, family, samples):
 @pytest.mark.parametrize("preset", ["tiny-qwen2.5-vl", "tiny"])
 def test_the_dpo_objective_on_pair_rows_equals_trl_dpo_trainer(built, preset):
     from vlmctl.config.objective import DPOSection
-    from vlmctl.train.objectives import DPOObjective
+    from vlmctl.train.dpo import DPOObjective
 
     policy, processor, family = load(built / preset, seed=0)
     ref, _, _ = load(built / preset)
@@ -192,13 +187,42 @@ def test_the_dpo_objective_on_pair_rows_equals_trl_dpo_trainer(built, preset):
         torch.testing.assert_close(grad, policy.get_parameter(name).grad, **TOL)
 
 
+@pytest.mark.parametrize("preset", ["tiny-qwen2.5-vl", "tiny"])
+def test_padded_pairs_train_as_their_packed_rows(built, preset):
+    """train.packing: false (the tiny template's setting, or a family that cannot pack): pairs as consecutive padded
+    rows give the packed rows' loss, metrics and gradients (full logits instead of the chunked head)."""
+    from vlmctl.config.objective import DPOSection
+    from vlmctl.data.collate import PaddedPairCollator, model_inputs
+    from vlmctl.train.dpo import DPOObjective
+    from vlmctl.train.objectives import check_batch
+
+    policy, processor, family = load(built / preset, seed=0)
+    ref, _, _ = load(built / preset)
+    ref.requires_grad_(False)
+    objective = DPOObjective(DPOSection(loss_type="sigmoid", beta=0.1, rpo_alpha=0.5), reference=ref)
+    packed, _ = objective_loss(objective, policy, processor, family, pairs())
+    packed.loss.backward()
+    want = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+    policy.zero_grad()
+    batch = PaddedPairCollator(processor, family, dummy_image=False)(pairs())
+    assert batch["input_ids"].shape[0] == 4 and batch["num_pairs"] == 2 and batch["pair_ids"] == ["p0", "p1"]
+    check_batch(objective, batch)  # the keys the loop asks of the first window
+    padded = objective.loss(SimpleNamespace(model=policy, module=policy, inputs=model_inputs), batch)
+    padded.loss.backward()
+    torch.testing.assert_close(padded.loss, packed.loss, **TOL)
+    for key in ("rewards/margins", "rewards/accuracies", "nll_loss"):
+        assert float(padded.metrics[key]) == pytest.approx(float(packed.metrics[key]), abs=2e-5), key
+    for name, grad in want.items():
+        torch.testing.assert_close(policy.get_parameter(name).grad, grad, **TOL)
+
+
 def test_the_adapter_disabled_reference_is_the_lora_base(built):
     """Under LoRA the reference is the trained model with its adapter off: the same loss as a frozen copy of the
     base, with no second model."""
     from peft import LoraConfig, get_peft_model
 
     from vlmctl.config.objective import DPOSection
-    from vlmctl.train.objectives import DPOObjective
+    from vlmctl.train.dpo import DPOObjective
 
     base, processor, family = load(built / "tiny")
     frozen, _, _ = load(built / "tiny")
@@ -232,7 +256,8 @@ def test_rpo_alpha_adds_each_chosen_answers_mean_token_nll(built):
     each chosen conversation's own cross-entropy (padded collator, full logits)."""
     from vlmctl.config.objective import DPOSection
     from vlmctl.data.collate import Collator, model_inputs
-    from vlmctl.train.objectives import DPOObjective, token_loss_sum
+    from vlmctl.train.dpo import DPOObjective
+    from vlmctl.train.objectives import token_loss_sum
 
     policy, processor, family = load(built / "tiny", seed=0)
     ref, _, _ = load(built / "tiny")

@@ -19,18 +19,14 @@ from preference_data import write_pair_shards
 from train_runner import RunsAhead, run_train, start_train
 
 RUN_TIMEOUT = 240
-TOKENIZER_TEXTS = ["What color is the triangle? How many circles are there? Is the square left of the circle? "
-                   "What shape is the red object? Answer with one word. red green blue yellow purple yes no 0 1 2 3"] * 20
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory) -> Path:
-    from vlmctl.config import ModelSection
-    from vlmctl.models import build_model
+def project(tmp_path_factory, tiny_models) -> Path:
 
     root = tmp_path_factory.mktemp("dpo")
     write_pair_shards(root / "data", 12)
-    build_model(ModelSection(preset="tiny", init="random", output_dir=root / "model", dtype="fp32"), tokenizer_texts=TOKENIZER_TEXTS)
+    shutil.copytree(tiny_models("tiny", shapes=True, dtype="fp32"), root / "model")
     (root / "vlmctl.yaml").write_text("""
 project: {name: d}
 data: {prepared_dir: data/prepared, max_length: 512}
@@ -105,16 +101,19 @@ def test_one_process_frozen_and_precomputed_references_agree(project, one_proces
     # the val split: the training pairs again, so the val loss at a step reads the pairs the step trained on
     val = project / "data" / "prepared" / "val"
     shutil.copytree(project / "data" / "prepared" / "train", val, dirs_exist_ok=True)
-    try:
-        _run(project, "--launcher", "none", "train.run_name=pre", "train.dpo.reference=precomputed", "train.eval_steps=3")
+    try:  # padded micro-batches of pairs (the tiny template's packing: false): the packed run's figures
+        _run(project, "--launcher", "none", "train.run_name=pre", "train.dpo.reference=precomputed", "train.eval_steps=3",
+             "train.packing=false", "train.micro_batch_size=12")
     finally:
         shutil.rmtree(val)
     pre = _check_learns(project / "runs" / "pre")
     stored = json.loads((project / "runs" / "pre" / "reference_logps.json").read_text())
     assert len(stored) >= 8 and all(c < 0 and r < 0 for c, r in stored.values())
-    val_losses = [r["val_loss"] for r in pre if "val_loss" in r]
-    assert len(val_losses) == 2 and val_losses[1] < val_losses[0] < math.log(2)
-    for a, b in zip(frozen, pre):  # one pair per forward vs packed rows: the same sums up to rounding
+    val_rows = [r for r in pre if "val_loss" in r]
+    assert len(val_rows) == 2 and val_rows[1]["val_loss"] < val_rows[0]["val_loss"] < math.log(2)
+    assert val_rows[1]["val_rewards/margins"] > 0 and "val_rewards/accuracies" in val_rows[0]  # TRL's eval rewards
+    assert len(frozen) == len(pre) == 6
+    for a, b in zip(frozen, pre):  # one pair per forward and padded rows vs packed rows: the same sums up to rounding
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-4)
         assert a["rewards/margins"] == pytest.approx(b["rewards/margins"], abs=1e-4)
 

@@ -7,6 +7,7 @@ other ran it would hang FSDP2's all-gathers, which the timeout turns into a fail
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,18 +16,13 @@ from shapes_shards import write_shapes_shards
 from train_runner import RunsAhead, start_train
 
 RUN_TIMEOUT = 150
-TOKENIZER_TEXTS = ["What color is the triangle? How many circles are there? Is the square left of the circle? "
-                   "What shape is the red object? Answer with one word. red green blue yellow purple yes no 0 1 2 3"] * 20
 
 
-def _start(root: Path, packing: bool):
-    """Build the project in `root` (the tiny model, 48 samples, half text-only) and start its 2-rank run."""
-    from vlmctl.config import ModelSection
-    from vlmctl.models import build_model
-
+def _start(root: Path, packing: bool, model: Path):
+    """Build the project in `root` (a copy of the tiny `model`, 48 samples, half text-only) and start its 2-rank run."""
     root.mkdir()
     write_shapes_shards(root / "data", 48, text_only_every=2)
-    build_model(ModelSection(preset="tiny", init="random", output_dir=root / "model"), tokenizer_texts=TOKENIZER_TEXTS)
+    shutil.copytree(model, root / "model")
     (root / "vlmctl.yaml").write_text(f"""
 project: {{name: g}}
 data: {{prepared_dir: data/prepared, max_length: 512}}
@@ -62,10 +58,11 @@ def grouped_root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def grouped_runs(grouped_root):
+def grouped_runs(grouped_root, tiny_models):
     """The packed and the padded run, each in a project `<grouped_root>/packing=<bool>`; the second starts while the
     first one's test waits (RunsAhead), so two runs share the cores: twice the time of one to wait for."""
-    runs = RunsAhead({f"packing={p}": (lambda p=p: _start(grouped_root / f"packing={p}", p)) for p in PACKING},
+    model = tiny_models("tiny", shapes=True, dtype="bf16")
+    runs = RunsAhead({f"packing={p}": (lambda p=p: _start(grouped_root / f"packing={p}", p, model)) for p in PACKING},
                      timeout=2 * RUN_TIMEOUT)
     yield runs
     runs.close()

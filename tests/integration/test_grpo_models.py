@@ -47,15 +47,10 @@ def rollouts() -> list[Sample]:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    from convert_helpers import TEXTS
-    from vlmctl.config import ModelSection
-    from vlmctl.models import build_model
-
-    root = tmp_path_factory.mktemp("grpo")
-    for preset in ("tiny-qwen2.5-vl", "tiny"):
-        build_model(ModelSection(preset=preset, init="random", output_dir=root / preset, dtype="fp32"), tokenizer_texts=TEXTS)
-    return root
+def built(tiny_models):
+    """The folder holding the session's tiny models by preset name (`tiny_models`)."""
+    tiny_models("tiny-qwen2.5-vl")
+    return tiny_models("tiny").parent
 
 
 def load(folder, seed=None):

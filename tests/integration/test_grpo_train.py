@@ -7,6 +7,7 @@ micro-batch))."""
 
 from __future__ import annotations
 
+import shutil
 import json
 import re
 import signal
@@ -19,8 +20,6 @@ from train_runner import run_train, start_train, wait_until
 from shapes_shards import write_shapes_shards
 
 RUN_TIMEOUT = 240
-TOKENIZER_TEXTS = ["What color is the triangle? How many circles are there? Is the square left of the circle? "
-                   "What shape is the red object? Answer with one word. red green blue yellow purple yes no 0 1 2 3"] * 20
 STOP_ENV = "GRPO_TEST_SIGTERM_ON_REWARD"
 # a reward with variance on a random model: longer answers score higher (the user-function path, module:function);
 # with STOP_ENV set it signals its own process, so the stop lands on the first generation step
@@ -30,14 +29,12 @@ REWARDS = (f"import os\nimport signal\n\n\ndef longer(completions, references, *
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory) -> Path:
-    from vlmctl.config import ModelSection
-    from vlmctl.models import build_model
+def project(tmp_path_factory, tiny_models) -> Path:
 
     root = tmp_path_factory.mktemp("grpo-train")
     write_shapes_shards(root / "data", 24)
-    build_model(ModelSection(preset="tiny", init="random", output_dir=root / "model"), tokenizer_texts=TOKENIZER_TEXTS)
-    build_model(ModelSection(preset="tiny-qwen2.5-vl", init="random", output_dir=root / "qwen"), tokenizer_texts=TOKENIZER_TEXTS)
+    shutil.copytree(tiny_models("tiny", shapes=True, dtype="bf16"), root / "model")
+    shutil.copytree(tiny_models("tiny-qwen2.5-vl", shapes=True, dtype="bf16"), root / "qwen")
     (root / "grpo_rewards.py").write_text(REWARDS)
     (root / "vlmctl.yaml").write_text("""
 project: {name: g}
@@ -102,7 +99,8 @@ def test_one_process_grpo_run_logs_rewards_and_rollouts_and_exports(one_run):
     html = (one_run / "rollouts.html").read_text()
     assert html.index("step 4") < html.index("step 1") and "reference" in html and "advantage" in html
     assert not list(one_run.glob(".*.tmp"))
-    assert re.search(r"step 4/4 .*reward \d\.\d{3} rollout \d+\.\d\ds train \d+\.\d\ds", (one_run / "train.log").read_text())
+    line = r"step 4/4 .*reward \d\.\d{3} \| std \d\.\d{3} \| clipped 0\.000 \| length [\d.]+ \| rollout \d+\.\d\ds \| train \d+\.\d\ds"
+    assert re.search(line, (one_run / "train.log").read_text())  # the objective's metrics in the step line
     from transformers import AutoModelForImageTextToText
 
     AutoModelForImageTextToText.from_pretrained(one_run / "final")

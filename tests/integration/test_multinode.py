@@ -10,6 +10,7 @@ when it fails.
 
 from __future__ import annotations
 
+import shutil
 import json
 import os
 import signal
@@ -22,20 +23,17 @@ import pytest
 
 from fake_slurm import JOB_ID, install
 from shapes_shards import write_shapes_shards
-from test_train_runs import TOKENIZER_TEXTS
 
 RUN_TIMEOUT = 240  # 4 ranks on 2 CPU cores
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory) -> Path:
+def project(tmp_path_factory, tiny_models) -> Path:
     """A built tiny model, prepared shards and a vlmctl.yaml for 4-step FSDP2 runs of 2 processes per node."""
-    from vlmctl.config import ModelSection
-    from vlmctl.models import build_model
 
     root = tmp_path_factory.mktemp("multinode")
     write_shapes_shards(root / "data", 48)
-    build_model(ModelSection(preset="tiny", init="random", output_dir=root / "model"), tokenizer_texts=TOKENIZER_TEXTS)
+    shutil.copytree(tiny_models("tiny", shapes=True, dtype="bf16"), root / "model")
     (root / "vlmctl.yaml").write_text("""
 project: {name: m}
 data: {prepared_dir: data/prepared, max_length: 512}
@@ -180,7 +178,8 @@ def test_a_checkpoint_of_two_nodes_resumes_on_one_node(project, hybrid_run):
     # position is rescaled from 4 ranks to 2 (`TrainState.from_checkpoint`), so steps 3 and 4 see the samples the
     # 4-rank run saw and their losses match it.
     after = metrics(source)
-    for resumed, original in zip(rows[2:], after[2:4]):
+    assert [r["step"] for r in after[2:4]] == [3, 4]  # rows to compare with: an empty zip would pass
+    for resumed, original in zip(rows[2:], after[2:4], strict=True):
         assert resumed["loss"] == pytest.approx(original["loss"], rel=1e-4)
 
 

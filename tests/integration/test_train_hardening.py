@@ -21,7 +21,6 @@ import pytest
 
 from cli_runner import run_cli as run_cli_inprocess
 from shapes_shards import write_shapes_shards
-from test_train_runs import TOKENIZER_TEXTS
 
 RUN_TIMEOUT = 150
 
@@ -37,15 +36,13 @@ class Payload:
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory) -> Path:
+def project(tmp_path_factory, tiny_models) -> Path:
     """A built tiny model, prepared shards and a vlmctl.yaml for short 2-rank FSDP runs (no --master-port: the
     launches pick their rendezvous ports themselves)."""
-    from vlmctl.config import ModelSection
-    from vlmctl.models import build_model
 
     root = tmp_path_factory.mktemp("hardening")
     write_shapes_shards(root / "data", 48)
-    build_model(ModelSection(preset="tiny", init="random", output_dir=root / "model"), tokenizer_texts=TOKENIZER_TEXTS)
+    shutil.copytree(tiny_models("tiny", shapes=True, dtype="bf16"), root / "model")
     (root / "vlmctl.yaml").write_text("""
 project: {name: h}
 data: {prepared_dir: data/prepared, max_length: 512}

@@ -22,21 +22,17 @@ from shapes_shards import write_shapes_shards
 from train_runner import RunsAhead, run_train, start_train
 
 TIMEOUT = 300
-TOKENIZER_TEXTS = ["What color is the triangle? How many circles are there? Is the square left of the circle? "
-                   "What shape is the red object? Answer with one word. red green blue yellow purple yes no 0 1 2 3"] * 20
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory) -> Path:
+def project(tmp_path_factory, tiny_models) -> Path:
     """A built tiny model, 48 training and 12 val samples (prepared shards), a vlmctl.yaml that validates."""
-    from vlmctl.config import ModelSection
-    from vlmctl.models import build_model
 
     root = tmp_path_factory.mktemp("validation")
     write_shapes_shards(root / "data", 48)
     write_shapes_shards(root / "held", 12, text_only_every=4)
     shutil.move(root / "held" / "prepared" / "train", root / "data" / "prepared" / "val")
-    build_model(ModelSection(preset="tiny", init="random", output_dir=root / "model"), tokenizer_texts=TOKENIZER_TEXTS)
+    shutil.copytree(tiny_models("tiny", shapes=True, dtype="bf16"), root / "model")
     (root / "vlmctl.yaml").write_text("""
 project: {name: v}
 data: {prepared_dir: data/prepared, max_length: 512}

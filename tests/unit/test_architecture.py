@@ -295,3 +295,50 @@ def test_every_family_module_is_on_the_registration_list():
     registering = {name for name, tree in TREES.items() if name.startswith("vlmctl.families.")
                    and any(isinstance(n, ast.Call) and getattr(n.func, "id", None) == "register" for n in ast.walk(tree))}
     assert registering and registering <= imports_of("vlmctl.families", TREES["vlmctl.families"])
+
+
+OBJECTIVE_HOMES = ("vlmctl.train.registry", "vlmctl.train.objectives", "vlmctl.config.objective")
+"""Where objectives are named: the registry, the spec, the objectives' config sections; and each objective's own
+module (`BUILT_IN`)."""
+OBJECTIVE_ALLOWED = {
+    "vlmctl.cli.demo": "`vlmctl demo --objective` picks one of the demos (sft trains from scratch, the others start "
+                       "from it): a recipe's name, not a run's objective",
+}
+
+
+def objective_dispatch(tree: ast.AST, names: set[str], hook_methods: set[str]) -> list[int]:
+    """Lines where `tree` compares an expression that names an objective (its source says `objective`) with an
+    objective's name, tests it for membership in a literal holding one, or looks up one of an objective's hook
+    methods by name (`getattr` / `hasattr`: hooks are declared in the spec)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            named = any("objective" in ast.unparse(x) for x in sides)
+            literal = any(isinstance(x, ast.Constant) and x.value in names for x in sides) or any(
+                isinstance(x, (ast.Tuple, ast.List, ast.Set)) and any(isinstance(e, ast.Constant) and e.value in names
+                                                                      for e in x.elts) for x in sides)
+            if named and literal:
+                found.append(node.lineno)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value in hook_methods):
+            found.append(node.lineno)
+    return sorted(set(found))
+
+
+def test_no_module_dispatches_on_an_objective_name():
+    from vlmctl.train.objectives import HOOKS
+    from vlmctl.train.registry import BUILT_IN, OBJECTIVES
+
+    homes = {*OBJECTIVE_HOMES, *(m.__name__ for m in BUILT_IN)}
+    methods = {m for ms in HOOKS.values() for m in ms}
+    found = {name: lines for name, tree in TREES.items() if name not in homes and name not in OBJECTIVE_ALLOWED
+             and (lines := objective_dispatch(tree, set(OBJECTIVES), methods))}
+    assert found == {}, f"objective names outside the registry and the objective modules (ask the ObjectiveSpec): {found}"
+
+
+def test_the_objective_check_catches_the_dispatch_it_is_for():
+    src = ('if train.objective == "dpo": pass\nif cfg.train.objective in ("grpo", "x"): pass\n'
+           'if labels.get("objective") != "sft": pass\nprepare = getattr(self.objective, "prepare_window", None)\n'
+           'if kind == "dpo": pass\nif train.objective == spec.name: pass\n')
+    assert objective_dispatch(ast.parse(src), {"sft", "dpo", "grpo"}, {"prepare_window"}) == [1, 2, 3, 4]

@@ -34,13 +34,8 @@ def samples() -> list[Sample]:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    from vlmctl.config import ModelSection
-    from vlmctl.models.build import build_model
-
-    folder = tmp_path_factory.mktemp("grpo-objective") / "tiny"
-    build_model(ModelSection(preset="tiny", init="random", output_dir=folder, dtype="fp32"), tokenizer_texts=TEXTS * 5)
-    return folder
+def built(tiny_llava):
+    return tiny_llava
 
 
 def load(folder, seed=None):
@@ -66,9 +61,10 @@ def objective_for(processor, family, reference=None, rewards=(), **settings):
                          reward_names=[r.name for r in specs], processor=processor, family=family, reference=reference)
 
 
-def fixed_row(processor, family):
-    """Two prompts x two fixed completions packed as the objective packs them, and each rollout's own inputs."""
-    from vlmctl.data.collate import PackedCollator
+def fixed_row(processor, family, packed: bool = True):
+    """Two prompts x two fixed completions packed as the objective packs them (or padded, as it pads them without
+    packing), and each rollout's own inputs."""
+    from vlmctl.data.collate import Collator, PackedCollator
     from vlmctl.train.grpo import encode_prompt, rollout_rows
 
     tok = processor.tokenizer
@@ -78,10 +74,10 @@ def fixed_row(processor, family):
                    tok("sides", add_special_tokens=False)["input_ids"] + [tok.eos_token_id],
                    tok("blue", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
     rows = rollout_rows(prompts, [0, 0, 1, 1], completions)
-    packed = PackedCollator(processor, family, tokens_per_batch=10**6).pack(rows)
-    packed["advantages"] = torch.tensor([0.9, -0.9, 0.3, -0.3])
-    packed["num_rollouts"] = 4
-    return packed, rows
+    row = PackedCollator(processor, family, tokens_per_batch=10**6).pack(rows) if packed else Collator(processor, family).pad(rows)
+    row["advantages"] = torch.tensor([0.9, -0.9, 0.3, -0.3])
+    row["num_rollouts"] = 4
+    return row, rows
 
 
 def alone_logps(model, rows, temperature: float = 1.0):
@@ -97,16 +93,17 @@ def alone_logps(model, rows, temperature: float = 1.0):
     return torch.stack(out), mask
 
 
-@pytest.mark.parametrize("aggregation,beta", [("sequence", 0.0), ("token", 0.0), ("sequence", 0.04)])
-def test_the_objectives_loss_on_fixed_rollouts_equals_policy_loss(built, aggregation, beta):
+@pytest.mark.parametrize("aggregation,beta,packed", [("sequence", 0.0, True), ("token", 0.0, True), ("sequence", 0.04, True),
+                                                    ("token", 0.04, False)])
+def test_the_objectives_loss_on_fixed_rollouts_equals_policy_loss(built, aggregation, beta, packed):
     from vlmctl.data.collate import model_inputs
     from vlmctl.train.grpo import policy_loss
 
     policy, processor, family = load(built, seed=1)
     ref = load(built)[0].requires_grad_(False) if beta else None
     objective = objective_for(processor, family, reference=ref, aggregation=aggregation, beta=beta, epsilon_high=0.28)
-    row, rows = fixed_row(processor, family)
-    assert row["num_dummy_images"] == 0 and len(row["seq_lens"]) == 4
+    row, rows = fixed_row(processor, family, packed)
+    assert row["num_dummy_images"] == 0 and (len(row["seq_lens"]) if packed else row["input_ids"].shape[0]) == 4
     engine = SimpleNamespace(model=policy, module=policy, inputs=model_inputs)
     micro = objective.loss(engine, row)
     got = micro.loss / objective.label_tokens(row)
@@ -195,6 +192,25 @@ def test_prepare_window_generates_seeded_scored_rollouts_and_logs_them(built, tm
     assert micro.tokens == 0 and float(micro.loss.detach()) == 0.0 and dropping.metrics({}, 0.0)["frac_reward_zero_std"] == 1.0
 
 
+def test_without_packing_the_rollouts_train_as_a_padded_micro_batch(built):
+    """train.packing: false (or a family that cannot pack): each micro-batch's rollouts are one padded batch, rows
+    in rollout order, as TRL pads them; the loss trains through it."""
+    from vlmctl.data.collate import model_inputs
+    from vlmctl.train.grpo import PromptCollator
+    from vlmctl.train.objectives import check_batch
+
+    model, processor, family = load(built)
+    objective = objective_for(processor, family, group_size=2)
+    objective.packed = False
+    (row,) = objective.prepare_window(_engine(model), [PromptCollator()(samples())], step=0)
+    assert "seq_lens" not in row and row["input_ids"].shape[0] == row["num_rollouts"] == 4
+    assert row["attention_mask"].shape == row["input_ids"].shape and row["advantages"].shape == (4,)
+    check_batch(objective, row)  # the keys the loop asks of the first window
+    micro = objective.loss(SimpleNamespace(model=model, module=model, inputs=model_inputs), row)
+    micro.loss.backward()
+    assert micro.tokens == 4 and any(p.grad is not None for p in model.parameters())
+
+
 def test_a_packed_row_without_rollouts_trains_as_zero_advantage_rollouts(built):
     """The GPU batch-size probe passes the training's packed SFT rows: they run forward and backward."""
     from vlmctl.data.collate import PackedCollator, model_inputs
@@ -208,21 +224,23 @@ def test_a_packed_row_without_rollouts_trains_as_zero_advantage_rollouts(built):
     assert any(p.grad is not None for p in policy.parameters())
 
 
-def test_settings_grpo_cannot_train_are_refused_naming_the_key(tmp_path):
+def test_settings_grpo_cannot_train_are_refused_before_any_process_starts(tmp_path):
     from vlmctl.config import load_config
     from vlmctl.errors import ConfigError
-    from vlmctl.train.grpo import build_grpo_objective
+    from vlmctl.train.registry import get_objective
 
     (tmp_path / "vlmctl.yaml").write_text("project: {name: g}\ndata: {prepared_dir: data}\nmodel: {preset: tiny}\n"
                                           "train: {objective: grpo}\n")
-    tm = SimpleNamespace(family=SimpleNamespace(name="llava"), prepare=None, processor=None)
-    ctx = SimpleNamespace(dims=SimpleNamespace(dp_rank=0, dp_group=None), env=SimpleNamespace(is_main=True))
-    cases = {"train.packing=false": r"rows are not packed \(train.packing is off\)",
-             "train.eval_steps=5": "train.eval_steps", "train.grpo.rewards=[{name: 'nowhere_mod:fn'}]": r"rewards\[0\].name"}
-    for override, message in cases.items():
-        cfg = load_config(tmp_path / "vlmctl.yaml", overrides=[override])
+    # the config refuses them when it is read: the launcher reads it before it starts anything
+    for override, message in {"train.eval_steps=5": "a grpo run has no validation loss",
+                              "train.sequence_parallel=2": "set train.sequence_parallel: 1"}.items():
         with pytest.raises(ConfigError, match=message):
-            build_grpo_objective(tm, cfg, ctx)
+            load_config(tmp_path / "vlmctl.yaml", overrides=[override])
+    # a reward that does not import: the launcher's preflight imports it
+    cfg = load_config(tmp_path / "vlmctl.yaml", overrides=["train.grpo.rewards=[{name: 'nowhere_mod:fn'}]"])
+    with pytest.raises(ConfigError, match=r"rewards\[0\].name"):
+        get_objective("grpo").preflight(cfg)
+    get_objective("grpo").preflight(load_config(tmp_path / "vlmctl.yaml"))  # the built-in reward passes
 
 
 def test_a_failing_reward_stops_the_run_naming_it(built, tmp_path, monkeypatch):

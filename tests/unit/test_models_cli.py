@@ -99,10 +99,11 @@ def test_memory_estimate_follows_device_and_precision(tmp_path, capsys, monkeypa
 
 
 def test_memory_per_parameter_by_strategy_and_precision():
-    from vlmctl.models.summary import ParamBytes, param_bytes, resolve_precision, training_summary
+    from vlmctl.models.summary import ParamBytes, param_bytes, training_summary
 
-    assert resolve_precision("auto", "cpu") == "fp32" and resolve_precision("auto", "cuda") == "bf16"
-    assert resolve_precision("fp16", "cpu") == "fp16"
+    info = {"family": "llava", "parameters": {"vision": 4, "projector": 1, "llm": 15, "total": 20}}
+    precision = lambda p, d: training_summary(info, stage="full", strategy="ddp", num_gpus=1, device=d, precision=p)["precision"]  # noqa: E731
+    assert precision("auto", "cpu") == "fp32" and precision("auto", "cuda") == "bf16" and precision("fp16", "cpu") == "fp16"
     assert param_bytes("fsdp", "bf16") == ParamBytes(4, 4, 8, 2)  # fp32 master weights, bf16 compute, frozen in bf16
     assert param_bytes("ddp", "fp32") == ParamBytes(4, 4, 8, 4)
     assert param_bytes("fsdp", "bf16", "bf16") == ParamBytes(2, 2, 4, 2)  # pure bf16

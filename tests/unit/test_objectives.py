@@ -4,6 +4,7 @@ loss, its extra metrics reach the metrics rows, and batches without its keys sto
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -58,6 +59,15 @@ class Doubled:
 
     def metrics(self, sums, label_tokens):
         return {"micro_batches": sums["micro_batches"], "tokens_seen_by_objective": label_tokens}
+
+
+def _declare_doubled():
+    from vlmctl.train.objectives import ObjectiveSpec, sample_collator
+
+    Doubled.spec = ObjectiveSpec(name="doubled", objective=Doubled, build=lambda *a, **k: Doubled(), collator=sample_collator)
+
+
+_declare_doubled()  # its spec declares no hooks: the loop calls none
 
 
 def _train(objective, batches, monkeypatch, steps: int = 3) -> list[dict]:
@@ -123,3 +133,36 @@ def test_the_model_card_names_the_objective_and_its_settings(tmp_path, train, wo
     (run / "final").mkdir(parents=True)
     (run / "config.yaml").write_text(yaml.safe_dump({"train": train}))
     assert ("objective", words) in training_summary(run).rows()
+
+
+def test_the_step_line_shows_each_objectives_own_metrics():
+    from vlmctl.train.metrics import format_row
+    from vlmctl.train.registry import get_objective
+
+    base = {"step": 3, "loss": 0.6, "lr": 1e-4, "grad_norm": 0.5, "tokens_per_s": 100.0, "text_tokens_per_s": 80.0,
+            "visual_tokens_per_s": 20.0}
+    dpo = {**base, "rewards/chosen": 0.12, "rewards/rejected": -0.08, "rewards/margins": 0.2, "rewards/accuracies": 0.75}
+    line = format_row(dpo, get_objective("dpo").step_line)
+    assert "margin 0.200 | acc 0.75 | chosen +0.120 | rejected -0.080" in line and "nll" not in line
+    assert "nll 0.310" in format_row({**dpo, "nll_loss": 0.31}, get_objective("dpo").step_line)
+    grpo = {**base, "reward": 0.5, "reward_std": 0.25, "kl": 0.0012, "clip_ratio/region_mean": 0.05,
+            "completions/mean_length": 7.5, "time/rollout_s": 1.5, "time/train_s": 0.25}
+    line = format_row(grpo, get_objective("grpo").step_line)
+    for words in ("reward 0.500", "std 0.250", "kl 0.0012", "clipped 0.050", "length 7.5", "rollout 1.50s", "train 0.25s"):
+        assert words in line, words
+    assert format_row(dpo, get_objective("sft").step_line) == format_row(dpo)  # SFT adds nothing
+
+
+def test_the_demo_summary_says_what_its_final_loss_sums(capsys):
+    from vlmctl.cli.demo import _render_post
+    from vlmctl.config.objective import DPOSection, GRPOSection
+    from vlmctl.demo import DemoResult
+    from vlmctl.demo_post import PostDemoResult
+
+    before = DemoResult(folder=Path("demo"), launcher="none", nproc=1, strategy="ddp", steps=150)
+    post = PostDemoResult(objective="dpo", before=before, steps=60, final_loss=0.733,
+                          loss_terms=DPOSection(rpo_alpha=1.0).loss_terms(), metrics={"rewards/accuracies": 0.969})
+    _render_post(post, {})
+    text = " ".join(capsys.readouterr().out.split())
+    assert "final loss 0.733 (the sigmoid DPO loss + rpo_alpha 1 x the chosen answers' mean token NLL (nll_loss))" in text
+    assert DPOSection().loss_terms() == "the sigmoid DPO loss" and "about 0" in GRPOSection().loss_terms()

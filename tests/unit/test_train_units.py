@@ -75,6 +75,25 @@ def test_missing_data_or_model_fails_before_spawning(write_config, capsys, tmp_p
     assert not (tmp_path / "outputs" / "runs").exists()
 
 
+def test_a_plan_the_device_cannot_train_with_is_refused_before_anything_starts(write_config, capsys, tmp_path):
+    cfg = write_config("project: {name: p}\n")
+    code, _, err = run_cli_inprocess(["-c", str(cfg), "train", "--launcher", "torchrun", "train.precision=fp16",
+                                      "train.strategy=ddp"], capsys)
+    assert code == 2 and "fp16 needs loss scaling" in err  # before the data and model checks, before torchrun
+    assert not (tmp_path / "outputs" / "runs").exists()
+
+
+def test_post_training_runs_are_named_by_their_objective(write_config):
+    from vlmctl.config import load_config
+    from vlmctl.train.launch import planned_run_dir, run_prefix
+
+    cfg = write_config("project: {name: demo}\ntrain: {stage: full}\n")
+    assert planned_run_dir(load_config(cfg)).name.startswith("demo-full-")
+    for objective in ("dpo", "grpo"):
+        named = load_config(cfg, [f"train.objective={objective}"])
+        assert run_prefix(named) == f"demo-{objective}-" and planned_run_dir(named).name.startswith(f"demo-{objective}-")
+
+
 def test_checkpoint_discovery_ignores_partial_folders_and_prunes_the_oldest(tmp_path):
     from vlmctl.train.checkpoint import latest_checkpoint, prune
 
@@ -155,15 +174,9 @@ def test_llava_deepspeed_json_auto_values_are_filled(stage):
 # ------------------------------------------------------------------------------------------- bad-step handling
 
 
-def test_nan_loss_steps_are_skipped_then_the_run_aborts(monkeypatch):
+def _tiny_lm():
+    """A two-layer token model with a `poison` input that multiplies its logits (NaN poisons a step)."""
     import torch
-    import torch.distributed as dist
-
-    from vlmctl.errors import VlmctlError
-    from vlmctl.distributed.engine import TorchEngine
-    from vlmctl.train.loop import Trainer, TrainState
-    from vlmctl.train.objectives import SFTObjective
-    from vlmctl.distributed.env import init_distributed
 
     class Tiny(torch.nn.Module):
         def __init__(self):
@@ -173,49 +186,99 @@ def test_nan_loss_steps_are_skipped_then_the_run_aborts(monkeypatch):
 
         def forward(self, input_ids, attention_mask=None, poison=None, use_cache=None):
             logits = self.head(self.emb(input_ids))
-            return type("Out", (), {"logits": logits * poison})()
+            return type("Out", (), {"logits": logits if poison is None else logits * poison})()
 
-    def batch(bad: bool) -> dict:
-        ids = torch.tensor([[1, 2, 3, 4]])
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone(),
-                "poison": torch.tensor(float("nan") if bad else 1.0), "num_label_tokens": 3, "num_text_tokens": 4,
-                "num_visual_tokens": 0, "num_dummy_images": 0}
+    return Tiny()
+
+
+def _tiny_batch(bad: bool = False) -> dict:
+    import torch
+
+    ids = torch.tensor([[1, 2, 3, 4]])
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone(),
+            "poison": torch.tensor(float("nan") if bad else 1.0), "num_label_tokens": 3, "num_text_tokens": 4,
+            "num_visual_tokens": 0, "num_dummy_images": 0}
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """This process as a one-rank gloo group (the loop's collectives), destroyed after the test."""
+    import torch.distributed as dist
+
+    from vlmctl.distributed.env import init_distributed
 
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     env = init_distributed()
-    try:
-        model = Tiny()
-        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        pattern = iter([False, True, False, True, True])
-        rows = []
+    yield env
+    dist.destroy_process_group()
 
-        def make(max_bad):
-            return Trainer(engine=TorchEngine(model, opt, sched, max_grad_norm=1.0, device=env.device), objective=SFTObjective(),
-                           batches=(batch(next(pattern)) for _ in range(100)), env=env, state=TrainState(), total_steps=5,
-                           grad_accum=1, batches_per_epoch=100, save_steps=100, logging_steps=1, max_bad_steps=max_bad,
-                           save=lambda *a: None, log=rows.append, progress=type("P", (), {"update": lambda *a: None})())
 
-        trainer = make(max_bad=1)
-        snapshots = []
-        original = trainer.train_step
+def _tiny_trainer(env, model, scheduler, batches, rows, *, total_steps: int, max_bad: int = 10):
+    from vlmctl.distributed.engine import TorchEngine
+    from vlmctl.train.loop import Trainer, TrainState
+    from vlmctl.train.objectives import SFTObjective
 
-        def spy():
-            before = [p.detach().clone() for p in model.parameters()]
-            result = original()
-            snapshots.append(all(torch.equal(a, b) for a, b in zip(before, model.parameters())))
-            return result
+    return Trainer(engine=TorchEngine(model, scheduler.optimizer, scheduler, max_grad_norm=1.0, device=env.device),
+                   objective=SFTObjective(), batches=batches, env=env, state=TrainState(), total_steps=total_steps,
+                   grad_accum=1, batches_per_epoch=100, save_steps=100, logging_steps=1, max_bad_steps=max_bad,
+                   save=lambda *a: None, log=rows.append, progress=type("P", (), {"update": lambda *a: None})())
 
-        trainer.train_step = spy
-        with pytest.raises(VlmctlError, match="max_bad_steps=1"):
-            trainer.train()
-        # step 1 trains, step 2 (NaN) leaves the weights alone, step 3 trains, step 4 is the second bad one: abort
-        assert snapshots == [False, True, False, True]
-        assert [r["bad_steps"] for r in rows] == [0, 1, 1]
-        assert rows[1]["grad_norm"] is None and rows[1]["loss"] is None and rows[2]["loss"] > 0
-    finally:
-        dist.destroy_process_group()
+
+def test_nan_loss_steps_are_skipped_then_the_run_aborts(one_rank):
+    import torch
+
+    from vlmctl.errors import VlmctlError
+
+    model = _tiny_lm()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    pattern = iter([False, True, False, True, True])
+    rows = []
+    trainer = _tiny_trainer(one_rank, model, sched, (_tiny_batch(next(pattern)) for _ in range(100)), rows,
+                            total_steps=5, max_bad=1)
+    snapshots = []
+    original = trainer.train_step
+
+    def spy():
+        before = [p.detach().clone() for p in model.parameters()]
+        result = original()
+        snapshots.append(all(torch.equal(a, b) for a, b in zip(before, model.parameters())))
+        return result
+
+    trainer.train_step = spy
+    with pytest.raises(VlmctlError, match="max_bad_steps=1"):
+        trainer.train()
+    # step 1 trains, step 2 (NaN) leaves the weights alone, step 3 trains, step 4 is the second bad one: abort
+    assert snapshots == [False, True, False, True]
+    assert [r["bad_steps"] for r in rows] == [0, 1, 1]
+    assert rows[1]["grad_norm"] is None and rows[1]["loss"] is None and rows[2]["loss"] > 0
+
+
+def test_each_step_is_logged_with_the_learning_rate_its_update_used(one_rank):
+    import torch
+
+    from vlmctl.config import TrainSection
+    from vlmctl.train.setup import build_scheduler
+
+    # warm-up of 3% of 4 steps rounds to one step: step 1 updates at lr 0, the next ones at the peak
+    model = _tiny_lm()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = build_scheduler(opt, TrainSection(lr_scheduler="constant", warmup_ratio=0.03, learning_rate=1e-3), total_steps=4)
+    rows, moved = [], []
+    trainer = _tiny_trainer(one_rank, model, sched, (_tiny_batch() for _ in range(100)), rows, total_steps=3)
+    original = trainer.train_step
+
+    def spy():
+        before = [p.detach().clone() for p in model.parameters()]
+        result = original()
+        moved.append(not all(torch.equal(a, b) for a, b in zip(before, model.parameters())))
+        return result
+
+    trainer.train_step = spy
+    trainer.train()
+    assert moved == [False, True, True]
+    assert [(r["step"], r["lr"]) for r in rows] == [(1, 0.0), (2, 1e-3), (3, 1e-3)]
 
 
 # ----------------------------------------------------------------------------------------------------- packing

@@ -82,7 +82,7 @@ def test_the_step_line_and_the_trackers_show_validation(tmp_path):
         assert plot_loss(tmp_path).is_file()
     finally:
         plt.Axes.plot = real
-    assert drawn == ["loss", "val loss", "lr"]
+    assert drawn == ["loss", "val loss", "best", "lr"]
 
 
 def test_pruning_keeps_the_best_checkpoint_and_the_latest(tmp_path):
@@ -95,3 +95,77 @@ def test_pruning_keeps_the_best_checkpoint_and_the_latest(tmp_path):
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-8"]
     prune(tmp_path, 1, keep=8)
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["checkpoint-8"]
+
+
+def _drawn(run_dir, **kwargs):
+    """plot_loss(run_dir, **kwargs) with every Axes.plot label and axvline x recorded."""
+    import matplotlib.pyplot as plt
+
+    from vlmctl.train.metrics import plot_loss
+
+    drawn, lines = [], []
+    real_plot, real_vline = plt.Axes.plot, plt.Axes.axvline
+    plt.Axes.plot = lambda self, *a, **k: drawn.append(k.get("label")) or real_plot(self, *a, **k)
+    plt.Axes.axvline = lambda self, x=0, *a, **k: lines.append(x) or real_vline(self, x, *a, **k)
+    try:
+        assert plot_loss(run_dir, **kwargs).is_file()
+    finally:
+        plt.Axes.plot, plt.Axes.axvline = real_plot, real_vline
+    return drawn, lines
+
+
+def test_loss_png_draws_the_objectives_curves_the_best_step_and_the_early_stop(tmp_path):
+    from vlmctl.train.registry import get_objective
+
+    dpo = get_objective("dpo")
+    rows = [{"step": s, "loss": 0.7 - s / 100, "lr": 1e-4, "rewards/margins": s / 10, "rewards/accuracies": 0.5 + s / 20,
+             "rewards/chosen": s / 20, "rewards/rejected": -s / 20} for s in range(1, 7)]
+    rows[2].update(val_loss=0.65, best_val_loss=0.65, best_step=3, **{"val_rewards/margins": 0.25})
+    rows[5].update(val_loss=0.66, best_val_loss=0.65, best_step=3, early_stop=True, **{"val_rewards/margins": 0.2})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    drawn, lines = _drawn(tmp_path, curves=dpo.curves, loss=dpo.plots_loss)
+    assert drawn == ["loss", "val loss", "best", "lr", "rewards/margins", "val rewards/margins", "rewards/accuracies",
+                     "rewards/chosen", "rewards/rejected"]  # the last two in one panel
+    assert lines == [6]  # the early stop
+    # GRPO: its loss is ~0 by construction; the reward is drawn instead
+    grpo = get_objective("grpo")
+    rows = [{"step": s, "loss": 1e-8, "lr": 1e-6, "reward": s / 10, "reward_std": 0.3, "completions/mean_length": 5.0}
+            for s in range(1, 4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    drawn, _ = _drawn(tmp_path, curves=grpo.curves, loss=grpo.plots_loss)
+    assert drawn == ["reward", "reward_std", "completions/mean_length"]
+
+
+def test_dpo_validation_logs_the_val_rewards_as_trl_does(monkeypatch):
+    import torch
+    import torch.distributed as dist
+
+    from vlmctl.config.objective import DPOSection
+    from vlmctl.distributed.env import init_distributed
+    from vlmctl.train.dpo import DPOObjective
+    from vlmctl.train.objectives import MicroLoss
+    from vlmctl.train.validation import Best, Validator
+
+    class Engine:  # each val micro-batch of 2 pairs: summed loss and rewards as DPOObjective.loss sums them
+        model = torch.nn.Linear(1, 1)
+
+        def forward(self, objective, batch):
+            k = float(batch["k"])
+            return MicroLoss(loss=torch.tensor(2 * k), tokens=2, metrics={
+                "rewards/chosen": torch.tensor(k), "rewards/rejected": torch.tensor(-k),
+                "rewards/margins": torch.tensor(2 * k), "rewards/accuracies": torch.tensor(1.0)})
+
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    env = init_distributed()
+    try:
+        validator = Validator(engine=Engine(), objective=DPOObjective(DPOSection()), device=env.device, eval_steps=1,
+                              batches=[([0], True), ([1], True), ([0], False)], best=Best(),
+                              load=lambda indices: {"k": torch.tensor(indices[0] + 1.0), "num_pairs": 2})
+        row = validator.evaluate(step=1)
+    finally:
+        dist.destroy_process_group()
+    # 4 pairs counted (the third batch is a rank's uncounted repeat): means over them
+    assert row["val_loss"] == pytest.approx((2 + 4) / 4)
+    assert row["val_rewards/margins"] == pytest.approx((2 + 4) / 4) and row["val_rewards/chosen"] == pytest.approx(3 / 4)
+    assert row["val_rewards/accuracies"] == pytest.approx(2 / 4) and row["val_label_tokens"] == 4

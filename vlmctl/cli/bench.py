@@ -74,9 +74,9 @@ def bench(
 
     if show_plan:
         from vlmctl.bench import check_bench
-        from vlmctl.config.plan import resolve_nproc
+        from vlmctl.config.plan import nproc_per_node
 
-        print_plan(check_bench(cfg, resolve_nproc(cfg.train.nproc_per_node), steps=steps, warmup=warmup, spec=spec,
+        print_plan(check_bench(cfg, nproc_per_node(cfg.train), steps=steps, warmup=warmup, spec=spec,
                                log=log).run)
         return
     if scaling is not None:

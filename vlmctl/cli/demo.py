@@ -237,13 +237,15 @@ def _render_post(post, labels: dict[str, str]) -> None:
     rel = lambda p: p.relative_to(before.folder) if p is not None and before.folder in p.parents else p  # noqa: E731
     where = Table(box=None, show_header=False, pad_edge=False)
     where.add_row("SFT start", f"{esc(rel(before.run_dir))} ({before.steps} steps)")
-    if post.objective == "dpo":
+    if post.pairs:  # the demo wrote preference pairs
         where.add_row("preference pairs", f"{post.pairs} ({esc(rel(post.prepared_dir))})")
     where.add_row(f"{name} run", f"{esc(rel(post.run_dir))} (final/, metrics.jsonl, loss.png, train.log)")
     where.add_row("evaluations", f"{esc(rel(before.eval_dir))}, {esc(rel(post.eval_dir))}")
     metrics = ", ".join(f"{k} {v:.3g}" for k, v in post.metrics.items())
-    train_line = (f"{name}: {post.steps} steps from the SFT start's final model"
-                  + (f", final loss {post.final_loss:.3f}" if post.final_loss is not None else "") + (f"; {metrics}" if metrics else ""))
+    loss = f", final loss {post.final_loss:.3f}" if post.final_loss is not None else ""
+    if loss and post.loss_terms:
+        loss += f" ({esc(post.loss_terms)})"
+    train_line = f"{name}: {post.steps} steps from the SFT start's final model{loss}" + (f"; {metrics}" if metrics else "")
     body = Group(times, "", train_line, "", acc, verdict, "", "[bold]outputs[/bold] in " + esc(_here(before.folder)), where)
     console.print(Panel(body, title=f"[bold]vlmctl demo --objective {post.objective}[/bold]", title_align="left",
                         border_style="green" if post.improved else "yellow"))

@@ -121,10 +121,10 @@ def _list_families(as_json: bool) -> None:
 
 def _summary(info: dict[str, Any], t: Any) -> dict[str, Any]:
     """The build under the project's `train` settings, on the device and process count a `vlmctl train` here uses."""
+    from vlmctl.config.plan import run_processes
     from vlmctl.models import summary
-    from vlmctl.train.launch import resolve_nproc
 
-    processes = 1 if t.launcher == "none" else resolve_nproc(t.nproc_per_node) * t.nnodes
+    processes = run_processes(t)  # the run plan's rule: nodes x processes per node, 1 in-process
     return summary.training_summary(
         info, stage=t.stage, strategy=t.strategy, num_gpus=processes, freeze=t.freeze, lora=t.lora is not None,
         device=summary.training_device(t.launcher), precision=t.precision, master_weights=t.master_weights,

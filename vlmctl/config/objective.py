@@ -1,5 +1,10 @@
 """Sections of the post-training objectives: `train.dpo` (preference pairs) and `train.grpo` (rollouts and rewards).
 
+Each is an `ObjectiveSection`: besides its own keys it says which settings of the rest of the train section its
+objective cannot train with (`refuse`, checked when the train section is validated: before any process starts)
+and its settings in the words of a model card (`card`). `OBJECTIVE_NAMES` lists the values of `train.objective`;
+what the run does with each is the objective's `ObjectiveSpec` (`vlmctl.train.registry`).
+
     train:
       objective: dpo
       dpo: {beta: 0.1, loss_type: sigmoid, reference: frozen}
@@ -14,7 +19,7 @@ The formulas are in `vlmctl.train.dpo` and `vlmctl.train.grpo`; each field below
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -22,8 +27,42 @@ from vlmctl.config.base import Section
 
 BUILTIN_REWARD_NAMES = ("exact_match", "vqa_accuracy", "mcq_letter", "format", "length_penalty")
 
+OBJECTIVE_NAMES = ("sft", "dpo", "grpo", "orpo")
+"""The values of `train.objective` (one `vlmctl.train.registry` entry each)."""
 
-class DPOSection(Section):
+
+class ObjectiveSection(Section):
+    """The settings section of an objective (`train.<objective>`)."""
+
+    def refuse(self, train: Any) -> str | None:
+        """Why this objective cannot train with the rest of `train` (a TrainSection), with the key to change; None
+        when it can."""
+        return None
+
+    def loss_terms(self) -> str:
+        """What the logged `loss` of this objective's steps sums, in words ("" for a plain loss)."""
+        return ""
+
+    @classmethod
+    def card(cls, settings: dict[str, Any]) -> str:
+        """The settings (`train.<objective>` of a run's config.yaml, as a dict: read leniently, an older run's
+        keys may differ) in a model card's words, after the objective's name."""
+        return ""
+
+    @classmethod
+    def setting(cls, settings: dict[str, Any], key: str) -> Any:
+        """`settings[key]`, else the field's default."""
+        return settings.get(key, cls.model_fields[key].default)
+
+
+def whole_rows(name: str, train: Any, what: str) -> str | None:
+    """The refusal of sequence parallelism for an objective that reads `what` from one rank's row."""
+    if train.sequence_parallel > 1:
+        return f"train.objective {name} reads {what} from one rank's row: set train.sequence_parallel: 1"
+    return None
+
+
+class DPOSection(ObjectiveSection):
     """Direct preference optimisation on prepared preference pairs (`data.kind: preference`)."""
 
     beta: float = Field(0.1, gt=0, description="beta: how far the policy may move from the reference. sigmoid: the loss is -log sigma(beta h), h = the chosen minus the rejected log-ratio to the reference (DPO, arXiv 2305.18290, Eq. 7); ipo: the target margin is 1/(2 beta) (tau of IPO, arXiv 2310.12036, Eq. 17); hinge: max(0, 1 - beta h) (SLiC, arXiv 2305.10425).")
@@ -37,6 +76,25 @@ class DPOSection(Section):
         if self.label_smoothing and self.loss_type != "sigmoid":
             raise ValueError(f"train.dpo.label_smoothing applies to loss_type sigmoid, not {self.loss_type}: set it to 0")
         return self
+
+    def loss_terms(self) -> str:
+        """The pair loss, with RPO's NLL term when `rpo_alpha` adds it: the loss is then not the DPO loss alone."""
+        words = f"the {self.loss_type} DPO loss"
+        if self.rpo_alpha:
+            words += f" + rpo_alpha {self.rpo_alpha:g} x the chosen answers' mean token NLL (nll_loss)"
+        return words
+
+    def refuse(self, train: Any) -> str | None:
+        """A pair's answers are summed over one rank's row; the adapter-disabled reference needs an adapter."""
+        if self.reference == "adapter_disabled" and train.lora is None:
+            return ("train.dpo.reference adapter_disabled is the base model under a LoRA adapter: set train.lora, "
+                    "or train.dpo.reference: frozen (or precomputed)")
+        return whole_rows("dpo", train, "each answer's log-probability")
+
+    @classmethod
+    def card(cls, settings: dict[str, Any]) -> str:
+        return (f"{cls.setting(settings, 'loss_type')}, beta {cls.setting(settings, 'beta')}, "
+                f"reference {cls.setting(settings, 'reference')}; arXiv 2305.18290")
 
 
 class RewardSpec(Section):
@@ -58,7 +116,7 @@ class RewardSpec(Section):
         return self
 
 
-class GRPOSection(Section):
+class GRPOSection(ObjectiveSection):
     """Group relative policy optimisation on prompts with reference answers (any SFT data: the assistant turn is the
     reference)."""
 
@@ -83,5 +141,55 @@ class GRPOSection(Section):
                              "clip-higher raises the upper bound; leave it unset for the symmetric clip")
         return self
 
+    def loss_terms(self) -> str:
+        return ("the clipped surrogate: about 0 by construction (advantages are mean-centred per group); the "
+                "reward is the figure of progress")
 
-__all__ = ["BUILTIN_REWARD_NAMES", "DPOSection", "GRPOSection", "RewardSpec"]
+    def refuse(self, train: Any) -> str | None:
+        """A rollout's log-probs come from one rank's row; a grpo run has no validation loss."""
+        if train.eval_steps:
+            return ("train.eval_steps: a grpo run has no validation loss; remove train.eval_steps and evaluate the "
+                    "exported model with `vlmctl eval`")
+        return whole_rows("grpo", train, "each rollout's log-probs")
+
+    @classmethod
+    def card(cls, settings: dict[str, Any]) -> str:
+        rewards = ", ".join(str(r.get("name")) for r in settings.get("rewards") or [] if isinstance(r, dict)) or "exact_match"
+        return f"{cls.setting(settings, 'group_size')} rollouts per prompt, rewards: {rewards}; arXiv 2402.03300"
+
+
+def objective_card(train: dict[str, Any]) -> str:
+    """A run's `train.objective` and its settings in a model card's words, from its train section as a dict (sft
+    when unset: older runs), e.g. "dpo (sigmoid, beta 0.1, reference frozen; arXiv 2305.18290)"."""
+    name = str(train.get("objective") or "sft")
+    section = SECTIONS.get(name)
+    if section is None:  # an objective without settings: next-token cross-entropy
+        return f"{name} (next-token cross-entropy on the assistant turns)"
+    settings = train.get(name)
+    return f"{name} ({section.card(settings if isinstance(settings, dict) else {})})"
+
+
+class ORPOSection(ObjectiveSection):
+    """Odds ratio preference optimisation on prepared preference pairs (`data.kind: preference`), without a reference
+    model."""
+
+    beta: float = Field(0.1, gt=0, description="lambda of ORPO: the weight of the odds-ratio term -log sigma(log odds(chosen) - log odds(rejected)) added to the chosen answer's mean token NLL (Hong et al. 2024, arXiv 2403.07691, Eq. 6; TRL's ORPOConfig.beta); odds from the answers' length-normalised log-probabilities.")
+
+    def loss_terms(self) -> str:
+        return f"the chosen answers' mean token NLL + beta {self.beta:g} x the odds-ratio loss"
+
+    def refuse(self, train: Any) -> str | None:
+        """A pair's answers are summed over one rank's row."""
+        return whole_rows("orpo", train, "each answer's log-probability")
+
+    @classmethod
+    def card(cls, settings: dict[str, Any]) -> str:
+        return f"beta {cls.setting(settings, 'beta')}, no reference model; arXiv 2403.07691"
+
+
+SECTIONS: dict[str, type[ObjectiveSection]] = {"dpo": DPOSection, "grpo": GRPOSection, "orpo": ORPOSection}
+"""The objectives that have a settings section: train.<name>."""
+
+
+__all__ = ["BUILTIN_REWARD_NAMES", "DPOSection", "GRPOSection", "OBJECTIVE_NAMES", "ORPOSection", "ObjectiveSection",
+           "RewardSpec", "SECTIONS", "objective_card", "whole_rows"]

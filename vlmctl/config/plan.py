@@ -35,10 +35,14 @@ PLAN_FILE = "plan.json"
 DEFAULT_TOKENS = 8192  # tokens_per_batch per rank without a probe (and the data checks' row budget without a config)
 DEFAULT_MICRO_BATCH = 1
 PROBE = "probe"  # the value of a decision the start-up probe settles on each rank (`settle_probe`)
+RANK = "rank"  # the value of a decision each rank settles on the model it wraps (`settle_reshard`)
 PROBED_KEYS = ("tokens_per_batch", "micro_batch_size", "activation_checkpointing")
 DEEPSPEED = ("zero2", "zero3")
 FLOAT8_RECIPES = ("tensorwise", "rowwise")  # torchao's Float8LinearRecipeName values `train.fp8` names
 FLOAT8_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell (10.0)
+AUTO_MAX_SHARD_RANKS = 8  # one NVLink domain (an HGX node): the measured case of keeping layers gathered
+AUTO_GATHERED_SHARE = 0.25  # at most this share of a rank's memory for the gathered layers
+AUTO_PREFETCH = 1  # layers prefetched by `train.fsdp_prefetch: auto`
 
 
 # ----------------------------------------------------------------------------------------------- the device
@@ -49,8 +53,9 @@ class DeviceFacts:
     """What the plan depends on about the machine: the device kind ("cuda" or "cpu"), whether it computes in bf16,
     its memory in bytes (one GPU's; None on CPU or where unknown), its CUDA compute capability (major, minor; None
     on CPU or where unknown: float8 matmuls need >= `FLOAT8_CAPABILITY`), the processes of the run in all (every
-    node), and the optional packages that change a decision (torchao, Triton, flash-attn, liger-kernel, torch's
-    varlen attention). Tests describe a GPU machine by hand: `DeviceFacts(kind="cuda", memory_bytes=80 * 2**30)`."""
+    node), the GPUs this process sees (`gpus`: what `train.nproc_per_node: auto` counts), and the optional packages
+    that change a decision (torchao, Triton, flash-attn, liger-kernel, torch's varlen attention). Tests describe a
+    GPU machine by hand: `DeviceFacts(kind="cuda", memory_bytes=80 * 2**30)`."""
 
     kind: str = "cpu"
     bf16: bool = True
@@ -62,6 +67,7 @@ class DeviceFacts:
     liger: bool = False
     varlen: bool = False
     capability: tuple[int, int] | None = None
+    gpus: int = 0
 
     def __post_init__(self) -> None:
         if self.capability is not None:  # plan.json holds a list
@@ -83,6 +89,7 @@ class DeviceFacts:
         import torch  # noqa: PLC0415 - torch only where the machine is asked
 
         seen = torch.cuda.is_available()
+        gpus = visible_gpus()
         kind = "cuda" if (seen if cuda is None else cuda) else "cpu"
         bf16, memory, capability = kind == "cuda", None, None
         if seen and kind == "cuda":
@@ -96,7 +103,7 @@ class DeviceFacts:
         has = lambda name: importlib.util.find_spec(name) is not None  # noqa: E731
         return cls(kind=kind, bf16=bf16, memory_bytes=memory, processes=max(1, int(processes)),
                    torchao=has("torchao"), triton=has("triton"), flash_attn=has("flash_attn"),
-                   liger=has("liger_kernel"), varlen=_has_varlen(), capability=capability)
+                   liger=has("liger_kernel"), varlen=_has_varlen(), capability=capability, gpus=gpus)
 
 
     def same_decisions(self, other: "DeviceFacts") -> bool:
@@ -202,6 +209,18 @@ def row_tokens(train, tokens: int | None = None) -> int:
     return int(size) * int(getattr(train, "sequence_parallel", 1))
 
 
+def prepared_row_tokens(prepared_dir) -> int | None:
+    """The packed row length `vlmctl data prepare` suggested for the data in `prepared_dir` (manifest.json's
+    `tokens.suggested_packing_length`: a power of two holding the longest sample and about 8 median ones), or None
+    without a readable manifest that has it."""
+    try:
+        tokens = json.loads((Path(prepared_dir) / "manifest.json").read_text()).get("tokens") or {}
+        value = int(tokens.get("suggested_packing_length") or 0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+    return value if value > 0 else None
+
+
 def sized(train, key: str) -> int:
     """`train.tokens_per_batch` or `train.micro_batch_size` as an integer: the decided value, or where it is still
     left to the start-up probe (a workload planned before the probe ran) the value without a probe
@@ -210,22 +229,88 @@ def sized(train, key: str) -> int:
     return {"tokens_per_batch": DEFAULT_TOKENS, "micro_batch_size": DEFAULT_MICRO_BATCH}[key] if pending(value) else int(value)
 
 
-def resolve_nproc(value: int | str) -> int:
-    """Processes per node for `train.nproc_per_node`: `auto` = the visible GPUs (CUDA_VISIBLE_DEVICES honoured by
-    torch), else 1."""
-    if value != "auto":
-        return int(value)
+def visible_gpus() -> int:
+    """The CUDA devices this process sees (CUDA_VISIBLE_DEVICES honoured by torch); 0 without a usable CUDA runtime."""
     try:
         import torch  # noqa: PLC0415 - torch only where the machine is asked
 
-        return torch.cuda.device_count() or 1
-    except Exception:  # noqa: BLE001 - no usable CUDA runtime means one CPU process
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no usable CUDA runtime means no GPU
+        return 0
+
+
+def decide_nproc(train, gpus: int) -> Decision:
+    """`train.nproc_per_node`: as set; auto = the `gpus` visible here, else one CPU process; one process in this
+    process for `launcher: none`. SLURM with auto cannot be decided here (the nodes' GPUs are not visible): the value
+    is None, and `check_plan` refuses it."""
+    value = train.nproc_per_node
+    if train.launcher == "none":
+        return Decision(1, "one process, in this process (launcher none)", value == "auto")
+    if value != "auto":
+        return Decision(int(value), "set in the config")
+    if train.launcher == "slurm":
+        return Decision(None, "the GPUs of the allocated nodes are not visible here", True)
+    if gpus:
+        return Decision(int(gpus), f"the {gpus} visible GPU{'s' if gpus != 1 else ''}", True)
+    return Decision(1, "no GPU visible: one CPU process", True)
+
+
+def nproc_per_node(train) -> int:
+    """Processes per node of a run of `train` on this machine (`decide_nproc` with the GPUs visible here; 1 where
+    SLURM's nodes would decide)."""
+    return decide_nproc(train, visible_gpus()).value or 1
+
+
+def run_processes(train, gpus: int | None = None) -> int:
+    """The processes of a run in all: 1 in-process (`launcher: none`), else nodes x processes per node
+    (`decide_nproc`, with `gpus` visible GPUs, default those visible here)."""
+    if train.launcher == "none":
         return 1
+    return train.nnodes * (decide_nproc(train, visible_gpus() if gpus is None else gpus).value or 1)
 
 
-def run_processes(train) -> int:
-    """The processes of a run in all: 1 in-process (`launcher: none`), else nodes x processes per node."""
-    return 1 if train.launcher == "none" else train.nnodes * resolve_nproc(train.nproc_per_node)
+def resolve_prefetch(setting: int | str) -> int:
+    """`train.fsdp_prefetch` as a number of layers: auto = `AUTO_PREFETCH` (1), off = 0 (FSDP2's implicit
+    prefetch), an integer N >= 1 as given. Raises ConfigError for anything else."""
+    if setting == "auto":
+        return AUTO_PREFETCH
+    if setting == "off" or setting is False:
+        return 0
+    if isinstance(setting, int) and not isinstance(setting, bool) and setting >= 1:
+        return setting
+    raise ConfigError(f"train.fsdp_prefetch = {setting!r} is not auto, off or a positive number of layers",
+                      hint="set train.fsdp_prefetch to auto, off or e.g. 2")
+
+
+def resolve_reshard(setting: bool | str, *, shard_ranks: int, gathered_bytes: float, memory_bytes: float) -> tuple[bool, str]:
+    """`train.fsdp_reshard_after_forward` as (reshard, reason). true and false as given; auto = true on a one-rank
+    shard group (one GPU: FSDP2 still gathers into a second buffer, and keeping it saves no collective); false when
+    the shard group has 2 to `AUTO_MAX_SHARD_RANKS` (8) ranks and the gathered layers (`gathered_bytes`, in the
+    compute dtype) take at most `AUTO_GATHERED_SHARE` (a quarter) of a rank's `memory_bytes`, else true.
+
+    Why: keeping the layers gathered saves one all-gather per layer and micro-batch; on one node of 4 H200s it
+    raised per-GPU efficiency from 75.0% to 82.7% (docs/benchmarks.md). It costs the whole gathered model on every
+    rank, a cost that does not shrink with more ranks while the sharded state does: a shard group wider than one
+    8-GPU node is full sharding across nodes, chosen for its memory, so it keeps resharding (hybrid sharding keeps
+    the shard group inside a node and gets false). A quarter of the memory leaves the rest to the sharded state and
+    the activations, whose batch size the start-up probe then fits (`train.tokens_per_batch: auto`).
+    Raises ConfigError for any other value."""
+    if isinstance(setting, bool):
+        return setting, "as set"
+    if setting != "auto":
+        raise ConfigError(f"train.fsdp_reshard_after_forward = {setting!r} is not auto, true or false",
+                          hint="set train.fsdp_reshard_after_forward to auto, true or false")
+    gib = 2**30
+    if shard_ranks <= 1:
+        # one rank saves no collective by keeping layers gathered, but FSDP2 still gathers into a second buffer:
+        # keeping it costs a whole unsharded copy of the model (12.9 GiB for the 7B preset, docs/benchmarks.md)
+        return True, "auto: 1 shard rank (no all-gather to save; a kept copy would double the weights)"
+    if shard_ranks > AUTO_MAX_SHARD_RANKS:
+        return True, f"auto: {shard_ranks} shard ranks > {AUTO_MAX_SHARD_RANKS}"
+    if gathered_bytes > AUTO_GATHERED_SHARE * memory_bytes:
+        return True, f"auto: gathered layers {gathered_bytes / gib:.1f} GiB > 1/4 of {memory_bytes / gib:.1f} GiB"
+    return False, (f"auto: {shard_ranks} shard rank{'s' * (shard_ranks > 1)} <= {AUTO_MAX_SHARD_RANKS}, gathered layers "
+                   f"{gathered_bytes / gib:.1f} GiB <= 1/4 of {memory_bytes / gib:.1f} GiB")
 
 
 def quantized(train) -> bool:
@@ -262,9 +347,13 @@ class RunPlan:
     `liger_kernels` (its norm/SwiGLU/RoPE patches with it), `packing`, `balance` (compute-balanced batches),
     `tokens_per_batch` (per rank), `micro_batch_size`, `activation_checkpointing` (`PROBE` where the start-up probe
     settles them on each rank), `fp8` (the float8 recipe of the language model's linears: tensorwise, rowwise or
-    off; `PROBE` where the start-up probe's float8 trial settles it), `sequence_parallel`, `dp_size` (data-parallel
-    ranks). `row_tokens` is the one packed row budget: tokens_per_batch x sequence_parallel. `probe`: the probe's
-    record once a rank settled it."""
+    off; `PROBE` where the start-up probe's float8 trial settles it), `nproc_per_node` (processes per node; None
+    where SLURM's nodes decide), `fsdp_reshard_after_forward` (`RANK` where each rank settles it on the model it
+    wraps: `settle_reshard`), `fsdp_prefetch` (layers; 0 = FSDP2's implicit prefetch), `sequence_parallel`,
+    `dp_size` (data-parallel ranks). `row_tokens` is the one packed row budget: tokens_per_batch x
+    sequence_parallel. `probe`: the probe's record once a rank settled it. `data_tokens`: the packed row length
+    `vlmctl data prepare` suggested for the run's data (manifest.json), which `tokens_per_batch: auto` follows where
+    no probe measures it."""
 
     device: DeviceFacts
     strategy: Decision
@@ -282,11 +371,15 @@ class RunPlan:
     tokens_per_batch: Decision
     micro_batch_size: Decision
     activation_checkpointing: Decision
+    nproc_per_node: Decision
+    fsdp_reshard_after_forward: Decision
+    fsdp_prefetch: Decision
     fp8: Decision = Decision("off", "not planned (a plan written before train.fp8 existed)")
     sequence_parallel: int = 1
     dp_size: int = 1
     family: str | None = None
     probe: dict | None = None
+    data_tokens: int | None = None
 
     @property
     def row_tokens(self) -> int | None:
@@ -313,7 +406,12 @@ class RunPlan:
                   "master_weights": self.master_weights.value, "stochastic_rounding": self.stochastic_rounding.value,
                   "compile": self.compile.value, "compile_vision": self.compile_vision.value,
                   "attn_implementation": self.attention.value, "liger": "on" if self.liger.value else "off",
-                  "packing": self.packing.value, "balance": "on" if self.balance.value else "off"}
+                  "packing": self.packing.value, "balance": "on" if self.balance.value else "off",
+                  "fsdp_prefetch": self.fsdp_prefetch.value or "off"}
+        if self.nproc_per_node.value is not None:
+            update["nproc_per_node"] = self.nproc_per_node.value
+        # fsdp_reshard_after_forward stays as configured: `distributed.fsdp.plan_fsdp` applies this module's rule
+        # (`resolve_reshard`, the same answer and reason where the plan could decide) and `settle_reshard` records it
         for key in (*PROBED_KEYS, "fp8"):
             value = getattr(self, key).value
             if value != PROBE:
@@ -323,7 +421,7 @@ class RunPlan:
     def to_json(self) -> dict:
         """The plan as plain JSON: {"device": {...}, "decisions": {key: {value, reason, auto}}, "row_tokens", ...}."""
         return {"device": asdict(self.device), "family": self.family, "sequence_parallel": self.sequence_parallel,
-                "dp_size": self.dp_size, "row_tokens": self.row_tokens,
+                "dp_size": self.dp_size, "row_tokens": self.row_tokens, "data_tokens": self.data_tokens,
                 "decisions": {k: asdict(d) for k, d in self.decisions().items()}, "probe": self.probe}
 
     @classmethod
@@ -332,13 +430,15 @@ class RunPlan:
         decisions = {k: Decision(**v) for k, v in data["decisions"].items()}
         return cls(device=DeviceFacts(**data["device"]), sequence_parallel=int(data.get("sequence_parallel", 1)),
                    dp_size=int(data.get("dp_size", 1)), family=data.get("family"), probe=data.get("probe"),
-                   **decisions)
+                   data_tokens=data.get("data_tokens"), **decisions)
 
 
-def build_plan(train, device: DeviceFacts, family=None) -> RunPlan:
+def build_plan(train, device: DeviceFacts, family=None, data_tokens: int | None = None) -> RunPlan:
     """Resolve every `auto` of `train` (a TrainSection, left unchanged) for a run on `device` (`DeviceFacts`: its
     kind, bf16 support, processes in all, packages). `family` (a FamilySpec, when the model is known) decides
     packing (families that cannot take packed rows train on padded micro-batches) and whether liger has a patch.
+    `data_tokens` (`prepared_row_tokens`: the packed row length `vlmctl data prepare` suggested) sizes
+    `tokens_per_batch: auto` where no probe runs on CPU.
     Raises nothing for settings the device refuses (`check_plan` does): the plan of a QLoRA config can be built
     for a GPU on a machine without one."""
     cuda, processes = device.cuda, device.processes
@@ -381,10 +481,12 @@ def build_plan(train, device: DeviceFacts, family=None) -> RunPlan:
     kernels_on = liger and compile_ != "on" and vision != "blocks"
     dp_size = max(1, processes // sp)
     balance = balancing(train.balance, dp_size)
-    sizes = _batch_sizes(train, device, strategy, packing, sp)
+    sizes = _batch_sizes(train, device, strategy, packing, sp, data_tokens)
+    fsdp = _fsdp(train, strategy, processes)
     stored = precision if qlora else ("bf16" if master == "bf16" else "fp32")
     return RunPlan(
         device=device, family=None if family is None else family.name, sequence_parallel=sp, dp_size=dp_size,
+        data_tokens=data_tokens,
         strategy=pick("strategy", strategy, f"{strategy_why} ({where})"),
         precision=pick("precision", precision, "bf16 on a GPU with bf16" if precision == "bf16" else
                        "fp32 on CPU" if not cuda else "fp32: this GPU has no bf16"),
@@ -403,7 +505,7 @@ def build_plan(train, device: DeviceFacts, family=None) -> RunPlan:
         packing=Decision(packing, packing_why),
         balance=pick("balance", balance, f"{'on' if balance else 'off'}: {dp_size} data-parallel rank"
                      f"{'s' if dp_size != 1 else ''}"),
-        fp8=Decision(fp8, fp8_why, train.fp8 == "auto"), **sizes)
+        fp8=Decision(fp8, fp8_why, train.fp8 == "auto"), nproc_per_node=decide_nproc(train, device.gpus), **sizes, **fsdp)
 
 
 def _fp8(train, device: DeviceFacts, *, strategy: str, precision: str, compile_: str, sp: int) -> tuple[str, str]:
@@ -457,6 +559,43 @@ def llm_trained(train) -> bool:
     return "llm" not in train.freeze if train.freeze is not None else train.stage != "align"
 
 
+def _fsdp(train, strategy: str, processes: int) -> dict[str, Decision]:
+    """FSDP2's `fsdp_prefetch` (layers) and `fsdp_reshard_after_forward` (`resolve_reshard`): decided here where the
+    shard group alone decides it (one rank, more than one node's), else left to each rank (`RANK`), which weighs
+    the gathered layers against its memory on the model it wraps (`settle_reshard`). Not used by other strategies."""
+    prefetch_set, reshard_set = train.fsdp_prefetch, train.fsdp_reshard_after_forward
+    layers = resolve_prefetch(prefetch_set)
+    if strategy != "fsdp":
+        unused = f"not used: {strategy}"
+        return {"fsdp_prefetch": Decision(layers, unused, prefetch_set == "auto"),
+                "fsdp_reshard_after_forward": Decision(reshard_set if isinstance(reshard_set, bool) else True, unused,
+                                                       reshard_set == "auto")}
+    prefetch = Decision(layers, "one layer ahead: FSDP2's implicit prefetch, each all-gather issued earlier"
+                        if prefetch_set == "auto" else "set in the config", prefetch_set == "auto")
+    if isinstance(reshard_set, bool):
+        return {"fsdp_prefetch": prefetch, "fsdp_reshard_after_forward": Decision(reshard_set, "set in the config")}
+    shard = processes // train.nnodes if train.fsdp_sharding == "hybrid" else processes
+    if shard <= 1 or shard > AUTO_MAX_SHARD_RANKS:
+        value, why = resolve_reshard(reshard_set, shard_ranks=shard, gathered_bytes=0, memory_bytes=0)
+        return {"fsdp_prefetch": prefetch, "fsdp_reshard_after_forward": Decision(value, why.removeprefix("auto: "), True)}
+    return {"fsdp_prefetch": prefetch, "fsdp_reshard_after_forward": Decision(
+        RANK, f"each rank: false when the gathered layers take at most 1/4 of its memory ({shard} shard ranks)", True)}
+
+
+def settle_reshard(plan: "RunPlan | None", reshard: bool, reason: str) -> "RunPlan | None":
+    """The plan with the reshard-after-forward a rank decided on its model (`resolve_reshard` in
+    `distributed.fsdp.plan_fsdp`) where the plan left it to the rank; the plan unchanged otherwise. Raises
+    ConfigError where the rank's rule answered otherwise than the plan (the two would not be one decision)."""
+    if plan is None:
+        return plan
+    if plan.fsdp_reshard_after_forward.value != RANK:
+        if reshard != plan.fsdp_reshard_after_forward.value and plan.strategy.value == "fsdp":
+            raise ConfigError(f"FSDP2's reshard after forward: the plan decided {plan.fsdp_reshard_after_forward.value}, "
+                              f"the wrapped model got {reshard} ({reason})", hint="report this as a bug")
+        return plan
+    return replace(plan, fsdp_reshard_after_forward=Decision(reshard, reason.removeprefix("auto: "), True))
+
+
 def _attention(train, device: DeviceFacts, precision: str, packing: bool) -> tuple[str, str]:
     """The attention backend asked for `train.attn_implementation` (varlen, flash_attn, sdpa, flex, eager) and why.
     Packed rows: auto = PyTorch's varlen kernel on CUDA in bf16/fp16, sdpa on CPU or in fp32 (block-diagonal mask
@@ -498,17 +637,25 @@ def _liger_blocker(device: DeviceFacts, strategy: str, family) -> str | None:
     return None
 
 
-def _batch_sizes(train, device: DeviceFacts, strategy: str, packing: bool, sp: int) -> dict[str, Decision]:
+def _batch_sizes(train, device: DeviceFacts, strategy: str, packing: bool, sp: int,
+                 data_tokens: int | None = None) -> dict[str, Decision]:
     """tokens_per_batch, micro_batch_size and activation_checkpointing. On a GPU with ddp/fsdp and no sequence
     parallelism the start-up probe settles the batching in use and checkpointing (`PROBE`); elsewhere auto means
     `DEFAULT_TOKENS` tokens per row (per rank), `DEFAULT_MICRO_BATCH` samples, and checkpointing off on CPU, full
-    on a GPU (where nothing was measured, the mode that fits most)."""
+    on a GPU (where nothing was measured, the mode that fits most). On CPU a row follows the data: `data_tokens`
+    (what `vlmctl data prepare` suggested) when it is below `DEFAULT_TOKENS`; a CPU step's time grows with the
+    row's length squared under sdpa's block-diagonal mask (8,192 tokens: 37 s per DPO step, 1,024: 1.5 s)."""
     can_probe = device.cuda and strategy in ("ddp", "fsdp") and sp == 1
     why = ("no probe on CPU" if not device.cuda else "no probe with sequence parallelism" if sp > 1
            else f"no probe with {strategy}")
     probed = {"tokens_per_batch" if packing else "micro_batch_size", "activation_checkpointing"} if can_probe else set()
     fixed = {"tokens_per_batch": DEFAULT_TOKENS, "micro_batch_size": DEFAULT_MICRO_BATCH,
              "activation_checkpointing": "full" if device.cuda else "off"}
+    reasons = {}
+    if not device.cuda and data_tokens and 0 < data_tokens < DEFAULT_TOKENS:
+        fixed["tokens_per_batch"] = int(data_tokens)
+        reasons["tokens_per_batch"] = (f"no probe on CPU: the packed row length `vlmctl data prepare` suggested for "
+                                       f"this data (below {DEFAULT_TOKENS})")
     out = {}
     for key in PROBED_KEYS:
         configured = getattr(train, key)
@@ -519,7 +666,7 @@ def _batch_sizes(train, device: DeviceFacts, strategy: str, packing: bool, sp: i
         else:
             unused = can_probe and key != "activation_checkpointing"  # the batching not in use
             out[key] = Decision(fixed[key], f"not used: {'padded micro-batches' if packing else 'packed rows'}"
-                                if unused else why, True)
+                                if unused else reasons.get(key, why), True)
     return out
 
 
@@ -558,6 +705,9 @@ def check_plan(plan: RunPlan, train) -> None:
     if attention == "flash_attn" and not plan.device.flash_attn:
         raise ConfigError("train.attn_implementation=flash_attn needs the flash-attn package (pip install 'vlmctl[flash]'); varlen needs no extra package",
                           hint="set train.attn_implementation=auto (or sdpa)")
+    if plan.nproc_per_node.value is None:
+        raise ConfigError("train.launcher=slurm needs train.nproc_per_node: the GPUs of the allocated nodes are not visible here",
+                          hint="pass --nproc-per-node <GPUs per node>")
     if train.liger == "on" and not plan.liger.value:
         raise ConfigError(f"train.liger=on, but {plan.liger.reason.removeprefix('off: ')}",
                           hint="set train.liger=auto or off")
@@ -582,11 +732,12 @@ def plan_for_rank(plan: RunPlan | None, train, device: DeviceFacts, family=None)
     """The plan a rank trains with: the launcher's `plan` (from plan.json) where it was built for facts that decide
     alike (`DeviceFacts.same_decisions`), else one built for this rank's `device` (SLURM, an in-process run without
     plan.json), with this rank's GPU memory recorded either way."""
+    data_tokens = None if plan is None else plan.data_tokens
     if plan is not None and plan.device.same_decisions(device) and (family is None or plan.family in (None, family.name)):
         if family is not None and plan.family is None:
-            return build_plan(train, device, family)
+            return build_plan(train, device, family, data_tokens)
         return replace(plan, device=replace(plan.device, memory_bytes=device.memory_bytes))
-    return build_plan(train, device, family)
+    return build_plan(train, device, family, data_tokens)
 
 
 def settle_probe(plan: RunPlan | None, train, choice) -> tuple[RunPlan | None, list[str]]:

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from vlmctl.config.base import ProjectPath, Section
-from vlmctl.config.objective import DPOSection, GRPOSection
+from vlmctl.config.objective import OBJECTIVE_NAMES, DPOSection, GRPOSection, ObjectiveSection, ORPOSection
 
 SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 
@@ -63,7 +63,7 @@ class TrainSection(Section):
     num_epochs: float = Field(1.0, gt=0, description="Passes over the training data (when max_steps is unset).")
     max_bad_steps: int = Field(10, ge=0, description="Steps with NaN/inf loss that are skipped before the run aborts.")
     packing: bool = Field(True, description="Pack samples into token-budget batches with per-sample attention (no padding).")
-    tokens_per_batch: int | Literal["auto"] = Field("auto", description="Token budget of one packed micro-batch per device; auto = the fastest budget that fits in GPU memory, measured by a probe at start-up (ddp/fsdp on a GPU), else 8192.")
+    tokens_per_batch: int | Literal["auto"] = Field("auto", description="Token budget of one packed micro-batch per device; auto = the fastest budget that fits in GPU memory, measured by a probe at start-up (ddp/fsdp on a GPU); on CPU the packed row length `vlmctl data prepare` suggested for the data (manifest.json) when below 8192; else 8192.")
     sequence_parallel: int = Field(1, ge=1, description="Ranks that split each packed row along the sequence (Ulysses sequence parallelism: DeepSpeed-Ulysses' all-to-alls around the attention, with fsdp, ddp, zero2 or zero3): a row of up to tokens_per_batch x sequence_parallel tokens is spread over that many GPUs, so one sample can be longer than one GPU holds. Must divide the processes per node and the language model's attention heads; needs packing. 1 = off.")
     activation_offload: bool = Field(False, description="With activation checkpointing (full or every k-th layer): keep each checkpointed layer's input hidden states in pinned host memory instead of GPU memory, copied back for the layer's recompute in backward (the ALST paper's checkpoint offload, arXiv 2506.13996). Saves (layers x tokens x hidden size) of GPU memory for long rows at the cost of PCIe traffic; no effect without checkpointing or on CPU.")
     tiled_mlp: int | Literal["off"] = Field("off", description="Run each decoder layer's MLP over this many slices of the sequence, recomputing a slice's intermediate activations in backward (DeepSpeed's TiledMLP, the ALST paper, arXiv 2506.13996): the MLP's (tokens x intermediate size) activations shrink by that factor, for very long rows. off = one pass.")
@@ -82,9 +82,10 @@ class TrainSection(Section):
     fsdp_reshard_after_forward: bool | Literal["auto"] = Field("auto", description="FSDP2: true frees each layer's gathered weights after its forward and gathers them again for backward (least memory; the last decoder layer, whose backward follows at once, is kept); false keeps every layer gathered from its forward to its backward: one all-gather per layer and micro-batch less (a third of FSDP's traffic), for the memory of the whole model in the compute dtype on every rank (as ZeRO-2). auto = true on a one-rank shard group (one GPU: keeping the gathered copy saves no collective and doubles the weights), false when the shard group has 2 to 8 ranks and the gathered layers take at most a quarter of a rank's memory (GPU memory; on CPU the machine's memory per process), else true. Why: on one node of 4 H200s false raised per-GPU efficiency from 75.0% to 82.7% (docs/benchmarks.md); the gathered model does not shrink with more ranks while the sharded state does, so a shard group wider than one 8-GPU node (full sharding across nodes, chosen for its memory) keeps resharding (hybrid sharding keeps the shard group inside a node and gets false), and the quarter leaves the rest to the sharded state and the activations, whose batch the start-up probe fits. The embeddings and the LM head are never resharded after forward (they stay in FSDP2's root group, gathered once per step).")
     fsdp_prefetch: Literal["auto", "off"] | int = Field("auto", description="FSDP2: how many layers ahead each layer issues its all-gathers (FSDPModule.set_modules_to_forward_prefetch / set_modules_to_backward_prefetch, as torchtitan sets them): 1 overlaps as FSDP2's implicit prefetch does but issues each all-gather earlier from the CPU, at no extra memory; N >= 2 keeps up to N + 1 layers gathered at once (more memory), for links too slow to hide one layer's all-gather behind one layer's compute; off leaves FSDP2's implicit prefetch. auto = 1. The results are the same whatever the setting.")
     lora: LoraSection | None = Field(None, description="LoRA/QLoRA adapters through peft; unset trains full weights.")
-    objective: Literal["sft", "dpo", "grpo"] = Field("sft", description="What the run optimizes: sft (next-token cross-entropy on the assistant turns), dpo (preference pairs, data.kind: preference; train.dpo) or grpo (rollouts scored by rewards on prompts with reference answers; train.grpo). See docs/post-training.md.")
+    objective: Literal[OBJECTIVE_NAMES] = Field("sft", description="What the run optimizes: sft (next-token cross-entropy on the assistant turns), dpo (preference pairs, data.kind: preference; train.dpo) or grpo (rollouts scored by rewards on prompts with reference answers; train.grpo) or orpo (preference pairs without a reference model; train.orpo). Names the run folder after the stage for sft, after the objective otherwise. See docs/post-training.md.")
     dpo: DPOSection = Field(default_factory=DPOSection, description="Settings of train.objective: dpo.")
     grpo: GRPOSection = Field(default_factory=GRPOSection, description="Settings of train.objective: grpo.")
+    orpo: ORPOSection = Field(default_factory=ORPOSection, description="Settings of train.objective: orpo.")
     deepspeed_config: ProjectPath | None = Field(None, description="A DeepSpeed JSON config to use instead of the generated one (\"auto\" values are filled in).")
     num_workers: int = Field(2, ge=0, description="DataLoader worker processes per rank.")
     save_steps: int = Field(500, gt=0, description="Save a checkpoint every this many optimizer steps.")
@@ -155,16 +156,11 @@ class TrainSection(Section):
 
     @model_validator(mode="after")
     def _objective_fits(self):
-        """DPO packs a pair's two answers into one row as two segments and sums each over its own tokens: it needs
-        packing and a whole row per rank; its adapter-disabled reference needs an adapter."""
-        if self.objective == "dpo":
-            if not self.packing:
-                raise ValueError("train.objective dpo packs each pair's chosen and rejected answers into one row: set train.packing: true")
-            if self.sequence_parallel > 1:
-                raise ValueError("train.objective dpo reads each answer's log-probability from one rank's row: set train.sequence_parallel: 1")
-            if self.dpo.reference == "adapter_disabled" and self.lora is None:
-                raise ValueError("train.dpo.reference adapter_disabled is the base model under a LoRA adapter: set train.lora, "
-                                 "or train.dpo.reference: frozen (or precomputed)")
+        """The objective's section (`train.<objective>`) refuses the settings its objective cannot train with."""
+        section = getattr(self, self.objective, None)
+        problem = section.refuse(self) if isinstance(section, ObjectiveSection) else None
+        if problem:
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")

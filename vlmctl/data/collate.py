@@ -47,7 +47,8 @@ IGNORE_INDEX = -100
 TEXT_KEYS = ("input_ids", "attention_mask")
 
 __all__ = [
-    "COUNTER_KEYS", "IGNORE_INDEX", "Collator", "Encoded", "PackedCollator", "assistant_spans", "batch_modality",
+    "COUNTER_KEYS", "IGNORE_INDEX", "Collator", "Encoded", "PackedCollator", "PaddedPairCollator", "PairCollator",
+    "assistant_spans", "batch_modality", "encode_pair",
     "decode_images", "dummy_image_row", "dummy_row", "encode_sample", "filler_row", "image_token_ids", "is_packed",
     "model_inputs", "split_processor_outputs", "template_media", "template_messages",
 ]
@@ -482,10 +483,20 @@ class PackedCollator(Collator):
         return batch
 
 
+def encode_pair(collator: Collator, sample: Sample) -> tuple[Encoded, Encoded]:
+    """(chosen, rejected) of a preference pair, each the prompt with its media followed by one answer
+    (`Sample.chosen_messages`, `Sample.rejected_sample`), encoded by `collator`. Raises DataError for a sample
+    without a rejected answer."""
+    if not sample.is_preference:
+        raise DataError(f"sample {sample.id!r} has no rejected answer: a preference objective trains on pairs",
+                        hint="prepare preference data (data.kind: preference), or set train.objective: sft")
+    return collator.encode(sample), collator.encode(sample.rejected_sample())  # a pair encodes as its chosen answer
+
+
 class PairCollator(PackedCollator):
     """Preference pairs (samples with a `rejected` answer, `Sample.is_preference`) -> one packed row in which each
-    pair is two consecutive segments, chosen then rejected (`Sample.chosen_messages`, `Sample.rejected_sample`),
-    each the prompt with its media followed by one answer, as `vlmctl.train.dpo.pair_segments` reads them.
+    pair is two consecutive segments, chosen then rejected (`encode_pair`), as `vlmctl.train.dpo.pair_segments`
+    reads them.
 
     Returns `PackedCollator`'s row plus `num_pairs` (pairs in the row; their segments come first, the dummy rows
     after) and `pair_ids` (the pairs' sample ids, in row order). A pair whose two sequences no longer fit the row's `tokens_per_batch` is left out whole (counted in
@@ -494,10 +505,7 @@ class PairCollator(PackedCollator):
     def __call__(self, samples: list[Sample]) -> dict[str, Any]:
         rows, used, pairs, ids = [], 0, 0, []
         for s in samples:
-            if not s.is_preference:
-                raise DataError(f"sample {s.id!r} has no rejected answer: a preference objective trains on pairs",
-                                hint="prepare preference data (data.kind: preference), or set train.objective: sft")
-            chosen, rejected = self.encode(s), self.encode(s.rejected_sample())  # a pair encodes as its chosen answer
+            chosen, rejected = encode_pair(self, s)
             if used + chosen.length + rejected.length > self.tokens_per_batch:
                 self.dropped += 1
                 warnings.warn(f"preference pair {s.id!r} ({chosen.length} + {rejected.length} tokens) does not fit its "
@@ -510,6 +518,23 @@ class PairCollator(PackedCollator):
             ids.append(s.id)
         batch = self.pack(rows, group=batch_modality(samples))
         batch["num_pairs"] = pairs
+        batch["pair_ids"] = ids
+        return batch
+
+
+class PaddedPairCollator(Collator):
+    """Preference pairs -> one padded micro-batch (`train.packing: false`, or a family that cannot pack): rows 2k
+    and 2k + 1 are pair k's chosen and rejected sequence (`encode_pair`), right-padded, the dummy rows after them;
+    TRL's `DPOTrainer` concatenates a padded batch of chosen and rejected rows alike. Returns `Collator`'s batch
+    plus `num_pairs` and `pair_ids`. Raises DataError for a sample without a rejected answer."""
+
+    def __call__(self, samples: list[Sample]) -> dict[str, Any]:
+        rows, ids = [], []
+        for s in samples:
+            rows += encode_pair(self, s)
+            ids.append(s.id)
+        batch = self.pad(rows, group=batch_modality(samples))
+        batch["num_pairs"] = len(ids)
         batch["pair_ids"] = ids
         return batch
 

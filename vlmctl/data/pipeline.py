@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from vlmctl.config.data import DataSection, DataSource
-from vlmctl.config.plan import DEFAULT_TOKENS
+from vlmctl.config.plan import DEFAULT_TOKENS, row_tokens
 from vlmctl.data.checks import DigestSet, LocationTable, Rejection, SampleInfo, check_images, count_tokens, sample_digest
 from vlmctl.data.formats import iter_unchecked, resolve_format
 from vlmctl.data.formats._common import GLOB_CHARS, source_name
@@ -69,8 +69,8 @@ class RowBudget:
 
     @property
     def tokens(self) -> int:
-        """Tokens one packed row holds (tokens_per_batch x sequence_parallel)."""
-        return self.tokens_per_batch * self.sequence_parallel
+        """Tokens one packed row holds (`config.plan.row_tokens`: tokens_per_batch x sequence_parallel)."""
+        return row_tokens(self)
 
     def gpus_for(self, n_tokens: int) -> int:
         """GPUs of `tokens_per_batch` tokens each that a sample of `n_tokens` tokens needs: ceil(n / tokens_per_batch),

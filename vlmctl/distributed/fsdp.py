@@ -17,14 +17,16 @@ Overlap (`plan_fsdp`, applied by `apply_fsdp`):
   its own (torchtitan's `[norm, output]` group): liger-kernel's fused loss reads `lm_head.weight` inside the root's
   forward without calling the head, so a group of its own could hand the loss a sharded weight, and a tied head
   (`tie_word_embeddings`) shares its weight with the embeddings, which FSDP2 allows only inside one group.
-- Reshard after forward (`train.fsdp_reshard_after_forward`, `resolve_reshard`): true frees each layer's gathered
+- Reshard after forward (`train.fsdp_reshard_after_forward`, `config.plan.resolve_reshard`: the run plan decides it,
+  or leaves it to each rank where the gathered layers' size against the rank's memory decides): true frees each layer's gathered
   weights after its forward and gathers them again for backward; the last decoder layer is kept either way (its
   backward comes right after the forward; the FSDP2 `fully_shard` documentation's advice). false keeps every layer
   gathered from its forward to its backward: one all-gather per layer and micro-batch less (a third of FSDP's
   traffic), for the memory of the whole gathered model. auto: true on one rank (nothing to save, a copy to pay),
   false when the shard group is 2 to 8 ranks and the
   gathered layers take at most a quarter of a rank's memory, else true (the reasons are in `resolve_reshard`).
-- Prefetch (`train.fsdp_prefetch`, `FSDPModule.set_modules_to_forward_prefetch` /
+- Prefetch (`train.fsdp_prefetch`, decided by the run plan: `config.plan.resolve_prefetch`;
+  `FSDPModule.set_modules_to_forward_prefetch` /
   `set_modules_to_backward_prefetch`, as torchtitan sets them for its MoE models): each unit issues the all-gathers
   of the next N units when its own forward starts (the root: of the first N), and in backward of the N units before
   it that run backward (the root: of the last N). N = 1 overlaps as FSDP2's implicit prefetch does, but issues the
@@ -41,13 +43,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlmctl.errors import ConfigError
+from vlmctl.config.plan import pending, resolve_prefetch, resolve_reshard
 
 # torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
 
-AUTO_MAX_SHARD_RANKS = 8  # one NVLink domain (an HGX node): the measured case of keeping layers gathered
-AUTO_GATHERED_SHARE = 0.25  # at most this share of a rank's memory for the gathered layers
-AUTO_PREFETCH = 1  # layers prefetched by `train.fsdp_prefetch: auto`
 PLAN_ATTR = "vlmctl_fsdp_plan"  # where `apply_fsdp` leaves its FsdpPlan on the root module (`fsdp_plan_of`)
 RESHARD_ATTR = "vlmctl_reshard_after_forward"  # each unit's own rule (`shard_unit`), which torch has no getter for
 
@@ -86,50 +85,6 @@ class FsdpPlan:
         """One line for reports: e.g. `reshard after forward false (auto: ...), prefetch 1 layer`."""
         what = "off (FSDP2's implicit)" if self.prefetch == 0 else f"{self.prefetch} layer{'s' * (self.prefetch > 1)}"
         return f"reshard after forward {str(self.reshard_after_forward).lower()} ({self.reason}), prefetch {what}"
-
-
-def resolve_prefetch(setting: int | str) -> int:
-    """`train.fsdp_prefetch` as a number of layers: auto = `AUTO_PREFETCH` (1), off = 0 (FSDP2's implicit
-    prefetch), an integer N >= 1 as given. Raises ConfigError for anything else."""
-    if setting == "auto":
-        return AUTO_PREFETCH
-    if setting == "off" or setting is False:
-        return 0
-    if isinstance(setting, int) and not isinstance(setting, bool) and setting >= 1:
-        return setting
-    raise ConfigError(f"train.fsdp_prefetch = {setting!r} is not auto, off or a positive number of layers",
-                      hint="set train.fsdp_prefetch to auto, off or e.g. 2")
-
-
-def resolve_reshard(setting: bool | str, *, shard_ranks: int, gathered_bytes: float, memory_bytes: float) -> tuple[bool, str]:
-    """`train.fsdp_reshard_after_forward` as (reshard, reason). true and false as given; auto = true on a one-rank
-    shard group (one GPU: FSDP2 still gathers into a second buffer, and keeping it saves no collective); false when
-    the shard group has 2 to `AUTO_MAX_SHARD_RANKS` (8) ranks and the gathered layers (`gathered_bytes`, in the
-    compute dtype) take at most `AUTO_GATHERED_SHARE` (a quarter) of a rank's `memory_bytes`, else true.
-
-    Why: keeping the layers gathered saves one all-gather per layer and micro-batch; on one node of 4 H200s it
-    raised per-GPU efficiency from 75.0% to 82.7% (docs/benchmarks.md). It costs the whole gathered model on every
-    rank, a cost that does not shrink with more ranks while the sharded state does: a shard group wider than one
-    8-GPU node is full sharding across nodes, chosen for its memory, so it keeps resharding (hybrid sharding keeps
-    the shard group inside a node and gets false). A quarter of the memory leaves the rest to the sharded state and
-    the activations, whose batch size the start-up probe then fits (`train.tokens_per_batch: auto`).
-    Raises ConfigError for any other value."""
-    if isinstance(setting, bool):
-        return setting, "as set"
-    if setting != "auto":
-        raise ConfigError(f"train.fsdp_reshard_after_forward = {setting!r} is not auto, true or false",
-                          hint="set train.fsdp_reshard_after_forward to auto, true or false")
-    gib = 2**30
-    if shard_ranks <= 1:
-        # one rank saves no collective by keeping layers gathered, but FSDP2 still gathers into a second buffer:
-        # keeping it costs a whole unsharded copy of the model (12.9 GiB for the 7B preset, docs/benchmarks.md)
-        return True, "auto: 1 shard rank (no all-gather to save; a kept copy would double the weights)"
-    if shard_ranks > AUTO_MAX_SHARD_RANKS:
-        return True, f"auto: {shard_ranks} shard ranks > {AUTO_MAX_SHARD_RANKS}"
-    if gathered_bytes > AUTO_GATHERED_SHARE * memory_bytes:
-        return True, f"auto: gathered layers {gathered_bytes / gib:.1f} GiB > 1/4 of {memory_bytes / gib:.1f} GiB"
-    return False, (f"auto: {shard_ranks} shard rank{'s' * (shard_ranks > 1)} <= {AUTO_MAX_SHARD_RANKS}, gathered layers "
-                   f"{gathered_bytes / gib:.1f} GiB <= 1/4 of {memory_bytes / gib:.1f} GiB")
 
 
 def gathered_bytes(units: list[Any], param_dtype=None) -> int:
@@ -204,7 +159,7 @@ def plan_fsdp(parts: Any, mesh, *, param_dtype=None, reshard_after_forward: bool
     layers = resolve_prefetch(prefetch)
     ranks = int(shard_mesh(mesh).shape[-1])
     size = gathered_bytes(units, param_dtype)
-    memory = rank_memory_bytes(mesh.device_type) if reshard_after_forward == "auto" else 0
+    memory = rank_memory_bytes(mesh.device_type) if pending(reshard_after_forward) else 0  # the plan left it to the rank
     reshard, reason = resolve_reshard(reshard_after_forward, shard_ranks=ranks, gathered_bytes=size, memory_bytes=memory)
     forward, backward = prefetch_lists(units, len(parts.vision_layers), layers, backward=reshard)
     names = _unit_names(parts)

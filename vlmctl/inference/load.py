@@ -158,11 +158,13 @@ def resolve_dtype(dtype: str, device: str):
     (CPU kernels are fastest and exact in fp32). Raises UsageError for another name."""
     import torch
 
+    from vlmctl.config.plan import DeviceFacts, resolve_precision  # the run plan's one precision rule
+
     if dtype not in DTYPES:
         raise UsageError(f"unknown dtype {dtype!r}", hint=f"choose one of: {', '.join(DTYPES)}")
-    if dtype == "auto":
-        return torch.bfloat16 if device.startswith("cuda") and torch.cuda.is_bf16_supported() else torch.float32
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    cuda = device.startswith("cuda")
+    name = resolve_precision(dtype, DeviceFacts(kind="cuda" if cuda else "cpu", bf16=cuda and torch.cuda.is_bf16_supported()))
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
 def resolve_device(device: str) -> str:

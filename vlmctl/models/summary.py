@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from vlmctl.config.plan import DeviceFacts, build_plan, has_torchao
-from vlmctl.config.plan import resolve_precision as planned
 from vlmctl.config.train import TrainSection
 from vlmctl.distributed.engine import strategy_of
 from vlmctl.errors import ModelError
@@ -88,12 +87,6 @@ def training_device(launcher: str) -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def resolve_precision(precision: str, device: str) -> str:
-    """The compute precision a run uses: `auto` is bf16 on a GPU, fp32 on CPU (as `vlmctl.config.plan.resolve_precision`;
-    a visible GPU without bf16 support resolves to fp32 there, which this function cannot see without CUDA)."""
-    return planned(precision, DeviceFacts(kind=device))
 
 
 def param_bytes(strategy: str, precision: str, master_weights: str = "fp32", *,
@@ -172,7 +165,7 @@ def training_summary(info: dict[str, Any], *, stage: str, strategy: str, num_gpu
     if lora:
         trained["llm"] = False
     params = info["parameters"]
-    resolved = resolve_precision(precision, device)
+    resolved = plan.precision.value  # the run plan's one precision rule
     quantized = quantize if lora and quantize not in (None, "none") else None
     per = param_bytes(strategy, resolved, master_weights, optimizer_in_backward=optimizer_in_backward)
     storage = precision_label(strategy, resolved, master_weights)

@@ -596,20 +596,18 @@ def probe_and_apply(train, ctx, tm, engine, objective, lengths, collate_rows, *,
                     costs=None, log=print) -> Choice:
     """`probe` on rows of the caller's samples, collated as training collates them, then the choice applied to
     `train` and printed by rank 0. `lengths`: the samples' token counts; `collate_rows(indices, collator)` returns
-    the batch of those samples through `collator` (a PackedCollator sized to the row, or a padded Collator);
+    the batch of those samples through `collator` (the objective's probe collator, `ObjectiveSpec.collate`: packed
+    rows sized to the row, or padded micro-batches);
     `costs`: their estimated training FLOPs, which pick the heaviest rows (`probe_rows`).
     `vlmctl train` (`tune`) and `vlmctl bench` call it on their own data."""
     import numpy as np
 
-    from vlmctl.data.collate import Collator, PackedCollator, PairCollator
-
     lengths = np.asarray(lengths)
-    packed = PairCollator if getattr(objective, "name", None) == "dpo" else PackedCollator  # DPO trains rows of pairs
 
-    def make_batch(indices):
+    def make_batch(indices):  # the objective's probe rows (DPO: rows of pairs; GRPO: rows of samples)
         size = int(lengths[indices].sum())
-        collator = (packed(tm.processor, tm.family, max_length=max_length, tokens_per_batch=max(size, 1))
-                    if packing else Collator(tm.processor, tm.family, max_length=max_length))
+        collator = objective.spec.collate(tm.processor, tm.family, packed=packing, probe=True, max_length=max_length,
+                                          tokens_per_batch=max(size, 1) if packing else None)
         batch = collate_rows(indices, collator)
         return tm.prepare(batch) if tm.prepare is not None else batch
 

@@ -81,6 +81,9 @@ def check_batching(checkpoint: Path, train, *, before_launch: bool = False) -> N
     `auto` sizes are not compared: a resumed run reuses the sizes its first run chose. `before_launch` (the
     launcher's check, before the model is known) lets a checkpoint without packing pass a config with it: a family
     that cannot take packed rows trains padded whatever the config says; the ranks check again once it is known."""
+    from types import SimpleNamespace
+
+    from vlmctl.config.plan import row_tokens
     from vlmctl.errors import ConfigError
 
     saved = read_state(checkpoint)
@@ -94,8 +97,8 @@ def check_batching(checkpoint: Path, train, *, before_launch: bool = False) -> N
         if key == "tokens_per_batch" and isinstance(old, int) and isinstance(new, int):
             # a packed row is tokens_per_batch per rank x the ranks of a sequence-parallel group that split it: the
             # same row may be resumed over another split (sequence.SequenceShard)
-            row = old * int(saved.get("sequence_parallel") or 1)
-            if row != new * train.sequence_parallel:
+            row = row_tokens(SimpleNamespace(sequence_parallel=int(saved.get("sequence_parallel") or 1)), old)
+            if row != row_tokens(train, new):
                 fix = row // train.sequence_parallel if row % train.sequence_parallel == 0 else old
                 changes.append((key, old, new, fix))
         elif isinstance(old, int) and isinstance(new, int) and old != new:
@@ -182,7 +185,9 @@ def _write_state(tmp: Path, step: int, rank: int, engine, objective=None) -> Non
     engine.save(tmp, step)
     with open(tmp / f"rng-{rank}.pt", "wb") as f:  # through a Python file: a full disk raises OSError(ENOSPC), not a bare RuntimeError
         torch.save(rng_state(), f)
-    state = objective.state_dict() if hasattr(objective, "state_dict") else {}
+    from vlmctl.train.objectives import has_hook
+
+    state = objective.state_dict() if has_hook(objective, "state") else {}
     if state:
         with open(tmp / f"objective-{rank}.pt", "wb") as f:
             torch.save(state, f)
@@ -447,7 +452,9 @@ def resume(checkpoint: Path, *, rank: int, world_size: int, engine, objective=No
             print(f"note: {checkpoint} was written by {written} ranks, resuming with {world_size}: weights and "
                   "optimizer state resharded, data continued at the same global micro-batch", file=sys.stderr)
     state_file = Path(checkpoint) / f"objective-{rank}.pt"
-    if written == world_size and hasattr(objective, "load_state_dict") and state_file.is_file():
+    from vlmctl.train.objectives import has_hook
+
+    if written == world_size and has_hook(objective, "state") and state_file.is_file():
         objective.load_state_dict(safe.load_tensors(state_file))
     return saved
 

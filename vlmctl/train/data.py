@@ -17,9 +17,10 @@ def load_data(cfg, ctx, tm):
     """The training shards and the token count of each sample (counted with the model's processor when the shards
     were prepared before the model was built). Returns (dataset, lengths)."""
     from vlmctl.data.loader import ShardDataset
+    from vlmctl.train.registry import get_objective
 
     dataset = ShardDataset.from_dir(Path(cfg.data.prepared_dir) / "train")
-    check_objective_data(dataset.column_names, cfg.train.objective, Path(cfg.data.prepared_dir) / "train")
+    check_objective_data(dataset.column_names, get_objective(cfg.train.objective), Path(cfg.data.prepared_dir) / "train")
     lengths = dataset.lengths
     if cfg.train.packing and not dataset.exact_lengths:
         if ctx.env.is_main:
@@ -33,16 +34,17 @@ def load_data(cfg, ctx, tm):
     return dataset, lengths
 
 
-def check_objective_data(columns, objective: str, folder: Path) -> None:
-    """Raise DataError when `train.objective` dpo meets shards (in `folder`, with these `columns`) without
-    preference pairs (no `rejected` column: data prepared as conversations)."""
+def check_objective_data(columns, spec, folder: Path) -> None:
+    """Raise DataError when an objective that trains on preference pairs (`spec.data`, an `ObjectiveSpec`) meets
+    shards (in `folder`, with these `columns`) without them (no `rejected` column: data prepared as conversations)."""
     from vlmctl.data.sample import REJECTED_COLUMN
     from vlmctl.errors import DataError
 
-    if objective == "dpo" and REJECTED_COLUMN not in columns:
-        raise DataError(f"{folder}: train.objective dpo trains on preference pairs, and these shards hold conversations "
-                        "(no rejected answers)", hint="prepare preference data (`vlmctl data prepare data.kind=preference`, "
-                        "docs/formats.md, Preference data) into its own data.prepared_dir, or set train.objective: sft")
+    if spec.data == "preference" and REJECTED_COLUMN not in columns:
+        raise DataError(f"{folder}: train.objective {spec.name} trains on preference pairs, and these shards hold "
+                        "conversations (no rejected answers)", hint="prepare preference data (`vlmctl data prepare "
+                        "data.kind=preference`, docs/formats.md, Preference data) into its own data.prepared_dir, or "
+                        "set train.objective: sft")
 
 
 def sample_costs(cost_model, dataset, lengths):
@@ -61,6 +63,7 @@ def build_sampler(cfg, ctx, dataset, lengths):
     is never drawn, with a warning). The ranks of a sequence-parallel group share one sampler position
     (`dims.dp_rank`) and a row budget of `tokens_per_batch x sequence_parallel` tokens."""
     from vlmctl.data.loader import DistributedBatchSampler, PackedBatchSampler
+    from vlmctl.train.registry import get_objective
 
     train = cfg.train
     from vlmctl.data.formats._common import source_name
@@ -70,7 +73,7 @@ def build_sampler(cfg, ctx, dataset, lengths):
     split = {"world_size": ctx.dims.dp_size, "rank": ctx.dims.dp_rank, "seed": train.seed, "weights": sample_weights,
              "costs": getattr(dataset, "sample_costs", None), "step_batches": train.gradient_accumulation_steps,
              "modalities": dataset.modalities() if train.group_by_modality else None}
-    if not train.packing or train.objective == "grpo":  # grpo: micro_batch_size prompts, their rollouts packed later
+    if not train.packing or not get_objective(train.objective).packs_samples:  # e.g. grpo's prompts, rolled out later
         sampler = DistributedBatchSampler(lengths, micro_batch_size=train.micro_batch_size,
                                           group_by_length=train.group_by_length, **split)
     else:
@@ -93,10 +96,10 @@ def build_sampler(cfg, ctx, dataset, lengths):
 
 
 def build_collator(cfg, ctx, tm):
-    """This rank's collator: packed rows of `tokens_per_batch x sequence_parallel` tokens (`train.packing`) or padded
-    micro-batches, with a dummy input for each encoder a rank's micro-batch does not use (`Collator`); for
-    `train.objective` dpo packed rows of preference pairs (`PairCollator`), for grpo the prompts
-    (`train.grpo.build_prompt_collator`).
+    """This rank's collator, the objective's (`ObjectiveSpec.collate`): for sft packed rows of `tokens_per_batch x
+    sequence_parallel` tokens (`train.packing`) or padded micro-batches, with a dummy input for each encoder a
+    rank's micro-batch does not use (`Collator`); for dpo rows of preference pairs, packed or padded
+    (`PairCollator`, `PaddedPairCollator`); for grpo the prompts (`grpo.PromptCollator`).
 
     With `train.group_by_modality` under fsdp or ddp the dummies follow the step's modality group
     (`Collator(grouped=True)`): every rank of a step skips the same encoders, so FSDP2 issues the same collectives
@@ -104,19 +107,11 @@ def build_collator(cfg, ctx, tm):
     every dummy stays (the sampler still groups): ZeRO-3 prefetches parameters along the module order it traced in
     earlier steps, and a step that skips a traced tower leaves them in flight ("still have inflight params",
     DeepSpeed issue 5828, released only by newer versions, PR 6557); ZeRO-2 is not checked without its dummies."""
-    from vlmctl.data.collate import Collator, PackedCollator, PairCollator
     from vlmctl.distributed.engine import is_deepspeed
+    from vlmctl.train.registry import get_objective
 
     train = cfg.train
     grouped = train.group_by_modality and not is_deepspeed(train.strategy)
-    if train.objective == "grpo":  # prompts: the objective generates and packs the rollouts
-        from vlmctl.train.grpo import build_prompt_collator
-
-        return build_prompt_collator(cfg, ctx, tm)
-    if train.objective == "dpo":  # the config refuses dpo without packing
-        return PairCollator(tm.processor, tm.family, max_length=cfg.data.max_length,
-                            tokens_per_batch=row_tokens(train), grouped=grouped)
-    if train.packing:
-        return PackedCollator(tm.processor, tm.family, max_length=cfg.data.max_length,
-                              tokens_per_batch=row_tokens(train), grouped=grouped)
-    return Collator(tm.processor, tm.family, max_length=cfg.data.max_length, grouped=grouped)
+    return get_objective(train.objective).collate(tm.processor, tm.family, packed=train.packing,
+                                                  tokens_per_batch=row_tokens(train) if train.packing else None,
+                                                  max_length=cfg.data.max_length, grouped=grouped)

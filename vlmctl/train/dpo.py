@@ -28,32 +28,21 @@ The loss is the mean over pairs. Rewards are beta x the log-ratios (detached), a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from vlmctl.config.objective import DPOSection
+from vlmctl.errors import VlmctlError
+from vlmctl.train.objectives import MicroLoss, ObjectiveSpec, labelled_logps, token_logps
+
+# The vlmctl modules that load the data pipeline or a model (collate, reference) are imported inside the functions
+# that use them: the registry imports this module, and `vlmctl train`'s start-up must not pay for them.
+
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 IGNORE = -100
-
-
-def token_logps(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
-    """Per-token log-probabilities of the labels, aligned with them: out[b, t] = log softmax(logits[b, t - 1] /
-    temperature)[labels[b, t]], and 0 where labels[b, t] is -100 and at t = 0 (nothing predicts it).
-
-    `logits`: [B, T, V] (any float dtype; computed in float32); `labels`: [B, T] int64, unshifted (the model's own
-    labels: label t is the token at t). Returns float32 [B, T]. Raises ValueError when the shapes disagree.
-    """
-    if logits.shape[:2] != labels.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree on [B, T]")
-    target = labels[:, 1:]
-    mask = target != IGNORE
-    scaled = logits[:, :-1].float() / temperature
-    picked = scaled.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
-    out = torch.zeros(labels.shape, dtype=torch.float32, device=logits.device)
-    out[:, 1:] = picked * mask
-    return out
 
 
 def segment_ids(seq_lens: Sequence[int], device: Any = None) -> torch.Tensor:
@@ -198,3 +187,157 @@ def packed_dpo_loss(
         ref_chosen, ref_rejected = pair_segments(ref, num_pairs)
     return dpo_loss(chosen, rejected, ref_chosen.detach(), ref_rejected.detach(), chosen_tokens=n_chosen,
                     rejected_tokens=n_rejected, **settings)
+
+
+# ----------------------------------------------------------------------------------------------------- objective
+
+
+@dataclass
+class DPOObjective:
+    """Direct preference optimisation over pairs: each pair's chosen and rejected sequences are two consecutive
+    varlen segments of one packed row (`data.collate.PairCollator`) or two consecutive rows of a padded micro-batch
+    (`data.collate.PaddedPairCollator`); the formulas, loss types and their sources are in the module docstring.
+
+    Each sequence's log-probability is the sum of its answer tokens' log-probs, from the labelled positions only
+    (`objectives.labelled_logps`: packed rows through the LM head's chunked cross-entropy, no [T, V] logits). The
+    reference's are computed the same way without gradients, from `reference` (a frozen model wrapped by
+    `parallelize(..., trainable=False)`) or, with `reference` None, from the trained model with its peft adapters
+    switched off (`disable_adapter`, the LoRA base: no second copy of the weights). The loss over a micro-batch is
+    the sum of its pairs' losses and the loop divides by the global batch's pairs (`label_tokens` counts pairs), so
+    a step's loss is the mean over pairs, as TRL's `DPOTrainer` takes it. Metrics (TRL's names): rewards/chosen,
+    rewards/rejected, rewards/margins (means of beta x log-ratio) and rewards/accuracies (share of pairs whose chosen
+    reward is higher); nll_loss with `rpo_alpha`.
+
+    With `precomputed` (sample id -> (chosen, rejected) reference log-probs, `train.reference.precompute_reference`,
+    the `before_training` hook) the reference is read from it by the row's `pair_ids` and no reference forward runs.
+
+    `settings`: the `train.dpo` section (`config.objective.DPOSection`: beta, loss_type, label_smoothing, rpo_alpha,
+    reference). Sequence parallelism is refused by the section (a pair's segments would be summed over ranks)."""
+
+    settings: Any
+    reference: Any = None
+    precomputed: dict[str, tuple[float, float]] | None = None
+    name: str = "dpo"
+    batch_keys: tuple[str, ...] = ("input_ids", "labels", "num_pairs")
+    models: dict[str, Any] = field(default_factory=dict)
+
+    METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "nll_loss")
+
+    def __post_init__(self):
+        if self.reference is not None:
+            self.models = {"reference": self.reference}
+
+    def label_tokens(self, batch: dict[str, Any]) -> int:
+        return batch["num_pairs"]
+
+    def sequence_logps(self, model, inputs: dict[str, Any], batch: dict[str, Any]):
+        """(sums float32 [S], counts int64 [S]): each sequence's (packed segment's or padded row's) summed answer
+        log-probs under `model`."""
+        values, positions, seq_lens = labelled_logps(model, inputs, batch)
+        return segment_logps_at(values, positions, seq_lens)
+
+    def reference_logps(self, engine, inputs: dict[str, Any], batch: dict[str, Any]):
+        """`sequence_logps` under the reference, without gradients."""
+        if self.precomputed is not None:
+            try:
+                values = [v for pid in batch["pair_ids"] for v in self.precomputed[pid]]
+            except KeyError as exc:
+                raise VlmctlError(f"pair {exc.args[0]!r} has no precomputed reference log-probabilities",
+                                  hint="the prepared data changed after they were computed: start a new run") from None
+            return torch.tensor(values, dtype=torch.float32, device=batch["input_ids"].device), None
+        with torch.no_grad():
+            if "reference" in self.models:  # the frozen copy as the worker parallelized it
+                return self.sequence_logps(self.models["reference"], inputs, batch)
+            module = engine.module
+            if not hasattr(module, "disable_adapter"):
+                raise VlmctlError("the DPO reference is the model with its adapter switched off, but the trained model "
+                                  "has no peft adapter", hint="set train.dpo.reference: frozen, or train with train.lora")
+            with module.disable_adapter():
+                return self.sequence_logps(engine.model, inputs, batch)
+
+    def loss(self, engine, batch: dict[str, Any]) -> MicroLoss:
+        pairs = batch["num_pairs"]
+        inputs = engine.inputs(batch)
+        sums, counts = self.sequence_logps(engine.model, inputs, batch)
+        ref_sums, _ = self.reference_logps(engine, inputs, batch)
+        alpha = self.settings.rpo_alpha
+        if pairs == 0:  # a row of dummies only: keep every parameter in the graph, add nothing
+            names = self.METRICS if alpha else self.METRICS[:-1]
+            return MicroLoss(loss=sums.sum() * 0.0, tokens=0, metrics={k: 0.0 for k in names})
+        chosen, rejected = pair_segments(sums, pairs)
+        ref_chosen, ref_rejected = pair_segments(ref_sums, pairs)
+        n_chosen, n_rejected = pair_segments(counts, pairs)
+        out = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=self.settings.beta,
+                       loss_type=self.settings.loss_type, label_smoothing=self.settings.label_smoothing,
+                       chosen_tokens=n_chosen, rejected_tokens=n_rejected)
+        margins = out.chosen_rewards - out.rejected_rewards
+        metrics = {"rewards/chosen": out.chosen_rewards.sum(), "rewards/rejected": out.rejected_rewards.sum(),
+                   "rewards/margins": margins.sum(), "rewards/accuracies": (margins > 0).to(torch.float32).sum()}
+        losses = out.losses
+        if alpha:  # RPO: the chosen answer's mean token NLL, per pair
+            nll = -chosen / n_chosen.clamp(min=1).to(chosen.dtype)
+            losses = losses + alpha * nll
+            metrics["nll_loss"] = nll.detach().sum()
+        return MicroLoss(loss=losses.sum(), tokens=pairs, metrics=metrics)
+
+    def metrics(self, sums: dict[str, float], label_tokens: float) -> dict[str, float]:
+        """Means over the step's pairs of the summed rewards, margins and accuracies."""
+        return {key: sums[key] / label_tokens for key in self.METRICS if key in sums and label_tokens}
+
+    # ---- the before_training hook: `train.dpo.reference: precomputed`
+
+    def stand_in_for_probe(self) -> None:
+        """Placeholder reference log-probs while the start-up probe measures a precomputed-reference run."""
+        if self.settings.reference == "precomputed":
+            from vlmctl.train.reference import probe_stand_ins
+
+            probe_stand_ins(self)
+
+    def before_training(self, cfg, ctx, tm, engine, dataset, collate, run_dir, resume_from) -> None:
+        """`train.dpo.reference: precomputed`: the reference log-probs of every pair, scored once by the starting
+        weights (`reference.reference_pass`), or read back on resume."""
+        if self.settings.reference == "precomputed":
+            from vlmctl.train.reference import reference_pass
+
+            reference_pass(cfg, ctx, tm, engine, self, dataset, collate, run_dir, resume_from)
+
+
+def build_dpo(tm, train, ctx, cfg=None, run_dir=None, reference_model=None) -> DPOObjective:
+    """DPO of a run against `train.dpo.reference`: a frozen copy (`reference_model`, else loaded from `cfg`, the
+    project config: `reference.load_reference`), the LoRA base, or precomputed log-probs (`before_training`).
+    Raises VlmctlError when a frozen copy must be loaded and `cfg` is None."""
+    reference = reference_model
+    if train.dpo.reference == "frozen" and reference is None:
+        from vlmctl.train.reference import load_reference
+
+        if cfg is None:
+            raise VlmctlError("the dpo objective's frozen reference needs the project config (its model source)")
+        reference = load_reference(cfg, train, ctx)
+    return DPOObjective(settings=train.dpo, reference=reference)
+
+
+def pair_collator(processor, family, *, packed: bool, tokens_per_batch: int | None = None,
+                  max_length: int | None = None, grouped: bool = False):
+    """Pairs -> packed rows of pairs (`PairCollator`) or padded micro-batches of pairs (`PaddedPairCollator`)."""
+    from vlmctl.data.collate import PaddedPairCollator, PairCollator
+
+    if packed:
+        return PairCollator(processor, family, max_length=max_length, tokens_per_batch=tokens_per_batch, grouped=grouped)
+    return PaddedPairCollator(processor, family, max_length=max_length, grouped=grouped)
+
+
+def frozen_reference(section) -> Callable[[Any], tuple[str, ...]]:
+    """`ObjectiveSpec.frozen` of a preference objective whose `train.<key>` section names a reference: a frozen
+    copy is held when it is "frozen"."""
+    return lambda train: ("reference",) if getattr(train, section).reference == "frozen" else ()
+
+
+PAIR_STEP_LINE = (("rewards/margins", "margin {:.3f}"), ("rewards/accuracies", "acc {:.2f}"),
+                  ("rewards/chosen", "chosen {:+.3f}"), ("rewards/rejected", "rejected {:+.3f}"))
+"""The step line's pair metrics (TRL's names): margin, accuracy, chosen and rejected rewards."""
+
+SPEC = DPOObjective.spec = ObjectiveSpec(
+    name="dpo", objective=DPOObjective, build=build_dpo, collator=pair_collator, data="preference", workload="pairs",
+    frozen=frozen_reference("dpo"), hooks=frozenset({"before_training"}), section=DPOSection,
+    step_line=(*PAIR_STEP_LINE, ("nll_loss", "nll {:.3f}")),
+    curves=("rewards/margins", "rewards/accuracies", ("rewards/chosen", "rewards/rejected")))

@@ -47,7 +47,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from vlmctl.config.objective import GRPOSection
 from vlmctl.errors import ConfigError, VlmctlError
+from vlmctl.train.objectives import MicroLoss, ObjectiveSpec, sample_collator
 
 # The vlmctl modules that load numpy when imported are imported inside the functions that use them: importing vlmctl
 # (the CLI's start-up) must not pay for them.
@@ -356,12 +358,6 @@ class PromptCollator:
         return {"prompts": list(samples), "num_prompts": len(samples)}
 
 
-def build_prompt_collator(cfg, ctx, tm) -> PromptCollator:
-    """The collator of `train.objective: grpo`: the sampler's micro-batches of `train.micro_batch_size` prompts
-    (any SFT data: the last assistant turn, or meta `answers`, is the reference) go to the objective as samples."""
-    return PromptCollator()
-
-
 def encode_prompt(sample: Any, processor, family: Any = None):
     """The prompt of `sample` as training encodes it (`vlmctl.data.collate.encode_sample`'s processor call, media
     tensors and per-token inputs) with the chat template's generation prompt appended: its messages before the last
@@ -427,16 +423,17 @@ def scaled_logits(model, temperature: float):
 
 
 def completion_logps(model, inputs: dict[str, Any], batch: dict[str, Any], temperature: float = 1.0):
-    """(log-probs [S, L] float32, mask [S, L]) of every segment's labelled (completion) tokens of a packed row under
-    `model`, at `temperature` (`scaled_logits`), from the chunked LM-head cross-entropy (`kernels.token_losses`)
-    regrouped by `unpack_segments`; S = the row's segments (rollouts, then any dummy rows)."""
-    from vlmctl.train.kernels import token_losses
+    """(log-probs [S, L] float32, mask [S, L]) of every sequence's labelled (completion) tokens under `model`, at
+    `temperature` (`scaled_logits`): a packed row's segments from the chunked LM-head cross-entropy, a padded
+    batch's rows from its logits (`objectives.labelled_logps`), regrouped by `unpack_segments`; S = the rollouts,
+    then any dummy rows."""
+    from vlmctl.train.objectives import labelled_logps
 
     with scaled_logits(model, temperature):
-        losses, positions = token_losses(model, {**inputs, "labels": batch["labels"]})
+        values, positions, seq_lens = labelled_logps(model, inputs, batch)
     if positions.numel() == 0:  # no labelled token: keep the graph (every rank runs the same collectives)
-        return losses.sum().reshape(1, 1).expand(len(batch["seq_lens"]), 1) * 0.0, torch.zeros(len(batch["seq_lens"]), 1, dtype=torch.long)
-    return unpack_segments(-losses, positions, batch["seq_lens"])
+        return values.sum().reshape(1, 1).expand(len(seq_lens), 1) * 0.0, torch.zeros(len(seq_lens), 1, dtype=torch.long)
+    return unpack_segments(values, positions, seq_lens)
 
 
 def _seed(seed: int, step: int, rank: int, micro: int) -> int:
@@ -458,7 +455,8 @@ class GRPOObjective:
     (`group_advantages`; scale "batch" uses the std over every rollout of the step on all data-parallel ranks);
     DAPO's filter drops zero-variance groups when asked; each micro-batch's rollouts (prompt + completion, labels
     on the completion) become one packed row (`PackedCollator.pack`, with the dummy rows that keep sharded encoders
-    in step) with `advantages` [rollouts] and `num_rollouts`.
+    in step), or with `packed` False (`train.packing: false`, or a family that cannot pack) one padded micro-batch
+    (`Collator.pad`, as TRL pads its rollouts), with `advantages` [rollouts] and `num_rollouts`.
 
     `loss` computes the completion tokens' log-probs through `engine.model` and `policy_loss`; with one update per
     generation (GRPO's mu = 1) the old log-probs are the detached current ones (ratio 1); with `num_iterations` mu > 1 the
@@ -489,8 +487,9 @@ class GRPOObjective:
     video: Any = None  # data.video settings (generation samples videos as prepared)
     run_dir: Path | None = None  # rank 0's run folder: rollouts.html
     reference: Any = None
+    packed: bool = True  # each micro-batch's rollouts as one packed row (train.packing), else a padded micro-batch
     name: str = "grpo"
-    batch_keys: tuple[str, ...] = ("input_ids", "labels", "seq_lens", "advantages", "num_rollouts")
+    batch_keys: tuple[str, ...] = ("input_ids", "labels", "advantages", "num_rollouts")
     models: dict[str, Any] = field(default_factory=dict)
     _stats: dict[str, float] = field(default_factory=dict, init=False)
     _train_start: float = field(default=0.0, init=False)
@@ -510,8 +509,6 @@ class GRPOObjective:
         return _rollouts(batch) if self.settings.aggregation == "sequence" else batch["num_label_tokens"]
 
     def loss(self, engine, batch: dict[str, Any]):
-        from vlmctl.train.objectives import MicroLoss
-
         s = self.settings
         inputs = {k: v for k, v in engine.inputs(batch).items() if k not in ROLLOUT_KEYS}
         n = _rollouts(batch)
@@ -616,9 +613,7 @@ class GRPOObjective:
             self._check_prompts(prompts, rollouts)
             index = [i for i in range(len(total)) if keep[i]]
             encoded = rollout_rows(prompts, [rollouts.prompt_index[i] for i in index], [rollouts.completion_ids[i] for i in index])
-            row = self._collator().pack(encoded)
-            if self.hook is not None:
-                row = self.hook(row)
+            row = self._rows(encoded)
             row["advantages"] = advantages[keep].to(torch.float32)
             row["num_rollouts"] = len(index)
             if s.num_iterations > 1:
@@ -671,11 +666,20 @@ class GRPOObjective:
         return logps[:_rollouts(row)].detach().float().cpu()
 
     def _collator(self):
-        from vlmctl.data.collate import PackedCollator
+        from vlmctl.data.collate import Collator, PackedCollator
 
         if self.collator is None:  # the row budget is the rollouts': G x (prompt + completion) per prompt
-            self.collator = PackedCollator(self.processor, self.family, tokens_per_batch=2**62)
+            self.collator = (PackedCollator(self.processor, self.family, tokens_per_batch=2**62) if self.packed
+                             else Collator(self.processor, self.family))
         return self.collator
+
+    def _rows(self, encoded: list[Any]) -> dict[str, Any]:
+        """The rollouts of one micro-batch as one packed row (with the family's packed-row hook) or one padded
+        micro-batch, the dummy rows after them."""
+        if not self.packed:
+            return self._collator().pad(encoded)
+        row = self._collator().pack(encoded)
+        return self.hook(row) if self.hook is not None else row
 
     def _blank_requests(self, requests) -> list:
         """A blank-image request when none of `requests` has an image and the family takes images (see
@@ -843,34 +847,16 @@ def write_rollouts_html(path: Path, samples: list[dict[str, Any]]) -> None:
         raise
 
 
-def check_grpo_settings(train, family, *, packing: bool | None = None) -> None:
-    """Raise ConfigError for `train` settings a grpo run does not support: unpacked rows (`packing`, default
-    `train.packing`, off; or a `family` that cannot pack), sequence parallelism, validation
-    (`train.eval_steps`). `build_grpo_objective` and `vlmctl bench` (before any process starts) call it."""
-    s = train.grpo
-    packing = train.packing if packing is None else packing
-    if not packing:
-        why = "train.packing is off" if getattr(family, "supports_packing", True) else f"{family.name} models cannot take packed rows"
-        raise ConfigError(f"train.objective grpo packs each prompt's rollouts into one row, but rows are not packed ({why})",
-                          hint="set train.packing: true, with a family that packs (e.g. qwen2_5_vl, llava)")
-    if train.sequence_parallel > 1:
-        raise ConfigError("train.objective grpo reads each rollout's log-probs from one rank's row: set train.sequence_parallel: 1")
-    if train.eval_steps:
-        raise ConfigError("train.eval_steps: a grpo run has no validation loss",
-                          hint="remove train.eval_steps and evaluate the exported model with `vlmctl eval`")
-
-
-def build_grpo_objective(tm, cfg, ctx, run_dir: Path | None = None, reference_model=None) -> GRPOObjective:
+def build_grpo_objective(tm, train, ctx, cfg=None, run_dir: Path | None = None, reference_model=None) -> GRPOObjective:
     """The objective of `train.objective: grpo` (`GRPOObjective`): the rewards of `train.grpo.rewards` (user
     functions imported now), a frozen reference when `train.grpo.beta` > 0 (`reference_model` when given, e.g.
-    `vlmctl bench`'s copy of its synthetic model, else `reference.load_reference`), and the family's packed-row
-    hook, which the objective applies to its rows: the loop's prefetch sees prompts, so the hook is taken from `tm`
-    (`tm.prepare` becomes None). `run_dir` (rank 0's): where rollouts.html goes.
+    `vlmctl bench`'s copy of its synthetic model, else `reference.load_reference` from `cfg`, the project config),
+    packed or padded rollouts as `train.packing` (resolved) says, and the family's packed-row hook, which the
+    objective applies to its rows: the loop's prefetch sees prompts, so the hook is taken from `tm` (`tm.prepare`
+    becomes None). `run_dir` (rank 0's): where rollouts.html goes; generation samples videos as `cfg.data.video`.
 
-    Raises ConfigError as `check_grpo_settings` and `build_rewards` do."""
-    train = cfg.train
+    Raises ConfigError as `build_rewards` does; VlmctlError when a reference must be loaded and `cfg` is None."""
     s = train.grpo
-    check_grpo_settings(train, tm.family)
     import sys
 
     if os.getcwd() not in sys.path:  # a reward module next to vlmctl.yaml, where `vlmctl train` was started
@@ -880,9 +866,67 @@ def build_grpo_objective(tm, cfg, ctx, run_dir: Path | None = None, reference_mo
     if s.beta > 0:
         from vlmctl.train.reference import load_reference
 
-        reference = reference_model if reference_model is not None else load_reference(cfg, cfg.train, ctx)
+        if reference_model is None and cfg is None:
+            raise VlmctlError("the grpo objective's KL reference needs the project config (its model source)")
+        reference = reference_model if reference_model is not None else load_reference(cfg, train, ctx)
     hook, tm.prepare = tm.prepare, None
+    data = getattr(cfg, "data", None)
     return GRPOObjective(settings=s, rewards=rewards, reward_names=[r.name for r in s.rewards], processor=tm.processor,
                          family=tm.family, hook=hook, seed=train.seed, dp_rank=ctx.dims.dp_rank, dp_group=ctx.dims.dp_group,
-                         video=getattr(cfg.data, "video", None), run_dir=Path(run_dir) if run_dir is not None and ctx.env.is_main else None,
-                         reference=reference)
+                         video=getattr(data, "video", None), run_dir=Path(run_dir) if run_dir is not None and ctx.env.is_main else None,
+                         reference=reference, packed=bool(train.packing))
+
+
+def prompt_collator(processor, family, *, packed: bool, tokens_per_batch: int | None = None,
+                    max_length: int | None = None, grouped: bool = False) -> PromptCollator:
+    """The training collator of grpo: the sampler's micro-batches of `train.micro_batch_size` prompts (any SFT data:
+    the last assistant turn, or meta `answers`, is the reference) go to the objective as samples; it packs (or
+    pads) their rollouts itself."""
+    return PromptCollator()
+
+
+def check_rewards(cfg) -> None:
+    """Build `train.grpo.rewards` once in the launcher (user functions imported from the project's folder), so that
+    a reward that does not import or does not exist is refused before any process starts. Raises ConfigError as
+    `build_rewards` does."""
+    import sys
+
+    folder = os.getcwd()  # where `vlmctl train` was started, as the ranks look there (`build_grpo_objective`)
+    added = folder not in sys.path
+    if added:
+        sys.path.insert(0, folder)
+    try:
+        build_rewards(cfg.train.grpo.rewards, cfg.train.grpo.max_new_tokens)
+    finally:
+        if added:
+            sys.path.remove(folder)
+
+
+def bench_words(train) -> str:
+    """`vlmctl bench`'s words for grpo's workload."""
+    g = train.grpo
+    size = train.micro_batch_size if isinstance(train.micro_batch_size, int) else 1
+    return (f"grpo: {size} prompts per micro-batch x {g.group_size} rollouts of at most {g.max_new_tokens} tokens "
+            f"(temperature {g.temperature}, top_p {g.top_p})" + (f", KL beta {g.beta}" if g.beta else ""))
+
+
+def bench_settings(train):
+    """`vlmctl bench`'s synthetic answers are random text: every group's rewards are equal (0), and DAPO's filter
+    would leave no rollout to train on; the bench keeps them all (a step whose every group varies)."""
+    if not train.grpo.drop_zero_variance_groups:
+        return train, None
+    return (train.model_copy(update={"grpo": train.grpo.model_copy(update={"drop_zero_variance_groups": False})}),
+            "train.grpo.drop_zero_variance_groups: off in the bench (random answers earn equal rewards; every group is "
+            "trained on, as in a step where all of them vary)")
+
+
+SPEC = GRPOObjective.spec = ObjectiveSpec(
+    name="grpo", objective=GRPOObjective, build=build_grpo_objective, collator=prompt_collator,
+    probe_collator=sample_collator, packs_samples=False, workload="prompts",
+    frozen=lambda train: ("reference",) if train.grpo.beta > 0 else (),
+    hooks=frozenset({"prepare_window", "reuses_window", "state"}), section=GRPOSection,
+    step_line=(("reward", "reward {:.3f}"), ("reward_std", "std {:.3f}"), ("kl", "kl {:.4f}"),
+               ("clip_ratio/region_mean", "clipped {:.3f}"), ("completions/mean_length", "length {:.1f}"),
+               ("time/rollout_s", "rollout {:.2f}s"), ("time/train_s", "train {:.2f}s")),
+    curves=(("reward", "reward_std"), "kl", "completions/mean_length"), plots_loss=False, describe=bench_words,
+    preflight=check_rewards, bench_settings=bench_settings)

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vlmctl.config.plan import pending, resolve_nproc  # noqa: F401 - resolve_nproc: where its callers import it
 from vlmctl.distributed.engine import is_deepspeed, is_fsdp
 from vlmctl.distributed.mesh import SHARDING_ENV
 from vlmctl.errors import ConfigError, UsageError
@@ -50,47 +49,52 @@ AGENTS = ("torchrun", "accelerate")  # the launchers that start one process agen
 
 def launch_plan(cfg, *, processes: int | None = None):
     """The run's plan (`config.plan.build_plan`) as the launcher sees it: this machine's device (SLURM: the
-    nodes' GPUs, assumed), the run's processes in all (`processes`, default `run_processes`) and the model's family
-    where the built model folder names it (else the ranks learn it when they load the model)."""
-    from vlmctl.config.plan import DeviceFacts, build_plan, run_processes
+    nodes' GPUs, assumed), the run's processes in all (`processes`, default `run_processes`), the model's family
+    where the built model folder names it (else the ranks learn it when they load the model) and the packed row
+    length `vlmctl data prepare` suggested for the prepared data (`config.plan.prepared_row_tokens`)."""
+    from dataclasses import replace
+
+    from vlmctl.config.plan import DeviceFacts, build_plan, prepared_row_tokens, run_processes
 
     train = cfg.train
-    processes = run_processes(train) if processes is None else processes
-    facts = DeviceFacts.here(processes, cuda=True if train.launcher == "slurm" else None)
-    return build_plan(train, facts, family=_family(cfg))
+    facts = DeviceFacts.here(cuda=True if train.launcher == "slurm" else None)
+    facts = replace(facts, processes=run_processes(train, facts.gpus) if processes is None else processes)
+    data = getattr(cfg, "data", None)
+    data_tokens = prepared_row_tokens(data.prepared_dir) if data is not None else None
+    return build_plan(train, facts, family=_family(cfg), data_tokens=data_tokens)
 
 
 def _family(cfg):
-    """The FamilySpec of the model the run trains, without loading it; None where the folder does not say."""
-    from vlmctl.errors import VlmctlError
-    from vlmctl.inference.load import folder_family
-    from vlmctl.train.setup import model_source
+    """The FamilySpec of the model the run trains, without loading it (`setup.planned_family`)."""
+    from vlmctl.train.setup import planned_family
 
-    if getattr(cfg, "model", None) is None:
-        return None
-    try:
-        source = Path(model_source(cfg))
-        return folder_family(source) if source.is_dir() else None
-    except (VlmctlError, OSError, ValueError):  # no built model yet: preflight says so where it matters
-        return None
+    return planned_family(cfg)
+
+
+def run_prefix(cfg) -> str:
+    """`<project.name>-<word>-`: the start of this project's default run names, the word the objective's
+    (`ObjectiveSpec.run_word`: the stage for sft, else the objective, e.g. `demo-dpo-`), the project name reduced
+    to safe characters."""
+    from vlmctl.train.registry import get_objective
+    from vlmctl.train.rundir import safe_part
+
+    return f"{safe_part(cfg.project.name)}-{get_objective(cfg.train.objective).run_word(cfg.train)}-"
 
 
 def default_run_name(cfg) -> str:
-    """`<project.name>-<stage>-<YYYYmmdd-HHMMSS>`, the project name reduced to safe characters."""
-    from vlmctl.train.rundir import safe_part
-
-    return f"{safe_part(cfg.project.name)}-{cfg.train.stage}-{time.strftime('%Y%m%d-%H%M%S')}"
+    """`<project.name>-<stage or objective>-<YYYYmmdd-HHMMSS>` (`run_prefix`)."""
+    return f"{run_prefix(cfg)}{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def find_resumable_run(cfg) -> Path | None:
-    """The newest run folder of this project and stage (under train.output_dir) that has a complete checkpoint."""
+    """The newest run folder of this project and stage (objective, for post-training: `run_prefix`) under
+    train.output_dir that has a complete checkpoint."""
     from vlmctl.train.checkpoint import latest_checkpoint
-    from vlmctl.train.rundir import safe_part
 
     root = Path(cfg.train.output_dir)
     if not root.is_dir():
         return None
-    prefix = f"{safe_part(cfg.project.name)}-{cfg.train.stage}-"
+    prefix = run_prefix(cfg)
     runs = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(prefix) and latest_checkpoint(p) is not None]
     return max(runs, key=_run_order) if runs else None
 
@@ -133,17 +137,20 @@ def prepare_run(cfg, resume: bool = False) -> Path:
     stays locked until `rundir.release_run` (or the end of this process); stale temporary files are removed.
     A node other than node 0 of a multi-node run (`joins_run`) only makes sure the folder exists
     (`rundir.join_run_dir`): node 0 locks it, writes config.yaml and checks the checkpoint.
-    Raises ConfigError for a multi-node setting that is missing (`check_nodes`), UsageError when there is nothing
+    Raises ConfigError for a multi-node setting that is missing (`check_nodes`) or a plan this device cannot train
+    with (`config.plan.check_plan`), UsageError when there is nothing
     to resume or the folder is in use, ConfigError for a taken run_name, DataError/ModelError when the prepared
     data or the model is missing and CheckpointError for a checkpoint that cannot be resumed (see `preflight`).
     """
     from vlmctl.config import dump_config
-    from vlmctl.config.plan import write_plan
+    from vlmctl.config.plan import check_plan, write_plan
     from vlmctl.train.rundir import claim_run_dir, join_run_dir, sweep_temporaries
 
     train = cfg.train
     check_nodes(train)
     plan = launch_plan(cfg)  # every auto decided once, before a process starts; plan.json in the run folder
+    check_packages(train)  # a missing package first: its hint installs it
+    check_plan(plan, train)  # what this device cannot train with is refused here, not by the ranks
     check_sharding(train, plan.strategy.value)
     if resume and train.resume is None:
         train.resume = "auto"
@@ -333,19 +340,22 @@ def check_built_settings(cfg, source: str) -> None:
 def preflight(cfg, run_dir: Path | None = None) -> None:
     """Fail before spawning processes when an optional package the config needs is missing (ConfigError,
     `check_packages`), the prepared data (the val split too with `train.eval_steps`) or the model is missing, the
-    training shards hold no preference pairs for `train.objective: dpo`
-    (DataError / ModelError), or when the checkpoint
+    training shards hold no preference pairs for an objective that trains on them (`ObjectiveSpec.data`), the
+    objective's own check refuses (`ObjectiveSpec.preflight`: grpo's reward functions) (DataError / ModelError /
+    ConfigError), or when the checkpoint
     a resumed run (`run_dir`) would load is damaged or refused (`checkpoints.check_checkpoint`, CheckpointError
     naming the file) or was written with another batching (`checkpoint.check_batching`, ConfigError)."""
     from vlmctl.errors import DataError, MissingSourceError
     from vlmctl.train.checkpoint import check_batching, resolve_resume
+    from vlmctl.train.registry import get_objective
     from vlmctl.train.setup import model_source
 
     check_packages(cfg.train)
     train_dir = Path(cfg.data.prepared_dir) / "train"
     if not any(train_dir.glob("*.parquet")):
         raise MissingSourceError(f"no prepared training shards in {train_dir}", hint="run `vlmctl data prepare` first")
-    if cfg.train.objective == "dpo":  # pairs, not conversations: read from the first shard's schema
+    spec = get_objective(cfg.train.objective)
+    if spec.data != "conversations":  # e.g. pairs: read from the first shard's schema
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -356,7 +366,9 @@ def preflight(cfg, run_dir: Path | None = None) -> None:
             columns = pq.read_schema(shard).names
         except (OSError, pa.ArrowException) as exc:
             raise DataError(f"{shard}: not a readable Parquet shard ({exc})", hint="re-run `vlmctl data prepare`") from None
-        check_objective_data(columns, cfg.train.objective, train_dir)
+        check_objective_data(columns, spec, train_dir)
+    if spec.preflight is not None:  # e.g. grpo's reward functions, imported here before any process starts
+        spec.preflight(cfg)
     val_dir = Path(cfg.data.prepared_dir) / "val"
     if cfg.train.eval_steps and not _split_rows(val_dir):
         raise DataError(f"train.eval_steps validates on the val split, but {val_dir} holds no prepared samples",
@@ -406,7 +418,8 @@ def launch_command(train, run_dir: Path, module: str = WORKER_MODULE) -> Launch:
     vlmctl launch here claimed it, else on a free port (so two runs on one machine never collide); over several
     nodes it is `master_addr:master_port` as given, torchrun's c10d rendezvous with the run folder's name as its
     id. Raises ConfigError when a multi-node setting is missing (`check_layout`), for hybrid sharding without fsdp
-    (`check_sharding`) and for SLURM with `train.nproc_per_node: auto` (the nodes' GPUs are not visible here).
+    (`check_sharding`) and for SLURM with `train.nproc_per_node: auto` (the nodes' GPUs are not visible here). The
+    processes per node are the run plan's (`planned_nproc`).
     """
     check_layout(train)
     check_sharding(train)
@@ -416,13 +429,13 @@ def launch_command(train, run_dir: Path, module: str = WORKER_MODULE) -> Launch:
         from vlmctl.distributed.env import claim_port
 
         port, claim = claim_port(train.master_port)
+    nproc = planned_nproc(train, run_dir)
+    if nproc is None:
+        raise ConfigError("train.launcher=slurm needs train.nproc_per_node: the GPUs of the allocated nodes are not visible here",
+                          hint="pass --nproc-per-node <GPUs per node>")
     if train.launcher == "slurm":
-        if pending(train.nproc_per_node):
-            raise ConfigError("train.launcher=slurm needs train.nproc_per_node: the GPUs of the allocated nodes are not visible here",
-                              hint="pass --nproc-per-node <GPUs per node>")
         script = run_dir / "sbatch.sh"
-        return Launch(["sbatch", str(script)], script=script, script_text=sbatch_script(train, run_dir, int(train.nproc_per_node)))
-    nproc = resolve_nproc(train.nproc_per_node)
+        return Launch(["sbatch", str(script)], script=script, script_text=sbatch_script(train, run_dir, nproc))
     if train.launcher == "torchrun":
         cmd = [*_torchrun(), "--nproc-per-node", str(nproc), "--nnodes", str(train.nnodes), "--node-rank",
                str(train.node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{train.master_addr}:{port}",
@@ -439,6 +452,16 @@ def launch_command(train, run_dir: Path, module: str = WORKER_MODULE) -> Launch:
     if train.launcher == "none":
         return Launch([sys.executable, *worker])
     raise UsageError(f"unknown launcher {train.launcher!r}", hint="use torchrun, accelerate, slurm or none")
+
+
+def planned_nproc(train, run_dir: Path) -> int | None:
+    """Processes per node: the run plan's decision (`config.plan.decide_nproc`), from `run_dir/plan.json` where
+    `prepare_run` wrote it, else decided for this machine as the plan decides it (a dry run, the bench's ranks);
+    None for SLURM with `train.nproc_per_node: auto`."""
+    from vlmctl.config.plan import PLAN_FILE, decide_nproc, read_plan, visible_gpus
+
+    plan = read_plan(run_dir) if (Path(run_dir) / PLAN_FILE).is_file() else None
+    return (plan.nproc_per_node if plan is not None else decide_nproc(train, visible_gpus())).value
 
 
 def dry_run_text(train, run_dir: Path) -> str:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from vlmctl.errors import VlmctlError
-from vlmctl.train.objectives import check_batch
+from vlmctl.train.objectives import check_batch, has_hook
 
 # torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
 # So are the vlmctl modules that load numpy when imported; queue (standard library, not loaded at the CLI's start-up)
@@ -167,6 +167,7 @@ class StepResult:
     stop: bool
     bad: bool
     flops: float = 0.0  # training FLOPs of the step's global batch (0 without a cost model)
+    lr: float | None = None  # the learning rate of the step's update (before the scheduler stepped)
     # per data-parallel rank, in rank order: forward + backward seconds, seconds waiting for the data loader, FLOPs
     rank_compute_s: list[float] = field(default_factory=list)
     rank_data_wait_s: list[float] = field(default_factory=list)
@@ -272,7 +273,8 @@ class Trainer:
         start = time.monotonic()
         val = self.validator.evaluate(step)
         self.state.best = self.validator.best.as_dict()
-        return {**val, "val_s": round(time.monotonic() - start, 3)}
+        stop = {"early_stop": True} if self.validator.stopping else {}  # loss.png marks the step
+        return {**val, **stop, "val_s": round(time.monotonic() - start, 3)}
 
     def _timed_save(self, step: int, reason: str) -> float:
         """`save` a checkpoint; returns its seconds, which the next metrics row leaves out of its throughput."""
@@ -300,15 +302,14 @@ class Trainer:
         import torch.distributed as dist
 
         timer = StepTimer(self.env.device)
-        prepare = getattr(self.objective, "prepare_window", None)
-        reuses = getattr(self.objective, "reuses_window", None)
-        if reuses is not None and reuses(self.state.step):  # GRPO's num_iterations: no new prompts drawn
-            window = prepare(self.engine, None, step=self.state.step)
+        lr = self.engine.lr  # the rate of this step's update: the schedule moves on when it steps (DeepSpeed: in micro_step)
+        if has_hook(self.objective, "reuses_window") and self.objective.reuses_window(self.state.step):
+            window = self.objective.prepare_window(self.engine, None, step=self.state.step)  # GRPO's num_iterations
         else:
             window = [timer.next_batch(self.batches) for _ in range(self.grad_accum)]
             self.state.consumed += len(window)
-            if prepare is not None:  # e.g. GRPO: rollouts generated and scored, packed into rows (timed by the objective)
-                window = prepare(self.engine, window, step=self.state.step)
+            if has_hook(self.objective, "prepare_window"):  # e.g. GRPO: rollouts generated, scored, made into rows
+                window = self.objective.prepare_window(self.engine, window, step=self.state.step)
         flops = float(sum(self.flops_of(b) for b in window)) if self.flops_of is not None else 0.0
         # The loss is a mean over the assistant tokens of the whole global batch: count them first. (This first
         # collective is also where the ranks wait for one whose data came late, before any compute is timed.)
@@ -329,7 +330,7 @@ class Trainer:
         return StepResult(
             loss=None if bad else float(stats[0]) / max(total_tokens, 1.0), grad_norm=grad_norm, label_tokens=int(total_tokens),
             text_tokens=text, visual_tokens=visual, dummy_images=int(stats[3]), samples=int(stats[4]),
-            stop=bool(stats[6] > 0), bad=bad, flops=float(stats[5]),
+            stop=bool(stats[6] > 0), bad=bad, flops=float(stats[5]), lr=lr,
             rank_compute_s=[r[0] for r in ranks], rank_data_wait_s=[r[1] for r in ranks], rank_flops=[r[2] for r in ranks],
             metrics={} if bad else self.objective.metrics(extra, total_tokens),
         )
@@ -435,7 +436,7 @@ class Trainer:
             "epoch": round(self.state.consumed / self.batches_per_epoch, 4),
             "loss": last.loss,
             "loss_avg": sum(good) / len(good) if good else None,
-            "lr": self.engine.lr,
+            "lr": self.engine.lr if last.lr is None else last.lr,
             "grad_norm": last.grad_norm,
             "label_tokens": last.label_tokens,
             "text_tokens": text,

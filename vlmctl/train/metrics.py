@@ -150,10 +150,11 @@ def tracker_tag(key: str) -> str:
 class Progress:
     """A rich progress bar on a terminal; one plain line per logged step otherwise (logs, SLURM)."""
 
-    def __init__(self, total: int, start: int, enabled: bool):
+    def __init__(self, total: int, start: int, enabled: bool, fields: tuple[tuple[str, str], ...] = ()):
         from rich.console import Console
 
         self.enabled = enabled
+        self.fields = fields  # the objective's own metrics in the step line (`ObjectiveSpec.step_line`)
         self.console = Console(highlight=False)
         self.total = total
         self.bar = None
@@ -170,7 +171,7 @@ class Progress:
     def update(self, step: int, row: dict[str, Any] | None) -> None:
         if not self.enabled:
             return
-        info = format_row(row) if row else None
+        info = format_row(row, self.fields) if row else None
         if self.bar is not None:
             self.bar.update(self.task, completed=step, **({"info": info} if info else {}))
         elif info:
@@ -188,7 +189,9 @@ class Progress:
             self.bar.stop()
 
 
-def format_row(row: dict[str, Any]) -> str:
+def format_row(row: dict[str, Any], fields: tuple[tuple[str, str], ...] = ()) -> str:
+    """The step line of a metrics row: loss, validation, lr, gradient norm, then `fields` (the objective's metrics,
+    (key, `str.format` template) pairs of `ObjectiveSpec.step_line`, those the row holds), throughput and the rest."""
     loss = "skipped (NaN/inf)" if row["loss"] is None else f"{row['loss']:.4f}"
     parts = [f"loss {loss}"]
     if row.get("val_loss") is not None:
@@ -197,8 +200,7 @@ def format_row(row: dict[str, Any]) -> str:
     parts.append(f"lr {row['lr']:.2e}")
     if row.get("grad_norm") is not None:
         parts.append(f"gnorm {row['grad_norm']:.3f}")
-    if row.get("time/rollout_s") is not None:  # grpo: the step's reward, and its generation vs training seconds
-        parts.append(f"reward {row['reward']:.3f} rollout {row['time/rollout_s']:.2f}s train {row['time/train_s']:.2f}s")
+    parts += [template.format(row[key]) for key, template in fields if row.get(key) is not None]
     parts.append(f"tok/s {row['tokens_per_s']:.0f} (text {row['text_tokens_per_s']:.0f}, visual {row['visual_tokens_per_s']:.0f})")
     if row.get("mfu") is not None:
         parts.append(f"MFU {100 * row['mfu']:.1f}%")
@@ -214,9 +216,13 @@ def format_row(row: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
-def plot_loss(run_dir: Path) -> Path | None:
-    """Write `run_dir/loss.png` (training loss, validation loss when the run validated, and learning rate per
-    step) from metrics.jsonl; None without rows."""
+def plot_loss(run_dir: Path, curves: tuple = (), loss: bool = True) -> Path | None:
+    """Write `run_dir/loss.png` from metrics.jsonl; None without rows. One panel per figure, sharing the step axis:
+    the training loss with the learning rate (`loss`; the panel is drawn without `curves` whatever `loss` says),
+    the validation loss when the run validated, its best step (a star) and the step the run stopped early (a
+    dashed line); then a panel per entry of the objective's `curves` (`ObjectiveSpec.curves`, a metric or a tuple of
+    metrics drawn together: DPO's margins, accuracies, chosen and rejected rewards; GRPO's reward, whose loss is ~0
+    by construction) the rows hold, with their validation values (`val_<metric>`)."""
     path = Path(run_dir) / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
     val = [r for r in rows if r.get("val_loss") is not None]
@@ -228,17 +234,26 @@ def plot_loss(run_dir: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="loss")
-    if val:
-        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], color="tab:green", marker="o", label="val loss")
-        ax.legend(loc="upper right")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (assistant tokens)")
-    lr_ax = ax.twinx()
-    lr_ax.plot([r["step"] for r in rows], [r["lr"] for r in rows], color="tab:orange", alpha=0.5, label="lr")
-    lr_ax.set_ylabel("learning rate")
-    ax.set_title(Path(run_dir).name)
+    groups = [tuple(k for k in ((c,) if isinstance(c, str) else c) if any(r.get(k) is not None for r in rows))
+              for c in curves]
+    groups = [g for g in groups if g]
+    panels = ([("loss",)] if loss or not groups else []) + groups
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 1.2 + 2.8 * len(panels)), sharex=True, squeeze=False)
+    for ax, panel in zip(axes[:, 0], panels):
+        if panel == ("loss",):
+            _loss_panel(ax, rows, val)
+            continue
+        for key in panel:
+            drawn = [r for r in rows if r.get(key) is not None]
+            ax.plot([r["step"] for r in drawn], [r[key] for r in drawn], label=key)
+            checked = [r for r in val if r.get(f"val_{key}") is not None]
+            if checked:
+                ax.plot([r["step"] for r in checked], [r[f"val_{key}"] for r in checked], marker="o", label=f"val {key}")
+        if len(panel) > 1 or any(r.get(f"val_{k}") is not None for r in val for k in panel):
+            ax.legend(loc="best")
+        ax.set_ylabel(" / ".join(panel))
+    axes[-1, 0].set_xlabel("step")
+    axes[0, 0].set_title(Path(run_dir).name)
     fig.tight_layout()
     out = Path(run_dir) / "loss.png"
     tmp = out.with_suffix(".tmp.png")
@@ -253,13 +268,36 @@ def plot_loss(run_dir: Path) -> Path | None:
     return out
 
 
-def plot_loss_or_warn(run_dir: Path) -> Path | None:
+def _loss_panel(ax, rows: list[dict[str, Any]], val: list[dict[str, Any]]) -> None:
+    """The loss panel of `plot_loss`: loss, validation loss with its best step and early stop, lr on a twin axis."""
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="loss")
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], color="tab:green", marker="o", label="val loss")
+        last = val[-1]
+        if last.get("best_step") is not None and last.get("best_val_loss") is not None:
+            ax.plot([last["best_step"]], [last["best_val_loss"]], color="tab:red", marker="*", markersize=14,
+                    linestyle="none", label="best")
+            ax.annotate(f"best: step {last['best_step']}", (last["best_step"], last["best_val_loss"]),
+                        textcoords="offset points", xytext=(6, 8), fontsize=8)
+        stopped = next((r for r in val if r.get("early_stop")), None)
+        if stopped is not None:
+            ax.axvline(stopped["step"], color="tab:gray", linestyle="--", linewidth=1)
+            ax.annotate(f"early stop: step {stopped['step']}", (stopped["step"], 0.95), xycoords=("data", "axes fraction"),
+                        textcoords="offset points", xytext=(-4, 0), ha="right", fontsize=8)
+        ax.legend(loc="upper right")
+    ax.set_ylabel("loss")
+    lr_ax = ax.twinx()
+    lr_ax.plot([r["step"] for r in rows], [r["lr"] for r in rows], color="tab:orange", alpha=0.5, label="lr")
+    lr_ax.set_ylabel("learning rate")
+
+
+def plot_loss_or_warn(run_dir: Path, curves: tuple = (), loss: bool = True) -> Path | None:
     """`plot_loss`, with a failure to write it (a full disk) reported as one warning line: loss.png is a
     convenience, never the run's error."""
     import sys
 
     try:
-        return plot_loss(run_dir)
+        return plot_loss(run_dir, curves, loss)
     except OSError as exc:
         print(f"warning: {Path(run_dir) / 'loss.png'} not written: {exc.strerror or exc}", file=sys.stderr)
         return None

@@ -1,4 +1,5 @@
-"""Training objectives: what a batch must hold, the loss of one micro-batch, and the objective's own metrics.
+"""Training objectives: what a batch must hold, the loss of one micro-batch, the objective's own metrics, and the
+spec that tells every other module what an objective needs.
 
 The step loop (`train.loop.Trainer`) knows an objective only through the `Objective` protocol:
 
@@ -14,21 +15,23 @@ The step loop (`train.loop.Trainer`) knows an objective only through the `Object
   the window and the data-parallel ranks;
 - `metrics(sums, label_tokens)`: the logged form of those sums for one step (the loop adds them to its rows);
 - `models`: frozen models the objective holds (a reference model), which the worker passes through
-  `distributed.parallelize.parallelize(..., trainable=False)` like the trained one.
-- optional `prepare_window(engine, window, step)`: called first in each step with the window's collated
-  micro-batches (the loader's, before any token count), it returns the micro-batches the step trains on, as many
-  (GRPO: prompts in, packed rows of scored rollouts out).
+  `distributed.parallelize.parallelize(..., trainable=False)` like the trained one;
+- `spec`: its `ObjectiveSpec`, whose `hooks` declare the optional methods it has (`HOOKS`): the loop, the worker
+  and the checkpoints call a hook only where it is declared (`has_hook`), never by looking the method up.
 
-Supervised fine-tuning (`SFTObjective`) is the next-token cross-entropy over the labelled (assistant) tokens. A
-preference objective (DPO: the chosen and rejected segments of one packed row scored against a frozen reference
-model's log-probabilities) or GRPO (rollouts and their advantages) is another class with its own batch keys,
-models and metrics; the loop does not change.
+An objective is one module (this one for SFT; the others are listed in `registry.BUILT_IN`) that defines its class
+and its `SPEC`, and one entry in `vlmctl.train.registry`: the registry answers what the data pipeline, the worker, the launcher, `vlmctl
+bench`, the autotune probe, the step line and loss.png ask of it (`ObjectiveSpec`). Its settings are a section of
+the train config (`vlmctl.config.objective`), which also refuses the settings it cannot train with, when the
+config is read (before any process starts).
+
+Supervised fine-tuning (`SFTObjective`) is the next-token cross-entropy over the labelled (assistant) tokens.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, ClassVar, Protocol, runtime_checkable
 
 from vlmctl.data.collate import IGNORE_INDEX, is_packed, model_inputs
 from vlmctl.errors import DataError, VlmctlError
@@ -47,6 +50,85 @@ class MicroLoss:
     metrics: dict[str, Any] = field(default_factory=dict)
 
 
+HOOKS = {
+    "prepare_window": ("prepare_window",),
+    "reuses_window": ("reuses_window",),
+    "state": ("state_dict", "load_state_dict"),
+    "before_training": ("stand_in_for_probe", "before_training"),
+}
+"""The optional capabilities an objective may declare (`ObjectiveSpec.hooks`) and the methods each one brings:
+
+- `prepare_window(engine, window, step)`: called first in each step with the window's collated micro-batches (the
+  loader's, before any token count), it returns the micro-batches the step trains on (GRPO: prompts in, rows of
+  scored rollouts out); `window` None on a step `reuses_window` claims;
+- `reuses_window(step)`: whether `step` trains again on the rows `prepare_window` kept, drawing no new batches;
+- `state_dict()` / `load_state_dict(state)`: per-rank state a checkpoint keeps (objective-<rank>.pt);
+- `stand_in_for_probe()` and `before_training(cfg, ctx, tm, engine, dataset, collate, run_dir, resume_from)`: work
+  on the wrapped model before the first step (DPO's precomputed reference log-probs), with placeholders while the
+  start-up probe runs before it."""
+
+
+@dataclass(frozen=True)
+class ObjectiveSpec:
+    """Everything the modules outside an objective ask of it, declared once (`vlmctl.train.registry`).
+
+    `name`: the `train.objective` value; `objective`: its class (`Objective`); `build(tm, train, ctx, cfg=None,
+    run_dir=None, reference_model=None)`: the objective of a run (`train`: the resolved train section; `cfg`: the
+    project config, for objectives that load a model or read data settings; `reference_model`: a frozen model to use
+    instead of loading one), its frozen models not yet parallelized; `collator(processor, family, *, packed,
+    tokens_per_batch, max_length, grouped)`: the training collator, packed rows of `tokens_per_batch` tokens or
+    padded micro-batches; `probe_collator`: the same for the start-up probe's rows (default `collator`).
+    `data`: what the training shards hold, "conversations" or "preference" (pairs: `launch.preflight` and
+    `train.data.load_data` refuse shards without rejected answers); `packs_samples`: the sampler packs samples into
+    rows when `train.packing` is on (False: it deals `micro_batch_size` samples, which the objective turns into rows
+    itself, as GRPO's prompts); `workload`: what `vlmctl bench` synthesizes ("samples", "pairs", "prompts");
+    `frozen(train) -> tuple[str, ...]`: the frozen models a run of `train` holds (("reference",) or ());
+    `hooks`: the declared capabilities (`HOOKS`); `section`: its config section class (`train.<name>`, whose
+    `refuse(train)` is the objective's constraint on the rest of the train section; None without one).
+    What the run shows: `step_line` ((metrics key, `str.format` template) of the step line), `curves` (metrics drawn on
+    loss.png beside the loss, one panel each; a tuple of metrics shares a panel), `plots_loss` (False where the loss
+    says nothing of progress: GRPO's is ~0 by construction); `named_by_stage`: run folders are named `<project>-<stage>-<time>` (else `<project>-<name>-<time>`);
+    `describe(train) -> str`: its settings in words for `vlmctl bench`'s settings line ("" for none);
+    `preflight(cfg)`: checks the launcher runs before any process starts (GRPO imports the user's reward
+    functions), raising typed errors; `bench_settings(train) -> (train, note)`: the settings `vlmctl bench` trains
+    its synthetic data with, and a line saying what changed (None when nothing did)."""
+
+    name: str
+    objective: type
+    build: Callable[..., Any]
+    collator: Callable[..., Any]
+    probe_collator: Callable[..., Any] | None = None
+    data: str = "conversations"
+    packs_samples: bool = True
+    workload: str = "samples"
+    frozen: Callable[[Any], tuple[str, ...]] = lambda train: ()
+    hooks: frozenset[str] = frozenset()
+    section: type | None = None
+    step_line: tuple[tuple[str, str], ...] = ()
+    curves: tuple[str | tuple[str, ...], ...] = ()
+    plots_loss: bool = True
+    named_by_stage: bool = False
+    describe: Callable[[Any], str] = lambda train: ""
+    preflight: Callable[[Any], None] | None = None
+    bench_settings: Callable[[Any], tuple[Any, str | None]] | None = None
+
+    def run_word(self, train) -> str:
+        """The word of a default run folder name after the project's: the stage, or the objective's name."""
+        return train.stage if self.named_by_stage else self.name
+
+    def collate(self, processor, family, *, packed: bool, tokens_per_batch: int | None = None,
+                max_length: int | None = None, grouped: bool = False, probe: bool = False):
+        """The collator of `collator` (`probe`: `probe_collator`) with these settings."""
+        make = self.probe_collator if probe and self.probe_collator is not None else self.collator
+        return make(processor, family, packed=packed, tokens_per_batch=tokens_per_batch, max_length=max_length,
+                    grouped=grouped)
+
+
+def has_hook(objective, hook: str) -> bool:
+    """Whether `objective` (an Objective, or None) declares the capability `hook` (`HOOKS`) in its spec."""
+    return objective is not None and hook in objective.spec.hooks
+
+
 @runtime_checkable
 class Objective(Protocol):
     """A training objective (see the module docstring)."""
@@ -54,6 +136,7 @@ class Objective(Protocol):
     name: str
     batch_keys: tuple[str, ...]
     models: dict[str, Any]
+    spec: ClassVar[ObjectiveSpec]
 
     def label_tokens(self, batch: dict[str, Any]) -> int: ...
 
@@ -141,101 +224,64 @@ class SFTObjective:
         return {}
 
 
-@dataclass
-class DPOObjective:
-    """Direct preference optimisation over packed rows of pairs (`data.collate.PairCollator`: each pair's chosen
-    and rejected sequences are two consecutive varlen segments of one row); the formulas, loss types and their
-    sources are in `vlmctl.train.dpo`.
+def token_logps(logits, labels, *, temperature: float = 1.0):
+    """Per-token log-probabilities of the labels, aligned with them: out[b, t] = log softmax(logits[b, t - 1] /
+    temperature)[labels[b, t]], and 0 where labels[b, t] is -100 and at t = 0 (nothing predicts it).
 
-    Each sequence's log-probability is the sum of its answer tokens' log-probs, from the labelled positions only
-    (`kernels.token_losses`: the LM head's chunked cross-entropy, no [T, V] logits). The reference's are computed
-    the same way without gradients, from `reference` (a frozen model wrapped by `parallelize(..., trainable=False)`)
-    or, with `reference` None, from the trained model with its peft adapters switched off (`disable_adapter`, the
-    LoRA base: no second copy of the weights). The loss over a micro-batch is the sum of its pairs' losses and the
-    loop divides by the global batch's pairs (`label_tokens` counts pairs), so a step's loss is the mean over pairs,
-    as TRL's `DPOTrainer` takes it. Metrics (TRL's names): rewards/chosen, rewards/rejected, rewards/margins (means of
-    beta x log-ratio) and rewards/accuracies (share of pairs whose chosen reward is higher).
+    `logits`: [B, T, V] (any float dtype; computed in float32); `labels`: [B, T] int64, unshifted (the model's own
+    labels: label t is the token at t). Returns float32 [B, T]. Raises ValueError when the shapes disagree.
+    """
+    import torch
 
-    With `precomputed` (sample id -> (chosen, rejected) reference log-probs, `precompute_reference`) the reference
-    is read from it by the row's `pair_ids` and no reference forward runs.
+    if logits.shape[:2] != labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree on [B, T]")
+    target = labels[:, 1:]
+    mask = target != IGNORE_INDEX
+    scaled = logits[:, :-1].float() / temperature
+    picked = scaled.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+    out = torch.zeros(labels.shape, dtype=torch.float32, device=logits.device)
+    out[:, 1:] = picked * mask
+    return out
 
-    `settings`: the `train.dpo` section (`config.objective.DPOSection`: beta, loss_type, label_smoothing).
-    Sequence parallelism is not supported (a pair's segments would be summed over ranks: not yet done)."""
 
-    settings: Any
-    reference: Any = None
-    precomputed: dict[str, tuple[float, float]] | None = None
-    name: str = "dpo"
-    batch_keys: tuple[str, ...] = ("input_ids", "labels", "seq_lens", "num_pairs")
-    models: dict[str, Any] = field(default_factory=dict)
+def labelled_logps(model, inputs: dict[str, Any], batch: dict[str, Any]):
+    """The log-probs of a micro-batch's labelled tokens under `model`: (values float32 [n], positions int64 [n],
+    segment lengths). A packed row ([1, T], `is_packed`): the LM head's chunked cross-entropy at the labelled positions
+    (`kernels.token_losses`, no [T, V] logits) and the row's `seq_lens`. A padded batch ([B, T]): the full logits'
+    `token_logps`, the positions counted over the flattened batch and each row one segment of T tokens (TRL's
+    padded layout). Either way segment s's tokens are those `dpo.segment_logps_at` and `grpo.unpack_segments` group
+    under s."""
+    import torch
 
-    METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "nll_loss")
+    from vlmctl.train.kernels import token_losses
 
-    def __post_init__(self):
-        if self.reference is not None:
-            self.models = {"reference": self.reference}
-
-    def label_tokens(self, batch: dict[str, Any]) -> int:
-        return batch["num_pairs"]
-
-    def sequence_logps(self, model, inputs: dict[str, Any], batch: dict[str, Any]):
-        """(sums float32 [S], counts int64 [S]): each packed segment's summed answer log-probs under `model`."""
-        from vlmctl.train.dpo import segment_logps_at
-        from vlmctl.train.kernels import token_losses
-
+    if is_packed(batch):
         losses, positions = token_losses(model, {**inputs, "labels": batch["labels"]})
-        return segment_logps_at(-losses, positions, batch["seq_lens"])
+        return -losses, positions, batch["seq_lens"]
+    labels = batch["labels"]
+    logps = token_logps(model(**inputs, use_cache=False).logits, labels)  # [B, T], 0 off the labels
+    mask = labels != IGNORE_INDEX
+    mask[:, 0] = False  # nothing predicts a row's first token
+    positions = torch.nonzero(mask.reshape(-1), as_tuple=False).squeeze(1)
+    return logps.reshape(-1)[positions], positions, [labels.shape[1]] * labels.shape[0]
 
-    def reference_logps(self, engine, inputs: dict[str, Any], batch: dict[str, Any]):
-        """`sequence_logps` under the reference, without gradients."""
-        import torch
 
-        if self.precomputed is not None:
-            try:
-                values = [v for pid in batch["pair_ids"] for v in self.precomputed[pid]]
-            except KeyError as exc:
-                raise VlmctlError(f"pair {exc.args[0]!r} has no precomputed reference log-probabilities",
-                                  hint="the prepared data changed after they were computed: start a new run") from None
-            return torch.tensor(values, dtype=torch.float32, device=batch["input_ids"].device), None
-        with torch.no_grad():
-            if "reference" in self.models:  # the frozen copy as the worker parallelized it
-                return self.sequence_logps(self.models["reference"], inputs, batch)
-            module = engine.module
-            if not hasattr(module, "disable_adapter"):
-                raise VlmctlError("the DPO reference is the model with its adapter switched off, but the trained model "
-                                  "has no peft adapter", hint="set train.dpo.reference: frozen, or train with train.lora")
-            with module.disable_adapter():
-                return self.sequence_logps(engine.model, inputs, batch)
+def build_sft(tm, train, ctx, cfg=None, run_dir=None, reference_model=None) -> SFTObjective:
+    """SFT of a run: liger's fused loss where the model was patched, this rank's slice under sequence parallelism."""
+    from vlmctl.distributed.parallelize import sequence_shard
 
-    def loss(self, engine, batch: dict[str, Any]) -> MicroLoss:
-        import torch
+    return SFTObjective(liger=tm.liger, shard=sequence_shard(ctx.dims))
 
-        from vlmctl.train.dpo import dpo_loss, pair_segments
 
-        pairs = batch["num_pairs"]
-        inputs = engine.inputs(batch)
-        sums, counts = self.sequence_logps(engine.model, inputs, batch)
-        ref_sums, _ = self.reference_logps(engine, inputs, batch)
-        if pairs == 0:  # a row of dummies only: keep every parameter in the graph, add nothing
-            names = self.METRICS if getattr(self.settings, "rpo_alpha", 0.0) else self.METRICS[:-1]
-            return MicroLoss(loss=sums.sum() * 0.0, tokens=0, metrics={k: 0.0 for k in names})
-        chosen, rejected = pair_segments(sums, pairs)
-        ref_chosen, ref_rejected = pair_segments(ref_sums, pairs)
-        n_chosen, n_rejected = pair_segments(counts, pairs)
-        out = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=self.settings.beta,
-                       loss_type=self.settings.loss_type, label_smoothing=self.settings.label_smoothing,
-                       chosen_tokens=n_chosen, rejected_tokens=n_rejected)
-        margins = out.chosen_rewards - out.rejected_rewards
-        metrics = {"rewards/chosen": out.chosen_rewards.sum(), "rewards/rejected": out.rejected_rewards.sum(),
-                   "rewards/margins": margins.sum(), "rewards/accuracies": (margins > 0).to(torch.float32).sum()}
-        losses = out.losses
-        alpha = getattr(self.settings, "rpo_alpha", 0.0)
-        if alpha:  # RPO: the chosen answer's mean token NLL, per pair
-            nll = -chosen / n_chosen.clamp(min=1).to(chosen.dtype)
-            losses = losses + alpha * nll
-            metrics["nll_loss"] = nll.detach().sum()
-        return MicroLoss(loss=losses.sum(), tokens=pairs, metrics=metrics)
+def sample_collator(processor, family, *, packed: bool, tokens_per_batch: int | None = None,
+                    max_length: int | None = None, grouped: bool = False):
+    """Samples -> packed rows of `tokens_per_batch` tokens (`PackedCollator`) or padded micro-batches (`Collator`)."""
+    from vlmctl.data.collate import Collator, PackedCollator
 
-    def metrics(self, sums: dict[str, float], label_tokens: float) -> dict[str, float]:
-        """Means over the step's pairs of the summed rewards, margins and accuracies."""
-        return {key: sums[key] / label_tokens for key in self.METRICS if key in sums and label_tokens}
+    if packed:
+        return PackedCollator(processor, family, max_length=max_length, tokens_per_batch=tokens_per_batch, grouped=grouped)
+    return Collator(processor, family, max_length=max_length, grouped=grouped)
+
+
+SPEC = SFTObjective.spec = ObjectiveSpec(name="sft", objective=SFTObjective, build=build_sft, collator=sample_collator,
+                                         named_by_stage=True)

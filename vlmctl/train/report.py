@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from vlmctl.config.plan import pending
+from vlmctl.config.plan import pending, row_tokens
 from vlmctl.distributed import float8
 
 # torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
@@ -29,7 +29,7 @@ def _batching(train, sampler, dp_size: int, sp: int = 1) -> dict[str, str]:
     """The global batch, batching and per-epoch rows of the start-up table (`sp`: sequence-parallel ranks per row)."""
     gas = train.gradient_accumulation_steps
     if train.packing:
-        row = train.tokens_per_batch * sp
+        row = row_tokens(train)  # sp: train.sequence_parallel, the ranks that split the row
         split = f" ({train.tokens_per_batch} per GPU x {sp} sequence-parallel ranks)" if sp > 1 else ""
         return {"global batch": (f"up to {row * gas * dp_size} tokens ({row} x {gas} "
                                  f"accumulation x {dp_size} data-parallel ranks)"),

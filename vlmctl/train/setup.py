@@ -60,6 +60,31 @@ def model_source(cfg) -> str:
     raise ModelError(f"no built model in {folder}", hint="run `vlmctl model build` first, or set model.base")
 
 
+def planned_family(cfg):
+    """The `FamilySpec` of the model a run trains, without loading its weights, for the run plan (packing, liger):
+    `model.family` when set, else the family the model folder records (`inference.load.folder_family`), else that of
+    `model.base`'s config (transformers' `AutoConfig`: a Hub id's config.json, from the cache when offline). None
+    where none of them says (no built model yet, a config of no registered family): loading it tells what is wrong."""
+    from vlmctl.errors import VlmctlError
+    from vlmctl.families import detect_family, get_family
+    from vlmctl.inference.load import folder_family
+
+    model = getattr(cfg, "model", None)
+    if model is None:
+        return None
+    try:
+        if model.family is not None:
+            return get_family(model.family)
+        source = model_source(cfg)
+        if Path(source).is_dir():
+            return folder_family(Path(source))
+        from transformers import AutoConfig  # a Hub id: its config only
+
+        return get_family(detect_family(AutoConfig.from_pretrained(source, trust_remote_code=model.trust_remote_code)))
+    except (VlmctlError, OSError, ValueError):  # no built model yet, no such config: preflight says so where it matters
+        return None
+
+
 def load_source(source: str, cfg, *, dtype):
     """(model, processor, family spec) through the family table's loader, on CPU."""
     from vlmctl.models import load_model
@@ -478,18 +503,18 @@ class TrainingModel:
     deferred: DeferredWeights | None = None  # weights placed after wrapping (`defer_weights`), where rank 0 alone read them
 
 
-def setup_run(train, plan=None) -> RunContext:
+def setup_run(train, plan=None, family=None) -> RunContext:
     """Process group and the run's one device mesh (`vlmctl.distributed`), seeds, compute and stored dtypes, from the
-    run's plan: `plan` (the launcher's RunPlan, from plan.json) where it was built for this device, else one built
-    here (`config.plan.plan_for_rank`). `train` is not changed; `ctx.plan.train_section(train)` is the resolved copy
-    the run reads. Raises ConfigError for a precision or master-weights setting this strategy and device cannot
+    run's plan: `plan` (the launcher's RunPlan, from plan.json) where it was built for this device and `family` (the
+    model's, `planned_family`), else one built here (`config.plan.plan_for_rank`). `train` is not changed;
+    `ctx.plan.train_section(train)` is the resolved copy the run reads. Raises ConfigError for a precision or master-weights setting this strategy and device cannot
     train with (`config.plan.check_plan`)."""
     from vlmctl.config.plan import DeviceFacts, check_plan, plan_for_rank
     from vlmctl.distributed.env import init_distributed
     from vlmctl.distributed.mesh import ParallelDims
 
     env = init_distributed(deepspeed=is_deepspeed(train.strategy))  # the plan never picks DeepSpeed for auto
-    plan = plan_for_rank(plan, train, DeviceFacts.here(env.world_size))
+    plan = plan_for_rank(plan, train, DeviceFacts.here(env.world_size), family)
     check_plan(plan, train)
     dims = ParallelDims.for_strategy(plan.strategy.value, env.world_size, sharding=train.fsdp_sharding,
                                      sp=train.sequence_parallel)
@@ -504,16 +529,13 @@ def prepare_model(model, family, train, device, compute_dtype=None, plan=None) -
     given): what `vlmctl train` and `vlmctl bench` do to a loaded model before `distributed.parallelize.parallelize`
     (sequence split, activation checkpointing, compile, wrapping). The kernels come first because they patch the
     bare HF model (liger's forwards, the vision tower's modules) before peft wraps it. `plan`: the run's RunPlan
-    (its kernels); without one, planned here for this device."""
-    import os
-    import sys
-
+    (its kernels and packing, decided with the family); without one, planned here for this device. Raises
+    ConfigError where `train` packs rows for a family that cannot take them (a plan made without the family)."""
     from vlmctl.train.flops import CostModel
 
-    if train.packing and not family.supports_packing:  # before the attention backend and compile depend on it
-        train.packing = False
-        if os.environ.get("RANK", "0") == "0":
-            print(f"train.packing: {family.name} models cannot take packed rows; training on padded micro-batches", file=sys.stderr)
+    if train.packing and not family.supports_packing:  # the plan decides packing with the family; `train` is its copy
+        raise ConfigError(f"train.packing: {family.name} models cannot take packed rows, and the run plan was made "
+                          "without knowing the model's family", hint="set train.packing: false (or model.family)")
     # counted on the model as built: before the vision kernels pad or reshape its layers, peft wraps it
     # (modules_to_save copies would count twice) and ZeRO-3 / FSDP2 shard it
     cost_model = CostModel.from_model(model, family, trainable_parts(train.stage, train.freeze), lora=train.lora is not None)
@@ -522,7 +544,7 @@ def prepare_model(model, family, train, device, compute_dtype=None, plan=None) -
 
         plan = build_plan(train, DeviceFacts.here(cuda=device.type == "cuda"), family)
     attn, liger, vision_kernels = apply_kernels(model, family, train, device, plan)
-    prepare = family.position_hook(model, getattr(model.config, "image_token_id", None)) if train.packing else None
+    prepare = family.position_hook(model, getattr(model.config, "image_token_id", None)) if plan.packing.value else None
     model, parts, trainable = apply_training_setup(model, family, train, compute_dtype)
     return TrainingModel(model=model, family=family, parts=parts, trainable=trainable, attn=attn, liger=liger,
                          vision_kernels=vision_kernels, prepare=prepare, parameters=part_parameters(model, parts),

@@ -119,8 +119,10 @@ class Validator:
     def due(self, step: int, total_steps: int) -> bool:
         return step % self.eval_steps == 0 or step == total_steps
 
-    def loss(self) -> tuple[float, int]:
-        """(mean validation loss in nats per label token, label tokens) over every rank; every rank calls this."""
+    def loss(self) -> tuple[float, int, dict[str, float]]:
+        """(mean validation loss in nats per label token, label tokens, the objective's metrics of the val split:
+        `Objective.metrics` of its summed extra metrics, e.g. DPO's rewards) over every rank; every rank calls
+        this."""
         import torch
         import torch.distributed as dist
 
@@ -128,32 +130,40 @@ class Validator:
 
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         tokens = 0.0
+        extra: dict[str, float] = {}  # every rank holds the same names: each runs the objective on a batch
         model = self.engine.model
         model.eval()
         try:
             with torch.no_grad():
                 for indices, counted in self.batches:
                     batch = self.load(indices)
-                    loss = self.engine.forward(self.objective, to_device(batch, self.device)).loss.detach().double()
+                    out = self.engine.forward(self.objective, to_device(batch, self.device))
+                    for name, value in out.metrics.items():
+                        extra[name] = extra.get(name, 0.0) + (float(value) if counted else 0.0)
                     if counted:
-                        total += loss
+                        total += out.loss.detach().double()
                         tokens += float(self.objective.label_tokens(batch))
         finally:
             model.train()
         if self.sp_group is not None:  # each sequence rank holds part of its row's loss
             dist.all_reduce(total, group=self.sp_group)
-        sums = torch.stack([total, torch.tensor(tokens, dtype=torch.float64, device=self.device)])
+        names = sorted(extra)
+        sums = torch.tensor([float(total), tokens, *(extra[n] for n in names)], dtype=torch.float64, device=self.device)
         dist.all_reduce(sums, group=self.dp_group)
-        return float(sums[0]) / max(float(sums[1]), 1.0), int(sums[1])
+        label_tokens = float(sums[1])
+        metrics = self.objective.metrics({n: float(sums[2 + i]) for i, n in enumerate(names)}, label_tokens)
+        return float(sums[0]) / max(label_tokens, 1.0), int(label_tokens), metrics
 
     def evaluate(self, step: int) -> dict[str, Any]:
         """Validate at `step` and update the best: the metrics row's fields (`val_loss`, `val_label_tokens`,
-        `best_val_loss`, `best_step`); `checkpoint_reason` and `stopping` then tell the loop what to do."""
-        value, tokens = self.loss()
+        `best_val_loss`, `best_step`, and the objective's metrics as `val_<name>`, e.g. `val_rewards/margins`);
+        `checkpoint_reason` and `stopping` then tell the loop what to do."""
+        value, tokens, metrics = self.loss()
         improved = self.best.update(value, step)
         self.stopping = self.patience is not None and self.best.evals_since >= self.patience
         self.checkpoint_reason = "early_stop" if self.stopping else ("best" if improved and self.save_best else None)
-        return {"val_loss": value, "val_label_tokens": tokens, "best_val_loss": self.best.value, "best_step": self.best.step}
+        return {"val_loss": value, "val_label_tokens": tokens, **{f"val_{k}": v for k, v in metrics.items()},
+                "best_val_loss": self.best.value, "best_step": self.best.step}
 
     def stop_message(self) -> str:
         best = "none" if self.best.value is None else f"{self.best.value:.4f} at step {self.best.step}"
@@ -165,6 +175,7 @@ def build_validator(cfg, ctx, tm, engine, objective, saved_best: dict[str, Any] 
     """The run's `Validator` (None without `train.eval_steps`): the val split's shards and token counts, this
     rank's `val_batches`, the training collator and batch hook, and the best so far from `saved_best` (a resumed
     checkpoint's `best`). Raises DataError when the val split has no shards or no sample that fits a row."""
+    from vlmctl.config.plan import row_tokens
     from vlmctl.data.loader import ShardDataset
     from vlmctl.train.data import build_collator
 
@@ -177,12 +188,13 @@ def build_validator(cfg, ctx, tm, engine, objective, saved_best: dict[str, Any] 
         lengths = dataset.count_tokens(tm.processor, tm.family.name)
     if cfg.data.max_length:
         lengths = lengths.clip(max=cfg.data.max_length)  # encode_sample truncates text beyond max_length
-    batches = val_batches(lengths, packing=train.packing, budget=train.tokens_per_batch * ctx.dims.sp,
+    budget = row_tokens(train) if train.packing else 0  # the run's row: tokens_per_batch x sequence_parallel
+    batches = val_batches(lengths, packing=train.packing, budget=budget,
                           micro_batch_size=train.micro_batch_size, dp_size=ctx.dims.dp_size, dp_rank=ctx.dims.dp_rank)
     if not batches:
         from vlmctl.errors import DataError
 
-        raise DataError(f"train.eval_steps: no val sample fits a packed row of {train.tokens_per_batch * ctx.dims.sp} tokens",
+        raise DataError(f"train.eval_steps: no val sample fits a packed row of {budget} tokens",
                         hint="raise train.tokens_per_batch, or re-run `vlmctl data prepare` with data.max_length at most that")
     collate = build_collator(cfg, ctx, tm)
 

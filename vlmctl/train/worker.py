@@ -9,7 +9,7 @@ torchtitan's)::
     dataset, lengths = load_data(cfg, ctx, tm)        # the training shards and their token counts (train/data.py)
     engine = wrap_model(tm, cfg.train, ctx, steps)    # parallelize(): sequence split, checkpointing, compile, DDP /
                                                       # FSDP2 (rank 0's weights placed) / DeepSpeed; AdamW; schedule
-    objective = build_objective(tm, cfg.train, ctx, cfg, run_dir)   # sft, dpo or grpo (train/objectives.py, train/grpo.py)
+    objective = build_objective(tm, cfg.train, ctx, cfg, run_dir)   # the objective's spec builds it (train/registry.py)
     autotune.tune(...)                                # auto batch size and activation checkpointing, probed on a GPU
     sampler = build_sampler(cfg, ctx, dataset, lengths)   # this data-parallel rank's packed or padded micro-batches
     trainer = build_trainer(...)                      # loader, metrics, checkpoints, validation -> loop.Trainer
@@ -27,16 +27,18 @@ import sys
 from pathlib import Path
 
 from vlmctl.distributed import deepspeed as ds
+from vlmctl.config.plan import settle_reshard, write_plan
 from vlmctl.distributed.engine import Engine, build_engine, strategy_of
-from vlmctl.distributed.parallelize import parallelize, sequence_shard
+from vlmctl.distributed.fsdp import fsdp_plan_of
+from vlmctl.distributed.parallelize import parallelize
 from vlmctl.distributed.process import LAUNCHER_ENV
 from vlmctl.errors import VlmctlError
-from vlmctl.train import autotune, reference
+from vlmctl.train import autotune
 from vlmctl.train.data import build_collator, build_sampler, load_data
 from vlmctl.train.kernels import sequence_core_attention
-from vlmctl.train.objectives import DPOObjective, Objective, SFTObjective
+from vlmctl.train.objectives import Objective, has_hook
 from vlmctl.train.setup import (RunContext, TrainingModel, build_optimizer, build_scheduler, defer_weights, load_for_rank,
-                                model_parts, model_source, prepare_model, setup_run)
+                                model_parts, model_source, planned_family, prepare_model, setup_run)
 from vlmctl.train.validation import build_validator, name_best
 
 # torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
@@ -65,6 +67,8 @@ def wrap_model(tm: TrainingModel, train, ctx: RunContext, total_steps: int) -> E
     model = parallelize(tm.model, family=tm.family, parts=tm.parts, train=train, dims=dims, device=env.device,
                         dtype=ctx.dtype, core_attention=sequence_core_attention(tm.attn), deferred=tm.deferred)
     tm.deferred = None
+    if (fsdp := fsdp_plan_of(model)) is not None:  # a reshard rule the plan left to this rank, recorded in the plan
+        ctx.plan = settle_reshard(ctx.plan, fsdp.reshard_after_forward, fsdp.reason)
     return build_engine(
         model, strategy, max_grad_norm=train.max_grad_norm, device=env.device, dtype=ctx.dtype,
         make_optimizer=lambda m: build_optimizer(m, tm.parts, train, env.device, dims.dp_size),
@@ -75,22 +79,12 @@ def wrap_model(tm: TrainingModel, train, ctx: RunContext, total_steps: int) -> E
 
 def build_objective(tm: TrainingModel, train, ctx: RunContext, cfg=None, run_dir: Path | None = None,
                     reference_model=None) -> Objective:
-    """The run's objective (`train.objective` of the resolved `train` section), its frozen models parallelized: sft
-    (liger's fused loss where patched; this rank's slice under sequence parallelism); dpo against a frozen copy
-    (`reference_model`, else loaded from `cfg`, the project config: `train.reference`), the LoRA base or precomputed
-    log-probs; grpo (`train.grpo`, rollouts.html in `run_dir`; beta > 0: `reference_model` or one loaded from `cfg`)."""
-    copy = train.objective == "dpo" and train.dpo.reference == "frozen"
-    loads = train.objective == "grpo" or (copy and reference_model is None)
-    if loads and cfg is None:
-        raise VlmctlError(f"the {train.objective} objective needs the project config (its model source)")
-    if train.objective == "grpo":
-        from vlmctl.train.grpo import build_grpo_objective
+    """The run's objective (`train.objective` of the resolved `train` section), built by its spec
+    (`registry.get_objective(...).build`: `cfg`, the project config, for a frozen model to load; `run_dir` for its
+    reports; `reference_model` a frozen model to use instead), its frozen models parallelized for forward only."""
+    from vlmctl.train.registry import get_objective
 
-        objective = build_grpo_objective(tm, cfg, ctx, run_dir, reference_model=reference_model)
-    elif train.objective == "dpo":
-        objective = DPOObjective(settings=train.dpo, reference=reference.load_reference(cfg, train, ctx) if loads else reference_model)
-    else:
-        objective = SFTObjective(liger=tm.liger, shard=sequence_shard(ctx.dims))
+    objective = get_objective(train.objective).build(tm, train, ctx, cfg, run_dir, reference_model)
     for name, frozen in objective.models.items():  # forward only: a reference model of a preference objective
         objective.models[name] = parallelize(frozen, family=tm.family, parts=model_parts(frozen, tm.family), train=train,
                                              dims=ctx.dims, device=ctx.env.device, dtype=ctx.dtype,
@@ -129,7 +123,7 @@ def build_trainer(cfg, run_dir: Path, ctx: RunContext, tm: TrainingModel, engine
     from vlmctl.train.setup import lora_config_dict
 
     train, env = cfg.train, ctx.env
-    progress = Progress(total_steps, state.step, enabled=env.is_main)
+    progress = Progress(total_steps, state.step, enabled=env.is_main, fields=objective.spec.step_line)
     info = report.checkpoint_info(train, ctx=ctx, tm=tm, lora=lora_config_dict(engine.module), engine=engine,
                                   total_steps=total_steps, batches_per_epoch=sampler.batches_per_epoch)
     save = Saver(run_dir, rank=env.rank, engine=engine, total_limit=train.save_total_limit,
@@ -157,22 +151,23 @@ def train_run(cfg, run_dir: Path, ctx: RunContext) -> str:
     dataset, lengths = load_data(cfg, ctx, tm)
     objective = build_objective(tm, train, ctx, cfg, run_dir)
     engine = None
-    precomputed = isinstance(objective, DPOObjective) and train.dpo.reference == "precomputed"
-    if precomputed:
-        reference.probe_stand_ins(objective)
+    before = has_hook(objective, "before_training")  # e.g. DPO's precomputed reference log-probs
+    if before:
+        objective.stand_in_for_probe()
     if autotune.wants(ctx.plan):  # the probe measures the wrapped model; the schedule's length follows its choice
         engine = wrap_model(tm, train, ctx, total_steps=1)
         autotune.tune(cfg, run_dir, ctx, tm, engine, objective, dataset, lengths, log=lambda m: print(m, file=sys.stderr))
     sampler = build_sampler(cfg, ctx, dataset, lengths)
     total_steps = train.max_steps or max(1, math.ceil(train.num_epochs * sampler.batches_per_epoch / train.gradient_accumulation_steps))
     engine = wrap_model(tm, train, ctx, total_steps) if engine is None else reschedule(engine, train, total_steps)
-    if precomputed:  # before resume_state: the weights have not trained yet
-        reference.reference_pass(cfg, ctx, tm, engine, objective, dataset, build_collator(cfg, ctx, tm), run_dir, resume_from)
+    if before:  # before resume_state: the weights have not trained yet
+        objective.before_training(cfg, ctx, tm, engine, dataset, build_collator(cfg, ctx, tm), run_dir, resume_from)
     state = resume_state(resume_from, ctx, engine, train, objective)
     sampler.set_position(state.consumed)
     loader = build_loader(dataset, sampler, build_collator(cfg, ctx, tm), num_workers=train.num_workers, seed=train.seed)
     logger = None
     if env.is_main:
+        write_plan(run_dir, ctx.plan)  # with what this rank settled (the probe, FSDP2's reshard rule)
         logger = MetricsLogger(run_dir, list(train.report_to), run_name=run_dir.name, project=cfg.project.name,
                                config=cfg.model_dump(mode="json"), resume_step=state.step)
         report.print_startup(report.startup_rows(train, run_dir=run_dir, ctx=ctx, tm=tm, dataset=dataset, sampler=sampler,
@@ -186,7 +181,8 @@ def train_run(cfg, run_dir: Path, ctx: RunContext) -> str:
         trainer.progress.close()
         if logger is not None:
             logger.close()
-            plot_loss_or_warn(run_dir)  # a convenience: a full disk here is a warning, not the run's error
+            # a convenience: a full disk here is a warning, not the run's error
+            plot_loss_or_warn(run_dir, objective.spec.curves, loss=objective.spec.plots_loss)
     if outcome != "done":
         if os.environ.get(LAUNCHER_ENV) is None:  # else the launcher reports the stop, in one line
             trainer.progress.print(f"[yellow]stopped by a signal at step {state.step}; checkpoint saved. "
@@ -214,7 +210,7 @@ def run(run_dir: Path) -> str:
     cfg = load_config(run_dir / "config.yaml")
     try:
         with guard_run(run_dir, main=int(os.environ.get("RANK", "0")) == 0):
-            ctx = autotune.record_plan(run_dir, setup_run(cfg.train, read_plan(run_dir)))  # rank 0: plan.json, printed
+            ctx = autotune.record_plan(run_dir, setup_run(cfg.train, read_plan(run_dir), planned_family(cfg)))  # rank 0: plan.json
             outcome = train_run(cfg.model_copy(update={"train": ctx.plan.train_section(cfg.train)}), run_dir, ctx)
             dist.barrier()
         return outcome
