@@ -123,3 +123,62 @@ def test_a_model_trained_with_the_varlen_kernel_generates_its_padded_rollouts_wi
     finally:
         model.config._attn_implementation_internal, text_config._attn_implementation_internal = before
     assert got == expected
+
+
+def sharpened(model):
+    """Larger random weights: answers that vary with the prompt and end at an end-of-sequence token now and then."""
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
+
+
+def test_the_rollout_engine_gives_the_rollouts_of_generate_on_a_replica_of_the_policy(tmp_path_factory):
+    """Greedy: the engine's rollouts (a replica of the policy, its weights copied by `refresh`) are
+    `generate_rollouts`' token for token, prompts and all; after a weight update, `refresh` brings the replica along.
+    Sampled: the same torch seed draws the same rollouts; each token's log-probability is the trainer's (logits over
+    the temperature, a forward over prompt + completion)."""
+    from vlmctl.config import ModelSection
+    from vlmctl.inference.prompt import model_family
+    from vlmctl.models.build import build_model
+    from vlmctl.train.rollouts import RolloutEngine
+
+    folder: Path = tmp_path_factory.mktemp("rollout-engine") / "tiny"
+    build_model(ModelSection(preset="tiny", init="random", output_dir=folder, dtype="fp32"), tokenizer_texts=TEXTS * 5)
+    model, processor = load_for_generation(folder, device="cpu", dtype="fp32")
+    sharpened(model)
+    family = model_family(model)
+    requests = [request(TEXTS[0], (200, 30, 30)), request(TEXTS[2])]
+    sampler = RolloutEngine(processor, family, max_slots=6)
+    assert sampler.refresh(model) and sampler.replica is not model
+    mine = sampler.generate(requests, group_size=3, max_new_tokens=8, temperature=0.0)
+    theirs = generate_rollouts(model, processor, requests, group_size=3, max_new_tokens=8, temperature=0.0)
+    assert (mine.completion_ids, mine.prompt_ids, mine.finished, mine.texts) == (
+        theirs.completion_ids, theirs.prompt_ids, theirs.finished, theirs.texts)
+    assert mine.how.startswith("vlmctl engine") and len(set(map(tuple, mine.completion_ids))) == 2
+    with torch.no_grad():  # a training step changes the policy: the next phase's rollouts follow it
+        for p in model.parameters():
+            p.mul_(0.5)
+    assert sampler.refresh(model)
+    after = sampler.generate(requests, group_size=3, max_new_tokens=8, temperature=0.0)
+    assert after.completion_ids == generate_rollouts(model, processor, requests, group_size=3, max_new_tokens=8,
+                                                     temperature=0.0).completion_ids
+    torch.manual_seed(5)
+    sampled = sampler.generate(requests, group_size=3, max_new_tokens=8, temperature=1.3)
+    torch.manual_seed(5)
+    again = sampler.generate(requests, group_size=3, max_new_tokens=8, temperature=1.3)
+    assert sampled.completion_ids == again.completion_ids and len(set(map(tuple, sampled.completion_ids))) > 2
+    from vlmctl.inference.generation import _model_inputs
+    from vlmctl.inference.prompt import render_request
+
+    for i in (0, 4):
+        rendered = render_request(requests[sampled.prompt_index[i]], processor, family)
+        inputs = _model_inputs(model, processor, [rendered.text], rendered.images)
+        ids = torch.cat([inputs["input_ids"], torch.tensor([sampled.completion_ids[i]])], dim=1)
+        with torch.no_grad():
+            logits = model(**{**inputs, "input_ids": ids, "attention_mask": torch.ones_like(ids)}).logits[0].float()
+        n, k = inputs["input_ids"].shape[1], len(sampled.completion_ids[i])
+        expected = torch.log_softmax(logits[n - 1: n - 1 + k] / 1.3, -1).gather(1, torch.tensor(sampled.completion_ids[i])[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(sampled.logprobs[i]), expected, atol=1e-4)

@@ -1,10 +1,11 @@
-"""`vlmctl.serve.engine`: jobs batched on one model give `generate`'s answers, a bad job fails alone, rows stop at
-their stop strings and max_tokens."""
+"""`vlmctl.serve.engine`: jobs decoded together on one model give `generate`'s answers, a job joins the rows being
+decoded, a bad job fails alone, rows stop at their stop strings and max_tokens."""
 
 from __future__ import annotations
 
 import io
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -72,7 +73,7 @@ def submit_together(engine: Engine, jobs: list[Job]) -> None:
             assert engine.submit(job)
 
 
-def test_compatible_jobs_share_one_generate_call_and_answer_as_generate(engine, loaded):
+def test_jobs_of_any_settings_decode_together_and_answer_as_generate(engine, loaded):
     requests = [request(TEXTS[0], (200, 30, 30)), request(TEXTS[1]), request(TEXTS[2], (30, 30, 200))]
     expected = [g.text for g in generate(*loaded, requests, batch_size=1, max_new_tokens=8)]
     sinks = [Events() for _ in range(4)]
@@ -80,7 +81,7 @@ def test_compatible_jobs_share_one_generate_call_and_answer_as_generate(engine, 
     sampled = Job(engine.render(requests[0]), max_tokens=8, temperature=0.7, sink=sinks[3], n=2)
     submit_together(engine, [jobs[0], sampled, *jobs[1:]])
     assert all(s.finished.wait(120) for s in sinks)
-    assert engine.batches == 2  # the greedy jobs together, the sampling one apart
+    assert engine.rows > engine.batches  # greedy and sampled rows shared decode steps
     assert [s.text() for s in sinks[:3]] == expected
     assert sorted(e[1] for e in sinks[3].of("done")) == [0, 1]  # n=2: two choices
     for sink in sinks[:3]:
@@ -144,46 +145,47 @@ def test_a_seed_decides_the_sampled_answer(engine):
     assert any(sampled(seed) != first for seed in range(2, 8))  # other seeds, other samples
 
 
-def test_the_worker_waits_for_an_announced_request_and_batches_it(loaded):
-    engine = Engine(*loaded, max_batch_size=8, max_length=4096, batch_window_s=30.0)
+def test_a_job_joins_the_rows_being_decoded(loaded):
+    """A second client's job starts while the first one's answer is still being decoded: both are decoded in the
+    same steps, and neither waits for the other to end."""
+    engine = Engine(*loaded, max_batch_size=4, max_length=4096)
     try:
-        sinks = [Events(), Events()]
-        engine.announce()  # the second request is on its way (rendering) when the first is queued
-        engine.submit(Job(engine.render(request(TEXTS[0])), max_tokens=4, sink=sinks[0]))
-        assert not sinks[0].finished.wait(0.5)  # the worker waits for the announced one
-        engine.submit(Job(engine.render(request(TEXTS[1])), max_tokens=4, sink=sinks[1]), announced=True)
-        assert all(s.finished.wait(120) for s in sinks)
-        assert engine.batches == 1
-        # the two clients come back: the first one's job waits for as many rows as the previous call had
-        again = [Events(), Events()]
-        engine.submit(Job(engine.render(request(TEXTS[2])), max_tokens=4, sink=again[0]))
-        assert not again[0].finished.wait(0.5)
-        engine.submit(Job(engine.render(request(TEXTS[3])), max_tokens=4, sink=again[1]))
-        assert all(s.finished.wait(120) for s in again) and engine.batches == 2
+        first, second = Events(), Events()
+        engine.submit(Job(engine.render(request(TEXTS[0])), max_tokens=200, sink=first))
+        deadline = time.monotonic() + 60
+        while engine.running == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        engine.submit(Job(engine.render(request(TEXTS[1])), max_tokens=4, sink=second))
+        assert second.finished.wait(120) and first.finished.wait(120)
+        assert engine.rows > engine.batches  # some steps decoded both rows
+        assert engine.describe()["decode"] == "eager" and engine.describe()["slots"] == 4
     finally:
         engine.close(timeout=60)
 
 
-def test_a_withdrawn_announcement_ends_the_wait_of_a_lone_client(loaded):
-    engine = Engine(*loaded, max_batch_size=8, max_length=4096, batch_window_s=30.0)
+def test_announcements_are_counted_until_submitted_or_withdrawn(loaded):
+    engine = Engine(*loaded, max_batch_size=2, max_length=4096)
     try:
         engine.announce()
-        engine.submit(Job(engine.render(request(TEXTS[2])), max_tokens=4, sink=(alone := Events())))
+        engine.announce()
+        assert engine.arriving == 2
+        engine.submit(Job(engine.render(request(TEXTS[2])), max_tokens=4, sink=(alone := Events())), announced=True)
         engine.withdraw()
-        assert alone.finished.wait(20) and engine.batches == 1  # well before the 30 s window
+        assert alone.finished.wait(60) and engine.arriving == 0
     finally:
         engine.close(timeout=60)
 
 
 def test_a_rows_text_decoded_piece_by_piece_equals_the_whole_decode(loaded):
-    from vlmctl.serve.engine import _Row
+    from vlmctl.inference.engine import Request, _Choice
+    from vlmctl.inference.sampling import SamplingParams
 
     tok = loaded[1].tokenizer
     text = "What color is the square? Ünïcödé 漢字 🙂 red blue green."
     sequences = [tok(text * 3, add_special_tokens=False).input_ids,
                  [(i * 37) % len(tok) for i in range(80)]]  # ids in no particular order: partial characters, specials
     for ids in sequences:
-        row = _Row(Job(RenderedRequest("", [], [], []), max_tokens=1000), 0, tok, set())
+        row = _Choice(Request(RenderedRequest("", [], [], []), SamplingParams(max_tokens=1000)), 0, 0, tok, set())
         for token in ids:
-            row.tokens.append(token)
-            assert row._advance() == tok.decode(row.tokens, skip_special_tokens=True)
+            row.out.token_ids.append(token)
+            assert row._advance() == tok.decode(row.out.token_ids, skip_special_tokens=True)

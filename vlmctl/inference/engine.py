@@ -431,7 +431,7 @@ class DecodeEngine:
                 batch.append(self._waiting.popleft())
             if not batch:
                 return
-            self._start(batch, free)
+            self._start(batch)
 
     def _render(self, request: Request) -> RenderedRequest | None:
         """The request's prompt rendered by the chat template, or None after failing it (400)."""
@@ -461,7 +461,7 @@ class DecodeEngine:
         finally:
             self.tok.padding_side = side
 
-    def _start(self, batch: list[Request], free: list[int]) -> None:
+    def _start(self, batch: list[Request]) -> None:
         """Prefill `batch` in one forward into slots from `free`, copy each to its other choices' slots, sample every
         choice's first token. A request the processor cannot read, or that does not fit the context, fails alone;
         when the batch's forward fails, each request is tried again alone."""
@@ -470,12 +470,13 @@ class DecodeEngine:
         pairs = [(r, p) for r in batch if (p := self._render(r)) is not None]
         if not pairs:
             return
+        free = [i for i, c in enumerate(self.slots) if c is None]
         try:
             inputs = self._inputs([p for _, p in pairs])
         except Exception as exc:  # noqa: BLE001 - the processor's errors are the request's: find whose
             if len(pairs) > 1:
                 for request, _ in pairs:
-                    self._start([request], free)
+                    self._start([request])
                 return
             message = exc.message if isinstance(exc, VlmctlError) else f"the processor cannot read this request: {type(exc).__name__}: {exc}"
             return pairs[0][0].fail(400, message, "invalid_request")
@@ -483,7 +484,7 @@ class DecodeEngine:
         refused = [r for r, _ in pairs if not self._fits(r, width)]
         if refused:
             for request in [r for r, _ in pairs if r not in refused]:
-                self._start([request], free)
+                self._start([request])
             return
         slots, at = [], 0
         for request, _ in pairs:
@@ -509,7 +510,7 @@ class DecodeEngine:
             if len(pairs) > 1:
                 for request, _ in pairs:
                     request.completions.clear()
-                    self._start([request], free)
+                    self._start([request])
                 return
             request = pairs[0][0]
             request.completions.clear()

@@ -343,7 +343,7 @@ def build_rewards(specs: Sequence[Any], max_new_tokens: int) -> list[tuple[Rewar
 
 # ----------------------------------------------------------------------------------------------------- objective
 
-ROLLOUT_KEYS = ("advantages", "num_rollouts", "old_logps")
+ROLLOUT_KEYS = ("advantages", "num_rollouts", "old_logps", "rollout_logps")
 """Keys a rollout row adds to `PackedCollator`'s packed row (not model inputs)."""
 
 HTML_STEPS = 32
@@ -497,6 +497,10 @@ class GRPOObjective:
     _warned: bool = field(default=False, init=False)
     _buffer: list | None = field(default=None, init=False)  # the rows of the latest generation (num_iterations > 1)
     _reuses_left: int = field(default=0, init=False)  # steps still to train on `_buffer`
+    prompts_per_micro_batch: int = 8  # sizes the rollout engine's slots (prompts x group_size)
+    _rollout_engine: Any = field(default=None, init=False)
+    _told: bool = field(default=False, init=False)
+    _gap_max: float = field(default=0.0, init=False)
 
     def __post_init__(self):
         if self.reference is not None:
@@ -533,6 +537,12 @@ class GRPOObjective:
         total = out.loss * n if s.aggregation == "sequence" else out.loss
         metrics = {k: out.metrics[k] * tokens for k in names[:-1]}
         metrics["completion_tokens"] = tokens
+        if "rollout_logps" in batch:  # the rollout's log-probs against the trainer's, token by token
+            sampled = batch["rollout_logps"][:n].to(device=logps.device, dtype=torch.float32)
+            width = min(sampled.shape[1], logps.shape[1])
+            gap = (logps.detach().float()[:, :width] - sampled[:, :width]).abs() * mask[:, :width]
+            metrics["logprob_gap_sum"] = float(gap.sum())
+            self._gap_max = max(self._gap_max, float(gap.max()) if gap.numel() else 0.0)
         return MicroLoss(loss=total, tokens=n if s.aggregation == "sequence" else int(tokens), metrics=metrics)
 
     def metrics(self, sums: dict[str, float], label_tokens: float) -> dict[str, float]:
@@ -544,6 +554,9 @@ class GRPOObjective:
             if key in sums:
                 out[key] = sums[key] / tokens if tokens else 0.0
         out["time/train_s"] = round(time.perf_counter() - self._train_start, 4)
+        if "logprob_gap_sum" in sums:
+            out["logprob_gap/mean"] = sums["logprob_gap_sum"] / tokens if tokens else 0.0
+            out["logprob_gap/max"] = self._gap_max
         return out
 
     # ---- rollouts
@@ -591,6 +604,7 @@ class GRPOObjective:
             return self._reuse()
         G = s.group_size
         device = next(engine.module.parameters()).device
+        self._gap_max = 0.0
         generated = self._generate(engine, window, step, device)
         # rewards of every rollout of the window
         per_reward, totals, references = [], [], []
@@ -616,6 +630,8 @@ class GRPOObjective:
             row = self._rows(encoded)
             row["advantages"] = advantages[keep].to(torch.float32)
             row["num_rollouts"] = len(index)
+            if rollouts.logprobs is not None:
+                row["rollout_logps"] = _padded([rollouts.logprobs[i] for i in index])
             if s.num_iterations > 1:
                 row["old_logps"] = self._old_logps(engine, row)
             rows.append(row)
@@ -638,19 +654,44 @@ class GRPOObjective:
         return self._buffer
 
     def _generate(self, engine, window: list[dict[str, Any]], step: int, device) -> list[Any]:
-        """The rollouts of each micro-batch of prompts, seeded by (seed, step, rank, micro-batch). Collective under
-        several ranks (synced_gpus; a rank with text-only prompts adds blank-image requests)."""
+        """The rollouts of each micro-batch of prompts, seeded by (seed, step, rank, micro-batch): through the
+        decoding engine on a replica of the policy (`rollouts.RolloutEngine`; its weights refreshed here, collective
+        under several ranks, then no collective while decoding), or where it cannot be used through transformers'
+        `generate` on the policy (collective under several ranks: synced_gpus; a rank with text-only prompts adds
+        blank-image requests)."""
         import torch.distributed as dist
 
         sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        sampler = self._sampler()
+        use_engine = sampler.refresh(engine.module)
+        if not use_engine and not self._told:
+            self._told = True
+            import warnings
+
+            warnings.warn(f"train.objective grpo: rollouts through transformers' generate ({sampler.unavailable})", stacklevel=2)
+        s = self.settings
         generated = []
         for j, batch in enumerate(window):
             requests = [_request(p) for p in batch["prompts"]]
-            extra = self._blank_requests(requests) if sharded else []
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 torch.manual_seed(_seed(self.seed, step, self.dp_rank, j))
-                generated.append(engine.forward(_Generate(self, requests, extra), None))
+                if use_engine:
+                    generated.append(sampler.generate(requests, group_size=s.group_size, max_new_tokens=s.max_new_tokens,
+                                                      temperature=s.temperature, top_p=s.top_p))
+                else:
+                    extra = self._blank_requests(requests) if sharded else []
+                    generated.append(engine.forward(_Generate(self, requests, extra), None))
         return generated
+
+    def _sampler(self):
+        """The run's `RolloutEngine` (made at the first generation step; its replica at its first refresh)."""
+        from vlmctl.train.rollouts import RolloutEngine
+
+        if self._rollout_engine is None:
+            s = self.settings
+            self._rollout_engine = RolloutEngine(self.processor, self.family, video=self.video,
+                                                 max_slots=max(s.group_size * self.prompts_per_micro_batch, s.group_size))
+        return self._rollout_engine
 
     def _old_logps(self, engine, row: dict[str, Any]) -> torch.Tensor:
         """The completion tokens' log-probs [rollouts, T] under the policy at generation time (no gradient), in the
@@ -756,6 +797,16 @@ class GRPOObjective:
         self._samples.append({"step": step + 1, "id": prompt.id, "prompt": question, "references": references[0] if references else [],
                               "completions": rollouts.texts[:G], "rewards": total[:G].tolist(), "advantages": advantages[:G].tolist()})
         del self._samples[:-HTML_STEPS]
+
+
+def _padded(rows: list[list[float]]) -> torch.Tensor:
+    """Lists of floats as one [len(rows), longest] float32 tensor, right-padded with 0 (the `completion_logps`
+    layout)."""
+    width = max((len(r) for r in rows), default=0)
+    out = torch.zeros(len(rows), max(width, 1), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
+    return out
 
 
 def _rollouts(batch: dict[str, Any]) -> int:
@@ -874,7 +925,8 @@ def build_grpo_objective(tm, train, ctx, cfg=None, run_dir: Path | None = None, 
     return GRPOObjective(settings=s, rewards=rewards, reward_names=[r.name for r in s.rewards], processor=tm.processor,
                          family=tm.family, hook=hook, seed=train.seed, dp_rank=ctx.dims.dp_rank, dp_group=ctx.dims.dp_group,
                          video=getattr(data, "video", None), run_dir=Path(run_dir) if run_dir is not None and ctx.env.is_main else None,
-                         reference=reference, packed=bool(train.packing))
+                         reference=reference, packed=bool(train.packing),
+                         prompts_per_micro_batch=train.micro_batch_size if isinstance(train.micro_batch_size, int) else 8)
 
 
 def prompt_collator(processor, family, *, packed: bool, tokens_per_batch: int | None = None,
@@ -927,6 +979,7 @@ SPEC = GRPOObjective.spec = ObjectiveSpec(
     hooks=frozenset({"prepare_window", "reuses_window", "state"}), section=GRPOSection,
     step_line=(("reward", "reward {:.3f}"), ("reward_std", "std {:.3f}"), ("kl", "kl {:.4f}"),
                ("clip_ratio/region_mean", "clipped {:.3f}"), ("completions/mean_length", "length {:.1f}"),
-               ("time/rollout_s", "rollout {:.2f}s"), ("time/train_s", "train {:.2f}s")),
+               ("time/rollout_s", "rollout {:.2f}s"), ("time/train_s", "train {:.2f}s"),
+               ("logprob_gap/mean", "logp gap {:.4f}")),
     curves=(("reward", "reward_std"), "kl", "completions/mean_length"), plots_loss=False, describe=bench_words,
     preflight=check_rewards, bench_settings=bench_settings)

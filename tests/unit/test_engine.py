@@ -1,0 +1,282 @@
+"""`vlmctl.inference.engine`: greedy answers equal transformers' `generate` token for token for every family that
+generates; continuous batching admits a request while others decode; rows with different settings in one batch each
+get what they asked; cancellation frees a slot; sampling depends on a row's own seed only; the decode attention
+equals sdpa."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+
+from audio_data import wav
+from video_data import moving_square
+from vlmctl.families.registry import FAMILIES
+from vlmctl.inference import GenerationRequest, load_for_generation
+from vlmctl.inference.engine import DecodeEngine
+from vlmctl.inference.generation import _model_inputs
+from vlmctl.inference.prompt import render_request
+from vlmctl.inference.sampling import SamplingParams, sample, uniform_noise
+
+TEXTS = ["What color is the square?", "Name a primary color.", "How many sides?", "Describe the sound.", "What moves?"]
+
+
+def png(rgb, side: int = 32) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (side, side), rgb).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def requests_for(family) -> list[GenerationRequest]:
+    """Three requests in the modalities `family` takes: an image each (where it takes images), an audio clip in the
+    second (or in each, for audio-only families), a video in the third (where it takes videos)."""
+    out = []
+    for i, text in enumerate(TEXTS[:3]):
+        parts, media = [], {}
+        if "image" in family.modalities:
+            parts.append({"type": "image", "index": 0})
+            media["images"] = [png((i * 60, 30, 200 - i * 40))]
+        if "audio" in family.modalities and (i == 1 or "image" not in family.modalities):
+            parts.append({"type": "audio", "index": 0})
+            media["audios"] = [wav(0.5 + 0.25 * i)]
+        if "video" in family.modalities and i == 2:
+            parts.append({"type": "video", "index": 0})
+            media["videos"] = [moving_square(frames=4)]
+        out.append(GenerationRequest(messages=[{"role": "user", "content": [*parts, {"type": "text", "text": text}]}],
+                                     id=str(i), **media))
+    return out
+
+
+def sharpen(model, seed: int = 1, scale: float = 0.3, embeddings: bool = True) -> None:
+    """Random weights of a larger scale: a tiny random model's next token then depends on its context (with the
+    init's small weights every answer is one token repeated, which would compare nothing)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2 and (embeddings or "embed" not in name):
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+
+
+def hf_greedy(model, processor, family, request, max_new_tokens: int, eos: set[int], **kwargs) -> list[int]:
+    """transformers' `generate` on one request alone: the tokens before its first end-of-sequence token."""
+    rendered = render_request(request, processor, family)
+    inputs = _model_inputs(model, processor, [rendered.text], rendered.images, rendered.audios, rendered.videos)
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=processor.tokenizer.pad_token_id, **kwargs)
+    ids = out[0, inputs["input_ids"].shape[1]:].tolist()
+    return next((ids[:k] for k, t in enumerate(ids) if t in eos), ids)
+
+
+@pytest.fixture(scope="module")
+def llava(tiny_models):
+    model, processor = load_for_generation(tiny_models("tiny"), device="cpu", dtype="fp32")
+    sharpen(model)
+    return model, processor
+
+
+GENERATING = sorted(name for name, f in FAMILIES.items() if f.tiny_preset)
+
+
+@pytest.mark.parametrize("name", GENERATING)
+def test_greedy_answers_equal_generate_token_for_token(name, tiny_models):
+    """Two slots for three requests (the third joins when a slot frees), prompts prefilled two at a time (padded)
+    in chunks of 16 tokens where the family's arguments allow: every answer is `generate`'s, fp32."""
+    family = FAMILIES[name]
+    model, processor = load_for_generation(tiny_models(family.tiny_preset), device="cpu", dtype="fp32")
+    engine = DecodeEngine(model, processor, max_slots=2, max_length=2048, prefill_chunk=16)
+    requests = requests_for(family)
+    for scale, embeddings in ((0.3, True), (0.05, True), (0.05, False)):  # Gemma scales its embeddings: smaller weights
+        sharpen(model, scale=scale, embeddings=embeddings)
+        expected = [hf_greedy(model, processor, family, r, 8, engine.eos) for r in requests]
+        if len({t for e in expected for t in e}) > 2:
+            break
+    assert len({t for e in expected for t in e}) > 2, expected  # answers of varied tokens: the comparison says something
+    done = engine.generate(requests, SamplingParams(max_tokens=8))
+    assert all(r.error is None for r in done), [r.error for r in done]
+    assert [r.completions[0].token_ids for r in done] == expected
+    assert engine.prefills < len(requests) or "image" not in family.modalities or engine.steps > 0
+
+
+def test_a_request_submitted_while_others_decode_starts_within_two_steps(llava):
+    engine = DecodeEngine(*llava, max_slots=4, max_length=512)
+    prompts = requests_for(FAMILIES["llava"])
+    first = [engine.submit(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts[:2]]
+    for _ in range(3):
+        engine.step()
+    assert engine.running == 2 and engine.steps == 3
+    late = engine.submit(prompts[2], SamplingParams(max_tokens=12, ignore_eos=True))
+    engine.step()
+    assert late.admitted_step is not None and late.admitted_step - late.submitted_step <= 2
+    assert engine.running == 3  # decoding beside the first two, which are not done
+    assert not any(r.finished for r in first)
+    while engine.busy:
+        engine.step()
+    assert all(len(r.completions[0].token_ids) == 12 for r in [*first, late])
+
+
+def test_rows_with_different_settings_in_one_batch_each_get_what_they_asked(llava):
+    """Greedy, seeded sampling, a stop string, a short max_tokens and log-probs side by side: each row's answer is
+    the one it gets alone."""
+    model, processor = llava
+    prompt = requests_for(FAMILIES["llava"])[0]
+    greedy = DecodeEngine(model, processor, max_slots=1).generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))
+    text = greedy[0].completions[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 2].strip() or text[-1]
+    settings = [SamplingParams(max_tokens=10, ignore_eos=True),
+                SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
+                SamplingParams(max_tokens=10, stop=(stop,), ignore_eos=True),
+                SamplingParams(max_tokens=3, ignore_eos=True),
+                SamplingParams(max_tokens=10, logprobs=2, ignore_eos=True)]
+    together = DecodeEngine(model, processor, max_slots=5).generate([prompt] * 5, settings)
+    alone = [DecodeEngine(model, processor, max_slots=1).generate([prompt], [s])[0] for s in settings]
+    assert [r.completions[0].token_ids for r in together] == [r.completions[0].token_ids for r in alone]
+    greedy_ids = greedy[0].completions[0].token_ids
+    assert together[0].completions[0].token_ids == greedy_ids
+    assert together[1].completions[0].token_ids != greedy_ids  # sampling at 0.8 leaves the argmax somewhere
+    cut = together[2].completions[0]
+    assert cut.finish_reason == "stop" and stop not in cut.text and text.startswith(cut.text)
+    short = together[3].completions[0]
+    assert len(short.token_ids) == 3 and short.finish_reason == "length"
+    scored = together[4].completions[0]
+    assert len(scored.logprobs) == 10 and all(len(top) == 2 for _, _, top in scored.logprobs)
+    # each log-prob is the raw distribution's, as a forward over the whole answer gives it
+    rendered = render_request(prompt, processor)
+    inputs = _model_inputs(model, processor, [rendered.text], rendered.images)
+    ids = torch.cat([inputs["input_ids"], torch.tensor([scored.token_ids])], dim=1)
+    with torch.inference_mode():
+        logits = model(**{**inputs, "input_ids": ids, "attention_mask": torch.ones_like(ids)}).logits[0].float()
+    n = inputs["input_ids"].shape[1]
+    expected = torch.log_softmax(logits[n - 1 : n - 1 + 10], dim=-1).gather(1, torch.tensor(scored.token_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor([lp for _, lp, _ in scored.logprobs]), expected, atol=1e-4)
+    assert [t for t, _, _ in scored.logprobs] == scored.token_ids
+
+
+def test_a_cancelled_row_frees_its_slot_and_sends_nothing_more(llava):
+    engine = DecodeEngine(*llava, max_slots=1, max_length=512)
+    prompts = requests_for(FAMILIES["llava"])
+    events = []
+    long = engine.submit(prompts[0], SamplingParams(max_tokens=50, ignore_eos=True), on_event=events.append)
+    engine.step()
+    engine.step()
+    waiting = engine.submit(prompts[1], SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()
+    assert waiting.admitted_step is None  # the only slot is taken
+    engine.cancel(long)
+    seen = len(events)
+    engine.step()
+    assert waiting.admitted_step is not None and engine.slots[0].request is waiting
+    while engine.busy:
+        engine.step()
+    assert len(events) == seen and long.finished and not any(e[0] == "end" for e in events)
+    assert len(waiting.completions[0].token_ids) == 4
+
+
+def test_choices_share_one_prefill_and_sample_apart(llava):
+    engine = DecodeEngine(*llava, max_slots=4, max_length=512)
+    prompt = requests_for(FAMILIES["llava"])[0]
+    greedy = engine.generate([prompt], SamplingParams(max_tokens=6), n=3)[0]
+    assert engine.prefills == 1 and len({tuple(c.token_ids) for c in greedy.completions}) == 1
+    sampled = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True), n=3)[0]
+    again = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True), n=3)[0]
+    assert [c.token_ids for c in sampled.completions] == [c.token_ids for c in again.completions]
+    assert len({tuple(c.token_ids) for c in sampled.completions}) > 1
+
+
+def test_the_context_is_refused_or_the_cache_grows(llava):
+    model, processor = llava
+    prompt = requests_for(FAMILIES["llava"])[0]
+    strict = DecodeEngine(model, processor, max_slots=1, max_length=40)
+    events = []
+    strict.submit(prompt, SamplingParams(max_tokens=32), on_event=events.append)
+    strict.step()
+    assert events[-1][0] == "error" and events[-1][1] == 400 and events[-1][3] == "context_length_exceeded"
+    growing = DecodeEngine(model, processor, max_slots=1, max_length=40, strict_context=False, max_context=4096)
+    grown = growing.generate([prompt], SamplingParams(max_tokens=32, ignore_eos=True))[0]
+    roomy = DecodeEngine(model, processor, max_slots=1, max_length=1024).generate([prompt], SamplingParams(max_tokens=32, ignore_eos=True))[0]
+    assert growing.max_length >= 64 and grown.completions[0].token_ids == roomy.completions[0].token_ids
+
+
+def test_repetition_penalty_equals_transformers(llava):
+    model, processor = llava
+    prompt = requests_for(FAMILIES["llava"])[1]
+    engine = DecodeEngine(model, processor, max_slots=1, max_length=512)
+    mine = engine.generate([prompt], SamplingParams(max_tokens=12, repetition_penalty=1.5))[0].completions[0].token_ids
+    theirs = hf_greedy(model, processor, FAMILIES["llava"], prompt, 12, engine.eos, repetition_penalty=1.5)
+    assert mine == theirs
+
+
+def test_a_rows_draws_depend_on_its_seed_and_step_only():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    args = dict(temperature=torch.full((3,), 1.0), top_p=torch.ones(3), top_k=torch.zeros(3, dtype=torch.long))
+    seeds, steps = torch.tensor([11, 12, 13]), torch.tensor([0, 5, 9])
+    together = sample(logits, **args, seeds=seeds, steps=steps)
+    for i in range(3):
+        alone = sample(logits[i:i + 1], temperature=torch.ones(1), top_p=torch.ones(1), top_k=torch.zeros(1, dtype=torch.long),
+                       seeds=seeds[i:i + 1], steps=steps[i:i + 1])
+        assert alone.item() == together[i].item()
+    noise = uniform_noise(torch.tensor([1, 1, 2]), torch.tensor([0, 1, 0]), 1000)
+    assert (noise > 0).all() and (noise < 1).all() and not torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
+
+
+def test_draws_follow_the_filtered_softmax():
+    """20,000 draws over 5 tokens: frequencies within 0.015 of the probabilities; top-k and top-p leave out what they
+    should (transformers' rules: top-k, then the smallest set reaching top_p)."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    n = 20_000
+    rows = logits.expand(n, -1)
+    ones = torch.ones(n)
+    draws = sample(rows, ones, ones, torch.zeros(n, dtype=torch.long), torch.full((n,), 5), torch.arange(n))
+    freq = torch.bincount(draws, minlength=5).float() / n
+    assert torch.allclose(freq, torch.softmax(logits[0], -1), atol=0.015)
+    top2 = sample(rows, ones, ones, torch.full((n,), 2), torch.full((n,), 5), torch.arange(n))
+    assert set(top2.tolist()) == {0, 1}
+    p = torch.softmax(logits[0], -1)
+    nucleus = sample(rows, ones, torch.full((n,), float(p[0] + p[1] - 0.01)), torch.zeros(n, dtype=torch.long),
+                     torch.full((n,), 5), torch.arange(n))
+    assert set(nucleus.tolist()) == {0, 1}
+    greedy = sample(rows, torch.zeros(n), ones, torch.zeros(n, dtype=torch.long), torch.full((n,), 5), torch.arange(n))
+    assert set(greedy.tolist()) == {0}
+
+
+def test_sampling_settings_are_checked():
+    from vlmctl.errors import UsageError
+
+    for bad in ({"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"top_k": -1}, {"repetition_penalty": 0}):
+        with pytest.raises(UsageError):
+            SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_decode_attention_equals_eager_attention(softcap):
+    """One query token per row, 8 heads over 2 key/value heads, a per-row mask: the grouped product equals
+    attention with repeated key/value heads."""
+    from vlmctl.inference.runner import decode_attention
+
+    torch.manual_seed(0)
+    batch, heads, kv_heads, length, dim = 3, 8, 2, 11, 16
+    q = torch.randn(batch, heads, 1, dim)
+    k, v = torch.randn(batch, kv_heads, length, dim), torch.randn(batch, kv_heads, length, dim)
+    allowed = torch.arange(length)[None, :] <= torch.tensor([4, 10, 0])[:, None]  # [B, L]
+    mask = torch.zeros(batch, length).masked_fill(~allowed, float("-inf")).repeat_interleave(kv_heads, 0)[:, None, None, :]
+    out, _ = decode_attention(None, q, k, v, mask, scaling=0.25, softcap=softcap)
+    kk, vv = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+    scores = (q @ kk.transpose(2, 3)) * 0.25
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    expected = (scores.softmax(-1) @ vv).transpose(1, 2)  # [B, 1, H, D]
+    assert out.shape == (batch, 1, heads, dim)
+    assert torch.allclose(out, expected, atol=1e-5)
+
+
+def test_engine_says_how_it_decodes(llava):
+    engine = DecodeEngine(*llava, max_slots=2)
+    info = engine.describe()
+    assert info["decode"] == "eager" and info["decode_reason"] == "not a CUDA device" and info["slots"] == 2
+    assert not math.isnan(engine.max_length)
