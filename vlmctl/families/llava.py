@@ -105,5 +105,6 @@ LLAVA = register(LlavaSpec(
     },
     liger_patch="apply_liger_kernel_to_llava",
     lmms_model="llava_hf",
+    megatron_layout="llava",
     notes="Any vision encoder + any causal LM; layer classes are discovered from the loaded model.",
 ))

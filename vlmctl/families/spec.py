@@ -19,7 +19,7 @@ A `FamilySpec` holds everything that differs between VLM families, so no other m
 - the build recipe of `model build`: tokenizer special tokens, config token ids, image / video processor classes
   and the hooks below (`init_random` adjusts a random-init model);
 - integrations: liger-kernel patch, lmms-eval model name, sequence / tensor-parallel plans, the linear layers that
-  never compute in float8 (`float8_exclude`; see `float8_linears`).
+  never compute in float8 (`float8_exclude`; see `float8_linears`), the Megatron checkpoint layout.
 
 Each family lives in its own module (the list is in `vlmctl/families/__init__.py`), which documents its module
 paths, builds one spec (a subclass where a hook differs) and registers it (`vlmctl.families.registry`).
@@ -118,6 +118,9 @@ class FamilySpec:
     # names (the last part of a module's path) of decoder-layer linears that never compute in float8 (`train.fp8`):
     # MoE routers, whose few logits choose the experts and would flip their choice on float8's rounding
     float8_exclude: tuple[str, ...] = ("gate", "router", "shared_expert_gate")
+    # the Megatron checkpoint layout of this family (`vlmctl.convert_megatron.layouts`: llava, qwen2_5_vl, qwen3_vl);
+    # None: `vlmctl convert --to/--from megatron` refuses the family
+    megatron_layout: str | None = None
     notes: str = ""
 
     def __post_init__(self) -> None:
