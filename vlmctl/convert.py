@@ -738,6 +738,7 @@ def convert(
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         merged = False
+        notes: list[str] = list(source.state["megatron"].notes) if source.kind == "megatron" else []
         if adapter_only:
             say(f"saving the adapter ({dtype})")
             save_model(model, tmp)  # without accelerate's DeepSpeed probe (its "Setting accelerator" warning)
@@ -760,7 +761,7 @@ def convert(
             if to == "megatron":
                 from vlmctl.convert_megatron import write_megatron
 
-                write_megatron(model, processor, tmp, tensor_parallel=tensor_parallel or 1, progress=say)
+                notes += write_megatron(model, processor, tmp, tensor_parallel=tensor_parallel or 1, progress=say)["notes"]
             else:
                 say(f"saving safetensors shards ({dtype}, max {max_shard_size} each)")
                 # save_model saves through `.save_pretrained(folder)`: hand it one that keeps the shard size
@@ -801,5 +802,5 @@ def convert(
     return ConvertResult(
         source=str(src), kind=source.kind, out=str(out), dtype=dtype, files=_folder_files(out),
         adapter_only=adapter_only, merged_lora=merged, verify=result_verify,
-        notes=list(source.state["megatron"].notes) if source.kind == "megatron" else [],
+        notes=notes,
     )

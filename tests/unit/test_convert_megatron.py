@@ -76,6 +76,7 @@ def test_hf_megatron_hf_is_bit_exact(models, name, tmp_path):
 
     exported = convert(models[name], tmp_path / "mg", to="megatron", tensor_parallel=2)
     assert exported.verify.passed and exported.verify.max_abs_diff == 0
+    assert any("ln_post" in n for n in exported.notes) == (name == "llava")  # the tiny LLaVA's tower is SigLIP
     iteration = tmp_path / "mg" / "iter_0000000"
     assert (tmp_path / "mg" / "latest_checkpointed_iteration.txt").read_text() == "0"
     assert (iteration / "metadata.json").is_file() and (iteration / ".metadata").is_file()
@@ -120,8 +121,8 @@ def test_refusals(models, tmp_path):
         convert(tmp_path / "mg", tmp_path / "x")  # the hint names --base
 
 
-def _legacy(folder: Path, model_state: dict, extra=None) -> None:
-    path = folder / "mp_rank_00" / "model_optim_rng.pt"
+def _legacy(folder: Path, model_state: dict, extra=None, rank: str = "mp_rank_00") -> None:
+    path = folder / rank / "model_optim_rng.pt"
     path.parent.mkdir(parents=True)
     torch.save({"model": model_state, "args": argparse.Namespace(tensor_model_parallel_size=1), "iteration": 5,
                 "checkpoint_version": 3.0, **(extra or {})}, path)
@@ -140,6 +141,14 @@ def test_legacy_files_are_read_weights_only(models, tmp_path):
     ref = convert(tmp_path / "legacy", tmp_path / "hf", base=str(tmp_path / "mg" / "hf"))
     assert ref.verify.passed and "legacy" in ckpt.describe(tmp_path / "legacy")
     assert all(torch.equal(a, b) for a, b in zip(_state(tmp_path / "hf").values(), _state(models["qwen2_5_vl"]).values()))
+    # two pipeline stages: each file numbers its own layers from 0
+    first = {k: v for k, v in local.items() if ".layers.1." not in k and "final_layernorm" not in k}
+    second = {k.replace(".layers.1.", ".layers.0."): v for k, v in local.items() if ".layers.1." in k or "final_layernorm" in k}
+    _legacy(tmp_path / "pp", first, rank="mp_rank_00_000")
+    _legacy(tmp_path / "pp", second, rank="mp_rank_00_001")
+    assert ckpt.describe(tmp_path / "pp") == "legacy, tensor parallel 1 x pipeline 2"
+    convert(tmp_path / "pp", tmp_path / "hf-pp", base=str(tmp_path / "mg" / "hf"))
+    assert all(torch.equal(a, b) for a, b in zip(_state(tmp_path / "hf-pp").values(), _state(models["qwen2_5_vl"]).values()))
     # an object that needs code to unpickle is refused, naming it
     _legacy(tmp_path / "bad", local, {"when": datetime.date(2025, 1, 1)})
     with pytest.raises(CheckpointError, match="refusing to load .*datetime.date"):

@@ -156,6 +156,7 @@ def load_megatron(source: MegatronSource, progress: Progress | None = None):
     with torch.device("meta"):
         meta = _empty_model(config)
     layout = model_layout(meta, family)
+    source.notes.extend(layout_notes(config, layout))
     if layout.extra and not set(layout.extra) <= set(extra) and family.megatron_layout == "llava":
         _drop_unused_vision(config, source.notes)
         with torch.device("meta"):
@@ -248,6 +249,16 @@ def megatron_args(config, layout: Layout, tensor_parallel: int, vocab_rows: int,
     return args
 
 
+def layout_notes(config, layout: Layout) -> list[str]:
+    """What differs between the two frameworks' forward passes of a layout (said on import and export)."""
+    vision = getattr(config, "vision_config", None)
+    if layout.name == "llava" and vision is not None and vision.model_type == "siglip_vision_model":
+        return ["Megatron-LM's SigLIP ViT applies its final layer norm (ln_post, transformers' post_layernorm) to the "
+                "image features; transformers' LLaVA reads the last layer's hidden state before it, so image features "
+                "differ between the two unless the projector was trained for one of them"]
+    return []
+
+
 def write_megatron(model, processor, out: Path, *, tensor_parallel: int = 1, progress: Progress | None = None) -> dict[str, Any]:
     """Write `model` (a transformers model of a family with a Megatron layout) and `processor` as a Megatron save
     directory at the new folder `out` (see the module docstring). Returns the `megatron.json` record.
@@ -274,7 +285,8 @@ def write_megatron(model, processor, out: Path, *, tensor_parallel: int = 1, pro
         save_file({k: sd[k].contiguous() for k in layout.extra}, str(hf / EXTRA_FILE))
     record = {"layout": layout.name, "family": family.name, "tensor_parallel": tensor_parallel,
               "vocab_size": vocab, "padded_vocab_size": rows,
-              "megatron_args": megatron_args(model.config, layout, tensor_parallel, rows, _tied(model))}
+              "megatron_args": megatron_args(model.config, layout, tensor_parallel, rows, _tied(model)),
+              "notes": layout_notes(model.config, layout)}
     (hf / ARGS_FILE).write_text(json.dumps(record, indent=2) + "\n")
     return record
 
