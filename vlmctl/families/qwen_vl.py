@@ -38,7 +38,7 @@ from typing import Any, Callable
 from vlmctl.errors import ModelError
 from vlmctl.families.encoders import KERNELS, image_encoder, vision_cost
 from vlmctl.families.registry import register
-from vlmctl.families.spec import FamilySpec, VisualTokenRule, is_packed, setting, split_source
+from vlmctl.families.spec import DECODER_TP_PLAN, FamilySpec, VisualTokenRule, is_packed, setting, split_source
 
 # torch and transformers are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must
 # not pay for them.
@@ -473,6 +473,7 @@ def qwen_vl(name: str, prefix: str, *, patch: int, min_pixels: int, max_pixels: 
         liger_patch=f"apply_liger_kernel_to_{name}",
         lmms_model=name,
         megatron_layout=megatron_layout,
+        tensor_parallel_plan=DECODER_TP_PLAN,
         notes=notes,
     )
 
