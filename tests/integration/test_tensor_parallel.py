@@ -230,3 +230,53 @@ def test_loss_and_every_gradient_match_one_process(built, tmp_path, world):
         assert set(ref_grads) <= set(got["grads"]), case
         for name, grad in ref_grads.items():
             torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=f"{case}: gradient of {name}")
+
+
+# --------------------------------------------------------------------------------------------- vlmctl train
+
+
+def _launch(nproc: int, *overrides: str) -> tuple[str, ...]:
+    return ("--launcher", "torchrun", "--nproc-per-node", str(nproc), f"train.nproc_per_node={nproc}", *overrides)
+
+
+def _metrics(project: Path, name: str) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (project / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_vlmctl_train_with_tensor_parallel_matches_one_process_and_resumes_across_sizes(tmp_path):
+    """TP=2 on 2 ranks gives one process's losses and gradient norms; each run's checkpoint resumes under the other's
+    tensor-parallel size (DCP re-splits the weights and AdamW's state) with the loss the other run had; the export is
+    a plain transformers model."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from test_sequence_parallel import _project
+    from train_runner import RunsAhead, run_train, start_train
+
+    project = _project(tmp_path)
+    config = project / "vlmctl.yaml"
+    runs = RunsAhead({
+        "tp": lambda: start_train(config, *_launch(2, "train.tensor_parallel=2", "train.run_name=tp")),
+        "one": lambda: start_train(config, *_launch(1, "train.run_name=one")),
+    }, timeout=TIMEOUT)
+    try:
+        runs.output("tp")
+        runs.output("one")
+    finally:
+        runs.close()
+    tp, one = _metrics(project, "tp"), _metrics(project, "one")
+    assert [r["loss"] for r in tp] == pytest.approx([r["loss"] for r in one], rel=1e-5)
+    assert [r["grad_norm"] for r in tp] == pytest.approx([r["grad_norm"] for r in one], rel=1e-4)
+    for name, nproc, extra in (("tp", 1, ()), ("one", 2, ("train.tensor_parallel=2",))):
+        checkpoint = project / "runs" / name / "checkpoints" / "checkpoint-1"
+        run_train(config, *_launch(nproc, *extra, f"train.run_name={name}-resumed", f"train.resume={checkpoint}"),
+                  timeout=TIMEOUT)
+        resumed = _metrics(project, f"{name}-resumed")
+        assert [r["step"] for r in resumed] == [2]
+        assert resumed[0]["loss"] == pytest.approx(one[1]["loss"], rel=1e-5), name
+    model = AutoModelForImageTextToText.from_pretrained(project / "runs" / "tp" / "final", dtype=torch.float32)
+    ref = AutoModelForImageTextToText.from_pretrained(project / "runs" / "one" / "final", dtype=torch.float32)
+    for (name, a), (_, b) in zip(model.state_dict().items(), ref.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=name)

@@ -350,10 +350,10 @@ class RunPlan:
     off; `PROBE` where the start-up probe's float8 trial settles it), `nproc_per_node` (processes per node; None
     where SLURM's nodes decide), `fsdp_reshard_after_forward` (`RANK` where each rank settles it on the model it
     wraps: `settle_reshard`), `fsdp_prefetch` (layers; 0 = FSDP2's implicit prefetch), `sequence_parallel`,
-    `dp_size` (data-parallel ranks). `row_tokens` is the one packed row budget: tokens_per_batch x
-    sequence_parallel. `probe`: the probe's record once a rank settled it. `data_tokens`: the packed row length
-    `vlmctl data prepare` suggested for the run's data (manifest.json), which `tokens_per_batch: auto` follows where
-    no probe measures it."""
+    `tensor_parallel`, `dp_size` (data-parallel ranks: processes / (sequence_parallel x tensor_parallel)).
+    `row_tokens` is the one packed row budget: tokens_per_batch x sequence_parallel. `probe`: the probe's record
+    once a rank settled it. `data_tokens`: the packed row length `vlmctl data prepare` suggested for the run's data
+    (manifest.json), which `tokens_per_batch: auto` follows where no probe measures it."""
 
     device: DeviceFacts
     strategy: Decision
@@ -378,6 +378,7 @@ class RunPlan:
     sequence_parallel: int = 1
     dp_size: int = 1
     family: str | None = None
+    tensor_parallel: int = 1
     probe: dict | None = None
     data_tokens: int | None = None
 
@@ -421,7 +422,8 @@ class RunPlan:
     def to_json(self) -> dict:
         """The plan as plain JSON: {"device": {...}, "decisions": {key: {value, reason, auto}}, "row_tokens", ...}."""
         return {"device": asdict(self.device), "family": self.family, "sequence_parallel": self.sequence_parallel,
-                "dp_size": self.dp_size, "row_tokens": self.row_tokens, "data_tokens": self.data_tokens,
+                "tensor_parallel": self.tensor_parallel, "dp_size": self.dp_size, "row_tokens": self.row_tokens,
+                "data_tokens": self.data_tokens,
                 "decisions": {k: asdict(d) for k, d in self.decisions().items()}, "probe": self.probe}
 
     @classmethod
@@ -429,8 +431,8 @@ class RunPlan:
         """The plan `to_json` wrote."""
         decisions = {k: Decision(**v) for k, v in data["decisions"].items()}
         return cls(device=DeviceFacts(**data["device"]), sequence_parallel=int(data.get("sequence_parallel", 1)),
-                   dp_size=int(data.get("dp_size", 1)), family=data.get("family"), probe=data.get("probe"),
-                   data_tokens=data.get("data_tokens"), **decisions)
+                   tensor_parallel=int(data.get("tensor_parallel", 1)), dp_size=int(data.get("dp_size", 1)),
+                   family=data.get("family"), probe=data.get("probe"), data_tokens=data.get("data_tokens"), **decisions)
 
 
 def build_plan(train, device: DeviceFacts, family=None, data_tokens: int | None = None) -> RunPlan:
@@ -443,6 +445,7 @@ def build_plan(train, device: DeviceFacts, family=None, data_tokens: int | None 
     for a GPU on a machine without one."""
     cuda, processes = device.cuda, device.processes
     sp = int(getattr(train, "sequence_parallel", 1))
+    tp = int(getattr(train, "tensor_parallel", 1))
     qlora = quantized(train)
 
     def pick(key: str, value, why_auto: str, why_set: str = "set in the config") -> Decision:
@@ -479,14 +482,14 @@ def build_plan(train, device: DeviceFacts, family=None, data_tokens: int | None 
     attention, attention_why = _attention(train, device, precision, packing)
     liger, liger_why = _liger(train, device, strategy, family)
     kernels_on = liger and compile_ != "on" and vision != "blocks"
-    dp_size = max(1, processes // sp)
+    dp_size = max(1, processes // (sp * tp))  # the tp ranks of a group read the same batch
     balance = balancing(train.balance, dp_size)
     sizes = _batch_sizes(train, device, strategy, packing, sp, data_tokens)
     fsdp = _fsdp(train, strategy, processes)
     stored = precision if qlora else ("bf16" if master == "bf16" else "fp32")
     return RunPlan(
-        device=device, family=None if family is None else family.name, sequence_parallel=sp, dp_size=dp_size,
-        data_tokens=data_tokens,
+        device=device, family=None if family is None else family.name, sequence_parallel=sp, tensor_parallel=tp,
+        dp_size=dp_size, data_tokens=data_tokens,
         strategy=pick("strategy", strategy, f"{strategy_why} ({where})"),
         precision=pick("precision", precision, "bf16 on a GPU with bf16" if precision == "bf16" else
                        "fp32 on CPU" if not cuda else "fp32: this GPU has no bf16"),

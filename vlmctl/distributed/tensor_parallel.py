@@ -15,6 +15,9 @@ Attention reshapes its projections with `-1` heads, so each rank runs its heads 
 `num_key_value_groups` (packed rows and varlen kernels see the local heads only). Under FSDP2 each parameter is a
 DTensor on the 2-D (dp_shard, tp) mesh; the data-parallel mesh (the sampler, the loss reduction) leaves tp out: the
 ranks of a tp group read the same batch.
+
+Every rank splits its own copy of the weights (`src_data_rank=None`: no broadcast while splitting): the ranks hold
+the same weights, or (`setup.defer_weights`) empty ones that rank 0's weights fill once the model is wrapped.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ def head_norm():
 
     def partition(name, module, mesh):
         for key, param in list(module.named_parameters(recurse=False)):
-            module.register_parameter(key, _param(distribute_tensor(param, mesh, [Replicate()])))
+            module.register_parameter(key, _param(distribute_tensor(param, mesh, [Replicate()], src_data_rank=None)))
 
     def inputs(module, args, mesh):
         x = args[0]
@@ -83,9 +86,9 @@ def vocab_parallel_head():
     from torch.distributed.tensor.parallel.style import ParallelStyle
 
     def partition(name, module, mesh):
-        module.register_parameter("weight", _param(distribute_tensor(module.weight, mesh, [Shard(0)])))
+        module.register_parameter("weight", _param(distribute_tensor(module.weight, mesh, [Shard(0)], src_data_rank=None)))
         if module.bias is not None:
-            module.register_parameter("bias", _param(distribute_tensor(module.bias, mesh, [Shard(0)])))
+            module.register_parameter("bias", _param(distribute_tensor(module.bias, mesh, [Shard(0)], src_data_rank=None)))
 
     def inputs(module, args, mesh):
         x = args[0]
@@ -136,7 +139,7 @@ def apply_tensor_parallel(model, family, mesh) -> int:
         names = {name for name, _ in layer.named_modules()}
         layer_plan = {name: _style(style) for name, style in plan.items() if name in names}
         if layer_plan:
-            parallelize_module(layer, mesh, layer_plan)
+            parallelize_module(layer, mesh, layer_plan, src_data_rank=None)
             split += len(layer_plan)
     if not split:
         raise ConfigError(f"train.tensor_parallel: no decoder layer of this {family.name} model has the modules its "
@@ -144,9 +147,9 @@ def apply_tensor_parallel(model, family, mesh) -> int:
     embedding, head = inner.get_input_embeddings(), inner.get_output_embeddings()
     tied = head is not None and head.weight is embedding.weight
     # the vocabulary split: embedding rows (partial lookups summed), the head's logits left split for the loss
-    parallelize_module(embedding, mesh, RowwiseParallel(input_layouts=Replicate()))
+    parallelize_module(embedding, mesh, RowwiseParallel(input_layouts=Replicate()), src_data_rank=None)
     if head is not None:
-        parallelize_module(head, mesh, vocab_parallel_head())
+        parallelize_module(head, mesh, vocab_parallel_head(), src_data_rank=None)
         if tied:  # both split their rows (Shard(0)): one parameter again
             head.weight = embedding.weight
     return split + 2
