@@ -129,6 +129,7 @@ def _summary(info: dict[str, Any], t: Any) -> dict[str, Any]:
         info, stage=t.stage, strategy=t.strategy, num_gpus=processes, freeze=t.freeze, lora=t.lora is not None,
         device=summary.training_device(t.launcher), precision=t.precision, master_weights=t.master_weights,
         optimizer_in_backward=t.optimizer_in_backward, quantize=t.lora.quantize if t.lora is not None else None,
+        tensor_parallel=t.tensor_parallel,
     )
 
 

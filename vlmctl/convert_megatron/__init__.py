@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from vlmctl.convert_megatron import checkpoint as ckpt
-from vlmctl.convert_megatron.layouts import Layout, layout_for, padded_vocab, to_hf, to_megatron, vision_layers_used
+from vlmctl.convert_megatron.layouts import (LLAVA, VISION_SPLIT, Layout, layout_for, padded_vocab, to_hf, to_megatron,
+                                             vision_layers_used)
 from vlmctl.errors import ModelError, UsageError
 
 if TYPE_CHECKING:
@@ -138,8 +139,7 @@ def load_megatron(source: MegatronSource, progress: Progress | None = None):
     import torch
     import transformers
 
-    from vlmctl.convert import _load_processor
-    from vlmctl.models.load import load_or_explain
+    from vlmctl.models.load import load_or_explain, load_processor
 
     say = progress or (lambda _m: None)
     if source.hf_ref is None:
@@ -157,7 +157,7 @@ def load_megatron(source: MegatronSource, progress: Progress | None = None):
         meta = _empty_model(config)
     layout = model_layout(meta, family)
     source.notes.extend(layout_notes(config, layout))
-    if layout.extra and not set(layout.extra) <= set(extra) and family.megatron_layout == "llava":
+    if layout.extra and not set(layout.extra) <= set(extra) and layout.name == LLAVA:
         _drop_unused_vision(config, source.notes)
         with torch.device("meta"):
             meta = _empty_model(config)
@@ -199,7 +199,7 @@ def load_megatron(source: MegatronSource, progress: Progress | None = None):
     left = [k for k in result.missing_keys if sd[k].data_ptr() not in loaded]
     if left or result.unexpected_keys:
         raise ModelError(f"the converted weights do not fill the model: missing {left[:3]}, unexpected {result.unexpected_keys[:3]}")
-    processor = _load_processor(source.hf_ref)
+    processor = load_or_explain("processor", source.hf_ref, lambda: load_processor(source.hf_ref))
     return model.eval(), processor
 
 
@@ -215,7 +215,7 @@ def check_tensor_parallel(config, tensor_parallel: int, layout: Layout) -> None:
     sizes = {"attention heads": text.num_attention_heads,
              "key/value heads (num_key_value_heads)": getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
              "MLP width (intermediate_size)": text.intermediate_size}
-    if layout.name != "qwen2_5_vl":  # Megatron-Bridge keeps the Qwen2.5-VL tower replicated
+    if layout.name in VISION_SPLIT:
         vision = config.vision_config
         sizes["vision attention heads"] = getattr(vision, "num_attention_heads", None) or vision.num_heads
     for what, n in sizes.items():
@@ -252,7 +252,7 @@ def megatron_args(config, layout: Layout, tensor_parallel: int, vocab_rows: int,
 def layout_notes(config, layout: Layout) -> list[str]:
     """What differs between the two frameworks' forward passes of a layout (said on import and export)."""
     vision = getattr(config, "vision_config", None)
-    if layout.name == "llava" and vision is not None and vision.model_type == "siglip_vision_model":
+    if layout.name == LLAVA and vision is not None and vision.model_type == "siglip_vision_model":
         return ["Megatron-LM's SigLIP ViT applies its final layer norm (ln_post, transformers' post_layernorm) to the "
                 "image features; transformers' LLaVA reads the last layer's hidden state before it, so image features "
                 "differ between the two unless the projector was trained for one of them"]

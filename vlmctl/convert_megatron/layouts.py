@@ -8,14 +8,14 @@ config. `vlmctl.convert_megatron.checkpoint` turns real checkpoints into canonic
 
 Layouts (a family's `FamilySpec.megatron_layout` names one):
 
-- `llava`: Megatron-LM's `LLaVAModel` (`megatron/core/models/multimodal/llava_model.py`): `vision_model` a
+- `megatron_llava`: Megatron-LM's `LLaVAModel` (`megatron/core/models/multimodal/llava_model.py`): `vision_model` a
   `CLIPViTModel` (clip or siglip subtype: `conv1`, `position_embeddings`, `class_token`, `ln_pre` / `ln_post`,
   `decoder.layers`), `vision_projection.encoder.linear_fc1/linear_fc2` (the MLP projector), `language_model` a
   `GPTModel`. Only the vision layers HF LLaVA reads (`vision_feature_layer`) are Megatron layers; the others, the
   SigLIP pooling head and CLIP's unused post layer norm have no Megatron place (`extra`).
-- `qwen2_5_vl`: Megatron-Bridge's `Qwen25VLModel` (`megatron/bridge/models/qwen_vl/qwen25_vl_bridge.py`): the
+- `bridge_qwen25_vl`: Megatron-Bridge's `Qwen25VLModel` (`megatron/bridge/models/qwen_vl/qwen25_vl_bridge.py`): the
   transformers vision tower as it is under `visual.` (replicated), `language_model` a `GPTModel`.
-- `qwen3_vl`: Megatron-Bridge's `Qwen3VLModel` (`qwen3_vl_bridge.py`): `vision_model` a Megatron vision
+- `bridge_qwen3_vl`: Megatron-Bridge's `Qwen3VLModel` (`qwen3_vl_bridge.py`): `vision_model` a Megatron vision
   transformer (`patch_embed.proj`, `pos_embed`, `decoder.layers`, `decoder.deepstack_merger_list`, `merger` with
   `patch_norm`), `language_model` a `GPTModel` with q/k layer norms.
 
@@ -43,7 +43,11 @@ if TYPE_CHECKING:
 
 # torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
 
-LAYOUTS = ("llava", "qwen2_5_vl", "qwen3_vl")
+LLAVA, QWEN25_VL, QWEN3_VL = "megatron_llava", "bridge_qwen25_vl", "bridge_qwen3_vl"
+LAYOUTS = (LLAVA, QWEN25_VL, QWEN3_VL)
+# layouts whose vision tower Megatron splits over the tensor-parallel ranks (Megatron-Bridge keeps Qwen2.5-VL's
+# transformers tower replicated)
+VISION_SPLIT = (LLAVA, QWEN3_VL)
 VOCAB_DIVISOR = 128  # Megatron-LM's default --make-vocab-size-divisible-by
 # Megatron module prefixes that hold model weights (what is read from a checkpoint; optimizer state is not)
 MODEL_PREFIXES = ("language_model.", "vision_model.", "vision_projection.", "visual.")
@@ -309,7 +313,7 @@ def qwen3_vl_patterns(config: Any, family: Any) -> list[tuple[str, str, str]]:
     ]
 
 
-PATTERNS = {"llava": llava_patterns, "qwen2_5_vl": qwen2_5_vl_patterns, "qwen3_vl": qwen3_vl_patterns}
+PATTERNS = {LLAVA: llava_patterns, QWEN25_VL: qwen2_5_vl_patterns, QWEN3_VL: qwen3_vl_patterns}
 
 
 def layout_for(name: str, config: Any, family: Any, shapes: dict[str, tuple[int, ...]], tied: bool) -> Layout:

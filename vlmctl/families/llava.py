@@ -105,7 +105,7 @@ LLAVA = register(LlavaSpec(
     },
     liger_patch="apply_liger_kernel_to_llava",
     lmms_model="llava_hf",
-    megatron_layout="llava",
+    megatron_layout="megatron_llava",
     tensor_parallel_plan=DECODER_TP_PLAN,  # any Llama / Qwen-style causal LM
     notes="Any vision encoder + any causal LM; layer classes are discovered from the loaded model.",
 ))

@@ -486,13 +486,13 @@ QWEN2_VL = register(qwen_vl(
 QWEN2_5_VL = register(qwen_vl(
     "qwen2_5_vl", "Qwen2_5_VL", patch=14, min_pixels=56 * 56, max_pixels=28 * 28 * 1280,
     decoder_layer="Qwen2_5_VLDecoderLayer", video_processor="Qwen2VLVideoProcessor", tiny_preset="tiny-qwen2.5-vl",
-    sequence_split=True, megatron_layout="qwen2_5_vl",
+    sequence_split=True, megatron_layout="bridge_qwen25_vl",
     notes="Window attention in the vision tower except fullatt_block_indexes.",
 ))
 # Qwen3-VL's published processor: patch 16, shortest_edge 65536, longest_edge 16777216 pixels.
 QWEN3_VL = register(qwen_vl(
     "qwen3_vl", "Qwen3VL", patch=16, min_pixels=65536, max_pixels=16777216,
     decoder_layer="Qwen3VLTextDecoderLayer", video_processor="Qwen3VLVideoProcessor", tiny_preset="tiny-qwen3-vl",
-    projector=("model.visual.merger", "model.visual.deepstack_merger_list"), megatron_layout="qwen3_vl",
+    projector=("model.visual.merger", "model.visual.deepstack_merger_list"), megatron_layout="bridge_qwen3_vl",
     notes="DeepStack: features of some vision layers are added to early decoder layers (deepstack_merger_list).",
 ))

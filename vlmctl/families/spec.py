@@ -120,8 +120,8 @@ class FamilySpec:
     # names (the last part of a module's path) of decoder-layer linears that never compute in float8 (`train.fp8`):
     # MoE routers, whose few logits choose the experts and would flip their choice on float8's rounding
     float8_exclude: tuple[str, ...] = ("gate", "router", "shared_expert_gate")
-    # the Megatron checkpoint layout of this family (`vlmctl.convert_megatron.layouts`: llava, qwen2_5_vl, qwen3_vl);
-    # None: `vlmctl convert --to/--from megatron` refuses the family
+    # the Megatron checkpoint layout of this family (`vlmctl.convert_megatron.layouts`: megatron_llava,
+    # bridge_qwen25_vl, bridge_qwen3_vl); None: `vlmctl convert --to/--from megatron` refuses the family
     megatron_layout: str | None = None
     notes: str = ""
 
