@@ -1089,6 +1089,8 @@ def settings_line(train, choice, fsdp=None) -> str:
     size = f"{token_budget(train)} tokens per row" if train.packing and spec.packs_samples else f"micro-batch {micro_batch(train)}"
     if train.packing and train.sequence_parallel > 1:
         size = f"{row_budget(train)} tokens per row over {train.sequence_parallel} sequence-parallel ranks (Ulysses)"
+    if train.tensor_parallel > 1:
+        size += f", language model over {train.tensor_parallel} tensor-parallel ranks"
     why = f" [auto: {choice.reason}]" if choice is not None else ""
     fp8 = f", float8 {train.fp8} linears" if train.fp8 in FLOAT8_RECIPES else ""
     if choice is not None and choice.fp8 is not None:
