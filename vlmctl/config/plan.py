@@ -531,7 +531,7 @@ def _fp8(train, device: DeviceFacts, *, strategy: str, precision: str, compile_:
 def fp8_blocker(train, device: DeviceFacts, *, strategy: str, precision: str, compile_: str) -> str | None:
     """Why float8 training of the language model's linears cannot run (None when it can): a GPU without float8
     tensor cores (compute capability < `FLOAT8_CAPABILITY`) or no GPU, no torchao, DeepSpeed (its engine owns the
-    weights and their casts; float8 runs under ddp and fsdp), LoRA/QLoRA (adapters train beside a frozen base),
+    weights and their casts; float8 runs under ddp and fsdp), tensor parallelism, LoRA/QLoRA (adapters train beside a frozen base),
     a frozen language model, compute other than bf16, or decoder layers not compiled (float8's scaling and casts run
     unfused, slower than bf16: torchao's and torchtitan's recipes compile). `strategy`, `precision`, `compile_`:
     resolved."""
@@ -545,6 +545,8 @@ def fp8_blocker(train, device: DeviceFacts, *, strategy: str, precision: str, co
         return "torchao is not installed (pip install 'vlmctl[gpu]')"
     if strategy in DEEPSPEED:
         return f"DeepSpeed ({strategy}) owns the weights and their casts; float8 runs under ddp and fsdp"
+    if int(getattr(train, "tensor_parallel", 1)) > 1:
+        return "train.tensor_parallel splits the linears as DTensors; float8 converts whole ones (set one of them off)"
     if train.lora is not None:
         return "LoRA/QLoRA trains adapters beside a frozen base; float8 speeds up training the full weights"
     if not llm_trained(train):
