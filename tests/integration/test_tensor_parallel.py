@@ -74,6 +74,10 @@ def test_the_train_section_refuses_what_tensor_parallelism_does_not_train():
         TrainSection(tensor_parallel=2, sequence_parallel=2)
     with pytest.raises(ValidationError, match="fsdp"):
         TrainSection(tensor_parallel=2, strategy="zero3")
+    with pytest.raises(ValidationError, match="LoRA"):
+        TrainSection(tensor_parallel=2, lora={"r": 8})
+    with pytest.raises(ValidationError, match="sft objective"):
+        TrainSection(tensor_parallel=2, objective="dpo")
 
 
 # --------------------------------------------------------------------------------------------------- gradients
