@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import io
 import shutil
 from pathlib import Path
 
@@ -149,6 +150,9 @@ def test_legacy_files_are_read_weights_only(models, tmp_path):
     assert ckpt.describe(tmp_path / "pp") == "legacy, tensor parallel 1 x pipeline 2"
     convert(tmp_path / "pp", tmp_path / "hf-pp", base=str(tmp_path / "mg" / "hf"))
     assert all(torch.equal(a, b) for a, b in zip(_state(tmp_path / "hf-pp").values(), _state(models["qwen2_5_vl"]).values()))
+    # Transformer Engine keeps its FP8 state as in-memory bytes: allowed (not read)
+    _legacy(tmp_path / "te", {**local, "language_model.decoder.layers.0.self_attention.linear_qkv._extra_state": io.BytesIO(b"fp8")})
+    assert convert(tmp_path / "te", tmp_path / "hf-te", base=str(tmp_path / "mg" / "hf")).verify.passed
     # an object that needs code to unpickle is refused, naming it
     _legacy(tmp_path / "bad", local, {"when": datetime.date(2025, 1, 1)})
     with pytest.raises(CheckpointError, match="refusing to load .*datetime.date"):

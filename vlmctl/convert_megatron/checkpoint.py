@@ -14,8 +14,8 @@ Folders (Megatron-LM `megatron/training/checkpointing.py`, Megatron-Bridge's che
   spec and under their own by the ViT spec (both are read). The gated MLP's
   `linear_fc1` is [gate; up] of the whole layer (megatron-core `apply_swiglu_sharded_factory`);
 - legacy: `mp_rank_XX/model_optim_rng.pt` (tensor-parallel rank XX) or `mp_rank_XX_YYY/` (pipeline stage YYY),
-  loaded with `torch.load(weights_only=True)` (argparse's Namespace of the run's arguments allowed; anything else
-  that needs code to unpickle is refused). Each file holds its rank's slices (column-parallel layers split on dim 0,
+  loaded with `torch.load(weights_only=True)` (argparse's Namespace of the run's arguments and the in-memory bytes
+  of Transformer Engine's FP8 state allowed; anything else that needs code to unpickle is refused). Each file holds its rank's slices (column-parallel layers split on dim 0,
   row-parallel on dim 1, the gated `linear_fc1` as this rank's [gate; up]) and its stage's layers numbered from 0;
   `model0`, `model1`, ... are virtual pipeline chunks.
 
@@ -167,11 +167,13 @@ def _legacy_ranks(folder: Path) -> dict[tuple[int, int], Path]:
 
 def _load_legacy(path: Path) -> dict:
     import argparse
+    import io
 
     from vlmctl.checkpoints import load_tensors
 
-    # argparse.Namespace: the run's arguments, a plain attribute holder; anything else needing code is refused
-    data = load_tensors(path, allow=(argparse.Namespace,))
+    # argparse.Namespace: the run's arguments, a plain attribute holder; io.BytesIO: Transformer Engine's FP8 state
+    # (`_extra_state`, bytes in memory, not read); anything else needing code is refused
+    data = load_tensors(path, allow=(argparse.Namespace, io.BytesIO))
     if not isinstance(data, dict):
         raise ModelError(f"{path} holds a {type(data).__name__}, not a Megatron checkpoint dictionary")
     return data
