@@ -10,8 +10,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,7 @@ import pytest
 from shapes_shards import build_tiny_models, packed_rows
 
 pytestmark = pytest.mark.slow
-TIMEOUT = 420
+TIMEOUT = 420  # seconds for a training run
 PRESETS = ("tiny-qwen2.5-vl", "tiny", "tiny-qwen3-vl")
 
 
@@ -195,33 +193,18 @@ def _reference(folder: Path, batches: dict, kind: str, n_rows: int):
     return float(total.detach()) / labelled, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _run_ranks(world: int, args: list) -> None:
-    here = Path(__file__).parent
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(here), str(here.parent), os.environ.get("PYTHONPATH", "")])}
-    code = ("import sys; from test_tensor_parallel import _grads_rank; "
-            "_grads_rank(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])")
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(world), *map(str, args)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=TIMEOUT)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"ranks did not finish within {TIMEOUT}s")
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
-
-
 @pytest.mark.parametrize("world", [2, 4])  # TP=2 alone; TP=2 x FSDP2 (2 data-parallel groups)
 def test_loss_and_every_gradient_match_one_process(built, tmp_path, world):
     import torch
 
     from vlmctl.distributed.env import free_port
 
+    from test_sequence_parallel import _run_ranks
+
     out = tmp_path / "grads.pt"
-    _run_ranks(world, [free_port(), built, out])
+    code = ("import sys; from test_tensor_parallel import _grads_rank; "
+            "_grads_rank(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])")
+    _run_ranks(code, world, [world, free_port(), built, out])
     results = torch.load(out)
     assert len(results) == len(PRESETS) * (2 if world == 2 else 1)
     for case, got in results.items():
