@@ -623,22 +623,25 @@ def _attention(train, device: DeviceFacts, precision: str, packing: bool) -> tup
 def _liger(train, device: DeviceFacts, strategy: str, family) -> tuple[bool, str]:
     """Whether liger-kernel's fused linear cross-entropy is used, and why: it needs CUDA, the package and a liger
     patch for the family, and the head's weight gathered during the root forward (ZeRO-3 partitions it outside the
-    head's own forward, so zero3 uses the plain loss)."""
+    head's own forward, so zero3 uses the plain loss; tensor parallelism splits it over the vocabulary and computes
+    the vocabulary-parallel loss instead)."""
     if train.liger == "off":
         return False, "set in the config"
-    why = _liger_blocker(device, strategy, family)
+    why = _liger_blocker(device, strategy, family, tensor_parallel=int(getattr(train, "tensor_parallel", 1)))
     if why is None:
         return True, "set in the config" if train.liger == "on" else "on: CUDA, liger-kernel installed"
     return False, f"off: liger-kernel {why}"
 
 
-def _liger_blocker(device: DeviceFacts, strategy: str, family) -> str | None:
+def _liger_blocker(device: DeviceFacts, strategy: str, family, tensor_parallel: int = 1) -> str | None:
     if not (device.cuda and device.liger):
         return "needs a CUDA GPU and the liger-kernel package (pip install 'vlmctl[gpu]')"
     if family is not None and family.liger_patch is None:
         return f"has no patch for the {family.name} family"
     if strategy == "zero3":
         return "cannot read the head's weight while ZeRO-3 partitions it"
+    if tensor_parallel > 1:
+        return "reads the head's whole weight; tensor parallelism splits it over the vocabulary (its own loss)"
     return None
 
 
