@@ -155,6 +155,8 @@ def _render(result: Any, s: dict[str, Any]) -> None:
     mem = s["memory_per_gpu_bytes"]
     n = s["num_processes"]
     where = ("per GPU", f"{n} GPU(s)") if s["device"] == "cuda" else ("per process", f"{n} process(es) on CPU")
+    if s.get("tensor_parallel", 1) > 1:
+        where = (where[0], f"{where[1]}, language model over {s['tensor_parallel']} tensor-parallel ranks")
     info(
         f"Training memory {where[0]} ({s['strategy']}, {where[1]}, {s['storage']}, without activations): "
         f"~{_gib(mem['total'])} (weights {_gib(mem['weights'])}, gradients {_gib(mem['gradients'])}, optimizer {_gib(mem['optimizer'])})"
