@@ -1,4 +1,4 @@
-"""`vlmctl convert`: any checkpoint -> a complete, verified HF folder."""
+"""`vlmctl convert`: any checkpoint -> a complete, verified HF folder (or, `--to megatron`, a Megatron checkpoint)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from vlmctl.cli._common import JsonOpt, console, esc, info, print_json, result_l
 # not import them.
 # Modules the CLI's start-up loads anyway are imported next to their use as well.
 
-EXAMPLE = ("Examples: vlmctl convert outputs/runs/my-run/checkpoint-500 -o exports/my-model --dtype bf16\n\n"
-           "vlmctl convert --from megatron ckpts/llava --base hf/llava-qwen2 -o exports/llava-hf\n\n"
-           "vlmctl convert exports/my-model --to megatron --tensor-parallel 2 -o ckpts/my-model-megatron")
+EXAMPLE = ("Example: vlmctl convert outputs/runs/my-run/checkpoint-500 -o exports/my-model --dtype bf16  "
+           "(Megatron: vlmctl convert --from megatron ckpts/llava --base hf/llava-qwen2 -o exports/llava-hf; "
+           "vlmctl convert exports/my-model --to megatron --tensor-parallel 2 -o ckpts/my-model-megatron)")
 
 
 def convert(
@@ -35,7 +35,8 @@ def convert(
     force: Annotated[bool, typer.Option("--force", help="Replace OUT when an earlier conversion wrote it (never a folder of other files or one holding the source).")] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Turn a checkpoint into a complete Hugging Face model folder and verify its logits."""
+    """Turn a checkpoint (vlmctl's, an HF folder, or Megatron's) into a complete Hugging Face model folder, or with
+    --to megatron into a Megatron torch_dist checkpoint, and verify its logits."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
