@@ -67,12 +67,14 @@ def _rope_base(text) -> int:
     return int((getattr(text, "rope_parameters", None) or {}).get("rope_theta", 10000))
 
 
-def gpt_model(text, vocab: int, *, tied: bool, qkv_bias: bool = True):
-    """megatron-core's `GPTModel` (local spec) of a Qwen2-style transformers text config, vocabulary `vocab`."""
+def gpt_model(text, vocab: int, *, tied: bool, qkv_bias: bool = True, qk_norm: bool = False):
+    """megatron-core's `GPTModel` (local spec) of a Qwen2-style (`qk_norm`: Qwen3-style) transformers text config,
+    vocabulary `vocab`."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return GPTModel(gpt_config(text, qkv_bias=qkv_bias), get_gpt_layer_local_spec(normalization="RMSNorm"),
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
+    return GPTModel(gpt_config(text, qkv_bias=qkv_bias, qk_norm=qk_norm), spec,
                     vocab_size=vocab, max_sequence_length=text.max_position_embeddings, position_embedding_type="rope",
                     rotary_base=_rope_base(text), share_embeddings_and_output_weights=tied, parallel_output=False)
 

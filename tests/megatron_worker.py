@@ -1,7 +1,8 @@
 """Run by torchrun (2 ranks, gloo) from tests/integration/test_megatron_convert.py: megatron-core builds, saves and
 loads the Megatron checkpoints the tests import and export.
 
-For each model of `--jobs` (a JSON list of {name, kind: llava | qwen2_5_vl, hf, export, vocab, tied, inputs}):
+For each model of `--jobs` (a JSON list of {name, kind: llava | qwen2_5_vl | qwen3_vl, hf, export, vocab, tied,
+inputs}; qwen3_vl: its language model, step 3 only):
 1. tensor parallel 1: a randomly initialized model, saved as torch_dist as Megatron-LM does ({"model": ...}) (`dist1/`) and as legacy files (`legacy1/`);
 2. tensor parallel 2: another model loads `dist1/` through megatron-core (which re-splits it) and saves both again
    (`dist2/`, `legacy2/mp_rank_00`, `mp_rank_01`);
@@ -40,6 +41,21 @@ def bridge_qwen2_5_vl(config, vocab: int, tied: bool):
     return Qwen25VLModel()
 
 
+def bridge_qwen3_vl_language(config, vocab: int, tied: bool):
+    """The language model of Megatron-Bridge's `Qwen3VLModel` (a `GPTModel` with q/k layer norms under
+    `language_model`); its vision model is Megatron-Bridge's own, not megatron-core's."""
+    from megatron.core.transformer.module import MegatronModule
+
+    text = config.text_config
+
+    class Qwen3VLLanguage(MegatronModule):
+        def __init__(self):
+            super().__init__(config=gpt_config(text, qkv_bias=False, qk_norm=True))
+            self.language_model = gpt_model(text, vocab, tied=tied, qkv_bias=False, qk_norm=True)
+
+    return Qwen3VLLanguage()
+
+
 def build(job: dict, seed: int):
     from transformers import AutoConfig
 
@@ -47,6 +63,8 @@ def build(job: dict, seed: int):
     config = AutoConfig.from_pretrained(job["hf"])
     if job["kind"] == "llava":
         return llava_model(config, job["vocab"], tied=job["tied"])
+    if job["kind"] == "qwen3_vl":
+        return bridge_qwen3_vl_language(config, job["vocab"], job["tied"])
     return bridge_qwen2_5_vl(config, job["vocab"], job["tied"])
 
 
@@ -88,6 +106,10 @@ def main() -> None:
     args = parser.parse_args()
     for job in json.loads(Path(args.jobs).read_text()):
         out = Path(job["out"])
+        if job["kind"] == "qwen3_vl":  # the language model only: megatron-core has no Qwen3-VL vision model
+            init(tp=2)
+            export_logits(job, out)
+            continue
         init(tp=1)
         model = build(job, seed=0)
         (out / "dist1").mkdir(parents=True, exist_ok=True)
@@ -100,12 +122,18 @@ def main() -> None:
         (out / "dist2").mkdir(parents=True, exist_ok=True)
         dist_checkpointing.save({"model": model.sharded_state_dict()}, str(out / "dist2"))
         save_legacy(model, out / "legacy2", parallel_state.get_tensor_model_parallel_rank(), 2)
-        model = build(job, seed=2)
-        model.load_state_dict(load(model, job["export"]))
-        result = logits(model.eval(), job)
-        if rank() == 0:
-            torch.save(result, out / "logits.pt")
-        torch.distributed.barrier()
+        export_logits(job, out)
+
+
+def export_logits(job: dict, out: Path) -> None:
+    """Step 3 of the module docstring: megatron-core loads vlmctl's export; rank 0 writes the logits."""
+    model = build(job, seed=2)
+    model.load_state_dict(load(model, job["export"]))
+    result = logits(model.eval(), job)
+    if rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(result, out / "logits.pt")
+    torch.distributed.barrier()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 - saved at tensor parallel 1 and 2, as torch_dist and as legacy per-rank files, they import to identical
   transformers tensors (Megatron-LM's LLaVA with a CLIP tower, Megatron-Bridge's Qwen2.5-VL);
 - megatron-core loads vlmctl's `--to megatron --tensor-parallel 2` export and its logits match transformers' within
-  1e-4 (fp32).
+  1e-4 (fp32): the whole CLIP + Qwen2 LLaVA (image included), and the language models of Qwen2.5-VL and Qwen3-VL
+  (q/k layer norms, explicit head size; megatron-core has no model of Megatron-Bridge's vision towers).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def megatron_run(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("megatron")
     tiny = make_tiny_model(root / "tiny")
-    models = {"llava": make_clip_llava(root / "clip-llava", tiny), "qwen2_5_vl": make_preset(root / "qwen", "tiny-qwen2.5-vl")}
+    models = {"llava": make_clip_llava(root / "clip-llava", tiny), "qwen2_5_vl": make_preset(root / "qwen", "tiny-qwen2.5-vl"),
+              "qwen3_vl": make_preset(root / "qwen3", "tiny-qwen3-vl")}
     jobs = []
     for kind, hf in models.items():
         export = root / f"{kind}-megatron"
@@ -86,7 +88,7 @@ def _hf_model_state(hf: str) -> dict[str, torch.Tensor]:
     return auto_model_class(hf).from_pretrained(hf).state_dict()
 
 
-@pytest.mark.parametrize("kind", ["llava", "qwen2_5_vl"])
+@pytest.mark.parametrize("kind", ["llava", "qwen2_5_vl", "qwen3_vl"])
 def test_megatron_core_loads_the_export_with_matching_logits(megatron_run, kind):
     from vlmctl.convert import auto_model_class
 
