@@ -74,8 +74,8 @@ def test_the_train_section_refuses_what_tensor_parallelism_does_not_train():
         TrainSection(tensor_parallel=2, strategy="zero3")
     with pytest.raises(ValidationError, match="LoRA"):
         TrainSection(tensor_parallel=2, lora={"r": 8})
-    with pytest.raises(ValidationError, match="sft objective"):
-        TrainSection(tensor_parallel=2, objective="dpo")
+    with pytest.raises(ValidationError, match="whole logits"):
+        TrainSection(tensor_parallel=2, objective="dpo", packing=True)
 
 
 # --------------------------------------------------------------------------------------------------- gradients

@@ -166,12 +166,9 @@ class TrainSection(Section):
 
     @model_validator(mode="after")
     def _tensor_parallel_fits(self):
-        """Tensor parallelism splits the language model of the sft objective's next-token loss; sequence parallelism,
-        DeepSpeed and LoRA are not combined with it."""
+        """Tensor parallelism splits the language model's layers; sequence parallelism, DeepSpeed and LoRA are not
+        combined with it (objectives that read whole logits refuse it themselves: `_objective_fits`)."""
         if self.tensor_parallel > 1:
-            if self.objective != "sft":
-                raise ValueError(f"train.objective {self.objective} reads per-token log-probabilities from whole logits: "
-                                 "set train.tensor_parallel: 1 (tensor parallelism trains the sft objective)")
             if self.sequence_parallel > 1:
                 raise ValueError("train.tensor_parallel and train.sequence_parallel are not combined: set one of them to 1")
             if self.strategy in ("zero2", "zero3"):
