@@ -794,7 +794,8 @@ def prepare(model_section, train, spec: WorkloadSpec = WorkloadSpec(), *, steps:
     model = choose_model(model_section)
     if model.note:
         log(model.note)
-    processes = dp_size * train.sequence_parallel  # one runs in this process, as `vlmctl train --launcher none`
+    # one process runs in this process, as `vlmctl train --launcher none`
+    processes = dp_size * train.sequence_parallel * train.tensor_parallel
     planned = train.model_copy(update={"launcher": "none"}) if processes == 1 else train
     run = build_plan(planned, DeviceFacts.here(processes), family=model.family)
     packing = run.packing.value
@@ -922,7 +923,8 @@ def run_bench(model_section, train_section, *, steps: int = 20, warmup: int = 3,
     if plan is None:  # a launched rank (its launcher checked the device and logged the notes) or a script
         world = _world_size()
         plan = prepare(model_section, train_section, spec, steps=steps, warmup=warmup, check_device=False,
-                       dp_size=world // train_section.sequence_parallel, log=log if world == 1 else None)
+                       dp_size=world // (train_section.sequence_parallel * train_section.tensor_parallel),
+                       log=log if world == 1 else None)
     from vlmctl.train.report import filter_known_warnings
 
     filter_known_warnings()  # as a training rank
@@ -1087,6 +1089,8 @@ def settings_line(train, choice, fsdp=None) -> str:
     size = f"{token_budget(train)} tokens per row" if train.packing and spec.packs_samples else f"micro-batch {micro_batch(train)}"
     if train.packing and train.sequence_parallel > 1:
         size = f"{row_budget(train)} tokens per row over {train.sequence_parallel} sequence-parallel ranks (Ulysses)"
+    if train.tensor_parallel > 1:
+        size += f", language model over {train.tensor_parallel} tensor-parallel ranks"
     why = f" [auto: {choice.reason}]" if choice is not None else ""
     fp8 = f", float8 {train.fp8} linears" if train.fp8 in FLOAT8_RECIPES else ""
     if choice is not None and choice.fp8 is not None:
@@ -1218,7 +1222,7 @@ def check_bench(cfg, nproc: int, *, steps: int, warmup: int, spec: WorkloadSpec,
     packages the config needs, and `prepare` (flags, model, device, workload). Returns the plan. Raises UsageError
     for more than one node and what `prepare` raises, ConfigError for a missing optional package
     (`train.launch.check_packages`) and a sequence-parallel size that does not divide `nproc`
-    (`distributed.mesh.check_sequence_split`)."""
+    (`distributed.mesh.check_sequence_split`) or tensor-parallel size that does not divide `nproc`."""
     from vlmctl.distributed.mesh import check_sequence_split
     from vlmctl.errors import UsageError
     from vlmctl.train.launch import check_packages
@@ -1226,9 +1230,12 @@ def check_bench(cfg, nproc: int, *, steps: int, warmup: int, spec: WorkloadSpec,
     if cfg.train.nnodes > 1:
         raise UsageError("vlmctl bench runs on one node", hint="set train.nnodes=1 (tokens/s per GPU carry over to more nodes only approximately)")
     check_packages(cfg.train)  # before any process starts (ConfigError)
-    sp = cfg.train.sequence_parallel
+    sp, tp = cfg.train.sequence_parallel, cfg.train.tensor_parallel
     check_sequence_split(nproc, sp, nproc)  # the mesh's own check: one node of `nproc` processes
-    return prepare(cfg.model, cfg.train, spec, steps=steps, warmup=warmup, dp_size=nproc // sp, log=log)
+    if nproc % tp:  # the ranks check the rest with the resolved strategy (`mesh.check_tensor_split`)
+        raise UsageError(f"train.tensor_parallel={tp} does not divide the {nproc} processes",
+                         hint=f"run a multiple of {tp} processes (--nproc-per-node), or lower train.tensor_parallel")
+    return prepare(cfg.model, cfg.train, spec, steps=steps, warmup=warmup, dp_size=nproc // (sp * tp), log=log)
 
 
 def run_processes(cfg, plan: BenchPlan, nproc: int, *, steps: int, warmup: int, spec: WorkloadSpec, log=print,

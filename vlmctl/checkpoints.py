@@ -156,6 +156,9 @@ class _MetadataUnpickler(pickle.Unpickler):
                      "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
     } | {
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        # megatron-core's torch_dist checkpoints keep the save plans in the metadata (plain dataclasses and an enum)
+        *(("torch.distributed.checkpoint.planner", name)
+          for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData")),
         ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"),
         ("torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"),
         ("torch.serialization", "_get_layout"), ("torch", "Size"), ("collections", "OrderedDict"),

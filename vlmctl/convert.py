@@ -10,6 +10,11 @@ Sources (`detect_source` tells them apart):
   DeepSpeed's own `deepspeed.utils.zero_to_fp32`.
 - a vlmctl run folder (`config.yaml` + `checkpoints/` / `final/`): its `final/` export, else its latest complete
   checkpoint.
+- `megatron`: a Megatron-LM / Megatron-Bridge checkpoint (`torch_dist` or legacy `mp_rank_*`, any tensor / pipeline
+  split; `vlmctl.convert_megatron`), its config and processor from `--base` (or the `hf/` folder of a vlmctl export).
+
+Targets (`to`): `hf` (below), or `megatron`: a torch_dist save directory for Megatron-LM / Megatron-Bridge
+(`vlmctl.convert_megatron.write_megatron`), verified by reading it back and comparing the probe's logits.
 
 Training checkpoints live in `<run>/checkpoints/checkpoint-<step>/` next to `trainer_state.json`
 (`{step, epoch, lora, model_path, family, world_size, strategy}`); the model the run trained (its config,
@@ -46,7 +51,8 @@ if TYPE_CHECKING:
 # deepspeed (an optional dependency) is imported only where used, so the rest works without it.
 # Light vlmctl modules and modules the CLI's start-up loads anyway are imported next to their use as well.
 
-SourceKind = Literal["hf", "lora", "dcp", "deepspeed"]
+SourceKind = Literal["hf", "lora", "dcp", "deepspeed", "megatron"]
+TARGETS = ("hf", "megatron")
 DTYPE_NAMES = ("bf16", "fp16", "fp32")
 # Max |logit difference| allowed by `verify`, relative to max(1, max |reference logit|), by the coarser of the two
 # compute dtypes compared (the source model's and the output's): fp32 only reorders float operations (a LoRA merge
@@ -72,6 +78,8 @@ class Source:
     state: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
+        if self.kind == "megatron":
+            return self.state["megatron"].describe()
         what = {"hf": "Hugging Face model folder", "lora": "peft LoRA adapter", "dcp": "torch DCP checkpoint (FSDP2)", "deepspeed": "DeepSpeed ZeRO checkpoint"}[self.kind]
         extra = f", step {self.step}" if self.step is not None else ""
         extra += ", LoRA" if self.lora and self.kind in ("dcp", "deepspeed") else ""
@@ -97,6 +105,7 @@ class ConvertResult:
     adapter_only: bool
     merged_lora: bool
     verify: VerifyResult | None
+    notes: list[str] = field(default_factory=list)  # what the conversion changed or could not carry over
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -214,6 +223,13 @@ def detect_source(src: Path | str, *, base: str | None = None) -> Source:
     if _has_hf_weights(src):
         return Source("hf", src, run_dir=run_dir, model_path=str(src))
 
+    from vlmctl.convert_megatron.checkpoint import is_megatron
+
+    if is_megatron(src):
+        from vlmctl.convert_megatron import find_source
+
+        found = find_source(src, base)
+        return Source("megatron", found.iteration, model_path=found.hf_ref, state={"megatron": found})
     state = read_json(src / "trainer_state.json") if (src / "trainer_state.json").is_file() else {}
     dcp = _dcp_dir(src)
     kind: SourceKind | None = "dcp" if dcp is not None else ("deepspeed" if _is_deepspeed(src) else None)
@@ -386,6 +402,10 @@ def load_source(source: Source, progress: Progress | None = None):
     import torch
 
     say = progress or (lambda _m: None)
+    if source.kind == "megatron":
+        from vlmctl.convert_megatron import load_megatron
+
+        return load_megatron(source.state["megatron"], progress=say)
     if source.kind == "hf":
         model = _load_hf(str(source.path))
         # An export without processor files falls back to the model the run trained.
@@ -557,6 +577,16 @@ def verify_folder(folder: Path, ref_logits: "torch.Tensor", ref_inputs: dict[str
     return compare(ref_logits, probe_logits(model, inputs), dtype_name, ref_dtype_name)
 
 
+def verify_megatron(folder: Path, ref_logits: "torch.Tensor", ref_inputs: dict[str, "torch.Tensor"], dtype_name: str,
+                    ref_dtype_name: str = "fp32") -> VerifyResult:
+    """Read the Megatron save directory `folder` back into a transformers model (`convert_megatron.load_megatron`),
+    run the probe and compare with the reference logits (`compare`). Raises ModelError when it does not read back."""
+    from vlmctl.convert_megatron import find_source, load_megatron
+
+    model, _ = load_megatron(find_source(folder, None))
+    return compare(ref_logits, probe_logits(model, ref_inputs), dtype_name, ref_dtype_name)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Conversion
 
@@ -602,11 +632,16 @@ def _adapter_checkpoint(source: Source, base: str | None, say) -> tuple[Source, 
     return source, False
 
 
-def default_output(source: Source, adapter_only: bool) -> Path:
-    """`<run>/export-<step>` for checkpoints, `<src>-hf` (or `-adapter`) otherwise."""
+def default_output(source: Source, adapter_only: bool, to: str = "hf") -> Path:
+    """`<run>/export-<step>` for checkpoints, `<src>-hf` (or `-adapter`, `-megatron`) otherwise."""
     suffix = "adapter" if adapter_only else "hf"
+    if to == "megatron":
+        suffix = "megatron"
+    if source.kind == "megatron":
+        base = source.state["megatron"].path
+        return base.with_name(f"{base.name}-{suffix}")
     if source.run_dir is not None and source.step is not None:
-        return source.run_dir / f"export-{source.step}{'-adapter' if adapter_only else ''}"
+        return source.run_dir / f"export-{source.step}{'-' + suffix if suffix != 'hf' else ''}"
     return source.path.with_name(f"{source.path.name}-{suffix}")
 
 
@@ -615,6 +650,8 @@ def convert(
     out: Path | str | None = None,
     *,
     to: str = "hf",
+    from_: str | None = None,
+    tensor_parallel: int | None = None,
     dtype: str | None = None,
     max_shard_size: str | int = "5GB",
     merge_lora: bool = True,
@@ -635,6 +672,10 @@ def convert(
     fp32 peft model) within `TOLERANCE[d] * max(1, max |logit|)`, d the coarser of `dtype` and the dtype the source
     model ran in.
 
+    `from_` "megatron" insists that `src` is a Megatron checkpoint (detected anyway); `to` "megatron" writes a
+    Megatron save directory instead (`vlmctl.convert_megatron.write_megatron`; `tensor_parallel`: the size it must
+    divide, default 1), verified by reading it back into the transformers model and comparing the probe's logits.
+
     Memory: the source model is instantiated once with its weights (plus the checkpoint's state dict while loading);
     LoRA sources in fp32, i.e. 4 bytes per parameter.
 
@@ -643,11 +684,20 @@ def convert(
         ModelError: truncated/incomplete checkpoints, weights that do not fit the model, failed verification.
     """
     say = progress or (lambda _m: None)
-    if to != "hf":
-        raise UsageError(f"--to {to!r} is not supported", hint="the only target is hf (a Hugging Face model folder)")
+    if to not in TARGETS:
+        raise UsageError(f"--to {to!r} is not supported", hint="targets: hf (a Hugging Face model folder), megatron (a torch_dist save directory)")
+    if from_ not in (None, "auto", "megatron"):
+        raise UsageError(f"--from {from_!r} is not supported", hint="--from megatron, or leave it out (the source is detected)")
     if dtype is not None and dtype not in DTYPE_NAMES:
         raise UsageError(f"--dtype {dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
+    if tensor_parallel is not None and to != "megatron":
+        raise UsageError("--tensor-parallel applies to --to megatron", hint="drop --tensor-parallel, or add --to megatron")
+    if to == "megatron" and adapter_only:
+        raise UsageError("--adapter-only exports a peft adapter; --to megatron writes whole models", hint="drop --adapter-only")
     source = detect_source(src, base=base)
+    if from_ == "megatron" and source.kind != "megatron":
+        raise UsageError(f"{src} is not a Megatron checkpoint (found a {source.describe()})",
+                         hint="pass a Megatron save directory (latest_checkpointed_iteration.txt) or an iter_* folder")
     say(f"source: {source.describe()}")
     is_lora = source.kind == "lora" or bool(source.lora)
     if adapter_only and not is_lora and source.run_dir is not None and Path(src).resolve() == source.run_dir.resolve():
@@ -655,14 +705,16 @@ def convert(
     adapter_only = adapter_only or (is_lora and not merge_lora)
     if adapter_only and not is_lora:
         raise UsageError(f"--adapter-only needs a LoRA source; {source.path} has no adapter", hint="drop --adapter-only")
-    out = Path(out) if out is not None else default_output(source, adapter_only)
+    out = Path(out) if out is not None else default_output(source, adapter_only, to)
     inputs = [Path(src), source.path, *local_paths(source.model_path, base)]
     if Path(source.path).resolve() in out.resolve().parents:
         raise UsageError(f"the output {out} lies inside the source {source.path}", hint="choose an output folder outside the source")
     _check_output(out, force, inputs)
 
     model, processor = load_source(source, progress=say)
-    trained = source.model_path if source.kind in ("dcp", "deepspeed", "lora") else str(source.path)
+    # the model the weights were trained as: its saved dtype is the default output dtype (a Megatron checkpoint: the
+    # dtype of its tensors, which the model was built in)
+    trained = source.model_path if source.kind in ("dcp", "deepspeed", "lora") else (None if source.kind == "megatron" else str(source.path))
     saved_dtype = _saved_dtype(trained) or _dtype_name(next(model.parameters()).dtype)
     if adapter_only:
         # The adapter keeps its own weights; the base is loaded in its saved dtype, which sets the tolerance.
@@ -686,6 +738,7 @@ def convert(
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         merged = False
+        notes: list[str] = list(source.state["megatron"].notes) if source.kind == "megatron" else []
         if adapter_only:
             say(f"saving the adapter ({dtype})")
             save_model(model, tmp)  # without accelerate's DeepSpeed probe (its "Setting accelerator" warning)
@@ -705,10 +758,16 @@ def convert(
                 model = merge_lora_model(model, _dtype(dtype))
                 merged = True
             model = model.to(_dtype(dtype))
-            say(f"saving safetensors shards ({dtype}, max {max_shard_size} each)")
-            # save_model saves through `.save_pretrained(folder)`: hand it one that keeps the shard size
-            save_model(SimpleNamespace(save_pretrained=partial(model.save_pretrained, max_shard_size=max_shard_size)), tmp)
-        processor.save_pretrained(str(tmp))
+            if to == "megatron":
+                from vlmctl.convert_megatron import write_megatron
+
+                notes += write_megatron(model, processor, tmp, tensor_parallel=tensor_parallel or 1, progress=say)["notes"]
+            else:
+                say(f"saving safetensors shards ({dtype}, max {max_shard_size} each)")
+                # save_model saves through `.save_pretrained(folder)`: hand it one that keeps the shard size
+                save_model(SimpleNamespace(save_pretrained=partial(model.save_pretrained, max_shard_size=max_shard_size)), tmp)
+        if to == "hf":
+            processor.save_pretrained(str(tmp))
         _copy_extras(source, tmp)
         info = {
             "source": str(Path(src).resolve()),
@@ -725,7 +784,10 @@ def convert(
         result_verify = None
         if verify:
             say("verifying: reloading the output and comparing logits")
-            result_verify = verify_folder(tmp, ref_logits, ref_inputs, dtype, ref_dtype)
+            if to == "megatron":
+                result_verify = verify_megatron(tmp, ref_logits, ref_inputs, dtype, ref_dtype)
+            else:
+                result_verify = verify_folder(tmp, ref_logits, ref_inputs, dtype, ref_dtype)
             if not result_verify.passed:
                 raise ModelError(
                     f"verification failed: max |logit difference| {result_verify.max_abs_diff:.3g} > tolerance "
@@ -740,4 +802,5 @@ def convert(
     return ConvertResult(
         source=str(src), kind=source.kind, out=str(out), dtype=dtype, files=_folder_files(out),
         adapter_only=adapter_only, merged_lora=merged, verify=result_verify,
+        notes=notes,
     )

@@ -140,7 +140,8 @@ def run_case(name: str, spec: dict[str, Any], env, folder: Path, all_rows) -> di
     check_plan(plan, train)
     train = plan.train_section(train)
     dims = ParallelDims.for_strategy(train.strategy, env.world_size, sharding=train.fsdp_sharding,
-                                     sp=train.sequence_parallel, ranks_per_node=spec.get("ranks_per_node"))
+                                     sp=train.sequence_parallel, tp=train.tensor_parallel,
+                                     ranks_per_node=spec.get("ranks_per_node"))
     dims.build_mesh(device.type)
     dtype = torch_dtype(plan.precision.value)
     ctx = RunContext(env=env, dims=dims, dtype=dtype, stored=torch_dtype(plan.stored.value), plan=plan)
@@ -171,7 +172,8 @@ def run_case(name: str, spec: dict[str, Any], env, folder: Path, all_rows) -> di
     loss = engine.forward(objective, mine).loss
     engine.backward(loss, dims.grad_size / n)
     total = loss.detach().float().clone()
-    dist.all_reduce(total)  # each rank holds its row's (or its slice's) part
+    # each rank holds its row's (or its slice's) part; the tp ranks of a group each hold the whole row's
+    dist.all_reduce(total, group=dims.dp_group if dims.tp > 1 else None)
     result["loss"] = float(total) / n
     result["grads"] = _grads(engine.model, raw)
     if spec.get("step"):

@@ -12,7 +12,8 @@ from vlmctl.errors import ConfigError
 @pytest.mark.parametrize("kwargs, message", [
     ({"dp_replicate": 2, "dp_shard": 2, "world_size": 2}, r"dp_replicate=2 x dp_shard=2 x sp=1 x tp=1 = 4, but the world has 2 processes"),
     ({"dp_shard": 4, "sp": 2, "world_size": 4}, r"dp_replicate=1 x dp_shard=4 x sp=2 x tp=1 = 8, but the world has 4"),
-    ({"dp_shard": 2, "tp": 2, "world_size": 4}, r"tensor parallelism \(tp=2\) is not available yet"),
+    ({"dp_shard": 2, "tp": 2, "sp": 2, "world_size": 8}, r"tensor parallelism \(tp=2\) and sequence parallelism \(sp=2\) are not combined"),
+    ({"dp_shard": 4, "tp": 2, "world_size": 4}, r"dp_replicate=1 x dp_shard=4 x sp=1 x tp=2 = 8, but the world has 4"),
     ({"dp_replicate": 0, "world_size": 2}, r"dp_replicate=0 must be at least 1"),
     ({"dp_replicate": 3, "world_size": 4}, r"dp_replicate=3 x sp=1 x tp=1 = 3 does not divide the 4 processes"),
     ({"world_size": 0}, r"world size must be at least 1"),

@@ -166,4 +166,5 @@ def test_a_spec_refuses_modalities_it_does_not_accept():
     assert "video" not in spec.modalities
     with pytest.raises(ModelError, match="does not accept video"):
         spec.prompt("video")
-    assert spec.sequence_parallel_plan is None and spec.tensor_parallel_plan is None  # nothing beyond the sequence
+    assert spec.sequence_parallel_plan is None  # nothing beyond the sequence
+    assert spec.tensor_parallel_plan["self_attn.q_proj"] == "colwise"  # any Llama / Qwen-style language model

@@ -63,6 +63,18 @@ def test_memory_estimate_follows_sharding():
     assert trained_parts("full", freeze=["vision"]) == {"vision": False, "projector": True, "llm": True}
 
 
+def test_memory_estimate_splits_the_language_model_over_tensor_parallel_ranks():
+    params = {"vision": 400, "projector": 100, "llm": 1500, "total": 2000}
+    full = trained_parts("full")
+    # 4 processes, TP=2 under FSDP2: the language model split over 2 ranks and sharded over the 2 data-parallel
+    # ones (1/4 each); the vision tower and projector replicated over the tp ranks, sharded over dp only (1/2)
+    tp = memory_per_gpu(params, full, strategy="fsdp", num_gpus=4, tensor_parallel=2)
+    assert tp["total"] == 16 * 1500 // 4 + 16 * 500 // 2
+    # one tensor-parallel group without data parallelism: only the language model is split
+    alone = memory_per_gpu(params, full, strategy="ddp", num_gpus=2, tensor_parallel=2)
+    assert alone["total"] == 16 * 1500 // 2 + 16 * 500
+
+
 def test_memory_estimate_follows_device_and_precision(tmp_path, capsys, monkeypatch):
     # The tiny template's settings on a machine without a GPU: 2 CPU processes in fp32, not "2 GPU(s), bf16".
     import vlmctl.models.summary as summary

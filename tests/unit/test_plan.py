@@ -180,6 +180,19 @@ def test_every_decision_has_a_value_and_a_reason_and_the_config_is_untouched():
     assert two.activation_checkpointing.value == "full"
 
 
+def test_tensor_parallel_ranks_are_not_data_parallel_and_keep_their_own_loss():
+    gpus = DeviceFacts(kind="cuda", processes=8, memory_bytes=141 * GIB, torchao=True, triton=True, varlen=True,
+                       liger=True, capability=(9, 0))
+    tp = build_plan(TrainSection(strategy="fsdp", tensor_parallel=2, precision="bf16", compile="on"), gpus)
+    assert (tp.tensor_parallel, tp.dp_size) == (2, 4)
+    # liger's fused loss reads the whole LM head, float8 converts whole linears: both step aside, saying why
+    assert not tp.liger.value and "tensor parallelism" in tp.liger.reason
+    assert tp.fp8.value == "off" and "tensor_parallel" in tp.fp8.reason
+    whole = build_plan(TrainSection(strategy="fsdp", precision="bf16", compile="on"), gpus)
+    assert whole.liger.value and whole.dp_size == 8
+    assert RunPlan.from_json(tp.to_json()).tensor_parallel == 2
+
+
 def test_the_plan_round_trips_through_plan_json(tmp_path):
     plan = build_plan(TrainSection(strategy="zero3", liger="auto"), H100)
     path = write_plan(tmp_path, plan)

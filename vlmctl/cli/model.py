@@ -129,6 +129,7 @@ def _summary(info: dict[str, Any], t: Any) -> dict[str, Any]:
         info, stage=t.stage, strategy=t.strategy, num_gpus=processes, freeze=t.freeze, lora=t.lora is not None,
         device=summary.training_device(t.launcher), precision=t.precision, master_weights=t.master_weights,
         optimizer_in_backward=t.optimizer_in_backward, quantize=t.lora.quantize if t.lora is not None else None,
+        tensor_parallel=t.tensor_parallel,
     )
 
 
@@ -154,6 +155,8 @@ def _render(result: Any, s: dict[str, Any]) -> None:
     mem = s["memory_per_gpu_bytes"]
     n = s["num_processes"]
     where = ("per GPU", f"{n} GPU(s)") if s["device"] == "cuda" else ("per process", f"{n} process(es) on CPU")
+    if s.get("tensor_parallel", 1) > 1:
+        where = (where[0], f"{where[1]}, language model over {s['tensor_parallel']} tensor-parallel ranks")
     info(
         f"Training memory {where[0]} ({s['strategy']}, {where[1]}, {s['storage']}, without activations): "
         f"~{_gib(mem['total'])} (weights {_gib(mem['weights'])}, gradients {_gib(mem['gradients'])}, optimizer {_gib(mem['optimizer'])})"

@@ -56,9 +56,13 @@ class ObjectiveSection(Section):
 
 
 def whole_rows(name: str, train: Any, what: str) -> str | None:
-    """The refusal of sequence parallelism for an objective that reads `what` from one rank's row."""
+    """The refusal of sequence parallelism for an objective that reads `what` from one rank's row, and of tensor
+    parallelism (its logits split over the vocabulary) for one that reads it from whole logits."""
     if train.sequence_parallel > 1:
         return f"train.objective {name} reads {what} from one rank's row: set train.sequence_parallel: 1"
+    if getattr(train, "tensor_parallel", 1) > 1:
+        return (f"train.objective {name} reads {what} from whole logits, which tensor parallelism splits over the "
+                "vocabulary: set train.tensor_parallel: 1")
     return None
 
 

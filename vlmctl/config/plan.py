@@ -350,10 +350,10 @@ class RunPlan:
     off; `PROBE` where the start-up probe's float8 trial settles it), `nproc_per_node` (processes per node; None
     where SLURM's nodes decide), `fsdp_reshard_after_forward` (`RANK` where each rank settles it on the model it
     wraps: `settle_reshard`), `fsdp_prefetch` (layers; 0 = FSDP2's implicit prefetch), `sequence_parallel`,
-    `dp_size` (data-parallel ranks). `row_tokens` is the one packed row budget: tokens_per_batch x
-    sequence_parallel. `probe`: the probe's record once a rank settled it. `data_tokens`: the packed row length
-    `vlmctl data prepare` suggested for the run's data (manifest.json), which `tokens_per_batch: auto` follows where
-    no probe measures it."""
+    `tensor_parallel`, `dp_size` (data-parallel ranks: processes / (sequence_parallel x tensor_parallel)).
+    `row_tokens` is the one packed row budget: tokens_per_batch x sequence_parallel. `probe`: the probe's record
+    once a rank settled it. `data_tokens`: the packed row length `vlmctl data prepare` suggested for the run's data
+    (manifest.json), which `tokens_per_batch: auto` follows where no probe measures it."""
 
     device: DeviceFacts
     strategy: Decision
@@ -378,6 +378,7 @@ class RunPlan:
     sequence_parallel: int = 1
     dp_size: int = 1
     family: str | None = None
+    tensor_parallel: int = 1
     probe: dict | None = None
     data_tokens: int | None = None
 
@@ -421,7 +422,8 @@ class RunPlan:
     def to_json(self) -> dict:
         """The plan as plain JSON: {"device": {...}, "decisions": {key: {value, reason, auto}}, "row_tokens", ...}."""
         return {"device": asdict(self.device), "family": self.family, "sequence_parallel": self.sequence_parallel,
-                "dp_size": self.dp_size, "row_tokens": self.row_tokens, "data_tokens": self.data_tokens,
+                "tensor_parallel": self.tensor_parallel, "dp_size": self.dp_size, "row_tokens": self.row_tokens,
+                "data_tokens": self.data_tokens,
                 "decisions": {k: asdict(d) for k, d in self.decisions().items()}, "probe": self.probe}
 
     @classmethod
@@ -429,8 +431,8 @@ class RunPlan:
         """The plan `to_json` wrote."""
         decisions = {k: Decision(**v) for k, v in data["decisions"].items()}
         return cls(device=DeviceFacts(**data["device"]), sequence_parallel=int(data.get("sequence_parallel", 1)),
-                   dp_size=int(data.get("dp_size", 1)), family=data.get("family"), probe=data.get("probe"),
-                   data_tokens=data.get("data_tokens"), **decisions)
+                   tensor_parallel=int(data.get("tensor_parallel", 1)), dp_size=int(data.get("dp_size", 1)),
+                   family=data.get("family"), probe=data.get("probe"), data_tokens=data.get("data_tokens"), **decisions)
 
 
 def build_plan(train, device: DeviceFacts, family=None, data_tokens: int | None = None) -> RunPlan:
@@ -443,6 +445,7 @@ def build_plan(train, device: DeviceFacts, family=None, data_tokens: int | None 
     for a GPU on a machine without one."""
     cuda, processes = device.cuda, device.processes
     sp = int(getattr(train, "sequence_parallel", 1))
+    tp = int(getattr(train, "tensor_parallel", 1))
     qlora = quantized(train)
 
     def pick(key: str, value, why_auto: str, why_set: str = "set in the config") -> Decision:
@@ -479,14 +482,14 @@ def build_plan(train, device: DeviceFacts, family=None, data_tokens: int | None 
     attention, attention_why = _attention(train, device, precision, packing)
     liger, liger_why = _liger(train, device, strategy, family)
     kernels_on = liger and compile_ != "on" and vision != "blocks"
-    dp_size = max(1, processes // sp)
+    dp_size = max(1, processes // (sp * tp))  # the tp ranks of a group read the same batch
     balance = balancing(train.balance, dp_size)
     sizes = _batch_sizes(train, device, strategy, packing, sp, data_tokens)
     fsdp = _fsdp(train, strategy, processes)
     stored = precision if qlora else ("bf16" if master == "bf16" else "fp32")
     return RunPlan(
-        device=device, family=None if family is None else family.name, sequence_parallel=sp, dp_size=dp_size,
-        data_tokens=data_tokens,
+        device=device, family=None if family is None else family.name, sequence_parallel=sp, tensor_parallel=tp,
+        dp_size=dp_size, data_tokens=data_tokens,
         strategy=pick("strategy", strategy, f"{strategy_why} ({where})"),
         precision=pick("precision", precision, "bf16 on a GPU with bf16" if precision == "bf16" else
                        "fp32 on CPU" if not cuda else "fp32: this GPU has no bf16"),
@@ -528,7 +531,7 @@ def _fp8(train, device: DeviceFacts, *, strategy: str, precision: str, compile_:
 def fp8_blocker(train, device: DeviceFacts, *, strategy: str, precision: str, compile_: str) -> str | None:
     """Why float8 training of the language model's linears cannot run (None when it can): a GPU without float8
     tensor cores (compute capability < `FLOAT8_CAPABILITY`) or no GPU, no torchao, DeepSpeed (its engine owns the
-    weights and their casts; float8 runs under ddp and fsdp), LoRA/QLoRA (adapters train beside a frozen base),
+    weights and their casts; float8 runs under ddp and fsdp), tensor parallelism, LoRA/QLoRA (adapters train beside a frozen base),
     a frozen language model, compute other than bf16, or decoder layers not compiled (float8's scaling and casts run
     unfused, slower than bf16: torchao's and torchtitan's recipes compile). `strategy`, `precision`, `compile_`:
     resolved."""
@@ -542,6 +545,8 @@ def fp8_blocker(train, device: DeviceFacts, *, strategy: str, precision: str, co
         return "torchao is not installed (pip install 'vlmctl[gpu]')"
     if strategy in DEEPSPEED:
         return f"DeepSpeed ({strategy}) owns the weights and their casts; float8 runs under ddp and fsdp"
+    if int(getattr(train, "tensor_parallel", 1)) > 1:
+        return "train.tensor_parallel splits the linears as DTensors; float8 converts whole ones (set one of them off)"
     if train.lora is not None:
         return "LoRA/QLoRA trains adapters beside a frozen base; float8 speeds up training the full weights"
     if not llm_trained(train):
@@ -618,22 +623,25 @@ def _attention(train, device: DeviceFacts, precision: str, packing: bool) -> tup
 def _liger(train, device: DeviceFacts, strategy: str, family) -> tuple[bool, str]:
     """Whether liger-kernel's fused linear cross-entropy is used, and why: it needs CUDA, the package and a liger
     patch for the family, and the head's weight gathered during the root forward (ZeRO-3 partitions it outside the
-    head's own forward, so zero3 uses the plain loss)."""
+    head's own forward, so zero3 uses the plain loss; tensor parallelism splits it over the vocabulary and computes
+    the vocabulary-parallel loss instead)."""
     if train.liger == "off":
         return False, "set in the config"
-    why = _liger_blocker(device, strategy, family)
+    why = _liger_blocker(device, strategy, family, tensor_parallel=int(getattr(train, "tensor_parallel", 1)))
     if why is None:
         return True, "set in the config" if train.liger == "on" else "on: CUDA, liger-kernel installed"
     return False, f"off: liger-kernel {why}"
 
 
-def _liger_blocker(device: DeviceFacts, strategy: str, family) -> str | None:
+def _liger_blocker(device: DeviceFacts, strategy: str, family, tensor_parallel: int = 1) -> str | None:
     if not (device.cuda and device.liger):
         return "needs a CUDA GPU and the liger-kernel package (pip install 'vlmctl[gpu]')"
     if family is not None and family.liger_patch is None:
         return f"has no patch for the {family.name} family"
     if strategy == "zero3":
         return "cannot read the head's weight while ZeRO-3 partitions it"
+    if tensor_parallel > 1:
+        return "reads the head's whole weight; tensor parallelism splits it over the vocabulary (its own loss)"
     return None
 
 

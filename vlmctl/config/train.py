@@ -65,6 +65,7 @@ class TrainSection(Section):
     packing: bool = Field(True, description="Pack samples into token-budget batches with per-sample attention (no padding).")
     tokens_per_batch: int | Literal["auto"] = Field("auto", description="Token budget of one packed micro-batch per device; auto = the fastest budget that fits in GPU memory, measured by a probe at start-up (ddp/fsdp on a GPU); on CPU the packed row length `vlmctl data prepare` suggested for the data (manifest.json) when below 8192; else 8192.")
     sequence_parallel: int = Field(1, ge=1, description="Ranks that split each packed row along the sequence (Ulysses sequence parallelism: DeepSpeed-Ulysses' all-to-alls around the attention, with fsdp, ddp, zero2 or zero3): a row of up to tokens_per_batch x sequence_parallel tokens is spread over that many GPUs, so one sample can be longer than one GPU holds. Must divide the processes per node and the language model's attention heads; needs packing. 1 = off.")
+    tensor_parallel: int = Field(1, ge=1, description="Ranks that split each decoder layer of the language model (Megatron-style tensor parallelism as PyTorch DTensor plans): q/k/v and gate/up by columns, o and down by rows, the embedding and LM head over the vocabulary (with a vocabulary-parallel loss); the vision tower is replicated. The ranks of a group read the same batch, so data parallelism is processes / tensor_parallel; with fsdp the parameters are sharded over both. Must divide the processes per node, the attention and key/value heads, the MLP width and the vocabulary; trains the sft objective with full weights (no LoRA), with fsdp (or ddp when all processes form one group), not with sequence_parallel, DeepSpeed or fp8. Pipeline parallelism is not offered: docs/megatron.md says why and what to use. 1 = off.")
     activation_offload: bool = Field(False, description="With activation checkpointing (full or every k-th layer): keep each checkpointed layer's input hidden states in pinned host memory instead of GPU memory, copied back for the layer's recompute in backward (the ALST paper's checkpoint offload, arXiv 2506.13996). Saves (layers x tokens x hidden size) of GPU memory for long rows at the cost of PCIe traffic; no effect without checkpointing or on CPU.")
     tiled_mlp: int | Literal["off"] = Field("off", description="Run each decoder layer's MLP over this many slices of the sequence, recomputing a slice's intermediate activations in backward (DeepSpeed's TiledMLP, the ALST paper, arXiv 2506.13996): the MLP's (tokens x intermediate size) activations shrink by that factor, for very long rows. off = one pass.")
     group_by_modality: bool = Field(False, description="Every optimizer step draws its samples from one modality (image, video, audio or text-only) on every data-parallel rank, so no rank runs a dummy input for a modality another rank has; off (the default) mixes modalities and gives a rank without one a dummy input so every rank runs every tower.")
@@ -161,6 +162,20 @@ class TrainSection(Section):
         problem = section.refuse(self) if isinstance(section, ObjectiveSection) else None
         if problem:
             raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _tensor_parallel_fits(self):
+        """Tensor parallelism splits the language model's layers; sequence parallelism, DeepSpeed and LoRA are not
+        combined with it (objectives that read whole logits refuse it themselves: `_objective_fits`)."""
+        if self.tensor_parallel > 1:
+            if self.sequence_parallel > 1:
+                raise ValueError("train.tensor_parallel and train.sequence_parallel are not combined: set one of them to 1")
+            if self.strategy in ("zero2", "zero3"):
+                raise ValueError(f"train.tensor_parallel needs train.strategy fsdp (or ddp on one tensor-parallel group), not {self.strategy}")
+            if self.lora is not None:
+                raise ValueError("train.tensor_parallel splits the language model's linear layers, which LoRA wraps in adapters: "
+                                 "remove train.lora (full fine-tuning) or set train.tensor_parallel: 1")
         return self
 
     @model_validator(mode="after")

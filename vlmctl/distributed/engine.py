@@ -140,12 +140,37 @@ class Engine(Protocol):
 
 def total_grad_norm(params) -> tuple[Any, float]:
     """The 2-norm over the gradients of `params` (those that have one): the tensor (for clipping) and its value
-    (a host sync; FSDP2's DTensor norm is gathered first)."""
+    (a host sync; FSDP2's DTensor norm is gathered first). Gradients on different meshes (tensor parallelism under
+    FSDP2: the split layers' on (dp_shard, tp), the others' on dp_shard) are normed per mesh, each norm gathered,
+    then combined (torchtitan's `clip_grad_norm_` does the same)."""
     import torch
 
-    grads = [p.grad for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-    return total, float(total.full_tensor() if hasattr(total, "full_tensor") else total)
+    groups = {mesh: [p.grad for p in group] for mesh, group in _by_mesh(params).items()}
+    if len(groups) <= 1:
+        grads = next(iter(groups.values()), [])
+        total = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        return total, float(total.full_tensor() if hasattr(total, "full_tensor") else total)
+    norms = [torch.nn.utils.get_total_norm(grads) for grads in groups.values()]
+    total = torch.stack([n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]).norm()
+    return total, float(total)
+
+
+def _by_mesh(params) -> dict:
+    """The parameters that have a gradient, by their gradient's mesh (None for plain tensors)."""
+    groups: dict = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    return groups
+
+
+def clip_grads(params, max_norm: float, total) -> None:
+    """Scale the gradients of `params` by `max_norm / total` (torch's `clip_grads_with_norm_`), one mesh at a time
+    (a foreach op takes the DTensors of one mesh)."""
+    import torch
+
+    for group in _by_mesh(params).values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
 
 
 class TorchEngine:
@@ -216,7 +241,7 @@ class TorchEngine:
             total, norm = total_grad_norm(self.params)
             # clip_grad_norm_ scales every gradient even when the norm is below the limit: one pass saved here
             if math.isfinite(norm) and 0 < self.max_grad_norm < norm:
-                torch.nn.utils.clip_grads_with_norm_(self.params, self.max_grad_norm, total)
+                clip_grads(self.params, self.max_grad_norm, total)
             if math.isfinite(norm):
                 self.optimizer.step()
                 self.scheduler.step()

@@ -89,14 +89,15 @@ class FsdpPlan:
 
 def gathered_bytes(units: list[Any], param_dtype=None) -> int:
     """Bytes of the units' parameters once gathered for compute: floating-point parameters in `param_dtype` (when
-    given), others in their own dtype."""
+    given), others in their own dtype. A tensor-parallel parameter (a DTensor before FSDP2 wraps it) counts this
+    rank's slice: FSDP2 gathers it over the data-parallel ranks only."""
     total = 0
     for unit in units:
         for param in unit.parameters():
             size = param.element_size()
             if param_dtype is not None and param.is_floating_point():
                 size = param_dtype.itemsize
-            total += param.numel() * size
+            total += (param.to_local() if hasattr(param, "to_local") else param).numel() * size
     return total
 
 

@@ -5,7 +5,12 @@ The world is split, outermost first, into data-parallel replicas (`dp_replicate`
 parallel shards (`dp_shard`: FSDP2 / ZeRO), sequence-parallel ranks (`sp`) and tensor-parallel ranks (`tp`, the
 innermost: neighbouring ranks share the fastest links). One `DeviceMesh` with the dimensions larger than one is
 built per run; the data-parallel ranks (`dp_replicate x dp_shard`) are the ones a batch is split over and the loss
-is reduced over. Tensor parallelism is not available yet: `tp` must be 1.
+is reduced over.
+
+Tensor parallelism (`train.tensor_parallel`, `vlmctl.distributed.tensor_parallel`): the `tp` ranks of a group read
+the same batch and each computes its share of every decoder layer (heads, MLP slices, vocabulary). They are not
+data-parallel ranks, and they hold different parameters (their shards): FSDP2 shards over `dp_shard` only, each
+parameter a DTensor on the 2-D (dp_shard, tp) mesh. `dp = world / (sp x tp)`.
 
 Sequence parallelism (`train.sequence_parallel`, `vlmctl.distributed.sequence`): the `sp` ranks of a group read the
 same batch and split each row along the sequence. They are not data-parallel ranks (the sampler deals over
@@ -41,8 +46,8 @@ SHARDING_ENV = "VLMCTL_FSDP_SHARDING"
 class ParallelDims:
     """Sizes of the parallel dimensions; their product must be `world_size`. `dp_shard=-1` takes what is left of
     the world. `hsdp`: FSDP2 runs on the (dp_replicate, dp_shard) mesh even where `dp_shard` is 1 (hybrid sharding
-    with one process per node). Raises ConfigError for a size below 1, tp other than 1, or a product that is not
-    the world."""
+    with one process per node). Raises ConfigError for a size below 1, tp with sp, or a product that is not the
+    world."""
 
     dp_replicate: int = 1
     dp_shard: int = -1
@@ -60,16 +65,17 @@ class ParallelDims:
 
     @classmethod
     def for_strategy(cls, strategy: str, world_size: int, *, sharding: str | None = None,
-                     ranks_per_node: int | None = None, sp: int = 1) -> "ParallelDims":
+                     ranks_per_node: int | None = None, sp: int = 1, tp: int = 1) -> "ParallelDims":
         """ddp replicates the model on every rank (`dp_replicate = world`); fsdp, zero2 and zero3 shard it
         (`dp_shard = world`); fsdp with `sharding="hybrid"` (`train.fsdp_sharding`) shards it over the ranks of a
         node and replicates it across nodes (`dp_replicate = world / ranks_per_node`, `dp_shard = ranks_per_node`:
         HSDP, as torchtitan's `data_parallel_replicate_degree`). `sp` (`train.sequence_parallel`) ranks of
-        each group split the sequence: the data-parallel sizes are the world divided by `sp`.
+        each group split the sequence, `tp` (`train.tensor_parallel`) ranks each decoder layer: the data-parallel
+        sizes are the world divided by `sp x tp`.
 
         `sharding` None: the launcher's `VLMCTL_FSDP_SHARDING`, else full. `ranks_per_node` None: torchrun's
         `LOCAL_WORLD_SIZE`, else the world (one node). Raises ConfigError for an unknown sharding, hybrid with
-        another strategy than fsdp, and what `check_nodes_agree` raises.
+        another strategy than fsdp, and what `check_nodes_agree` and `check_tensor_split` raise.
         """
         sharding = sharding or os.environ.get(SHARDING_ENV) or "full"
         if sharding not in SHARDINGS:
@@ -81,12 +87,13 @@ class ParallelDims:
         per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         check_nodes_agree(world_size, sharding, per_node)
         check_sequence_split(world_size, sp, per_node)
+        check_tensor_split(strategy, world_size, tp, per_node, sp=sp, sharding=sharding)
         if sharding == "hybrid":
             nodes = world_size // per_node
             return cls(dp_replicate=nodes, dp_shard=per_node // sp, sp=sp, world_size=world_size, hsdp=nodes > 1)
         if is_fsdp(strategy) or is_deepspeed(strategy):  # the weights or their optimizer state are sharded
-            return cls(dp_replicate=1, dp_shard=world_size // sp, sp=sp, world_size=world_size)
-        return cls(dp_replicate=world_size // sp, dp_shard=1, sp=sp, world_size=world_size)
+            return cls(dp_replicate=1, dp_shard=world_size // (sp * tp), sp=sp, tp=tp, world_size=world_size)
+        return cls(dp_replicate=world_size // (sp * tp), dp_shard=1, sp=sp, tp=tp, world_size=world_size)
 
     def _validate(self) -> None:
         sizes = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "sp": self.sp, "tp": self.tp}
@@ -95,9 +102,9 @@ class ParallelDims:
         for name, size in sizes.items():
             if size < 1 and not (name == "dp_shard" and size == -1):
                 raise ConfigError(f"parallel dimension {name}={size} must be at least 1 (dp_shard=-1: the rest of the world)")
-        if self.tp != 1:
-            raise ConfigError(f"tensor parallelism (tp={self.tp}) is not available yet",
-                              hint="set tp=1; data parallelism (ddp, fsdp, zero2, zero3) splits the batch")
+        if self.tp > 1 and self.sp > 1:
+            raise ConfigError(f"tensor parallelism (tp={self.tp}) and sequence parallelism (sp={self.sp}) are not combined",
+                              hint="set train.tensor_parallel: 1 or train.sequence_parallel: 1")
         if self.dp_shard == -1:
             rest = self.dp_replicate * self.sp * self.tp
             if self.world_size % rest:
@@ -180,6 +187,11 @@ class ParallelDims:
         return self.dp_size * self.sp
 
     @property
+    def tp_mesh(self):
+        """The 1-D tensor-parallel mesh of this rank's group (None without tensor parallelism)."""
+        return self.world_mesh["tp"] if self.tp > 1 else None
+
+    @property
     def sp_group(self):
         """The sequence-parallel process group of this rank (None without sequence parallelism)."""
         return self.world_mesh["sp"].get_group() if self.sp > 1 else None
@@ -208,6 +220,33 @@ def check_sequence_split(world_size: int, sp: int, per_node: int) -> None:
     if sp > 1 and (per_node % sp or world_size % sp):
         raise ConfigError(f"train.sequence_parallel={sp} does not divide the {per_node} processes per node "
                           f"({world_size} in all)", hint=f"launch a multiple of {sp} processes per node, or lower train.sequence_parallel")
+
+
+def check_tensor_split(strategy: str, world_size: int, tp: int, per_node: int, *, sp: int = 1,
+                       sharding: str = "full") -> None:
+    """Raise ConfigError unless `tp` (`train.tensor_parallel`) ranks per group divide the processes of a node (a
+    group's all-reduces run after every attention and MLP: they stay on the fast links inside one node) and the
+    strategy can hold tensor-parallel (DTensor) parameters: FSDP2 with full sharding, or no data parallelism
+    (`ddp` with every process in one tp group)."""
+    if tp < 1:
+        raise ConfigError(f"train.tensor_parallel={tp} must be at least 1")
+    if tp == 1:
+        return
+    if per_node % tp or world_size % tp:
+        raise ConfigError(f"train.tensor_parallel={tp} does not divide the {per_node} processes per node "
+                          f"({world_size} in all)", hint=f"launch a multiple of {tp} processes per node, or lower train.tensor_parallel")
+    if sp > 1:
+        raise ConfigError(f"train.tensor_parallel={tp} and train.sequence_parallel={sp} are not combined",
+                          hint="set one of them to 1")
+    if is_deepspeed(strategy):
+        raise ConfigError(f"train.tensor_parallel={tp} needs train.strategy=fsdp (DeepSpeed's ZeRO does not take "
+                          "DTensor parameters)", hint="set train.strategy: fsdp")
+    if sharding == "hybrid":
+        raise ConfigError(f"train.tensor_parallel={tp} runs with train.fsdp_sharding: full",
+                          hint="set train.fsdp_sharding: full")
+    if not is_fsdp(strategy) and world_size > tp:
+        raise ConfigError(f"train.tensor_parallel={tp} with {world_size // tp} data-parallel groups needs "
+                          f"train.strategy=fsdp (DDP does not take DTensor parameters)", hint="set train.strategy: fsdp")
 
 
 def check_nodes_agree(world_size: int, sharding: str, per_node: int) -> None:

@@ -6,7 +6,7 @@ torchtitan's `torchtitan/models/llama3/infra/parallelize.py` `parallelize_llama`
     kernels, stage/freeze, LoRA         train.setup.prepare_model (before; see below)
       |
     0. float8 linears                   apply_float8            (torchao; train.fp8, `distributed.float8`)
-    1. tensor-parallel plan             apply_tensor_parallel   (a slot: `ParallelDims` refuses tp > 1 today)
+    1. tensor-parallel plan             apply_tensor_parallel   (DTensor, `distributed.tensor_parallel`; tp > 1)
     2. sequence split                   split_sequence          (Ulysses, `distributed.sequence`; sp > 1)
     3. activation checkpointing         checkpoint_layers       (+ tiled MLP; trained models only)
     4. compile                          compile_layers          (per decoder layer / vision block)
@@ -97,8 +97,17 @@ def apply_float8(model, family, train, device) -> None:
 
 
 def apply_tensor_parallel(model, family, dims) -> None:
-    """Step 1, a slot: the family's tensor-parallel plan over the mesh's `tp` dimension. Nothing to do while
-    `ParallelDims` refuses tp > 1."""
+    """Step 1: with tensor parallelism (`dims.tp` > 1) split the language model of `model` over the mesh's `tp`
+    dimension by the family's plan (`distributed.tensor_parallel.apply_tensor_parallel`: columns / rows of each
+    decoder layer, the vocabulary of the embedding and LM head; the vision tower replicated). Raises ConfigError
+    where the family has no plan or `tp` does not divide the heads, MLP width or vocabulary."""
+    if dims.tp <= 1:
+        return
+    from vlmctl.distributed.tensor_parallel import apply_tensor_parallel as split, check_tensor_parallel
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    check_tensor_parallel(dims.tp, inner.config.get_text_config(), family, inner.get_input_embeddings().weight.shape[0])
+    split(model, family, dims.tp_mesh)
 
 
 def sequence_shard(dims):

@@ -21,7 +21,7 @@ from typing import Any
 
 from vlmctl.families.encoders import image_encoder, vision_cost
 from vlmctl.families.registry import register
-from vlmctl.families.spec import CLS_VISION_TYPES, FamilySpec, has_cls_token, setting, split_source
+from vlmctl.families.spec import CLS_VISION_TYPES, DECODER_TP_PLAN, FamilySpec, has_cls_token, setting, split_source
 
 # transformers is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for
 # it.
@@ -105,5 +105,7 @@ LLAVA = register(LlavaSpec(
     },
     liger_patch="apply_liger_kernel_to_llava",
     lmms_model="llava_hf",
+    megatron_layout="megatron_llava",
+    tensor_parallel_plan=DECODER_TP_PLAN,  # any Llama / Qwen-style causal LM
     notes="Any vision encoder + any causal LM; layer classes are discovered from the loaded model.",
 ))

@@ -38,7 +38,7 @@ from typing import Any, Callable
 from vlmctl.errors import ModelError
 from vlmctl.families.encoders import KERNELS, image_encoder, vision_cost
 from vlmctl.families.registry import register
-from vlmctl.families.spec import FamilySpec, VisualTokenRule, is_packed, setting, split_source
+from vlmctl.families.spec import DECODER_TP_PLAN, FamilySpec, VisualTokenRule, is_packed, setting, split_source
 
 # torch and transformers are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must
 # not pay for them.
@@ -437,7 +437,7 @@ def _saved_video_settings(ref: str) -> dict[str, Any]:
 
 def qwen_vl(name: str, prefix: str, *, patch: int, min_pixels: int, max_pixels: int, decoder_layer: str,
             video_processor: str, projector: tuple[str, ...] = ("model.visual.merger",), tiny_preset: str,
-            notes: str = "", sequence_split: bool = False) -> QwenVLSpec:
+            notes: str = "", sequence_split: bool = False, megatron_layout: str | None = None) -> QwenVLSpec:
     """The spec of one Qwen-VL version. `prefix` is its transformers class prefix ("Qwen2_5_VL"); `patch`,
     `min_pixels`, `max_pixels` are its published processor's settings (for counts from a config).
 
@@ -472,6 +472,8 @@ def qwen_vl(name: str, prefix: str, *, patch: int, min_pixels: int, max_pixels: 
         tiny_preset=tiny_preset,
         liger_patch=f"apply_liger_kernel_to_{name}",
         lmms_model=name,
+        megatron_layout=megatron_layout,
+        tensor_parallel_plan=DECODER_TP_PLAN,
         notes=notes,
     )
 
@@ -484,13 +486,13 @@ QWEN2_VL = register(qwen_vl(
 QWEN2_5_VL = register(qwen_vl(
     "qwen2_5_vl", "Qwen2_5_VL", patch=14, min_pixels=56 * 56, max_pixels=28 * 28 * 1280,
     decoder_layer="Qwen2_5_VLDecoderLayer", video_processor="Qwen2VLVideoProcessor", tiny_preset="tiny-qwen2.5-vl",
-    sequence_split=True,
+    sequence_split=True, megatron_layout="bridge_qwen25_vl",
     notes="Window attention in the vision tower except fullatt_block_indexes.",
 ))
 # Qwen3-VL's published processor: patch 16, shortest_edge 65536, longest_edge 16777216 pixels.
 QWEN3_VL = register(qwen_vl(
     "qwen3_vl", "Qwen3VL", patch=16, min_pixels=65536, max_pixels=16777216,
     decoder_layer="Qwen3VLTextDecoderLayer", video_processor="Qwen3VLVideoProcessor", tiny_preset="tiny-qwen3-vl",
-    projector=("model.visual.merger", "model.visual.deepstack_merger_list"),
+    projector=("model.visual.merger", "model.visual.deepstack_merger_list"), megatron_layout="bridge_qwen3_vl",
     notes="DeepStack: features of some vision layers are added to early decoder layers (deepstack_merger_list).",
 ))

@@ -19,7 +19,7 @@ A `FamilySpec` holds everything that differs between VLM families, so no other m
 - the build recipe of `model build`: tokenizer special tokens, config token ids, image / video processor classes
   and the hooks below (`init_random` adjusts a random-init model);
 - integrations: liger-kernel patch, lmms-eval model name, sequence / tensor-parallel plans, the linear layers that
-  never compute in float8 (`float8_exclude`; see `float8_linears`).
+  never compute in float8 (`float8_exclude`; see `float8_linears`), the Megatron checkpoint layout.
 
 Each family lives in its own module (the list is in `vlmctl/families/__init__.py`), which documents its module
 paths, builds one spec (a subclass where a hook differs) and registers it (`vlmctl.families.registry`).
@@ -114,14 +114,20 @@ class FamilySpec:
     # (model, distributed.sequence.SequenceShard) -> None: what the family splits beyond the language model's sequence
     # under `train.sequence_parallel` (Qwen2-VL / Qwen2.5-VL: the vision tower's images); None: nothing more
     sequence_parallel_plan: Callable[..., Any] | None = None
-    tensor_parallel_plan: Callable[..., Any] | None = None  # hook for later: (model, mesh) -> None, applies DTensor plans
+    # decoder-layer module (relative name) -> tensor-parallel style (`vlmctl.distributed.tensor_parallel`: colwise,
+    # rowwise, head_norm) under `train.tensor_parallel`; modules a model lacks are skipped. Empty: no tensor parallelism
+    tensor_parallel_plan: Mapping[str, str] = field(default_factory=dict)
     # names (the last part of a module's path) of decoder-layer linears that never compute in float8 (`train.fp8`):
     # MoE routers, whose few logits choose the experts and would flip their choice on float8's rounding
     float8_exclude: tuple[str, ...] = ("gate", "router", "shared_expert_gate")
+    # the Megatron checkpoint layout of this family (`vlmctl.convert_megatron.layouts`: megatron_llava,
+    # bridge_qwen25_vl, bridge_qwen3_vl); None: `vlmctl convert --to/--from megatron` refuses the family
+    megatron_layout: str | None = None
     notes: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("modalities", "prompts", "extra_special_tokens", "config_token_ids", "unsupported_vision", "encoders"):
+        for name in ("modalities", "prompts", "extra_special_tokens", "config_token_ids", "unsupported_vision", "encoders",
+                     "tensor_parallel_plan"):
             object.__setattr__(self, name, dict(getattr(self, name)))  # a copy: the caller's dict stays theirs
         if not self.encoders:
             if not self.vision_tower:
@@ -305,6 +311,15 @@ class FamilySpec:
 
 Family = FamilySpec
 """Former name of `FamilySpec`."""
+
+DECODER_TP_PLAN = {
+    "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise", "self_attn.q_norm": "head_norm", "self_attn.k_norm": "head_norm",
+    "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise",
+}
+"""The tensor-parallel plan of the transformers decoder layers of Llama, Mistral, Qwen2 and Qwen3 (and the language
+models of the VLMs built on them): Megatron-LM's split, q/k/v and gate/up by columns (heads, MLP slices), o and
+down by rows, Qwen3's per-head q/k norms on each rank's heads."""
 
 PACKED_KEY = "packed_cu_seqlens"
 """The key that marks a packed row of several samples (`vlmctl.data.collate.PackedCollator` writes it)."""

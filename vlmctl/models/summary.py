@@ -105,28 +105,35 @@ def param_bytes(strategy: str, precision: str, master_weights: str = "fp32", *,
 
 
 def memory_per_gpu(parameters: dict[str, int], trained: dict[str, bool], *, strategy: str, num_gpus: int,
-                   bytes_per_param: ParamBytes = ZERO_MIXED, quantized_llm: str | None = None) -> dict[str, int]:
+                   bytes_per_param: ParamBytes = ZERO_MIXED, quantized_llm: str | None = None,
+                   tensor_parallel: int = 1) -> dict[str, int]:
     """Bytes per device (GPU, or process on CPU) for weights, gradients and optimizer state, and their total.
 
     `bytes_per_param` from `param_bytes` (default: the ZeRO paper's mixed-precision accounting); `quantized_llm`
-    ("4bit" / "8bit") stores a frozen language model quantized (QLoRA). See the module docstring.
+    ("4bit" / "8bit") stores a frozen language model quantized (QLoRA); `tensor_parallel` (`train.tensor_parallel`)
+    splits the language model over that many ranks, which FSDP2 / ZeRO then shard over the data-parallel ranks
+    (num_gpus / tensor_parallel) only: the vision tower and projector are replicated over the tp ranks. See the
+    module docstring.
     """
     n = max(1, int(num_gpus))
+    tp = max(1, int(tensor_parallel))
     b = bytes_per_param
-    weights = 0.0
+    weights = grads = optim = 0.0
     for p in PARTS:
         per = b.weight if trained[p] else b.frozen
         if p == "llm" and quantized_llm in QUANTIZED_BYTES and not trained[p]:
             per = QUANTIZED_BYTES[quantized_llm]
-        weights += per * parameters[p]
-    trainable = sum(parameters[p] for p in PARTS if trained[p])
-    grads = b.grad * trainable
-    optim = b.optim * trainable
+        share = parameters[p] / (tp if p == "llm" else 1)
+        weights += per * share
+        if trained[p]:
+            grads += b.grad * share
+            optim += b.optim * share
     sharding = strategy_of(strategy)
+    dp = max(1, n // tp)
     if sharding.zero_stage == 2:  # gradients and optimizer state partitioned, weights replicated
-        grads, optim = grads / n, optim / n
+        grads, optim = grads / dp, optim / dp
     elif sharding.fsdp or sharding.zero_stage == 3:
-        weights, grads, optim = weights / n, grads / n, optim / n
+        weights, grads, optim = weights / dp, grads / dp, optim / dp
     out = {"weights": int(weights), "gradients": int(grads), "optimizer": int(optim)}
     out["total"] = sum(out.values())
     return out
@@ -145,12 +152,14 @@ def precision_label(strategy: str, precision: str, master_weights: str) -> str:
 
 def training_summary(info: dict[str, Any], *, stage: str, strategy: str, num_gpus: int, freeze: list[str] | None = None,
                      lora: bool = False, device: str = "cuda", precision: str = "auto", master_weights: str = "auto",
-                     optimizer_in_backward: bool = False, quantize: str | None = None) -> dict[str, Any]:
+                     optimizer_in_backward: bool = False, quantize: str | None = None,
+                     tensor_parallel: int = 1) -> dict[str, Any]:
     """Summary of a build (`vlmctl_model.json` content) under the configured training settings.
 
     `num_gpus`: the processes of the run (all nodes); `device`: "cuda" or "cpu", where they run; `precision`:
     `train.precision` ("auto" resolves for `device`, as does `master_weights`); `master_weights`, `optimizer_in_backward`, `quantize`: the
-    `train` keys of the same names (`quantize`: `train.lora.quantize`). With `lora`, the language model's weights stay
+    `train` keys of the same names (`quantize`: `train.lora.quantize`; `tensor_parallel`: `train.tensor_parallel`, the
+    ranks that split the language model). With `lora`, the language model's weights stay
     frozen and only adapters (not counted) are trained on it.
 
     Returns a dict with "parameters", "part_labels" (`part_labels`: what to call each part), "trained", "trainable_parameters", "device", "num_processes", "precision",
@@ -191,6 +200,7 @@ def training_summary(info: dict[str, Any], *, stage: str, strategy: str, num_gpu
         "master_weights": master_weights,
         "storage": storage,
         "bytes_per_parameter": asdict(per),
+        "tensor_parallel": tensor_parallel,
         "memory_per_gpu_bytes": memory_per_gpu(params, trained, strategy=strategy, num_gpus=num_gpus, bytes_per_param=per,
-                                               quantized_llm=quantized),
+                                               quantized_llm=quantized, tensor_parallel=tensor_parallel),
     }

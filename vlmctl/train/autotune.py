@@ -614,7 +614,9 @@ def probe_and_apply(train, ctx, tm, engine, objective, lengths, collate_rows, *,
     main = ctx.env.is_main
     choice = probe(train, engine=engine, objective=objective, layer_groups=[tm.parts.decoder_layers, tm.parts.vision_layers],
                    rows=probe_rows(lengths, make_batch, packing=packing, costs=costs), device=ctx.env.device, lengths=lengths,
-                   dp_size=ctx.dims.dp_size, stored_bytes=ctx.stored.itemsize, group=ctx.dims.dp_group,
+                   dp_size=ctx.dims.dp_size, stored_bytes=ctx.stored.itemsize,
+                   # the tp ranks of a group read the same rows: every rank must settle on the same choice
+                   group=ctx.dims.dp_group if ctx.dims.tp <= 1 else None,
                    log=log if main else (lambda msg: None))
     ctx.plan, applied = settle_probe(ctx.plan, train, choice)  # recorded in the run's plan
     if main:

@@ -258,6 +258,8 @@ def chunked_cross_entropy(hidden, weight, bias, targets, chunk_tokens: int | Non
     `targets` (n,) (-100: ignored, loss 0), `chunk_tokens` rows at a time (default: `LOSS_CHUNK_BYTES` of fp32
     logits). Each chunk runs under non-reentrant `torch.utils.checkpoint`, so backward recomputes its logits
     instead of keeping them: at most one chunk's (chunk x V) logits exist at a time, for one more LM-head matmul.
+    A head split over the vocabulary by tensor parallelism (`weight` a DTensor) computes each rank's (chunk x V / tp)
+    logits and the vocabulary-parallel loss (`distributed.tensor_parallel.vocab_parallel_head_loss`).
     Returns (n,) float32."""
     import torch
     from torch.utils.checkpoint import checkpoint
@@ -273,6 +275,10 @@ def chunked_cross_entropy(hidden, weight, bias, targets, chunk_tokens: int | Non
 def _cross_entropy_chunk(hidden, weight, bias, targets):
     import torch.nn.functional as F
 
+    from vlmctl.distributed.tensor_parallel import is_vocab_parallel, vocab_parallel_head_loss
+
+    if is_vocab_parallel(weight):  # tensor parallelism: each rank holds a slice of the vocabulary
+        return vocab_parallel_head_loss(hidden, weight, bias, targets)
     return F.cross_entropy(F.linear(hidden, weight, bias).float(), targets, reduction="none")
 
 
@@ -290,6 +296,10 @@ class _LossHead:
         import torch.nn.functional as F
 
         if not self.chunked:
+            from vlmctl.distributed.tensor_parallel import is_vocab_parallel, vocab_parallel_cross_entropy
+
+            if is_vocab_parallel(logits):
+                return vocab_parallel_cross_entropy(logits[0], self.targets)
             return F.cross_entropy(logits[0].float(), self.targets, reduction="none")
         if self.calls != 1 or logits.shape[:2] != (1, self.targets.numel()):
             raise RuntimeError(f"the chunked loss head ran {self.calls} times and returned {tuple(logits.shape)} for "

@@ -155,8 +155,14 @@ def check_batch(objective: Objective, batch: dict[str, Any]) -> None:
 
 
 def token_loss_sum(logits, labels):
-    """Summed next-token cross-entropy: logits [B, T, V], labels [B, T] (-100 = ignored) -> scalar (fp32)."""
+    """Summed next-token cross-entropy: logits [B, T, V], labels [B, T] (-100 = ignored) -> scalar (fp32). Logits
+    split over the vocabulary (tensor parallelism) are reduced without gathering them."""
     import torch.nn.functional as F
+
+    from vlmctl.distributed.tensor_parallel import is_vocab_parallel, vocab_parallel_cross_entropy
+
+    if is_vocab_parallel(logits):
+        return vocab_parallel_cross_entropy(logits[:, :-1, :], labels[:, 1:].to(logits.device)).sum()
 
     shift_logits = logits[:, :-1, :].float()
     shift_labels = labels[:, 1:].to(shift_logits.device)

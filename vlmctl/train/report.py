@@ -67,8 +67,9 @@ def startup_rows(train, *, run_dir: Path, ctx, tm, dataset, sampler, start_step:
         "trainable": f"{human(tm.num_trainable)} ({', '.join(sorted(tm.trainable))}{lora})",
         "strategy": f"{train.strategy} ({_dtype_name(ctx.dtype)}, {device_name(ctx.env.device)})",
         "kernels": _kernels(train, tm),
-        "world size": ctx.env.world_size if ctx.dims.sp == 1 else
-        f"{ctx.env.world_size} ({ctx.dims.dp_size} data-parallel x {ctx.dims.sp} sequence-parallel, Ulysses)",
+        "world size": (f"{ctx.env.world_size} ({ctx.dims.dp_size} data-parallel x {ctx.dims.tp} tensor-parallel)"
+                       if ctx.dims.tp > 1 else ctx.env.world_size if ctx.dims.sp == 1 else
+                       f"{ctx.env.world_size} ({ctx.dims.dp_size} data-parallel x {ctx.dims.sp} sequence-parallel, Ulysses)"),
         "global batch": batching["global batch"],
         "batching": batching["batching"],
         "steps": f"{start_step} -> {total_steps}" if start_step else total_steps,
@@ -128,6 +129,6 @@ def checkpoint_info(train, *, ctx, tm, lora: dict | None, engine, total_steps: i
         "gradient_accumulation_steps": train.gradient_accumulation_steps, "total_steps": total_steps,
         "batches_per_epoch": batches_per_epoch, "precision": _dtype_name(ctx.dtype), "packing": train.packing,
         "tokens_per_batch": train.tokens_per_batch if train.packing else None,
-        "sequence_parallel": train.sequence_parallel, "attn_implementation": tm.attn,
+        "sequence_parallel": train.sequence_parallel, "tensor_parallel": train.tensor_parallel, "attn_implementation": tm.attn,
         "liger": tm.liger, "device": device_name(ctx.env.device),
     }

@@ -517,7 +517,7 @@ def setup_run(train, plan=None, family=None) -> RunContext:
     plan = plan_for_rank(plan, train, DeviceFacts.here(env.world_size), family)
     check_plan(plan, train)
     dims = ParallelDims.for_strategy(plan.strategy.value, env.world_size, sharding=train.fsdp_sharding,
-                                     sp=train.sequence_parallel)
+                                     sp=train.sequence_parallel, tp=train.tensor_parallel)
     dims.build_mesh(env.device.type)
     seed_everything(train.seed)
     return RunContext(env=env, dims=dims, dtype=torch_dtype(plan.precision.value), stored=torch_dtype(plan.stored.value),

@@ -1,0 +1,269 @@
+"""Tensor parallelism (`train.tensor_parallel`, `vlmctl.distributed.tensor_parallel`) on CPU gloo ranks.
+
+- The mesh and the refusals: `dp = world / tp`, the tp ranks out of the data-parallel mesh, sizes that do not divide.
+- Gradients: the tiny Qwen2.5-VL, LLaVA (SigLIP + Qwen2) and Qwen3-VL (per-head q/k norms, DeepStack) presets,
+  prepared and wrapped as `vlmctl train` does (`prepare_model`, `wrap_model`), with TP=2 on 2 ranks (packed rows and
+  a padded micro-batch) and TP=2 x FSDP2 on 4 ranks (two data-parallel groups, one packed row each): the loss and
+  every parameter's full gradient equal one process's (TP=1) on the same rows, to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from shapes_shards import build_tiny_models, packed_rows
+
+pytestmark = pytest.mark.slow
+TIMEOUT = 420  # seconds for a training run
+PRESETS = ("tiny-qwen2.5-vl", "tiny", "tiny-qwen3-vl")
+
+
+def test_the_mesh_leaves_tensor_parallel_ranks_out_of_data_parallelism():
+    from vlmctl.distributed.mesh import ParallelDims
+
+    dims = ParallelDims.for_strategy("fsdp", 8, sharding="full", ranks_per_node=8, tp=2)
+    assert (dims.dp_shard, dims.tp, dims.dp_size, dims.grad_size) == (4, 2, 4, 4)
+    assert dims.mesh_dims() == (("dp_shard", "tp"), (4, 2))
+    alone = ParallelDims.for_strategy("ddp", 2, sharding="full", ranks_per_node=2, tp=2)
+    assert alone.mesh_dims() == (("dp_shard", "tp"), (1, 2)) and alone.dp_size == 1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"strategy": "fsdp", "world": 6, "tp": 4}, "does not divide the 6 processes"),
+    ({"strategy": "ddp", "world": 4, "tp": 2}, "needs train.strategy=fsdp"),
+    ({"strategy": "zero3", "world": 2, "tp": 2}, "DeepSpeed"),
+    ({"strategy": "fsdp", "world": 4, "tp": 2, "sp": 2}, "not combined"),
+])
+def test_splits_the_mesh_cannot_hold_are_refused(kwargs, message):
+    from vlmctl.distributed.mesh import ParallelDims
+    from vlmctl.errors import ConfigError
+
+    world = kwargs.pop("world")
+    with pytest.raises(ConfigError, match=message):
+        ParallelDims.for_strategy(kwargs.pop("strategy"), world, sharding="full", ranks_per_node=world, **kwargs)
+
+
+def test_sizes_that_do_not_divide_the_model_are_refused():
+    from types import SimpleNamespace
+
+    from vlmctl.distributed.tensor_parallel import check_tensor_parallel
+    from vlmctl.errors import ConfigError
+    from vlmctl.families import get_family
+
+    text = SimpleNamespace(num_attention_heads=8, num_key_value_heads=2, intermediate_size=64)
+    check_tensor_parallel(2, text, get_family("llava"), vocab=512)
+    with pytest.raises(ConfigError, match="4 does not divide the language model's 2 key/value heads"):
+        check_tensor_parallel(4, text, get_family("llava"), vocab=512)
+    with pytest.raises(ConfigError, match="vocabulary"):
+        check_tensor_parallel(2, text, get_family("llava"), vocab=511)
+    with pytest.raises(ConfigError, match="no tensor-parallel plan"):
+        check_tensor_parallel(2, text, get_family("idefics3"), vocab=512)
+
+
+def test_the_train_section_refuses_what_tensor_parallelism_does_not_train():
+    from pydantic import ValidationError
+
+    from vlmctl.config.train import TrainSection
+
+    with pytest.raises(ValidationError, match="tensor_parallel"):
+        TrainSection(tensor_parallel=2, sequence_parallel=2)
+    with pytest.raises(ValidationError, match="fsdp"):
+        TrainSection(tensor_parallel=2, strategy="zero3")
+    with pytest.raises(ValidationError, match="LoRA"):
+        TrainSection(tensor_parallel=2, lora={"r": 8})
+    with pytest.raises(ValidationError, match="whole logits"):
+        TrainSection(tensor_parallel=2, objective="dpo", packing=True)
+
+
+# --------------------------------------------------------------------------------------------------- gradients
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The tiny presets, shapes-VQA shards (every third sample text-only) and, per preset, the batches the ranks
+    read (`rows-<preset>.pt`: two packed rows and one padded micro-batch, as the trainer's collators make them)."""
+    import torch
+
+    root = build_tiny_models(tmp_path_factory.mktemp("tp"), 12, presets=PRESETS)
+    for preset in PRESETS:
+        torch.save({"packed": packed_rows(root / preset, root / "data", 2), "padded": padded_batch(root / preset, root / "data")},
+                   root / f"rows-{preset}.pt")
+    return root
+
+
+def _train_section(packing: bool):
+    from vlmctl.config.train import TrainSection
+
+    return TrainSection(stage="full", strategy="fsdp", precision="fp32", packing=packing, tokens_per_batch=4096,
+                        micro_batch_size=2, attn_implementation="sdpa", tensor_parallel=2,
+                        activation_checkpointing="off", liger="off", compile_vision="off", balance="off",
+                        learning_rate=1e-3, warmup_ratio=0.0)
+
+
+def padded_batch(folder: Path, data: Path, n: int = 2):
+    """`n` shard samples as one padded micro-batch (the collator `train.packing: false` uses)."""
+    import torch
+
+    from vlmctl.data.collate import Collator
+    from vlmctl.data.loader import ShardDataset
+    from vlmctl.models import load_model
+
+    _, processor, family = load_model(folder, dtype=torch.float32)
+    dataset = ShardDataset.from_dir(data / "prepared" / "train")
+    return Collator(processor, family)([dataset[i] for i in range(n)])
+
+
+def _grads_rank(rank: int, world: int, port: int, root: str, out: str) -> None:
+    """One of `world` ranks: per preset and batch kind, the loss and full gradients of its data-parallel group."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    torch.set_num_threads(1)
+    from vlmctl.config.plan import DeviceFacts, build_plan
+    from vlmctl.distributed.env import init_distributed
+    from vlmctl.distributed.mesh import ParallelDims
+    from vlmctl.models import load_model
+    from vlmctl.train.loop import to_device
+    from vlmctl.train.setup import RunContext, prepare_model
+    from vlmctl.train.worker import build_objective, wrap_model
+
+    env = init_distributed()
+    root = Path(root)
+    results = {}
+    kinds = ("packed", "padded") if world == 2 else ("packed",)
+    for preset in PRESETS:
+        for kind in kinds:
+            train = _train_section(kind == "packed")
+            plan = build_plan(train, DeviceFacts.here(world))
+            train = plan.train_section(train)
+            dims = ParallelDims.for_strategy("fsdp", world, sharding="full", tp=2)
+            dims.build_mesh("cpu")
+            ctx = RunContext(env=env, dims=dims, dtype=torch.float32, stored=torch.float32, plan=plan)
+            model, _, family = load_model(root / preset, dtype=torch.float32)
+            tm = prepare_model(model, family, train, env.device, plan=plan)
+            engine, objective = wrap_model(tm, train, ctx, total_steps=1), build_objective(tm, train, ctx)
+            batches = torch.load(root / f"rows-{preset}.pt", weights_only=True)
+            if kind == "packed":
+                rows = batches["packed"][:dims.dp_size]
+                labelled = sum(int((r["labels"][0, 1:] != -100).sum()) for r in rows)
+                mine = rows[dims.dp_rank]
+            else:
+                mine = batches["padded"]
+                labelled = int((mine["labels"][:, 1:] != -100).sum())
+            loss = engine.forward(objective, to_device(mine, env.device)).loss
+            engine.backward(loss, dims.grad_size / labelled)
+            total = loss.detach().clone()
+            dist.all_reduce(total, group=dims.dp_group)  # the tp ranks of a group hold the same (whole) loss
+            grads = {name: p.grad.full_tensor().detach().clone() for name, p in engine.module.named_parameters()
+                     if p.grad is not None}
+            split = sorted(name for name, p in engine.module.named_parameters() if "tp" in (p.device_mesh.mesh_dim_names or ()))
+            results[f"{preset}/{kind}"] = {"loss": float(total) / labelled, "grads": grads, "rows": dims.dp_size, "split": split}
+    if rank == 0:
+        torch.save(results, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _reference(folder: Path, batches: dict, kind: str, n_rows: int):
+    """One process, TP=1: the mean loss over the labelled tokens of `batches` and its gradients."""
+    import torch
+
+    from vlmctl.data.collate import model_inputs
+    from vlmctl.models import load_model
+    from vlmctl.train.kernels import token_losses
+    from vlmctl.train.objectives import token_loss_sum
+
+    model, _, family = load_model(folder, dtype=torch.float32)
+    model.set_attn_implementation("sdpa")
+    if kind == "packed":
+        rows = batches["packed"][:n_rows]
+        labelled = sum(int((r["labels"][0, 1:] != -100).sum()) for r in rows)
+        total = sum(token_losses(model, {k: v for k, v in r.items() if k not in ("seq_lens",) and not k.startswith("num_")})[0].sum()
+                    for r in rows)
+    else:
+        batch = batches["padded"]
+        labelled = int((batch["labels"][:, 1:] != -100).sum())
+        total = token_loss_sum(model(**model_inputs(batch), use_cache=False).logits, batch["labels"])
+    (total / labelled).backward()
+    return float(total.detach()) / labelled, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("world", [2, 4])  # TP=2 alone; TP=2 x FSDP2 (2 data-parallel groups)
+def test_loss_and_every_gradient_match_one_process(built, tmp_path, world):
+    import torch
+
+    from vlmctl.distributed.env import free_port
+
+    from test_sequence_parallel import _run_ranks
+
+    out = tmp_path / "grads.pt"
+    code = ("import sys; from test_tensor_parallel import _grads_rank; "
+            "_grads_rank(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])")
+    _run_ranks(code, world, [world, free_port(), built, out])
+    results = torch.load(out)
+    assert len(results) == len(PRESETS) * (2 if world == 2 else 1)
+    for case, got in results.items():
+        preset, kind = case.split("/")
+        ref_loss, ref_grads = _reference(built / preset, torch.load(built / f"rows-{preset}.pt", weights_only=True), kind, got["rows"])
+        # the language model's layers, embedding and head are split over the tp ranks, the vision tower is not
+        assert any("q_proj" in n for n in got["split"]) and any("embed_tokens" in n for n in got["split"]), case
+        assert not any("vision" in n or "visual" in n for n in got["split"]), case
+        assert got["loss"] == pytest.approx(ref_loss, rel=1e-5), case
+        assert set(ref_grads) <= set(got["grads"]), case
+        for name, grad in ref_grads.items():
+            torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=f"{case}: gradient of {name}")
+
+
+# --------------------------------------------------------------------------------------------- vlmctl train
+
+
+def _launch(nproc: int, *overrides: str) -> tuple[str, ...]:
+    return ("--launcher", "torchrun", "--nproc-per-node", str(nproc), f"train.nproc_per_node={nproc}", *overrides)
+
+
+def _metrics(project: Path, name: str) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (project / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_vlmctl_train_with_tensor_parallel_matches_one_process_and_resumes_across_sizes(tmp_path):
+    """TP=2 on 2 ranks gives one process's losses and gradient norms; each run's checkpoint resumes under the other's
+    tensor-parallel size (DCP re-splits the weights and AdamW's state) with the loss the other run had; the export is
+    a plain transformers model."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from test_sequence_parallel import _project
+    from train_runner import RunsAhead, run_train, start_train
+
+    project = _project(tmp_path)
+    config = project / "vlmctl.yaml"
+    runs = RunsAhead({
+        "tp": lambda: start_train(config, *_launch(2, "train.tensor_parallel=2", "train.run_name=tp")),
+        "one": lambda: start_train(config, *_launch(1, "train.run_name=one")),
+    }, timeout=TIMEOUT)
+    try:
+        runs.output("tp")
+        runs.output("one")
+    finally:
+        runs.close()
+    tp, one = _metrics(project, "tp"), _metrics(project, "one")
+    assert [r["loss"] for r in tp] == pytest.approx([r["loss"] for r in one], rel=1e-5)
+    assert [r["grad_norm"] for r in tp] == pytest.approx([r["grad_norm"] for r in one], rel=1e-4)
+    for name, nproc, extra in (("tp", 1, ()), ("one", 2, ("train.tensor_parallel=2",))):
+        checkpoint = project / "runs" / name / "checkpoints" / "checkpoint-1"
+        run_train(config, *_launch(nproc, *extra, f"train.run_name={name}-resumed", f"train.resume={checkpoint}"),
+                  timeout=TIMEOUT)
+        resumed = _metrics(project, f"{name}-resumed")
+        assert [r["step"] for r in resumed] == [2]
+        assert resumed[0]["loss"] == pytest.approx(one[1]["loss"], rel=1e-5), name
+    model = AutoModelForImageTextToText.from_pretrained(project / "runs" / "tp" / "final", dtype=torch.float32)
+    ref = AutoModelForImageTextToText.from_pretrained(project / "runs" / "one" / "final", dtype=torch.float32)
+    for (name, a), (_, b) in zip(model.state_dict().items(), ref.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=name)
