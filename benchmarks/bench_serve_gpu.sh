@@ -11,6 +11,7 @@
 # starlette, uvicorn), installed into /tmp/site, which goes on PYTHONPATH with the repository root.
 # Time limits (seconds, environment): BUILD_TIMEOUT (420), START_TIMEOUT (240),
 # BENCH_TIMEOUT (420). DEVICE (cuda) is the device served on (DEVICE=cpu with the tiny preset checks the script).
+# MODEL=DIR serves that model folder instead of building the preset.
 set -euo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 WORKDIR [PRESET] [BENCH_SERVE OPTIONS...]" >&2; exit 2; }
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -34,12 +35,16 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
 git -C "$root" rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /' || true
 
-echo "== building $preset under $work"
-model=$(timeout "${BUILD_TIMEOUT:-420}" python3 -c "
+if [ -n "${MODEL:-}" ]; then  # a model folder built before (benchmarks/bench_generation_gpu.sh)
+    model=$MODEL
+else
+    echo "== building $preset under $work"
+    model=$(timeout "${BUILD_TIMEOUT:-420}" python3 -c "
 import sys; sys.path.insert(0, 'benchmarks')
 from pathlib import Path
 from bench_serve import preset_model
 print(preset_model(Path(sys.argv[1]), sys.argv[2]))" "$work" "$preset" | tail -1)
+fi
 [ -f "$model/config.json" ] || { echo "the build left no $model/config.json" >&2; exit 1; }
 
 port=$(python3 -c "from vlmctl.serve import free_port; print(free_port())")

@@ -82,5 +82,7 @@ def test_grpo_generates_and_trains_on_the_gpu_defaults(project, built):
     assert rows[1]["reward"] == rows[0]["reward"] and rows[1]["label_tokens"] == rows[0]["label_tokens"]
     for r in (rows[0], rows[2]):
         assert r["rollouts_per_s"] > 0 and r["time/rollout_s"] > 0 and r["time/train_s"] > 0
+        # rollouts from the decoding engine's replica: its log-probs are the trainer's up to bf16 rounding
+        assert 0 <= r["logprob_gap/mean"] < 0.1 and r["logprob_gap/max"] >= r["logprob_gap/mean"]
     for r in rows:
         assert math.isfinite(r["loss"]) and 0 <= r["reward"] <= 1

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Everything that generates, on one GPU, in one call: GRPO's rollouts in `vlmctl train`, `vlmctl serve` with the
+# openai client, and `vlmctl eval` on 500 VQA samples against an older tree of vlmctl.
+#   benchmarks/bench_generation_gpu.sh WORKDIR [PRESET]                      # from the repository root
+# Builds a project in WORKDIR once (512 generated shapes-VQA samples, prepared; the PRESET, default qwen2.5-vl-3b,
+# built with random weights in bf16), then
+#  1. GRPO: `vlmctl train` of train.objective=grpo for 6 steps (4 prompts x 8 rollouts of 64 tokens, FSDP2 on one
+#     GPU, activation checkpointing and compile off, as the earlier figures): each step's rollouts/s, rollout and
+#     train seconds, the generation share and the rollout/trainer log-prob gap, and their means over steps 2-6;
+#  2. serve: benchmarks/bench_serve_gpu.sh on the built model (1, 8 and 32 clients);
+#  3. eval: benchmarks/bench_eval.py on 500 samples of the data with this tree and with the tree in $OLD (a folder
+#     holding an older `vlmctl/` package, e.g. `git archive 4bd9896 vlmctl | tar -x -C .old`), when it exists.
+# STEPS selects them (default "grpo serve eval"). Wheels come from $WHEELS (default .wheels) as in the other scripts.
+set -uo pipefail
+[ $# -ge 1 ] || { echo "usage: $0 WORKDIR [PRESET]" >&2; exit 2; }
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+work=$(mkdir -p "$1" && cd "$1" && pwd) preset=${2:-qwen2.5-vl-3b}
+old=${OLD:-$root/.old} steps=${STEPS:-grpo serve eval}
+wheels=${WHEELS:-$root/.wheels}
+python3 -c "import pydantic" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site "$wheels"/py312/*.whl
+python3 -c "import openai, uvicorn" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site "$wheels"/serve/*.whl
+export PYTHONPATH=$root:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+vlmctl() { python3 -m vlmctl "$@"; }
+
+mkdir -p "$work/data/raw"
+cd "$work"
+if [ ! -f outputs/model/config.json ]; then
+    python3 -c "from vlmctl.data.synthetic import generate_shapes_vqa; generate_shapes_vqa('data/raw', num_samples=512, image_size=64)" >/dev/null
+    cat > vlmctl.yaml <<YAML
+project: {name: gen-bench}
+data: {sources: [{path: data/raw/shapes_vqa.json, format: llava}], prepared_dir: data/prepared, val_ratio: 0.0}
+model: {preset: $preset, init: random, dtype: bf16, output_dir: outputs/model}
+YAML
+    t0=$SECONDS
+    vlmctl --quiet data prepare --num-proc 8 >/dev/null && vlmctl --quiet model build --force >/dev/null \
+        || { echo "the project could not be built" >&2; exit 1; }
+    echo "== built $preset in $(( SECONDS - t0 )) s"
+fi
+
+if [[ " $steps " == *" grpo "* ]]; then
+    echo "== GRPO: vlmctl train, 6 steps"
+    keys=(train.objective=grpo train.strategy=fsdp train.stage=full train.micro_batch_size=4 train.gradient_accumulation_steps=1
+          train.grpo.group_size=8 train.grpo.max_new_tokens=64 train.activation_checkpointing=off train.compile=off)
+    rm -rf outputs/runs/grpo
+    timeout "${GRPO_TIMEOUT:-300}" python3 -m vlmctl train --launcher none "${keys[@]}" train.max_steps=6 train.save_steps=1000 \
+        train.logging_steps=1 train.run_name=grpo > grpo.log 2>&1 || tail -30 grpo.log
+    python3 - outputs/runs/grpo/metrics.jsonl <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+print(f"{'step':>4} {'rollouts':>8} {'rollouts/s':>10} {'rollout s':>9} {'train s':>8} {'gen share':>9} {'length':>7} {'gap mean':>9} {'gap max':>8}")
+for r in rows:
+    g, t = r.get("time/rollout_s", 0.0), r.get("time/train_s", 0.0)
+    print(f"{r['step']:>4} {r.get('rollouts', 0):>8} {r.get('rollouts_per_s', 0):>10.1f} {g:>9.2f} {t:>8.2f} {g / max(g + t, 1e-9):>9.1%} "
+          f"{r.get('completions/mean_length', 0):>7.1f} {r.get('logprob_gap/mean', float('nan')):>9.4f} {r.get('logprob_gap/max', float('nan')):>8.4f}")
+later = rows[1:]
+g = sum(r.get("time/rollout_s", 0.0) for r in later) / len(later)
+t = sum(r.get("time/train_s", 0.0) for r in later) / len(later)
+print("GRPO " + json.dumps({"steps": len(later), "rollouts_per_s": round(sum(r.get("rollouts_per_s", 0) for r in later) / len(later), 2),
+                            "rollout_s": round(g, 3), "train_s": round(t, 3), "generation_share": round(g / (g + t), 3),
+                            "gap_mean": round(sum(r.get("logprob_gap/mean", 0) for r in later) / len(later), 5),
+                            "gap_max": round(max(r.get("logprob_gap/max", 0) for r in later), 5)}))
+PY
+    grep -m2 "rollouts through\|decoding" grpo.log || true
+fi
+
+if [[ " $steps " == *" serve "* ]]; then
+    echo "== serve"
+    MODEL=$work/outputs/model WHEELS=$wheels START_TIMEOUT=240 BENCH_TIMEOUT=${SERVE_TIMEOUT:-240} \
+        bash "$root/benchmarks/bench_serve_gpu.sh" "$work/serve" "$preset" 2>&1 | grep -v "^\[W" | tail -16
+fi
+
+if [[ " $steps " == *" eval "* ]]; then
+    echo "== eval: 500 samples"
+    for tree in "$root" "$old"; do
+        [ -d "$tree/vlmctl" ] || { echo "no vlmctl/ under $tree: skipped"; continue; }
+        PYTHONPATH=$tree:/tmp/site timeout "${EVAL_TIMEOUT:-240}" python3 "$root/benchmarks/bench_eval.py" --workdir "$work/eval" \
+            --model "$work/outputs/model" --samples 500 --batch-size 32 --max-new-tokens 16 2>&1 | grep "^RESULT" \
+            | sed "s|^RESULT|EVAL $(basename "$tree")|" || echo "eval with $tree failed"
+    done
+fi
