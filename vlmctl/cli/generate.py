@@ -93,9 +93,11 @@ def generate_cmd(
                                    device=device, dtype=dtype, seed=seed, progress=progress, video=video)
     if as_json:
         print_json({"output": str(result.path), "n": result.n, "skipped": len(rejected), "backend": result.backend,
-                    "seconds": round(result.seconds, 3)})
+                    "seconds": round(result.seconds, 3), **({"decoding": result.decoding} if result.decoding else {})})
         return
     console.print(f"Wrote {result.n} predictions to [bold]{escape(str(result.path))}[/bold] in {result.seconds:.1f} s", highlight=False)
+    if result.decoding:
+        info(f"[dim]decoding: {escape(result.decoding)}[/dim]")
     info(f"[dim]score them: vlmctl eval --predictions {escape(str(result.path))}[/dim]")
 
 

@@ -85,6 +85,7 @@ def serve_cmd(
         info(f"Serving [bold]{escape(str(model_dir))}[/bold] as [bold]{escape(server.model_name)}[/bold] "
              f"({choice.get('dtype')}, {escape(str(choice.get('attn_implementation')))} attention) at {escape(url)}/v1 "
              f"(chat page: {escape(url)}/){' [dim](API key required)[/dim]' if api_key else ''}. Ctrl-C stops.")
+        info(f"[dim]decoding: {escape(server.engine.decoder.summary())}[/dim]")
 
     info(f"[dim]loading {escape(str(model_dir))} ({escape(served_name(model_dir))})[/dim]")
     serve(model_dir, settings, on_ready=ready, sock=sock)

@@ -41,12 +41,14 @@ if TYPE_CHECKING:
 
 @dataclass
 class PredictionsResult:
-    """What `write_predictions` wrote: the file, the number of rows, the backend, and the wall time in seconds."""
+    """What `write_predictions` wrote: the file, the number of rows, the backend, the wall time in seconds, and how the
+    decoding engine decoded (`DecodeEngine.summary`; "" for vLLM)."""
 
     path: Path
     n: int
     backend: str
     seconds: float
+    decoding: str = ""
 
 
 def read_prompts(source: "DataSource", limit: int | None = None, *, min_image_side: int = 1,
@@ -96,8 +98,9 @@ def write_predictions(
 ) -> PredictionsResult:
     """Answer `samples` with the model in `model_dir` and write one row per sample to `out` (module docstring).
 
-    `backend` `hf`: transformers' `generate` on `device` in left-padded batches of `batch_size`; `vllm`: vLLM's
-    offline engine (it batches and places the model itself; `device` and `batch_size` are not used). `seed`
+    `backend` `hf`: vlmctl's decoding engine (`vlmctl.inference.generate`: transformers models, continuous batching of
+    `batch_size` rows) on `device`; `vllm`: vLLM's offline engine (it batches and places the model itself; `device`
+    and `batch_size` are not used). `seed`
     seeds torch's generator before sampling (a positive `temperature`). `progress(done, total)` is called after
     each batch. `video`: the `data.video` settings that videos which are not stored clips are sampled by (defaults
     when None; `generate`). Raises UsageError for a bad backend (vllm not installed), device, dtype or sampling value, or a
@@ -115,6 +118,7 @@ def write_predictions(
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    decoding = ""
     try:
         with tmp.open("w", encoding="utf-8") as fh:
             if backend == "vllm":
@@ -130,19 +134,22 @@ def write_predictions(
                     import torch
 
                     torch.manual_seed(seed)
-                for start in range(0, len(requests), batch_size):
-                    # One batch at a time, written as it comes: a long run shows its rows in the temporary file.
-                    answers = generate(model, processor, requests[start : start + batch_size], batch_size=batch_size,
+                chunk = max(8 * batch_size, 64)  # rows decoded together across a chunk: slots refill as answers end
+                for start in range(0, len(requests), chunk):
+                    # One chunk at a time, written as it comes: a long run shows its rows in the temporary file.
+                    done = start
+                    answers = generate(model, processor, requests[start : start + chunk], batch_size=batch_size,
                                        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, family=family,
-                                       video=video)
-                    _write_rows(fh, samples[start : start + batch_size], answers, references)
+                                       video=video, progress=(lambda k, n, s=done: progress(s + k, len(requests))) if progress else None)
+                    _write_rows(fh, samples[start : start + chunk], answers, references)
                     fh.flush()
-                    if progress:
-                        progress(start + len(answers), len(requests))
+                engine = getattr(model, "_vlmctl_decode_engine", None)
+                decoding = engine.summary() if engine is not None else ""
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
-    return PredictionsResult(path=out, n=len(samples), backend=backend, seconds=time.perf_counter() - t0)
+    return PredictionsResult(path=out, n=len(samples), backend=backend, seconds=time.perf_counter() - t0,
+                             decoding=decoding if backend != "vllm" else "")
 
 
 def _write_rows(fh, samples: Sequence["Sample"], answers: Sequence[Generation], references) -> None:

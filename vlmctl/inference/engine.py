@@ -183,14 +183,16 @@ class _Choice:
                     break
         return text.rstrip()
 
-    def _send(self, text: str) -> None:
-        if self.request.stream and len(text) > len(self.sent) and text.startswith(self.sent):
+    def _send(self, text: str, final: bool = False) -> None:
+        """Send what `text` adds to the text sent so far (as it grows when streaming; once, whole, at the end when
+        not)."""
+        if (self.request.stream or final) and len(text) > len(self.sent) and text.startswith(self.sent):
             self.request.emit(("delta", self.index, text[len(self.sent):]))
             self.sent = text
 
     def _finish(self, reason: str, text: str) -> None:
         self.out.text = text.strip()
-        self._send(self.out.text)
+        self._send(self.out.text, final=True)
         self.out.finish_reason = reason
         if self.out.logprobs is not None:
             self.request.emit(("logprobs", self.index, list(self.out.logprobs)))
@@ -319,6 +321,13 @@ class DecodeEngine:
     @property
     def busy(self) -> bool:
         return bool(self.running or self.queued)
+
+    def summary(self) -> str:
+        """One line for people: "CUDA graphs, liger kernels, 32 slots of 4,096 tokens" or "eager (not a CUDA device),
+        8 slots of 2,048 tokens"."""
+        how = "CUDA graphs" if self.mode == "cuda-graphs" else f"eager ({self.reason})" if self.reason else "eager"
+        kernels = f", {self.runner.kernels} kernels" if self.runner.kernels != "none" else ""
+        return f"{how}{kernels}, {self.max_slots} slots of {self.max_length:,} tokens"
 
     def describe(self) -> dict[str, Any]:
         """What /health and the logs report: mode (and why), slots, cache positions, steps, tokens."""

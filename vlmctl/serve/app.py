@@ -363,7 +363,8 @@ def _job(state: ServerState, req: ChatCompletionRequest) -> Job:
         raise _too_long(f"the prompt (at least {tokens} tokens) plus max_tokens ({max_tokens}) is over", engine.max_length)
     temperature = limits.temperature if req.temperature is None else req.temperature
     return Job(rendered, n=req.n, max_tokens=max_tokens, temperature=0.0 if temperature < GREEDY_BELOW else temperature,
-               top_p=req.top_p or 1.0, seed=req.seed, stop=stops, top_logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+               top_p=req.top_p or 1.0, seed=req.seed, stop=stops, top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+               stream=bool(req.stream))
 
 
 def _too_long(what: str, context: int) -> OpenAIError:

@@ -56,7 +56,8 @@ log = logging.getLogger("vlmctl.serve")
 class Job:
     """One chat completion request to answer: the request rendered (`rendered`, by `Engine.render`), `n` choices of at
     most `max_tokens` tokens each, sampling settings (`temperature` 0: greedy), the `stop` strings, `top_logprobs`
-    (None: no logprobs; else the number of alternatives per token) and where its events go (`sink`)."""
+    (None: no logprobs; else the number of alternatives per token), whether its text is streamed (`stream`: a job
+    answered whole gets one delta, its final text, and no per-token decoding) and where its events go (`sink`)."""
 
     rendered: RenderedRequest
     n: int = 1
@@ -68,6 +69,7 @@ class Job:
     top_logprobs: int | None = None
     sink: Sink = lambda event: None
     cancelled: threading.Event = field(default_factory=threading.Event)
+    stream: bool = True  # text deltas as the answer grows (else the final text only, at its end)
 
     def params(self):
         """The job's `SamplingParams`."""
@@ -103,6 +105,7 @@ class Engine:
         self._closing = False
         self.arriving = 0  # requests announced and not yet submitted or withdrawn
         self.rows = 0  # rows decoded, summed over the decode steps (rows / batches: rows per step)
+
         self.busy_seconds = 0.0  # seconds the worker spent stepping the engine (prefill, decoding, tokens sent)
         log.info("decoding: %s%s, %d slots of %d tokens", self.decoder.mode,
                  f" ({self.decoder.reason})" if self.decoder.reason else "", self.max_batch_size, max_length)
@@ -189,7 +192,8 @@ class Engine:
         if job.cancelled.is_set():  # its client left while it waited
             return job.fail(499, "the client closed the connection", "client_closed")
         try:
-            self.decoder.submit(job.rendered, job.params(), n=job.n, on_event=job.sink, cancelled=job.cancelled)
+            self.decoder.submit(job.rendered, job.params(), n=job.n, on_event=job.sink, cancelled=job.cancelled,
+                                stream=job.stream)
         except Exception as exc:  # noqa: BLE001 - a job the engine refuses (n over the slots) fails alone
             job.fail(400, str(getattr(exc, "message", exc)), "invalid_request")
 
