@@ -33,7 +33,7 @@ def serve_cmd(
     media_root: Annotated[Optional[list[Path]], typer.Option("--media-root", help="Folder that image_url paths may point into "
                                                              "(repeatable; default: the project's data.media_roots, else none: "
                                                              "data: URLs only).", show_default=False)] = None,
-    max_batch_size: Annotated[int, typer.Option("--max-batch-size", help="Requests' choices generated together.")] = 8,
+    max_batch_size: Annotated[int, typer.Option("--max-batch-size", help="Rows decoded together (a request of n choices is n rows); the KV cache holds this many.")] = 32,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens per answer when a request gives no max_tokens.")] = 256,
     max_body_mb: Annotated[float, typer.Option("--max-body-mb", help="Largest request body, in MiB.")] = 32.0,
     allow_origin: Annotated[Optional[list[str]], typer.Option("--allow-origin", help="A web page origin (scheme://host[:port]) "

@@ -49,7 +49,7 @@ class ServeSettings:
     api_key: str | None = None
     model_name: str | None = None
     limits: Limits = field(default_factory=Limits)
-    max_batch_size: int = 8
+    max_batch_size: int = 32
     max_length: int = 4096
     device: str = "auto"
     dtype: str = "auto"
