@@ -44,22 +44,7 @@ if [[ " $steps " == *" grpo "* ]]; then
     rm -rf outputs/runs/grpo
     timeout "${GRPO_TIMEOUT:-300}" python3 -m vlmctl train --launcher none "${keys[@]}" train.max_steps=6 train.save_steps=1000 \
         train.logging_steps=1 train.run_name=grpo > grpo.log 2>&1 || tail -30 grpo.log
-    python3 - outputs/runs/grpo/metrics.jsonl <<'PY'
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-print(f"{'step':>4} {'rollouts':>8} {'rollouts/s':>10} {'rollout s':>9} {'train s':>8} {'gen share':>9} {'length':>7} {'gap mean':>9} {'gap max':>8}")
-for r in rows:
-    g, t = r.get("time/rollout_s", 0.0), r.get("time/train_s", 0.0)
-    print(f"{r['step']:>4} {r.get('rollouts', 0):>8} {r.get('rollouts_per_s', 0):>10.1f} {g:>9.2f} {t:>8.2f} {g / max(g + t, 1e-9):>9.1%} "
-          f"{r.get('completions/mean_length', 0):>7.1f} {r.get('logprob_gap/mean', float('nan')):>9.4f} {r.get('logprob_gap/max', float('nan')):>8.4f}")
-later = rows[1:]
-g = sum(r.get("time/rollout_s", 0.0) for r in later) / len(later)
-t = sum(r.get("time/train_s", 0.0) for r in later) / len(later)
-print("GRPO " + json.dumps({"steps": len(later), "rollouts_per_s": round(sum(r.get("rollouts_per_s", 0) for r in later) / len(later), 2),
-                            "rollout_s": round(g, 3), "train_s": round(t, 3), "generation_share": round(g / (g + t), 3),
-                            "gap_mean": round(sum(r.get("logprob_gap/mean", 0) for r in later) / len(later), 5),
-                            "gap_max": round(max(r.get("logprob_gap/max", 0) for r in later), 5)}))
-PY
+    python3 "$root/benchmarks/grpo_table.py" outputs/runs/grpo/metrics.jsonl
     grep -m2 "rollouts through\|decoding" grpo.log || true
 fi
 

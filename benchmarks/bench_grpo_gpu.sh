@@ -9,6 +9,7 @@
 # (one image of the model's size, a reference of 1-8 random tokens; docs/post-training.md) and prints its grpo
 # figures as one JSON line (the whole result in WORKDIR/bench.json).
 set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 work=$1 preset=${2:-qwen2.5-vl-3b}
 shift $(( $# < 2 ? $# : 2 ))
 mkdir -p "$work/data/raw"
@@ -25,20 +26,7 @@ keys=(train.objective=grpo train.strategy=fsdp train.stage=full train.micro_batc
       train.grpo.group_size=8 train.grpo.max_new_tokens=64)
 python3 -m vlmctl train --launcher none "${keys[@]}" train.max_steps=6 train.save_steps=1000 train.logging_steps=1 \
     train.run_name=grpo "$@" > train.log 2>&1 || { tail -40 train.log; exit 1; }
-python3 - outputs/runs/grpo/metrics.jsonl <<'PY'
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-print(f"{'step':>4} {'rollouts':>8} {'rollouts/s':>10} {'rollout s':>9} {'train s':>8} {'generation share':>16} {'mean length':>11}")
-for r in rows:
-    g, t = r.get("time/rollout_s", 0.0), r.get("time/train_s", 0.0)
-    print(f"{r['step']:>4} {r.get('rollouts', 0):>8} {r.get('rollouts_per_s', 0):>10.1f} {g:>9.2f} {t:>8.2f} {g / (g + t):>16.1%} "
-          f"{r.get('completions/mean_length', 0):>11.1f}")
-later = rows[1:]
-g = sum(r.get("time/rollout_s", 0.0) for r in later) / len(later)
-t = sum(r.get("time/train_s", 0.0) for r in later) / len(later)
-print(json.dumps({"steps": len(later), "rollouts_per_s": sum(r.get("rollouts_per_s", 0) for r in later) / len(later),
-                  "rollout_s": g, "train_s": t, "generation_share": g / (g + t)}))
-PY
+python3 "$here/grpo_table.py" outputs/runs/grpo/metrics.jsonl
 python3 -m vlmctl bench --nproc-per-node 1 --steps 5 --warmup 1 --workload chat --text-tokens 1,8 --json "${keys[@]}" "$@" \
     > bench.json 2> bench.log || { tail -40 bench.log; exit 1; }
 python3 - bench.json <<'PY'

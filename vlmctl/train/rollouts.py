@@ -249,7 +249,9 @@ class RolloutEngine:
             if self.replica is None:
                 probe = {n: (p.to_local() if isinstance(p, DTensor) else p) for n, p in named.items()}
                 self.replica = self._build(policy, probe)
-                if self.replica is None:
+                if not self._everyone(self.replica is not None, next(iter(probe.values())).device):
+                    self.replica = None
+                    self.unavailable = self.unavailable or "another rank cannot hold a replica of the policy"
                     return False
                 from vlmctl.inference.engine import DecodeEngine
                 from vlmctl.data.modalities import media_token_ids
@@ -262,6 +264,19 @@ class RolloutEngine:
                 full = high_precision(param.full_tensor() if isinstance(param, DTensor) else param)
                 own[name].copy_(full)
         return True
+
+    @staticmethod
+    def _everyone(ok: bool, device) -> bool:
+        """Whether every rank has `ok` (one all-reduce under several ranks): the ranks decode the same way, or the
+        collective weight copy of one and transformers' synced generation of another would wait on each other."""
+        import torch
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return ok
+        flag = torch.tensor([1 if ok else 0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
 
     def generate(self, requests: Sequence[Any], *, group_size: int, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0) -> Rollouts:
