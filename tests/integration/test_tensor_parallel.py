@@ -70,8 +70,12 @@ def test_the_train_section_refuses_what_tensor_parallelism_does_not_train():
 
     with pytest.raises(ValidationError, match="tensor_parallel"):
         TrainSection(tensor_parallel=2, sequence_parallel=2)
-    with pytest.raises(ValidationError, match="fsdp"):
-        TrainSection(tensor_parallel=2, strategy="zero3")
+    from vlmctl.config.plan import DeviceFacts, build_plan, check_plan
+    from vlmctl.errors import ConfigError
+
+    zero3 = TrainSection(tensor_parallel=2, strategy="zero3")
+    with pytest.raises(ConfigError, match="fsdp"):
+        check_plan(build_plan(zero3, DeviceFacts.here(cuda=False)), zero3)
     with pytest.raises(ValidationError, match="LoRA"):
         TrainSection(tensor_parallel=2, lora={"r": 8})
     with pytest.raises(ValidationError, match="whole logits"):

@@ -679,11 +679,15 @@ def _batch_sizes(train, device: DeviceFacts, strategy: str, packing: bool, sp: i
 
 
 def check_plan(plan: RunPlan, train) -> None:
-    """Raise ConfigError for a plan this device cannot train with: fp16 without DeepSpeed's loss scaling, QLoRA off
+    """Raise ConfigError for a plan this device cannot train with: tensor parallelism under DeepSpeed, fp16 without
+    DeepSpeed's loss scaling, QLoRA off
     CUDA, bf16 master weights without bf16 compute or under DeepSpeed, stochastic rounding without torchao, an
     attention backend the device or batching cannot run, liger `on` where it cannot run, a float8 recipe
     (`train.fp8`) where float8 training cannot run (`fp8_blocker`)."""
     strategy, precision, master = plan.strategy.value, plan.precision.value, plan.master_weights.value
+    if plan.tensor_parallel > 1 and strategy in DEEPSPEED:
+        raise ConfigError(f"train.tensor_parallel needs train.strategy fsdp (or ddp on one tensor-parallel group), not {strategy}",
+                          hint="set train.strategy=fsdp, or train.tensor_parallel=1")
     if precision == "fp16" and strategy in ("ddp", "fsdp"):
         raise ConfigError("train.precision=fp16 needs loss scaling, which only the DeepSpeed strategies provide here",
                           hint="use train.precision=bf16, or train.strategy=zero2/zero3")

@@ -166,13 +166,12 @@ class TrainSection(Section):
 
     @model_validator(mode="after")
     def _tensor_parallel_fits(self):
-        """Tensor parallelism splits the language model's layers; sequence parallelism, DeepSpeed and LoRA are not
-        combined with it (objectives that read whole logits refuse it themselves: `_objective_fits`)."""
+        """Tensor parallelism splits the language model's layers; sequence parallelism and LoRA are not combined with
+        it (DeepSpeed: `config.plan.check_plan`; objectives that read whole logits refuse it themselves:
+        `_objective_fits`)."""
         if self.tensor_parallel > 1:
             if self.sequence_parallel > 1:
                 raise ValueError("train.tensor_parallel and train.sequence_parallel are not combined: set one of them to 1")
-            if self.strategy in ("zero2", "zero3"):
-                raise ValueError(f"train.tensor_parallel needs train.strategy fsdp (or ddp on one tensor-parallel group), not {self.strategy}")
             if self.lora is not None:
                 raise ValueError("train.tensor_parallel splits the language model's linear layers, which LoRA wraps in adapters: "
                                  "remove train.lora (full fine-tuning) or set train.tensor_parallel: 1")

@@ -461,7 +461,7 @@ class DecodeEngine:
 
     def _inputs(self, rendered: list[RenderedRequest]) -> dict[str, Any]:
         """The processor's tensors for `rendered` prompts, padded on the right (every row's tokens start at 0)."""
-        from vlmctl.inference.generation import _model_inputs
+        from vlmctl.inference.inputs import _model_inputs
 
         side, self.tok.padding_side = self.tok.padding_side, "right"
         try:

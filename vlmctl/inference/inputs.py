@@ -1,0 +1,108 @@
+"""What the processor makes of a request's prompt and media: the model's input tensors (`_model_inputs`), and the
+audio clips and videos read as the data pipeline reads them for training (`audio_inputs`, `video_inputs`,
+`read_video`). Used by the decoding engine, `vlmctl.serve` and GRPO's rollouts.
+
+Audio clips (`GenerationRequest.audios`, audio families such as qwen2_audio) go through the data pipeline's audio
+unit (`vlmctl.data.modalities.audio.AudioUnit.processor_inputs`): decoded with soundfile, down-mixed to mono and
+resampled with soxr to the feature extractor's rate (16 kHz for Whisper-style extractors), then handed to the
+processor's `audio=`, exactly as training hands them over; the processor returns `input_features` and
+`feature_attention_mask`.
+
+Videos (`GenerationRequest.videos`, Qwen2-VL / Qwen2.5-VL / Qwen3-VL, LLaVA-OneVision) go through the data pipeline's
+video unit (`vlmctl.data.modalities.video`): a video file is checked and sampled by the `data.video` settings passed
+as `video=` (`normalize_video`: frames per second, frame and pixel bounds; defaults when None), a stored clip
+(prepared shards, `read_video`'s output) is used as it is, as training uses it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    from vlmctl.config.data import DataVideo
+
+# torch, the data pipeline's media units and vlmctl's error types are imported inside the functions that use them:
+# importing vlmctl (the CLI's start-up) must not pay for numpy, soundfile or PyAV.
+
+
+def audio_inputs(processor, clips: list[bytes]) -> dict[str, Any]:
+    """The processor call's audio keywords for encoded `clips`: `audio=` (mono float32 waveforms [n] at the feature
+    extractor's rate) and `sampling_rate=`, through the data pipeline's audio unit; {} without clips. Raises
+    DataError for a clip that does not decode (the unit's AudioError, with its reason)."""
+    if not clips:
+        return {}
+    from vlmctl.data.modalities import get_unit
+    from vlmctl.data.modalities.audio import AudioError
+    from vlmctl.errors import DataError
+
+    try:
+        return get_unit("audio").processor_inputs(list(clips), processor)
+    except AudioError as exc:
+        raise DataError(f"an audio clip cannot be read ({exc.reason}): {exc.detail}",
+                        hint="use WAV, FLAC, MP3 or OGG clips (pip install 'vlmctl[audio]' for the decoders)") from None
+
+
+def read_video(video: bytes | str | Path, settings: "DataVideo | None" = None) -> bytes:
+    """A video as the data pipeline stores a clip (`vlmctl.data.modalities.video.normalize_video`: the frames
+    sampled by `settings`, `data.video` defaults when None, as Motion JPEG in Matroska). `video`: a path or encoded
+    bytes of any container and codec FFmpeg decodes. A stored clip (prepared shards' clips, this function's output)
+    is returned as it is: its frames are the ones training uses, so they are not sampled again.
+
+    Raises DataError naming the file (or the clip) when it is missing, not a video, has a codec FFmpeg cannot
+    decode, is shorter than `settings.min_frames` frames or longer than `settings.max_seconds` (the video unit's
+    reason codes).
+    """
+    from vlmctl.data.modalities.video import MAX_VIDEO_FILE_BYTES, VideoError, normalize_video, probe
+    from vlmctl.errors import DataError
+
+    name = "a video clip" if isinstance(video, (bytes, bytearray)) else str(video)
+    hint = "use a video file FFmpeg decodes (MP4, WebM, MKV, MOV...; pip install 'vlmctl[video]' for PyAV)"
+    if not isinstance(video, (bytes, bytearray)):
+        path = Path(video).expanduser()
+        if not path.is_file():
+            raise DataError(f"{path}: no such video file", hint="check the path (relative to the folder vlmctl started in)")
+        if path.stat().st_size > MAX_VIDEO_FILE_BYTES:
+            raise DataError(f"{path}: {path.stat().st_size / 2**30:,.1f} GiB, over the limit of {MAX_VIDEO_FILE_BYTES >> 30} GiB "
+                            "per video file", hint="cut the video into shorter clips")
+        video = path.read_bytes()
+    try:
+        if probe(bytes(video)).tagged:
+            return bytes(video)
+        return normalize_video(bytes(video), settings).data
+    except VideoError as exc:
+        if exc.reason in ("video_too_short", "video_too_long"):
+            hint = "change data.video (min_frames, max_seconds) in the project, or cut the video"
+        raise DataError(f"{name}: {exc.detail} ({exc.reason})", hint=hint) from None
+
+
+def video_inputs(videos: Sequence[bytes | str | Path], settings: "DataVideo | None" = None) -> dict[str, Any]:
+    """The processor call's video keywords for `videos` (paths or encoded bytes, read by `read_video` with
+    `settings`): `videos=` (frames [T, H, W, 3] uint8 per clip), `video_metadata=` (the sampled frame count and
+    rate per clip) and `do_sample_frames=False`, from the data pipeline's video unit; {} without videos. Raises
+    DataError as `read_video` does."""
+    if not videos:
+        return {}
+    from vlmctl.data.modalities import get_unit
+
+    return get_unit("video").processor_inputs([read_video(v, settings) for v in videos])
+
+
+def _model_inputs(model, processor, texts: list[str], images: list, audios: list[bytes] = (), videos: Sequence = (),
+                  video: "DataVideo | None" = None) -> dict[str, Any]:
+    """The processor's tensors for rendered prompts (padded on the tokenizer's padding side), on the model's
+    device; floating image, video and audio-feature tensors in the model's dtype. `audios`: the encoded clips of
+    the prompts' audio parts, in order (`audio_inputs`); `videos`: those of their video parts (`video_inputs`,
+    sampled by `video`)."""
+    device = next(model.parameters()).device
+    media = {"images": images} if images else {}
+    inputs = processor(text=texts, **media, **audio_inputs(processor, list(audios)), **video_inputs(list(videos), video),
+                       padding=True, return_tensors="pt", add_special_tokens=False)
+    inputs = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in inputs.items()}
+    for key in ("pixel_values", "pixel_values_videos", "input_features"):
+        if key in inputs and inputs[key].is_floating_point():
+            inputs[key] = inputs[key].to(model.dtype)
+    return inputs
+
+
+__all__ = ["_model_inputs", "audio_inputs", "read_video", "video_inputs"]
