@@ -637,8 +637,6 @@ class DecodeEngine:
         self.decode_seconds += time.perf_counter() - started
 
     def _logprob_rows(self, index, tokens, want):
-        import torch
-
         from vlmctl.inference.sampling import logprob_entries
 
         logits = self.runner.logits[index]

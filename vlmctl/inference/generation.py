@@ -11,7 +11,6 @@ data pipeline's audio and video units). A request with a modality the model's fa
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from vlmctl.errors import UsageError
