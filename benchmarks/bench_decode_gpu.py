@@ -11,13 +11,17 @@ does; the real vocabulary size, a small trained tokenizer). Every prompt is one 
 greedy. For each rows count R:
 - engine variants (`--variants`): `graphs` (decode steps replayed from CUDA graphs), `eager` (no graphs), `compile`
   (each decoder layer through torch.compile, then graphs), `none` (graphs, no fused kernels; `graphs` takes liger's where
-  installed): R requests submitted at once and stepped to the end, after one warm-up
+  installed), each optionally with `:nofuse` (separate q/k/v and gate/up projections: `fused.fuse_projections` off)
+  and `:sync` (each step's tokens taken before the next step is launched: `DecodeEngine(overlap=False)`); fusing
+  changes the model in place, so `:nofuse` variants must come first: R requests submitted at once and stepped to the end, after one warm-up
   round of the same shapes (graph capture and compilation stay out of the timing). Prints tokens/s, ms per decode
   step and the median time to first token (admission to first token, prefill included);
 - `--hf static`: `model.generate(cache_implementation="static")` (transformers compiles its decode step) on the same R
   prompts left-padded, after one warm-up call; `--hf dynamic`: the default dynamic cache, eager.
-`--parity N`: N different prompts answered greedily by the engine with graphs, without graphs, and by `generate`
-(dynamic cache): how many answers are identical token for token (bf16 ties can split them).
+`--profile N`: N decode steps of one row without graphs under torch.profiler: kernels per step, the GPU time they
+add up to, and the kernels that take most of it (what a graph replay cannot hide).
+`--parity N`: N different prompts answered greedily by `generate` (dynamic cache, the model's own projections), then
+by the engine (fused projections) with graphs and without: how many answers are identical token for token (bf16 ties can split them).
 Each result is one `RESULT {json}` line; a table comes last.
 """
 
@@ -125,23 +129,51 @@ def parity(model, processor, family, n: int, max_tokens: int, device: str) -> di
     from vlmctl.inference.sampling import SamplingParams
 
     reqs = prompts(n)
+    hf = []  # first, while the model's projections are still apart (the engine fuses them in place)
+    for r in reqs:
+        rr = render_request(r, processor, family)
+        inputs = _model_inputs(model, processor, [rr.text], rr.images)
+        with torch.inference_mode():
+            out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, pad_token_id=processor.tokenizer.pad_token_id)
+        hf.append(out[0, inputs["input_ids"].shape[1]:].tolist())
     answers = {}
     for name, graphs in (("graphs", None), ("eager", False)):
         engine = DecodeEngine(model, processor, family=family, max_slots=8, max_length=1024, graphs=graphs, kernels="none")
         done = engine.generate(reqs, SamplingParams(max_tokens=max_tokens))
         answers[name] = [r.completions[0].token_ids for r in done]
         eos = engine.eos
-    hf = []
-    for r in reqs:
-        rr = render_request(r, processor, family)
-        inputs = _model_inputs(model, processor, [rr.text], rr.images)
-        with torch.inference_mode():
-            out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, pad_token_id=processor.tokenizer.pad_token_id)
-        ids = out[0, inputs["input_ids"].shape[1]:].tolist()
-        hf.append(next((ids[:k] for k, t in enumerate(ids) if t in eos), ids))
+    hf = [next((ids[:k] for k, t in enumerate(ids) if t in eos), ids) for ids in hf]
     same = lambda a, b: sum(x == y for x, y in zip(a, b))  # noqa: E731
     return {"probes": n, "graphs_vs_eager": same(answers["graphs"], answers["eager"]),
             "graphs_vs_generate": same(answers["graphs"], hf), "eager_vs_generate": same(answers["eager"], hf)}
+
+
+def profile(model, processor, family, steps: int, device: str) -> dict:
+    """Kernels of `steps` eager decode steps of one row (the engine's liger kernels and fused projections as the
+    graphs variant has them): count per step, summed GPU time per step, the 12 largest by total time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    from vlmctl.inference.engine import DecodeEngine
+    from vlmctl.inference.sampling import SamplingParams
+
+    engine = DecodeEngine(model, processor, family=family, max_slots=1, max_length=1024, graphs=False)
+    handle = engine.submit(prompts(1)[0], SamplingParams(max_tokens=steps + 8, ignore_eos=True), stream=False)
+    for _ in range(4):  # prefill and a few steps before the trace
+        engine.step()
+    sync(device)
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        sync(device)
+    while not handle.finished:
+        engine.step()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total_us = sum(e.self_device_time_total for e in events)
+    count = sum(e.count for e in events)
+    top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:12]
+    return {"steps": steps, "kernels_per_step": round(count / steps, 1), "kernel_ms_per_step": round(total_us / steps / 1000, 3),
+            "top": [(e.key[:70], e.count // steps, round(e.self_device_time_total / steps, 1)) for e in top]}
 
 
 def main() -> None:
@@ -153,6 +185,7 @@ def main() -> None:
     ap.add_argument("--variants", default="graphs,eager")
     ap.add_argument("--hf", default="", help="comma list of: static, dynamic")
     ap.add_argument("--parity", type=int, default=0)
+    ap.add_argument("--profile", type=int, default=0)
     ap.add_argument("--max-length", type=int, default=1024)
     ap.add_argument("--dtype", default="bf16", help="bf16 or fp32 (parity in fp32 leaves bf16 ties out)")
     args = ap.parse_args()
@@ -173,16 +206,18 @@ def main() -> None:
 
     if args.parity:
         emit({"what": "parity", "preset": args.preset, **parity(model, processor, family, args.parity, 32, args.device)})
-    for variant in [v for v in args.variants.split(",") if v]:
+    for spec in [v for v in args.variants.split(",") if v]:
         t0 = time.perf_counter()
+        variant, *flags = spec.split(":")
         kernels = {"compile": "compile", "none": "none", "eager": "none", "liger": "liger"}.get(variant)
         engine = DecodeEngine(model, processor, family=family, max_slots=max(rows), max_length=args.max_length,
-                              graphs=variant != "eager", kernels=kernels)
+                              graphs=variant != "eager", kernels=kernels, fuse="nofuse" not in flags, overlap="sync" not in flags)
         for r in rows:
             reqs = prompts(r)
             run_engine(engine, reqs, args.max_tokens, args.device)  # warm-up: captures (and compiles) this shape
-            emit({"what": f"engine-{variant}", "preset": args.preset, "rows": r, **run_engine(engine, reqs, args.max_tokens, args.device),
+            emit({"what": f"engine-{spec}", "preset": args.preset, "rows": r, **run_engine(engine, reqs, args.max_tokens, args.device),
                   "mode": engine.mode, "reason": engine.reason, "kernels": engine.runner.kernels, "graphs": engine.runner.graph_count,
+                  "fused_groups": engine.runner.fused, "overlapped_steps": engine.overlapped,
                   "setup_s": round(time.perf_counter() - t0, 1)})
         del engine
         torch.cuda.empty_cache() if args.device.startswith("cuda") else None
@@ -193,9 +228,11 @@ def main() -> None:
                       **run_hf(model, processor, family, prompts(r), args.max_tokens, cache, args.device)})
             except Exception as exc:  # noqa: BLE001 - a baseline that fails is reported, the others stand
                 emit({"what": f"generate-{cache}", "preset": args.preset, "rows": r, "error": f"{type(exc).__name__}: {exc}"[:300]})
+    if args.profile:
+        emit({"what": "profile", "preset": args.preset, **profile(model, processor, family, args.profile, args.device)})
     print(f"\n{'what':<18} {'rows':>5} {'tok/s':>10} {'ms/step':>9} {'ttft ms':>8} {'prefill s':>9}")
     for r in results:
-        if r["what"] == "parity":
+        if r["what"] in ("parity", "profile"):
             print(f"parity: {r}")
             continue
         print(f"{r['what']:<18} {r.get('rows', ''):>5} {r.get('tokens_per_s', r.get('error', '')):>10} "

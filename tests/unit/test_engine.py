@@ -156,6 +156,36 @@ def test_rows_with_different_settings_in_one_batch_each_get_what_they_asked(llav
     assert [t for t, _, _ in scored.logprobs] == scored.token_ids
 
 
+def test_overlapped_steps_give_what_steps_one_at_a_time_give(llava):
+    """A step launched before the tokens of the one before it are taken changes no answer: rows of different
+    lengths, samplers, a stop string and rows that run into the end of the cache, more requests than slots (a slot
+    freed one step late goes to the next request), against the same engine taking every step's tokens at once."""
+    model, processor = llava
+    prompts = requests_for(FAMILIES["llava"])
+    probe = DecodeEngine(model, processor, max_slots=1, max_length=512, overlap=False)
+    text = probe.generate([prompts[0]], SamplingParams(max_tokens=10, ignore_eos=True))[0].completions[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 2].strip() or text[-1]
+    length = probe.generate([prompts[1]], SamplingParams(max_tokens=1))[0].prompt_tokens
+    settings = [SamplingParams(max_tokens=9, ignore_eos=True),
+                SamplingParams(max_tokens=14, temperature=0.9, top_p=0.8, seed=5, ignore_eos=True),
+                SamplingParams(max_tokens=10, stop=(stop,), ignore_eos=True),
+                SamplingParams(max_tokens=64, ignore_eos=True),  # ends at the cache's end
+                SamplingParams(max_tokens=2, ignore_eos=True),
+                SamplingParams(max_tokens=64, temperature=1.0, seed=9, ignore_eos=True)]
+    order = [prompts[i] for i in (1, 2, 0, 1, 2, 0)]  # the stop string's row asks what the probe answered
+    answers = {}
+    for overlap in (False, True):
+        engine = DecodeEngine(model, processor, max_slots=3, max_length=length + 20, strict_context=False, overlap=overlap)
+        done = engine.generate(order, settings)
+        assert all(r.error is None for r in done), [r.error for r in done]
+        answers[overlap] = [(c.token_ids, c.finish_reason) for r in done for c in r.completions]
+        assert engine.overlapped > 0 if overlap else engine.overlapped == 0
+        assert engine._pending is None and all(s is None for s in engine.slots)
+    assert answers[True] == answers[False]
+    assert {reason for _, reason in answers[True]} == {"length", "stop"}
+    assert max(len(ids) for ids, _ in answers[True]) < 64  # the cache's end stopped the long rows
+
+
 def test_a_cancelled_row_frees_its_slot_and_sends_nothing_more(llava):
     engine = DecodeEngine(*llava, max_slots=1, max_length=512)
     prompts = requests_for(FAMILIES["llava"])
@@ -167,12 +197,13 @@ def test_a_cancelled_row_frees_its_slot_and_sends_nothing_more(llava):
     engine.step()
     assert waiting.admitted_step is None  # the only slot is taken
     engine.cancel(long)
-    seen = len(events)
+    seen, generated = len(events), long.completions[0].generated
     engine.step()
     assert waiting.admitted_step is not None and engine.slots[0].request is waiting
     while engine.busy:
         engine.step()
     assert len(events) == seen and long.finished and not any(e[0] == "end" for e in events)
+    assert long.completions[0].generated == generated  # the step in flight at the cancel hands it nothing
     assert len(waiting.completions[0].token_ids) == 4
 
 

@@ -39,7 +39,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 from vlmctl.errors import UsageError
 from vlmctl.inference.prompt import GenerationRequest, RenderedRequest
@@ -108,6 +108,15 @@ class Request:
         return [c.text for c in self.completions]
 
 
+class _Launched(NamedTuple):
+    """A decode step launched: the choices it decodes [(slot, choice)], its tokens on their way to the host (a
+    buffer [rows] and the CUDA event after which it holds them, or None) and the logprob entries per slot."""
+
+    live: list
+    tokens: tuple
+    entries: dict
+
+
 class _Choice:
     """One choice while it is generated: its slot, cache length and text (streamed text decoded incrementally: each
     token decodes only the tokens since the last complete character, after the ones before them for context,
@@ -119,6 +128,7 @@ class _Choice:
         self.out = Completion(logprobs=[] if request.params.logprobs is not None else None)
         request.completions.append(self.out)
         self.length = 0  # cache positions used (prompt + generated tokens fed back)
+        self.inflight = 0  # decode steps launched whose token it has not taken yet (0 or 1)
         self.sent = ""
         self.decoded = ""  # text of tokens[:self._read] (`_advance`)
         self._prefix = self._read = 0
@@ -239,7 +249,9 @@ class DecodeEngine:
     `family`: its `FamilySpec` (default: from its config). `max_slots`: rows decoded at once (the KV cache's
     slots; on a GPU at most what half its free memory holds). `max_length`: the longest prompt + answer a row may
     reach, in tokens (cache positions per slot). `video`: the `data.video` settings videos are sampled by.
-    `graphs`, `kernels`, `prefill_chunk`: see `runner.ModelRunner`. `prefill_batch`: prompts prefilled together in
+    `graphs`, `kernels`, `prefill_chunk`, `fuse`: see `runner.ModelRunner`. `overlap`: launch each decode step before
+    taking the tokens of the one before it, so the host's work per token (stops, text, events) runs while the GPU
+    decodes (`_decode`). `prefill_batch`: prompts prefilled together in
     one forward (right-padded to the longest). `suppress_tokens`: ids never sampled (GRPO:
     media placeholders). `logprobs`: "raw" or "sampled" (module docstring). `strict_context`: refuse (400) a request
     whose prompt plus `max_tokens` is over `max_length` (else its choices end with "length" there). `max_context`:
@@ -250,7 +262,7 @@ class DecodeEngine:
     def __init__(self, model, processor, *, family: Any = None, max_slots: int = 32, max_length: int = 4096, video: Any = None,
                  graphs: bool | None = None, kernels: str | None = None, prefill_chunk: int = 4096, prefill_batch: int = 16,
                  suppress_tokens: Sequence[int] = (), logprobs: str = "raw", strict_context: bool = True,
-                 max_context: int | None = None):
+                 max_context: int | None = None, overlap: bool = True, fuse: bool = True):
         from vlmctl.inference.kv_cache import bytes_per_token
         from vlmctl.inference.prompt import model_family
         from vlmctl.inference.runner import ModelRunner, kv_budget_slots
@@ -281,7 +293,7 @@ class DecodeEngine:
             slots = kv_budget_slots(free // 2, bytes_per_token(config, dtype_bytes), max_length, max_slots)
         self.max_length = int(max_length)
         self.runner = ModelRunner(model, self.family, slots=slots, max_len=self.max_length, graphs=graphs, kernels=kernels,
-                                  prefill_chunk=prefill_chunk, suppress=tuple(suppress_tokens))
+                                  prefill_chunk=prefill_chunk, suppress=tuple(suppress_tokens), fuse=fuse)
         self.prefill_batch = max(1, int(prefill_batch))
         self.slots: list[_Choice | None] = [None] * slots
         self._incoming: deque[Request] = deque()
@@ -292,6 +304,10 @@ class DecodeEngine:
         self.tokens_generated = 0
         self.prefill_seconds = 0.0
         self.decode_seconds = 0.0
+        self.overlap = bool(overlap)
+        self.overlapped = 0  # decode steps launched before the tokens of the step before them were taken
+        self._pending: _Launched | None = None  # the step launched last, its tokens not taken yet
+        self._pinned: list | None = None
 
     # ---- what the engine does and holds
 
@@ -334,6 +350,7 @@ class DecodeEngine:
         return {"decode": self.mode, **({"decode_reason": self.reason} if self.reason else {}), "kernels": self.runner.kernels,
                 "slots": self.max_slots,
                 "max_length": self.max_length, "cuda_graphs": self.runner.graph_count, "decode_steps": self.steps,
+                "overlapped_steps": self.overlapped,
                 "prefills": self.prefills, "tokens_generated": self.tokens_generated}
 
     # ---- requests
@@ -366,6 +383,7 @@ class DecodeEngine:
         failed = {id(c.request): c.request for c in self.slots if c is not None}
         failed.update({id(r): r for r in self._waiting})
         self._waiting.clear()
+        self._pending = None
         for slot in range(len(self.slots)):
             self.slots[slot] = None
             self.runner.release(slot)
@@ -389,6 +407,7 @@ class DecodeEngine:
         requests = [self.submit(p, q, n=n, on_event=counter, stream=False) for p, q in zip(prompts, many)]
         while any(not r.finished for r in requests):
             self.step()
+        self.settle()
         return requests
 
     # ---- the loop
@@ -612,15 +631,22 @@ class DecodeEngine:
         return logprob_entries(logits, tokens, params.logprobs or 0, temperature)
 
     def _decode(self) -> None:
+        """Launch one decode step for every running choice, then take the tokens of the step before it (`overlap`),
+        or of this one when it cannot overlap: a choice asks for logprobs (read from the step's logits), or one more
+        position could pass the cache's end."""
         import torch
 
         started = time.perf_counter()
+        if self._pending is not None and not self._can_overlap():
+            self._take(self._pending)
+            self._pending = None
         live = [(slot, c) for slot, c in enumerate(self.slots) if c is not None]
+        if not live:
+            return
         rows = live[-1][0] + 1
-        kv_len = max(c.length for _, c in live) + 1
+        kv_len = max(c.length + c.inflight for _, c in live) + 1
         greedy = all(c.request.params.greedy for _, c in live)
         tokens = self.runner.step(rows, kv_len, greedy)
-        host = tokens[:rows].tolist()
         want = [(slot, c) for slot, c in live if c.request.params.logprobs is not None]
         entries: dict[int, tuple] = {}
         if want:
@@ -628,13 +654,64 @@ class DecodeEngine:
             for (slot, c), entry in zip(want, self._logprob_rows(index, tokens, want)):
                 entries[slot] = entry
         self.steps += 1
-        for slot, choice in live:
+        for _, choice in live:
+            choice.inflight += 1
+        launched = _Launched(live, self._host_tokens(tokens, rows), entries)
+        previous, self._pending = self._pending, launched
+        if previous is not None:
+            self._take(previous)
+            self.overlapped += 1
+        if want or not self._can_overlap():
+            self._take(launched)
+            self._pending = None
+        self.decode_seconds += time.perf_counter() - started
+
+    def _can_overlap(self) -> bool:
+        """Whether one more step may be launched before the tokens of the one in flight are taken: every running
+        choice then still writes inside the cache (a choice the step in flight ends decodes one wasted token)."""
+        return self.overlap and all(c.length + c.inflight < self.max_length for c in self.slots if c is not None)
+
+    def _host_tokens(self, tokens: "torch.Tensor", rows: int):
+        """The step's tokens [rows] copied to the host without waiting (a pinned buffer and an event on CUDA; two
+        buffers in turn, so the copy of one step never overwrites the one not yet read); on the CPU, a copy."""
+        import torch
+
+        if tokens.device.type != "cuda":
+            return tokens[:rows].clone(), None
+        if self._pinned is None:
+            self._pinned = [torch.empty(len(self.slots), dtype=tokens.dtype, pin_memory=True) for _ in range(2)]
+        buffer = self._pinned[self.steps % 2][:rows]
+        buffer.copy_(tokens[:rows], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return buffer, event
+
+    def _take(self, launched: "_Launched") -> None:
+        """Hand each choice of a launched step its token: a choice that ended, or whose slot went to another, since
+        the step was launched drops it."""
+        buffer, event = launched.tokens
+        if event is not None:
+            event.synchronize()
+        host = buffer.tolist()
+        for slot, choice in launched.live:
+            choice.inflight -= 1
+            if choice.done or self.slots[slot] is not choice:
+                continue
             choice.length += 1
-            choice.take(host[slot], entries.get(slot), self.max_length)
+            choice.take(host[slot], launched.entries.get(slot), self.max_length)
             self.tokens_generated += 1
             if choice.done:
                 self._free(slot)
-        self.decode_seconds += time.perf_counter() - started
+
+    def settle(self) -> None:
+        """Take the tokens of the step still in flight, if any (after the last request ended: its tokens are
+        dropped), so that the runner's buffers are no longer written."""
+        import torch
+
+        if self._pending is not None:
+            with torch.inference_mode():
+                self._take(self._pending)
+            self._pending = None
 
     def _logprob_rows(self, index, tokens, want):
         from vlmctl.inference.sampling import logprob_entries

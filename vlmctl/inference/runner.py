@@ -135,13 +135,17 @@ class ModelRunner:
     SwiGLU, patched into the model as training patches them), `"compile"` (each decoder layer through
     torch.compile, one compiled code for all layers; slower to start), `"none"`, or None (liger on CUDA where it is
     installed and has the family, else none). `prefill_chunk`: the longest piece of a prompt one prefill
-    forward takes (tokens). `suppress`: token ids never sampled. Raises ModelError when the family's language model
+    forward takes (tokens). `suppress`: token ids never sampled. `fuse`: the language model's query/key/value and
+    gate/up projections each run as one product while decoding (`fused.fuse_projections`; `fused` counts the groups).
+    Raises ModelError when the family's language model
     or LM head is not found on `model`.
     """
 
     def __init__(self, model, family, *, slots: int, max_len: int, graphs: bool | None = None, kernels: str | None = None,
-                 prefill_chunk: int = 4096, suppress: tuple[int, ...] = ()):
+                 prefill_chunk: int = 4096, suppress: tuple[int, ...] = (), fuse: bool = True):
         import torch
+
+        from vlmctl.inference.fused import GROUPS, fuse_projections
 
         from vlmctl.families.spec import _find_prefix
 
@@ -185,6 +189,9 @@ class ModelRunner:
         on_cuda = dev.type == "cuda"
         self.use_graphs = on_cuda if graphs is None else bool(graphs) and on_cuda
         self.kernels = self._apply_kernels(kernels)
+        # liger's SwiGLU copies strided inputs into contiguous ones: a gate/up slice would cost more than it saves
+        groups = GROUPS[:1] if self.kernels == "liger" else GROUPS
+        self.fused = fuse_projections(self.lm, groups) if fuse else 0
         register_decode_attention()
         self._graphs: dict[tuple, Any] = {}
         self._pool = None
