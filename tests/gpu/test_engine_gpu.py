@@ -1,5 +1,6 @@
 """The decoding engine on a GPU: decode steps replayed from CUDA graphs give the greedy answers of eager decode
-steps (bf16), with and without liger-kernel's fused kernels; the engine says it decodes from graphs."""
+steps (bf16), with and without liger-kernel's fused kernels; the engine says it decodes from graphs; fused
+projections and overlapped steps give the answers of separate projections and steps taken one at a time."""
 
 from __future__ import annotations
 
@@ -26,8 +27,7 @@ def _probes(n: int):
                               images=[_png(((37 * i) % 256, (91 * i) % 256, (53 * i) % 256))], id=str(i)) for i in range(n)]
 
 
-@pytest.fixture(scope="module")
-def model_on_gpu(built):
+def _sharpened(built):
     from vlmctl.inference import load_for_generation
 
     model, processor = load_for_generation(built / "tiny-qwen2.5-vl", device="cuda", dtype="bf16")
@@ -37,6 +37,27 @@ def model_on_gpu(built):
             if p.ndim >= 2:
                 p.copy_((torch.randn(p.shape, generator=g) * 0.3).to(p.device, p.dtype))
     return model, processor
+
+
+@pytest.fixture(scope="module")
+def model_on_gpu(built):
+    return _sharpened(built)
+
+
+def test_fused_projections_and_overlapped_steps_give_the_answers_of_neither(built):
+    from vlmctl.inference.engine import DecodeEngine
+    from vlmctl.inference.sampling import SamplingParams
+
+    model, processor = _sharpened(built)  # its own copy: fusing changes the model in place
+    probes, params = _probes(20), SamplingParams(max_tokens=24)
+    plain = DecodeEngine(model, processor, max_slots=8, max_length=512, graphs=False, kernels="none", fuse=False, overlap=False)
+    a = [r.completions[0].token_ids for r in plain.generate(probes, params)]
+    fast = DecodeEngine(model, processor, max_slots=8, max_length=512, graphs=False, kernels="none")
+    b = [r.completions[0].token_ids for r in fast.generate(probes, params)]
+    assert plain.runner.fused == 0 and fast.runner.fused > 0 and fast.overlapped > 0
+    same = sum(x == y for x, y in zip(a, b))
+    assert same >= 19, f"{same} of 20 answers identical"
+    assert len({tuple(x) for x in a}) > 5
 
 
 @pytest.mark.parametrize("kernels", ["none", None])

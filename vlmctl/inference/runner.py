@@ -79,8 +79,8 @@ DECODE_ATTENTION = "vlmctl_decode"
 def decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                      softcap: float | None = None, **kwargs):
     """transformers attention function for one new token per row over its cached keys: query [B, H, 1, D], key and
-    value [B, H_kv, L, D] (grouped-query heads: H = G x H_kv), and the decode mask `decode_mask` made: additive
-    float32 [B x H_kv, 1, 1, L] (0 attends, -inf not).
+    value [B, H_kv, L, D] (grouped-query heads: H = G x H_kv), and the decode mask `decode_mask` made: additive,
+    in the model's dtype, [B x H_kv, 1, 1, L] (0 attends, -inf not).
 
     The G query heads of each key/value head attend as one [G, D] x [D, L] product, so the cache is read once per
     key/value head rather than copied G times (`repeat_kv`, which transformers' sdpa path does whenever a mask is
@@ -257,20 +257,21 @@ class ModelRunner:
         return self._mask(allowed)
 
     def _decode_mask(self, write_pos: "torch.Tensor", key_range: "torch.Tensor"):
-        """The decode step's mask(s) in `decode_attention`'s layout: additive float32 [B x H_kv, 1, 1, L], 0 where row b
+        """The decode step's mask(s) in `decode_attention`'s layout: additive, in the model's dtype, [B x H_kv, 1, 1, L], 0 where row b
         attends (its positions up to write_pos[b], within the layer's window), -inf elsewhere; one per layer type
         where the model has several."""
         import torch
 
         k, q = key_range[None, :], write_pos[:, None]
         kv_heads = self.kv_heads
+        dtype = self.embed.weight.dtype  # the queries' dtype: `decode_attention` adds it to the scores without a cast
         first = self.first[: write_pos.shape[0], None]
 
         def additive(window):
             allowed = (k <= q) & (k >= first)
             if window:
                 allowed = allowed & (k > q - window)
-            mask = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill(~allowed, float("-inf"))
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
             return mask.repeat_interleave(kv_heads, dim=0)[:, None, None, :]  # 4D (transformers passes it as it is)
 
         if isinstance(self.windows, dict):
