@@ -136,7 +136,8 @@ class ModelRunner:
     torch.compile, one compiled code for all layers; slower to start), `"none"`, or None (liger on CUDA where it is
     installed and has the family, else none). `prefill_chunk`: the longest piece of a prompt one prefill
     forward takes (tokens). `suppress`: token ids never sampled. `fuse`: the language model's query/key/value and
-    gate/up projections each run as one product while decoding (`fused.fuse_projections`; `fused` counts the groups).
+    gate/up projections each run as one product while decoding (`fused.fuse_projections`; `fused` counts the groups;
+    not with compiled layers).
     Raises ModelError when the family's language model
     or LM head is not found on `model`.
     """
@@ -189,9 +190,10 @@ class ModelRunner:
         on_cuda = dev.type == "cuda"
         self.use_graphs = on_cuda if graphs is None else bool(graphs) and on_cuda
         self.kernels = self._apply_kernels(kernels)
-        # liger's SwiGLU copies strided inputs into contiguous ones: a gate/up slice would cost more than it saves
+        # liger's SwiGLU copies strided inputs into contiguous ones: a gate/up slice would cost more than it saves;
+        # compiled layers fuse what they trace themselves (and would guard on the groups' Python state)
         groups = GROUPS[:1] if self.kernels == "liger" else GROUPS
-        self.fused = fuse_projections(self.lm, groups) if fuse else 0
+        self.fused = fuse_projections(self.lm, groups) if fuse and self.kernels != "compile" else 0
         register_decode_attention()
         self._graphs: dict[tuple, Any] = {}
         self._pool = None
