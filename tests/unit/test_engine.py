@@ -202,7 +202,9 @@ def test_a_cancelled_row_frees_its_slot_and_sends_nothing_more(llava):
     assert waiting.admitted_step is not None and engine.slots[0].request is waiting
     while engine.busy:
         engine.step()
-    assert len(events) == seen and long.finished and not any(e[0] == "end" for e in events)
+    # one event after the cancel, its end (a caller waiting for the answer is let go), and no text
+    assert long.finished and events[seen:] == [("error", 499, long.error[1], "client_closed")], events[seen:]
+    assert not any(e[0] == "end" for e in events)
     assert long.completions[0].generated == generated  # the step in flight at the cancel hands it nothing
     assert len(waiting.completions[0].token_ids) == 4
 

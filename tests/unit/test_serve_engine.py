@@ -133,6 +133,24 @@ def test_a_job_whose_client_left_is_not_generated(engine, loaded):
     assert kept.text() == generate(*loaded, [request(TEXTS[1])], max_new_tokens=8)[0].text
 
 
+def test_a_job_whose_client_leaves_while_it_decodes_ends_with_499(engine):
+    """The client leaves after the first text (its job is cancelled from the worker's own event): the job's last
+    event is a 499, so the handler waiting for its answer ends then, not at the server's shutdown."""
+    sink = Events()
+    job = Job(engine.render(request(TEXTS[0])), max_tokens=200, temperature=1.0, seed=3, sink=sink)
+
+    def leave_at_first_text(event):
+        sink(event)
+        if event[0] == "delta":
+            job.cancelled.set()
+
+    job.sink = leave_at_first_text
+    engine.submit(job)
+    assert sink.finished.wait(120)
+    assert sink.events[-1] == ("error", 499, "the request was cancelled while it was decoded", "client_closed"), sink.events[-3:]
+    assert not sink.of("done") and not sink.of("end") and len(sink.of("delta")) <= 2
+
+
 def test_a_seed_decides_the_sampled_answer(engine):
     def sampled(seed: int) -> str:
         sink = Events()

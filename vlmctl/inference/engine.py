@@ -26,7 +26,8 @@ Events, handed to the request's `on_event` from the thread that calls `step()`, 
 - `("done", choice, finish_reason, completion_tokens)`: `stop` (end of sequence or a stop string) or `length`;
 - `("end", prompt_tokens)`: every choice is done (the last event of a request that did not fail);
 - `("error", status, message, code)`: the request failed (400: the processor cannot read it or it does not fit the
-  context; 499: cancelled before it started; 500: the model failed on it). Other requests are not affected.
+  context; 499: cancelled, before it started or while it decoded: the only event after `cancel`; 500: the model
+  failed on it). Other requests are not affected. Every request ends with one `end` or one `error`.
 
 Log-probabilities are those of the model's raw distribution (`logprobs="raw"`, what OpenAI's API returns), or of
 the temperature-scaled one the row sampled from (`logprobs="sampled"`, what a GRPO trainer scores its rollouts
@@ -372,7 +373,8 @@ class DecodeEngine:
         return request
 
     def cancel(self, request: Request) -> None:
-        """Stop generating for `request` (thread-safe): its slots are freed at the next step; no more events."""
+        """Stop generating for `request` (thread-safe): its slots are freed at the next step, and its last event is
+        `("error", 499, ...)`."""
         request.cancelled.set()
 
     def abort(self, status: int, message: str, code: str | None = None) -> None:
@@ -441,7 +443,8 @@ class DecodeEngine:
         if request is None or request.finished:
             return
         if request.cancelled.is_set():
-            request.finished = not any(c is not None and c.request is request for c in self.slots)
+            if not any(c is not None and c.request is request for c in self.slots):  # its last row: say it ended
+                request.fail(499, "the request was cancelled while it was decoded", "client_closed")
         elif len(request.completions) == request.n and all(c.finish_reason for c in request.completions):
             self._end(request)
 

@@ -26,7 +26,7 @@ Events, called from the worker thread (`sink(event)`), as tuples (`vlmctl.infere
   the model's raw logits (log-softmax), when the job asked for them;
 - `("done", choice, finish_reason, completion_tokens)`: `stop` (end of sequence or a stop string) or `length`;
 - `("end", prompt_tokens)`: the job is complete (always the last event of a job that did not fail);
-- `("error", status, message, code)`: the job failed, or was cancelled before it started (499; the last event).
+- `("error", status, message, code)`: the job failed, or was cancelled (499; the last event).
 
 `announce` / `withdraw` tell the engine a request is being read; with continuous batching nothing waits for it,
 and they only count what is on its way (`arriving`, in /health).
