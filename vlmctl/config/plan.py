@@ -113,12 +113,10 @@ class DeviceFacts:
 
 
 def _has_varlen() -> bool:
-    """torch has its varlen attention kernel (torch >= 2.10, `torch.nn.attention.varlen`)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401, PLC0415 - probing the installed torch
-    except ImportError:
-        return False
-    return True
+    """torch has its varlen attention kernel (torch >= 2.10: the module `torch.nn.attention.varlen`, `varlen_attn`'s
+    home since it came), found without importing it: the import registers its custom ops, which loads torch's
+    compiler stack, over a second of CPU at every `vlmctl train` and `bench` start on a machine that never uses it."""
+    return importlib.util.find_spec("torch.nn.attention.varlen") is not None
 
 
 def has_torchao() -> bool:
