@@ -14,6 +14,26 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["COLUMNS"] = "200"  # rich wraps long lines at the terminal width; assertions read whole lines
 
 FIXTURES = Path(__file__).parent / "fixtures"
+WORKERS = 2
+"""pytest-xdist workers of the CPU suite (`VLMCTL_TEST_WORKERS`; 0: one process). Most of a multi-process test's time
+is process start-up, rendezvous and one-rank phases that leave a core of the 2-core CI machine idle, which the
+other worker's tests fill. Each worker takes whole files (`--dist loadfile`), so a module's fixtures are built once."""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """Run the tests on `WORKERS` pytest-xdist workers unless the command line chose (`-n`, `--dist`, `-p no:xdist`,
+    `--pdb`), on a machine without NVIDIA GPUs and for a run that does not name tests/gpu (the GPU suite keeps its
+    one pytest per GPU, tests/gpu/run.sh)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or not config.pluginmanager.hasplugin("xdist"):
+        return
+    gpu = (Path(__file__).parent / "gpu").resolve()
+    named = [Path(str(arg).split("::")[0]).resolve() for arg in config.args]
+    if Path("/dev/nvidiactl").exists() or any(p == gpu or gpu in p.parents for p in named):
+        return
+    if config.option.numprocesses is None and config.option.dist == "no" and not config.getoption("usepdb"):
+        config.option.numprocesses = int(os.environ.get("VLMCTL_TEST_WORKERS", WORKERS))
+        config.option.dist = "loadfile"
 
 
 @pytest.fixture
