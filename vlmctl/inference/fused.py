@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+# torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
+
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Sibling projections fused when a module holds all of a group (transformers' names in Llama, Qwen2/3, Mistral,
 Gemma, InternLM2-style decoders and their MoE experts)."""
