@@ -640,9 +640,8 @@ class DecodeEngine:
         import torch
 
         started = time.perf_counter()
-        if self._pending is not None and not self._can_overlap():
-            self._take(self._pending)
-            self._pending = None
+        if not self._can_overlap():
+            self.settle()
         live = [(slot, c) for slot, c in enumerate(self.slots) if c is not None]
         if not live:
             return
@@ -665,8 +664,7 @@ class DecodeEngine:
             self._take(previous)
             self.overlapped += 1
         if want or not self._can_overlap():
-            self._take(launched)
-            self._pending = None
+            self.settle()
         self.decode_seconds += time.perf_counter() - started
 
     def _can_overlap(self) -> bool:
