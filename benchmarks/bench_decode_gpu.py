@@ -12,14 +12,16 @@ greedy. For each rows count R:
 - engine variants (`--variants`): `graphs` (decode steps replayed from CUDA graphs), `eager` (no graphs), `compile`
   (each decoder layer through torch.compile, then graphs), `none` (graphs, no fused kernels; `graphs` takes liger's where
   installed), each optionally with `:nofuse` (separate q/k/v and gate/up projections: `fused.fuse_projections` off)
-  and `:sync` (each step's tokens taken before the next step is launched: `DecodeEngine(overlap=False)`); fusing
+  `:sync` (each step's tokens taken before the next step is launched: `DecodeEngine(overlap=False)`) and
+  `:noprefill` (every prefill eager: `DecodeEngine(prefill_graphs=False)`); fusing
   changes the model in place, so `:nofuse` variants must come first: R requests submitted at once and stepped to the end, after one warm-up
   round of the same shapes (graph capture and compilation stay out of the timing). Prints tokens/s, ms per decode
   step and the median time to first token (admission to first token, prefill included);
 - `--hf static`: `model.generate(cache_implementation="static")` (transformers compiles its decode step) on the same R
   prompts left-padded, after one warm-up call; `--hf dynamic`: the default dynamic cache, eager.
 `--profile N`: N decode steps of one row without graphs under torch.profiler: kernels per step, the GPU time they
-add up to, and the kernels that take most of it (what a graph replay cannot hide).
+add up to, and the kernels that take most of it (what a graph replay cannot hide); then where one request's time to
+first token goes (`profile_prefill`).
 `--parity N`: N different prompts answered greedily by `generate` (dynamic cache, the model's own projections), then
 by the engine (fused projections) with graphs and without: how many answers are identical token for token (bf16 ties can split them).
 Each result is one `RESULT {json}` line; a table comes last.
@@ -162,7 +164,7 @@ def profile(model, processor, family, steps: int, device: str) -> dict:
     for _ in range(4):  # prefill and a few steps before the trace
         engine.step()
     sync(device)
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with torch_profile(activities=[ProfilerActivity.CUDA if device.startswith("cuda") else ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             engine.step()
         sync(device)
@@ -174,6 +176,59 @@ def profile(model, processor, family, steps: int, device: str) -> dict:
     top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:12]
     return {"steps": steps, "kernels_per_step": round(count / steps, 1), "kernel_ms_per_step": round(total_us / steps / 1000, 3),
             "top": [(e.key[:70], e.count // steps, round(e.self_device_time_total / steps, 1)) for e in top]}
+
+
+def profile_prefill(model, processor, family, device: str, runs: int = 5) -> dict:
+    """Where one request's time to first token goes (engine with graphs, kernels as the graphs variant has them,
+    `max_tokens=1` so the step ends at the prefill's token): the median wall ms of `runs` steps that admit a fresh
+    request (render, processor, encoders, language model, first token), with every prefill eager and with the
+    language model's prefill replayed from its bucket's graph, then one such step (graphs) under torch.profiler
+    (CUDA kernels: count and summed ms) and one under cProfile (the 15 Python functions of largest cumulative time,
+    the profiler's own cost included: read them as shares)."""
+    import cProfile
+    import pstats
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    from vlmctl.inference.engine import DecodeEngine
+    from vlmctl.inference.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    reqs = prompts(runs + 3)
+    eager = DecodeEngine(model, processor, family=family, max_slots=1, max_length=1024, prefill_graphs=False)
+    engine = eager
+
+    def one(request):
+        sync(device)
+        start = time.perf_counter()
+        handle = engine.submit(request, params, stream=False)
+        while not handle.finished:
+            engine.step()
+        sync(device)
+        return time.perf_counter() - start
+
+    one(reqs[0])  # warm-up: first shapes, the processor's caches
+    eager_walls = [one(r) for r in reqs[1:runs + 1]]
+    del eager
+    engine = DecodeEngine(model, processor, family=family, max_slots=1, max_length=1024)
+    one(reqs[0])  # captures the prefill's bucket
+    walls = [one(r) for r in reqs[1:runs + 1]]
+    with torch_profile(activities=[ProfilerActivity.CUDA if device.startswith("cuda") else ProfilerActivity.CPU]) as prof:
+        one(reqs[runs + 1])
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    profiler = cProfile.Profile()
+    profiler.enable()
+    one(reqs[runs + 2])
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][3], reverse=True)
+    top = [(f"{Path(f).name}:{line}:{fn}"[:80], round(1000 * ct, 1)) for (f, line, fn), (_, _, _, ct, _) in rows[:40]]
+    return {"wall_ms_median": round(1000 * statistics.median(walls), 1),
+            "eager_prefill_wall_ms_median": round(1000 * statistics.median(eager_walls), 1),
+            "prefill_graph_replays": engine.runner.prefill_graphs, "prefill_reason": engine.runner.prefill_reason,
+            "kernels": sum(e.count for e in events),
+            "kernel_ms": round(sum(e.self_device_time_total for e in events) / 1000, 2), "cumulative_ms": top}
 
 
 def main() -> None:
@@ -211,13 +266,15 @@ def main() -> None:
         variant, *flags = spec.split(":")
         kernels = {"compile": "compile", "none": "none", "eager": "none", "liger": "liger"}.get(variant)
         engine = DecodeEngine(model, processor, family=family, max_slots=max(rows), max_length=args.max_length,
-                              graphs=variant != "eager", kernels=kernels, fuse="nofuse" not in flags, overlap="sync" not in flags)
+                              graphs=variant != "eager", kernels=kernels, fuse="nofuse" not in flags, overlap="sync" not in flags,
+                              prefill_graphs=False if "noprefill" in flags else None)
         for r in rows:
             reqs = prompts(r)
             run_engine(engine, reqs, args.max_tokens, args.device)  # warm-up: captures (and compiles) this shape
             emit({"what": f"engine-{spec}", "preset": args.preset, "rows": r, **run_engine(engine, reqs, args.max_tokens, args.device),
                   "mode": engine.mode, "reason": engine.reason, "kernels": engine.runner.kernels, "graphs": engine.runner.graph_count,
                   "fused_groups": engine.runner.fused, "overlapped_steps": engine.overlapped,
+                  "prefill_graph_replays": engine.runner.prefill_graphs, "prefill_reason": engine.runner.prefill_reason,
                   "setup_s": round(time.perf_counter() - t0, 1)})
         del engine
         torch.cuda.empty_cache() if args.device.startswith("cuda") else None
@@ -230,9 +287,10 @@ def main() -> None:
                 emit({"what": f"generate-{cache}", "preset": args.preset, "rows": r, "error": f"{type(exc).__name__}: {exc}"[:300]})
     if args.profile:
         emit({"what": "profile", "preset": args.preset, **profile(model, processor, family, args.profile, args.device)})
+        emit({"what": "profile-prefill", "preset": args.preset, **profile_prefill(model, processor, family, args.device)})
     print(f"\n{'what':<18} {'rows':>5} {'tok/s':>10} {'ms/step':>9} {'ttft ms':>8} {'prefill s':>9}")
     for r in results:
-        if r["what"] in ("parity", "profile"):
+        if r["what"] in ("parity", "profile", "profile-prefill"):
             print(f"parity: {r}")
             continue
         print(f"{r['what']:<18} {r.get('rows', ''):>5} {r.get('tokens_per_s', r.get('error', '')):>10} "

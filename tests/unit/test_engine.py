@@ -82,13 +82,24 @@ def llava(tiny_models):
 GENERATING = sorted(name for name, f in FAMILIES.items() if f.tiny_preset)
 
 
+# families whose language model takes only embeddings, positions and a padding mask: their prefill is bucketed
+PADDED = {"idefics2", "idefics3", "llava", "llava_next", "mistral3", "qwen2_5_omni", "qwen2_5_vl", "qwen2_audio", "qwen2_vl",
+          "smolvlm"}
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["chunked", "bucketed"])
 @pytest.mark.parametrize("name", GENERATING)
-def test_greedy_answers_equal_generate_token_for_token(name, tiny_models):
+def test_greedy_answers_equal_generate_token_for_token(name, padded, tiny_models):
     """Two slots for three requests (the third joins when a slot frees), prompts prefilled two at a time (padded)
-    in chunks of 16 tokens where the family's arguments allow: every answer is `generate`'s, fp32."""
+    in chunks of 16 tokens where the family's arguments allow, or (`bucketed`) padded to a (rows, length) bucket
+    as CUDA graphs replay them, the padded rows in the scratch slot: every answer is `generate`'s, fp32."""
     family = FAMILIES[name]
     model, processor = load_for_generation(tiny_models(family.tiny_preset), device="cpu", dtype="fp32")
-    engine = DecodeEngine(model, processor, max_slots=2, max_length=2048, prefill_chunk=16)
+    if padded:
+        engine = DecodeEngine(model, processor, max_slots=3, max_length=2048)
+        engine.runner.pad_prefill = True  # what CUDA graphs turn on, run eagerly
+    else:
+        engine = DecodeEngine(model, processor, max_slots=2, max_length=2048, prefill_chunk=16)
     requests = requests_for(family)
     for scale, embeddings in ((0.3, True), (0.05, True), (0.05, False)):  # Gemma scales its embeddings: smaller weights
         sharpen(model, scale=scale, embeddings=embeddings)
@@ -100,6 +111,8 @@ def test_greedy_answers_equal_generate_token_for_token(name, tiny_models):
     assert all(r.error is None for r in done), [r.error for r in done]
     assert [r.completions[0].token_ids for r in done] == expected
     assert engine.prefills < len(requests) or "image" not in family.modalities or engine.steps > 0
+    if padded and name in PADDED:
+        assert engine.runner.padded_prefills > 0
 
 
 def test_a_request_submitted_while_others_decode_starts_within_two_steps(llava):
@@ -313,3 +326,69 @@ def test_engine_says_how_it_decodes(llava):
     info = engine.describe()
     assert info["decode"] == "eager" and info["decode_reason"] == "not a CUDA device" and info["slots"] == 2
     assert not math.isnan(engine.max_length)
+
+
+def _rotate_halves(q, k, cos, sin, unsqueeze_dim=1):
+    """RoPE written apart from transformers' (the halves rotated explicitly): what liger's kernel computes."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+
+    def turn(x):
+        half = x.shape[-1] // 2
+        a, b = x[..., :half], x[..., half:]
+        c, s = cos[..., :half], sin[..., :half]
+        return torch.cat([a * c - b * s, b * c + a * s], dim=-1)
+
+    return turn(q), turn(k)
+
+
+def _interleaved(q, k, cos, sin, unsqueeze_dim=1):
+    """RoPE over interleaved pairs (GPT-J's layout): not what a rotate-half model computes."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+
+    def turn(x):
+        a, b = x[..., 0::2], x[..., 1::2]
+        c, s = cos[..., 0::2], sin[..., 0::2]
+        return torch.stack([a * c - b * s, b * c + a * s], dim=-1).flatten(-2)
+
+    return turn(q), turn(k)
+
+
+def test_rope_is_routed_only_where_the_candidate_gives_the_models_result(tiny_models, monkeypatch):
+    """`route_rope` replaces Qwen2.5-VL's `apply_rotary_pos_emb` by a candidate that computes the same rotation (the
+    model's logits stay the same and every layer calls it), refuses one that rotates interleaved pairs, skips a
+    module routed before and a function of another signature."""
+    import transformers.models.qwen2_5_vl.modeling_qwen2_5_vl as qwen
+
+    from vlmctl.families.spec import _find_prefix
+    from vlmctl.inference.runner import route_rope
+
+    monkeypatch.setattr(qwen, "apply_rotary_pos_emb", qwen.apply_rotary_pos_emb)  # restored after the test
+    model, processor = load_for_generation(tiny_models("tiny-qwen2.5-vl"), device="cpu", dtype="fp32")
+    sharpen(model)
+    family = FAMILIES["qwen2_5_vl"]
+    lm = model.get_submodule(_find_prefix(model, family.language_model))
+    config = model.config.get_text_config()
+    rendered = render_request(requests_for(family)[0], processor, family)
+    inputs = _model_inputs(model, processor, [rendered.text], rendered.images)
+    with torch.no_grad():
+        before = model(**inputs).logits
+
+    assert route_rope(lm, _interleaved, config, torch.device("cpu"), torch.float32) == []
+    assert qwen.apply_rotary_pos_emb.__module__ == qwen.__name__
+
+    calls = []
+
+    def counted(q, k, cos, sin, unsqueeze_dim=1):
+        calls.append(q.shape)
+        return _rotate_halves(q, k, cos, sin, unsqueeze_dim)
+
+    assert route_rope(lm, counted, config, torch.device("cpu"), torch.float32) == ["modeling_qwen2_5_vl"]
+    calls.clear()
+    with torch.no_grad():
+        after = model(**inputs).logits
+    assert len(calls) == config.num_hidden_layers
+    assert torch.allclose(after, before, atol=1e-4)
+    assert route_rope(lm, counted, config, torch.device("cpu"), torch.float32) == []  # routed once
+
+    monkeypatch.setattr(qwen, "apply_rotary_pos_emb", lambda q, k, cos, sin, position_ids=None, unsqueeze_dim=1: (q, k))
+    assert route_rope(lm, _rotate_halves, config, torch.device("cpu"), torch.float32) == []

@@ -46,6 +46,10 @@ if TYPE_CHECKING:
 _CACHE_KEYS = ("past_key_values", "cache", "use_cache", "cache_position", "return_dict", "output_attentions",
                "output_hidden_states")
 MIN_LENGTH_BUCKET = 128
+PREFILL_MIN_BUCKET = 32
+PREFILL_GRAPH_TOKENS = 4096
+"""The most tokens (rows x length, bucketed) a prefill replays from a CUDA graph: past it the GPU's work outweighs
+the host's launches, and each graph keeps its own activations."""
 
 
 class _Captured(Exception):
@@ -84,8 +88,8 @@ def decode_attention(module, query, key, value, attention_mask, dropout: float =
 
     The G query heads of each key/value head attend as one [G, D] x [D, L] product, so the cache is read once per
     key/value head rather than copied G times (`repeat_kv`, which transformers' sdpa path does whenever a mask is
-    given); the scale and the mask ride on the product (`baddbmm`), the softmax runs in float32, and the output
-    comes back already in the [B, 1, H, D] layout the attention module reshapes, so a layer's attention is four
+    given); the scale and the mask ride on the product (`baddbmm`), the softmax accumulates in float32, and the output
+    comes back already in the [B, 1, H, D] layout the attention module reshapes, so a layer's attention is three
     kernels. Returns (output [B, 1, H, D], None). A query of more than one token (a prefill chunk) goes to
     transformers' sdpa function as it is.
     """
@@ -107,7 +111,10 @@ def decode_attention(module, query, key, value, attention_mask, dropout: float =
         scores = torch.tanh(scores / softcap) * softcap + mask.float()
     else:
         scores = torch.baddbmm(mask, q, k.transpose(1, 2), alpha=scale)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    # a 16-bit softmax accumulates in float32 and rounds once, as float32 then a cast would: one kernel fewer
+    probs = torch.softmax(scores, dim=-1)
+    if probs.dtype != value.dtype:
+        probs = probs.to(value.dtype)
     out = torch.bmm(probs, value.reshape(groups, length, value.shape[-1]))  # [B x H_kv, G, D]
     return out.view(batch, 1, heads, value.shape[-1]), None
 
@@ -137,13 +144,17 @@ class ModelRunner:
     installed and has the family, else none). `prefill_chunk`: the longest piece of a prompt one prefill
     forward takes (tokens). `suppress`: token ids never sampled. `fuse`: the language model's query/key/value and
     gate/up projections each run as one product while decoding (`fused.fuse_projections`; `fused` counts the groups;
-    not with compiled layers).
+    not with compiled layers). `prefill_graphs`: a prefill of at most `PREFILL_GRAPH_TOKENS` (rows x length, both
+    bucketed) whose language model takes only embeddings, positions and a padding mask runs padded to its bucket,
+    replayed from a CUDA graph on CUDA devices (None: when `graphs`; True on a CPU pads without graphs, for tests):
+    a short prompt's prefill is otherwise mostly the host launching some 25 kernels per layer.
     Raises ModelError when the family's language model
     or LM head is not found on `model`.
     """
 
     def __init__(self, model, family, *, slots: int, max_len: int, graphs: bool | None = None, kernels: str | None = None,
-                 prefill_chunk: int = 4096, suppress: tuple[int, ...] = (), fuse: bool = True):
+                 prefill_chunk: int = 4096, suppress: tuple[int, ...] = (), fuse: bool = True,
+                 prefill_graphs: bool | None = None):
         import torch
 
         from vlmctl.inference.fused import GROUPS, fuse_projections
@@ -161,7 +172,9 @@ class ModelRunner:
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
         self.device = next(model.parameters()).device
         self.slots, self.max_len, self.prefill_chunk = int(slots), int(max_len), int(prefill_chunk)
-        self.cache = SlotCache(self.slots, self.max_len)
+        # one slot more than rows are decoded in: the padded rows of a graphed prefill write there (never attended)
+        self.scratch = self.slots
+        self.cache = SlotCache(self.slots + 1, self.max_len)
         self.windows = self._windows()
         heads = getattr(self.text_config, "num_attention_heads", 1) or 1
         self.kv_heads = int(getattr(self.text_config, "num_key_value_heads", None) or heads)
@@ -189,6 +202,12 @@ class ModelRunner:
             self.suppress[[i for i in suppress if 0 <= i < self.vocab]] = True
         on_cuda = dev.type == "cuda"
         self.use_graphs = on_cuda if graphs is None else bool(graphs) and on_cuda
+        # short prefills run padded to a (rows, length) bucket, each bucket one CUDA graph (`_prefill_padded`)
+        self.pad_prefill = self.use_graphs if prefill_graphs is None else bool(prefill_graphs)
+        self._prefill_buffers: dict[tuple, dict[str, Any]] = {}
+        self.prefill_graphs = 0  # prefills replayed from a graph
+        self.padded_prefills = 0  # prefills run padded to a bucket (replayed or, off CUDA, eager)
+        self.rope_routed: list[str] = []  # modeling modules whose RoPE now runs as liger's one kernel (`route_rope`)
         self.kernels = self._apply_kernels(kernels)
         # liger's SwiGLU copies strided inputs into contiguous ones: a gate/up slice would cost more than it saves;
         # compiled layers fuse what they trace themselves (and would guard on the groups' Python state)
@@ -200,6 +219,7 @@ class ModelRunner:
         self.mode = "cuda-graphs" if self.use_graphs else "eager"
         self.reason = "" if self.use_graphs else ("not a CUDA device" if not on_cuda else "CUDA graphs turned off")
         self.captures = 0
+        self.prefill_reason = ""
 
     # ---- masks
 
@@ -337,6 +357,11 @@ class ModelRunner:
             kw.pop(key, None)
         next_positions = self._next_positions(positions, valid)
         slot_index = torch.tensor(slots, device=self.device)
+        key = self._prefill_key(embeds, positions, mask, kw, rows, width)
+        if key is not None:
+            logits = self._prefill_padded(key, embeds, positions, valid, slot_index, last)
+            if logits is not None:
+                return Prefilled(logits, next_positions, first.tolist(), (last + 1).tolist(), valid.sum(dim=1).tolist())
         # a prompt is cut into chunks only when every argument is sequence-aligned (embeddings, positions, mask)
         step = self.prefill_chunk if (embeds is not None and not kw) else width
         logits = torch.empty(rows, self.vocab, dtype=torch.float32, device=self.device)
@@ -353,6 +378,99 @@ class ModelRunner:
                 hidden = out[0][rows_done, torch.tensor([i for _, i in done], device=self.device)]
                 logits[rows_done] = self._head(hidden)
         return Prefilled(logits, next_positions, first.tolist(), [i + 1 for i in ends], valid.sum(dim=1).tolist())
+
+    def _prefill_key(self, embeds, positions, mask, kw: dict, rows: int, width: int) -> tuple | None:
+        """The (rows, length) bucket a prefill runs padded in, or None when it runs as it is: padding off, family
+        extras for the language model, a mask the model built itself, fractional positions, or more than
+        `PREFILL_GRAPH_TOKENS` once bucketed."""
+        if not self.pad_prefill or embeds is None or kw or positions.is_floating_point() or width > self.prefill_chunk:
+            return None
+        if mask is not None and not (hasattr(mask, "ndim") and mask.ndim == 2):
+            return None
+        b = bucket(rows, self.slots)
+        t = bucket(width, min(self.max_len, self.prefill_chunk), PREFILL_MIN_BUCKET)
+        if b * t > PREFILL_GRAPH_TOKENS or b < rows or t < width:
+            return None
+        return ("prefill", b, t, tuple(positions.shape[:-2]), embeds.dtype)
+
+    def _prefill_padded(self, key: tuple, embeds, positions, valid, slot_index, last) -> "torch.Tensor | None":
+        """Prefill `rows` prompts padded to bucket `key` = (_, B, T, position sections, dtype): the rows past
+        `rows` write the scratch slot, the positions past each prompt attend to themselves only (and are written
+        again before a decode step reads them). On CUDA the bucket is one graph, captured at its first use. Returns
+        the logits of each row's last token [rows, V] float32, or None (the graph could not be captured: `reason`
+        says why; the prefill then runs as it is)."""
+        import torch
+
+        rows, width = int(embeds.shape[0]), int(embeds.shape[1])
+        _, b, t, sections, dtype = key
+        buf = self._prefill_buffers.get(key)
+        if buf is None:
+            dev = self.device
+            buf = self._prefill_buffers[key] = {
+                "embeds": torch.zeros(b, t, embeds.shape[2], dtype=dtype, device=dev),
+                "positions": torch.zeros(*sections, b, t, dtype=positions.dtype, device=dev),
+                "valid": torch.zeros(b, t, dtype=torch.bool, device=dev),
+                "slots": torch.full((b,), self.scratch, dtype=torch.long, device=dev),
+                "last": torch.zeros(b, dtype=torch.long, device=dev),
+                "logits": torch.zeros(b, self.vocab, dtype=torch.float32, device=dev),
+            }
+        buf["embeds"][:rows, :width].copy_(embeds)
+        buf["positions"][..., :rows, :width].copy_(positions)
+        buf["valid"].zero_()
+        buf["valid"][:rows, :width].copy_(valid)
+        buf["slots"].fill_(self.scratch)
+        buf["slots"][:rows].copy_(slot_index)
+        buf["last"].zero_()
+        buf["last"][:rows].copy_(last)
+        self.padded_prefills += 1
+        if not self.use_graphs:
+            self._prefill_step(buf)
+            return buf["logits"][:rows].clone()
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._capture_prefill(key, buf)
+            if graph is None:
+                return None
+        graph.replay()
+        self.prefill_graphs += 1
+        return buf["logits"][:rows].clone()
+
+    def _prefill_step(self, buf: dict[str, Any]) -> None:
+        """One padded prefill over the buffers of its bucket: every device op, no host synchronization."""
+        import torch
+
+        b, t = buf["valid"].shape
+        self.cache.prefill(buf["slots"], 0)
+        out = self.lm(inputs_embeds=buf["embeds"], position_ids=buf["positions"],
+                      attention_mask=self._prefill_mask(None, 0, t, buf["valid"]), use_cache=True, **{self.cache_arg: self.cache})
+        hidden = out[0][torch.arange(b, device=self.device), buf["last"]]
+        buf["logits"].copy_(self._head(hidden))
+
+    def _capture_prefill(self, key: tuple, buf: dict[str, Any]):
+        """Capture the padded prefill of bucket `key` in a CUDA graph after two warm-up runs (which already leave
+        this prefill's keys, values and logits in place: the same work); None after a failure, with prefill graphs
+        off from then on and `reason` saying why."""
+        import torch
+
+        try:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._prefill_step(buf)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._prefill_step(buf)
+        except Exception as exc:  # noqa: BLE001 - a prefill that cannot be captured runs eagerly, and says why
+            self.pad_prefill = False
+            self.prefill_reason = f"prefill graph capture failed: {type(exc).__name__}: {str(exc)[:200]}"
+            return None
+        self._graphs[key] = graph
+        self.captures += 1
+        return graph
 
     def _next_positions(self, positions: "torch.Tensor", valid: "torch.Tensor") -> list[float]:
         """One past each row's largest position among its valid tokens (positions [B, T], or [S, B, T] for
@@ -456,6 +574,9 @@ class ModelRunner:
             patch = getattr(lk, self.family.liger_patch, None)
             if patch is not None:
                 patch(model=self.model, fused_linear_cross_entropy=False, cross_entropy=False, rope=True, rms_norm=True, swiglu=True)
+                from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
+                self.rope_routed = route_rope(self.lm, liger_rotary_pos_emb, self.text_config, self.device, self.embed.weight.dtype)
                 return "liger"
         if kernels == "compile":
             for layer in decoder_layers(self.model, self.family):
@@ -538,9 +659,77 @@ class ModelRunner:
         return len(self._graphs)
 
 
+ROPE_SIGNATURE = ("q", "k", "cos", "sin", "unsqueeze_dim")
+"""The parameters of transformers' rotate-half `apply_rotary_pos_emb` that `route_rope` can stand in for."""
+
+
+def route_rope(lm, candidate, text_config, device, dtype) -> list[str]:
+    """Route the `apply_rotary_pos_emb` of each modeling module whose attention layers `lm` holds through `candidate`
+    (liger-kernel's fused RoPE: one kernel for a layer's queries and keys, where transformers' function launches ten:
+    two `rotate_half` cats and negations, four products, two sums), in place, module-wide, as liger's own patches do.
+
+    liger's patch for Qwen2-VL / Qwen2.5-VL replaces `apply_multimodal_rotary_pos_emb`, which transformers 5 no longer
+    calls: it merges the multimodal sections once in the rotary embedding and its attention calls the plain
+    `apply_rotary_pos_emb(q, k, cos, sin)` (modeling_qwen2_5_vl.py), so the patch leaves RoPE unfused. A module is
+    routed only when its function takes exactly `ROPE_SIGNATURE` and `candidate` gives its result on a probe on the
+    model's device and dtype (queries [2, heads, 3, head_dim], keys [2, kv heads, 3, head_dim], cos/sin [2, 3,
+    head_dim] with both halves equal, as rotary embeddings make them; within 2e-2 in 16-bit floats, 1e-5 in fp32):
+    a partial, interleaved or otherwise different RoPE keeps its own function. Returns the routed modules' names.
+    """
+    import sys
+
+    import torch
+
+    heads = int(getattr(text_config, "num_attention_heads", 0) or 0)
+    kv_heads = int(getattr(text_config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text_config, "head_dim", None) or (text_config.hidden_size // max(heads, 1)))
+    if not heads or head_dim % 2:
+        return []
+    modules = {}
+    for layer in lm.modules():
+        name = type(layer).__module__
+        mod = sys.modules.get(name)
+        if "Attention" in type(layer).__name__ and callable(getattr(mod, "apply_rotary_pos_emb", None)):
+            modules[name] = mod
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    done: list[str] = []
+    for name, mod in modules.items():
+        own = mod.apply_rotary_pos_emb
+        if getattr(own, "_vlmctl_routed", False) or (getattr(own, "__module__", "") or "").startswith("liger_kernel"):
+            continue
+        try:
+            if tuple(inspect.signature(own).parameters) != ROPE_SIGNATURE:
+                continue
+        except (TypeError, ValueError):
+            continue
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        q = torch.randn(2, heads, 3, head_dim, generator=gen).to(device, dtype)
+        k = torch.randn(2, kv_heads, 3, head_dim, generator=gen).to(device, dtype)
+        angle = torch.randn(2, 3, head_dim // 2, generator=gen) * 3
+        cos, sin = (torch.cat([f, f], dim=-1).to(device, dtype) for f in (angle.cos(), angle.sin()))
+        try:
+            with torch.no_grad():
+                want = own(q.clone(), k.clone(), cos, sin)
+                got = candidate(q.clone(), k.clone(), cos, sin)
+            same = all(torch.allclose(g.float(), w.float(), atol=tol, rtol=tol) for g, w in zip(got, want))
+        except Exception:  # noqa: BLE001 - a function the candidate cannot stand in for keeps running as it is
+            same = False
+        if not same:
+            continue
+
+        def routed(q, k, cos, sin, unsqueeze_dim=1, _candidate=candidate):
+            return _candidate(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+        routed._vlmctl_routed = True
+        routed.__wrapped__ = own
+        mod.apply_rotary_pos_emb = routed
+        done.append(name.rsplit(".", 1)[-1])
+    return done
+
+
 def kv_budget_slots(free_bytes: int, per_token: int, max_len: int, cap: int) -> int:
     """How many slots of `max_len` tokens fit in `free_bytes` at `per_token` bytes each (at least 1, at most `cap`)."""
     return max(1, min(int(cap), int(free_bytes // max(per_token * max_len, 1))))
 
 
-__all__ = ["ModelRunner", "bucket", "kv_budget_slots"]
+__all__ = ["ModelRunner", "bucket", "kv_budget_slots", "route_rope"]
