@@ -11,7 +11,8 @@ its /health (--start-timeout seconds; a server that exits first ends the benchma
 for each concurrency C runs --requests image questions
 (a 64 px PNG as a data: URL, greedy, --max-tokens each) from C client threads with the official `openai` client,
 each thread sending its next request when the previous is answered; requests are streamed, so the time to the first
-content chunk is measured. Output tokens are the servers' `usage` counts. Prints a `SERVER {json}` line (the served
+token's chunk is measured (the first content delta after the role chunk: vlmctl sends one per token, empty while
+the token's text is held back, which a random-weight model's byte tokens nearly always are). Output tokens are the servers' `usage` counts. Prints a `SERVER {json}` line (the served
 model's name, dtype, attention implementation and decoding mode from /health), then one `RESULT {json}` line per
 concurrency and round: requests, seconds, requests/s, output tokens/s, mean latency, median time to first token, and
 from the server's /health counters over the round: decode steps, rows per step, milliseconds per step (the worker's
@@ -97,7 +98,9 @@ def main() -> None:
                     {"role": "user", "content": [{"type": "image_url", "image_url": {"url": picture(i)}},
                                                  {"type": "text", "text": QUESTIONS[i % len(QUESTIONS)]}]}])
             for chunk in stream:
-                if first is None and chunk.choices and chunk.choices[0].delta.content:
+                # the first token's chunk: a content delta after the role chunk (empty while its text is held back)
+                delta = chunk.choices[0].delta if chunk.choices else None
+                if first is None and delta is not None and delta.role is None and delta.content is not None:
                     first = time.perf_counter() - t0
                 if chunk.usage is not None:
                     tokens = chunk.usage.completion_tokens

@@ -392,3 +392,42 @@ def test_rope_is_routed_only_where_the_candidate_gives_the_models_result(tiny_mo
 
     monkeypatch.setattr(qwen, "apply_rotary_pos_emb", lambda q, k, cos, sin, position_ids=None, unsqueeze_dim=1: (q, k))
     assert route_rope(lm, _rotate_halves, config, torch.device("cpu"), torch.float32) == []
+
+
+def test_a_streamed_token_whose_text_is_held_back_still_sends_a_delta(llava, monkeypatch):
+    """Each streamed token sends one delta: its new text, or an empty one while its text is held back (here all of
+    it, as a partial character or a stop string's start would be); the deltas add up to the final text."""
+    from vlmctl.inference.engine import _Choice
+
+    engine = DecodeEngine(*llava, max_slots=1, max_length=512)
+    prompt = requests_for(FAMILIES["llava"])[0]
+    whole = engine.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))[0].completions[0].text
+    monkeypatch.setattr(_Choice, "_safe", lambda self, text: "")
+    events = []
+    request = engine.submit(prompt, SamplingParams(max_tokens=10, ignore_eos=True), on_event=events.append, stream=True)
+    while not request.finished:
+        engine.step()
+    deltas = [e[2] for e in events if e[0] == "delta"]
+    assert len(deltas) == 10  # nine held back (empty), the last with the whole text at the finish
+    assert deltas[:9] == [""] * 9 and "".join(deltas) == request.completions[0].text == whole and whole
+
+
+def test_windowed_encoders_attend_with_the_varlen_kernel_on_cuda_in_16_bit(tiny_models, monkeypatch):
+    """`encoder_varlen` switches Qwen2.5-VL's vision tower (per-window attention) to the varlen kernel's
+    flash-named implementation in bf16 on CUDA, and leaves it alone off CUDA, in fp32, or without the kernel; LLaVA's
+    tower (no windows) is never switched."""
+    import vlmctl.train.kernels as kernels
+    from vlmctl.inference.runner import encoder_varlen
+
+    cuda = torch.device("cuda")
+    for preset, family, dtype, device, has, expected in (
+            ("tiny-qwen2.5-vl", "qwen2_5_vl", "bf16", cuda, True, ["vision_config"]),
+            ("tiny-qwen2.5-vl", "qwen2_5_vl", "bf16", torch.device("cpu"), True, []),
+            ("tiny-qwen2.5-vl", "qwen2_5_vl", "fp32", cuda, True, []),
+            ("tiny-qwen2.5-vl", "qwen2_5_vl", "bf16", cuda, False, []),
+            ("tiny", "llava", "bf16", cuda, True, [])):
+        monkeypatch.setattr(kernels, "_has_varlen", lambda has=has: has)
+        model, _ = load_for_generation(tiny_models(preset), device="cpu", dtype=dtype)
+        assert encoder_varlen(model, FAMILIES[family], device) == expected
+        vision = model.config.vision_config._attn_implementation
+        assert (vision == kernels.VISION_VARLEN_NAME) == bool(expected), (preset, dtype, device, vision)

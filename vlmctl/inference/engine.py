@@ -157,8 +157,10 @@ class _Choice:
             return self._finish("stop", whole[:_first_stop(whole, params.stop)])
         if len(out.token_ids) >= params.max_tokens or self.length >= max_len:
             return self._finish("length", self._text())
-        if self.request.stream:
-            self._send(self._safe(text))
+        if self.request.stream and not self._send(self._safe(text)):
+            # a token whose text is held back (a partial character, a stop string's start, trailing space) still
+            # reaches the client, as an empty delta: its time to first token and the stream's pace stay visible
+            self.request.emit(("delta", self.index, ""))
 
     def _text(self) -> str:
         return self.tok.decode(self.out.token_ids, skip_special_tokens=True).lstrip()
@@ -194,12 +196,14 @@ class _Choice:
                     break
         return text.rstrip()
 
-    def _send(self, text: str, final: bool = False) -> None:
+    def _send(self, text: str, final: bool = False) -> bool:
         """Send what `text` adds to the text sent so far (as it grows when streaming; once, whole, at the end when
-        not)."""
+        not). Returns whether anything was sent."""
         if (self.request.stream or final) and len(text) > len(self.sent) and text.startswith(self.sent):
             self.request.emit(("delta", self.index, text[len(self.sent):]))
             self.sent = text
+            return True
+        return False
 
     def _finish(self, reason: str, text: str) -> None:
         self.out.text = text.strip()
@@ -355,6 +359,7 @@ class DecodeEngine:
                 "overlapped_steps": self.overlapped,
                 "prefills": self.prefills, "prefill_graph_replays": self.runner.prefill_graphs,
                 **({"prefill_reason": self.runner.prefill_reason} if self.runner.prefill_reason else {}),
+                **({"encoders_varlen": self.runner.encoders_varlen} if self.runner.encoders_varlen else {}),
                 "tokens_generated": self.tokens_generated}
 
     # ---- requests

@@ -214,6 +214,7 @@ class ModelRunner:
         groups = GROUPS[:1] if self.kernels == "liger" else GROUPS
         self.fused = fuse_projections(self.lm, groups) if fuse and self.kernels != "compile" else 0
         register_decode_attention()
+        self.encoders_varlen = encoder_varlen(model, family, self.device) if on_cuda else []
         self._graphs: dict[tuple, Any] = {}
         self._pool = None
         self.mode = "cuda-graphs" if self.use_graphs else "eager"
@@ -657,6 +658,31 @@ class ModelRunner:
     @property
     def graph_count(self) -> int:
         return len(self._graphs)
+
+
+def encoder_varlen(model, family, device) -> list[str]:
+    """Run the encoders of `family` that attend within per-image windows or segments (`EncoderSpec.varlen`: Qwen-VL,
+    Pixtral) with PyTorch's varlen kernel, all windows of a prefill in one call per layer, as training runs them
+    (`vlmctl.train.kernels.set_attention`); with sdpa transformers splits each layer's query, key and value per window,
+    reading the window lengths back to the host first (`lengths.tolist()` in modeling_qwen2_5_vl.py): one wait for
+    the GPU per layer, which is most of a short prompt's encoder time. Only on CUDA, with torch's varlen kernel, for
+    encoders computing in bf16/fp16 (what the kernel takes). Returns the sub-config keys switched."""
+    import torch
+
+    from vlmctl.train.kernels import VISION_VARLEN_NAME, _has_varlen, register_varlen_attention
+
+    if device.type != "cuda" or not _has_varlen() or model.dtype not in (torch.bfloat16, torch.float16):
+        return []
+    subs = getattr(model.config, "sub_configs", {}) or {}
+    switched = []
+    for enc in getattr(family, "encoders", {}).values():
+        sub = getattr(model.config, enc.config_key, None) if enc.config_key in subs else None
+        if not enc.varlen or enc.attention is None or sub is None:
+            continue
+        register_varlen_attention()
+        sub._attn_implementation_internal = VISION_VARLEN_NAME
+        switched.append(enc.config_key)
+    return switched
 
 
 ROPE_SIGNATURE = ("q", "k", "cos", "sin", "unsqueeze_dim")

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# FP8 against bf16 convergence on one GPU, for docs/benchmarks.md: the same project trained twice from the same seed,
+# train.fp8=off and train.fp8=tensorwise, then each final export scored by `vlmctl eval` on the same held-out samples.
+#   benchmarks/bench_fp8_convergence_gpu.sh WORKDIR [PRESET]          # from the repository root
+# Builds a project in WORKDIR once: SAMPLES (default 4096) generated shapes-VQA samples (64 px pictures, 5% held out
+# by the data split), the PRESET (default qwen2.5-vl-3b) built with random weights in bf16. Each run: `vlmctl train`
+# of STEPS (default 300) steps, full fine-tuning, compiled decoder layers (FP8 needs them; bf16 gets the same),
+# packed rows of TOKENS (default 4096) tokens, learning rate LR (default 1e-4, cosine), no validation during the
+# run, activation checkpointing off. Then `vlmctl eval` of its final export on EVAL_SAMPLES (default 200) of the val
+# split, 8 new tokens. Last: one `FP8CONV {json}` line: each run's mean loss over its last 100 steps, the relative
+# difference of the FP8 run's from bf16's, each run's eval metrics and their difference in points, tokens/s.
+# On the GPU image, install what it lacks first (`source .wheels/install.sh`). Outputs stay under WORKDIR.
+set -uo pipefail
+[ $# -ge 1 ] || { echo "usage: $0 WORKDIR [PRESET]" >&2; exit 2; }
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+work=$(mkdir -p "$1" && cd "$1" && pwd) preset=${2:-qwen2.5-vl-3b}
+export PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+vlmctl() { python3 -m vlmctl "$@"; }
+cd "$work"
+if [ ! -f outputs/model/config.json ]; then
+    python3 -c "from vlmctl.data.synthetic import generate_shapes_vqa; generate_shapes_vqa('data/raw', num_samples=${SAMPLES:-4096}, image_size=64)" >/dev/null
+    cat > vlmctl.yaml <<YAML
+project: {name: fp8-convergence, seed: 0}
+data: {sources: [{path: data/raw/shapes_vqa.json, format: llava}], prepared_dir: data/prepared, val_ratio: 0.05}
+model: {preset: $preset, init: random, dtype: bf16, output_dir: outputs/model}
+YAML
+    t0=$SECONDS
+    vlmctl --quiet data prepare --num-proc 8 >/dev/null && vlmctl --quiet model build --force >/dev/null \
+        || { echo "the project could not be built" >&2; exit 1; }
+    echo "== built $preset in $(( SECONDS - t0 )) s"
+fi
+for mode in off tensorwise; do
+    t0=$SECONDS
+    rm -rf "outputs/runs/fp8-$mode"
+    timeout "${RUN_TIMEOUT:-300}" python3 -m vlmctl train --launcher none train.fp8=$mode train.stage=full train.compile=on \
+        train.activation_checkpointing=off train.max_steps="${STEPS:-300}" train.tokens_per_batch="${TOKENS:-4096}" \
+        train.learning_rate="${LR:-1e-4}" train.logging_steps=1 train.save_steps=100000 train.seed=0 \
+        train.run_name="fp8-$mode" > "train-$mode.log" 2>&1 || { echo "fp8=$mode: training failed"; tail -20 "train-$mode.log"; }
+    echo "== fp8=$mode trained in $(( SECONDS - t0 )) s"
+    grep -m3 -i "fp8\|float8" "train-$mode.log" | cut -c1-200
+    t0=$SECONDS
+    timeout "${EVAL_TIMEOUT:-150}" python3 -m vlmctl --quiet eval "outputs/runs/fp8-$mode/final" --data val \
+        --limit "${EVAL_SAMPLES:-200}" --max-new-tokens 8 --batch-size 64 -o "outputs/eval/fp8-$mode" --force --json \
+        > "eval-$mode.json" 2> "eval-$mode.err" || { echo "fp8=$mode: eval failed"; tail -5 "eval-$mode.err"; }
+    echo "== fp8=$mode evaluated in $(( SECONDS - t0 )) s"
+done
+python3 - <<'PY'
+import json
+from pathlib import Path
+
+out = {}
+for mode in ("off", "tensorwise"):
+    path = Path(f"outputs/runs/fp8-{mode}/metrics.jsonl")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    losses = [r["loss"] for r in rows if "loss" in r]
+    speeds = [r["tokens_per_s"] for r in rows[10:] if "tokens_per_s" in r]
+    text = Path(f"eval-{mode}.json").read_text() if Path(f"eval-{mode}.json").is_file() else ""
+    try:
+        scores = json.loads(text[text.index("{"):]).get("metrics", {})
+    except ValueError:
+        scores = {}
+    out[mode] = {"steps": len(losses), "loss_last100": round(sum(losses[-100:]) / max(len(losses[-100:]), 1), 5),
+                 "loss_first": round(losses[0], 4) if losses else None,
+                 "tokens_per_s": round(sum(speeds) / len(speeds), 1) if speeds else None, "eval": scores}
+base, fp8 = out["off"], out["tensorwise"]
+if base["steps"] and fp8["steps"]:
+    out["loss_rel_diff"] = round((fp8["loss_last100"] - base["loss_last100"]) / base["loss_last100"], 5)
+out["eval_diff_points"] = {k: round(100 * (fp8["eval"][k] - v), 2) for k, v in base["eval"].items()
+                           if isinstance(v, (int, float)) and isinstance(fp8["eval"].get(k), (int, float))}
+print("FP8CONV " + json.dumps(out))
+PY
