@@ -9,6 +9,10 @@
 # run, activation checkpointing off. Then `vlmctl eval` of its final export on EVAL_SAMPLES (default 200) of the val
 # split, 8 new tokens. Last: one `FP8CONV {json}` line: each run's mean loss over its last 100 steps, the relative
 # difference of the FP8 run's from bf16's, each run's eval metrics and their difference in points, tokens/s.
+# MODES (default "off tensorwise") picks the runs: on one H200 a 3B run of 300 steps trains in about 190 s and its
+# final checkpoint and export take more than another 20 s, so the two runs and their evals need about 9 minutes;
+# where one call has less, run MODES=off and MODES=tensorwise apart (each call builds the project again) and compare
+# the two FP8CONV lines. RUN_TIMEOUT bounds each run (default 420 s).
 # On the GPU image, install what it lacks first (`source .wheels/install.sh`). Outputs stay under WORKDIR.
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 WORKDIR [PRESET]" >&2; exit 2; }
@@ -29,10 +33,10 @@ YAML
         || { echo "the project could not be built" >&2; exit 1; }
     echo "== built $preset in $(( SECONDS - t0 )) s"
 fi
-for mode in off tensorwise; do
+for mode in ${MODES:-off tensorwise}; do
     t0=$SECONDS
     rm -rf "outputs/runs/fp8-$mode"
-    timeout "${RUN_TIMEOUT:-300}" python3 -m vlmctl train --launcher none train.fp8=$mode train.stage=full train.compile=on \
+    timeout "${RUN_TIMEOUT:-420}" python3 -m vlmctl train --launcher none train.fp8=$mode train.stage=full train.compile=on \
         train.activation_checkpointing=off train.max_steps="${STEPS:-300}" train.tokens_per_batch="${TOKENS:-4096}" \
         train.learning_rate="${LR:-1e-4}" train.logging_steps=1 train.save_steps=100000 train.seed=0 \
         train.run_name="fp8-$mode" > "train-$mode.log" 2>&1 || { echo "fp8=$mode: training failed"; tail -20 "train-$mode.log"; }
@@ -65,7 +69,7 @@ for mode in ("off", "tensorwise"):
 base, fp8 = out["off"], out["tensorwise"]
 if base["steps"] and fp8["steps"]:
     out["loss_rel_diff"] = round((fp8["loss_last100"] - base["loss_last100"]) / base["loss_last100"], 5)
-out["eval_diff_points"] = {k: round(100 * (fp8["eval"][k] - v), 2) for k, v in base["eval"].items()
-                           if isinstance(v, (int, float)) and isinstance(fp8["eval"].get(k), (int, float))}
+    out["eval_diff_points"] = {k: round(100 * (fp8["eval"][k] - v), 2) for k, v in base["eval"].items()
+                               if isinstance(v, (int, float)) and isinstance(fp8["eval"].get(k), (int, float))}
 print("FP8CONV " + json.dumps(out))
 PY
