@@ -20,7 +20,7 @@ cancellation (`cancel`).
 
 Events, handed to the request's `on_event` from the thread that calls `step()`, as tuples:
 - `("delta", choice, text)`: more text of choice `choice` (leading whitespace dropped; the pieces joined equal the
-  final text);
+  final text); a streamed choice sends one per generated token, "" while the token's text is held back;
 - `("logprobs", choice, entries)`: per generated token `(token id, logprob, [(token id, logprob), ...] top)`, when
   asked (`SamplingParams.logprobs`), just before the choice's `done`;
 - `("done", choice, finish_reason, completion_tokens)`: `stop` (end of sequence or a stop string) or `length`;

@@ -21,7 +21,7 @@ job's failure never reaches another: a job the processor cannot read, or whose p
 
 Events, called from the worker thread (`sink(event)`), as tuples (`vlmctl.inference.engine` documents them):
 - `("delta", choice, text)`: more text of choice `choice` (its leading whitespace dropped; the pieces joined equal
-  the final text);
+  the final text); one per generated token when streamed, "" while the token's text is held back;
 - `("logprobs", choice, entries)`: per generated token `(token id, logprob, [(token id, logprob), ...] top)`, from
   the model's raw logits (log-softmax), when the job asked for them;
 - `("done", choice, finish_reason, completion_tokens)`: `stop` (end of sequence or a stop string) or `length`;
