@@ -1,6 +1,7 @@
 """The decoding engine on a GPU: decode steps replayed from CUDA graphs give the greedy answers of eager decode
 steps (bf16), with and without liger-kernel's fused kernels; the engine says it decodes from graphs; fused
-projections and overlapped steps give the answers of separate projections and steps taken one at a time."""
+projections and overlapped steps give the answers of separate projections and steps taken one at a time; graphed
+prefills and the varlen vision tower give the answers of eager prefills and per-window sdpa."""
 
 from __future__ import annotations
 
@@ -77,3 +78,29 @@ def test_cuda_graph_decode_steps_give_the_eager_answers(model_on_gpu, kernels):
     assert same >= 19, f"{same} of 20 answers identical"
     assert graphs.runner.graph_count > 0 and graphs.mode == "cuda-graphs", graphs.describe()
     assert len({tuple(x) for x in a}) > 5  # the answers differ from prompt to prompt: the comparison says something
+
+
+def test_graphed_prefills_and_the_varlen_vision_tower_give_the_eager_answers(model_on_gpu):
+    """The engine's defaults on a GPU (the language model's short prefills replayed from CUDA graphs, Qwen2.5-VL's
+    vision windows through the varlen kernel) answer as eager prefills with the tower's own per-window sdpa."""
+    from vlmctl.inference.engine import DecodeEngine
+    from vlmctl.inference.sampling import SamplingParams
+
+    model, processor = model_on_gpu
+    vision = model.config.vision_config
+    own = vision._attn_implementation_internal
+    probes, params = _probes(20), SamplingParams(max_tokens=24)
+    try:
+        fast = DecodeEngine(model, processor, max_slots=8, max_length=512)
+        assert fast.runner.encoders_varlen == ["vision_config"], fast.describe()
+        a = [r.completions[0].token_ids for r in fast.generate(probes, params)]
+        assert fast.runner.prefill_graphs > 0 and not fast.runner.prefill_reason, fast.describe()
+        vision._attn_implementation_internal = "sdpa"
+        plain = DecodeEngine(model, processor, max_slots=8, max_length=512, prefill_graphs=False)
+        vision._attn_implementation_internal = "sdpa"  # the new engine switched it again
+        b = [r.completions[0].token_ids for r in plain.generate(probes, params)]
+    finally:
+        vision._attn_implementation_internal = own
+    same = sum(x == y for x, y in zip(a, b))
+    assert same >= 19, f"{same} of 20 answers identical"
+    assert len({tuple(x) for x in a}) > 5
