@@ -6,7 +6,8 @@ Usage:
 
 The first run writes the data set and builds the tiny random preset under --workdir (run it once in one process
 before a torchrun run: `--prepare-only`); --model evaluates another model folder instead. Rank 0 prints one
-`RESULT {json}` line: samples, wall seconds of `run_eval` (model load included), samples/s, world size, device.
+`RESULT {json}` line: samples, wall seconds of `run_eval` (model load included), samples/s, world size, device, and
+the seconds of that wall spent loading the model (`load_s`) and generating (`generate_s`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,22 @@ def main() -> None:
         build_model(ModelSection(preset="tiny", init="random", output_dir=model), tokenizer_texts=texts)
     if args.prepare_only:
         return
+    import vlmctl.evaluation.runner as runner
+
+    parts: dict[str, float] = {}  # wall seconds inside the model load and the generation (the rest: imports, scoring)
+
+    def timed(name, fn):
+        def call(*a, **k):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                parts[name] = parts.get(name, 0.0) + time.perf_counter() - start
+        return call
+
+    for name in ("load_for_generation", "generate"):  # an older tree may name them otherwise: then not split
+        if callable(getattr(runner, name, None)):
+            setattr(runner, name, timed(name, getattr(runner, name)))
     t0 = time.perf_counter()
     result = run_eval(model, samples, task="vqa", data_name=str(data), out_dir=args.out, batch_size=args.batch_size,
                       max_new_tokens=args.max_new_tokens)
@@ -56,6 +73,8 @@ def main() -> None:
         "samples": len(samples), "seconds": round(seconds, 2), "samples_per_s": round(len(samples) / seconds, 1),
         "world": int(os.environ.get("WORLD_SIZE", 1)), "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "metrics": result.metrics,
+        **{key: round(parts[name], 2) if name in parts else None
+           for key, name in (("load_s", "load_for_generation"), ("generate_s", "generate"))},
     }), flush=True)
 
 
