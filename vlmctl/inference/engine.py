@@ -360,6 +360,7 @@ class DecodeEngine:
                 "prefills": self.prefills, "prefill_graph_replays": self.runner.prefill_graphs,
                 **({"prefill_reason": self.runner.prefill_reason} if self.runner.prefill_reason else {}),
                 **({"encoders_varlen": self.runner.encoders_varlen} if self.runner.encoders_varlen else {}),
+                **({"rope_routed": self.runner.rope_routed} if self.runner.rope_routed else {}),
                 "tokens_generated": self.tokens_generated}
 
     # ---- requests

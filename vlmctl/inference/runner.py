@@ -214,7 +214,7 @@ class ModelRunner:
         groups = GROUPS[:1] if self.kernels == "liger" else GROUPS
         self.fused = fuse_projections(self.lm, groups) if fuse and self.kernels != "compile" else 0
         register_decode_attention()
-        self.encoders_varlen = encoder_varlen(model, family, self.device) if on_cuda else []
+        self.encoders_varlen = encoder_varlen(model, family, self.device)
         self._graphs: dict[tuple, Any] = {}
         self._pool = None
         self.mode = "cuda-graphs" if self.use_graphs else "eager"
@@ -451,24 +451,29 @@ class ModelRunner:
         """Capture the padded prefill of bucket `key` in a CUDA graph after two warm-up runs (which already leave
         this prefill's keys, values and logits in place: the same work); None after a failure, with prefill graphs
         off from then on and `reason` saying why."""
-        import torch
-
         try:
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._prefill_step(buf)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self._prefill_step(buf)
+            return self._record(key, lambda: self._prefill_step(buf))
         except Exception as exc:  # noqa: BLE001 - a prefill that cannot be captured runs eagerly, and says why
             self.pad_prefill = False
             self.prefill_reason = f"prefill graph capture failed: {type(exc).__name__}: {str(exc)[:200]}"
             return None
+
+    def _record(self, key: tuple, run):
+        """Capture `run()` (device work only) in a CUDA graph from the runner's pool, after two warm-up runs on a
+        side stream (which also compile, when on), and keep it under `key`. Capture errors propagate."""
+        import torch
+
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            run()
         self._graphs[key] = graph
         self.captures += 1
         return graph
@@ -627,33 +632,17 @@ class ModelRunner:
         """Capture the step of bucket `key` in a CUDA graph (after a warm-up that also compiles, when on); the live
         rows' buffers are put back as they were. On a failure the runner decodes eagerly from then on and `reason`
         says why."""
-        import torch
-
         state = [self.tokens, self.positions, self.write_pos, self.steps, self.seen, self.next_tokens, self.logits]
         saved = [t.clone() for t in state]
         try:
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._step(*key)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self._step(*key)
+            return self._record(key, lambda: self._step(*key))
         except Exception as exc:  # noqa: BLE001 - any capture failure means: decode eagerly, and say why
             self.use_graphs = False
             self.mode, self.reason = "eager", f"CUDA graph capture failed: {type(exc).__name__}: {str(exc)[:200]}"
-            graph = None
+            return None
         finally:
             for t, s in zip(state, saved):
                 t.copy_(s)
-        if graph is not None:
-            self._graphs[key] = graph
-            self.captures += 1
-        return graph
 
     @property
     def graph_count(self) -> int:
@@ -667,11 +656,13 @@ def encoder_varlen(model, family, device) -> list[str]:
     reading the window lengths back to the host first (`lengths.tolist()` in modeling_qwen2_5_vl.py): one wait for
     the GPU per layer, which is most of a short prompt's encoder time. Only on CUDA, with torch's varlen kernel, for
     encoders computing in bf16/fp16 (what the kernel takes). Returns the sub-config keys switched."""
+    if device.type != "cuda":
+        return []
     import torch
 
     from vlmctl.train.kernels import VISION_VARLEN_NAME, _has_varlen, register_varlen_attention
 
-    if device.type != "cuda" or not _has_varlen() or model.dtype not in (torch.bfloat16, torch.float16):
+    if not _has_varlen() or model.dtype not in (torch.bfloat16, torch.float16):
         return []
     subs = getattr(model.config, "sub_configs", {}) or {}
     switched = []
