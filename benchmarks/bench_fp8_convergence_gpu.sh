@@ -19,20 +19,9 @@ set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 work=$(mkdir -p "$1" && cd "$1" && pwd) preset=${2:-qwen2.5-vl-3b}
 export PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-vlmctl() { python3 -m vlmctl "$@"; }
 cd "$work"
-if [ ! -f outputs/model/config.json ]; then
-    python3 -c "from vlmctl.data.synthetic import generate_shapes_vqa; generate_shapes_vqa('data/raw', num_samples=${SAMPLES:-4096}, image_size=64)" >/dev/null
-    cat > vlmctl.yaml <<YAML
-project: {name: fp8-convergence, seed: 0}
-data: {sources: [{path: data/raw/shapes_vqa.json, format: llava}], prepared_dir: data/prepared, val_ratio: 0.05}
-model: {preset: $preset, init: random, dtype: bf16, output_dir: outputs/model}
-YAML
-    t0=$SECONDS
-    vlmctl --quiet data prepare --num-proc 8 >/dev/null && vlmctl --quiet model build --force >/dev/null \
-        || { echo "the project could not be built" >&2; exit 1; }
-    echo "== built $preset in $(( SECONDS - t0 )) s"
-fi
+source "$root/benchmarks/shapes_project.sh"
+shapes_project fp8-convergence "$preset" "${SAMPLES:-4096}" 0.05 || exit 1
 for mode in ${MODES:-off tensorwise}; do
     t0=$SECONDS
     rm -rf "outputs/runs/fp8-$mode"

@@ -20,22 +20,10 @@ wheels=${WHEELS:-$root/.wheels}
 python3 -c "import pydantic" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site "$wheels"/py312/*.whl
 python3 -c "import openai, uvicorn" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site "$wheels"/serve/*.whl
 export PYTHONPATH=$root:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-vlmctl() { python3 -m vlmctl "$@"; }
 
-mkdir -p "$work/data/raw"
 cd "$work"
-if [ ! -f outputs/model/config.json ]; then
-    python3 -c "from vlmctl.data.synthetic import generate_shapes_vqa; generate_shapes_vqa('data/raw', num_samples=512, image_size=64)" >/dev/null
-    cat > vlmctl.yaml <<YAML
-project: {name: gen-bench}
-data: {sources: [{path: data/raw/shapes_vqa.json, format: llava}], prepared_dir: data/prepared, val_ratio: 0.0}
-model: {preset: $preset, init: random, dtype: bf16, output_dir: outputs/model}
-YAML
-    t0=$SECONDS
-    vlmctl --quiet data prepare --num-proc 8 >/dev/null && vlmctl --quiet model build --force >/dev/null \
-        || { echo "the project could not be built" >&2; exit 1; }
-    echo "== built $preset in $(( SECONDS - t0 )) s"
-fi
+source "$root/benchmarks/shapes_project.sh"
+shapes_project gen-bench "$preset" "512" 0.0 || exit 1
 
 if [[ " $steps " == *" grpo "* ]]; then
     echo "== GRPO: vlmctl train, 6 steps"
