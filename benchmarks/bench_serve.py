@@ -8,7 +8,8 @@ Usage:
 Builds the --preset (default tiny) with random weights under --workdir (unless --model is given), starts `vlmctl serve` on a free local
 port in its own process (or, with --url, uses the server there: benchmarks/bench_serve_gpu.sh starts one), waits for
 its /health (--start-timeout seconds; a server that exits first ends the benchmark), sends 2 warm-up requests, then
-for each concurrency C runs --requests image questions
+for each concurrency C runs --warmup untimed passes of C requests (so the batch shapes' CUDA graphs are captured
+before the clock starts, as a server under steady load has them) and then --requests image questions
 (a 64 px PNG as a data: URL, greedy, --max-tokens each) from C client threads with the official `openai` client,
 each thread sending its next request when the previous is answered; requests are streamed, so the time to the first
 token's chunk is measured (the first content delta after the role chunk: vlmctl sends one per token, empty while
@@ -16,7 +17,8 @@ the token's text is held back, which a random-weight model's byte tokens nearly 
 model's name, dtype, attention implementation and decoding mode from /health), then one `RESULT {json}` line per
 concurrency and round: requests, seconds, requests/s, output tokens/s, mean latency, median time to first token, and
 from the server's /health counters over the round: decode steps, rows per step, milliseconds per step (the worker's
-busy time over its steps) and the share of the round the worker was busy. With --rounds N the concurrencies are interleaved N times (1, 4, 8, 1, 4, 8, ...), so load from other
+busy time over its steps), the share of the round the worker was busy, the CUDA graphs captured during the round,
+and the prefills with their mean milliseconds. With --rounds N the concurrencies are interleaved N times (1, 4, 8, 1, 4, 8, ...), so load from other
 processes on a shared machine falls on all of them, and a `MEDIAN {json}` and a `BEST {json}` line (the fastest
 round, the one least slowed by other processes) per concurrency follow.
 """
@@ -61,6 +63,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--max-batch-size", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="untimed passes of `concurrency` requests before each concurrency is timed (0: none), so the "
+                         "CUDA graphs of its batch shapes are captured before the clock starts")
     ap.add_argument("--url", default=None, help="benchmark a running server (http://HOST:PORT) instead of starting one")
     ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for the server's /health")
     args = ap.parse_args()
@@ -112,6 +117,9 @@ def main() -> None:
         rows: dict[int, list[dict]] = {}
         for _ in range(args.rounds):
             for concurrency in (int(c) for c in args.concurrency.split(",")):
+                for _ in range(args.warmup):
+                    with ThreadPoolExecutor(concurrency) as pool:
+                        list(pool.map(one, range(concurrency)))
                 before = health(url)
                 t0 = time.perf_counter()
                 with ThreadPoolExecutor(concurrency) as pool:
@@ -132,6 +140,10 @@ def main() -> None:
                            rows_per_step=round((after.get("rows", 0) - before.get("rows", 0)) / steps, 2),
                            ms_per_step=round(1000 * (after.get("busy_seconds", 0) - before.get("busy_seconds", 0)) / steps, 3),
                            busy_share=round((after.get("busy_seconds", 0) - before.get("busy_seconds", 0)) / seconds, 3),
+                           graphs_captured=after.get("cuda_graphs", 0) - before.get("cuda_graphs", 0),
+                           prefills=after.get("prefills", 0) - before.get("prefills", 0),
+                           prefill_ms=round(1000 * (after.get("prefill_seconds", 0) - before.get("prefill_seconds", 0))
+                                            / max(after.get("prefills", 0) - before.get("prefills", 0), 1), 2),
                            decode=after.get("decode"))
                 rows.setdefault(concurrency, []).append(row)
                 print("RESULT " + json.dumps(row), flush=True)

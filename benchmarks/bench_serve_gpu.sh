@@ -4,14 +4,15 @@
 #   benchmarks/bench_serve_gpu.sh WORKDIR [PRESET] [BENCH_SERVE OPTIONS...]      # from the repository root
 # Builds the PRESET (default qwen2.5-vl-3b) with random weights in bf16 under WORKDIR (reused when already built), then
 # starts `vlmctl serve` on a free local port (log: WORKDIR/serve.log; --max-batch-size $MAX_BATCH, default 32), waits
-# for its /health, runs benchmarks/bench_serve.py --url against it at concurrency 1,8,32 (default 32 requests of 32
+# for its /health, runs benchmarks/bench_serve.py --url against it at concurrency 1,8,32 (default $REQUESTS=96 requests of 32
 # tokens; later options override), and prints a table.
 # The server is stopped (SIGTERM, then SIGKILL after 30 s) however the script ends. Python packages the machine lacks
 # come from the wheel folder $WHEELS (default .wheels: py312/ for pydantic and friends, serve/ for openai, httpx,
 # starlette, uvicorn), installed into /tmp/site, which goes on PYTHONPATH with the repository root.
 # Time limits (seconds, environment): BUILD_TIMEOUT (420), START_TIMEOUT (240),
 # BENCH_TIMEOUT (420). DEVICE (cuda) is the device served on (DEVICE=cpu with the tiny preset checks the script).
-# MODEL=DIR serves that model folder instead of building the preset.
+# MODEL=DIR serves that model folder instead of building the preset. PROFILE=1 runs the server under py-spy (wheel:
+# $WHEELS/tools) and prints each thread's busiest functions (benchmarks/pyspy_summary.py; samples: WORKDIR/serve.pyspy).
 set -euo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 WORKDIR [PRESET] [BENCH_SERVE OPTIONS...]" >&2; exit 2; }
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -50,10 +51,22 @@ fi
 port=$(python3 -c "from vlmctl.serve import free_port; print(free_port())")
 url=http://127.0.0.1:$port
 echo "== vlmctl serve at $url (log: $work/serve.log)"
-python3 -m vlmctl serve "$model" --device "$device" --port "$port" --max-batch-size "${MAX_BATCH:-32}" --model-name bench > "$work/serve.log" 2>&1 &
+serve=(python3 -m vlmctl serve "$model" --device "$device" --port "$port" --max-batch-size "${MAX_BATCH:-32}" --model-name bench)
+if [ -n "${PROFILE:-}" ]; then  # sample the server's Python stacks (every thread) with py-spy, summarized at the end
+    has_spy() { command -v py-spy >/dev/null || [ -x /tmp/site/bin/py-spy ]; }
+    has_spy || python3 -m pip install -q --no-index --no-deps --target /tmp/site "$wheels"/tools/py_spy-*.whl
+    spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+    "$spy" record -r "${PROFILE_RATE:-100}" -t -f raw -o "$work/serve.pyspy" -- "${serve[@]}" > "$work/serve.log" 2>&1 &
+else
+    "${serve[@]}" > "$work/serve.log" 2>&1 &
+fi
 server=$!
 stop_server() {
     if kill -0 "$server" 2>/dev/null; then
+        if [ -n "${PROFILE:-}" ]; then  # stop the server under py-spy, which then writes its samples and exits
+            pkill -INT -P "$server" 2>/dev/null || true
+            for _ in $(seq 120); do kill -0 "$server" 2>/dev/null || break; sleep 0.5; done
+        fi
         kill -TERM "$server" 2>/dev/null || true
         for _ in $(seq 60); do kill -0 "$server" 2>/dev/null || break; sleep 0.5; done
         kill -KILL "$server" 2>/dev/null || true
@@ -77,13 +90,17 @@ python3 -c "import sys, urllib.request; print('health', urllib.request.urlopen(s
 
 echo "== bench_serve.py at concurrency 1, 8, 32"
 timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/bench_serve.py --url "$url" --device "$device" --concurrency 1,8,32 \
-    --requests 32 --max-tokens 32 --max-batch-size "${MAX_BATCH:-32}" "$@" | tee "$work/bench.log"
+    --requests "${REQUESTS:-96}" --max-tokens 32 --max-batch-size "${MAX_BATCH:-32}" "$@" | tee "$work/bench.log"
 python3 - "$work/bench.log" <<'PY'
 import json, sys
 rows = [json.loads(line[len("RESULT "):]) for line in open(sys.argv[1]) if line.startswith("RESULT ")]
 keys = ["concurrency", "requests_per_s", "output_tokens_per_s", "mean_latency_s", "ttft_ms_median", "rows_per_step",
-        "ms_per_step", "busy_share"]
-print(" ".join(f"{k:>19}" for k in keys))
+        "ms_per_step", "busy_share", "graphs_captured", "prefills", "prefill_ms"]
+print(" ".join(f"{k:>16}" for k in keys))
 for r in rows:
-    print(" ".join(f"{r.get(k, ''):>19}" for k in keys))
+    print(" ".join(f"{r.get(k, ''):>16}" for k in keys))
 PY
+if [ -n "${PROFILE:-}" ]; then
+    stop_server
+    [ -f "$work/serve.pyspy" ] && python3 benchmarks/pyspy_summary.py "$work/serve.pyspy" --top "${PROFILE_TOP:-45}"
+fi
