@@ -9,7 +9,9 @@
 #     train seconds, the generation share and the rollout/trainer log-prob gap, and their means over steps 2-6;
 #  2. serve: benchmarks/bench_serve_gpu.sh on the built model (1, 8 and 32 clients);
 #  3. eval: benchmarks/bench_eval.py on 500 samples of the data with this tree and with the tree in $OLD (a folder
-#     holding an older `vlmctl/` package, e.g. `git archive 4bd9896 vlmctl | tar -x -C .old`), when it exists.
+#     holding an older `vlmctl/` package, e.g. `git archive 4bd9896 vlmctl | tar -x -C .old`), when it exists; each
+#     after an untimed run of 32 samples (bytecode compiled, files cached: the state of a machine that ran it once).
+# Bytecode goes to $PYTHONPYCACHEPREFIX (default /tmp/pycache), shared by the processes.
 # STEPS selects them (default "grpo serve eval"). Wheels come from $WHEELS (default .wheels) as in the other scripts.
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 WORKDIR [PRESET]" >&2; exit 2; }
@@ -20,6 +22,9 @@ wheels=${WHEELS:-$root/.wheels}
 python3 -c "import pydantic" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site "$wheels"/py312/*.whl
 python3 -c "import openai, uvicorn" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site "$wheels"/serve/*.whl
 export PYTHONPATH=$root:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# compiled bytecode kept between the processes (a pip install writes it; the wheels above are installed without it,
+# and a read-only site-packages would otherwise recompile transformers' sources in every process: ~10 s)
+export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pycache}
 
 cd "$work"
 source "$root/benchmarks/shapes_project.sh"
@@ -44,8 +49,12 @@ fi
 
 if [[ " $steps " == *" eval "* ]]; then
     echo "== eval: 500 samples"
+    python3 "$root/benchmarks/bench_eval.py" --workdir "$work/eval" --model "$work/outputs/model" --samples 500 --prepare-only
     for tree in "$root" "$old"; do
         [ -d "$tree/vlmctl" ] || { echo "no vlmctl/ under $tree: skipped"; continue; }
+        # an untimed run of 32 samples first: the tree's bytecode is compiled and the files are in the page cache
+        PYTHONPATH=$tree:/tmp/site timeout "${EVAL_TIMEOUT:-240}" python3 "$root/benchmarks/bench_eval.py" --workdir "$work/eval" \
+            --model "$work/outputs/model" --samples 32 --batch-size 32 --max-new-tokens 16 >/dev/null 2>&1 || true
         PYTHONPATH=$tree:/tmp/site timeout "${EVAL_TIMEOUT:-240}" python3 "$root/benchmarks/bench_eval.py" --workdir "$work/eval" \
             --model "$work/outputs/model" --samples 500 --batch-size 32 --max-new-tokens 16 2>&1 | grep "^RESULT" \
             | sed "s|^RESULT|EVAL $(basename "$tree")|" || echo "eval with $tree failed"

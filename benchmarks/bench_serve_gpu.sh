@@ -54,7 +54,7 @@ echo "== vlmctl serve at $url (log: $work/serve.log)"
 serve=(python3 -m vlmctl serve "$model" --device "$device" --port "$port" --max-batch-size "${MAX_BATCH:-32}" --model-name bench)
 if [ -n "${PROFILE:-}" ]; then  # sample the server's Python stacks (every thread) with py-spy, summarized at the end
     has_spy() { command -v py-spy >/dev/null || [ -x /tmp/site/bin/py-spy ]; }
-    has_spy || python3 -m pip install -q --no-index --no-deps --target /tmp/site "$wheels"/tools/py_spy-*.whl
+    has_spy || python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site "$wheels"/tools/py_spy-*.whl
     spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
     "$spy" record -r "${PROFILE_RATE:-100}" -t -f raw -o "$work/serve.pyspy" -- "${serve[@]}" > "$work/serve.log" 2>&1 &
 else

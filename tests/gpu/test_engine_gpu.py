@@ -81,8 +81,9 @@ def test_cuda_graph_decode_steps_give_the_eager_answers(model_on_gpu, kernels):
 
 
 def test_graphed_prefills_and_the_varlen_vision_tower_give_the_eager_answers(model_on_gpu):
-    """The engine's defaults on a GPU (the language model's short prefills replayed from CUDA graphs, Qwen2.5-VL's
-    vision windows through the varlen kernel) answer as eager prefills with the tower's own per-window sdpa."""
+    """The engine's defaults on a GPU (the language model's short prefills and the vision tower replayed from CUDA
+    graphs, Qwen2.5-VL's vision windows through the varlen kernel) answer as eager prefills with the tower's own
+    per-window sdpa."""
     from vlmctl.inference.engine import DecodeEngine
     from vlmctl.inference.sampling import SamplingParams
 
@@ -95,8 +96,11 @@ def test_graphed_prefills_and_the_varlen_vision_tower_give_the_eager_answers(mod
         assert fast.runner.encoders_varlen == ["vision_config"], fast.describe()
         a = [r.completions[0].token_ids for r in fast.generate(probes, params)]
         assert fast.runner.prefill_graphs > 0 and not fast.runner.prefill_reason, fast.describe()
+        tower = fast.runner.encoder_graphs["image"]
+        assert tower.replays > 0 and not tower.reason, fast.describe()
         vision._attn_implementation_internal = "sdpa"
-        plain = DecodeEngine(model, processor, max_slots=8, max_length=512, prefill_graphs=False)
+        plain = DecodeEngine(model, processor, max_slots=8, max_length=512, prefill_graphs=False, encoder_graphs=False)
+        assert "forward" not in model.model.visual.__dict__  # the eager tower: the graphs were removed
         vision._attn_implementation_internal = "sdpa"  # the new engine switched it again
         b = [r.completions[0].token_ids for r in plain.generate(probes, params)]
     finally:

@@ -81,6 +81,10 @@ class EncoderSpec:
     # (`vlmctl.distributed.sequence.split_vision`): the tower takes all images' patches with their `grid_thw` and
     # returns the merged visual tokens as `pooler_output` (Qwen2-VL, Qwen2.5-VL)
     sequence_split: bool = False
+    # the name of the function computing the grid-derived keyword arguments the tower takes precomputed, so the
+    # decoding engine can replay its forward from a CUDA graph per image-grid layout
+    # (`vlmctl.inference.encoder_graphs.GRID_INPUTS`; None: the tower always runs eagerly)
+    graph_inputs: str | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.kernels) - set(KERNELS)

@@ -437,7 +437,8 @@ def _saved_video_settings(ref: str) -> dict[str, Any]:
 
 def qwen_vl(name: str, prefix: str, *, patch: int, min_pixels: int, max_pixels: int, decoder_layer: str,
             video_processor: str, projector: tuple[str, ...] = ("model.visual.merger",), tiny_preset: str,
-            notes: str = "", sequence_split: bool = False, megatron_layout: str | None = None) -> QwenVLSpec:
+            notes: str = "", sequence_split: bool = False, megatron_layout: str | None = None,
+            graph_inputs: str | None = None) -> QwenVLSpec:
     """The spec of one Qwen-VL version. `prefix` is its transformers class prefix ("Qwen2_5_VL"); `patch`,
     `min_pixels`, `max_pixels` are its published processor's settings (for counts from a config).
 
@@ -454,7 +455,7 @@ def qwen_vl(name: str, prefix: str, *, patch: int, min_pixels: int, max_pixels: 
         processor_class=f"{prefix}Processor",
         encoders={"image": image_encoder("model.visual", layer_classes=(f"{prefix}VisionBlock",), video=True, varlen=True,
                                          cost=vision_cost(merge=True, windows=True), kernels=KERNELS,
-                                         sequence_split=sequence_split)},
+                                         sequence_split=sequence_split, graph_inputs=graph_inputs)},
         projector=projector,
         language_model="model.language_model",
         decoder_layer_classes=(decoder_layer,),
@@ -481,12 +482,12 @@ def qwen_vl(name: str, prefix: str, *, patch: int, min_pixels: int, max_pixels: 
 QWEN2_VL = register(qwen_vl(
     "qwen2_vl", "Qwen2VL", patch=14, min_pixels=56 * 56, max_pixels=28 * 28 * 1280,
     decoder_layer="Qwen2VLDecoderLayer", video_processor="Qwen2VLVideoProcessor", tiny_preset="tiny-qwen2-vl",
-    sequence_split=True,
+    sequence_split=True, graph_inputs="qwen_grid",
 ))
 QWEN2_5_VL = register(qwen_vl(
     "qwen2_5_vl", "Qwen2_5_VL", patch=14, min_pixels=56 * 56, max_pixels=28 * 28 * 1280,
     decoder_layer="Qwen2_5_VLDecoderLayer", video_processor="Qwen2VLVideoProcessor", tiny_preset="tiny-qwen2.5-vl",
-    sequence_split=True, megatron_layout="bridge_qwen25_vl",
+    sequence_split=True, megatron_layout="bridge_qwen25_vl", graph_inputs="qwen_grid",
     notes="Window attention in the vision tower except fullatt_block_indexes.",
 ))
 # Qwen3-VL's published processor: patch 16, shortest_edge 65536, longest_edge 16777216 pixels.

@@ -254,7 +254,7 @@ class DecodeEngine:
     `family`: its `FamilySpec` (default: from its config). `max_slots`: rows decoded at once (the KV cache's
     slots; on a GPU at most what half its free memory holds). `max_length`: the longest prompt + answer a row may
     reach, in tokens (cache positions per slot). `video`: the `data.video` settings videos are sampled by.
-    `graphs`, `kernels`, `prefill_chunk`, `fuse`, `prefill_graphs`: see `runner.ModelRunner`. `overlap`: launch each decode step before
+    `graphs`, `kernels`, `prefill_chunk`, `fuse`, `prefill_graphs`, `encoder_graphs`: see `runner.ModelRunner`. `overlap`: launch each decode step before
     taking the tokens of the one before it, so the host's work per token (stops, text, events) runs while the GPU
     decodes (`_decode`). `prefill_batch`: prompts prefilled together in
     one forward (right-padded to the longest). `suppress_tokens`: ids never sampled (GRPO:
@@ -267,7 +267,8 @@ class DecodeEngine:
     def __init__(self, model, processor, *, family: Any = None, max_slots: int = 32, max_length: int = 4096, video: Any = None,
                  graphs: bool | None = None, kernels: str | None = None, prefill_chunk: int = 4096, prefill_batch: int = 16,
                  suppress_tokens: Sequence[int] = (), logprobs: str = "raw", strict_context: bool = True,
-                 max_context: int | None = None, overlap: bool = True, fuse: bool = True, prefill_graphs: bool | None = None):
+                 max_context: int | None = None, overlap: bool = True, fuse: bool = True, prefill_graphs: bool | None = None,
+                 encoder_graphs: bool | None = None):
         from vlmctl.inference.kv_cache import bytes_per_token
         from vlmctl.inference.prompt import model_family
         from vlmctl.inference.runner import ModelRunner, kv_budget_slots
@@ -299,7 +300,7 @@ class DecodeEngine:
         self.max_length = int(max_length)
         self.runner = ModelRunner(model, self.family, slots=slots, max_len=self.max_length, graphs=graphs, kernels=kernels,
                                   prefill_chunk=prefill_chunk, suppress=tuple(suppress_tokens), fuse=fuse,
-                                  prefill_graphs=prefill_graphs)
+                                  prefill_graphs=prefill_graphs, encoder_graphs=encoder_graphs)
         self.prefill_batch = max(1, int(prefill_batch))
         self.slots: list[_Choice | None] = [None] * slots
         self._incoming: deque[Request] = deque()
@@ -362,6 +363,8 @@ class DecodeEngine:
                 **({"prefill_reason": self.runner.prefill_reason} if self.runner.prefill_reason else {}),
                 **({"encoders_varlen": self.runner.encoders_varlen} if self.runner.encoders_varlen else {}),
                 **({"rope_routed": self.runner.rope_routed} if self.runner.rope_routed else {}),
+                **{f"{name}_encoder_graph_replays": g.replays for name, g in self.runner.encoder_graphs.items()},
+                **{f"{name}_encoder_graph_reason": g.reason for name, g in self.runner.encoder_graphs.items() if g.reason},
                 "tokens_generated": self.tokens_generated}
 
     # ---- requests

@@ -50,6 +50,9 @@ PREFILL_MIN_BUCKET = 32
 PREFILL_GRAPH_TOKENS = 4096
 """The most tokens (rows x length, bucketed) a prefill replays from a CUDA graph: past it the GPU's work outweighs
 the host's launches, and each graph keeps its own activations."""
+PREFILL_CAPTURE_AT = 2
+"""The use of a prefill bucket at which its graph is captured (the uses before run padded, eagerly): a capture costs
+about three prefills, which a shape seen once never pays back (a batch job's last, partial batch)."""
 
 
 class _Captured(Exception):
@@ -147,14 +150,17 @@ class ModelRunner:
     not with compiled layers). `prefill_graphs`: a prefill of at most `PREFILL_GRAPH_TOKENS` (rows x length, both
     bucketed) whose language model takes only embeddings, positions and a padding mask runs padded to its bucket,
     replayed from a CUDA graph on CUDA devices (None: when `graphs`; True on a CPU pads without graphs, for tests):
-    a short prompt's prefill is otherwise mostly the host launching some 25 kernels per layer.
+    a short prompt's prefill is otherwise mostly the host launching some 25 kernels per layer; a bucket is captured
+    at its second use (`PREFILL_CAPTURE_AT`), so a one-off shape costs no capture. `encoder_graphs`: the vision
+    towers that take their grid-derived inputs precomputed (`EncoderSpec.graph_inputs`: Qwen2-VL, Qwen2.5-VL) run
+    from a CUDA graph per image-grid layout (`vlmctl.inference.encoder_graphs`; None: when `graphs`).
     Raises ModelError when the family's language model
     or LM head is not found on `model`.
     """
 
     def __init__(self, model, family, *, slots: int, max_len: int, graphs: bool | None = None, kernels: str | None = None,
                  prefill_chunk: int = 4096, suppress: tuple[int, ...] = (), fuse: bool = True,
-                 prefill_graphs: bool | None = None):
+                 prefill_graphs: bool | None = None, encoder_graphs: bool | None = None):
         import torch
 
         from vlmctl.inference.fused import GROUPS, fuse_projections
@@ -217,6 +223,11 @@ class ModelRunner:
         self.encoders_varlen = encoder_varlen(model, family, self.device)
         self._graphs: dict[tuple, Any] = {}
         self._pool = None
+        # the vision towers' forwards replayed from CUDA graphs, per image-grid layout (`encoder_graphs`)
+        from vlmctl.inference.encoder_graphs import install_encoder_graphs
+
+        self.encoder_graphs = install_encoder_graphs(model, family, self._capture_run,
+                                                     self.use_graphs and (encoder_graphs is None or bool(encoder_graphs)))
         self.mode = "cuda-graphs" if self.use_graphs else "eager"
         self.reason = "" if self.use_graphs else ("not a CUDA device" if not on_cuda else "CUDA graphs turned off")
         self.captures = 0
@@ -424,10 +435,11 @@ class ModelRunner:
         buf["last"].zero_()
         buf["last"][:rows].copy_(last)
         self.padded_prefills += 1
-        if not self.use_graphs:
+        graph = self._graphs.get(key)
+        uses = buf["uses"] = buf.get("uses", 0) + 1
+        if not self.use_graphs or (graph is None and uses < PREFILL_CAPTURE_AT):
             self._prefill_step(buf)
             return buf["logits"][:rows].clone()
-        graph = self._graphs.get(key)
         if graph is None:
             graph = self._capture_prefill(key, buf)
             if graph is None:
@@ -459,8 +471,16 @@ class ModelRunner:
             return None
 
     def _record(self, key: tuple, run):
-        """Capture `run()` (device work only) in a CUDA graph from the runner's pool, after two warm-up runs on a
-        side stream (which also compile, when on), and keep it under `key`. Capture errors propagate."""
+        """Capture `run()` in a CUDA graph (`_capture_run`) and keep it under `key`. Capture errors propagate."""
+        graph = self._capture_run(run)
+        self._graphs[key] = graph
+        self.captures += 1
+        return graph
+
+    def _capture_run(self, run):
+        """Capture `run()` (device work only, its outputs copied into buffers allocated outside the capture, so the
+        graphs sharing the runner's pool share only their intermediates) in a CUDA graph from the runner's pool,
+        after two warm-up runs on a side stream (which also compile, when on). Capture errors propagate."""
         import torch
 
         if self._pool is None:
@@ -474,8 +494,6 @@ class ModelRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             run()
-        self._graphs[key] = graph
-        self.captures += 1
         return graph
 
     def _next_positions(self, positions: "torch.Tensor", valid: "torch.Tensor") -> list[float]:
