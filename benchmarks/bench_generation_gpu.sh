@@ -11,7 +11,7 @@
 #  3. eval: benchmarks/bench_eval.py on 500 samples of the data with this tree and with the tree in $OLD (a folder
 #     holding an older `vlmctl/` package, e.g. `git archive 4bd9896 vlmctl | tar -x -C .old`), when it exists; each
 #     after an untimed run of 32 samples (bytecode compiled, files cached: the state of a machine that ran it once).
-# Bytecode goes to $PYTHONPYCACHEPREFIX (default /tmp/pycache), shared by the processes.
+# Bytecode is written beside the sources (PYTHONDONTWRITEBYTECODE unset), as a pip install leaves it.
 # STEPS selects them (default "grpo serve eval"). Wheels come from $WHEELS (default .wheels) as in the other scripts.
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 WORKDIR [PRESET]" >&2; exit 2; }
@@ -22,9 +22,10 @@ wheels=${WHEELS:-$root/.wheels}
 python3 -c "import pydantic" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site "$wheels"/py312/*.whl
 python3 -c "import openai, uvicorn" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site "$wheels"/serve/*.whl
 export PYTHONPATH=$root:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-# compiled bytecode kept between the processes (a pip install writes it; the wheels above are installed without it,
-# and a read-only site-packages would otherwise recompile transformers' sources in every process: ~10 s)
-export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pycache}
+# bytecode written where Python looks for it, as on a machine where the packages were installed with pip: the wheels
+# above are installed without it, and with PYTHONDONTWRITEBYTECODE set every process compiles the sources of
+# everything it imports again (10-15 s of a `vlmctl eval`'s start on the GPU machine)
+unset PYTHONDONTWRITEBYTECODE
 
 cd "$work"
 source "$root/benchmarks/shapes_project.sh"
@@ -44,7 +45,8 @@ fi
 if [[ " $steps " == *" serve "* ]]; then
     echo "== serve"
     MODEL=$work/outputs/model WHEELS=$wheels START_TIMEOUT=240 BENCH_TIMEOUT=${SERVE_TIMEOUT:-240} \
-        bash "$root/benchmarks/bench_serve_gpu.sh" "$work/serve" "$preset" 2>&1 | grep -v "^\[W" | tail -16
+        bash "$root/benchmarks/bench_serve_gpu.sh" "$work/serve" "$preset" 2>&1 | grep -v "^\[W" > "$work/serve.txt"
+    grep -A4 "concurrency *requests_per_s" "$work/serve.txt" || tail -30 "$work/serve.txt"
 fi
 
 if [[ " $steps " == *" eval "* ]]; then
