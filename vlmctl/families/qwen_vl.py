@@ -440,7 +440,8 @@ def qwen_vl(name: str, prefix: str, *, patch: int, min_pixels: int, max_pixels: 
             notes: str = "", sequence_split: bool = False, megatron_layout: str | None = None,
             graph_inputs: str | None = None) -> QwenVLSpec:
     """The spec of one Qwen-VL version. `prefix` is its transformers class prefix ("Qwen2_5_VL"); `patch`,
-    `min_pixels`, `max_pixels` are its published processor's settings (for counts from a config).
+    `min_pixels`, `max_pixels` are its published processor's settings (for counts from a config). `graph_inputs`:
+    the `encoder_graphs.GRID_INPUTS` name of its tower's precomputed grid inputs (None: the tower is not graphed).
 
     Its one encoder, `model.visual`, takes images and videos; its cost rule merges `spatial_merge_size`^2 patches
     per token and has Qwen2.5-VL's window attention where the config sets `window_size`. `sequence_split`: under
