@@ -11,8 +11,8 @@
 # starlette, uvicorn), installed into /tmp/site, which goes on PYTHONPATH with the repository root.
 # Time limits (seconds, environment): BUILD_TIMEOUT (420), START_TIMEOUT (240),
 # BENCH_TIMEOUT (420). DEVICE (cuda) is the device served on (DEVICE=cpu with the tiny preset checks the script).
-# MODEL=DIR serves that model folder instead of building the preset. PROFILE=1 runs the server under py-spy (wheel:
-# $WHEELS/tools) and prints each thread's busiest functions (benchmarks/pyspy_summary.py; samples: WORKDIR/serve.pyspy).
+# MODEL=DIR serves that model folder instead of building the preset. PROFILE=1 runs the server under py-spy (its wheel
+# in $WHEELS/tools, fetched with `pip download py-spy -d $WHEELS/tools`, as the message says) and prints each thread's busiest functions (benchmarks/pyspy_summary.py; samples: WORKDIR/serve.pyspy).
 set -euo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 WORKDIR [PRESET] [BENCH_SERVE OPTIONS...]" >&2; exit 2; }
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -54,7 +54,12 @@ echo "== vlmctl serve at $url (log: $work/serve.log)"
 serve=(python3 -m vlmctl serve "$model" --device "$device" --port "$port" --max-batch-size "${MAX_BATCH:-32}" --model-name bench)
 if [ -n "${PROFILE:-}" ]; then  # sample the server's Python stacks (every thread) with py-spy, summarized at the end
     has_spy() { command -v py-spy >/dev/null || [ -x /tmp/site/bin/py-spy ]; }
-    has_spy || python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site "$wheels"/tools/py_spy-*.whl
+    if ! has_spy; then
+        compgen -G "$wheels/tools/py_spy-*.whl" >/dev/null || { echo "PROFILE=1 needs the py-spy wheel in $wheels/tools: on a" \
+            "machine with the package index, pip download py-spy --only-binary=:all: --platform manylinux2014_x86_64" \
+            "--python-version 3.12 -d $wheels/tools" >&2; exit 1; }
+        python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site "$wheels"/tools/py_spy-*.whl
+    fi
     spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
     "$spy" record -r "${PROFILE_RATE:-100}" -t -f raw -o "$work/serve.pyspy" -- "${serve[@]}" > "$work/serve.log" 2>&1 &
 else

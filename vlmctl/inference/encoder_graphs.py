@@ -140,7 +140,8 @@ def install_encoder_graphs(model, family, record: Callable | None, enabled: bool
     """`EncoderGraphs` installed on each encoder of `family` in `model` whose `EncoderSpec.graph_inputs` names a
     `GRID_INPUTS` function (with `enabled`; those an earlier engine installed are removed first: graphs belong to
     one engine's pool); {encoder name: its graphs}."""
-    from vlmctl.families.spec import _find_prefix
+    from vlmctl.errors import ModelError
+    from vlmctl.families.encoders import submodule
 
     installed = {}
     for name, enc in getattr(family, "encoders", {}).items():
@@ -148,8 +149,8 @@ def install_encoder_graphs(model, family, record: Callable | None, enabled: bool
         if inputs is None:
             continue
         try:
-            tower = model.get_submodule(_find_prefix(model, enc.path))
-        except Exception:  # noqa: BLE001 - a model without that module: nothing to do
+            tower = submodule(model, enc.path)
+        except ModelError:  # a model without that module: nothing to do
             continue
         if isinstance(tower.__dict__.get("forward"), EncoderGraphs):
             tower.__dict__["forward"].remove()

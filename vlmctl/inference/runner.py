@@ -408,7 +408,8 @@ class ModelRunner:
     def _prefill_padded(self, key: tuple, embeds, positions, valid, slot_index, last) -> "torch.Tensor | None":
         """Prefill `rows` prompts padded to bucket `key` = (_, B, T, position sections, dtype): the rows past
         `rows` write the scratch slot, the positions past each prompt attend to themselves only (and are written
-        again before a decode step reads them). On CUDA the bucket is one graph, captured at its first use. Returns
+        again before a decode step reads them). On CUDA the bucket is one graph, captured at its use number
+        `PREFILL_CAPTURE_AT` (the uses before run eagerly). Returns
         the logits of each row's last token [rows, V] float32, or None (the graph could not be captured: `reason`
         says why; the prefill then runs as it is)."""
         import torch
@@ -664,7 +665,8 @@ class ModelRunner:
 
     @property
     def graph_count(self) -> int:
-        return len(self._graphs)
+        """CUDA graphs held: decode steps, prefill buckets and the vision towers' layouts."""
+        return len(self._graphs) + sum(g.graph_count for g in self.encoder_graphs.values())
 
 
 def encoder_varlen(model, family, device) -> list[str]:
