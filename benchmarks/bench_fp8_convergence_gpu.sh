@@ -12,7 +12,8 @@
 # MODES (default "off tensorwise") picks the runs: on one H200 a 3B run of 300 steps trains in about 190 s and its
 # final checkpoint and export take more than another 20 s, so the two runs and their evals need about 9 minutes;
 # where one call has less, run MODES=off and MODES=tensorwise apart (each call builds the project again) and compare
-# the two FP8CONV lines. RUN_TIMEOUT bounds each run (default 420 s).
+# the two FP8CONV lines, or with PARALLEL=1 on a machine of two GPUs run each mode on its own GPU at once (each
+# run's speed then shares the host with the other). RUN_TIMEOUT bounds each run (default 420 s).
 # On the GPU image, install what it lacks first (`source .wheels/install.sh`). Outputs stay under WORKDIR.
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 WORKDIR [PRESET]" >&2; exit 2; }
@@ -22,21 +23,30 @@ export PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 cd "$work"
 source "$root/benchmarks/shapes_project.sh"
 shapes_project fp8-convergence "$preset" "${SAMPLES:-4096}" 0.05 || exit 1
-for mode in ${MODES:-off tensorwise}; do
-    t0=$SECONDS
+run_mode() {  # MODE [GPU]: train, then evaluate the final export; everything it prints goes to lane-MODE.txt
+    local mode=$1 t0=$SECONDS
+    [ -n "${2:-}" ] && export CUDA_VISIBLE_DEVICES=$2
     rm -rf "outputs/runs/fp8-$mode"
     timeout "${RUN_TIMEOUT:-420}" python3 -m vlmctl train --launcher none train.fp8=$mode train.stage=full train.compile=on \
         train.activation_checkpointing=off train.max_steps="${STEPS:-300}" train.tokens_per_batch="${TOKENS:-4096}" \
         train.learning_rate="${LR:-1e-4}" train.logging_steps=1 train.save_steps=100000 train.seed=0 \
         train.run_name="fp8-$mode" > "train-$mode.log" 2>&1 || { echo "fp8=$mode: training failed"; tail -20 "train-$mode.log"; }
-    echo "== fp8=$mode trained in $(( SECONDS - t0 )) s"
+    echo "== fp8=$mode trained in $(( SECONDS - t0 )) s${2:+ on GPU $2}"
     grep -m3 -i "fp8\|float8" "train-$mode.log" | cut -c1-200
     t0=$SECONDS
     timeout "${EVAL_TIMEOUT:-150}" python3 -m vlmctl --quiet eval "outputs/runs/fp8-$mode/final" --data val \
         --limit "${EVAL_SAMPLES:-200}" --max-new-tokens 8 --batch-size 64 -o "outputs/eval/fp8-$mode" --force --json \
         > "eval-$mode.json" 2> "eval-$mode.err" || { echo "fp8=$mode: eval failed"; tail -5 "eval-$mode.err"; }
     echo "== fp8=$mode evaluated in $(( SECONDS - t0 )) s"
-done
+}
+modes=(${MODES:-off tensorwise})
+if [ "${PARALLEL:-0}" = 1 ]; then  # one GPU per mode, all at once
+    for i in "${!modes[@]}"; do run_mode "${modes[$i]}" "$i" > "lane-${modes[$i]}.txt" 2>&1 & done
+    wait
+    for mode in "${modes[@]}"; do cat "lane-$mode.txt"; done
+else
+    for mode in "${modes[@]}"; do run_mode "$mode"; done
+fi
 python3 - <<'PY'
 import json
 from pathlib import Path

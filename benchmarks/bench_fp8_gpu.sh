@@ -5,6 +5,8 @@
 #   benchmarks/bench_fp8_gpu.sh [RUN ...]
 # RUN (default: all five, in this order):
 #   7b-bf16, 7b-tensorwise   the 7B preset at 8,192-token rows, no activation checkpointing, train.fp8 off / tensorwise
+#                            (train.fp8_layers=sized, the default: torchao's size rule skips the key/value projections)
+#   7b-tensorwise-all        as 7b-tensorwise with train.fp8_layers=all (every aligned linear, k/v included)
 #   3b-auto                  the 3B preset, train.fp8=auto and train.tokens_per_batch=auto (the start-up probe picks
 #                            the rows and runs its float8 trial), no activation checkpointing (what the probe picks
 #                            for the 3B on an H200, docs/benchmarks.md), so the probe compiles one mode and the
@@ -30,12 +32,13 @@ common=(--steps "${STEPS:-4}" --warmup "${WARMUP:-3}" --nproc-per-node 1 model.i
         train.compile=on train.activation_checkpointing=off train.warmup_ratio=0.0 train.lr_scheduler=constant)
 rows_3b=""
 for run in "${runs[@]}"; do
-  preset=qwen2.5-vl-${run%%-*} mode=${run#*-}
+  preset=qwen2.5-vl-${run%%-*} mode=${run#*-} layers=sized
+  [ "${mode%-all}" != "$mode" ] && mode=${mode%-all} layers=all
   case $run in
-    7b-*) keys=(train.tokens_per_batch=8192 "train.fp8=${mode/bf16/off}") ;;
+    7b-*) keys=(train.tokens_per_batch=8192 "train.fp8=${mode/bf16/off}" "train.fp8_layers=$layers") ;;
     3b-auto) keys=(train.tokens_per_batch=auto train.fp8=auto) ;;
     3b-bf16) keys=("train.tokens_per_batch=${rows_3b:-auto}" train.fp8=off) ;;
-    *) echo "unknown run $run (7b-bf16, 7b-tensorwise, 7b-rowwise, 3b-auto, 3b-bf16)" >&2; exit 2 ;;
+    *) echo "unknown run $run (7b-bf16, 7b-tensorwise, 7b-tensorwise-all, 7b-rowwise, 3b-auto, 3b-bf16)" >&2; exit 2 ;;
   esac
   left=$(( budget - ($(date +%s) - start) ))
   if [ "$left" -lt "$min_run" ]; then
@@ -58,16 +61,16 @@ python3 - "$results" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
 base = {r["run"].split("-")[0]: r["result"].get("tokens_per_s") for r in rows if r["run"].endswith("bf16")}
-print(f"{'run':14} {'tokens/s':>9} {'x bf16':>7} {'MFU':>6} {'peak GiB':>8} {'wall s':>6}  settings / auto")
+print(f"{'run':18} {'tokens/s':>9} {'x bf16':>7} {'MFU':>6} {'peak GiB':>8} {'wall s':>6}  settings / auto")
 for r in rows:
     x = r["result"]
     if "tokens_per_s" not in x:
-        print(f"{r['run']:14} {x.get('error', 'no result')}")
+        print(f"{r['run']:18} {x.get('error', 'no result')}")
         continue
     ref = base.get(r["run"].split("-")[0])
     ratio = f"{x['tokens_per_s'] / ref:.3f}" if ref else "-"
     auto = x.get("auto") or {}
     chose = f" | fp8 {auto['fp8']}: {auto.get('fp8_reason', '')}" if auto.get("fp8") else ""
-    print(f"{r['run']:14} {x['tokens_per_s']:>9,.0f} {ratio:>7} {100 * x['mfu']:>5.1f}% {x['peak_memory_gib']:>8.1f} "
+    print(f"{r['run']:18} {x['tokens_per_s']:>9,.0f} {ratio:>7} {100 * x['mfu']:>5.1f}% {x['peak_memory_gib']:>8.1f} "
           f"{r.get('wall_s', 0):>6}  {x.get('settings', '')}{chose}")
 PY

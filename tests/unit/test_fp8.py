@@ -370,7 +370,9 @@ def fsdp_engine(folder, fp8: str):
     from vlmctl.models import load_model
     from vlmctl.train.setup import model_parts
 
-    train = TrainSection(strategy="fsdp", precision="fp32", fp8=fp8, compile="off", activation_checkpointing="off")
+    # every aligned layer: the tiny model's are all below torchao's size rule
+    train = TrainSection(strategy="fsdp", precision="fp32", fp8=fp8, fp8_layers="all", compile="off",
+                         activation_checkpointing="off")
     dims = ParallelDims.for_strategy("fsdp", 1, sharding="full")
     dims.build_mesh("cpu")
     model, _, family = load_model(folder, dtype=torch.float32)
@@ -469,6 +471,38 @@ def test_parallelize_leaves_auto_to_the_trial_and_a_frozen_model_unconverted(lla
             assert state is None
 
 
+def test_a_recipe_converts_what_the_size_rule_keeps_and_is_refused_where_that_is_nothing(llava, one_rank):
+    import torch
+
+    from vlmctl.distributed import float8
+    from vlmctl.distributed.mesh import ParallelDims
+    from vlmctl.distributed.parallelize import parallelize
+    from vlmctl.families import decoder_layers
+    from vlmctl.models import load_model
+    from vlmctl.train.setup import model_parts
+
+    dims = ParallelDims.for_strategy("fsdp", 1, sharding="full")
+    dims.build_mesh("cpu")
+    cpu = torch.device("cpu")
+
+    def converted(layers: str, wide: bool):
+        model, _, family = load_model(llava[0], dtype=torch.float32)
+        if wide:  # torchao's tensorwise rule keeps in_features > 4096 or out_features > 1024
+            decoder_layers(model, family)[0].wide = torch.nn.Linear(1024, 2048, bias=False)
+        train = TrainSection(strategy="fsdp", precision="fp32", fp8="tensorwise", fp8_layers=layers, compile="off",
+                             activation_checkpointing="off")
+        parallelize(model, family=family, parts=model_parts(model, family), train=train, dims=dims, device=cpu,
+                    dtype=torch.float32)
+        return float8.state_of(model)
+
+    state = converted("sized", wide=True)  # the default: the wide layer only, with the float8 all-gather
+    assert state.layers == ("model.language_model.layers.0.wide",) and state.all_gather
+    assert len(converted("all", wide=True).layers) == 28 + 1  # every aligned layer: 7 a decoder layer, and the wide one
+    with pytest.raises(ConfigError, match="train.fp8=tensorwise: no linear layer") as err:
+        converted("sized", wide=False)
+    assert "train.fp8_layers=all" in err.value.hint and "train.fp8=off" in err.value.hint
+
+
 def _rank0_weights_rank(rank: int, port: int, folder: str, out: str) -> None:
     """One of two gloo ranks of `vlmctl train`'s shared read: rank 0 loads the tiny LLaVA, rank 1 builds it empty;
     the float8 model is sharded, rank 0's weights placed, one step trained; writes what rank 0 sees."""
@@ -490,7 +524,8 @@ def _rank0_weights_rank(rank: int, port: int, folder: str, out: str) -> None:
     env = init_distributed()
     dims = ParallelDims.for_strategy("fsdp", 2, sharding="full")
     dims.build_mesh("cpu")
-    train = TrainSection(strategy="fsdp", precision="fp32", fp8="tensorwise", compile="off", activation_checkpointing="off")
+    train = TrainSection(strategy="fsdp", precision="fp32", fp8="tensorwise", fp8_layers="all", compile="off",
+                         activation_checkpointing="off")
     source, _, _ = load_model(folder, dtype=torch.float32)
     model, _, family = load_model(folder, dtype=torch.float32) if rank == 0 else build_empty_model(folder, dtype=torch.float32)
     match_rank0(model, rank)

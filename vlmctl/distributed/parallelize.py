@@ -45,6 +45,7 @@ from vlmctl.distributed.engine import strategy_of
 from vlmctl.distributed.fsdp import apply_fsdp
 from vlmctl.distributed.sequence import SequenceShard, apply_sequence_parallel, check_sequence_parallel
 from vlmctl.distributed.weights import place_weights
+from vlmctl.errors import ConfigError
 
 # torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
 
@@ -84,14 +85,22 @@ def apply_float8(model, family, train, device) -> None:
     torchao's float8 layers (`distributed.float8.convert`) with `train.fp8`'s recipe; under FSDP2 the tensorwise
     recipe all-gathers their weights in float8. `train.fp8: auto` still pending (the start-up probe's float8 trial
     decides it) converts the layers large enough for tensorwise float8 without the float8 all-gather and leaves
-    them computing in bf16 until the trial (`float8.use_float8`). Off CUDA the float8 matmuls are emulated (tests;
-    the plan refuses float8 training there). Nothing for `off`; a frozen model is never converted."""
+    them computing in bf16 until the trial (`float8.use_float8`). A recipe converts the layers torchao's size rule
+    keeps with `train.fp8_layers: sized`, every aligned one with `all`. Off CUDA the float8 matmuls are emulated
+    (tests; the plan refuses float8 training there). Nothing for `off`; a frozen model is never converted.
+
+    Raises ConfigError when a recipe set in the config leaves no layer to convert (train.fp8_layers named)."""
     if train.fp8 == "off":
         return
     trial = pending(train.fp8)
     recipe = "tensorwise" if trial else train.fp8
-    float8.convert(model, family, recipe, all_gather=strategy_of(train.strategy).fsdp and not trial,
-                   emulate=device.type != "cuda", sized=trial)
+    state = float8.convert(model, family, recipe, all_gather=strategy_of(train.strategy).fsdp and not trial,
+                           emulate=device.type != "cuda", sized=trial or train.fp8_layers == "sized")
+    if not trial and not state.layers:
+        raise ConfigError(f"train.fp8={recipe}: no linear layer of the language model is large enough for {recipe} "
+                          "float8 under torchao's size rule (train.fp8_layers=sized), so the run would train in bf16",
+                          hint="set train.fp8=off (the float8 matmuls would not pay at these sizes), or "
+                               "train.fp8_layers=all to convert every layer whose dimensions are multiples of 16")
     if trial:
         float8.use_float8(model, False)
 
