@@ -431,3 +431,44 @@ def test_windowed_encoders_attend_with_the_varlen_kernel_on_cuda_in_16_bit(tiny_
         assert encoder_varlen(model, FAMILIES[family], device) == expected
         vision = model.config.vision_config._attn_implementation
         assert (vision == kernels.VISION_VARLEN_NAME) == bool(expected), (preset, dtype, device, vision)
+
+
+class _Replay:
+    """A CUDA graph's stand-in on the CPU: replaying runs the captured step again (on the same buffers)."""
+
+    replays = 0
+
+    def __init__(self, run):
+        self.run = run
+
+    def replay(self):
+        _Replay.replays += 1
+        self.run()
+
+
+def _answers(engine) -> list[list[int]]:
+    """Greedy, seeded-sampled and greedy answers to three requests decoded together."""
+    prompts = requests_for(FAMILIES["llava"])
+    params = [SamplingParams(max_tokens=8, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0.9, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=10, ignore_eos=True)]
+    requests = [engine.submit(p, q) for p, q in zip(prompts, params)]
+    while engine.busy:
+        engine.step()
+    return [r.completions[0].token_ids for r in requests]
+
+
+def test_warmup_captures_every_decode_bucket_before_requests_and_they_capture_none(llava):
+    plain = DecodeEngine(*llava, max_slots=4, max_length=512)
+    assert plain.warmup(300) == (0, pytest.approx(0.0, abs=1.0))  # no graphs on the CPU: nothing to capture
+    want = _answers(plain)
+
+    warm = DecodeEngine(*llava, max_slots=4, max_length=512)
+    warm.runner.use_graphs, warm.runner._capture_run = True, _Replay  # graphs as on a GPU, replayed by the stand-in
+    captured, _ = warm.warmup(300)  # rows of <= 300 positions: length buckets 128, 256 and 512 (the one covering 300)
+    assert captured == 3 * 3 * 2 and set(warm.runner._graphs) == {
+        (rows, length, greedy) for rows in (1, 2, 4) for length in (128, 256, 512) for greedy in (True, False)}
+    assert warm.warmup(300)[0] == 0  # captured once
+    _Replay.replays = 0
+    assert _answers(warm) == want  # the captures left every buffer as it was
+    assert warm.runner.captures == captured and _Replay.replays >= 10  # every step replayed a warm graph

@@ -35,6 +35,10 @@ def serve_cmd(
                                                              "data: URLs only).", show_default=False)] = None,
     max_batch_size: Annotated[int, typer.Option("--max-batch-size", help="Rows decoded together (a request of n choices is n rows); the KV cache holds this many.")] = 32,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens per answer when a request gives no max_tokens.")] = 256,
+    warmup_length: Annotated[int, typer.Option("--warmup-length", min=0, help="On a GPU, capture the decode step's CUDA graphs "
+                                               "before serving for every batch size and rows of up to this many tokens "
+                                               "(prompt + answer), so no client waits for a capture later; 0: captured "
+                                               "as first needed.")] = 512,
     max_body_mb: Annotated[float, typer.Option("--max-body-mb", help="Largest request body, in MiB.")] = 32.0,
     allow_origin: Annotated[Optional[list[str]], typer.Option("--allow-origin", help="A web page origin (scheme://host[:port]) "
                                                               "allowed to call the server from a browser (CORS; repeatable; "
@@ -75,7 +79,7 @@ def serve_cmd(
     settings = ServeSettings(host=host, port=port, api_key=api_key, model_name=model_name, limits=limits,
                              max_batch_size=max_batch_size, max_length=limits.max_tokens, device=device, dtype=dtype,
                              train=project.train if project is not None else None, allowed_origins=tuple(allow_origin or ()),
-                             log=None if state.quiet else _log_request)
+                             log=None if state.quiet else _log_request, warmup_length=warmup_length)
     check_settings(settings)
     settings.video = _video_settings(model_dir, folder_family(model_dir), config, args)
     sock = bind_socket(host, port)  # a port in use is one error, before the model loads

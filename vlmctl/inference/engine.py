@@ -367,6 +367,14 @@ class DecodeEngine:
                 **{f"{name}_encoder_graph_reason": g.reason for name, g in self.runner.encoder_graphs.items() if g.reason},
                 "tokens_generated": self.tokens_generated}
 
+    def warmup(self, up_to: int) -> tuple[int, float]:
+        """Capture the decode graphs of every row bucket for rows of at most `up_to` cached positions (prompt and
+        answer, tokens) before requests come (`ModelRunner.capture_decode`), so that no running row waits for a
+        capture later. Returns (graphs captured, seconds). Call it while no row decodes; a no-op off CUDA."""
+        started = time.perf_counter()
+        captured = self.runner.capture_decode(min(int(up_to), self.max_length))
+        return captured, time.perf_counter() - started
+
     # ---- requests
 
     def submit(self, prompt: GenerationRequest | RenderedRequest, params: SamplingParams | None = None, *, n: int = 1,

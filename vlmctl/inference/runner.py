@@ -647,6 +647,25 @@ class ModelRunner:
         self._step(*key)
         return self.next_tokens
 
+    def capture_decode(self, up_to: int) -> int:
+        """Capture, before any request, the decode step of every bucket a row of at most `up_to` cached positions can
+        use: each row bucket (powers of two up to `slots`) at each length bucket up to the one covering `up_to`,
+        greedy and sampling. A bucket first met while rows decode stalls all of them for its capture (two warm-up
+        runs, which compile Triton kernels for a new row count, then the capture: hundreds of ms on a 3B model).
+        Returns the graphs captured (0 off CUDA, with graphs off, or when a capture failed: then `mode` and `reason`
+        say so). Rows being decoded keep their state (`_capture_graph` puts the buffers back)."""
+        if not self.use_graphs:
+            return 0
+        before = self.captures
+        rows = sorted({bucket(r, self.slots) for r in range(1, self.slots + 1)})
+        lengths = [bucket(1, self.max_len, MIN_LENGTH_BUCKET)]
+        while lengths[-1] < min(int(up_to), self.max_len):
+            lengths.append(bucket(lengths[-1] + 1, self.max_len, MIN_LENGTH_BUCKET))
+        for key in ((b, length, greedy) for length in lengths for b in rows for greedy in (True, False)):
+            if key not in self._graphs and self._capture_graph(key) is None:
+                break
+        return self.captures - before
+
     def _capture_graph(self, key: tuple):
         """Capture the step of bucket `key` in a CUDA graph (after a warm-up that also compiles, when on); the live
         rows' buffers are put back as they were. On a failure the runner decodes eagerly from then on and `reason`

@@ -88,11 +88,14 @@ class Engine:
     `max_batch_size`: rows decoded together (the decoding engine's slots). `max_length`: the longest prompt plus
     `max_tokens` a job may ask for, in tokens (the project's `data.max_length`); a longer one fails with 400
     `context_length_exceeded`. `family`: the model's `FamilySpec` (default: from its config). `video`: the
-    `data.video` settings. `options`: passed to `DecodeEngine` (`graphs`, `kernels`, `prefill_batch`).
+    `data.video` settings. `warmup_length`: before the worker starts, the decode step's CUDA graphs are captured
+    for every batch size and for rows of up to this many tokens (prompt and answer; `DecodeEngine.warmup`), so that
+    no client's tokens wait for a capture later; 0: captured as they are first needed. `options`: passed to
+    `DecodeEngine` (`graphs`, `kernels`, `prefill_batch`).
     """
 
     def __init__(self, model, processor, *, max_batch_size: int = 8, max_length: int = 4096, family: Any = None,
-                 video: Any = None, **options: Any):
+                 video: Any = None, warmup_length: int = 0, **options: Any):
         from vlmctl.inference.engine import DecodeEngine
 
         self.model, self.processor = model, processor
@@ -109,6 +112,11 @@ class Engine:
         self.busy_seconds = 0.0  # seconds the worker spent stepping the engine (prefill, decoding, tokens sent)
         log.info("decoding: %s%s, %d slots of %d tokens", self.decoder.mode,
                  f" ({self.decoder.reason})" if self.decoder.reason else "", self.max_batch_size, max_length)
+        if warmup_length > 0:
+            captured, seconds = self.decoder.warmup(warmup_length)
+            if captured:
+                log.info("decoding: %d CUDA graphs captured for rows of up to %d tokens in %.1f s", captured,
+                         min(warmup_length, max_length), seconds)
         self._worker = threading.Thread(target=self._loop, name="vlmctl-serve-engine", daemon=True)
         self._worker.start()
 

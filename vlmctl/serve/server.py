@@ -42,7 +42,9 @@ class ServeSettings:
     SIGTERM waits for requests in flight, the longest prompt plus answer (`max_length`, `data.max_length`), the
     `data.video` settings, the project's `train` section (None outside a project: its defaults), the web origins
     allowed to call the server (`allowed_origins`, CORS; `*` any, with an API key only), where each request's log line
-    goes (`log`) and the seconds a connection may take to send a request's head (`head_seconds`)."""
+    goes (`log`), the seconds a connection may take to send a request's head (`head_seconds`) and the row length
+    (prompt and answer, tokens) up to which the decode step's CUDA graphs are captured before the server listens
+    (`warmup_length`; 0: as first needed)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -59,6 +61,7 @@ class ServeSettings:
     allowed_origins: tuple[str, ...] = ()
     log: Callable[[str], None] | None = None
     head_seconds: float = 30.0
+    warmup_length: int = 512  # decode graphs captured at start-up for rows of up to this many tokens (`Engine`)
 
 
 def is_loopback(host: str) -> bool:
@@ -235,7 +238,7 @@ def model_choice(model) -> dict:
 
 def make_state(model, processor, settings: ServeSettings, name: str) -> ServerState:
     engine = Engine(model, processor, max_batch_size=settings.max_batch_size, max_length=settings.max_length,
-                    video=settings.video)
+                    video=settings.video, warmup_length=settings.warmup_length)
     return ServerState(engine=engine, model_name=settings.model_name or name, limits=settings.limits, api_key=settings.api_key,
                        choice=model_choice(model), loopback_only=is_loopback(settings.host) and not settings.api_key,
                        allowed_origins=tuple(settings.allowed_origins), log=settings.log)
