@@ -11,7 +11,8 @@
 # starlette, uvicorn), installed into /tmp/site, which goes on PYTHONPATH with the repository root.
 # Time limits (seconds, environment): BUILD_TIMEOUT (420), START_TIMEOUT (240),
 # BENCH_TIMEOUT (420). DEVICE (cuda) is the device served on (DEVICE=cpu with the tiny preset checks the script).
-# MODEL=DIR serves that model folder instead of building the preset. PROFILE=1 runs the server under py-spy (its wheel
+# MODEL=DIR serves that model folder instead of building the preset. SERVE_ARGS: more `vlmctl serve` options (e.g.
+# "--warmup-length 0"). PROFILE=1 runs the server under py-spy (its wheel
 # in $WHEELS/tools, fetched with `pip download py-spy -d $WHEELS/tools`, as the message says) and prints each thread's busiest functions (benchmarks/pyspy_summary.py; samples: WORKDIR/serve.pyspy).
 set -euo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 WORKDIR [PRESET] [BENCH_SERVE OPTIONS...]" >&2; exit 2; }
@@ -51,7 +52,8 @@ fi
 port=$(python3 -c "from vlmctl.serve import free_port; print(free_port())")
 url=http://127.0.0.1:$port
 echo "== vlmctl serve at $url (log: $work/serve.log)"
-serve=(python3 -m vlmctl serve "$model" --device "$device" --port "$port" --max-batch-size "${MAX_BATCH:-32}" --model-name bench)
+serve=(python3 -m vlmctl serve "$model" --device "$device" --port "$port" --max-batch-size "${MAX_BATCH:-32}" --model-name bench
+       ${SERVE_ARGS:-})
 if [ -n "${PROFILE:-}" ]; then  # sample the server's Python stacks (every thread) with py-spy, summarized at the end
     has_spy() { command -v py-spy >/dev/null || [ -x /tmp/site/bin/py-spy ]; }
     if ! has_spy; then
