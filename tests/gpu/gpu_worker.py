@@ -216,7 +216,11 @@ def main(argv: list[str] | None = None) -> None:
         results["reference"] = {str(k): reference(Path(folder), all_rows[:k]) for k in range(1, int(world) + 1)}
     # for the same reason: the cases without liger first, then those with its loss only (compiled layers), then the
     # rest (whose norm and SwiGLU classes would reach the compiled cases' vision blocks, which dynamo cannot trace)
+    linear = torch.nn.functional.linear
     for name, spec in sorted(specs.items(), key=_liger_order):
+        # ZeRO-3 replaces torch.nn.functional.linear for the rest of the process (DeepSpeed's memory-efficient
+        # linear, "persists unless manually reset"): each case starts from torch's own, as a run of its own would
+        torch.nn.functional.linear = linear
         try:
             results[name] = run_case(name, spec, env, Path(folder), all_rows)
         except Exception as exc:  # noqa: BLE001 - recorded per case, so one broken path does not hide the others
