@@ -457,18 +457,25 @@ def test_parallelize_leaves_auto_to_the_trial_and_a_frozen_model_unconverted(lla
     dims = ParallelDims.for_strategy("fsdp", 1, sharding="full")
     dims.build_mesh("cpu")
     cpu = torch.device("cpu")
-    for fp8, trainable in (("auto", True), ("tensorwise", False)):
+    for fp8, layers, wide, trainable in (("auto", "all", True, True), ("auto", "sized", True, True),
+                                         ("auto", "all", False, True), ("tensorwise", "all", True, False)):
         model, _, family = load_model(llava[0], dtype=torch.float32)
-        decoder_layers(model, family)[0].wide = torch.nn.Linear(1024, 2048, bias=False)  # large enough for auto
-        train = TrainSection(strategy="fsdp", precision="fp32", fp8=fp8, compile="off", activation_checkpointing="off")
+        if wide:  # large enough for torchao's size rule: auto tries float8
+            decoder_layers(model, family)[0].wide = torch.nn.Linear(1024, 2048, bias=False)
+        train = TrainSection(strategy="fsdp", precision="fp32", fp8=fp8, fp8_layers=layers, compile="off",
+                             activation_checkpointing="off")
         parallelize(model, family=family, parts=model_parts(model, family), train=train, dims=dims, device=cpu,
                     dtype=torch.float32, trainable=trainable)
         state = float8.state_of(model)
-        if trainable:  # pending auto: the large layer only, no float8 all-gather, in bf16 until the trial
-            assert state.layers == ("model.language_model.layers.0.wide",) and not state.all_gather
-            assert not float8.computes_float8(model) and float8.scale_hook(model) is None
-        else:
+        if not trainable:
             assert state is None
+            continue
+        # pending auto: no float8 all-gather, in bf16 until the trial; the layers fp8_layers names where one layer
+        # passes the size rule, none where none does (the trial then keeps bf16)
+        expected = {("all", True): 28 + 1, ("sized", True): 1, ("all", False): 0}[layers, wide]
+        assert len(state.layers) == expected and not state.all_gather, (layers, wide, state.layers)
+        assert ("model.language_model.layers.0.wide" in state.layers) is wide
+        assert not float8.computes_float8(model) and float8.scale_hook(model) is None
 
 
 def test_a_recipe_converts_what_the_size_rule_keeps_and_is_refused_where_that_is_nothing(llava, one_rank):
@@ -495,7 +502,7 @@ def test_a_recipe_converts_what_the_size_rule_keeps_and_is_refused_where_that_is
                     dtype=torch.float32)
         return float8.state_of(model)
 
-    state = converted("sized", wide=True)  # the default: the wide layer only, with the float8 all-gather
+    state = converted("sized", wide=True)  # the wide layer only, with the float8 all-gather
     assert state.layers == ("model.language_model.layers.0.wide",) and state.all_gather
     assert len(converted("all", wide=True).layers) == 28 + 1  # every aligned layer: 7 a decoder layer, and the wide one
     with pytest.raises(ConfigError, match="train.fp8=tensorwise: no linear layer") as err:

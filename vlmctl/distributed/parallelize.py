@@ -85,17 +85,19 @@ def apply_float8(model, family, train, device) -> None:
     torchao's float8 layers (`distributed.float8.convert`) with `train.fp8`'s recipe; under FSDP2 the tensorwise
     recipe all-gathers their weights in float8. `train.fp8: auto` still pending (the start-up probe's float8 trial
     decides it) converts the layers large enough for tensorwise float8 without the float8 all-gather and leaves
-    them computing in bf16 until the trial (`float8.use_float8`). A recipe converts the layers torchao's size rule
-    keeps with `train.fp8_layers: sized`, every aligned one with `all`. Off CUDA the float8 matmuls are emulated
-    (tests; the plan refuses float8 training there). Nothing for `off`; a frozen model is never converted.
+    them computing in bf16 until the trial (`float8.use_float8`); where no layer passes torchao's size rule nothing
+    converts and the trial keeps bf16. Which layers convert: every aligned one (`train.fp8_layers: all`) or those
+    the size rule keeps (`sized`). Off CUDA the float8 matmuls are emulated (tests; the plan refuses float8 training
+    there). Nothing for `off`; a frozen model is never converted.
 
     Raises ConfigError when a recipe set in the config leaves no layer to convert (train.fp8_layers named)."""
     if train.fp8 == "off":
         return
     trial = pending(train.fp8)
     recipe = "tensorwise" if trial else train.fp8
+    sized = train.fp8_layers == "sized" or (trial and not float8.convertible(model, family, "tensorwise"))
     state = float8.convert(model, family, recipe, all_gather=strategy_of(train.strategy).fsdp and not trial,
-                           emulate=device.type != "cuda", sized=trial or train.fp8_layers == "sized")
+                           emulate=device.type != "cuda", sized=sized)
     if not trial and not state.layers:
         raise ConfigError(f"train.fp8={recipe}: no linear layer of the language model is large enough for {recipe} "
                           "float8 under torchao's size rule (train.fp8_layers=sized), so the run would train in bf16",
