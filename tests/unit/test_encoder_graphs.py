@@ -109,3 +109,32 @@ def test_only_towers_that_take_precomputed_inputs_are_wrapped(tiny_models):
     assert "forward" not in model.model.visual.__dict__
     llava, _ = load_for_generation(tiny_models("tiny"), device="cpu", dtype="fp32")
     assert install_encoder_graphs(llava, FAMILIES["llava"], None) == {}
+
+
+def test_pictures_of_one_size_share_the_layout_of_the_next_power_of_two(tiny_models):
+    """Three, then three, then four pictures of one size run as the same four-picture layout (blank pictures after
+    the real ones): one layout, captured and replayed at its second use, replayed at its third; each output is the tower's own
+    for the real pictures alone. Pictures of mixed sizes keep their exact layout."""
+    from vlmctl.inference.encoder_graphs import padded_count
+
+    assert [padded_count([[1, 8, 8]] * n, 64 * n, 16384) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    assert padded_count([[1, 8, 8], [1, 8, 8], [1, 4, 8]], 160, 16384) == 3  # mixed sizes: as they are
+    assert padded_count([[1, 8, 8]] * 3, 192, 200) == 3  # four would pass max_patches
+    model, _ = load_for_generation(tiny_models("tiny-qwen2.5-vl"), device="cpu", dtype="fp32")
+    tower = model.model.visual
+    wrapped = EncoderGraphs(tower, qwen_grid_inputs, Replayed).install()
+    try:
+        with torch.inference_mode():
+            for seed, count in enumerate((3, 3, 4)):
+                _, x, grid = _tower_inputs(model, [(1, 8, 8)] * count, seed)
+                out = tower(x, grid_thw=grid)
+                wrapped.remove()
+                want = tower(x, grid_thw=grid)
+                wrapped.install()
+                assert out.pooler_output.shape == want.pooler_output.shape
+                assert torch.allclose(out.pooler_output, want.pooler_output, atol=1e-5, rtol=1e-5), (count, seed)
+                assert torch.allclose(out.last_hidden_state, want.last_hidden_state, atol=1e-5, rtol=1e-5)
+        assert [k[2] for k in wrapped.entries] == [((1, 8, 8),) * 4]
+        assert wrapped.captures == 1 and wrapped.replays == 2 and not wrapped.reason
+    finally:
+        wrapped.remove()

@@ -14,6 +14,11 @@ computed once per key (`GRID_INPUTS`, named by the family's `EncoderSpec.graph_i
 kept with the graph; the patches are copied into the graph's input buffer before each replay and the merged visual
 tokens copied out of its output buffer.
 
+Pictures of one size (a serving client's camera, a VQA set of one resolution) are padded to a power-of-two count
+with blank pictures of that size (`padded_count`): each attends only within its own picture (the grid's segment
+boundaries), so the real pictures' tokens are what they would be alone, and a prefill of any number of them meets
+one of a few layouts instead of one per count. Pictures of mixed sizes keep their exact layout.
+
 A key is captured at its second use (its first runs eagerly with the precomputed arguments), so one-off layouts
 cost no capture; at most `max_graphs` are kept (the least recently used is dropped) and a layout of more than
 `max_patches` patches always runs eagerly. A capture that fails turns the graphs off for the tower, and `reason`
@@ -47,6 +52,19 @@ def qwen_grid_inputs(tower, grid_thw) -> dict[str, Any]:
                                                       window_size=tower.window_size, patch_size=tower.patch_size)
         out.update(window_index=index, cu_window_seqlens=cu_window, max_window_seqlen=int((cu_window[1:] - cu_window[:-1]).max()))
     return {k: v.to(device) if hasattr(v, "to") else v for k, v in out.items()}
+
+
+def padded_count(grids: list[list[int]], patches: int, max_patches: int) -> int:
+    """How many pictures a layout of `grids` (rows of temporal, height, width in patches) of `patches` patches in
+    all is run as: the next power of two of their count where every grid is the same and the padded layout stays
+    within `max_patches`, else their own count."""
+    n = len(grids)
+    size = 1
+    while size < n:
+        size *= 2
+    if size == n or any(g != grids[0] for g in grids) or patches // n * size > max_patches:
+        return n
+    return size
 
 
 GRID_INPUTS: dict[str, Callable[[Any, Any], dict[str, Any]]] = {"qwen_grid": qwen_grid_inputs}
@@ -89,6 +107,22 @@ class EncoderGraphs:
         if (kwargs or grid_thw is None or torch.is_grad_enabled() or self.reason
                 or hidden_states.shape[0] > self.max_patches):
             return self.forward(self.tower, hidden_states, grid_thw, **kwargs)
+        grids = grid_thw.tolist()
+        count = padded_count(grids, hidden_states.shape[0], self.max_patches)
+        if count == len(grids):
+            return self._layout(hidden_states, grid_thw)
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        # blank pictures of the same grid after the real ones; their patches and tokens are cut off the outputs
+        patches, extra = hidden_states.shape[0], count - len(grids)
+        padded = torch.cat([hidden_states, hidden_states.new_zeros(patches // len(grids) * extra, hidden_states.shape[1])])
+        out = self._layout(padded, torch.cat([grid_thw, grid_thw[-1:].expand(extra, -1)]))
+        tokens = out.pooler_output.shape[0] // count * len(grids)
+        return BaseModelOutputWithPooling(last_hidden_state=out.last_hidden_state[:patches],
+                                          pooler_output=out.pooler_output[:tokens])
+
+    def _layout(self, hidden_states, grid_thw):
+        """The forward of one layout: precomputed inputs at its first use, a capture at its second, replays after."""
         key = (tuple(hidden_states.shape), hidden_states.dtype, tuple(tuple(int(v) for v in row) for row in grid_thw.tolist()))
         entry = self.entries.get(key)
         if entry is None:
@@ -112,7 +146,7 @@ class EncoderGraphs:
             except Exception as exc:  # noqa: BLE001 - a tower that cannot be captured runs eagerly, and says why
                 self.reason = f"vision graph capture failed: {type(exc).__name__}: {str(exc)[:200]}"
                 self.entries.clear()
-                return self.forward(self.tower, hidden_states, grid_thw, **kwargs)
+                return self.forward(self.tower, hidden_states, grid_thw)
         entry["x"].copy_(hidden_states)
         entry["graph"].replay()
         self.replays += 1
@@ -159,4 +193,4 @@ def install_encoder_graphs(model, family, record: Callable | None, enabled: bool
     return installed
 
 
-__all__ = ["EncoderGraphs", "GRID_INPUTS", "install_encoder_graphs", "qwen_grid_inputs"]
+__all__ = ["EncoderGraphs", "GRID_INPUTS", "install_encoder_graphs", "padded_count", "qwen_grid_inputs"]
