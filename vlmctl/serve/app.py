@@ -16,6 +16,12 @@ server refuses (403) a request that a page of another origin sent (`Origin` not 
 
 Each request is logged through `ServerState.log` (one line: method, path, status, prompt + completion tokens,
 seconds).
+
+Events reach the event loop through one `Relay` per loop: the engine's worker thread only appends them, and the loop
+is woken once per batch of events rather than once per token of every client (each wake-up is a write to the loop's
+self-pipe and a handover of the interpreter's lock). A streamed choice sends one chunk per token while its client
+keeps up; when several of its tokens are already waiting, they go out as one chunk (their text joined), as vLLM's
+server does with its stream interval.
 """
 
 from __future__ import annotations
@@ -25,8 +31,10 @@ import hashlib
 import hmac
 import ipaddress
 import json
+import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -40,6 +48,40 @@ from vlmctl.serve.protocol import ChatCompletionRequest, OpenAIError, parse_requ
 # Light vlmctl modules are imported next to their use as well.
 
 PAGE = Path(__file__).with_name("page.html")
+
+
+class Relay:
+    """Events from the engine's worker thread to `asyncio.Queue`s of one event `loop`, in order: `sink(queue)` is a
+    job's sink; it appends, and schedules a drain on the loop only when none is pending (module docstring)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.items: deque = deque()  # (queue, event); deque appends and pops are atomic
+        self._lock = threading.Lock()
+        self._scheduled = False
+        self.wakeups = 0  # drains scheduled (each one wake-up of the loop)
+
+    def sink(self, queue: asyncio.Queue) -> Callable[[tuple], None]:
+        def put(event: tuple) -> None:
+            self.items.append((queue, event))
+            with self._lock:
+                if self._scheduled:
+                    return
+                self._scheduled = True
+                self.wakeups += 1
+            try:
+                self.loop.call_soon_threadsafe(self._drain)
+            except RuntimeError:  # the loop is closed: the server has stopped, nobody reads the events
+                pass
+
+        return put
+
+    def _drain(self) -> None:
+        with self._lock:  # cleared first: an event appended from here on schedules a drain of its own
+            self._scheduled = False
+        while self.items:
+            queue, event = self.items.popleft()
+            queue.put_nowait(event)
 
 
 @dataclass
@@ -242,6 +284,8 @@ def create_app(state: ServerState):
             if not getattr(request.state, "submitted", False):
                 state.engine.withdraw()
 
+    relays: dict = {}  # the running loop -> its Relay
+
     async def answer(request: Request):
         try:
             authorize(request)
@@ -261,7 +305,10 @@ def create_app(state: ServerState):
             return Response(status_code=499)
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        job.sink = lambda event: loop.call_soon_threadsafe(events.put_nowait, event)
+        if relays.get(loop) is None:
+            relays.clear()  # a relay belongs to one loop (tests run several)
+            relays[loop] = Relay(loop)
+        job.sink = relays[loop].sink(events)
         request.state.submitted = True  # the engine counts the announcement as ended, queued or refused
         if not state.engine.submit(job, announced=True):
             return error(OpenAIError(503, "the server is shutting down", type="server_error", code="unavailable"))
@@ -439,12 +486,17 @@ async def _stream(job: Job, events: asyncio.Queue, meta: dict, include_usage: bo
     tokens = [0] * job.n
     try:
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None} for i in range(job.n)])
-        pending = [first]
+        ready = deque([first])  # events taken from the queue and not sent yet
         while True:
-            event = pending.pop() if pending else await events.get()
+            event = ready.popleft() if ready else await events.get()
             kind = event[0]
             if kind == "delta":
-                yield chunk([{"index": event[1], "delta": {"content": event[2]}, "finish_reason": None}])
+                while not events.empty():  # the client fell behind: its waiting tokens go out as one chunk
+                    ready.append(events.get_nowait())
+                text = event[2]
+                while ready and ready[0][0] == "delta" and ready[0][1] == event[1]:
+                    text += ready.popleft()[2]
+                yield chunk([{"index": event[1], "delta": {"content": text}, "finish_reason": None}])
             elif kind == "done":
                 tokens[event[1]] = event[3]
                 yield chunk([{"index": event[1], "delta": {}, "finish_reason": event[2]}])
