@@ -2,13 +2,15 @@
 # FP8 against bf16 convergence on one GPU, for docs/benchmarks.md: the same project trained twice from the same seed,
 # train.fp8=off and train.fp8=tensorwise, then each final export scored by `vlmctl eval` on the same held-out samples.
 #   benchmarks/bench_fp8_convergence_gpu.sh WORKDIR [PRESET]          # from the repository root
-# Builds a project in WORKDIR once: SAMPLES (default 4096) generated shapes-VQA samples (64 px pictures, 5% held out
-# by the data split), the PRESET (default qwen2.5-vl-3b) built with random weights in bf16. Each run: `vlmctl train`
+# Builds a project in WORKDIR once: SAMPLES (default 8192) generated shapes-VQA samples (64 px pictures, VAL (default
+# 0.25) of them held out by the data split: about 2,000, so that one answer is 0.05 points of accuracy), the PRESET (default qwen2.5-vl-3b) built with random weights in bf16. Each run: `vlmctl train`
 # of STEPS (default 300) steps, full fine-tuning, compiled decoder layers (FP8 needs them; bf16 gets the same),
 # packed rows of TOKENS (default 4096) tokens, learning rate LR (default 1e-4, cosine), no validation during the
-# run, activation checkpointing off. Then `vlmctl eval` of its final export on EVAL_SAMPLES (default 200) of the val
+# run, activation checkpointing off. Then `vlmctl eval` of its final export on EVAL_SAMPLES (default 2048) of the val
 # split, 8 new tokens. Last: one `FP8CONV {json}` line: each run's mean loss over its last 100 steps, the relative
-# difference of the FP8 run's from bf16's, each run's eval metrics and their difference in points, tokens/s.
+# difference of the FP8 run's from bf16's, each run's eval metrics and their difference in points, tokens/s, and the
+# paired comparison of the two evals (samples both / only bf16 / only float8 answered right; McNemar's exact
+# two-sided p-value of the difference, from the binomial distribution of the discordant samples).
 # MODES (default "off tensorwise") picks the runs: on one H200 a 3B run of 300 steps trains in about 190 s and its
 # final checkpoint and export take more than another 20 s, so the two runs and their evals need about 9 minutes;
 # where one call has less, run MODES=off and MODES=tensorwise apart (each call builds the project again) and compare
@@ -22,7 +24,7 @@ work=$(mkdir -p "$1" && cd "$1" && pwd) preset=${2:-qwen2.5-vl-3b}
 export PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 cd "$work"
 source "$root/benchmarks/shapes_project.sh"
-shapes_project fp8-convergence "$preset" "${SAMPLES:-4096}" 0.05 || exit 1
+shapes_project fp8-convergence "$preset" "${SAMPLES:-8192}" "${VAL:-0.25}" || exit 1
 run_mode() {  # MODE [GPU]: train, then evaluate the final export; everything it prints goes to lane-MODE.txt
     local mode=$1 t0=$SECONDS
     [ -n "${2:-}" ] && export CUDA_VISIBLE_DEVICES=$2
@@ -35,7 +37,7 @@ run_mode() {  # MODE [GPU]: train, then evaluate the final export; everything it
     grep -m3 -i "fp8\|float8" "train-$mode.log" | cut -c1-200
     t0=$SECONDS
     timeout "${EVAL_TIMEOUT:-150}" python3 -m vlmctl --quiet eval "outputs/runs/fp8-$mode/final" --data val \
-        --limit "${EVAL_SAMPLES:-200}" --max-new-tokens 8 --batch-size 64 -o "outputs/eval/fp8-$mode" --force --json \
+        --limit "${EVAL_SAMPLES:-2048}" --max-new-tokens 8 --batch-size 64 -o "outputs/eval/fp8-$mode" --force --json \
         > "eval-$mode.json" 2> "eval-$mode.err" || { echo "fp8=$mode: eval failed"; tail -5 "eval-$mode.err"; }
     echo "== fp8=$mode evaluated in $(( SECONDS - t0 )) s"
 }
@@ -70,5 +72,21 @@ if base["steps"] and fp8["steps"]:
     out["loss_rel_diff"] = round((fp8["loss_last100"] - base["loss_last100"]) / base["loss_last100"], 5)
     out["eval_diff_points"] = {k: round(100 * (fp8["eval"][k] - v), 2) for k, v in base["eval"].items()
                                if isinstance(v, (int, float)) and isinstance(fp8["eval"].get(k), (int, float))}
+scores = {}
+for mode in ("off", "tensorwise"):
+    path = Path(f"outputs/eval/fp8-{mode}/predictions.jsonl")
+    if path.is_file():  # one object per sample: its id and score (1 right, 0 wrong)
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        scores[mode] = {r["id"]: float(r.get("score") or 0) > 0 for r in rows}
+if len(scores) == 2:
+    from math import comb
+
+    both = sorted(set(scores["off"]) & set(scores["tensorwise"]))
+    only_bf16 = sum(scores["off"][i] and not scores["tensorwise"][i] for i in both)
+    only_fp8 = sum(scores["tensorwise"][i] and not scores["off"][i] for i in both)
+    n, k = only_bf16 + only_fp8, min(only_bf16, only_fp8)
+    p = min(1.0, 2 * sum(comb(n, j) for j in range(k + 1)) / 2 ** n) if n else 1.0
+    out["paired"] = {"samples": len(both), "both_right": sum(scores["off"][i] and scores["tensorwise"][i] for i in both),
+                     "only_bf16_right": only_bf16, "only_fp8_right": only_fp8, "mcnemar_p": round(p, 4)}
 print("FP8CONV " + json.dumps(out))
 PY
