@@ -111,7 +111,8 @@ def test_only_towers_that_take_precomputed_inputs_are_wrapped(tiny_models):
     assert install_encoder_graphs(llava, FAMILIES["llava"], None) == {}
 
 
-def test_pictures_of_one_size_share_the_layout_of_the_next_power_of_two(tiny_models):
+@pytest.mark.parametrize("preset", ["tiny-qwen2.5-vl", "tiny-qwen2-vl"])
+def test_pictures_of_one_size_share_the_layout_of_the_next_power_of_two(tiny_models, preset):
     """Three, then three, then four pictures of one size run as the same four-picture layout (blank pictures after
     the real ones): one layout, captured and replayed at its second use, replayed at its third; each output is the tower's own
     for the real pictures alone. Pictures of mixed sizes keep their exact layout."""
@@ -120,7 +121,7 @@ def test_pictures_of_one_size_share_the_layout_of_the_next_power_of_two(tiny_mod
     assert [padded_count([[1, 8, 8]] * n, 64 * n, 16384) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
     assert padded_count([[1, 8, 8], [1, 8, 8], [1, 4, 8]], 160, 16384) == 3  # mixed sizes: as they are
     assert padded_count([[1, 8, 8]] * 3, 192, 200) == 3  # four would pass max_patches
-    model, _ = load_for_generation(tiny_models("tiny-qwen2.5-vl"), device="cpu", dtype="fp32")
+    model, _ = load_for_generation(tiny_models(preset), device="cpu", dtype="fp32")
     tower = model.model.visual
     wrapped = EncoderGraphs(tower, qwen_grid_inputs, Replayed).install()
     try:
