@@ -472,3 +472,21 @@ def test_warmup_captures_every_decode_bucket_before_requests_and_they_capture_no
     _Replay.replays = 0
     assert _answers(warm) == want  # the captures left every buffer as it was
     assert warm.runner.captures == captured and _Replay.replays >= 10  # every step replayed a warm graph
+
+
+def test_warmup_captures_the_prefill_buckets_so_requests_of_those_shapes_capture_none(llava):
+    """With padded prefills on, the warm-up also prefills text prompts of each (rows, length) bucket twice: every
+    bucket up to the engine's rows and the warm-up's length is captured before any request, requests of those
+    shapes (pictures and all: the language model sees embeddings) capture nothing more, and their answers are those
+    of an engine that was never warmed."""
+    want = _answers(DecodeEngine(*llava, max_slots=4, max_length=512, prefill_graphs=True))
+    warm = DecodeEngine(*llava, max_slots=4, max_length=512, prefill_graphs=True)
+    warm.runner.use_graphs, warm.runner._capture_run = True, _Replay
+    captured, _ = warm.warmup(128)
+    prefill = {k[1:3] for k in warm.runner._graphs if k[0] == "prefill"}
+    assert prefill == {(rows, width) for rows in (1, 2, 4) for width in (32, 64, 128)}
+    assert captured == len(warm.runner._graphs) == 3 * 2 + 9  # decode: 3 row buckets x length 128 x greedy/sampled
+    _Replay.replays = 0
+    got = _answers(warm)
+    assert got == want and warm.runner.captures == captured and warm.runner.prefill_graphs >= 1
+    assert warm.prefills >= 2 * 9  # the warm-up's own prefills, twice per bucket

@@ -35,8 +35,8 @@ def serve_cmd(
                                                              "data: URLs only).", show_default=False)] = None,
     max_batch_size: Annotated[int, typer.Option("--max-batch-size", help="Rows decoded together (a request of n choices is n rows); the KV cache holds this many.")] = 32,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens per answer when a request gives no max_tokens.")] = 256,
-    warmup_length: Annotated[int, typer.Option("--warmup-length", min=0, help="On a GPU, capture the decode step's CUDA graphs "
-                                               "before serving for every batch size and rows of up to this many tokens "
+    warmup_length: Annotated[int, typer.Option("--warmup-length", min=0, help="On a GPU, capture the decode step's and short "
+                                               "prefills' CUDA graphs before serving, for every batch size and rows of up to this many tokens "
                                                "(prompt + answer), so no client waits for a capture later; 0: captured "
                                                "as first needed.")] = 512,
     max_body_mb: Annotated[float, typer.Option("--max-body-mb", help="Largest request body, in MiB.")] = 32.0,

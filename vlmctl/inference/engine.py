@@ -368,12 +368,65 @@ class DecodeEngine:
                 "tokens_generated": self.tokens_generated}
 
     def warmup(self, up_to: int) -> tuple[int, float]:
-        """Capture the decode graphs of every row bucket for rows of at most `up_to` cached positions (prompt and
-        answer, tokens) before requests come (`ModelRunner.capture_decode`), so that no running row waits for a
-        capture later. Returns (graphs captured, seconds). Call it while no row decodes; a no-op off CUDA."""
+        """Capture, before requests come, the CUDA graphs that rows of at most `up_to` cached positions (prompt and
+        answer, tokens) would otherwise meet for the first time while other rows wait: the decode step of every
+        row bucket (`ModelRunner.capture_decode`) and the padded prefill of every (rows, length) bucket up to
+        `prefill_batch` rows (`_warm_prefills`). Returns (graphs captured, seconds). Call it while no row decodes;
+        a no-op off CUDA."""
         started = time.perf_counter()
-        captured = self.runner.capture_decode(min(int(up_to), self.max_length))
-        return captured, time.perf_counter() - started
+        before = self.runner.captures
+        self.runner.capture_decode(min(int(up_to), self.max_length))
+        self._warm_prefills(up_to)
+        return self.runner.captures - before, time.perf_counter() - started
+
+    def _warm_prefills(self, up_to: int) -> None:
+        """Prefill a text prompt of each length bucket (`runner.PREFILL_MIN_BUCKET` doubling up to `up_to`) in each
+        row bucket up to `prefill_batch` rows, `PREFILL_CAPTURE_AT` times, so each bucket's graph is captured here.
+        A prefill bucket holds the language model's part of any prompt of its shape (the encoders' outputs arrive
+        as embeddings), so text stands in for every modality. Buckets over `PREFILL_GRAPH_TOKENS` never run from
+        a graph and are skipped, as is a length the chat template alone already passes."""
+        from vlmctl.inference.runner import PREFILL_CAPTURE_AT, PREFILL_GRAPH_TOKENS, PREFILL_MIN_BUCKET
+
+        runner = self.runner
+        if not (runner.use_graphs and runner.pad_prefill):
+            return
+        longest = min(int(up_to), self.max_length - 1, runner.prefill_chunk)
+        most = min(self.prefill_batch, self.max_slots)
+        width = PREFILL_MIN_BUCKET
+        while width <= longest and runner.use_graphs and runner.pad_prefill:
+            try:
+                prompt = self._prompt_of(width)
+            except Exception:  # noqa: BLE001 - a chat template that refuses the filler: no warm-up, serving goes on
+                return
+            rows = 1
+            while prompt is not None and rows <= most and rows * width <= PREFILL_GRAPH_TOKENS:
+                for _ in range(PREFILL_CAPTURE_AT):
+                    self.generate([prompt] * rows, SamplingParams(max_tokens=1, ignore_eos=True))
+                rows *= 2
+            width *= 2
+
+    def _prompt_of(self, width: int) -> GenerationRequest | None:
+        """A text request whose rendered prompt takes more than `width` / 2 and at most `width` tokens (None when
+        the chat template alone takes more)."""
+        from vlmctl.inference.prompt import render_request
+        from vlmctl.inference.runner import PREFILL_MIN_BUCKET
+
+        def tokens(words: int) -> tuple[GenerationRequest, int]:
+            request = GenerationRequest(messages=[{"role": "user", "content": [{"type": "text", "text": " ".join(["warm"] * words)}]}])
+            return request, len(self.tok(render_request(request, self.processor, self.family).text,
+                                         add_special_tokens=False)["input_ids"])
+
+        base = tokens(0)[1]  # the chat template's own tokens
+        if base > width:
+            return None
+        per = max((tokens(8)[1] - base) / 8, 1e-3)  # tokens per word of the filler
+        words = max(0, int((3 * width // 4 - base) / per))
+        for _ in range(8):  # the estimate, then a few corrections into the window
+            request, n = tokens(words)
+            if width // 2 < n <= width or (width == PREFILL_MIN_BUCKET and n <= width):
+                return request
+            words = max(0, words + int((3 * width // 4 - n) / per) or (1 if n <= width // 2 else -1))
+        return None
 
     # ---- requests
 

@@ -88,9 +88,10 @@ class Engine:
     `max_batch_size`: rows decoded together (the decoding engine's slots). `max_length`: the longest prompt plus
     `max_tokens` a job may ask for, in tokens (the project's `data.max_length`); a longer one fails with 400
     `context_length_exceeded`. `family`: the model's `FamilySpec` (default: from its config). `video`: the
-    `data.video` settings. `warmup_length`: before the worker starts, the decode step's CUDA graphs are captured
-    for every batch size and for rows of up to this many tokens (prompt and answer; `DecodeEngine.warmup`), so that
-    no client's tokens wait for a capture later; 0: captured as they are first needed. `options`: passed to
+    `data.video` settings. `warmup_length`: before the worker starts, the CUDA graphs of the decode step (every
+    batch size) and of short prefills (every bucket up to `prefill_batch` prompts) are captured for rows of up to
+    this many tokens (prompt and answer; `DecodeEngine.warmup`), so that no client's tokens wait for a capture
+    later; 0: captured as they are first needed. `options`: passed to
     `DecodeEngine` (`graphs`, `kernels`, `prefill_batch`).
     """
 
@@ -115,7 +116,8 @@ class Engine:
         if warmup_length > 0:
             captured, seconds = self.decoder.warmup(warmup_length)
             if captured:
-                log.info("decoding: %d CUDA graphs captured for rows of up to %d tokens in %.1f s", captured,
+                log.info("decoding: %d CUDA graphs (decode steps, prefills) captured for rows of up to %d tokens "
+                         "in %.1f s", captured,
                          min(warmup_length, max_length), seconds)
         self._worker = threading.Thread(target=self._loop, name="vlmctl-serve-engine", daemon=True)
         self._worker.start()

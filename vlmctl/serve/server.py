@@ -43,7 +43,7 @@ class ServeSettings:
     `data.video` settings, the project's `train` section (None outside a project: its defaults), the web origins
     allowed to call the server (`allowed_origins`, CORS; `*` any, with an API key only), where each request's log line
     goes (`log`), the seconds a connection may take to send a request's head (`head_seconds`) and the row length
-    (prompt and answer, tokens) up to which the decode step's CUDA graphs are captured before the server listens
+    (prompt and answer, tokens) up to which the decode and prefill CUDA graphs are captured before the server listens
     (`warmup_length`; 0: as first needed)."""
 
     host: str = "127.0.0.1"
@@ -61,7 +61,7 @@ class ServeSettings:
     allowed_origins: tuple[str, ...] = ()
     log: Callable[[str], None] | None = None
     head_seconds: float = 30.0
-    warmup_length: int = 512  # decode graphs captured at start-up for rows of up to this many tokens (`Engine`)
+    warmup_length: int = 512  # graphs captured at start-up for rows of up to this many tokens (`Engine`)
 
 
 def is_loopback(host: str) -> bool:
