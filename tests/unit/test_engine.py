@@ -490,3 +490,25 @@ def test_warmup_captures_the_prefill_buckets_so_requests_of_those_shapes_capture
     got = _answers(warm)
     assert got == want and warm.runner.captures == captured and warm.runner.prefill_graphs >= 1
     assert warm.prefills >= 2 * 9  # the warm-up's own prefills, twice per bucket
+
+
+@pytest.mark.parametrize("name", GENERATING)
+def test_the_prefill_warmup_fits_every_chat_template_and_warms_only_padded_prefills(name, tiny_models):
+    """The warm-up's text prompt lands in each length window under every family's chat template; a family whose
+    prefills run padded gets every (rows, length) bucket captured, any other family one prefill and no bucket."""
+    from vlmctl.inference.prompt import render_request
+
+    model, processor = load_for_generation(tiny_models(FAMILIES[name].tiny_preset), device="cpu", dtype="fp32")
+    engine = DecodeEngine(model, processor, max_slots=2, max_length=512, prefill_graphs=True)
+    for width in (32, 64, 128):
+        prompt = engine._prompt_of(width)
+        tokens = len(processor.tokenizer(render_request(prompt, processor, engine.family).text,
+                                         add_special_tokens=False)["input_ids"])
+        assert tokens <= width and (width == 32 or tokens > width // 2), (width, tokens)
+    engine.runner.use_graphs, engine.runner._capture_run = True, _Replay
+    engine.warmup(128)
+    prefill = {k[1:3] for k in engine.runner._graphs if k[0] == "prefill"}
+    if name in PADDED:
+        assert prefill == {(rows, width) for rows in (1, 2) for width in (32, 64, 128)}
+    else:
+        assert not prefill and engine.prefills == 1

@@ -384,7 +384,8 @@ class DecodeEngine:
         row bucket up to `prefill_batch` rows, `PREFILL_CAPTURE_AT` times, so each bucket's graph is captured here.
         A prefill bucket holds the language model's part of any prompt of its shape (the encoders' outputs arrive
         as embeddings), so text stands in for every modality. Buckets over `PREFILL_GRAPH_TOKENS` never run from
-        a graph and are skipped, as is a length the chat template alone already passes."""
+        a graph and are skipped, as is a length the chat template alone already passes; a family whose prefills do
+        not run padded (extra inputs for its language model) stops after the first."""
         from vlmctl.inference.runner import PREFILL_CAPTURE_AT, PREFILL_GRAPH_TOKENS, PREFILL_MIN_BUCKET
 
         runner = self.runner
@@ -401,7 +402,10 @@ class DecodeEngine:
             rows = 1
             while prompt is not None and rows <= most and rows * width <= PREFILL_GRAPH_TOKENS:
                 for _ in range(PREFILL_CAPTURE_AT):
+                    padded = runner.padded_prefills
                     self.generate([prompt] * rows, SamplingParams(max_tokens=1, ignore_eos=True))
+                    if runner.padded_prefills == padded:  # this family's prefills do not run padded: nothing to warm
+                        return
                 rows *= 2
             width *= 2
 
