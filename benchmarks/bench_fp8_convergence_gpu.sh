@@ -3,8 +3,9 @@
 # train.fp8=off and train.fp8=tensorwise, then each final export scored by `vlmctl eval` on the same held-out samples.
 #   benchmarks/bench_fp8_convergence_gpu.sh WORKDIR [PRESET]          # from the repository root
 # Builds a project in WORKDIR once: SAMPLES (default 8192) generated shapes-VQA samples (64 px pictures, VAL (default
-# 0.25) of them held out by the data split: about 2,000, so that one answer is 0.05 points of accuracy), the PRESET (default qwen2.5-vl-3b) built with random weights in bf16. Each run: `vlmctl train`
-# of STEPS (default 300) steps, full fine-tuning, compiled decoder layers (FP8 needs them; bf16 gets the same),
+# 0.25) of them held out by the data split: about 2,000, so that one answer is 0.05 points of accuracy), the PRESET
+# (default qwen2.5-vl-3b) built with random weights in bf16. Each run: `vlmctl train` of STEPS (default 300) steps,
+# full fine-tuning, compiled decoder layers (FP8 needs them; bf16 gets the same),
 # packed rows of TOKENS (default 4096) tokens, learning rate LR (default 1e-4, cosine), no validation during the
 # run, activation checkpointing off. Then `vlmctl eval` of its final export on EVAL_SAMPLES (default 2048) of the val
 # split, 8 new tokens. Last: one `FP8CONV {json}` line: each run's mean loss over its last 100 steps, the relative

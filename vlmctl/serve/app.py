@@ -284,7 +284,7 @@ def create_app(state: ServerState):
             if not getattr(request.state, "submitted", False):
                 state.engine.withdraw()
 
-    relays: dict = {}  # the running loop -> its Relay
+    relay: list[Relay | None] = [None]  # the running loop's (a relay belongs to one loop; tests run several)
 
     async def answer(request: Request):
         try:
@@ -305,10 +305,9 @@ def create_app(state: ServerState):
             return Response(status_code=499)
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        if relays.get(loop) is None:
-            relays.clear()  # a relay belongs to one loop (tests run several)
-            relays[loop] = Relay(loop)
-        job.sink = relays[loop].sink(events)
+        if relay[0] is None or relay[0].loop is not loop:
+            relay[0] = Relay(loop)
+        job.sink = relay[0].sink(events)
         request.state.submitted = True  # the engine counts the announcement as ended, queued or refused
         if not state.engine.submit(job, announced=True):
             return error(OpenAIError(503, "the server is shutting down", type="server_error", code="unavailable"))

@@ -117,8 +117,7 @@ class Engine:
             captured, seconds = self.decoder.warmup(warmup_length)
             if captured:
                 log.info("decoding: %d CUDA graphs (decode steps, prefills) captured for rows of up to %d tokens "
-                         "in %.1f s", captured,
-                         min(warmup_length, max_length), seconds)
+                         "in %.1f s", captured, min(warmup_length, max_length), seconds)
         self._worker = threading.Thread(target=self._loop, name="vlmctl-serve-engine", daemon=True)
         self._worker.start()
 
