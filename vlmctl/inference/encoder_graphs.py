@@ -58,10 +58,8 @@ def padded_count(grids: list[list[int]], patches: int, max_patches: int) -> int:
     """How many pictures a layout of `grids` (rows of temporal, height, width in patches) of `patches` patches in
     all is run as: the next power of two of their count where every grid is the same and the padded layout stays
     within `max_patches`, else their own count."""
-    from vlmctl.inference.runner import bucket
-
     n = len(grids)
-    size = bucket(n, max_patches)  # the power of two (each picture has at least one patch: never capped below n)
+    size = 1 << (n - 1).bit_length()  # the next power of two (runner.bucket's, which would import runner in a cycle)
     if size == n or any(g != grids[0] for g in grids) or patches // n * size > max_patches:
         return n
     return size
