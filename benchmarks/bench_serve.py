@@ -18,7 +18,7 @@ model's name, dtype, attention implementation and decoding mode from /health), t
 concurrency and round: requests, seconds, requests/s, output tokens/s, mean latency, median time to first token, and
 from the server's /health counters over the round: decode steps, rows per step, milliseconds per step (the worker's
 busy time over its steps), the share of the round the worker was busy, the CUDA graphs captured during the round,
-and the prefills with their mean milliseconds. With --rounds N the concurrencies are interleaved N times (1, 4, 8, 1, 4, 8, ...), so load from other
+and the prefills with their mean milliseconds (the runner's prefill and the first tokens' draw; the processor's share before it, `inputs_ms`, apart), and the worker's milliseconds per step in decoding (`decode_ms_per_step`: launching steps and taking their tokens). With --rounds N the concurrencies are interleaved N times (1, 4, 8, 1, 4, 8, ...), so load from other
 processes on a shared machine falls on all of them, and a `MEDIAN {json}` and a `BEST {json}` line (the fastest
 round, the one least slowed by other processes) per concurrency follow.
 """
@@ -144,6 +144,10 @@ def main() -> None:
                            prefills=after.get("prefills", 0) - before.get("prefills", 0),
                            prefill_ms=round(1000 * (after.get("prefill_seconds", 0) - before.get("prefill_seconds", 0))
                                             / max(after.get("prefills", 0) - before.get("prefills", 0), 1), 2),
+                           inputs_ms=round(1000 * (after.get("inputs_seconds", 0) - before.get("inputs_seconds", 0))
+                                           / max(after.get("prefills", 0) - before.get("prefills", 0), 1), 2),
+                           decode_ms_per_step=round(1000 * (after.get("decode_seconds", 0) - before.get("decode_seconds", 0))
+                                                    / steps, 3),
                            decode=after.get("decode"))
                 rows.setdefault(concurrency, []).append(row)
                 print("RESULT " + json.dumps(row), flush=True)

@@ -14,6 +14,7 @@ import torch
 from audio_data import wav
 from video_data import moving_square
 from vlmctl.families.registry import FAMILIES
+from vlmctl.families.spec import FamilySpec
 from vlmctl.inference import GenerationRequest, load_for_generation
 from vlmctl.inference.engine import DecodeEngine
 from vlmctl.inference.generation import _model_inputs
@@ -512,3 +513,43 @@ def test_the_prefill_warmup_fits_every_chat_template_and_warms_only_padded_prefi
         assert prefill == {(rows, width) for rows in (1, 2) for width in (32, 64, 128)}
     else:
         assert not prefill and engine.prefills == 1
+
+
+HOST_POSITIONS = sorted(name for name, f in FAMILIES.items()
+                        if f.tiny_preset and type(f).prompt_positions is not FamilySpec.prompt_positions)
+
+
+@pytest.mark.parametrize("name", HOST_POSITIONS)
+def test_prompt_positions_on_the_host_are_the_ones_the_model_derives(name, tiny_models):
+    """A prompt batch's position ids computed on the host (`FamilySpec.prompt_positions`) are the ones the model's
+    forward derives on its own for the same tensors, rows of different lengths padded on the right; a prefill given
+    them (and the host's padding mask) returns what it returns without them; text-only prompts get None (the
+    language model's own positions, as in the forward)."""
+    from vlmctl.inference.inputs import processor_inputs, to_model
+
+    family = FAMILIES[name]
+    model, processor = load_for_generation(tiny_models(family.tiny_preset), device="cpu", dtype="fp32")
+    sharpen(model)
+    engine = DecodeEngine(model, processor, max_slots=4, max_length=2048)
+    assert engine._host_positions is not None
+    rendered = [render_request(r, processor, family) for r in requests_for(family)[:2]]
+    rendered[1] = render_request(GenerationRequest(messages=[{"role": "user", "content": [
+        {"type": "image", "index": 0}, {"type": "text", "text": "A much longer question about the picture, in many words?"}]}],
+        images=[png((10, 200, 30), side=64)]), processor, family)
+    processor.tokenizer.padding_side = "right"
+    host = processor_inputs(processor, [r.text for r in rendered], [i for r in rendered for i in r.images])
+    lengths = host["attention_mask"].sum(dim=1).tolist()
+    assert lengths[0] != lengths[1]  # one row is padded
+    positions = engine._host_positions(host)
+    with torch.inference_mode():
+        own = engine.runner._capture(to_model(model, host))["position_ids"]
+    assert positions.shape == own.shape and torch.equal(positions, own.to(positions.dtype))
+    assert positions.amax() < positions.shape[-1] - 1  # the pictures' rows share positions: not a plain arange
+    with torch.inference_mode():
+        alone = engine.runner.prefill(to_model(model, host), [0, 1])
+        given = engine.runner.prefill(to_model(model, {**host, "position_ids": positions}), [2, 3], {**host, "position_ids": positions})
+    assert (given.positions, given.first, given.ends, given.tokens) == (alone.positions, alone.first, alone.ends, alone.tokens)
+    assert torch.allclose(given.logits, alone.logits, atol=1e-5)
+    text_only = processor_inputs(processor, [render_request(GenerationRequest(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "Name a color."}]}]), processor, family).text], [])
+    assert engine._host_positions(text_only) is None

@@ -29,6 +29,7 @@ them with the library's own code).
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Mapping
 from functools import lru_cache, partial
@@ -256,6 +257,30 @@ def mrope_prepare(model, image_token_id: int | None) -> Callable[[dict[str, Any]
     return prepare
 
 
+def prompt_mrope_positions(model) -> Callable[[Mapping[str, Any]], Any] | None:
+    """The Qwen-VL model's own `compute_3d_position_ids` (what its forward calls when no `position_ids` are given)
+    as a function of a prompt batch's host tensors: (3, B, T) positions for prompts with images or videos, None for
+    text-only prompts (the forward then leaves positions to the language model, and so does the caller). None when
+    the model has no such method. Only the tensors the method's signature names are passed; the cache is None (a
+    prompt's prefill)."""
+    owner = next((m for m in model.modules() if callable(getattr(m, "compute_3d_position_ids", None))), None)
+    if owner is None:
+        return None
+    names = set(inspect.signature(owner.compute_3d_position_ids).parameters)
+
+    def positions(inputs: Mapping[str, Any]):
+        if inputs.get("image_grid_thw") is None and inputs.get("video_grid_thw") is None:
+            return None
+        if "mm_token_type_ids" in names and inputs.get("mm_token_type_ids") is None:
+            return None  # the forward could not compute them either
+        values = {key: inputs.get(key) for key in ("input_ids", "image_grid_thw", "video_grid_thw", "attention_mask",
+                                                   "second_per_grid_ts", "mm_token_type_ids")}
+        values.update(inputs_embeds=None, cache=None, past_key_values=None)
+        return owner.compute_3d_position_ids(**{k: v for k, v in values.items() if k in names})
+
+    return positions
+
+
 def packed_mrope_positions(get_rope_index: Callable[..., tuple[Any, Any]], input_ids, mm_token_type_ids, seq_lens: list[int], *,
                            image_grid_thw=None, video_grid_thw=None, second_per_grid_ts=None, spatial_merge_size: int = 2):
     """(4, 1, T) position ids of a packed Qwen-VL row: the 1-D text positions (row 0, restarting per sample, what
@@ -324,6 +349,10 @@ class QwenVLSpec(FamilySpec):
     def position_hook(self, model, image_token_id: int | None):
         """`mrope_prepare(model, image_token_id)`: packed rows need per-sample 3-D positions."""
         return mrope_prepare(model, image_token_id)  # the module global, so tests can wrap it
+
+    def prompt_positions(self, model):
+        """`prompt_mrope_positions(model)`: a prompt's 3-D positions computed on the host."""
+        return prompt_mrope_positions(model)
 
     def image_size_kwargs(self, kwargs: Mapping[str, Any], size: int) -> dict[str, Any]:
         """`model.image_size` caps the pixels per image at size**2 (`max_pixels`; `min_pixels` no larger)."""

@@ -205,6 +205,15 @@ class FamilySpec:
         family needs, or None when the collator's (1, T) per-sample positions are right as they are."""
         return None
 
+    def prompt_positions(self, model: "torch.nn.Module") -> Callable[[Mapping[str, Any]], Any] | None:
+        """For generation: a function of a prompt batch's processor tensors on the host (`input_ids`
+        [B, T], `attention_mask`, the media grids) returning the position ids the model's forward would derive for
+        them (on the host, as a tensor the forward takes as `position_ids`), or None where the forward derives them
+        itself; None (the default) where the family has no such function. The decoding engine calls it before the
+        tensors reach the device, so the model's per-row Python over device tensors (many small kernels and host
+        synchronizations per prompt) does not run at each prefill."""
+        return None
+
     def processor_outputs(self, outputs: Mapping[str, Any], processor: Any) -> Mapping[str, Any]:
         """One sample's processor `outputs` in the layout the collator batches: media tensors with images (or their
         tiles) along dim 0, or Idefics3-style per-sample stacks [1, n, ...]. Default: unchanged."""

@@ -280,6 +280,9 @@ class DecodeEngine:
             raise UsageError(f"logprobs must be 'raw' or 'sampled', got {logprobs!r}")
         self.model, self.processor, self.video = model, processor, video
         self.family = family if family is not None else model_family(model)
+        # a prompt batch's position ids computed on the host where the family can (`FamilySpec.prompt_positions`)
+        hook = getattr(self.family, "prompt_positions", None)
+        self._host_positions = hook(model) if hook is not None else None
         self.tok = processor.tokenizer
         if self.tok.pad_token_id is None:
             self.tok.pad_token = self.tok.eos_token
@@ -309,7 +312,8 @@ class DecodeEngine:
         self.steps = 0  # decode steps run
         self.prefills = 0
         self.tokens_generated = 0
-        self.prefill_seconds = 0.0
+        self.prefill_seconds = 0.0  # in the runner's prefill and the first tokens' draw
+        self.inputs_seconds = 0.0  # in the processor and the inputs' copy to the device, at admission
         self.decode_seconds = 0.0
         self.overlap = bool(overlap)
         self.overlapped = 0  # decode steps launched before the tokens of the step before them were taken
@@ -359,6 +363,7 @@ class DecodeEngine:
                 "max_length": self.max_length, "cuda_graphs": self.runner.graph_count, "decode_steps": self.steps,
                 "overlapped_steps": self.overlapped,
                 "prefills": self.prefills, "prefill_seconds": round(self.prefill_seconds, 4),
+                "inputs_seconds": round(self.inputs_seconds, 4), "decode_seconds": round(self.decode_seconds, 4),
                 "prefill_graph_replays": self.runner.prefill_graphs,
                 **({"prefill_reason": self.runner.prefill_reason} if self.runner.prefill_reason else {}),
                 **({"encoders_varlen": self.runner.encoders_varlen} if self.runner.encoders_varlen else {}),
@@ -559,16 +564,22 @@ class DecodeEngine:
             request.fail(400, f"the model's chat template refuses this request: {type(exc).__name__}: {exc}", "invalid_request")
         return None
 
-    def _inputs(self, rendered: list[RenderedRequest]) -> dict[str, Any]:
-        """The processor's tensors for `rendered` prompts, padded on the right (every row's tokens start at 0)."""
-        from vlmctl.inference.inputs import _model_inputs
+    def _inputs(self, rendered: list[RenderedRequest]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The processor's tensors for `rendered` prompts, padded on the right (every row's tokens start at 0): on the
+        model's device, and on the host (with the position ids the family computes there, `FamilySpec.prompt_positions`)."""
+        from vlmctl.inference.inputs import processor_inputs, to_model
 
         side, self.tok.padding_side = self.tok.padding_side, "right"
         try:
-            return _model_inputs(self.model, self.processor, [r.text for r in rendered], [i for r in rendered for i in r.images],
-                                 [a for r in rendered for a in r.audios], [v for r in rendered for v in r.videos], self.video)
+            host = processor_inputs(self.processor, [r.text for r in rendered], [i for r in rendered for i in r.images],
+                                    [a for r in rendered for a in r.audios], [v for r in rendered for v in r.videos], self.video)
         finally:
             self.tok.padding_side = side
+        if self._host_positions is not None:
+            positions = self._host_positions(host)
+            if positions is not None:
+                host["position_ids"] = positions
+        return to_model(self.model, host), host
 
     def _start(self, batch: list[Request]) -> None:
         """Prefill `batch` in one forward into slots from `free`, copy each to its other choices' slots, sample every
@@ -580,8 +591,9 @@ class DecodeEngine:
         if not pairs:
             return
         free = [i for i, c in enumerate(self.slots) if c is None]
+        started = time.perf_counter()
         try:
-            inputs = self._inputs([p for _, p in pairs])
+            inputs, host = self._inputs([p for _, p in pairs])
         except Exception as exc:  # noqa: BLE001 - the processor's errors are the request's: find whose
             if len(pairs) > 1:
                 for request, _ in pairs:
@@ -589,6 +601,8 @@ class DecodeEngine:
                 return
             message = exc.message if isinstance(exc, VlmctlError) else f"the processor cannot read this request: {type(exc).__name__}: {exc}"
             return pairs[0][0].fail(400, message, "invalid_request")
+        finally:
+            self.inputs_seconds += time.perf_counter() - started
         width = int(inputs["input_ids"].shape[1])
         refused = [r for r, _ in pairs if not self._fits(r, width)]
         if refused:
@@ -601,15 +615,14 @@ class DecodeEngine:
             at += request.n
         started = time.perf_counter()
         try:
-            out = self.runner.prefill(inputs, [s[0] for s in slots])
+            out = self.runner.prefill(inputs, [s[0] for s in slots], host)
             for own, end in zip(slots, out.ends):
                 for slot in own[1:]:
                     self.runner.cache.copy_slot(own[0], slot, end)
             for b, (request, _) in enumerate(pairs):
                 request.prompt_tokens, request.admitted_step = int(out.tokens[b]), self.steps
-                ids = inputs["input_ids"][b, out.first[b]:out.ends[b]]
-                request.prompt_ids = ids.tolist()
-                self._first_tokens(request, slots[b], out.logits[b], out.positions[b], out.ends[b], ids, out.first[b])
+                request.prompt_ids = host["input_ids"][b, out.first[b]:out.ends[b]].tolist()
+            self._first_tokens([r for r, _ in pairs], slots, out)
         except Exception as exc:  # noqa: BLE001 - the model's failure on a request is that request's
             for request, own in zip((r for r, _ in pairs), slots):
                 for slot in own:
@@ -656,40 +669,66 @@ class DecodeEngine:
             return False
         return True
 
-    def _first_tokens(self, request: Request, slots: list[int], logits: "torch.Tensor", position: float, used: int,
-                      prompt_ids: "torch.Tensor", start: int = 0) -> None:
+    def _first_tokens(self, requests: list[Request], slots: list[list[int]], out) -> None:
+        """Sample the first token of every choice of `requests` (prefilled together: `out`, the runner's `Prefilled`;
+        `slots[b]`: request b's choices' slots) in one draw and one read-back, then admit the choices that go on into
+        their slots. Each choice's token depends on its own row and parameters alone (`sampling.sample`), so this is
+        what drawing each request apart gives."""
         import torch
 
         from vlmctl.inference.sampling import sample
 
-        params = self._params(request)
-        base = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
-        dev = logits.device
-        n = len(slots)
-        seeds = torch.tensor([(base + c) & 0x7FFFFFFF for c in range(n)], dtype=torch.long, device=dev)
-        rows = logits[None].expand(n, -1).float()
-        seen = torch.zeros(n, rows.shape[1], dtype=torch.bool, device=dev)
-        if params.repetition_penalty != 1:
-            seen[:, prompt_ids.to(dev)] = True
-        full = lambda value, dtype: torch.full((n,), value, dtype=dtype, device=dev)  # noqa: E731
-        first = sample(rows, full(params.temperature, torch.float32), full(params.top_p, torch.float32),
-                       full(params.top_k, torch.long), seeds, full(0, torch.long), penalty=full(params.repetition_penalty, torch.float32),
-                       seen=seen, suppress=self.runner.suppress, greedy_only=params.greedy)
-        entries = self._logprob_entries(rows, first, params, n) if params.logprobs is not None else [None] * n
-        first_tokens = first.tolist()
-        request.first_token_at = time.perf_counter()
-        for c, (slot, token, entry) in enumerate(zip(slots, first_tokens, entries)):
-            choice = _Choice(request, c, slot, self.tok, self.eos)
-            choice.length = used
-            choice.take(int(token), entry, self.max_length)
-            self.tokens_generated += 1
-            if choice.done:
-                continue
-            self.slots[slot] = choice
-            mark = torch.cat([prompt_ids.to(dev), first[c:c + 1]]) if params.repetition_penalty != 1 else None
-            self.runner.admit(slot, int(token), position, used, temperature=params.temperature, top_p=params.top_p,
-                              top_k=params.top_k, penalty=params.repetition_penalty, seed=int(seeds[c]), step=1, seen=mark,
-                              first=start)
+        dev = out.logits.device
+        params = [self._params(r) for r in requests]
+        bases = [p.seed if p.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item()) for p in params]
+        owner = [b for b, own in enumerate(slots) for _ in own]  # the request of each choice, in order
+        seeds = [(bases[b] + c) & 0x7FFFFFFF for b, own in enumerate(slots) for c in range(len(own))]
+        column = lambda values, dtype: torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)  # noqa: E731
+        rows = out.logits[column(owner, torch.long)].float()
+        seen = None
+        if any(p.repetition_penalty != 1 for p in params):
+            seen = torch.zeros(len(owner), rows.shape[1], dtype=torch.bool, device=dev)
+            for i, b in enumerate(owner):
+                if params[b].repetition_penalty != 1:
+                    seen[i, column(requests[b].prompt_ids, torch.long)] = True
+        first = sample(rows, column([params[b].temperature for b in owner], torch.float32),
+                       column([params[b].top_p for b in owner], torch.float32), column([params[b].top_k for b in owner], torch.long),
+                       column(seeds, torch.long), torch.zeros(len(owner), dtype=torch.long, device=dev),
+                       penalty=column([params[b].repetition_penalty for b in owner], torch.float32), seen=seen,
+                       suppress=self.runner.suppress, greedy_only=all(p.greedy for p in params))
+        entries: list = [None] * len(owner)
+        at = 0
+        for b, own in enumerate(slots):
+            if params[b].logprobs is not None:
+                entries[at:at + len(own)] = self._logprob_entries(rows[at:at + len(own)], first[at:at + len(own)], params[b], len(own))
+            at += len(own)
+        tokens = first.tolist()
+        now = time.perf_counter()
+        admitted: list[tuple[int, int, int]] = []  # (choice index, slot, request index) of the choices that go on
+        at = 0
+        for b, (request, own) in enumerate(zip(requests, slots)):
+            request.first_token_at = now
+            for c, slot in enumerate(own):
+                i = at + c
+                choice = _Choice(request, c, slot, self.tok, self.eos)
+                choice.length = out.ends[b]
+                choice.take(int(tokens[i]), entries[i], self.max_length)
+                self.tokens_generated += 1
+                if not choice.done:
+                    self.slots[slot] = choice
+                    admitted.append((i, slot, b))
+            at += len(own)
+        if not admitted:
+            return
+        marks = [(torch.tensor(requests[b].prompt_ids + [tokens[i]], dtype=torch.long)
+                  if params[b].repetition_penalty != 1 else None) for i, _, b in admitted]
+        self.runner.admit_rows([s for _, s, _ in admitted], [tokens[i] for i, _, _ in admitted],
+                               [out.positions[b] for _, _, b in admitted], [out.ends[b] for _, _, b in admitted],
+                               temperature=[params[b].temperature for _, _, b in admitted],
+                               top_p=[params[b].top_p for _, _, b in admitted], top_k=[params[b].top_k for _, _, b in admitted],
+                               penalty=[params[b].repetition_penalty for _, _, b in admitted],
+                               seeds=[seeds[i] for i, _, _ in admitted], steps=[1] * len(admitted), seen=marks,
+                               first=[out.first[b] for _, _, b in admitted])
 
     def _params(self, request: Request) -> SamplingParams:
         """The request's parameters with the model's generation-config defaults where the request left them unset."""

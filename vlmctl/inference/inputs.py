@@ -88,16 +88,20 @@ def video_inputs(videos: Sequence[bytes | str | Path], settings: "DataVideo | No
     return get_unit("video").processor_inputs([read_video(v, settings) for v in videos])
 
 
-def _model_inputs(model, processor, texts: list[str], images: list, audios: list[bytes] = (), videos: Sequence = (),
-                  video: "DataVideo | None" = None) -> dict[str, Any]:
-    """The processor's tensors for rendered prompts (padded on the tokenizer's padding side), on the model's
-    device; floating image, video and audio-feature tensors in the model's dtype. `audios`: the encoded clips of
-    the prompts' audio parts, in order (`audio_inputs`); `videos`: those of their video parts (`video_inputs`,
-    sampled by `video`)."""
-    device = next(model.parameters()).device
+def processor_inputs(processor, texts: list[str], images: list, audios: list[bytes] = (), videos: Sequence = (),
+                     video: "DataVideo | None" = None) -> dict[str, Any]:
+    """The processor's tensors for rendered prompts (padded on the tokenizer's padding side), on the host as the
+    processor returns them. `audios`: the encoded clips of the prompts' audio parts, in order (`audio_inputs`);
+    `videos`: those of their video parts (`video_inputs`, sampled by `video`)."""
     media = {"images": images} if images else {}
-    inputs = processor(text=texts, **media, **audio_inputs(processor, list(audios)), **video_inputs(list(videos), video),
-                       padding=True, return_tensors="pt", add_special_tokens=False)
+    return dict(processor(text=texts, **media, **audio_inputs(processor, list(audios)), **video_inputs(list(videos), video),
+                          padding=True, return_tensors="pt", add_special_tokens=False))
+
+
+def to_model(model, inputs: dict[str, Any]) -> dict[str, Any]:
+    """`inputs` (`processor_inputs`) on the model's device; floating image, video and audio-feature tensors in the
+    model's dtype."""
+    device = next(model.parameters()).device
     inputs = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in inputs.items()}
     for key in ("pixel_values", "pixel_values_videos", "input_features"):
         if key in inputs and inputs[key].is_floating_point():
@@ -105,4 +109,10 @@ def _model_inputs(model, processor, texts: list[str], images: list, audios: list
     return inputs
 
 
-__all__ = ["_model_inputs", "audio_inputs", "read_video", "video_inputs"]
+def _model_inputs(model, processor, texts: list[str], images: list, audios: list[bytes] = (), videos: Sequence = (),
+                  video: "DataVideo | None" = None) -> dict[str, Any]:
+    """`processor_inputs` moved to the model's device (`to_model`)."""
+    return to_model(model, processor_inputs(processor, texts, images, audios, videos, video))
+
+
+__all__ = ["_model_inputs", "audio_inputs", "processor_inputs", "read_video", "to_model", "video_inputs"]

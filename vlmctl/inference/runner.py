@@ -338,11 +338,14 @@ class ModelRunner:
                              hint="check model.family matches the checkpoint")
         return caught
 
-    def prefill(self, inputs: dict[str, Any], slots: list[int]) -> "Prefilled":
+    def prefill(self, inputs: dict[str, Any], slots: list[int], host: dict[str, Any] | None = None) -> "Prefilled":
         """Run a batch of prompts (`inputs`: processor outputs of B rows, padded on either side as the processor
         pads, on the model's device) into `slots` (one per row, in order). Each row keeps the cache positions of its
         padded row: its tokens sit where the processor put them, the padding before them is never attended to
-        (`admit`'s `first`), and decoding writes from just after its last token.
+        (`admit`'s `first`), and decoding writes from just after its last token. `host`: the same tensors on the
+        host where the caller has them (`attention_mask`, and `position_ids` where it computed them,
+        `FamilySpec.prompt_positions`): each row's extent and next position are then read from them, so nothing
+        waits for the device before the language model's forward is launched.
 
         Returns a `Prefilled`: logits of each row's last token [B, V] float32, the position each row's next token
         takes (an int, or a float for a family with fractional positions), each row's first and next cache index,
@@ -358,26 +361,40 @@ class ModelRunner:
             raise ValueError(f"a prompt of {width} tokens does not fit the cache's {self.max_len} positions")
         pad = inputs.get("attention_mask")
         valid = pad.bool() if pad is not None and pad.ndim == 2 else torch.ones(rows, width, dtype=torch.bool, device=self.device)
-        index = torch.arange(width, device=self.device)
-        first = torch.where(valid, index, width).amin(dim=1)
-        last = torch.where(valid, index, -1).amax(dim=1)
+        host = host or {}
+        host_pad = host.get("attention_mask")
+        if host_pad is not None and tuple(host_pad.shape) == (rows, width) and pad is not None and pad.ndim == 2:
+            host_valid = host_pad.bool()
+        else:
+            host_valid = None if pad is not None else torch.ones(rows, width, dtype=torch.bool)
+        on_host = host_valid if host_valid is not None else valid
+        index = torch.arange(width, device=on_host.device)
+        first = torch.where(on_host, index, width).amin(dim=1)
+        last = torch.where(on_host, index, -1).amax(dim=1)
+        first_list, ends, tokens = first.tolist(), last.tolist(), on_host.sum(dim=1).tolist()
         positions = kw.pop("position_ids", None)
+        host_positions = host.get("position_ids")
         if positions is None:  # what generate derives for padded rows: each row's tokens count from 0
             positions = (valid.long().cumsum(dim=1) - 1).clamp_min(0)
+            host_positions = (on_host.long().cumsum(dim=1) - 1).clamp_min(0) if host_valid is not None else None
+        elif host_positions is not None and tuple(host_positions.shape) != tuple(positions.shape):
+            host_positions = None
         mask = kw.pop("attention_mask", None)
         for key in _CACHE_KEYS:
             kw.pop(key, None)
-        next_positions = self._next_positions(positions, valid)
+        if host_positions is not None and host_valid is not None:
+            next_positions = self._next_positions(host_positions, host_valid)
+        else:
+            next_positions = self._next_positions(positions, valid)
         slot_index = torch.tensor(slots, device=self.device)
         key = self._prefill_key(embeds, positions, mask, kw, rows, width)
         if key is not None:
-            logits = self._prefill_padded(key, embeds, positions, valid, slot_index, last)
+            logits = self._prefill_padded(key, embeds, positions, valid, slot_index, last.to(self.device))
             if logits is not None:
-                return Prefilled(logits, next_positions, first.tolist(), (last + 1).tolist(), valid.sum(dim=1).tolist())
+                return Prefilled(logits, next_positions, first_list, [i + 1 for i in ends], tokens)
         # a prompt is cut into chunks only when every argument is sequence-aligned (embeddings, positions, mask)
         step = self.prefill_chunk if (embeds is not None and not kw) else width
         logits = torch.empty(rows, self.vocab, dtype=torch.float32, device=self.device)
-        ends = last.tolist()
         for start in range(0, width, max(step, 1)):
             end = min(start + step, width)
             self.cache.prefill(slot_index, start)
@@ -389,7 +406,7 @@ class ModelRunner:
                 rows_done = torch.tensor([b for b, _ in done], device=self.device)
                 hidden = out[0][rows_done, torch.tensor([i for _, i in done], device=self.device)]
                 logits[rows_done] = self._head(hidden)
-        return Prefilled(logits, next_positions, first.tolist(), [i + 1 for i in ends], valid.sum(dim=1).tolist())
+        return Prefilled(logits, next_positions, first_list, [i + 1 for i in ends], tokens)
 
     def _prefill_key(self, embeds, positions, mask, kw: dict, rows: int, width: int) -> tuple | None:
         """The (rows, length) bucket a prefill runs padded in, or None when it runs as it is: padding off, family
@@ -560,6 +577,27 @@ class ModelRunner:
         if seen is not None:
             self.seen[slot, seen.to(self.device)] = True
         self.active[slot] = True
+
+    def admit_rows(self, slots: list[int], tokens: list[int], positions: list[float], lengths: list[int], *,
+                   temperature: list[float], top_p: list[float], top_k: list[int], penalty: list[float], seeds: list[int],
+                   steps: list[int], seen: list["torch.Tensor | None"], first: list[int]) -> None:
+        """`admit` for several slots at once (one list entry per slot, in order): each buffer is written with one
+        copy from the host, not one small kernel per slot and value."""
+        import torch
+
+        for slot, length in zip(slots, lengths):
+            if length >= self.max_len:
+                raise ValueError(f"slot {slot} is full ({length} of {self.max_len} positions)")
+        index = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
+        for buf, values in ((self.tokens, tokens), (self.positions, positions), (self.write_pos, lengths), (self.first, first),
+                            (self.temperature, temperature), (self.top_p, top_p), (self.top_k, top_k),
+                            (self.penalty, penalty), (self.seeds, seeds), (self.steps, steps)):
+            buf.index_copy_(0, index, torch.tensor(values, dtype=buf.dtype).to(self.device, non_blocking=True))
+        self.seen.index_fill_(0, index, False)
+        for slot, marks in zip(slots, seen):
+            if marks is not None:
+                self.seen[slot, marks.to(self.device)] = True
+        self.active.index_fill_(0, index, True)
 
     def release(self, slot: int) -> None:
         """Free `slot`: it decodes no more (its buffers stay in bounds for the rows beside it)."""
