@@ -523,8 +523,8 @@ HOST_POSITIONS = sorted(name for name, f in FAMILIES.items()
 def test_prompt_positions_on_the_host_are_the_ones_the_model_derives(name, tiny_models):
     """A prompt batch's position ids computed on the host (`FamilySpec.prompt_positions`) are the ones the model's
     forward derives on its own for the same tensors, rows of different lengths padded on the right; a prefill given
-    them (and the host's padding mask) returns what it returns without them; text-only prompts get None (the
-    language model's own positions, as in the forward)."""
+    them (and the host's padding mask) returns what it returns without them. Text-only prompts get their 1-D
+    positions in the same three sections, and answer as transformers' `generate` does."""
     from vlmctl.inference.inputs import processor_inputs, to_model
 
     family = FAMILIES[name]
@@ -550,6 +550,37 @@ def test_prompt_positions_on_the_host_are_the_ones_the_model_derives(name, tiny_
         given = engine.runner.prefill(to_model(model, {**host, "position_ids": positions}), [2, 3], {**host, "position_ids": positions})
     assert (given.positions, given.first, given.ends, given.tokens) == (alone.positions, alone.first, alone.ends, alone.tokens)
     assert torch.allclose(given.logits, alone.logits, atol=1e-5)
-    text_only = processor_inputs(processor, [render_request(GenerationRequest(messages=[{"role": "user", "content": [
-        {"type": "text", "text": "Name a color."}]}]), processor, family).text], [])
-    assert engine._host_positions(text_only) is None
+    # text-only prompts: 1-D positions in the three sections pictures give, so both share a padded prefill's shape;
+    # the prefill and the greedy answers are the ones the language model's own positions give
+    texts = [GenerationRequest(messages=[{"role": "user", "content": [{"type": "text", "text": t}]}]) for t in
+             ("Name a color.", "Which shape has three sides and what color is it here?")]
+    text_only = processor_inputs(processor, [render_request(r, processor, family).text for r in texts], [])
+    lines = engine._host_positions(text_only)
+    assert lines.shape[0] == positions.shape[0] and lines.shape[1:] == text_only["input_ids"].shape
+    with torch.inference_mode():
+        own = engine.runner.prefill(to_model(model, text_only), [0, 1])
+        given = engine.runner.prefill(to_model(model, {**text_only, "position_ids": lines}), [2, 3],
+                                      {**text_only, "position_ids": lines})
+    assert (given.positions, given.first, given.ends, given.tokens) == (own.positions, own.first, own.ends, own.tokens)
+    assert torch.allclose(given.logits, own.logits, atol=1e-5)
+    padded = DecodeEngine(model, processor, max_slots=2, max_length=2048)
+    padded.runner.pad_prefill = True  # what CUDA graphs turn on, run eagerly
+    answers = padded.generate(texts, SamplingParams(max_tokens=8))
+    assert [r.completions[0].token_ids for r in answers] == [hf_greedy(model, processor, family, r, 8, padded.eos) for r in texts]
+    assert padded.runner.padded_prefills > 0 or name not in PADDED
+
+
+@pytest.mark.parametrize("name", sorted(set(HOST_POSITIONS) & PADDED))
+def test_picture_prompts_replay_the_prefill_graphs_of_the_text_warmup(name, tiny_models):
+    """The warm-up's text prompts and picture prompts carry positions of one layout (three sections), so a picture
+    prompt of a warmed (rows, length) bucket replays the graph the warm-up captured: nothing is captured for it and
+    its first prefill is a replay."""
+    family = FAMILIES[name]
+    model, processor = load_for_generation(tiny_models(family.tiny_preset), device="cpu", dtype="fp32")
+    warm = DecodeEngine(model, processor, max_slots=4, max_length=512, prefill_graphs=True)
+    warm.runner.use_graphs, warm.runner._capture_run = True, _Replay
+    warm.warmup(128)
+    graphs, replays = set(warm.runner._graphs), warm.runner.prefill_graphs
+    done = warm.generate(requests_for(family)[:2], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert all(r.error is None for r in done)
+    assert set(warm.runner._graphs) == graphs and warm.runner.prefill_graphs == replays + 1

@@ -259,10 +259,12 @@ def mrope_prepare(model, image_token_id: int | None) -> Callable[[dict[str, Any]
 
 def prompt_mrope_positions(model) -> Callable[[Mapping[str, Any]], Any] | None:
     """The Qwen-VL model's own `compute_3d_position_ids` (what its forward calls when no `position_ids` are given)
-    as a function of a prompt batch's host tensors: (3, B, T) positions for prompts with images or videos, None for
-    text-only prompts (the forward then leaves positions to the language model, and so does the caller). None when
-    the model has no such method. Only the tensors the method's signature names are passed; the cache is None (a
-    prompt's prefill)."""
+    as a function of a prompt batch's host tensors: (3, B, T) positions for prompts with images or videos. Only the
+    tensors the method's signature names are passed; the cache is None (a prompt's prefill). A batch of text-only
+    prompts gets each row's 1-D positions (counted over its unpadded tokens) in all three sections: the rotary
+    positions the language model derives itself from 1-D ones, in the layout pictures give, so text and picture
+    prompts of one (rows, length) bucket share one padded prefill (and its CUDA graph). None when the model has no
+    such method, or the processor gave no token types (the forward could not compute them either)."""
     owner = next((m for m in model.modules() if callable(getattr(m, "compute_3d_position_ids", None))), None)
     if owner is None:
         return None
@@ -270,7 +272,12 @@ def prompt_mrope_positions(model) -> Callable[[Mapping[str, Any]], Any] | None:
 
     def positions(inputs: Mapping[str, Any]):
         if inputs.get("image_grid_thw") is None and inputs.get("video_grid_thw") is None:
-            return None
+            import torch
+
+            ids = inputs["input_ids"]
+            mask = inputs.get("attention_mask")
+            mask = torch.ones_like(ids) if mask is None else mask
+            return (mask.long().cumsum(dim=-1) - 1).clamp_min(0)[None].expand(3, -1, -1).contiguous()
         if "mm_token_type_ids" in names and inputs.get("mm_token_type_ids") is None:
             return None  # the forward could not compute them either
         values = {key: inputs.get(key) for key in ("input_ids", "image_grid_thw", "video_grid_thw", "attention_mask",
