@@ -8,14 +8,19 @@
 # full fine-tuning, compiled decoder layers (FP8 needs them; bf16 gets the same),
 # packed rows of TOKENS (default 4096) tokens, learning rate LR (default 1e-4, cosine), no validation during the
 # run, activation checkpointing off. Then `vlmctl eval` of its final export on EVAL_SAMPLES (default 2048) of the val
-# split, 8 new tokens. Last: one `FP8CONV {json}` line: each run's mean loss over its last 100 steps, the relative
-# difference of the FP8 run's from bf16's, each run's eval metrics and their difference in points, tokens/s, and the
-# paired comparison of the two evals (samples both / only bf16 / only float8 answered right; McNemar's exact
-# two-sided p-value of the difference, from the binomial distribution of the discordant samples).
-# MODES (default "off tensorwise") picks the runs: on one H200 a 3B run of 300 steps trains in about 190 s and its
+# split, 8 new tokens. Last: one `FP8CONV {json}` line, keyed by run: its mean loss over its last 100 steps, eval
+# metrics and tokens/s; for every run after the first, the relative difference of its loss from the first run's, the
+# difference of its metrics in points, and the paired comparison of the two evals (samples both / only the first /
+# only this run answered right; McNemar's exact two-sided p-value of the difference, from the binomial distribution
+# of the discordant samples).
+# MODES (default "off tensorwise") picks the runs, the first being the reference the others are compared with. A mode is
+# a train.fp8 value, optionally followed by more overrides after a colon, comma-separated: "off off:train.seed=1
+# tensorwise:train.fp8_layers=sized" compares bf16 with itself under another data order (the measure's own spread)
+# and float8 with torchao's size rule; each run is named by its mode (":", "," and "=" turned into "-").
+# On one H200 a 3B run of 300 steps trains in about 190 s and its
 # final checkpoint and export take more than another 20 s, so the two runs and their evals need about 9 minutes;
 # where one call has less, run MODES=off and MODES=tensorwise apart (each call builds the project again) and compare
-# the two FP8CONV lines, or with PARALLEL=1 on a machine of two GPUs run each mode on its own GPU at once (each
+# the two FP8CONV lines, or with PARALLEL=1 on a machine of two GPUs run each mode on its own GPU at once (as many GPUs as modes; each
 # run's speed then shares the host with the other). RUN_TIMEOUT bounds each run (default 420 s).
 # On the GPU image, install what it lacks first (`source .wheels/install.sh`). Outputs stay under WORKDIR.
 set -uo pipefail
@@ -26,68 +31,81 @@ export PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 cd "$work"
 source "$root/benchmarks/shapes_project.sh"
 shapes_project fp8-convergence "$preset" "${SAMPLES:-8192}" "${VAL:-0.25}" || exit 1
-run_mode() {  # MODE [GPU]: train, then evaluate the final export; everything it prints goes to lane-MODE.txt
-    local mode=$1 t0=$SECONDS
+label() { echo "$1" | tr ':,=' '---'; }  # a mode's run name
+run_mode() {  # MODE [GPU]: train, then evaluate the final export; everything it prints goes to lane-LABEL.txt
+    local mode=${1%%:*} extra=() name t0=$SECONDS
+    name=$(label "$1")
+    [ "$1" != "$mode" ] && IFS=, read -r -a extra <<< "${1#*:}"
     [ -n "${2:-}" ] && export CUDA_VISIBLE_DEVICES=$2
-    rm -rf "outputs/runs/fp8-$mode"
+    rm -rf "outputs/runs/fp8-$name"
     timeout "${RUN_TIMEOUT:-420}" python3 -m vlmctl train --launcher none train.fp8=$mode train.stage=full train.compile=on \
         train.activation_checkpointing=off train.max_steps="${STEPS:-300}" train.tokens_per_batch="${TOKENS:-4096}" \
-        train.learning_rate="${LR:-1e-4}" train.logging_steps=1 train.save_steps=100000 train.seed=0 \
-        train.run_name="fp8-$mode" > "train-$mode.log" 2>&1 || { echo "fp8=$mode: training failed"; tail -20 "train-$mode.log"; }
-    echo "== fp8=$mode trained in $(( SECONDS - t0 )) s${2:+ on GPU $2}"
-    grep -m3 -i "fp8\|float8" "train-$mode.log" | cut -c1-200
+        train.learning_rate="${LR:-1e-4}" train.logging_steps=1 train.save_steps=100000 train.seed=0 "${extra[@]}" \
+        train.run_name="fp8-$name" > "train-$name.log" 2>&1 || { echo "$1: training failed"; tail -20 "train-$name.log"; }
+    echo "== $1 trained in $(( SECONDS - t0 )) s${2:+ on GPU $2}"
+    grep -m3 -i "fp8\|float8" "train-$name.log" | cut -c1-200
     t0=$SECONDS
-    timeout "${EVAL_TIMEOUT:-150}" python3 -m vlmctl --quiet eval "outputs/runs/fp8-$mode/final" --data val \
-        --limit "${EVAL_SAMPLES:-2048}" --max-new-tokens 8 --batch-size 64 -o "outputs/eval/fp8-$mode" --force --json \
-        > "eval-$mode.json" 2> "eval-$mode.err" || { echo "fp8=$mode: eval failed"; tail -5 "eval-$mode.err"; }
-    echo "== fp8=$mode evaluated in $(( SECONDS - t0 )) s"
+    timeout "${EVAL_TIMEOUT:-150}" python3 -m vlmctl --quiet eval "outputs/runs/fp8-$name/final" --data val \
+        --limit "${EVAL_SAMPLES:-2048}" --max-new-tokens 8 --batch-size 64 -o "outputs/eval/fp8-$name" --force --json \
+        > "eval-$name.json" 2> "eval-$name.err" || { echo "$1: eval failed"; tail -5 "eval-$name.err"; }
+    echo "== $1 evaluated in $(( SECONDS - t0 )) s"
 }
 modes=(${MODES:-off tensorwise})
 if [ "${PARALLEL:-0}" = 1 ]; then  # one GPU per mode, all at once
-    for i in "${!modes[@]}"; do run_mode "${modes[$i]}" "$i" > "lane-${modes[$i]}.txt" 2>&1 & done
+    for i in "${!modes[@]}"; do run_mode "${modes[$i]}" "$i" > "lane-$(label "${modes[$i]}").txt" 2>&1 & done
     wait
-    for mode in "${modes[@]}"; do cat "lane-$mode.txt"; done
+    for mode in "${modes[@]}"; do cat "lane-$(label "$mode").txt"; done
 else
     for mode in "${modes[@]}"; do run_mode "$mode"; done
 fi
-python3 - <<'PY'
+labels=$(for mode in "${modes[@]}"; do label "$mode"; done) python3 - <<'PY'
 import json
+import os
+from math import comb
 from pathlib import Path
 
+labels = os.environ["labels"].split()
 out = {}
-for mode in ("off", "tensorwise"):
+for mode in labels:
     path = Path(f"outputs/runs/fp8-{mode}/metrics.jsonl")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
     losses = [r["loss"] for r in rows if "loss" in r]
     speeds = [r["tokens_per_s"] for r in rows[10:] if "tokens_per_s" in r]
     text = Path(f"eval-{mode}.json").read_text() if Path(f"eval-{mode}.json").is_file() else ""
     try:
-        scores = json.loads(text[text.index("{"):]).get("metrics", {})
+        metrics = json.loads(text[text.index("{"):]).get("metrics", {})
     except ValueError:
-        scores = {}
+        metrics = {}
     out[mode] = {"steps": len(losses), "loss_last100": round(sum(losses[-100:]) / max(len(losses[-100:]), 1), 5),
                  "loss_first": round(losses[0], 4) if losses else None,
-                 "tokens_per_s": round(sum(speeds) / len(speeds), 1) if speeds else None, "eval": scores}
-base, fp8 = out["off"], out["tensorwise"]
-if base["steps"] and fp8["steps"]:
-    out["loss_rel_diff"] = round((fp8["loss_last100"] - base["loss_last100"]) / base["loss_last100"], 5)
-    out["eval_diff_points"] = {k: round(100 * (fp8["eval"][k] - v), 2) for k, v in base["eval"].items()
-                               if isinstance(v, (int, float)) and isinstance(fp8["eval"].get(k), (int, float))}
+                 "tokens_per_s": round(sum(speeds) / len(speeds), 1) if speeds else None, "eval": metrics}
+
+
+def paired(ref: dict, other: dict) -> dict:
+    """Samples both / only the reference / only the other answered right, and McNemar's exact two-sided p-value."""
+    both = sorted(set(ref) & set(other))
+    only_ref = sum(ref[i] and not other[i] for i in both)
+    only_other = sum(other[i] and not ref[i] for i in both)
+    n, k = only_ref + only_other, min(only_ref, only_other)
+    p = min(1.0, 2 * sum(comb(n, j) for j in range(k + 1)) / 2 ** n) if n else 1.0
+    return {"samples": len(both), "both_right": sum(ref[i] and other[i] for i in both),
+            f"only_{labels[0]}_right": only_ref, "only_other_right": only_other, "mcnemar_p": round(p, 4)}
+
+
 scores = {}
-for mode in ("off", "tensorwise"):
+for mode in labels:
     path = Path(f"outputs/eval/fp8-{mode}/predictions.jsonl")
     if path.is_file():  # one object per sample: its id and score (1 right, 0 wrong)
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         scores[mode] = {r["id"]: float(r.get("score") or 0) > 0 for r in rows}
-if len(scores) == 2:
-    from math import comb
-
-    both = sorted(set(scores["off"]) & set(scores["tensorwise"]))
-    only_bf16 = sum(scores["off"][i] and not scores["tensorwise"][i] for i in both)
-    only_fp8 = sum(scores["tensorwise"][i] and not scores["off"][i] for i in both)
-    n, k = only_bf16 + only_fp8, min(only_bf16, only_fp8)
-    p = min(1.0, 2 * sum(comb(n, j) for j in range(k + 1)) / 2 ** n) if n else 1.0
-    out["paired"] = {"samples": len(both), "both_right": sum(scores["off"][i] and scores["tensorwise"][i] for i in both),
-                     "only_bf16_right": only_bf16, "only_fp8_right": only_fp8, "mcnemar_p": round(p, 4)}
+base = out[labels[0]]
+for mode in labels[1:]:  # each run against the first
+    run = out[mode]
+    if base["steps"] and run["steps"]:
+        run["loss_rel_diff"] = round((run["loss_last100"] - base["loss_last100"]) / base["loss_last100"], 5)
+        run["eval_diff_points"] = {k: round(100 * (run["eval"][k] - v), 2) for k, v in base["eval"].items()
+                                   if isinstance(v, (int, float)) and isinstance(run["eval"].get(k), (int, float))}
+    if labels[0] in scores and mode in scores:
+        run["paired"] = paired(scores[labels[0]], scores[mode])
 print("FP8CONV " + json.dumps(out))
 PY

@@ -174,7 +174,8 @@ class ModelRunner:
         config = model.config
         self.text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.softcap = getattr(self.text_config, "final_logit_softcapping", None)
-        params = inspect.signature(self.lm.forward).parameters
+        self._lm_signature = inspect.signature(self.lm.forward)  # what `_capture` binds the caught arguments to
+        params = self._lm_signature.parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
         self.device = next(model.parameters()).device
         self.slots, self.max_len, self.prefill_chunk = int(slots), int(max_len), int(prefill_chunk)
@@ -317,7 +318,7 @@ class ModelRunner:
     def _capture(self, inputs: dict[str, Any]) -> dict[str, Any]:
         """The keyword arguments the model's forward calls its language model with for `inputs` (module docstring)."""
         caught: dict[str, Any] = {}
-        signature = inspect.signature(self.lm.forward)
+        signature = self._lm_signature
 
         def hook(module, args, kwargs):
             caught.update(signature.bind_partial(*args, **kwargs).arguments)
