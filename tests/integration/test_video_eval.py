@@ -46,7 +46,7 @@ def test_eval_on_a_prepared_val_split_of_videos(tmp_path, capsys, monkeypatch):
     import pyarrow.parquet as pq
 
     from vlmctl.data.sample import Sample
-    from vlmctl.inference import inputs as processor_inputs
+    from vlmctl.inference import inputs
 
     config = _project(tmp_path)
     code, out, err = run(["-c", str(config), "data", "prepare", "--num-proc", "1", "--json"], capsys)
@@ -59,14 +59,14 @@ def test_eval_on_a_prepared_val_split_of_videos(tmp_path, capsys, monkeypatch):
 
     # what the processor made of each generation batch: the video tensors the model is called with
     seen: list[dict] = []
-    model_inputs = processor_inputs._model_inputs
+    to_model = inputs.to_model
 
-    def record(*args, **kwargs):
-        inputs = model_inputs(*args, **kwargs)
-        seen.append({k: tuple(v.shape) for k, v in inputs.items() if hasattr(v, "shape")})
-        return inputs
+    def record(model, tensors):
+        moved = to_model(model, tensors)
+        seen.append({k: tuple(v.shape) for k, v in moved.items() if hasattr(v, "shape")})
+        return moved
 
-    monkeypatch.setattr(processor_inputs, "_model_inputs", record)
+    monkeypatch.setattr(inputs, "to_model", record)
     folder = tmp_path / "evals" / "val"
     code, out, err = run(["-c", str(config), "eval", "--data", "val", "--task", "vqa", "--batch-size", "4",
                           "--max-new-tokens", "3", "-o", str(folder), "--json"], capsys)
