@@ -584,3 +584,56 @@ def test_picture_prompts_replay_the_prefill_graphs_of_the_text_warmup(name, tiny
     done = warm.generate(requests_for(family)[:2], SamplingParams(max_tokens=4, ignore_eos=True))
     assert all(r.error is None for r in done)
     assert set(warm.runner._graphs) == graphs and warm.runner.prefill_graphs == replays + 1
+
+
+COLLATING = sorted(name for name, f in FAMILIES.items() if f.tiny_preset and f.collate_prompts)
+
+
+@pytest.mark.parametrize("name", COLLATING)
+def test_prompts_processed_alone_batch_as_the_processor_batches_them(name, tiny_models):
+    """For a family that says so (`FamilySpec.collate_prompts`), each prompt's processor tensors made alone and batched
+    by `collate_inputs` are the processor's own tensors for the prompts together (right padding), or None where
+    concatenation cannot give them (a modality only some prompts have); an engine fed such prepared prompts batches
+    them at admission and answers as one that calls the processor."""
+    from vlmctl.inference.inputs import collate_inputs, processor_inputs
+
+    family = FAMILIES[name]
+    model, processor = load_for_generation(tiny_models(family.tiny_preset), device="cpu", dtype="fp32")
+    sharpen(model)
+    requests = requests_for(family)
+    rendered = [render_request(r, processor, family) for r in requests]
+    alone = [processor_inputs(processor, [r.text], r.images, r.audios, r.videos) for r in rendered]
+    processor.tokenizer.padding_side = "right"
+    batched = []
+    for group in ([0, 1, 2], [0, 1], [1, 2], [0, 0]):
+        together = processor_inputs(processor, [rendered[i].text for i in group], [m for i in group for m in rendered[i].images],
+                                    [m for i in group for m in rendered[i].audios], [m for i in group for m in rendered[i].videos])
+        got = collate_inputs([alone[i] for i in group], processor.tokenizer.pad_token_id)
+        if got is not None:
+            batched.append(group)
+            assert set(got) == set(together), group
+            for key, value in together.items():
+                assert got[key].dtype == value.dtype and torch.equal(got[key], value), (group, key)
+    assert len(batched) >= 2  # the family's flag means something for these prompts
+    for group in ([0, 1, 2], batched[0]):  # an admission that falls back to the processor, and one that batches
+        want = DecodeEngine(model, processor, max_slots=3, max_length=2048).generate([requests[i] for i in group],
+                                                                                     SamplingParams(max_tokens=6))
+        engine = DecodeEngine(model, processor, max_slots=3, max_length=2048)
+        handles = [engine.submit(requests[i], SamplingParams(max_tokens=6), prepared=alone[i]) for i in group]
+        while engine.busy:
+            engine.step()
+        assert [h.completions[0].token_ids for h in handles] == [r.completions[0].token_ids for r in want]
+        assert engine.collated == (group in batched) and engine.prefills == 1
+
+
+def test_collate_refuses_what_concatenation_cannot_batch():
+    from vlmctl.inference.inputs import collate_inputs
+
+    ids = lambda n: {"input_ids": torch.arange(1, n + 1)[None], "attention_mask": torch.ones(1, n, dtype=torch.long)}  # noqa: E731
+    got = collate_inputs([ids(3), ids(5)], pad_token_id=0)
+    assert got["input_ids"].tolist() == [[1, 2, 3, 0, 0], [1, 2, 3, 4, 5]]
+    assert got["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+    assert collate_inputs([ids(3), {**ids(2), "pixel_values": torch.zeros(1, 3)}], 0) is None  # a key one prompt lacks
+    stacks = [{**ids(2), "pixel_values": torch.zeros(1, n, 3)} for n in (1, 2)]
+    assert collate_inputs(stacks, 0) is None  # the processor would pad the picture counts
+    assert collate_inputs([{**ids(2), "sizes": [1]}], 0) is None  # not a tensor

@@ -39,6 +39,11 @@ def serve_cmd(
                                                "prefills' CUDA graphs before serving, for every batch size and rows of up to this many tokens "
                                                "(prompt + answer), so no client waits for a capture later; 0: captured "
                                                "as first needed.")] = 512,
+    processor_workers: Annotated[int, typer.Option("--processor-workers", min=0, help="Processes that run the processor "
+                                                   "(pictures resized and patched, text tokenized) on each request's prompt "
+                                                   "while it is read, so the decoding thread only batches the tensors "
+                                                   "(families whose processor batches that way: Qwen-VL, LLaVA, LLaVA-NeXT, "
+                                                   "Mistral3, Idefics2/3, Qwen2-Audio); 0: the decoding thread runs it.")] = 0,
     max_body_mb: Annotated[float, typer.Option("--max-body-mb", help="Largest request body, in MiB.")] = 32.0,
     allow_origin: Annotated[Optional[list[str]], typer.Option("--allow-origin", help="A web page origin (scheme://host[:port]) "
                                                               "allowed to call the server from a browser (CORS; repeatable; "
@@ -79,7 +84,8 @@ def serve_cmd(
     settings = ServeSettings(host=host, port=port, api_key=api_key, model_name=model_name, limits=limits,
                              max_batch_size=max_batch_size, max_length=limits.max_tokens, device=device, dtype=dtype,
                              train=project.train if project is not None else None, allowed_origins=tuple(allow_origin or ()),
-                             log=None if state.quiet else _log_request, warmup_length=warmup_length)
+                             log=None if state.quiet else _log_request, warmup_length=warmup_length,
+                             processor_workers=processor_workers)
     check_settings(settings)
     settings.video = _video_settings(model_dir, folder_family(model_dir), config, args)
     sock = bind_socket(host, port)  # a port in use is one error, before the model loads

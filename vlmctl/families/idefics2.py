@@ -165,6 +165,7 @@ class Idefics2Spec(FamilySpec):
 
 IDEFICS2 = register(Idefics2Spec(
     name="idefics2",
+    collate_prompts=True,
     model_types=("idefics2",),
     model_class="Idefics2ForConditionalGeneration",
     config_class="Idefics2Config",

@@ -204,6 +204,7 @@ class Idefics3Spec(FamilySpec):
 
 IDEFICS3 = register(Idefics3Spec(
     name="idefics3",
+    collate_prompts=True,
     model_types=("idefics3",),
     model_class="Idefics3ForConditionalGeneration",
     config_class="Idefics3Config",

@@ -83,6 +83,7 @@ class LlavaSpec(FamilySpec):
 
 LLAVA = register(LlavaSpec(
     name="llava",
+    collate_prompts=True,
     model_types=("llava",),
     model_class="LlavaForConditionalGeneration",
     config_class="LlavaConfig",

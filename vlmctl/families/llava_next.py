@@ -147,6 +147,7 @@ class LlavaNextSpec(FamilySpec):
 
 LLAVA_NEXT = register(LlavaNextSpec(
     name="llava_next",
+    collate_prompts=True,
     model_types=("llava_next",),
     model_class="LlavaNextForConditionalGeneration",
     config_class="LlavaNextConfig",

@@ -197,6 +197,7 @@ class Mistral3Spec(FamilySpec):
 
 MISTRAL3 = register(Mistral3Spec(
     name="mistral3",
+    collate_prompts=True,
     model_types=("mistral3",),
     model_class="Mistral3ForConditionalGeneration",
     config_class="Mistral3Config",

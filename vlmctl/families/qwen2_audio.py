@@ -303,6 +303,7 @@ class Qwen2AudioSpec(FamilySpec):
 
 QWEN2_AUDIO = register(Qwen2AudioSpec(
     name="qwen2_audio",
+    collate_prompts=True,
     model_types=("qwen2_audio",),
     model_class="Qwen2AudioForConditionalGeneration",
     config_class="Qwen2AudioConfig",

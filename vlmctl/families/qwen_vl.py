@@ -486,6 +486,7 @@ def qwen_vl(name: str, prefix: str, *, patch: int, min_pixels: int, max_pixels: 
     layer and is not split)."""
     return QwenVLSpec(
         name=name,
+        collate_prompts=True,
         model_types=(name,),
         model_class=f"{prefix}ForConditionalGeneration",
         config_class=f"{prefix}Config",

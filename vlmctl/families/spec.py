@@ -93,6 +93,10 @@ class FamilySpec:
     mrope: bool = False  # position ids are (3, batch, seq): temporal/height/width (model.get_rope_index)
     fixed_image_tokens: bool = False  # every image becomes the same number of visual tokens, whatever its size
     supports_packing: bool = True  # False: the model cannot take packed rows (`train.packing` falls back to padding)
+    # generation: the processor batches prompts by padding its [1, T] outputs on the right and concatenating the rest
+    # along dim 0 (`inference.inputs.collate_inputs`), so prompts processed one at a time (serve's processor workers)
+    # batch as if processed together; False: they are processed together at admission
+    collate_prompts: bool = False
     # the vision tower hands per-image (or per-window) boundaries `cu_seq_lens_q/k` to attention implementations whose
     # name says flash (transformers' `is_flash_attention_requested`): the varlen kernel then encodes a step's images in
     # one call, without the dense block mask (`train.kernels.set_attention`)

@@ -95,6 +95,7 @@ class Request:
     finished: bool = False
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None  # perf_counter seconds when its first tokens were sampled
+    prepared: dict[str, Any] | None = None  # the processor's tensors for its prompt alone (`DecodeEngine.submit`)
 
     def emit(self, event: Event) -> None:
         if self.on_event is not None:
@@ -314,6 +315,7 @@ class DecodeEngine:
         self.tokens_generated = 0
         self.prefill_seconds = 0.0  # in the runner's prefill and the first tokens' draw
         self.inputs_seconds = 0.0  # in the processor and the inputs' copy to the device, at admission
+        self.collated = 0  # admissions whose inputs were batched from tensors prepared before submission
         self.decode_seconds = 0.0
         self.overlap = bool(overlap)
         self.overlapped = 0  # decode steps launched before the tokens of the step before them were taken
@@ -364,6 +366,7 @@ class DecodeEngine:
                 "overlapped_steps": self.overlapped,
                 "prefills": self.prefills, "prefill_seconds": round(self.prefill_seconds, 4),
                 "inputs_seconds": round(self.inputs_seconds, 4), "decode_seconds": round(self.decode_seconds, 4),
+                "collated_prefills": self.collated,
                 "prefill_graph_replays": self.runner.prefill_graphs,
                 **({"prefill_reason": self.runner.prefill_reason} if self.runner.prefill_reason else {}),
                 **({"encoders_varlen": self.runner.encoders_varlen} if self.runner.encoders_varlen else {}),
@@ -441,16 +444,21 @@ class DecodeEngine:
 
     def submit(self, prompt: GenerationRequest | RenderedRequest, params: SamplingParams | None = None, *, n: int = 1,
                on_event: OnEvent | None = None, id: str = "", stream: bool = True,
-               cancelled: threading.Event | None = None) -> Request:
+               cancelled: threading.Event | None = None, prepared: dict[str, Any] | None = None) -> Request:
         """Queue a request (thread-safe); it is admitted at a coming `step()`. A `GenerationRequest` is rendered by
         the chat template at admission (`render_request`). `stream`: send `delta` events as the text grows (else only
         the final text, in `completions`). `cancelled`: an event whose setting cancels the request (default: a new
-        one, set by `cancel`). Raises UsageError for `n` outside [1, max_slots]."""
+        one, set by `cancel`). `prepared`: the processor's tensors for this prompt alone, on the host
+        (`inputs.processor_inputs` of its rendered text and media), made before it was submitted: where the family
+        batches such tensors (`FamilySpec.collate_prompts`) and every prompt of an admission has them, they are batched
+        (`inputs.collate_inputs`) instead of calling the processor at admission. Raises UsageError for `n` outside
+        [1, max_slots]."""
         if not 1 <= n <= self.max_slots:
             raise UsageError(f"n must be between 1 and the engine's {self.max_slots} slots, got {n}", hint="ask for fewer choices")
         params = params if params is not None else SamplingParams()
         request = Request(prompt, params, n=n, on_event=on_event, id=id or getattr(prompt, "id", ""), stream=stream,
-                          submitted_step=self.steps, **({"cancelled": cancelled} if cancelled is not None else {}))
+                          submitted_step=self.steps, prepared=prepared,
+                          **({"cancelled": cancelled} if cancelled is not None else {}))
         with self._lock:
             self._incoming.append(request)
         return request
@@ -564,17 +572,26 @@ class DecodeEngine:
             request.fail(400, f"the model's chat template refuses this request: {type(exc).__name__}: {exc}", "invalid_request")
         return None
 
-    def _inputs(self, rendered: list[RenderedRequest]) -> tuple[dict[str, Any], dict[str, Any]]:
+    def _inputs(self, rendered: list[RenderedRequest], prepared: list[dict[str, Any] | None] = ()) -> tuple[dict[str, Any], dict[str, Any]]:
         """The processor's tensors for `rendered` prompts, padded on the right (every row's tokens start at 0): on the
-        model's device, and on the host (with the position ids the family computes there, `FamilySpec.prompt_positions`)."""
-        from vlmctl.inference.inputs import processor_inputs, to_model
+        model's device, and on the host (with the position ids the family computes there, `FamilySpec.prompt_positions`).
+        `prepared`: each prompt's own tensors where they were made before submission (`submit`), batched without
+        the processor where the family allows (`FamilySpec.collate_prompts`)."""
+        from vlmctl.inference.inputs import collate_inputs, processor_inputs, to_model
 
-        side, self.tok.padding_side = self.tok.padding_side, "right"
-        try:
-            host = processor_inputs(self.processor, [r.text for r in rendered], [i for r in rendered for i in r.images],
-                                    [a for r in rendered for a in r.audios], [v for r in rendered for v in r.videos], self.video)
-        finally:
-            self.tok.padding_side = side
+        host = None
+        if prepared and all(p is not None for p in prepared) and getattr(self.family, "collate_prompts", False):
+            host = collate_inputs(prepared, self.tok.pad_token_id)
+            if host is not None:
+                self.collated += 1
+        if host is None:
+            side, self.tok.padding_side = self.tok.padding_side, "right"
+            try:
+                host = processor_inputs(self.processor, [r.text for r in rendered], [i for r in rendered for i in r.images],
+                                        [a for r in rendered for a in r.audios], [v for r in rendered for v in r.videos],
+                                        self.video)
+            finally:
+                self.tok.padding_side = side
         if self._host_positions is not None:
             positions = self._host_positions(host)
             if positions is not None:
@@ -593,7 +610,7 @@ class DecodeEngine:
         free = [i for i, c in enumerate(self.slots) if c is None]
         started = time.perf_counter()
         try:
-            inputs, host = self._inputs([p for _, p in pairs])
+            inputs, host = self._inputs([p for _, p in pairs], [r.prepared for r, _ in pairs])
         except Exception as exc:  # noqa: BLE001 - the processor's errors are the request's: find whose
             if len(pairs) > 1:
                 for request, _ in pairs:

@@ -109,10 +109,49 @@ def to_model(model, inputs: dict[str, Any]) -> dict[str, Any]:
     return inputs
 
 
+SEQUENCE_KEYS = {"input_ids": None, "attention_mask": 0, "token_type_ids": 0, "mm_token_type_ids": 0}
+"""The processor outputs laid out [1, T] per prompt, and what pads them on the right (None: the tokenizer's pad id)."""
+
+
+def collate_inputs(items: Sequence[dict[str, Any]], pad_token_id: int) -> dict[str, Any] | None:
+    """One batch from the processor's outputs for single prompts (`processor_inputs` of one prompt each, on the
+    host), laid out as the processor lays out the same prompts in one call with right padding: the sequence keys
+    (`SEQUENCE_KEYS`, [1, T_i] each) padded on the right to the longest prompt and stacked, every other tensor
+    concatenated along dim 0 in the prompts' order (images' patches or pictures, their grids and sizes, audio
+    features). None when that layout cannot be had by concatenation alone: a key some prompts lack, a value that is
+    not a tensor, or tensors whose shapes past dim 0 differ (the processor would have padded them); the caller then
+    calls the processor on the prompts together. For the families where concatenation is the processor's batching,
+    tests compare the two (tests/unit/test_engine.py)."""
+    import torch
+
+    if not items or any(set(item) != set(items[0]) for item in items):
+        return None
+    width = max(int(item["input_ids"].shape[-1]) for item in items) if "input_ids" in items[0] else 0
+    out: dict[str, Any] = {}
+    for key in items[0]:
+        values = [item[key] for item in items]
+        if not all(isinstance(v, torch.Tensor) for v in values):
+            return None
+        if key in SEQUENCE_KEYS:
+            if any(v.ndim != 2 or v.shape[0] != 1 for v in values):
+                return None
+            fill = pad_token_id if SEQUENCE_KEYS[key] is None else SEQUENCE_KEYS[key]
+            batch = torch.full((len(values), width), fill, dtype=values[0].dtype)
+            for row, v in enumerate(values):
+                batch[row, : v.shape[1]] = v[0]
+            out[key] = batch
+        elif any(v.ndim == 0 or v.shape[1:] != values[0].shape[1:] or v.dtype != values[0].dtype for v in values):
+            return None
+        else:
+            out[key] = torch.cat(values, dim=0)
+    return out
+
+
 def _model_inputs(model, processor, texts: list[str], images: list, audios: list[bytes] = (), videos: Sequence = (),
                   video: "DataVideo | None" = None) -> dict[str, Any]:
     """`processor_inputs` moved to the model's device (`to_model`)."""
     return to_model(model, processor_inputs(processor, texts, images, audios, videos, video))
 
 
-__all__ = ["_model_inputs", "audio_inputs", "processor_inputs", "read_video", "to_model", "video_inputs"]
+__all__ = ["SEQUENCE_KEYS", "_model_inputs", "audio_inputs", "collate_inputs", "processor_inputs", "read_video", "to_model",
+           "video_inputs"]

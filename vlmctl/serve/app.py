@@ -119,7 +119,8 @@ shorten a text) cannot fit, and is refused before it is tokenized."""
 class ServerState:
     """What the app serves and how: the engine, the model's name, limits, the API key, whether only loopback `Host`
     names are answered (`loopback_only`: a server on loopback without a key), the web origins allowed to call it
-    (`allowed_origins`, `"*"` any), and where each request's log line goes (`log`; None: nowhere)."""
+    (`allowed_origins`, `"*"` any), where each request's log line goes (`log`; None: nowhere), and the processor
+    workers that process each request's prompt while it is read (`preparer`; None: the engine does, at admission)."""
 
     engine: Engine
     model_name: str
@@ -130,6 +131,7 @@ class ServerState:
     loopback_only: bool = False
     allowed_origins: tuple[str, ...] = ()
     log: Callable[[str], None] | None = None
+    preparer: Any = None  # the processor workers (`serve.prepare.PromptPreparer`), or None
     _longest_token: int | None = field(default=None, init=False, repr=False)
 
     def longest_token(self) -> int:
@@ -408,9 +410,16 @@ def _job(state: ServerState, req: ChatCompletionRequest) -> Job:
     if tokens + max_tokens > engine.max_length:
         raise _too_long(f"the prompt (at least {tokens} tokens) plus max_tokens ({max_tokens}) is over", engine.max_length)
     temperature = limits.temperature if req.temperature is None else req.temperature
+    prepared = None
+    if state.preparer is not None:  # the processor's tensors made here, in a worker process, not on the engine's thread
+        try:
+            prepared = state.preparer(rendered)
+        except Exception as exc:  # noqa: BLE001 - what the processor cannot read is the request's
+            message = exc.message if isinstance(exc, VlmctlError) else f"{type(exc).__name__}: {exc}"
+            raise OpenAIError(400, f"the processor cannot read this request: {message}", param="messages") from None
     return Job(rendered, n=req.n, max_tokens=max_tokens, temperature=0.0 if temperature < GREEDY_BELOW else temperature,
                top_p=req.top_p or 1.0, seed=req.seed, stop=stops, top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-               stream=bool(req.stream))
+               stream=bool(req.stream), prepared=prepared)
 
 
 def _too_long(what: str, context: int) -> OpenAIError:

@@ -70,6 +70,7 @@ class Job:
     sink: Sink = lambda event: None
     cancelled: threading.Event = field(default_factory=threading.Event)
     stream: bool = True  # text deltas as the answer grows (else the final text only, at its end)
+    prepared: dict[str, Any] | None = None  # the processor's tensors for its prompt alone (`DecodeEngine.submit`)
 
     def params(self):
         """The job's `SamplingParams`."""
@@ -202,7 +203,7 @@ class Engine:
             return job.fail(499, "the client closed the connection", "client_closed")
         try:
             self.decoder.submit(job.rendered, job.params(), n=job.n, on_event=job.sink, cancelled=job.cancelled,
-                                stream=job.stream)
+                                stream=job.stream, prepared=job.prepared)
         except Exception as exc:  # noqa: BLE001 - a job the engine refuses (n over the slots) fails alone
             job.fail(400, str(getattr(exc, "message", exc)), "invalid_request")
 

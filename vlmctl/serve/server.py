@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import ipaddress
+import logging
 import re
 import signal
 import socket
@@ -30,6 +31,8 @@ from typing import Any, Callable, Iterator
 from vlmctl.errors import UsageError
 from vlmctl.serve.app import Limits, ServerState, create_app
 from vlmctl.serve.engine import Engine
+
+log = logging.getLogger("vlmctl.serve")
 
 # uvicorn is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
 # So are the vlmctl modules that load numpy when imported.
@@ -44,7 +47,9 @@ class ServeSettings:
     allowed to call the server (`allowed_origins`, CORS; `*` any, with an API key only), where each request's log line
     goes (`log`), the seconds a connection may take to send a request's head (`head_seconds`) and the row length
     (prompt and answer, tokens) up to which the decode and prefill CUDA graphs are captured before the server listens
-    (`warmup_length`; 0: as first needed)."""
+    (`warmup_length`; 0: as first needed), and the processes that run the processor on each request's prompt while it
+    is read (`processor_workers`, `serve.prepare`; 0: the engine runs it at admission; families without
+    `collate_prompts` always do)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -62,6 +67,7 @@ class ServeSettings:
     log: Callable[[str], None] | None = None
     head_seconds: float = 30.0
     warmup_length: int = 512  # graphs captured at start-up for rows of up to this many tokens (`Engine`)
+    processor_workers: int = 0  # processes running the processor on each request's prompt (`prepare.PromptPreparer`)
 
 
 def is_loopback(host: str) -> bool:
@@ -236,12 +242,24 @@ def model_choice(model) -> dict:
     return {"dtype": names.get(dtype, str(dtype)), "attn_implementation": text._attn_implementation}
 
 
-def make_state(model, processor, settings: ServeSettings, name: str) -> ServerState:
+def make_state(model, processor, settings: ServeSettings, name: str, model_dir: Path | None = None) -> ServerState:
+    """The app's state: the engine (its start-up graphs captured) and, with `settings.processor_workers` and the model
+    folder `model_dir`, the processor workers (`serve.prepare`) where the family batches prompts processed alone."""
     engine = Engine(model, processor, max_batch_size=settings.max_batch_size, max_length=settings.max_length,
                     video=settings.video, warmup_length=settings.warmup_length)
+    preparer = None
+    if settings.processor_workers > 0 and model_dir is not None:
+        if getattr(engine.family, "collate_prompts", False):
+            from vlmctl.serve.prepare import PromptPreparer
+
+            preparer = PromptPreparer(model_dir, settings.processor_workers, video=settings.video)
+            log.info("processor: %d worker processes", settings.processor_workers)
+        else:
+            log.info("processor: on the engine's thread (family %s batches prompts only through its processor)",
+                     engine.family.name)
     return ServerState(engine=engine, model_name=settings.model_name or name, limits=settings.limits, api_key=settings.api_key,
                        choice=model_choice(model), loopback_only=is_loopback(settings.host) and not settings.api_key,
-                       allowed_origins=tuple(settings.allowed_origins), log=settings.log)
+                       allowed_origins=tuple(settings.allowed_origins), log=settings.log, preparer=preparer)
 
 
 def serve(model_dir: Path, settings: ServeSettings, *, on_ready=None, sock: socket.socket | None = None) -> None:
@@ -256,7 +274,7 @@ def serve(model_dir: Path, settings: ServeSettings, *, on_ready=None, sock: sock
     sock = sock if sock is not None else bind_socket(settings.host, settings.port)
     try:
         model, processor, _ = load_for_serving(Path(model_dir), device=settings.device, dtype=settings.dtype, train=settings.train)
-        state = make_state(model, processor, settings, served_name(model_dir))
+        state = make_state(model, processor, settings, served_name(model_dir), model_dir=Path(model_dir))
     except BaseException:
         sock.close()
         raise
@@ -271,6 +289,8 @@ def serve(model_dir: Path, settings: ServeSettings, *, on_ready=None, sock: sock
     finally:
         sock.close()
         state.engine.close(timeout=settings.drain_seconds)
+        if state.preparer is not None:
+            state.preparer.close()
         if main:
             signal.signal(signal.SIGTERM, previous)
 
@@ -280,13 +300,14 @@ def _url(host: str, port: int) -> str:
 
 
 @contextlib.contextmanager
-def running_server(model, processor, settings: ServeSettings, name: str = "model") -> Iterator[str]:
+def running_server(model, processor, settings: ServeSettings, name: str = "model", model_dir: Path | None = None) -> Iterator[str]:
     """Serve a loaded model from a background thread of this process (on a free port when `settings.port` is 0);
-    yields the base URL once the server answers. Stops the server and the engine on exit."""
+    yields the base URL once the server answers. Stops the server, the engine and the processor workers on exit.
+    `model_dir`: the model's folder, which processor workers load the processor from."""
     check_settings(settings)
     sock = bind_socket(settings.host, settings.port)
     settings.port = sock.getsockname()[1]
-    state = make_state(model, processor, settings, name)
+    state = make_state(model, processor, settings, name, model_dir=model_dir)
     server = _uvicorn_server(create_app(state), settings)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="vlmctl-serve-http", daemon=True)
     thread.start()
@@ -303,6 +324,8 @@ def running_server(model, processor, settings: ServeSettings, name: str = "model
         thread.join(settings.drain_seconds)
         sock.close()
         state.engine.close(timeout=settings.drain_seconds)
+        if state.preparer is not None:
+            state.preparer.close()
 
 
 __all__ = ["ServeSettings", "bind_socket", "check_settings", "free_port", "is_loopback", "load_for_serving", "model_choice", "running_server",

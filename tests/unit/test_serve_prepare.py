@@ -1,0 +1,76 @@
+"""`vlmctl serve --processor-workers`: each request's prompt is processed alone in a worker process, into the
+tensors the processor makes in the server's own process, and the server then answers as it does without workers;
+a family that batches prompts only through its processor keeps the processor on the engine's thread."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import urllib.request
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+
+from vlmctl.inference import GenerationRequest, load_for_generation  # noqa: E402
+from vlmctl.inference.inputs import processor_inputs  # noqa: E402
+from vlmctl.inference.prompt import render_request  # noqa: E402
+from vlmctl.serve import ServeSettings, running_server  # noqa: E402
+
+
+def png(rgb, side: int = 48) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (side, side), rgb).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def ask(url: str, image: bytes, text: str) -> str:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(image).decode()}}
+    answer = client.chat.completions.create(model="tiny", max_tokens=6, temperature=0, messages=[
+        {"role": "user", "content": [part, {"type": "text", "text": text}]}])
+    return answer.choices[0].message.content
+
+
+def health(url: str) -> dict:
+    with urllib.request.urlopen(f"{url}/health", timeout=30) as reply:
+        return json.loads(reply.read())
+
+
+def test_a_worker_makes_the_processors_tensors_and_the_server_answers_as_without_workers(tiny_models):
+    from vlmctl.serve.prepare import PromptPreparer
+
+    folder = tiny_models("tiny-qwen2.5-vl")
+    model, processor = load_for_generation(folder, device="cpu", dtype="fp32")
+    request = GenerationRequest(messages=[{"role": "user", "content": [{"type": "image", "index": 0},
+                                                                         {"type": "text", "text": "What color is it?"}]}],
+                                images=[png((200, 30, 30))])
+    rendered = render_request(request, processor)
+    preparer = PromptPreparer(folder, workers=1)
+    try:
+        prepared = preparer(rendered)
+    finally:
+        preparer.close()
+    own = processor_inputs(processor, [rendered.text], rendered.images)
+    assert set(prepared) == set(own) and all(torch.equal(prepared[k], own[k]) for k in own)
+
+    questions = [(png((200, 30, 30)), "What color is it?"), (png((20, 200, 30), side=64), "Which shape is shown here?"),
+                 (png((20, 30, 200)), "Describe it.")]
+    with running_server(model, processor, ServeSettings(port=0), name="tiny") as url:
+        want = [ask(url, image, text) for image, text in questions]
+    with running_server(model, processor, ServeSettings(port=0, processor_workers=1), name="tiny", model_dir=folder) as url:
+        got = [ask(url, image, text) for image, text in questions]
+        assert health(url)["collated_prefills"] >= len(questions)
+    assert got == want
+
+
+def test_a_family_that_batches_only_through_its_processor_keeps_it_on_the_engine(tiny_models):
+    folder = tiny_models("tiny-gemma3")
+    model, processor = load_for_generation(folder, device="cpu", dtype="fp32")
+    with running_server(model, processor, ServeSettings(port=0, processor_workers=1), name="tiny", model_dir=folder) as url:
+        assert ask(url, png((200, 30, 30)), "What color is it?") is not None
+        assert health(url)["collated_prefills"] == 0

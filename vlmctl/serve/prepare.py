@@ -1,0 +1,111 @@
+"""The processor in worker processes, for `vlmctl serve --processor-workers N`.
+
+    preparer = PromptPreparer(model_dir, workers=4, video=settings.video)
+    prepared = preparer(rendered)        # the processor's tensors for this prompt alone, on the host
+    engine.submit(rendered, params, prepared=prepared)
+    preparer.close()
+
+At admission the decoding engine calls the processor on the prompts it prefills together (resizing and patching
+pictures, tokenizing), on the thread that also launches every decode step: under many clients that is a share of
+each round during which no row decodes. With processor workers, each request's prompt is processed alone in one of
+N processes (started with `spawn`, each loading the model folder's processor once) while the request is read, and
+the engine only batches the tensors (`inference.inputs.collate_inputs`), for the families whose processor batches
+that way (`FamilySpec.collate_prompts`). Processes, not threads: the processor's Python would otherwise hold the
+interpreter lock the engine's thread needs between steps. Tensors come back as numpy arrays (pickled by value), not
+through torch's shared-memory file descriptors.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from vlmctl.inference.prompt import RenderedRequest
+
+log = logging.getLogger("vlmctl.serve")
+
+# torch, transformers (through the processor and vlmctl's loaders), multiprocessing's pool and vlmctl's error types are
+# imported inside the functions that use them: importing vlmctl (the CLI's start-up) must not pay for them, and a
+# worker process imports only what its processor needs.
+
+_PROCESSOR: Any = None  # a worker process's processor (`_load`)
+
+
+def _load(model_dir: str) -> None:
+    """A worker's start: the processor of `model_dir`, with the pad token the decoding engine gives it."""
+    global _PROCESSOR
+    from vlmctl.models import load_processor
+
+    _PROCESSOR = load_processor(model_dir)
+    tok = _PROCESSOR.tokenizer
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+
+
+def _ready() -> bool:
+    return _PROCESSOR is not None
+
+
+def _prepare(text: str, images: list, audios: list, videos: list, video: Any) -> dict[str, Any] | None:
+    """In a worker: the processor's tensors for one rendered prompt as numpy arrays, or None when one of its outputs
+    is not a tensor (the engine then calls the processor itself). The processor's errors propagate."""
+    from vlmctl.inference.inputs import processor_inputs
+
+    out = processor_inputs(_PROCESSOR, [text], images, audios, videos, video)
+    if not all(hasattr(v, "numpy") for v in out.values()):
+        return None
+    return {k: v.numpy() for k, v in out.items()}
+
+
+class PromptPreparer:
+    """`workers` processes running the processor of `model_dir` on one prompt each (module docstring). `video`: the
+    `data.video` settings videos are sampled with. Starting one loads the processor in every worker before it
+    returns (a few seconds: each imports transformers). Raises ModelError when the folder's processor cannot be
+    loaded."""
+
+    def __init__(self, model_dir: Path, workers: int, video: Any = None):
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        self.workers, self.video = int(workers), video
+        self.pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                        initializer=_load, initargs=(str(model_dir),))
+        self.broken = ""  # why the workers stopped, once they have
+        try:
+            # one task per worker at once: every process starts (and loads its processor) now, not at a first request
+            futures = [self.pool.submit(_ready) for _ in range(self.workers)]
+            if not all(f.result() for f in futures):
+                raise RuntimeError("a processor worker started without its processor")
+        except Exception as exc:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            from vlmctl.errors import ModelError
+
+            raise ModelError(f"the processor workers could not start: {type(exc).__name__}: {exc}",
+                             hint="serve without --processor-workers") from None
+
+    def __call__(self, rendered: RenderedRequest) -> dict[str, Any] | None:
+        """The processor's tensors for `rendered` alone (torch tensors on the host), or None when the workers
+        stopped (`broken` says why; the engine then calls the processor). The processor's own errors propagate."""
+        if self.broken:
+            return None
+        from concurrent.futures.process import BrokenProcessPool
+
+        try:
+            arrays = self.pool.submit(_prepare, rendered.text, list(rendered.images), list(rendered.audios),
+                                      list(rendered.videos), self.video).result()
+        except BrokenProcessPool as exc:
+            self.broken = f"{type(exc).__name__}: {exc}"
+            log.error("the processor workers stopped (%s); the engine processes prompts from now on", self.broken)
+            return None
+        if arrays is None:
+            return None
+        import torch
+
+        return {k: torch.from_numpy(v) for k, v in arrays.items()}
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+__all__ = ["PromptPreparer"]
