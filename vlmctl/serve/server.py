@@ -252,7 +252,11 @@ def make_state(model, processor, settings: ServeSettings, name: str, model_dir: 
         if getattr(engine.family, "collate_prompts", False):
             from vlmctl.serve.prepare import PromptPreparer
 
-            preparer = PromptPreparer(model_dir, settings.processor_workers, video=settings.video)
+            try:
+                preparer = PromptPreparer(model_dir, settings.processor_workers, video=settings.video)
+            except BaseException:
+                engine.close(timeout=0)
+                raise
             log.info("processor: %d worker processes", settings.processor_workers)
         else:
             log.info("processor: on the engine's thread (family %s batches prompts only through its processor)",
