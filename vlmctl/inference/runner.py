@@ -3,8 +3,8 @@ per step, with the step's shapes fixed per (batch, length) bucket so that on a G
 and replayed.
 
     runner = ModelRunner(model, family, slots=32, max_len=4096)
-    first = runner.prefill(inputs, slot=0)      # processor outputs of one prompt -> its logits and next position
-    runner.admit(0, token, position, length, params_row)
+    first = runner.prefill(inputs, [0])         # processor outputs of prompts -> their logits and next positions
+    runner.admit_rows([0], [token], first.positions, [length], **params_rows)
     tokens = runner.step()                      # one token per slot [slots]; only admitted slots are meaningful
 
 **Prefill** runs the model's own forward (`model(**inputs)`), so each family computes its visual / audio features,
@@ -343,7 +343,7 @@ class ModelRunner:
         """Run a batch of prompts (`inputs`: processor outputs of B rows, padded on either side as the processor
         pads, on the model's device) into `slots` (one per row, in order). Each row keeps the cache positions of its
         padded row: its tokens sit where the processor put them, the padding before them is never attended to
-        (`admit`'s `first`), and decoding writes from just after its last token. `host`: the same tensors on the
+        (`admit_rows`'s `first`), and decoding writes from just after its last token. `host`: the same tensors on the
         host where the caller has them (`attention_mask`, and `position_ids` where it computed them,
         `FamilySpec.prompt_positions`): each row's extent and next position are then read from them, so nothing
         waits for the device before the language model's forward is launched.
@@ -557,33 +557,14 @@ class ModelRunner:
 
     # ---- rows
 
-    def admit(self, slot: int, token: int, position: float, length: int, *, temperature: float, top_p: float, top_k: int,
-              penalty: float, seed: int, step: int, seen: "torch.Tensor | None" = None, first: int = 0) -> None:
-        """Make `slot` active: its next input `token` at rope `position`, written at cache index `length`, with its
-        sampling parameters; `seen`: the token ids the repetition penalty counts (prompt and first token); `first`:
-        its first cache index (the prefill's padding before it is never attended to)."""
-        if length >= self.max_len:
-            raise ValueError(f"slot {slot} is full ({length} of {self.max_len} positions)")
-        self.tokens[slot] = token
-        self.positions[slot] = position
-        self.write_pos[slot] = length
-        self.first[slot] = int(first)
-        self.temperature[slot] = float(temperature)
-        self.top_p[slot] = float(top_p)
-        self.top_k[slot] = int(top_k)
-        self.penalty[slot] = float(penalty)
-        self.seeds[slot] = int(seed)
-        self.steps[slot] = int(step)
-        self.seen[slot] = False
-        if seen is not None:
-            self.seen[slot, seen.to(self.device)] = True
-        self.active[slot] = True
-
     def admit_rows(self, slots: list[int], tokens: list[int], positions: list[float], lengths: list[int], *,
                    temperature: list[float], top_p: list[float], top_k: list[int], penalty: list[float], seeds: list[int],
                    steps: list[int], seen: list["torch.Tensor | None"], first: list[int]) -> None:
-        """`admit` for several slots at once (one list entry per slot, in order): each buffer is written with one
-        copy from the host, not one small kernel per slot and value."""
+        """Make `slots` active, one list entry per slot, in order: its next input token at rope position, written at
+        cache index `lengths`, with its sampling parameters and first `steps`; `seen`: the token ids the repetition
+        penalty counts (prompt and first token) or None; `first`: its first cache index (the prefill's padding before
+        it is never attended to). Each buffer is written with one copy from the host, not one small kernel per slot
+        and value. Raises ValueError for a slot whose length leaves no position to write."""
         import torch
 
         for slot, length in zip(slots, lengths):
