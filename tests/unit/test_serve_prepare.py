@@ -74,3 +74,26 @@ def test_a_family_that_batches_only_through_its_processor_keeps_it_on_the_engine
     with running_server(model, processor, ServeSettings(port=0, processor_workers=1), name="tiny", model_dir=folder) as url:
         assert ask(url, png((200, 30, 30)), "What color is it?") is not None
         assert health(url)["collated_prefills"] == 0
+
+
+def test_auto_starts_workers_only_beside_a_cuda_device_with_cores_to_spare():
+    from vlmctl.serve import server
+
+    assert server.auto_processor_workers(torch.device("cuda", 0), cpus=16)[0] == server.AUTO_PROCESSOR_WORKERS
+    assert server.auto_processor_workers(torch.device("cuda"), cpus=8)[0] == 2  # one per 4 cores
+    workers, why = server.auto_processor_workers(torch.device("cuda"), cpus=2)
+    assert workers == 0 and "2 CPU cores" in why
+    workers, why = server.auto_processor_workers(torch.device("cpu"), cpus=64)
+    assert workers == 0 and "CPU" in why
+
+
+def test_the_default_on_the_cpu_keeps_the_processor_on_the_engine_and_health_says_why(tiny_models):
+    folder = tiny_models("tiny-qwen2.5-vl")
+    model, processor = load_for_generation(folder, device="cpu", dtype="fp32")
+    with running_server(model, processor, ServeSettings(port=0), name="tiny", model_dir=folder) as url:
+        assert ask(url, png((200, 30, 30)), "What color is it?") is not None
+        state = health(url)
+    assert state["processor_workers"] == 0 and state["collated_prefills"] == 0
+    assert "engine's thread" in state["processor"] and "CPU" in state["processor"]
+    with running_server(model, processor, ServeSettings(port=0, processor_workers=1), name="tiny", model_dir=folder) as url:
+        assert health(url)["processor_workers"] == 1

@@ -39,11 +39,14 @@ def serve_cmd(
                                                "prefills' CUDA graphs before serving, for every batch size and rows of up to this many tokens "
                                                "(prompt + answer), so no client waits for a capture later; 0: captured "
                                                "as first needed.")] = 512,
-    processor_workers: Annotated[int, typer.Option("--processor-workers", min=0, help="Processes that run the processor "
-                                                   "(pictures resized and patched, text tokenized) on each request's prompt "
-                                                   "while it is read, so the decoding thread only batches the tensors "
-                                                   "(families whose processor batches that way: Qwen-VL, LLaVA, LLaVA-NeXT, "
-                                                   "Mistral3, Idefics2/3, Qwen2-Audio); 0: the decoding thread runs it.")] = 0,
+    processor_workers: Annotated[Optional[int], typer.Option("--processor-workers", min=0, help="Processes that run the "
+                                                             "processor (pictures resized and patched, text tokenized) on "
+                                                             "each request's prompt while it is read, so the decoding thread "
+                                                             "only batches the tensors (families whose processor batches that "
+                                                             "way: Qwen-VL, LLaVA, LLaVA-NeXT, Mistral3, Idefics2/3, "
+                                                             "Qwen2-Audio); 0: the decoding thread runs it. Default: 4 on a "
+                                                             "GPU (at most one per 4 CPU cores), 0 on the CPU.",
+                                                             show_default=False)] = None,
     max_body_mb: Annotated[float, typer.Option("--max-body-mb", help="Largest request body, in MiB.")] = 32.0,
     allow_origin: Annotated[Optional[list[str]], typer.Option("--allow-origin", help="A web page origin (scheme://host[:port]) "
                                                               "allowed to call the server from a browser (CORS; repeatable; "
@@ -95,7 +98,7 @@ def serve_cmd(
         info(f"Serving [bold]{escape(str(model_dir))}[/bold] as [bold]{escape(server.model_name)}[/bold] "
              f"({choice.get('dtype')}, {escape(str(choice.get('attn_implementation')))} attention) at {escape(url)}/v1 "
              f"(chat page: {escape(url)}/){' [dim](API key required)[/dim]' if api_key else ''}. Ctrl-C stops.")
-        info(f"[dim]decoding: {escape(server.engine.decoder.summary())}[/dim]")
+        info(f"[dim]decoding: {escape(server.engine.decoder.summary())}; processor: {escape(server.processor)}[/dim]")
 
     info(f"[dim]loading {escape(str(model_dir))} ({escape(served_name(model_dir))})[/dim]")
     serve(model_dir, settings, on_ready=ready, sock=sock)

@@ -120,7 +120,8 @@ class ServerState:
     """What the app serves and how: the engine, the model's name, limits, the API key, whether only loopback `Host`
     names are answered (`loopback_only`: a server on loopback without a key), the web origins allowed to call it
     (`allowed_origins`, `"*"` any), where each request's log line goes (`log`; None: nowhere), and the processor
-    workers that process each request's prompt while it is read (`preparer`; None: the engine does, at admission)."""
+    workers that process each request's prompt while it is read (`preparer`; None: the engine does, at admission) and
+    why there are that many (`processor`, e.g. "4 worker processes (a CUDA device and 16 CPU cores)")."""
 
     engine: Engine
     model_name: str
@@ -132,6 +133,7 @@ class ServerState:
     allowed_origins: tuple[str, ...] = ()
     log: Callable[[str], None] | None = None
     preparer: Any = None  # the processor workers (`serve.prepare.PromptPreparer`), or None
+    processor: str = ""  # where the processor runs and why (`/health`'s `processor`)
     _longest_token: int | None = field(default=None, init=False, repr=False)
 
     def longest_token(self) -> int:
@@ -265,7 +267,9 @@ def create_app(state: ServerState):
         engine = state.engine
         return JSONResponse({"status": "ok", "model": state.model_name, "queued": engine.queued, "running": engine.running,
                              **state.choice, "batches": engine.batches, "rows": engine.rows,
-                             "busy_seconds": round(engine.busy_seconds, 4), **engine.describe()})
+                             "busy_seconds": round(engine.busy_seconds, 4), **engine.describe(),
+                             "processor_workers": state.preparer.workers if state.preparer is not None else 0,
+                             "processor": state.processor})
 
     async def page(request: Request) -> HTMLResponse:
         return HTMLResponse(PAGE.read_text(encoding="utf-8"), headers=PAGE_HEADERS)

@@ -19,6 +19,7 @@ import contextlib
 import errno
 import ipaddress
 import logging
+import os
 import re
 import signal
 import socket
@@ -48,8 +49,8 @@ class ServeSettings:
     goes (`log`), the seconds a connection may take to send a request's head (`head_seconds`) and the row length
     (prompt and answer, tokens) up to which the decode and prefill CUDA graphs are captured before the server listens
     (`warmup_length`; 0: as first needed), and the processes that run the processor on each request's prompt while it
-    is read (`processor_workers`, `serve.prepare`; 0: the engine runs it at admission; families without
-    `collate_prompts` always do)."""
+    is read (`processor_workers`, `serve.prepare`; 0: the engine runs it at admission; None: `auto_processor_workers`;
+    families without `collate_prompts` always run it at admission)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -67,7 +68,25 @@ class ServeSettings:
     log: Callable[[str], None] | None = None
     head_seconds: float = 30.0
     warmup_length: int = 512  # graphs captured at start-up for rows of up to this many tokens (`Engine`)
-    processor_workers: int = 0  # processes running the processor on each request's prompt (`prepare.PromptPreparer`)
+    processor_workers: int | None = None  # processes running the processor on each request's prompt (`prepare.PromptPreparer`)
+
+
+AUTO_PROCESSOR_WORKERS = 4
+"""Processor workers `auto` starts on a GPU: on one H200 (3B preset, 32 clients) 4 workers gave 2,677-2,787 output
+tokens/s against 2,254-2,270 without, and at 1 and 8 clients the same within the rounds' spread (docs/benchmarks.md)."""
+
+
+def auto_processor_workers(device: Any, cpus: int | None = None) -> tuple[int, str]:
+    """(processor workers, why) for `--processor-workers auto`: on a CUDA device `AUTO_PROCESSOR_WORKERS`, at most one
+    per 4 of the host's `cpus` (default `os.cpu_count()`), so the engine's thread, the HTTP thread and the request
+    threads keep cores; none on another device, where the model's forward shares the CPU with the processor."""
+    cpus = cpus if cpus is not None else (os.cpu_count() or 1)
+    if getattr(device, "type", str(device).split(":")[0]) != "cuda":
+        return 0, "the model runs on the CPU, which the processor would share"
+    workers = min(AUTO_PROCESSOR_WORKERS, cpus // 4)
+    if workers == 0:
+        return 0, f"{cpus} CPU cores leave none for them"
+    return workers, f"a CUDA device and {cpus} CPU cores"
 
 
 def is_loopback(host: str) -> bool:
@@ -243,27 +262,35 @@ def model_choice(model) -> dict:
 
 
 def make_state(model, processor, settings: ServeSettings, name: str, model_dir: Path | None = None) -> ServerState:
-    """The app's state: the engine (its start-up graphs captured) and, with `settings.processor_workers` and the model
-    folder `model_dir`, the processor workers (`serve.prepare`) where the family batches prompts processed alone."""
+    """The app's state: the engine (its start-up graphs captured) and, with `settings.processor_workers` (None:
+    `auto_processor_workers` for the model's device) and the model folder `model_dir`, the processor workers
+    (`serve.prepare`) where the family batches prompts processed alone."""
     engine = Engine(model, processor, max_batch_size=settings.max_batch_size, max_length=settings.max_length,
                     video=settings.video, warmup_length=settings.warmup_length)
     preparer = None
-    if settings.processor_workers > 0 and model_dir is not None:
-        if getattr(engine.family, "collate_prompts", False):
-            from vlmctl.serve.prepare import PromptPreparer
+    workers, why = settings.processor_workers, "--processor-workers"
+    if workers is None:
+        workers, why = auto_processor_workers(next(model.parameters()).device)
+    if workers == 0:
+        where = f"on the engine's thread ({why})" if settings.processor_workers is None else "on the engine's thread"
+    elif model_dir is None:
+        where = "on the engine's thread (no model folder for worker processes to load it from)"
+    elif not getattr(engine.family, "collate_prompts", False):
+        where = f"on the engine's thread (family {engine.family.name} batches prompts only through its processor)"
+    else:
+        from vlmctl.serve.prepare import PromptPreparer
 
-            try:
-                preparer = PromptPreparer(model_dir, settings.processor_workers, video=settings.video)
-            except BaseException:
-                engine.close(timeout=0)
-                raise
-            log.info("processor: %d worker processes", settings.processor_workers)
-        else:
-            log.info("processor: on the engine's thread (family %s batches prompts only through its processor)",
-                     engine.family.name)
+        try:
+            preparer = PromptPreparer(model_dir, workers, video=settings.video)
+        except BaseException:
+            engine.close(timeout=0)
+            raise
+        where = f"{workers} worker processes ({why})"
+    log.info("processor: %s", where)
     return ServerState(engine=engine, model_name=settings.model_name or name, limits=settings.limits, api_key=settings.api_key,
                        choice=model_choice(model), loopback_only=is_loopback(settings.host) and not settings.api_key,
-                       allowed_origins=tuple(settings.allowed_origins), log=settings.log, preparer=preparer)
+                       allowed_origins=tuple(settings.allowed_origins), log=settings.log, preparer=preparer,
+                       processor=where)
 
 
 def serve(model_dir: Path, settings: ServeSettings, *, on_ready=None, sock: socket.socket | None = None) -> None:
@@ -332,5 +359,5 @@ def running_server(model, processor, settings: ServeSettings, name: str = "model
             state.preparer.close()
 
 
-__all__ = ["ServeSettings", "bind_socket", "check_settings", "free_port", "is_loopback", "load_for_serving", "model_choice", "running_server",
-           "serve", "served_name", "serving_plan"]
+__all__ = ["AUTO_PROCESSOR_WORKERS", "ServeSettings", "auto_processor_workers", "bind_socket", "check_settings", "free_port",
+           "is_loopback", "load_for_serving", "model_choice", "running_server", "serve", "served_name", "serving_plan"]
