@@ -61,9 +61,38 @@ def test_a_zip_writer_runtime_error_on_a_full_disk_reads_as_disk_full(tmp_path, 
     monkeypatch.setattr(ckpt, "free_space", lambda path: 1024)
     message, hint = ckpt._attempt(deepspeed_style_save, where)
     assert message.startswith("disk full while writing") and "1.0 KiB free" in message
-    monkeypatch.setattr(ckpt, "free_space", lambda path: 10 << 30)  # space left: not a full disk, the error stays
-    with pytest.raises(RuntimeError):
-        ckpt._attempt(deepspeed_style_save, where)
+    # space left by the time it is looked at (another process freed some): still this write's error, said as such
+    monkeypatch.setattr(ckpt, "free_space", lambda path: 10 << 30)
+    message, hint = ckpt._attempt(deepspeed_style_save, where)
+    assert "only in part" in message and "10.0 GiB are free" in message and "--resume" in hint
+    with pytest.raises(RuntimeError, match="not a write"):  # any other RuntimeError is not taken for one
+        ckpt._attempt(lambda: (_ for _ in ()).throw(RuntimeError("not a write")), where)
+
+
+def test_dcp_shards_written_in_part_read_as_a_checkpoint_error_not_a_traceback(tmp_path, monkeypatch):
+    """DCP gathers each rank's failure into a CheckpointException; a shard its zip writer could not finish (a full
+    disk: "unexpected pos") is the same checkpoint error as a full disk elsewhere, whatever the free space says."""
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    where = tmp_path / "checkpoints" / ".tmp-checkpoint-3"
+    where.mkdir(parents=True)
+
+    def dcp_save():
+        try:
+            torch.save({"w": torch.zeros(4096)}, "/dev/full")
+        except RuntimeError as exc:
+            raise CheckpointException("write_data", {0: _wrap_exception(exc)}) from None
+
+    monkeypatch.setattr(ckpt, "free_space", lambda path: 1024)
+    assert ckpt._attempt(dcp_save, where)[0].startswith("disk full while writing")
+    monkeypatch.setattr(ckpt, "free_space", lambda path: 6 << 30)
+    assert "only in part" in ckpt._attempt(dcp_save, where)[0]
+
+    def other_failure():
+        raise CheckpointException("write_data", {0: _wrap_exception(ValueError("a bad tensor"))})
+
+    with pytest.raises(CheckpointException):
+        ckpt._attempt(other_failure, where)
 
 
 def test_trainer_state_of_a_saved_checkpoint_reads_back(tmp_path):

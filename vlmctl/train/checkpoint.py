@@ -211,10 +211,10 @@ def _install(run_dir: Path, tmp: Path, final: Path, trainer_state: dict[str, Any
 
 def _attempt(action, where: Path):
     """Run `action`; return None, or the (message, hint) of the write error it raised (OSError, CheckpointError,
-    or DCP's CheckpointException around one)."""
+    torch.save's zip writer failing a file part-way, or DCP's CheckpointException around either)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from vlmctl.checkpoints import CheckpointError
+    from vlmctl.checkpoints import CheckpointError, rank_failures
 
     try:
         action()
@@ -224,16 +224,43 @@ def _attempt(action, where: Path):
         return write_error(exc, where)
     except CheckpointException as exc:
         cause = _os_error_in(exc)
-        if cause is None:
+        if cause is not None:
+            return write_error(cause, where)
+        found = next((e for e in rank_failures(exc) if isinstance(e, RuntimeError) and _short_write(e)), None)
+        if found is None:
             raise
-        return write_error(cause, where)
+        return _short_write_error(found, where)
     except RuntimeError as exc:
-        # torch.save to a path (DeepSpeed's files) reports a full disk as a RuntimeError of its zip writer
-        # ("file write failed", "unexpected pos"): taken for a full disk when the filesystem has (almost) no space left.
-        if free_space(where) >= LOW_SPACE or not any(m in str(exc) for m in ("file write failed", "unexpected pos", "No space left")):
+        if not _short_write(exc):
             raise
-        return write_error(OSError(errno.ENOSPC, "No space left on device"), where)
+        return _short_write_error(exc, where)
     return None
+
+
+_SHORT_WRITE = ("file write failed", "unexpected pos", "No space left")
+"""What torch.save's zip writer says when a file could not be written whole (it raises RuntimeError, no errno)."""
+
+
+def _short_write(exc: RuntimeError) -> bool:
+    return any(m in str(exc) for m in _SHORT_WRITE)
+
+
+def _short_write_error(exc: RuntimeError, where: Path) -> tuple[str, str]:
+    """(message, hint) for a file torch.save wrote only in part (DCP's shards, DeepSpeed's files): a full disk when
+    the filesystem has (almost) no space left; otherwise the space may have been freed since (another process, this
+    checkpoint's own temporary files), and the message says what torch reported and what is free now."""
+    if free_space(where) < LOW_SPACE:
+        return write_error(OSError(errno.ENOSPC, "No space left on device"), where)
+    run = _run_of(Path(where))
+    return (f"cannot write the checkpoint in {where}: torch wrote a file of it only in part ({_first_line(exc)}); "
+            f"{human_bytes(free_space(where))} are free on that filesystem now",
+            "a full disk or quota is the usual cause (another process may have freed space since): free some space, "
+            f"then continue with `{resume_command(run)}`")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _os_error_in(exc: BaseException) -> OSError | None:
