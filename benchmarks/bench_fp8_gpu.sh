@@ -5,9 +5,9 @@
 #   benchmarks/bench_fp8_gpu.sh [RUN ...]
 # RUN (default: all five, in this order):
 #   7b-bf16, 7b-tensorwise   the 7B preset at 8,192-token rows, no activation checkpointing, train.fp8 off / tensorwise
-#                            with train.fp8_layers=sized (torchao's size rule skips the key/value projections)
-#   7b-tensorwise-all        as 7b-tensorwise with train.fp8_layers=all (every aligned linear, k/v included: the
+#                            with train.fp8_layers=sized (torchao's size rule skips the key/value projections: the
 #                            default of train.fp8_layers)
+#   7b-tensorwise-all        as 7b-tensorwise with train.fp8_layers=all (every aligned linear, k/v included)
 #   3b-auto                  the 3B preset, train.fp8=auto and train.tokens_per_batch=auto (the start-up probe picks
 #                            the rows and runs its float8 trial), no activation checkpointing (what the probe picks
 #                            for the 3B on an H200, docs/benchmarks.md), so the probe compiles one mode and the
