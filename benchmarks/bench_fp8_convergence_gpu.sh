@@ -43,6 +43,9 @@ run_mode() {  # MODE [GPU]: train, then evaluate the final export; everything it
         train.learning_rate="${LR:-1e-4}" train.logging_steps=1 train.save_steps=100000 train.seed=0 "${extra[@]}" \
         train.run_name="fp8-$name" > "train-$name.log" 2>&1 || { echo "$1: training failed"; tail -20 "train-$name.log"; }
     echo "== $1 trained in $(( SECONDS - t0 )) s${2:+ on GPU $2}"
+    # only the final export and the metrics are read below: a 3B run's last checkpoint (weights and optimizer state,
+    # tens of GB) would otherwise fill the disk of a machine that runs this script more than once
+    rm -rf "outputs/runs/fp8-$name/checkpoints"
     grep -m3 -i "fp8\|float8" "train-$name.log" | cut -c1-200
     t0=$SECONDS
     timeout "${EVAL_TIMEOUT:-150}" python3 -m vlmctl --quiet eval "outputs/runs/fp8-$name/final" --data val \
