@@ -97,3 +97,26 @@ def test_the_default_on_the_cpu_keeps_the_processor_on_the_engine_and_health_say
     assert "engine's thread" in state["processor"] and "CPU" in state["processor"]
     with running_server(model, processor, ServeSettings(port=0, processor_workers=1), name="tiny", model_dir=folder) as url:
         assert health(url)["processor_workers"] == 1
+
+
+def test_workers_that_cannot_load_the_processor_stop_the_engine_started_beside_them(tiny_models, tmp_path, monkeypatch):
+    """The workers start while the engine captures its graphs; when their processor does not load (here a damaged
+    tokenizer.json in the folder they load from), serving fails with one ModelError and the engine's thread ends."""
+    import shutil
+
+    from vlmctl.errors import ModelError
+    from vlmctl.serve import server
+
+    folder = tiny_models("tiny-qwen2.5-vl")
+    model, processor = load_for_generation(folder, device="cpu", dtype="fp32")
+    broken = tmp_path / "broken"
+    shutil.copytree(folder, broken)
+    (broken / "tokenizer.json").write_text("{")
+    engines, real = [], server.Engine
+    monkeypatch.setattr(server, "Engine", lambda *a, **k: engines.append(real(*a, **k)) or engines[-1])
+    with pytest.raises(ModelError, match="processor workers could not start") as err:
+        server.make_state(model, processor, ServeSettings(port=0, processor_workers=1), "tiny", model_dir=broken)
+    assert "--processor-workers 0" in err.value.hint
+    assert len(engines) == 1  # the engine did start beside the workers
+    engines[0]._worker.join(timeout=10)  # told to stop without waiting; it ends on its own, having nothing to answer
+    assert not engines[0]._worker.is_alive()

@@ -60,11 +60,12 @@ def _prepare(text: str, images: list, audios: list, videos: list, video: Any) ->
 
 class PromptPreparer:
     """`workers` processes running the processor of `model_dir` on one prompt each (module docstring). `video`: the
-    `data.video` settings videos are sampled with. Starting one loads the processor in every worker before it
-    returns (a few seconds: each imports transformers). Raises ModelError when the folder's processor cannot be
-    loaded."""
+    `data.video` settings videos are sampled with. The processes start at once (each imports transformers and loads
+    the processor: a few seconds); with `wait` (default) this returns once every one has its processor, otherwise
+    `wait_ready()` does, so their start can overlap other work (the engine's graph captures). Raises ModelError when
+    the folder's processor cannot be loaded."""
 
-    def __init__(self, model_dir: Path, workers: int, video: Any = None):
+    def __init__(self, model_dir: Path, workers: int, video: Any = None, *, wait: bool = True):
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
@@ -72,17 +73,23 @@ class PromptPreparer:
         self.pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
                                         initializer=_load, initargs=(str(model_dir),))
         self.broken = ""  # why the workers stopped, once they have
+        # one task per worker at once: every process starts (and loads its processor) now, not at a first request
+        self._starting = [self.pool.submit(_ready) for _ in range(self.workers)]
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Return once every worker has loaded its processor; raise ModelError (the workers shut down) when one
+        could not."""
         try:
-            # one task per worker at once: every process starts (and loads its processor) now, not at a first request
-            futures = [self.pool.submit(_ready) for _ in range(self.workers)]
-            if not all(f.result() for f in futures):
+            if not all(f.result() for f in self._starting):
                 raise RuntimeError("a processor worker started without its processor")
         except Exception as exc:
-            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.close(wait=False)
             from vlmctl.errors import ModelError
 
             raise ModelError(f"the processor workers could not start: {type(exc).__name__}: {exc}",
-                             hint="serve without --processor-workers") from None
+                             hint="serve with --processor-workers 0") from None
 
     def __call__(self, rendered: RenderedRequest) -> dict[str, Any] | None:
         """The processor's tensors for `rendered` alone (torch tensors on the host), or None when the workers
@@ -104,8 +111,9 @@ class PromptPreparer:
 
         return {k: torch.from_numpy(v) for k, v in arrays.items()}
 
-    def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+    def close(self, wait: bool = True) -> None:
+        """Stop the workers; `wait`: until they have exited."""
+        self.pool.shutdown(wait=wait, cancel_futures=True)
 
 
 __all__ = ["PromptPreparer"]

@@ -265,8 +265,9 @@ def make_state(model, processor, settings: ServeSettings, name: str, model_dir: 
     """The app's state: the engine (its start-up graphs captured) and, with `settings.processor_workers` (None:
     `auto_processor_workers` for the model's device) and the model folder `model_dir`, the processor workers
     (`serve.prepare`) where the family batches prompts processed alone."""
-    engine = Engine(model, processor, max_batch_size=settings.max_batch_size, max_length=settings.max_length,
-                    video=settings.video, warmup_length=settings.warmup_length)
+    from vlmctl.inference.prompt import model_family
+
+    family = model_family(model)
     preparer = None
     workers, why = settings.processor_workers, "--processor-workers"
     if workers is None:
@@ -275,17 +276,27 @@ def make_state(model, processor, settings: ServeSettings, name: str, model_dir: 
         where = f"on the engine's thread ({why})" if settings.processor_workers is None else "on the engine's thread"
     elif model_dir is None:
         where = "on the engine's thread (no model folder for worker processes to load it from)"
-    elif not getattr(engine.family, "collate_prompts", False):
-        where = f"on the engine's thread (family {engine.family.name} batches prompts only through its processor)"
+    elif not getattr(family, "collate_prompts", False):
+        where = f"on the engine's thread (family {family.name} batches prompts only through its processor)"
     else:
         from vlmctl.serve.prepare import PromptPreparer
 
+        # the workers start (import transformers, load the processor) while the engine captures its graphs
+        preparer = PromptPreparer(model_dir, workers, video=settings.video, wait=False)
+        where = f"{workers} worker processes ({why})"
+    try:
+        engine = Engine(model, processor, max_batch_size=settings.max_batch_size, max_length=settings.max_length,
+                        family=family, video=settings.video, warmup_length=settings.warmup_length)
+    except BaseException:
+        if preparer is not None:
+            preparer.close(wait=False)
+        raise
+    if preparer is not None:
         try:
-            preparer = PromptPreparer(model_dir, workers, video=settings.video)
+            preparer.wait_ready()
         except BaseException:
             engine.close(timeout=0)
             raise
-        where = f"{workers} worker processes ({why})"
     log.info("processor: %s", where)
     return ServerState(engine=engine, model_name=settings.model_name or name, limits=settings.limits, api_key=settings.api_key,
                        choice=model_choice(model), loopback_only=is_loopback(settings.host) and not settings.api_key,
