@@ -360,3 +360,29 @@ def test_config_errors_never_echo_a_token():
     with pytest.raises(ConfigError) as exc:  # plain values are still shown
         validate_config({"train": {"max_steps": "many"}})
     assert "train.max_steps = 'many'" in exc.value.message
+
+
+# ------------------------------------------------------------------------------------------------ worker processes
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="forked workers inherit the patched check (Linux's start method)")
+def test_a_worker_process_that_dies_is_a_data_error_naming_the_samples_in_flight(tmp_path, monkeypatch):
+    """A worker killed while checking (the kernel's OOM killer, a decoder crashing on a sample) reads as one DataError
+    naming the samples that were being checked and the way to find the culprit, not the pool's exception."""
+    from vlmctl.data import pipeline
+
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(record(i)) + "\n" for i in range(5 * pipeline.BATCH_SIZE)))
+    real = pipeline.check_images
+
+    def dies_on_one_sample(sample, **limits):
+        if getattr(sample, "id", "") == "r0070":
+            os._exit(9)  # as a process killed mid-sample ends: no exception, no cleanup
+        return real(sample, **limits)
+
+    monkeypatch.setattr(pipeline, "check_images", dies_on_one_sample)
+    data = DataSection(sources=[DataSource(path=str(path))], prepared_dir=tmp_path / "prepared", val_ratio=0.0)
+    with pytest.raises(DataError, match="a worker process checking samples died") as err:
+        prepare_data(data, num_proc=2, progress=False)
+    assert f"{path}:" in err.value.message and "data.num_proc=1" in err.value.hint
+    assert not (tmp_path / "prepared").exists() or not any((tmp_path / "prepared").glob("*.parquet"))

@@ -34,7 +34,7 @@ from vlmctl.data.formats import iter_unchecked, resolve_format
 from vlmctl.data.formats._common import GLOB_CHARS, source_name
 from vlmctl.data.sample import Sample
 from vlmctl.data.tokens import TokenCounter, has_processor
-from vlmctl.errors import MissingSourceError
+from vlmctl.errors import DataError, MissingSourceError
 from vlmctl.processes import die_with_parent
 
 # rich is imported inside the functions that print: using vlmctl as a library does not load it.
@@ -213,17 +213,37 @@ def _checked(sources: list[DataSource], *, num_proc: int, processor_dir: Path | 
         initializer=_init_worker,
         initargs=(str(processor_dir) if processor_dir else None, limits, counter if method == "fork" else None, True),
     ) as pool:
-        window: deque = deque()
+        window: deque = deque()  # (future, its batch), oldest first
         try:
             for batch in batches:
-                window.append(pool.submit(_check_batch, batch))
+                window.append((pool.submit(_check_batch, batch), batch))
                 if len(window) >= 2 * num_proc:
-                    yield from window.popleft().result()
+                    yield from _result(window, num_proc)
             while window:
-                yield from window.popleft().result()
+                yield from _result(window, num_proc)
         finally:
-            for fut in window:
+            for fut, _ in window:
                 fut.cancel()
+
+
+def _result(window: deque, num_proc: int) -> list[tuple[int, Any]]:
+    """The oldest batch's checked items; a worker process that died (killed for memory, or crashed in a decoder on
+    a sample) is a DataError naming the samples that were in flight, not the pool's own exception."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    fut, _ = window[0]
+    try:
+        out = fut.result()
+    except BrokenProcessPool as exc:
+        where = [getattr(item, "location", "") for _, batch in window for _, item in batch]
+        where = [w for w in where if w]
+        span = f" (the samples in flight: {where[0]} to {where[-1]})" if where else ""
+        raise DataError(f"a worker process checking samples died{span}: {exc}",
+                        hint="run again with data.num_proc=1 (or --num-proc 1): in one process a sample that crashes a "
+                        "decoder is the one being read when it stops; a worker killed for memory needs fewer "
+                        f"processes than {num_proc} or more memory") from None
+    window.popleft()
+    return out
 
 
 def iter_checked(
