@@ -12,7 +12,7 @@
 # metrics and tokens/s; for every run after the first, the relative difference of its loss from the first run's, the
 # difference of its metrics in points, and the paired comparison of the two evals (samples both / only the first /
 # only this run answered right; McNemar's exact two-sided p-value of the difference, from the binomial distribution
-# of the discordant samples).
+# of the discordant samples; the difference's standard error in points).
 # MODES (default "off tensorwise") picks the runs, the first being the reference the others are compared with. A mode is
 # a train.fp8 value, optionally followed by more overrides after a colon, comma-separated: "off off:train.seed=1
 # tensorwise:train.fp8_layers=sized" compares bf16 with itself under another data order (the measure's own spread)
@@ -85,14 +85,19 @@ for mode in labels:
 
 
 def paired(ref: dict, other: dict) -> dict:
-    """Samples both / only the reference / only the other answered right, and McNemar's exact two-sided p-value."""
+    """Samples both / only the reference / only the other answered right, McNemar's exact two-sided p-value, and the
+    standard error of the accuracy difference in points (paired proportions: sqrt(b + c - (b - c)^2 / n) / n, with b
+    and c the discordant counts; Agresti, Categorical Data Analysis, 10.1), the noise a difference is read against."""
     both = sorted(set(ref) & set(other))
     only_ref = sum(ref[i] and not other[i] for i in both)
     only_other = sum(other[i] and not ref[i] for i in both)
     n, k = only_ref + only_other, min(only_ref, only_other)
     p = min(1.0, 2 * sum(comb(n, j) for j in range(k + 1)) / 2 ** n) if n else 1.0
-    return {"samples": len(both), "both_right": sum(ref[i] and other[i] for i in both),
-            f"only_{labels[0]}_right": only_ref, "only_other_right": only_other, "mcnemar_p": round(p, 4)}
+    m = len(both)
+    se = (max(n - (only_ref - only_other) ** 2 / m, 0.0)) ** 0.5 / m if m else 0.0
+    return {"samples": m, "both_right": sum(ref[i] and other[i] for i in both),
+            f"only_{labels[0]}_right": only_ref, "only_other_right": only_other, "mcnemar_p": round(p, 4),
+            "diff_se_points": round(100 * se, 2)}
 
 
 scores = {}
