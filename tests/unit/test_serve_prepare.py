@@ -84,7 +84,8 @@ def test_auto_starts_workers_only_beside_a_cuda_device_with_cores_to_spare():
     workers, why = server.auto_processor_workers(torch.device("cuda"), cpus=2)
     assert workers == 0 and "2 CPU cores" in why
     workers, why = server.auto_processor_workers(torch.device("cpu"), cpus=64)
-    assert workers == 0 and "CPU" in why
+    assert workers == 0 and "cpu" in why
+    assert server.auto_processor_workers(torch.device("cuda"))[0] <= server.AUTO_PROCESSOR_WORKERS  # this host's cores
 
 
 def test_the_default_on_the_cpu_keeps_the_processor_on_the_engine_and_health_says_why(tiny_models):
@@ -94,7 +95,7 @@ def test_the_default_on_the_cpu_keeps_the_processor_on_the_engine_and_health_say
         assert ask(url, png((200, 30, 30)), "What color is it?") is not None
         state = health(url)
     assert state["processor_workers"] == 0 and state["collated_prefills"] == 0
-    assert "engine's thread" in state["processor"] and "CPU" in state["processor"]
+    assert "engine's thread" in state["processor"] and "runs on cpu" in state["processor"]
     with running_server(model, processor, ServeSettings(port=0, processor_workers=1), name="tiny", model_dir=folder) as url:
         assert health(url)["processor_workers"] == 1
 

@@ -77,12 +77,15 @@ tokens/s against 2,254-2,270 without, and at 1 and 8 clients the same within the
 
 
 def auto_processor_workers(device: Any, cpus: int | None = None) -> tuple[int, str]:
-    """(processor workers, why) for `--processor-workers auto`: on a CUDA device `AUTO_PROCESSOR_WORKERS`, at most one
-    per 4 of the host's `cpus` (default `os.cpu_count()`), so the engine's thread, the HTTP thread and the request
-    threads keep cores; none on another device, where the model's forward shares the CPU with the processor."""
-    cpus = cpus if cpus is not None else (os.cpu_count() or 1)
-    if getattr(device, "type", str(device).split(":")[0]) != "cuda":
-        return 0, "the model runs on the CPU, which the processor would share"
+    """(processor workers, why) when `--processor-workers` is not given: on a CUDA device `AUTO_PROCESSOR_WORKERS`, at
+    most one per 4 of the `cpus` this process may run on (default: its CPU affinity, else `os.cpu_count()`), so the
+    engine's thread, the HTTP thread and the request threads keep cores; none on another device, where the model's
+    forward shares the CPU with the processor."""
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    kind = getattr(device, "type", str(device).split(":")[0])
+    if kind != "cuda":
+        return 0, f"the model runs on {kind}, whose forward would share the CPU with them"
     workers = min(AUTO_PROCESSOR_WORKERS, cpus // 4)
     if workers == 0:
         return 0, f"{cpus} CPU cores leave none for them"
