@@ -18,7 +18,7 @@ model's name, dtype, attention implementation and decoding mode from /health), t
 concurrency and round: requests, seconds, requests/s, output tokens/s, mean latency, median time to first token, and
 from the server's /health counters over the round: decode steps, rows per step, milliseconds per step (the worker's
 busy time over its steps), the share of the round the worker was busy, the CUDA graphs captured during the round,
-and the prefills with their mean milliseconds (the runner's prefill and the first tokens' draw; the processor's share before it, `inputs_ms`, apart), and the worker's milliseconds per step in decoding (`decode_ms_per_step`: launching steps and taking their tokens). With --rounds N the concurrencies are interleaved N times (1, 4, 8, 1, 4, 8, ...), so load from other
+and the prefills with their mean milliseconds (the runner's prefill and the first tokens' draw; the processor's share before it, `inputs_ms`, apart), and the worker's milliseconds per step in decoding (`decode_ms_per_step`: launching steps and taking their tokens), and per request the milliseconds from its arrival to its job in the engine's queue (`read_ms`: body, media, chat template, token count, processor workers) and from there to the start of its prefill (`queue_ms`). With --rounds N the concurrencies are interleaved N times (1, 4, 8, 1, 4, 8, ...), so load from other
 processes on a shared machine falls on all of them, and a `MEDIAN {json}` and a `BEST {json}` line (the fastest
 round, the one least slowed by other processes) per concurrency follow.
 """
@@ -148,6 +148,8 @@ def main() -> None:
                                            / max(after.get("prefills", 0) - before.get("prefills", 0), 1), 2),
                            decode_ms_per_step=round(1000 * (after.get("decode_seconds", 0) - before.get("decode_seconds", 0))
                                                     / steps, 3),
+                           read_ms=per_request(before, after, "read_seconds", "requests_read"),
+                           queue_ms=per_request(before, after, "queue_seconds", "admitted_requests"),
                            decode=after.get("decode"))
                 rows.setdefault(concurrency, []).append(row)
                 print("RESULT " + json.dumps(row), flush=True)
@@ -197,6 +199,13 @@ def wait_for_health(url: str, server: subprocess.Popen | None, timeout: float) -
         except OSError:
             time.sleep(0.5)
     raise SystemExit(f"the server at {url} did not answer /health within {timeout:.0f} s")
+
+
+def per_request(before: dict, after: dict, seconds: str, count: str) -> float | None:
+    """Milliseconds of /health's counter `seconds` per `count` over a round (None from a server without them)."""
+    if seconds not in after or count not in after:
+        return None
+    return round(1000 * (after[seconds] - before.get(seconds, 0)) / max(after[count] - before.get(count, 0), 1), 2)
 
 
 def health(url: str) -> dict:

@@ -207,3 +207,30 @@ def test_a_rows_text_decoded_piece_by_piece_equals_the_whole_decode(loaded):
         for token in ids:
             row.out.token_ids.append(token)
             assert row._advance() == tok.decode(row.out.token_ids, skip_special_tokens=True)
+
+
+def test_queue_seconds_count_each_jobs_wait_from_the_queue_to_its_prefill(loaded):
+    """With one slot the second of two jobs queued together waits until the first has ended: the engine's
+    `queue_seconds` holds at least that wait, and both are counted as admitted."""
+    engine = Engine(*loaded, max_batch_size=1, max_length=4096)
+    try:
+        ended: dict[str, float] = {}
+
+        def timed(name, events):
+            def sink(event):
+                if event[0] in ("end", "error"):
+                    ended[name] = time.perf_counter()
+                events(event)
+            return sink
+
+        first, second = Events(), Events()
+        jobs = [Job(engine.render(request(TEXTS[0])), max_tokens=12, sink=timed("first", first)),
+                Job(engine.render(request(TEXTS[1])), max_tokens=2, sink=timed("second", second))]
+        submit_together(engine, jobs)
+        assert first.finished.wait(120) and second.finished.wait(120)
+        described = engine.describe()
+        assert described["admitted_requests"] == 2
+        assert jobs[1].queued_at is not None and jobs[0].queued_at <= jobs[1].queued_at
+        assert described["queue_seconds"] >= ended["first"] - jobs[1].queued_at > 0
+    finally:
+        engine.close(timeout=60)

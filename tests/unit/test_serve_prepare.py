@@ -95,6 +95,7 @@ def test_the_default_on_the_cpu_keeps_the_processor_on_the_engine_and_health_say
         assert ask(url, png((200, 30, 30)), "What color is it?") is not None
         state = health(url)
     assert state["processor_workers"] == 0 and state["collated_prefills"] == 0
+    assert state["requests_read"] == 1 and state["read_seconds"] > 0  # its body, picture, template and tokens
     assert "engine's thread" in state["processor"] and "runs on cpu" in state["processor"]
     with running_server(model, processor, ServeSettings(port=0, processor_workers=1), name="tiny", model_dir=folder) as url:
         assert health(url)["processor_workers"] == 1

@@ -316,6 +316,8 @@ class DecodeEngine:
         self.prefill_seconds = 0.0  # in the runner's prefill and the first tokens' draw
         self.inputs_seconds = 0.0  # in the processor and the inputs' copy to the device, at admission
         self.collated = 0  # admissions whose inputs were batched from tensors prepared before submission
+        self.admitted = 0  # requests taken from the queue into a prefill
+        self.queue_seconds = 0.0  # their waits, from `Request.submitted_at` to the start of their prefill
         self.decode_seconds = 0.0
         self.overlap = bool(overlap)
         self.overlapped = 0  # decode steps launched before the tokens of the step before them were taken
@@ -366,7 +368,8 @@ class DecodeEngine:
                 "overlapped_steps": self.overlapped,
                 "prefills": self.prefills, "prefill_seconds": round(self.prefill_seconds, 4),
                 "inputs_seconds": round(self.inputs_seconds, 4), "decode_seconds": round(self.decode_seconds, 4),
-                "collated_prefills": self.collated,
+                "collated_prefills": self.collated, "admitted_requests": self.admitted,
+                "queue_seconds": round(self.queue_seconds, 4),
                 "prefill_graph_replays": self.runner.prefill_graphs,
                 **({"prefill_reason": self.runner.prefill_reason} if self.runner.prefill_reason else {}),
                 **({"encoders_varlen": self.runner.encoders_varlen} if self.runner.encoders_varlen else {}),
@@ -444,20 +447,23 @@ class DecodeEngine:
 
     def submit(self, prompt: GenerationRequest | RenderedRequest, params: SamplingParams | None = None, *, n: int = 1,
                on_event: OnEvent | None = None, id: str = "", stream: bool = True,
-               cancelled: threading.Event | None = None, prepared: dict[str, Any] | None = None) -> Request:
+               cancelled: threading.Event | None = None, prepared: dict[str, Any] | None = None,
+               submitted_at: float | None = None) -> Request:
         """Queue a request (thread-safe); it is admitted at a coming `step()`. A `GenerationRequest` is rendered by
         the chat template at admission (`render_request`). `stream`: send `delta` events as the text grows (else only
         the final text, in `completions`). `cancelled`: an event whose setting cancels the request (default: a new
         one, set by `cancel`). `prepared`: the processor's tensors for this prompt alone, on the host
         (`inputs.processor_inputs` of its rendered text and media), made before it was submitted: where the family
         batches such tensors (`FamilySpec.collate_prompts`) and every prompt of an admission has them, they are batched
-        (`inputs.collate_inputs`) instead of calling the processor at admission. Raises UsageError for `n` outside
-        [1, max_slots]."""
+        (`inputs.collate_inputs`) instead of calling the processor at admission. `submitted_at`: the `time.perf_counter`
+        seconds the request counts its wait from (default: now; a server passes when the request reached its queue).
+        Raises UsageError for `n` outside [1, max_slots]."""
         if not 1 <= n <= self.max_slots:
             raise UsageError(f"n must be between 1 and the engine's {self.max_slots} slots, got {n}", hint="ask for fewer choices")
         params = params if params is not None else SamplingParams()
         request = Request(prompt, params, n=n, on_event=on_event, id=id or getattr(prompt, "id", ""), stream=stream,
                           submitted_step=self.steps, prepared=prepared,
+                          **({"submitted_at": submitted_at} if submitted_at is not None else {}),
                           **({"cancelled": cancelled} if cancelled is not None else {}))
         with self._lock:
             self._incoming.append(request)
@@ -553,6 +559,9 @@ class DecodeEngine:
                 batch.append(self._waiting.popleft())
             if not batch:
                 return
+            now = time.perf_counter()
+            self.admitted += len(batch)
+            self.queue_seconds += sum(now - r.submitted_at for r in batch)
             self._start(batch)
 
     def _render(self, request: Request) -> RenderedRequest | None:

@@ -134,6 +134,8 @@ class ServerState:
     log: Callable[[str], None] | None = None
     preparer: Any = None  # the processor workers (`serve.prepare.PromptPreparer`), or None
     processor: str = ""  # where the processor runs and why (`/health`'s `processor`)
+    requests_read: int = 0  # requests that became jobs in the engine's queue
+    read_seconds: float = 0.0  # their times from arrival to the queue (body, media, chat template, token count, processor)
     _longest_token: int | None = field(default=None, init=False, repr=False)
 
     def longest_token(self) -> int:
@@ -269,7 +271,8 @@ def create_app(state: ServerState):
                              **state.choice, "batches": engine.batches, "rows": engine.rows,
                              "busy_seconds": round(engine.busy_seconds, 4), **engine.describe(),
                              "processor_workers": state.preparer.workers if state.preparer is not None else 0,
-                             "processor": state.processor})
+                             "processor": state.processor, "requests_read": state.requests_read,
+                             "read_seconds": round(state.read_seconds, 4)})
 
     async def page(request: Request) -> HTMLResponse:
         return HTMLResponse(PAGE.read_text(encoding="utf-8"), headers=PAGE_HEADERS)
@@ -293,6 +296,7 @@ def create_app(state: ServerState):
     relay: list[Relay | None] = [None]  # the running loop's (a relay belongs to one loop; tests run several)
 
     async def answer(request: Request):
+        arrived = time.perf_counter()
         try:
             authorize(request)
             body = await _read_body(request, state.limits.max_body_bytes, state.limits.body_seconds)
@@ -317,6 +321,8 @@ def create_app(state: ServerState):
         request.state.submitted = True  # the engine counts the announcement as ended, queued or refused
         if not state.engine.submit(job, announced=True):
             return error(OpenAIError(503, "the server is shutting down", type="server_error", code="unavailable"))
+        state.requests_read += 1  # on the event loop's thread only: no lock
+        state.read_seconds += time.perf_counter() - arrived
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_name}
         if req.stream:
             # the first event decides the status: a job refused by the engine (context too long, inputs the

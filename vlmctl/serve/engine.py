@@ -71,6 +71,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     stream: bool = True  # text deltas as the answer grows (else the final text only, at its end)
     prepared: dict[str, Any] | None = None  # the processor's tensors for its prompt alone (`DecodeEngine.submit`)
+    queued_at: float | None = None  # perf_counter seconds when `Engine.submit` queued it (its wait counts from there)
 
     def params(self):
         """The job's `SamplingParams`."""
@@ -166,6 +167,7 @@ class Engine:
                 self.arriving = max(0, self.arriving - 1)
             if self._closing:
                 return False
+            job.queued_at = time.perf_counter()
             self._pending.append(job)
             self._cond.notify()
         return True
@@ -203,7 +205,7 @@ class Engine:
             return job.fail(499, "the client closed the connection", "client_closed")
         try:
             self.decoder.submit(job.rendered, job.params(), n=job.n, on_event=job.sink, cancelled=job.cancelled,
-                                stream=job.stream, prepared=job.prepared)
+                                stream=job.stream, prepared=job.prepared, submitted_at=job.queued_at)
         except Exception as exc:  # noqa: BLE001 - a job the engine refuses (n over the slots) fails alone
             job.fail(400, str(getattr(exc, "message", exc)), "invalid_request")
 
