@@ -667,6 +667,7 @@ class DecodeEngine:
             self.prefills += 1
             self.prefill_seconds += time.perf_counter() - started
         for request, _ in pairs:
+            request.prepared = None  # in its cache now: the prompt's tensors are not read again
             if not request.finished and all(c.finish_reason for c in request.completions):
                 self._end(request)
 

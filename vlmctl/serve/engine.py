@@ -206,6 +206,7 @@ class Engine:
         try:
             self.decoder.submit(job.rendered, job.params(), n=job.n, on_event=job.sink, cancelled=job.cancelled,
                                 stream=job.stream, prepared=job.prepared, submitted_at=job.queued_at)
+            job.prepared = None  # the decoder's request holds them until its prefill
         except Exception as exc:  # noqa: BLE001 - a job the engine refuses (n over the slots) fails alone
             job.fail(400, str(getattr(exc, "message", exc)), "invalid_request")
 

@@ -249,18 +249,16 @@ def _short_write_error(exc: RuntimeError, where: Path) -> tuple[str, str]:
     """(message, hint) for a file torch.save wrote only in part (DCP's shards, DeepSpeed's files): a full disk when
     the filesystem has (almost) no space left; otherwise the space may have been freed since (another process, this
     checkpoint's own temporary files), and the message says what torch reported and what is free now."""
-    if free_space(where) < LOW_SPACE:
+    free = free_space(where)
+    if free < LOW_SPACE:
         return write_error(OSError(errno.ENOSPC, "No space left on device"), where)
+    from vlmctl.checkpoints import _first_line
+
     run = _run_of(Path(where))
     return (f"cannot write the checkpoint in {where}: torch wrote a file of it only in part ({_first_line(exc)}); "
-            f"{human_bytes(free_space(where))} are free on that filesystem now",
+            f"{human_bytes(free)} are free on that filesystem now",
             "a full disk or quota is the usual cause (another process may have freed space since): free some space, "
             f"then continue with `{resume_command(run)}`")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _os_error_in(exc: BaseException) -> OSError | None:
