@@ -2,7 +2,7 @@
 
 Usage:
     python benchmarks/bench_serve.py --workdir /tmp/servebench [--model DIR | --preset P] [--concurrency 1,4,8] [--requests 32]
-                                     [--max-tokens 32] [--device cpu] [--max-batch-size 8] [--rounds 1]
+                                     [--max-tokens 32] [--device cpu] [--max-batch-size 8] [--rounds 1] [--client-processes 1]
     python benchmarks/bench_serve.py --url http://127.0.0.1:PORT [--concurrency 1,4,8] ...   # a server already running
 
 Builds the --preset (default tiny) with random weights under --workdir (unless --model is given), starts `vlmctl serve` on a free local
@@ -11,7 +11,10 @@ its /health (--start-timeout seconds; a server that exits first ends the benchma
 for each concurrency C runs --warmup untimed passes of C requests (so the batch shapes' CUDA graphs are captured
 before the clock starts, as a server under steady load has them) and then --requests image questions
 (a 64 px PNG as a data: URL, greedy, --max-tokens each) from C client threads with the official `openai` client,
-each thread sending its next request when the previous is answered; requests are streamed, so the time to the first
+each thread sending its next request when the previous is answered (--client-processes P spreads a concurrency's
+threads over P processes started once, so the clients' own Python, parsing every token's chunk, does not share one
+interpreter lock: with one process, the threads' work on a round's last chunks and next requests is done one after
+another, which the server sees as a gap between answers); requests are streamed, so the time to the first
 token's chunk is measured (the first content delta after the role chunk: vlmctl sends one per token, empty while
 the token's text is held back, which a random-weight model's byte tokens nearly always are). Output tokens are the servers' `usage` counts. Prints a `SERVER {json}` line (the served
 model's name, dtype, attention implementation and decoding mode from /health), then one `RESULT {json}` line per
@@ -67,14 +70,14 @@ def main() -> None:
                     help="untimed passes of `concurrency` requests before each concurrency is timed (0: none), so the "
                          "CUDA graphs of its batch shapes are captured before the clock starts")
     ap.add_argument("--url", default=None, help="benchmark a running server (http://HOST:PORT) instead of starting one")
+    ap.add_argument("--client-processes", type=int, default=1,
+                    help="spread each concurrency's client threads over this many processes (1: all in this one)")
     ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for the server's /health")
     args = ap.parse_args()
 
-    import openai
-
     from vlmctl.serve import free_port
 
-    server = None
+    server = pool = None
     if args.url:  # a server started by the caller (benchmarks/bench_serve_gpu.sh)
         url = args.url.rstrip("/")
         wait_for_health(url, None, args.start_timeout)
@@ -91,26 +94,24 @@ def main() -> None:
         served = health(url)
         print("SERVER " + json.dumps({k: served.get(k) for k in ("model", "dtype", "attn_implementation", "decode", "kernels", "slots")}),
               flush=True)
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=600)
+        one = Client(url, served["model"], args.max_tokens).one
+        if args.client_processes > 1:  # each process its own interpreter lock: the clients' work does not queue on one
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
 
-        def one(i: int) -> tuple[int, float, float]:
-            """(output tokens, latency s, time to first token s) of one streamed request."""
-            t0 = time.perf_counter()
-            first, tokens = None, 0
-            stream = client.chat.completions.create(
-                model=served["model"], max_tokens=args.max_tokens, temperature=0, stream=True,
-                stream_options={"include_usage": True}, messages=[
-                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": picture(i)}},
-                                                 {"type": "text", "text": QUESTIONS[i % len(QUESTIONS)]}]}])
-            for chunk in stream:
-                # the first token's chunk: a content delta after the role chunk (empty while its text is held back)
-                delta = chunk.choices[0].delta if chunk.choices else None
-                if first is None and delta is not None and delta.role is None and delta.content is not None:
-                    first = time.perf_counter() - t0
-                if chunk.usage is not None:
-                    tokens = chunk.usage.completion_tokens
-            latency = time.perf_counter() - t0
-            return tokens, latency, first if first is not None else latency
+            pool = ProcessPoolExecutor(args.client_processes, mp_context=multiprocessing.get_context("spawn"),
+                                       initializer=_start_client, initargs=(url, served["model"], args.max_tokens))
+            list(pool.map(_warm, range(args.client_processes)))
+
+        def run(concurrency: int, indices: list[int]) -> list[tuple[int, float, float]]:
+            """(output tokens, latency s, time to first token s) of each request of `indices`, sent by `concurrency`
+            client threads (spread over the client processes when there are several)."""
+            if pool is None:
+                with ThreadPoolExecutor(concurrency) as threads:
+                    return list(threads.map(one, indices))
+            procs = min(args.client_processes, concurrency)
+            shares = [pool.submit(_run_share, indices[k::procs], len(range(k, concurrency, procs))) for k in range(procs)]
+            return [r for share in shares for r in share.result()]
 
         for i in range(2):
             one(i)
@@ -118,12 +119,10 @@ def main() -> None:
         for _ in range(args.rounds):
             for concurrency in (int(c) for c in args.concurrency.split(",")):
                 for _ in range(args.warmup):
-                    with ThreadPoolExecutor(concurrency) as pool:
-                        list(pool.map(one, range(concurrency)))
+                    run(concurrency, list(range(concurrency)))
                 before = health(url)
                 t0 = time.perf_counter()
-                with ThreadPoolExecutor(concurrency) as pool:
-                    results = list(pool.map(one, range(args.requests)))
+                results = run(concurrency, list(range(args.requests)))
                 seconds = time.perf_counter() - t0
                 tokens = sum(r[0] for r in results)
                 row = {"concurrency": concurrency, "requests": args.requests, "seconds": round(seconds, 2),
@@ -131,7 +130,7 @@ def main() -> None:
                        "output_tokens_per_s": round(tokens / seconds, 1),
                        "mean_latency_s": round(sum(r[1] for r in results) / len(results), 3),
                        "ttft_ms_median": round(1000 * statistics.median(r[2] for r in results), 1), "device": args.device,
-                       "max_batch_size": args.max_batch_size}
+                       "max_batch_size": args.max_batch_size, "client_processes": min(args.client_processes, concurrency)}
                 after = health(url)
                 # the engine's decode steps over the round: rows per step is the batching achieved, and the busy share
                 # how much of the round the worker spent stepping the engine (prefill, decoding, sending tokens)
@@ -165,12 +164,61 @@ def main() -> None:
                 print("BEST " + json.dumps({"concurrency": concurrency, "rounds": len(runs), **{k: best[k] for k in (
                     "requests_per_s", "output_tokens_per_s", "mean_latency_s")}}), flush=True)
     finally:
+        if pool is not None:
+            pool.shutdown()
         if server is not None:
             server.send_signal(signal.SIGTERM)
             try:
                 server.wait(timeout=120)
             except subprocess.TimeoutExpired:
                 server.kill()
+
+
+class Client:
+    """One openai client of the server at `url`; `one(i)` sends request i (picture i, question i)."""
+
+    def __init__(self, url: str, model: str, max_tokens: int):
+        import openai
+
+        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=600)
+        self.model, self.max_tokens = model, max_tokens
+
+    def one(self, i: int) -> tuple[int, float, float]:
+        """(output tokens, latency s, time to first token s) of one streamed request."""
+        t0 = time.perf_counter()
+        first, tokens = None, 0
+        stream = self.client.chat.completions.create(
+            model=self.model, max_tokens=self.max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True}, messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": picture(i)}},
+                                             {"type": "text", "text": QUESTIONS[i % len(QUESTIONS)]}]}])
+        for chunk in stream:
+            # the first token's chunk: a content delta after the role chunk (empty while its text is held back)
+            delta = chunk.choices[0].delta if chunk.choices else None
+            if first is None and delta is not None and delta.role is None and delta.content is not None:
+                first = time.perf_counter() - t0
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        latency = time.perf_counter() - t0
+        return tokens, latency, first if first is not None else latency
+
+
+_CLIENT: Client | None = None  # a client process's own (`--client-processes`)
+
+
+def _start_client(url: str, model: str, max_tokens: int) -> None:
+    global _CLIENT
+    _CLIENT = Client(url, model, max_tokens)
+
+
+def _warm(_: int) -> None:
+    _CLIENT.one(0)
+
+
+def _run_share(indices: list[int], threads: int) -> list[tuple[int, float, float]]:
+    """In a client process: requests `indices` from `threads` threads, each sending its next when answered."""
+    with ThreadPoolExecutor(max(threads, 1)) as pool:
+        return list(pool.map(_CLIENT.one, indices))
 
 
 def preset_model(workdir: Path, preset: str) -> Path:
