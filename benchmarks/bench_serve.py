@@ -23,7 +23,11 @@ from the server's /health counters over the round: decode steps, rows per step, 
 busy time over its steps), the share of the round the worker was busy, the CUDA graphs captured during the round,
 and the prefills with their mean milliseconds (the runner's prefill and the first tokens' draw; the processor's share before it, `inputs_ms`, apart), and the worker's milliseconds per step in decoding (`decode_ms_per_step`: launching steps and taking their tokens), and per request the milliseconds from its arrival to its job in the engine's queue (`read_ms`: body, media, chat template, token count, processor workers) and from there to the start of its prefill (`queue_ms`). With --rounds N the concurrencies are interleaved N times (1, 4, 8, 1, 4, 8, ...), so load from other
 processes on a shared machine falls on all of them, and a `MEDIAN {json}` and a `BEST {json}` line (the fastest
-round, the one least slowed by other processes) per concurrency follow.
+round, the one least slowed by other processes) per concurrency follow. With --trace-at C (a server started with
+`--profile-dir`), the timed rounds at concurrency C are recorded by the server's torch.profiler (POST /start_profile
+before the round's clock starts, /stop_profile after it stops): the idle report follows each such round, then a
+`TRACE {json}` line (the folder written, the GPU's busy and idle seconds, and of the idle ones those with no request
+to run). The profiler slows the host, so a traced round's figures are not comparable with untraced ones.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -72,6 +77,8 @@ def main() -> None:
     ap.add_argument("--url", default=None, help="benchmark a running server (http://HOST:PORT) instead of starting one")
     ap.add_argument("--client-processes", type=int, default=1,
                     help="spread each concurrency's client threads over this many processes (1: all in this one)")
+    ap.add_argument("--trace-at", type=int, default=None,
+                    help="record the timed round(s) at this concurrency with torch.profiler (a server started with --profile-dir)")
     ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for the server's /health")
     args = ap.parse_args()
 
@@ -120,10 +127,17 @@ def main() -> None:
             for concurrency in (int(c) for c in args.concurrency.split(",")):
                 for _ in range(args.warmup):
                     run(concurrency, list(range(concurrency)))
+                traced = concurrency == args.trace_at
+                if traced:
+                    post(url, "/start_profile")
                 before = health(url)
                 t0 = time.perf_counter()
                 results = run(concurrency, list(range(args.requests)))
                 seconds = time.perf_counter() - t0
+                if traced:  # after the round's clock: writing the trace is not counted
+                    profile = post(url, "/stop_profile")
+                    print(profile.pop("summary", ""), flush=True)
+                    print("TRACE " + json.dumps({"concurrency": concurrency, **profile}), flush=True)
                 tokens = sum(r[0] for r in results)
                 row = {"concurrency": concurrency, "requests": args.requests, "seconds": round(seconds, 2),
                        "requests_per_s": round(args.requests / seconds, 2), "output_tokens": tokens,
@@ -254,6 +268,17 @@ def per_request(before: dict, after: dict, seconds: str, count: str) -> float | 
     if seconds not in after or count not in after:
         return None
     return round(1000 * (after[seconds] - before.get(seconds, 0)) / max(after[count] - before.get(count, 0), 1), 2)
+
+
+def post(url: str, path: str) -> dict:
+    """The JSON answer of `POST url/path` (the server's profile routes); SystemExit with the server's message for an
+    error status."""
+    request = urllib.request.Request(f"{url}{path}", data=b"", method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=600) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        raise SystemExit(f"POST {path}: {exc.code} {exc.read().decode(errors='replace')}") from None
 
 
 def health(url: str) -> dict:

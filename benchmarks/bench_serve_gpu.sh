@@ -12,7 +12,9 @@
 # Time limits (seconds, environment): BUILD_TIMEOUT (420), START_TIMEOUT (240),
 # BENCH_TIMEOUT (420). DEVICE (cuda) is the device served on (DEVICE=cpu with the tiny preset checks the script).
 # MODEL=DIR serves that model folder instead of building the preset. SERVE_ARGS: more `vlmctl serve` options (e.g.
-# "--warmup-length 0"). PROFILE=1 runs the server under py-spy (its wheel
+# "--warmup-length 0"). TRACE=C records the timed round at concurrency C with the server's torch.profiler
+# (`serve --profile-dir WORKDIR/profiles`, bench_serve.py --trace-at C; trace.json.gz and ops.txt per round, and the
+# idle report printed). PROFILE=1 runs the server under py-spy (its wheel
 # in $WHEELS/tools, fetched with `pip download py-spy -d $WHEELS/tools`, as the message says) and prints each thread's busiest functions (benchmarks/pyspy_summary.py; samples: WORKDIR/serve.pyspy).
 set -euo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 WORKDIR [PRESET] [BENCH_SERVE OPTIONS...]" >&2; exit 2; }
@@ -52,8 +54,10 @@ fi
 port=$(python3 -c "from vlmctl.serve import free_port; print(free_port())")
 url=http://127.0.0.1:$port
 echo "== vlmctl serve at $url (log: $work/serve.log)"
+trace=()
+[ -n "${TRACE:-}" ] && trace=(--trace-at "$TRACE")
 serve=(python3 -m vlmctl serve "$model" --device "$device" --port "$port" --max-batch-size "${MAX_BATCH:-32}" --model-name bench
-       ${SERVE_ARGS:-})
+       ${TRACE:+--profile-dir "$work/profiles"} ${SERVE_ARGS:-})
 if [ -n "${PROFILE:-}" ]; then  # sample the server's Python stacks (every thread) with py-spy, summarized at the end
     has_spy() { command -v py-spy >/dev/null || [ -x /tmp/site/bin/py-spy ]; }
     if ! has_spy; then
@@ -97,7 +101,7 @@ python3 -c "import sys, urllib.request; print('health', urllib.request.urlopen(s
 
 echo "== bench_serve.py at concurrency 1, 8, 32"
 timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/bench_serve.py --url "$url" --device "$device" --concurrency 1,8,32 \
-    --requests "${REQUESTS:-96}" --max-tokens 32 --max-batch-size "${MAX_BATCH:-32}" "$@" | tee "$work/bench.log"
+    --requests "${REQUESTS:-96}" --max-tokens 32 --max-batch-size "${MAX_BATCH:-32}" "${trace[@]}" "$@" | tee "$work/bench.log"
 python3 - "$work/bench.log" <<'PY'
 import json, sys
 rows = [json.loads(line[len("RESULT "):]) for line in open(sys.argv[1]) if line.startswith("RESULT ")]

@@ -1,10 +1,15 @@
-"""One step under torch.profiler (`vlmctl bench --profile`), and where its GPU sat idle.
+"""One step under torch.profiler (`vlmctl bench --profile`), a server's work between two requests (`ThreadProfile`,
+`vlmctl serve --profile-dir`), and where the GPU sat idle.
 
 `profile_step` writes a rank's `ops.txt` (the step's wall and GPU-kernel seconds, the idle report, the operator
-tables) and its Chrome trace (`trace.json.gz`). `idle_report` reads such a trace: the GPU time between compute
+tables) and its Chrome trace (`trace.json.gz`); `ThreadProfile` writes the same for what one thread did between its
+`start` and `stop`. `idle_report` reads such a trace: the GPU time between compute
 kernels, charged to the host code that launched the kernel ending each gap. A gap is the GPU waiting for the host
 (Python, kernel launches, a host synchronisation, a Triton compilation), or for another rank (a collective the
-next kernel depends on); the host code named is where the work resumed, which is what to look at to close it.
+next kernel depends on); the host code named is where the work resumed, which is what to look at to close it. A
+server's thread waits for requests inside a range named by `waits` (`WAIT_FOR_WORK`): the part of a gap it spent
+there is the GPU having no work, reported apart. `phase(name)` names a stretch of host code in the trace (a
+`record_function` range, made only while a profile records).
 
 The trace format is the one `torch.profiler.profile.export_chrome_trace` writes (Kineto's Chrome trace: events with
 `ph: "X"`, `ts` and `dur` in microseconds, `cat` in kernel / gpu_memcpy / gpu_memset on the GPU, cuda_runtime /
@@ -15,6 +20,7 @@ cuda_driver for launches, cpu_op / user_annotation for host code; a launch and i
 from __future__ import annotations
 
 import bisect
+import contextlib
 import gzip
 import json
 import os
@@ -22,15 +28,19 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 HOST_CATEGORIES = ("cpu_op", "user_annotation")
 MIN_GAP_US = 50.0  # shorter gaps are launch latency between back-to-back kernels
+WAIT_FOR_WORK = "serve.wait_for_requests"
+"""The range a server's decoding thread waits in while no request runs (`vlmctl.serve.engine`)."""
+PHASE_PREFIXES = ("engine.", "serve.")
+"""The `phase` ranges `ThreadProfile.stop` sums by name: the decoding engine's and the server's."""
 
-# torch and vlmctl's atomic writer are imported inside `profile_step`, the one function that uses them: reading a
-# trace (`idle_report`) must not pay for torch's import.
+# torch and vlmctl's atomic writer are imported inside the functions that use them (`phase`, `profile_step`,
+# `ThreadProfile`, `_write`): reading a trace (`idle_report`) must not pay for torch's import.
 
 
 def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -65,8 +75,10 @@ class IdleReport:
     copy or collective ran (the union of their intervals); `compute_s` the same without collectives. `by_host`:
     (host code, seconds, gaps), largest first;
     `longest`: (seconds, host code, next kernel) of the longest single gaps; `collectives`: (kernel name, seconds,
-    calls) of the collective kernels. The idle seconds split by cause (`host_s + collective_s + other_s ==
-    idle_s`): `host_s`, the part of each gap before the host launched the kernel that ended it (the GPU waiting for
+    calls) of the collective kernels. The idle seconds split by cause (`waiting_s + host_s + collective_s + other_s
+    == idle_s`): `waiting_s`, the part of the gaps the host spent in a range of `idle_report`'s `waits` (a server
+    with no request to run: no work, not a delay), charged in `by_host` to that range; `host_s`, the rest of each
+    gap before the host launched the kernel that ended it (the GPU waiting for
     the host: Python, launches, a sync, a compile); `collective_s`, the rest of a gap while a collective kernel ran
     (the compute stream waiting on communication, or on another rank entering the collective); `other_s`, what is
     left (a kernel queued before the gap that started late: an event on another stream, a copy)."""
@@ -82,6 +94,7 @@ class IdleReport:
     host_s: float = 0.0
     collective_s: float = 0.0
     other_s: float = 0.0
+    waiting_s: float = 0.0
 
     def text(self, rows: int = 15) -> str:
         if self.span_s <= 0:
@@ -89,7 +102,8 @@ class IdleReport:
         lines = [f"GPU idle time: {self.idle_s:.3f} s in {self.gaps} gaps over {MIN_GAP_US:.0f} us between compute "
                  f"kernels, of a {self.span_s:.3f} s span ({self.compute_s:.3f} s of compute kernels); charged to the "
                  "host code that launched the kernel after each gap:"]
-        lines.append(f"  by cause: {self.host_s * 1e3:.1f} ms the host behind (the next kernel launched during the gap), "
+        waiting = f"{self.waiting_s * 1e3:.1f} ms waiting for work, " if self.waiting_s else ""
+        lines.append(f"  by cause: {waiting}{self.host_s * 1e3:.1f} ms the host behind (the next kernel launched during the gap), "
                      f"{self.collective_s * 1e3:.1f} ms while a collective ran (waiting on communication or another "
                      f"rank), {self.other_s * 1e3:.1f} ms other (a kernel queued before the gap started late)")
         lines += [f"  {s * 1e3:9.1f} ms  {n:5d} gaps  {where}" for where, s, n in self.by_host[:rows]]
@@ -145,9 +159,10 @@ def _complete_event(e: Any) -> bool:
             and isinstance(args.get("correlation", 0), (int, float, str)))
 
 
-def idle_report(trace: dict[str, Any] | str | Path, *, longest: int = 8) -> IdleReport:
+def idle_report(trace: dict[str, Any] | str | Path, *, longest: int = 8, waits: tuple[str, ...] = ()) -> IdleReport:
     """Where one rank's GPU sat idle in a profiled step, from its Chrome trace (a dict, or a path to a `.json` or
-    `.json.gz` file; format in the module docstring). Gaps shorter than `MIN_GAP_US` are left out; events that are
+    `.json.gz` file; format in the module docstring). `waits`: names of host ranges in which a thread waits for work
+    (`WAIT_FOR_WORK`); the part of a gap spent in one is `waiting_s`. Gaps shorter than `MIN_GAP_US` are left out; events that are
     not complete events of that format (not an object, `ts` / `dur` not numbers, a name that is not text) are left
     out too. Raises ValueError for a file that is not such a trace (not JSON, JSON without a `traceEvents` list, a
     truncated gzip stream), OSError for one that cannot be read or unzipped."""
@@ -184,6 +199,8 @@ def idle_report(trace: dict[str, Any] | str | Path, *, longest: int = 8) -> Idle
 
     by_host = Counter(); count = Counter(); gaps: list[tuple[float, str, str]] = []
     comm = _merged(sorted((c["ts"], c["ts"] + c["dur"]) for c in collective))
+    idle_spans = {name: _merged(sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                                       if e.get("cat") in HOST_CATEGORIES and e["name"] == name)) for name in waits}
     cause = Counter()
     end = compute[0]["ts"] + compute[0]["dur"]
     for e in compute[1:]:
@@ -192,18 +209,58 @@ def idle_report(trace: dict[str, Any] | str | Path, *, longest: int = 8) -> Idle
             launch = launches.get(e.get("args", {}).get("correlation"))
             stack = stacks.get((launch.get("pid"), launch.get("tid"))) if launch else None
             where = _where(stack.chain(launch["ts"])) if stack else "(launch not recorded)"
-            by_host[where] += gap; count[where] += 1
-            gaps.append((gap / 1e6, where, e["name"][:80]))
-            late = min(max(launch["ts"] - end, 0.0), gap) if launch else 0.0
-            during = _overlap_us(comm, end + late, e["ts"])
-            cause["host"] += late; cause["collective"] += during; cause["other"] += gap - late - during
+            waited = 0.0
+            for name, spans in idle_spans.items():
+                part = _overlap_us(spans, end, e["ts"])
+                if part > 0:
+                    by_host[name] += part; count[name] += 1; waited += part
+            rest = gap - waited
+            if rest > 0:
+                by_host[where] += rest; count[where] += 1
+            if rest > 0:
+                gaps.append((rest / 1e6, where, e["name"][:80]))
+            late = min(max(launch["ts"] - end - waited, 0.0), rest) if launch else 0.0
+            during = min(_overlap_us(comm, end + waited + late, e["ts"]), rest - late)
+            cause["waiting"] += waited
+            cause["host"] += late; cause["collective"] += during; cause["other"] += rest - late - during
         end = max(end, e["ts"] + e["dur"])
     span = end - compute[0]["ts"]
     compute_busy = _union_us(sorted((e["ts"], e["ts"] + e["dur"]) for e in compute))
     return IdleReport(span / 1e6, busy, compute_busy / 1e6, sum(by_host.values()) / 1e6, len(gaps),
                       [(w, us / 1e6, count[w]) for w, us in by_host.most_common()],
                       sorted(gaps, reverse=True)[:longest], collectives,
-                      cause["host"] / 1e6, cause["collective"] / 1e6, cause["other"] / 1e6)
+                      cause["host"] / 1e6, cause["collective"] / 1e6, cause["other"] / 1e6, cause["waiting"] / 1e6)
+
+
+def phase(name: str):
+    """A host range named `name` in the trace (`torch.profiler.record_function`) while a profile records this thread,
+    else a context that does nothing: an unrecorded range still costs about 5 us (measured on the 2-core CPU machine,
+    torch 2.13), a share of a decode step of a few milliseconds. Use: `with phase("engine.prefill"): ...`."""
+    from torch.autograd import profiler
+
+    if getattr(profiler, "_is_profiler_enabled", True):  # torch's own flag; where it is gone, always name the range
+        return profiler.record_function(name)
+    return contextlib.nullcontext()
+
+
+def _write(prof, folder: Path, headline: Callable[[IdleReport], str], cuda: bool,
+           waits: tuple[str, ...] = ()) -> tuple[IdleReport, str]:
+    """Write `prof`'s (a stopped `torch.profiler.profile`) Chrome trace and `ops.txt` (the line `headline(report)`,
+    the idle report, the top 40 operators by self CPU and by self device time) into `folder`, each through a
+    temporary name. Returns (the idle report, `idle_report` with `waits`; the headline)."""
+    from vlmctl.evaluation.results import atomic_write
+
+    prof.export_chrome_trace(str(folder / ".trace.tmp.json.gz"))  # torch gzips a path ending in .gz
+    os.replace(folder / ".trace.tmp.json.gz", folder / "trace.json.gz")
+    report = idle_report(folder / "trace.json.gz", waits=waits)  # every GPU figure from the trace, read once
+    line = headline(report)
+    table = prof.key_averages()
+    text = (line + "\n\n" + report.text() + "\n\n"
+            + table.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70) + "\n"
+            + table.table(sort_by="self_device_time_total" if cuda else "cpu_time_total", row_limit=40,
+                          max_name_column_width=70))
+    atomic_write(folder / "ops.txt", text)
+    return report, line
 
 
 def profile_step(step, folder: Path, sync) -> tuple[Any, str]:
@@ -215,8 +272,6 @@ def profile_step(step, folder: Path, sync) -> tuple[Any, str]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from vlmctl.evaluation.results import atomic_write
-
     cuda = torch.cuda.is_available()
     folder.mkdir(parents=True, exist_ok=True)
     sync()
@@ -225,19 +280,77 @@ def profile_step(step, folder: Path, sync) -> tuple[Any, str]:
         result = step()
         sync()
         wall = time.perf_counter() - t0
-    prof.export_chrome_trace(str(folder / ".trace.tmp.json.gz"))  # torch gzips a path ending in .gz
-    os.replace(folder / ".trace.tmp.json.gz", folder / "trace.json.gz")
-    report = idle_report(folder / "trace.json.gz")  # every GPU figure from the trace, read once
-    busy = report.busy_s
-    summary = (f"profiled step: {wall:.3f} s wall, GPU kernels {busy:.3f} s ({100 * busy / wall:.0f}%), "
-               f"{result.text_tokens + result.visual_tokens} tokens; tables and trace in {folder}")
-    table = prof.key_averages()
-    text = (summary + "\n\n" + report.text() + "\n\n"
-            + table.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70) + "\n"
-            + table.table(sort_by="self_device_time_total" if cuda else "cpu_time_total", row_limit=40,
-                          max_name_column_width=70))
-    atomic_write(folder / "ops.txt", text)
+    tokens = result.text_tokens + result.visual_tokens
+    _, summary = _write(prof, folder, lambda r: (f"profiled step: {wall:.3f} s wall, GPU kernels {r.busy_s:.3f} s "
+                                                 f"({100 * r.busy_s / wall:.0f}%), {tokens} tokens; tables and trace in {folder}"), cuda)
     return result, summary
+
+
+class ThreadProfile:
+    """torch.profiler over what one thread does between `start()` and `stop()`, both called on that thread (torch
+    records the host ops of the thread that started it, and every kernel and copy of the process's GPU), for a
+    server's decoding thread (`vlmctl serve --profile-dir`). Each `stop()` writes a new folder under `root`,
+    `profile-NNN/`, with `trace.json.gz` and `ops.txt` as `profile_step` writes them; the idle report counts the
+    time spent in `WAIT_FOR_WORK` ranges as waiting for work. `max_seconds`: `expired()` is true once a profile has
+    recorded that long, so that a profile nobody stops is stopped before its events fill the host's memory.
+    `start` raises RuntimeError while one records, `stop` while none does."""
+
+    def __init__(self, root: Path, max_seconds: float = 60.0):
+        self.root, self.max_seconds = Path(root), float(max_seconds)
+        self._prof: Any = None
+        self._started = 0.0
+
+    @property
+    def active(self) -> bool:
+        return self._prof is not None
+
+    def expired(self) -> bool:
+        return self.active and time.perf_counter() - self._started >= self.max_seconds
+
+    def remaining(self) -> float | None:
+        """Seconds until `expired()` (None while nothing records)."""
+        return max(self.max_seconds - (time.perf_counter() - self._started), 0.0) if self.active else None
+
+    def start(self) -> None:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        if self.active:
+            raise RuntimeError("a profile is already recording")
+        activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])]
+        self._prof = profile(activities=activities)
+        self._prof.__enter__()
+        self._started = time.perf_counter()
+
+    def stop(self) -> dict[str, Any]:
+        """Stop recording and write the folder. Returns {"folder", "seconds" (recorded), "gpu_busy_seconds",
+        "gpu_idle_seconds" (between compute kernels), "waiting_seconds" (of those, with no request to run),
+        "summary" (the idle report's text)}."""
+        import torch
+
+        if not self.active:
+            raise RuntimeError("no profile is recording")
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the kernels launched so far end inside the trace
+        prof, self._prof = self._prof, None
+        seconds = time.perf_counter() - self._started
+        prof.__exit__(None, None, None)
+        self.root.mkdir(parents=True, exist_ok=True)
+        number = 1 + max((int(p.name.split("-")[1]) for p in self.root.glob("profile-[0-9][0-9][0-9]")), default=0)
+        folder = self.root / f"profile-{number:03d}"
+        folder.mkdir()
+        phases = {e.key: e.cpu_time_total / 1e6 for e in prof.key_averages() if e.key.startswith(PHASE_PREFIXES)}
+        shares = "\n".join(f"  {s * 1e3:9.1f} ms  {100 * s / max(seconds, 1e-9):5.1f}%  {name}"
+                            for name, s in sorted(phases.items(), key=lambda kv: -kv[1]))
+        report, line = _write(prof, folder, lambda r: (f"profiled {seconds:.3f} s of serving, GPU kernels {r.busy_s:.3f} s "
+                                                       f"({100 * r.busy_s / max(seconds, 1e-9):.0f}%); tables and trace in {folder}"
+                                                       + ("\nthe thread's time by phase (nested phases count in their "
+                                                          f"parents too):\n{shares}" if shares else "")),
+                              torch.cuda.is_available(), waits=(WAIT_FOR_WORK,))
+        return {"folder": str(folder), "seconds": round(seconds, 3), "gpu_busy_seconds": round(report.busy_s, 4),
+                "gpu_idle_seconds": round(report.idle_s, 4), "waiting_seconds": round(report.waiting_s, 4),
+                "phase_seconds": {name: round(s, 4) for name, s in phases.items()},
+                "summary": line + "\n" + report.text()}
 
 
 def main(argv: list[str] | None = None) -> int:

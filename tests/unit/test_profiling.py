@@ -71,6 +71,25 @@ def test_idle_time_is_split_into_host_collective_and_other_waits():
     assert "by cause: 3.6 ms the host behind" in report.text()
 
 
+def test_the_part_of_a_gap_the_host_spent_waiting_for_work_is_reported_apart():
+    """A server's thread waits for requests in a `waits` range [1200, 3200) inside the 3 ms gap [1100, 4100) before
+    kernel 2 (launched at 4000): 2 ms of it the GPU had no work; of the remaining 1 ms, the 0.9 ms before the launch
+    (0.1 ms before the wait, 0.8 ms after it) the host was behind, and the 0.1 ms after it is other."""
+    from vlmctl.profiling import WAIT_FOR_WORK
+
+    trace = _trace()
+    trace["traceEvents"].append(_x("user_annotation", WAIT_FOR_WORK, 1200, 2000))
+    plain, report = idle_report(trace), idle_report(trace, waits=(WAIT_FOR_WORK,))
+    assert plain.waiting_s == 0 and report.idle_s == plain.idle_s
+    assert report.waiting_s == pytest.approx(2e-3)
+    by_host = {where: (s, n) for where, s, n in report.by_host}
+    assert by_host[WAIT_FOR_WORK] == (pytest.approx(2e-3), 1)
+    assert by_host["Optimizer.step#AdamW.step"] == (pytest.approx(1e-3), 1)
+    assert report.host_s == pytest.approx(0.9e-3)
+    assert report.waiting_s + report.host_s + report.collective_s + report.other_s == pytest.approx(report.idle_s)
+    assert "by cause: 2.0 ms waiting for work, 0.9 ms the host behind" in report.text()
+
+
 def test_a_gap_before_a_driver_launch_is_charged_to_its_enclosing_op():
     trace = _trace()
     # kernel 3 now starts 1 ms after kernel 2 ends: its Triton launch (cuLaunchKernel) sits in LigerRMSNormFunction

@@ -47,6 +47,11 @@ def serve_cmd(
                                                              "Qwen2-Audio); 0: the decoding thread runs it. Default: 4 on a "
                                                              "GPU (at most one per 4 CPU cores), 0 on the CPU.",
                                                              show_default=False)] = None,
+    profile_dir: Annotated[Optional[Path], typer.Option("--profile-dir", help="Let POST /start_profile and /stop_profile "
+                                                        "record the decoding thread with torch.profiler into this folder "
+                                                        "(profile-NNN/: trace.json.gz for Perfetto or TensorBoard, ops.txt "
+                                                        "with where the GPU sat idle); off by default.",
+                                                        show_default=False)] = None,
     max_body_mb: Annotated[float, typer.Option("--max-body-mb", help="Largest request body, in MiB.")] = 32.0,
     allow_origin: Annotated[Optional[list[str]], typer.Option("--allow-origin", help="A web page origin (scheme://host[:port]) "
                                                               "allowed to call the server from a browser (CORS; repeatable; "
@@ -88,7 +93,7 @@ def serve_cmd(
                              max_batch_size=max_batch_size, max_length=limits.max_tokens, device=device, dtype=dtype,
                              train=project.train if project is not None else None, allowed_origins=tuple(allow_origin or ()),
                              log=None if state.quiet else _log_request, warmup_length=warmup_length,
-                             processor_workers=processor_workers)
+                             processor_workers=processor_workers, profile_dir=profile_dir)
     check_settings(settings)
     settings.video = _video_settings(model_dir, folder_family(model_dir), config, args)
     sock = bind_socket(host, port)  # a port in use is one error, before the model loads

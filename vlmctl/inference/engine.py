@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 from vlmctl.errors import UsageError
 from vlmctl.inference.prompt import GenerationRequest, RenderedRequest
 from vlmctl.inference.sampling import SamplingParams
+from vlmctl.profiling import phase
 
 if TYPE_CHECKING:
     import torch
@@ -520,7 +521,9 @@ class DecodeEngine:
             self._incoming.clear()
         with torch.inference_mode():  # every buffer the engine touches is written under it
             self._drop_cancelled()
-            self._admit()
+            if self._waiting:
+                with phase("engine.admit"):
+                    self._admit()
             if self.running:
                 self._decode()
 
@@ -619,7 +622,8 @@ class DecodeEngine:
         free = [i for i, c in enumerate(self.slots) if c is None]
         started = time.perf_counter()
         try:
-            inputs, host = self._inputs([p for _, p in pairs], [r.prepared for r, _ in pairs])
+            with phase("engine.inputs"):
+                inputs, host = self._inputs([p for _, p in pairs], [r.prepared for r, _ in pairs])
         except Exception as exc:  # noqa: BLE001 - the processor's errors are the request's: find whose
             if len(pairs) > 1:
                 for request, _ in pairs:
@@ -641,14 +645,16 @@ class DecodeEngine:
             at += request.n
         started = time.perf_counter()
         try:
-            out = self.runner.prefill(inputs, [s[0] for s in slots], host)
-            for own, end in zip(slots, out.ends):
-                for slot in own[1:]:
-                    self.runner.cache.copy_slot(own[0], slot, end)
+            with phase("engine.prefill"):
+                out = self.runner.prefill(inputs, [s[0] for s in slots], host)
+                for own, end in zip(slots, out.ends):
+                    for slot in own[1:]:
+                        self.runner.cache.copy_slot(own[0], slot, end)
             for b, (request, _) in enumerate(pairs):
                 request.prompt_tokens, request.admitted_step = int(out.tokens[b]), self.steps
                 request.prompt_ids = host["input_ids"][b, out.first[b]:out.ends[b]].tolist()
-            self._first_tokens([r for r, _ in pairs], slots, out)
+            with phase("engine.first_tokens"):
+                self._first_tokens([r for r, _ in pairs], slots, out)
         except Exception as exc:  # noqa: BLE001 - the model's failure on a request is that request's
             for request, own in zip((r for r, _ in pairs), slots):
                 for slot in own:
@@ -792,7 +798,8 @@ class DecodeEngine:
         rows = live[-1][0] + 1
         kv_len = max(c.length + c.inflight for _, c in live) + 1
         greedy = all(c.request.params.greedy for _, c in live)
-        tokens = self.runner.step(rows, kv_len, greedy)
+        with phase("engine.decode_step"):
+            tokens = self.runner.step(rows, kv_len, greedy)
         want = [(slot, c) for slot, c in live if c.request.params.logprobs is not None]
         entries: dict[int, tuple] = {}
         if want:
@@ -836,17 +843,19 @@ class DecodeEngine:
         the step was launched drops it."""
         buffer, event = launched.tokens
         if event is not None:
-            event.synchronize()
+            with phase("engine.wait_for_tokens"):
+                event.synchronize()
         host = buffer.tolist()
-        for slot, choice in launched.live:
-            choice.inflight -= 1
-            if choice.done or self.slots[slot] is not choice:
-                continue
-            choice.length += 1
-            choice.take(host[slot], launched.entries.get(slot), self.max_length)
-            self.tokens_generated += 1
-            if choice.done:
-                self._free(slot)
+        with phase("engine.take_tokens"):  # detokenizing, stop strings and each token's event
+            for slot, choice in launched.live:
+                choice.inflight -= 1
+                if choice.done or self.slots[slot] is not choice:
+                    continue
+                choice.length += 1
+                choice.take(host[slot], launched.entries.get(slot), self.max_length)
+                self.tokens_generated += 1
+                if choice.done:
+                    self._free(slot)
 
     def settle(self) -> None:
         """Take the tokens of the step still in flight, if any (after the last request ended: its tokens are

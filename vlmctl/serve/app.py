@@ -293,6 +293,27 @@ def create_app(state: ServerState):
             if not getattr(request.state, "submitted", False):
                 state.engine.withdraw()
 
+    async def profile(request: Request) -> JSONResponse:
+        """POST /start_profile, /stop_profile (the names vLLM's and SGLang's servers use): `Engine.profile`."""
+        from vlmctl.errors import VlmctlError
+
+        try:
+            authorize(request)
+            if getattr(state.engine, "profiler", None) is None:
+                raise OpenAIError(400, "profiling is off: start the server with --profile-dir DIR", code="profiling_off")
+            try:
+                future = state.engine.profile("start" if request.url.path == "/start_profile" else "stop")
+            except VlmctlError as exc:  # shutting down
+                raise OpenAIError(503, exc.message, type="server_error", code="unavailable") from None
+            try:
+                return JSONResponse(await asyncio.wrap_future(future))
+            except RuntimeError as exc:
+                raise OpenAIError(409, str(exc), code="profile_state") from None
+            except OSError as exc:
+                raise OpenAIError(500, f"the profile could not be written: {exc}", type="server_error") from None
+        except OpenAIError as exc:
+            return error(exc)
+
     relay: list[Relay | None] = [None]  # the running loop's (a relay belongs to one loop; tests run several)
 
     async def answer(request: Request):
@@ -352,7 +373,8 @@ def create_app(state: ServerState):
         return error(OpenAIError(500, f"{type(exc).__name__}: {exc}", type="server_error"))
 
     routes = [Route("/", page), Route("/health", health), Route("/v1/models", models),
-              Route("/v1/chat/completions", completions, methods=["POST"])]
+              Route("/v1/chat/completions", completions, methods=["POST"]),
+              Route("/start_profile", profile, methods=["POST"]), Route("/stop_profile", profile, methods=["POST"])]
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found, Exception: crashed})
     return logged(guard(app, state), state)
 

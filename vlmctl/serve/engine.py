@@ -30,6 +30,12 @@ Events, called from the worker thread (`sink(event)`), as tuples (`vlmctl.infere
 
 `announce` / `withdraw` tell the engine a request is being read; with continuous batching nothing waits for it,
 and they only count what is on its way (`arriving`, in /health).
+
+With `profile_dir`, `profile("start")` and `profile("stop")` record the worker thread under torch.profiler
+(`vlmctl.profiling.ThreadProfile`: the engine's phases as named ranges, the GPU's kernels, where the GPU sat idle
+and how much of that it had no request to run) into `profile_dir/profile-NNN/`. The worker starts and stops the
+profile itself, between two steps (torch records the host ops of the thread that starts it); writing the trace
+pauses decoding for as long as it takes.
 """
 
 from __future__ import annotations
@@ -38,10 +44,14 @@ import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
+from vlmctl.errors import UsageError
 from vlmctl.inference.prompt import GenerationRequest, RenderedRequest
+from vlmctl.profiling import WAIT_FOR_WORK, ThreadProfile, phase
 
 # torch and transformers are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must
 # not pay for them.
@@ -93,12 +103,14 @@ class Engine:
     `data.video` settings. `warmup_length`: before the worker starts, the CUDA graphs of the decode step (every
     batch size) and of short prefills (every bucket up to `prefill_batch` prompts) are captured for rows of up to
     this many tokens (prompt and answer; `DecodeEngine.warmup`), so that no client's tokens wait for a capture
-    later; 0: captured as they are first needed. `options`: passed to
+    later; 0: captured as they are first needed. `profile_dir`: where `profile` writes (None: profiling off);
+    `profile_seconds`: the longest a profile records before the worker stops it itself. `options`: passed to
     `DecodeEngine` (`graphs`, `kernels`, `prefill_batch`).
     """
 
     def __init__(self, model, processor, *, max_batch_size: int = 8, max_length: int = 4096, family: Any = None,
-                 video: Any = None, warmup_length: int = 0, **options: Any):
+                 video: Any = None, warmup_length: int = 0, profile_dir: Path | None = None, profile_seconds: float = 60.0,
+                 **options: Any):
         from vlmctl.inference.engine import DecodeEngine
 
         self.model, self.processor = model, processor
@@ -113,6 +125,9 @@ class Engine:
         self.rows = 0  # rows decoded, summed over the decode steps (rows / batches: rows per step)
 
         self.busy_seconds = 0.0  # seconds the worker spent stepping the engine (prefill, decoding, tokens sent)
+        self.profiler = ThreadProfile(profile_dir, profile_seconds) if profile_dir is not None else None
+        self.last_profile: dict[str, Any] | None = None  # what the last profile wrote (`ThreadProfile.stop`)
+        self._orders: deque[tuple[str, Future]] = deque()  # profile starts and stops for the worker
         log.info("decoding: %s%s, %d slots of %d tokens", self.decoder.mode,
                  f" ({self.decoder.reason})" if self.decoder.reason else "", self.max_batch_size, max_length)
         if warmup_length > 0:
@@ -172,6 +187,25 @@ class Engine:
             self._cond.notify()
         return True
 
+    def profile(self, action: str) -> Future:
+        """Start (`"start"`) or stop (`"stop"`) recording the worker thread (module docstring); the worker does it
+        before its next step. The Future's result: for a start {"recording": True, "max_seconds", "profile_dir"};
+        for a stop what `ThreadProfile.stop` returns (the folder written, the seconds recorded, the GPU's busy, idle
+        and waiting seconds, the idle report). It raises RuntimeError for a start while one records, or a stop while
+        none does (naming the folder of a profile that stopped itself). Raises UsageError at once without a
+        `profile_dir`, ValueError for another action."""
+        if self.profiler is None:
+            raise UsageError("profiling is off", hint="start the server with --profile-dir DIR")
+        if action not in ("start", "stop"):
+            raise ValueError(f"action must be start or stop, got {action!r}")
+        future: Future = Future()
+        with self._cond:
+            if self._closing:
+                raise UsageError("the server is shutting down")
+            self._orders.append((action, future))
+            self._cond.notify()
+        return future
+
     def close(self, timeout: float | None = None) -> None:
         """Refuse new jobs, answer the queued and running ones, stop the worker (waiting up to `timeout` seconds)."""
         with self._cond:
@@ -179,15 +213,31 @@ class Engine:
             self._cond.notify()
         self._worker.join(timeout)
 
+    def _idle(self) -> bool:
+        return not self._pending and not self.decoder.busy and not self._closing and not self._orders
+
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._pending and not self.decoder.busy and not self._closing:
-                    self._cond.wait()
+                if self._idle():
+                    with phase(WAIT_FOR_WORK):  # the GPU has no work: a profile's idle report counts it apart
+                        while self._idle() and not (self.profiler is not None and self.profiler.expired()):
+                            self._cond.wait(self.profiler.remaining() if self.profiler is not None else None)
                 if self._closing and not self._pending and not self.decoder.busy:
+                    if self.profiler is not None and self.profiler.active:  # what was recorded is written, not lost
+                        self._stop_profile("the server stopped")
+                    for _, future in self._orders:
+                        future.set_exception(RuntimeError("the server stopped"))
+                    self._orders.clear()
                     return
                 jobs = list(self._pending)
                 self._pending.clear()
+                orders = list(self._orders)
+                self._orders.clear()
+            for action, future in orders:
+                self._profile_order(action, future)
+            if self.profiler is not None and self.profiler.expired():
+                self._stop_profile(f"it recorded for {self.profiler.max_seconds:g} s")
             for job in jobs:
                 self._hand_over(job)
             started = time.perf_counter()
@@ -199,6 +249,30 @@ class Engine:
                 log.exception("decoding failed")
                 self.decoder.abort(500, f"generation failed: {type(exc).__name__}: {exc}", "server_error")
             self.busy_seconds += time.perf_counter() - started
+
+    def _profile_order(self, action: str, future: Future) -> None:
+        """Start or stop the profile on this (the worker's) thread; the outcome goes to `future`."""
+        try:
+            if action == "start":
+                self.profiler.start()
+                future.set_result({"recording": True, "max_seconds": self.profiler.max_seconds,
+                                   "profile_dir": str(self.profiler.root)})
+            elif not self.profiler.active and self.last_profile is not None and self.last_profile.get("stopped"):
+                raise RuntimeError(f"no profile is recording: the last one stopped because {self.last_profile['stopped']}; "
+                                   f"it is in {self.last_profile['folder']}")
+            else:
+                self.last_profile = self.profiler.stop()
+                future.set_result(self.last_profile)
+        except Exception as exc:  # noqa: BLE001 - the caller's to report (a start while recording, a full disk)
+            future.set_exception(exc)
+
+    def _stop_profile(self, why: str) -> None:
+        """Stop a profile nobody stopped, and say where it went."""
+        try:
+            self.last_profile = {**self.profiler.stop(), "stopped": why}
+            log.warning("profile stopped because %s: %s", why, self.last_profile["folder"])
+        except Exception:  # noqa: BLE001 - the worker must outlive a profile it cannot write
+            log.exception("the profile could not be written")
 
     def _hand_over(self, job: Job) -> None:
         if job.cancelled.is_set():  # its client left while it waited

@@ -50,7 +50,8 @@ class ServeSettings:
     (prompt and answer, tokens) up to which the decode and prefill CUDA graphs are captured before the server listens
     (`warmup_length`; 0: as first needed), and the processes that run the processor on each request's prompt while it
     is read (`processor_workers`, `serve.prepare`; 0: the engine runs it at admission; None: `auto_processor_workers`;
-    families without `collate_prompts` always run it at admission)."""
+    families without `collate_prompts` always run it at admission), and the folder `POST /start_profile` and
+    `/stop_profile` record the decoding thread into (`profile_dir`, `Engine.profile`; None: those routes refuse)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -69,6 +70,7 @@ class ServeSettings:
     head_seconds: float = 30.0
     warmup_length: int = 512  # graphs captured at start-up for rows of up to this many tokens (`Engine`)
     processor_workers: int | None = None  # processes running the processor on each request's prompt (`prepare.PromptPreparer`)
+    profile_dir: Path | None = None  # where /start_profile and /stop_profile write torch.profiler traces (`Engine.profile`)
 
 
 AUTO_PROCESSOR_WORKERS = 4
@@ -289,7 +291,8 @@ def make_state(model, processor, settings: ServeSettings, name: str, model_dir: 
         where = f"{workers} worker processes ({why})"
     try:
         engine = Engine(model, processor, max_batch_size=settings.max_batch_size, max_length=settings.max_length,
-                        family=family, video=settings.video, warmup_length=settings.warmup_length)
+                        family=family, video=settings.video, warmup_length=settings.warmup_length,
+                        profile_dir=settings.profile_dir)
     except BaseException:
         if preparer is not None:
             preparer.close(wait=False)
