@@ -24,6 +24,7 @@ import contextlib
 import gzip
 import json
 import os
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -336,7 +337,8 @@ class ThreadProfile:
         seconds = time.perf_counter() - self._started
         prof.__exit__(None, None, None)
         self.root.mkdir(parents=True, exist_ok=True)
-        number = 1 + max((int(p.name.split("-")[1]) for p in self.root.glob("profile-[0-9][0-9][0-9]")), default=0)
+        taken = (re.fullmatch(r"profile-(\d+)", p.name) for p in self.root.iterdir())
+        number = 1 + max((int(m.group(1)) for m in taken if m), default=0)
         folder = self.root / f"profile-{number:03d}"
         folder.mkdir()
         phases = {e.key: e.cpu_time_total / 1e6 for e in prof.key_averages() if e.key.startswith(PHASE_PREFIXES)}
