@@ -1,4 +1,5 @@
-"""File modes of what vlmctl writes: those of a plain `open()` / `mkdir()` under the process's umask.
+"""How vlmctl writes files: whole or not at all (`atomic_write`), and with the modes of a plain `open()` / `mkdir()`
+under the process's umask (`honour_umask`).
 
 Temporary files and folders (`tempfile.mkstemp`, `mkdtemp`) are created 0600 / 0700 and some writers (safetensors)
 create their files 0600; renamed into place they would keep that mode, so a project, a built model or an export
@@ -30,4 +31,14 @@ def honour_umask(path: Path) -> Path:
     return path
 
 
-__all__ = ["current_umask", "honour_umask"]
+def atomic_write(path: Path, text: str) -> Path:
+    """Write `text` (UTF-8) to `path` through a temporary file in the same folder and a rename, so a reader never
+    sees a half-written file. Returns `path`."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+__all__ = ["atomic_write", "current_umask", "honour_umask"]

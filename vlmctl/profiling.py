@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from vlmctl.files import atomic_write
+
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 HOST_CATEGORIES = ("cpu_op", "user_annotation")
@@ -40,8 +42,8 @@ WAIT_FOR_WORK = "serve.wait_for_requests"
 PHASE_PREFIXES = ("engine.", "serve.")
 """The `phase` ranges `ThreadProfile.stop` sums by name: the decoding engine's and the server's."""
 
-# torch and vlmctl's atomic writer are imported inside the functions that use them (`phase`, `profile_step`,
-# `ThreadProfile`, `_write`): reading a trace (`idle_report`) must not pay for torch's import.
+# torch is imported inside the functions that use it (`phase`, `profile_step`, `ThreadProfile`): reading a trace
+# (`idle_report`) must not pay for its import.
 
 
 def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -249,8 +251,6 @@ def _write(prof, folder: Path, headline: Callable[[IdleReport], str], cuda: bool
     """Write `prof`'s (a stopped `torch.profiler.profile`) Chrome trace and `ops.txt` (the line `headline(report)`,
     the idle report, the top 40 operators by self CPU and by self device time) into `folder`, each through a
     temporary name. Returns (the idle report, `idle_report` with `waits`; the headline)."""
-    from vlmctl.evaluation.results import atomic_write
-
     prof.export_chrome_trace(str(folder / ".trace.tmp.json.gz"))  # torch gzips a path ending in .gz
     os.replace(folder / ".trace.tmp.json.gz", folder / "trace.json.gz")
     report = idle_report(folder / "trace.json.gz", waits=waits)  # every GPU figure from the trace, read once

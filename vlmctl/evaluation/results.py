@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from vlmctl.evaluation.metrics import ScoredRecord
+from vlmctl.files import atomic_write  # here for the evaluation modules that import it from this one
 
 
 @dataclass
@@ -53,16 +53,6 @@ def skipped_reasons(skipped: list[dict[str, Any]]) -> dict[str, int]:
     for s in skipped:
         counts[s["reason"]] = counts.get(s["reason"], 0) + 1
     return dict(sorted(counts.items(), key=lambda x: (-x[1], x[0])))
-
-
-def atomic_write(path: Path, text: str) -> Path:
-    """Write `text` (UTF-8) to `path` through a temporary file in the same folder and a rename, so a reader never
-    sees a half-written file. Returns `path`."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-    return path
 
 
 __all__ = ["EvalResult", "SKIPPED_FILE", "SampleList", "atomic_write", "skipped_reasons"]
