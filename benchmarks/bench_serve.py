@@ -21,6 +21,7 @@ model's name, dtype, attention implementation and decoding mode from /health), t
 concurrency and round: requests, seconds, requests/s, output tokens/s, mean latency, median time to first token, and
 from the server's /health counters over the round: decode steps, rows per step, milliseconds per step (the worker's
 busy time over its steps), the share of the round the worker was busy, the CUDA graphs captured during the round,
+the vision towers' picture layouts met for the first time (`new_layouts`: each ran eagerly, tens of ms on a GPU),
 and the prefills with their mean milliseconds (the runner's prefill and the first tokens' draw; the processor's share before it, `inputs_ms`, apart), and the worker's milliseconds per step in decoding (`decode_ms_per_step`: launching steps and taking their tokens), and per request the milliseconds from its arrival to its job in the engine's queue (`read_ms`: body, media, chat template, token count, processor workers) and from there to the start of its prefill (`queue_ms`). With --rounds N the concurrencies are interleaved N times (1, 4, 8, 1, 4, 8, ...), so load from other
 processes on a shared machine falls on all of them, and a `MEDIAN {json}` and a `BEST {json}` line (the fastest
 round, the one least slowed by other processes) per concurrency follow. With --trace-at C (a server started with
@@ -154,6 +155,7 @@ def main() -> None:
                            ms_per_step=round(1000 * (after.get("busy_seconds", 0) - before.get("busy_seconds", 0)) / steps, 3),
                            busy_share=round((after.get("busy_seconds", 0) - before.get("busy_seconds", 0)) / seconds, 3),
                            graphs_captured=after.get("cuda_graphs", 0) - before.get("cuda_graphs", 0),
+                           new_layouts=sum(v - before.get(k, 0) for k, v in after.items() if k.endswith("_encoder_new_layouts")),
                            prefills=after.get("prefills", 0) - before.get("prefills", 0),
                            prefill_ms=round(1000 * (after.get("prefill_seconds", 0) - before.get("prefill_seconds", 0))
                                             / max(after.get("prefills", 0) - before.get("prefills", 0), 1), 2),

@@ -92,6 +92,7 @@ def test_layouts_past_the_limit_are_dropped_oldest_first(tiny_models):
                 _, x, grid = _tower_inputs(model, [(1, side, side)])
                 model.model.visual(x, grid_thw=grid)
         assert [k[2] for k in wrapped.entries] == [((1, 12, 12),), ((1, 8, 8),)]
+        assert wrapped.new_layouts == 3  # 4, 8 and 12 met first; 8 again is a capture
     finally:
         wrapped.remove()
 

@@ -86,6 +86,7 @@ class EncoderGraphs:
         self.entries: OrderedDict[tuple, dict[str, Any]] = OrderedDict()  # key -> grid inputs, buffers, graph
         self.replays = 0  # forwards replayed from a graph
         self.captures = 0
+        self.new_layouts = 0  # layouts met for the first time (each ran eagerly: the slowest forward of a layout)
         self.reason = ""  # why graphs stopped (a failed capture), else ""
 
     def install(self) -> "EncoderGraphs":
@@ -130,6 +131,7 @@ class EncoderGraphs:
                 self.reason = f"grid inputs failed: {type(exc).__name__}: {str(exc)[:200]}"
                 return self.forward(self.tower, hidden_states, grid_thw)
             self._keep(key, entry)
+            self.new_layouts += 1
             return self.forward(self.tower, hidden_states, grid_thw, **dict(entry["inputs"]))
         self.entries.move_to_end(key)
         if self.record is None:

@@ -376,6 +376,7 @@ class DecodeEngine:
                 **({"encoders_varlen": self.runner.encoders_varlen} if self.runner.encoders_varlen else {}),
                 **({"rope_routed": self.runner.rope_routed} if self.runner.rope_routed else {}),
                 **{f"{name}_encoder_graph_replays": g.replays for name, g in self.runner.encoder_graphs.items()},
+                **{f"{name}_encoder_new_layouts": g.new_layouts for name, g in self.runner.encoder_graphs.items()},
                 **{f"{name}_encoder_graph_reason": g.reason for name, g in self.runner.encoder_graphs.items() if g.reason},
                 "tokens_generated": self.tokens_generated}
 
