@@ -11,12 +11,19 @@ generates the answers twice with a new engine: `cold` (its graphs captured as it
 eval` does) and `warm` (the same engine again). Variants: `default` (the engine's defaults), `no-prefill-graphs`
 (decode graphs only), `no-encoder-graphs`, `eager` (no graph at all); `inputs_s`: the seconds of each pass in the
 processor and the inputs' copy to the device. One `PHASES {json}` line at the end.
+
+`--direct-load` also times the weights loaded straight onto the device (`from_pretrained(device_map=DEVICE)`, a
+second copy, freed after), against the two phases above. `--imports N` first runs the same start (torch, the
+config, the model class) in a child process under `python -X importtime` and prints the N modules whose imports took
+longest, counting what they import (`IMPORTS {json}`: seconds, cumulative and own).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -37,7 +44,11 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--variants", default="default,no-prefill-graphs,eager")
+    ap.add_argument("--direct-load", action="store_true", help="also time from_pretrained(device_map=DEVICE)")
+    ap.add_argument("--imports", type=int, default=0, help="print the N slowest imports of the start (python -X importtime)")
     args = ap.parse_args()
+    if args.imports:
+        print("IMPORTS " + json.dumps(slowest_imports(args.model, args.imports)), flush=True)
     phases: dict[str, float] = {}
     mark = time.perf_counter()
 
@@ -68,6 +79,16 @@ def main() -> None:
     if device == "cuda":
         torch.cuda.synchronize()
     lap("weights_to_device")
+    if args.direct_load:
+        with quiet_transformers():
+            direct = cls.from_pretrained(ref, dtype=dtype, device_map=device)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        lap("weights_direct_to_device")
+        del direct
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        mark = time.perf_counter()
     processor = load_processor(ref)
     lap("processor")
     from vlmctl.evaluation import load_samples
@@ -106,6 +127,28 @@ def main() -> None:
     print("PHASES " + json.dumps({"samples": len(samples), "batch_size": args.batch_size, "device": device,
                                   "start": phases, "start_total": round(sum(phases.values()), 3), "generate": runs}),
           flush=True)
+
+
+START = """
+import sys
+import torch
+from vlmctl.models.load import _model_plan, transformers_class
+_ref, _cfg, fam, _dtype = _model_plan(sys.argv[1], "bf16" if torch.cuda.is_available() else "fp32", False, None)
+transformers_class(fam.model_class)
+"""
+
+
+def slowest_imports(model: Path, n: int) -> list[dict]:
+    """The `n` slowest imports of `START` in a child process under `python -X importtime` (its stderr lines:
+    `import time: self [us] | cumulative | name`, nested names indented), slowest cumulative first."""
+    out = subprocess.run([sys.executable, "-X", "importtime", "-c", START, str(model)], capture_output=True, text=True,
+                         check=True).stderr
+    rows = []
+    for line in out.splitlines():
+        parts = line.removeprefix("import time:").split("|")
+        if len(parts) == 3 and parts[0].strip().isdigit():
+            rows.append({"module": parts[2].strip(), "cumulative_s": int(parts[1]) / 1e6, "own_s": int(parts[0]) / 1e6})
+    return sorted(rows, key=lambda r: -r["cumulative_s"])[:n]
 
 
 if __name__ == "__main__":
