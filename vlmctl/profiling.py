@@ -287,6 +287,10 @@ def profile_step(step, folder: Path, sync) -> tuple[Any, str]:
     return result, summary
 
 
+class ProfileStateError(RuntimeError):
+    """A profile started while one records, or stopped while none does."""
+
+
 class ThreadProfile:
     """torch.profiler over what one thread does between `start()` and `stop()`, both called on that thread (torch
     records the host ops of the thread that started it, and every kernel and copy of the process's GPU), for a
@@ -294,7 +298,7 @@ class ThreadProfile:
     `profile-NNN/`, with `trace.json.gz` and `ops.txt` as `profile_step` writes them; the idle report counts the
     time spent in `WAIT_FOR_WORK` ranges as waiting for work. `max_seconds`: `expired()` is true once a profile has
     recorded that long, so that a profile nobody stops is stopped before its events fill the host's memory.
-    `start` raises RuntimeError while one records, `stop` while none does."""
+    `start` raises ProfileStateError while one records, `stop` while none does."""
 
     def __init__(self, root: Path, max_seconds: float = 60.0):
         self.root, self.max_seconds = Path(root), float(max_seconds)
@@ -317,7 +321,7 @@ class ThreadProfile:
         from torch.profiler import ProfilerActivity, profile
 
         if self.active:
-            raise RuntimeError("a profile is already recording")
+            raise ProfileStateError("a profile is already recording")
         activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])]
         self._prof = profile(activities=activities)
         self._prof.__enter__()
@@ -330,7 +334,7 @@ class ThreadProfile:
         import torch
 
         if not self.active:
-            raise RuntimeError("no profile is recording")
+            raise ProfileStateError("no profile is recording")
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the kernels launched so far end inside the trace
         prof, self._prof = self._prof, None

@@ -89,6 +89,7 @@ def test_profiling_is_off_without_a_folder(tiny_models):
 
 
 def test_a_profile_nobody_stops_is_stopped_and_written_by_the_worker(tiny_models, tmp_path):
+    from vlmctl.profiling import ProfileStateError
     from vlmctl.serve.engine import Engine
 
     model, processor = load_for_generation(tiny_models("tiny-qwen2.5-vl"), device="cpu", dtype="fp32")
@@ -100,7 +101,7 @@ def test_a_profile_nobody_stops_is_stopped_and_written_by_the_worker(tiny_models
             time.sleep(0.05)  # the idle worker wakes at the limit, with no request to run
         assert engine.last_profile is not None and "0.3 s" in engine.last_profile["stopped"]
         assert (tmp_path / "profile-001" / "trace.json.gz").is_file()
-        with pytest.raises(RuntimeError, match="stopped because it recorded for 0.3 s.*profile-001"):
+        with pytest.raises(ProfileStateError, match="stopped because it recorded for 0.3 s.*profile-001"):
             engine.profile("stop").result(timeout=60)
     finally:
         engine.close()

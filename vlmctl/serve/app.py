@@ -296,6 +296,7 @@ def create_app(state: ServerState):
     async def profile(request: Request) -> JSONResponse:
         """POST /start_profile, /stop_profile (the names vLLM's and SGLang's servers use): `Engine.profile`."""
         from vlmctl.errors import VlmctlError
+        from vlmctl.profiling import ProfileStateError
 
         try:
             authorize(request)
@@ -307,7 +308,7 @@ def create_app(state: ServerState):
                 raise OpenAIError(503, exc.message, type="server_error", code="unavailable") from None
             try:
                 return JSONResponse(await asyncio.wrap_future(future))
-            except RuntimeError as exc:
+            except ProfileStateError as exc:
                 raise OpenAIError(409, str(exc), code="profile_state") from None
             except OSError as exc:
                 raise OpenAIError(500, f"the profile could not be written: {exc}", type="server_error") from None

@@ -51,7 +51,7 @@ from typing import Any, Callable
 
 from vlmctl.errors import UsageError
 from vlmctl.inference.prompt import GenerationRequest, RenderedRequest
-from vlmctl.profiling import WAIT_FOR_WORK, ThreadProfile, phase
+from vlmctl.profiling import WAIT_FOR_WORK, ProfileStateError, ThreadProfile, phase
 
 # torch and transformers are imported inside the functions that use them: importing vlmctl (the CLI's start-up) must
 # not pay for them.
@@ -191,7 +191,7 @@ class Engine:
         """Start (`"start"`) or stop (`"stop"`) recording the worker thread (module docstring); the worker does it
         before its next step. The Future's result: for a start {"recording": True, "max_seconds", "profile_dir"};
         for a stop what `ThreadProfile.stop` returns (the folder written, the seconds recorded, the GPU's busy, idle
-        and waiting seconds, the idle report). It raises RuntimeError for a start while one records, or a stop while
+        and waiting seconds, the idle report). It raises ProfileStateError for a start while one records, or a stop while
         none does (naming the folder of a profile that stopped itself). Raises UsageError at once without a
         `profile_dir`, ValueError for another action."""
         if self.profiler is None:
@@ -227,7 +227,7 @@ class Engine:
                     if self.profiler is not None and self.profiler.active:  # what was recorded is written, not lost
                         self._stop_profile("the server stopped")
                     for _, future in self._orders:
-                        future.set_exception(RuntimeError("the server stopped"))
+                        future.set_exception(ProfileStateError("the server stopped"))
                     self._orders.clear()
                     return
                 jobs = list(self._pending)
@@ -258,7 +258,7 @@ class Engine:
                 future.set_result({"recording": True, "max_seconds": self.profiler.max_seconds,
                                    "profile_dir": str(self.profiler.root)})
             elif not self.profiler.active and self.last_profile is not None and self.last_profile.get("stopped"):
-                raise RuntimeError(f"no profile is recording: the last one stopped because {self.last_profile['stopped']}; "
+                raise ProfileStateError(f"no profile is recording: the last one stopped because {self.last_profile['stopped']}; "
                                    f"it is in {self.last_profile['folder']}")
             else:
                 self.last_profile = self.profiler.stop()
