@@ -298,12 +298,21 @@ class ThreadProfile:
     `profile-NNN/`, with `trace.json.gz` and `ops.txt` as `profile_step` writes them; the idle report counts the
     time spent in `WAIT_FOR_WORK` ranges as waiting for work. `max_seconds`: `expired()` is true once a profile has
     recorded that long, so that a profile nobody stops is stopped before its events fill the host's memory.
-    `start` raises ProfileStateError while one records, `stop` while none does."""
+    `start` raises ProfileStateError while one records, `stop` while none does. Make it on the thread that imported
+    torch (see `__init__`)."""
 
     def __init__(self, root: Path, max_seconds: float = 60.0):
+        from torch.profiler import ProfilerActivity, profile
+
         self.root, self.max_seconds = Path(root), float(max_seconds)
         self._prof: Any = None
         self._started = 0.0
+        # Kineto (torch's profiler library) initializes at its first profile, which must run on the thread that
+        # imported torch: made first on the worker's thread, it logs "External init callback must run in same thread
+        # as registerClient" (and leaves the profiler broken on some devices, vllm-project/vllm-ascend#15294). An
+        # empty profile here, on the caller's thread, initializes it.
+        with profile(activities=[ProfilerActivity.CPU]):
+            pass
 
     @property
     def active(self) -> bool:

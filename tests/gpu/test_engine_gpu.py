@@ -108,3 +108,42 @@ def test_graphed_prefills_and_the_varlen_vision_tower_give_the_eager_answers(mod
     same = sum(x == y for x, y in zip(a, b))
     assert same >= 19, f"{same} of 20 answers identical"
     assert len({tuple(x) for x in a}) > 5
+
+
+def test_a_served_profile_records_the_gpus_kernels_and_where_it_idled(model_on_gpu, tmp_path):
+    """`serve --profile-dir` on the GPU: the worker thread's profile holds the decode steps' kernels (replayed from
+    CUDA graphs) and the engine's phases, and its idle report counts the pause between two groups of requests, when
+    the worker had no request, as waiting for work."""
+    import gzip
+    import json
+    import time
+
+    from vlmctl.inference.prompt import render_request
+    from vlmctl.serve.engine import Engine, Job
+
+    model, processor = model_on_gpu
+    engine = Engine(model, processor, max_batch_size=4, max_length=512, profile_dir=tmp_path, warmup_length=128)
+    events: list = []
+
+    def answer(group) -> None:
+        for p in group:
+            engine.submit(Job(render_request(p, processor), max_tokens=16, sink=events.append))
+        want, deadline = len(events and [e for e in events if e[0] == "end"]) + len(group), time.monotonic() + 120
+        while sum(e[0] == "end" for e in events) < want and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    try:
+        assert engine.profile("start").result(timeout=120)["recording"]
+        probes = _probes(8)
+        answer(probes[:4])
+        time.sleep(0.3)  # no request: the worker waits and the GPU has no work, until the next group's kernels
+        answer(probes[4:])
+        stopped = engine.profile("stop").result(timeout=300)
+    finally:
+        engine.close()
+    assert sum(e[0] == "end" for e in events) == 8 and not any(e[0] == "error" for e in events)
+    assert stopped["gpu_busy_seconds"] > 0 and stopped["waiting_seconds"] >= 0.2
+    assert stopped["phase_seconds"]["engine.decode_step"] > 0 and "engine.wait_for_tokens" in stopped["phase_seconds"]
+    with gzip.open(f"{stopped['folder']}/trace.json.gz", "rt") as f:
+        kernels = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+    assert kernels, "no GPU kernel in the trace"

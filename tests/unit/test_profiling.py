@@ -118,3 +118,30 @@ def test_the_module_prints_the_report_of_each_trace_and_exits_2_on_a_bad_file(tm
     assert main([str(good), str(tmp_path / "bad.json")]) == 2
     assert "bad.json" in capsys.readouterr().err
     assert main([]) == 2
+
+
+def test_a_thread_profile_started_on_another_thread_records_it_without_kinetos_thread_error(tmp_path):
+    """Kineto initializes at the first profile of the process, which must run on the thread that imported torch:
+    `ThreadProfile` makes that first profile itself, so a worker thread's profile starts cleanly and records the
+    worker's ops. In a fresh process, since a profile made earlier in this one would hide the error."""
+    import subprocess
+    import sys
+
+    script = f"""
+import threading, torch
+from vlmctl.profiling import ThreadProfile, phase
+profile = ThreadProfile({str(tmp_path)!r})
+def work():
+    profile.start()
+    with phase("engine.decode_step"):
+        torch.ones(8).sum()
+    print(sorted(profile.stop()["phase_seconds"]))
+thread = threading.Thread(target=work)
+thread.start()
+thread.join()
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "External init callback" not in done.stderr
+    assert done.stdout.strip().endswith("['engine.decode_step']")
+    assert (tmp_path / "profile-001" / "trace.json.gz").is_file()
