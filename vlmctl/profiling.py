@@ -220,7 +220,6 @@ def idle_report(trace: dict[str, Any] | str | Path, *, longest: int = 8, waits: 
             rest = gap - waited
             if rest > 0:
                 by_host[where] += rest; count[where] += 1
-            if rest > 0:
                 gaps.append((rest / 1e6, where, e["name"][:80]))
             late = min(max(launch["ts"] - end - waited, 0.0), rest) if launch else 0.0
             during = min(_overlap_us(comm, end + waited + late, e["ts"]), rest - late)
@@ -246,16 +245,15 @@ def phase(name: str):
     return contextlib.nullcontext()
 
 
-def _write(prof, folder: Path, headline: Callable[[IdleReport], str], cuda: bool,
+def _write(prof, table, folder: Path, headline: Callable[[IdleReport], str], cuda: bool,
            waits: tuple[str, ...] = ()) -> tuple[IdleReport, str]:
     """Write `prof`'s (a stopped `torch.profiler.profile`) Chrome trace and `ops.txt` (the line `headline(report)`,
-    the idle report, the top 40 operators by self CPU and by self device time) into `folder`, each through a
-    temporary name. Returns (the idle report, `idle_report` with `waits`; the headline)."""
+    the idle report, the top 40 operators of `table`, its `key_averages()`, by self CPU and by self device time) into
+    `folder`, each through a temporary name. Returns (the idle report, `idle_report` with `waits`; the headline)."""
     prof.export_chrome_trace(str(folder / ".trace.tmp.json.gz"))  # torch gzips a path ending in .gz
     os.replace(folder / ".trace.tmp.json.gz", folder / "trace.json.gz")
     report = idle_report(folder / "trace.json.gz", waits=waits)  # every GPU figure from the trace, read once
     line = headline(report)
-    table = prof.key_averages()
     text = (line + "\n\n" + report.text() + "\n\n"
             + table.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70) + "\n"
             + table.table(sort_by="self_device_time_total" if cuda else "cpu_time_total", row_limit=40,
@@ -282,8 +280,9 @@ def profile_step(step, folder: Path, sync) -> tuple[Any, str]:
         sync()
         wall = time.perf_counter() - t0
     tokens = result.text_tokens + result.visual_tokens
-    _, summary = _write(prof, folder, lambda r: (f"profiled step: {wall:.3f} s wall, GPU kernels {r.busy_s:.3f} s "
-                                                 f"({100 * r.busy_s / wall:.0f}%), {tokens} tokens; tables and trace in {folder}"), cuda)
+    _, summary = _write(prof, prof.key_averages(), folder,
+                        lambda r: (f"profiled step: {wall:.3f} s wall, GPU kernels {r.busy_s:.3f} s ({100 * r.busy_s / wall:.0f}%), "
+                                   f"{tokens} tokens; tables and trace in {folder}"), cuda)
     return result, summary
 
 
@@ -339,7 +338,7 @@ class ThreadProfile:
     def stop(self) -> dict[str, Any]:
         """Stop recording and write the folder. Returns {"folder", "seconds" (recorded), "gpu_busy_seconds",
         "gpu_idle_seconds" (between compute kernels), "waiting_seconds" (of those, with no request to run),
-        "summary" (the idle report's text)}."""
+        "phase_seconds" (the thread's seconds in each `phase` range), "summary" (the headline and the idle report)}."""
         import torch
 
         if not self.active:
@@ -354,14 +353,16 @@ class ThreadProfile:
         number = 1 + max((int(m.group(1)) for m in taken if m), default=0)
         folder = self.root / f"profile-{number:03d}"
         folder.mkdir()
-        phases = {e.key: e.cpu_time_total / 1e6 for e in prof.key_averages() if e.key.startswith(PHASE_PREFIXES)}
+        table = prof.key_averages()  # once: a served minute's events take seconds to average
+        phases = {e.key: e.cpu_time_total / 1e6 for e in table if e.key.startswith(PHASE_PREFIXES)}
         shares = "\n".join(f"  {s * 1e3:9.1f} ms  {100 * s / max(seconds, 1e-9):5.1f}%  {name}"
                             for name, s in sorted(phases.items(), key=lambda kv: -kv[1]))
-        report, line = _write(prof, folder, lambda r: (f"profiled {seconds:.3f} s of serving, GPU kernels {r.busy_s:.3f} s "
-                                                       f"({100 * r.busy_s / max(seconds, 1e-9):.0f}%); tables and trace in {folder}"
-                                                       + ("\nthe thread's time by phase (nested phases count in their "
-                                                          f"parents too):\n{shares}" if shares else "")),
-                              torch.cuda.is_available(), waits=(WAIT_FOR_WORK,))
+        def headline(r: IdleReport) -> str:
+            line = (f"profiled {seconds:.3f} s of serving, GPU kernels {r.busy_s:.3f} s "
+                    f"({100 * r.busy_s / max(seconds, 1e-9):.0f}%); tables and trace in {folder}")
+            return line + (f"\nthe thread's time by phase (nested phases count in their parents too):\n{shares}" if shares else "")
+
+        report, line = _write(prof, table, folder, headline, torch.cuda.is_available(), waits=(WAIT_FOR_WORK,))
         return {"folder": str(folder), "seconds": round(seconds, 3), "gpu_busy_seconds": round(report.busy_s, 4),
                 "gpu_idle_seconds": round(report.idle_s, 4), "waiting_seconds": round(report.waiting_s, 4),
                 "phase_seconds": {name: round(s, 4) for name, s in phases.items()},
