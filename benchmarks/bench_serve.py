@@ -3,13 +3,16 @@
 Usage:
     python benchmarks/bench_serve.py --workdir /tmp/servebench [--model DIR | --preset P] [--concurrency 1,4,8] [--requests 32]
                                      [--max-tokens 32] [--device cpu] [--max-batch-size 8] [--rounds 1] [--client-processes 1]
+                                     [--warmup 1] [--warmup-steady 0]
     python benchmarks/bench_serve.py --url http://127.0.0.1:PORT [--concurrency 1,4,8] ...   # a server already running
 
 Builds the --preset (default tiny) with random weights under --workdir (unless --model is given), starts `vlmctl serve` on a free local
 port in its own process (or, with --url, uses the server there: benchmarks/bench_serve_gpu.sh starts one), waits for
 its /health (--start-timeout seconds; a server that exits first ends the benchmark), sends 2 warm-up requests, then
 for each concurrency C runs --warmup untimed passes of C requests (so the batch shapes' CUDA graphs are captured
-before the clock starts, as a server under steady load has them) and then --requests image questions
+before the clock starts, as a server under steady load has them; --warmup-steady N adds up to N more while the
+last pass still captured a graph or met a new picture layout, whose first uses run eagerly; the row's
+`warmup_passes` says how many ran) and then --requests image questions
 (a 64 px PNG as a data: URL, greedy, --max-tokens each) from C client threads with the official `openai` client,
 each thread sending its next request when the previous is answered (--client-processes P spreads a concurrency's
 threads over P processes started once, so the clients' own Python, parsing every token's chunk, does not share one
@@ -61,6 +64,14 @@ def picture(i: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+def _new_shapes(before: dict, after: dict, keep_zero: bool = False) -> dict[str, int]:
+    """From two /health answers: the CUDA graphs captured between them (`graphs_captured`) and the vision towers'
+    picture layouts met for the first time (`new_layouts`); without `keep_zero`, only those above 0."""
+    shapes = {"graphs_captured": after.get("cuda_graphs", 0) - before.get("cuda_graphs", 0),
+              "new_layouts": sum(v - before.get(k, 0) for k, v in after.items() if k.endswith("_encoder_new_layouts"))}
+    return shapes if keep_zero else {k: v for k, v in shapes.items() if v > 0}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workdir", type=Path, default=None, help="where --preset is built (needed unless --model or --url)")
@@ -75,6 +86,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1,
                     help="untimed passes of `concurrency` requests before each concurrency is timed (0: none), so the "
                          "CUDA graphs of its batch shapes are captured before the clock starts")
+    ap.add_argument("--warmup-steady", type=int, default=0,
+                    help="after --warmup, up to this many more untimed passes while the last one still captured a CUDA "
+                         "graph or met a new picture layout (the round then measures the steady state; 0: none)")
     ap.add_argument("--url", default=None, help="benchmark a running server (http://HOST:PORT) instead of starting one")
     ap.add_argument("--client-processes", type=int, default=1,
                     help="spread each concurrency's client threads over this many processes (1: all in this one)")
@@ -128,6 +142,13 @@ def main() -> None:
             for concurrency in (int(c) for c in args.concurrency.split(",")):
                 for _ in range(args.warmup):
                     run(concurrency, list(range(concurrency)))
+                passes = args.warmup
+                for _ in range(args.warmup_steady):
+                    before = health(url)
+                    run(concurrency, list(range(concurrency)))
+                    passes += 1
+                    if not _new_shapes(before, health(url)):
+                        break
                 traced = concurrency == args.trace_at
                 if traced:
                     post(url, "/start_profile")
@@ -145,7 +166,8 @@ def main() -> None:
                        "output_tokens_per_s": round(tokens / seconds, 1),
                        "mean_latency_s": round(sum(r[1] for r in results) / len(results), 3),
                        "ttft_ms_median": round(1000 * statistics.median(r[2] for r in results), 1), "device": args.device,
-                       "max_batch_size": args.max_batch_size, "client_processes": min(args.client_processes, concurrency)}
+                       "max_batch_size": args.max_batch_size, "client_processes": min(args.client_processes, concurrency),
+                       "warmup_passes": passes}
                 after = health(url)
                 # the engine's decode steps over the round: rows per step is the batching achieved, and the busy share
                 # how much of the round the worker spent stepping the engine (prefill, decoding, sending tokens)
@@ -154,8 +176,7 @@ def main() -> None:
                            rows_per_step=round((after.get("rows", 0) - before.get("rows", 0)) / steps, 2),
                            ms_per_step=round(1000 * (after.get("busy_seconds", 0) - before.get("busy_seconds", 0)) / steps, 3),
                            busy_share=round((after.get("busy_seconds", 0) - before.get("busy_seconds", 0)) / seconds, 3),
-                           graphs_captured=after.get("cuda_graphs", 0) - before.get("cuda_graphs", 0),
-                           new_layouts=sum(v - before.get(k, 0) for k, v in after.items() if k.endswith("_encoder_new_layouts")),
+                           **_new_shapes(before, after, keep_zero=True),
                            prefills=after.get("prefills", 0) - before.get("prefills", 0),
                            prefill_ms=round(1000 * (after.get("prefill_seconds", 0) - before.get("prefill_seconds", 0))
                                             / max(after.get("prefills", 0) - before.get("prefills", 0), 1), 2),

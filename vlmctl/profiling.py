@@ -354,7 +354,7 @@ class ThreadProfile:
         folder = self.root / f"profile-{number:03d}"
         folder.mkdir()
         table = prof.key_averages()  # once: a served minute's events take seconds to average
-        phases = {e.key: e.cpu_time_total / 1e6 for e in table if e.key.startswith(PHASE_PREFIXES)}
+        phases = phase_seconds(table)
         shares = "\n".join(f"  {s * 1e3:9.1f} ms  {100 * s / max(seconds, 1e-9):5.1f}%  {name}"
                             for name, s in sorted(phases.items(), key=lambda kv: -kv[1]))
         def headline(r: IdleReport) -> str:
@@ -367,6 +367,17 @@ class ThreadProfile:
                 "gpu_idle_seconds": round(report.idle_s, 4), "waiting_seconds": round(report.waiting_s, 4),
                 "phase_seconds": {name: round(s, 4) for name, s in phases.items()},
                 "summary": line + "\n" + report.text()}
+
+
+def phase_seconds(table) -> dict[str, float]:
+    """The host seconds in each `phase` range (names starting with `PHASE_PREFIXES`) of a profile's `key_averages()`
+    rows (`.key`, `.cpu_time_total` in microseconds). On CUDA a range also has a device-side row of the same name
+    with no host time (torch.profiler's `gpu_user_annotation`): the host row's time is kept, whichever comes first."""
+    phases: dict[str, float] = {}
+    for e in table:
+        if e.key.startswith(PHASE_PREFIXES):
+            phases[e.key] = max(phases.get(e.key, 0.0), e.cpu_time_total / 1e6)
+    return phases
 
 
 def main(argv: list[str] | None = None) -> int:

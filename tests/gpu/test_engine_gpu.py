@@ -147,3 +147,33 @@ def test_a_served_profile_records_the_gpus_kernels_and_where_it_idled(model_on_g
     with gzip.open(f"{stopped['folder']}/trace.json.gz", "rt") as f:
         kernels = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
     assert kernels, "no GPU kernel in the trace"
+
+
+def test_decode_steps_while_rows_end_never_wait_for_the_stream(model_on_gpu):
+    """Once admitted, rows that end at different steps while others decode free their slots without a synchronizing
+    CUDA call (torch's sync debug mode counts them): the host then stays a step ahead of the GPU. Taking a step's
+    tokens waits on its event, which that mode does not count, by design."""
+    import warnings
+
+    from vlmctl.inference.engine import DecodeEngine
+    from vlmctl.inference.sampling import SamplingParams
+
+    model, processor = model_on_gpu
+    engine = DecodeEngine(model, processor, max_slots=8, max_length=512)
+    engine.runner.capture_decode(engine.max_length)  # every row bucket's graph first: a capture synchronizes
+    requests = [engine.submit(p, SamplingParams(max_tokens=4 + 3 * i, ignore_eos=True)) for i, p in enumerate(_probes(6))]
+    engine.step()  # admission: its prefill and first tokens read the device, as they must
+    assert engine.running == 6
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            while engine.running:
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    engine.settle()
+    synced = [str(w.message) for w in caught if "synchronizing" in str(w.message)]
+    assert not synced, f"{len(synced)} synchronizing calls while rows ended: {synced[:3]}"
+    assert [len(r.completions[0].token_ids) for r in requests] == [4 + 3 * i for i in range(6)]
+    assert engine.overlapped > 0

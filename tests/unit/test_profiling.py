@@ -145,3 +145,16 @@ thread.join()
     assert "External init callback" not in done.stderr
     assert done.stdout.strip().endswith("['engine.decode_step']")
     assert (tmp_path / "profile-001" / "trace.json.gz").is_file()
+
+
+def test_phase_seconds_keeps_a_ranges_host_time_beside_its_device_row():
+    """On CUDA, `key_averages()` has two rows per range name: the host's and a device-side one with no host time. The
+    host's time is kept in either order; names outside the phases are left out."""
+    from types import SimpleNamespace
+
+    from vlmctl.profiling import phase_seconds
+
+    row = lambda key, us: SimpleNamespace(key=key, cpu_time_total=us)  # noqa: E731
+    table = [row("engine.prefill", 1_227_400.0), row("engine.prefill", 0.0), row("engine.admit", 0.0),
+             row("engine.admit", 1_719_800.0), row("aten::linear", 5_000.0)]
+    assert phase_seconds(table) == {"engine.prefill": 1.2274, "engine.admit": 1.7198}

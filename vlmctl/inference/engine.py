@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 from vlmctl.errors import UsageError
+from vlmctl.inference.inputs import to_device
 from vlmctl.inference.prompt import GenerationRequest, RenderedRequest
 from vlmctl.inference.sampling import SamplingParams
 from vlmctl.profiling import phase
@@ -717,7 +718,7 @@ class DecodeEngine:
         bases = [p.seed if p.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item()) for p in params]
         owner = [b for b, own in enumerate(slots) for _ in own]  # the request of each choice, in order
         seeds = [(bases[b] + c) & 0x7FFFFFFF for b, own in enumerate(slots) for c in range(len(own))]
-        column = lambda values, dtype: torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)  # noqa: E731
+        column = lambda values, dtype: to_device(torch.tensor(values, dtype=dtype), dev)  # noqa: E731
         rows = out.logits[column(owner, torch.long)].float()
         seen = None
         if any(p.repetition_penalty != 1 for p in params):
@@ -804,7 +805,7 @@ class DecodeEngine:
         want = [(slot, c) for slot, c in live if c.request.params.logprobs is not None]
         entries: dict[int, tuple] = {}
         if want:
-            index = torch.tensor([s for s, _ in want], device=tokens.device)
+            index = to_device(torch.tensor([s for s, _ in want]), tokens.device)
             for (slot, c), entry in zip(want, self._logprob_rows(index, tokens, want)):
                 entries[slot] = entry
         self.steps += 1

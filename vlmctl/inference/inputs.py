@@ -98,11 +98,24 @@ def processor_inputs(processor, texts: list[str], images: list, audios: list[byt
                           padding=True, return_tensors="pt", add_special_tokens=False))
 
 
+def to_device(value, device):
+    """`value` (a host tensor) on `device` without waiting for the work queued there: on CUDA it
+    is staged in page-locked memory and copied asynchronously. A copy from ordinary (pageable) host memory first
+    waits for the stream to drain (CUDA runtime API, "API synchronization behavior"), which would stall a decode step
+    in flight behind the host's work; torch's pinned-memory cache keeps the staging block until the copy has run.
+    Anything else (another device, a value that is not a tensor but has `.to`): a plain `.to`."""
+    import torch
+
+    if not isinstance(value, torch.Tensor) or torch.device(device).type != "cuda" or value.device.type != "cpu":
+        return value.to(device)
+    return value.pin_memory().to(device, non_blocking=True)
+
+
 def to_model(model, inputs: dict[str, Any]) -> dict[str, Any]:
-    """`inputs` (`processor_inputs`) on the model's device; floating image, video and audio-feature tensors in the
-    model's dtype."""
+    """`inputs` (`processor_inputs`) on the model's device (`to_device`: nothing waits for the device's queued work);
+    floating image, video and audio-feature tensors in the model's dtype."""
     device = next(model.parameters()).device
-    inputs = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in inputs.items()}
+    inputs = {k: (to_device(v, device) if hasattr(v, "to") else v) for k, v in inputs.items()}
     for key in ("pixel_values", "pixel_values_videos", "input_features"):
         if key in inputs and inputs[key].is_floating_point():
             inputs[key] = inputs[key].to(model.dtype)
@@ -153,5 +166,5 @@ def _model_inputs(model, processor, texts: list[str], images: list, audios: list
     return to_model(model, processor_inputs(processor, texts, images, audios, videos, video))
 
 
-__all__ = ["SEQUENCE_KEYS", "_model_inputs", "audio_inputs", "collate_inputs", "processor_inputs", "read_video", "to_model",
-           "video_inputs"]
+__all__ = ["SEQUENCE_KEYS", "_model_inputs", "audio_inputs", "collate_inputs", "processor_inputs", "read_video", "to_device",
+           "to_model", "video_inputs"]

@@ -36,6 +36,7 @@ import inspect
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from vlmctl.errors import ModelError
+from vlmctl.inference.inputs import to_device
 from vlmctl.inference.kv_cache import SlotCache
 
 if TYPE_CHECKING:
@@ -387,10 +388,10 @@ class ModelRunner:
             next_positions = self._next_positions(host_positions, host_valid)
         else:
             next_positions = self._next_positions(positions, valid)
-        slot_index = torch.tensor(slots, device=self.device)
+        slot_index = to_device(torch.tensor(slots), self.device)
         key = self._prefill_key(embeds, positions, mask, kw, rows, width)
         if key is not None:
-            logits = self._prefill_padded(key, embeds, positions, valid, slot_index, last.to(self.device))
+            logits = self._prefill_padded(key, embeds, positions, valid, slot_index, to_device(last, self.device))
             if logits is not None:
                 return Prefilled(logits, next_positions, first_list, [i + 1 for i in ends], tokens)
         # a prompt is cut into chunks only when every argument is sequence-aligned (embeddings, positions, mask)
@@ -404,8 +405,8 @@ class ModelRunner:
                           use_cache=True, **{self.cache_arg: self.cache}, **kw)
             done = [(b, i - start) for b, i in enumerate(ends) if start <= i < end]
             if done:
-                rows_done = torch.tensor([b for b, _ in done], device=self.device)
-                hidden = out[0][rows_done, torch.tensor([i for _, i in done], device=self.device)]
+                rows_done = to_device(torch.tensor([b for b, _ in done]), self.device)
+                hidden = out[0][rows_done, to_device(torch.tensor([i for _, i in done]), self.device)]
                 logits[rows_done] = self._head(hidden)
         return Prefilled(logits, next_positions, first_list, [i + 1 for i in ends], tokens)
 
@@ -570,23 +571,23 @@ class ModelRunner:
         for slot, length in zip(slots, lengths):
             if length >= self.max_len:
                 raise ValueError(f"slot {slot} is full ({length} of {self.max_len} positions)")
-        index = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
+        index = to_device(torch.tensor(slots, dtype=torch.long), self.device)
         for buf, values in ((self.tokens, tokens), (self.positions, positions), (self.write_pos, lengths), (self.first, first),
                             (self.temperature, temperature), (self.top_p, top_p), (self.top_k, top_k),
                             (self.penalty, penalty), (self.seeds, seeds), (self.steps, steps)):
-            buf.index_copy_(0, index, torch.tensor(values, dtype=buf.dtype).to(self.device, non_blocking=True))
+            buf.index_copy_(0, index, to_device(torch.tensor(values, dtype=buf.dtype), self.device))
         self.seen.index_fill_(0, index, False)
         for slot, marks in zip(slots, seen):
             if marks is not None:
-                self.seen[slot, marks.to(self.device)] = True
+                self.seen[slot].index_fill_(0, to_device(marks, self.device), True)
         self.active.index_fill_(0, index, True)
 
     def release(self, slot: int) -> None:
-        """Free `slot`: it decodes no more (its buffers stay in bounds for the rows beside it)."""
-        self.active[slot] = False
-        self.write_pos[slot] = 0
-        self.first[slot] = 0
-        self.positions[slot] = 0
+        """Free `slot`: it decodes no more (its buffers stay in bounds for the rows beside it). Each buffer's entry is
+        filled by a kernel taking the value as an argument: `buffer[slot] = 0` copies a host scalar and, on CUDA, waits
+        for the decode step in flight."""
+        for buf, value in ((self.active, False), (self.write_pos, 0), (self.first, 0), (self.positions, 0)):
+            buf[slot:slot + 1].fill_(value)
 
     # ---- decode
 
