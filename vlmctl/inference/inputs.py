@@ -99,10 +99,10 @@ def processor_inputs(processor, texts: list[str], images: list, audios: list[byt
 
 
 def to_device(value, device):
-    """`value` (a host tensor) on `device` without waiting for the work queued there: on CUDA it
-    is staged in page-locked memory and copied asynchronously. A copy from ordinary (pageable) host memory first
-    waits for the stream to drain (CUDA runtime API, "API synchronization behavior"), which would stall a decode step
-    in flight behind the host's work; torch's pinned-memory cache keeps the staging block until the copy has run.
+    """`value` (a host tensor, any shape and dtype) on `device` without waiting for the work queued there: on CUDA it
+    is staged in page-locked memory and copied asynchronously. A copy from ordinary (pageable) host memory first waits
+    for the stream to drain (CUDA runtime API, "API synchronization behavior"), which would stall a decode step in
+    flight behind the host's work; torch's pinned-memory cache keeps the staging block until the copy has run.
     Anything else (another device, a value that is not a tensor but has `.to`): a plain `.to`."""
     import torch
 
