@@ -106,7 +106,7 @@ python3 - "$work/bench.log" <<'PY'
 import json, sys
 rows = [json.loads(line[len("RESULT "):]) for line in open(sys.argv[1]) if line.startswith("RESULT ")]
 keys = ["concurrency", "warmup_passes", "requests_per_s", "output_tokens_per_s", "mean_latency_s", "ttft_ms_median", "rows_per_step",
-        "ms_per_step", "busy_share", "graphs_captured", "new_layouts", "prefills", "prefill_ms", "inputs_ms", "decode_ms_per_step", "read_ms", "queue_ms"]
+        "ms_per_step", "busy_share", "graphs_captured", "new_layouts", "prefills", "prefill_ms", "inputs_ms", "decode_ms_per_step", "read_ms", "queue_ms", "gc_ms", "gc_full"]
 print(" ".join(f"{k:>16}" for k in keys))
 for r in rows:
     print(" ".join(f"{r.get(k, ''):>16}" for k in keys))

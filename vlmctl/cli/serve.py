@@ -52,6 +52,10 @@ def serve_cmd(
                                                         "(profile-NNN/: trace.json.gz for Perfetto or TensorBoard, ops.txt "
                                                         "with where the GPU sat idle); off by default.",
                                                         show_default=False)] = None,
+    freeze_heap: Annotated[bool, typer.Option("--freeze-heap/--no-freeze-heap", help="Once the model is loaded and the "
+                                              "engine warmed up, move the objects alive out of the garbage collector's "
+                                              "reach (gc.freeze), so its full collections, which stop every stream, walk "
+                                              "only what serving allocates (/health's gc counts them).")] = True,
     max_body_mb: Annotated[float, typer.Option("--max-body-mb", help="Largest request body, in MiB.")] = 32.0,
     allow_origin: Annotated[Optional[list[str]], typer.Option("--allow-origin", help="A web page origin (scheme://host[:port]) "
                                                               "allowed to call the server from a browser (CORS; repeatable; "
@@ -93,7 +97,7 @@ def serve_cmd(
                              max_batch_size=max_batch_size, max_length=limits.max_tokens, device=device, dtype=dtype,
                              train=project.train if project is not None else None, allowed_origins=tuple(allow_origin or ()),
                              log=None if state.quiet else _log_request, warmup_length=warmup_length,
-                             processor_workers=processor_workers, profile_dir=profile_dir)
+                             processor_workers=processor_workers, profile_dir=profile_dir, freeze_heap=freeze_heap)
     check_settings(settings)
     settings.video = _video_settings(model_dir, folder_family(model_dir), config, args)
     sock = bind_socket(host, port)  # a port in use is one error, before the model loads

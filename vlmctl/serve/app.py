@@ -121,7 +121,8 @@ class ServerState:
     names are answered (`loopback_only`: a server on loopback without a key), the web origins allowed to call it
     (`allowed_origins`, `"*"` any), where each request's log line goes (`log`; None: nowhere), and the processor
     workers that process each request's prompt while it is read (`preparer`; None: the engine does, at admission) and
-    why there are that many (`processor`, e.g. "4 worker processes (a CUDA device and 16 CPU cores)")."""
+    why there are that many (`processor`, e.g. "4 worker processes (a CUDA device and 16 CPU cores)"), and the
+    garbage collector's pauses in this process (`gc`, `serve.heap.GCPauses`; None: not counted)."""
 
     engine: Engine
     model_name: str
@@ -136,6 +137,7 @@ class ServerState:
     processor: str = ""  # where the processor runs and why (`/health`'s `processor`)
     requests_read: int = 0  # requests that became jobs in the engine's queue
     read_seconds: float = 0.0  # their times from arrival to the queue (body, media, chat template, token count, processor)
+    gc: Any = None  # the collector's pauses (`serve.heap.GCPauses`), /health's `gc`
     _longest_token: int | None = field(default=None, init=False, repr=False)
 
     def longest_token(self) -> int:
@@ -272,7 +274,8 @@ def create_app(state: ServerState):
                              "busy_seconds": round(engine.busy_seconds, 4), **engine.describe(),
                              "processor_workers": state.preparer.workers if state.preparer is not None else 0,
                              "processor": state.processor, "requests_read": state.requests_read,
-                             "read_seconds": round(state.read_seconds, 4)})
+                             "read_seconds": round(state.read_seconds, 4),
+                             "gc": state.gc.describe() if state.gc is not None else None})
 
     async def page(request: Request) -> HTMLResponse:
         return HTMLResponse(PAGE.read_text(encoding="utf-8"), headers=PAGE_HEADERS)

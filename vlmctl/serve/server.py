@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator
 from vlmctl.errors import UsageError
 from vlmctl.serve.app import Limits, ServerState, create_app
 from vlmctl.serve.engine import Engine
+from vlmctl.serve.heap import GCPauses, freeze_heap, unfreeze_heap
 
 log = logging.getLogger("vlmctl.serve")
 
@@ -51,7 +52,9 @@ class ServeSettings:
     (`warmup_length`; 0: as first needed), and the processes that run the processor on each request's prompt while it
     is read (`processor_workers`, `serve.prepare`; 0: the engine runs it at admission; None: `auto_processor_workers`;
     families without `collate_prompts` always run it at admission), and the folder `POST /start_profile` and
-    `/stop_profile` record the decoding thread into (`profile_dir`, `Engine.profile`; None: those routes refuse)."""
+    `/stop_profile` record the decoding thread into (`profile_dir`, `Engine.profile`; None: those routes refuse), and
+    whether the heap alive once the engine has warmed up is frozen out of the garbage collector's reach
+    (`freeze_heap`, `serve.heap`: no full collection walks the model's and libraries' objects while serving)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -71,6 +74,7 @@ class ServeSettings:
     warmup_length: int = 512  # graphs captured at start-up for rows of up to this many tokens (`Engine`)
     processor_workers: int | None = None  # processes running the processor on each request's prompt (`prepare.PromptPreparer`)
     profile_dir: Path | None = None  # where /start_profile and /stop_profile write torch.profiler traces (`Engine.profile`)
+    freeze_heap: bool = True  # gc.freeze() once the engine is ready (`serve.heap.freeze_heap`)
 
 
 AUTO_PROCESSOR_WORKERS = 4
@@ -304,10 +308,24 @@ def make_state(model, processor, settings: ServeSettings, name: str, model_dir: 
             engine.close(timeout=0)
             raise
     log.info("processor: %s", where)
-    return ServerState(engine=engine, model_name=settings.model_name or name, limits=settings.limits, api_key=settings.api_key,
-                       choice=model_choice(model), loopback_only=is_loopback(settings.host) and not settings.api_key,
-                       allowed_origins=tuple(settings.allowed_origins), log=settings.log, preparer=preparer,
-                       processor=where)
+    state = ServerState(engine=engine, model_name=settings.model_name or name, limits=settings.limits, api_key=settings.api_key,
+                        choice=model_choice(model), loopback_only=is_loopback(settings.host) and not settings.api_key,
+                        allowed_origins=tuple(settings.allowed_origins), log=settings.log, preparer=preparer,
+                        processor=where, gc=GCPauses().install())
+    if settings.freeze_heap:
+        log.info("garbage collector: %d objects alive after start-up frozen out of its collections", freeze_heap())
+    return state
+
+
+def close_state(state: ServerState, drain_seconds: float) -> None:
+    """Stop what `make_state` started: the engine (answering what runs for up to `drain_seconds`), the processor
+    workers, the collector's pause counting; the frozen heap goes back to the collector."""
+    state.engine.close(timeout=drain_seconds)
+    if state.preparer is not None:
+        state.preparer.close()
+    if state.gc is not None:
+        state.gc.remove()
+    unfreeze_heap()
 
 
 def serve(model_dir: Path, settings: ServeSettings, *, on_ready=None, sock: socket.socket | None = None) -> None:
@@ -336,9 +354,7 @@ def serve(model_dir: Path, settings: ServeSettings, *, on_ready=None, sock: sock
         server.run(sockets=[sock])
     finally:
         sock.close()
-        state.engine.close(timeout=settings.drain_seconds)
-        if state.preparer is not None:
-            state.preparer.close()
+        close_state(state, settings.drain_seconds)
         if main:
             signal.signal(signal.SIGTERM, previous)
 
@@ -371,10 +387,8 @@ def running_server(model, processor, settings: ServeSettings, name: str = "model
         server.should_exit = True
         thread.join(settings.drain_seconds)
         sock.close()
-        state.engine.close(timeout=settings.drain_seconds)
-        if state.preparer is not None:
-            state.preparer.close()
+        close_state(state, settings.drain_seconds)
 
 
-__all__ = ["AUTO_PROCESSOR_WORKERS", "ServeSettings", "auto_processor_workers", "bind_socket", "check_settings", "free_port",
+__all__ = ["AUTO_PROCESSOR_WORKERS", "ServeSettings", "auto_processor_workers", "bind_socket", "check_settings", "close_state", "free_port",
            "is_loopback", "load_for_serving", "model_choice", "running_server", "serve", "served_name", "serving_plan"]
