@@ -140,3 +140,34 @@ def test_pictures_of_one_size_share_the_layout_of_the_next_power_of_two(tiny_mod
         assert wrapped.captures == 1 and wrapped.replays == 2 and not wrapped.reason
     finally:
         wrapped.remove()
+
+
+class Unread(torch.Tensor):
+    """A grid whose values must not be copied to the host (`tolist` would wait for the device on a GPU)."""
+
+    def tolist(self):
+        raise AssertionError("the grid was read from its tensor")
+
+
+def test_a_hinted_grid_is_read_from_the_hosts_copy_and_the_hints_then_clear(tiny_models):
+    """With the host's copy of a forward's grid given (`hint`, as the engine's prefill gives the processor's host
+    tensors), the layout is found without reading the grid's tensor, and the output is the tower's own; a grid of
+    another tensor, or after the hints are cleared, is read from its tensor."""
+    model, _ = load_for_generation(tiny_models("tiny-qwen2.5-vl"), device="cpu", dtype="fp32")
+    tower, x, grid = _tower_inputs(model, [(1, 8, 8), (1, 8, 8), (1, 8, 8)])
+    wrapped = EncoderGraphs(tower, qwen_grid_inputs, lambda run: Replayed(run)).install()
+    try:
+        with torch.inference_mode():
+            want = tower(x, grid_thw=grid).pooler_output.clone()  # the layout met (its inputs computed from `grid`)
+            unread = grid.as_subclass(Unread)
+            wrapped.hint(unread, grid)
+            got = tower(x, grid_thw=unread).pooler_output.clone()  # padded to 4 pictures, captured: no read
+            assert torch.equal(got, want) and wrapped.captures == 1 and wrapped.replays == 1
+            wrapped.hints.clear()
+            with pytest.raises(AssertionError, match="read from its tensor"):
+                tower(x, grid_thw=unread)
+            wrapped.hint(grid.clone(), grid)  # another tensor of the same values: not the one the forward gets
+            with pytest.raises(AssertionError, match="read from its tensor"):
+                tower(x, grid_thw=unread)
+    finally:
+        wrapped.remove()

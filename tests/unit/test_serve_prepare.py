@@ -16,7 +16,7 @@ openai = pytest.importorskip("openai")
 
 from vlmctl.inference import GenerationRequest, load_for_generation  # noqa: E402
 from vlmctl.inference.inputs import processor_inputs  # noqa: E402
-from vlmctl.inference.prompt import render_request  # noqa: E402
+from vlmctl.inference.prompt import model_family, render_request  # noqa: E402
 from vlmctl.serve import ServeSettings, running_server  # noqa: E402
 
 
@@ -56,7 +56,9 @@ def test_a_worker_makes_the_processors_tensors_and_the_server_answers_as_without
     finally:
         preparer.close()
     own = processor_inputs(processor, [rendered.text], rendered.images)
-    assert set(prepared) == set(own) and all(torch.equal(prepared[k], own[k]) for k in own)
+    assert set(prepared) == set(own) | {"position_ids"} and all(torch.equal(prepared[k], own[k]) for k in own)
+    # the positions the engine would compute for it with the loaded model's own function
+    assert torch.equal(prepared["position_ids"], model_family(model).prompt_positions(model)(own))
 
     questions = [(png((200, 30, 30)), "What color is it?"), (png((20, 200, 30), side=64), "Which shape is shown here?"),
                  (png((20, 30, 200)), "Describe it.")]
@@ -64,8 +66,60 @@ def test_a_worker_makes_the_processors_tensors_and_the_server_answers_as_without
         want = [ask(url, image, text) for image, text in questions]
     with running_server(model, processor, ServeSettings(port=0, processor_workers=1), name="tiny", model_dir=folder) as url:
         got = [ask(url, image, text) for image, text in questions]
-        assert health(url)["collated_prefills"] >= len(questions)
+        state = health(url)
+        assert state["collated_prefills"] >= len(questions) and state["collated_positions"] == state["collated_prefills"]
     assert got == want
+
+
+def test_positions_computed_alone_batch_as_the_engine_computes_them_and_answer_the_same(tiny_models):
+    """A worker's position ids for each prompt alone (the family's function on a copy of the model without weights),
+    batched by `collate_positions`, are the ones the engine computes for the batch at every token (and everywhere
+    when every prompt has a picture); an engine given them answers as one that computes them."""
+    from vlmctl.inference.engine import DecodeEngine
+    from vlmctl.inference.inputs import collate_inputs, collate_positions
+    from vlmctl.inference.sampling import SamplingParams
+    from vlmctl.serve.prepare import prompt_positions
+
+    folder = tiny_models("tiny-qwen2.5-vl")
+    model, processor = load_for_generation(folder, device="cpu", dtype="fp32")
+    engine_positions = model_family(model).prompt_positions(model)
+    worker_positions = prompt_positions(folder)
+    assert worker_positions is not None and prompt_positions(tiny_models("tiny")) is None  # a family without them
+
+    def ask_(content, images):
+        return GenerationRequest(messages=[{"role": "user", "content": content}], images=images)
+
+    picture = {"type": "image", "index": 0}
+    requests = [ask_([picture, {"type": "text", "text": "What color is it?"}], [png((200, 30, 30))]),
+                ask_([picture, {"type": "image", "index": 1}, {"type": "text", "text": "Which one is larger, and why?"}],
+                     [png((20, 200, 30), side=64), png((20, 30, 200), side=40)]),
+                ask_([{"type": "text", "text": "Name a color."}], []),
+                ask_([picture, {"type": "text", "text": "Describe the square in one long sentence please."}], [png((9, 9, 9))])]
+    rendered = [render_request(r, processor) for r in requests]
+    alone = [processor_inputs(processor, [r.text], r.images) for r in rendered]
+    positions = [worker_positions(a) for a in alone]
+    compared = 0
+    for group in ([0, 1, 3], [3, 0], [0, 2], [2, 1, 3], [2, 2]):
+        host = collate_inputs([alone[i] for i in group], processor.tokenizer.pad_token_id)
+        if host is None:  # the processor would batch these differently: the engine calls it then
+            continue
+        compared += 1
+        want = engine_positions(host)
+        got = collate_positions([positions[i] for i in group], int(host["input_ids"].shape[1]))
+        tokens = host["attention_mask"].bool()
+        assert torch.equal(got[:, tokens], want[:, tokens]), group
+        if all(requests[i].images for i in group):
+            assert torch.equal(got, want), group
+    assert compared >= 3
+
+    params, pictured = SamplingParams(max_tokens=6), [0, 1, 3]  # prompts that batch without the processor
+    want = DecodeEngine(model, processor, max_slots=4, max_length=1024).generate([requests[i] for i in pictured], params)
+    engine = DecodeEngine(model, processor, max_slots=4, max_length=1024)
+    handles = [engine.submit(requests[i], params, prepared={**alone[i], "position_ids": positions[i]}) for i in pictured]
+    while engine.busy:
+        engine.step()
+    assert [h.completions[0].token_ids for h in handles] == [r.completions[0].token_ids for r in want]
+    assert engine.collated_positions == engine.collated >= 1
 
 
 def test_a_family_that_batches_only_through_its_processor_keeps_it_on_the_engine(tiny_models):

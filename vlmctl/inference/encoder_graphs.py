@@ -88,6 +88,19 @@ class EncoderGraphs:
         self.captures = 0
         self.new_layouts = 0  # layouts met for the first time (each ran eagerly: the slowest forward of a layout)
         self.reason = ""  # why graphs stopped (a failed capture), else ""
+        self.hints: dict[int, tuple[Any, list]] = {}  # id(device grid) -> (that tensor, its rows on the host): `hint`
+
+    def hint(self, grid_thw, rows) -> None:
+        """The host's copy of the device tensor `grid_thw` (`rows`: a tensor or nested list), for the next forward
+        given that very tensor: the grids are then read without copying them from the device, which waits for every
+        kernel queued before (a decode step in flight). The caller clears `hints` after the forward."""
+        self.hints[id(grid_thw)] = (grid_thw, rows.tolist() if hasattr(rows, "tolist") else [list(r) for r in rows])
+
+    def _rows(self, grid_thw) -> list:
+        hinted = self.hints.get(id(grid_thw))
+        if hinted is not None and hinted[0] is grid_thw and len(hinted[1]) == grid_thw.shape[0]:
+            return hinted[1]
+        return grid_thw.tolist()
 
     def install(self) -> "EncoderGraphs":
         self.tower.forward = self
@@ -106,23 +119,24 @@ class EncoderGraphs:
         if (kwargs or grid_thw is None or torch.is_grad_enabled() or self.reason
                 or hidden_states.shape[0] > self.max_patches):
             return self.forward(self.tower, hidden_states, grid_thw, **kwargs)
-        grids = grid_thw.tolist()
+        grids = self._rows(grid_thw)
         count = padded_count(grids, hidden_states.shape[0], self.max_patches)
         if count == len(grids):
-            return self._layout(hidden_states, grid_thw)
+            return self._layout(hidden_states, grid_thw, grids)
         from transformers.modeling_outputs import BaseModelOutputWithPooling
 
         # blank pictures of the same grid after the real ones; their patches and tokens are cut off the outputs
         patches, extra = hidden_states.shape[0], count - len(grids)
         padded = torch.cat([hidden_states, hidden_states.new_zeros(patches // len(grids) * extra, hidden_states.shape[1])])
-        out = self._layout(padded, torch.cat([grid_thw, grid_thw[-1:].expand(extra, -1)]))
+        out = self._layout(padded, torch.cat([grid_thw, grid_thw[-1:].expand(extra, -1)]), grids + [grids[-1]] * extra)
         tokens = out.pooler_output.shape[0] // count * len(grids)
         return BaseModelOutputWithPooling(last_hidden_state=out.last_hidden_state[:patches],
                                           pooler_output=out.pooler_output[:tokens])
 
-    def _layout(self, hidden_states, grid_thw):
-        """The forward of one layout: precomputed inputs at its first use, a capture at its second, replays after."""
-        key = (tuple(hidden_states.shape), hidden_states.dtype, tuple(tuple(int(v) for v in row) for row in grid_thw.tolist()))
+    def _layout(self, hidden_states, grid_thw, grids: list):
+        """The forward of one layout (`grids`: `grid_thw`'s rows, read on the host): precomputed inputs at its first
+        use, a capture at its second, replays after."""
+        key = (tuple(hidden_states.shape), hidden_states.dtype, tuple(tuple(int(v) for v in row) for row in grids))
         entry = self.entries.get(key)
         if entry is None:
             try:

@@ -318,6 +318,7 @@ class DecodeEngine:
         self.prefill_seconds = 0.0  # in the runner's prefill and the first tokens' draw
         self.inputs_seconds = 0.0  # in the processor and the inputs' copy to the device, at admission
         self.collated = 0  # admissions whose inputs were batched from tensors prepared before submission
+        self.collated_positions = 0  # of those, the admissions whose position ids were prepared too (none computed here)
         self.admitted = 0  # requests taken from the queue into a prefill
         self.queue_seconds = 0.0  # their waits, from `Request.submitted_at` to the start of their prefill
         self.decode_seconds = 0.0
@@ -370,7 +371,8 @@ class DecodeEngine:
                 "overlapped_steps": self.overlapped,
                 "prefills": self.prefills, "prefill_seconds": round(self.prefill_seconds, 4),
                 "inputs_seconds": round(self.inputs_seconds, 4), "decode_seconds": round(self.decode_seconds, 4),
-                "collated_prefills": self.collated, "admitted_requests": self.admitted,
+                "collated_prefills": self.collated, "collated_positions": self.collated_positions,
+                "admitted_requests": self.admitted,
                 "queue_seconds": round(self.queue_seconds, 4),
                 "prefill_graph_replays": self.runner.prefill_graphs,
                 **({"prefill_reason": self.runner.prefill_reason} if self.runner.prefill_reason else {}),
@@ -458,7 +460,9 @@ class DecodeEngine:
         one, set by `cancel`). `prepared`: the processor's tensors for this prompt alone, on the host
         (`inputs.processor_inputs` of its rendered text and media), made before it was submitted: where the family
         batches such tensors (`FamilySpec.collate_prompts`) and every prompt of an admission has them, they are batched
-        (`inputs.collate_inputs`) instead of calling the processor at admission. `submitted_at`: the `time.perf_counter`
+        (`inputs.collate_inputs`) instead of calling the processor at admission; it may also hold the prompt's
+        `position_ids` ([..., 1, T], the family's `prompt_positions` of it alone), used in place of computing them at
+        admission. `submitted_at`: the `time.perf_counter`
         seconds the request counts its wait from (default: now; a server passes when the request reached its queue).
         Raises UsageError for `n` outside [1, max_slots]."""
         if not 1 <= n <= self.max_slots:
@@ -590,14 +594,23 @@ class DecodeEngine:
         """The processor's tensors for `rendered` prompts, padded on the right (every row's tokens start at 0): on the
         model's device, and on the host (with the position ids the family computes there, `FamilySpec.prompt_positions`).
         `prepared`: each prompt's own tensors where they were made before submission (`submit`), batched without
-        the processor where the family allows (`FamilySpec.collate_prompts`)."""
-        from vlmctl.inference.inputs import collate_inputs, processor_inputs, to_model
+        the processor where the family allows (`FamilySpec.collate_prompts`); with every prompt's `position_ids`
+        among them ([..., 1, T], its `prompt_positions` computed alone: `serve.prepare`), batched too
+        (`collate_positions`) instead of computed here."""
+        from vlmctl.inference.inputs import collate_inputs, collate_positions, processor_inputs, to_model
 
         host = None
         if prepared and all(p is not None for p in prepared) and getattr(self.family, "collate_prompts", False):
-            host = collate_inputs(prepared, self.tok.pad_token_id)
+            items = [dict(p) for p in prepared]
+            positions = [item.pop("position_ids", None) for item in items]  # computed alone, where the family can
+            host = collate_inputs(items, self.tok.pad_token_id)
             if host is not None:
                 self.collated += 1
+                if self._host_positions is not None and all(p is not None for p in positions):
+                    batch = collate_positions(positions, int(host["input_ids"].shape[1]))
+                    if batch is not None:
+                        host["position_ids"] = batch
+                        self.collated_positions += 1
         if host is None:
             side, self.tok.padding_side = self.tok.padding_side, "right"
             try:
@@ -606,7 +619,7 @@ class DecodeEngine:
                                         self.video)
             finally:
                 self.tok.padding_side = side
-        if self._host_positions is not None:
+        if self._host_positions is not None and "position_ids" not in host:
             positions = self._host_positions(host)
             if positions is not None:
                 host["position_ids"] = positions

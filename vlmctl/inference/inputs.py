@@ -160,11 +160,31 @@ def collate_inputs(items: Sequence[dict[str, Any]], pad_token_id: int) -> dict[s
     return out
 
 
+def collate_positions(items: Sequence[Any], width: int) -> Any | None:
+    """Position ids computed for single prompts (each [..., 1, T_i], the family's `FamilySpec.prompt_positions` of
+    one prompt, e.g. Qwen-VL's [3, 1, T_i] multimodal RoPE positions) as one batch [..., B, width] laid out as
+    `collate_inputs` lays out the prompts' tokens: each row's positions from index 0, 0 past its tokens. The batch
+    computation gives the same positions at every row's tokens (a row's positions depend on its own tokens and media
+    only); past them it may fill others, which nothing attends to. None when the rows' leading dims or dtypes differ,
+    or a row is longer than `width`."""
+    import torch
+
+    if not items or any(not isinstance(v, torch.Tensor) or v.ndim < 2 or v.shape[-2] != 1 for v in items):
+        return None
+    lead, dtype = tuple(items[0].shape[:-2]), items[0].dtype
+    if any(tuple(v.shape[:-2]) != lead or v.dtype != dtype or v.shape[-1] > width for v in items):
+        return None
+    out = torch.zeros(*lead, len(items), width, dtype=dtype)
+    for row, v in enumerate(items):
+        out[..., row, : v.shape[-1]] = v[..., 0, :]
+    return out
+
+
 def _model_inputs(model, processor, texts: list[str], images: list, audios: list[bytes] = (), videos: Sequence = (),
                   video: "DataVideo | None" = None) -> dict[str, Any]:
     """`processor_inputs` moved to the model's device (`to_model`)."""
     return to_model(model, processor_inputs(processor, texts, images, audios, videos, video))
 
 
-__all__ = ["SEQUENCE_KEYS", "_model_inputs", "audio_inputs", "collate_inputs", "processor_inputs", "read_video", "to_device",
+__all__ = ["SEQUENCE_KEYS", "_model_inputs", "audio_inputs", "collate_inputs", "collate_positions", "processor_inputs", "read_video", "to_device",
            "to_model", "video_inputs"]

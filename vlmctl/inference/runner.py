@@ -355,7 +355,16 @@ class ModelRunner:
         """
         import torch
 
-        kw = self._capture(inputs)
+        host = host or {}
+        for graphs in self.encoder_graphs.values():  # the pictures' grids as the host has them: read without a wait
+            for key in ("image_grid_thw", "video_grid_thw"):
+                if inputs.get(key) is not None and host.get(key) is not None and tuple(host[key].shape) == tuple(inputs[key].shape):
+                    graphs.hint(inputs[key], host[key])
+        try:
+            kw = self._capture(inputs)
+        finally:
+            for graphs in self.encoder_graphs.values():
+                graphs.hints.clear()
         embeds, ids = kw.pop("inputs_embeds", None), kw.pop("input_ids", None)
         seq = embeds if embeds is not None else ids
         rows, width = int(seq.shape[0]), int(seq.shape[1])
@@ -363,7 +372,6 @@ class ModelRunner:
             raise ValueError(f"a prompt of {width} tokens does not fit the cache's {self.max_len} positions")
         pad = inputs.get("attention_mask")
         valid = pad.bool() if pad is not None and pad.ndim == 2 else torch.ones(rows, width, dtype=torch.bool, device=self.device)
-        host = host or {}
         host_pad = host.get("attention_mask")
         if host_pad is not None and tuple(host_pad.shape) == (rows, width) and pad is not None and pad.ndim == 2:
             host_valid = host_pad.bool()

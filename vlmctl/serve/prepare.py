@@ -10,7 +10,9 @@ pictures, tokenizing), on the thread that also launches every decode step: under
 each round during which no row decodes. With processor workers, each request's prompt is processed alone in one of
 N processes (started with `spawn`, each loading the model folder's processor once) while the request is read, and
 the engine only batches the tensors (`inference.inputs.collate_inputs`), for the families whose processor batches
-that way (`FamilySpec.collate_prompts`). Processes, not threads: the processor's Python would otherwise hold the
+that way (`FamilySpec.collate_prompts`). Where the family computes a prompt's position ids on the host
+(`FamilySpec.prompt_positions`: Qwen-VL's multimodal RoPE, a Python loop over each prompt's tokens and pictures),
+the worker computes them too, and the engine batches them (`inputs.collate_positions`). Processes, not threads: the processor's Python would otherwise hold the
 interpreter lock the engine's thread needs between steps. Tensors come back as numpy arrays (pickled by value), not
 through torch's shared-memory file descriptors.
 """
@@ -30,17 +32,42 @@ log = logging.getLogger("vlmctl.serve")
 # worker process imports only what its processor needs.
 
 _PROCESSOR: Any = None  # a worker process's processor (`_load`)
+_POSITIONS: Any = None  # and its family's prompt position function, where the family has one (`prompt_positions`)
 
 
 def _load(model_dir: str) -> None:
-    """A worker's start: the processor of `model_dir`, with the pad token the decoding engine gives it."""
-    global _PROCESSOR
+    """A worker's start: the processor of `model_dir`, with the pad token the decoding engine gives it, and the
+    family's position function (`prompt_positions`)."""
+    global _PROCESSOR, _POSITIONS
     from vlmctl.models import load_processor
 
     _PROCESSOR = load_processor(model_dir)
     tok = _PROCESSOR.tokenizer
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    _POSITIONS = prompt_positions(Path(model_dir))
+
+
+def prompt_positions(model_dir: Path):
+    """The function of a prompt's processor tensors that gives its position ids on the host (`FamilySpec.
+    prompt_positions`: Qwen-VL's multimodal RoPE positions, from the model's own `compute_3d_position_ids`), bound to
+    a copy of the model without weights (`build_empty_model`: parameters on the meta device; the positions read only
+    the config and the prompt's tensors). None where the family has no such function or the copy cannot be made (the
+    engine then computes the positions at admission)."""
+    from vlmctl.families.spec import FamilySpec
+    from vlmctl.inference import folder_family
+
+    try:
+        family = folder_family(model_dir)
+        if family is None or type(family).prompt_positions is FamilySpec.prompt_positions:
+            return None
+        from vlmctl.models.load import build_empty_model
+
+        model, _, family = build_empty_model(model_dir)
+        return family.prompt_positions(model)
+    except Exception as exc:  # noqa: BLE001 - positions are an optimization: the engine computes them without
+        log.warning("processor worker: no prompt positions (%s: %s); the engine computes them", type(exc).__name__, exc)
+        return None
 
 
 def _ready() -> bool:
@@ -48,14 +75,20 @@ def _ready() -> bool:
 
 
 def _prepare(text: str, images: list, audios: list, videos: list, video: Any) -> dict[str, Any] | None:
-    """In a worker: the processor's tensors for one rendered prompt as numpy arrays, or None when one of its outputs
-    is not a tensor (the engine then calls the processor itself). The processor's errors propagate."""
+    """In a worker: the processor's tensors for one rendered prompt as numpy arrays, with its `position_ids` where
+    the family computes them on the host (`prompt_positions`), or None when one of its outputs is not a tensor (the
+    engine then calls the processor itself). The processor's errors propagate."""
     from vlmctl.inference.inputs import processor_inputs
 
     out = processor_inputs(_PROCESSOR, [text], images, audios, videos, video)
     if not all(hasattr(v, "numpy") for v in out.values()):
         return None
-    return {k: v.numpy() for k, v in out.items()}
+    arrays = {k: v.numpy() for k, v in out.items()}
+    if _POSITIONS is not None:
+        positions = _POSITIONS(out)
+        if positions is not None and hasattr(positions, "numpy"):
+            arrays["position_ids"] = positions.numpy()
+    return arrays
 
 
 class PromptPreparer:
@@ -116,4 +149,4 @@ class PromptPreparer:
         self.pool.shutdown(wait=wait, cancel_futures=True)
 
 
-__all__ = ["PromptPreparer"]
+__all__ = ["PromptPreparer", "prompt_positions"]
