@@ -176,3 +176,23 @@ def test_workers_that_cannot_load_the_processor_stop_the_engine_started_beside_t
     assert len(engines) == 1  # the engine did start beside the workers
     engines[0]._worker.join(timeout=10)  # told to stop without waiting; it ends on its own, having nothing to answer
     assert not engines[0]._worker.is_alive()
+
+
+def test_a_position_function_that_fails_leaves_the_prompts_tensors_without_positions(tiny_models, monkeypatch):
+    """In a worker, positions are an addition: when the family's function raises for a prompt, the prompt's tensors
+    still come back (the engine computes its positions at admission), and without a function none are added."""
+    from vlmctl.serve import prepare
+
+    folder = tiny_models("tiny-qwen2.5-vl")
+    model, processor = load_for_generation(folder, device="cpu", dtype="fp32")
+    rendered = render_request(GenerationRequest(messages=[{"role": "user", "content": [
+        {"type": "image", "index": 0}, {"type": "text", "text": "What color is it?"}]}], images=[png((1, 2, 3))]), processor)
+    monkeypatch.setattr(prepare, "_PROCESSOR", processor)
+
+    def fails(inputs):
+        raise RuntimeError("no positions for this one")
+
+    for function, has_positions in ((prepare.prompt_positions(folder), True), (fails, False), (None, False)):
+        monkeypatch.setattr(prepare, "_POSITIONS", function)
+        arrays = prepare._prepare(rendered.text, list(rendered.images), [], [], None)
+        assert "input_ids" in arrays and ("position_ids" in arrays) == has_positions

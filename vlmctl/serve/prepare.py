@@ -85,7 +85,10 @@ def _prepare(text: str, images: list, audios: list, videos: list, video: Any) ->
         return None
     arrays = {k: v.numpy() for k, v in out.items()}
     if _POSITIONS is not None:
-        positions = _POSITIONS(out)
+        try:
+            positions = _POSITIONS(out)
+        except Exception:  # noqa: BLE001 - the prompt is still served: the engine computes its positions at admission
+            positions = None
         if positions is not None and hasattr(positions, "numpy"):
             arrays["position_ids"] = positions.numpy()
     return arrays
