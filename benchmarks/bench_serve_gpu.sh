@@ -102,6 +102,8 @@ python3 -c "import sys, urllib.request; print('health', urllib.request.urlopen(s
 echo "== bench_serve.py at concurrency 1, 8, 32"
 timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/bench_serve.py --url "$url" --device "$device" --concurrency 1,8,32 \
     --requests "${REQUESTS:-96}" --max-tokens 32 --max-batch-size "${MAX_BATCH:-32}" "${trace[@]}" "$@" | tee "$work/bench.log"
+# the server's counters after every round (collated prefills and positions, graphs, the collector's pauses)
+python3 -c "import sys, urllib.request; print('health after', urllib.request.urlopen(sys.argv[1] + '/health').read().decode())" "$url" || true
 python3 - "$work/bench.log" <<'PY'
 import json, sys
 rows = [json.loads(line[len("RESULT "):]) for line in open(sys.argv[1]) if line.startswith("RESULT ")]
