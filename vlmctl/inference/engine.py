@@ -462,8 +462,8 @@ class DecodeEngine:
         batches such tensors (`FamilySpec.collate_prompts`) and every prompt of an admission has them, they are batched
         (`inputs.collate_inputs`) instead of calling the processor at admission; it may also hold the prompt's
         `position_ids` ([..., 1, T], the family's `prompt_positions` of it alone), used in place of computing them at
-        admission. `submitted_at`: the `time.perf_counter`
-        seconds the request counts its wait from (default: now; a server passes when the request reached its queue).
+        admission. `submitted_at`: the `time.perf_counter` seconds the request counts its wait from (default: now; a
+        server passes when the request reached its queue).
         Raises UsageError for `n` outside [1, max_slots]."""
         if not 1 <= n <= self.max_slots:
             raise UsageError(f"n must be between 1 and the engine's {self.max_slots} slots, got {n}", hint="ask for fewer choices")
