@@ -196,3 +196,35 @@ def test_a_position_function_that_fails_leaves_the_prompts_tensors_without_posit
         monkeypatch.setattr(prepare, "_POSITIONS", function)
         arrays = prepare._prepare(rendered.text, list(rendered.images), [], [], None)
         assert "input_ids" in arrays and ("position_ids" in arrays) == has_positions
+
+
+def test_pictures_still_encoded_go_to_the_worker_as_their_bytes_and_give_the_same_tensors(tiny_models, monkeypatch):
+    """A served picture opened from the request's bytes and not decoded yet is sent as those bytes (a fraction of
+    its pickled pixels); one that was converted (RGBA to RGB), decoded, or made in memory is sent as it is. Either
+    way the worker's tensors are the processor's own for the rendered prompt."""
+    import pickle
+
+    from PIL import Image
+
+    from vlmctl.serve import prepare
+
+    folder = tiny_models("tiny-qwen2.5-vl")
+    _, processor = load_for_generation(folder, device="cpu", dtype="fp32")
+    monkeypatch.setattr(prepare, "_PROCESSOR", processor)
+    monkeypatch.setattr(prepare, "_POSITIONS", None)
+    jpeg, rgba = io.BytesIO(), io.BytesIO()
+    noise = Image.effect_noise((320, 240), 60).convert("RGB")
+    noise.save(jpeg, format="JPEG")
+    Image.new("RGBA", (48, 40), (10, 200, 30, 128)).save(rgba, format="PNG")
+    request = GenerationRequest(messages=[{"role": "user", "content": [
+        {"type": "image", "index": 0}, {"type": "image", "index": 1}, {"type": "image", "index": 2},
+        {"type": "text", "text": "Compare them."}]}], images=[jpeg.getvalue(), rgba.getvalue(), noise])
+    rendered = render_request(request, processor)
+    sent = [prepare.portable_image(i) for i in rendered.images]
+    assert sent[0] == jpeg.getvalue() and len(pickle.dumps(sent[0])) < len(pickle.dumps(rendered.images[0])) / 2
+    assert sent[1] is rendered.images[1] and sent[2] is rendered.images[2]  # converted; made in memory
+    own = processor_inputs(processor, [rendered.text], rendered.images)
+    got = prepare._prepare(rendered.text, sent, [], [], None)
+    assert set(got) == set(own) and all(torch.equal(torch.from_numpy(got[k]), own[k]) for k in own)
+    rendered.images[0].load()
+    assert prepare.portable_image(rendered.images[0]) is rendered.images[0]  # decoded already: sent as it is

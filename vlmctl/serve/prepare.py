@@ -12,13 +12,16 @@ N processes (started with `spawn`, each loading the model folder's processor onc
 the engine only batches the tensors (`inference.inputs.collate_inputs`), for the families whose processor batches
 that way (`FamilySpec.collate_prompts`). Where the family computes a prompt's position ids on the host
 (`FamilySpec.prompt_positions`: Qwen-VL's multimodal RoPE, a Python loop over each prompt's tokens and pictures),
-the worker computes them too, and the engine batches them (`inputs.collate_positions`). Processes, not threads: the processor's Python would otherwise hold the
-interpreter lock the engine's thread needs between steps. Tensors come back as numpy arrays (pickled by value), not
-through torch's shared-memory file descriptors.
+the worker computes them too, and the engine batches them (`inputs.collate_positions`). Processes, not threads: the
+processor's Python would otherwise hold the interpreter lock the engine's thread needs between steps. Tensors come
+back as numpy arrays (pickled by value), not through torch's shared-memory file descriptors. Pictures go to the
+workers as the encoded bytes the request brought where they are still undecoded (`portable_image`), so the server's
+process neither decodes them nor pickles their pixels.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 from pathlib import Path
 from typing import Any
@@ -74,12 +77,26 @@ def _ready() -> bool:
     return _PROCESSOR is not None
 
 
+def portable_image(image: Any) -> Any:
+    """What a worker is sent for one rendered picture: the encoded bytes it is still to be decoded from, where it is a
+    picture opened from bytes (`data.images.open_image`, as a served request's are) whose pixels are not decoded yet
+    and that needs no conversion (RGB); else the picture itself. Pickling a PIL picture decodes it and copies its
+    pixels (`Image.__getstate__`), on the server's thread that feeds the pool, which holds the interpreter lock the
+    decoding thread needs; the bytes are a fraction of the size, and the worker decodes them."""
+    fp = getattr(image, "fp", None)
+    if isinstance(fp, io.BytesIO) and getattr(image, "mode", None) == "RGB" and getattr(image, "tile", None):
+        return fp.getvalue()
+    return image
+
+
 def _prepare(text: str, images: list, audios: list, videos: list, video: Any) -> dict[str, Any] | None:
     """In a worker: the processor's tensors for one rendered prompt as numpy arrays, with its `position_ids` where
     the family computes them on the host (`prompt_positions`), or None when one of its outputs is not a tensor (the
     engine then calls the processor itself). The processor's errors propagate."""
+    from vlmctl.data.images import open_image
     from vlmctl.inference.inputs import processor_inputs
 
+    images = [open_image(i) if isinstance(i, (bytes, bytearray)) else i for i in images]  # `portable_image`'s bytes
     out = processor_inputs(_PROCESSOR, [text], images, audios, videos, video)
     if not all(hasattr(v, "numpy") for v in out.values()):
         return None
@@ -135,8 +152,8 @@ class PromptPreparer:
         from concurrent.futures.process import BrokenProcessPool
 
         try:
-            arrays = self.pool.submit(_prepare, rendered.text, list(rendered.images), list(rendered.audios),
-                                      list(rendered.videos), self.video).result()
+            arrays = self.pool.submit(_prepare, rendered.text, [portable_image(i) for i in rendered.images],
+                                      list(rendered.audios), list(rendered.videos), self.video).result()
         except BrokenProcessPool as exc:
             self.broken = f"{type(exc).__name__}: {exc}"
             log.error("the processor workers stopped (%s); the engine processes prompts from now on", self.broken)
@@ -152,4 +169,4 @@ class PromptPreparer:
         self.pool.shutdown(wait=wait, cancel_futures=True)
 
 
-__all__ = ["PromptPreparer", "prompt_positions"]
+__all__ = ["PromptPreparer", "portable_image", "prompt_positions"]
