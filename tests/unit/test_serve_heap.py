@@ -39,7 +39,7 @@ def test_the_frozen_heap_is_skipped_and_what_comes_later_is_still_collected():
     alive = weakref.ref(kept)
     try:
         frozen = freeze_heap()
-        assert frozen > 0 and gc.get_freeze_count() == frozen
+        assert frozen > 0 and 0 < gc.get_freeze_count() <= frozen  # frozen objects freed since leave the count
         del kept
         gc.collect()
         assert alive() is not None  # in the permanent generation: no collection looks at it
@@ -63,11 +63,12 @@ def test_the_server_freezes_its_heap_reports_its_collections_and_gives_the_heap_
 
     folder = tiny_models("tiny-qwen2.5-vl")
     model, processor = load_for_generation(folder, device="cpu", dtype="fp32")
+    before = gc.get_freeze_count()  # what other code of this process froze, if anything
     with running_server(model, processor, ServeSettings(port=0, freeze_heap=freeze), name="tiny", model_dir=folder) as url:
         gc.collect()  # counted by the server's callback: it runs in this process
         with urllib.request.urlopen(f"{url}/health", timeout=30) as reply:
             state = json.load(reply)["gc"]
-        assert (state["frozen"] > 0) == freeze
+        assert (state["frozen"] > before) == freeze
         assert state["collections"][2] >= 1 and state["seconds"][2] > 0
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() == (0 if freeze else before)  # a heap it froze given back, none other touched
     assert not any(isinstance(c, GCPauses) for c in gc.callbacks)

@@ -33,6 +33,7 @@ class GCPauses:
         self.collections = [0, 0, 0]
         self.seconds = [0.0, 0.0, 0.0]
         self.longest = 0.0  # seconds of the longest single collection
+        self.froze = 0  # objects `freeze_heap` moved out of the collector's reach for this server (0: it froze none)
         self._started: dict[int, float] = {}  # per thread: a collection runs on the thread that triggered it
 
     def __call__(self, phase: str, info: dict[str, Any]) -> None:

@@ -313,19 +313,21 @@ def make_state(model, processor, settings: ServeSettings, name: str, model_dir: 
                         allowed_origins=tuple(settings.allowed_origins), log=settings.log, preparer=preparer,
                         processor=where, gc=GCPauses().install())
     if settings.freeze_heap:
-        log.info("garbage collector: %d objects alive after start-up frozen out of its collections", freeze_heap())
+        state.gc.froze = freeze_heap()
+        log.info("garbage collector: %d objects alive after start-up frozen out of its collections", state.gc.froze)
     return state
 
 
 def close_state(state: ServerState, drain_seconds: float) -> None:
     """Stop what `make_state` started: the engine (answering what runs for up to `drain_seconds`), the processor
-    workers, the collector's pause counting; the frozen heap goes back to the collector."""
+    workers, the collector's pause counting; a heap it froze goes back to the collector."""
     state.engine.close(timeout=drain_seconds)
     if state.preparer is not None:
         state.preparer.close()
     if state.gc is not None:
         state.gc.remove()
-    unfreeze_heap()
+        if state.gc.froze:
+            unfreeze_heap()
 
 
 def serve(model_dir: Path, settings: ServeSettings, *, on_ready=None, sock: socket.socket | None = None) -> None:
