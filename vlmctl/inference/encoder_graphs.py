@@ -91,10 +91,10 @@ class EncoderGraphs:
         self.hints: dict[int, tuple[Any, list]] = {}  # id(device grid) -> (that tensor, its rows on the host): `hint`
 
     def hint(self, grid_thw, rows) -> None:
-        """The host's copy of the device tensor `grid_thw` (`rows`: a tensor or nested list), for the next forward
-        given that very tensor: the grids are then read without copying them from the device, which waits for every
-        kernel queued before (a decode step in flight). The caller clears `hints` after the forward."""
-        self.hints[id(grid_thw)] = (grid_thw, rows.tolist() if hasattr(rows, "tolist") else [list(r) for r in rows])
+        """The host's copy `rows` (a CPU tensor) of the device tensor `grid_thw`, for the next forward given that very
+        tensor: the grids are then read without copying them from the device, which waits for every kernel queued
+        before (a decode step in flight). The caller clears `hints` after the forward."""
+        self.hints[id(grid_thw)] = (grid_thw, rows.tolist())
 
     def _rows(self, grid_thw) -> list:
         hinted = self.hints.get(id(grid_thw))

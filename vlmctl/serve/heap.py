@@ -8,9 +8,10 @@
 
 CPython's cyclic collector stops every thread of the process while it runs, and a collection of the oldest generation
 walks every object still alive. Once torch, transformers and a model are loaded that is about half a million
-objects (160 ms for one full collection on a 2-core CPU machine). The decoding loop allocates short-lived objects at
-every step (token lists, events, tensors' Python wrappers), so such collections come back every few seconds, each one
-a pause of every client's stream and a gap on the GPU. `gc.freeze()` (Python 3.7+, the `gc` module's documentation)
+objects (160 ms for one full collection on a 2-core CPU machine; 0.34-0.45 s on an H200 host serving the 3B preset,
+docs/benchmarks.md). The decoding loop allocates objects at every step (token lists, events, tensors' Python wrappers),
+and some outlive the young generations, so such collections keep coming back (once in about 2,300 requests at 32
+clients there), each one a pause of every client's stream and a gap on the GPU. `gc.freeze()` (Python 3.7+, the `gc` module's documentation)
 moves every object alive at that moment into a permanent generation that collections skip; the objects made later are
 collected as before. vLLM freezes its engine's heap after warm-up in the same way (`freeze_gc_heap` at the end of
 `compile_or_warm_up_model`), and SGLang logs long collections for the same reason.

@@ -93,10 +93,10 @@ def _prepare(text: str, images: list, audios: list, videos: list, video: Any) ->
     """In a worker: the processor's tensors for one rendered prompt as numpy arrays, with its `position_ids` where
     the family computes them on the host (`prompt_positions`), or None when one of its outputs is not a tensor (the
     engine then calls the processor itself). The processor's errors propagate."""
-    from vlmctl.data.images import open_image
     from vlmctl.inference.inputs import processor_inputs
+    from vlmctl.inference.prompt import _to_rgb
 
-    images = [open_image(i) if isinstance(i, (bytes, bytearray)) else i for i in images]  # `portable_image`'s bytes
+    images = [_to_rgb(i) for i in images]  # `portable_image`'s bytes decoded as rendering decodes a request's
     out = processor_inputs(_PROCESSOR, [text], images, audios, videos, video)
     if not all(hasattr(v, "numpy") for v in out.values()):
         return None
