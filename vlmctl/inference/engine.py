@@ -372,6 +372,7 @@ class DecodeEngine:
                 "prefills": self.prefills, "prefill_seconds": round(self.prefill_seconds, 4),
                 "inputs_seconds": round(self.inputs_seconds, 4), "decode_seconds": round(self.decode_seconds, 4),
                 "collated_prefills": self.collated, "collated_positions": self.collated_positions,
+                "merged_prefills": self.runner.merged_prefills,
                 "admitted_requests": self.admitted,
                 "queue_seconds": round(self.queue_seconds, 4),
                 "prefill_graph_replays": self.runner.prefill_graphs,

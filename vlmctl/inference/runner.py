@@ -9,8 +9,9 @@ and replayed.
 
 **Prefill** runs the model's own forward (`model(**inputs)`), so each family computes its visual / audio features,
 merges them into the prompt's embeddings and derives its position ids (Qwen's multimodal RoPE) exactly as in
-training and `generate`; a forward pre-hook on the language model catches the arguments it is called with
-(`inputs_embeds`, `position_ids`, `attention_mask`, family extras) and stops the call there. The runner then calls
+training and `generate` (where that merge would wait on the device, the engine gives the forward the merged
+embeddings instead: `vlmctl.inference.features`); a forward pre-hook on the language model catches the arguments
+it is called with (`inputs_embeds`, `position_ids`, `attention_mask`, family extras) and stops the call there. The runner then calls
 the language model itself on those arguments with the slot cache (`kv_cache.SlotCache`), in chunks of
 `prefill_chunk` tokens for a long prompt whose arguments are all sequence-aligned, so the encoders run once per
 request and a long prompt never holds more than one chunk's activations. The next position a row decodes at is
@@ -154,7 +155,9 @@ class ModelRunner:
     a short prompt's prefill is otherwise mostly the host launching some 25 kernels per layer; a bucket is captured
     at its second use (`PREFILL_CAPTURE_AT`), so a one-off shape costs no capture. `encoder_graphs`: the vision
     towers that take their grid-derived inputs precomputed (`EncoderSpec.graph_inputs`: Qwen2-VL, Qwen2.5-VL) run
-    from a CUDA graph per image-grid layout (`vlmctl.inference.encoder_graphs`; None: when `graphs`).
+    from a CUDA graph per image-grid layout (`vlmctl.inference.encoder_graphs`; None: when `graphs`). `merge`:
+    where the model's forward would read values back from the device to merge its visual features (Qwen2-VL,
+    Qwen2.5-VL), the engine merges them itself (`vlmctl.inference.features`; `merged_prefills` counts the prefills).
     Raises ModelError when the family's language model
     or LM head is not found on `model`.
     """
@@ -230,6 +233,11 @@ class ModelRunner:
 
         self.encoder_graphs = install_encoder_graphs(model, family, self._capture_run,
                                                      self.use_graphs and (encoder_graphs is None or bool(encoder_graphs)))
+        # the visual features merged by the engine, without the forward's reads from the device (`features`)
+        from vlmctl.inference.features import merge_for
+
+        self.merge = merge_for(model)
+        self.merged_prefills = 0  # prefills whose features `merge` merged
         self.mode = "cuda-graphs" if self.use_graphs else "eager"
         self.reason = "" if self.use_graphs else ("not a CUDA device" if not on_cuda else "CUDA graphs turned off")
         self.captures = 0
@@ -361,7 +369,10 @@ class ModelRunner:
                 if inputs.get(key) is not None and host.get(key) is not None and tuple(host[key].shape) == tuple(inputs[key].shape):
                     graphs.hint(inputs[key], host[key])
         try:
-            kw = self._capture(inputs)
+            merged = self.merge(inputs, host) if self.merge is not None else None
+            if merged is not None:
+                self.merged_prefills += 1
+            kw = self._capture(merged if merged is not None else inputs)
         finally:
             for graphs in self.encoder_graphs.values():
                 graphs.hints.clear()
