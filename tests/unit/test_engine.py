@@ -200,6 +200,45 @@ def test_overlapped_steps_give_what_steps_one_at_a_time_give(llava):
     assert max(len(ids) for ids, _ in answers[True]) < 64  # the cache's end stopped the long rows
 
 
+def test_first_tokens_read_after_the_next_launch_give_what_reading_them_at_admission_gives(llava):
+    """First tokens left on the device for the next step and read back after its launch (`defer_first`) change no
+    answer: a row its first token ends (a stop token, `max_tokens=1`), a row that frees its slot at once for the
+    next request, two choices of one request, sampled rows, against the engine reading each first token at
+    admission. Rows asking for log-probs or a repetition penalty keep the read at admission; each request's
+    first token is taken in the step that admits it."""
+    model, processor = llava
+    prompts = requests_for(FAMILIES["llava"])
+    opening = DecodeEngine(model, processor, max_slots=1).generate([prompts[0]], SamplingParams(max_tokens=1))
+    token = opening[0].completions[0].token_ids[0]
+    settings = [SamplingParams(max_tokens=8, ignore_eos=True),
+                SamplingParams(max_tokens=8, stop_token_ids=(token,), ignore_eos=True),  # ends at its first token
+                SamplingParams(max_tokens=1, ignore_eos=True),
+                SamplingParams(max_tokens=9, temperature=0.9, seed=4, ignore_eos=True),
+                SamplingParams(max_tokens=6, logprobs=1, ignore_eos=True),
+                SamplingParams(max_tokens=6, repetition_penalty=1.3, ignore_eos=True)]
+    order = [prompts[1], prompts[0], prompts[2], prompts[0], prompts[1], prompts[2]]
+    answers = {}
+    for defer in (False, True):
+        engine = DecodeEngine(model, processor, max_slots=4, max_length=512)
+        engine.defer_first = defer
+        done = [engine.submit(p, q, n=2 if i == 3 else 1) for i, (p, q) in enumerate(zip(order, settings))]
+        while engine.busy:
+            engine.step()
+        engine.settle()
+        assert all(r.error is None for r in done), [r.error for r in done]
+        answers[defer] = [(c.token_ids, c.finish_reason) for r in done for c in r.completions]
+        assert not engine._firsts and engine._pending is None and all(s is None for s in engine.slots)
+        assert (engine.deferred_first > 0) == defer and engine.deferred_first < engine.prefills
+        single = engine.submit(prompts[2], SamplingParams(max_tokens=5, ignore_eos=True))
+        engine.step()
+        assert single.completions[0].generated == 1 and single.first_token_at is not None
+        while engine.busy:
+            engine.step()
+    assert answers[True] == answers[False]
+    assert answers[True][1] == ([], "stop") and len(answers[True][2][0]) == 1
+    assert len({ids[0] for ids, _ in answers[True] if ids}) > 1  # first tokens that differ: their order is checked
+
+
 def test_a_cancelled_row_frees_its_slot_and_sends_nothing_more(llava):
     engine = DecodeEngine(*llava, max_slots=1, max_length=512)
     prompts = requests_for(FAMILIES["llava"])

@@ -326,6 +326,10 @@ class DecodeEngine:
         self.overlapped = 0  # decode steps launched before the tokens of the step before them were taken
         self._pending: _Launched | None = None  # the step launched last, its tokens not taken yet
         self._pinned: list | None = None
+        # first tokens sampled on the device and fed to the next step there, read back with it (`_defer_first`)
+        self.defer_first = True
+        self._firsts: list[tuple[list[_Choice], tuple]] = []
+        self.deferred_first = 0  # admissions whose first tokens were read back after the next step's launch
 
     # ---- what the engine does and holds
 
@@ -372,7 +376,7 @@ class DecodeEngine:
                 "prefills": self.prefills, "prefill_seconds": round(self.prefill_seconds, 4),
                 "inputs_seconds": round(self.inputs_seconds, 4), "decode_seconds": round(self.decode_seconds, 4),
                 "collated_prefills": self.collated, "collated_positions": self.collated_positions,
-                "merged_prefills": self.runner.merged_prefills,
+                "merged_prefills": self.runner.merged_prefills, "deferred_first_tokens": self.deferred_first,
                 "admitted_requests": self.admitted,
                 "queue_seconds": round(self.queue_seconds, 4),
                 "prefill_graph_replays": self.runner.prefill_graphs,
@@ -491,6 +495,7 @@ class DecodeEngine:
         failed.update({id(r): r for r in self._waiting})
         self._waiting.clear()
         self._pending = None
+        self._firsts.clear()
         for slot in range(len(self.slots)):
             self.slots[slot] = None
             self.runner.release(slot)
@@ -745,6 +750,8 @@ class DecodeEngine:
                        column(seeds, torch.long), torch.zeros(len(owner), dtype=torch.long, device=dev),
                        penalty=column([params[b].repetition_penalty for b in owner], torch.float32), seen=seen,
                        suppress=self.runner.suppress, greedy_only=all(p.greedy for p in params))
+        if self.defer_first and seen is None and all(p.logprobs is None for p in params):
+            return self._defer_first(requests, slots, out, params, seeds, first)
         entries: list = [None] * len(owner)
         at = 0
         for b, own in enumerate(slots):
@@ -778,6 +785,63 @@ class DecodeEngine:
                                penalty=[params[b].repetition_penalty for _, _, b in admitted],
                                seeds=[seeds[i] for i, _, _ in admitted], steps=[1] * len(admitted), seen=marks,
                                first=[out.first[b] for _, _, b in admitted])
+
+    def _defer_first(self, requests: list[Request], slots: list[list[int]], out, params: list[SamplingParams],
+                     seeds: list[int], first: "torch.Tensor") -> None:
+        """Admit every choice of `requests` with its first token `first` [choices] as the device holds it: the next
+        decode step reads it there, and the host takes it (`_take_firsts`) once that step is launched, so an
+        admission never waits for the device (reading the tokens here would wait for the prefill and the decode
+        step in flight, and leave the GPU idle while the host admits). A choice that its first token ends (an
+        end-of-sequence token, `max_tokens=1`) decodes one token that is dropped. Not for choices that ask for
+        logprobs or a repetition penalty, whose first token the host needs now (`_first_tokens`)."""
+        choices: list[_Choice] = []
+        where: list[tuple[int, int]] = []  # (slot, request index) of each choice, in `first`'s order
+        for b, (request, own) in enumerate(zip(requests, slots)):
+            for c, slot in enumerate(own):
+                choice = _Choice(request, c, slot, self.tok, self.eos)
+                choice.length = out.ends[b]
+                self.slots[slot] = choice
+                choices.append(choice)
+                where.append((slot, b))
+        self.runner.admit_rows([s for s, _ in where], first, [out.positions[b] for _, b in where],
+                               [out.ends[b] for _, b in where], temperature=[params[b].temperature for _, b in where],
+                               top_p=[params[b].top_p for _, b in where], top_k=[params[b].top_k for _, b in where],
+                               penalty=[params[b].repetition_penalty for _, b in where], seeds=seeds,
+                               steps=[1] * len(where), seen=[None] * len(where), first=[out.first[b] for _, b in where])
+        self._firsts.append((choices, self._host_copy(first)))
+        self.deferred_first += 1
+
+    def _take_firsts(self) -> None:
+        """Hand each choice admitted by `_defer_first` its first token (before any later step's token: they were
+        drawn first); a choice that ended or was cancelled since drops it."""
+        firsts, self._firsts = self._firsts, []
+        for choices, (buffer, event) in firsts:
+            if event is not None:
+                with phase("engine.wait_for_tokens"):
+                    event.synchronize()
+            tokens = buffer.tolist()
+            now = time.perf_counter()
+            with phase("engine.take_tokens"):
+                for choice, token in zip(choices, tokens):
+                    choice.request.first_token_at = choice.request.first_token_at or now
+                    if choice.done or self.slots[choice.slot] is not choice:
+                        continue
+                    choice.take(int(token), None, self.max_length)
+                    self.tokens_generated += 1
+                    if choice.done:
+                        self._free(choice.slot)
+
+    def _host_copy(self, tokens: "torch.Tensor"):
+        """`tokens` copied to the host without waiting: a page-locked buffer and an event on CUDA, a copy otherwise."""
+        import torch
+
+        if tokens.device.type != "cuda":
+            return tokens.clone(), None
+        buffer = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        buffer.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return buffer, event
 
     def _params(self, request: Request) -> SamplingParams:
         """The request's parameters with the model's generation-config defaults where the request left them unset."""
@@ -827,6 +891,8 @@ class DecodeEngine:
             choice.inflight += 1
         launched = _Launched(live, self._host_tokens(tokens, rows), entries)
         previous, self._pending = self._pending, launched
+        if self._firsts:  # drawn before this step was launched: their wait is for the prefill, not for this step
+            self._take_firsts()
         if previous is not None:
             self._take(previous)
             self.overlapped += 1
@@ -857,6 +923,8 @@ class DecodeEngine:
     def _take(self, launched: "_Launched") -> None:
         """Hand each choice of a launched step its token: a choice that ended, or whose slot went to another, since
         the step was launched drops it."""
+        if self._firsts:
+            self._take_firsts()
         buffer, event = launched.tokens
         if event is not None:
             with phase("engine.wait_for_tokens"):
@@ -882,6 +950,9 @@ class DecodeEngine:
             with torch.inference_mode():
                 self._take(self._pending)
             self._pending = None
+        elif self._firsts:
+            with torch.inference_mode():
+                self._take_firsts()
 
     def _logprob_rows(self, index, tokens, want):
         from vlmctl.inference.sampling import logprob_entries

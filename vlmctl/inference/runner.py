@@ -577,14 +577,15 @@ class ModelRunner:
 
     # ---- rows
 
-    def admit_rows(self, slots: list[int], tokens: list[int], positions: list[float], lengths: list[int], *,
+    def admit_rows(self, slots: list[int], tokens: "list[int] | torch.Tensor", positions: list[float], lengths: list[int], *,
                    temperature: list[float], top_p: list[float], top_k: list[int], penalty: list[float], seeds: list[int],
                    steps: list[int], seen: list["torch.Tensor | None"], first: list[int]) -> None:
         """Make `slots` active, one list entry per slot, in order: its next input token at rope position, written at
         cache index `lengths`, with its sampling parameters and first `steps`; `seen`: the token ids the repetition
         penalty counts (prompt and first token) or None; `first`: its first cache index (the prefill's padding before
         it is never attended to). Each buffer is written with one copy from the host, not one small kernel per slot
-        and value. Raises ValueError for a slot whose length leaves no position to write."""
+        and value; `tokens` may be a tensor on the device [len(slots)] (first tokens the host has not read yet).
+        Raises ValueError for a slot whose length leaves no position to write."""
         import torch
 
         for slot, length in zip(slots, lengths):
@@ -594,6 +595,9 @@ class ModelRunner:
         for buf, values in ((self.tokens, tokens), (self.positions, positions), (self.write_pos, lengths), (self.first, first),
                             (self.temperature, temperature), (self.top_p, top_p), (self.top_k, top_k),
                             (self.penalty, penalty), (self.seeds, seeds), (self.steps, steps)):
+            if isinstance(values, torch.Tensor):
+                buf.index_copy_(0, index, values.to(self.device, buf.dtype))
+                continue
             buf.index_copy_(0, index, to_device(torch.tensor(values, dtype=buf.dtype), self.device))
         self.seen.index_fill_(0, index, False)
         for slot, marks in zip(slots, seen):
