@@ -15,7 +15,7 @@ from vlmctl.inference.features import MERGES, merge_for, qwen_merge
 from vlmctl.inference.prompt import render_request
 from vlmctl.inference.sampling import SamplingParams
 
-MERGED = sorted(name for name in MERGES if name in FAMILIES)
+MERGED = sorted(name for name, f in FAMILIES.items() if f.prompt_merge)
 
 
 def _batch(engine, family, processor):
@@ -39,7 +39,7 @@ def test_the_merge_gives_the_language_model_what_the_forward_gives_it(name, tiny
     inputs, host = _batch(engine, family, processor)
     assert inputs.get("pixel_values_videos") is not None
     assert int(host["attention_mask"].sum(1).min()) < host["attention_mask"].shape[1]  # padded rows
-    merged = qwen_merge(model, inputs, host)
+    merged = qwen_merge(model, family, inputs, host)
     assert "pixel_values" not in merged and "input_ids" not in merged
     with torch.inference_mode():
         own = engine.runner._capture(inputs)
@@ -52,9 +52,9 @@ def test_the_merge_gives_the_language_model_what_the_forward_gives_it(name, tiny
     row, col = (broken == model.config.image_token_id).nonzero()[0].tolist()
     broken[row, col] = processor.tokenizer.pad_token_id
     with pytest.raises(ValueError, match="image features and image tokens do not match: the prompt batch has"):
-        qwen_merge(model, inputs, {**host, "input_ids": broken})
-    assert qwen_merge(model, {k: v for k, v in inputs.items() if k != "position_ids"}, host) is None
-    assert qwen_merge(model, inputs, {k: v for k, v in host.items() if k != "input_ids"}) is None
+        qwen_merge(model, family, inputs, {**host, "input_ids": broken})
+    assert qwen_merge(model, family, {k: v for k, v in inputs.items() if k != "position_ids"}, host) is None
+    assert qwen_merge(model, family, inputs, {k: v for k, v in host.items() if k != "input_ids"}) is None
 
 
 @pytest.mark.parametrize("name", MERGED)
@@ -76,7 +76,12 @@ def test_every_prefill_of_pictures_merges_in_the_engine_and_answers_as_before(na
     assert answers[0] == answers[1] and len({t for a in answers[0] for t in a}) > 2
 
 
-def test_only_the_listed_models_take_the_engines_merge(tiny_models):
-    """Qwen3-VL hands its language model deepstack features as well: its forward keeps the merge."""
-    model, _ = load_for_generation(tiny_models("tiny-qwen3-vl"), device="cpu", dtype="fp32")
-    assert model.config.model_type not in MERGES and merge_for(model) is None
+def test_only_families_that_name_a_merge_take_the_engines(tiny_models):
+    """The families that name one name a known merge; Qwen3-VL hands its language model DeepStack features as well,
+    so its forward keeps the merge, and so does LLaVA's."""
+    assert MERGED and all(FAMILIES[name].prompt_merge in MERGES for name in MERGED)
+    for preset, family in (("tiny-qwen3-vl", "qwen3_vl"), ("tiny", "llava")):
+        model, _ = load_for_generation(tiny_models(preset), device="cpu", dtype="fp32")
+        assert FAMILIES[family].prompt_merge is None and merge_for(model, FAMILIES[family]) is None
+    model, _ = load_for_generation(tiny_models("tiny-qwen2.5-vl"), device="cpu", dtype="fp32")
+    assert merge_for(model, FAMILIES["qwen2_5_vl"]) is not None

@@ -474,10 +474,12 @@ def _saved_video_settings(ref: str) -> dict[str, Any]:
 def qwen_vl(name: str, prefix: str, *, patch: int, min_pixels: int, max_pixels: int, decoder_layer: str,
             video_processor: str, projector: tuple[str, ...] = ("model.visual.merger",), tiny_preset: str,
             notes: str = "", sequence_split: bool = False, megatron_layout: str | None = None,
-            graph_inputs: str | None = None) -> QwenVLSpec:
+            graph_inputs: str | None = None, prompt_merge: str | None = None) -> QwenVLSpec:
     """The spec of one Qwen-VL version. `prefix` is its transformers class prefix ("Qwen2_5_VL"); `patch`,
     `min_pixels`, `max_pixels` are its published processor's settings (for counts from a config). `graph_inputs`:
-    the `encoder_graphs.GRID_INPUTS` name of its tower's precomputed grid inputs (None: the tower is not graphed).
+    the `encoder_graphs.GRID_INPUTS` name of its tower's precomputed grid inputs (None: the tower is not graphed);
+    `prompt_merge`: the `inference.features.MERGES` name of the engine's own merge of its visual features (None: the
+    forward's).
 
     Its one encoder, `model.visual`, takes images and videos; its cost rule merges `spatial_merge_size`^2 patches
     per token and has Qwen2.5-VL's window attention where the config sets `window_size`. `sequence_split`: under
@@ -487,6 +489,7 @@ def qwen_vl(name: str, prefix: str, *, patch: int, min_pixels: int, max_pixels: 
     return QwenVLSpec(
         name=name,
         collate_prompts=True,
+        prompt_merge=prompt_merge,
         model_types=(name,),
         model_class=f"{prefix}ForConditionalGeneration",
         config_class=f"{prefix}Config",
@@ -520,12 +523,12 @@ def qwen_vl(name: str, prefix: str, *, patch: int, min_pixels: int, max_pixels: 
 QWEN2_VL = register(qwen_vl(
     "qwen2_vl", "Qwen2VL", patch=14, min_pixels=56 * 56, max_pixels=28 * 28 * 1280,
     decoder_layer="Qwen2VLDecoderLayer", video_processor="Qwen2VLVideoProcessor", tiny_preset="tiny-qwen2-vl",
-    sequence_split=True, graph_inputs="qwen_grid",
+    sequence_split=True, graph_inputs="qwen_grid", prompt_merge="qwen",
 ))
 QWEN2_5_VL = register(qwen_vl(
     "qwen2_5_vl", "Qwen2_5_VL", patch=14, min_pixels=56 * 56, max_pixels=28 * 28 * 1280,
     decoder_layer="Qwen2_5_VLDecoderLayer", video_processor="Qwen2VLVideoProcessor", tiny_preset="tiny-qwen2.5-vl",
-    sequence_split=True, megatron_layout="bridge_qwen25_vl", graph_inputs="qwen_grid",
+    sequence_split=True, megatron_layout="bridge_qwen25_vl", graph_inputs="qwen_grid", prompt_merge="qwen",
     notes="Window attention in the vision tower except fullatt_block_indexes.",
 ))
 # Qwen3-VL's published processor: patch 16, shortest_edge 65536, longest_edge 16777216 pixels.

@@ -97,6 +97,10 @@ class FamilySpec:
     # along dim 0 (`inference.inputs.collate_inputs`), so prompts processed one at a time (serve's processor workers)
     # batch as if processed together; False: they are processed together at admission
     collate_prompts: bool = False
+    # generation: the decoding engine merges the visual features into the prompt's embeddings itself, with this
+    # `inference.features.MERGES` function (the model's forward reads values back from the device to do it); None: the
+    # forward merges them
+    prompt_merge: str | None = None
     # the vision tower hands per-image (or per-window) boundaries `cu_seq_lens_q/k` to attention implementations whose
     # name says flash (transformers' `is_flash_attention_requested`): the varlen kernel then encodes a step's images in
     # one call, without the dense block mask (`train.kernels.set_attention`)

@@ -17,8 +17,8 @@ with the count checked on the host's copy of the tokens and grids. The model's f
 also given its position ids (the engine computes Qwen-VL's on the host: `FamilySpec.prompt_positions`), since
 the forward derives multimodal RoPE positions from `input_ids`, which it no longer gets.
 
-Models: `MERGES` maps a config's `model_type` to its merge (Qwen2-VL and Qwen2.5-VL; Qwen3-VL's forward also
-hands the language model deepstack features per layer and keeps its own path).
+Families name their merge (`FamilySpec.prompt_merge`, a `MERGES` key): Qwen2-VL and Qwen2.5-VL. Qwen3-VL's forward
+also hands the language model DeepStack features per layer and keeps its own path.
 """
 
 from __future__ import annotations
@@ -31,21 +31,25 @@ _MEDIA = (("pixel_values", "image_grid_thw", "image_token_id", "image"),
           ("pixel_values_videos", "video_grid_thw", "video_token_id", "video"))
 
 
-def qwen_merge(model, inputs: Mapping[str, Any], host: Mapping[str, Any]) -> dict[str, Any] | None:
+def qwen_merge(model, family, inputs: Mapping[str, Any], host: Mapping[str, Any]) -> dict[str, Any] | None:
     """`inputs` (a Qwen2-VL / Qwen2.5-VL prompt batch's processor tensors on the model's device, with
     `position_ids`) with `input_ids` [B, T] and the pixels (`pixel_values` [P, C*t*p*p], `pixel_values_videos`)
     replaced by `inputs_embeds` [B, T, D]: the token embeddings with each placeholder token's row replaced, in order,
-    by the vision tower's merged tokens (`pooler_output` [N, D] of every picture, then every clip). Equal to what the
-    model's own forward computes (module docstring). `host`: the same tensors on the host, where the placeholder
-    count is checked against the grids (t * h * w / merge**2 tokens per picture).
+    by the vision tower's merged tokens (`pooler_output` [N, D] of every picture, then every clip; the tower is the
+    `family`'s image encoder). Equal to what the model's own forward computes (module docstring). `host`: the same
+    tensors on the host, where the placeholder count is checked against the grids (t * h * w / merge**2 tokens per
+    picture).
 
     Returns None (the forward's own path) where a tensor it needs is missing: `input_ids` or `position_ids` on the
     device, or the host's `input_ids` and a grid. Raises ValueError when a batch's placeholder tokens do not match
     its pictures' grids (transformers raises the same at this point)."""
-    import torch
+    from vlmctl.errors import ModelError
+    from vlmctl.families.encoders import submodule
 
-    inner = getattr(model, "model", None)
-    tower = getattr(inner, "visual", None)
+    try:
+        tower = submodule(model, family.encoders["image"].path)
+    except (KeyError, ModelError):  # a model without the family's tower: the forward's own path
+        tower = None
     ids, host_ids = inputs.get("input_ids"), host.get("input_ids")
     if tower is None or ids is None or host_ids is None or inputs.get("position_ids") is None:
         return None
@@ -60,7 +64,7 @@ def qwen_merge(model, inputs: Mapping[str, Any], host: Mapping[str, Any]) -> dic
         if placeholders != features:
             raise ValueError(f"{what} features and {what} tokens do not match: the prompt batch has {placeholders} "
                              f"{what} tokens, its {grid} {features} features")
-    embeds = inner.get_input_embeddings()(ids)
+    embeds = model.get_input_embeddings()(ids)
     for pixels, grid, token, _ in media:
         tokens = tower(inputs[pixels].type(tower.dtype), grid_thw=inputs[grid]).pooler_output
         mask = (ids == getattr(config, token)).unsqueeze(-1)
@@ -70,18 +74,17 @@ def qwen_merge(model, inputs: Mapping[str, Any], host: Mapping[str, Any]) -> dic
     return out
 
 
-MERGES: dict[str, Callable[[Any, Mapping[str, Any], Mapping[str, Any]], dict[str, Any] | None]] = {
-    "qwen2_vl": qwen_merge, "qwen2_5_vl": qwen_merge}
-"""A config's `model_type` -> the engine's merge of its visual features (`qwen_merge`'s signature)."""
+MERGES: dict[str, Callable[..., dict[str, Any] | None]] = {"qwen": qwen_merge}
+"""`FamilySpec.prompt_merge` names -> the engine's merge of the visual features (`qwen_merge`'s signature)."""
 
 
-def merge_for(model) -> Callable[[Mapping[str, Any], Mapping[str, Any]], dict[str, Any] | None] | None:
-    """The merge `model` takes at prefill (`MERGES`, bound to `model`), or None where the engine leaves the merge to
-    the model's forward."""
-    merge = MERGES.get(getattr(model.config, "model_type", None))
+def merge_for(model, family) -> Callable[[Mapping[str, Any], Mapping[str, Any]], dict[str, Any] | None] | None:
+    """The merge `model` of `family` takes at prefill (`MERGES[family.prompt_merge]`, bound to both), or None where
+    the engine leaves the merge to the model's forward."""
+    merge = MERGES.get(getattr(family, "prompt_merge", None) or "")
     if merge is None:
         return None
-    return lambda inputs, host: merge(model, inputs, host)
+    return lambda inputs, host: merge(model, family, inputs, host)
 
 
 __all__ = ["MERGES", "merge_for", "qwen_merge"]

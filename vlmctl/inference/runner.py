@@ -236,7 +236,7 @@ class ModelRunner:
         # the visual features merged by the engine, without the forward's reads from the device (`features`)
         from vlmctl.inference.features import merge_for
 
-        self.merge = merge_for(model)
+        self.merge = merge_for(model, family)
         self.merged_prefills = 0  # prefills whose features `merge` merged
         self.mode = "cuda-graphs" if self.use_graphs else "eager"
         self.reason = "" if self.use_graphs else ("not a CUDA device" if not on_cuda else "CUDA graphs turned off")
