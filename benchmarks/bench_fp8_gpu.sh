@@ -18,8 +18,8 @@
 # whole call: a run that cannot start with MIN_RUN (120) seconds left is reported as not run, and each run is
 # stopped when the budget is spent. STEPS / WARMUP: measured and warm-up steps (4, 3). On the GPU image, install what
 # it lacks first (`source .wheels/install.sh`: pydantic, liger-kernel, torchao, ...). One JSON line per run under
-# $OUT (or /tmp), its stderr beside it, then a table (the last lines printed): tokens/s, against bf16 of the same
-# preset, MFU (against the bf16 peak, float8 or not), peak GiB, and what auto chose.
+# $OUT (or /tmp), its stderr beside it, then a table (the last lines printed): tokens/s and the median step's seconds,
+# each against bf16 of the same preset, MFU (against the bf16 peak, float8 or not), peak GiB, and what auto chose.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # this source tree first
@@ -59,10 +59,13 @@ for run in "${runs[@]}"; do
 done
 tail -3 "$out"/fp8_*.err.txt 2>/dev/null | grep -iE "error|Traceback" | head -5
 python3 - "$results" <<'PY'
-import json, sys
+import json, statistics, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
 base = {r["run"].split("-")[0]: r["result"].get("tokens_per_s") for r in rows if r["run"].endswith("bf16")}
-print(f"{'run':18} {'tokens/s':>9} {'x bf16':>7} {'MFU':>6} {'peak GiB':>8} {'wall s':>6}  settings / auto")
+# the median step too: one slow step (a pause of the host) moves the mean tokens/s of a few steps
+median = lambda x: statistics.median(x) if x else None  # noqa: E731
+base_step = {r["run"].split("-")[0]: median(r["result"].get("step_times_s") or []) for r in rows if r["run"].endswith("bf16")}
+print(f"{'run':18} {'tokens/s':>9} {'x bf16':>7} {'median s':>8} {'x bf16':>7} {'MFU':>6} {'peak GiB':>8} {'wall s':>6}  settings / auto")
 for r in rows:
     x = r["result"]
     if "tokens_per_s" not in x:
@@ -70,8 +73,10 @@ for r in rows:
         continue
     ref = base.get(r["run"].split("-")[0])
     ratio = f"{x['tokens_per_s'] / ref:.3f}" if ref else "-"
+    step, ref_step = median(x.get("step_times_s") or []), base_step.get(r["run"].split("-")[0])
+    step_ratio = f"{ref_step / step:.3f}" if step and ref_step else "-"
     auto = x.get("auto") or {}
     chose = f" | fp8 {auto['fp8']}: {auto.get('fp8_reason', '')}" if auto.get("fp8") else ""
-    print(f"{r['run']:18} {x['tokens_per_s']:>9,.0f} {ratio:>7} {100 * x['mfu']:>5.1f}% {x['peak_memory_gib']:>8.1f} "
+    print(f"{r['run']:18} {x['tokens_per_s']:>9,.0f} {ratio:>7} {step or 0:>8.4f} {step_ratio:>7} {100 * x['mfu']:>5.1f}% {x['peak_memory_gib']:>8.1f} "
           f"{r.get('wall_s', 0):>6}  {x.get('settings', '')}{chose}")
 PY
