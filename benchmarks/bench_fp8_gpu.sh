@@ -19,7 +19,8 @@
 # stopped when the budget is spent. STEPS / WARMUP: measured and warm-up steps (4, 3). On the GPU image, install what
 # it lacks first (`source .wheels/install.sh`: pydantic, liger-kernel, torchao, ...). One JSON line per run under
 # $OUT (or /tmp), its stderr beside it, then a table (the last lines printed): tokens/s and the median step's seconds,
-# each against bf16 of the same preset, MFU (against the bf16 peak, float8 or not), peak GiB, and what auto chose.
+# each against bf16 of the same preset, the garbage collector's milliseconds in the measured steps, MFU (against
+# the bf16 peak, float8 or not), peak GiB, and what auto chose.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # this source tree first
@@ -65,7 +66,7 @@ base = {r["run"].split("-")[0]: r["result"].get("tokens_per_s") for r in rows if
 # the median step too: one slow step (a pause of the host) moves the mean tokens/s of a few steps
 median = lambda x: statistics.median(x) if x else None  # noqa: E731
 base_step = {r["run"].split("-")[0]: median(r["result"].get("step_times_s") or []) for r in rows if r["run"].endswith("bf16")}
-print(f"{'run':18} {'tokens/s':>9} {'x bf16':>7} {'median s':>8} {'x bf16':>7} {'MFU':>6} {'peak GiB':>8} {'wall s':>6}  settings / auto")
+print(f"{'run':18} {'tokens/s':>9} {'x bf16':>7} {'median s':>8} {'x bf16':>7} {'gc ms':>6} {'MFU':>6} {'peak GiB':>8} {'wall s':>6}  settings / auto")
 for r in rows:
     x = r["result"]
     if "tokens_per_s" not in x:
@@ -75,8 +76,9 @@ for r in rows:
     ratio = f"{x['tokens_per_s'] / ref:.3f}" if ref else "-"
     step, ref_step = median(x.get("step_times_s") or []), base_step.get(r["run"].split("-")[0])
     step_ratio = f"{ref_step / step:.3f}" if step and ref_step else "-"
+    gc_ms = f"{1000 * sum(x['step_gc_s']):.0f}" if x.get("step_gc_s") is not None else "-"  # the collector, measured steps
     auto = x.get("auto") or {}
     chose = f" | fp8 {auto['fp8']}: {auto.get('fp8_reason', '')}" if auto.get("fp8") else ""
-    print(f"{r['run']:18} {x['tokens_per_s']:>9,.0f} {ratio:>7} {step or 0:>8.4f} {step_ratio:>7} {100 * x['mfu']:>5.1f}% {x['peak_memory_gib']:>8.1f} "
+    print(f"{r['run']:18} {x['tokens_per_s']:>9,.0f} {ratio:>7} {step or 0:>8.4f} {step_ratio:>7} {gc_ms:>6} {100 * x['mfu']:>5.1f}% {x['peak_memory_gib']:>8.1f} "
           f"{r.get('wall_s', 0):>6}  {x.get('settings', '')}{chose}")
 PY

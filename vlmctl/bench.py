@@ -258,6 +258,11 @@ class BenchResult:
     # each measured step's wall seconds on its slowest rank, in order: an outlier (a compilation or autotuning for a
     # new shape, an allocator retry) shows here while the mean step_time_s only grows
     step_times_s: list[float] | None = None
+    # each measured step's seconds in the interpreter's garbage collector on this rank (`serve.heap.GCPauses`), and the
+    # full collections among them: a full one walks every object alive (a pause of a few hundred ms once torch,
+    # transformers and compiled layers are loaded), which a step time alone cannot tell from the GPU's work
+    step_gc_s: list[float] | None = None
+    gc_full: int | None = None
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -1114,6 +1119,7 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
     import torch.distributed as dist
 
     from vlmctl.profiling import profile_step
+    from vlmctl.serve.heap import GCPauses
     from vlmctl.train import flops as cost
     from vlmctl.train.metrics import peak_flops, straggler_stats
 
@@ -1128,32 +1134,39 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
     times = []  # the measured steps' wall seconds on this rank
     rollouts = {"rollouts": 0.0, "seconds": 0.0, "tokens": 0.0}  # grpo: the steps' rollout figures (all ranks)
     generations = 0  # measured steps with rollout figures
-    for i in range(steps + warmup):
-        sync()
-        t0 = time.perf_counter()
-        if profile is not None and i == warmup - 1:  # not measured: the profiler and writing its trace cost time
-            result, summary = profile_step(trainer.train_step, Path(profile) / f"rank{env.rank}", sync)
+    pauses, gc_times, gc_full = GCPauses().install(), [], 0  # the collector's pauses in each measured step
+    try:
+        for i in range(steps + warmup):
+            sync()
+            collected, full = sum(pauses.seconds), pauses.collections[2]
+            t0 = time.perf_counter()
+            if profile is not None and i == warmup - 1:  # not measured: the profiler and writing its trace cost time
+                result, summary = profile_step(trainer.train_step, Path(profile) / f"rank{env.rank}", sync)
+                if env.is_main:
+                    log(summary)
+            else:
+                result = trainer.train_step()  # ends in a collective that waits for the device
+            dt = time.perf_counter() - t0
+            generated = _rollout_figures(result)
+            if i >= warmup:
+                gc_times.append(sum(pauses.seconds) - collected)
+                gc_full += pauses.collections[2] - full
+                totals += torch.tensor([result.flops, result.text_tokens, result.visual_tokens, result.samples], dtype=torch.float64)
+                seconds += dt
+                times.append(dt)
+                measured.append(result)
+                if generated is not None:
+                    generations += 1
+                    for key, value in generated.items():
+                        rollouts[key] += value
             if env.is_main:
-                log(summary)
-        else:
-            result = trainer.train_step()  # ends in a collective that waits for the device
-        dt = time.perf_counter() - t0
-        generated = _rollout_figures(result)
-        if i >= warmup:
-            totals += torch.tensor([result.flops, result.text_tokens, result.visual_tokens, result.samples], dtype=torch.float64)
-            seconds += dt
-            times.append(dt)
-            measured.append(result)
-            if generated is not None:
-                generations += 1
-                for key, value in generated.items():
-                    rollouts[key] += value
-        if env.is_main:
-            loss = "skipped" if result.loss is None else f"{result.loss:.3f}"
-            part = "" if generated is None else (f", {generated['rollouts']:.0f} rollouts of {generated['tokens']:.0f} "
-                                                 f"generated tokens in {generated['seconds'] * 1000:.0f} ms")
-            log(f"step {i}{' (warm-up)' if i < warmup else ''}: loss {loss}, {dt * 1000:.0f} ms, "
-                f"{result.text_tokens + result.visual_tokens} tokens, {result.samples} samples{part}")
+                loss = "skipped" if result.loss is None else f"{result.loss:.3f}"
+                part = "" if generated is None else (f", {generated['rollouts']:.0f} rollouts of {generated['tokens']:.0f} "
+                                                     f"generated tokens in {generated['seconds'] * 1000:.0f} ms")
+                log(f"step {i}{' (warm-up)' if i < warmup else ''}: loss {loss}, {dt * 1000:.0f} ms, "
+                    f"{result.text_tokens + result.visual_tokens} tokens, {result.samples} samples{part}")
+    finally:
+        pauses.remove()
     peak = torch.tensor([torch.cuda.max_memory_allocated(env.device) / 2**30 if cuda else 0.0], dtype=torch.float64)
     per_step = torch.tensor(times, dtype=torch.float64)
     if dist.get_backend() == "nccl":
@@ -1180,7 +1193,8 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
         workload=labels["workload"], media=labels["media"], packing=labels["packing"], adapter=labels["adapter"],
         stage=labels["stage"], objective=labels.get("objective", "sft"),
         balance=stragglers.get("balance"), balance_flops=stragglers.get("balance_flops"),
-        data_wait=stragglers.get("data_wait"), step_times_s=per_step.cpu().tolist(), **grpo,
+        data_wait=stragglers.get("data_wait"), step_times_s=per_step.cpu().tolist(), step_gc_s=gc_times, gc_full=gc_full,
+        **grpo,
     )
 
 

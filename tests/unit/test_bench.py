@@ -107,6 +107,38 @@ def test_frozen_parts_count_fewer_flops():
     assert sum(frozen_both.values()) < sum(frozen_vision.values()) < sum(full.values())
 
 
+def test_the_collectors_pauses_are_counted_per_measured_step(monkeypatch):
+    """A full collection inside the second measured step shows there: its seconds in `step_gc_s` (one entry per
+    measured step, the largest), and one full collection or more in `gc_full`."""
+    import gc
+
+    from vlmctl import bench
+    from vlmctl.config import ModelSection, TrainSection
+
+    original_measure = bench._measure
+
+    def spy(trainer, *args, **kwargs):
+        original_step, calls = trainer.train_step, []
+
+        def train_step():
+            calls.append(None)
+            if len(calls) == 3:  # the warm-up step, then the measured steps: this is the second measured one
+                gc.collect()
+            return original_step()
+
+        trainer.train_step = train_step
+        return original_measure(trainer, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "_measure", spy)
+    result = bench.run_bench(ModelSection(preset="tiny-qwen2.5-vl", init="random"),
+                             TrainSection(tokens_per_batch=384, attn_implementation="sdpa"),
+                             steps=3, warmup=1, spec=bench.WorkloadSpec(image_sizes=(28, 56), text_tokens=(8, 40)),
+                             log=None)
+    gc_s = result.step_gc_s
+    assert len(gc_s) == 3 and min(gc_s) >= 0 and max(range(3), key=gc_s.__getitem__) == 1 and gc_s[1] > 0
+    assert result.gc_full >= 1 and gc_s[1] <= result.step_times_s[1]
+
+
 def test_bench_and_the_training_metrics_give_the_same_mfu_for_the_same_batches(monkeypatch):
     # One FLOP formula: the bench's figures and the trainer's logged row come from the same step results, whose FLOPs
     # are the cost model's on each collated batch. Time is made deterministic (1 s per step) so the MFUs compare.

@@ -104,8 +104,10 @@ def bench(
     if result.step_times_s and len(result.step_times_s) > 1:  # an outlier step only raises the mean: name it
         times = result.step_times_s
         slow = max(range(len(times)), key=times.__getitem__)
+        gc = result.step_gc_s[slow] if result.step_gc_s and len(result.step_gc_s) == len(times) else 0.0
+        collector = f", {gc * 1000:,.0f} ms of it in the garbage collector" if gc >= 0.001 else ""
         steps = [("  median / slowest step", f"{statistics.median(times) * 1000:,.0f} / {times[slow] * 1000:,.0f} ms "
-                                             f"(measured step {slow + 1} of {len(times)})")]
+                                             f"(measured step {slow + 1} of {len(times)}{collector})")]
     for label, value in [
         ("tokens/s", f"{result.tokens_per_s:,.0f}"),
         ("  per GPU", f"{result.tokens_per_s_per_gpu:,.0f}"),
