@@ -11,7 +11,8 @@
 # starlette, uvicorn), installed into /tmp/site, which goes on PYTHONPATH with the repository root.
 # Time limits (seconds, environment): BUILD_TIMEOUT (420), START_TIMEOUT (240),
 # BENCH_TIMEOUT (420). DEVICE (cuda) is the device served on (DEVICE=cpu with the tiny preset checks the script).
-# MODEL=DIR serves that model folder instead of building the preset. SERVE_ARGS: more `vlmctl serve` options (e.g.
+# MODEL=DIR serves that model folder instead of building the preset. TREE=DIR serves the `vlmctl` package of DIR
+# (another tree's source, first on PYTHONPATH) with this tree's scripts (benchmarks/bench_serve_ab.sh). SERVE_ARGS: more `vlmctl serve` options (e.g.
 # "--warmup-length 0"). TRACE=C records the timed round at concurrency C with the server's torch.profiler
 # (`serve --profile-dir WORKDIR/profiles`, bench_serve.py --trace-at C; trace.json.gz and ops.txt per round, and the
 # idle report printed). PROFILE=1 runs the server under py-spy (its wheel
@@ -22,7 +23,7 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 work=$(mkdir -p "$1" && cd "$1" && pwd) preset=${2:-qwen2.5-vl-3b}
 shift $(( $# < 2 ? $# : 2 ))
 wheels=${WHEELS:-$root/.wheels} device=${DEVICE:-cuda}
-export PYTHONPATH=$root:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=${TREE:+$TREE:}$root:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 cd "$root"
 
 has() { python3 -c "import $1" >/dev/null 2>&1; }
@@ -67,9 +68,11 @@ if [ -n "${PROFILE:-}" ]; then  # sample the server's Python stacks (every threa
         python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site "$wheels"/tools/py_spy-*.whl
     fi
     spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
-    "$spy" record -r "${PROFILE_RATE:-100}" -t -f raw -o "$work/serve.pyspy" -- "${serve[@]}" > "$work/serve.log" 2>&1 &
+    (cd "${TREE:-$root}" && exec "$spy" record -r "${PROFILE_RATE:-100}" -t -f raw -o "$work/serve.pyspy" -- "${serve[@]}") \
+        > "$work/serve.log" 2>&1 &
 else
-    "${serve[@]}" > "$work/serve.log" 2>&1 &
+    # from TREE's folder: `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH
+    (cd "${TREE:-$root}" && exec "${serve[@]}") > "$work/serve.log" 2>&1 &
 fi
 server=$!
 stop_server() {
