@@ -96,7 +96,7 @@ class Request:
     admitted_step: int | None = None
     finished: bool = False
     submitted_at: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None  # perf_counter seconds when its first tokens were sampled
+    first_token_at: float | None = None  # perf_counter seconds when its first tokens reached the host
     prepared: dict[str, Any] | None = None  # the processor's tensors for its prompt alone (`DecodeEngine.submit`)
 
     def emit(self, event: Event) -> None:
