@@ -813,7 +813,7 @@ class DecodeEngine:
 
     def _take_firsts(self) -> None:
         """Hand each choice admitted by `_defer_first` its first token (before any later step's token: they were
-        drawn first); a choice that ended or was cancelled since drops it."""
+        drawn first); a choice that ended or was cancelled since drops it. Nothing to do without any."""
         firsts, self._firsts = self._firsts, []
         for choices, (buffer, event) in firsts:
             if event is not None:
@@ -831,13 +831,15 @@ class DecodeEngine:
                     if choice.done:
                         self._free(choice.slot)
 
-    def _host_copy(self, tokens: "torch.Tensor"):
-        """`tokens` copied to the host without waiting: a page-locked buffer and an event on CUDA, a copy otherwise."""
+    def _host_copy(self, tokens: "torch.Tensor", buffer: "torch.Tensor | None" = None):
+        """`tokens` copied to the host without waiting: into `buffer` (page-locked, `tokens`' shape; a new one where
+        None) with an event to wait on, on CUDA; on the CPU a copy and no event. Returns (host tensor, event)."""
         import torch
 
         if tokens.device.type != "cuda":
             return tokens.clone(), None
-        buffer = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        if buffer is None:
+            buffer = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         buffer.copy_(tokens, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
@@ -891,8 +893,7 @@ class DecodeEngine:
             choice.inflight += 1
         launched = _Launched(live, self._host_tokens(tokens, rows), entries)
         previous, self._pending = self._pending, launched
-        if self._firsts:  # drawn before this step was launched: their wait is for the prefill, not for this step
-            self._take_firsts()
+        self._take_firsts()  # drawn before this step was launched: their wait is for the prefill, not for this step
         if previous is not None:
             self._take(previous)
             self.overlapped += 1
@@ -910,21 +911,14 @@ class DecodeEngine:
         buffers in turn, so the copy of one step never overwrites the one not yet read); on the CPU, a copy."""
         import torch
 
-        if tokens.device.type != "cuda":
-            return tokens[:rows].clone(), None
-        if self._pinned is None:
+        if tokens.device.type == "cuda" and self._pinned is None:
             self._pinned = [torch.empty(len(self.slots), dtype=tokens.dtype, pin_memory=True) for _ in range(2)]
-        buffer = self._pinned[self.steps % 2][:rows]
-        buffer.copy_(tokens[:rows], non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return buffer, event
+        return self._host_copy(tokens[:rows], self._pinned[self.steps % 2][:rows] if self._pinned else None)
 
     def _take(self, launched: "_Launched") -> None:
         """Hand each choice of a launched step its token: a choice that ended, or whose slot went to another, since
-        the step was launched drops it."""
-        if self._firsts:
-            self._take_firsts()
+        the step was launched drops it. The first tokens of rows admitted before it are taken first (`_decode`,
+        `settle`)."""
         buffer, event = launched.tokens
         if event is not None:
             with phase("engine.wait_for_tokens"):
@@ -942,17 +936,16 @@ class DecodeEngine:
                     self._free(slot)
 
     def settle(self) -> None:
-        """Take the tokens of the step still in flight, if any (after the last request ended: its tokens are
-        dropped), so that the runner's buffers are no longer written."""
+        """Take the first tokens not yet read (`_defer_first`), then the tokens of the step still in flight, if any
+        (after the last request ended: its tokens are dropped), so that the runner's buffers are no longer written."""
         import torch
 
-        if self._pending is not None:
-            with torch.inference_mode():
-                self._take(self._pending)
-            self._pending = None
-        elif self._firsts:
+        if self._firsts or self._pending is not None:
             with torch.inference_mode():
                 self._take_firsts()
+                if self._pending is not None:
+                    self._take(self._pending)
+            self._pending = None
 
     def _logprob_rows(self, index, tokens, want):
         from vlmctl.inference.sampling import logprob_entries

@@ -10,7 +10,7 @@ decode step in flight and leaves the GPU idle while the host prepares the next l
 synchronizing calls of one admission"). The split is undone by the forward itself (`torch.cat` of the pieces), and
 the count is known on the host, where the processor wrote the tokens.
 
-`merge_visual` does the same merge without those reads: the embeddings of `input_ids`, the tower's merged tokens
+`qwen_merge` does the same merge without those reads: the embeddings of `input_ids`, the tower's merged tokens
 (`pooler_output`, through `EncoderGraphs` where installed), and `masked_scatter` into the placeholder positions,
 with the count checked on the host's copy of the tokens and grids. The model's forward is then given
 `inputs_embeds` and no pixels, so it goes straight to its language model. It is used only where the forward is

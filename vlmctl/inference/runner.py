@@ -11,10 +11,10 @@ and replayed.
 merges them into the prompt's embeddings and derives its position ids (Qwen's multimodal RoPE) exactly as in
 training and `generate` (where that merge would wait on the device, the engine gives the forward the merged
 embeddings instead: `vlmctl.inference.features`); a forward pre-hook on the language model catches the arguments
-it is called with (`inputs_embeds`, `position_ids`, `attention_mask`, family extras) and stops the call there. The runner then calls
-the language model itself on those arguments with the slot cache (`kv_cache.SlotCache`), in chunks of
-`prefill_chunk` tokens for a long prompt whose arguments are all sequence-aligned, so the encoders run once per
-request and a long prompt never holds more than one chunk's activations. The next position a row decodes at is
+it is called with (`inputs_embeds`, `position_ids`, `attention_mask`, family extras) and stops the call there. The
+runner then calls the language model itself on those arguments with the slot cache (`kv_cache.SlotCache`), in
+chunks of `prefill_chunk` tokens for a long prompt whose arguments are all sequence-aligned, so the encoders run once
+per request and a long prompt never holds more than one chunk's activations. The next position a row decodes at is
 one past the largest prefill position (for multimodal RoPE the largest of the three sections: what transformers'
 `rope_deltas` encode).
 
