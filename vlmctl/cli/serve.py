@@ -56,6 +56,10 @@ def serve_cmd(
                                               "engine warmed up, move the objects alive out of the garbage collector's "
                                               "reach (gc.freeze), so its full collections, which stop every stream, walk "
                                               "only what serving allocates (/health's gc counts them).")] = True,
+    engine_process: Annotated[bool, typer.Option("--engine-process/--engine-thread", help="Run the decoding engine in a "
+                                                  "process of its own, which loads the model, so its thread does not share "
+                                                  "the interpreter lock with the HTTP side's request threads; "
+                                                  "--engine-thread runs it in a thread of the server's process.")] = True,
     max_body_mb: Annotated[float, typer.Option("--max-body-mb", help="Largest request body, in MiB.")] = 32.0,
     allow_origin: Annotated[Optional[list[str]], typer.Option("--allow-origin", help="A web page origin (scheme://host[:port]) "
                                                               "allowed to call the server from a browser (CORS; repeatable; "
@@ -97,7 +101,8 @@ def serve_cmd(
                              max_batch_size=max_batch_size, max_length=limits.max_tokens, device=device, dtype=dtype,
                              train=project.train if project is not None else None, allowed_origins=tuple(allow_origin or ()),
                              log=None if state.quiet else _log_request, warmup_length=warmup_length,
-                             processor_workers=processor_workers, profile_dir=profile_dir, freeze_heap=freeze_heap)
+                             processor_workers=processor_workers, profile_dir=profile_dir, freeze_heap=freeze_heap,
+                             engine_process=engine_process)
     check_settings(settings)
     settings.video = _video_settings(model_dir, folder_family(model_dir), config, args)
     sock = bind_socket(host, port)  # a port in use is one error, before the model loads
@@ -107,7 +112,7 @@ def serve_cmd(
         info(f"Serving [bold]{escape(str(model_dir))}[/bold] as [bold]{escape(server.model_name)}[/bold] "
              f"({choice.get('dtype')}, {escape(str(choice.get('attn_implementation')))} attention) at {escape(url)}/v1 "
              f"(chat page: {escape(url)}/){' [dim](API key required)[/dim]' if api_key else ''}. Ctrl-C stops.")
-        info(f"[dim]decoding: {escape(server.engine.decoder.summary())}; processor: {escape(server.processor)}[/dim]")
+        info(f"[dim]decoding: {escape(server.engine.summary())}; processor: {escape(server.processor)}[/dim]")
 
     info(f"[dim]loading {escape(str(model_dir))} ({escape(served_name(model_dir))})[/dim]")
     serve(model_dir, settings, on_ready=ready, sock=sock)

@@ -268,14 +268,14 @@ def create_app(state: ServerState):
                               code="invalid_api_key")
 
     async def health(request: Request) -> JSONResponse:
-        engine = state.engine
-        return JSONResponse({"status": "ok", "model": state.model_name, "queued": engine.queued, "running": engine.running,
-                             **state.choice, "batches": engine.batches, "rows": engine.rows,
-                             "busy_seconds": round(engine.busy_seconds, 4), **engine.describe(),
+        # an engine process answers from its own process: asked from a thread, so the event loop goes on meanwhile
+        figures = await asyncio.to_thread(state.engine.health)
+        alive = figures.get("engine_alive", True)  # an engine process that died answers nothing more: 503
+        return JSONResponse({"status": "ok" if alive else "engine_stopped", "model": state.model_name, **state.choice, **figures,
                              "processor_workers": state.preparer.workers if state.preparer is not None else 0,
                              "processor": state.processor, "requests_read": state.requests_read,
                              "read_seconds": round(state.read_seconds, 4),
-                             "gc": state.gc.describe() if state.gc is not None else None})
+                             "gc": state.gc.describe() if state.gc is not None else None}, status_code=200 if alive else 503)
 
     async def page(request: Request) -> HTMLResponse:
         return HTMLResponse(PAGE.read_text(encoding="utf-8"), headers=PAGE_HEADERS)
@@ -303,7 +303,7 @@ def create_app(state: ServerState):
 
         try:
             authorize(request)
-            if getattr(state.engine, "profiler", None) is None:
+            if not state.engine.profiling:
                 raise OpenAIError(400, "profiling is off: start the server with --profile-dir DIR", code="profiling_off")
             try:
                 future = state.engine.profile("start" if request.url.path == "/start_profile" else "stop")

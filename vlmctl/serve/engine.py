@@ -105,12 +105,16 @@ class Engine:
     this many tokens (prompt and answer; `DecodeEngine.warmup`), so that no client's tokens wait for a capture
     later; 0: captured as they are first needed. `profile_dir`: where `profile` writes (None: profiling off);
     `profile_seconds`: the longest a profile records before the worker stops it itself. `options`: passed to
-    `DecodeEngine` (`graphs`, `kernels`, `prefill_batch`).
+    `DecodeEngine` (`graphs`, `kernels`, `prefill_batch`). `on_step`: called on the worker thread after each turn of
+    its loop (jobs handed over, one step) and once before it ends; the engine process (`serve.engine_process`) sends
+    the events of that turn to the server from there.
     """
+
+    where = "thread"  # the engine runs in a thread of the server's process (`/health`'s `engine`)
 
     def __init__(self, model, processor, *, max_batch_size: int = 8, max_length: int = 4096, family: Any = None,
                  video: Any = None, warmup_length: int = 0, profile_dir: Path | None = None, profile_seconds: float = 60.0,
-                 **options: Any):
+                 on_step: Callable[[], None] | None = None, **options: Any):
         from vlmctl.inference.engine import DecodeEngine
 
         self.model, self.processor = model, processor
@@ -128,6 +132,7 @@ class Engine:
         self.profiler = ThreadProfile(profile_dir, profile_seconds) if profile_dir is not None else None
         self.last_profile: dict[str, Any] | None = None  # what the last profile wrote (`ThreadProfile.stop`)
         self._orders: deque[tuple[str, Future]] = deque()  # profile starts and stops for the worker
+        self._on_step = on_step
         log.info("decoding: %s%s, %d slots of %d tokens", self.decoder.mode,
                  f" ({self.decoder.reason})" if self.decoder.reason else "", self.max_batch_size, max_length)
         if warmup_length > 0:
@@ -161,9 +166,25 @@ class Engine:
         """Decode steps so far."""
         return self.decoder.steps
 
+    @property
+    def profiling(self) -> bool:
+        """Whether `profile` may be asked (the engine was given a `profile_dir`)."""
+        return self.profiler is not None
+
+    def summary(self) -> str:
+        """One line for people about decoding (`DecodeEngine.summary`)."""
+        return self.decoder.summary()
+
     def describe(self) -> dict[str, Any]:
         """What /health reports about decoding (`DecodeEngine.describe`: mode and why, slots, steps, tokens)."""
         return {**self.decoder.describe(), "arriving": self.arriving}
+
+    def health(self) -> dict[str, Any]:
+        """/health's decoding figures: `queued`, `running` (rows), `batches` (decode steps), `rows` (summed over the
+        steps), `busy_seconds` (the worker's seconds stepping the engine), where the engine runs (`engine`) and
+        `describe()`."""
+        return {"queued": self.queued, "running": self.running, "batches": self.batches, "rows": self.rows,
+                "busy_seconds": round(self.busy_seconds, 4), "engine": self.where, **self.describe()}
 
     def announce(self) -> None:
         """A request is on its way (counted until one `submit(..., announced=True)` or one `withdraw()`)."""
@@ -217,6 +238,13 @@ class Engine:
         return not self._pending and not self.decoder.busy and not self._closing and not self._orders
 
     def _loop(self) -> None:
+        try:
+            self._turns()
+        finally:
+            if self._on_step is not None:
+                self._on_step()
+
+    def _turns(self) -> None:
         while True:
             with self._cond:
                 if self._idle():
@@ -249,6 +277,8 @@ class Engine:
                 log.exception("decoding failed")
                 self.decoder.abort(500, f"generation failed: {type(exc).__name__}: {exc}", "server_error")
             self.busy_seconds += time.perf_counter() - started
+            if self._on_step is not None:
+                self._on_step()
 
     def _profile_order(self, action: str, future: Future) -> None:
         """Start or stop the profile on this (the worker's) thread; the outcome goes to `future`."""

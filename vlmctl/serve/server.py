@@ -33,6 +33,7 @@ from vlmctl.errors import UsageError
 from vlmctl.serve.app import Limits, ServerState, create_app
 from vlmctl.serve.engine import Engine
 from vlmctl.serve.heap import GCPauses, freeze_heap, unfreeze_heap
+from vlmctl.serve.loading import load_for_serving, model_choice, serving_plan
 
 log = logging.getLogger("vlmctl.serve")
 
@@ -54,7 +55,9 @@ class ServeSettings:
     families without `collate_prompts` always run it at admission), and the folder `POST /start_profile` and
     `/stop_profile` record the decoding thread into (`profile_dir`, `Engine.profile`; None: those routes refuse), and
     whether the heap alive once the engine has warmed up is frozen out of the garbage collector's reach
-    (`freeze_heap`, `serve.heap`: no full collection walks the model's and libraries' objects while serving)."""
+    (`freeze_heap`, `serve.heap`: no full collection walks the model's and libraries' objects while serving), and
+    whether `serve` runs the engine in a process of its own (`engine_process`, `serve.engine_process`; False: a thread
+    of the server's process)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -75,6 +78,8 @@ class ServeSettings:
     processor_workers: int | None = None  # processes running the processor on each request's prompt (`prepare.PromptPreparer`)
     profile_dir: Path | None = None  # where /start_profile and /stop_profile write torch.profiler traces (`Engine.profile`)
     freeze_heap: bool = True  # gc.freeze() once the engine is ready (`serve.heap.freeze_heap`)
+    engine_process: bool = True  # `serve`: the engine in a child process (`serve.engine_process`), else in a thread
+    start_seconds: float | None = None  # the longest the engine process may take to load and warm up (None: no limit)
 
 
 AUTO_PROCESSOR_WORKERS = 4
@@ -219,84 +224,57 @@ def _uvicorn_server(app, settings: ServeSettings):
     return uvicorn.Server(config)
 
 
-def serving_plan(device: str, dtype: str = "auto", train: Any = None) -> tuple[str, str]:
-    """(compute dtype, attention backend) to serve with on `device` (a resolved torch device name): the decisions of
-    training's run plan (`vlmctl.config.plan.build_plan`) for `train` (a TrainSection; None: the defaults) on this
-    machine, for padded batches, since the engine left-pads its rows. `dtype` other than `auto` is kept. The
-    attention backend is one of the plan's (flash_attn, sdpa, flex, eager); a run trained with the packed-row
-    kernel (varlen) is served with sdpa, as its GRPO rollouts are generated (`train.kernels.padded_attention`).
-    On CPU: (fp32, sdpa); on a GPU with bf16: bf16, and flash_attn where flash-attn is installed, else sdpa."""
-    from vlmctl.config.plan import DeviceFacts, build_plan
-    from vlmctl.config.train import TrainSection
-
-    train = train if train is not None else TrainSection()
-    if dtype != "auto":
-        train = train.model_copy(update={"precision": dtype})
-    plan = build_plan(train.model_copy(update={"packing": False}), DeviceFacts.here(cuda=device.startswith("cuda")))
-    attention = plan.attention.value
-    return plan.precision.value, "sdpa" if attention == "varlen" else attention
-
-
-def load_for_serving(model_dir: Path, *, device: str = "auto", dtype: str = "auto", train: Any = None) -> tuple[Any, Any, dict]:
-    """(model, processor, choice) for serving `model_dir`: loaded by `load_for_generation` on `device` in the dtype
-    of `serving_plan`, its attention set to the plan's backend (`train.kernels`, as training sets it). `choice`:
-    {"dtype", "attn_implementation"} as the model holds them (what /health reports). Raises UsageError for an
-    unknown device or dtype, or a backend this machine cannot run (flash_attn without flash-attn), ModelError as
-    `load_for_generation`."""
-    from vlmctl.inference import load_for_generation, resolve_device
-    from vlmctl.train import kernels
-
-    device = resolve_device(device)
-    precision, attention = serving_plan(device, dtype, train)
-    try:
-        implementation = kernels.resolve_attn_implementation(attention, device.split(":")[0])
-    except ValueError as exc:
-        raise UsageError(str(exc).replace("train.attn_implementation", "the attention backend"),
-                         hint="set train.attn_implementation=sdpa (or auto) in the project") from None
-    model, processor = load_for_generation(Path(model_dir), device=device, dtype=precision)
-    if model.config._attn_implementation != implementation:
-        kernels.set_attention(model, implementation)
-    return model, processor, model_choice(model)
-
-
-def model_choice(model) -> dict:
-    """{"dtype", "attn_implementation"} of a loaded model: its parameters' dtype name (bf16, fp16, fp32) and the
-    attention implementation of its language model."""
-    import torch
-
-    dtype = next(model.parameters()).dtype
-    names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return {"dtype": names.get(dtype, str(dtype)), "attn_implementation": text._attn_implementation}
-
-
 def make_state(model, processor, settings: ServeSettings, name: str, model_dir: Path | None = None) -> ServerState:
     """The app's state: the engine (its start-up graphs captured) and, with `settings.processor_workers` (None:
     `auto_processor_workers` for the model's device) and the model folder `model_dir`, the processor workers
-    (`serve.prepare`) where the family batches prompts processed alone."""
+    (`serve.prepare`) where the family batches prompts processed alone. With `model` None the engine runs in a child
+    process that loads `model_dir` itself (`serve.engine_process.EngineProcess`, on `settings.device`); the
+    processor workers start while it loads. Raises what loading raises (ModelError, UsageError)."""
+    from vlmctl.inference import folder_family
     from vlmctl.inference.prompt import model_family
 
-    family = model_family(model)
+    if model is None:
+        from vlmctl.inference import resolve_device
+        from vlmctl.serve.engine_process import EngineProcess
+
+        if model_dir is None:
+            raise ValueError("make_state needs a loaded model or the folder of one")
+        family, device = folder_family(Path(model_dir)), resolve_device(settings.device)
+        engine = EngineProcess(Path(model_dir), device=device, dtype=settings.dtype, train=settings.train,
+                               max_batch_size=settings.max_batch_size, max_length=settings.max_length,
+                               video=settings.video, warmup_length=settings.warmup_length,
+                               profile_dir=settings.profile_dir, freeze_heap=settings.freeze_heap)
+    else:
+        family, device, engine = model_family(model), next(model.parameters()).device, None
     preparer = None
     workers, why = settings.processor_workers, "--processor-workers"
     if workers is None:
-        workers, why = auto_processor_workers(next(model.parameters()).device)
+        workers, why = auto_processor_workers(device)
     if workers == 0:
         where = f"on the engine's thread ({why})" if settings.processor_workers is None else "on the engine's thread"
     elif model_dir is None:
         where = "on the engine's thread (no model folder for worker processes to load it from)"
     elif not getattr(family, "collate_prompts", False):
-        where = f"on the engine's thread (family {family.name} batches prompts only through its processor)"
+        name_ = family.name if family is not None else "unknown"
+        where = f"on the engine's thread (family {name_} batches prompts only through its processor)"
     else:
         from vlmctl.serve.prepare import PromptPreparer
 
-        # the workers start (import transformers, load the processor) while the engine captures its graphs
-        preparer = PromptPreparer(model_dir, workers, video=settings.video, wait=False)
+        # the workers start (import transformers, load the processor) while the engine loads and captures its graphs
+        try:
+            preparer = PromptPreparer(model_dir, workers, video=settings.video, wait=False)
+        except BaseException:
+            if engine is not None:
+                engine.close(timeout=0)
+            raise
         where = f"{workers} worker processes ({why})"
     try:
-        engine = Engine(model, processor, max_batch_size=settings.max_batch_size, max_length=settings.max_length,
-                        family=family, video=settings.video, warmup_length=settings.warmup_length,
-                        profile_dir=settings.profile_dir)
+        if engine is None:
+            engine = Engine(model, processor, max_batch_size=settings.max_batch_size, max_length=settings.max_length,
+                            family=family, video=settings.video, warmup_length=settings.warmup_length,
+                            profile_dir=settings.profile_dir)
+        else:
+            engine.wait_ready(settings.start_seconds)
     except BaseException:
         if preparer is not None:
             preparer.close(wait=False)
@@ -308,8 +286,9 @@ def make_state(model, processor, settings: ServeSettings, name: str, model_dir: 
             engine.close(timeout=0)
             raise
     log.info("processor: %s", where)
+    choice = engine.choice if model is None else model_choice(model)
     state = ServerState(engine=engine, model_name=settings.model_name or name, limits=settings.limits, api_key=settings.api_key,
-                        choice=model_choice(model), loopback_only=is_loopback(settings.host) and not settings.api_key,
+                        choice=choice, loopback_only=is_loopback(settings.host) and not settings.api_key,
                         allowed_origins=tuple(settings.allowed_origins), log=settings.log, preparer=preparer,
                         processor=where, gc=GCPauses().install())
     if settings.freeze_heap:
@@ -341,7 +320,11 @@ def serve(model_dir: Path, settings: ServeSettings, *, on_ready=None, sock: sock
     check_model_dir(Path(model_dir))
     sock = sock if sock is not None else bind_socket(settings.host, settings.port)
     try:
-        model, processor, _ = load_for_serving(Path(model_dir), device=settings.device, dtype=settings.dtype, train=settings.train)
+        if settings.engine_process:  # the child loads the model; this process only its processor
+            model = processor = None
+        else:
+            model, processor, _ = load_for_serving(Path(model_dir), device=settings.device, dtype=settings.dtype,
+                                                   train=settings.train)
         state = make_state(model, processor, settings, served_name(model_dir), model_dir=Path(model_dir))
     except BaseException:
         sock.close()
@@ -369,7 +352,8 @@ def _url(host: str, port: int) -> str:
 def running_server(model, processor, settings: ServeSettings, name: str = "model", model_dir: Path | None = None) -> Iterator[str]:
     """Serve a loaded model from a background thread of this process (on a free port when `settings.port` is 0);
     yields the base URL once the server answers. Stops the server, the engine and the processor workers on exit.
-    `model_dir`: the model's folder, which processor workers load the processor from."""
+    `model_dir`: the model's folder, which processor workers load the processor from; with `model` None, the engine
+    runs in a process of its own that loads that folder (`make_state`)."""
     check_settings(settings)
     sock = bind_socket(settings.host, settings.port)
     settings.port = sock.getsockname()[1]
