@@ -263,6 +263,8 @@ class BenchResult:
     # transformers and compiled layers are loaded), which a step time alone cannot tell from the GPU's work
     step_gc_s: list[float] | None = None
     gc_full: int | None = None
+    # objects the trainer froze out of the collector's reach after `train.gc_freeze_step` steps (0: none frozen)
+    gc_frozen: int | None = None
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -1030,7 +1032,8 @@ def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log
     trainer = Trainer(engine=engine, objective=objective, batches=prefetch(iter(batches), tm.prepare), env=env, state=TrainState(),
                       total_steps=total_steps, grad_accum=train.gradient_accumulation_steps, batches_per_epoch=len(batches),
                       save_steps=1 << 30, logging_steps=1 << 30, max_bad_steps=total_steps, save=None, log=None,
-                      progress=None, flops_of=tm.cost_model.batch_flops, dp_group=dims.dp_group, sp_group=dims.sp_group)
+                      progress=None, flops_of=tm.cost_model.batch_flops, dp_group=dims.dp_group, sp_group=dims.sp_group,
+                      gc_freeze_step=train.gc_freeze_step)
     labels = {"name": plan.model.name, "workload": plan.spec.kind, "media": plan.spec.media(), "packing": plan.packing,
               "adapter": plan.adapter, "stage": train.stage, "objective": train.objective}
     result = _measure(trainer, labels, train, ctx, steps=steps, warmup=warmup, log=log, profile=profile)
@@ -1135,6 +1138,7 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
     rollouts = {"rollouts": 0.0, "seconds": 0.0, "tokens": 0.0}  # grpo: the steps' rollout figures (all ranks)
     generations = 0  # measured steps with rollout figures
     pauses, gc_times, gc_full = GCPauses().install(), [], 0  # the collector's pauses in each measured step
+    frozen = 0
     try:
         for i in range(steps + warmup):
             sync()
@@ -1167,6 +1171,8 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
                     f"{result.text_tokens + result.visual_tokens} tokens, {result.samples} samples{part}")
     finally:
         pauses.remove()
+        frozen = trainer.frozen_objects
+        trainer.release_heap()
     peak = torch.tensor([torch.cuda.max_memory_allocated(env.device) / 2**30 if cuda else 0.0], dtype=torch.float64)
     per_step = torch.tensor(times, dtype=torch.float64)
     if dist.get_backend() == "nccl":
@@ -1194,6 +1200,7 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
         stage=labels["stage"], objective=labels.get("objective", "sft"),
         balance=stragglers.get("balance"), balance_flops=stragglers.get("balance_flops"),
         data_wait=stragglers.get("data_wait"), step_times_s=per_step.cpu().tolist(), step_gc_s=gc_times, gc_full=gc_full,
+        gc_frozen=frozen,
         **grpo,
     )
 

@@ -169,8 +169,9 @@ def test_bench_and_the_training_metrics_give_the_same_mfu_for_the_same_batches(m
     clock = iter(float(t) for t in range(10_000))
     monkeypatch.setattr(bench, "_measure", spy)
     monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock))
+    # no heap freeze: its collection's callbacks would read this clock too
     result = bench.run_bench(ModelSection(preset="tiny-qwen2.5-vl", init="random"),
-                             TrainSection(tokens_per_batch=384, attn_implementation="sdpa"),
+                             TrainSection(tokens_per_batch=384, attn_implementation="sdpa", gc_freeze_step=0),
                              steps=2, warmup=1, spec=bench.WorkloadSpec(image_sizes=(28, 56), text_tokens=(8, 40)),
                              log=None)
     trainer, steps = seen["trainer"], seen["steps"]
@@ -496,3 +497,43 @@ def test_workload_costs_put_image_heavy_samples_first_in_the_probe():
     picked = []
     probe_rows(lengths, lambda idx: picked.extend(idx) or idx, packing=True, costs=costs)(int(lengths.max()) * 2)
     assert share[picked].mean() > share.mean() and share[picked[0]] >= np.quantile(share, 0.9)
+
+
+@pytest.mark.parametrize("freeze_step", [2, 0])
+def test_the_trainer_freezes_its_heap_after_the_steps_asked_and_gives_it_back(freeze_step):
+    """`train.gc_freeze_step`: after that many steps the objects alive leave the collector's reach (`gc.freeze`),
+    counted in `gc_frozen`; the trainer gives them back when it is done (0: nothing frozen)."""
+    import gc
+
+    from vlmctl import bench
+    from vlmctl.config import ModelSection, TrainSection
+
+    seen = []
+    original_measure = bench._measure
+
+    def spy(trainer, *args, **kwargs):
+        original_step = trainer.train_step
+
+        def train_step():
+            result = original_step()
+            seen.append(gc.get_freeze_count())  # after each step: frozen from the step asked on
+            return result
+
+        trainer.train_step = train_step
+        return original_measure(trainer, *args, **kwargs)
+
+    gc.unfreeze()
+    bench._measure, restore = spy, bench._measure
+    try:
+        result = bench.run_bench(ModelSection(preset="tiny-qwen2.5-vl", init="random"),
+                                 TrainSection(tokens_per_batch=384, attn_implementation="sdpa", gc_freeze_step=freeze_step),
+                                 steps=2, warmup=1, spec=bench.WorkloadSpec(image_sizes=(28, 56), text_tokens=(8, 40)),
+                                 log=None)
+    finally:
+        bench._measure = restore
+    if freeze_step:
+        assert seen[0] == 0 and seen[1] > 10_000 and seen[2] >= seen[1] * 0.9  # torch's and the model's objects
+        assert abs(result.gc_frozen - seen[1]) < 0.01 * seen[1]  # counted at the freeze; frozen objects freed since leave it
+    else:
+        assert seen == [0, 0, 0] and result.gc_frozen == 0
+    assert gc.get_freeze_count() == 0  # given back once the steps are done

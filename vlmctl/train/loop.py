@@ -175,6 +175,16 @@ class StepResult:
     metrics: dict[str, float] = field(default_factory=dict)  # the objective's own (`Objective.metrics`), logged as they are
 
 
+def freeze_heap() -> int:
+    """Collect once, then move every object alive out of the garbage collector's reach (`gc.freeze`); returns how
+    many objects it froze. Later full collections walk only the objects made after it (`train.gc_freeze_step`)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 @dataclass
 class Trainer:
     """The loop. `save(step, state, reason)` and `log(row)` are given by the worker (checkpoint and metrics).
@@ -185,7 +195,8 @@ class Trainer:
     CPU batch before its device copy; the row's `mfu` comes from their sum. `dp_group`: the data-parallel process
     group the loss and counts are reduced over (`ParallelDims.dp_group`; None = the default group, the world).
     `sp_group`: this rank's sequence-parallel group (`ParallelDims.sp_group`), whose ranks share a batch and each
-    compute part of its loss; None without sequence parallelism.
+    compute part of its loss; None without sequence parallelism. `gc_freeze_step`: after that many steps of this
+    process its heap is frozen out of the garbage collector's reach (`freeze_heap`, `train.gc_freeze_step`; 0: never).
     """
 
     engine: Any
@@ -208,6 +219,9 @@ class Trainer:
     dp_group: Any = None
     sp_group: Any = None
     validator: Any = None
+    gc_freeze_step: int = 0  # steps of this process after which its heap is frozen (`train.gc_freeze_step`; 0: never)
+    frozen_objects: int = 0  # objects the freeze moved out of the collector's reach (0: not frozen)
+    _steps_run: int = field(default=0, init=False)  # steps this process ran (a resumed run counts from its restart)
     _signal: int | None = field(default=None, init=False)
     _checked: bool = field(default=False, init=False)
     _extra: dict = field(default_factory=dict, init=False)  # the window's summed objective metrics
@@ -228,8 +242,18 @@ class Trainer:
             outcome = self._train()
             return "interrupted" if outcome == "stopped" and self._signal == signal.SIGINT else outcome
         finally:
+            self.release_heap()
             for sig, old in previous.items():
                 signal.signal(sig, old)
+
+    def release_heap(self) -> None:
+        """Give a heap `train_step` froze back to the collector (`gc.unfreeze`), for a process that goes on after
+        training (the export, a test session)."""
+        if self.frozen_objects:
+            import gc
+
+            gc.unfreeze()
+            self.frozen_objects = 0
 
     def _train(self) -> str:
         interval: list[StepResult] = []
@@ -327,6 +351,9 @@ class Trainer:
         ranks = self._gather_ranks([timer.compute_s(), timer.data_s, flops])
         text, visual = int(stats[1]), int(stats[2])
         self.state.tokens += text + visual
+        self._steps_run += 1
+        if self._steps_run == self.gc_freeze_step:
+            self.frozen_objects = freeze_heap()
         return StepResult(
             loss=None if bad else float(stats[0]) / max(total_tokens, 1.0), grad_norm=grad_norm, label_tokens=int(total_tokens),
             text_tokens=text, visual_tokens=visual, dummy_images=int(stats[3]), samples=int(stats[4]),

@@ -134,7 +134,8 @@ def build_trainer(cfg, run_dir: Path, ctx: RunContext, tm: TrainingModel, engine
         save_steps=train.save_steps, logging_steps=train.logging_steps, max_bad_steps=train.max_bad_steps, save=save,
         log=logger.log if logger else (lambda row: None), progress=progress, flops_of=tm.cost_model.batch_flops,
         peak_flops=peak_flops(env.device), device_name=report.device_name(env.device), dp_group=ctx.dims.dp_group,
-        sp_group=ctx.dims.sp_group, validator=build_validator(cfg, ctx, tm, engine, objective, saved_best=state.best))
+        sp_group=ctx.dims.sp_group, validator=build_validator(cfg, ctx, tm, engine, objective, saved_best=state.best),
+        gc_freeze_step=train.gc_freeze_step)
 
 
 def train_run(cfg, run_dir: Path, ctx: RunContext) -> str:
