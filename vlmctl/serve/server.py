@@ -8,7 +8,7 @@ Safe by default: the server binds 127.0.0.1; another address needs an API key (`
 answers only loopback `Host` names, and pages of other origins only when `allowed_origins` lists them
 (`vlmctl.serve.app.guard`). The port is bound before the model loads (`bind_socket`), so a port in use is one
 UsageError, not a failure after loading. A connection whose request head has not arrived `head_seconds` after it
-opened (or after its previous answer) is closed (`HeadTimeoutH11`). On SIGTERM or Ctrl-C uvicorn stops accepting
+opened (or after its previous answer) is closed (`head_timeout_protocol`). On SIGTERM or Ctrl-C uvicorn stops accepting
 connections and waits up to `drain_seconds` for the requests in flight (streams included) to finish; the engine
 then answers what is still queued and stops.
 """
@@ -173,13 +173,28 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def head_timeout_protocol(seconds: float):
-    """uvicorn's h11 protocol, closing a connection whose request head (request line and headers) has not arrived
-    `seconds` after the connection opened or its previous response ended: uvicorn itself waits forever for a head
-    sent byte by byte, so idle or slow clients would hold connections without end."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+def http_protocol():
+    """(uvicorn's HTTP protocol class, its name): httptools' where it is installed (its C parser, and responses
+    written without h11's per-event Python), else h11's. On the 2-core CPU machine, 32 streaming clients of a model-free
+    engine (`benchmarks/serve_http_cost.py`) waited 3.6 ms from arrival to the engine's queue with httptools and
+    uvloop against 10.1 ms with h11 and asyncio's loop (docs/benchmarks.md)."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    class HeadTimeoutH11(H11Protocol):
+        return HttpToolsProtocol, "httptools"
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        return H11Protocol, "h11"
+
+
+def head_timeout_protocol(seconds: float, base: type | None = None):
+    """uvicorn's HTTP protocol (`base`; default `http_protocol()`'s), closing a connection whose request head (request
+    line and headers) has not arrived `seconds` after the connection opened or its previous response ended: uvicorn
+    itself waits forever for a head sent byte by byte, so idle or slow clients would hold connections without end."""
+    base = base if base is not None else http_protocol()[0]
+
+    class HeadTimeout(base):
         _head_timer = None
 
         def connection_made(self, transport) -> None:
@@ -212,14 +227,15 @@ def head_timeout_protocol(seconds: float):
             if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
                 self.transport.close()
 
-    return HeadTimeoutH11
+    return HeadTimeout
 
 
 def _uvicorn_server(app, settings: ServeSettings):
     import uvicorn
 
+    # loop "auto": uvloop where it is installed (`http_protocol` says why both are wanted)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=settings.drain_seconds, lifespan="off",
+                            timeout_graceful_shutdown=settings.drain_seconds, lifespan="off", loop="auto",
                             http=head_timeout_protocol(settings.head_seconds))
     return uvicorn.Server(config)
 
