@@ -15,7 +15,7 @@
 # (another tree's source, first on PYTHONPATH) with this tree's scripts (benchmarks/bench_serve_ab.sh). SERVE_ARGS: more `vlmctl serve` options (e.g.
 # "--warmup-length 0"). TRACE=C records the timed round at concurrency C with the server's torch.profiler
 # (`serve --profile-dir WORKDIR/profiles`, bench_serve.py --trace-at C; trace.json.gz and ops.txt per round, and the
-# idle report printed). PROFILE=1 runs the server under py-spy (its wheel
+# idle report printed). PROFILE=1 runs the server (and its engine and processor processes) under py-spy (its wheel
 # in $WHEELS/tools, fetched with `pip download py-spy -d $WHEELS/tools`, as the message says) and prints each thread's busiest functions (benchmarks/pyspy_summary.py; samples: WORKDIR/serve.pyspy).
 set -euo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 WORKDIR [PRESET] [BENCH_SERVE OPTIONS...]" >&2; exit 2; }
@@ -68,7 +68,7 @@ if [ -n "${PROFILE:-}" ]; then  # sample the server's Python stacks (every threa
         python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site "$wheels"/tools/py_spy-*.whl
     fi
     spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
-    (cd "${TREE:-$root}" && exec "$spy" record -r "${PROFILE_RATE:-100}" -t -f raw -o "$work/serve.pyspy" -- "${serve[@]}") \
+    (cd "${TREE:-$root}" && exec "$spy" record -r "${PROFILE_RATE:-100}" -t --subprocesses -f raw -o "$work/serve.pyspy" -- "${serve[@]}") \
         > "$work/serve.log" 2>&1 &
 else
     # from TREE's folder: `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH

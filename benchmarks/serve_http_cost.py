@@ -3,9 +3,12 @@ request path, relay and server-sent events) in front of a stand-in engine that a
 deltas, one per step of `--step-ms` for all running jobs at once (as the decoding engine's steps do), under
 `--clients` streaming clients (plain `http.client` threads in another process, lighter than the openai client).
 
-    python benchmarks/serve_http_cost.py --model MODEL_DIR [--loop asyncio|uvloop] [--http h11|httptools]
+    python benchmarks/serve_http_cost.py --model MODEL_DIR [--loop asyncio|uvloop] [--http h11|httptools] \
+        [--image-px 64] [--processor-workers N]
 
-MODEL_DIR: any model folder with a processor (the app renders and counts each prompt with it). Prints one
+MODEL_DIR: a model folder with a processor (the app renders and counts each prompt with it, in the model family's
+chat template). `--image-px`: each request carries one PNG picture of that size; `--processor-workers`: the server's
+processor workers (`serve.prepare`) process each prompt, as on a GPU. Prints one
 `RESULT {json}` line: tokens/s, requests, the server process's CPU seconds per 1,000 streamed tokens (user + system,
 `os.times`), and the mean time from a request's arrival to the engine's queue (`read_ms`)."""
 
@@ -25,9 +28,16 @@ sys.path.insert(0, str(ROOT))
 
 CLIENT = r"""
 import http.client, json, sys, threading, time
-port, clients, seconds = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-body = json.dumps({"model": "bench", "stream": True, "max_tokens": 64,
-                   "messages": [{"role": "user", "content": "Say something."}]})
+port, clients, seconds, px = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+content = [{"type": "text", "text": "Say something."}]
+if px:
+    import base64, io
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.new("RGB", (px, px), (200, 30, 30)).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    content.insert(0, {"type": "image_url", "image_url": {"url": url}})
+body = json.dumps({"model": "bench", "stream": True, "max_tokens": 64, "messages": [{"role": "user", "content": content}]})
 done, stop = [0, 0], time.monotonic() + seconds
 lock = threading.Lock()
 def client():
@@ -53,11 +63,9 @@ class StandInEngine:
     where = "stand-in"
     profiling = False
 
-    def __init__(self, processor, tokens: int, step_ms: float, slots: int = 32):
-        from vlmctl.families import get_family
-
+    def __init__(self, processor, family, tokens: int, step_ms: float, slots: int = 32):
         self.processor, self.tokens, self.step = processor, tokens, step_ms / 1000
-        self.family, self.video, self.max_length, self.max_batch_size = get_family("llava"), None, 4096, slots
+        self.family, self.video, self.max_length, self.max_batch_size = family, None, 4096, slots
         self.arriving, self.queue, self.running, self.generated = 0, [], {}, 0
         self.lock = threading.Lock()
         threading.Thread(target=self._loop, daemon=True).start()
@@ -118,6 +126,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--step-ms", type=float, default=6.0)
     ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--image-px", type=int, default=0)
+    ap.add_argument("--processor-workers", type=int, default=0)
     args = ap.parse_args()
 
     import uvicorn
@@ -127,7 +137,15 @@ def main() -> None:
     from vlmctl.serve.server import bind_socket, head_timeout_protocol
 
     processor = load_processor(str(args.model))
-    state = ServerState(engine=StandInEngine(processor, args.tokens, args.step_ms), model_name="bench")
+    preparer = None
+    if args.processor_workers:
+        from vlmctl.serve.prepare import PromptPreparer
+
+        preparer = PromptPreparer(args.model, args.processor_workers)
+    from vlmctl.inference import folder_family
+
+    engine = StandInEngine(processor, folder_family(args.model), args.tokens, args.step_ms)
+    state = ServerState(engine=engine, model_name="bench", preparer=preparer)
     sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     if args.http == "h11":
@@ -143,7 +161,7 @@ def main() -> None:
         time.sleep(0.05)
     before, generated = os.times(), state.engine.generated
     read0, n0 = state.read_seconds, state.requests_read
-    out = subprocess.run([sys.executable, "-c", CLIENT, str(port), str(args.clients), str(args.seconds)],
+    out = subprocess.run([sys.executable, "-c", CLIENT, str(port), str(args.clients), str(args.seconds), str(args.image_px)],
                          capture_output=True, text=True, check=True)
     after = os.times()
     client = json.loads(out.stdout)
@@ -152,8 +170,11 @@ def main() -> None:
     wall = after.elapsed - before.elapsed
     server.should_exit = True
     thread.join(10)
+    if preparer is not None:
+        preparer.close()
     print("RESULT " + json.dumps({
-        "loop": args.loop, "http": args.http, "clients": args.clients, "tokens_per_s": round(tokens / wall, 1),
+        "loop": args.loop, "http": args.http, "clients": args.clients, "image_px": args.image_px,
+        "processor_workers": args.processor_workers, "tokens_per_s": round(tokens / wall, 1),
         "requests": client["requests"], "server_cpu_s_per_1000_tokens": round(1000 * cpu / max(tokens, 1), 4),
         "server_cpu_share": round(cpu / wall, 3),
         "read_ms": round(1000 * (state.read_seconds - read0) / max(state.requests_read - n0, 1), 2)}))

@@ -176,8 +176,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def http_protocol():
     """(uvicorn's HTTP protocol class, its name): httptools' where it is installed (its C parser, and responses
     written without h11's per-event Python), else h11's. On the 2-core CPU machine, 32 streaming clients of a model-free
-    engine (`benchmarks/serve_http_cost.py`) waited 3.6 ms from arrival to the engine's queue with httptools and
-    uvloop against 10.1 ms with h11 and asyncio's loop (docs/benchmarks.md)."""
+    engine (`benchmarks/serve_http_cost.py`) cost the server 38-39 ms of CPU per 1,000 streamed tokens with httptools
+    and uvloop against 47-48 ms with h11 and asyncio's loop (docs/benchmarks.md)."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
