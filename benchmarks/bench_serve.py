@@ -25,7 +25,7 @@ concurrency and round: requests, seconds, requests/s, output tokens/s, mean late
 from the server's /health counters over the round: decode steps, rows per step, milliseconds per step (the worker's
 busy time over its steps), the share of the round the worker was busy, the CUDA graphs captured during the round,
 the vision towers' picture layouts met for the first time (`new_layouts`: each ran eagerly, tens of ms on a GPU),
-and the prefills with their mean milliseconds (the runner's prefill and the first tokens' draw; the processor's share before it, `inputs_ms`, apart), and the worker's milliseconds per step in decoding (`decode_ms_per_step`: launching steps and taking their tokens), and per request the milliseconds from its arrival to its job in the engine's queue (`read_ms`: body, media, chat template, token count, processor workers) and from there to the start of its prefill (`queue_ms`), and the server's garbage collector over the round (`gc_ms`: its pauses' milliseconds; `gc_full`: its collections of the oldest generation, each a pause of every stream). With --rounds N the concurrencies are interleaved N times (1, 4, 8, 1, 4, 8, ...), so load from other
+and the prefills with their mean milliseconds (the runner's prefill and the first tokens' draw; the processor's share before it, `inputs_ms`, apart), and the worker's milliseconds per step in decoding (`decode_ms_per_step`: launching steps and taking their tokens), and per request the milliseconds from its arrival to its job in the engine's queue (`read_ms`: body, media, chat template, token count, processor workers; `body_ms`: of that, the wait for the whole body after its head: the client's pace, or the event loop's backlog) and from there to the start of its prefill (`queue_ms`), and the server's garbage collector over the round (`gc_ms`: its pauses' milliseconds; `gc_full`: its collections of the oldest generation, each a pause of every stream). With --rounds N the concurrencies are interleaved N times (1, 4, 8, 1, 4, 8, ...), so load from other
 processes on a shared machine falls on all of them, and a `MEDIAN {json}` and a `BEST {json}` line (the fastest
 round, the one least slowed by other processes) per concurrency follow. With --trace-at C (a server started with
 `--profile-dir`), the timed rounds at concurrency C are recorded by the server's torch.profiler (POST /start_profile
@@ -185,6 +185,7 @@ def main() -> None:
                            decode_ms_per_step=round(1000 * (after.get("decode_seconds", 0) - before.get("decode_seconds", 0))
                                                     / steps, 3),
                            read_ms=per_request(before, after, "read_seconds", "requests_read"),
+                           body_ms=per_request(before, after, "body_seconds", "requests_read"),
                            queue_ms=per_request(before, after, "queue_seconds", "admitted_requests"),
                            **gc_pauses(before, after), decode=after.get("decode"))
                 rows.setdefault(concurrency, []).append(row)

@@ -1,7 +1,8 @@
 """What `vlmctl serve`'s HTTP side costs per streamed token, apart from any model: the real app (`serve.app`, its
 request path, relay and server-sent events) in front of a stand-in engine that answers every job with `--tokens`
 deltas, one per step of `--step-ms` for all running jobs at once (as the decoding engine's steps do), under
-`--clients` streaming clients (plain `http.client` threads in another process, lighter than the openai client).
+`--clients` streaming clients (threads of one other process: plain `http.client` ones, lighter than the openai
+client, or with `--client openai` the official client, as `bench_serve.py` drives a server).
 
     python benchmarks/serve_http_cost.py --model MODEL_DIR [--loop asyncio|uvloop] [--http h11|httptools] \
         [--image-px 64] [--processor-workers N]
@@ -10,7 +11,8 @@ MODEL_DIR: a model folder with a processor (the app renders and counts each prom
 chat template). `--image-px`: each request carries one PNG picture of that size; `--processor-workers`: the server's
 processor workers (`serve.prepare`) process each prompt, as on a GPU. Prints one
 `RESULT {json}` line: tokens/s, requests, the server process's CPU seconds per 1,000 streamed tokens (user + system,
-`os.times`), and the mean time from a request's arrival to the engine's queue (`read_ms`)."""
+`os.times`), and the mean time from a request's arrival to the engine's queue (`read_ms`) and, of that, to its whole
+body (`body_ms`)."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 CLIENT = r"""
 import http.client, json, sys, threading, time
-port, clients, seconds, px = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+port, clients, seconds, px, kind = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 content = [{"type": "text", "text": "Say something."}]
 if px:
     import base64, io
@@ -41,6 +43,15 @@ body = json.dumps({"model": "bench", "stream": True, "max_tokens": 64, "messages
 done, stop = [0, 0], time.monotonic() + seconds
 lock = threading.Lock()
 def client():
+    if kind == "openai":  # the official client, as bench_serve.py drives the server: each chunk parsed into a model
+        import openai
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
+        request = json.loads(body)
+        while time.monotonic() < stop:
+            chunks = sum(1 for _ in c.chat.completions.create(**request))
+            with lock:
+                done[0] += 1; done[1] += chunks
+        return
     conn = http.client.HTTPConnection("127.0.0.1", port)
     while time.monotonic() < stop:
         conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
@@ -128,6 +139,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--image-px", type=int, default=0)
     ap.add_argument("--processor-workers", type=int, default=0)
+    ap.add_argument("--client", default="http.client", choices=["http.client", "openai"])
     args = ap.parse_args()
 
     import uvicorn
@@ -160,8 +172,8 @@ def main() -> None:
     while not server.started:
         time.sleep(0.05)
     before, generated = os.times(), state.engine.generated
-    read0, n0 = state.read_seconds, state.requests_read
-    out = subprocess.run([sys.executable, "-c", CLIENT, str(port), str(args.clients), str(args.seconds), str(args.image_px)],
+    read0, body0, n0 = state.read_seconds, state.body_seconds, state.requests_read
+    out = subprocess.run([sys.executable, "-c", CLIENT, str(port), str(args.clients), str(args.seconds), str(args.image_px), args.client],
                          capture_output=True, text=True, check=True)
     after = os.times()
     client = json.loads(out.stdout)
@@ -177,7 +189,8 @@ def main() -> None:
         "processor_workers": args.processor_workers, "tokens_per_s": round(tokens / wall, 1),
         "requests": client["requests"], "server_cpu_s_per_1000_tokens": round(1000 * cpu / max(tokens, 1), 4),
         "server_cpu_share": round(cpu / wall, 3),
-        "read_ms": round(1000 * (state.read_seconds - read0) / max(state.requests_read - n0, 1), 2)}))
+        "read_ms": round(1000 * (state.read_seconds - read0) / max(state.requests_read - n0, 1), 2),
+        "body_ms": round(1000 * (state.body_seconds - body0) / max(state.requests_read - n0, 1), 2), "client": args.client}))
 
 
 if __name__ == "__main__":

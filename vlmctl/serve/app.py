@@ -137,6 +137,7 @@ class ServerState:
     processor: str = ""  # where the processor runs and why (`/health`'s `processor`)
     requests_read: int = 0  # requests that became jobs in the engine's queue
     read_seconds: float = 0.0  # their times from arrival to the queue (body, media, chat template, token count, processor)
+    body_seconds: float = 0.0  # of that, from arrival (the head read) to the whole body: the client's pace or the loop's backlog
     gc: Any = None  # the collector's pauses (`serve.heap.GCPauses`), /health's `gc`
     _longest_token: int | None = field(default=None, init=False, repr=False)
 
@@ -274,7 +275,7 @@ def create_app(state: ServerState):
         return JSONResponse({"status": "ok" if alive else "engine_stopped", "model": state.model_name, **state.choice, **figures,
                              "processor_workers": state.preparer.workers if state.preparer is not None else 0,
                              "processor": state.processor, "requests_read": state.requests_read,
-                             "read_seconds": round(state.read_seconds, 4),
+                             "read_seconds": round(state.read_seconds, 4), "body_seconds": round(state.body_seconds, 4),
                              "gc": state.gc.describe() if state.gc is not None else None}, status_code=200 if alive else 503)
 
     async def page(request: Request) -> HTMLResponse:
@@ -325,6 +326,7 @@ def create_app(state: ServerState):
         try:
             authorize(request)
             body = await _read_body(request, state.limits.max_body_bytes, state.limits.body_seconds)
+            body_read = time.perf_counter()
             try:
                 req = parse_request(json.loads(body))
             except (ValueError, RecursionError) as exc:  # ValueError: not JSON, not UTF-8, a number too long
@@ -348,6 +350,7 @@ def create_app(state: ServerState):
             return error(OpenAIError(503, "the server is shutting down", type="server_error", code="unavailable"))
         state.requests_read += 1  # on the event loop's thread only: no lock
         state.read_seconds += time.perf_counter() - arrived
+        state.body_seconds += body_read - arrived
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_name}
         if req.stream:
             # the first event decides the status: a job refused by the engine (context too long, inputs the
