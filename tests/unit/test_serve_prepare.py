@@ -228,3 +228,29 @@ def test_pictures_still_encoded_go_to_the_worker_as_their_bytes_and_give_the_sam
     assert set(got) == set(own) and all(torch.equal(torch.from_numpy(got[k]), own[k]) for k in own)
     rendered.images[0].load()
     assert prepare.portable_image(rendered.images[0]) is rendered.images[0]  # decoded already: sent as it is
+
+
+def test_the_wait_for_a_body_sent_after_its_head_is_counted_apart(tiny_models):
+    """/health's `body_seconds`: from a request's arrival (its head read) to its whole body, the client's pace,
+    inside `read_seconds`."""
+    import socket
+    import time
+    from urllib.parse import urlparse
+
+    folder = tiny_models("tiny-qwen2.5-vl")
+    model, processor = load_for_generation(folder, device="cpu", dtype="fp32")
+    body = json.dumps({"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "Hello?"}]}).encode()
+    with running_server(model, processor, ServeSettings(port=0), name="tiny") as url:
+        address = urlparse(url)
+        with socket.create_connection((address.hostname, address.port), timeout=60) as conn:
+            conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body))
+            time.sleep(0.5)  # the head is there; the body comes half a second later
+            conn.sendall(body)
+            reply = b""
+            while b"\r\n\r\n" not in reply:
+                reply += conn.recv(65536)
+        assert reply.startswith(b"HTTP/1.1 200")
+        state = health(url)
+    assert state["requests_read"] == 1
+    assert 0.45 <= state["body_seconds"] < state["read_seconds"]  # the template, tokens and queueing come after
