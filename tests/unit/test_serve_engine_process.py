@@ -169,4 +169,4 @@ def test_a_dead_engine_process_fails_the_requests_in_flight_and_later_ones(tiny_
         assert status == 503 and facts["status"] == "engine_stopped" and facts["engine_alive"] is False
         with pytest.raises(openai.APIStatusError) as refused:
             client(url).chat.completions.create(model="tiny", messages=ask("Still there?"), max_tokens=3)
-        assert refused.value.status_code == 503
+        assert refused.value.status_code == 503 and "engine's process has stopped" in str(refused.value)

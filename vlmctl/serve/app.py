@@ -347,7 +347,9 @@ def create_app(state: ServerState):
         job.sink = relay[0].sink(events)
         request.state.submitted = True  # the engine counts the announcement as ended, queued or refused
         if not state.engine.submit(job, announced=True):
-            return error(OpenAIError(503, "the server is shutting down", type="server_error", code="unavailable"))
+            why = ("the server is shutting down" if getattr(state.engine, "alive", True) else
+                   "the decoding engine's process has stopped; restart the server (its log says why)")
+            return error(OpenAIError(503, why, type="server_error", code="unavailable"))
         state.requests_read += 1  # on the event loop's thread only: no lock
         state.read_seconds += time.perf_counter() - arrived
         state.body_seconds += body_read - arrived
