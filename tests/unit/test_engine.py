@@ -452,6 +452,32 @@ def test_a_streamed_token_whose_text_is_held_back_still_sends_a_delta(llava, mon
     assert deltas[:9] == [""] * 9 and "".join(deltas) == request.completions[0].text == whole and whole
 
 
+@pytest.mark.parametrize("interval", [1, 4])
+def test_a_stream_interval_sends_the_first_token_then_every_nth_and_the_same_text(llava, interval):
+    """`stream_interval`: a streamed choice sends a delta at its first token, then at every `interval`-th, and one at
+    its end; the deltas join to the text every token's deltas give, which is the unstreamed answer."""
+    prompt = requests_for(FAMILIES["llava"])[0]
+    whole = DecodeEngine(*llava, max_slots=1, max_length=512).generate(
+        [prompt], SamplingParams(max_tokens=10, ignore_eos=True))[0].completions[0].text
+    engine = DecodeEngine(*llava, max_slots=1, max_length=512, stream_interval=interval)
+    events = []
+    request = engine.submit(prompt, SamplingParams(max_tokens=10, ignore_eos=True), on_event=events.append, stream=True)
+    while not request.finished:
+        engine.step()
+    deltas = [e[2] for e in events if e[0] == "delta"]
+    # tokens 1..9 stream at the due ones (the 10th finishes the row, and its delta is the rest of the text)
+    due = [k for k in range(1, 10) if interval == 1 or k == 1 or k % interval == 0]
+    assert len(deltas) == len(due) + 1
+    assert "".join(deltas) == request.completions[0].text == whole and whole
+
+
+def test_a_stream_interval_below_one_is_refused(llava):
+    from vlmctl.errors import UsageError
+
+    with pytest.raises(UsageError, match="stream interval"):
+        DecodeEngine(*llava, max_slots=1, max_length=64, stream_interval=0)
+
+
 def test_windowed_encoders_attend_with_the_varlen_kernel_on_cuda_in_16_bit(tiny_models, monkeypatch):
     """`encoder_varlen` switches Qwen2.5-VL's vision tower (per-window attention) to the varlen kernel's
     flash-named implementation in bf16 on CUDA, and leaves it alone off CUDA, in fp32, or without the kernel; LLaVA's

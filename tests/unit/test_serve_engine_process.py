@@ -170,3 +170,31 @@ def test_a_dead_engine_process_fails_the_requests_in_flight_and_later_ones(tiny_
         with pytest.raises(openai.APIStatusError) as refused:
             client(url).chat.completions.create(model="tiny", messages=ask("Still there?"), max_tokens=3)
         assert refused.value.status_code == 503 and "engine's process has stopped" in str(refused.value)
+
+
+def test_the_stream_interval_reaches_the_engine_process(tiny_models):
+    """`stream_interval=4` in the child: a streamed 12-token answer's deltas come at tokens 1, 4 and 8 (and at its
+    end, when text is left to send), not at each token (the engine's own test checks the text they join to)."""
+    from vlmctl.inference import GenerationRequest
+    from vlmctl.serve.engine import Job
+    from vlmctl.serve.engine_process import EngineProcess
+
+    engine = EngineProcess(tiny_models("tiny-qwen2.5-vl"), device="cpu", max_batch_size=2, max_length=256,
+                           stream_interval=4)
+    try:
+        engine.wait_ready(120)
+        events, done = [], threading.Event()
+
+        def sink(event):
+            events.append(event)
+            if event[0] in ("end", "error"):
+                done.set()
+
+        rendered = engine.render(GenerationRequest(messages=ask("Count.")))
+        assert engine.submit(Job(rendered, max_tokens=12, temperature=0.0, sink=sink))
+        assert done.wait(60)
+    finally:
+        engine.close(timeout=10)
+    finished = [e for e in events if e[0] == "done"]
+    assert finished and finished[0][2:] == ("length", 12)
+    assert len([e for e in events if e[0] == "delta"]) in (3, 4)

@@ -60,6 +60,10 @@ def serve_cmd(
                                                   "process of its own, which loads the model, so its thread does not share "
                                                   "the interpreter lock with the HTTP side's request threads; "
                                                   "--engine-thread runs it in a thread of the server's process.")] = True,
+    stream_interval: Annotated[int, typer.Option("--stream-interval", min=1, help="Send a streamed answer's text at its "
+                                                 "first token, then every this many tokens, and at its end (as SGLang's "
+                                                 "--stream-interval): fewer, longer chunks for many clients that parse "
+                                                 "every chunk; 1: every token.")] = 1,
     max_body_mb: Annotated[float, typer.Option("--max-body-mb", help="Largest request body, in MiB.")] = 32.0,
     allow_origin: Annotated[Optional[list[str]], typer.Option("--allow-origin", help="A web page origin (scheme://host[:port]) "
                                                               "allowed to call the server from a browser (CORS; repeatable; "
@@ -102,7 +106,7 @@ def serve_cmd(
                              train=project.train if project is not None else None, allowed_origins=tuple(allow_origin or ()),
                              log=None if state.quiet else _log_request, warmup_length=warmup_length,
                              processor_workers=processor_workers, profile_dir=profile_dir, freeze_heap=freeze_heap,
-                             engine_process=engine_process)
+                             engine_process=engine_process, stream_interval=stream_interval)
     check_settings(settings)
     settings.video = _video_settings(model_dir, folder_family(model_dir), config, args)
     sock = bind_socket(host, port)  # a port in use is one error, before the model loads

@@ -20,7 +20,8 @@ cancellation (`cancel`).
 
 Events, handed to the request's `on_event` from the thread that calls `step()`, as tuples:
 - `("delta", choice, text)`: more text of choice `choice` (leading whitespace dropped; the pieces joined equal the
-  final text); a streamed choice sends one per generated token, "" while the token's text is held back;
+  final text); a streamed choice sends one per generated token ("" while the token's text is held back), or one per
+  `stream_interval` tokens;
 - `("logprobs", choice, entries)`: per generated token `(token id, logprob, [(token id, logprob), ...] top)`, when
   asked (`SamplingParams.logprobs`), just before the choice's `done`;
 - `("done", choice, finish_reason, completion_tokens)`: `stop` (end of sequence or a stop string) or `length`;
@@ -127,8 +128,9 @@ class _Choice:
     text-generation-inference's `decode_token` in `server/text_generation_server/models/model.py`, so a row's cost
     per token does not grow with its length; the final text is one whole decode)."""
 
-    def __init__(self, request: Request, index: int, slot: int, tokenizer, eos: set[int]):
+    def __init__(self, request: Request, index: int, slot: int, tokenizer, eos: set[int], interval: int = 1):
         self.request, self.index, self.slot, self.tok, self.eos = request, index, slot, tokenizer, eos
+        self.interval = interval  # a streamed choice's text goes out at its first token and every `interval`-th
         self.out = Completion(logprobs=[] if request.params.logprobs is not None else None)
         request.completions.append(self.out)
         self.length = 0  # cache positions used (prompt + generated tokens fed back)
@@ -160,7 +162,8 @@ class _Choice:
             return self._finish("stop", whole[:_first_stop(whole, params.stop)])
         if len(out.token_ids) >= params.max_tokens or self.length >= max_len:
             return self._finish("length", self._text())
-        if self.request.stream and not self._send(self._safe(text)):
+        due = self.interval == 1 or out.generated == 1 or out.generated % self.interval == 0
+        if self.request.stream and due and not self._send(self._safe(text)):
             # a token whose text is held back (a partial character, a stop string's start, trailing space) still
             # reaches the client, as an empty delta: its time to first token and the stream's pace stay visible
             self.request.emit(("delta", self.index, ""))
@@ -263,15 +266,18 @@ class DecodeEngine:
     one forward (right-padded to the longest). `suppress_tokens`: ids never sampled (GRPO:
     media placeholders). `logprobs`: "raw" or "sampled" (module docstring). `strict_context`: refuse (400) a request
     whose prompt plus `max_tokens` is over `max_length` (else its choices end with "length" there). `max_context`:
-    how far `max_length` may grow for a longer request (the cache is enlarged; None: it never grows). Raises UsageError for a non-positive
-    `max_slots` or `max_length`, ModelError for a model whose language model cannot be found.
+    how far `max_length` may grow for a longer request (the cache is enlarged; None: it never grows). `stream_interval`: a
+    streamed choice sends its text at its first token, then every this many tokens, and at its end (SGLang's
+    `--stream-interval`): fewer, longer deltas for clients that parse every chunk; 1: every token. Raises UsageError
+    for a non-positive `max_slots`, `max_length` or `stream_interval`, ModelError for a model whose language model
+    cannot be found.
     """
 
     def __init__(self, model, processor, *, family: Any = None, max_slots: int = 32, max_length: int = 4096, video: Any = None,
                  graphs: bool | None = None, kernels: str | None = None, prefill_chunk: int = 4096, prefill_batch: int = 16,
                  suppress_tokens: Sequence[int] = (), logprobs: str = "raw", strict_context: bool = True,
                  max_context: int | None = None, overlap: bool = True, fuse: bool = True, prefill_graphs: bool | None = None,
-                 encoder_graphs: bool | None = None):
+                 encoder_graphs: bool | None = None, stream_interval: int = 1):
         from vlmctl.inference.kv_cache import bytes_per_token
         from vlmctl.inference.prompt import model_family
         from vlmctl.inference.runner import ModelRunner, kv_budget_slots
@@ -281,6 +287,9 @@ class DecodeEngine:
                              hint="e.g. --batch-size 8")
         if logprobs not in ("raw", "sampled"):
             raise UsageError(f"logprobs must be 'raw' or 'sampled', got {logprobs!r}")
+        if int(stream_interval) < 1:
+            raise UsageError(f"the stream interval must be at least one token, got {stream_interval}", hint="e.g. --stream-interval 1")
+        self.stream_interval = int(stream_interval)
         self.model, self.processor, self.video = model, processor, video
         self.family = family if family is not None else model_family(model)
         # a prompt batch's position ids computed on the host where the family can (`FamilySpec.prompt_positions`)
@@ -766,7 +775,7 @@ class DecodeEngine:
             request.first_token_at = now
             for c, slot in enumerate(own):
                 i = at + c
-                choice = _Choice(request, c, slot, self.tok, self.eos)
+                choice = _Choice(request, c, slot, self.tok, self.eos, self.stream_interval)
                 choice.length = out.ends[b]
                 choice.take(int(tokens[i]), entries[i], self.max_length)
                 self.tokens_generated += 1
@@ -798,7 +807,7 @@ class DecodeEngine:
         where: list[tuple[int, int]] = []  # (slot, request index) of each choice, in `first`'s order
         for b, (request, own) in enumerate(zip(requests, slots)):
             for c, slot in enumerate(own):
-                choice = _Choice(request, c, slot, self.tok, self.eos)
+                choice = _Choice(request, c, slot, self.tok, self.eos, self.stream_interval)
                 choice.length = out.ends[b]
                 self.slots[slot] = choice
                 choices.append(choice)

@@ -61,7 +61,8 @@ class EngineProcess:
 
     def __init__(self, model_dir: Path, *, device: str = "auto", dtype: str = "auto", train: Any = None,
                  max_batch_size: int = 8, max_length: int = 4096, video: Any = None, warmup_length: int = 0,
-                 profile_dir: Path | None = None, profile_seconds: float = 60.0, freeze_heap: bool = True):
+                 profile_dir: Path | None = None, profile_seconds: float = 60.0, freeze_heap: bool = True,
+                 stream_interval: int = 1):
         import multiprocessing
 
         from vlmctl.models import load_processor
@@ -70,7 +71,7 @@ class EngineProcess:
         self._conn, child = context.Pipe()
         options = {"device": device, "dtype": dtype, "train": train, "max_batch_size": max_batch_size,
                    "max_length": max_length, "video": video, "warmup_length": warmup_length, "profile_dir": profile_dir,
-                   "profile_seconds": profile_seconds, "freeze_heap": freeze_heap}
+                   "profile_seconds": profile_seconds, "freeze_heap": freeze_heap, "stream_interval": stream_interval}
         self.process = context.Process(target=_child_main, args=(child, str(model_dir), options),
                                        name="vlmctl-serve-engine", daemon=True)
         self.process.start()
@@ -383,7 +384,7 @@ class _Child:
         self.engine = Engine(model, processor, max_batch_size=options["max_batch_size"], max_length=options["max_length"],
                              family=family, video=options["video"], warmup_length=options["warmup_length"],
                              profile_dir=options["profile_dir"], profile_seconds=options["profile_seconds"],
-                             on_step=self.flush)
+                             on_step=self.flush, stream_interval=options["stream_interval"])
         self.gc = GCPauses().install()
         if options["freeze_heap"]:
             self.gc.froze = freeze_heap()

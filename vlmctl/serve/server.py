@@ -57,7 +57,8 @@ class ServeSettings:
     whether the heap alive once the engine has warmed up is frozen out of the garbage collector's reach
     (`freeze_heap`, `serve.heap`: no full collection walks the model's and libraries' objects while serving), and
     whether `serve` runs the engine in a process of its own (`engine_process`, `serve.engine_process`; False: a thread
-    of the server's process)."""
+    of the server's process), and every how many tokens a streamed answer's text is sent (`stream_interval`; 1: each
+    token)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -79,6 +80,7 @@ class ServeSettings:
     profile_dir: Path | None = None  # where /start_profile and /stop_profile write torch.profiler traces (`Engine.profile`)
     freeze_heap: bool = True  # gc.freeze() once the engine is ready (`serve.heap.freeze_heap`)
     engine_process: bool = True  # `serve`: the engine in a child process (`serve.engine_process`), else in a thread
+    stream_interval: int = 1  # a streamed answer's text every this many tokens (`DecodeEngine`'s `stream_interval`)
     start_seconds: float | None = None  # the longest the engine process may take to load and warm up (None: no limit)
 
 
@@ -136,6 +138,8 @@ def check_settings(settings: ServeSettings) -> None:
         raise UsageError(f"--port {settings.port} is not a TCP port", hint="use 1..65535, e.g. --port 8000")
     if settings.max_batch_size <= 0:
         raise UsageError(f"--max-batch-size must be positive, got {settings.max_batch_size}", hint="e.g. --max-batch-size 8")
+    if settings.stream_interval < 1:
+        raise UsageError(f"--stream-interval must be at least 1 token, got {settings.stream_interval}", hint="e.g. --stream-interval 4")
 
 
 def served_name(model_dir: Path) -> str:
@@ -259,7 +263,8 @@ def make_state(model, processor, settings: ServeSettings, name: str, model_dir: 
         engine = EngineProcess(Path(model_dir), device=device, dtype=settings.dtype, train=settings.train,
                                max_batch_size=settings.max_batch_size, max_length=settings.max_length,
                                video=settings.video, warmup_length=settings.warmup_length,
-                               profile_dir=settings.profile_dir, freeze_heap=settings.freeze_heap)
+                               profile_dir=settings.profile_dir, freeze_heap=settings.freeze_heap,
+                               stream_interval=settings.stream_interval)
     else:
         family, device, engine = model_family(model), next(model.parameters()).device, None
     preparer = None
@@ -288,7 +293,7 @@ def make_state(model, processor, settings: ServeSettings, name: str, model_dir: 
         if engine is None:
             engine = Engine(model, processor, max_batch_size=settings.max_batch_size, max_length=settings.max_length,
                             family=family, video=settings.video, warmup_length=settings.warmup_length,
-                            profile_dir=settings.profile_dir)
+                            profile_dir=settings.profile_dir, stream_interval=settings.stream_interval)
         else:
             engine.wait_ready(settings.start_seconds)
     except BaseException:
