@@ -7,12 +7,14 @@ of the server's process).
     engine.close(timeout=60)     # answers what runs, then the child exits
 
 Why a process: the engine's worker thread launches every decode step from Python, and at many clients the server's
-request threads, its event loop and the event relay run Python too. In one process they share one interpreter lock,
-so each waits for the other (a request's read took 24-70 ms at 32 clients on an H200 against about 1 ms alone,
-docs/benchmarks.md). vLLM's V1 engine core and SGLang's scheduler run apart from their HTTP servers for the same
-reason. Here the child (started with `spawn`, so it has its own CUDA context and the server's process none) loads
-the model (`load_for_serving`), runs `serve.engine.Engine` in it, and talks to the server over one
-`multiprocessing.Pipe`:
+request threads, its event loop and the event relay run Python too. In one process they share one interpreter lock.
+vLLM's V1 engine core and SGLang's scheduler run apart from their HTTP servers for that reason. Measured on one H200
+at 32 clients (docs/benchmarks.md): an admission's host time fell from 6-11 ms to 2-3 ms, and a request's wait in
+the engine's queue from 21-24 ms to 5-7 ms. Output tokens/s stayed the same within the rounds' spread, and a request's
+way from its arrival to the queue did not get shorter.
+
+The child (started with `spawn`, so it has its own CUDA context and the server's process none) loads the model
+(`load_for_serving`), runs `serve.engine.Engine` in it, and talks to the server over one `multiprocessing.Pipe`:
 
 - server -> child: ("submit", job id, the job's fields), ("cancel", job id), ("call", call id, name, argument) for
   `health` and `profile`, ("close", seconds);
