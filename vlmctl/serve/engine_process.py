@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmctl.errors import UsageError
+from vlmctl.serve.engine import Engine
 
 log = logging.getLogger("vlmctl.serve")
 
@@ -147,12 +148,8 @@ class EngineProcess:
         """{"dtype", "attn_implementation"} of the model in the child (`serve.server.model_choice`)."""
         return dict(self.facts.get("choice", {}))
 
-    def render(self, request):
-        """As `Engine.render`: the prompt text and media of `request`, rendered in this process."""
-        from vlmctl.inference.prompt import check_requests, render_request
-
-        check_requests([request], self.family)
-        return render_request(request, self.processor, self.family)
+    # the prompt rendered in this process, with this process's processor and the child's family
+    render = Engine.render
 
     def announce(self) -> None:
         with self._lock:
@@ -376,7 +373,6 @@ class _Child:
         """Load the model as the server would (`load_for_serving`), start the engine (its graphs captured), freeze
         the heap (`freeze_heap`); the facts the server is told."""
         from vlmctl.inference.prompt import model_family
-        from vlmctl.serve.engine import Engine
         from vlmctl.serve.heap import GCPauses, freeze_heap
         from vlmctl.serve.loading import load_for_serving
 

@@ -175,16 +175,6 @@ class StepResult:
     metrics: dict[str, float] = field(default_factory=dict)  # the objective's own (`Objective.metrics`), logged as they are
 
 
-def freeze_heap() -> int:
-    """Collect once, then move every object alive out of the garbage collector's reach (`gc.freeze`); returns how
-    many objects it froze. Later full collections walk only the objects made after it (`train.gc_freeze_step`)."""
-    import gc
-
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
-
-
 @dataclass
 class Trainer:
     """The loop. `save(step, state, reason)` and `log(row)` are given by the worker (checkpoint and metrics).
@@ -196,7 +186,7 @@ class Trainer:
     group the loss and counts are reduced over (`ParallelDims.dp_group`; None = the default group, the world).
     `sp_group`: this rank's sequence-parallel group (`ParallelDims.sp_group`), whose ranks share a batch and each
     compute part of its loss; None without sequence parallelism. `gc_freeze_step`: after that many steps of this
-    process its heap is frozen out of the garbage collector's reach (`freeze_heap`, `train.gc_freeze_step`; 0: never).
+    process its heap is frozen out of the garbage collector's reach (`serve.heap.freeze_heap`, `train.gc_freeze_step`; 0: never).
     """
 
     engine: Any
@@ -250,9 +240,9 @@ class Trainer:
         """Give a heap `train_step` froze back to the collector (`gc.unfreeze`), for a process that goes on after
         training (the export, a test session)."""
         if self.frozen_objects:
-            import gc
+            from vlmctl.serve.heap import unfreeze_heap
 
-            gc.unfreeze()
+            unfreeze_heap()
             self.frozen_objects = 0
 
     def _train(self) -> str:
@@ -353,6 +343,8 @@ class Trainer:
         self.state.tokens += text + visual
         self._steps_run += 1
         if self._steps_run == self.gc_freeze_step:
+            from vlmctl.serve.heap import freeze_heap  # the server's own freeze after its warm-up
+
             self.frozen_objects = freeze_heap()
         return StepResult(
             loss=None if bad else float(stats[0]) / max(total_tokens, 1.0), grad_norm=grad_norm, label_tokens=int(total_tokens),
