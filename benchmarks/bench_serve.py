@@ -2,7 +2,7 @@
 
 Usage:
     python benchmarks/bench_serve.py --workdir /tmp/servebench [--model DIR | --preset P] [--concurrency 1,4,8] [--requests 32]
-                                     [--max-tokens 32] [--device cpu] [--max-batch-size 8] [--rounds 1] [--client-processes 1]
+                                     [--max-tokens 32] [--device cpu] [--max-batch-size 8] [--rounds 1] [--client-processes auto]
                                      [--warmup 1] [--warmup-steady 0]
     python benchmarks/bench_serve.py --url http://127.0.0.1:PORT [--concurrency 1,4,8] ...   # a server already running
 
@@ -15,7 +15,7 @@ last pass still captured a graph or met a new picture layout, whose first uses r
 `warmup_passes` says how many ran) and then --requests image questions
 (a 64 px PNG as a data: URL, greedy, --max-tokens each) from C client threads with the official `openai` client,
 each thread sending its next request when the previous is answered (--client-processes P spreads a concurrency's
-threads over P processes started once, so the clients' own Python, parsing every token's chunk, does not share one
+threads over P processes started once; the default, auto, starts one per 8 threads, so the clients' own Python, parsing every token's chunk, does not share one
 interpreter lock: with one process, the threads' work on a round's last chunks and next requests is done one after
 another, which the server sees as a gap between answers); requests are streamed, so the time to the first
 token's chunk is measured (the first content delta after the role chunk: vlmctl sends one per token, empty while
@@ -90,8 +90,9 @@ def main() -> None:
                     help="after --warmup, up to this many more untimed passes while the last one still captured a CUDA "
                          "graph or met a new picture layout (the round then measures the steady state; 0: none)")
     ap.add_argument("--url", default=None, help="benchmark a running server (http://HOST:PORT) instead of starting one")
-    ap.add_argument("--client-processes", type=int, default=1,
-                    help="spread each concurrency's client threads over this many processes (1: all in this one)")
+    ap.add_argument("--client-processes", type=_processes, default="auto",
+                    help="spread each concurrency's client threads over this many processes (1: all in this one; "
+                         f"auto: one per {THREADS_PER_CLIENT_PROCESS} threads, so 32 clients run in 4 processes)")
     ap.add_argument("--trace-at", type=int, default=None,
                     help="record the timed round(s) at this concurrency with torch.profiler (a server started with --profile-dir)")
     ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for the server's /health")
@@ -117,21 +118,24 @@ def main() -> None:
         print("SERVER " + json.dumps({k: served.get(k) for k in ("model", "dtype", "attn_implementation", "decode", "kernels", "slots")}),
               flush=True)
         one = Client(url, served["model"], args.max_tokens).one
-        if args.client_processes > 1:  # each process its own interpreter lock: the clients' work does not queue on one
+        concurrencies = [int(c) for c in args.concurrency.split(",")]
+        procs_at = {c: client_processes(args.client_processes, c) for c in concurrencies}
+        most = max(procs_at.values())
+        if most > 1:  # each process its own interpreter lock: the clients' work does not queue on one
             import multiprocessing
             from concurrent.futures import ProcessPoolExecutor
 
-            pool = ProcessPoolExecutor(args.client_processes, mp_context=multiprocessing.get_context("spawn"),
+            pool = ProcessPoolExecutor(most, mp_context=multiprocessing.get_context("spawn"),
                                        initializer=_start_client, initargs=(url, served["model"], args.max_tokens))
-            list(pool.map(_warm, range(args.client_processes)))
+            list(pool.map(_warm, range(most)))
 
         def run(concurrency: int, indices: list[int]) -> list[tuple[int, float, float]]:
             """(output tokens, latency s, time to first token s) of each request of `indices`, sent by `concurrency`
             client threads (spread over the client processes when there are several)."""
-            if pool is None:
+            procs = procs_at[concurrency]
+            if procs == 1:
                 with ThreadPoolExecutor(concurrency) as threads:
                     return list(threads.map(one, indices))
-            procs = min(args.client_processes, concurrency)
             shares = [pool.submit(_run_share, indices[k::procs], len(range(k, concurrency, procs))) for k in range(procs)]
             return [r for share in shares for r in share.result()]
 
@@ -139,7 +143,7 @@ def main() -> None:
             one(i)
         rows: dict[int, list[dict]] = {}
         for _ in range(args.rounds):
-            for concurrency in (int(c) for c in args.concurrency.split(",")):
+            for concurrency in concurrencies:
                 for _ in range(args.warmup):
                     run(concurrency, list(range(concurrency)))
                 passes = args.warmup
@@ -166,7 +170,7 @@ def main() -> None:
                        "output_tokens_per_s": round(tokens / seconds, 1),
                        "mean_latency_s": round(sum(r[1] for r in results) / len(results), 3),
                        "ttft_ms_median": round(1000 * statistics.median(r[2] for r in results), 1), "device": args.device,
-                       "max_batch_size": args.max_batch_size, "client_processes": min(args.client_processes, concurrency),
+                       "max_batch_size": args.max_batch_size, "client_processes": procs_at[concurrency],
                        "warmup_passes": passes}
                 after = health(url)
                 # the engine's decode steps over the round: rows per step is the batching achieved, and the busy share
@@ -242,6 +246,28 @@ class Client:
 
 
 _CLIENT: Client | None = None  # a client process's own (`--client-processes`)
+
+
+THREADS_PER_CLIENT_PROCESS = 8  # openai client threads one process runs before its interpreter lock holds them up
+
+
+def _processes(text: str) -> int | str:
+    """`--client-processes`: a positive count or `auto`."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of processes or auto, got {text!r}")
+    return int(text)
+
+
+def client_processes(asked: int | str, concurrency: int) -> int:
+    """The client processes that run `concurrency` client threads: `asked` (at most one per thread), or with `auto`
+    one per `THREADS_PER_CLIENT_PROCESS` threads. On one H200 (docs/benchmarks.md), 32 openai client threads in one
+    process left about a quarter of a 413 ms request cycle between a thread's answer and its next request, and the server's
+    batch at 25 of 32 rows instead of 15-19 once they ran in 4 processes; 8 threads in one process lost 2 ms a cycle."""
+    if asked == "auto":
+        return max(1, -(-concurrency // THREADS_PER_CLIENT_PROCESS))
+    return max(1, min(int(asked), concurrency))
 
 
 def _start_client(url: str, model: str, max_tokens: int) -> None:
