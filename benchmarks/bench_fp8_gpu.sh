@@ -26,6 +26,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # this source tree first
 out=${OUT:-/tmp}
+mkdir -p "$out"
 results=$out/fp8_gpu.jsonl
 : > "$results"
 budget=${BUDGET:-450} min_run=${MIN_RUN:-120} start=$(date +%s)
