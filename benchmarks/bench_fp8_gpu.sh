@@ -21,7 +21,9 @@
 # $OUT (or /tmp), its stderr beside it, then a table (the last lines printed): tokens/s and the median step's seconds,
 # each against bf16 of the same preset, the garbage collector's milliseconds in the measured steps, MFU (against
 # the bf16 peak, float8 or not), peak GiB, and what auto chose. EXTRA: more KEY=VALUE overrides for every run
-# (e.g. EXTRA=train.gc_freeze_step=0).
+# (e.g. EXTRA=train.gc_freeze_step=0). NPROC: GPUs (processes) per run, default 1; with 2 and
+# EXTRA=train.strategy=fsdp the tensorwise runs all-gather their float8 weights under FSDP2 (each GPU its own
+# 8,192-token rows; tokens/s are the GPUs' sum).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # this source tree first
@@ -32,7 +34,7 @@ results=$out/fp8_gpu.jsonl
 budget=${BUDGET:-450} min_run=${MIN_RUN:-120} start=$(date +%s)
 runs=("$@")
 [ ${#runs[@]} -eq 0 ] && runs=(7b-bf16 7b-tensorwise 3b-auto 3b-bf16 7b-rowwise)
-common=(--steps "${STEPS:-4}" --warmup "${WARMUP:-3}" --nproc-per-node 1 model.init=random train.stage=full
+common=(--steps "${STEPS:-4}" --warmup "${WARMUP:-3}" --nproc-per-node "${NPROC:-1}" model.init=random train.stage=full
         train.compile=on train.activation_checkpointing=off train.warmup_ratio=0.0 train.lr_scheduler=constant ${EXTRA:-})
 rows_3b=""
 for run in "${runs[@]}"; do
