@@ -384,6 +384,63 @@ def fsdp_engine(folder, fp8: str):
                         make_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0))
 
 
+def sr_fsdp_engine(folder):
+    """The tiny LLaVA in bf16 under FSDP2 on one gloo rank, tensorwise float8 with the float8 all-gather, stepped by
+    the AdamW with stochastic rounding that bf16 master weights use (`optimizer.stochastic_adamw`)."""
+    import torch
+
+    from vlmctl.distributed.engine import build_engine, strategy_of
+    from vlmctl.distributed.mesh import ParallelDims
+    from vlmctl.distributed.parallelize import parallelize
+    from vlmctl.models import load_model
+    from vlmctl.train.optimizer import stochastic_adamw
+    from vlmctl.train.setup import model_parts
+
+    train = TrainSection(strategy="fsdp", precision="bf16", fp8="tensorwise", fp8_layers="all", compile="off",
+                         activation_checkpointing="off")
+    dims = ParallelDims.for_strategy("fsdp", 1, sharding="full")
+    dims.build_mesh("cpu")
+    model, _, family = load_model(folder, dtype=torch.bfloat16)
+    cpu = torch.device("cpu")
+    wrapped = parallelize(model, family=family, parts=model_parts(model, family), train=train, dims=dims, device=cpu,
+                          dtype=torch.bfloat16)
+    groups = [{"params": [p for p in wrapped.parameters() if p.requires_grad], "lr": 1e-2, "weight_decay": 0.0}]
+    return build_engine(wrapped, strategy_of("fsdp"), max_grad_norm=1.0, device=cpu, dtype=torch.bfloat16,
+                        make_optimizer=lambda m: stochastic_adamw(groups, lr=1e-2, betas=(0.9, 0.999), eps=1e-8),
+                        make_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0))
+
+
+@pytest.mark.parametrize("chunk", [1, None], ids=["each-parameter-alone", "parameters-concatenated"])
+def test_stochastic_rounding_steps_the_weights_fsdp2_all_gathers_in_float8(llava, one_rank, tmp_path, monkeypatch, chunk):
+    """The optimizer steps a float8 layer's shard alone (a parameter larger than `FLAT_CHUNK`, as a 7B's MLP
+    weights are) or in a flat copy with others: either way through the float8 all-gather's weight wrapper."""
+    import torch
+
+    from vlmctl.distributed import float8
+    from vlmctl.train import optimizer
+
+    if chunk is not None:
+        monkeypatch.setattr(optimizer, "FLAT_CHUNK", chunk)
+    folder, inputs = llava
+    engine = sr_fsdp_engine(folder)
+    state = float8.state_of(engine.module)
+    assert state.all_gather and state.layers
+    layers = dict(engine.module.named_modules())
+    before = {name: layers[name].weight.full_tensor().detach().clone() for name in state.layers}
+    for _ in range(2):
+        train_step(engine, inputs)
+    for name in state.layers:
+        weight = layers[name].weight
+        assert not torch.equal(float8.high_precision(weight.full_tensor()), float8.high_precision(before[name])), name
+        moments = engine.optimizer.state[weight]
+        # the moments are plain shards (no float8 wrapper): they are saved and loaded as any other optimizer state
+        assert all(type(moments[k].to_local()) is torch.Tensor for k in ("exp_avg", "exp_avg_sq")), name
+        assert moments["exp_avg_sq"].to_local().abs().sum() > 0, name
+    for name, (got, want) in scales(engine).items():  # the scales follow the stepped weights
+        torch.testing.assert_close(got, want, msg=name)
+    engine.save(tmp_path / "sr", step=2)
+
+
 def train_step(engine, inputs) -> None:
     engine.backward(engine.model(**inputs).loss, 1.0)
     engine.step(skip=False)

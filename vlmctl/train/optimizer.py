@@ -150,10 +150,24 @@ def _stochastic_adamw_class():
     from torch.distributed.tensor import DTensor
     from torchao.optim import _AdamW
 
+    from vlmctl.distributed.float8 import high_precision
+
     def local(t):
-        return t.to_local() if isinstance(t, DTensor) else t
+        """The plain tensor the step updates in place: an FSDP2 shard's local tensor, and of a float8 layer's weight
+        under FSDP2's float8 all-gather the bf16 shard inside torchao's wrapper (compiled with dynamic sizes, the
+        step cannot take the wrapper: its flattened size is a product of symbols Dynamo cannot bind)."""
+        return high_precision(t.to_local() if isinstance(t, DTensor) else t)
 
     class StochasticAdamW(_AdamW):
+        def _new_buffer(self, p, signed: bool):  # noqa: ARG002 - plain AdamW moments: no quantized state
+            """A moment of zeros shaped as `p`'s plain shard (`local`), a DTensor like `p` under FSDP2, so no moment
+            carries the float8 wrapper into the optimizer's state and its checkpoints."""
+            out = torch.zeros_like(local(p))
+            if isinstance(p, DTensor):
+                out = DTensor.from_local(out, device_mesh=p.device_mesh, placements=p.placements, run_check=False,
+                                         shape=p.shape, stride=p.stride())
+            return out.to(p.device)  # from_local moves it to the mesh's device: back beside an offloaded parameter
+
         @torch.no_grad()
         def step(self, closure=None):
             loss = None
