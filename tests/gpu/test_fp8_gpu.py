@@ -1,6 +1,7 @@
 """Float8 training on the GPU (`train.fp8`, torchao's float8 linears; compute capability >= 8.9): FSDP2 with compiled
-decoder layers, tensorwise with the float8 all-gather and its scales computed after the optimizer step, and rowwise,
-on one GPU and on two, each against the CPU path of the same packed rows (fp32, sdpa, no liger).
+decoder layers, tensorwise with the float8 all-gather and its scales computed after the optimizer step (fp32 master
+weights, and bf16 master weights stepped by the AdamW with stochastic rounding), and rowwise, on one GPU and on two,
+each against the CPU path of the same packed rows (fp32, sdpa, no liger).
 
 Tolerances: float8 against the fp32 reference: loss rel 5e-2 and a gradient cosine similarity >= 0.98 over all
 parameters (emulated float8 on CPU measured 0.2% and 0.998 on the tiny LLaVA; bf16 itself is held to 2e-2 / 0.99 in
@@ -22,6 +23,10 @@ CASES = {
     # fp8_layers=all: the tiny preset's linears are all below torchao's size rule
     "fp8_tensorwise": {"train": {**BF16, "fp8": "tensorwise", "fp8_layers": "all"}, "step": True},
     "fp8_rowwise": {"train": {**BF16, "fp8": "rowwise", "fp8_layers": "all"}, "step": True},
+    # bf16 master weights (the default of fsdp runs in bf16): the AdamW with stochastic rounding steps the shards
+    # inside the float8 all-gather's weight wrapper
+    "fp8_tensorwise_sr": {"train": {**BF16, "master_weights": "bf16", "stochastic_rounding": "on", "fp8": "tensorwise",
+                                    "fp8_layers": "all"}, "step": True},
 }
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
@@ -59,6 +64,10 @@ def test_tensorwise_float8_under_fsdp2_and_compile_on_one_gpu(one_gpu):
 def test_rowwise_float8_under_fsdp2_and_compile_on_one_gpu(one_gpu):
     check_float8(one_gpu, "fp8_rowwise", "rowwise", all_gather=False)
     assert case(one_gpu, "bf16_plain")["float8"] is None
+
+
+def test_tensorwise_float8_all_gather_with_bf16_master_weights_and_stochastic_rounding_on_one_gpu(one_gpu):
+    check_float8(one_gpu, "fp8_tensorwise_sr", "tensorwise", all_gather=True)
 
 
 @pytest.mark.two_gpus
