@@ -15,8 +15,8 @@ last pass still captured a graph or met a new picture layout, whose first uses r
 `warmup_passes` says how many ran) and then --requests image questions
 (a 64 px PNG as a data: URL, greedy, --max-tokens each) from C client threads with the official `openai` client,
 each thread sending its next request when the previous is answered (--client-processes P spreads a concurrency's
-threads over P processes started once; the default, auto, starts one per 8 threads, so the clients' own Python, parsing every token's chunk, does not share one
-interpreter lock: with one process, the threads' work on a round's last chunks and next requests is done one after
+threads over P processes started once; the default, auto, starts one per 8 threads, so the clients' own Python,
+parsing every token's chunk, does not share one interpreter lock: with one process, the threads' work on a round's last chunks and next requests is done one after
 another, which the server sees as a gap between answers); requests are streamed, so the time to the first
 token's chunk is measured (the first content delta after the role chunk: vlmctl sends one per token, empty while
 the token's text is held back, which a random-weight model's byte tokens nearly always are). Output tokens are the servers' `usage` counts. Prints a `SERVER {json}` line (the served
@@ -263,8 +263,9 @@ def _processes(text: str) -> int | str:
 def client_processes(asked: int | str, concurrency: int) -> int:
     """The client processes that run `concurrency` client threads: `asked` (at most one per thread), or with `auto`
     one per `THREADS_PER_CLIENT_PROCESS` threads. On one H200 (docs/benchmarks.md), 32 openai client threads in one
-    process left about a quarter of a 413 ms request cycle between a thread's answer and its next request, and the server's
-    batch at 25 of 32 rows instead of 15-19 once they ran in 4 processes; 8 threads in one process lost 2 ms a cycle."""
+    process left 15-98 ms of a 350-413 ms request cycle between a thread's answer and its next request, and the
+    server's batch at 15-20 of 32 rows; in 4 processes the gap was 5-7 ms and the batch 24-26 rows. 8 threads in one
+    process lost 2 ms a cycle."""
     if asked == "auto":
         return max(1, -(-concurrency // THREADS_PER_CLIENT_PROCESS))
     return max(1, min(int(asked), concurrency))
