@@ -440,6 +440,20 @@ def test_stochastic_rounding_steps_the_weights_fsdp2_all_gathers_in_float8(llava
         torch.testing.assert_close(got, want, msg=name)
     engine.save(tmp_path / "sr", step=2)
 
+    # resumed: the weights and moments come back, and the next step runs through the wrapper again
+    again = sr_fsdp_engine(folder)
+    again.load(tmp_path / "sr")
+    resumed = dict(again.module.named_modules())
+    for name in state.layers:
+        weight = resumed[name].weight
+        assert torch.equal(float8.high_precision(weight.full_tensor()),
+                           float8.high_precision(layers[name].weight.full_tensor())), name
+        saved = engine.optimizer.state[layers[name].weight]["exp_avg_sq"]
+        assert torch.equal(again.optimizer.state[weight]["exp_avg_sq"].full_tensor(), saved.full_tensor()), name
+    train_step(again, inputs)
+    for name, (got, want) in scales(again).items():
+        torch.testing.assert_close(got, want, msg=name)
+
 
 def train_step(engine, inputs) -> None:
     engine.backward(engine.model(**inputs).loss, 1.0)
