@@ -128,6 +128,25 @@ def _flat_step():
     return _FLAT_STEP
 
 
+def _step_chunk(chunk, group) -> None:
+    """One compiled AdamW step over `chunk` (`_chunks`: ((param, grad, exp_avg, exp_avg_sq), step) of plain shards)
+    with `group`'s settings: on the tensors themselves when the chunk is one contiguous parameter, else on one flat
+    copy of each kind, copied back after."""
+    (p, g, m, v), step = chunk[0]
+    args = (None, group["lr"], group["betas"][0], group["betas"][1], group["weight_decay"], group["eps"], True,
+            p.dtype is torch.bfloat16)
+    if len(chunk) == 1 and all(t.is_contiguous() for t in (p, g, m, v)):
+        _flat_step()(p.view(-1), g.view(-1), step, m.view(-1), v.view(-1), *args)
+        return
+    # one flat copy of each: one compiled call and a few copy kernels instead of one call per parameter
+    params, grads, avgs, sqs = (list(ts) for ts in zip(*(item for item, _ in chunk)))
+    flat = [torch.cat([t.reshape(-1) for t in ts]) for ts in (params, grads, avgs, sqs)]
+    _flat_step()(flat[0], flat[1], step, flat[2], flat[3], *args)
+    sizes = [t.numel() for t in params]
+    for targets, source in ((params, flat[0]), (avgs, flat[2]), (sqs, flat[3])):
+        torch._foreach_copy_(targets, [part.view(t.shape) for part, t in zip(source.split(sizes), targets)])
+
+
 def stochastic_adamw(groups: list[dict[str, Any]], *, lr: float, betas: tuple[float, float], eps: float):
     """AdamW for bf16 parameters whose update is computed in fp32 and rounded to bf16 stochastically (torchao's
     `_AdamW(bf16_stochastic_round=True)`, its moments in the parameters' dtype), stepped through one compiled
@@ -192,21 +211,6 @@ def _stochastic_adamw_class():
                     for chunk in _chunks(items, FLAT_CHUNK):
                         _step_chunk(chunk, group)
             return loss
-
-    def _step_chunk(chunk, group) -> None:
-        (p, g, m, v), step = chunk[0]
-        args = (None, group["lr"], group["betas"][0], group["betas"][1], group["weight_decay"], group["eps"], True,
-                p.dtype is torch.bfloat16)
-        if len(chunk) == 1 and all(t.is_contiguous() for t in (p, g, m, v)):
-            _flat_step()(p.view(-1), g.view(-1), step, m.view(-1), v.view(-1), *args)
-            return
-        # one flat copy of each: one compiled call and a few copy kernels instead of one call per parameter
-        params, grads, avgs, sqs = (list(ts) for ts in zip(*(item for item, _ in chunk)))
-        flat = [torch.cat([t.reshape(-1) for t in ts]) for ts in (params, grads, avgs, sqs)]
-        _flat_step()(flat[0], flat[1], step, flat[2], flat[3], *args)
-        sizes = [t.numel() for t in params]
-        for targets, source in ((params, flat[0]), (avgs, flat[2]), (sqs, flat[3])):
-            torch._foreach_copy_(targets, [part.view(t.shape) for part, t in zip(source.split(sizes), targets)])
 
     _SR_CLASS = StochasticAdamW
     return _SR_CLASS
