@@ -360,33 +360,10 @@ def one_rank():
     dist.destroy_process_group()
 
 
-def fsdp_engine(folder, fp8: str):
-    """The tiny LLaVA through `parallelize` (FSDP2 on one gloo rank, fp32, train.fp8 = `fp8`) and `build_engine`."""
-    import torch
-
-    from vlmctl.distributed.engine import build_engine, strategy_of
-    from vlmctl.distributed.mesh import ParallelDims
-    from vlmctl.distributed.parallelize import parallelize
-    from vlmctl.models import load_model
-    from vlmctl.train.setup import model_parts
-
-    # every aligned layer: the tiny model's are all below torchao's size rule
-    train = TrainSection(strategy="fsdp", precision="fp32", fp8=fp8, fp8_layers="all", compile="off",
-                         activation_checkpointing="off")
-    dims = ParallelDims.for_strategy("fsdp", 1, sharding="full")
-    dims.build_mesh("cpu")
-    model, _, family = load_model(folder, dtype=torch.float32)
-    cpu = torch.device("cpu")
-    wrapped = parallelize(model, family=family, parts=model_parts(model, family), train=train, dims=dims, device=cpu,
-                          dtype=torch.float32)
-    return build_engine(wrapped, strategy_of("fsdp"), max_grad_norm=1.0, device=cpu, dtype=torch.float32,
-                        make_optimizer=lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3),
-                        make_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0))
-
-
-def sr_fsdp_engine(folder):
-    """The tiny LLaVA in bf16 under FSDP2 on one gloo rank, tensorwise float8 with the float8 all-gather, stepped by
-    the AdamW with stochastic rounding that bf16 master weights use (`optimizer.stochastic_adamw`)."""
+def fsdp_engine(folder, fp8: str, precision: str = "fp32"):
+    """The tiny LLaVA through `parallelize` (FSDP2 on one gloo rank, train.fp8 = `fp8`) and `build_engine`: in fp32
+    with torch's AdamW, or with `precision` bf16 in bf16 stepped by the AdamW with stochastic rounding that bf16
+    master weights use (`optimizer.stochastic_adamw`)."""
     import torch
 
     from vlmctl.distributed.engine import build_engine, strategy_of
@@ -396,17 +373,25 @@ def sr_fsdp_engine(folder):
     from vlmctl.train.optimizer import stochastic_adamw
     from vlmctl.train.setup import model_parts
 
-    train = TrainSection(strategy="fsdp", precision="bf16", fp8="tensorwise", fp8_layers="all", compile="off",
+    # every aligned layer: the tiny model's are all below torchao's size rule
+    train = TrainSection(strategy="fsdp", precision=precision, fp8=fp8, fp8_layers="all", compile="off",
                          activation_checkpointing="off")
     dims = ParallelDims.for_strategy("fsdp", 1, sharding="full")
     dims.build_mesh("cpu")
-    model, _, family = load_model(folder, dtype=torch.bfloat16)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    model, _, family = load_model(folder, dtype=dtype)
     cpu = torch.device("cpu")
     wrapped = parallelize(model, family=family, parts=model_parts(model, family), train=train, dims=dims, device=cpu,
-                          dtype=torch.bfloat16)
-    groups = [{"params": [p for p in wrapped.parameters() if p.requires_grad], "lr": 1e-2, "weight_decay": 0.0}]
-    return build_engine(wrapped, strategy_of("fsdp"), max_grad_norm=1.0, device=cpu, dtype=torch.bfloat16,
-                        make_optimizer=lambda m: stochastic_adamw(groups, lr=1e-2, betas=(0.9, 0.999), eps=1e-8),
+                          dtype=dtype)
+    def make_optimizer(m):
+        trained = [p for p in m.parameters() if p.requires_grad]
+        if precision == "bf16":
+            groups = [{"params": trained, "lr": 1e-2, "weight_decay": 0.0}]
+            return stochastic_adamw(groups, lr=1e-2, betas=(0.9, 0.999), eps=1e-8)
+        return torch.optim.AdamW(trained, lr=1e-3)
+
+    return build_engine(wrapped, strategy_of("fsdp"), max_grad_norm=1.0, device=cpu, dtype=dtype,
+                        make_optimizer=make_optimizer,
                         make_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0))
 
 
@@ -422,7 +407,7 @@ def test_stochastic_rounding_steps_the_weights_fsdp2_all_gathers_in_float8(llava
     if chunk is not None:
         monkeypatch.setattr(optimizer, "FLAT_CHUNK", chunk)
     folder, inputs = llava
-    engine = sr_fsdp_engine(folder)
+    engine = fsdp_engine(folder, "tensorwise", "bf16")
     state = float8.state_of(engine.module)
     assert state.all_gather and state.layers
     layers = dict(engine.module.named_modules())
@@ -441,7 +426,7 @@ def test_stochastic_rounding_steps_the_weights_fsdp2_all_gathers_in_float8(llava
     engine.save(tmp_path / "sr", step=2)
 
     # resumed: the weights and moments come back, and the next step runs through the wrapper again
-    again = sr_fsdp_engine(folder)
+    again = fsdp_engine(folder, "tensorwise", "bf16")
     again.load(tmp_path / "sr")
     resumed = dict(again.module.named_modules())
     for name in state.layers:
