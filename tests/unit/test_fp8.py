@@ -548,12 +548,12 @@ def test_a_recipe_converts_what_the_size_rule_keeps_and_is_refused_where_that_is
     dims.build_mesh("cpu")
     cpu = torch.device("cpu")
 
-    def converted(layers: str, wide: bool):
+    def converted(layers: str, wide: bool, skip: tuple[str, ...] = ()):
         model, _, family = load_model(llava[0], dtype=torch.float32)
         if wide:  # torchao's tensorwise rule keeps in_features > 4096 or out_features > 1024
             decoder_layers(model, family)[0].wide = torch.nn.Linear(1024, 2048, bias=False)
         train = TrainSection(strategy="fsdp", precision="fp32", fp8="tensorwise", fp8_layers=layers, compile="off",
-                             activation_checkpointing="off")
+                             activation_checkpointing="off", fp8_skip=list(skip))
         parallelize(model, family=family, parts=model_parts(model, family), train=train, dims=dims, device=cpu,
                     dtype=torch.float32)
         return float8.state_of(model)
@@ -564,6 +564,12 @@ def test_a_recipe_converts_what_the_size_rule_keeps_and_is_refused_where_that_is
     with pytest.raises(ConfigError, match="train.fp8=tensorwise: no linear layer") as err:
         converted("sized", wide=False)
     assert "train.fp8_layers=all" in err.value.hint and "train.fp8=off" in err.value.hint
+    # train.fp8_skip: the attention's projections stay bf16, the MLPs' three linears and the wide one convert
+    state = converted("all", wide=True, skip=("q_proj", "k_proj", "v_proj", "o_proj"))
+    assert len(state.layers) == 4 * 3 + 1 and all(".mlp." in n or n.endswith("wide") for n in state.layers)
+    with pytest.raises(ConfigError, match=r"train.fp8_skip=\['layers'\]") as err:
+        converted("all", wide=True, skip=("layers",))
+    assert "fewer fragments in train.fp8_skip" in err.value.hint
 
 
 def _rank0_weights_rank(rank: int, port: int, folder: str, out: str) -> None:

@@ -49,28 +49,31 @@ class Float8State:
     layers: tuple[str, ...]
 
 
-def convertible(model, family, sized: str | None = None) -> list[tuple[str, object]]:
+def convertible(model, family, sized: str | None = None, skip: tuple[str, ...] = ()) -> list[tuple[str, object]]:
     """(module path, module) of the layers of `model` that `convert` converts: the family's `float8_linears` whose
-    weight dimensions are multiples of `ALIGN`, and with `sized` (a recipe name) only those torchao's size rule
-    for that recipe keeps (module docstring)."""
+    weight dimensions are multiples of `ALIGN`, with `sized` (a recipe name) only those torchao's size rule
+    for that recipe keeps (module docstring), and none whose path contains a fragment of `skip` (`train.fp8_skip`,
+    torchtitan's float8 `filter_fqns`)."""
     keep = None
     if sized is not None:
         from torchao.float8 import _auto_filter_for_recipe  # noqa: PLC0415 - torchao only where float8 is asked for
 
         keep = _auto_filter_for_recipe(sized, filter_fqns=[])
     return [(name, module) for name, module in float8_linears(model, family)
-            if not any(d % ALIGN for d in module.weight.shape) and (keep is None or keep(module, name))]
+            if not any(d % ALIGN for d in module.weight.shape) and (keep is None or keep(module, name))
+            and not any(fragment in name for fragment in skip)]
 
 
 def convert(model, family, recipe: str, *, all_gather: bool = False, emulate: bool = False,
-            sized: bool = False) -> Float8State:
+            sized: bool = False, skip: tuple[str, ...] = ()) -> Float8State:
     """Swap the `convertible` layers of `model` (in place, on any device, the meta device included) for torchao's
     `Float8Linear` with `recipe` (tensorwise or rowwise: `Float8LinearConfig.from_recipe_name`), the float8
-    all-gather under FSDP2 with `all_gather` (tensorwise only), `emulate` off CUDA, and with `sized` torchao's size
-    rule. Records and returns the `Float8State` (`FLOAT8_ATTR` on `model`). Parameters keep their names and values."""
+    all-gather under FSDP2 with `all_gather` (tensorwise only), `emulate` off CUDA, with `sized` torchao's size
+    rule, leaving the layers whose path contains a fragment of `skip` in bf16. Records and returns the `Float8State`
+    (`FLOAT8_ATTR` on `model`). Parameters keep their names and values."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: PLC0415 - as above
 
-    layers = {name for name, _ in convertible(model, family, recipe if sized else None)}
+    layers = {name for name, _ in convertible(model, family, recipe if sized else None, skip)}
     all_gather = all_gather and recipe == "tensorwise"  # torchao's float8 all-gather scales per tensor
     config = replace(Float8LinearConfig.from_recipe_name(recipe), enable_fsdp_float8_all_gather=all_gather,
                      pad_inner_dim=True, emulate=emulate)

@@ -87,22 +87,27 @@ def apply_float8(model, family, train, device) -> None:
     decides it) converts the layers large enough for tensorwise float8 without the float8 all-gather and leaves
     them computing in bf16 until the trial (`float8.use_float8`); where no layer passes torchao's size rule nothing
     converts and the trial keeps bf16. Which layers convert: every aligned one (`train.fp8_layers: all`) or those
-    the size rule keeps (`sized`). Off CUDA the float8 matmuls are emulated (tests; the plan refuses float8 training
-    there). Nothing for `off`; a frozen model is never converted.
+    the size rule keeps (`sized`), less those `train.fp8_skip` names. Off CUDA the float8 matmuls are emulated (tests;
+    the plan refuses float8 training there). Nothing for `off`; a frozen model is never converted.
 
-    Raises ConfigError when a recipe set in the config leaves no layer to convert (train.fp8_layers named)."""
+    Raises ConfigError when a recipe set in the config leaves no layer to convert (train.fp8_layers and
+    train.fp8_skip named)."""
     if train.fp8 == "off":
         return
     trial = pending(train.fp8)
     recipe = "tensorwise" if trial else train.fp8
-    sized = train.fp8_layers == "sized" or (trial and not float8.convertible(model, family, "tensorwise"))
+    skip = tuple(train.fp8_skip)
+    sized = train.fp8_layers == "sized" or (trial and not float8.convertible(model, family, "tensorwise", skip))
     state = float8.convert(model, family, recipe, all_gather=strategy_of(train.strategy).fsdp and not trial,
-                           emulate=device.type != "cuda", sized=sized)
+                           emulate=device.type != "cuda", sized=sized, skip=skip)
     if not trial and not state.layers:
-        raise ConfigError(f"train.fp8={recipe}: no linear layer of the language model is large enough for {recipe} "
-                          "float8 under torchao's size rule (train.fp8_layers=sized), so the run would train in bf16",
-                          hint="set train.fp8=off (the float8 matmuls would not pay at these sizes), or "
-                               "train.fp8_layers=all to convert every layer whose dimensions are multiples of 16")
+        rule = "torchao's size rule (train.fp8_layers=sized)" if sized else "its alignment to 16"
+        skipped = f" and train.fp8_skip={list(skip)}" if skip else ""
+        raise ConfigError(f"train.fp8={recipe}: no linear layer of the language model is left for {recipe} float8 "
+                          f"under {rule}{skipped}, so the run would train in bf16",
+                          hint="set train.fp8=off (the float8 matmuls would not pay at these sizes), "
+                               "train.fp8_layers=all to convert every layer whose dimensions are multiples of 16"
+                               + (", or name fewer fragments in train.fp8_skip" if skip else ""))
     if trial:
         float8.use_float8(model, False)
 
