@@ -37,12 +37,28 @@ def shard_of(text: str | None) -> tuple[int, int] | None:
     return index, count
 
 
+def shard_groups(items) -> list[list]:
+    """`items` in the groups one shard runs whole, in collection order: the tests of a module marked
+    `one_shard` together (they share a module fixture that trains every case at once: built in each shard that
+    runs one of them), every other test alone."""
+    groups, by_module = [], {}
+    for item in items:
+        if item.get_closest_marker("one_shard") is None:
+            groups.append([item])
+        elif item.module in by_module:
+            by_module[item.module].append(item)
+        else:
+            by_module[item.module] = [item]
+            groups.append(by_module[item.module])
+    return groups
+
+
 def pytest_collection_modifyitems(config, items):
-    # One shard of the one-GPU tests per GPU: the i-th collected test goes to shard i mod n, so the slow
-    # subprocess runs, which sit next to each other, spread over the shards.
+    # One shard of the one-GPU tests per GPU: the i-th group of tests (`shard_groups`) goes to shard i mod n, so the
+    # slow subprocess runs, which sit next to each other, spread over the shards.
     shard = shard_of(os.environ.get("VLMCTL_GPU_SHARD"))
     if shard is not None:
-        mine = [item for i, item in enumerate(items) if i % shard[1] == shard[0]]
+        mine = [item for i, group in enumerate(shard_groups(items)) if i % shard[1] == shard[0] for item in group]
         config.hook.pytest_deselected(items=[item for item in items if item not in mine])
         items[:] = mine
     count = _cuda_count()

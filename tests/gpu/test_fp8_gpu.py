@@ -29,8 +29,9 @@ CASES = {
                                     "fp8_layers": "all"}, "step": True},
 }
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-                                reason="float8 matmuls need a GPU of compute capability >= 8.9")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                                 reason="float8 matmuls need a GPU of compute capability >= 8.9"),
+              pytest.mark.one_shard]  # `one_gpu` trains every case at once: built once, in one shard
 
 
 def _results(built, tmp_path_factory, world: int, cases: dict):

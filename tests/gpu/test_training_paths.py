@@ -18,6 +18,8 @@ import torch
 from conftest import run_ranks
 
 LORA = {"r": 8, "alpha": 16}
+pytestmark = pytest.mark.one_shard  # `results` trains every case at once: built once, in one shard
+
 CASES = {
     "fp32": {"train": {}},
     "fp32_liger": {"train": {"liger": "on"}},
