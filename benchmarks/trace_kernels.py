@@ -13,11 +13,9 @@ Used for the float8 step's kernel table in docs/benchmarks.md."""
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 from collections import Counter
 
-GPU_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
+from vlmctl.profiling import GPU_CATEGORIES, trace_events
 
 
 def kind(name: str) -> str:
@@ -37,9 +35,7 @@ def kind(name: str) -> str:
 
 
 def summarize(path: str, top: int) -> str:
-    with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
-        trace = json.load(f)
-    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") in GPU_EVENTS]
+    events = [e for e in trace_events(path) if e.get("cat") in GPU_CATEGORIES]
     us, count, by_name = Counter(), Counter(), Counter()
     for e in events:
         us[kind(e["name"])] += e["dur"]

@@ -162,13 +162,10 @@ def _complete_event(e: Any) -> bool:
             and isinstance(args.get("correlation", 0), (int, float, str)))
 
 
-def idle_report(trace: dict[str, Any] | str | Path, *, longest: int = 8, waits: tuple[str, ...] = ()) -> IdleReport:
-    """Where one rank's GPU sat idle in a profiled step, from its Chrome trace (a dict, or a path to a `.json` or
-    `.json.gz` file; format in the module docstring). `waits`: names of host ranges in which a thread waits for work
-    (`WAIT_FOR_WORK`); the part of a gap spent in one is `waiting_s`. Gaps shorter than `MIN_GAP_US` are left out; events that are
-    not complete events of that format (not an object, `ts` / `dur` not numbers, a name that is not text) are left
-    out too. Raises ValueError for a file that is not such a trace (not JSON, JSON without a `traceEvents` list, a
-    truncated gzip stream), OSError for one that cannot be read or unzipped."""
+def trace_events(trace: dict[str, Any] | str | Path) -> list[dict[str, Any]]:
+    """The complete events (`_complete_event`) of a Chrome trace (a dict, or a path to a `.json` or `.json.gz` file;
+    format in the module docstring). Raises ValueError for a file that is not such a trace (not JSON, JSON without a
+    `traceEvents` list, a truncated gzip stream), OSError for one that cannot be read or unzipped."""
     if not isinstance(trace, dict):
         path = Path(trace)
         try:
@@ -180,7 +177,17 @@ def idle_report(trace: dict[str, Any] | str | Path, *, longest: int = 8, waits: 
             raise ValueError("JSON nested too deeply") from None
     if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
         raise ValueError("not a Chrome trace: no traceEvents list (write one with torch.profiler's export_chrome_trace)")
-    events = [e for e in trace["traceEvents"] if _complete_event(e)]
+    return [e for e in trace["traceEvents"] if _complete_event(e)]
+
+
+def idle_report(trace: dict[str, Any] | str | Path, *, longest: int = 8, waits: tuple[str, ...] = ()) -> IdleReport:
+    """Where one rank's GPU sat idle in a profiled step, from its Chrome trace (a dict, or a path to a `.json` or
+    `.json.gz` file; format in the module docstring). `waits`: names of host ranges in which a thread waits for work
+    (`WAIT_FOR_WORK`); the part of a gap spent in one is `waiting_s`. Gaps shorter than `MIN_GAP_US` are left out; events that are
+    not complete events of that format (not an object, `ts` / `dur` not numbers, a name that is not text) are left
+    out too. Raises ValueError for a file that is not such a trace (not JSON, JSON without a `traceEvents` list, a
+    truncated gzip stream), OSError for one that cannot be read or unzipped."""
+    events = trace_events(trace)
     device = [e for e in events if e.get("cat") in GPU_CATEGORIES]
     collective = [e for e in device if "nccl" in e["name"].lower()]
     compute = sorted((e for e in device if "nccl" not in e["name"].lower()), key=lambda e: e["ts"])
