@@ -247,3 +247,77 @@ def test_probe_leaves_op_checkpointing_out_under_compiled_layers():
 
     assert "op" in candidates(TrainSection(compile="off")) and candidates(TrainSection(compile="off")) == CANDIDATES
     assert candidates(TrainSection(compile="on")) == ("off", "vision", 2, "full")
+
+
+def _engine(max_grad_norm: float):
+    from vlmctl.distributed.engine import TorchEngine
+    from vlmctl.train.optimizer import stochastic_adamw
+
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 5)).to(torch.bfloat16)
+    opt = stochastic_adamw([{"params": list(model.parameters()), "lr": 1e-3, "weight_decay": 0.1}], lr=1e-3,
+                           betas=(0.9, 0.999), eps=1e-8)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))
+    return model, opt, TorchEngine(model, opt, sched, max_grad_norm=max_grad_norm, device=torch.device("cpu"))
+
+
+def _set_grads(model, grads):
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g.clone()
+
+
+def test_the_engine_clips_inside_the_update_as_torch_clips_the_gradients(monkeypatch):
+    """With `stochastic_adamw` the engine passes the clipping coefficient into the update instead of scaling the
+    gradients first (no pass of its own, no host sync before the update): the moments equal those of gradients
+    clipped by torch's `clip_grads_with_norm_` and stepped unclipped, to bf16's precision (the scaled gradient is
+    fp32 inside the update, bf16 after torch's clip); the norm returned is the unclipped one."""
+    from vlmctl.distributed import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "clip_grads", lambda *a: pytest.fail("the gradients were scaled in a pass of their own"))
+    model, opt, engine = _engine(max_grad_norm=0.5)
+    ref_model, ref_opt, _ = _engine(max_grad_norm=0.0)
+    grads = [torch.randn_like(p) for p in model.parameters()]  # norm ~ 40: clipped to 0.5
+    norm = torch.nn.utils.get_total_norm(grads).item()
+    _set_grads(model, grads)
+    assert engine.step(skip=False) == pytest.approx(norm, rel=1e-2)
+    _set_grads(ref_model, grads)
+    torch.nn.utils.clip_grads_with_norm_(list(ref_model.parameters()), 0.5, torch.tensor(norm))
+    ref_opt.step()
+    for p, q, g in zip(model.parameters(), ref_model.parameters(), grads):
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(opt.state[p][key].float(), ref_opt.state[q][key].float(), rtol=2e-2, atol=1e-9)
+        # the first moment after one step: (1 - beta1) x the clipped gradient, not the unclipped one
+        assert opt.state[p]["exp_avg"].float().norm().item() == pytest.approx(0.1 * g.float().norm().item() * 0.5 / norm, rel=2e-2)
+
+
+def test_a_non_finite_norm_leaves_weights_moments_counts_and_schedule_as_they_were():
+    """A gradient with an inf skips the step on the device (the host learns it only after the update was queued):
+    weights and moments unchanged, step counts taken back, the schedule unmoved, None returned. The next finite
+    step is the one a run without the bad step takes: same moments, same bias correction."""
+    model, opt, engine = _engine(max_grad_norm=1.0)
+    ref_model, ref_opt, ref_engine = _engine(max_grad_norm=1.0)
+    good = [[torch.randn_like(p) * 0.01 for p in model.parameters()] for _ in range(2)]
+    _set_grads(model, good[0])
+    _set_grads(ref_model, good[0])
+    engine.step(skip=False)
+    ref_engine.step(skip=False)
+    engine.optimizer.zero_grad()
+    ref_engine.optimizer.zero_grad()
+    before = [(p.detach().clone(), opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone()) for p in model.parameters()]
+    lr = engine.lr
+    bad = [g.clone() for g in good[1]]
+    bad[0][0, 0] = float("inf")
+    _set_grads(model, bad)
+    assert engine.step(skip=False) is None
+    for p, (w, m, v) in zip(model.parameters(), before):
+        assert torch.equal(p, w) and torch.equal(opt.state[p]["exp_avg"], m) and torch.equal(opt.state[p]["exp_avg_sq"], v)
+        assert float(opt.state[p]["step"]) == 1.0
+    assert engine.lr == lr and p.grad is None
+    _set_grads(model, good[1])
+    _set_grads(ref_model, good[1])
+    assert engine.step(skip=False) == pytest.approx(ref_engine.step(skip=False))
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert float(opt.state[p]["step"]) == float(ref_opt.state[q]["step"]) == 2.0
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][key], ref_opt.state[q][key])
+    assert engine.lr == ref_engine.lr

@@ -138,20 +138,25 @@ class Engine(Protocol):
     def gather(self, rank: int, dtype=None) -> dict | None: ...
 
 
-def total_grad_norm(params) -> tuple[Any, float]:
-    """The 2-norm over the gradients of `params` (those that have one): the tensor (for clipping) and its value
-    (a host sync; FSDP2's DTensor norm is gathered first). Gradients on different meshes (tensor parallelism under
-    FSDP2: the split layers' on (dp_shard, tp), the others' on dp_shard) are normed per mesh, each norm gathered,
-    then combined (torchtitan's `clip_grad_norm_` does the same)."""
+def grad_norm_tensor(params):
+    """The 2-norm over the gradients of `params` (those that have one) as a plain 0-d tensor on their device, without
+    a host sync (FSDP2's DTensor norm is all-reduced into a full tensor). Gradients on different meshes (tensor
+    parallelism under FSDP2: the split layers' on (dp_shard, tp), the others' on dp_shard) are normed per mesh, each
+    norm gathered, then combined (torchtitan's `clip_grad_norm_` does the same)."""
     import torch
 
     groups = {mesh: [p.grad for p in group] for mesh, group in _by_mesh(params).items()}
     if len(groups) <= 1:
         grads = next(iter(groups.values()), [])
         total = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-        return total, float(total.full_tensor() if hasattr(total, "full_tensor") else total)
+        return total.full_tensor() if hasattr(total, "full_tensor") else total
     norms = [torch.nn.utils.get_total_norm(grads) for grads in groups.values()]
-    total = torch.stack([n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]).norm()
+    return torch.stack([n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]).norm()
+
+
+def total_grad_norm(params) -> tuple[Any, float]:
+    """`grad_norm_tensor(params)` and its value (a host sync)."""
+    total = grad_norm_tensor(params)
     return total, float(total)
 
 
@@ -237,7 +242,9 @@ class TorchEngine:
                 run_hooks(self.step_hooks)  # every parameter stepped inside backward, whatever the norm
             self.optimizer.zero_grad(set_to_none=True)
             return norm if norm is not None and math.isfinite(norm) else None
-        if not skip:
+        if not skip and getattr(self.optimizer, "clips_on_device", False):
+            norm = self._step_on_device()
+        elif not skip:
             total, norm = total_grad_norm(self.params)
             # clip_grad_norm_ scales every gradient even when the norm is below the limit: one pass saved here
             if math.isfinite(norm) and 0 < self.max_grad_norm < norm:
@@ -249,6 +256,27 @@ class TorchEngine:
             else:
                 norm = None
         self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def _step_on_device(self) -> float | None:
+        """Clip and step an optimizer that takes the clipping coefficient and the skip flag as device tensors
+        (`optimizer.stochastic_adamw`), then read the norm: the host queues the whole update before it waits for
+        the norm, so the device does not idle between backward and the update while the host walks the parameters,
+        and no pass of its own scales the gradients. A non-finite norm left the weights and moments unchanged
+        (the step counts are taken back, the schedule does not move); returns the norm, or None then."""
+        import torch
+
+        total = grad_norm_tensor(self.params).float()
+        scale = None
+        if self.max_grad_norm > 0:  # torch's clip_grads_with_norm_: min(1, max_norm / (norm + 1e-6))
+            scale = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+        self.optimizer.step(grad_scale=scale, keep=torch.isfinite(total))
+        norm = float(total)
+        if not math.isfinite(norm):
+            self.optimizer.unstep()
+            return None
+        self.scheduler.step()
+        run_hooks(self.step_hooks)
         return norm
 
     @property

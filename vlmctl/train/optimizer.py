@@ -113,35 +113,98 @@ def _chunks(items: list, limit: int):
         yield run
 
 
+def adamw_update(p, grad, step, exp_avg, exp_avg_sq, bits, lr, beta1: float, beta2: float, weight_decay: float,
+                 eps: float, grad_scale, keep) -> None:
+    """One AdamW step of flat tensors in place, computed in fp32: torchao's `single_param_adam` (torchao/optim/adam.py,
+    `IS_ADAMW`; Loshchilov & Hutter, "Decoupled Weight Decay Regularization", arXiv:1711.05101) with three
+    additions that keep the step free of host synchronization:
+
+    - `grad_scale` (0-d tensor on the device) multiplies the gradient first: the clipping coefficient
+      `min(1, max_norm / (norm + 1e-6))` (torch's `clip_grads_with_norm_`), applied here instead of in a pass of its
+      own over every gradient;
+    - `keep` (0-d bool tensor on the device): where False (a non-finite gradient norm) the weight and moments are
+      written back unchanged, so a bad step is skipped without the host reading the norm first;
+    - `bits` (int16, p's numel; None for a parameter that is not bf16): 16 random bits per element for the stochastic
+      rounding of the fp32 result to bf16 (torchao's `_fp32_to_bf16_sr`: rounded away from zero with probability
+      equal to the dropped 16 bits / 2^16). torchao draws them inside the kernel, one Philox call per element, which
+      made its step compute-bound (58 ms for the 7B's 8.3B elements on an H200); `random_bits` draws 64 bits per
+      value of one pass instead.
+
+    `step` and `lr` are 0-d tensors (the state's step count after increment, the group's learning rate); the
+    moments keep their dtype (bf16 beside bf16 weights: rounded to nearest)."""
+    import torch
+
+    p32 = p.float()
+    g32 = grad.float() * grad_scale
+    p32 = p32 - lr * weight_decay * p32
+    bias1 = 1 - beta1 ** step
+    bias2 = 1 - beta2 ** step
+    m32 = exp_avg.float().lerp(g32, 1 - beta1)
+    v32 = exp_avg_sq.float().lerp(g32.square(), 1 - beta2)
+    p32 = p32 - lr * (m32 / bias1) / (v32.sqrt() / bias2.sqrt() + eps)
+    exp_avg.copy_(torch.where(keep, m32.to(exp_avg.dtype), exp_avg))
+    exp_avg_sq.copy_(torch.where(keep, v32.to(exp_avg_sq.dtype), exp_avg_sq))
+    if bits is None:
+        p.copy_(torch.where(keep, p32.to(p.dtype), p))
+        return
+    raw = p32.view(torch.int32)
+    truncated = raw & -65536  # the upper 16 bits (0xFFFF0000): p32 rounded towards zero, exactly a bf16 value
+    away = (bits.to(torch.int32) & 0xFFFF) < (raw & 0xFFFF)
+    rounded = torch.where(away, truncated + 0x10000, truncated).view(torch.float32).to(torch.bfloat16)
+    p.copy_(torch.where(keep, rounded, p))
+
+
+def random_bits(n: int, device):
+    """int16 tensor [n] of uniformly random bits (16 per element) for `adamw_update`'s stochastic rounding: int64
+    values over the whole 64-bit range (`random_(-2**63, None)`, four elements each), so the generator runs once per
+    four elements instead of once per element."""
+    import torch
+
+    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_(-(2 ** 63), None)
+    return words.view(torch.int16)[:n]
+
+
+def _per_device(value, dtype):
+    """device -> `value` (a 0-d tensor; None for 1 / True) as `dtype` on that device, copied once per device (without
+    a host sync)."""
+    cache: dict = {}
+
+    def on(device):
+        if device not in cache:
+            cache[device] = (torch.ones((), dtype=dtype, device=device) if value is None else
+                             value.to(device=device, dtype=dtype, non_blocking=True))
+        return cache[device]
+
+    return on
+
+
 def _flat_step():
-    """torchao's single-parameter AdamW step (fp32 math, bf16 stochastic rounding), compiled once with dynamic
-    sizes for flat tensors: torchao's own `step` compiles it per parameter shape with static sizes, so every call
-    checks the guards of dozens of compiled variants (0.5 s of CPU per step for the ~800 parameters of a 3B VLM,
-    measured on an H200). The step calls it on flat copies of many parameters at once (`FLAT_CHUNK` elements): one
-    call per parameter still cost 0.32 s of host time per step with the GPU idle (3B, FSDP2 over 2 H200s); the
-    update is elementwise, so the flat copy changes no value but the stochastic rounding's random draws."""
+    """`adamw_update` compiled once with dynamic sizes for flat tensors: a compiled step per parameter shape makes
+    every call check the guards of dozens of compiled variants (0.5 s of CPU per step for the ~800 parameters of a
+    3B VLM, measured on an H200). The step calls it on flat copies of many parameters at once (`FLAT_CHUNK`
+    elements): one call per parameter still cost 0.32 s of host time per step with the GPU idle (3B, FSDP2 over
+    2 H200s); the update is elementwise, so the flat copy changes no value but the rounding's random draws."""
     global _FLAT_STEP
     if _FLAT_STEP is None:
-        from torchao.optim.adam import single_param_adam
-
-        _FLAT_STEP = torch.compile(single_param_adam, fullgraph=True, dynamic=True)
+        _FLAT_STEP = torch.compile(adamw_update, fullgraph=True, dynamic=True)
     return _FLAT_STEP
 
 
-def _step_chunk(chunk, group) -> None:
+def _step_chunk(chunk, group, grad_scale, keep) -> None:
     """One compiled AdamW step over `chunk` (`_chunks`: ((param, grad, exp_avg, exp_avg_sq), step) of plain shards)
-    with `group`'s settings: on the tensors themselves when the chunk is one contiguous parameter, else on one flat
-    copy of each kind, copied back after."""
+    with `group`'s settings, `grad_scale` and `keep` (`adamw_update`): on the tensors themselves when the chunk is
+    one contiguous parameter, else on one flat copy of each kind, copied back after."""
     (p, g, m, v), step = chunk[0]
-    args = (None, group["lr"], group["betas"][0], group["betas"][1], group["weight_decay"], group["eps"], True,
-            p.dtype is torch.bfloat16)
+    n = sum(item[0][0].numel() for item in chunk)
+    bits = random_bits(n, p.device) if p.dtype is torch.bfloat16 else None
+    args = (group["lr"], group["betas"][0], group["betas"][1], group["weight_decay"], group["eps"], grad_scale, keep)
     if len(chunk) == 1 and all(t.is_contiguous() for t in (p, g, m, v)):
-        _flat_step()(p.view(-1), g.view(-1), step, m.view(-1), v.view(-1), *args)
+        _flat_step()(p.view(-1), g.view(-1), step, m.view(-1), v.view(-1), bits, *args)
         return
     # one flat copy of each: one compiled call and a few copy kernels instead of one call per parameter
     params, grads, avgs, sqs = (list(ts) for ts in zip(*(item for item, _ in chunk)))
     flat = [torch.cat([t.reshape(-1) for t in ts]) for ts in (params, grads, avgs, sqs)]
-    _flat_step()(flat[0], flat[1], step, flat[2], flat[3], *args)
+    _flat_step()(flat[0], flat[1], step, flat[2], flat[3], bits, *args)
     sizes = [t.numel() for t in params]
     for targets, source in ((params, flat[0]), (avgs, flat[2]), (sqs, flat[3])):
         torch._foreach_copy_(targets, [part.view(t.shape) for part, t in zip(source.split(sizes), targets)])
@@ -151,7 +214,9 @@ def stochastic_adamw(groups: list[dict[str, Any]], *, lr: float, betas: tuple[fl
     """AdamW for bf16 parameters whose update is computed in fp32 and rounded to bf16 stochastically (torchao's
     `_AdamW(bf16_stochastic_round=True)`, its moments in the parameters' dtype), stepped through one compiled
     kernel for all parameter sizes (`_flat_step`), on flat copies of up to `FLAT_CHUNK` elements of parameters at a
-    time. `groups`: AdamW parameter groups ({"params", "lr", "weight_decay"}); the groups' learning rates become
+    time. Its `step` also takes the gradient clipping coefficient and a skip flag as device tensors (`adamw_update`),
+    so `TorchEngine.step` clips and skips a bad step without a host sync and without a pass of its own over the
+    gradients. `groups`: AdamW parameter groups ({"params", "lr", "weight_decay"}); the groups' learning rates become
     0-d tensors (read inside the compiled step). Works on plain tensors and FSDP2's DTensor shards (the local shard
     is stepped; the state is a DTensor like the parameter, so torch.distributed.checkpoint saves it sharded). A
     parameter that is not bf16 is updated without rounding."""
@@ -187,12 +252,18 @@ def _stochastic_adamw_class():
                                          shape=p.shape, stride=p.stride())
             return out.to(p.device)  # from_local moves it to the mesh's device: back beside an offloaded parameter
 
+        clips_on_device = True  # `step` takes the clipping coefficient and the skip flag as device tensors
+
         @torch.no_grad()
-        def step(self, closure=None):
+        def step(self, closure=None, *, grad_scale=None, keep=None):
+            """One AdamW step of every parameter that has a gradient, its gradient multiplied by `grad_scale` and
+            the step applied only if `keep` (0-d device tensors, `adamw_update`; default 1 and True). The step
+            counts advance either way: `unstep` takes them back after a step `keep` skipped."""
             loss = None
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
+            scale_on, keep_on = _per_device(grad_scale, torch.float32), _per_device(keep, torch.bool)
             for group in self.param_groups:
                 batches: dict[tuple, list] = {}  # parameters stepped together: same dtypes, device and step count
                 for p in group["params"]:
@@ -209,8 +280,17 @@ def _stochastic_adamw_class():
                     batches.setdefault(key, []).append((item, state["step"]))
                 for items in batches.values():
                     for chunk in _chunks(items, FLAT_CHUNK):
-                        _step_chunk(chunk, group)
+                        device = chunk[0][0][0].device
+                        _step_chunk(chunk, group, scale_on(device), keep_on(device))
             return loss
+
+        def unstep(self) -> None:
+            """Take back the step count of every parameter that has a gradient: after a `step` whose `keep` was
+            False, which left weights and moments unchanged, so the next step's bias correction is the right one."""
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None and self.state.get(p):
+                        self.state[p]["step"] -= 1
 
     _SR_CLASS = StochasticAdamW
     return _SR_CLASS

@@ -1,0 +1,111 @@
+"""Time forward + backward of a stack of decoder blocks shaped like a preset's language model, in bf16 and with
+torchao's tensorwise float8 under a few `Float8LinearConfig` settings, each block compiled as the trainer compiles
+its decoder layers.
+
+Usage (on a GPU machine with torchao):
+
+    python benchmarks/fp8_layer_variants.py [TOKENS] [LAYERS] [VARIANT ...]
+
+TOKENS (default 8,192) rows of one packed micro-batch; LAYERS (default 4) blocks of the 7B preset's language model
+(Qwen2.5-7B: hidden 3,584, MLP 18,944, 28 query and 4 key/value heads of 128): RMSNorm, the q/k/v projections
+(biased) and the output projection around scaled-dot-product attention, RMSNorm, the SwiGLU MLP. Float8 converts
+what `train.fp8_layers=sized` converts (torchao's size rule: not the key/value projections). VARIANT (default all):
+
+- `bf16`: no float8;
+- `pad`: tensorwise with `pad_inner_dim=True` (what `vlmctl.distributed.float8.convert` sets: rows of any length);
+- `nopad`: tensorwise with `pad_inner_dim=False` (the inner dimensions are already multiples of 16 here);
+- `nopad-pow2`: as `nopad` with `round_scales_to_power_of_2=True`.
+
+Prints, per variant, the median milliseconds of one forward + backward over 10 measured iterations (3 warm-up,
+compile included), per block, and the ratio to bf16. Peak memory in GiB.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def build(layers: int, variant: str):
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    hidden, mlp, heads, kv_heads, head_dim = 3584, 18944, 28, 4, 128
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm1 = nn.RMSNorm(hidden)
+            self.q_proj = nn.Linear(hidden, heads * head_dim)
+            self.k_proj = nn.Linear(hidden, kv_heads * head_dim)
+            self.v_proj = nn.Linear(hidden, kv_heads * head_dim)
+            self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+            self.norm2 = nn.RMSNorm(hidden)
+            self.gate_proj = nn.Linear(hidden, mlp, bias=False)
+            self.up_proj = nn.Linear(hidden, mlp, bias=False)
+            self.down_proj = nn.Linear(mlp, hidden, bias=False)
+
+        def forward(self, x):  # x [1, T, hidden]
+            t = x.shape[1]
+            h = self.norm1(x)
+            q = self.q_proj(h).view(1, t, heads, head_dim).transpose(1, 2)
+            k = self.k_proj(h).view(1, t, kv_heads, head_dim).transpose(1, 2)
+            v = self.v_proj(h).view(1, t, kv_heads, head_dim).transpose(1, 2)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + self.o_proj(a.transpose(1, 2).reshape(1, t, heads * head_dim))
+            h = self.norm2(x)
+            return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+    model = nn.Sequential(*[Block() for _ in range(layers)]).to("cuda", torch.bfloat16)
+    if variant != "bf16":
+        from dataclasses import replace
+
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        config = replace(Float8LinearConfig.from_recipe_name("tensorwise"), pad_inner_dim=variant == "pad",
+                         round_scales_to_power_of_2=variant.endswith("pow2"))
+        convert_to_float8_training(model, config=config,
+                                   module_filter_fn=lambda m, name: not name.endswith(("k_proj", "v_proj")))
+    for block in model:
+        block.compile()
+    return model
+
+
+def main(argv: list[str]) -> None:
+    import torch
+
+    tokens = int(argv[0]) if argv else 8192
+    layers = int(argv[1]) if len(argv) > 1 else 4
+    variants = argv[2:] or ["bf16", "pad", "nopad", "nopad-pow2"]
+    base = None
+    for variant in variants:
+        torch.manual_seed(0)
+        model = build(layers, variant)
+        x = torch.randn(1, tokens, 3584, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            model(x).float().square().mean().backward()
+        torch.cuda.synchronize()
+        warm = time.perf_counter() - t0
+        times = []
+        for _ in range(10):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            model(x).float().square().mean().backward()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        times.sort()
+        ms = times[len(times) // 2]
+        base = ms if variant == "bf16" else base
+        ratio = f", {base / ms:.3f}x bf16" if base else ""
+        print(f"{variant:>11}: {ms:8.2f} ms per forward + backward ({ms / layers:.2f} per block{ratio}), "
+              f"warm-up {warm:.0f} s, peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)
+        del model, x
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
