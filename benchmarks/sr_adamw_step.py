@@ -1,5 +1,5 @@
 """Time the bf16 AdamW step with stochastic rounding (`vlmctl.train.optimizer.stochastic_adamw`: one compiled call
-per parameter) on a preset's parameters.
+per flat chunk of parameters) on a preset's parameters.
 
 Usage (on a GPU machine with torchao):
 
