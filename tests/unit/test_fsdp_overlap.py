@@ -43,6 +43,56 @@ def test_settings_that_are_not_values_name_their_key():
             resolve_prefetch(bad)
 
 
+@pytest.mark.parametrize("setting, master, expected", [
+    ("auto", "bf16", "bf16"),  # the reduced shard is stored in bf16: an fp32 reduction only doubles the bytes
+    ("auto", "fp32", "fp32"),  # fp32 gradient shards keep the fp32 sum
+    ("fp32", "bf16", "fp32"),
+    ("bf16", "fp32", "bf16"),
+])
+def test_gradients_reduce_in_bf16_where_the_master_weights_are_bf16(setting, master, expected, monkeypatch):
+    """`train.fsdp_reduce_dtype`: the rule, the plan's decision and the MixedPrecisionPolicy `apply_fsdp` hands
+    every `fully_shard` call (recorded on a one-rank mesh, no process group needed)."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed.fsdp as torch_fsdp
+
+    from vlmctl.config import TrainSection
+    from vlmctl.config.plan import DeviceFacts, build_plan
+    from vlmctl.distributed.fsdp import apply_fsdp, fsdp_plan_of, resolve_reduce_dtype
+
+    value, why = resolve_reduce_dtype(setting, master)
+    assert value == expected
+    assert why == "set" if setting != "auto" else why.startswith("auto: ")
+    train = TrainSection(strategy="fsdp", master_weights=master, fsdp_reduce_dtype=setting)
+    decision = build_plan(train, DeviceFacts(kind="cuda", processes=2, torchao=True)).fsdp_reduce_dtype
+    assert decision.value == expected and decision.auto == (setting == "auto")
+    assert build_plan(train.model_copy(update={"strategy": "ddp"}), DeviceFacts(kind="cuda", processes=2, torchao=True)
+                      ).fsdp_reduce_dtype.reason == "not used: ddp"
+
+    policies = []
+    monkeypatch.setattr(torch_fsdp, "fully_shard", lambda module, **kw: policies.append(kw["mp_policy"]))
+    layers = [torch.nn.Linear(4, 4) for _ in range(2)]
+    model = torch.nn.Sequential(*layers)
+    mesh = SimpleNamespace(mesh_dim_names=None, shape=(1,))
+    apply_fsdp(model, SimpleNamespace(vision_layers=[], decoder_layers=layers), mesh, param_dtype=torch.bfloat16,
+               reshard_after_forward=True, prefetch="off", reduce_dtype=setting, master_weights=master)
+    assert len(policies) == 3 and {p.reduce_dtype for p in policies} == {getattr(torch, {"bf16": "bfloat16", "fp32": "float32"}[expected])}
+    assert f"gradients reduced in {expected}" in fsdp_plan_of(model).describe()
+    policies.clear()
+    apply_fsdp(model, SimpleNamespace(vision_layers=[], decoder_layers=layers), mesh, param_dtype=None,
+               reshard_after_forward=True, prefetch="off", reduce_dtype=setting, master_weights=master)
+    assert {p.reduce_dtype for p in policies} == {None}  # fp32 compute: no mixed precision, nothing to cast
+    assert "reduced" not in fsdp_plan_of(model).describe()
+
+
+def test_a_reduce_dtype_that_is_not_a_setting_names_its_key():
+    from vlmctl.distributed.fsdp import resolve_reduce_dtype
+
+    with pytest.raises(ConfigError, match="train.fsdp_reduce_dtype"):
+        resolve_reduce_dtype("fp16", "bf16")
+
+
 def _units(trained: list[bool]):
     import torch
 

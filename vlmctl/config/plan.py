@@ -347,7 +347,8 @@ class RunPlan:
     settles them on each rank), `fp8` (the float8 recipe of the language model's linears: tensorwise, rowwise or
     off; `PROBE` where the start-up probe's float8 trial settles it), `nproc_per_node` (processes per node; None
     where SLURM's nodes decide), `fsdp_reshard_after_forward` (`RANK` where each rank settles it on the model it
-    wraps: `settle_reshard`), `fsdp_prefetch` (layers; 0 = FSDP2's implicit prefetch), `sequence_parallel`,
+    wraps: `settle_reshard`), `fsdp_prefetch` (layers; 0 = FSDP2's implicit prefetch), `fsdp_reduce_dtype` (fp32 or bf16: the
+    gradients' reduction; `distributed.fsdp.plan_fsdp` applies the same rule), `sequence_parallel`,
     `tensor_parallel`, `dp_size` (data-parallel ranks: processes / (sequence_parallel x tensor_parallel)).
     `row_tokens` is the one packed row budget: tokens_per_batch x sequence_parallel. `probe`: the probe's record
     once a rank settled it. `data_tokens`: the packed row length `vlmctl data prepare` suggested for the run's data
@@ -373,6 +374,7 @@ class RunPlan:
     fsdp_reshard_after_forward: Decision
     fsdp_prefetch: Decision
     fp8: Decision = Decision("off", "not planned (a plan written before train.fp8 existed)")
+    fsdp_reduce_dtype: Decision = Decision("fp32", "not planned (a plan written before train.fsdp_reduce_dtype existed)")
     sequence_parallel: int = 1
     dp_size: int = 1
     family: str | None = None
@@ -483,7 +485,7 @@ def build_plan(train, device: DeviceFacts, family=None, data_tokens: int | None 
     dp_size = max(1, processes // (sp * tp))  # the tp ranks of a group read the same batch
     balance = balancing(train.balance, dp_size)
     sizes = _batch_sizes(train, device, strategy, packing, sp, data_tokens)
-    fsdp = _fsdp(train, strategy, processes)
+    fsdp = _fsdp(train, strategy, processes, master)
     stored = precision if qlora else ("bf16" if master == "bf16" else "fp32")
     return RunPlan(
         device=device, family=None if family is None else family.name, sequence_parallel=sp, tensor_parallel=tp,
@@ -562,26 +564,47 @@ def llm_trained(train) -> bool:
     return "llm" not in train.freeze if train.freeze is not None else train.stage != "align"
 
 
-def _fsdp(train, strategy: str, processes: int) -> dict[str, Decision]:
-    """FSDP2's `fsdp_prefetch` (layers) and `fsdp_reshard_after_forward` (`resolve_reshard`): decided here where the
-    shard group alone decides it (one rank, more than one node's), else left to each rank (`RANK`), which weighs
-    the gathered layers against its memory on the model it wraps (`settle_reshard`). Not used by other strategies."""
+def resolve_reduce_dtype(setting: str, master_weights: str) -> tuple[str, str]:
+    """(`fp32` or `bf16`, why) for `train.fsdp_reduce_dtype` = `setting` under `train.master_weights` =
+    `master_weights` (resolved: fp32 or bf16; anything else counts as fp32): auto reduces in bf16 exactly where the
+    gradient shards are stored in bf16 (see the setting's description). Raises ConfigError for another value."""
+    if setting in ("fp32", "bf16"):
+        return setting, "set"
+    if setting != "auto":
+        raise ConfigError(f"train.fsdp_reduce_dtype={setting!r} is not a setting", hint="use auto, fp32 or bf16")
+    if master_weights == "bf16":
+        return "bf16", "auto: bf16 master weights store bf16 gradient shards"
+    return "fp32", "auto: fp32 master weights keep the fp32 sum"
+
+
+def _fsdp(train, strategy: str, processes: int, master: str = "fp32") -> dict[str, Decision]:
+    """FSDP2's `fsdp_prefetch` (layers), `fsdp_reduce_dtype` (`resolve_reduce_dtype` with the resolved `master`
+    weights) and `fsdp_reshard_after_forward` (`resolve_reshard`): decided here where the shard group alone decides
+    it (one rank, more than one node's), else left to each rank (`RANK`), which weighs the gathered layers against
+    its memory on the model it wraps (`settle_reshard`). Not used by other strategies."""
     prefetch_set, reshard_set = train.fsdp_prefetch, train.fsdp_reshard_after_forward
     layers = resolve_prefetch(prefetch_set)
+    reduce_set = getattr(train, "fsdp_reduce_dtype", "fp32")
     if strategy != "fsdp":
         unused = f"not used: {strategy}"
         return {"fsdp_prefetch": Decision(layers, unused, prefetch_set == "auto"),
                 "fsdp_reshard_after_forward": Decision(reshard_set if isinstance(reshard_set, bool) else True, unused,
-                                                       reshard_set == "auto")}
+                                                       reshard_set == "auto"),
+                "fsdp_reduce_dtype": Decision(reduce_set if reduce_set != "auto" else "fp32", unused, reduce_set == "auto")}
+    reduce, reduce_why = resolve_reduce_dtype(reduce_set, master)
+    reduce_decision = Decision(reduce, reduce_why.removeprefix("auto: ") if reduce_set == "auto" else "set in the config",
+                               reduce_set == "auto")
     prefetch = Decision(layers, "one layer ahead: FSDP2's implicit prefetch, each all-gather issued earlier"
                         if prefetch_set == "auto" else "set in the config", prefetch_set == "auto")
     if isinstance(reshard_set, bool):
-        return {"fsdp_prefetch": prefetch, "fsdp_reshard_after_forward": Decision(reshard_set, "set in the config")}
+        return {"fsdp_prefetch": prefetch, "fsdp_reduce_dtype": reduce_decision,
+                "fsdp_reshard_after_forward": Decision(reshard_set, "set in the config")}
     shard = processes // train.nnodes if train.fsdp_sharding == "hybrid" else processes
     if shard <= 1 or shard > AUTO_MAX_SHARD_RANKS:
         value, why = resolve_reshard(reshard_set, shard_ranks=shard, gathered_bytes=0, memory_bytes=0)
-        return {"fsdp_prefetch": prefetch, "fsdp_reshard_after_forward": Decision(value, why.removeprefix("auto: "), True)}
-    return {"fsdp_prefetch": prefetch, "fsdp_reshard_after_forward": Decision(
+        return {"fsdp_prefetch": prefetch, "fsdp_reduce_dtype": reduce_decision,
+                "fsdp_reshard_after_forward": Decision(value, why.removeprefix("auto: "), True)}
+    return {"fsdp_prefetch": prefetch, "fsdp_reduce_dtype": reduce_decision, "fsdp_reshard_after_forward": Decision(
         RANK, f"each rank: false when the gathered layers take at most 1/4 of its memory ({shard} shard ranks)", True)}
 
 

@@ -43,7 +43,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlmctl.config.plan import pending, resolve_prefetch, resolve_reshard
+from vlmctl.config.plan import pending, resolve_prefetch, resolve_reduce_dtype, resolve_reshard
 
 # torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
 
@@ -80,11 +80,15 @@ class FsdpPlan:
     reason: str
     forward: dict[str, list[str]] = field(default_factory=dict)
     backward: dict[str, list[str]] = field(default_factory=dict)
+    reduce_dtype: str = "fp32"
+    reduce_reason: str = ""
 
     def describe(self) -> str:
-        """One line for reports: e.g. `reshard after forward false (auto: ...), prefetch 1 layer`."""
+        """One line for reports: e.g. `reshard after forward false (auto: ...), prefetch 1 layer, gradients reduced
+        in bf16 (auto: ...)`."""
         what = "off (FSDP2's implicit)" if self.prefetch == 0 else f"{self.prefetch} layer{'s' * (self.prefetch > 1)}"
-        return f"reshard after forward {str(self.reshard_after_forward).lower()} ({self.reason}), prefetch {what}"
+        line = f"reshard after forward {str(self.reshard_after_forward).lower()} ({self.reason}), prefetch {what}"
+        return line + (f", gradients reduced in {self.reduce_dtype} ({self.reduce_reason})" if self.reduce_reason else "")
 
 
 def gathered_bytes(units: list[Any], param_dtype=None) -> int:
@@ -151,11 +155,12 @@ def prefetch_lists(units: list[Any], n_vision: int, prefetch: int, *, backward: 
 
 
 def plan_fsdp(parts: Any, mesh, *, param_dtype=None, reshard_after_forward: bool | str = "auto",
-              prefetch: int | str = "auto") -> FsdpPlan:
+              prefetch: int | str = "auto", reduce_dtype: str = "fp32", master_weights: str = "fp32") -> FsdpPlan:
     """Resolve the settings for `parts` (a `setup.ModelParts`) on `mesh` without wrapping anything: reshard after
     forward (`resolve_reshard`, with the shard group's size, the layers' gathered size in `param_dtype` and the
-    rank's memory agreed over the ranks, a collective on auto) and the prefetch lists (`prefetch_lists`). Call it
-    on every rank. Raises ConfigError for a value that is not a setting."""
+    rank's memory agreed over the ranks, a collective on auto), the prefetch lists (`prefetch_lists`) and, with a
+    `param_dtype` below fp32, the gradients' reduction dtype (`resolve_reduce_dtype`). Call it on every rank.
+    Raises ConfigError for a value that is not a setting."""
     units = [*parts.vision_layers, *parts.decoder_layers]
     layers = resolve_prefetch(prefetch)
     ranks = int(shard_mesh(mesh).shape[-1])
@@ -165,8 +170,12 @@ def plan_fsdp(parts: Any, mesh, *, param_dtype=None, reshard_after_forward: bool
     forward, backward = prefetch_lists(units, len(parts.vision_layers), layers, backward=reshard)
     names = _unit_names(parts)
     named = lambda lists: {names.get(k, "root"): [names[i] for i in v] for k, v in lists.items()}  # noqa: E731
+    reduce, why = resolve_reduce_dtype(reduce_dtype, master_weights)
+    if param_dtype is None or param_dtype.itemsize >= 4:  # no mixed precision: gradients reduce in their own dtype
+        reduce, why = "fp32", ""
     return FsdpPlan(reshard_after_forward=reshard, prefetch=layers, shard_ranks=ranks, gathered_gib=size / 2**30,
-                    memory_gib=memory / 2**30, reason=reason, forward=named(forward), backward=named(backward))
+                    memory_gib=memory / 2**30, reason=reason, forward=named(forward), backward=named(backward),
+                    reduce_dtype=reduce, reduce_reason=why)
 
 
 def _unit_names(parts: Any) -> dict[int, str]:
@@ -175,13 +184,14 @@ def _unit_names(parts: Any) -> dict[int, str]:
 
 
 def apply_fsdp(model, parts: Any, mesh, *, param_dtype=None, reshard_after_forward: bool | str = "auto",
-               prefetch: int | str = "auto"):
+               prefetch: int | str = "auto", reduce_dtype: str = "fp32", master_weights: str = "fp32"):
     """`fully_shard` each vision-encoder layer and decoder layer of `parts` (a `setup.ModelParts`), then the root,
     over `shard_mesh(mesh)`, with the overlap of the module docstring. Call it on every rank, after activation
     checkpointing and torch.compile were applied to the layers.
 
     With `param_dtype` (bf16 on GPU) parameters are gathered in that dtype for compute while gradients are
-    reduced in fp32 (`MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)`). `reshard_after_forward`
+    reduced in the dtype `reduce_dtype` (`train.fsdp_reduce_dtype`: auto, fp32, bf16; auto by `master_weights`,
+    `resolve_reduce_dtype`) names (`MixedPrecisionPolicy(param_dtype, reduce_dtype)`). `reshard_after_forward`
     (`train.fsdp_reshard_after_forward`: auto, true, false) and `prefetch` (`train.fsdp_prefetch`: auto, off or a
     number of layers) are resolved by `plan_fsdp`; the plan is left on the model (`fsdp_plan_of`). Returns the
     model (sharded in place). Raises ConfigError for a value that is not a setting.
@@ -189,10 +199,12 @@ def apply_fsdp(model, parts: Any, mesh, *, param_dtype=None, reshard_after_forwa
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    plan = plan_fsdp(parts, mesh, param_dtype=param_dtype, reshard_after_forward=reshard_after_forward, prefetch=prefetch)
+    plan = plan_fsdp(parts, mesh, param_dtype=param_dtype, reshard_after_forward=reshard_after_forward, prefetch=prefetch,
+                     reduce_dtype=reduce_dtype, master_weights=master_weights)
     dp_mesh = shard_mesh(mesh)
     if param_dtype not in (None, torch.float32):
-        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype,
+                                  reduce_dtype=torch.bfloat16 if plan.reduce_dtype == "bf16" else torch.float32)
     else:
         mp = MixedPrecisionPolicy()
     units = [*parts.vision_layers, *parts.decoder_layers]

@@ -57,7 +57,8 @@ def parallelize(model, *, family, parts, train, dims, device, dtype, core_attent
     `device`, or (DeepSpeed) as it is for `engine.build_engine`.
 
     Reads `train.strategy` (resolved), `fp8`, `sequence_parallel`, `packing`, `activation_checkpointing`,
-    `activation_offload`, `tiled_mlp`, `compile`, `compile_vision`, `fsdp_reshard_after_forward`, `fsdp_prefetch`;
+    `activation_offload`, `tiled_mlp`, `compile`, `compile_vision`, `fsdp_reshard_after_forward`, `fsdp_prefetch`,
+    `fsdp_reduce_dtype`, `master_weights`;
     `dims`: the run's `ParallelDims` (mesh built); `dtype`: the compute dtype (FSDP2's `param_dtype`); `core_attention`:
     the attention the sequence split runs after Ulysses' all-to-all (`train.kernels.sequence_core_attention`: the
     varlen kernel where the run attends with it; None: sdpa with the row's segment mask);
@@ -197,7 +198,8 @@ def wrap(model, parts, train, dims, device, dtype, *, deferred=None, trainable: 
         return model if trainable else model.to(device)
     if strategy.fsdp:
         model = apply_fsdp(model, parts, dims.fsdp_mesh, param_dtype=dtype,
-                           reshard_after_forward=train.fsdp_reshard_after_forward, prefetch=train.fsdp_prefetch)
+                           reshard_after_forward=train.fsdp_reshard_after_forward, prefetch=train.fsdp_prefetch,
+                           reduce_dtype=train.fsdp_reduce_dtype, master_weights=train.master_weights)
         place_weights(model, deferred, device)  # rank 0's weights, into every rank's shards
         return model
     place_weights(model, deferred, device)  # empty storage; DDP broadcasts rank 0's weights
