@@ -226,6 +226,26 @@ def stochastic_adamw(groups: list[dict[str, Any]], *, lr: float, betas: tuple[fl
 _SR_CLASS = None
 
 
+def _step_batches(optimizer, group, local) -> dict[tuple, list]:
+    """The parameters of `group` that have a gradient, their state created on first use and their step counts
+    advanced, as ((param, grad, exp_avg, exp_avg_sq) plain tensors by `local`, step) lists keyed by what lets them
+    be stepped together: the same dtypes, device and step count."""
+    batches: dict[tuple, list] = {}
+    for p in group["params"]:
+        if p.grad is None:
+            continue
+        state = optimizer.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = optimizer._new_buffer(p, True)
+            state["exp_avg_sq"] = optimizer._new_buffer(p, False)
+        state["step"] += 1
+        item = (local(p), local(p.grad), local(state["exp_avg"]), local(state["exp_avg_sq"]))
+        key = (*(t.dtype for t in item), p.device, float(state["step"]))
+        batches.setdefault(key, []).append((item, state["step"]))
+    return batches
+
+
 def _stochastic_adamw_class():
     """The torchao `_AdamW` subclass behind `stochastic_adamw`, defined once (torchao imported on first use)."""
     global _SR_CLASS
@@ -265,20 +285,7 @@ def _stochastic_adamw_class():
                     loss = closure()
             scale_on, keep_on = _per_device(grad_scale, torch.float32), _per_device(keep, torch.bool)
             for group in self.param_groups:
-                batches: dict[tuple, list] = {}  # parameters stepped together: same dtypes, device and step count
-                for p in group["params"]:
-                    if p.grad is None:
-                        continue
-                    state = self.state[p]
-                    if not state:
-                        state["step"] = torch.tensor(0.0)
-                        state["exp_avg"] = self._new_buffer(p, True)
-                        state["exp_avg_sq"] = self._new_buffer(p, False)
-                    state["step"] += 1
-                    item = (local(p), local(p.grad), local(state["exp_avg"]), local(state["exp_avg_sq"]))
-                    key = (*(t.dtype for t in item), p.device, float(state["step"]))
-                    batches.setdefault(key, []).append((item, state["step"]))
-                for items in batches.values():
+                for items in _step_batches(self, group, local).values():
                     for chunk in _chunks(items, FLAT_CHUNK):
                         device = chunk[0][0][0].device
                         _step_chunk(chunk, group, scale_on(device), keep_on(device))
