@@ -321,3 +321,29 @@ def test_a_non_finite_norm_leaves_weights_moments_counts_and_schedule_as_they_we
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(opt.state[p][key], ref_opt.state[q][key])
     assert engine.lr == ref_engine.lr
+
+
+def test_stepped_inside_backward_the_update_gives_the_moments_of_a_step_after_it():
+    """`OptimizerInBackward` with one `stochastic_adamw` per parameter (`train.optimizer_in_backward` with bf16 master
+    weights) calls each one's `step` without a clipping coefficient or a skip flag: the update takes the shared
+    defaults (1, True) and leaves the moments a step after backward leaves, gradients freed."""
+    from vlmctl.train.optimizer import OptimizerInBackward, stochastic_adamw
+
+    def make(groups):
+        return stochastic_adamw(groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8)
+
+    torch.manual_seed(4)
+    x = torch.randn(6, 16).to(torch.bfloat16)
+    models = [torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.Linear(24, 3)).to(torch.bfloat16) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    inside = OptimizerInBackward([{"params": list(models[0].parameters()), "lr": 1e-3, "weight_decay": 0.0}], make=make)
+    after = make([{"params": list(models[1].parameters()), "lr": 1e-3, "weight_decay": 0.0}])
+    for model in models:
+        model(x).float().square().mean().backward()
+    after.step()
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert p.grad is None
+        state = inside.optimizers[p].state[p]
+        assert float(state["step"]) == 1.0
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[key], after.state[q][key])

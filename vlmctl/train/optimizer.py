@@ -164,15 +164,23 @@ def random_bits(n: int, device):
     return words.view(torch.int16)[:n]
 
 
+_ONES: dict = {}  # (device, dtype) -> a 0-d one, read-only: the default scale and keep flag of every step
+
+
 def _per_device(value, dtype):
     """device -> `value` (a 0-d tensor; None for 1 / True) as `dtype` on that device, copied once per device (without
-    a host sync)."""
+    a host sync). The ones of None are made once per process: the per-parameter steps of `OptimizerInBackward` take
+    them for every parameter."""
     cache: dict = {}
 
     def on(device):
+        if value is None:
+            key = (device, dtype)
+            if key not in _ONES:
+                _ONES[key] = torch.ones((), dtype=dtype, device=device)
+            return _ONES[key]
         if device not in cache:
-            cache[device] = (torch.ones((), dtype=dtype, device=device) if value is None else
-                             value.to(device=device, dtype=dtype, non_blocking=True))
+            cache[device] = value.to(device=device, dtype=dtype, non_blocking=True)
         return cache[device]
 
     return on
