@@ -169,7 +169,7 @@ _ONES: dict = {}  # (device, dtype) -> a 0-d one, read-only: the default scale a
 
 def _per_device(value, dtype):
     """device -> `value` (a 0-d tensor; None for 1 / True) as `dtype` on that device, copied once per device (without
-    a host sync). The ones of None are made once per process: the per-parameter steps of `OptimizerInBackward` take
+    a host sync, except to the host itself). The ones of None are made once per process: the per-parameter steps of `OptimizerInBackward` take
     them for every parameter."""
     cache: dict = {}
 
@@ -180,7 +180,8 @@ def _per_device(value, dtype):
                 _ONES[key] = torch.ones((), dtype=dtype, device=device)
             return _ONES[key]
         if device not in cache:
-            cache[device] = value.to(device=device, dtype=dtype, non_blocking=True)
+            # to the host (an offloaded shard's device) a non-blocking copy could be read before it lands
+            cache[device] = value.to(device=device, dtype=dtype, non_blocking=torch.device(device).type != "cpu")
         return cache[device]
 
     return on
