@@ -258,12 +258,10 @@ class TorchEngine:
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
-    def _step_on_device(self) -> float | None:
-        """Clip and step an optimizer that takes the clipping coefficient and the skip flag as device tensors
-        (`optimizer.stochastic_adamw`), then read the norm: the host queues the whole update before it waits for
-        the norm, so the device does not idle between backward and the update while the host walks the parameters,
-        and no pass of its own scales the gradients. A non-finite norm left the weights and moments unchanged
-        (the step counts are taken back, the schedule does not move); returns the norm, or None then."""
+    def queue_update(self):
+        """Queue the clipped update of an optimizer that takes the clipping coefficient and the skip flag as device
+        tensors (`clips_on_device`: `optimizer.stochastic_adamw`) without a host sync; returns the gradient norm as a
+        0-d fp32 tensor on the device (not read)."""
         import torch
 
         total = grad_norm_tensor(self.params).float()
@@ -271,7 +269,14 @@ class TorchEngine:
         if self.max_grad_norm > 0:  # torch's clip_grads_with_norm_: min(1, max_norm / (norm + 1e-6))
             scale = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
         self.optimizer.step(grad_scale=scale, keep=torch.isfinite(total))
-        norm = float(total)
+        return total
+
+    def _step_on_device(self) -> float | None:
+        """`queue_update`, then read the norm: the host queues the whole update before it waits for the norm, so the
+        device does not idle between backward and the update while the host walks the parameters, and no pass of
+        its own scales the gradients. A non-finite norm left the weights and moments unchanged (the step counts are
+        taken back, the schedule does not move); returns the norm, or None then."""
+        norm = float(self.queue_update())
         if not math.isfinite(norm):
             self.optimizer.unstep()
             return None
