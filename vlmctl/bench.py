@@ -1029,7 +1029,7 @@ def _run_bench(plan: BenchPlan, model_section, train, ctx, *, steps, warmup, log
     costs = plan.workload.costs(tm.cost_model) if not plan.prompts else None
     batches = [plan.workload.batch(indices, collator)
                for indices in plan_batches(plan, train, dp_rank=dims.dp_rank, costs=costs)]
-    trainer = Trainer(engine=engine, objective=objective, batches=prefetch(iter(batches), tm.prepare), env=env, state=TrainState(),
+    trainer = Trainer(engine=engine, objective=objective, batches=prefetch(iter(batches), tm.prepare, device=env.device), env=env, state=TrainState(),
                       total_steps=total_steps, grad_accum=train.gradient_accumulation_steps, batches_per_epoch=len(batches),
                       save_steps=1 << 30, logging_steps=1 << 30, max_bad_steps=total_steps, save=None, log=None,
                       progress=None, flops_of=tm.cost_model.batch_flops, dp_group=dims.dp_group, sp_group=dims.sp_group,
@@ -1141,7 +1141,11 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
     frozen = 0
     try:
         for i in range(steps + warmup):
-            sync()
+            # The warm-up steps and the first measured one start from an idle device; the measured steps then run
+            # back to back as in training, where the host queues a step's forward while the device still runs the
+            # last update, and the last one's time includes its update (the sync after it).
+            if i <= warmup:
+                sync()
             collected, full = sum(pauses.seconds), pauses.collections[2]
             t0 = time.perf_counter()
             if profile is not None and i == warmup - 1:  # not measured: the profiler and writing its trace cost time
@@ -1149,7 +1153,9 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
                 if env.is_main:
                     log(summary)
             else:
-                result = trainer.train_step()  # ends in a collective that waits for the device
+                result = trainer.train_step()  # returns once its gradient norm and stats are read
+            if i == steps + warmup - 1:
+                sync()
             dt = time.perf_counter() - t0
             generated = _rollout_figures(result)
             if i >= warmup:

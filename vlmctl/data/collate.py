@@ -554,9 +554,15 @@ COUNTER_KEYS = ("num_label_tokens", "num_visual_tokens", "num_text_tokens", *(u.
                 "num_samples", "seq_lens", "num_pairs", "pair_ids")
 
 
+NOT_INPUTS = (*COUNTER_KEYS, "labels", "vision_tower_inputs")
+"""Batch keys the model's forward does not take: the counters, the labels, and a vision tower's inputs computed
+ahead of the step (`vlmctl.train.tower_inputs.KEY`, handed to the tower by a hook)."""
+
+
 def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
-    """The batch without the counters and labels: what the model's forward takes."""
-    return {k: v for k, v in batch.items() if k not in COUNTER_KEYS and k != "labels"}
+    """The batch without the counters, labels and precomputed tower inputs (`NOT_INPUTS`): what the model's forward
+    takes."""
+    return {k: v for k, v in batch.items() if k not in NOT_INPUTS}
 
 
 def is_packed(batch: dict[str, Any]) -> bool:

@@ -154,6 +154,32 @@ def grad_norm_tensor(params):
     return torch.stack([n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]).norm()
 
 
+class HostValues:
+    """A tensor's values as they stand at this point of the device's stream, on their way to the host: copied into
+    pinned host memory without a host sync, so that reading them does not wait for work queued after the copy (the
+    optimizer's update, the next step's forward). `get()` waits for that copy alone (a CUDA event) and returns the
+    host tensor (same shape and dtype). On the CPU it is a copy made at once."""
+
+    def __init__(self, tensor) -> None:
+        import torch
+
+        tensor = tensor.detach()
+        self.event = None
+        if tensor.device.type == "cuda":
+            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.host.copy_(tensor, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tensor.clone()
+
+    def get(self):
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+        return self.host
+
+
 def total_grad_norm(params) -> tuple[Any, float]:
     """`grad_norm_tensor(params)` and its value (a host sync)."""
     total = grad_norm_tensor(params)
@@ -204,8 +230,12 @@ class TorchEngine:
         return getattr(self.model, "module", self.model)  # DDP's; FSDP2 wraps the module in place
 
     def inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """The model inputs of `batch`; its vision towers' precomputed inputs staged for their forward
+        (`train.tower_inputs`)."""
         from vlmctl.data.collate import model_inputs
+        from vlmctl.train.tower_inputs import stage
 
+        stage(batch)
         return model_inputs(batch)
 
     def forward(self, objective, batch: dict[str, Any]):
@@ -258,25 +288,28 @@ class TorchEngine:
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
-    def queue_update(self):
+    def queue_update(self) -> HostValues:
         """Queue the clipped update of an optimizer that takes the clipping coefficient and the skip flag as device
-        tensors (`clips_on_device`: `optimizer.stochastic_adamw`) without a host sync; returns the gradient norm as a
-        0-d fp32 tensor on the device (not read)."""
+        tensors (`clips_on_device`: `optimizer.stochastic_adamw`) without a host sync; returns the gradient norm (a
+        0-d fp32 tensor) on its way to the host, copied before the update was queued, so that reading it waits for
+        the backward and the norm but not for the update."""
         import torch
 
         total = grad_norm_tensor(self.params).float()
+        norm = HostValues(total)
         scale = None
         if self.max_grad_norm > 0:  # torch's clip_grads_with_norm_: min(1, max_norm / (norm + 1e-6))
             scale = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
         self.optimizer.step(grad_scale=scale, keep=torch.isfinite(total))
-        return total
+        return norm
 
     def _step_on_device(self) -> float | None:
         """`queue_update`, then read the norm: the host queues the whole update before it waits for the norm, so the
         device does not idle between backward and the update while the host walks the parameters, and no pass of
-        its own scales the gradients. A non-finite norm left the weights and moments unchanged (the step counts are
-        taken back, the schedule does not move); returns the norm, or None then."""
-        norm = float(self.queue_update())
+        its own scales the gradients; the norm's value left the device before the update, so the host goes on to
+        the next step while the update runs. A non-finite norm left the weights and moments unchanged (the step
+        counts are taken back, the schedule does not move); returns the norm, or None then."""
+        norm = float(self.queue_update().get())
         if not math.isfinite(norm):
             self.optimizer.unstep()
             return None
@@ -372,9 +405,12 @@ class DeepSpeedEngine:
         return self.engine.module
 
     def inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """The model inputs, pixel values cast to the module's dtype (DeepSpeed runs no autocast)."""
+        """The model inputs, pixel values cast to the module's dtype (DeepSpeed runs no autocast); the vision towers'
+        precomputed inputs staged for their forward (`train.tower_inputs`)."""
         from vlmctl.data.collate import model_inputs
+        from vlmctl.train.tower_inputs import stage
 
+        stage(batch)
         inputs = model_inputs(batch)
         dtype = next((p.dtype for p in self.engine.module.parameters()), None)
         if "pixel_values" in inputs and dtype is not None:

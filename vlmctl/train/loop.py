@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from vlmctl.distributed.engine import HostValues
 from vlmctl.errors import VlmctlError
 from vlmctl.train.objectives import check_batch, has_hook
 
@@ -46,11 +47,13 @@ from vlmctl.train.objectives import check_batch, has_hook
 # too. Light vlmctl modules and modules the start-up loads anyway sit next to their use as well.
 
 
-def prefetch(batches: Iterator[dict[str, Any]], prepare=None, depth: int = 2) -> Iterator[dict[str, Any]]:
+def prefetch(batches: Iterator[dict[str, Any]], prepare=None, depth: int = 2, device=None) -> Iterator[dict[str, Any]]:
     """Yield `prepare(batch)` (or the batch itself) for each batch of `batches`, computed up to `depth` batches
     ahead in a background thread, so CPU-side preparation (reading from the DataLoader, Qwen-VL's mRoPE positions)
-    overlaps the device's work on the current step instead of idling it between steps. Exceptions raised while
-    preparing are re-raised in the consumer at the batch where they happened."""
+    overlaps the device's work on the current step instead of idling it between steps. With a CUDA `device` the
+    batches' tensors are also put in pinned memory there (`pin_batch`), so that `to_device` copies them without
+    holding the host. Exceptions raised while preparing are re-raised in the consumer at the batch where they
+    happened."""
     import queue
     import threading
 
@@ -67,10 +70,17 @@ def prefetch(batches: Iterator[dict[str, Any]], prepare=None, depth: int = 2) ->
                 continue
         return False
 
+    pin = device is not None and getattr(device, "type", None) == "cuda"
+
     def work() -> None:
         try:
+            if pin:  # this thread's CUDA calls on the rank's own GPU (pinning would otherwise open one on GPU 0)
+                import torch
+
+                torch.cuda.set_device(device)
             for batch in batches:
-                if not put(prepare(batch) if prepare is not None else batch):
+                batch = prepare(batch) if prepare is not None else batch
+                if not put(pin_batch(batch) if pin else batch):
                     return
             put(done)
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
@@ -90,8 +100,28 @@ def prefetch(batches: Iterator[dict[str, Any]], prepare=None, depth: int = 2) ->
         stop.set()
 
 
+def pin_batch(batch: dict[str, Any]) -> dict[str, Any]:
+    """`batch` with its CPU tensors in pinned (page-locked) host memory: a copy from pageable memory to the GPU holds
+    the host while the driver stages it, even with `non_blocking`; from pinned memory it is queued and returns."""
+    import torch
+
+    def pin(v):
+        if isinstance(v, dict):  # a vision tower's precomputed inputs (`train.tower_inputs`)
+            return {k: pin(x) for k, x in v.items()}
+        return v.pin_memory() if isinstance(v, torch.Tensor) and v.device.type == "cpu" and not v.is_pinned() else v
+
+    return {k: pin(v) for k, v in batch.items()}
+
+
 def to_device(batch: dict[str, Any], device) -> dict[str, Any]:
-    return {k: (v.to(device, non_blocking=True) if hasattr(v, "to") else v) for k, v in batch.items()}
+    """`batch` with its tensors (and those of a dict value: a vision tower's precomputed inputs) on `device`, copied
+    without a host sync where they are pinned."""
+    def move(v):
+        if isinstance(v, dict):
+            return {k: move(x) for k, x in v.items()}
+        return v.to(device, non_blocking=True) if hasattr(v, "to") else v
+
+    return {k: move(v) for k, v in batch.items()}
 
 
 class StepTimer:
@@ -330,14 +360,18 @@ class Trainer:
         if not self._checked:  # the first window of this process: the batches hold what the objective reads
             check_batch(self.objective, window[0])
             self._checked = True
-        label_tokens = torch.tensor([float(sum(self.objective.label_tokens(b) for b in window))], device=self.env.device)
-        dist.all_reduce(label_tokens, group=self.dp_group)
-        total_tokens = float(label_tokens)
+        total_tokens = float(sum(self.objective.label_tokens(b) for b in window))
+        if self.dp_size > 1:  # with one data-parallel rank no device round trip: it would wait for the last update
+            label_tokens = torch.tensor([total_tokens], device=self.env.device)
+            dist.all_reduce(label_tokens, group=self.dp_group)
+            total_tokens = float(label_tokens)
         # gradients are averaged over the data-parallel and sequence-parallel ranks (`ParallelDims.grad_mesh`)
         loss_sum, bad = self._accumulate(window, scale=self.dp_size * self.sp_size / max(total_tokens, 1.0), timer=timer)
+        # the stats leave the device before the update is queued: reading them does not wait for the update
+        stats = self._reduce_stats(window, loss_sum, flops)
         grad_norm = self.engine.step(skip=bad)
         bad = bad or grad_norm is None and self.engine.none_norm_skips
-        stats, extra = self._reduce_stats(window, loss_sum, flops)
+        stats, extra = self._read_stats(stats)
         ranks = self._gather_ranks([timer.compute_s(), timer.data_s, flops])
         text, visual = int(stats[1]), int(stats[2])
         self.state.tokens += text + visual
@@ -400,10 +434,11 @@ class Trainer:
             self.engine.micro_step()
         return loss_sum, bad
 
-    def _reduce_stats(self, window: list[dict[str, Any]], loss_sum, flops: float):
-        """([loss sum, text tokens, visual tokens, dummy images, samples, FLOPs, stop flag] summed over the
-        data-parallel ranks (float64 tensor), the objective's extra metric sums of the window over them (name ->
-        float)). One all-reduce carries both."""
+    def _reduce_stats(self, window: list[dict[str, Any]], loss_sum, flops: float) -> tuple[HostValues, list[str]]:
+        """[loss sum, text tokens, visual tokens, dummy images, samples, FLOPs, stop flag, the objective's extra
+        metric sums of the window] summed over the data-parallel ranks (float64), on their way to the host
+        (`HostValues`: queued without a host sync), and the extra metrics' names. One all-reduce carries them all;
+        with one data-parallel rank none runs. `_read_stats` reads them."""
         import torch
         import torch.distributed as dist
 
@@ -411,8 +446,8 @@ class Trainer:
             loss_sum = loss_sum.clone()
             dist.all_reduce(loss_sum, group=self.sp_group)
         names = sorted(self._extra)  # every rank holds the same names: the objective's, for every good micro-batch
-        stats = torch.tensor([
-            float(loss_sum),
+        host = torch.tensor([
+            0.0,  # the loss sum, added on the device
             float(sum(b["num_text_tokens"] for b in window)),
             float(sum(b["num_visual_tokens"] for b in window)),
             float(sum(b["num_dummy_images"] for b in window)),
@@ -420,12 +455,25 @@ class Trainer:
             flops,
             1.0 if self._signal is not None else 0.0,
             *(self._extra[name] for name in names),
-        ], device=self.env.device, dtype=torch.float64)
-        dist.all_reduce(stats, group=self.dp_group)
+        ], dtype=torch.float64)
+        if self.env.device.type == "cuda":
+            host = host.pin_memory()  # copied without a host sync (a pageable copy waits for the device's queue)
+        stats = host.to(self.env.device, non_blocking=True)
+        stats[0] += loss_sum.to(torch.float64)
+        if self.dp_size > 1:
+            dist.all_reduce(stats, group=self.dp_group)
         if self.dp_size != dist.get_world_size():  # other parallel dimensions: a signal stops every rank
             flag = stats[6:7].clone()
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             stats[6:7] = flag
+        return HostValues(stats), names
+
+    @staticmethod
+    def _read_stats(queued: tuple[HostValues, list[str]]):
+        """The values `_reduce_stats` queued: ([loss sum, text tokens, visual tokens, dummy images, samples, FLOPs,
+        stop flag] as a float64 host tensor, the extra metric sums by name). Waits for their copy alone."""
+        values, names = queued
+        stats = values.get()
         extra = {name: float(stats[7 + i]) for i, name in enumerate(names)}
         return stats[:7], extra
 

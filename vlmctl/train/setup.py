@@ -545,6 +545,10 @@ def prepare_model(model, family, train, device, compute_dtype=None, plan=None) -
         plan = build_plan(train, DeviceFacts.here(cuda=device.type == "cuda"), family)
     attn, liger, vision_kernels = apply_kernels(model, family, train, device, plan)
     prepare = family.position_hook(model, getattr(model.config, "image_token_id", None)) if plan.packing.value else None
+    if train.sequence_parallel == 1:  # the towers' grid-derived inputs computed ahead of the step, on the host
+        from vlmctl.train.tower_inputs import chain, install_tower_inputs
+
+        prepare = chain(prepare, *(t.prepare for t in install_tower_inputs(model, family)))
     model, parts, trainable = apply_training_setup(model, family, train, compute_dtype)
     return TrainingModel(model=model, family=family, parts=parts, trainable=trainable, attn=attn, liger=liger,
                          vision_kernels=vision_kernels, prepare=prepare, parameters=part_parameters(model, parts),

@@ -129,7 +129,7 @@ def build_trainer(cfg, run_dir: Path, ctx: RunContext, tm: TrainingModel, engine
     save = Saver(run_dir, rank=env.rank, engine=engine, total_limit=train.save_total_limit,
                  batches_per_epoch=sampler.batches_per_epoch, info=info, notify=progress.print, objective=objective)
     return Trainer(
-        engine=engine, objective=objective, batches=prefetch(iter(loader), tm.prepare), env=env, state=state,
+        engine=engine, objective=objective, batches=prefetch(iter(loader), tm.prepare, device=env.device), env=env, state=state,
         total_steps=total_steps, grad_accum=train.gradient_accumulation_steps, batches_per_epoch=sampler.batches_per_epoch,
         save_steps=train.save_steps, logging_steps=train.logging_steps, max_bad_steps=train.max_bad_steps, save=save,
         log=logger.log if logger else (lambda row: None), progress=progress, flops_of=tm.cost_model.batch_flops,
