@@ -10,8 +10,8 @@ shift $(( $# < 4 ? $# : 4 ))
 out=${OUT:-/tmp}/bench_ab.jsonl
 : > "$out"
 for i in $(seq "$rounds"); do
-  for tree in "$a" "$b"; do
-    label=$([ "$tree" = "$a" ] && echo A || echo B)
+  for label in A B; do  # by position: A and B may be the same tree with different ARGS_A / ARGS_B
+    tree=$([ "$label" = A ] && echo "$a" || echo "$b")
     extra=$([ "$label" = A ] && echo "${ARGS_A:-}" || echo "${ARGS_B:-}")
     # shellcheck disable=SC2086
     line=$(cd "$(dirname "$config")" && PYTHONPATH="$(cd "$OLDPWD" && realpath "$tree")${PYTHONPATH:+:$PYTHONPATH}" \
