@@ -554,9 +554,12 @@ COUNTER_KEYS = ("num_label_tokens", "num_visual_tokens", "num_text_tokens", *(u.
                 "num_samples", "seq_lens", "num_pairs", "pair_ids")
 
 
-NOT_INPUTS = (*COUNTER_KEYS, "labels", "vision_tower_inputs")
-"""Batch keys the model's forward does not take: the counters, the labels, and a vision tower's inputs computed
-ahead of the step (`vlmctl.train.tower_inputs.KEY`, handed to the tower by a hook)."""
+TOWER_INPUTS_KEY = "vision_tower_inputs"
+"""The batch key of a vision tower's inputs computed ahead of the step (`vlmctl.train.tower_inputs`: handed to the
+tower by a hook, not to the model's forward)."""
+
+NOT_INPUTS = (*COUNTER_KEYS, "labels", TOWER_INPUTS_KEY)
+"""Batch keys the model's forward does not take: the counters, the labels, and a vision tower's precomputed inputs."""
 
 
 def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:

@@ -184,22 +184,31 @@ class EncoderGraphs:
             self.entries.popitem(last=False)
 
 
-def install_encoder_graphs(model, family, record: Callable | None, enabled: bool = True) -> dict[str, EncoderGraphs]:
-    """`EncoderGraphs` installed on each encoder of `family` in `model` whose `EncoderSpec.graph_inputs` names a
-    `GRID_INPUTS` function (with `enabled`; those an earlier engine installed are removed first: graphs belong to
-    one engine's pool); {encoder name: its graphs}."""
+def grid_towers(model, family) -> list[tuple[str, Any, Any, Callable[[Any, Any], dict[str, Any]]]]:
+    """(encoder name, its `EncoderSpec`, its tower module in `model`, its `GRID_INPUTS` function) of each encoder of
+    `family` whose `EncoderSpec.graph_inputs` names one: the towers that take their grid-derived inputs precomputed.
+    Encoders `model` lacks are left out."""
     from vlmctl.errors import ModelError
     from vlmctl.families.encoders import submodule
 
-    installed = {}
+    towers = []
     for name, enc in getattr(family, "encoders", {}).items():
         inputs = GRID_INPUTS.get(getattr(enc, "graph_inputs", None) or "")
         if inputs is None:
             continue
         try:
-            tower = submodule(model, enc.path)
+            towers.append((name, enc, submodule(model, enc.path), inputs))
         except ModelError:  # a model without that module: nothing to do
             continue
+    return towers
+
+
+def install_encoder_graphs(model, family, record: Callable | None, enabled: bool = True) -> dict[str, EncoderGraphs]:
+    """`EncoderGraphs` installed on each encoder of `family` in `model` whose `EncoderSpec.graph_inputs` names a
+    `GRID_INPUTS` function (`grid_towers`; with `enabled`; those an earlier engine installed are removed first:
+    graphs belong to one engine's pool); {encoder name: its graphs}."""
+    installed = {}
+    for name, _, tower, inputs in grid_towers(model, family):
         if isinstance(tower.__dict__.get("forward"), EncoderGraphs):
             tower.__dict__["forward"].remove()
         if enabled:
@@ -207,4 +216,4 @@ def install_encoder_graphs(model, family, record: Callable | None, enabled: bool
     return installed
 
 
-__all__ = ["EncoderGraphs", "GRID_INPUTS", "install_encoder_graphs", "padded_count", "qwen_grid_inputs"]
+__all__ = ["EncoderGraphs", "GRID_INPUTS", "grid_towers", "install_encoder_graphs", "padded_count", "qwen_grid_inputs"]

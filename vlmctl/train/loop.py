@@ -442,6 +442,8 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
+        from vlmctl.inference.inputs import to_device as to_device_async
+
         if self.sp_group is not None:  # each sequence rank holds part of its batch's loss
             loss_sum = loss_sum.clone()
             dist.all_reduce(loss_sum, group=self.sp_group)
@@ -456,9 +458,7 @@ class Trainer:
             1.0 if self._signal is not None else 0.0,
             *(self._extra[name] for name in names),
         ], dtype=torch.float64)
-        if self.env.device.type == "cuda":
-            host = host.pin_memory()  # copied without a host sync (a pageable copy waits for the device's queue)
-        stats = host.to(self.env.device, non_blocking=True)
+        stats = to_device_async(host, self.env.device)  # a copy from pageable memory would wait for the device's queue
         stats[0] += loss_sum.to(torch.float64)
         if self.dp_size > 1:
             dist.all_reduce(stats, group=self.dp_group)

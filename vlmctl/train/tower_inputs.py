@@ -18,11 +18,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-# The families, the errors and the inference helpers are imported inside the functions that use them: the engine
-# imports this module, and importing vlmctl (the CLI's start-up) must not pay for them.
+from vlmctl.data.collate import TOWER_INPUTS_KEY as KEY  # {keyword argument: host tensor or int}; not a model input
 
-KEY = "vision_tower_inputs"
-"""The batch key of the precomputed inputs: {keyword argument: host tensor or int}; not a model input."""
+# The inference helpers are imported inside the function that uses them: the engine imports this module, and
+# importing vlmctl (the CLI's start-up) must not pay for them.
 
 _STAGED: list = [None]  # the inputs of the next tower forward (`stage`), taken by the tower's pre-hook
 
@@ -71,21 +70,10 @@ def install_tower_inputs(model: Any, family: Any) -> list[TowerInputs]:
     """A `TowerInputs` on each image encoder of `family` in `model` whose `EncoderSpec.graph_inputs` names a function
     of `encoder_graphs.GRID_INPUTS` (the towers that take their grid-derived inputs precomputed); [] for others.
     Not for sequence parallelism, whose split forward hands each rank's tower a part of the images."""
-    from vlmctl.errors import ModelError
-    from vlmctl.families.encoders import submodule
-    from vlmctl.inference.encoder_graphs import GRID_INPUTS
+    from vlmctl.inference.encoder_graphs import grid_towers
 
-    installed = []
-    for enc in getattr(family, "encoders", {}).values():
-        compute = GRID_INPUTS.get(getattr(enc, "graph_inputs", None) or "")
-        if compute is None or "image" not in getattr(enc, "modalities", ("image",)):
-            continue
-        try:
-            tower = submodule(model, enc.path)
-        except ModelError:  # a model without that module: nothing to do
-            continue
-        installed.append(TowerInputs(tower, compute))
-    return installed
+    return [TowerInputs(tower, compute) for _, enc, tower, compute in grid_towers(model, family)
+            if "image" in getattr(enc, "modalities", ("image",))]
 
 
 def chain(*hooks: Callable[[dict[str, Any]], dict[str, Any]] | None) -> Callable[[dict[str, Any]], dict[str, Any]] | None:
