@@ -177,3 +177,23 @@ def test_decode_steps_while_rows_end_never_wait_for_the_stream(model_on_gpu):
     assert not synced, f"{len(synced)} synchronizing calls while rows ended: {synced[:3]}"
     assert [len(r.completions[0].token_ids) for r in requests] == [4 + 3 * i for i in range(6)]
     assert engine.overlapped > 0
+
+
+def test_random_draws_work_after_a_capture_that_failed(model_on_gpu):
+    """A capture that fails midway (a host read inside it invalidates the stream's capture) raises from the runner's
+    `_capture_run`, which the engine turns into eager decoding; the GPU's default generator is left not capturing,
+    so eager sampling and any later random draw on that GPU still work (torch leaves it marked as capturing and every
+    draw raises "Offset increment outside graph capture encountered unexpectedly" otherwise)."""
+    from vlmctl.inference.engine import DecodeEngine
+
+    model, processor = model_on_gpu
+    engine = DecodeEngine(model, processor, max_slots=2, max_length=64)
+    x = torch.ones(4, device="cuda")
+    with pytest.raises(Exception):  # noqa: B017 - torch's own error, its type differs across versions
+        engine.runner._capture_run(lambda: (x * 2).sum().item())
+    assert not torch.cuda.is_current_stream_capturing()
+    torch.cuda.manual_seed(5)
+    first = torch.rand(16, device="cuda")
+    torch.cuda.manual_seed(5)
+    assert torch.equal(torch.rand(16, device="cuda"), first)
+    assert torch.multinomial(torch.ones(4, device="cuda"), 2).shape == (2,)

@@ -531,8 +531,12 @@ class ModelRunner:
                 run()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            run()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                run()
+        except BaseException:
+            release_capturing_generator(self.device)
+            raise
         return graph
 
     def _next_positions(self, positions: "torch.Tensor", valid: "torch.Tensor") -> list[float]:
@@ -730,6 +734,23 @@ class ModelRunner:
     def graph_count(self) -> int:
         """CUDA graphs held: decode steps, prefill buckets and the vision towers' layouts."""
         return len(self._graphs) + sum(g.graph_count for g in self.encoder_graphs.values())
+
+
+def release_capturing_generator(device) -> None:
+    """Leave `device`'s default CUDA generator as a capture that failed midway found it, not capturing.
+
+    `torch.cuda.CUDAGraph.capture_begin` marks the default generator as capturing and only `capture_end`'s epilogue
+    clears the mark; when the capture fails (the callable raises, or a synchronizing call invalidated the stream so
+    that `cudaStreamEndCapture` errs) the epilogue never runs, and every later draw from that generator outside a
+    graph raises "Offset increment outside graph capture encountered unexpectedly" (CUDAGeneratorImpl.cpp,
+    `CUDAGeneratorState::increase`) - eager sampling on that GPU included. The generator's state is replaced by a
+    clone (`Generator.clone_state`: the same seed and Philox offset, no capture), which `graphsafe_set_state`
+    installs without touching the seed."""
+    import torch
+
+    index = torch.device(device).index
+    generator = torch.cuda.default_generators[torch.cuda.current_device() if index is None else index]
+    generator.graphsafe_set_state(generator.clone_state())
 
 
 def encoder_varlen(model, family, device) -> list[str]:
