@@ -8,6 +8,8 @@
 #                            with train.fp8_layers=sized (torchao's size rule skips the key/value projections: the
 #                            default of train.fp8_layers)
 #   7b-tensorwise-all        as 7b-tensorwise with train.fp8_layers=all (every aligned linear, k/v included)
+#   7b-tensorwise-fast       as 7b-tensorwise with train.fp8_fast_accum=all (fast accumulation in the backward
+#                            matmuls too); -all-fast both
 #   3b-auto                  the 3B preset, train.fp8=auto and train.tokens_per_batch=auto (the start-up probe picks
 #                            the rows and runs its float8 trial), no activation checkpointing (what the probe picks
 #                            for the 3B on an H200, docs/benchmarks.md), so the probe compiles one mode and the
@@ -38,13 +40,14 @@ common=(--steps "${STEPS:-4}" --warmup "${WARMUP:-3}" --nproc-per-node "${NPROC:
         train.compile=on train.activation_checkpointing=off train.warmup_ratio=0.0 train.lr_scheduler=constant ${EXTRA:-})
 rows_3b=""
 for run in "${runs[@]}"; do
-  preset=qwen2.5-vl-${run%%-*} mode=${run#*-} layers=sized
+  preset=qwen2.5-vl-${run%%-*} mode=${run#*-} layers=sized accum=forward
+  [ "${mode%-fast}" != "$mode" ] && mode=${mode%-fast} accum=all
   [ "${mode%-all}" != "$mode" ] && mode=${mode%-all} layers=all
   case $run in
-    7b-*) keys=(train.tokens_per_batch=8192 "train.fp8=${mode/bf16/off}" "train.fp8_layers=$layers") ;;
+    7b-*) keys=(train.tokens_per_batch=8192 "train.fp8=${mode/bf16/off}" "train.fp8_layers=$layers" "train.fp8_fast_accum=$accum") ;;
     3b-auto) keys=(train.tokens_per_batch=auto train.fp8=auto) ;;
     3b-bf16) keys=("train.tokens_per_batch=${rows_3b:-auto}" train.fp8=off) ;;
-    *) echo "unknown run $run (7b-bf16, 7b-tensorwise, 7b-tensorwise-all, 7b-rowwise, 3b-auto, 3b-bf16)" >&2; exit 2 ;;
+    *) echo "unknown run $run (7b-bf16, 7b-tensorwise[-all][-fast], 7b-rowwise, 3b-auto, 3b-bf16)" >&2; exit 2 ;;
   esac
   left=$(( budget - ($(date +%s) - start) ))
   if [ "$left" -lt "$min_run" ]; then

@@ -14,7 +14,9 @@ what `train.fp8_layers=sized` converts (torchao's size rule: not the key/value p
 - `bf16`: no float8;
 - `pad`: tensorwise with `pad_inner_dim=True` (what `vlmctl.distributed.float8.convert` sets: rows of any length);
 - `nopad`: tensorwise with `pad_inner_dim=False` (the inner dimensions are already multiples of 16 here);
-- `nopad-pow2`: as `nopad` with `round_scales_to_power_of_2=True`.
+- `nopad-pow2`: as `nopad` with `round_scales_to_power_of_2=True`;
+- `pad-fast`: as `pad` with `use_fast_accum=True` in the two backward GEMMs too (torchao's default keeps it for the
+  forward's output GEMM only: cuBLAS's fast accumulation in float8 promotes its partial sums to fp32 less often).
 
 Prints, per variant, the median milliseconds of one forward + backward over 10 measured iterations (3 warm-up,
 compile included), per block, and the ratio to bf16. Peak memory in GiB.
@@ -63,8 +65,14 @@ def build(layers: int, variant: str):
 
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        config = replace(Float8LinearConfig.from_recipe_name("tensorwise"), pad_inner_dim=variant == "pad",
-                         round_scales_to_power_of_2=variant.endswith("pow2"))
+        from torchao.float8.config import Float8GemmConfig
+
+        parts = variant.split("-")
+        config = replace(Float8LinearConfig.from_recipe_name("tensorwise"), pad_inner_dim="pad" in parts,
+                         round_scales_to_power_of_2="pow2" in parts)
+        if "fast" in parts:
+            config = replace(config, gemm_config_grad_input=Float8GemmConfig(use_fast_accum=True),
+                             gemm_config_grad_weight=Float8GemmConfig(use_fast_accum=True))
         convert_to_float8_training(model, config=config,
                                    module_filter_fn=lambda m, name: not name.endswith(("k_proj", "v_proj")))
     for block in model:

@@ -1101,6 +1101,7 @@ def settings_line(train, choice, fsdp=None) -> str:
         size += f", language model over {train.tensor_parallel} tensor-parallel ranks"
     why = f" [auto: {choice.reason}]" if choice is not None else ""
     fp8 = f", float8 {train.fp8} linears" if train.fp8 in FLOAT8_RECIPES else ""
+    fp8 += " (fast accumulation in backward)" if fp8 and train.fp8_fast_accum == "all" else ""
     if choice is not None and choice.fp8 is not None:
         why = f" [auto: {choice.reason}; fp8 {choice.fp8_reason}]"
     ac = train.activation_checkpointing

@@ -548,24 +548,36 @@ def test_a_recipe_converts_what_the_size_rule_keeps_and_is_refused_where_that_is
     dims.build_mesh("cpu")
     cpu = torch.device("cpu")
 
-    def converted(layers: str, wide: bool, skip: tuple[str, ...] = ()):
+    def converted(layers: str, wide: bool, skip: tuple[str, ...] = (), fast_accum: str = "forward"):
         model, _, family = load_model(llava[0], dtype=torch.float32)
         if wide:  # torchao's tensorwise rule keeps in_features > 4096 or out_features > 1024
             decoder_layers(model, family)[0].wide = torch.nn.Linear(1024, 2048, bias=False)
         train = TrainSection(strategy="fsdp", precision="fp32", fp8="tensorwise", fp8_layers=layers, compile="off",
-                             activation_checkpointing="off", fp8_skip=list(skip))
+                             activation_checkpointing="off", fp8_skip=list(skip), fp8_fast_accum=fast_accum)
         parallelize(model, family=family, parts=model_parts(model, family), train=train, dims=dims, device=cpu,
                     dtype=torch.float32)
-        return float8.state_of(model)
+        return float8.state_of(model), model
 
-    state = converted("sized", wide=True)  # the wide layer only, with the float8 all-gather
+    state, model = converted("sized", wide=True)  # the wide layer only, with the float8 all-gather
     assert state.layers == ("model.language_model.layers.0.wide",) and state.all_gather
-    assert len(converted("all", wide=True).layers) == 28 + 1  # every aligned layer: 7 a decoder layer, and the wide one
+    # torchao's GEMM settings: fast accumulation in the output matmul only, unless train.fp8_fast_accum=all
+    accum = [(c.output.use_fast_accum, c.grad_input.use_fast_accum, c.grad_weight.use_fast_accum)
+             for c in (m.linear_mm_config for m in float8.float8_layers(model))]
+    assert accum == [(True, False, False)] and state.fast_accum == "forward"
+    assert "fast accumulation" not in float8.describe(model)
+    state, model = converted("all", wide=True, fast_accum="all")
+    assert len(state.layers) == 28 + 1  # every aligned layer: 7 a decoder layer, and the wide one
+    assert {(c.output.use_fast_accum, c.grad_input.use_fast_accum, c.grad_weight.use_fast_accum)
+            for c in (m.linear_mm_config for m in float8.float8_layers(model))} == {(True, True, True)}
+    assert state.fast_accum == "all" and float8.describe(model).endswith("fast accumulation in backward)")
+    plain, _, family = load_model(llava[0], dtype=torch.float32)
+    with pytest.raises(ValueError, match="fast_accum must be"):
+        float8.convert(plain, family, "tensorwise", emulate=True, fast_accum="some")
     with pytest.raises(ConfigError, match="train.fp8=tensorwise: no linear layer") as err:
         converted("sized", wide=False)
     assert "train.fp8_layers=all" in err.value.hint and "train.fp8=off" in err.value.hint
     # train.fp8_skip: the attention's projections stay bf16, the MLPs' three linears and the wide one convert
-    state = converted("all", wide=True, skip=("q_proj", "k_proj", "v_proj", "o_proj"))
+    state, _ = converted("all", wide=True, skip=("q_proj", "k_proj", "v_proj", "o_proj"))
     assert len(state.layers) == 4 * 3 + 1 and all(".mlp." in n or n.endswith("wide") for n in state.layers)
     with pytest.raises(ConfigError, match=r"train.fp8_skip=\['layers'\]") as err:
         converted("all", wide=True, skip=("layers",))

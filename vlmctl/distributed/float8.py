@@ -42,11 +42,13 @@ ALIGN = 16  # torch._scaled_mm: both dimensions of a float8 matmul's operands ar
 @dataclass(frozen=True)
 class Float8State:
     """What `convert` did to a model: the `recipe` (tensorwise, rowwise), whether FSDP2 all-gathers the weights in
-    float8 (`all_gather`), and the converted layers' module paths (`layers`)."""
+    float8 (`all_gather`), the converted layers' module paths (`layers`), and which matmuls use cuBLAS's fast
+    accumulation (`fast_accum`: forward, the output matmul only, or all three)."""
 
     recipe: str
     all_gather: bool
     layers: tuple[str, ...]
+    fast_accum: str = "forward"
 
 
 def convertible(model, family, sized: str | None = None, skip: tuple[str, ...] = ()) -> list[tuple[str, object]]:
@@ -65,21 +67,29 @@ def convertible(model, family, sized: str | None = None, skip: tuple[str, ...] =
 
 
 def convert(model, family, recipe: str, *, all_gather: bool = False, emulate: bool = False,
-            sized: bool = False, skip: tuple[str, ...] = ()) -> Float8State:
+            sized: bool = False, skip: tuple[str, ...] = (), fast_accum: str = "forward") -> Float8State:
     """Swap the `convertible` layers of `model` (in place, on any device, the meta device included) for torchao's
     `Float8Linear` with `recipe` (tensorwise or rowwise: `Float8LinearConfig.from_recipe_name`), the float8
     all-gather under FSDP2 with `all_gather` (tensorwise only), `emulate` off CUDA, with `sized` torchao's size
-    rule, leaving the layers whose path contains a fragment of `skip` in bf16. Records and returns the `Float8State`
-    (`FLOAT8_ATTR` on `model`). Parameters keep their names and values."""
+    rule, leaving the layers whose path contains a fragment of `skip` in bf16. `fast_accum` (`train.fp8_fast_accum`):
+    "forward" keeps the recipe's GEMM settings (fast accumulation in the output matmul only), "all" turns it on in
+    the input- and weight-gradient matmuls too. Records and returns the `Float8State` (`FLOAT8_ATTR` on `model`).
+    Parameters keep their names and values. Raises ValueError for another `fast_accum`."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: PLC0415 - as above
+    from torchao.float8.config import Float8GemmConfig  # noqa: PLC0415 - as above
 
+    if fast_accum not in ("forward", "all"):
+        raise ValueError(f"fast_accum must be 'forward' or 'all', not {fast_accum!r}")
     layers = {name for name, _ in convertible(model, family, recipe if sized else None, skip)}
     all_gather = all_gather and recipe == "tensorwise"  # torchao's float8 all-gather scales per tensor
     config = replace(Float8LinearConfig.from_recipe_name(recipe), enable_fsdp_float8_all_gather=all_gather,
                      pad_inner_dim=True, emulate=emulate)
+    if fast_accum == "all":
+        config = replace(config, gemm_config_grad_input=Float8GemmConfig(use_fast_accum=True),
+                         gemm_config_grad_weight=Float8GemmConfig(use_fast_accum=True))
     if layers:
         convert_to_float8_training(model, module_filter_fn=lambda module, name: name in layers, config=config)
-    state = Float8State(recipe, all_gather, tuple(sorted(layers)))
+    state = Float8State(recipe, all_gather, tuple(sorted(layers)), fast_accum)
     setattr(model, FLOAT8_ATTR, state)
     return state
 
@@ -147,10 +157,11 @@ def high_precision(tensor):
 
 
 def describe(model) -> str:
-    """", float8 tensorwise linears (N layers[, float8 all-gather])" for the start-up table and the bench's
-    settings line; "" where no layer computes in float8."""
+    """", float8 tensorwise linears (N layers[, float8 all-gather][, fast accumulation in backward])" for the
+    start-up table and the bench's settings line; "" where no layer computes in float8."""
     state = state_of(model)
     if state is None or not computes_float8(model):
         return ""
     gather = ", float8 all-gather" if state.all_gather else ""
-    return f", float8 {state.recipe} linears ({len(state.layers)} layers{gather})"
+    fast = ", fast accumulation in backward" if state.fast_accum == "all" else ""
+    return f", float8 {state.recipe} linears ({len(state.layers)} layers{gather}{fast})"

@@ -88,7 +88,8 @@ def apply_float8(model, family, train, device) -> None:
     decides it) converts the layers large enough for tensorwise float8 without the float8 all-gather and leaves
     them computing in bf16 until the trial (`float8.use_float8`); where no layer passes torchao's size rule nothing
     converts and the trial keeps bf16. Which layers convert: every aligned one (`train.fp8_layers: all`) or those
-    the size rule keeps (`sized`), less those `train.fp8_skip` names. Off CUDA the float8 matmuls are emulated (tests;
+    the size rule keeps (`sized`), less those `train.fp8_skip` names; `train.fp8_fast_accum` picks the matmuls with
+    cuBLAS's fast accumulation. Off CUDA the float8 matmuls are emulated (tests;
     the plan refuses float8 training there). Nothing for `off`; a frozen model is never converted.
 
     Raises ConfigError when a recipe set in the config leaves no layer to convert (train.fp8_layers and
@@ -100,7 +101,7 @@ def apply_float8(model, family, train, device) -> None:
     skip = tuple(train.fp8_skip)
     sized = train.fp8_layers == "sized" or (trial and not float8.convertible(model, family, "tensorwise", skip))
     state = float8.convert(model, family, recipe, all_gather=strategy_of(train.strategy).fsdp and not trial,
-                           emulate=device.type != "cuda", sized=sized, skip=skip)
+                           emulate=device.type != "cuda", sized=sized, skip=skip, fast_accum=train.fp8_fast_accum)
     if not trial and not state.layers:
         rule = "torchao's size rule (train.fp8_layers=sized)" if sized else "its alignment to 16"
         skipped = f" and train.fp8_skip={list(skip)}" if skip else ""
