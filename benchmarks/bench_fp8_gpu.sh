@@ -25,7 +25,9 @@
 # the bf16 peak, float8 or not), peak GiB, and what auto chose. EXTRA: more KEY=VALUE overrides for every run
 # (e.g. EXTRA=train.gc_freeze_step=0). NPROC: GPUs (processes) per run, default 1; with 2 and
 # EXTRA=train.strategy=fsdp the tensorwise runs all-gather their float8 weights under FSDP2 (each GPU its own
-# 8,192-token rows; tokens/s are the GPUs' sum).
+# 8,192-token rows; tokens/s are the GPUs' sum). A RUN named more than once runs again in its place in the order
+# (e.g. `7b-bf16 7b-tensorwise 7b-bf16 7b-tensorwise`, alternated): every row is then compared with its preset's
+# bf16 runs pooled, and a last table pools each RUN's runs (mean tokens/s, median of all its measured steps).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # this source tree first
@@ -69,10 +71,18 @@ tail -3 "$out"/fp8_*.err.txt 2>/dev/null | grep -iE "error|Traceback" | head -5
 python3 - "$results" <<'PY'
 import json, statistics, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
-base = {r["run"].split("-")[0]: r["result"].get("tokens_per_s") for r in rows if r["run"].endswith("bf16")}
-# the median step too: one slow step (a pause of the host) moves the mean tokens/s of a few steps
+# a run named more than once (float8's median step moves up to 8% from run to run): its runs are pooled, and each row
+# is compared with its preset's bf16 runs pooled (the mean of their tokens/s, the median of all their measured steps)
+pooled = {}
+for r in rows:
+    if "tokens_per_s" in r["result"]:
+        p = pooled.setdefault(r["run"], {"tokens_per_s": [], "steps": []})
+        p["tokens_per_s"].append(r["result"]["tokens_per_s"])
+        p["steps"] += r["result"].get("step_times_s") or []
 median = lambda x: statistics.median(x) if x else None  # noqa: E731
-base_step = {r["run"].split("-")[0]: median(r["result"].get("step_times_s") or []) for r in rows if r["run"].endswith("bf16")}
+base = {k.split("-")[0]: statistics.mean(p["tokens_per_s"]) for k, p in pooled.items() if k.endswith("bf16")}
+# the median step too: one slow step (a pause of the host) moves the mean tokens/s of a few steps
+base_step = {k.split("-")[0]: median(p["steps"]) for k, p in pooled.items() if k.endswith("bf16")}
 print(f"{'run':18} {'tokens/s':>9} {'x bf16':>7} {'median s':>8} {'x bf16':>7} {'gc ms':>6} {'MFU':>6} {'peak GiB':>8} {'wall s':>6}  settings / auto")
 for r in rows:
     x = r["result"]
@@ -88,4 +98,12 @@ for r in rows:
     chose = f" | fp8 {auto['fp8']}: {auto.get('fp8_reason', '')}" if auto.get("fp8") else ""
     print(f"{r['run']:18} {x['tokens_per_s']:>9,.0f} {ratio:>7} {step or 0:>8.4f} {step_ratio:>7} {gc_ms:>6} {100 * x['mfu']:>5.1f}% {x['peak_memory_gib']:>8.1f} "
           f"{r.get('wall_s', 0):>6}  {x.get('settings', '')}{chose}")
+if any(len(p["tokens_per_s"]) > 1 for p in pooled.values()):
+    print(f"pooled: {'run':18} {'runs':>4} {'steps':>5} {'tokens/s':>9} {'x bf16':>7} {'median s':>8} {'x bf16':>7}")
+    for name, p in pooled.items():
+        ref, ref_step = base.get(name.split("-")[0]), base_step.get(name.split("-")[0])
+        mean, step = statistics.mean(p["tokens_per_s"]), median(p["steps"])
+        ratio = f"{mean / ref:.3f}" if ref else "-"
+        step_ratio = f"{ref_step / step:.3f}" if step and ref_step else "-"
+        print(f"pooled: {name:18} {len(p['tokens_per_s']):>4} {len(p['steps']):>5} {mean:>9,.0f} {ratio:>7} {step or 0:>8.4f} {step_ratio:>7}")
 PY
