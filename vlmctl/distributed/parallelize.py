@@ -89,8 +89,8 @@ def apply_float8(model, family, train, device) -> None:
     them computing in bf16 until the trial (`float8.use_float8`); where no layer passes torchao's size rule nothing
     converts and the trial keeps bf16. Which layers convert: every aligned one (`train.fp8_layers: all`) or those
     the size rule keeps (`sized`), less those `train.fp8_skip` names; `train.fp8_fast_accum` picks the matmuls with
-    cuBLAS's fast accumulation. Off CUDA the float8 matmuls are emulated (tests;
-    the plan refuses float8 training there). Nothing for `off`; a frozen model is never converted.
+    cuBLAS's fast accumulation. Off CUDA the float8 matmuls are emulated (tests; the plan refuses float8 training
+    there). Nothing for `off`; a frozen model is never converted.
 
     Raises ConfigError when a recipe set in the config leaves no layer to convert (train.fp8_layers and
     train.fp8_skip named)."""
