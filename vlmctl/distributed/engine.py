@@ -158,20 +158,12 @@ class HostValues:
     """A tensor's values as they stand at this point of the device's stream, on their way to the host: copied into
     pinned host memory without a host sync, so that reading them does not wait for work queued after the copy (the
     optimizer's update, the next step's forward). `get()` waits for that copy alone (a CUDA event) and returns the
-    host tensor (same shape and dtype). On the CPU it is a copy made at once."""
+    host tensor (same shape and dtype). On the CPU it is a copy made at once (`inference.inputs.to_host`)."""
 
     def __init__(self, tensor) -> None:
-        import torch
+        from vlmctl.inference.inputs import to_host
 
-        tensor = tensor.detach()
-        self.event = None
-        if tensor.device.type == "cuda":
-            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            self.host.copy_(tensor, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.host = tensor.clone()
+        self.host, self.event = to_host(tensor.detach())
 
     def get(self):
         if self.event is not None:

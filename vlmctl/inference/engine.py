@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 from vlmctl.errors import UsageError
-from vlmctl.inference.inputs import to_device
+from vlmctl.inference.inputs import to_device, to_host
 from vlmctl.inference.prompt import GenerationRequest, RenderedRequest
 from vlmctl.inference.sampling import SamplingParams
 from vlmctl.profiling import phase
@@ -817,7 +817,7 @@ class DecodeEngine:
                                top_p=[params[b].top_p for _, b in where], top_k=[params[b].top_k for _, b in where],
                                penalty=[params[b].repetition_penalty for _, b in where], seeds=seeds,
                                steps=[1] * len(where), seen=[None] * len(where), first=[out.first[b] for _, b in where])
-        self._firsts.append((choices, self._host_copy(first)))
+        self._firsts.append((choices, to_host(first)))
         self.deferred_first += 1
 
     def _take_firsts(self) -> None:
@@ -839,20 +839,6 @@ class DecodeEngine:
                     self.tokens_generated += 1
                     if choice.done:
                         self._free(choice.slot)
-
-    def _host_copy(self, tokens: "torch.Tensor", buffer: "torch.Tensor | None" = None):
-        """`tokens` copied to the host without waiting: into `buffer` (page-locked, `tokens`' shape; a new one where
-        None) with an event to wait on, on CUDA; on the CPU a copy and no event. Returns (host tensor, event)."""
-        import torch
-
-        if tokens.device.type != "cuda":
-            return tokens.clone(), None
-        if buffer is None:
-            buffer = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        buffer.copy_(tokens, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return buffer, event
 
     def _params(self, request: Request) -> SamplingParams:
         """The request's parameters with the model's generation-config defaults where the request left them unset."""
@@ -922,7 +908,7 @@ class DecodeEngine:
 
         if tokens.device.type == "cuda" and self._pinned is None:
             self._pinned = [torch.empty(len(self.slots), dtype=tokens.dtype, pin_memory=True) for _ in range(2)]
-        return self._host_copy(tokens[:rows], self._pinned[self.steps % 2][:rows] if self._pinned else None)
+        return to_host(tokens[:rows], self._pinned[self.steps % 2][:rows] if self._pinned else None)
 
     def _take(self, launched: "_Launched") -> None:
         """Hand each choice of a launched step its token: a choice that ended, or whose slot went to another, since

@@ -111,6 +111,24 @@ def to_device(value, device):
     return value.pin_memory().to(device, non_blocking=True)
 
 
+def to_host(value, buffer=None):
+    """`value` (a tensor, any shape and dtype) copied to the host without waiting for the work queued after it: on
+    CUDA into `buffer` (page-locked, `value`'s shape and dtype; a new one where None) with a CUDA event recorded after
+    the copy, whose `synchronize()` waits for that copy alone; elsewhere a copy made at once and no event. A copy into
+    pageable memory would wait for the whole stream (`to_device`'s reason, the other way). Returns (host tensor,
+    event or None); the host tensor holds the values only once the event is reached."""
+    import torch
+
+    if value.device.type != "cuda":
+        return value.clone(), None
+    if buffer is None:
+        buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+    buffer.copy_(value, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return buffer, event
+
+
 def to_model(model, inputs: dict[str, Any]) -> dict[str, Any]:
     """`inputs` (`processor_inputs`) on the model's device (`to_device`: nothing waits for the device's queued work);
     floating image, video and audio-feature tensors in the model's dtype."""
