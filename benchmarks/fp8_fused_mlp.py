@@ -24,8 +24,9 @@ Usage (a GPU with float8 tensor cores, torchao, triton):
     python benchmarks/fp8_fused_mlp.py [TOKENS] [--layers N] [--fast]
 
 Prints each variant's median milliseconds over 10 measured forward + backward passes of N stacked MLPs (3 warm-up
-passes, compile included), the ratio to bf16, peak GiB, and the fused MLP's largest relative difference from
-torchao's in the output and each gradient (the two round their bf16 intermediates at different places).
+passes, compile included; `fp8_layer_variants.time_forward_backward`), the ratio to bf16, peak GiB, and the fused
+MLP's relative difference from torchao's in the output and each gradient (the two round their bf16 intermediates at
+different places).
 
     python benchmarks/fp8_fused_mlp.py --check
 
@@ -39,9 +40,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -369,6 +368,8 @@ def check(args) -> None:
 def bench(args) -> None:
     import copy
 
+    from fp8_layer_variants import time_forward_backward  # beside this script: the same timing as its block variants
+
     hidden, width, tokens = HIDDEN, WIDTH, args.tokens
     torch.manual_seed(0)
     template = torch.nn.Sequential(*[MLP(hidden, width) for _ in range(args.layers)]).to("cuda", torch.bfloat16)
@@ -387,20 +388,7 @@ def bench(args) -> None:
     base, outputs = None, {}
     for name, model in variants.items():
         torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        for _ in range(3):
-            model(x).float().square().mean().backward()
-        torch.cuda.synchronize()
-        warm = time.perf_counter() - t0
-        times = []
-        for _ in range(10):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            model(x).float().square().mean().backward()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        ms = statistics.median(times)
+        ms, warm = time_forward_backward(model, x)
         base = base or ms
         print(f"{name:>20}: {ms:8.2f} ms per forward + backward of {args.layers} MLPs ({ms / args.layers:.2f} each, "
               f"{base / ms:.3f}x bf16), warm-up {warm:.0f} s, peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB",

@@ -115,6 +115,27 @@ def inductor_options(parts: list[str]) -> dict:
     return options
 
 
+def time_forward_backward(model, x, warmup: int = 3, iters: int = 10) -> tuple[float, float]:
+    """(milliseconds of one forward + backward of `model` on `x` with the loss mean(y^2): the median of `iters` by
+    CUDA events, the upper one of an even count; seconds of the `warmup` passes before, compile included)."""
+    import torch
+
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        model(x).float().square().mean().backward()
+    torch.cuda.synchronize()
+    warm = time.perf_counter() - t0
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        model(x).float().square().mean().backward()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2], warm
+
+
 def main(argv: list[str]) -> None:
     import torch
 
@@ -127,21 +148,7 @@ def main(argv: list[str]) -> None:
         model = build(layers, variant)
         x = torch.randn(1, tokens, 3584, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        for _ in range(3):
-            model(x).float().square().mean().backward()
-        torch.cuda.synchronize()
-        warm = time.perf_counter() - t0
-        times = []
-        for _ in range(10):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            model(x).float().square().mean().backward()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        times.sort()
-        ms = times[len(times) // 2]
+        ms, warm = time_forward_backward(model, x)
         base = ms if variant == "bf16" else base
         ratio = f", {base / ms:.3f}x bf16" if base else ""
         print(f"{variant:>11}: {ms:8.2f} ms per forward + backward ({ms / layers:.2f} per block{ratio}), "
