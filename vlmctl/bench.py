@@ -1118,8 +1118,8 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
     """`warmup + steps` trainer steps; the figures of the last `steps`. Tokens, samples and FLOPs are the steps'
     own data-parallel sums; the time is the slowest rank's, the memory the largest. The measured steps run back to
     back as in training (the device synchronized before the first and after the last): a step's seconds run from
-    the last step's return to its own, so a step whose host work overlaps the last one's update is timed as it runs. `labels`: the result's name,
-    workload, media, packing, adapter and stage. `profile`: profile the last warm-up step on every rank into that
+    the last step's return to its own, so a step whose host work overlaps the last one's update is timed as it
+    runs. `labels`: the result's name, workload, media, packing, adapter and stage. `profile`: profile the last warm-up step on every rank into that
     folder (`vlmctl.profiling.profile_step`; a warm-up step, so the profiler's cost stays out of the figures)."""
     import torch
     import torch.distributed as dist

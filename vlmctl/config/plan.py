@@ -347,8 +347,8 @@ class RunPlan:
     settles them on each rank), `fp8` (the float8 recipe of the language model's linears: tensorwise, rowwise or
     off; `PROBE` where the start-up probe's float8 trial settles it), `nproc_per_node` (processes per node; None
     where SLURM's nodes decide), `fsdp_reshard_after_forward` (`RANK` where each rank settles it on the model it
-    wraps: `settle_reshard`), `fsdp_prefetch` (layers; 0 = FSDP2's implicit prefetch), `fsdp_reduce_dtype` (fp32 or bf16: the
-    gradients' reduction; `distributed.fsdp.plan_fsdp` applies the same rule), `sequence_parallel`,
+    wraps: `settle_reshard`), `fsdp_prefetch` (layers; 0 = FSDP2's implicit prefetch), `fsdp_reduce_dtype` (fp32
+    or bf16: the gradients' reduction; `distributed.fsdp.plan_fsdp` applies the same rule), `sequence_parallel`,
     `tensor_parallel`, `dp_size` (data-parallel ranks: processes / (sequence_parallel x tensor_parallel)).
     `row_tokens` is the one packed row budget: tokens_per_batch x sequence_parallel. `probe`: the probe's record
     once a rank settled it. `data_tokens`: the packed row length `vlmctl data prepare` suggested for the run's data

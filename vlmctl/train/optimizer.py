@@ -169,8 +169,8 @@ _ONES: dict = {}  # (device, dtype) -> a 0-d one, read-only: the default scale a
 
 def _per_device(value, dtype):
     """device -> `value` (a 0-d tensor; None for 1 / True) as `dtype` on that device, copied once per device (without
-    a host sync, except to the host itself). The ones of None are made once per process: the per-parameter steps of `OptimizerInBackward` take
-    them for every parameter."""
+    a host sync, except to the host itself). The ones of None are made once per process: the per-parameter steps of
+    `OptimizerInBackward` take them for every parameter."""
     cache: dict = {}
 
     def on(device):
