@@ -123,7 +123,7 @@ if triton is not None:
                      FP8_MAX: tl.constexpr, MODE: tl.constexpr, WRITE_T: tl.constexpr, BM: tl.constexpr,
                      BN: tl.constexpr):
         """The cast pass over [BM, BN] tiles of [M, N] tensors, MODE as `_amax_kernel`'s (2: two outputs, each
-        with its own amax and reciprocal scale at index 0 and 1)."""
+        with its own amax at index 0 and 1, its reciprocal scale at index 0 and 4)."""
         pm, pn = tl.program_id(0), tl.program_id(1)
         rm = pm * BM + tl.arange(0, BM)
         rn = pn * BN + tl.arange(0, BN)
@@ -142,7 +142,7 @@ if triton is not None:
             c = tl.load(c_ptr + idx, mask=mask, other=0.0).to(tl.float32)
             dg, du = _swiglu_grads(a, b, c)
             _store_scaled(dg, amax_ptr, inv_ptr, out_ptr, out_t_ptr, rm, rn, mask, M, N, first, FP8_MAX, WRITE_T)
-            _store_scaled(du, amax_ptr + 1, inv_ptr + 1, out2_ptr, out2_t_ptr, rm, rn, mask, M, N, first, FP8_MAX,
+            _store_scaled(du, amax_ptr + 1, inv_ptr + 4, out2_ptr, out2_t_ptr, rm, rn, mask, M, N, first, FP8_MAX,
                           WRITE_T)
 
 
@@ -153,7 +153,9 @@ def scaled(mode: int, a, b=None, c=None, *, dtype=E4M3, transpose: bool = True):
     reciprocal scale [1] fp32) for MODE 0 and 1, two of them for MODE 2 (d gate, d up)."""
     m, n = a.shape
     amax = torch.zeros(2, device=a.device, dtype=torch.float32)
-    inv = torch.empty(2, device=a.device, dtype=torch.float32)
+    # cuBLASLt reads a scale only from a 16-byte aligned address (CUBLAS_STATUS_NOT_SUPPORTED otherwise): the
+    # second reciprocal scale sits 16 bytes after the first
+    inv = torch.empty(8, device=a.device, dtype=torch.float32)
     count = 2 if mode == 2 else 1
     outs = [torch.empty(m, n, device=a.device, dtype=dtype) for _ in range(count)]
     outs_t = [torch.empty(n, m, device=a.device, dtype=dtype) if transpose else outs[i] for i in range(count)]
@@ -170,7 +172,7 @@ def scaled(mode: int, a, b=None, c=None, *, dtype=E4M3, transpose: bool = True):
     cast_kernel[lambda meta: (triton.cdiv(m, meta["BM"]), triton.cdiv(n, meta["BN"]))](
         a, b, c, amax, inv, outs[0], outs_t[0], out2, out2_t, m, n, FP8_MAX=torch.finfo(dtype).max, MODE=mode,
         WRITE_T=transpose, **fixed[1])
-    results = [(outs[i], outs_t[i] if transpose else None, inv[i:i + 1]) for i in range(count)]
+    results = [(outs[i], outs_t[i] if transpose else None, inv[4 * i:4 * i + 1]) for i in range(count)]
     return results if mode == 2 else results[0]
 
 
