@@ -86,6 +86,21 @@ def test_gradients_reduce_in_bf16_where_the_master_weights_are_bf16(setting, mas
     assert "reduced" not in fsdp_plan_of(model).describe()
 
 
+@pytest.mark.parametrize("setting", ["auto", "bf16", "fp32"])
+def test_the_plan_records_the_fp32_reduction_of_fp32_compute(setting):
+    """With fp32 compute FSDP2 has no mixed precision and reduces in fp32 whatever `train.fsdp_reduce_dtype` says
+    (`plan_fsdp`); the run plan records the same."""
+    from vlmctl.config import TrainSection
+    from vlmctl.config.plan import DeviceFacts, build_plan
+
+    train = TrainSection(strategy="fsdp", precision="fp32", fsdp_reduce_dtype=setting)
+    decision = build_plan(train, DeviceFacts(kind="cuda", processes=2, torchao=True)).fsdp_reduce_dtype
+    assert decision.value == "fp32" and "fp32 compute" in decision.reason
+    bf16 = build_plan(train.model_copy(update={"precision": "bf16"}), DeviceFacts(kind="cuda", processes=2, torchao=True))
+    assert bf16.fsdp_reduce_dtype.value == ("bf16" if setting == "bf16" else "fp32" if setting == "fp32" else
+                                            "bf16" if bf16.master_weights.value == "bf16" else "fp32")
+
+
 def test_a_reduce_dtype_that_is_not_a_setting_names_its_key():
     from vlmctl.distributed.fsdp import resolve_reduce_dtype
 

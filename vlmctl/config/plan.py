@@ -485,7 +485,7 @@ def build_plan(train, device: DeviceFacts, family=None, data_tokens: int | None 
     dp_size = max(1, processes // (sp * tp))  # the tp ranks of a group read the same batch
     balance = balancing(train.balance, dp_size)
     sizes = _batch_sizes(train, device, strategy, packing, sp, data_tokens)
-    fsdp = _fsdp(train, strategy, processes, master)
+    fsdp = _fsdp(train, strategy, processes, master, precision)
     stored = precision if qlora else ("bf16" if master == "bf16" else "fp32")
     return RunPlan(
         device=device, family=None if family is None else family.name, sequence_parallel=sp, tensor_parallel=tp,
@@ -577,11 +577,13 @@ def resolve_reduce_dtype(setting: str, master_weights: str) -> tuple[str, str]:
     return "fp32", "auto: fp32 master weights keep the fp32 sum"
 
 
-def _fsdp(train, strategy: str, processes: int, master: str = "fp32") -> dict[str, Decision]:
+def _fsdp(train, strategy: str, processes: int, master: str = "fp32", precision: str = "bf16") -> dict[str, Decision]:
     """FSDP2's `fsdp_prefetch` (layers), `fsdp_reduce_dtype` (`resolve_reduce_dtype` with the resolved `master`
-    weights) and `fsdp_reshard_after_forward` (`resolve_reshard`): decided here where the shard group alone decides
-    it (one rank, more than one node's), else left to each rank (`RANK`), which weighs the gathered layers against
-    its memory on the model it wraps (`settle_reshard`). Not used by other strategies."""
+    weights; fp32 whatever the setting where the compute `precision` is fp32, as `distributed.fsdp.plan_fsdp` decides:
+    without mixed precision FSDP2 reduces the gradients in their own dtype) and `fsdp_reshard_after_forward`
+    (`resolve_reshard`): decided here where the shard group alone decides it (one rank, more than one node's), else
+    left to each rank (`RANK`), which weighs the gathered layers against its memory on the model it wraps
+    (`settle_reshard`). Not used by other strategies."""
     prefetch_set, reshard_set = train.fsdp_prefetch, train.fsdp_reshard_after_forward
     layers = resolve_prefetch(prefetch_set)
     reduce_set = getattr(train, "fsdp_reduce_dtype", "fp32")
@@ -592,8 +594,10 @@ def _fsdp(train, strategy: str, processes: int, master: str = "fp32") -> dict[st
                                                        reshard_set == "auto"),
                 "fsdp_reduce_dtype": Decision(reduce_set if reduce_set != "auto" else "fp32", unused, reduce_set == "auto")}
     reduce, reduce_why = resolve_reduce_dtype(reduce_set, master)
-    reduce_decision = Decision(reduce, reduce_why.removeprefix("auto: ") if reduce_set == "auto" else "set in the config",
-                               reduce_set == "auto")
+    reduce_why = reduce_why.removeprefix("auto: ") if reduce_set == "auto" else "set in the config"
+    if precision == "fp32":  # no mixed precision: FSDP2 casts nothing (`plan_fsdp`)
+        reduce, reduce_why = "fp32", "fp32 compute: gradients reduce in their own dtype"
+    reduce_decision = Decision(reduce, reduce_why, reduce_set == "auto")
     prefetch = Decision(layers, "one layer ahead: FSDP2's implicit prefetch, each all-gather issued earlier"
                         if prefetch_set == "auto" else "set in the config", prefetch_set == "auto")
     if isinstance(reshard_set, bool):
