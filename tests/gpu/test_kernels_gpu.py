@@ -168,3 +168,44 @@ def test_selective_checkpointing_keeps_the_varlen_attention_output():
     for mode in ("op", "keep_attention"):
         for got, want in zip(grads[mode], grads["off"]):
             torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+
+
+def test_dynamic_blocks_do_not_recompile_for_fewer_rows():
+    # `compile_layers`' dynamic compiles on a vision block's shape (1,280 wide): traced at 8,192 rows, then run at
+    # 2,048. A plain dynamic compile guards on inductor's mix-order reduction checks (at least 4,096 rows) and
+    # recompiles; with `dynamic_compile_options` nothing is guarded on them.
+    from types import SimpleNamespace
+
+    import torch._dynamo
+
+    from vlmctl.distributed.parallelize import compile_layers
+
+    class Block(torch.nn.Module):
+        def __init__(self, width: int):
+            super().__init__()
+            self.norm = torch.nn.RMSNorm(width, eps=1e-6)
+            self.proj = torch.nn.Linear(width, width)
+
+        def forward(self, x):
+            return x + self.proj(self.norm(x))
+
+    def recompiles(block) -> list[str]:
+        torch._dynamo.reset()
+        reasons = []
+        for rows in (8192, 2048, 8192):
+            x = torch.randn(rows, 1280, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                try:
+                    block(x).float().square().mean().backward()
+                except torch._dynamo.exc.RecompileError as exc:
+                    reasons.append(str(exc))
+        return reasons
+
+    torch.manual_seed(0)
+    plain = Block(1280).to("cuda", torch.bfloat16)
+    plain.compile(dynamic=True)
+    assert recompiles(plain), "a plain dynamic compile did not recompile: this torch has no such guard to show"
+    block = Block(1280).to("cuda", torch.bfloat16)
+    compile_layers(SimpleNamespace(decoder_layers=[], vision_layers=[block]),
+                   SimpleNamespace(compile="off", packing=True, compile_vision="blocks"))
+    assert recompiles(block) == []

@@ -87,3 +87,23 @@ def test_compiled_decoder_layers_and_vision_blocks_give_the_eager_loss_and_gradi
     # to equal another one in the first batch (duck sizing: 4 frames did here before compile_layers turned it off).
     assert reasons, "no recompilation logged at all: the log capture does not work"
     assert not [r for r in reasons if "duck sizing" in r], reasons
+
+
+def test_the_dynamic_compiles_take_only_the_inductor_settings_this_torch_has(monkeypatch):
+    """`dynamic_compile_options`: torch.compile refuses an inductor setting it does not know, so a setting of
+    `DYNAMIC_OPTIONS` that the installed torch lacks is left out, and the ones it has are passed on."""
+    import torch
+
+    from vlmctl.distributed import parallelize
+
+    monkeypatch.setitem(parallelize.DYNAMIC_OPTIONS, "triton.no_such_setting", True)
+    monkeypatch.setitem(parallelize.DYNAMIC_OPTIONS, "no_such_top_level_setting", 1)
+    options = parallelize.dynamic_compile_options()
+    assert "triton.no_such_setting" not in options and "no_such_top_level_setting" not in options
+    assert options.get("triton.mix_order_reduction_non_strict_mode") is True  # torch 2.13 has it
+    # what it returns compiles and runs (on CPU too)
+    block = torch.nn.Sequential(torch.nn.RMSNorm(8), torch.nn.Linear(8, 8))
+    block.compile(dynamic=True, options=options)
+    x = torch.randn(5, 8, requires_grad=True)
+    block(x).sum().backward()
+    assert x.grad is not None and x.grad.shape == (5, 8)

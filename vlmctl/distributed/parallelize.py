@@ -165,6 +165,22 @@ def tile_mlps(parts, slices) -> None:
     apply_tiled_mlp(parts.decoder_layers, slices)
 
 
+# inductor settings for the layers compiled with dynamic sizes (`compile_layers`): see its docstring
+DYNAMIC_OPTIONS = {"triton.mix_order_reduction_non_strict_mode": True}
+
+
+def dynamic_compile_options() -> dict:
+    """The `DYNAMIC_OPTIONS` the installed torch has (`torch._inductor.config`; an older torch lacks some), for
+    `torch.compile(options=...)`, which refuses a setting it does not know."""
+    from torch._inductor import config
+
+    def known(key: str) -> bool:
+        section, _, name = key.rpartition(".")
+        return hasattr(getattr(config, section) if section else config, name)
+
+    return {key: value for key, value in DYNAMIC_OPTIONS.items() if known(key)}
+
+
 def compile_layers(parts, train) -> None:
     """Step 4: torch.compile per decoder layer (`train.compile: on`; dynamic shapes with packing, as packed rows
     change length every step) and per vision block (`train.compile_vision: blocks`; dynamic, as the patch count
@@ -175,17 +191,26 @@ def compile_layers(parts, train) -> None:
     step share one symbol, and that equality becomes a guard. A packed row whose `cu_seqlens` length equals another
     dimension (the vision tower's 4-patch merge unit, for example) then recompiles the layers in the step where the
     sizes differ: a 16.4 s step against 5.2-5.7 s for the 7B at 65,536 tokens; with duck sizing off, no measured
-    step of that row recompiled (docs/benchmarks.md)."""
-    if (train.compile == "on" and train.packing) or train.compile_vision == "blocks":
+    step of that row recompiled (docs/benchmarks.md).
+
+    The dynamic compiles also take `dynamic_compile_options`: inductor's mix-order reduction (one kernel for a
+    backward's row and column reductions, as an RMSNorm's input and weight gradients) checks by default that the
+    traced size has at least 4,096 rows and twice as many rows as columns, and guards on the answer. A later step
+    with fewer rows (a tower of fewer than 4,096 patches, a short packed row) then recompiled every block: the
+    7B's vision blocks recompiled twice inside a measured step, 1.0-1.8 s with inductor's caches warm and 6.0 s cold
+    (docs/benchmarks.md). Its non-strict mode skips those size checks, so nothing is guarded on them."""
+    dynamic = (train.compile == "on" and train.packing) or train.compile_vision == "blocks"
+    if dynamic:
         import torch.fx.experimental._config as fx_config
 
         fx_config.use_duck_shape = False
+    options = dynamic_compile_options() if dynamic else {}
     if train.compile == "on":
         for layer in parts.decoder_layers:
-            layer.compile(dynamic=train.packing)
+            layer.compile(dynamic=train.packing, options=options if train.packing else None)
     if train.compile_vision == "blocks":
         for block in parts.vision_layers:
-            block.compile(dynamic=True)
+            block.compile(dynamic=True, options=options)
 
 
 def wrap(model, parts, train, dims, device, dtype, *, deferred=None, trainable: bool = True):
