@@ -80,6 +80,7 @@ MFU = FLOPs / step time / (peak x GPUs) (PaLM, Chowdhery et al. 2022, appendix B
 from __future__ import annotations
 
 import random
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
@@ -263,6 +264,9 @@ class BenchResult:
     # transformers and compiled layers are loaded), which a step time alone cannot tell from the GPU's work
     step_gc_s: list[float] | None = None
     gc_full: int | None = None
+    # graphs torch.compile (Dynamo) compiled in each measured step on this rank, recompilations included: a layer
+    # recompiled for a new shape stops the step for seconds, which the step time alone cannot tell from other pauses
+    step_compiles: list[int] | None = None
     # objects the trainer froze out of the collector's reach after `train.gc_freeze_step` steps (0: none frozen)
     gc_frozen: int | None = None
 
@@ -1114,6 +1118,14 @@ def settings_line(train, choice, fsdp=None) -> str:
             f"{train.master_weights} master weights{rounding}{fp8}{why}{overlap}{objective}")
 
 
+def _compiled_graphs() -> int:
+    """Graphs torch.compile's Dynamo has compiled in this process so far (its `counters`, recompilations included);
+    0 where Dynamo was never imported (nothing compiled), without importing it: its import alone changes what the
+    steps run."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
+
+
 def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup: int, log, profile: Path | None = None) -> BenchResult:
     """`warmup + steps` trainer steps; the figures of the last `steps`. Tokens, samples and FLOPs are the steps'
     own data-parallel sums; the time is the slowest rank's, the memory the largest. The measured steps run back to
@@ -1141,6 +1153,7 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
     rollouts = {"rollouts": 0.0, "seconds": 0.0, "tokens": 0.0}  # grpo: the steps' rollout figures (all ranks)
     generations = 0  # measured steps with rollout figures
     pauses, gc_times, gc_full = GCPauses().install(), [], 0  # the collector's pauses in each measured step
+    compiles = []  # Dynamo's graphs compiled in each measured step (`_compiled_graphs`)
     frozen = 0
     try:
         for i in range(steps + warmup):
@@ -1150,6 +1163,7 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
             if i <= warmup:
                 sync()
             collected, full = sum(pauses.seconds), pauses.collections[2]
+            graphs = _compiled_graphs()
             t0 = time.perf_counter()
             if profile is not None and i == warmup - 1:  # not measured: the profiler and writing its trace cost time
                 result, summary = profile_step(trainer.train_step, Path(profile) / f"rank{env.rank}", sync)
@@ -1164,6 +1178,7 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
             if i >= warmup:
                 gc_times.append(sum(pauses.seconds) - collected)
                 gc_full += pauses.collections[2] - full
+                compiles.append(_compiled_graphs() - graphs)
                 totals += torch.tensor([result.flops, result.text_tokens, result.visual_tokens, result.samples], dtype=torch.float64)
                 seconds += dt
                 times.append(dt)
@@ -1208,7 +1223,7 @@ def _measure(trainer, labels: dict[str, Any], train, ctx, *, steps: int, warmup:
         workload=labels["workload"], media=labels["media"], packing=labels["packing"], adapter=labels["adapter"],
         stage=labels["stage"], objective=labels.get("objective", "sft"),
         balance=stragglers.get("balance"), balance_flops=stragglers.get("balance_flops"),
-        data_wait=stragglers.get("data_wait"), step_times_s=per_step.cpu().tolist(), step_gc_s=gc_times, gc_full=gc_full,
+        data_wait=stragglers.get("data_wait"), step_times_s=per_step.cpu().tolist(), step_gc_s=gc_times, gc_full=gc_full, step_compiles=compiles,
         gc_frozen=frozen,
         **grpo,
     )

@@ -139,9 +139,47 @@ def test_the_collectors_pauses_are_counted_per_measured_step(monkeypatch):
     assert result.gc_full >= 1 and gc_s[1] <= result.step_times_s[1]
 
 
+def test_graphs_compiled_inside_a_measured_step_are_counted_there(monkeypatch):
+    """A torch.compile'd function first called inside the second measured step: one graph compiled there in
+    `step_compiles` (one entry per measured step), none in the others, and the CLI's slowest-step line names it when
+    that step is the slowest."""
+    import torch
+
+    from vlmctl import bench
+    from vlmctl.cli.bench import slowest_step
+    from vlmctl.config import ModelSection, TrainSection
+
+    original_measure = bench._measure
+    compiled = torch.compile(lambda x: (x * 2).sin().sum(), backend="eager")
+
+    def spy(trainer, *args, **kwargs):
+        original_step, calls = trainer.train_step, []
+
+        def train_step():
+            calls.append(None)
+            if len(calls) == 3:  # the warm-up step, then the measured steps: this is the second measured one
+                compiled(torch.randn(4))
+            return original_step()
+
+        trainer.train_step = train_step
+        return original_measure(trainer, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "_measure", spy)
+    result = bench.run_bench(ModelSection(preset="tiny-qwen2.5-vl", init="random"),
+                             TrainSection(tokens_per_batch=384, attn_implementation="sdpa"),
+                             steps=3, warmup=1, spec=bench.WorkloadSpec(image_sizes=(28, 56), text_tokens=(8, 40)),
+                             log=None)
+    assert result.step_compiles == [0, 1, 0]
+    result.step_times_s = [0.1, 0.5, 0.1]  # the compiling step as the slowest, for the rendered line
+    line = slowest_step(result)
+    assert "(measured step 2 of 3" in line and line.endswith(", 1 graph compiled in it)"), line
+
+
 def test_bench_and_the_training_metrics_give_the_same_mfu_for_the_same_batches(monkeypatch):
     # One FLOP formula: the bench's figures and the trainer's logged row come from the same step results, whose FLOPs
     # are the cost model's on each collated batch. Time is made deterministic (1 s per step) so the MFUs compare.
+    import gc
+
     from vlmctl import bench
     from vlmctl.config import ModelSection, TrainSection
     from vlmctl.train.flops import CostModel
@@ -169,11 +207,16 @@ def test_bench_and_the_training_metrics_give_the_same_mfu_for_the_same_batches(m
     clock = iter(float(t) for t in range(10_000))
     monkeypatch.setattr(bench, "_measure", spy)
     monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock))
-    # no heap freeze: its collection's callbacks would read this clock too
-    result = bench.run_bench(ModelSection(preset="tiny-qwen2.5-vl", init="random"),
-                             TrainSection(tokens_per_batch=384, attn_implementation="sdpa", gc_freeze_step=0),
-                             steps=2, warmup=1, spec=bench.WorkloadSpec(image_sizes=(28, 56), text_tokens=(8, 40)),
-                             log=None)
+    # no heap freeze and no automatic collection: a collection's callbacks (the bench's pause counter) would read
+    # this clock too, and what earlier tests left on the heap can start one inside a measured step
+    gc.disable()
+    try:
+        result = bench.run_bench(ModelSection(preset="tiny-qwen2.5-vl", init="random"),
+                                 TrainSection(tokens_per_batch=384, attn_implementation="sdpa", gc_freeze_step=0),
+                                 steps=2, warmup=1, spec=bench.WorkloadSpec(image_sizes=(28, 56), text_tokens=(8, 40)),
+                                 log=None)
+    finally:
+        gc.enable()
     trainer, steps = seen["trainer"], seen["steps"]
     assert len(steps) == 3 and result.step_time_s == 1.0 and result.step_times_s == [1.0, 1.0]  # the warm-up step left out
     # each step's FLOPs are the cost model's on the very batch it trained on (one packed row per step here)

@@ -100,14 +100,8 @@ def bench(
                         f"({result.workload} workload{_media(result)}, {batching})")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    steps = []
-    if result.step_times_s and len(result.step_times_s) > 1:  # an outlier step only raises the mean: name it
-        times = result.step_times_s
-        slow = max(range(len(times)), key=times.__getitem__)
-        gc = result.step_gc_s[slow] if result.step_gc_s and len(result.step_gc_s) == len(times) else 0.0
-        collector = f", {gc * 1000:,.0f} ms of it in the garbage collector" if gc >= 0.001 else ""
-        steps = [("  median / slowest step", f"{statistics.median(times) * 1000:,.0f} / {times[slow] * 1000:,.0f} ms "
-                                             f"(measured step {slow + 1} of {len(times)}{collector})")]
+    slowest = slowest_step(result)
+    steps = [("  median / slowest step", slowest)] if slowest else []
     for label, value in [
         ("tokens/s", f"{result.tokens_per_s:,.0f}"),
         ("  per GPU", f"{result.tokens_per_s_per_gpu:,.0f}"),
@@ -138,6 +132,22 @@ def bench(
         table.add_row("data wait", _percent(result.data_wait))
     table.add_row("settings", result.settings)
     console.print(table)
+
+
+def slowest_step(result) -> str | None:
+    """The bench table's "median / slowest step" value of `result` (a `BenchResult`): the median and the slowest
+    measured step in ms, which step, and what of it the collector's pauses and torch.compile's compilations took;
+    None with fewer than two measured steps. An outlier step only raises the mean: this names it."""
+    times = result.step_times_s
+    if not times or len(times) < 2:
+        return None
+    slow = max(range(len(times)), key=times.__getitem__)
+    gc = result.step_gc_s[slow] if result.step_gc_s and len(result.step_gc_s) == len(times) else 0.0
+    extra = f", {gc * 1000:,.0f} ms of it in the garbage collector" if gc >= 0.001 else ""
+    compiled = result.step_compiles[slow] if result.step_compiles and len(result.step_compiles) == len(times) else 0
+    extra += f", {compiled} graph{'s' if compiled != 1 else ''} compiled in it" if compiled else ""
+    return (f"{statistics.median(times) * 1000:,.0f} / {times[slow] * 1000:,.0f} ms "
+            f"(measured step {slow + 1} of {len(times)}{extra})")
 
 
 def project_shapes(cfg, image_sizes: str | None, text_tokens: str | None, images: int) -> tuple[str, str]:
