@@ -21,7 +21,8 @@
 # stopped when the budget is spent. STEPS / WARMUP: measured and warm-up steps (4, 3). On the GPU image, install what
 # it lacks first (`source .wheels/install.sh`: pydantic, liger-kernel, torchao, ...). One JSON line per run under
 # $OUT (or /tmp), its stderr beside it, then a table (the last lines printed): tokens/s and the median step's seconds,
-# each against bf16 of the same preset, the garbage collector's milliseconds in the measured steps, MFU (against
+# each against bf16 of the same preset, the garbage collector's milliseconds in the measured steps, the graphs
+# torch.compile compiled in them (a recompilation stops a step for seconds), MFU (against
 # the bf16 peak, float8 or not), peak GiB, and what auto chose. EXTRA: more KEY=VALUE overrides for every run
 # (e.g. EXTRA=train.gc_freeze_step=0). NPROC: GPUs (processes) per run, default 1; with 2 and
 # EXTRA=train.strategy=fsdp the tensorwise runs all-gather their float8 weights under FSDP2 (each GPU its own
@@ -83,7 +84,7 @@ median = lambda x: statistics.median(x) if x else None  # noqa: E731
 base = {k.split("-")[0]: statistics.mean(p["tokens_per_s"]) for k, p in pooled.items() if k.endswith("bf16")}
 # the median step too: one slow step (a pause of the host) moves the mean tokens/s of a few steps
 base_step = {k.split("-")[0]: median(p["steps"]) for k, p in pooled.items() if k.endswith("bf16")}
-print(f"{'run':18} {'tokens/s':>9} {'x bf16':>7} {'median s':>8} {'x bf16':>7} {'gc ms':>6} {'MFU':>6} {'peak GiB':>8} {'wall s':>6}  settings / auto")
+print(f"{'run':18} {'tokens/s':>9} {'x bf16':>7} {'median s':>8} {'x bf16':>7} {'gc ms':>6} {'graphs':>6} {'MFU':>6} {'peak GiB':>8} {'wall s':>6}  settings / auto")
 for r in rows:
     x = r["result"]
     if "tokens_per_s" not in x:
@@ -94,9 +95,10 @@ for r in rows:
     step, ref_step = median(x.get("step_times_s") or []), base_step.get(r["run"].split("-")[0])
     step_ratio = f"{ref_step / step:.3f}" if step and ref_step else "-"
     gc_ms = f"{1000 * sum(x['step_gc_s']):.0f}" if x.get("step_gc_s") is not None else "-"  # the collector, measured steps
+    graphs = str(sum(x["step_compiles"])) if x.get("step_compiles") is not None else "-"  # compiled in measured steps
     auto = x.get("auto") or {}
     chose = f" | fp8 {auto['fp8']}: {auto.get('fp8_reason', '')}" if auto.get("fp8") else ""
-    print(f"{r['run']:18} {x['tokens_per_s']:>9,.0f} {ratio:>7} {step or 0:>8.4f} {step_ratio:>7} {gc_ms:>6} {100 * x['mfu']:>5.1f}% {x['peak_memory_gib']:>8.1f} "
+    print(f"{r['run']:18} {x['tokens_per_s']:>9,.0f} {ratio:>7} {step or 0:>8.4f} {step_ratio:>7} {gc_ms:>6} {graphs:>6} {100 * x['mfu']:>5.1f}% {x['peak_memory_gib']:>8.1f} "
           f"{r.get('wall_s', 0):>6}  {x.get('settings', '')}{chose}")
 if any(len(p["tokens_per_s"]) > 1 for p in pooled.values()):
     print(f"pooled: {'run':18} {'runs':>4} {'steps':>5} {'tokens/s':>9} {'x bf16':>7} {'median s':>8} {'x bf16':>7}")
