@@ -347,3 +347,27 @@ def test_stepped_inside_backward_the_update_gives_the_moments_of_a_step_after_it
         assert float(state["step"]) == 1.0
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(state[key], after.state[q][key])
+
+
+def test_a_parameter_alone_and_a_flat_copy_share_one_compiled_step(monkeypatch):
+    """The compiled step takes a parameter alone in its chunk (a view of it) and a flat copy of several (which
+    requires no gradient) as one graph: Dynamo guards on requires_grad, so a view that kept it compiled the step a
+    second time, seconds of a run's first step on a GPU."""
+    import torch._dynamo
+
+    from vlmctl.train import optimizer
+    from vlmctl.train.optimizer import stochastic_adamw
+
+    monkeypatch.setattr(optimizer, "FLAT_CHUNK", 40)  # the 1,536-element weight alone, the 7 and 30 together
+    monkeypatch.setattr(optimizer, "_FLAT_STEP", None)
+    torch._dynamo.reset()
+    torch.manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(s).to(torch.bfloat16)) for s in [(48, 32), (7,), (30,)]]
+    opt = stochastic_adamw([{"params": params, "lr": 1e-3, "weight_decay": 0.1}], lr=1e-3, betas=(0.9, 0.999), eps=1e-8)
+    before = [p.detach().clone() for p in params]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(2):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.step()
+    assert all(not torch.equal(p.detach(), b) for p, b in zip(params, before))  # each parameter stepped in place

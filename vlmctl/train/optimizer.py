@@ -161,7 +161,8 @@ def random_bits(n: int, device):
     import torch
 
     words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_(-(2 ** 63), None)
-    return words.view(torch.int16)[:n]
+    # detached: the same memory as a tensor that is not a view, so a compiled step guards on no base's size
+    return words.view(torch.int16)[:n].detach()
 
 
 _ONES: dict = {}  # (device, dtype) -> a 0-d one, read-only: the default scale and keep flag of every step
@@ -208,7 +209,10 @@ def _step_chunk(chunk, group, grad_scale, keep) -> None:
     bits = random_bits(n, p.device) if p.dtype is torch.bfloat16 else None
     args = (group["lr"], group["betas"][0], group["betas"][1], group["weight_decay"], group["eps"], grad_scale, keep)
     if len(chunk) == 1 and all(t.is_contiguous() for t in (p, g, m, v)):
-        _flat_step()(p.view(-1), g.view(-1), step, m.view(-1), v.view(-1), bits, *args)
+        # flat aliases that are not views and need no gradient, as the flat copies below: Dynamo guards on both
+        # (a view's base, requires_grad), so one compiled graph serves both (the step writes the same storage)
+        p, g, m, v = (t.view(-1).detach() for t in (p, g, m, v))
+        _flat_step()(p, g, step, m, v, bits, *args)
         return
     # one flat copy of each: one compiled call and a few copy kernels instead of one call per parameter
     params, grads, avgs, sqs = (list(ts) for ts in zip(*(item for item, _ in chunk)))
