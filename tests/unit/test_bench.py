@@ -107,11 +107,9 @@ def test_frozen_parts_count_fewer_flops():
     assert sum(frozen_both.values()) < sum(frozen_vision.values()) < sum(full.values())
 
 
-def test_the_collectors_pauses_are_counted_per_measured_step(monkeypatch):
-    """A full collection inside the second measured step shows there: its seconds in `step_gc_s` (one entry per
-    measured step, the largest), and one full collection or more in `gc_full`."""
-    import gc
-
+def _bench_doing_in_the_second_measured_step(monkeypatch, action):
+    """The tiny Qwen2.5-VL bench (one warm-up step, three measured) with `action()` run at the start of the second
+    measured step, inside its timing; returns the `BenchResult`."""
     from vlmctl import bench
     from vlmctl.config import ModelSection, TrainSection
 
@@ -123,17 +121,25 @@ def test_the_collectors_pauses_are_counted_per_measured_step(monkeypatch):
         def train_step():
             calls.append(None)
             if len(calls) == 3:  # the warm-up step, then the measured steps: this is the second measured one
-                gc.collect()
+                action()
             return original_step()
 
         trainer.train_step = train_step
         return original_measure(trainer, *args, **kwargs)
 
     monkeypatch.setattr(bench, "_measure", spy)
-    result = bench.run_bench(ModelSection(preset="tiny-qwen2.5-vl", init="random"),
-                             TrainSection(tokens_per_batch=384, attn_implementation="sdpa"),
-                             steps=3, warmup=1, spec=bench.WorkloadSpec(image_sizes=(28, 56), text_tokens=(8, 40)),
-                             log=None)
+    return bench.run_bench(ModelSection(preset="tiny-qwen2.5-vl", init="random"),
+                           TrainSection(tokens_per_batch=384, attn_implementation="sdpa"),
+                           steps=3, warmup=1, spec=bench.WorkloadSpec(image_sizes=(28, 56), text_tokens=(8, 40)),
+                           log=None)
+
+
+def test_the_collectors_pauses_are_counted_per_measured_step(monkeypatch):
+    """A full collection inside the second measured step shows there: its seconds in `step_gc_s` (one entry per
+    measured step, the largest), and one full collection or more in `gc_full`."""
+    import gc
+
+    result = _bench_doing_in_the_second_measured_step(monkeypatch, gc.collect)
     gc_s = result.step_gc_s
     assert len(gc_s) == 3 and min(gc_s) >= 0 and max(range(3), key=gc_s.__getitem__) == 1 and gc_s[1] > 0
     assert result.gc_full >= 1 and gc_s[1] <= result.step_times_s[1]
@@ -145,30 +151,10 @@ def test_graphs_compiled_inside_a_measured_step_are_counted_there(monkeypatch):
     that step is the slowest."""
     import torch
 
-    from vlmctl import bench
     from vlmctl.cli.bench import slowest_step
-    from vlmctl.config import ModelSection, TrainSection
 
-    original_measure = bench._measure
     compiled = torch.compile(lambda x: (x * 2).sin().sum(), backend="eager")
-
-    def spy(trainer, *args, **kwargs):
-        original_step, calls = trainer.train_step, []
-
-        def train_step():
-            calls.append(None)
-            if len(calls) == 3:  # the warm-up step, then the measured steps: this is the second measured one
-                compiled(torch.randn(4))
-            return original_step()
-
-        trainer.train_step = train_step
-        return original_measure(trainer, *args, **kwargs)
-
-    monkeypatch.setattr(bench, "_measure", spy)
-    result = bench.run_bench(ModelSection(preset="tiny-qwen2.5-vl", init="random"),
-                             TrainSection(tokens_per_batch=384, attn_implementation="sdpa"),
-                             steps=3, warmup=1, spec=bench.WorkloadSpec(image_sizes=(28, 56), text_tokens=(8, 40)),
-                             log=None)
+    result = _bench_doing_in_the_second_measured_step(monkeypatch, lambda: compiled(torch.randn(4)))
     assert result.step_compiles == [0, 1, 0]
     result.step_times_s = [0.1, 0.5, 0.1]  # the compiling step as the slowest, for the rendered line
     line = slowest_step(result)
