@@ -142,9 +142,12 @@ def slowest_step(result) -> str | None:
     if not times or len(times) < 2:
         return None
     slow = max(range(len(times)), key=times.__getitem__)
-    gc = result.step_gc_s[slow] if result.step_gc_s and len(result.step_gc_s) == len(times) else 0.0
+
+    def at_slowest(values):  # a per-step figure of the slowest step; 0 where the result has none for every step
+        return values[slow] if values and len(values) == len(times) else 0
+
+    gc, compiled = at_slowest(result.step_gc_s), at_slowest(result.step_compiles)
     extra = f", {gc * 1000:,.0f} ms of it in the garbage collector" if gc >= 0.001 else ""
-    compiled = result.step_compiles[slow] if result.step_compiles and len(result.step_compiles) == len(times) else 0
     extra += f", {compiled} graph{'s' if compiled != 1 else ''} compiled in it" if compiled else ""
     return (f"{statistics.median(times) * 1000:,.0f} / {times[slow] * 1000:,.0f} ms "
             f"(measured step {slow + 1} of {len(times)}{extra})")
