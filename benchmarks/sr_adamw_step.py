@@ -1,5 +1,5 @@
-"""Time the bf16 AdamW step with stochastic rounding (`vlmctl.train.optimizer.stochastic_adamw`: one compiled call
-per flat chunk of parameters) on a preset's parameters.
+"""Time the bf16 AdamW step with stochastic rounding (`vlmctl.train.optimizer.stochastic_adamw`: compiled calls over
+lists of same-size parameters in place, flat copies of the small ones) on a preset's parameters.
 
 Usage (on a GPU machine with torchao):
 

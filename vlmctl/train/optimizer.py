@@ -94,23 +94,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
 
 # ------------------------------------------------------------------------------- AdamW with stochastic rounding
 
-_FLAT_STEP = None
-FLAT_CHUNK = 1 << 26  # elements stepped in one call: 4 flat bf16 copies of 128 MiB at most
-
-
-def _chunks(items: list, limit: int):
-    """`items` ((param, grad, exp_avg, exp_avg_sq), step) in runs of at most `limit` elements (a larger parameter
-    alone)."""
-    run, size = [], 0
-    for item in items:
-        n = item[0][0].numel()
-        if run and size + n > limit:
-            yield run
-            run, size = [], 0
-        run.append(item)
-        size += n
-    if run:
-        yield run
+FLAT_CHUNK = 1 << 26  # elements stepped in one call: 128 MiB of random bits at most
+SMALL_PARAM = 1 << 20  # elements: smaller parameters are stepped through flat copies of many (their copies cost little)
+LIST_SIZES = (8, 4, 2, 1)  # parameters of one size stepped by one call: one compiled graph per list length
 
 
 def adamw_update(p, grad, step, exp_avg, exp_avg_sq, bits, lr, beta1: float, beta2: float, weight_decay: float,
@@ -188,46 +174,142 @@ def _per_device(value, dtype):
     return on
 
 
-def _flat_step():
-    """`adamw_update` compiled once with dynamic sizes for flat tensors: a compiled step per parameter shape makes
-    every call check the guards of dozens of compiled variants (0.5 s of CPU per step for the ~800 parameters of a
-    3B VLM, measured on an H200). The step calls it on flat copies of many parameters at once (`FLAT_CHUNK`
-    elements): one call per parameter still cost 0.32 s of host time per step with the GPU idle (3B, FSDP2 over
-    2 H200s); the update is elementwise, so the flat copy changes no value but the rounding's random draws."""
-    global _FLAT_STEP
-    if _FLAT_STEP is None:
-        _FLAT_STEP = torch.compile(adamw_update, fullgraph=True, dynamic=True)
-    return _FLAT_STEP
+def update_lists(ps, gs, step, ms, vs, bits, lr, beta1: float, beta2: float, weight_decay: float, eps: float,
+                 grad_scale, keep) -> None:
+    """`adamw_update` of each (ps[i], gs[i], ms[i], vs[i]): lists of k flat tensors of one size n, stepped in place;
+    `bits` (int16, k * n) holds the stochastic rounding's random bits of all k, the i-th n of them for the i-th
+    tensor. Compiled with dynamic sizes (`_compiled`), one graph serves every n and one list length k."""
+    n = ps[0].numel()
+    for i in range(len(ps)):
+        adamw_update(ps[i], gs[i], step, ms[i], vs[i], bits[i * n:(i + 1) * n], lr, beta1, beta2, weight_decay, eps,
+                     grad_scale, keep)
 
 
-def _step_chunk(chunk, group, grad_scale, keep) -> None:
-    """One compiled AdamW step over `chunk` (`_chunks`: ((param, grad, exp_avg, exp_avg_sq), step) of plain shards)
-    with `group`'s settings, `grad_scale` and `keep` (`adamw_update`): on the tensors themselves when the chunk is
-    one contiguous parameter, else on one flat copy of each kind, copied back after."""
-    (p, g, m, v), step = chunk[0]
-    n = sum(item[0][0].numel() for item in chunk)
-    bits = random_bits(n, p.device) if p.dtype is torch.bfloat16 else None
+def update_lists_exact(ps, gs, step, ms, vs, lr, beta1: float, beta2: float, weight_decay: float, eps: float,
+                       grad_scale, keep) -> None:
+    """`update_lists` of parameters that are not bf16 (no rounding): a function of its own, so its graphs count
+    towards a compile cache of their own."""
+    for i in range(len(ps)):
+        adamw_update(ps[i], gs[i], step, ms[i], vs[i], None, lr, beta1, beta2, weight_decay, eps, grad_scale, keep)
+
+
+_COMPILED: dict = {}
+
+
+def _compiled(fn):
+    """`fn` compiled once with dynamic sizes for flat tensors or lists of them (a graph per list length in
+    `LIST_SIZES`, four at most, under Dynamo's limit of eight per function). A compiled step per parameter shape made every call check
+    the guards of dozens of compiled variants (0.5 s of CPU per step for the ~800 parameters of a 3B VLM, measured on
+    an H200)."""
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, fullgraph=True, dynamic=True)
+    return _COMPILED[fn]
+
+
+def _flat(t):
+    """`t` (contiguous) as a flat alias that is not a view and needs no gradient: Dynamo guards on a view's base and
+    on requires_grad, so every call's tensors look alike to the compiled graph (the step writes the same storage)."""
+    return t.view(-1).detach()
+
+
+class _Call:
+    """One compiled call of a step (`_plan`): `params` (whose gradients it reads), the plain tensors it steps
+    (`local`'s parameter, exp_avg and exp_avg_sq: flat aliases, or as they are when `flat` copies them), the step
+    count they share, and whether they go through one flat copy of each kind (small parameters)."""
+
+    __slots__ = ("params", "weights", "avgs", "sqs", "step", "flat")
+
+    def __init__(self, params, weights, avgs, sqs, step, flat: bool):
+        self.params, self.weights, self.avgs, self.sqs, self.step, self.flat = params, weights, avgs, sqs, step, flat
+
+
+class _Plan:
+    """The calls that step a parameter group (`_plan`), made once and kept while the same parameters have
+    gradients and the optimizer's state is not replaced: walking ~730 parameters' states every step cost the host
+    more time than the device spent on the update (a 7B on an H200), so the device idled."""
+
+    __slots__ = ("key", "calls", "steps")
+
+    def __init__(self, key, calls, steps):
+        self.key, self.calls, self.steps = key, calls, steps
+
+
+def _plan(optimizer, params: list, local) -> _Plan:
+    """The calls of one step over `params` (those of a group that have a gradient), their state created on first use.
+    Parameters are stepped together when they share dtypes, device and step count: of `SMALL_PARAM` elements or
+    more, in place, in lists of one size (`LIST_SIZES`, at most `FLAT_CHUNK` elements a call, a larger parameter
+    alone); smaller ones (biases, norms) through one flat copy of each kind per `FLAT_CHUNK` elements, copied back
+    after. No parameter is copied that is not small."""
+    import torch
+
+    kinds: dict[tuple, list] = {}
+    for p in params:
+        state = optimizer.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = optimizer._new_buffer(p, True)
+            state["exp_avg_sq"] = optimizer._new_buffer(p, False)
+        item = (p, local(p), local(state["exp_avg"]), local(state["exp_avg_sq"]), state["step"])
+        flat = item[1].numel() < SMALL_PARAM or not all(t.is_contiguous() for t in item[1:4])
+        key = (*(t.dtype for t in item[1:4]), item[1].device, float(state["step"]), flat,
+               0 if flat else item[1].numel())
+        kinds.setdefault(key, []).append(item)
+    calls = []
+    for key, items in kinds.items():
+        if key[-2]:  # small: flat copies of up to FLAT_CHUNK elements
+            run, size = [], 0
+            for item in items + [None]:
+                if run and (item is None or size + item[1].numel() > FLAT_CHUNK):
+                    calls.append(_Call([i[0] for i in run], *([i[k] for i in run] for k in (1, 2, 3)), run[0][4], True))
+                    run, size = [], 0
+                if item is not None and item[1].numel():
+                    run.append(item)
+                    size += item[1].numel()
+            continue
+        n, i = key[-1], 0
+        while i < len(items):
+            k = next(k for k in LIST_SIZES if k == 1 or (k <= len(items) - i and k * n <= FLAT_CHUNK))
+            run = items[i:i + k]
+            calls.append(_Call([r[0] for r in run], *([_flat(r[j]) for r in run] for j in (1, 2, 3)), run[0][4], False))
+            i += k
+    # largest first: each compiled graph's kernels are tuned on their first call's sizes (a kernel tuned on a 1.5M-
+    # element parameter stepped the 7B's 68M-element ones 1.35x slower than one tuned on 64M elements, on an H200)
+    calls.sort(key=lambda c: -sum(t.numel() for t in c.weights))
+    return _Plan(tuple(map(id, params)), calls, [optimizer.state[p]["step"] for p in params])
+
+
+def _run(call: _Call, local, group, grad_scale, keep) -> None:
+    """One compiled step of `call` with `group`'s settings, `grad_scale` and `keep` (`adamw_update`)."""
+    import torch
+
+    grads = [local(p.grad) for p in call.params]
+    weights, avgs, sqs = call.weights, call.avgs, call.sqs
     args = (group["lr"], group["betas"][0], group["betas"][1], group["weight_decay"], group["eps"], grad_scale, keep)
-    if len(chunk) == 1 and all(t.is_contiguous() for t in (p, g, m, v)):
-        # flat aliases that are not views and need no gradient, as the flat copies below: Dynamo guards on both
-        # (a view's base, requires_grad), so one compiled graph serves both (the step writes the same storage)
-        p, g, m, v = (t.view(-1).detach() for t in (p, g, m, v))
-        _flat_step()(p, g, step, m, v, bits, *args)
-        return
-    # one flat copy of each: one compiled call and a few copy kernels instead of one call per parameter
-    params, grads, avgs, sqs = (list(ts) for ts in zip(*(item for item, _ in chunk)))
-    flat = [torch.cat([t.reshape(-1) for t in ts]) for ts in (params, grads, avgs, sqs)]
-    _flat_step()(flat[0], flat[1], step, flat[2], flat[3], bits, *args)
-    sizes = [t.numel() for t in params]
-    for targets, source in ((params, flat[0]), (avgs, flat[2]), (sqs, flat[3])):
-        torch._foreach_copy_(targets, [part.view(t.shape) for part, t in zip(source.split(sizes), targets)])
+    if call.flat:  # one flat copy of each kind, copied back after
+        flat = [[torch.cat([t.reshape(-1) for t in ts])] for ts in (weights, grads, avgs, sqs)]
+        weights_, grads, avgs_, sqs_ = flat
+    else:
+        weights_, avgs_, sqs_ = weights, avgs, sqs
+        grads = [_flat(g) if g.is_contiguous() else g.reshape(-1) for g in grads]
+    p = weights_[0]
+    bits = random_bits(sum(t.numel() for t in weights_), p.device) if p.dtype is torch.bfloat16 else None
+    if call.flat:  # a function of its own: the small copies' sizes tune none of the large parameters' kernels
+        _compiled(adamw_update)(p, grads[0], call.step, avgs_[0], sqs_[0], bits, *args)
+    elif bits is not None:
+        _compiled(update_lists)(weights_, grads, call.step, avgs_, sqs_, bits, *args)
+    else:
+        _compiled(update_lists_exact)(weights_, grads, call.step, avgs_, sqs_, *args)
+    if call.flat:
+        sizes = [t.numel() for t in weights]
+        for targets, source in ((weights, weights_[0]), (avgs, avgs_[0]), (sqs, sqs_[0])):
+            torch._foreach_copy_(targets, [part.view(t.shape) for part, t in zip(source.split(sizes), targets)])
 
 
 def stochastic_adamw(groups: list[dict[str, Any]], *, lr: float, betas: tuple[float, float], eps: float):
     """AdamW for bf16 parameters whose update is computed in fp32 and rounded to bf16 stochastically (torchao's
-    `_AdamW(bf16_stochastic_round=True)`, its moments in the parameters' dtype), stepped through one compiled
-    kernel for all parameter sizes (`_flat_step`), on flat copies of up to `FLAT_CHUNK` elements of parameters at a
-    time. Its `step` also takes the gradient clipping coefficient and a skip flag as device tensors (`adamw_update`),
+    `_AdamW(bf16_stochastic_round=True)`, its moments in the parameters' dtype), stepped through compiled calls
+    with dynamic sizes (`update_lists`): in place over lists of parameters of one size, the small ones on flat copies
+    (`_plan`, kept from step to step). Its `step` also takes the gradient clipping coefficient and a skip flag as device tensors (`adamw_update`),
     so `TorchEngine.step` clips and skips a bad step without a host sync and without a pass of its own over the
     gradients. `groups`: AdamW parameter groups ({"params", "lr", "weight_decay"}); the groups' learning rates become
     0-d tensors (read inside the compiled step). Works on plain tensors and FSDP2's DTensor shards (the local shard
@@ -237,26 +319,6 @@ def stochastic_adamw(groups: list[dict[str, Any]], *, lr: float, betas: tuple[fl
 
 
 _SR_CLASS = None
-
-
-def _step_batches(optimizer, group, local) -> dict[tuple, list]:
-    """The parameters of `group` that have a gradient, their state created on first use and their step counts
-    advanced, as ((param, grad, exp_avg, exp_avg_sq) plain tensors by `local`, step) lists keyed by what lets them
-    be stepped together: the same dtypes, device and step count."""
-    batches: dict[tuple, list] = {}
-    for p in group["params"]:
-        if p.grad is None:
-            continue
-        state = optimizer.state[p]
-        if not state:
-            state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = optimizer._new_buffer(p, True)
-            state["exp_avg_sq"] = optimizer._new_buffer(p, False)
-        state["step"] += 1
-        item = (local(p), local(p.grad), local(state["exp_avg"]), local(state["exp_avg_sq"]))
-        key = (*(t.dtype for t in item), p.device, float(state["step"]))
-        batches.setdefault(key, []).append((item, state["step"]))
-    return batches
 
 
 def _stochastic_adamw_class():
@@ -297,12 +359,24 @@ def _stochastic_adamw_class():
                 with torch.enable_grad():
                     loss = closure()
             scale_on, keep_on = _per_device(grad_scale, torch.float32), _per_device(keep, torch.bool)
-            for group in self.param_groups:
-                for items in _step_batches(self, group, local).values():
-                    for chunk in _chunks(items, FLAT_CHUNK):
-                        device = chunk[0][0][0].device
-                        _step_chunk(chunk, group, scale_on(device), keep_on(device))
+            plans = self.__dict__.setdefault("_plans", {})
+            for i, group in enumerate(self.param_groups):
+                params = [p for p in group["params"] if p.grad is not None]
+                plan = plans.get(i)
+                if plan is None or plan.key != tuple(map(id, params)):
+                    plan = plans[i] = _plan(self, params, local)
+                if plan.steps:
+                    torch._foreach_add_(plan.steps, 1.0)
+                for call in plan.calls:
+                    device = call.weights[0].device
+                    _run(call, local, group, scale_on(device), keep_on(device))
             return loss
+
+        def load_state_dict(self, state_dict) -> None:
+            """torch's `load_state_dict`, after which the next step makes its calls again (`_plan`): the state's
+            tensors are new ones."""
+            self.__dict__.pop("_plans", None)
+            super().load_state_dict(state_dict)
 
         def unstep(self) -> None:
             """Take back the step count of every parameter that has a gradient: after a `step` whose `keep` was
