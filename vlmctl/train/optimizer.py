@@ -198,9 +198,9 @@ _COMPILED: dict = {}
 
 def _compiled(fn):
     """`fn` compiled once with dynamic sizes for flat tensors or lists of them (a graph per list length in
-    `LIST_SIZES`, four at most, under Dynamo's limit of eight per function). A compiled step per parameter shape made every call check
-    the guards of dozens of compiled variants (0.5 s of CPU per step for the ~800 parameters of a 3B VLM, measured on
-    an H200)."""
+    `LIST_SIZES`, four at most, under Dynamo's limit of eight per function). A compiled step per parameter shape made
+    every call check the guards of dozens of compiled variants (0.5 s of CPU per step for the ~800 parameters of a 3B
+    VLM, measured on an H200)."""
     if fn not in _COMPILED:
         _COMPILED[fn] = torch.compile(fn, fullgraph=True, dynamic=True)
     return _COMPILED[fn]
@@ -309,9 +309,9 @@ def stochastic_adamw(groups: list[dict[str, Any]], *, lr: float, betas: tuple[fl
     """AdamW for bf16 parameters whose update is computed in fp32 and rounded to bf16 stochastically (torchao's
     `_AdamW(bf16_stochastic_round=True)`, its moments in the parameters' dtype), stepped through compiled calls
     with dynamic sizes (`update_lists`): in place over lists of parameters of one size, the small ones on flat copies
-    (`_plan`, kept from step to step). Its `step` also takes the gradient clipping coefficient and a skip flag as device tensors (`adamw_update`),
-    so `TorchEngine.step` clips and skips a bad step without a host sync and without a pass of its own over the
-    gradients. `groups`: AdamW parameter groups ({"params", "lr", "weight_decay"}); the groups' learning rates become
+    (`_plan`, kept from step to step). Its `step` also takes the gradient clipping coefficient and a skip flag as
+    device tensors (`adamw_update`), so `TorchEngine.step` clips and skips a bad step without a host sync and without
+    a pass of its own over the gradients. `groups`: AdamW parameter groups ({"params", "lr", "weight_decay"}); the groups' learning rates become
     0-d tensors (read inside the compiled step). Works on plain tensors and FSDP2's DTensor shards (the local shard
     is stepped; the state is a DTensor like the parameter, so torch.distributed.checkpoint saves it sharded). A
     parameter that is not bf16 is updated without rounding."""
