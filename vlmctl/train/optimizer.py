@@ -305,6 +305,26 @@ def _run(call: _Call, local, group, grad_scale, keep) -> None:
             torch._foreach_copy_(targets, [part.view(t.shape) for part, t in zip(source.split(sizes), targets)])
 
 
+def _step_groups(optimizer, local, grad_scale, keep) -> None:
+    """One step of each of `optimizer`'s groups through its `_plan` (made again when the parameters that have a
+    gradient changed, or after `load_state_dict`), the step counts advanced first; `grad_scale` and `keep` as in
+    `adamw_update` (None: 1 and True)."""
+    import torch
+
+    scale_on, keep_on = _per_device(grad_scale, torch.float32), _per_device(keep, torch.bool)
+    plans = optimizer.__dict__.setdefault("_plans", {})
+    for i, group in enumerate(optimizer.param_groups):
+        params = [p for p in group["params"] if p.grad is not None]
+        plan = plans.get(i)
+        if plan is None or plan.key != tuple(map(id, params)):
+            plan = plans[i] = _plan(optimizer, params, local)
+        if plan.steps:
+            torch._foreach_add_(plan.steps, 1.0)
+        for call in plan.calls:
+            device = call.weights[0].device
+            _run(call, local, group, scale_on(device), keep_on(device))
+
+
 def stochastic_adamw(groups: list[dict[str, Any]], *, lr: float, betas: tuple[float, float], eps: float):
     """AdamW for bf16 parameters whose update is computed in fp32 and rounded to bf16 stochastically (torchao's
     `_AdamW(bf16_stochastic_round=True)`, its moments in the parameters' dtype), stepped through compiled calls
@@ -358,18 +378,7 @@ def _stochastic_adamw_class():
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
-            scale_on, keep_on = _per_device(grad_scale, torch.float32), _per_device(keep, torch.bool)
-            plans = self.__dict__.setdefault("_plans", {})
-            for i, group in enumerate(self.param_groups):
-                params = [p for p in group["params"] if p.grad is not None]
-                plan = plans.get(i)
-                if plan is None or plan.key != tuple(map(id, params)):
-                    plan = plans[i] = _plan(self, params, local)
-                if plan.steps:
-                    torch._foreach_add_(plan.steps, 1.0)
-                for call in plan.calls:
-                    device = call.weights[0].device
-                    _run(call, local, group, scale_on(device), keep_on(device))
+            _step_groups(self, local, grad_scale, keep)
             return loss
 
         def load_state_dict(self, state_dict) -> None:
