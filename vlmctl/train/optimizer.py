@@ -242,35 +242,41 @@ def _plan(optimizer, params: list, local) -> _Plan:
     after. No parameter is copied that is not small."""
     import torch
 
-    kinds: dict[tuple, list] = {}
+    kinds: dict[tuple, list] = {}  # what lets parameters share a call -> (param, weight, exp_avg, exp_avg_sq, step)
     for p in params:
         state = optimizer.state[p]
         if not state:
             state["step"] = torch.tensor(0.0)
             state["exp_avg"] = optimizer._new_buffer(p, True)
             state["exp_avg_sq"] = optimizer._new_buffer(p, False)
-        item = (p, local(p), local(state["exp_avg"]), local(state["exp_avg_sq"]), state["step"])
-        flat = item[1].numel() < SMALL_PARAM or not all(t.is_contiguous() for t in item[1:4])
-        key = (*(t.dtype for t in item[1:4]), item[1].device, float(state["step"]), flat,
-               0 if flat else item[1].numel())
-        kinds.setdefault(key, []).append(item)
+        tensors = (local(p), local(state["exp_avg"]), local(state["exp_avg_sq"]))
+        small = tensors[0].numel() < SMALL_PARAM or not all(t.is_contiguous() for t in tensors)
+        key = (*(t.dtype for t in tensors), tensors[0].device, float(state["step"]), small,
+               0 if small else tensors[0].numel())
+        kinds.setdefault(key, []).append((p, *tensors, state["step"]))
+
+    def call(run, flat: bool) -> _Call:
+        tensors = ([item[j] for item in run] for j in (1, 2, 3))
+        return _Call([item[0] for item in run], *(ts if flat else [_flat(t) for t in ts] for ts in tensors),
+                     run[0][4], flat)
+
     calls = []
-    for key, items in kinds.items():
-        if key[-2]:  # small: flat copies of up to FLAT_CHUNK elements
+    for (*_, small, n), items in kinds.items():
+        if small:  # flat copies of up to FLAT_CHUNK elements (an empty shard has nothing to step)
             run, size = [], 0
-            for item in items + [None]:
-                if run and (item is None or size + item[1].numel() > FLAT_CHUNK):
-                    calls.append(_Call([i[0] for i in run], *([i[k] for i in run] for k in (1, 2, 3)), run[0][4], True))
+            for item in (item for item in items if item[1].numel()):
+                if run and size + item[1].numel() > FLAT_CHUNK:
+                    calls.append(call(run, True))
                     run, size = [], 0
-                if item is not None and item[1].numel():
-                    run.append(item)
-                    size += item[1].numel()
+                run.append(item)
+                size += item[1].numel()
+            if run:
+                calls.append(call(run, True))
             continue
-        n, i = key[-1], 0
+        i = 0
         while i < len(items):
             k = next(k for k in LIST_SIZES if k == 1 or (k <= len(items) - i and k * n <= FLAT_CHUNK))
-            run = items[i:i + k]
-            calls.append(_Call([r[0] for r in run], *([_flat(r[j]) for r in run] for j in (1, 2, 3)), run[0][4], False))
+            calls.append(call(items[i:i + k], False))
             i += k
     # largest first: each compiled graph's kernels are tuned on their first call's sizes (a kernel tuned on a 1.5M-
     # element parameter stepped the 7B's 68M-element ones 1.35x slower than one tuned on 64M elements, on an H200)
@@ -283,26 +289,24 @@ def _run(call: _Call, local, group, grad_scale, keep) -> None:
     import torch
 
     grads = [local(p.grad) for p in call.params]
-    weights, avgs, sqs = call.weights, call.avgs, call.sqs
     args = (group["lr"], group["betas"][0], group["betas"][1], group["weight_decay"], group["eps"], grad_scale, keep)
-    if call.flat:  # one flat copy of each kind, copied back after
-        flat = [[torch.cat([t.reshape(-1) for t in ts])] for ts in (weights, grads, avgs, sqs)]
-        weights_, grads, avgs_, sqs_ = flat
-    else:
-        weights_, avgs_, sqs_ = weights, avgs, sqs
+    bf16 = call.weights[0].dtype is torch.bfloat16
+    if not call.flat:  # in place
         grads = [_flat(g) if g.is_contiguous() else g.reshape(-1) for g in grads]
-    p = weights_[0]
-    bits = random_bits(sum(t.numel() for t in weights_), p.device) if p.dtype is torch.bfloat16 else None
-    if call.flat:  # a function of its own: the small copies' sizes tune none of the large parameters' kernels
-        _compiled(adamw_update)(p, grads[0], call.step, avgs_[0], sqs_[0], bits, *args)
-    elif bits is not None:
-        _compiled(update_lists)(weights_, grads, call.step, avgs_, sqs_, bits, *args)
-    else:
-        _compiled(update_lists_exact)(weights_, grads, call.step, avgs_, sqs_, *args)
-    if call.flat:
-        sizes = [t.numel() for t in weights]
-        for targets, source in ((weights, weights_[0]), (avgs, avgs_[0]), (sqs, sqs_[0])):
-            torch._foreach_copy_(targets, [part.view(t.shape) for part, t in zip(source.split(sizes), targets)])
+        if bf16:
+            bits = random_bits(sum(t.numel() for t in call.weights), call.weights[0].device)
+            _compiled(update_lists)(call.weights, grads, call.step, call.avgs, call.sqs, bits, *args)
+        else:
+            _compiled(update_lists_exact)(call.weights, grads, call.step, call.avgs, call.sqs, *args)
+        return
+    # one flat copy of each kind, copied back after; a compiled function of its own, so the small copies' sizes tune
+    # none of the large parameters' kernels
+    p, g, m, v = (torch.cat([t.reshape(-1) for t in ts]) for ts in (call.weights, grads, call.avgs, call.sqs))
+    bits = random_bits(p.numel(), p.device) if bf16 else None
+    _compiled(adamw_update)(p, g, call.step, m, v, bits, *args)
+    sizes = [t.numel() for t in call.weights]
+    for targets, source in ((call.weights, p), (call.avgs, m), (call.sqs, v)):
+        torch._foreach_copy_(targets, [part.view(t.shape) for part, t in zip(source.split(sizes), targets)])
 
 
 def _step_groups(optimizer, local, grad_scale, keep) -> None:
@@ -331,10 +335,10 @@ def stochastic_adamw(groups: list[dict[str, Any]], *, lr: float, betas: tuple[fl
     with dynamic sizes (`update_lists`): in place over lists of parameters of one size, the small ones on flat copies
     (`_plan`, kept from step to step). Its `step` also takes the gradient clipping coefficient and a skip flag as
     device tensors (`adamw_update`), so `TorchEngine.step` clips and skips a bad step without a host sync and without
-    a pass of its own over the gradients. `groups`: AdamW parameter groups ({"params", "lr", "weight_decay"}); the groups' learning rates become
-    0-d tensors (read inside the compiled step). Works on plain tensors and FSDP2's DTensor shards (the local shard
-    is stepped; the state is a DTensor like the parameter, so torch.distributed.checkpoint saves it sharded). A
-    parameter that is not bf16 is updated without rounding."""
+    a pass of its own over the gradients. `groups`: AdamW parameter groups ({"params", "lr", "weight_decay"}); the
+    groups' learning rates become 0-d tensors (read inside the compiled step). Works on plain tensors and FSDP2's
+    DTensor shards (the local shard is stepped; the state is a DTensor like the parameter, so
+    torch.distributed.checkpoint saves it sharded). A parameter that is not bf16 is updated without rounding."""
     return _stochastic_adamw_class()(groups, lr=lr, betas=betas, eps=eps, weight_decay=0.0, bf16_stochastic_round=True)
 
 
