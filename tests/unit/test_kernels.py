@@ -156,3 +156,22 @@ def test_a_compiled_layer_calls_the_varlen_kernel_without_tracing_its_signature(
     # the first segment's tokens attend within it only: the stand-in's mask reached the kernel
     alone = kernels.varlen_attention_forward(Causal(), q[:, :, :5], k[:, :, :5], v[:, :, :5], None, scaling=0.5)[0]
     torch.testing.assert_close(got[:, :5], alone)
+
+
+def test_the_fused_loss_warm_up_meets_every_class_triton_specializes_a_label_count_on():
+    # Triton compiles a kernel once per class of each plain int argument: 1, a multiple of 16, any other. The
+    # warm-up must reach each class, with gradients asked for, in the dtype, vocabulary and device given.
+    from vlmctl.train.kernels import warm_fused_loss
+
+    seen = []
+
+    def loss_fn(hidden, weight, target, *, reduction, ignore_index):
+        seen.append((int((target != ignore_index).sum()), hidden.requires_grad, hidden.dtype, weight.shape[0],
+                     reduction))
+        return torch.nn.functional.cross_entropy(hidden @ weight.t(), target, reduction=reduction,
+                                                 ignore_index=ignore_index)
+
+    assert warm_fused_loss(100, torch.bfloat16, "cpu", loss_fn=loss_fn) == len(seen)
+    counts = [count for count, *_ in seen]
+    assert 1 in counts and any(c % 16 == 0 for c in counts) and any(c != 1 and c % 16 for c in counts)
+    assert {tuple(rest) for _, *rest in seen} == {(True, torch.bfloat16, 100, "sum")}

@@ -544,6 +544,11 @@ def prepare_model(model, family, train, device, compute_dtype=None, plan=None) -
 
         plan = build_plan(train, DeviceFacts.here(cuda=device.type == "cuda"), family)
     attn, liger, vision_kernels = apply_kernels(model, family, train, device, plan)
+    head = model.get_output_embeddings() if liger and device.type == "cuda" else None
+    if head is not None:  # liger's loss compiled for every label count now, not inside some training step
+        from vlmctl.train.kernels import warm_fused_loss
+
+        warm_fused_loss(head.weight.shape[0], compute_dtype or head.weight.dtype, device)
     prepare = family.position_hook(model, getattr(model.config, "image_token_id", None)) if plan.packing.value else None
     if train.sequence_parallel == 1:  # the towers' grid-derived inputs computed ahead of the step, on the host
         from vlmctl.train.tower_inputs import chain, install_tower_inputs
