@@ -212,11 +212,13 @@ def test_dynamic_blocks_do_not_recompile_for_fewer_rows():
 
 
 def test_the_fused_loss_compiles_in_no_step_after_its_warm_up():
-    # liger's cross-entropy kernel takes the count of labelled tokens as a plain int, and Triton compiles it once
-    # per class of that int (1, a multiple of 16, any other). After `warm_fused_loss` no count compiles it again.
+    # liger's cross-entropy kernel takes the count of labelled tokens as a plain int and the labels as a pointer, and
+    # Triton compiles it once per class of each (1, a multiple of 16, any other; aligned to 16 bytes or not). Called
+    # as liger's patched forwards call it (labels shifted by liger, so they start 8 bytes into their buffer), after
+    # `warm_fused_loss` no count compiles it again.
     pytest.importorskip("liger_kernel")
     from liger_kernel.ops.cross_entropy import liger_cross_entropy_kernel
-    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    from liger_kernel.transformers.model.loss_utils import LigerForCausalLMLoss
 
     from vlmctl.train.kernels import warm_fused_loss
 
@@ -226,20 +228,21 @@ def test_the_fused_loss_compiles_in_no_step_after_its_warm_up():
             pytest.skip("this Triton keeps its compiled kernels elsewhere")
         return sum(len(entry[0]) for entry in caches.values())
 
-    vocab, width, tokens = 3080, 64, 256  # a vocabulary no other test compiles the kernel for
+    vocab, width, tokens = 3080, 64, 300  # a vocabulary no other test compiles the kernel for
 
     def loss(count: int, dtype) -> None:
-        hidden = torch.randn(tokens, width, device="cuda", dtype=dtype, requires_grad=True)
+        hidden = torch.randn(1, tokens, width, device="cuda", dtype=dtype, requires_grad=True)
         weight = torch.randn(vocab, width, device="cuda", dtype=dtype)
-        target = torch.randint(0, vocab, (tokens,), device="cuda")
-        target[count:] = -100
-        liger_fused_linear_cross_entropy(hidden, weight, target, reduction="sum", ignore_index=-100)
+        labels = torch.randint(0, vocab, (1, tokens), device="cuda")
+        labels[:, count + 1:] = -100  # shifted by one: `count` labelled tokens
+        LigerForCausalLMLoss(hidden_states=hidden, lm_head_weight=weight, labels=labels, hidden_size=width,
+                             num_items_in_batch=1)
 
     before = variants()
     loss(100, torch.float16)  # a dtype no warm-up met: the kernel compiles, so the count sees compiles
     assert variants() > before
     warm_fused_loss(vocab, torch.bfloat16, "cuda")
     warmed = variants()
-    for count in (1, 2, 16, 48, 100, 255, 256):
+    for count in (1, 2, 16, 48, 100, 255, 256, 299):
         loss(count, torch.bfloat16)
     assert variants() == warmed

@@ -159,19 +159,21 @@ def test_a_compiled_layer_calls_the_varlen_kernel_without_tracing_its_signature(
 
 
 def test_the_fused_loss_warm_up_meets_every_class_triton_specializes_a_label_count_on():
-    # Triton compiles a kernel once per class of each plain int argument: 1, a multiple of 16, any other. The
-    # warm-up must reach each class, with gradients asked for, in the dtype, vocabulary and device given.
+    # Triton compiles a kernel once per class of each plain int argument (1, a multiple of 16, any other) and of
+    # each pointer's alignment. The warm-up must reach each count class with labels starting at an even and at an
+    # odd element (liger's own shift), with gradients asked for, in the dtype, vocabulary and device given.
     from vlmctl.train.kernels import warm_fused_loss
 
     seen = []
 
     def loss_fn(hidden, weight, target, *, reduction, ignore_index):
-        seen.append((int((target != ignore_index).sum()), hidden.requires_grad, hidden.dtype, weight.shape[0],
-                     reduction))
+        seen.append((int((target != ignore_index).sum()), target.storage_offset() % 2, hidden.requires_grad,
+                     hidden.dtype, weight.shape[0], reduction))
         return torch.nn.functional.cross_entropy(hidden @ weight.t(), target, reduction=reduction,
                                                  ignore_index=ignore_index)
 
     assert warm_fused_loss(100, torch.bfloat16, "cpu", loss_fn=loss_fn) == len(seen)
-    counts = [count for count, *_ in seen]
-    assert 1 in counts and any(c % 16 == 0 for c in counts) and any(c != 1 and c % 16 for c in counts)
-    assert {tuple(rest) for _, *rest in seen} == {(True, torch.bfloat16, 100, "sum")}
+    for parity in (0, 1):
+        counts = [count for count, odd, *_ in seen if odd == parity]
+        assert 1 in counts and any(c % 16 == 0 for c in counts) and any(c != 1 and c % 16 for c in counts)
+    assert {tuple(rest) for _, _, *rest in seen} == {(True, torch.bfloat16, 100, "sum")}

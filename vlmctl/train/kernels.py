@@ -383,33 +383,40 @@ def apply_liger(model, family, kernels: bool = True) -> bool:
     return True
 
 
-# Triton's JIT compiles a kernel again for each class of its plain int arguments: 1, a multiple of 16, any other
-# (`triton.runtime.jit`'s specialization). liger's cross-entropy kernel takes the number of labelled tokens as one.
+# Triton's JIT compiles a kernel again for each class of its plain int arguments (1, a multiple of 16, any other) and
+# of its pointers (16-byte aligned or not): `triton.runtime.jit`'s specialization. liger's cross-entropy kernel takes
+# the number of labelled tokens as an int, and the labels as a pointer that is aligned or not by where they start.
 LABEL_COUNT_CLASSES = (1, 16, 17)
 
 
 def warm_fused_loss(vocab_size: int, dtype, device, loss_fn=None, tokens: int = 32, hidden_size: int = 16) -> int:
-    """Compile liger-kernel's fused linear cross-entropy for every label count class (`LABEL_COUNT_CLASSES`) before
-    training, with gradients as training asks for them: otherwise the first row whose count of labelled tokens falls
-    in a new class compiles the kernel inside its step (0.2-0.3 s on an H200, about 1.5x a 7B step), and a short
-    measurement (the start-up probe, `vlmctl bench`) counts it as the step's time.
+    """Compile liger-kernel's fused linear cross-entropy for every class of label count (`LABEL_COUNT_CLASSES`) and
+    every alignment of its labels and per-token losses before training, with gradients as training asks for them:
+    otherwise the first row whose count of labelled tokens falls in a new class compiles the kernel inside its step
+    (0.24-0.51 s on an H200, a third to two thirds of a 7B step), and a short measurement (the start-up probe,
+    `vlmctl bench`) counts it as the step's time.
 
-    The kernel's specialization depends on the logits' dtype and `vocab_size` (its row length and block size), not
-    on the hidden size, so the calls are small: `tokens` x `hidden_size` hidden states against a zero
-    (`vocab_size`, `hidden_size`) head, forward only (liger computes the gradient in its forward). `loss_fn`:
-    liger's `liger_fused_linear_cross_entropy` by default. Returns the number of calls made. Raises
-    ModuleNotFoundError without liger-kernel."""
+    The labels start at an even and at an odd element (liger's own shift, `labels[..., 1:]`, starts 8 bytes into
+    its buffer), and `hidden_size` is small against `vocab_size`, so liger steps one token per chunk and each chunk's
+    labels and losses start at every alignment. The kernel's specialization depends on the logits' dtype and
+    `vocab_size` (its row length and block size), not on the hidden size. Calls: `tokens` x `hidden_size` hidden
+    states against a zero (`vocab_size`, `hidden_size`) head, forward only (liger computes the gradient in its
+    forward). `loss_fn`: liger's `liger_fused_linear_cross_entropy` by default. Returns the number of calls made.
+    Raises ModuleNotFoundError without liger-kernel."""
     import torch
 
     if loss_fn is None:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as loss_fn
     weight = torch.zeros(vocab_size, hidden_size, dtype=dtype, device=device)
-    for count in LABEL_COUNT_CLASSES:
-        hidden = torch.zeros(tokens, hidden_size, dtype=dtype, device=device, requires_grad=True)
-        target = torch.full((tokens,), -100, dtype=torch.long, device=device)
-        target[:count] = 0
-        loss_fn(hidden, weight, target, reduction="sum", ignore_index=-100)
-    return len(LABEL_COUNT_CLASSES)
+    calls = 0
+    for offset in (0, 1):
+        for count in LABEL_COUNT_CLASSES:
+            hidden = torch.zeros(tokens, hidden_size, dtype=dtype, device=device, requires_grad=True)
+            labels = torch.full((offset + tokens,), -100, dtype=torch.long, device=device)
+            labels[offset:offset + count] = 0
+            loss_fn(hidden, weight, labels[offset:], reduction="sum", ignore_index=-100)
+            calls += 1
+    return calls
 
 
 # ------------------------------------------------------------------------------------------ vision-tower kernels
