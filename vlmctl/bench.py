@@ -969,6 +969,7 @@ def load_model(plan: BenchPlan, model_section, train, ctx, scratch: Path, log) -
 
     from vlmctl.models.build import save_model
     from vlmctl.models.load import quiet_transformers
+    from vlmctl.train.registry import get_objective
     from vlmctl.train.setup import load_quantized, load_source, prepare_model
 
     choice, env = plan.model, ctx.env
@@ -992,7 +993,8 @@ def load_model(plan: BenchPlan, model_section, train, ctx, scratch: Path, log) -
             model, processor, family = random_model(choice.plan, choice.processor, device=env.device, dtype=ctx.stored), choice.processor, choice.family
         else:
             model, processor, family = (load_quantized if quantized else load_source)(source, cfg, dtype=ctx.stored)
-    tm = prepare_model(model, family, train, env.device, compute_dtype=ctx.dtype, plan=ctx.plan)  # as the worker prepares it
+    tm = prepare_model(model, family, train, env.device, compute_dtype=ctx.dtype, plan=ctx.plan,  # as the worker prepares it
+                       fused_loss=get_objective(train.objective).fused_loss)
     tm.processor, tm.source = processor, source
     return tm
 

@@ -166,3 +166,29 @@ def test_the_demo_summary_says_what_its_final_loss_sums(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "final loss 0.733 (the sigmoid DPO loss + rpo_alpha 1 x the chosen answers' mean token NLL (nll_loss))" in text
     assert DPOSection().loss_terms() == "the sigmoid DPO loss" and "about 0" in GRPOSection().loss_terms()
+
+
+def test_an_objective_declares_the_fused_loss_exactly_when_its_loss_hands_the_model_labels(tiny_llava):
+    # `ObjectiveSpec.fused_loss` decides whether training compiles liger's fused loss before the first step: it must
+    # hold for the objectives whose loss is the model's forward given labels (what liger patches), and only for them.
+    import torch
+
+    from vlmctl.config.objective import ORPOSection
+    from vlmctl.data.collate import PairCollator, model_inputs
+    from vlmctl.models import load_model
+    from vlmctl.train.objectives import SFTObjective
+    from vlmctl.train.orpo import ORPOObjective
+
+    from preference_data import pair_samples
+
+    model, processor, family = load_model(tiny_llava, dtype=torch.float32)
+    model.set_attn_implementation("sdpa")
+    seen: list[bool] = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs.get("labels") is not None),
+                                    with_kwargs=True)
+    engine = type("Engine", (), {"model": model, "module": model, "inputs": staticmethod(model_inputs)})()
+    batch = PairCollator(processor, family, tokens_per_batch=10**6, dummy_image=False)(pair_samples(2))
+    for objective in (SFTObjective(liger=True), ORPOObjective(ORPOSection(beta=0.2))):
+        seen.clear()
+        assert torch.isfinite(objective.loss(engine, batch).loss)
+        assert seen and all(s == objective.spec.fused_loss for s in seen), (objective.spec.name, seen)

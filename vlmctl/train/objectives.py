@@ -89,6 +89,9 @@ class ObjectiveSpec:
     loss.png beside the loss, one panel each; a tuple of metrics shares a panel), `plots_loss` (False where the loss
     says nothing of progress: GRPO's is ~0 by construction); `named_by_stage`: run folders are named `<project>-<stage>-<time>` (else `<project>-<name>-<time>`);
     `describe(train) -> str`: its settings in words for `vlmctl bench`'s settings line ("" for none);
+    `fused_loss`: its loss comes from the model's forward given labels, which is liger-kernel's fused linear
+    cross-entropy where liger is on (SFT), so training compiles that kernel before the first step
+    (`kernels.warm_fused_loss`); objectives that compute token log-probs themselves (`kernels.token_losses`) leave it;
     `preflight(cfg)`: checks the launcher runs before any process starts (GRPO imports the user's reward
     functions), raising typed errors; `bench_settings(train) -> (train, note)`: the settings `vlmctl bench` trains
     its synthetic data with, and a line saying what changed (None when nothing did)."""
@@ -109,6 +112,7 @@ class ObjectiveSpec:
     plots_loss: bool = True
     named_by_stage: bool = False
     describe: Callable[[Any], str] = lambda train: ""
+    fused_loss: bool = False
     preflight: Callable[[Any], None] | None = None
     bench_settings: Callable[[Any], tuple[Any, str | None]] | None = None
 
@@ -290,4 +294,4 @@ def sample_collator(processor, family, *, packed: bool, tokens_per_batch: int | 
 
 
 SPEC = SFTObjective.spec = ObjectiveSpec(name="sft", objective=SFTObjective, build=build_sft, collator=sample_collator,
-                                         named_by_stage=True)
+                                         named_by_stage=True, fused_loss=True)

@@ -524,13 +524,15 @@ def setup_run(train, plan=None, family=None) -> RunContext:
                       plan=plan)
 
 
-def prepare_model(model, family, train, device, compute_dtype=None, plan=None) -> TrainingModel:
+def prepare_model(model, family, train, device, compute_dtype=None, plan=None, fused_loss: bool = True) -> TrainingModel:
     """Kernels, the batch hook, the cost model, stage/freeze, LoRA and frozen weights in `compute_dtype` (when
     given): what `vlmctl train` and `vlmctl bench` do to a loaded model before `distributed.parallelize.parallelize`
     (sequence split, activation checkpointing, compile, wrapping). The kernels come first because they patch the
     bare HF model (liger's forwards, the vision tower's modules) before peft wraps it. `plan`: the run's RunPlan
     (its kernels and packing, decided with the family); without one, planned here for this device. Raises
-    ConfigError where `train` packs rows for a family that cannot take them (a plan made without the family)."""
+    ConfigError where `train` packs rows for a family that cannot take them (a plan made without the family).
+    `fused_loss`: the run's objective takes its loss from the model's forward given labels (`ObjectiveSpec.fused_loss`),
+    so where liger patched that forward on CUDA its loss kernel is compiled here, before any step."""
     from vlmctl.train.flops import CostModel
 
     if train.packing and not family.supports_packing:  # the plan decides packing with the family; `train` is its copy
@@ -544,7 +546,7 @@ def prepare_model(model, family, train, device, compute_dtype=None, plan=None) -
 
         plan = build_plan(train, DeviceFacts.here(cuda=device.type == "cuda"), family)
     attn, liger, vision_kernels = apply_kernels(model, family, train, device, plan)
-    head = model.get_output_embeddings() if liger and device.type == "cuda" else None
+    head = model.get_output_embeddings() if liger and fused_loss and device.type == "cuda" else None
     if head is not None:  # liger's loss compiled for every label count now, not inside some training step
         from vlmctl.train.kernels import warm_fused_loss
 

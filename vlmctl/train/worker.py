@@ -53,7 +53,10 @@ def load_model_for_training(cfg, ctx: RunContext, resuming: bool = False) -> Tra
     `resuming`); the others build it on the meta device and get theirs in `wrap_model` (`setup.rank0_loads`)."""
     source = model_source(cfg)
     model, processor, family = load_for_rank(source, cfg, ctx, resuming=resuming)
-    tm = prepare_model(model, family, cfg.train, ctx.env.device, compute_dtype=ctx.dtype, plan=ctx.plan)
+    from vlmctl.train.registry import get_objective
+
+    tm = prepare_model(model, family, cfg.train, ctx.env.device, compute_dtype=ctx.dtype, plan=ctx.plan,
+                       fused_loss=get_objective(cfg.train.objective).fused_loss)
     tm.deferred = defer_weights(tm.model, cfg.train, ctx.env, resuming=resuming)
     tm.processor, tm.source = processor, source
     return tm
