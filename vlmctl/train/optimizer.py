@@ -11,6 +11,7 @@ gradient to clip or to accumulate over micro-batches, and a non-finite gradient 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -212,26 +213,46 @@ def _flat(t):
     return t.view(-1).detach()
 
 
+@dataclass(slots=True)
 class _Call:
     """One compiled call of a step (`_plan`): `params` (whose gradients it reads), the plain tensors it steps
     (`local`'s parameter, exp_avg and exp_avg_sq: flat aliases, or as they are when `flat` copies them), the step
     count they share, and whether they go through one flat copy of each kind (small parameters)."""
 
-    __slots__ = ("params", "weights", "avgs", "sqs", "step", "flat")
+    params: list
+    weights: list
+    avgs: list
+    sqs: list
+    step: Any
+    flat: bool
 
-    def __init__(self, params, weights, avgs, sqs, step, flat: bool):
-        self.params, self.weights, self.avgs, self.sqs, self.step, self.flat = params, weights, avgs, sqs, step, flat
 
-
+@dataclass(slots=True)
 class _Plan:
     """The calls that step a parameter group (`_plan`), made once and kept while the same parameters have
     gradients and the optimizer's state is not replaced: walking ~730 parameters' states every step cost the host
     more time than the device spent on the update (a 7B on an H200), so the device idled."""
 
-    __slots__ = ("key", "calls", "steps")
+    key: tuple
+    calls: list
+    steps: list
 
-    def __init__(self, key, calls, steps):
-        self.key, self.calls, self.steps = key, calls, steps
+
+def _runs(items: list, limit: int):
+    """`items` ((param, weight, exp_avg, exp_avg_sq, step), weights of any size) in runs of at most `limit` weight
+    elements (a larger one alone); empty shards are left out, having nothing to step."""
+    run, size = [], 0
+    for item in items:
+        n = item[1].numel()
+        if not n:
+            continue
+        if run and size + n > limit:
+            yield run
+            run, size = [], 0
+        run.append(item)
+        size += n
+    if run:
+        yield run
 
 
 def _plan(optimizer, params: list, local) -> _Plan:
@@ -240,8 +261,6 @@ def _plan(optimizer, params: list, local) -> _Plan:
     more, in place, in lists of one size (`LIST_SIZES`, at most `FLAT_CHUNK` elements a call, a larger parameter
     alone); smaller ones (biases, norms) through one flat copy of each kind per `FLAT_CHUNK` elements, copied back
     after. No parameter is copied that is not small."""
-    import torch
-
     kinds: dict[tuple, list] = {}  # what lets parameters share a call -> (param, weight, exp_avg, exp_avg_sq, step)
     for p in params:
         state = optimizer.state[p]
@@ -262,16 +281,8 @@ def _plan(optimizer, params: list, local) -> _Plan:
 
     calls = []
     for (*_, small, n), items in kinds.items():
-        if small:  # flat copies of up to FLAT_CHUNK elements (an empty shard has nothing to step)
-            run, size = [], 0
-            for item in (item for item in items if item[1].numel()):
-                if run and size + item[1].numel() > FLAT_CHUNK:
-                    calls.append(call(run, True))
-                    run, size = [], 0
-                run.append(item)
-                size += item[1].numel()
-            if run:
-                calls.append(call(run, True))
+        if small:  # flat copies of up to FLAT_CHUNK elements
+            calls.extend(call(run, True) for run in _runs(items, FLAT_CHUNK))
             continue
         i = 0
         while i < len(items):
@@ -286,8 +297,6 @@ def _plan(optimizer, params: list, local) -> _Plan:
 
 def _run(call: _Call, local, group, grad_scale, keep) -> None:
     """One compiled step of `call` with `group`'s settings, `grad_scale` and `keep` (`adamw_update`)."""
-    import torch
-
     grads = [local(p.grad) for p in call.params]
     args = (group["lr"], group["betas"][0], group["betas"][1], group["weight_decay"], group["eps"], grad_scale, keep)
     bf16 = call.weights[0].dtype is torch.bfloat16
@@ -313,8 +322,6 @@ def _step_groups(optimizer, local, grad_scale, keep) -> None:
     """One step of each of `optimizer`'s groups through its `_plan` (made again when the parameters that have a
     gradient changed, or after `load_state_dict`), the step counts advanced first; `grad_scale` and `keep` as in
     `adamw_update` (None: 1 and True)."""
-    import torch
-
     scale_on, keep_on = _per_device(grad_scale, torch.float32), _per_device(keep, torch.bool)
     plans = optimizer.__dict__.setdefault("_plans", {})
     for i, group in enumerate(optimizer.param_groups):
