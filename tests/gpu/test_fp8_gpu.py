@@ -1,7 +1,7 @@
 """Float8 training on the GPU (`train.fp8`, torchao's float8 linears; compute capability >= 8.9): FSDP2 with compiled
 decoder layers, tensorwise with the float8 all-gather and its scales computed after the optimizer step (fp32 master
-weights, and bf16 master weights stepped by the AdamW with stochastic rounding), and rowwise, on one GPU and on two,
-each against the CPU path of the same packed rows (fp32, sdpa, no liger).
+weights, and bf16 master weights stepped by the AdamW with stochastic rounding), and rowwise, on one GPU and on two
+(there also split by tensor parallelism), each against the CPU path of the same packed rows (fp32, sdpa, no liger).
 
 Tolerances: float8 against the fp32 reference: loss rel 5e-2 and a gradient cosine similarity >= 0.98 over all
 parameters (emulated float8 on CPU measured 0.2% and 0.998 on the tiny LLaVA; bf16 itself is held to 2e-2 / 0.99 in
@@ -27,6 +27,9 @@ CASES = {
     # inside the float8 all-gather's weight wrapper
     "fp8_tensorwise_sr": {"train": {**BF16, "master_weights": "bf16", "stochastic_rounding": "on", "fp8": "tensorwise",
                                     "fp8_layers": "all"}, "step": True},
+    # two GPUs: the float8 layers split by the tensor-parallel plan (DTensor weights inside the float8 all-gather)
+    "fp8_tensorwise_tp2": {"train": {**BF16, "fp8": "tensorwise", "fp8_layers": "all", "tensor_parallel": 2},
+                           "step": True},
 }
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
@@ -42,7 +45,7 @@ def _results(built, tmp_path_factory, world: int, cases: dict):
 
 @pytest.fixture(scope="module")
 def one_gpu(built, tmp_path_factory):
-    return _results(built, tmp_path_factory, 1, CASES)
+    return _results(built, tmp_path_factory, 1, {k: v for k, v in CASES.items() if "tensor_parallel" not in v["train"]})
 
 
 def check_float8(results, name: str, recipe: str, all_gather: bool) -> None:
@@ -72,6 +75,8 @@ def test_tensorwise_float8_all_gather_with_bf16_master_weights_and_stochastic_ro
 
 
 @pytest.mark.two_gpus
-def test_tensorwise_float8_all_gather_over_two_gpus(built, tmp_path_factory):
-    results = _results(built, tmp_path_factory, 2, {k: CASES[k] for k in ("bf16_plain", "fp8_tensorwise")})
+def test_tensorwise_float8_all_gather_over_two_gpus_and_under_tensor_parallelism(built, tmp_path_factory):
+    results = _results(built, tmp_path_factory, 2, {k: CASES[k] for k in ("bf16_plain", "fp8_tensorwise",
+                                                                          "fp8_tensorwise_tp2")})
     check_float8(results, "fp8_tensorwise", "tensorwise", all_gather=True)
+    check_float8(results, "fp8_tensorwise_tp2", "tensorwise", all_gather=True)

@@ -185,9 +185,13 @@ def test_tensor_parallel_ranks_are_not_data_parallel_and_keep_their_own_loss():
                        liger=True, capability=(9, 0))
     tp = build_plan(TrainSection(strategy="fsdp", tensor_parallel=2, precision="bf16", compile="on"), gpus)
     assert (tp.tensor_parallel, tp.dp_size) == (2, 4)
-    # liger's fused loss reads the whole LM head, float8 converts whole linears: both step aside, saying why
+    # liger's fused loss reads the whole LM head: it steps aside, saying why; float8 auto does not run its start-up
+    # trial under tensor parallelism, while a recipe set in the config trains the split layers in float8
     assert not tp.liger.value and "tensor parallelism" in tp.liger.reason
-    assert tp.fp8.value == "off" and "tensor_parallel" in tp.fp8.reason
+    assert tp.fp8.value == "off" and "tensor_parallel" in tp.fp8.reason and "fp8=tensorwise" in tp.fp8.reason
+    section = TrainSection(strategy="fsdp", tensor_parallel=2, precision="bf16", compile="on", fp8="tensorwise")
+    check_plan(recipe := build_plan(section, gpus), section)
+    assert recipe.fp8.value == "tensorwise"
     whole = build_plan(TrainSection(strategy="fsdp", precision="bf16", compile="on"), gpus)
     assert whole.liger.value and whole.dp_size == 8
     assert RunPlan.from_json(tp.to_json()).tensor_parallel == 2

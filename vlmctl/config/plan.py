@@ -514,7 +514,7 @@ def build_plan(train, device: DeviceFacts, family=None, data_tokens: int | None 
 def _fp8(train, device: DeviceFacts, *, strategy: str, precision: str, compile_: str, sp: int) -> tuple[str, str]:
     """`train.fp8` and why. A recipe set in the config stays (`check_plan` refuses one this run cannot train with:
     `fp8_blocker`). auto = `PROBE` where float8 can run and the start-up probe runs (ddp/fsdp on a GPU without
-    sequence parallelism): its float8 trial converts the language model's linears that are large enough for
+    sequence or tensor parallelism): its float8 trial converts the language model's linears that are large enough for
     tensorwise float8 and keeps them in float8 only where it measured the run's rows faster than bf16
     (`vlmctl.train.autotune.float8_trial`); else off, with the first reason it cannot."""
     if train.fp8 != "auto":
@@ -522,6 +522,9 @@ def _fp8(train, device: DeviceFacts, *, strategy: str, precision: str, compile_:
     why = fp8_blocker(train, device, strategy=strategy, precision=precision, compile_=compile_)
     if why is None and sp > 1:
         why = "no start-up probe to measure it with sequence parallelism"
+    if why is None and int(getattr(train, "tensor_parallel", 1)) > 1:
+        why = ("the start-up probe's float8 trial does not run with train.tensor_parallel; set train.fp8=tensorwise "
+               "for float8 linears split over the tensor-parallel ranks")
     if why is not None:
         return "off", f"off: {why}"
     return PROBE, ("the start-up probe: tensorwise float8 where the language model's linears are large enough and "
@@ -531,10 +534,10 @@ def _fp8(train, device: DeviceFacts, *, strategy: str, precision: str, compile_:
 def fp8_blocker(train, device: DeviceFacts, *, strategy: str, precision: str, compile_: str) -> str | None:
     """Why float8 training of the language model's linears cannot run (None when it can): a GPU without float8
     tensor cores (compute capability < `FLOAT8_CAPABILITY`) or no GPU, no torchao, DeepSpeed (its engine owns the
-    weights and their casts; float8 runs under ddp and fsdp), tensor parallelism, LoRA/QLoRA (adapters train beside a frozen base),
-    a frozen language model, compute other than bf16, or decoder layers not compiled (float8's scaling and casts run
-    unfused, slower than bf16: torchao's and torchtitan's recipes compile). `strategy`, `precision`, `compile_`:
-    resolved."""
+    weights and their casts; float8 runs under ddp and fsdp, with or without tensor parallelism), LoRA/QLoRA (adapters
+    train beside a frozen base), a frozen language model, compute other than bf16, or decoder layers not compiled
+    (float8's scaling and casts run unfused, slower than bf16: torchao's and torchtitan's recipes compile).
+    `strategy`, `precision`, `compile_`: resolved."""
     if not device.cuda:
         return "float8 matmuls need a CUDA GPU (this run is on CPU)"
     if not device.float8:
@@ -545,8 +548,6 @@ def fp8_blocker(train, device: DeviceFacts, *, strategy: str, precision: str, co
         return "torchao is not installed (pip install 'vlmctl[gpu]')"
     if strategy in DEEPSPEED:
         return f"DeepSpeed ({strategy}) owns the weights and their casts; float8 runs under ddp and fsdp"
-    if int(getattr(train, "tensor_parallel", 1)) > 1:
-        return "train.tensor_parallel splits the linears as DTensors; float8 converts whole ones (set one of them off)"
     if train.lora is not None:
         return "LoRA/QLoRA trains adapters beside a frozen base; float8 speeds up training the full weights"
     if not llm_trained(train):

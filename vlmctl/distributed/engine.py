@@ -471,7 +471,9 @@ def build_engine(model, strategy: Strategy, *, make_optimizer, make_scheduler, m
     read only by DeepSpeed strategies, whose engine wraps the optimizer and schedule (`deepspeed.initialize`).
     torch strategies autocast to `dtype` except under FSDP2 (its mixed-precision policy casts). A model whose
     weights FSDP2 all-gathers in float8 gets the hook that computes their scales after each step
-    (`distributed.float8.scale_hook`)."""
+    (`distributed.float8.scale_hook`), and runs it once here: the first step's scales then come from the whole weights
+    as every later step's do (without it, the first all-gather scales each rank's shard over the data-parallel mesh
+    alone, which under tensor parallelism is one tp rank's part of the weight)."""
     if strategy.deepspeed:
         from vlmctl.distributed.deepspeed import deepspeed_engine
 
@@ -485,6 +487,7 @@ def build_engine(model, strategy: Strategy, *, make_optimizer, make_scheduler, m
     hook = scale_hook(engine.module)
     if hook is not None:
         engine.step_hooks.append(hook)
+        hook()
     engine.model.train()
     return engine
 

@@ -13,7 +13,8 @@ gradient: `torch._scaled_mm`), and computes the rest in the compute dtype. Its p
   from its H100 measurements: tensorwise skips a layer with in_features <= 4096 and out_features <= 1024), where
   the casts cost more than the faster matmul saves.
 - When: `convert` runs before the parallel steps (`distributed.parallelize` step 0, as torchtitan converts before
-  `parallelize_llama`), so FSDP2 shards `Float8Linear` weights; under FSDP2 the tensorwise recipe all-gathers them
+  `parallelize_llama`), so the tensor-parallel plan splits `Float8Linear` layers (`distributed.tensor_parallel`:
+  their scales reduced over the tp ranks) and FSDP2 shards their weights; under FSDP2 the tensorwise recipe all-gathers them
   in float8 (`enable_fsdp_float8_all_gather`: half the bytes of bf16) and their scales are computed for every layer
   in one all-reduce after each optimizer step (`scale_hook`, registered by `engine.build_engine`).
 - Rows of any length: the weight-gradient matmul's inner dimension is the row's token count, which packing leaves

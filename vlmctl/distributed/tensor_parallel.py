@@ -16,6 +16,13 @@ Attention reshapes its projections with `-1` heads, so each rank runs its heads 
 DTensor on the 2-D (dp_shard, tp) mesh; the data-parallel mesh (the sampler, the loss reduction) leaves tp out: the
 ranks of a tp group read the same batch.
 
+Float8 layers (`train.fp8`: torchao's `Float8Linear`, swapped in before this split, `distributed.parallelize` step
+0) are split by the same plan: their weights become DTensors, and torchao casts DTensor operands to float8 as it
+casts whole ones. Each tensor's amax is reduced over the tp ranks (a Partial max that DTensor all-reduces: the
+weights of every layer, the row-split input of o/down, the column-split output gradient of q/k/v and gate/up), so a
+rank scales its part of a tensor as one process scales the whole, and the float8 values equal TP=1's. Under FSDP2's
+float8 all-gather the weights' scales come from `float8.scale_hook`'s one all-reduce over the whole mesh.
+
 Every rank splits its own copy of the weights (`src_data_rank=None`: no broadcast while splitting): the ranks hold
 the same weights, or (`setup.defer_weights`) empty ones that rank 0's weights fill once the model is wrapped.
 """
