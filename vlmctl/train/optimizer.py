@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-# torch is imported inside the functions that use it: importing vlmctl (the CLI's start-up) must not pay for it.
-# torchao (an optional dependency) is imported only where used, so the rest works without it.
+# torch at the top: `train.setup` imports this module only where it builds an optimizer, so the CLI's start-up does not
+# pay for it. torchao (an optional dependency) is imported only where used, so the rest works without it.
 
 
 class OptimizerInBackward(torch.optim.Optimizer):
@@ -119,8 +119,6 @@ def adamw_update(p, grad, step, exp_avg, exp_avg_sq, bits, lr, beta1: float, bet
 
     `step` and `lr` are 0-d tensors (the state's step count after increment, the group's learning rate); the
     moments keep their dtype (bf16 beside bf16 weights: rounded to nearest)."""
-    import torch
-
     p32 = p.float()
     g32 = grad.float() * grad_scale
     p32 = p32 - lr * weight_decay * p32
@@ -145,8 +143,6 @@ def random_bits(n: int, device):
     """int16 tensor [n] of uniformly random bits (16 per element) for `adamw_update`'s stochastic rounding: int64
     values over the whole 64-bit range (`random_(-2**63, None)`, four elements each), so the generator runs once per
     four elements instead of once per element."""
-    import torch
-
     words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_(-(2 ** 63), None)
     # detached: the same memory as a tensor that is not a view, so a compiled step guards on no base's size
     return words.view(torch.int16)[:n].detach()
