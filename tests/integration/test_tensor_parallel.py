@@ -4,7 +4,9 @@
 - Gradients: the tiny Qwen2.5-VL, LLaVA (SigLIP + Qwen2) and Qwen3-VL (per-head q/k norms, DeepStack) presets,
   prepared and wrapped as `vlmctl train` does (`prepare_model`, `wrap_model`), with TP=2 on 2 ranks (packed rows and
   a padded micro-batch) and TP=2 x FSDP2 on 4 ranks (two data-parallel groups, one packed row each): the loss and
-  every parameter's full gradient equal one process's (TP=1) on the same rows, to fp32 rounding.
+  every parameter's full gradient equal one process's (TP=1) on the same rows, to fp32 rounding; with float8
+  (`train.fp8`, emulated) to float8's rounding, every weight all-gathered with its whole weight's scale.
+- Float8 checkpoints under TP=2 resume with fp8 off and back to the same weights, and export plain tensors.
 """
 
 from __future__ import annotations
@@ -120,6 +122,39 @@ def padded_batch(folder: Path, data: Path, n: int = 2):
     return Collator(processor, family)([dataset[i] for i in range(n)])
 
 
+def _init_rank(rank: int, world: int, port: int):
+    """This process as rank `rank` of `world` gloo ranks (`distributed.env.init_distributed`): its `DistEnv`."""
+    import torch
+
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    torch.set_num_threads(1)
+    from vlmctl.distributed.env import init_distributed
+
+    return init_distributed()
+
+
+def _engine(env, folder: Path, train, world: int):
+    """The model of `folder` prepared and wrapped as `vlmctl train` does (`prepare_model`, `wrap_model`) under
+    `train` (planned here) with TP=2 over `world` ranks: (engine, objective, dims)."""
+    import torch
+
+    from vlmctl.config.plan import DeviceFacts, build_plan
+    from vlmctl.distributed.mesh import ParallelDims
+    from vlmctl.models import load_model
+    from vlmctl.train.setup import RunContext, prepare_model
+    from vlmctl.train.worker import build_objective, wrap_model
+
+    plan = build_plan(train, DeviceFacts.here(world))
+    train = plan.train_section(train)
+    dims = ParallelDims.for_strategy("fsdp", world, sharding="full", tp=2)
+    dims.build_mesh("cpu")
+    ctx = RunContext(env=env, dims=dims, dtype=torch.float32, stored=torch.float32, plan=plan)
+    model, _, family = load_model(folder, dtype=torch.float32)
+    tm = prepare_model(model, family, train, env.device, plan=plan)
+    return wrap_model(tm, train, ctx, total_steps=4), build_objective(tm, train, ctx), dims
+
+
 def _grads_rank(rank: int, world: int, port: int, root: str, out: str, fp8: str = "off") -> None:
     """One of `world` ranks: per preset and batch kind, the loss and full gradients of its data-parallel group; with
     an `fp8` recipe the language model's linears in float8 (emulated off CUDA, every aligned layer), packed rows
@@ -127,32 +162,15 @@ def _grads_rank(rank: int, world: int, port: int, root: str, out: str, fp8: str 
     import torch
     import torch.distributed as dist
 
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    torch.set_num_threads(1)
-    from vlmctl.config.plan import DeviceFacts, build_plan
-    from vlmctl.distributed.env import init_distributed
-    from vlmctl.distributed.mesh import ParallelDims
-    from vlmctl.models import load_model
     from vlmctl.train.loop import to_device
-    from vlmctl.train.setup import RunContext, prepare_model
-    from vlmctl.train.worker import build_objective, wrap_model
 
-    env = init_distributed()
+    env = _init_rank(rank, world, port)
     root = Path(root)
     results = {}
     kinds = ("packed", "padded") if world == 2 and fp8 == "off" else ("packed",)
     for preset in PRESETS:
         for kind in kinds:
-            train = _train_section(kind == "packed", fp8)
-            plan = build_plan(train, DeviceFacts.here(world))
-            train = plan.train_section(train)
-            dims = ParallelDims.for_strategy("fsdp", world, sharding="full", tp=2)
-            dims.build_mesh("cpu")
-            ctx = RunContext(env=env, dims=dims, dtype=torch.float32, stored=torch.float32, plan=plan)
-            model, _, family = load_model(root / preset, dtype=torch.float32)
-            tm = prepare_model(model, family, train, env.device, plan=plan)
-            engine, objective = wrap_model(tm, train, ctx, total_steps=1), build_objective(tm, train, ctx)
+            engine, objective, dims = _engine(env, root / preset, _train_section(kind == "packed", fp8), world)
             batches = torch.load(root / f"rows-{preset}.pt", weights_only=True)
             if kind == "packed":
                 rows = batches["packed"][:dims.dp_size]
@@ -264,6 +282,72 @@ def test_loss_and_every_gradient_match_one_process(built, tmp_path, world, fp8):
             # weights were scaled per tp rank (build_engine without its first scale_hook call).
             error = float((got["grads"][name] - grad).norm())
             assert error <= 0.1 * float(grad.norm()) + 1e-6, f"{case}: gradient of {name} parts by {error:.3g}"
+
+
+def _resume_rank(rank: int, world: int, port: int, root: str, out: str) -> None:
+    """One of 2 ranks (TP=2): a float8 step saved, resumed with fp8 off, a bf16 step saved, resumed with float8 on;
+    rank 0 writes the full weights at each hand-over, the resumed float8 weights' scales and the export."""
+    import torch
+    import torch.distributed as dist
+
+    from vlmctl.distributed import float8
+    from vlmctl.train.loop import to_device
+
+    env = _init_rank(rank, world, port)
+    root, out = Path(root), Path(out)
+    preset = PRESETS[0]
+    row = to_device(torch.load(root / f"rows-{preset}.pt", weights_only=True)["packed"][0], env.device)
+
+    def full(engine):  # every parameter whole, in high precision (collective)
+        return {n: float8.high_precision(p.full_tensor()).detach().clone() for n, p in engine.module.named_parameters()}
+
+    def step(engine, objective, folder):
+        engine.backward(engine.forward(objective, row).loss, 1.0)
+        engine.step(skip=False)
+        engine.save(folder, step=1)
+        return full(engine)
+
+    on, objective, _ = _engine(env, root / preset, _train_section(True, "tensorwise"), world)
+    saved_on = step(on, objective, out / "on")
+    off, objective, _ = _engine(env, root / preset, _train_section(True, "off"), world)
+    off.load(out / "on")
+    loaded_off = full(off)
+    saved_off = step(off, objective, out / "off")
+    again, _, _ = _engine(env, root / preset, _train_section(True, "tensorwise"), world)
+    again.load(out / "off")
+    result = {"saved_on": saved_on, "loaded_off": loaded_off, "saved_off": saved_off, "loaded_on": full(again),
+              "scales": _weight_scales(again.module), "float8": len(float8.float8_layers(again.module)),
+              "export": again.gather(0)}
+    if rank == 0:
+        torch.save(result, out / "resume.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_float8_checkpoints_under_tensor_parallelism_resume_with_float8_on_or_off(built, tmp_path):
+    """train.fp8 is a compute format under TP too: a TP=2 float8 run's checkpoint resumes with fp8 off to the same
+    weights and back, the resumed float8 weights are all-gathered with their loaded weights' scales, and the export
+    holds plain tensors equal to the trained weights."""
+    import torch
+
+    from vlmctl.distributed.env import free_port
+
+    from test_sequence_parallel import _run_ranks
+
+    code = ("import sys; from test_tensor_parallel import _resume_rank; "
+            "_resume_rank(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])")
+    _run_ranks(code, 2, [2, free_port(), built, tmp_path])
+    got = torch.load(tmp_path / "resume.pt")
+    assert got["float8"] > 0 and set(got["scales"]) and len(got["scales"]) == got["float8"]
+    for name, (scale, whole) in got["scales"].items():
+        torch.testing.assert_close(scale, whole, msg=f"scale of {name}")
+    for name, value in got["saved_on"].items():
+        assert torch.equal(got["loaded_off"][name], value), name
+        assert torch.equal(got["loaded_on"][name], got["saved_off"][name]), name
+    assert any(not torch.equal(got["saved_off"][n], v) for n, v in got["saved_on"].items())  # the step without float8 moved them
+    assert all(type(v) is torch.Tensor for v in got["export"].values())
+    for name, value in got["saved_off"].items():
+        assert torch.equal(got["export"][name], value), name
 
 
 # --------------------------------------------------------------------------------------------- vlmctl train
