@@ -14,9 +14,10 @@ gradient: `torch._scaled_mm`), and computes the rest in the compute dtype. Its p
   the casts cost more than the faster matmul saves.
 - When: `convert` runs before the parallel steps (`distributed.parallelize` step 0, as torchtitan converts before
   `parallelize_llama`), so the tensor-parallel plan splits `Float8Linear` layers (`distributed.tensor_parallel`:
-  their scales reduced over the tp ranks) and FSDP2 shards their weights; under FSDP2 the tensorwise recipe all-gathers them
-  in float8 (`enable_fsdp_float8_all_gather`: half the bytes of bf16) and their scales are computed for every layer
-  in one all-reduce after each optimizer step (`scale_hook`, registered by `engine.build_engine`).
+  their scales reduced over the tp ranks) and FSDP2 shards their weights; under FSDP2 the tensorwise recipe
+  all-gathers them in float8 (`enable_fsdp_float8_all_gather`: half the bytes of bf16) and their scales are computed
+  for every layer in one all-reduce after each optimizer step and once before the first (`scale_hook`, registered
+  and run by `engine.build_engine`).
 - Rows of any length: the weight-gradient matmul's inner dimension is the row's token count, which packing leaves
   arbitrary; `pad_inner_dim` pads its float8 operands to a multiple of 16.
 - `train.fp8: auto`: the probe's float8 trial (`vlmctl.train.autotune.float8_trial`) runs the same converted layers

@@ -20,8 +20,10 @@ Float8 layers (`train.fp8`: torchao's `Float8Linear`, swapped in before this spl
 0) are split by the same plan: their weights become DTensors, and torchao casts DTensor operands to float8 as it
 casts whole ones. Each tensor's amax is reduced over the tp ranks (a Partial max that DTensor all-reduces: the
 weights of every layer, the row-split input of o/down, the column-split output gradient of q/k/v and gate/up), so a
-rank scales its part of a tensor as one process scales the whole, and the float8 values equal TP=1's. Under FSDP2's
-float8 all-gather the weights' scales come from `float8.scale_hook`'s one all-reduce over the whole mesh.
+rank scales its part of a tensor as one process scales the whole and casts the values TP=1 casts (but for a value on
+a float8 rounding boundary, which the row-split matmuls' partial sums, added in another order, can round the other
+way). Under FSDP2's float8 all-gather the weights' scales come from `float8.scale_hook`'s one all-reduce over the
+whole mesh.
 
 Every rank splits its own copy of the weights (`src_data_rank=None`: no broadcast while splitting): the ranks hold
 the same weights, or (`setup.defer_weights`) empty ones that rank 0's weights fill once the model is wrapped.
