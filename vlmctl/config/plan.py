@@ -473,7 +473,7 @@ def build_plan(train, device: DeviceFacts, family=None, data_tokens: int | None 
                    "off: " + ("CPU" if not cuda else "QLoRA's 4/8-bit layers are not compiled" if qlora
                               else f"{strategy} is not a torch strategy"))
     # compile auto is on wherever float8 can run (`fp8_blocker`): a recipe needs no other compile decision
-    fp8, fp8_why = _fp8(train, device, strategy=strategy, precision=precision, compile_=compile_, sp=sp)
+    fp8, fp8_why = _fp8(train, device, strategy=strategy, precision=precision, compile_=compile_, sp=sp, tp=tp)
     # the compiled kernels need Triton on a GPU; the compiled blocks follow the decoder layers
     vision = resolve_compile_vision(train.compile_vision, cuda=cuda and device.triton, compile=compile_)
     packing = bool(train.packing) and (family is None or family.supports_packing)
@@ -511,7 +511,8 @@ def build_plan(train, device: DeviceFacts, family=None, data_tokens: int | None 
         fp8=Decision(fp8, fp8_why, train.fp8 == "auto"), nproc_per_node=decide_nproc(train, device.gpus), **sizes, **fsdp)
 
 
-def _fp8(train, device: DeviceFacts, *, strategy: str, precision: str, compile_: str, sp: int) -> tuple[str, str]:
+def _fp8(train, device: DeviceFacts, *, strategy: str, precision: str, compile_: str, sp: int,
+         tp: int) -> tuple[str, str]:
     """`train.fp8` and why. A recipe set in the config stays (`check_plan` refuses one this run cannot train with:
     `fp8_blocker`). auto = `PROBE` where float8 can run and the start-up probe runs (ddp/fsdp on a GPU without
     sequence or tensor parallelism): its float8 trial converts the language model's linears that are large enough for
@@ -522,7 +523,7 @@ def _fp8(train, device: DeviceFacts, *, strategy: str, precision: str, compile_:
     why = fp8_blocker(train, device, strategy=strategy, precision=precision, compile_=compile_)
     if why is None and sp > 1:
         why = "no start-up probe to measure it with sequence parallelism"
-    if why is None and int(getattr(train, "tensor_parallel", 1)) > 1:
+    if why is None and tp > 1:
         why = ("the start-up probe's float8 trial does not run with train.tensor_parallel; set train.fp8=tensorwise "
                "for float8 linears split over the tensor-parallel ranks")
     if why is not None:
