@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from float8_scales import weight_scales
 from shapes_shards import build_tiny_models, packed_rows
 
 pytestmark = pytest.mark.slow
@@ -188,25 +189,11 @@ def _grads_rank(rank: int, world: int, port: int, root: str, out: str, fp8: str 
             split = sorted(name for name, p in engine.module.named_parameters() if "tp" in (p.device_mesh.mesh_dim_names or ()))
             float8 = sorted(name for name, m in engine.module.named_modules() if type(m).__name__ == "Float8Linear")
             results[f"{preset}/{kind}"] = {"loss": float(total) / labelled, "grads": grads, "rows": dims.dp_size,
-                                           "split": split, "float8": float8, "scales": _weight_scales(engine.module)}
+                                           "split": split, "float8": float8, "scales": weight_scales(engine.module)}
     if rank == 0:
         torch.save(results, out)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _weight_scales(model) -> dict:
-    """{float8 layer path: (the scale its weight is all-gathered with, e4m3's largest value / the whole weight's amax)}
-    of the layers whose weights FSDP2 all-gathers in float8; collective (each weight gathered whole)."""
-    import torch
-
-    out = {}
-    for name, layer in model.named_modules():
-        local = getattr(getattr(layer, "weight", None), "_local_tensor", None)
-        if type(local).__name__ == "WeightWithDynamicFloat8CastTensor":
-            amax = layer.weight.full_tensor().detach().abs().max().to(torch.float64).clamp(min=1e-12)
-            out[name] = (local._precomputed_scale.clone(), (torch.finfo(torch.float8_e4m3fn).max / amax).float())
-    return out
 
 
 def _reference(folder: Path, batches: dict, kind: str, n_rows: int, fp8: str = "off"):
@@ -316,7 +303,7 @@ def _resume_rank(rank: int, world: int, port: int, root: str, out: str) -> None:
     again, _, _ = _engine(env, root / preset, _train_section(True, "tensorwise"), world)
     again.load(out / "off")
     result = {"saved_on": saved_on, "loaded_off": loaded_off, "saved_off": saved_off, "loaded_on": full(again),
-              "scales": _weight_scales(again.module), "float8": len(float8.float8_layers(again.module)),
+              "scales": weight_scales(again.module), "float8": len(float8.float8_layers(again.module)),
               "export": again.gather(0)}
     if rank == 0:
         torch.save(result, out / "resume.pt")

@@ -446,17 +446,14 @@ def train_step(engine, inputs) -> None:
 
 
 def scales(engine):
-    """{layer path: (its precomputed scale, the scale of its current weight)} of the float8 all-gather layers."""
-    import torch
+    """{layer path: (its precomputed scale, the scale of its current weight)} of the float8 all-gather layers
+    (`float8_scales.weight_scales`), which must be every layer `convert` converted."""
+    from float8_scales import weight_scales
 
     from vlmctl.distributed import float8
 
-    out = {}
-    for name, layer in engine.module.named_modules():
-        if name in set(float8.state_of(engine.module).layers):
-            local = layer.weight._local_tensor
-            amax = layer.weight.full_tensor().detach().abs().max().to(torch.float64).clamp(min=1e-12)
-            out[name] = (local._precomputed_scale, (torch.finfo(torch.float8_e4m3fn).max / amax).float())
+    out = weight_scales(engine.module)
+    assert set(out) == set(float8.state_of(engine.module).layers)
     return out
 
 
